@@ -1,0 +1,115 @@
+"""Access maps: for a piece of a task's iteration space, the rect each requirement touches.
+
+Every (op, phase) registers one function ``fn(attrs, dims, piece) -> {role: Rect}``, where `dims`
+maps each role to the dims of the tensor bound to it. Lowering builds a task's requirements by
+applying its access map to the whole space; the partitioner applies the same map to each piece, so
+halos, weight slices and reduction targets all come from one place.
+
+The table also records which dims of the space may be cut (`splittable`): a softmax cannot be cut
+across its classes, a reshape only across the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+from legion_nn.ir import Requirement, Task, Tensor
+from legion_nn.rect import Rect
+
+AccessFn = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], Rect], dict[str, Rect]]
+
+
+@dataclass(frozen=True)
+class AccessEntry:
+    fn: AccessFn
+    splittable: tuple[int, ...] | None  # None: every dim of the space
+
+
+_TABLE: dict[tuple[str, str], AccessEntry] = {}
+
+
+def register(op: str, phase: str, splittable: tuple[int, ...] | None = None):
+    """Decorator: make `fn` the access map of `op` in `phase`."""
+
+    def wrap(fn: AccessFn) -> AccessFn:
+        _TABLE[(op, phase)] = AccessEntry(fn, splittable)
+        return fn
+
+    return wrap
+
+
+def _entry(op: str, phase: str) -> AccessEntry:
+    import legion_nn.layers  # noqa: F401  (registers every layer's maps)
+
+    try:
+        return _TABLE[(op, phase)]
+    except KeyError:
+        raise KeyError(f"no access map for op {op!r} in phase {phase!r}") from None
+
+
+def access_map(op: str, phase: str) -> AccessFn:
+    return _entry(op, phase).fn
+
+
+def has_access_map(op: str, phase: str) -> bool:
+    import legion_nn.layers  # noqa: F401
+
+    return (op, phase) in _TABLE
+
+
+def splittable_dims(task: Task) -> tuple[int, ...]:
+    entry = _entry(task.op, task.phase)
+    if entry.splittable is None:
+        return tuple(range(task.space.ndim))
+    return entry.splittable
+
+
+def access_rects(task: Task, dims: Mapping[str, tuple[int, ...]], piece: Rect) -> dict[str, Rect]:
+    return _entry(task.op, task.phase).fn(task.attrs, dims, piece)
+
+
+def with_rect(req: Requirement, rect: Rect) -> Requirement:
+    """The requirement with its rect(s) replaced, keeping the privilege's read/write shape."""
+    return replace(
+        req,
+        read_rect=rect if req.privilege.reads else None,
+        write_rect=rect if req.privilege.writes else None,
+    )
+
+
+def piece_requirements(
+    task: Task, tensors: Mapping[str, Tensor], piece: Rect
+) -> tuple[Requirement, ...]:
+    """The requirements of one piece of `task`'s space."""
+    dims = {req.role: tensors[req.tensor].dims for req in task.requirements}
+    rects = access_rects(task, dims, piece)
+    return tuple(with_rect(req, rects[req.role]) for req in task.requirements)
+
+
+# Shared building blocks for the layers' maps.
+
+
+def window_span(lo: int, hi: int, stride: int, pad: int, size: int, extent: int) -> tuple[int, int]:
+    """Input rows read by output rows [lo, hi) of a window `size` wide, clipped to the input.
+
+    Padding rows are zeros that exist in no tensor, so they are never read.
+    """
+    if hi <= lo:
+        return (0, 0)
+    first = lo * stride - pad
+    last = (hi - 1) * stride - pad + size
+    first, last = max(first, 0), min(last, extent)
+    return (first, last) if first < last else (0, 0)
+
+
+def batch_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
+    """All of a tensor for the batch rows of `piece` (its dim 0)."""
+    if piece.is_empty():
+        return Rect.empty(len(dims))
+    return Rect((piece.lo[0],) + (0,) * (len(dims) - 1), (piece.hi[0],) + tuple(dims[1:]))
+
+
+def whole(dims: tuple[int, ...], piece: Rect) -> Rect:
+    """The whole tensor, or nothing when the piece is empty."""
+    return Rect.empty(len(dims)) if piece.is_empty() else Rect.from_dims(dims)

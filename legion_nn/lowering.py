@@ -1,0 +1,174 @@
+"""Lowering: the builder that turns a network's layers into one training step's task graph.
+
+Program order, which is the graph's meaning:
+
+1. the `data` task writes the batch (`data.raw_output`) and its labels (`data.labels_output`);
+2. each layer's forward tasks, in layer order;
+3. each layer's backward tasks in reverse layer order. A gradient tensor `<t>.grad` is zeroed by
+   `<t>.grad.set_zero` right before the first task that touches it, because backward tasks
+   accumulate into gradients with `reduce` privilege (a tensor feeding two layers gets both
+   contributions). Any other tensor that is reduced into (the loss, evaluate's sums) gets
+   `<t>.set_zero` the same way;
+4. as soon as a layer's backward tasks are emitted, the update tasks of its parameters, so that a
+   runtime can overlap gradient reduction and updates with the rest of the backward pass.
+
+Requirements are never written by hand: `task()` applies the op's access map to the task's space.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from legion_nn.access import access_map
+from legion_nn.errors import LegionNNError
+from legion_nn.graph import TaskGraph
+from legion_nn.ir import Requirement, Task, Tensor
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+
+OPTIMIZERS = {
+    "sgd": {"lr": 0.01},
+    "momentum": {"lr": 0.01, "momentum": 0.9},
+    "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
+}
+OPTIMIZER_STATE = {"sgd": (), "momentum": ("velocity",), "adam": ("m", "v")}
+
+Binding = tuple[str, str, Privilege]  # (role, tensor name, privilege)
+
+
+class Lowering:
+    def __init__(
+        self,
+        network: str,
+        batch: int,
+        dtype: str = "float32",
+        optimizer: str = "sgd",
+        hyperparameters: dict[str, float] | None = None,
+    ) -> None:
+        if optimizer not in OPTIMIZERS:
+            raise LegionNNError(
+                f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
+            )
+        self.network = network
+        self.batch = batch
+        self.dtype = dtype
+        self.optimizer = optimizer
+        self.hyperparameters = {**OPTIMIZERS[optimizer], **(hyperparameters or {})}
+        self.tensors: dict[str, Tensor] = {}
+        self.tasks: list[Task] = []
+        self._touched: set[str] = set()
+        self._backward: list[Callable[[], None]] = []
+        self.linear_count = 0
+
+    # Tensors
+
+    def tensor(self, name: str, dims: tuple[int, ...], kind: str, dtype: str | None = None) -> str:
+        if name in self.tensors:
+            raise LegionNNError(f"tensor {name} is defined twice; give the layers distinct names")
+        self.tensors[name] = Tensor(name, tuple(dims), dtype or self.dtype, kind)
+        return name
+
+    def dims(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].dims
+
+    def grad(self, name: str) -> str:
+        """The gradient tensor of `name`, created on first use."""
+        grad_name = f"{name}.grad"
+        if grad_name not in self.tensors:
+            self.tensor(grad_name, self.dims(name), "grad")
+        return grad_name
+
+    # Tasks
+
+    def task(
+        self,
+        name: str,
+        op: str,
+        phase: str,
+        space: Rect,
+        bindings: list[Binding],
+        layer: str,
+        attrs: dict[str, Any] | None = None,
+        dist_roles: tuple[str, ...] = (),
+        result: Rect | None = None,
+    ) -> Task:
+        """Append a task; its requirements come from the access map over `space`."""
+        attrs = dict(attrs or {})
+        dims = {role: self.dims(tensor) for role, tensor, _ in bindings}
+        rects = access_map(op, phase)(attrs, dims, space)
+        requirements = []
+        for role, tensor, privilege in bindings:
+            rect = rects[role]
+            requirements.append(
+                Requirement(
+                    tensor,
+                    role,
+                    privilege,
+                    read_rect=rect if privilege.reads else None,
+                    write_rect=rect if privilege.writes else None,
+                )
+            )
+        self._zero_before_use(requirements, layer)
+        result = result if result is not None else space
+        dist = {role: rects[role] for role in dist_roles}
+        dist["result"] = result
+        task = Task(
+            name=name,
+            op=op,
+            phase=phase,
+            result_dim=result.shape,
+            dist=dist,
+            requirements=tuple(requirements),
+            space=space,
+            layer=layer,
+            attrs=attrs,
+        )
+        self.tasks.append(task)
+        for req in requirements:
+            self._touched.add(req.tensor)
+        return task
+
+    def _zero_before_use(self, requirements: list[Requirement], layer: str) -> None:
+        for req in requirements:
+            tensor = self.tensors[req.tensor]
+            if req.tensor in self._touched:
+                continue
+            if tensor.kind == "grad" or req.privilege is Privilege.REDUCE:
+                self._touched.add(req.tensor)
+                whole = tensor.rect
+                self.tasks.append(
+                    Task(
+                        name=f"{req.tensor}.set_zero",
+                        op="set_zero",
+                        phase="set_zero",
+                        result_dim=tensor.dims,
+                        dist={"result": whole},
+                        requirements=(Requirement.write(req.tensor, "output", whole),),
+                        space=whole,
+                        layer=layer,
+                    )
+                )
+
+    def on_backward(self, build: Callable[[], None]) -> None:
+        """Register a layer's backward builder; they run in reverse registration order."""
+        self._backward.append(build)
+
+    def update(self, param: str, task_name: str, layer: str) -> None:
+        """The update task of one parameter, with the optimizer's state tensors."""
+        whole = self.tensors[param].rect
+        bindings: list[Binding] = [
+            ("gradient", self.grad(param), Privilege.READ),
+            ("params", param, Privilege.READ_WRITE),
+        ]
+        for state in OPTIMIZER_STATE[self.optimizer]:
+            state_name = self.tensor(f"{param}.{state}", self.dims(param), "state")
+            bindings.append((state, state_name, Privilege.READ_WRITE))
+        attrs = {"optimizer": self.optimizer, **self.hyperparameters}
+        self.task(task_name, "update", "update", whole, bindings, layer, attrs)
+
+    def finish(self) -> TaskGraph:
+        for build in reversed(self._backward):
+            build()
+        self._backward.clear()
+        return TaskGraph(self.tensors.values(), self.tasks, network=self.network, batch=self.batch)
+

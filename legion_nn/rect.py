@@ -1,0 +1,183 @@
+"""N-d boxes: the geometry every region requirement, piece and message is made of.
+
+A `Rect` is an immutable value with `lo` inclusive and `hi` exclusive, both tuples of ints. An empty
+rect (some `hi[d] <= lo[d]`) is a legal value of volume 0; operations that produce one keep the
+bounds they computed, and `intersect` of disjoint boxes returns an empty rect, never an exception.
+
+The `repr` reproduces the seed's printing of its region rects, which wrapped int32 NumPy arrays:
+``Rect(array([0, 0], dtype=int32), array([256, 1], dtype=int32))``, with single spaces (the form
+DESIGN.md fixes; NumPy itself would pad the columns). Conversion between this
+inclusive/exclusive form and anything else happens only in `to_slices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterable, Sequence
+
+
+def split_sizes(extent: int, parts: int) -> list[int]:
+    """Near-equal sizes of `parts` pieces of `extent`, larger pieces first (27 over 4 -> 7,7,7,6)."""
+    if parts < 1:
+        raise ValueError(f"cannot split into {parts} parts")
+    base, extra = divmod(extent, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def split_bounds(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """The `(lo, hi)` bounds of `split_sizes` laid end to end from `lo`."""
+    bounds = []
+    start = lo
+    for size in split_sizes(max(hi - lo, 0), parts):
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _format_array(values: Sequence[int]) -> str:
+    """The seed's printing of an int32 NumPy vector, with single spaces (DESIGN.md's exact form)."""
+    return "array([" + ", ".join(str(v) for v in values) + "], dtype=int32)"
+
+
+@dataclass(frozen=True, slots=True)
+class Rect:
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        lo = tuple(int(v) for v in self.lo)
+        hi = tuple(int(v) for v in self.hi)
+        if len(lo) != len(hi):
+            raise ValueError(f"Rect bounds differ in rank: lo has {len(lo)} dims, hi has {len(hi)}")
+        object.__setattr__(self, "lo", lo)
+        object.__setattr__(self, "hi", hi)
+
+    @classmethod
+    def from_dims(cls, dims: Iterable[int]) -> Rect:
+        """The whole box of a tensor with these dims."""
+        hi = tuple(int(d) for d in dims)
+        return cls((0,) * len(hi), hi)
+
+    @classmethod
+    def empty(cls, ndim: int) -> Rect:
+        return cls((0,) * ndim, (0,) * ndim)
+
+    def __repr__(self) -> str:
+        return f"Rect({_format_array(self.lo)}, {_format_array(self.hi)})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.lo)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(max(h - lo, 0) for lo, h in zip(self.lo, self.hi))
+
+    @property
+    def volume(self) -> int:
+        v = 1
+        for extent in self.shape:
+            v *= extent
+        return v
+
+    def is_empty(self) -> bool:
+        return self.volume == 0
+
+    def _check_rank(self, other: Rect) -> None:
+        if other.ndim != self.ndim:
+            raise ValueError(f"rank mismatch: {self!r} has {self.ndim} dims, {other!r} has {other.ndim}")
+
+    def intersect(self, other: Rect) -> Rect:
+        self._check_rank(other)
+        lo = tuple(max(a, b) for a, b in zip(self.lo, other.lo))
+        hi = tuple(min(a, b) for a, b in zip(self.hi, other.hi))
+        if any(h <= lo_ for lo_, h in zip(lo, hi)):
+            return Rect.empty(self.ndim)
+        return Rect(lo, hi)
+
+    def overlaps(self, other: Rect) -> bool:
+        return not self.intersect(other).is_empty()
+
+    def union_bounds(self, other: Rect) -> Rect:
+        """The smallest box holding both; an empty operand contributes nothing."""
+        self._check_rank(other)
+        if other.is_empty():
+            return self
+        if self.is_empty():
+            return other
+        return Rect(
+            tuple(min(a, b) for a, b in zip(self.lo, other.lo)),
+            tuple(max(a, b) for a, b in zip(self.hi, other.hi)),
+        )
+
+    def contains(self, other: Rect) -> bool:
+        """True when every point of `other` lies in self (an empty rect is contained anywhere)."""
+        self._check_rank(other)
+        if other.is_empty():
+            return True
+        return all(a <= c and d <= b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi))
+
+    def contains_point(self, point: Sequence[int]) -> bool:
+        return all(lo <= p < hi for lo, p, hi in zip(self.lo, point, self.hi))
+
+    def translate(self, offset: Sequence[int]) -> Rect:
+        if len(offset) != self.ndim:
+            raise ValueError(f"offset {tuple(offset)} has {len(offset)} dims, {self!r} has {self.ndim}")
+        return Rect(
+            tuple(a + o for a, o in zip(self.lo, offset)),
+            tuple(b + o for b, o in zip(self.hi, offset)),
+        )
+
+    def relative_to(self, origin: Rect) -> Rect:
+        """This rect in the coordinates of a buffer that holds `origin`."""
+        return self.translate(tuple(-v for v in origin.lo))
+
+    def difference(self, other: Rect) -> list[Rect]:
+        """Disjoint boxes covering exactly the points of self that are not in `other`.
+
+        Slabs are peeled off dimension by dimension, so at most 2·ndim boxes come back.
+        """
+        self._check_rank(other)
+        if self.is_empty():
+            return []
+        cut = self.intersect(other)
+        if cut.is_empty():
+            return [self]
+        pieces: list[Rect] = []
+        lo, hi = list(self.lo), list(self.hi)
+        for d in range(self.ndim):
+            if lo[d] < cut.lo[d]:
+                pieces.append(Rect(tuple(lo), tuple(hi[:d] + [cut.lo[d]] + hi[d + 1 :])))
+            if cut.hi[d] < hi[d]:
+                pieces.append(Rect(tuple(lo[:d] + [cut.hi[d]] + lo[d + 1 :]), tuple(hi)))
+            lo[d], hi[d] = cut.lo[d], cut.hi[d]
+        return pieces
+
+    def split(self, grid: Sequence[int]) -> list[Rect]:
+        """A row-major grid of near-equal pieces, `grid[d]` parts along dim d (uneven allowed).
+
+        Every piece is returned, empty ones included, so piece i always belongs to grid cell i.
+        """
+        if len(grid) != self.ndim:
+            raise ValueError(f"grid {tuple(grid)} has {len(grid)} dims, {self!r} has {self.ndim}")
+        per_dim = [split_bounds(lo, hi, parts) for lo, hi, parts in zip(self.lo, self.hi, grid)]
+        return [
+            Rect(tuple(b[0] for b in cell), tuple(b[1] for b in cell)) for cell in product(*per_dim)
+        ]
+
+    def split_dims(self, parts_by_dim: dict[int, int]) -> list[Rect]:
+        """`split` with only the named dims cut, e.g. ``{0: 4}`` for four batch pieces."""
+        grid = [parts_by_dim.get(d, 1) for d in range(self.ndim)]
+        return self.split(grid)
+
+    def to_slices(self) -> tuple[slice, ...]:
+        """NumPy basic-indexing slices selecting this box from an array holding the whole tensor."""
+        return tuple(slice(lo, max(lo, hi)) for lo, hi in zip(self.lo, self.hi))
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"lo": list(self.lo), "hi": list(self.hi)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Rect:
+        return cls(tuple(data["lo"]), tuple(data["hi"]))

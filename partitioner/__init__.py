@@ -1,0 +1,1 @@
+"""Strategies, plans (pieces, messages, reductions), memory/FLOP accounting, cost model, search."""

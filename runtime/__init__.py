@@ -1,0 +1,1 @@
+"""Kernels, the local and MPI executors, optimizers, checkpoints and tracing."""

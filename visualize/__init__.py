@@ -1,0 +1,1 @@
+"""Dot rendering, partition maps, plots and trace summaries."""
