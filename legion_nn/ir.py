@@ -31,8 +31,10 @@ class Tensor:
     dims: tuple[int, ...]
     dtype: str = "float32"
     kind: str = "activation"
-    #: bytes per element; imported graphs that only know a tensor's byte size set it explicitly
+    #: total bytes, for imported graphs that know a tensor's size but not its shape
     nbytes_override: int | None = None
+    #: how a parameter or state starts: "zeros", "const:<v>", "normal:<std>" or "he:<fan_in>"
+    init: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))

@@ -59,14 +59,22 @@ class Lowering:
         self._touched: set[str] = set()
         self._backward: list[Callable[[], None]] = []
         self.linear_count = 0
+        #: the batch's labels, and the latest softmax's probabilities, for the layers that need them
+        self.labels = ""
+        self.probability: str | None = None
 
     # Tensors
 
-    def tensor(self, name: str, dims: tuple[int, ...], kind: str, dtype: str | None = None) -> str:
+    def tensor(
+        self, name: str, dims: tuple[int, ...], kind: str, dtype: str | None = None, init: str = ""
+    ) -> str:
         if name in self.tensors:
             raise LegionNNError(f"tensor {name} is defined twice; give the layers distinct names")
-        self.tensors[name] = Tensor(name, tuple(dims), dtype or self.dtype, kind)
+        self.tensors[name] = Tensor(name, tuple(dims), dtype or self.dtype, kind, init=init)
         return name
+
+    def param(self, name: str, dims: tuple[int, ...], init: str) -> str:
+        return self.tensor(name, dims, "param", init=init)
 
     def dims(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].dims
@@ -153,15 +161,15 @@ class Lowering:
         """Register a layer's backward builder; they run in reverse registration order."""
         self._backward.append(build)
 
-    def update(self, param: str, task_name: str, layer: str) -> None:
-        """The update task of one parameter, with the optimizer's state tensors."""
-        whole = self.tensors[param].rect
+    def update(self, param: str, task_name: str, layer: str, rect: Rect | None = None) -> None:
+        """The update task of one parameter (of `rect` of it, for a sparse update)."""
+        whole = rect if rect is not None else self.tensors[param].rect
         bindings: list[Binding] = [
             ("gradient", self.grad(param), Privilege.READ),
             ("params", param, Privilege.READ_WRITE),
         ]
         for state in OPTIMIZER_STATE[self.optimizer]:
-            state_name = self.tensor(f"{param}.{state}", self.dims(param), "state")
+            state_name = self.tensor(f"{param}.{state}", self.dims(param), "state", init="zeros")
             bindings.append((state, state_name, Privilege.READ_WRITE))
         attrs = {"optimizer": self.optimizer, **self.hyperparameters}
         self.task(task_name, "update", "update", whole, bindings, layer, attrs)

@@ -1,0 +1,45 @@
+"""Layer kinds; importing this package registers every layer and every op's access map."""
+
+from legion_nn.layers import (  # noqa: F401  (registration side effects)
+    affine,
+    batchnorm,
+    bookkeeping,
+    dropout,
+    evaluate,
+    filter,
+    linear,
+    nonlinear,
+    pool,
+    reshape,
+    softmax,
+)
+from legion_nn.layers.affine import FilterA
+from legion_nn.layers.base import LAYER_KINDS, Layer, layer_from_spec
+from legion_nn.layers.batchnorm import BatchNorm
+from legion_nn.layers.dropout import Dropout
+from legion_nn.layers.evaluate import Evaluate
+from legion_nn.layers.filter import Conv, Filter
+from legion_nn.layers.linear import Linear
+from legion_nn.layers.nonlinear import FilterNL, Relu
+from legion_nn.layers.pool import MaxPool
+from legion_nn.layers.reshape import Flatten, Reshape
+from legion_nn.layers.softmax import Softmax
+
+__all__ = [
+    "LAYER_KINDS",
+    "BatchNorm",
+    "Conv",
+    "Dropout",
+    "Evaluate",
+    "Filter",
+    "FilterA",
+    "FilterNL",
+    "Flatten",
+    "Layer",
+    "Linear",
+    "MaxPool",
+    "Relu",
+    "Reshape",
+    "Softmax",
+    "layer_from_spec",
+]

@@ -1,0 +1,146 @@
+"""The `Layer` base class and the registry of layer kinds.
+
+A layer is a small dataclass of hyperparameters. It knows three things: the per-sample shape it
+produces from the one it is given (`out_shape`, raising `ShapeError` with what would fit), how it
+lowers to tasks (`lower`), and, in its module, the access maps of its ops.
+
+Naming follows the seed. A layer's `name` is a group (`L0`, `classifier`); a layer without a name
+joins the group of the layer before it, so `filter`, `filterA`, `filterNL` named `L0` lower to tasks
+`L0.filter`, `L0.filterA`, `L0.filterNL` with outputs `L0.filter.output`, ... and backward tasks
+`L0.filter.grad`, ... . Parameters are `<group>.<param>` and update tasks `update_<group>.<param>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from legion_nn.errors import LegionNNError, ShapeError
+
+if TYPE_CHECKING:
+    from legion_nn.lowering import Lowering
+
+Shape = tuple[int, int, int]  # per-sample (C, H, W)
+
+LAYER_KINDS: dict[str, type[Layer]] = {}
+
+
+def layer_kind(kind: str):
+    """Class decorator registering a layer kind for spec files and the Python API."""
+
+    def wrap(cls: type[Layer]) -> type[Layer]:
+        cls.KIND = kind
+        LAYER_KINDS[kind] = cls
+        return cls
+
+    return wrap
+
+
+@dataclass
+class Layer:
+    KIND: ClassVar[str] = ""
+    #: the task-name stem, `<group>.<OP_NAME>`; defaults to the kind
+    OP_NAME: ClassVar[str] = ""
+
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"layer {self.name or '?'} ({self.KIND})"
+
+    @property
+    def stem(self) -> str:
+        return f"{self.name}.{self.OP_NAME or self.KIND}"
+
+    def out_shape(self, shape: Shape) -> Shape:
+        raise NotImplementedError
+
+    def lower(self, ctx: Lowering, x: str, shape: Shape) -> str:
+        """Emit this layer's forward tasks (and register its backward); return its output tensor."""
+        raise NotImplementedError
+
+    def to_spec(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"kind": self.KIND}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            spec[field.name] = list(value) if isinstance(value, tuple) else value
+        return spec
+
+
+def layer_from_spec(spec: dict[str, Any], where: str) -> Layer:
+    """Build a layer from one entry of a spec file's `layers` list; `where` names it in errors."""
+    if not isinstance(spec, dict):
+        raise LegionNNError(f"{where}: a layer must be an object, got {type(spec).__name__}")
+    kind = spec.get("kind")
+    if kind not in LAYER_KINDS:
+        known = ", ".join(sorted(LAYER_KINDS))
+        raise LegionNNError(f"{where}: unknown layer kind {kind!r}; known kinds: {known}")
+    cls = LAYER_KINDS[kind]
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(spec) - allowed - {"kind"})
+    if unknown:
+        raise LegionNNError(
+            f"{where}: {kind} layer has no option {unknown[0]!r}; options: {', '.join(sorted(allowed))}"
+        )
+    try:
+        return cls(**{k: v for k, v in spec.items() if k != "kind"})
+    except (TypeError, ValueError) as exc:
+        raise LegionNNError(f"{where}: {exc}") from None
+
+
+# Hyperparameter normalisation shared by windowed layers.
+
+
+def pair(value: Any, what: str) -> tuple[int, int]:
+    """An int or a 2-list as (rows, cols), each a positive int."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int or a pair of ints, got {value!r}")
+    if isinstance(value, int):
+        out = (value, value)
+    elif isinstance(value, (list, tuple)) and len(value) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        out = (int(value[0]), int(value[1]))
+    else:
+        raise ValueError(f"{what} must be an int or a pair of ints, got {value!r}")
+    if min(out) < 1:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return out
+
+
+def padding(value: Any) -> tuple[int, int, int, int]:
+    """An int, (rows, cols) or (top, bottom, left, right) as a non-negative 4-tuple."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        out = (value,) * 4
+    elif isinstance(value, (list, tuple)) and len(value) in (2, 4):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"pad must hold ints, got {value!r}")
+        out = (value[0], value[0], value[1], value[1]) if len(value) == 2 else tuple(value)
+    else:
+        raise ValueError(f"pad must be an int, [rows, cols] or [top, bottom, left, right], got {value!r}")
+    if min(out) < 0:
+        raise ValueError(f"pad must not be negative, got {value!r}")
+    return out  # type: ignore[return-value]
+
+
+def positive(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def window_out(
+    layer: Layer, shape: Shape, window: tuple[int, int], stride: tuple[int, int], pad: tuple
+) -> tuple[int, int]:
+    """Output rows and columns of a sliding window, or a ShapeError saying what would fit."""
+    _, h, w = shape
+    top, bottom, left, right = pad
+    ph, pw = h + top + bottom, w + left + right
+    if window[0] > ph or window[1] > pw:
+        raise ShapeError(
+            f"{layer.label}: window {window[0]}x{window[1]} is larger than its padded input "
+            f"{ph}x{pw} (input shape {list(shape)}); a window of at most {min(window[0], ph)}x"
+            f"{min(window[1], pw)} would fit"
+        )
+    return ((ph - window[0]) // stride[0] + 1, (pw - window[1]) // stride[1] + 1)

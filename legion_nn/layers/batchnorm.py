@@ -1,0 +1,115 @@
+"""`batchnorm`: spatial (per channel over N, H, W) or vanilla (per feature over N).
+
+Normalising needs statistics of the whole batch, which a partition splits, so the layer lowers to
+tasks whose privileges say exactly that:
+
+- `<g>.batchnorm.stats` reduces [Σx, Σx²] of its piece into `<g>.batchnorm.stats` (2, C, 1, 1)
+  (vanilla: (2, C, H, W)); partitioned over the batch this is an all-reduce;
+- `<g>.batchnorm` normalises its piece with the statistics, `gamma` and `beta`;
+- `<g>.batchnorm.running` folds the batch statistics into `<g>.running` (state, for inference);
+- backward, `<g>.batchnorm.grad` reduces Σdy and Σdy·x̂ into `beta.delta` and `gamma.delta`, and
+  `<g>.batchnorm.input_grad` computes the input gradient from those totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from legion_nn.access import register
+from legion_nn.layers.base import Layer, Shape, layer_kind
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+
+R_, W_, RW, RD = Privilege.READ, Privilege.WRITE, Privilege.READ_WRITE, Privilege.REDUCE
+
+
+def _stat_rect(piece: Rect, stat_dims: tuple, rows: int) -> Rect:
+    """The statistics entries (`rows` of them) of the channels (and, vanilla, positions) of piece."""
+    if piece.is_empty():
+        return Rect.empty(4)
+    if stat_dims[2:] == (1, 1):
+        return Rect((0, piece.lo[1], 0, 0), (rows, piece.hi[1], 1, 1))
+    return Rect((0,) + piece.lo[1:], (rows,) + piece.hi[1:])
+
+
+def _batchnorm_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    stat_dims = dims["stats"]
+    stats = _stat_rect(piece, stat_dims, 2)
+    param = _stat_rect(piece, stat_dims, 1)
+    return {
+        "input": piece, "output": piece, "output.delta": piece, "input.delta": piece,
+        "stats": stats, "gamma": param, "beta": param, "gamma.delta": param, "beta.delta": param,
+    }
+
+
+register("batchnorm_stats", "forward")(_batchnorm_rects)
+register("batchnorm", "forward")(_batchnorm_rects)
+register("batchnorm", "backward")(_batchnorm_rects)
+register("batchnorm_input", "backward")(_batchnorm_rects)
+
+
+@register("batchnorm_running", "forward")
+def _running_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    return {"stats": piece, "running": piece}
+
+
+@layer_kind("batchnorm")
+@dataclass
+class BatchNorm(Layer):
+    spatial: bool = True
+    eps: float = 1e-5
+    momentum: float = 0.9
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def lower(self, ctx, x: str, shape: Shape) -> str:
+        c, h, w = shape
+        dims = (ctx.batch, c, h, w)
+        per = (c, 1, 1) if self.spatial else (c, h, w)
+        count = ctx.batch * h * w if self.spatial else ctx.batch
+        gamma = ctx.param(f"{self.name}.gamma", (1,) + per, "const:1")
+        beta = ctx.param(f"{self.name}.beta", (1,) + per, "zeros")
+        stats = ctx.tensor(f"{self.stem}.stats", (2,) + per, "stat", dtype="float64")
+        running = ctx.tensor(f"{self.name}.running", (2,) + per, "state", dtype="float64", init="zeros")
+        y = ctx.tensor(f"{self.stem}.output", dims, "activation")
+        space = Rect.from_dims(dims)
+        attrs = {"eps": float(self.eps), "count": count, "spatial": self.spatial}
+        ctx.task(
+            f"{self.stem}.stats", "batchnorm_stats", "forward", space,
+            [("input", x, R_), ("stats", stats, RD)], self.name, attrs,
+        )
+        ctx.task(
+            self.stem, "batchnorm", "forward", space,
+            [("input", x, R_), ("stats", stats, R_), ("gamma", gamma, R_), ("beta", beta, R_),
+             ("output", y, W_)],
+            self.name, attrs,
+        )
+        ctx.task(
+            f"{self.stem}.running", "batchnorm_running", "forward", Rect.from_dims(ctx.dims(stats)),
+            [("stats", stats, R_), ("running", running, RW)], self.name,
+            {"momentum": float(self.momentum), "count": count},
+        )
+
+        def backward() -> None:
+            dy = ctx.grad(y)
+            ctx.task(
+                f"{self.stem}.grad", "batchnorm", "backward", space,
+                [("output.delta", dy, R_), ("input", x, R_), ("stats", stats, R_),
+                 ("gamma.delta", ctx.grad(gamma), RD), ("beta.delta", ctx.grad(beta), RD)],
+                self.name, attrs,
+            )
+            if ctx.tensors[x].kind != "data":
+                ctx.task(
+                    f"{self.stem}.input_grad", "batchnorm_input", "backward", space,
+                    [("output.delta", dy, R_), ("input", x, R_), ("stats", stats, R_),
+                     ("gamma", gamma, R_), ("gamma.delta", ctx.grad(gamma), R_),
+                     ("beta.delta", ctx.grad(beta), R_), ("input.delta", ctx.grad(x), RD)],
+                    self.name, attrs,
+                )
+            ctx.update(gamma, f"update_{self.name}.gamma", self.name)
+            ctx.update(beta, f"update_{self.name}.beta", self.name)
+
+        ctx.on_backward(backward)
+        return y

@@ -1,0 +1,57 @@
+"""`evaluate`: four statistics of the batch, all sums, and `evaluate.accuracy`, their fraction.
+
+`<group>.evaluate.output` (4, 1, 1, 1) holds [loss sum, top-1 correct, top-5 correct, samples].
+Being sums, they reduce with + across batch pieces, so a partitioned run needs no special case.
+`<group>.evaluate.accuracy` reads them and returns the top-1 fraction as the task's value (a
+Legion future); it writes no tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from legion_nn.access import batch_rows, register, whole
+from legion_nn.errors import ShapeError
+from legion_nn.layers.base import Layer, Shape, layer_kind
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+
+STATISTICS = ("loss_sum", "top1", "top5", "count")
+R_, RD = Privilege.READ, Privilege.REDUCE
+
+
+@register("evaluate", "forward")
+def _evaluate_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    return {
+        "probability": batch_rows(piece, dims["probability"]),
+        "labels": batch_rows(piece, dims["labels"]),
+        "output": whole(dims["output"], piece),
+    }
+
+
+@register("accuracy", "forward")
+def _accuracy_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    return {"input": whole(dims["input"], piece)}
+
+
+@layer_kind("evaluate")
+@dataclass
+class Evaluate(Layer):
+    def out_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def lower(self, ctx, x: str, shape: Shape) -> str:
+        if ctx.probability is None:
+            raise ShapeError(f"{self.label}: needs a softmax layer before it")
+        stats = ctx.tensor(f"{self.stem}.output", (len(STATISTICS), 1, 1, 1), "stat", dtype="float64")
+        ctx.task(
+            self.stem, "evaluate", "forward", Rect.from_dims((ctx.batch, 1, 1, 1)),
+            [("probability", ctx.probability, R_), ("labels", ctx.labels, R_), ("output", stats, RD)],
+            self.name, {"statistics": list(STATISTICS)}, result=Rect.from_dims(ctx.dims(stats)),
+        )
+        ctx.task(
+            f"{self.stem}.accuracy", "accuracy", "forward", Rect((0,), (1,)),
+            [("input", stats, R_)], self.name,
+        )
+        return x

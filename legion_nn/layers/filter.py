@@ -1,0 +1,185 @@
+"""`filter` (untied or tied 8-D filters) and `conv` (a tied filter with a per-channel bias).
+
+Filter weights are 8-D, (K, 1, 1, C, R, S, P, Q): K output channels, C input channels, an R×S
+window and P×Q weight sets, one per output position when untied (a locally connected layer),
+P = Q = 1 when tied (an ordinary convolution). Axes 1 and 2 are unit axes in every seed layer;
+legion-nn keeps them so weights stay in the seed's shape and reads them as the group axes of a
+grouped filter (output and input channel groups), of which only one group is supported.
+
+Both ops iterate over the output (N, K, P, Q). A piece of rows [p0, p1) reads input rows
+[p0·s − pad_top, (p1−1)·s − pad_top + R) clipped to the input: the halo. It reads the weight sets
+of its own positions when untied (so spatial partitioning keeps untied weights local) and all of
+them when tied. Its backward reduces into the same input halo and weight rect; with
+`update_channels` [lo, hi) the weight gradient and the update cover only those input channels
+(seed 003's sparse update), and the kernels skip the other channels' work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from legion_nn.access import register, window_span
+from legion_nn.errors import ShapeError
+from legion_nn.layers.base import Layer, Shape, layer_kind, padding, pair, positive, window_out
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+
+R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
+
+
+def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    n_in, c_in, h_in, w_in = dims["input"]
+    kernel_r, kernel_s = attrs["kernel"]
+    stride = attrs["stride"]
+    top, _, left, _ = attrs["pad"]
+    if piece.is_empty():
+        empty4, empty8 = Rect.empty(4), Rect.empty(8)
+        return {
+            "input": empty4, "filters": empty8, "output": piece, "output.delta": piece,
+            "input.delta": empty4, "filters.delta": empty8, "b": empty4, "b.delta": empty4,
+        }
+    n0, k0, p0, q0 = piece.lo
+    n1, k1, p1, q1 = piece.hi
+    rows = window_span(p0, p1, stride, top, kernel_r, h_in)
+    cols = window_span(q0, q1, stride, left, kernel_s, w_in)
+    halo = Rect((n0, 0, rows[0], cols[0]), (n1, c_in, rows[1], cols[1]))
+    if rows == (0, 0) or cols == (0, 0):
+        halo = Rect.empty(4)
+    untied = attrs["untied"]
+    pos_lo = (p0, q0) if untied else (0, 0)
+    pos_hi = (p1, q1) if untied else (1, 1)
+    weights = Rect((k0, 0, 0, 0, 0, 0) + pos_lo, (k1, 1, 1, c_in, kernel_r, kernel_s) + pos_hi)
+    c_lo, c_hi = attrs.get("channels") or (0, c_in)
+    delta = Rect((k0, 0, 0, c_lo, 0, 0) + pos_lo, (k1, 1, 1, c_hi, kernel_r, kernel_s) + pos_hi)
+    bias = Rect((0, k0, 0, 0), (1, k1, 1, 1))
+    return {
+        "input": halo, "filters": weights, "output": piece, "output.delta": piece,
+        "input.delta": halo, "filters.delta": delta, "b": bias, "b.delta": bias,
+    }
+
+
+for _op in ("filter", "conv"):
+    register(_op, "forward")(_filter_rects)
+    register(_op, "backward")(_filter_rects)
+
+
+@layer_kind("filter")
+@dataclass
+class Filter(Layer):
+    out_channels: int = 1
+    kernel: Any = 3
+    untied: bool = True
+    stride: int = 1
+    pad: Any = 0
+    update_channels: list[int] | None = field(default=None)
+    init_std: float | None = None
+
+    def __post_init__(self) -> None:
+        positive(self.out_channels, "out_channels")
+        self.kernel = pair(self.kernel, "kernel")
+        positive(self.stride, "stride")
+        self.pad = padding(self.pad)
+        if not isinstance(self.untied, bool):
+            raise ValueError(f"untied must be true or false, got {self.untied!r}")
+        if self.update_channels is not None:
+            lo_hi = self.update_channels
+            if (
+                not isinstance(lo_hi, (list, tuple))
+                or len(lo_hi) != 2
+                or not 0 <= lo_hi[0] < lo_hi[1]
+            ):
+                raise ValueError(f"update_channels must be [lo, hi) with 0 <= lo < hi, got {lo_hi!r}")
+            self.update_channels = [int(lo_hi[0]), int(lo_hi[1])]
+
+    def out_shape(self, shape: Shape) -> Shape:
+        rows, cols = window_out(self, shape, self.kernel, (self.stride, self.stride), self.pad)
+        if self.update_channels is not None and self.update_channels[1] > shape[0]:
+            raise ShapeError(
+                f"{self.label}: update_channels {self.update_channels} exceed its "
+                f"{shape[0]} input channels; use a range within [0, {shape[0]})"
+            )
+        return (self.out_channels, rows, cols)
+
+    def weight_dims(self, shape: Shape) -> tuple[int, ...]:
+        _, rows, cols = self.out_shape(shape)
+        positions = (rows, cols) if self.untied else (1, 1)
+        return (self.out_channels, 1, 1, shape[0]) + tuple(self.kernel) + positions
+
+    def attrs(self) -> dict[str, Any]:
+        return {
+            "kernel": list(self.kernel),
+            "stride": self.stride,
+            "pad": list(self.pad),
+            "untied": self.untied,
+        }
+
+    def init(self, shape: Shape) -> str:
+        if self.init_std is not None:
+            return f"normal:{self.init_std}"
+        return f"he:{shape[0] * self.kernel[0] * self.kernel[1]}"
+
+    def lower(self, ctx, x: str, shape: Shape) -> str:
+        batch = ctx.batch
+        k, rows, cols = self.out_shape(shape)
+        weights = ctx.param(f"{self.name}.W", self.weight_dims(shape), self.init(shape))
+        bias = self._bias(ctx)
+        y = ctx.tensor(f"{self.stem}.output", (batch, k, rows, cols), "activation")
+        space = Rect.from_dims((batch, k, rows, cols))
+        attrs = self.attrs()
+        inputs = [("input", x, R_), ("filters", weights, R_)]
+        if bias:
+            inputs.append(("b", bias, R_))
+        ctx.task(
+            self.stem, self.KIND, "forward", space, inputs + [("output", y, W_)], self.name,
+            attrs, dist_roles=("input", "filters"),
+        )
+
+        def backward() -> None:
+            need_dx = ctx.tensors[x].kind != "data"
+            grad_attrs = {**attrs, "need_dx": need_dx, "channels": self.update_channels}
+            bindings = [("output.delta", ctx.grad(y), R_)] + inputs
+            if need_dx:
+                bindings.append(("input.delta", ctx.grad(x), RD))
+            bindings.append(("filters.delta", ctx.grad(weights), RD))
+            if bias:
+                bindings.append(("b.delta", ctx.grad(bias), RD))
+            ctx.task(
+                f"{self.stem}.grad", self.KIND, "backward", space, bindings, self.name,
+                grad_attrs, dist_roles=("input", "filters"),
+            )
+            ctx.update(weights, f"update_{self.name}.W", self.name, self._update_rect(ctx, weights))
+            if bias:
+                ctx.update(bias, f"update_{self.name}.b", self.name)
+
+        ctx.on_backward(backward)
+        return y
+
+    def _bias(self, ctx) -> str | None:
+        return None
+
+    def _update_rect(self, ctx, weights: str) -> Rect | None:
+        if self.update_channels is None:
+            return None
+        dims = ctx.dims(weights)
+        lo, hi = self.update_channels
+        return Rect((0, 0, 0, lo, 0, 0, 0, 0), dims[:3] + (hi,) + dims[4:])
+
+
+@layer_kind("conv")
+@dataclass
+class Conv(Filter):
+    """A tied filter plus a bias per output channel (the notebook's and VGG19's convolution)."""
+
+    untied: bool = False
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.untied:
+            raise ValueError("conv is the tied filter; use a filter layer for untied weights")
+
+    def _bias(self, ctx) -> str | None:
+        if not self.bias:
+            return None
+        return ctx.param(f"{self.name}.b", (1, self.out_channels, 1, 1), "zeros")

@@ -1,0 +1,78 @@
+"""`maxpool`: the maximum over each window; a piece reads the halo of its window rows/columns.
+
+The backward routes each output gradient to its window's maximum, reducing into the input halo, so
+overlapping windows (stride < window) and pieces that share halo rows simply add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from legion_nn.access import register, window_span
+from legion_nn.layers.base import Layer, Shape, layer_kind, padding, pair, window_out
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+
+R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
+
+
+@register("maxpool", "forward")
+@register("maxpool", "backward")
+def _pool_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    _, _, h_in, w_in = dims["input"]
+    (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
+    top, _, left, _ = attrs["pad"]
+    halo = Rect.empty(4)
+    if not piece.is_empty():
+        rows = window_span(piece.lo[2], piece.hi[2], sh, top, kh, h_in)
+        cols = window_span(piece.lo[3], piece.hi[3], sw, left, kw, w_in)
+        if rows != (0, 0) and cols != (0, 0):
+            halo = Rect(
+                (piece.lo[0], piece.lo[1], rows[0], cols[0]),
+                (piece.hi[0], piece.hi[1], rows[1], cols[1]),
+            )
+    return {"input": halo, "output": piece, "output.delta": piece, "input.delta": halo}
+
+
+@layer_kind("maxpool")
+@dataclass
+class MaxPool(Layer):
+    kernel: Any = 2
+    stride: Any = None
+    pad: Any = 0
+
+    def __post_init__(self) -> None:
+        self.kernel = pair(self.kernel, "kernel")
+        self.stride = self.kernel if self.stride is None else pair(self.stride, "stride")
+        self.pad = padding(self.pad)
+
+    def out_shape(self, shape: Shape) -> Shape:
+        rows, cols = window_out(self, shape, self.kernel, self.stride, self.pad)
+        return (shape[0], rows, cols)
+
+    def lower(self, ctx, x: str, shape: Shape) -> str:
+        dims = (ctx.batch,) + self.out_shape(shape)
+        y = ctx.tensor(f"{self.stem}.output", dims, "activation")
+        space = Rect.from_dims(dims)
+        attrs = {"kernel": list(self.kernel), "stride": list(self.stride), "pad": list(self.pad)}
+        ctx.task(
+            self.stem, "maxpool", "forward", space, [("input", x, R_), ("output", y, W_)],
+            self.name, attrs, dist_roles=("input",),
+        )
+
+        def backward() -> None:
+            if ctx.tensors[x].kind == "data":
+                return
+            bindings = [
+                ("output.delta", ctx.grad(y), R_),
+                ("input", x, R_),
+                ("input.delta", ctx.grad(x), RD),
+            ]
+            ctx.task(
+                f"{self.stem}.grad", "maxpool", "backward", space, bindings, self.name, attrs,
+                dist_roles=("input",),
+            )
+
+        ctx.on_backward(backward)
+        return y

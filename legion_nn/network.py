@@ -1,0 +1,112 @@
+"""`Network`: an ordered list of named layers over a per-sample input, and its lowering.
+
+The Python API::
+
+    net = Network("tiny", input=(1, 20, 20), classes=10, layers=[
+        Filter("L0", out_channels=8, kernel=5), FilterA(), FilterNL(fn="relu"),
+        Linear("classifier", out=10), Softmax(), Evaluate()])
+    graph = net.lower(batch=32)
+
+Shapes are inferred layer by layer when the network is built; a layer that cannot take its input
+raises `ShapeError` naming the layer, the shapes and what would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from legion_nn.errors import LegionNNError, ShapeError
+from legion_nn.graph import TaskGraph
+from legion_nn.layers.base import Layer, Shape
+from legion_nn.lowering import Lowering
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+
+DTYPES = ("float32", "float64")
+
+
+@dataclass
+class Network:
+    name: str
+    input: tuple[int, int, int]
+    classes: int
+    layers: list[Layer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.input = tuple(self.input)  # type: ignore[assignment]
+        if len(self.input) != 3 or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.input
+        ):
+            raise ShapeError(
+                f"network {self.name}: input must be [C, H, W] of positive ints, got {list(self.input)}"
+            )
+        if isinstance(self.classes, bool) or not isinstance(self.classes, int) or self.classes < 1:
+            raise ShapeError(
+                f"network {self.name}: classes must be a positive int, got {self.classes!r}"
+            )
+        self._name_groups()
+        self.shapes()
+
+    def _name_groups(self) -> None:
+        group = "L0"
+        seen: set[tuple[str, str]] = set()
+        for layer in self.layers:
+            if layer.name:
+                group = layer.name
+            else:
+                layer.name = group
+            key = (layer.name, layer.stem)
+            if key in seen and layer.KIND not in ("linear",):
+                raise ShapeError(
+                    f"{layer.label}: group {layer.name} already has a {layer.KIND} layer; "
+                    f"give this one its own name"
+                )
+            seen.add(key)
+
+    def shapes(self) -> list[tuple[Layer, Shape, Shape]]:
+        """(layer, input shape, output shape) for every layer, checking each as it goes."""
+        out = []
+        shape: Shape = self.input
+        for layer in self.layers:
+            next_shape = layer.out_shape(shape)
+            out.append((layer, shape, next_shape))
+            shape = next_shape
+        scores = [s for layer, s, _ in out if layer.KIND == "softmax"]
+        if scores and scores[-1][0] != self.classes:
+            raise ShapeError(
+                f"network {self.name}: softmax gets {scores[-1][0]} scores but the network "
+                f"has {self.classes} classes; make the last linear layer's out {self.classes}"
+            )
+        return out
+
+    def lower(
+        self,
+        batch: int,
+        dtype: str = "float32",
+        optimizer: str = "sgd",
+        hyperparameters: dict[str, float] | None = None,
+    ) -> TaskGraph:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise LegionNNError(f"batch must be a positive int, got {batch!r}")
+        if dtype not in DTYPES:
+            raise LegionNNError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        ctx = Lowering(self.name, batch, dtype, optimizer, hyperparameters)
+        dims = (batch,) + tuple(self.input)
+        x = ctx.tensor("data.raw_output", dims, "data")
+        ctx.labels = ctx.tensor("data.labels_output", (batch, 1, 1, 1), "data", dtype="int32")
+        ctx.task(
+            "data", "data", "forward", Rect.from_dims(dims),
+            [("raw_data", x, Privilege.WRITE), ("labels", ctx.labels, Privilege.WRITE)],
+            "data",
+        )
+        for layer, shape, _ in self.shapes():
+            x = layer.lower(ctx, x, shape)
+        return ctx.finish()
+
+    def to_spec(self) -> dict:
+        return {
+            "name": self.name,
+            "input": list(self.input),
+            "classes": self.classes,
+            "layers": [layer.to_spec() for layer in self.layers],
+        }

@@ -1,0 +1,106 @@
+"""Built-in networks and `load_network`, which takes a built-in's name or a spec file's path.
+
+- `seed-lcn`: the network of seed 000: 1×41×41 input, two untied filter layers (64 filters 9×9,
+  then 64 filters 7×7, each followed by filterA and a relu filterNL) and a 3034-way classifier.
+- `seed-lcn-small`: the same structure at 1×20×20, 8 filters 5×5 then 8 filters 3×3, 10 classes.
+- `three-layer-convnet`: seed 002's conv - relu - 2×2 max pool - affine - relu - affine - softmax
+  on 3×32×32 (32 filters 7×7, 100 hidden units, 10 classes).
+- `vgg19`: VGG19 at 3×224×224 with 1000 classes (the network of seed 001's Chainer dump).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from legion_nn.errors import LegionNNError
+from legion_nn.layers import (
+    Conv,
+    Dropout,
+    Evaluate,
+    Filter,
+    FilterA,
+    FilterNL,
+    Linear,
+    MaxPool,
+    Softmax,
+)
+from legion_nn.network import Network
+
+
+def _lcn(name: str, input_shape, filters, classes: int) -> Network:
+    layers = []
+    for index, (count, window) in enumerate(filters):
+        layers += [
+            Filter(f"L{index}", out_channels=count, kernel=window, untied=True),
+            FilterA(),
+            FilterNL(fn="relu"),
+        ]
+    layers += [Linear("classifier", out=classes), Softmax(), Evaluate()]
+    return Network(name, input_shape, classes, layers)
+
+
+def seed_lcn() -> Network:
+    return _lcn("seed-lcn", (1, 41, 41), [(64, 9), (64, 7)], 3034)
+
+
+def seed_lcn_small() -> Network:
+    return _lcn("seed-lcn-small", (1, 20, 20), [(8, 5), (8, 3)], 10)
+
+
+def three_layer_convnet() -> Network:
+    return Network(
+        "three-layer-convnet",
+        (3, 32, 32),
+        10,
+        [
+            Conv("conv1", out_channels=32, kernel=7, pad=3),
+            FilterNL(fn="relu"),
+            MaxPool("pool1", kernel=2),
+            Linear("fc2", out=100, bias=True),
+            FilterNL(fn="relu"),
+            Linear("fc3", out=10, bias=True),
+            Softmax(),
+            Evaluate(),
+        ],
+    )
+
+
+VGG19_BLOCKS = [(64, 2), (128, 2), (256, 4), (512, 4), (512, 4)]
+
+
+def vgg19() -> Network:
+    layers = []
+    for block, (channels, convs) in enumerate(VGG19_BLOCKS, start=1):
+        for index in range(1, convs + 1):
+            layers += [
+                Conv(f"conv{block}_{index}", out_channels=channels, kernel=3, pad=1),
+                FilterNL(fn="relu"),
+            ]
+        layers.append(MaxPool(f"pool{block}", kernel=2))
+    for name in ("fc6", "fc7"):
+        layers += [Linear(name, out=4096, bias=True), FilterNL(fn="relu"), Dropout(ratio=0.5)]
+    layers += [Linear("fc8", out=1000, bias=True), Softmax(), Evaluate()]
+    return Network("vgg19", (3, 224, 224), 1000, layers)
+
+
+BUILTINS: dict[str, Callable[[], Network]] = {
+    "seed-lcn": seed_lcn,
+    "seed-lcn-small": seed_lcn_small,
+    "three-layer-convnet": three_layer_convnet,
+    "vgg19": vgg19,
+}
+
+
+def load_network(name_or_path: str) -> Network:
+    """A built-in by name, or a JSON/TOML spec file by path."""
+    if name_or_path in BUILTINS:
+        return BUILTINS[name_or_path]()
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".json", ".toml") or path.exists():
+        from legion_nn.spec import load_spec
+
+        return load_spec(path)
+    raise LegionNNError(
+        f"unknown network {name_or_path!r}: not a built-in ({', '.join(BUILTINS)}) nor a spec file"
+    )
