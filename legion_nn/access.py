@@ -11,8 +11,9 @@ across its classes, a reshape only across the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.rect import Rect

@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"legion-nn {args.command}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"legion-nn {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"legion-nn {args.command}: {exc.filename or ''}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"legion-nn {args.command}: interrupted", file=sys.stderr)

@@ -10,8 +10,8 @@ lets the runtime reorder, overlap and distribute the work.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import conflicts, dependence_kind
@@ -95,7 +95,13 @@ class TaskGraph:
         return preds
 
     def producers(self, tensor: str) -> list[Task]:
-        return [t for t in self.tasks if any(r.tensor == tensor and r.write_rect for r in t.requirements)]
+        return [
+            t
+            for t in self.tasks
+            if any(r.tensor == tensor and r.write_rect for r in t.requirements)
+        ]
 
     def consumers(self, tensor: str) -> list[Task]:
-        return [t for t in self.tasks if any(r.tensor == tensor and r.read_rect for r in t.requirements)]
+        return [
+            t for t in self.tasks if any(r.tensor == tensor and r.read_rect for r in t.requirements)
+        ]

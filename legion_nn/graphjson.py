@@ -27,7 +27,12 @@ def _rect(rect: Rect | None) -> dict | None:
 def graph_to_json(graph: TaskGraph) -> dict[str, Any]:
     tensors = []
     for t in graph.tensors.values():
-        entry: dict[str, Any] = {"name": t.name, "dims": list(t.dims), "dtype": t.dtype, "kind": t.kind}
+        entry: dict[str, Any] = {
+            "name": t.name,
+            "dims": list(t.dims),
+            "dtype": t.dtype,
+            "kind": t.kind,
+        }
         if t.init:
             entry["init"] = t.init
         if t.nbytes_override is not None:
@@ -35,26 +40,28 @@ def graph_to_json(graph: TaskGraph) -> dict[str, Any]:
         tensors.append(entry)
     tasks = []
     for task in graph.tasks:
-        tasks.append({
-            "name": task.name,
-            "op": task.op,
-            "phase": task.phase,
-            "result_dim": list(task.result_dim),
-            "dist": {role: rect.to_json() for role, rect in task.dist.items()},
-            "space": task.space.to_json(),
-            "layer": task.layer,
-            "attrs": task.attrs,
-            "requirements": [
-                {
-                    "tensor": r.tensor,
-                    "role": r.role,
-                    "privilege": str(r.privilege),
-                    "read_rect": _rect(r.read_rect),
-                    "write_rect": _rect(r.write_rect),
-                }
-                for r in task.requirements
-            ],
-        })
+        tasks.append(
+            {
+                "name": task.name,
+                "op": task.op,
+                "phase": task.phase,
+                "result_dim": list(task.result_dim),
+                "dist": {role: rect.to_json() for role, rect in task.dist.items()},
+                "space": task.space.to_json(),
+                "layer": task.layer,
+                "attrs": task.attrs,
+                "requirements": [
+                    {
+                        "tensor": r.tensor,
+                        "role": r.role,
+                        "privilege": str(r.privilege),
+                        "read_rect": _rect(r.read_rect),
+                        "write_rect": _rect(r.write_rect),
+                    }
+                    for r in task.requirements
+                ],
+            }
+        )
     return {
         "format": FORMAT,
         "network": graph.network,
@@ -102,14 +109,16 @@ def graph_from_json(data: Any, source: str = "<graph>") -> TaskGraph:
     tensors = []
     for i, entry in enumerate(r.get(data, "tensors", "top level", list)):
         where = f"tensors[{i}]"
-        tensors.append(Tensor(
-            r.get(entry, "name", where, str),
-            tuple(r.get(entry, "dims", where, list)),
-            r.get(entry, "dtype", where, str),
-            r.get(entry, "kind", where, str),
-            nbytes_override=entry.get("bytes"),
-            init=entry.get("init", ""),
-        ))
+        tensors.append(
+            Tensor(
+                r.get(entry, "name", where, str),
+                tuple(r.get(entry, "dims", where, list)),
+                r.get(entry, "dtype", where, str),
+                r.get(entry, "kind", where, str),
+                nbytes_override=entry.get("bytes"),
+                init=entry.get("init", ""),
+            )
+        )
     tasks = []
     for i, entry in enumerate(r.get(data, "tasks", "top level", list)):
         where = f"tasks[{i}]"
@@ -121,28 +130,38 @@ def graph_from_json(data: Any, source: str = "<graph>") -> TaskGraph:
             privilege = r.get(req, "privilege", rwhere, str)
             if privilege not in {p.value for p in Privilege}:
                 raise r.fail(rwhere, f"unknown privilege {privilege!r}")
-            requirements.append(Requirement(
-                r.get(req, "tensor", rwhere, str),
-                r.get(req, "role", rwhere, str),
-                Privilege(privilege),
-                r.rect(req.get("read_rect"), rwhere),
-                r.rect(req.get("write_rect"), rwhere),
-            ))
-        dist = {role: r.rect(rect, f"{where} dist.{role}") for role, rect in
-                r.get(entry, "dist", where, dict).items()}
+            requirements.append(
+                Requirement(
+                    r.get(req, "tensor", rwhere, str),
+                    r.get(req, "role", rwhere, str),
+                    Privilege(privilege),
+                    r.rect(req.get("read_rect"), rwhere),
+                    r.rect(req.get("write_rect"), rwhere),
+                )
+            )
+        dist = {
+            role: r.rect(rect, f"{where} dist.{role}")
+            for role, rect in r.get(entry, "dist", where, dict).items()
+        }
         result_dim = tuple(r.get(entry, "result_dim", where, list))
-        space = r.rect(entry.get("space"), f"{where} space") or dist.get("result") or Rect.from_dims(result_dim)
-        tasks.append(Task(
-            name=name,
-            op=r.get(entry, "op", where, str),
-            phase=r.get(entry, "phase", where, str),
-            result_dim=result_dim,
-            dist=dist,
-            requirements=tuple(requirements),
-            space=space,
-            layer=entry.get("layer", ""),
-            attrs=entry.get("attrs", {}),
-        ))
+        space = (
+            r.rect(entry.get("space"), f"{where} space")
+            or dist.get("result")
+            or Rect.from_dims(result_dim)
+        )
+        tasks.append(
+            Task(
+                name=name,
+                op=r.get(entry, "op", where, str),
+                phase=r.get(entry, "phase", where, str),
+                result_dim=result_dim,
+                dist=dist,
+                requirements=tuple(requirements),
+                space=space,
+                layer=entry.get("layer", ""),
+                attrs=entry.get("attrs", {}),
+            )
+        )
     return TaskGraph(tensors, tasks, network=data.get("network", ""), batch=data.get("batch", 0))
 
 

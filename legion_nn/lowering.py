@@ -17,7 +17,8 @@ Requirements are never written by hand: `task()` applies the op's access map to 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from legion_nn.access import access_map
 from legion_nn.errors import LegionNNError
@@ -179,4 +180,3 @@ class Lowering:
             build()
         self._backward.clear()
         return TaskGraph(self.tensors.values(), self.tasks, network=self.network, batch=self.batch)
-

@@ -95,7 +95,10 @@ class Network:
         x = ctx.tensor("data.raw_output", dims, "data")
         ctx.labels = ctx.tensor("data.labels_output", (batch, 1, 1, 1), "data", dtype="int32")
         ctx.task(
-            "data", "data", "forward", Rect.from_dims(dims),
+            "data",
+            "data",
+            "forward",
+            Rect.from_dims(dims),
             [("raw_data", x, Privilege.WRITE), ("labels", ctx.labels, Privilege.WRITE)],
             "data",
         )

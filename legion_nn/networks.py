@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from legion_nn.errors import LegionNNError
 from legion_nn.layers import (

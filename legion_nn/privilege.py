@@ -30,11 +30,8 @@ class Privilege(str, Enum):
 
 def conflicts(earlier: Privilege, later: Privilege) -> bool:
     """Whether two accesses to overlapping data must be ordered."""
-    if earlier is Privilege.READ and later is Privilege.READ:
-        return False
-    if earlier is Privilege.REDUCE and later is Privilege.REDUCE:
-        return False
-    return True
+    commuting = (Privilege.READ, Privilege.REDUCE)
+    return not (earlier is later and earlier in commuting)
 
 
 def dependence_kind(earlier: Privilege, later: Privilege) -> str:

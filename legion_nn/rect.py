@@ -12,9 +12,9 @@ inclusive/exclusive form and anything else happens only in `to_slices`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import product
-from typing import Iterable, Sequence
 
 
 def split_sizes(extent: int, parts: int) -> list[int]:
@@ -86,7 +86,9 @@ class Rect:
 
     def _check_rank(self, other: Rect) -> None:
         if other.ndim != self.ndim:
-            raise ValueError(f"rank mismatch: {self!r} has {self.ndim} dims, {other!r} has {other.ndim}")
+            raise ValueError(
+                f"rank mismatch: {self!r} has {self.ndim} dims, {other!r} has {other.ndim}"
+            )
 
     def intersect(self, other: Rect) -> Rect:
         self._check_rank(other)
@@ -123,7 +125,9 @@ class Rect:
 
     def translate(self, offset: Sequence[int]) -> Rect:
         if len(offset) != self.ndim:
-            raise ValueError(f"offset {tuple(offset)} has {len(offset)} dims, {self!r} has {self.ndim}")
+            raise ValueError(
+                f"offset {tuple(offset)} has {len(offset)} dims, {self!r} has {self.ndim}"
+            )
         return Rect(
             tuple(a + o for a, o in zip(self.lo, offset)),
             tuple(b + o for b, o in zip(self.hi, offset)),

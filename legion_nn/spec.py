@@ -7,9 +7,10 @@ name the layer's index, kind and group. See DESIGN.md for the format.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from legion_nn.errors import LegionNNError
 from legion_nn.layers.base import layer_from_spec
@@ -27,7 +28,9 @@ def parse_text(text: str, source: str, toml: bool = False) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise LegionNNError(f"{source}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+        raise LegionNNError(
+            f"{source}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})"
+        ) from None
     if not isinstance(data, dict):
         raise LegionNNError(f"{source}:1: a network spec must be a JSON object")
     return data
@@ -36,10 +39,14 @@ def parse_text(text: str, source: str, toml: bool = False) -> dict[str, Any]:
 def network_from_dict(data: dict[str, Any], source: str) -> Network:
     missing = [key for key in REQUIRED if key not in data]
     if missing:
-        raise LegionNNError(f"{source}: the spec has no {missing[0]!r} (needs {', '.join(REQUIRED)})")
+        raise LegionNNError(
+            f"{source}: the spec has no {missing[0]!r} (needs {', '.join(REQUIRED)})"
+        )
     unknown = sorted(set(data) - set(REQUIRED) - {"name"})
     if unknown:
-        raise LegionNNError(f"{source}: unknown key {unknown[0]!r} (allowed: name, {', '.join(REQUIRED)})")
+        raise LegionNNError(
+            f"{source}: unknown key {unknown[0]!r} (allowed: name, {', '.join(REQUIRED)})"
+        )
     layers_spec = data["layers"]
     if not isinstance(layers_spec, list) or not layers_spec:
         raise LegionNNError(f"{source}: 'layers' must be a non-empty list")

@@ -25,8 +25,11 @@ def dims_text(dims) -> str:
 def graph_text(graph: TaskGraph) -> str:
     summaries = tensor_summaries(graph)
     shown: set[str] = set()
-    lines = [f"# task graph of {graph.network} at batch {graph.batch}: "
-             f"{len(graph.tasks)} tasks, {len(graph.tensors)} tensors"]
+    header = (
+        f"# task graph of {graph.network} at batch {graph.batch}: "
+        f"{len(graph.tasks)} tasks, {len(graph.tensors)} tensors"
+    )
+    lines = [header]
 
     def show_tensor(name: str) -> None:
         if name in shown:
@@ -34,21 +37,29 @@ def graph_text(graph: TaskGraph) -> str:
         shown.add(name)
         tensor = graph.tensors[name]
         summary = summaries[name]
-        lines.extend([
-            "",
-            f"tensor {name}",
-            f"  kind={tensor.kind} dtype={tensor.dtype}",
-            f"  dim={dims_text(tensor.dims)}",
-            f"  read_rect={summary.read_rect!r}",
-            f"  write_rect={summary.write_rect!r}",
-        ])
+        lines.extend(
+            [
+                "",
+                f"tensor {name}",
+                f"  kind={tensor.kind} dtype={tensor.dtype}",
+                f"  dim={dims_text(tensor.dims)}",
+                f"  read_rect={summary.read_rect!r}",
+                f"  write_rect={summary.write_rect!r}",
+            ]
+        )
 
     for task in graph.tasks:
         for req in task.requirements:
             if req.read_rect is not None:
                 show_tensor(req.tensor)
-        lines.extend(["", f"task {task.name}", f"  op={task.op} phase={task.phase}",
-                      f"  result_dim={dims_text(task.result_dim)}"])
+        lines.extend(
+            [
+                "",
+                f"task {task.name}",
+                f"  op={task.op} phase={task.phase}",
+                f"  result_dim={dims_text(task.result_dim)}",
+            ]
+        )
         for role, rect in sorted(task.dist.items(), key=lambda item: item[0] == "result"):
             lines.append(f"  dist_{role}={rect!r}")
         for req in task.requirements:

@@ -48,7 +48,9 @@ def _check_names(graph: TaskGraph) -> list[str]:
     seen: set[str] = set()
     for tensor in graph.tensors.values():
         if tensor.kind not in KINDS:
-            out.append(f"tensor {tensor.name}: unknown kind {tensor.kind!r} (one of {', '.join(KINDS)})")
+            out.append(
+                f"tensor {tensor.name}: unknown kind {tensor.kind!r} (one of {', '.join(KINDS)})"
+            )
         if any(d < 0 for d in tensor.dims):
             out.append(f"tensor {tensor.name}: negative dim in {list(tensor.dims)}")
     for task in graph.tasks:
@@ -56,10 +58,14 @@ def _check_names(graph: TaskGraph) -> list[str]:
             out.append(f"task {task.name}: name used by two tasks")
         seen.add(task.name)
         if task.phase not in PHASES:
-            out.append(f"task {task.name}: unknown phase {task.phase!r} (one of {', '.join(PHASES)})")
+            out.append(
+                f"task {task.name}: unknown phase {task.phase!r} (one of {', '.join(PHASES)})"
+            )
         for req in task.requirements:
             if req.tensor not in graph.tensors:
-                out.append(f"task {task.name}: role {req.role} names undeclared tensor {req.tensor}")
+                out.append(
+                    f"task {task.name}: role {req.role} names undeclared tensor {req.tensor}"
+                )
     return out
 
 
@@ -194,4 +200,3 @@ def _check_dataflow(graph: TaskGraph) -> list[str]:
             if req.write_rect is not None and not req.write_rect.is_empty():
                 written[req.tensor].append(req.write_rect)
     return out
-

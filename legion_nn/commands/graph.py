@@ -10,15 +10,25 @@ HELP = "lower a network to its task graph; print it (--text) or export it (--jso
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("network", help="a built-in (seed-lcn, seed-lcn-small, three-layer-convnet, "
-                        "vgg19) or a JSON/TOML spec file")
+    parser.add_argument(
+        "network",
+        help="a built-in (seed-lcn, seed-lcn-small, three-layer-convnet, "
+        "vgg19) or a JSON/TOML spec file",
+    )
     parser.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"),
-                        help="the optimizer whose update tasks and state are lowered")
+    parser.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=("sgd", "momentum", "adam"),
+        help="the optimizer whose update tasks and state are lowered",
+    )
     parser.add_argument("--json", metavar="F", help="write the task-graph JSON to F")
-    parser.add_argument("--text", action="store_true",
-                        help="print the graph in the seed's text form (the default without --json)")
+    parser.add_argument(
+        "--text",
+        action="store_true",
+        help="print the graph in the seed's text form (the default without --json)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,8 +6,9 @@ entries of its channels and positions. The backward reduces into `a.delta` from 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import register
 from legion_nn.layers.base import Layer, Shape, layer_kind
@@ -26,8 +27,14 @@ def _affine_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
         scalar = Rect((0,), (1,))
         bias = Rect((0,) + piece.lo[1:], (1,) + piece.hi[1:])
     return {
-        "input": piece, "a": scalar, "b": bias, "output": piece, "output.delta": piece,
-        "input.delta": piece, "a.delta": scalar, "b.delta": bias,
+        "input": piece,
+        "a": scalar,
+        "b": bias,
+        "output": piece,
+        "output.delta": piece,
+        "input.delta": piece,
+        "a.delta": scalar,
+        "b.delta": bias,
     }
 
 

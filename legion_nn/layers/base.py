@@ -95,11 +95,13 @@ def layer_from_spec(spec: dict[str, Any], where: str) -> Layer:
 def pair(value: Any, what: str) -> tuple[int, int]:
     """An int or a 2-list as (rows, cols), each a positive int."""
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be an int or a pair of ints, got {value!r}")
+        raise TypeError(f"{what} must be an int or a pair of ints, got {value!r}")
     if isinstance(value, int):
         out = (value, value)
-    elif isinstance(value, (list, tuple)) and len(value) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
+    elif (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     ):
         out = (int(value[0]), int(value[1]))
     else:
@@ -118,7 +120,9 @@ def padding(value: Any) -> tuple[int, int, int, int]:
             raise ValueError(f"pad must hold ints, got {value!r}")
         out = (value[0], value[0], value[1], value[1]) if len(value) == 2 else tuple(value)
     else:
-        raise ValueError(f"pad must be an int, [rows, cols] or [top, bottom, left, right], got {value!r}")
+        raise ValueError(
+            f"pad must be an int, [rows, cols] or [top, bottom, left, right], got {value!r}"
+        )
     if min(out) < 0:
         raise ValueError(f"pad must not be negative, got {value!r}")
     return out  # type: ignore[return-value]

@@ -13,8 +13,9 @@ tasks whose privileges say exactly that:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import register
 from legion_nn.layers.base import Layer, Shape, layer_kind
@@ -38,8 +39,15 @@ def _batchnorm_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece:
     stats = _stat_rect(piece, stat_dims, 2)
     param = _stat_rect(piece, stat_dims, 1)
     return {
-        "input": piece, "output": piece, "output.delta": piece, "input.delta": piece,
-        "stats": stats, "gamma": param, "beta": param, "gamma.delta": param, "beta.delta": param,
+        "input": piece,
+        "output": piece,
+        "output.delta": piece,
+        "input.delta": piece,
+        "stats": stats,
+        "gamma": param,
+        "beta": param,
+        "gamma.delta": param,
+        "beta.delta": param,
     }
 
 
@@ -72,41 +80,80 @@ class BatchNorm(Layer):
         gamma = ctx.param(f"{self.name}.gamma", (1,) + per, "const:1")
         beta = ctx.param(f"{self.name}.beta", (1,) + per, "zeros")
         stats = ctx.tensor(f"{self.stem}.stats", (2,) + per, "stat", dtype="float64")
-        running = ctx.tensor(f"{self.name}.running", (2,) + per, "state", dtype="float64", init="zeros")
+        running = ctx.tensor(
+            f"{self.name}.running", (2,) + per, "state", dtype="float64", init="zeros"
+        )
         y = ctx.tensor(f"{self.stem}.output", dims, "activation")
         space = Rect.from_dims(dims)
         attrs = {"eps": float(self.eps), "count": count, "spatial": self.spatial}
         ctx.task(
-            f"{self.stem}.stats", "batchnorm_stats", "forward", space,
-            [("input", x, R_), ("stats", stats, RD)], self.name, attrs,
+            f"{self.stem}.stats",
+            "batchnorm_stats",
+            "forward",
+            space,
+            [("input", x, R_), ("stats", stats, RD)],
+            self.name,
+            attrs,
         )
         ctx.task(
-            self.stem, "batchnorm", "forward", space,
-            [("input", x, R_), ("stats", stats, R_), ("gamma", gamma, R_), ("beta", beta, R_),
-             ("output", y, W_)],
-            self.name, attrs,
+            self.stem,
+            "batchnorm",
+            "forward",
+            space,
+            [
+                ("input", x, R_),
+                ("stats", stats, R_),
+                ("gamma", gamma, R_),
+                ("beta", beta, R_),
+                ("output", y, W_),
+            ],
+            self.name,
+            attrs,
         )
         ctx.task(
-            f"{self.stem}.running", "batchnorm_running", "forward", Rect.from_dims(ctx.dims(stats)),
-            [("stats", stats, R_), ("running", running, RW)], self.name,
+            f"{self.stem}.running",
+            "batchnorm_running",
+            "forward",
+            Rect.from_dims(ctx.dims(stats)),
+            [("stats", stats, R_), ("running", running, RW)],
+            self.name,
             {"momentum": float(self.momentum), "count": count},
         )
 
         def backward() -> None:
             dy = ctx.grad(y)
             ctx.task(
-                f"{self.stem}.grad", "batchnorm", "backward", space,
-                [("output.delta", dy, R_), ("input", x, R_), ("stats", stats, R_),
-                 ("gamma.delta", ctx.grad(gamma), RD), ("beta.delta", ctx.grad(beta), RD)],
-                self.name, attrs,
+                f"{self.stem}.grad",
+                "batchnorm",
+                "backward",
+                space,
+                [
+                    ("output.delta", dy, R_),
+                    ("input", x, R_),
+                    ("stats", stats, R_),
+                    ("gamma.delta", ctx.grad(gamma), RD),
+                    ("beta.delta", ctx.grad(beta), RD),
+                ],
+                self.name,
+                attrs,
             )
             if ctx.tensors[x].kind != "data":
                 ctx.task(
-                    f"{self.stem}.input_grad", "batchnorm_input", "backward", space,
-                    [("output.delta", dy, R_), ("input", x, R_), ("stats", stats, R_),
-                     ("gamma", gamma, R_), ("gamma.delta", ctx.grad(gamma), R_),
-                     ("beta.delta", ctx.grad(beta), R_), ("input.delta", ctx.grad(x), RD)],
-                    self.name, attrs,
+                    f"{self.stem}.input_grad",
+                    "batchnorm_input",
+                    "backward",
+                    space,
+                    [
+                        ("output.delta", dy, R_),
+                        ("input", x, R_),
+                        ("stats", stats, R_),
+                        ("gamma", gamma, R_),
+                        ("gamma.delta", ctx.grad(gamma), R_),
+                        ("beta.delta", ctx.grad(beta), R_),
+                        ("input.delta", ctx.grad(x), RD),
+                    ],
+                    self.name,
+                    attrs,
                 )
             ctx.update(gamma, f"update_{self.name}.gamma", self.name)
             ctx.update(beta, f"update_{self.name}.beta", self.name)

@@ -7,7 +7,8 @@ are elementwise over their tensor.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from legion_nn.access import register
 from legion_nn.rect import Rect
@@ -17,8 +18,10 @@ from legion_nn.rect import Rect
 def _data_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     labels = Rect.empty(len(dims["labels"]))
     if not piece.is_empty() and all(v == 0 for v in piece.lo[1:]):
-        labels = Rect((piece.lo[0],) + (0,) * (len(dims["labels"]) - 1),
-                      (piece.hi[0],) + tuple(dims["labels"][1:]))
+        labels = Rect(
+            (piece.lo[0],) + (0,) * (len(dims["labels"]) - 1),
+            (piece.hi[0],) + tuple(dims["labels"][1:]),
+        )
     return {"raw_data": piece, "labels": labels}
 
 

@@ -7,8 +7,9 @@ single-process run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import register
 from legion_nn.layers.base import Layer, Shape, layer_kind
@@ -32,7 +33,7 @@ class Dropout(Layer):
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
-            raise ValueError(f"ratio must be a number in [0, 1), got {self.ratio!r}")
+            raise TypeError(f"ratio must be a number in [0, 1), got {self.ratio!r}")
         if not 0 <= self.ratio < 1:
             raise ValueError(f"ratio must be in [0, 1), got {self.ratio!r}")
 
@@ -45,8 +46,13 @@ class Dropout(Layer):
         space = Rect.from_dims(dims)
         attrs = {"ratio": float(self.ratio), "seed": int(self.seed)}
         ctx.task(
-            self.stem, "dropout", "forward", space, [("input", x, R_), ("output", y, W_)],
-            self.name, attrs,
+            self.stem,
+            "dropout",
+            "forward",
+            space,
+            [("input", x, R_), ("output", y, W_)],
+            self.name,
+            attrs,
         )
 
         def backward() -> None:

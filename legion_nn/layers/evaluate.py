@@ -8,8 +8,9 @@ Legion future); it writes no tensor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import batch_rows, register, whole
 from legion_nn.errors import ShapeError
@@ -44,14 +45,29 @@ class Evaluate(Layer):
     def lower(self, ctx, x: str, shape: Shape) -> str:
         if ctx.probability is None:
             raise ShapeError(f"{self.label}: needs a softmax layer before it")
-        stats = ctx.tensor(f"{self.stem}.output", (len(STATISTICS), 1, 1, 1), "stat", dtype="float64")
-        ctx.task(
-            self.stem, "evaluate", "forward", Rect.from_dims((ctx.batch, 1, 1, 1)),
-            [("probability", ctx.probability, R_), ("labels", ctx.labels, R_), ("output", stats, RD)],
-            self.name, {"statistics": list(STATISTICS)}, result=Rect.from_dims(ctx.dims(stats)),
+        stats = ctx.tensor(
+            f"{self.stem}.output", (len(STATISTICS), 1, 1, 1), "stat", dtype="float64"
         )
         ctx.task(
-            f"{self.stem}.accuracy", "accuracy", "forward", Rect((0,), (1,)),
-            [("input", stats, R_)], self.name,
+            self.stem,
+            "evaluate",
+            "forward",
+            Rect.from_dims((ctx.batch, 1, 1, 1)),
+            [
+                ("probability", ctx.probability, R_),
+                ("labels", ctx.labels, R_),
+                ("output", stats, RD),
+            ],
+            self.name,
+            {"statistics": list(STATISTICS)},
+            result=Rect.from_dims(ctx.dims(stats)),
+        )
+        ctx.task(
+            f"{self.stem}.accuracy",
+            "accuracy",
+            "forward",
+            Rect((0,), (1,)),
+            [("input", stats, R_)],
+            self.name,
         )
         return x

@@ -16,8 +16,9 @@ them when tied. Its backward reduces into the same input halo and weight rect; w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import register, window_span
 from legion_nn.errors import ShapeError
@@ -29,15 +30,21 @@ R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
 def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    n_in, c_in, h_in, w_in = dims["input"]
+    _, c_in, h_in, w_in = dims["input"]
     kernel_r, kernel_s = attrs["kernel"]
     stride = attrs["stride"]
     top, _, left, _ = attrs["pad"]
     if piece.is_empty():
         empty4, empty8 = Rect.empty(4), Rect.empty(8)
         return {
-            "input": empty4, "filters": empty8, "output": piece, "output.delta": piece,
-            "input.delta": empty4, "filters.delta": empty8, "b": empty4, "b.delta": empty4,
+            "input": empty4,
+            "filters": empty8,
+            "output": piece,
+            "output.delta": piece,
+            "input.delta": empty4,
+            "filters.delta": empty8,
+            "b": empty4,
+            "b.delta": empty4,
         }
     n0, k0, p0, q0 = piece.lo
     n1, k1, p1, q1 = piece.hi
@@ -54,8 +61,14 @@ def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
     delta = Rect((k0, 0, 0, c_lo, 0, 0) + pos_lo, (k1, 1, 1, c_hi, kernel_r, kernel_s) + pos_hi)
     bias = Rect((0, k0, 0, 0), (1, k1, 1, 1))
     return {
-        "input": halo, "filters": weights, "output": piece, "output.delta": piece,
-        "input.delta": halo, "filters.delta": delta, "b": bias, "b.delta": bias,
+        "input": halo,
+        "filters": weights,
+        "output": piece,
+        "output.delta": piece,
+        "input.delta": halo,
+        "filters.delta": delta,
+        "b": bias,
+        "b.delta": bias,
     }
 
 
@@ -81,7 +94,7 @@ class Filter(Layer):
         positive(self.stride, "stride")
         self.pad = padding(self.pad)
         if not isinstance(self.untied, bool):
-            raise ValueError(f"untied must be true or false, got {self.untied!r}")
+            raise TypeError(f"untied must be true or false, got {self.untied!r}")
         if self.update_channels is not None:
             lo_hi = self.update_channels
             if (
@@ -89,7 +102,9 @@ class Filter(Layer):
                 or len(lo_hi) != 2
                 or not 0 <= lo_hi[0] < lo_hi[1]
             ):
-                raise ValueError(f"update_channels must be [lo, hi) with 0 <= lo < hi, got {lo_hi!r}")
+                raise ValueError(
+                    f"update_channels must be [lo, hi) with 0 <= lo < hi, got {lo_hi!r}"
+                )
             self.update_channels = [int(lo_hi[0]), int(lo_hi[1])]
 
     def out_shape(self, shape: Shape) -> Shape:
@@ -131,8 +146,14 @@ class Filter(Layer):
         if bias:
             inputs.append(("b", bias, R_))
         ctx.task(
-            self.stem, self.KIND, "forward", space, inputs + [("output", y, W_)], self.name,
-            attrs, dist_roles=("input", "filters"),
+            self.stem,
+            self.KIND,
+            "forward",
+            space,
+            inputs + [("output", y, W_)],
+            self.name,
+            attrs,
+            dist_roles=("input", "filters"),
         )
 
         def backward() -> None:
@@ -145,8 +166,14 @@ class Filter(Layer):
             if bias:
                 bindings.append(("b.delta", ctx.grad(bias), RD))
             ctx.task(
-                f"{self.stem}.grad", self.KIND, "backward", space, bindings, self.name,
-                grad_attrs, dist_roles=("input", "filters"),
+                f"{self.stem}.grad",
+                self.KIND,
+                "backward",
+                space,
+                bindings,
+                self.name,
+                grad_attrs,
+                dist_roles=("input", "filters"),
             )
             ctx.update(weights, f"update_{self.name}.W", self.name, self._update_rect(ctx, weights))
             if bias:

@@ -11,8 +11,9 @@ gradient one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import batch_rows, register
 from legion_nn.layers.base import Layer, Shape, layer_kind, positive
@@ -33,8 +34,14 @@ def _linear_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
         weights = Rect((m0, 0, 0, 0), (m1,) + tuple(dims["weights"][1:]))
         bias = Rect((0, m0, 0, 0), (1, m1, 1, 1))
     return {
-        "input": inputs, "weights": weights, "b": bias, "output": piece, "output.delta": piece,
-        "input.delta": inputs, "weights.delta": weights, "b.delta": bias,
+        "input": inputs,
+        "weights": weights,
+        "b": bias,
+        "output": piece,
+        "output.delta": piece,
+        "input.delta": inputs,
+        "weights.delta": weights,
+        "b.delta": bias,
     }
 
 
@@ -58,7 +65,9 @@ class Linear(Layer):
         init = f"normal:{self.init_std}" if self.init_std is not None else f"he:{fan_in}"
         stem = f"{self.name}.linear{index}"
         weights = ctx.param(f"{self.name}.weights{index}", (self.out,) + tuple(shape), init)
-        bias = ctx.param(f"{self.name}.b{index}", (1, self.out, 1, 1), "zeros") if self.bias else None
+        bias = (
+            ctx.param(f"{self.name}.b{index}", (1, self.out, 1, 1), "zeros") if self.bias else None
+        )
         dims = (ctx.batch, self.out, 1, 1)
         y = ctx.tensor(f"{stem}.output", dims, "activation")
         space = Rect.from_dims(dims)
@@ -66,7 +75,12 @@ class Linear(Layer):
         if bias:
             inputs.append(("b", bias, R_))
         ctx.task(
-            stem, "linear", "forward", space, inputs + [("output", y, W_)], self.name,
+            stem,
+            "linear",
+            "forward",
+            space,
+            inputs + [("output", y, W_)],
+            self.name,
             dist_roles=("input",),
         )
 
@@ -79,8 +93,14 @@ class Linear(Layer):
             if bias:
                 bindings.append(("b.delta", ctx.grad(bias), RD))
             ctx.task(
-                f"{stem}.grad", "linear", "backward", space, bindings, self.name,
-                {"need_dx": need_dx}, dist_roles=("input",),
+                f"{stem}.grad",
+                "linear",
+                "backward",
+                space,
+                bindings,
+                self.name,
+                {"need_dx": need_dx},
+                dist_roles=("input",),
             )
             ctx.update(weights, f"update_W{index}", self.name)
             if bias:

@@ -6,8 +6,9 @@ The backward reads the forward *output*, from which all three derivatives follow
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import register
 from legion_nn.layers.base import Layer, Shape, layer_kind
@@ -43,8 +44,13 @@ class FilterNL(Layer):
         space = Rect.from_dims(dims)
         attrs = {"fn": self.fn}
         ctx.task(
-            self.stem, "filterNL", "forward", space, [("input", x, R_), ("output", y, W_)],
-            self.name, attrs,
+            self.stem,
+            "filterNL",
+            "forward",
+            space,
+            [("input", x, R_), ("output", y, W_)],
+            self.name,
+            attrs,
         )
 
         def backward() -> None:

@@ -6,8 +6,9 @@ overlapping windows (stride < window) and pieces that share halo rows simply add
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import register, window_span
 from legion_nn.layers.base import Layer, Shape, layer_kind, padding, pair, window_out
@@ -57,8 +58,14 @@ class MaxPool(Layer):
         space = Rect.from_dims(dims)
         attrs = {"kernel": list(self.kernel), "stride": list(self.stride), "pad": list(self.pad)}
         ctx.task(
-            self.stem, "maxpool", "forward", space, [("input", x, R_), ("output", y, W_)],
-            self.name, attrs, dist_roles=("input",),
+            self.stem,
+            "maxpool",
+            "forward",
+            space,
+            [("input", x, R_), ("output", y, W_)],
+            self.name,
+            attrs,
+            dist_roles=("input",),
         )
 
         def backward() -> None:
@@ -70,7 +77,13 @@ class MaxPool(Layer):
                 ("input.delta", ctx.grad(x), RD),
             ]
             ctx.task(
-                f"{self.stem}.grad", "maxpool", "backward", space, bindings, self.name, attrs,
+                f"{self.stem}.grad",
+                "maxpool",
+                "backward",
+                space,
+                bindings,
+                self.name,
+                attrs,
                 dist_roles=("input",),
             )
 

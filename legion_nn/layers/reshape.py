@@ -6,8 +6,9 @@ sample, so these tasks split over the batch only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import batch_rows, register
 from legion_nn.errors import ShapeError

@@ -11,8 +11,9 @@ backward pass, its gradient is 1 by definition and is never materialised.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from legion_nn.access import batch_rows, register
 from legion_nn.errors import ShapeError
@@ -67,10 +68,19 @@ class Softmax(Layer):
         attrs = {"batch_total": batch}
         space = Rect.from_dims((batch, 1, 1, 1))
         ctx.task(
-            self.stem, "softmax", "forward", space,
-            [("input", x, R_), ("labels", ctx.labels, R_), ("probability", probability, W_),
-             ("output", loss, RD)],
-            self.name, attrs, result=Rect.from_dims((1, 1, 1, 1)),
+            self.stem,
+            "softmax",
+            "forward",
+            space,
+            [
+                ("input", x, R_),
+                ("labels", ctx.labels, R_),
+                ("probability", probability, W_),
+                ("output", loss, RD),
+            ],
+            self.name,
+            attrs,
+            result=Rect.from_dims((1, 1, 1, 1)),
         )
         ctx.probability = probability
 
@@ -84,7 +94,9 @@ class Softmax(Layer):
                 ("input.delta", ctx.grad(x), RD),
             ]
             grad_space = Rect.from_dims((batch, classes, 1, 1))
-            ctx.task(f"{self.stem}.grad", "softmax", "backward", grad_space, bindings, self.name, attrs)
+            ctx.task(
+                f"{self.stem}.grad", "softmax", "backward", grad_space, bindings, self.name, attrs
+            )
 
         ctx.on_backward(backward)
         return probability
