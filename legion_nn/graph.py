@@ -75,6 +75,8 @@ class TaskGraph:
         found: dict[tuple[str, str, str], str] = {}
         for task in self.tasks:
             for req in task.requirements:
+                if req.rect is None:
+                    continue
                 for earlier_task, earlier in history[req.tensor]:
                     if earlier_task == task.name:
                         continue
@@ -85,7 +87,8 @@ class TaskGraph:
                     key = (earlier_task, task.name, req.tensor)
                     found.setdefault(key, dependence_kind(earlier.privilege, req.privilege))
             for req in task.requirements:
-                history[req.tensor].append((task.name, req))
+                if req.rect is not None:
+                    history[req.tensor].append((task.name, req))
         return [Dependence(src, dst, tensor, kind) for (src, dst, tensor), kind in found.items()]
 
     def predecessors(self) -> dict[str, set[str]]:
@@ -98,10 +101,12 @@ class TaskGraph:
         return [
             t
             for t in self.tasks
-            if any(r.tensor == tensor and r.write_rect for r in t.requirements)
+            if any(r.tensor == tensor and r.write_rect is not None for r in t.requirements)
         ]
 
     def consumers(self, tensor: str) -> list[Task]:
         return [
-            t for t in self.tasks if any(r.tensor == tensor and r.read_rect for r in t.requirements)
+            t
+            for t in self.tasks
+            if any(r.tensor == tensor and r.read_rect is not None for r in t.requirements)
         ]

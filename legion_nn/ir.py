@@ -91,12 +91,9 @@ class Requirement:
         return cls(tensor, role, Privilege.READ_WRITE, read_rect=rect, write_rect=rect)
 
     @property
-    def rect(self) -> Rect:
+    def rect(self) -> Rect | None:
         """The rect the requirement touches (its write rect for writes, else its read rect)."""
-        if self.write_rect is not None:
-            return self.write_rect
-        assert self.read_rect is not None
-        return self.read_rect
+        return self.write_rect if self.write_rect is not None else self.read_rect
 
 
 @dataclass(frozen=True)

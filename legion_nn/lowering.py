@@ -100,6 +100,7 @@ class Lowering:
         attrs: dict[str, Any] | None = None,
         dist_roles: tuple[str, ...] = (),
         result: Rect | None = None,
+        result_dim: tuple[int, ...] | None = None,
     ) -> Task:
         """Append a task; its requirements come from the access map over `space`."""
         attrs = dict(attrs or {})
@@ -125,7 +126,7 @@ class Lowering:
             name=name,
             op=op,
             phase=phase,
-            result_dim=result.shape,
+            result_dim=result_dim if result_dim is not None else result.shape,
             dist=dist,
             requirements=tuple(requirements),
             space=space,

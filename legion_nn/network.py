@@ -67,7 +67,11 @@ class Network:
         """(layer, input shape, output shape) for every layer, checking each as it goes."""
         out = []
         shape: Shape = self.input
+        seen_softmax = False
         for layer in self.layers:
+            seen_softmax = seen_softmax or layer.KIND == "softmax"
+            if layer.KIND == "evaluate" and not seen_softmax:
+                raise ShapeError(f"{layer.label}: needs a softmax layer before it")
             next_shape = layer.out_shape(shape)
             out.append((layer, shape, next_shape))
             shape = next_shape

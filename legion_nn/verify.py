@@ -5,13 +5,15 @@ Runs after lowering, after import and after partitioning. The checks, in order:
 1. names: task names unique; every requirement names a declared tensor; phases and kinds known;
 2. rects: each requirement has the rects its privilege implies (read: read_rect; write and reduce:
    write_rect; read_write: both), of the tensor's rank and inside its dims; each task's
-   `result_dim` is the shape of its `dist["result"]`;
+   `result_dim` is the shape of its `dist["result"]` (a backward task keeps its forward task's);
 3. lowering: for ops with an access map, the requirements are exactly what the map gives for the
    task's space, so producers and consumers agree on every tensor's dims and layout, and the
    partitioner's view of a task is the task;
 4. no cycle among the dependences;
 5. dataflow: every rect read (or reduced into) is written earlier in program order, unless the
-   tensor is resident (data, params, state).
+   tensor is resident (data, params, state);
+6. coverage: every element of a non-resident tensor is written by some task, so a producer and the
+   dims its consumers were built for cannot disagree unnoticed.
 
 `verify` raises `VerifyError` on the first failure; `problems` lists them all.
 """
@@ -36,7 +38,15 @@ def verify(graph: TaskGraph) -> None:
 
 def problems(graph: TaskGraph, first_only: bool = False) -> list[str]:
     out: list[str] = []
-    for check in (_check_names, _check_rects, _check_lowering, _check_acyclic, _check_dataflow):
+    checks = (
+        _check_names,
+        _check_rects,
+        _check_lowering,
+        _check_acyclic,
+        _check_dataflow,
+        _check_coverage,
+    )
+    for check in checks:
         out.extend(check(graph))
         if out and first_only:
             break
@@ -87,7 +97,7 @@ def _check_rects(graph: TaskGraph) -> list[str]:
         result = task.dist.get("result")
         if result is None:
             out.append(f"task {task.name}: no dist rect for 'result'")
-        elif result.shape != tuple(task.result_dim):
+        elif task.phase != "backward" and result.shape != tuple(task.result_dim):
             out.append(
                 f"task {task.name}: result_dim {list(task.result_dim)} is not the shape of "
                 f"dist_result {result!r}"
@@ -199,4 +209,22 @@ def _check_dataflow(graph: TaskGraph) -> list[str]:
         for req in task.requirements:
             if req.write_rect is not None and not req.write_rect.is_empty():
                 written[req.tensor].append(req.write_rect)
+    return out
+
+
+def _check_coverage(graph: TaskGraph) -> list[str]:
+    written: dict[str, list[Rect]] = defaultdict(list)
+    for task in graph.tasks:
+        for req in task.requirements:
+            if req.write_rect is not None and not req.write_rect.is_empty():
+                written[req.tensor].append(req.write_rect)
+    out = []
+    for tensor in graph.tensors.values():
+        if tensor.resident:
+            continue
+        missing = _uncovered(tensor.rect, written[tensor.name])
+        if missing:
+            out.append(
+                f"tensor {tensor.name} (dims {list(tensor.dims)}): no task writes {missing[0]!r}"
+            )
     return out

@@ -4,7 +4,8 @@ The forward iterates over the batch, (N, 1, 1, 1), since a sample's classes cann
 result is the seed's (1, 1, 1, 1) loss, the mean over the global batch, which every piece reduces
 into (so it is zeroed first). Probabilities (N, classes, 1, 1) are written piece by piece.
 
-The backward iterates over (N, classes, 1, 1) and computes (p − onehot(label)) / N. As in the seed,
+The backward iterates over (N, classes, 1, 1) and computes (p − onehot(label)) / N; like every
+backward task it keeps its forward task's `result_dim` (the seed's [1 1 1 1]). As in the seed,
 it reads the loss gradient `output.delta` with an empty rect: the loss is the root of the
 backward pass, its gradient is 1 by definition and is never materialised.
 """
@@ -95,7 +96,14 @@ class Softmax(Layer):
             ]
             grad_space = Rect.from_dims((batch, classes, 1, 1))
             ctx.task(
-                f"{self.stem}.grad", "softmax", "backward", grad_space, bindings, self.name, attrs
+                f"{self.stem}.grad",
+                "softmax",
+                "backward",
+                grad_space,
+                bindings,
+                self.name,
+                attrs,
+                result_dim=(1, 1, 1, 1),
             )
 
         ctx.on_backward(backward)

@@ -1,0 +1,81 @@
+"""Every input in tests/fail/ must fail with one clear line, exit status 2, and no output file."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAIL = Path(__file__).parent / "fail"
+
+EXPECTED = {
+    "unparseable.json": "unparseable.json:4: not valid JSON",
+    "unparseable.toml": "not valid TOML",
+    "unknown_kind.json": "unknown layer kind 'convolution3d'",
+    "window_too_large.json": "window 9x9 is larger than its padded input 5x5",
+    "zero_channels.json": "out_channels must be a positive int, got 0",
+    "negative_input.json": "input must be [C, H, W] of positive ints",
+    "negative_stride.json": "stride must be a positive int, got -1",
+    "zero_classes.json": "classes must be a positive int, got 0",
+    "class_mismatch.json": "softmax gets 7 scores but the network has 10 classes",
+    "unknown_option.json": "filter layer has no option 'kernal'",
+    "softmax_needs_scores.json": "needs class scores of shape [classes, 1, 1], got [10, 16, 16]",
+    "evaluate_without_softmax.json": "needs a softmax layer before it",
+    "bad_reshape.json": "cannot reshape [1, 20, 20] (400 values) to [3, 10, 10] (300 values)",
+    "not_an_object.json": "not_an_object.json:1: a network spec must be a JSON object",
+    "missing_layers.json": "the spec has no 'layers'",
+    "duplicate_group.json": "group L0 already has a filter layer",
+}
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "legion_nn.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def test_every_fail_input_has_an_expectation():
+    on_disk = {p.name for p in FAIL.iterdir() if p.suffix in (".json", ".toml")}
+    assert on_disk == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_spec_fails_cleanly(name, tmp_path):
+    out = tmp_path / "graph.json"
+    result = run_cli("graph", str(FAIL / name), "--json", str(out))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert EXPECTED[name] in lines[0]
+    assert name in lines[0], "the message names the file"
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["graph", "seed-lcn-small", "--batch", "0"], "--batch must be at least 1, got 0"),
+        (["graph", "seed-lcn-small", "--batch", "-3"], "--batch must be at least 1, got -3"),
+        (["graph", "no-such-network"], "unknown network 'no-such-network'"),
+        (["graph", "missing.json"], "missing.json: cannot read"),
+        (["graph", "seed-lcn-small", "--batch", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_bad_arguments_fail_cleanly(args, fragment, tmp_path):
+    result = run_cli(*args, "--json", str(tmp_path / "g.json"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert fragment in result.stderr
+    assert not (tmp_path / "g.json").exists()
+
+
+def test_help_lists_the_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "graph" in result.stdout
