@@ -35,8 +35,13 @@ def conflicts(earlier: Privilege, later: Privilege) -> bool:
 
 
 def dependence_kind(earlier: Privilege, later: Privilege) -> str:
-    """RAW, WAR or WAW for a conflicting pair (a reduction counts as a write)."""
-    if later.reads and earlier.writes:
+    """RAW, WAR or WAW for a conflicting pair.
+
+    A reduction folds into the value already there, so a reduction after a write consumes that
+    write (RAW), while a write after a reduction overwrites it (WAW).
+    """
+    consumes = later.reads or later is Privilege.REDUCE
+    if consumes and earlier.writes:
         return "RAW"
     if earlier.reads and not earlier.writes:
         return "WAR"
