@@ -1,0 +1,87 @@
+"""Imports point one way: legion_nn <- partitioner <- runtime; visualize may use the first two.
+
+Only runtime's MPI executor imports mpi4py; kernels import no graph or MPI code. The CLI's
+sub-commands may reach further, but only lazily, inside functions.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("legion_nn", "partitioner", "runtime", "visualize")
+FORBIDDEN = {
+    "legion_nn": {"partitioner", "runtime", "visualize", "mpi4py"},
+    "partitioner": {"runtime", "visualize", "mpi4py"},
+    "visualize": {"runtime", "mpi4py"},
+    "runtime": {"visualize"},
+}
+
+
+def top_level_imports(path):
+    """Modules imported at module level (not inside functions)."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in tree.body:
+        for sub in (
+            ast.walk(node)
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            else []
+        ):
+            if isinstance(sub, ast.Import):
+                found += [alias.name for alias in sub.names]
+            elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
+                found.append(sub.module)
+    return found
+
+
+def all_imports(path):
+    tree = ast.parse(path.read_text())
+    found = []
+    for sub in ast.walk(tree):
+        if isinstance(sub, ast.Import):
+            found += [alias.name for alias in sub.names]
+        elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
+            found.append(sub.module)
+    return found
+
+
+def modules():
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield package, path
+
+
+@pytest.mark.parametrize("package, path", list(modules()), ids=lambda v: str(v).split("/")[-1])
+def test_import_direction(package, path):
+    for name in top_level_imports(path):
+        assert name.split(".")[0] not in FORBIDDEN[package], (
+            f"{path.relative_to(ROOT)} imports {name}"
+        )
+
+
+def test_only_the_mpi_executor_imports_mpi4py():
+    for package, path in modules():
+        if "mpi4py" in [name.split(".")[0] for name in all_imports(path)]:
+            assert path.relative_to(ROOT).as_posix() == "runtime/mpi_executor.py", path
+
+
+def test_kernels_import_no_graph_or_mpi_code():
+    for path in (ROOT / "runtime" / "kernels").rglob("*.py"):
+        for name in all_imports(path):
+            assert name.split(".")[0] not in {"legion_nn", "partitioner", "mpi4py", "visualize"}, (
+                f"{path.relative_to(ROOT)} imports {name}"
+            )
+
+
+def test_commands_import_heavier_packages_lazily():
+    for path in (ROOT / "legion_nn").rglob("*.py"):
+        for name in top_level_imports(path):
+            assert name.split(".")[0] not in {
+                "partitioner",
+                "runtime",
+                "visualize",
+                "matplotlib",
+                "numba",
+            }, f"{path.relative_to(ROOT)} imports {name} at module level"
