@@ -104,6 +104,21 @@ def window_span(lo: int, hi: int, stride: int, pad: int, size: int, extent: int)
     return (first, last) if first < last else (0, 0)
 
 
+def window_padding(
+    lo: int, hi: int, stride: int, pad: int, size: int, extent: int
+) -> tuple[int, int]:
+    """The zero rows before and after the clipped `window_span` that output rows [lo, hi) need.
+
+    A kernel given the clipped halo and this padding computes exactly rows [lo, hi): interior
+    pieces get (0, 0), border pieces the part of the layer's padding on their side.
+    """
+    if hi <= lo:
+        return (0, 0)
+    first = lo * stride - pad
+    last = (hi - 1) * stride - pad + size
+    return (max(0, -first), max(0, last - extent))
+
+
 def batch_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
     """All of a tensor for the batch rows of `piece` (its dim 0)."""
     if piece.is_empty():

@@ -5,7 +5,8 @@ tasks whose privileges say exactly that:
 
 - `<g>.batchnorm.stats` reduces [Σx, Σx²] of its piece into `<g>.batchnorm.stats` (2, C, 1, 1)
   (vanilla: (2, C, H, W)); partitioned over the batch this is an all-reduce;
-- `<g>.batchnorm` normalises its piece with the statistics, `gamma` and `beta`;
+- `<g>.batchnorm` normalises its piece with the statistics, `gamma` and `beta` (in evaluation, the
+  runtime normalises with `<g>.running` instead, which the task therefore also reads);
 - `<g>.batchnorm.running` folds the batch statistics into `<g>.running` (state, for inference);
 - backward, `<g>.batchnorm.grad` reduces Σdy and Σdy·x̂ into `beta.delta` and `gamma.delta`, and
   `<g>.batchnorm.input_grad` computes the input gradient from those totals.
@@ -81,7 +82,7 @@ class BatchNorm(Layer):
         beta = ctx.param(f"{self.name}.beta", (1,) + per, "zeros")
         stats = ctx.tensor(f"{self.stem}.stats", (2,) + per, "stat", dtype="float64")
         running = ctx.tensor(
-            f"{self.name}.running", (2,) + per, "state", dtype="float64", init="zeros"
+            f"{self.name}.running", (2,) + per, "state", dtype="float64", init="rows:0,1"
         )
         y = ctx.tensor(f"{self.stem}.output", dims, "activation")
         space = Rect.from_dims(dims)
@@ -105,6 +106,7 @@ class BatchNorm(Layer):
                 ("stats", stats, R_),
                 ("gamma", gamma, R_),
                 ("beta", beta, R_),
+                ("running", running, R_),
                 ("output", y, W_),
             ],
             self.name,

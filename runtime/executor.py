@@ -1,0 +1,126 @@
+"""The local executor: runs a task graph's tasks in program order on one process.
+
+It is a thin adapter over the shared per-piece step (`run_task_piece`): it owns one NumPy array per
+tensor, in the logical layout, and hands each task the views of its requirements' rects. The MPI
+executor runs the same step on a rank's pieces with buffers of its own.
+
+Parameters and optimizer state (resident tensors) live across steps and across graphs: a training
+run lowers one graph per batch size it meets (the last, partial batch of an epoch; evaluation
+batches), and all of them share the parameters by name. Activations and gradients are
+reallocated only when a graph needs other dims.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Iterable
+
+import numpy as np
+
+from legion_nn.access import piece_requirements
+from legion_nn.graph import TaskGraph
+from legion_nn.ir import Task, Tensor
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+from runtime.ops import StepContext, run_piece
+
+NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64}
+
+
+def initial_value(tensor: Tensor, rng: np.random.Generator) -> np.ndarray:
+    """A resident tensor's first value, from its `init` spec."""
+    dtype = NUMPY_DTYPES[tensor.dtype]
+    kind, _, arg = tensor.init.partition(":")
+    if kind in ("", "zeros"):
+        return np.zeros(tensor.dims, dtype)
+    if kind == "const":
+        return np.full(tensor.dims, float(arg), dtype)
+    if kind == "normal":
+        return (rng.standard_normal(tensor.dims) * float(arg)).astype(dtype)
+    if kind == "rows":  # one constant per index of the first axis, e.g. running [mean, var]
+        values = np.array([float(v) for v in arg.split(",")], dtype)
+        return np.broadcast_to(values.reshape((-1,) + (1,) * (len(tensor.dims) - 1)), tensor.dims).copy()
+    if kind == "he":
+        return (rng.standard_normal(tensor.dims) * np.sqrt(2.0 / float(arg))).astype(dtype)
+    raise ValueError(f"tensor {tensor.name}: unknown init {tensor.init!r}")
+
+
+def run_task_piece(
+    task: Task,
+    piece: Rect,
+    tensors: dict[str, Tensor],
+    view,
+    ctx: StepContext,
+) -> None:
+    """Run one piece of a task: views in, kernel, results written or reduced into the views.
+
+    `view(tensor_name, rect)` returns a writable array for that rect of the tensor.
+    """
+    requirements = piece_requirements(task, tensors, piece)
+    views = {req.role: view(req.tensor, req.rect) for req in requirements}
+    dims = {req.role: tensors[req.tensor].dims for req in requirements}
+    results = run_piece(task, piece, views, dims, ctx)
+    for req in requirements:
+        if req.role not in results:
+            continue
+        target = views[req.role]
+        if req.privilege is Privilege.REDUCE:
+            target += results[req.role]
+        elif req.privilege is Privilege.WRITE:
+            target[...] = results[req.role]
+        else:
+            raise AssertionError(f"{task.name}: adapter returned a {req.privilege} role {req.role}")
+
+
+class LocalExecutor:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.arrays: dict[str, np.ndarray] = {}
+        self._tensors: dict[str, Tensor] = {}
+
+    def prepare(self, graph: TaskGraph) -> None:
+        """Allocate what `graph` needs; resident tensors are initialised once, in name order."""
+        for name in sorted(graph.tensors):
+            tensor = graph.tensors[name]
+            current = self.arrays.get(name)
+            if current is not None and current.shape == tensor.dims:
+                continue
+            if tensor.kind in ("param", "state"):
+                if current is not None:
+                    raise ValueError(f"tensor {name} changed dims to {list(tensor.dims)}")
+                # Each resident tensor draws from its own stream so that adding a layer does not
+                # change the initial values of the others.
+                stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+                self.arrays[name] = initial_value(tensor, stream)
+            else:
+                self.arrays[name] = np.zeros(tensor.dims, NUMPY_DTYPES[tensor.dtype])
+            self._tensors[name] = tensor
+
+    def view(self, name: str, rect: Rect) -> np.ndarray:
+        return self.arrays[name][rect.to_slices()]
+
+    def run(self, graph: TaskGraph, ctx: StepContext, tasks: Iterable[Task] | None = None) -> StepContext:
+        """Run `tasks` (default: the whole step) of `graph` in program order."""
+        self.prepare(graph)
+        for task in graph.tasks if tasks is None else tasks:
+            run_task_piece(task, task.space, graph.tensors, self.view, ctx)
+        return ctx
+
+    def resident(self) -> dict[str, np.ndarray]:
+        """Parameters and state by name: what a checkpoint holds."""
+        return {
+            name: array
+            for name, array in self.arrays.items()
+            if self._tensors[name].kind in ("param", "state")
+        }
+
+
+
+def inference_tasks(graph: TaskGraph) -> list[Task]:
+    """The forward pass alone: forward tasks and the zeroing of the statistics they reduce into."""
+    return [
+        task
+        for task in graph.tasks
+        if task.phase == "forward"
+        or (task.phase == "set_zero" and graph.tensors[task.requirements[0].tensor].kind != "grad")
+    ]
