@@ -86,3 +86,11 @@ def test_bad_arguments():
         linear_forward(x, w, b.reshape(1, 1, 3, 1))
     with pytest.raises(ValueError, match=r"dy must have shape \(2, 3, 1, 1\)"):
         linear_backward(np.ones((2, 2, 1, 1)), x, w)
+
+
+def test_empty_batch_piece():
+    x, w, _ = _inputs(0, 3, (2, 2, 2), np.float64)
+    assert linear_forward(x, w).shape == (0, 3, 1, 1)
+    dx, dw, db = linear_backward(np.zeros((0, 3, 1, 1)), x, w, need_db=True)
+    assert dx.shape == x.shape
+    assert not dw.any() and not db.any() and dw.shape == w.shape

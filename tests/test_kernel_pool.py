@@ -111,3 +111,9 @@ def test_bad_arguments():
         maxpool_forward(x, 2, 0)
     with pytest.raises(ValueError, match=r"dy must have shape \(1, 1, 2, 2\)"):
         maxpool_backward(np.zeros((1, 1, 3, 3)), x, 2, 2)
+
+
+def test_empty_batch_piece():
+    x = np.zeros((0, 2, 4, 6), np.float32)
+    assert maxpool_forward(x, 2, 2).shape == (0, 2, 2, 3)
+    assert maxpool_backward(np.zeros((0, 2, 2, 3), np.float32), x, 2, 2).shape == x.shape

@@ -107,3 +107,10 @@ def test_bad_arguments():
         softmax_forward(x.reshape(3, 2, 2, 1), labels, 3)
     with pytest.raises(ValueError, match="stats sample count must be positive"):
         accuracy(np.zeros((4, 1, 1, 1)))
+
+
+def test_empty_batch_piece_contributes_nothing():
+    x, labels = _inputs(0, 5)
+    prob, loss = softmax_forward(x, labels, 4)
+    assert prob.shape == (0, 5, 1, 1) and loss.item() == 0.0
+    np.testing.assert_array_equal(evaluate_forward(prob, labels), np.zeros((4, 1, 1, 1)))

@@ -28,19 +28,18 @@ def _forward(x, a, b, y):
 @njit(cache=True, parallel=True)
 def _backward(dy, x, a, need_dx, dx, da_parts, db):
     n, k, p, q = dy.shape
-    # One channel per iteration: each writes its own slice of db and da_parts, so no races.
+    # One channel per iteration: each writes its own slice of db (float64, zeroed by the caller)
+    # and of da_parts, so there are no races; the batch loop is outside to stream rows of dy.
     for c in prange(k):
         acc = 0.0
-        for r in range(p):
-            for s in range(q):
-                bsum = 0.0
-                for i in range(n):
+        for i in range(n):
+            for r in range(p):
+                for s in range(q):
                     g = dy[i, c, r, s]
                     acc += g * np.float64(x[i, c, r, s])
-                    bsum += g
+                    db[0, c, r, s] += g
                     if need_dx:
                         dx[i, c, r, s] = a * g
-                db[0, c, r, s] = bsum
         da_parts[c] = acc
 
 

@@ -10,6 +10,8 @@ them); on an M piece dx is the piece's contribution to the input gradient.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from runtime.kernels import _checks
@@ -26,9 +28,9 @@ def _check(x: np.ndarray, w: np.ndarray) -> None:
 def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     """y (N, M, 1, 1) = x·wᵀ (+ b) for x (N, C, H, W), w (M, C, H, W), b (1, M, 1, 1)."""
     _check(x, w)
-    n, m = x.shape[0], w.shape[0]
+    n, m, chw = x.shape[0], w.shape[0], math.prod(x.shape[1:])
     y = np.empty((n, m, 1, 1), x.dtype)
-    np.dot(x.reshape(n, -1), w.reshape(m, -1).T, out=y.reshape(n, m))
+    np.dot(x.reshape(n, chw), w.reshape(m, chw).T, out=y.reshape(n, m))
     if b is not None:
         _checks.floating("b", b)
         _checks.shape("b", b, (1, m, 1, 1))
@@ -45,16 +47,16 @@ def linear_backward(
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
     """(dx, dw, db): dx = dy·w (N, C, H, W), dw = dyᵀ·x (M, C, H, W), db = Σ_n dy (1, M, 1, 1)."""
     _check(x, w)
-    n, m = x.shape[0], w.shape[0]
+    n, m, chw = x.shape[0], w.shape[0], math.prod(x.shape[1:])
     _checks.floating("dy", dy)
     _checks.shape("dy", dy, (n, m, 1, 1))
     _checks.same_dtype("dy", dy, "x", x)
     dy2 = dy.reshape(n, m)
     dw = np.empty(w.shape, w.dtype)
-    np.dot(dy2.T, x.reshape(n, -1), out=dw.reshape(m, -1))
+    np.dot(dy2.T, x.reshape(n, chw), out=dw.reshape(m, chw))
     dx = None
     if need_dx:
         dx = np.empty(x.shape, x.dtype)
-        np.dot(dy2, w.reshape(m, -1), out=dx.reshape(n, -1))
+        np.dot(dy2, w.reshape(m, chw), out=dx.reshape(n, chw))
     db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype).reshape(1, m, 1, 1) if need_db else None
     return dx, dw, db
