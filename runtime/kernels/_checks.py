@@ -1,0 +1,54 @@
+"""Argument checks shared by the op kernels.
+
+Kernels are called by the executor on pieces it cut itself, so a bad argument is a bug upstream;
+the checks turn it into a one-line ValueError that names the argument and the shapes involved
+instead of an out-of-bounds write inside a Numba loop (TypeError when it is not an array at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def floating(name: str, a: np.ndarray, ndim: int | None = None) -> None:
+    """Require a float32/float64 ndarray, optionally of a given rank."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype not in FLOATS:
+        raise ValueError(f"{name} must be float32 or float64, got {a.dtype} with shape {a.shape}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-d, got shape {a.shape}")
+
+
+def same_dtype(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -> None:
+    if a.dtype != ref.dtype:
+        raise ValueError(
+            f"{name} dtype {a.dtype} {a.shape} differs from {ref_name} dtype {ref.dtype} {ref.shape}"
+        )
+
+
+def shape(name: str, a: np.ndarray, expected: Sequence[int]) -> None:
+    if tuple(a.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {a.shape}")
+
+
+def labels(name: str, lab: np.ndarray, n: int, classes: int) -> None:
+    """Require int32 labels of shape (n, 1, 1, 1) with values in [0, classes)."""
+    if not isinstance(lab, np.ndarray) or lab.dtype != np.int32:
+        got = lab.dtype if isinstance(lab, np.ndarray) else type(lab).__name__
+        raise ValueError(f"{name} must be an int32 array, got {got}")
+    shape(name, lab, (n, 1, 1, 1))
+    if n and (lab.min() < 0 or lab.max() >= classes):
+        raise ValueError(f"{name} must lie in [0, {classes}), got range [{lab.min()}, {lab.max()}]")
+
+
+def pair(name: str, value: int | Sequence[int]) -> tuple[int, int]:
+    """An int or a pair of ints as (rows, cols)."""
+    vals = (value, value) if np.isscalar(value) else tuple(value)
+    if len(vals) != 2 or any(int(v) != v for v in vals):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+    return int(vals[0]), int(vals[1])

@@ -1,0 +1,76 @@
+"""The `filterA` op: out = a·x + b with one scalar `a` and an untied bias `b`.
+
+`b` has shape (1, K, P, Q): one bias per output channel and position, shared across the batch,
+which is what follows an untied `filter` in the seed network. On a piece of the batch the backward
+returns the piece's contribution to `da` and `db` (sums over that piece's samples); the runtime adds
+the contributions of the pieces, so the sums are accumulated in float64 and only the totals are
+rounded to the input dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from runtime.kernels import _checks
+
+
+@njit(cache=True, parallel=True)
+def _forward(x, a, b, y):
+    n, k, p, q = x.shape
+    for nk in prange(n * k):
+        i, c = nk // k, nk % k
+        for r in range(p):
+            for s in range(q):
+                y[i, c, r, s] = a * x[i, c, r, s] + b[0, c, r, s]
+
+
+@njit(cache=True, parallel=True)
+def _backward(dy, x, a, need_dx, dx, da_parts, db):
+    n, k, p, q = dy.shape
+    # One channel per iteration: each writes its own slice of db (float64, zeroed by the caller)
+    # and of da_parts, so there are no races; the batch loop is outside to stream rows of dy.
+    for c in prange(k):
+        acc = 0.0
+        for i in range(n):
+            for r in range(p):
+                for s in range(q):
+                    g = dy[i, c, r, s]
+                    acc += g * np.float64(x[i, c, r, s])
+                    db[0, c, r, s] += g
+                    if need_dx:
+                        dx[i, c, r, s] = a * g
+        da_parts[c] = acc
+
+
+def _check(x: np.ndarray, a: np.ndarray, x_name: str = "x") -> None:
+    _checks.floating(x_name, x, 4)
+    _checks.floating("a", a)
+    _checks.shape("a", a, (1,))
+
+
+def filterA_forward(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """y = a·x + b for x (N, K, P, Q), a (1,), b (1, K, P, Q); y has x's dtype."""
+    _check(x, a)
+    _checks.floating("b", b)
+    _checks.shape("b", b, (1, *x.shape[1:]))
+    y = np.empty(x.shape, x.dtype)
+    _forward(x, x.dtype.type(a[0]), b.astype(x.dtype, copy=False), y)
+    return y
+
+
+def filterA_backward(
+    dy: np.ndarray, x: np.ndarray, a: np.ndarray, need_dx: bool = True
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """(dx, da, db): dx = a·dy (None unless need_dx), da (1,) = Σ dy·x, db (1, K, P, Q) = Σ_n dy."""
+    _check(dy, a, "dy")
+    _checks.floating("x", x)
+    _checks.shape("x", x, dy.shape)
+    _checks.same_dtype("x", x, "dy", dy)
+    _, k, p, q = dy.shape
+    dx = np.empty(dy.shape if need_dx else (0, 0, 0, 0), dy.dtype)
+    da_parts = np.zeros(k, np.float64)
+    db = np.zeros((1, k, p, q), np.float64)
+    _backward(dy, x, dy.dtype.type(a[0]), bool(need_dx), dx, da_parts, db)
+    da = np.array([da_parts.sum()], dtype=dy.dtype)
+    return (dx if need_dx else None), da, db.astype(dy.dtype)

@@ -1,0 +1,117 @@
+"""The `maxpool` op over (N, C, H, W) with any window, stride and (asymmetric) padding.
+
+Padding is given per side, (top, bottom, left, right), because a spatial piece of a tensor only
+pads on the sides that touch the tensor's border; its other sides carry a halo of real rows
+instead. Padded cells never win: each window takes the maximum over its real cells only, and every
+pad must be smaller than the window so that no window is all padding.
+
+The backward routes each output gradient to its window's argmax, the first maximum in row-major
+window order (as argmax would pick), and accumulates where overlapping windows pick the same cell.
+Each (n, c) plane is independent, which is what the parallel loop splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit, prange
+
+from runtime.kernels import _checks
+
+
+@njit(cache=True)
+def _argmax(x, i, j, r0, s0, kh, kw):
+    h, w = x.shape[2], x.shape[3]
+    r_lo, r_hi = max(r0, 0), min(r0 + kh, h)
+    s_lo, s_hi = max(s0, 0), min(s0 + kw, w)
+    best_r, best_s = r_lo, s_lo
+    best = x[i, j, r_lo, s_lo]
+    for r in range(r_lo, r_hi):
+        for s in range(s_lo, s_hi):
+            if x[i, j, r, s] > best:
+                best, best_r, best_s = x[i, j, r, s], r, s
+    return best_r, best_s
+
+
+@njit(cache=True, parallel=True)
+def _forward(x, kh, kw, sh, sw, top, left, y):
+    n, c = x.shape[0], x.shape[1]
+    ho, wo = y.shape[2], y.shape[3]
+    for nc in prange(n * c):
+        i, j = nc // c, nc % c
+        for p in range(ho):
+            for q in range(wo):
+                r, s = _argmax(x, i, j, p * sh - top, q * sw - left, kh, kw)
+                y[i, j, p, q] = x[i, j, r, s]
+
+
+@njit(cache=True, parallel=True)
+def _backward(dy, x, kh, kw, sh, sw, top, left, dx):
+    n, c = x.shape[0], x.shape[1]
+    ho, wo = dy.shape[2], dy.shape[3]
+    for nc in prange(n * c):
+        i, j = nc // c, nc % c
+        for p in range(ho):
+            for q in range(wo):
+                r, s = _argmax(x, i, j, p * sh - top, q * sw - left, kh, kw)
+                dx[i, j, r, s] += dy[i, j, p, q]
+
+
+def _pads(pad: int | Sequence[int]) -> tuple[int, int, int, int]:
+    vals = (pad,) * 4 if np.isscalar(pad) else tuple(pad)
+    if len(vals) != 4 or any(int(v) != v or v < 0 for v in vals):
+        raise ValueError(f"pad must be an int or (top, bottom, left, right) >= 0, got {pad!r}")
+    return tuple(int(v) for v in vals)
+
+
+def _geometry(
+    x: np.ndarray,
+    kernel: int | Sequence[int],
+    stride: int | Sequence[int],
+    pad: int | Sequence[int],
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int, int], tuple[int, int]]:
+    """Validated (kernel, stride, pads, output size) for an input x."""
+    _checks.floating("x", x, 4)
+    kh, kw = _checks.pair("kernel", kernel)
+    sh, sw = _checks.pair("stride", stride)
+    top, bottom, left, right = _pads(pad)
+    if min(kh, kw, sh, sw) < 1:
+        raise ValueError(f"kernel {(kh, kw)} and stride {(sh, sw)} must be positive")
+    if max(top, bottom) >= kh or max(left, right) >= kw:
+        raise ValueError(f"pad {(top, bottom, left, right)} must be smaller than kernel {(kh, kw)}")
+    h, w = x.shape[2] + top + bottom, x.shape[3] + left + right
+    if h < kh or w < kw:
+        raise ValueError(f"kernel {(kh, kw)} exceeds padded input {(h, w)} of x {x.shape}")
+    out = ((h - kh) // sh + 1, (w - kw) // sw + 1)
+    return (kh, kw), (sh, sw), (top, bottom, left, right), out
+
+
+def maxpool_forward(
+    x: np.ndarray,
+    kernel: int | Sequence[int],
+    stride: int | Sequence[int],
+    pad: int | Sequence[int] = 0,
+) -> np.ndarray:
+    """y (N, C, Ho, Wo): the maximum of each window over the real (unpadded) cells of x."""
+    (kh, kw), (sh, sw), (top, _, left, _), (ho, wo) = _geometry(x, kernel, stride, pad)
+    y = np.empty((x.shape[0], x.shape[1], ho, wo), x.dtype)
+    _forward(x, kh, kw, sh, sw, top, left, y)
+    return y
+
+
+def maxpool_backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    kernel: int | Sequence[int],
+    stride: int | Sequence[int],
+    pad: int | Sequence[int] = 0,
+) -> np.ndarray:
+    """dx (N, C, H, W): each dy added to its window's first argmax in x."""
+    (kh, kw), (sh, sw), (top, _, left, _), (ho, wo) = _geometry(x, kernel, stride, pad)
+    _checks.floating("dy", dy)
+    _checks.shape("dy", dy, (x.shape[0], x.shape[1], ho, wo))
+    _checks.same_dtype("dy", dy, "x", x)
+    dx = np.zeros(x.shape, x.dtype)
+    _backward(dy, x, kh, kw, sh, sw, top, left, dx)
+    return dx

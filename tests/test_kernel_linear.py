@@ -1,0 +1,96 @@
+import numpy as np
+import pytest
+from numeric_grad import assert_grad, numeric_grad
+
+from runtime.kernels.linear import linear_backward, linear_forward
+
+
+def _inputs(n, m, chw, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, *chw)).astype(dtype)
+    w = rng.standard_normal((m, *chw)).astype(dtype)
+    b = rng.standard_normal((1, m, 1, 1)).astype(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("n", "m", "chw"), [(1, 3, (2, 3, 5)), (4, 7, (3, 1, 1)), (3, 1, (1, 4, 2))]
+)
+def test_matches_einsum(n, m, chw, dtype):
+    x, w, b = _inputs(n, m, chw, dtype)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = np.einsum("nchw,mchw->nm", x64, w64)[:, :, None, None]
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    y = linear_forward(x, w)
+    assert y.dtype == dtype and y.shape == (n, m, 1, 1)
+    np.testing.assert_allclose(y, ref, **tol)
+    np.testing.assert_allclose(linear_forward(x, w, b), ref + b, **tol)
+
+    dy = np.random.default_rng(1).standard_normal((n, m, 1, 1)).astype(dtype)
+    dx, dw, db = linear_backward(dy, x, w, need_db=True)
+    assert dx.dtype == dw.dtype == db.dtype == dtype
+    dy2 = dy[:, :, 0, 0].astype(np.float64)
+    np.testing.assert_allclose(dx, np.einsum("nm,mchw->nchw", dy2, w64), **tol)
+    np.testing.assert_allclose(dw, np.einsum("nm,nchw->mchw", dy2, x64), **tol)
+    np.testing.assert_allclose(db, dy2.sum(axis=0).reshape(1, m, 1, 1), **tol)
+
+
+def test_optional_outputs():
+    x, w, _ = _inputs(2, 3, (2, 2, 2), np.float64)
+    dy = np.ones((2, 3, 1, 1))
+    dx, dw, db = linear_backward(dy, x, w, need_dx=False)
+    assert dx is None and db is None
+    np.testing.assert_allclose(dw, np.broadcast_to(x.sum(axis=0), w.shape))
+
+
+def test_numerical_gradients():
+    x, w, b = _inputs(3, 4, (2, 3, 2), np.float64)
+    r = np.random.default_rng(2).standard_normal((3, 4, 1, 1))
+    dx, dw, db = linear_backward(r, x, w, need_db=True)
+
+    def f():
+        return linear_forward(x, w, b)
+
+    assert_grad(dx, numeric_grad(f, x, r))
+    assert_grad(dw, numeric_grad(f, w, r))
+    assert_grad(db, numeric_grad(f, b, r))
+
+
+def test_pieces_add_up():
+    x, w, _ = _inputs(5, 6, (2, 3, 3), np.float64)
+    dy = np.random.default_rng(3).standard_normal((5, 6, 1, 1))
+    dx, dw, _ = linear_backward(dy, x, w)
+    # Batch pieces contribute to dw; output (M) pieces contribute to dx.
+    dw_parts = [linear_backward(dy[s], x[s], w)[1] for s in (slice(0, 2), slice(2, 5))]
+    np.testing.assert_allclose(dw_parts[0] + dw_parts[1], dw, rtol=1e-12)
+    dx_parts = [linear_backward(dy[:, s], x, w[s])[0] for s in (slice(0, 4), slice(4, 6))]
+    np.testing.assert_allclose(dx_parts[0] + dx_parts[1], dx, rtol=1e-12)
+
+
+def test_strided_piece():
+    x, w, _ = _inputs(4, 3, (4, 2, 2), np.float64)
+    xs, ws = x[:, 1:3], w[:, 1:3]
+    np.testing.assert_allclose(
+        linear_forward(xs, ws), np.einsum("nchw,mchw->nm", xs, ws)[:, :, None, None]
+    )
+
+
+def test_bad_arguments():
+    x, w, b = _inputs(2, 3, (2, 2, 2), np.float64)
+    with pytest.raises(ValueError, match=r"w shape \(3, 2, 2, 1\) does not match x shape"):
+        linear_forward(x, w[..., :1])
+    with pytest.raises(ValueError, match="w dtype float32"):
+        linear_forward(x, w.astype(np.float32))
+    with pytest.raises(ValueError, match=r"b must have shape \(1, 3, 1, 1\)"):
+        linear_forward(x, w, b.reshape(1, 1, 3, 1))
+    with pytest.raises(ValueError, match=r"dy must have shape \(2, 3, 1, 1\)"):
+        linear_backward(np.ones((2, 2, 1, 1)), x, w)
+
+
+def test_empty_batch_piece():
+    x, w, _ = _inputs(0, 3, (2, 2, 2), np.float64)
+    assert linear_forward(x, w).shape == (0, 3, 1, 1)
+    dx, dw, db = linear_backward(np.zeros((0, 3, 1, 1)), x, w, need_db=True)
+    assert dx.shape == x.shape
+    assert not dw.any() and not db.any() and dw.shape == w.shape
