@@ -45,6 +45,7 @@ def _batchnorm_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece:
         "output.delta": piece,
         "input.delta": piece,
         "stats": stats,
+        "running": stats,
         "gamma": param,
         "beta": param,
         "gamma.delta": param,
