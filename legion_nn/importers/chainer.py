@@ -17,8 +17,9 @@ record names the *forward* variables and the role says which buffer of that vari
 - `ID gradient`: the gradient of forward variable ID (always an output of the matching forward
   function): the incoming gradient, `gy`.
 - `ID input` / `ID output`: the data of forward variable ID, an input or an output of the matching
-  forward function, read again by the backward pass. The seed lists every forward input of a
-  function this way (Dropout's input and convolution biases included, whatever Chainer retained).
+  forward function, read again by the backward pass. The seed lists most functions' forward inputs
+  this way whether Chainer retained them or not (Dropout's input, convolution biases); ReLU lists
+  only its output.
 - an output `ID`: the gradient of forward variable ID (an input of the matching forward function),
   `gx`, `gW` or `gb`. When a variable feeds several functions, several backward records list it as an
   output and its gradient is accumulated.
