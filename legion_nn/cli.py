@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("graph",)
+COMMANDS = ("graph", "memory")
 
 
 class _Parser(argparse.ArgumentParser):
