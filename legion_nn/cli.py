@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("graph", "memory")
+COMMANDS = ("graph", "memory", "train")
 
 
 class _Parser(argparse.ArgumentParser):

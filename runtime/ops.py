@@ -24,6 +24,7 @@ from legion_nn.rect import Rect
 from runtime.kernels import (
     affine,
     batchnorm,
+    conv as conv_kernels,
     dropout,
     filter as filter_kernels,
     linear,
@@ -115,7 +116,7 @@ def _conv(task, piece, views, dims, ctx):
     weights, stride = views["filters"], task.attrs["stride"]
     if "b" not in views:
         return {"output": filter_kernels.filter_forward(views["input"], weights, stride, pads)}
-    return {"output": filter_kernels.conv_forward(views["input"], weights, views["b"], stride, pads)}
+    return {"output": conv_kernels.conv_forward(views["input"], weights, views["b"], stride, pads)}
 
 
 @adapter("conv", "backward")
@@ -124,7 +125,7 @@ def _conv_grad(task, piece, views, dims, ctx):
     need_dx = task.attrs["need_dx"]
     out = {}
     if "b.delta" in views:
-        dx, dw, db = filter_kernels.conv_backward(
+        dx, dw, db = conv_kernels.conv_backward(
             views["output.delta"], views["input"], views["filters"], task.attrs["stride"], pads,
             need_dx=need_dx,
         )

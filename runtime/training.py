@@ -1,0 +1,205 @@
+"""The training loop: batches in, task graphs executed, losses logged, checkpoints kept.
+
+Each step runs the whole lowered graph (forward, zeroing, backward, updates) on one batch; the
+loss and the evaluate statistics are read from their tensors afterwards. Which samples make a step
+is a pure function of (seed, epoch, step in epoch), and dropout masks of (seed, step), so a run
+resumed from a checkpoint continues with exactly the losses an uninterrupted run would produce.
+
+A graph is lowered for each batch size met (the last batch of an epoch is usually smaller);
+lowering takes a millisecond, and the executor shares parameters between them by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, Callable
+
+import numpy as np
+
+from legion_nn.errors import LegionNNError
+from legion_nn.graph import TaskGraph
+from legion_nn.network import Network
+from runtime import checkpoint
+from runtime.data import Dataset, Split
+from runtime.executor import LocalExecutor, inference_tasks
+from runtime.ops import StepContext
+
+
+@dataclass
+class TrainConfig:
+    network: Network
+    dataset: Dataset
+    batch: int = 32
+    epochs: int = 10
+    steps: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    optimizer: str = "adam"
+    hyperparameters: dict[str, float] = field(default_factory=dict)
+    checkpoint_dir: str | None = None
+    resume: bool = False
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    val_accuracy: float
+    test_accuracy: float
+    train_accuracy: float
+    steps: int
+    seconds: float
+
+
+def fingerprint(network: Network) -> str:
+    return hashlib.sha256(json.dumps(network.to_spec(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, log: IO[str] | None = None,
+                 on_step: Callable[[int, float], None] | None = None,
+                 on_epoch: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.log = log
+        self.on_step = on_step
+        self.on_epoch = on_epoch
+        self.executor = LocalExecutor(seed=config.seed)
+        self._graphs: dict[int, TaskGraph] = {}
+        train = config.dataset.train
+        if len(train) == 0:
+            raise LegionNNError("the training split is empty")
+        self.steps_per_epoch = math.ceil(len(train) / config.batch)
+        self.total_steps = config.steps if config.steps is not None else config.epochs * self.steps_per_epoch
+
+    def graph(self, batch: int) -> TaskGraph:
+        if batch not in self._graphs:
+            c = self.config
+            self._graphs[batch] = c.network.lower(
+                batch=batch, dtype=c.dtype, optimizer=c.optimizer, hyperparameters=c.hyperparameters
+            )
+        return self._graphs[batch]
+
+    def identity(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "network": c.network.name,
+            "fingerprint": fingerprint(c.network),
+            "dtype": c.dtype,
+            "optimizer": c.optimizer,
+            "batch": c.batch,
+            "data": c.dataset.name,
+            "seed": c.seed,
+        }
+
+    def batch_indices(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.config.dataset.train))
+        return order[index * self.config.batch : (index + 1) * self.config.batch]
+
+    def _outputs(self, graph: TaskGraph) -> tuple[str, str | None]:
+        loss = next(t for t in graph.tasks if t.op == "softmax" and t.phase == "forward")
+        evaluate = [t for t in graph.tasks if t.op == "evaluate"]
+        stats = evaluate[0].requirement("output").tensor if evaluate else None
+        return loss.requirement("output").tensor, stats
+
+    def step(self, step: int) -> tuple[float, np.ndarray | None]:
+        train = self.config.dataset.train
+        idx = self.batch_indices(step)
+        graph = self.graph(len(idx))
+        ctx = StepContext(step, training=True, inputs=train.x[idx], labels=train.y[idx])
+        self.executor.run(graph, ctx)
+        loss_name, stats_name = self._outputs(graph)
+        loss = float(self.executor.arrays[loss_name].reshape(-1)[0])
+        stats = self.executor.arrays[stats_name].reshape(-1).copy() if stats_name else None
+        return loss, stats
+
+    def evaluate(self, split: Split) -> tuple[float, float]:
+        """(mean loss, top-1 accuracy) of the forward pass over a split, in evaluation mode."""
+        totals = np.zeros(4)
+        for start in range(0, len(split), self.config.batch):
+            x = split.x[start : start + self.config.batch]
+            graph = self.graph(len(x))
+            ctx = StepContext(0, training=False, inputs=x, labels=split.y[start : start + len(x)])
+            self.executor.run(graph, ctx, inference_tasks(graph))
+            _, stats_name = self._outputs(graph)
+            if stats_name is None:
+                raise LegionNNError(f"network {self.config.network.name} has no evaluate layer")
+            totals += self.executor.arrays[stats_name].reshape(-1)
+        if totals[3] == 0:
+            return float("nan"), float("nan")
+        return totals[0] / totals[3], totals[1] / totals[3]
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
+
+    def _save(self, step: int) -> None:
+        if self.config.checkpoint_dir:
+            header = {**self.identity(), "step": step}
+            checkpoint.save(self.config.checkpoint_dir, self.executor.resident(), header)
+
+    def _resume(self) -> int:
+        arrays, header = checkpoint.load(self.config.checkpoint_dir, self.identity())
+        self.executor.prepare(self.graph(self.config.batch))
+        for name, array in arrays.items():
+            current = self.executor.arrays.get(name)
+            if current is None or current.shape != array.shape:
+                raise LegionNNError(f"checkpoint tensor {name} does not fit this network")
+            current[...] = array
+        return int(header["step"])
+
+    def run(self) -> TrainResult:
+        c = self.config
+        start_step = 0
+        if c.resume:
+            if not c.checkpoint_dir:
+                raise LegionNNError("--resume needs --checkpoint DIR")
+            start_step = self._resume()
+        self.executor.prepare(self.graph(min(c.batch, len(c.dataset.train))))
+        losses: list[float] = []
+        epoch_stats = np.zeros(4)
+        started = time.perf_counter()
+        for step in range(start_step, self.total_steps):
+            tic = time.perf_counter()
+            loss, stats = self.step(step)
+            seconds = time.perf_counter() - tic
+            losses.append(loss)
+            if stats is not None:
+                epoch_stats += stats
+            epoch = step // self.steps_per_epoch
+            self._write({"step": step, "epoch": epoch, "loss": loss, "rank": 0, "seconds": seconds})
+            if self.on_step:
+                self.on_step(step, loss)
+            end_of_epoch = (step + 1) % self.steps_per_epoch == 0
+            if end_of_epoch or step + 1 == self.total_steps:
+                self._end_epoch(epoch, epoch_stats, step + 1)
+                epoch_stats = np.zeros(4)
+        val_loss, val_accuracy = self.evaluate(c.dataset.val)
+        test_loss, test_accuracy = self.evaluate(c.dataset.test)
+        train_loss, train_accuracy = self.evaluate(c.dataset.train)
+        seconds = time.perf_counter() - started
+        self._write({
+            "event": "done", "test_accuracy": test_accuracy, "val_accuracy": val_accuracy,
+            "train_accuracy": train_accuracy, "test_loss": test_loss, "val_loss": val_loss,
+            "steps": self.total_steps, "seconds": seconds,
+        })
+        return TrainResult(losses, val_accuracy, test_accuracy, train_accuracy, self.total_steps, seconds)
+
+    def _end_epoch(self, epoch: int, stats: np.ndarray, steps_done: int) -> None:
+        val_loss, val_accuracy = self.evaluate(self.config.dataset.val)
+        train_loss = stats[0] / stats[3] if stats[3] else float("nan")
+        train_accuracy = stats[1] / stats[3] if stats[3] else float("nan")
+        self._write({
+            "event": "epoch", "epoch": epoch, "train_loss": train_loss,
+            "train_accuracy": train_accuracy, "val_loss": val_loss, "val_accuracy": val_accuracy,
+        })
+        if self.on_epoch:
+            self.on_epoch(
+                f"epoch {epoch + 1}: train loss {train_loss:.4f} acc {train_accuracy:.4f} | "
+                f"val loss {val_loss:.4f} acc {val_accuracy:.4f}"
+            )
+        self._save(steps_done)
