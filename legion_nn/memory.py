@@ -3,20 +3,23 @@
 The analysis is generic: a `Schedule` is the functions of one step in execution order, each naming
 the buffers it reads and writes, and the buffers with their byte sizes and lifetimes. Two feeders
 build one: `schedule_from_dump` from a Chainer dump and `schedule_from_graph` from a `TaskGraph`
-(lowered or imported), with the same rules, so that results are comparable:
+(lowered or imported), with the same rules, so that results are comparable (what a function
+*reads* differs between the two; see the last paragraph):
 
 - the schedule is the forward functions by ascending rank, then the backward functions by
   descending rank;
 - parameters and step inputs (variables no forward function produces) are live all step;
 - any other buffer (a forward variable or a gradient) is allocated at the first function that
   touches it and freed after the last. For a forward variable the first is its producer and the last
-  its last reader, forward or backward: a backward record reads a variable's *data* where it lists it
-  in the `input` or `output` role; the `gradient` role reads its gradient (see
-  `legion_nn.importers.chainer`). For a gradient the first is the first backward function that
-  outputs it, or reads it where nothing produced it yet (the loss gradient, allocated just before its
-  first reader), and the last is its last reader. Chosen where the rules are open: a buffer that
-  nothing reads is freed after its last writer (a gradient accumulated by two functions lives until
-  the second, a loss nothing reads after its producer);
+  the last function, forward or backward, that lists it as an input in *any* role, as the issue
+  says: a backward record listing v as `input` or `output` reads v's data, and one listing v as
+  `gradient` reads v's gradient *and* keeps v's data alive until after it. So a function's output
+  lives until that function's backward, which lists it for its gradient, even where the backward
+  (a convolution's, say) needs only the gradient. For a gradient the first is the first backward
+  function that outputs it, or reads it where nothing produced it yet (the loss gradient, allocated
+  just before its first reader), and the last is its last reader. Chosen where the rules are open: a
+  buffer that nothing reads is freed after its last writer (a gradient accumulated by two functions
+  lives until the second, a loss nothing reads after its producer);
 - parameter gradients live from their first writer to the end of the step;
 - at each function, live bytes = bytes live before it + its new allocations, i.e. everything whose
   lifetime includes it; the peak is the maximum over functions, the first function reaching it.
@@ -34,6 +37,12 @@ counts; the gradient of a param is `<param>.grad`. A tensor carries the batch wh
 is the graph's batch, unless it is a param, state, a stat or a param's gradient. A loss gradient
 read with an empty rect is never materialised (lowered graphs and imported ones both do this), so
 a graph does not count the 4 bytes a dump counts for it.
+
+A graph is read by what its requirements read, nothing more: a task reading `output.delta` reads
+the gradient tensor `t.grad`, not `t`. A dump's backward record names the variable itself for its
+incoming gradient, and the any-role rule keeps that variable alive; so a graph whose backward
+tasks do not also read `t` frees `t` earlier than the dump's rule does, and peaks lower. Lowered
+networks and imported dumps are such graphs.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from typing import Any
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
-from legion_nn.importers.chainer import DATA_ROLES, Dump
+from legion_nn.importers.chainer import GRADIENT_ROLE, Dump
 from legion_nn.importers.chainer_graph import is_batch_carrying, tensor_name
 from legion_nn.rect import Rect
 
@@ -196,12 +205,12 @@ def schedule_from_dump(dump: Dump, batch: int | None = None) -> Schedule:
         infos[name + GRAD_SUFFIX] = BufferInfo(var.nbytes, TO_END if param else USED, scalable)
     steps = []
     for fn in dump.schedule():
+        # an input in any role keeps the variable's data alive, a backward `gradient` one included
+        reads = {tensor_name(dump, v) for v in fn.ids()}
         if fn.direction == "forward":
-            reads = {tensor_name(dump, v) for v in fn.ids()}
             writes = {tensor_name(dump, v) for v in fn.outputs}
         else:
-            reads = {tensor_name(dump, v) for v in fn.ids(*DATA_ROLES)}
-            reads |= {tensor_name(dump, v) + GRAD_SUFFIX for v in fn.ids("gradient")}
+            reads |= {tensor_name(dump, v) + GRAD_SUFFIX for v in fn.ids(GRADIENT_ROLE)}
             writes = {tensor_name(dump, v) + GRAD_SUFFIX for v in fn.outputs}
         steps.append(Step(fn.name, fn.direction, frozenset(reads), frozenset(writes)))
     return Schedule.build(steps, infos, batch, dump.source)

@@ -25,8 +25,12 @@ record names the *forward* variables and the role says which buffer of that vari
   output and its gradient is accumulated.
 
 So "the gradient of v" is the buffer named by id v in a gradient role or a backward output; it has
-v's byte size. Each backward record is the backward of the forward record with the same type and
-rank whose inputs hold its outputs; the parser pairs them and names both: the forward function
+v's byte size. The peak-memory analysis (`legion_nn.memory`) frees v's data only after the last
+function that lists v as an input in any role, as the issue says: a `gradient` listing reads v's
+gradient and also keeps v's data alive.
+
+Each backward record is the backward of the forward record with the same type and rank whose
+inputs hold its outputs; the parser pairs them and names both: the forward function
 `<Type>-<rank>` (with `-2`, `-3`, ... for further functions of one type at one rank, in file order)
 and its backward `<Type>-<rank>.grad`, after the project's `<layer>.grad`.
 
@@ -46,9 +50,9 @@ from typing import Any
 from legion_nn.errors import LegionNNError
 
 DIRECTIONS = ("forward", "backward")
-BACKWARD_ROLES = ("gradient", "input", "output")
-#: the backward roles that read a variable's data; `gradient` reads its gradient
-DATA_ROLES = ("input", "output")
+#: the backward role naming a variable's gradient, `gy`; the others name its data
+GRADIENT_ROLE = "gradient"
+BACKWARD_ROLES = (GRADIENT_ROLE, "input", "output")
 LABEL_NAME = "1"
 LABEL_ITEMSIZE = 4  # int32
 
