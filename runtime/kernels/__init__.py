@@ -1,1 +1,11 @@
-"""Numba kernels: NumPy arrays in, NumPy arrays out; no graph or MPI imports."""
+"""Numba kernels: NumPy arrays in, NumPy arrays out; no graph or MPI imports.
+
+`filter` and `conv` take the logical layouts of the design; `filter_packed` and the `*_packed`
+functions of `conv` run on the position-major layouts of `layout`, which an executor keeps
+across training steps. `reference` holds the plain NumPy oracles.
+"""
+
+from runtime.kernels.conv import conv_backward, conv_forward
+from runtime.kernels.filter import filter_backward, filter_forward
+
+__all__ = ["conv_backward", "conv_forward", "filter_backward", "filter_forward"]

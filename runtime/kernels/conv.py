@@ -1,0 +1,73 @@
+"""The `conv` op: a tied filter plus a per-output-channel bias b of shape (1, K, 1, 1).
+
+Built on the filter kernels; w must be tied, (K, 1, 1, C, R, S, 1, 1). The bias is the same
+array in both layouts: it broadcasts over (N, K, P, Q) as (1, K, 1, 1) and over the packed
+(P, Q, K, N) as (K, 1), so an executor keeps it as is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.kernels.filter import filter_backward, filter_forward, filter_geometry
+from runtime.kernels.filter_packed import (
+    backward_data_packed,
+    backward_filter_packed,
+    forward_packed,
+)
+from runtime.kernels.geometry import check_dtypes, check_ndim
+
+
+def _check_bias(b: np.ndarray, k: int, **same_dtype: np.ndarray) -> None:
+    if b.shape != (1, k, 1, 1):
+        raise ValueError(f"b: expected (1, K, 1, 1) = {(1, k, 1, 1)}, got shape {b.shape}")
+    check_dtypes(**same_dtype, b=b)
+
+
+def _check_tied(w_positions: tuple[int, ...]) -> None:
+    if w_positions != (1, 1):
+        raise ValueError(f"w: conv weights must be tied (P = Q = 1), got P, Q = {w_positions}")
+
+
+def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1,
+                 pad=0) -> np.ndarray:
+    """y (N, K, P, Q) = conv of x (N, C, H, W) by w (K, 1, 1, C, R, S, 1, 1), plus b."""
+    geo = filter_geometry(x, w, stride, pad)
+    _check_tied(w.shape[6:])
+    _check_bias(b, geo.k, x=x)
+    y = filter_forward(x, w, stride, pad)
+    y += b
+    return y
+
+
+def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: int = 1, pad=0,
+                  need_dx: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """(dx, dw, db) for the incoming gradient dy (N, K, P, Q); dx is None unless `need_dx`."""
+    filter_geometry(x, w, stride, pad)
+    _check_tied(w.shape[6:])
+    dx, dw = filter_backward(dy, x, w, stride, pad, need_dx=need_dx)
+    return dx, dw, dy.sum(axis=(0, 2, 3)).reshape(1, -1, 1, 1)
+
+
+def conv_forward_packed(xp: np.ndarray, wp: np.ndarray, b: np.ndarray, stride: int = 1,
+                        pad=0) -> np.ndarray:
+    """y (P, Q, K, N) from x (H, W, C, N), tied weights (1, 1, K, R, S, C) and b (1, K, 1, 1)."""
+    check_ndim("wp", wp, 6, "(1, 1, K, R, S, C)")
+    _check_tied(wp.shape[:2])
+    yp = forward_packed(xp, wp, stride, pad)
+    _check_bias(b, yp.shape[2], xp=xp)
+    yp += b.reshape(-1, 1)
+    return yp
+
+
+def conv_backward_packed(dyp: np.ndarray, xp: np.ndarray, wp: np.ndarray, stride: int = 1,
+                         pad=0, need_dx: bool = True
+                         ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """(dxp, dwp, db) in the packed layouts for dy (P, Q, K, N)."""
+    check_ndim("wp", wp, 6, "(1, 1, K, R, S, C)")
+    _check_tied(wp.shape[:2])
+    dxp = None
+    if need_dx:
+        dxp = backward_data_packed(dyp, wp, xp.shape[:2], stride, pad)
+    dwp = backward_filter_packed(dyp, xp, wp.shape[3:5], stride, pad, untied=False)
+    return dxp, dwp, dyp.sum(axis=(0, 1, 3)).reshape(1, -1, 1, 1)

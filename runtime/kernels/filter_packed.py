@@ -1,0 +1,268 @@
+"""Filter kernels on the packed layouts: every pass is a sequence of GEMMs on strided views.
+
+With activations (H, W, C, N) and weights (P, Q, K, R, S, C) (see `layout`), output position
+(p, q) reads input rows h0 + r, h0 = p·stride − pad_top, columns w0 .. w0 + S. For each window
+row r that block is one contiguous (S·C)×N matrix X_r, and the weights W_pq of the position are
+one K×(R·S·C) matrix whose column block r is W_pq[r]. The three passes are then
+
+    forward           Y_pq   = Σ_r W_pq[r] · X_r            (K×S·C)(S·C×N), into y[p, q]
+    backward-data     dX_r  += W_pq[r]ᵀ · dY_pq             (S·C×K)(K×N), into dx rows h0 + r
+    backward-filter   dW_pq[r] (+)= dY_pq · X_rᵀ             (K×N)(N×S·C)
+
+R GEMMs per position and pass, no im2col matrix, no gather. Zero padding clips the window
+instead of padding the tensor: rows and columns that fall outside the input are left out of
+the GEMM (and their weight-gradient block is zeroed). A channel subset lo:hi of the weight
+gradient (seed 003's sparse update) makes X_r non-contiguous, so it runs one K×(hi−lo)×N GEMM
+per window element (r, s) over exactly those channels.
+
+Parallelism (Numba threads, one BLAS thread per GEMM, see `blas`): forward and untied
+backward-filter split output positions, which write disjoint blocks; backward-data splits
+input rows, so the overlapping windows of one row accumulate on one thread; tied
+backward-filter gives each thread its own partial gradient and sums them at the end.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from runtime.kernels.blas import NO_TRANS, TRANS, gemm, single_threaded_blas
+from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
+
+
+@njit(cache=True, inline="always")
+def _clip(start, size, extent):
+    """The part [lo, hi) of window offsets whose input index start + i is inside [0, extent)."""
+    return max(0, -start), min(size, extent - start)
+
+
+@njit(cache=True, parallel=True)
+def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
+    h, wd, c, n = x.shape
+    p_out, q_out, k, _ = y.shape
+    r_size, s_size = window
+    size = x.itemsize
+    xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
+    ys0, ys1, ys2 = y.strides[0] // size, y.strides[1] // size, y.strides[2] // size
+    rsc = r_size * s_size * c
+    for pq in prange(p_out * q_out):
+        p, q = pq // q_out, pq % q_out
+        h0, w0 = p * stride - pad_top, q * stride - pad_left
+        r_lo, r_hi = _clip(h0, r_size, h)
+        s_lo, s_hi = _clip(w0, s_size, wd)
+        if s_hi <= s_lo:
+            r_hi = r_lo
+        w_row = pq if untied else 0
+        for r in range(r_lo, r_hi):
+            gemm(NO_TRANS, NO_TRANS, k, n, (s_hi - s_lo) * c,
+                 w2, w_row * w2.shape[1] + (r * s_size + s_lo) * c, rsc,
+                 x, (h0 + r) * xs0 + (w0 + s_lo) * xs1, xs2,
+                 r > r_lo, y, p * ys0 + q * ys1, ys2)
+        if r_hi <= r_lo:
+            y[p, q] = 0
+
+
+@njit(cache=True, parallel=True)
+def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
+    h, wd, c, n = dx.shape
+    p_out, q_out, k, _ = dy.shape
+    r_size, s_size = window
+    size = dx.itemsize
+    gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
+    xs0, xs1, xs2 = dx.strides[0] // size, dx.strides[1] // size, dx.strides[2] // size
+    rsc = r_size * s_size * c
+    for row in prange(h):
+        dx[row] = 0
+        for r in range(r_size):
+            t = row + pad_top - r
+            if t < 0 or t % stride != 0 or t // stride >= p_out:
+                continue
+            p = t // stride
+            for q in range(q_out):
+                w0 = q * stride - pad_left
+                s_lo, s_hi = _clip(w0, s_size, wd)
+                if s_hi <= s_lo:
+                    continue
+                w_row = p * q_out + q if untied else 0
+                gemm(TRANS, NO_TRANS, (s_hi - s_lo) * c, n, k,
+                     w2, w_row * w2.shape[1] + (r * s_size + s_lo) * c, rsc,
+                     dy, p * gs0 + q * gs1, gs2,
+                     True, dx, row * xs0 + (w0 + s_lo) * xs1, xs2)
+
+
+@njit(cache=True)
+def _filter_gradient_at(dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_left, c_lo,
+                        accumulate):
+    """dW of output position (p, q), into row `dw_row` of dw2 ((positions, K·R·S·Cs))."""
+    h, wd, c, n = x.shape
+    k = dy.shape[2]
+    r_size, s_size = window
+    cs = dw2.shape[1] // (k * r_size * s_size)
+    size = x.itemsize
+    gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
+    xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
+    h0, w0 = p * stride - pad_top, q * stride - pad_left
+    r_lo, r_hi = _clip(h0, r_size, h)
+    s_lo, s_hi = _clip(w0, s_size, wd)
+    clipped = r_lo > 0 or r_hi < r_size or s_lo > 0 or s_hi < s_size
+    if clipped and not accumulate:
+        dw2[dw_row] = 0
+    if s_hi <= s_lo:
+        return
+    add = accumulate or clipped
+    base = dw_row * dw2.shape[1]
+    rscs = r_size * s_size * cs
+    for r in range(r_lo, r_hi):
+        x_off = (h0 + r) * xs0 + (w0 + s_lo) * xs1
+        if cs == c:
+            gemm(NO_TRANS, TRANS, k, (s_hi - s_lo) * c, n, dy, p * gs0 + q * gs1, gs2,
+                 x, x_off, xs2, add, dw2, base + (r * s_size + s_lo) * c, rscs)
+        else:
+            for s in range(s_lo, s_hi):
+                gemm(NO_TRANS, TRANS, k, cs, n, dy, p * gs0 + q * gs1, gs2,
+                     x, x_off + (s - s_lo) * xs1 + c_lo * xs2, xs2,
+                     add, dw2, base + (r * s_size + s) * cs, rscs)
+
+
+@njit(cache=True, parallel=True)
+def _backward_filter_untied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate):
+    q_out = dy.shape[1]
+    for pq in prange(dy.shape[0] * q_out):
+        _filter_gradient_at(dy, x, dw2, pq, pq // q_out, pq % q_out, window, stride,
+                            pad_top, pad_left, c_lo, accumulate)
+
+
+@njit(cache=True, parallel=True)
+def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate,
+                          parts):
+    positions = dy.shape[0] * dy.shape[1]
+    partial = np.zeros((parts, dw2.shape[1]), dw2.dtype)
+    chunk = (positions + parts - 1) // parts
+    for part in prange(parts):
+        for pq in range(part * chunk, min(positions, (part + 1) * chunk)):
+            _filter_gradient_at(dy, x, partial, part, pq // dy.shape[1], pq % dy.shape[1],
+                                window, stride, pad_top, pad_left, c_lo, True)
+    total = partial.sum(axis=0)
+    if accumulate:
+        dw2[0] += total
+    else:
+        dw2[0] = total
+
+
+def packed_geometry(xp_shape: tuple, wp_shape: tuple, stride: int, pad) -> Geometry:
+    """The geometry of (H, W, C, N) activations under (P, Q, K, R, S, C) weights."""
+    h, w, c, n = xp_shape
+    wp, wq, k, r, s, wc = wp_shape
+    return make_geometry((n, c, h, w), (k, wc, r, s, wp, wq), stride, pad, "xp", "wp")
+
+
+def _operand(a: np.ndarray) -> np.ndarray:
+    """`a` itself when BLAS can read its (W, C) axes as one and its last axis is unit-stride."""
+    size = a.itemsize
+    if a.strides[3] == size and a.strides[1] == a.shape[2] * a.strides[2] and min(a.strides) > 0:
+        return a
+    return np.ascontiguousarray(a)
+
+
+def _output(name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype)
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"{name}: expected shape {shape} {dtype}, got {out.shape} {out.dtype}")
+    if _operand(out) is not out:
+        raise ValueError(f"{name}: layout with strides {out.strides} is not BLAS-addressable")
+    return out
+
+
+def _check_dy(dyp: np.ndarray, geo: Geometry) -> None:
+    expected = (geo.p, geo.q, geo.k, geo.n)
+    if dyp.shape != expected:
+        raise ValueError(f"dyp: expected (P, Q, K, N) = {expected}, got shape {dyp.shape}")
+
+
+def forward_packed(xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """y (P, Q, K, N) of x (H, W, C, N) under weights (P|1, Q|1, K, R, S, C)."""
+    check_ndim("xp", xp, 4, "(H, W, C, N)")
+    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
+    dtype = check_dtypes(xp=xp, wp=wp)
+    geo = packed_geometry(xp.shape, wp.shape, stride, pad)
+    y = _output("out", out, (geo.p, geo.q, geo.k, geo.n), dtype)
+    if min(geo.n, geo.k, geo.c) == 0:
+        y[...] = 0
+        return y
+    w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
+    with single_threaded_blas():
+        _forward(_operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2],
+                 geo.untied)
+    return y
+
+
+def backward_data_packed(dyp: np.ndarray, wp: np.ndarray, input_size: tuple[int, int],
+                         stride: int = 1, pad=0, out: np.ndarray | None = None) -> np.ndarray:
+    """dx (H, W, C, N) from dy (P, Q, K, N), for an H×W input (`input_size`)."""
+    check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
+    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
+    dtype = check_dtypes(dyp=dyp, wp=wp)
+    h, w = input_size
+    geo = packed_geometry((h, w, wp.shape[5], dyp.shape[3]), wp.shape, stride, pad)
+    _check_dy(dyp, geo)
+    dx = _output("out", out, (geo.h, geo.w, geo.c, geo.n), dtype)
+    if min(geo.n, geo.k, geo.c) == 0:
+        dx[...] = 0
+        return dx
+    w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
+    with single_threaded_blas():
+        _backward_data(_operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0],
+                       geo.pad[2], geo.untied)
+    return dx
+
+
+def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, int],
+                           stride: int = 1, pad=0, untied: bool = True,
+                           channels: tuple[int, int] | None = None,
+                           out: np.ndarray | None = None,
+                           accumulate: bool = False) -> np.ndarray:
+    """dw (P|1, Q|1, K, R, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
+
+    `channels` (lo, hi) restricts the gradient to input channels lo:hi, skipping the others'
+    work; `accumulate` adds into `out` (a reduction over batch pieces) instead of overwriting.
+    """
+    check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
+    check_ndim("xp", xp, 4, "(H, W, C, N)")
+    dtype = check_dtypes(dyp=dyp, xp=xp)
+    if len(window) != 2:
+        raise ValueError(f"window: expected (R, S), got {window!r}")
+    r, s = (int(v) for v in window)
+    c = xp.shape[2]
+    positions = (dyp.shape[0], dyp.shape[1]) if untied else (1, 1)
+    geo = packed_geometry(xp.shape, (*positions, dyp.shape[2], r, s, c), stride, pad)
+    _check_dy(dyp, geo)
+    lo, hi = check_channels(channels, c)
+    dw = _output("out", out, (*positions, geo.k, r, s, hi - lo), dtype)
+    if not dw.flags.c_contiguous:
+        raise ValueError(f"out: must be C-contiguous, got strides {dw.strides}")
+    if min(geo.n, geo.k, hi - lo) == 0:
+        if not accumulate:
+            dw[...] = 0
+        return dw
+    dw2 = dw.reshape(positions[0] * positions[1], -1)
+    args = (_operand(dyp), _operand(xp), dw2, (r, s), geo.stride, geo.pad[0], geo.pad[2], lo,
+            accumulate)
+    with single_threaded_blas():
+        if geo.untied:
+            _backward_filter_untied(*args)
+        else:
+            _backward_filter_tied(*args, min(numba.get_num_threads(), geo.p * geo.q))
+    return dw
+
+
+def check_channels(channels: tuple[int, int] | None, c: int) -> tuple[int, int]:
+    """(lo, hi) with 0 <= lo <= hi <= c; None means all c channels."""
+    if channels is None:
+        return 0, c
+    lo, hi = channels
+    if not 0 <= lo <= hi <= c:
+        raise ValueError(f"channels: expected 0 <= lo <= hi <= {c}, got {channels!r}")
+    return int(lo), int(hi)

@@ -1,0 +1,51 @@
+"""Position-major physical layouts for the filter and conv kernels, and conversions to them.
+
+The logical layouts of the design (activations (N, C, H, W), weights (K, 1, 1, C, R, S, P, Q))
+put the batch outermost and the output position innermost. The packed kernels use instead:
+
+- activations, their gradients and layer outputs: (H, W, C, N), "HWCN". The R×S×C×N patch an
+  output position reads is R blocks of S·C·N contiguous elements (one per window row), so
+  every GEMM operand is a strided view of the tensor and no patch is ever gathered. A batch
+  slice `xp[..., n0:n1]` or a spatial slice `xp[h0:h1, w0:w1]` is still a valid operand.
+- weights and their gradients: (P, Q, K, R, S, C), position-major, with P = Q = 1 when tied.
+  The weights of one position are one contiguous K×(R·S·C) matrix.
+
+An executor should pack each weight once when the run starts, keep it packed for the whole run
+(optimizer updates are elementwise, hence indifferent to the layout; a sparse update of input
+channels lo:hi is `wp[..., lo:hi] -= lr * dwp`), and unpack only for checkpoints and exports.
+Activations flow from one packed kernel to the next: a layer's (P, Q, K, N) output is the next
+layer's (H, W, C, N) input, so they are packed once at the data loader and unpacked at the
+classifier, if at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.kernels.geometry import check_ndim
+
+
+def pack_activations(x: np.ndarray) -> np.ndarray:
+    """(N, C, H, W) -> a C-contiguous (H, W, C, N) copy."""
+    check_ndim("x", x, 4, "(N, C, H, W)")
+    return np.ascontiguousarray(x.transpose(2, 3, 1, 0))
+
+
+def unpack_activations(xp: np.ndarray) -> np.ndarray:
+    """(H, W, C, N) -> a C-contiguous (N, C, H, W) copy."""
+    check_ndim("xp", xp, 4, "(H, W, C, N)")
+    return np.ascontiguousarray(xp.transpose(3, 2, 0, 1))
+
+
+def pack_weights(w: np.ndarray) -> np.ndarray:
+    """(K, 1, 1, C, R, S, P, Q) -> a C-contiguous (P, Q, K, R, S, C) copy."""
+    check_ndim("w", w, 8, "(K, 1, 1, C, R, S, P, Q)")
+    if w.shape[1:3] != (1, 1):
+        raise ValueError(f"w: axes 1 and 2 must be unit axes, got shape {w.shape}")
+    return np.ascontiguousarray(w[:, 0, 0].transpose(4, 5, 0, 2, 3, 1))
+
+
+def unpack_weights(wp: np.ndarray) -> np.ndarray:
+    """(P, Q, K, R, S, C) -> a C-contiguous (K, 1, 1, C, R, S, P, Q) copy."""
+    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
+    return np.ascontiguousarray(wp.transpose(2, 5, 3, 4, 0, 1)[:, None, None])

@@ -1,0 +1,193 @@
+"""The filter kernels against the NumPy references, numerical gradients and the packed API."""
+
+import numpy as np
+import pytest
+
+from runtime.kernels import filter_backward, filter_forward, reference
+from runtime.kernels.filter_packed import (
+    backward_data_packed,
+    backward_filter_packed,
+    forward_packed,
+)
+from runtime.kernels.layout import (
+    pack_activations,
+    pack_weights,
+    unpack_activations,
+    unpack_weights,
+)
+
+# (N, C, H, W, K, R, S, stride, pad, untied)
+CASES = {
+    "untied-stride2-asym": (2, 3, 9, 7, 4, 3, 2, 2, (1, 0, 2, 1), True),
+    "tied-batch1-pad1": (1, 2, 6, 5, 3, 3, 3, 1, 1, False),
+    "untied-nopad-rect-window": (3, 5, 8, 9, 2, 4, 3, 1, 0, True),
+    "tied-stride2-asym": (2, 4, 7, 10, 3, 2, 3, 2, (0, 2, 1, 0), False),
+    "untied-windows-in-padding": (2, 2, 4, 5, 2, 2, 2, 3, 3, True),
+    "tied-stride3-gaps": (2, 3, 10, 8, 2, 2, 2, 3, (1, 0, 0, 1), False),
+}
+TOL = {np.float32: 2e-5, np.float64: 1e-12}
+
+
+def make(case, dtype, seed=0):
+    n, c, h, w, k, r, s, stride, pad, untied = case
+    top, bottom, left, right = (pad,) * 4 if isinstance(pad, int) else pad
+    p = (h + top + bottom - r) // stride + 1
+    q = (w + left + right - s) // stride + 1
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    wt = rng.standard_normal((k, 1, 1, c, r, s, p if untied else 1, q if untied else 1))
+    dy = rng.standard_normal((n, k, p, q)).astype(dtype)
+    return x, wt.astype(dtype), dy, stride, pad
+
+
+def close(a, b, dtype):
+    assert a.dtype == dtype and a.shape == b.shape
+    scale = max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(a, b, rtol=0, atol=TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", CASES)
+def test_agrees_with_reference(name, dtype):
+    x, w, dy, stride, pad = make(CASES[name], dtype)
+    close(filter_forward(x, w, stride, pad), reference.filter_forward(x, w, stride, pad), dtype)
+    dx, dw = filter_backward(dy, x, w, stride, pad)
+    dx_ref, dw_ref = reference.filter_backward(dy, x, w, stride, pad)
+    close(dx, dx_ref, dtype)
+    close(dw, dw_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["untied-stride2-asym", "tied-stride2-asym"])
+def test_channel_subset_skips_the_other_channels(name, dtype):
+    x, w, dy, stride, pad = make(CASES[name], dtype)
+    _, dw_ref = reference.filter_backward(dy, x, w, stride, pad)
+    x[:, 0] = np.nan  # skipped work never reads these; masked work would spread the NaN
+    x[:, 2:] = np.nan
+    dx, dw = filter_backward(dy, x, w, stride, pad, channels=(1, 2), need_dx=False)
+    assert dx is None
+    close(dw, dw_ref[:, :, :, 1:2], dtype)
+
+
+def test_need_dx_false_does_no_dx_work():
+    x, w, dy, stride, pad = make(CASES["tied-batch1-pad1"], np.float64)
+    _, dw_ref = reference.filter_backward(dy, x, w, stride, pad)
+    dx, dw = filter_backward(dy, x, np.full_like(w, np.nan), stride, pad, need_dx=False)
+    assert dx is None
+    close(dw, dw_ref, np.float64)
+
+
+def numerical_gradient(f, a, eps=1e-4):
+    grad = np.zeros_like(a)
+    flat, out = a.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        plus = f()
+        flat[i] = old - eps
+        minus = f()
+        flat[i] = old
+        out[i] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def rel_error(a, b):
+    return float(np.max(np.abs(a - b) / np.maximum(1e-8, np.abs(a) + np.abs(b))))
+
+
+@pytest.mark.parametrize("name", ["untied-stride2-asym", "tied-batch1-pad1", "tied-stride2-asym"])
+def test_numerical_gradients(name):
+    x, w, dy, stride, pad = make(CASES[name], np.float64, seed=1)
+
+    def loss():
+        return float(np.sum(filter_forward(x, w, stride, pad) * dy))
+
+    dx, dw = filter_backward(dy, x, w, stride, pad)
+    assert rel_error(dx, numerical_gradient(loss, x)) < 1e-7
+    assert rel_error(dw, numerical_gradient(loss, w)) < 1e-7
+
+
+@pytest.mark.parametrize("untied", [True, False])
+def test_packed_batch_pieces_and_reduction(untied):
+    case = CASES["untied-stride2-asym" if untied else "tied-stride2-asym"]
+    x, w, dy, stride, pad = make((4, *case[1:]), np.float32)
+    xp, wp, dyp = pack_activations(x), pack_weights(w), pack_activations(dy)
+    y = forward_packed(xp, wp, stride, pad)
+    dx = backward_data_packed(dyp, wp, x.shape[2:], stride, pad)
+    dw = backward_filter_packed(dyp, xp, w.shape[4:6], stride, pad, untied)
+
+    # batch pieces are strided views; their weight gradients reduce with +
+    pieces = [slice(0, 1), slice(1, 4)]
+    dw_sum = np.zeros_like(dw)
+    dx_out = np.empty_like(dx)
+    for n in pieces:
+        close(forward_packed(xp[..., n], wp, stride, pad), y[..., n], np.float32)
+        backward_data_packed(dyp[..., n], wp, x.shape[2:], stride, pad, out=dx_out[..., n])
+        backward_filter_packed(dyp[..., n], xp[..., n], w.shape[4:6], stride, pad, untied,
+                               out=dw_sum, accumulate=True)
+    close(dx_out, dx, np.float32)
+    close(dw_sum, dw, np.float32)
+    close(unpack_weights(dw), reference.filter_backward(dy, x, w, stride, pad)[1], np.float32)
+
+
+def test_packed_spatial_piece_with_one_sided_padding():
+    x, w, _, stride, pad = make((2, 3, 12, 6, 2, 3, 3, 1, 1, False), np.float64)
+    y = reference.filter_forward(x, w, stride, pad)
+    xp, wp = pack_activations(x), pack_weights(w)
+    # output rows 0..5 read input rows -1..6: the top row is padding, the bottom one a halo row
+    top = forward_packed(xp[:7], wp, stride, (1, 0, 1, 1))
+    # output rows 5..11 read input rows 4..12: real rows above, padding below
+    bottom = forward_packed(xp[4:], wp, stride, (0, 1, 1, 1))
+    close(unpack_activations(top), y[:, :, :6], np.float64)
+    close(unpack_activations(bottom), y[:, :, 5:], np.float64)
+
+
+def test_layout_round_trips():
+    x, w, _, _, _ = make(CASES["untied-stride2-asym"], np.float32)
+    assert pack_activations(x).shape == (9, 7, 3, 2)
+    assert pack_weights(w).shape == (4, 5, 4, 3, 2, 3)
+    np.testing.assert_array_equal(unpack_activations(pack_activations(x)), x)
+    np.testing.assert_array_equal(unpack_weights(pack_weights(w)), w)
+
+
+def test_zero_channel_subset_is_empty():
+    x, w, dy, stride, pad = make(CASES["tied-batch1-pad1"], np.float64)
+    _, dw = filter_backward(dy, x, w, stride, pad, channels=(1, 1))
+    assert dw.shape == (3, 1, 1, 0, 3, 3, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda x, w, dy: (x, w.reshape(4, 1, 1, 3, 3, 2, 20, 1), dy), "neither the output"),
+        (lambda x, w, dy: (x, w.reshape(2, 2, 1, 3, 3, 2, 4, 5), dy), "unit axes"),
+        (lambda x, w, dy: (x[:, :2], w, dy), "input channels"),
+        (lambda x, w, dy: (x, w[..., :2, :], dy), "neither the output"),
+        (lambda x, w, dy: (x.astype(np.float32), w, dy), "differs"),
+        (lambda x, w, dy: (x.astype(np.int64), w, dy), "not float32 or float64"),
+        (lambda x, w, dy: (x[0], w, dy), r"expected \(N, C, H, W\)"),
+        (lambda x, w, dy: (x, w, dy[:, :, :2]), "dy: expected"),
+    ],
+)
+def test_bad_input_is_a_one_line_value_error(mutate, message):
+    x, w, dy, stride, pad = make(CASES["untied-stride2-asym"], np.float64)
+    x, w, dy = mutate(x, w, dy)
+    with pytest.raises(ValueError, match=message):
+        filter_backward(dy, x, w, stride, pad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pad": (1, 1)}, "pad:"),
+        ({"pad": -1}, "pad:"),
+        ({"stride": 0}, "stride:"),
+        ({"channels": (2, 1)}, "channels:"),
+        ({"channels": (0, 4)}, "channels:"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    x, w, dy, _, _ = make(CASES["untied-stride2-asym"], np.float64)
+    args = {"stride": 2, "pad": (1, 0, 2, 1)} | kwargs
+    with pytest.raises(ValueError, match=message):
+        filter_backward(dy, x, w, **args)
