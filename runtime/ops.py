@@ -295,11 +295,12 @@ def _bn(task, piece, views, dims, ctx):
 
 @adapter("batchnorm_running", "forward")
 def _bn_running(task, piece, views, dims, ctx):
-    running = views["running"]
     if not ctx.training:
         return {}
+    spatial = task.attrs.get("spatial", True)
+    running = _stats_view(views["running"], spatial)
     running[...] = batchnorm.batchnorm_running(
-        running, views["stats"], task.attrs["count"], task.attrs["momentum"]
+        running, _stats_view(views["stats"], spatial), task.attrs["count"], task.attrs["momentum"]
     )
     return {}
 

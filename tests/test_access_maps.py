@@ -168,11 +168,12 @@ def test_reshape_splits_only_over_the_batch():
     verify(net.lower(batch=1))
     from legion_nn.layers import Flatten
 
-    flat = Network("f", (2, 4, 4), 3, [Flatten("flat"), Linear("c", out=3), Softmax()]).lower(
-        batch=2
-    )
+    flat = Network(
+        "f", (2, 4, 4), 3, [FilterA("a"), Flatten("flat"), Linear("c", out=3), Softmax()]
+    ).lower(batch=2)
     verify(flat)
     assert splittable_dims(flat.task("flat.reshape")) == (0,)
+    assert splittable_dims(flat.task("flat.reshape.grad")) == (0,)
     assert flat.tensors["flat.reshape.output"].dims == (2, 32, 1, 1)
 
 

@@ -43,7 +43,7 @@ def rel_error(a, b):
 
 
 MIXED = Network("mixed", (2, 9, 9), 3, [
-    Conv("c0", out_channels=3, kernel=3, pad=1, stride=1),
+    Conv("c0", out_channels=3, kernel=3, pad=1, stride=1, bias=False),  # batchnorm follows
     BatchNorm("bn0"),
     FilterNL(fn="tanh"),
     MaxPool("p0", kernel=3, stride=2),

@@ -24,6 +24,8 @@ def test_overfit_100_examples():
     cfg = config("three-layer-convnet", "digits", batch=50, epochs=15, optimizer="adam",
                  hyperparameters={"lr": 1e-3})
     cfg.dataset.train = data.Split(cfg.dataset.train.x[:100], cfg.dataset.train.y[:100])
+    cfg.dataset.val = data.Split(cfg.dataset.val.x[:50], cfg.dataset.val.y[:50])
+    cfg.dataset.test = data.Split(cfg.dataset.test.x[:50], cfg.dataset.test.y[:50])
     result = Trainer(cfg).run()
     assert result.train_accuracy >= 0.9, result.train_accuracy
     assert result.losses[-1] < result.losses[0]

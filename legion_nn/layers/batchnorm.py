@@ -59,7 +59,7 @@ register("batchnorm", "backward")(_batchnorm_rects)
 register("batchnorm_input", "backward")(_batchnorm_rects)
 
 
-@register("batchnorm_running", "forward")
+@register("batchnorm_running", "forward", splittable=(1, 2, 3))  # mean and var stay together
 def _running_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     return {"stats": piece, "running": piece}
 
@@ -120,7 +120,7 @@ class BatchNorm(Layer):
             Rect.from_dims(ctx.dims(stats)),
             [("stats", stats, R_), ("running", running, RW)],
             self.name,
-            {"momentum": float(self.momentum), "count": count},
+            {"momentum": float(self.momentum), "count": count, "spatial": self.spatial},
         )
 
         def backward() -> None:

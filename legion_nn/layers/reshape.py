@@ -22,7 +22,8 @@ R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 @register("reshape", "forward", splittable=(0,))
 @register("reshape", "backward", splittable=(0,))
 def _reshape_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    inputs = batch_rows(piece, dims["input"])
+    # The forward binds input/output, the backward their gradients; the rects are the same.
+    inputs = batch_rows(piece, dims["input"] if "input" in dims else dims["input.delta"])
     outputs = batch_rows(piece, dims["output"] if "output" in dims else dims["output.delta"])
     return {"input": inputs, "output": outputs, "output.delta": outputs, "input.delta": inputs}
 
