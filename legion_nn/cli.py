@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("graph", "memory")
+COMMANDS = ("graph", "memory", "partition")
 
 
 class _Parser(argparse.ArgumentParser):

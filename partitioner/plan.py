@@ -11,7 +11,8 @@ The plan walks the graph in program order and keeps, per tensor, the layout of i
    same read rect share one transfer per cell, sent from the cell's holder to all of them (a
    multicast; the bytes count once per destination). A part is never sent to a rank that holds it,
    and each part of a read rect comes from exactly one cell, so no element reaches a rank twice for
-   the same use. A later task re-fetches what an earlier one fetched (no caching across tasks).
+   the same use. A copy received stays valid until the tensor is written again, so a backward
+   task reading the halo its forward task fetched gets no second transfer.
 3. *writes*: the written rects become the tensor's new layout (one holder per cell).
 4. *reductions*: contributions to a reduction target are combined into the target's current
    layout (set by its `set_zero`, which runs on the grid of the activation's producer, or on the
@@ -128,13 +129,14 @@ def build_plan(graph: TaskGraph, strategy: Strategy, nranks: int) -> Plan:
     homes = _homes(graph, pieces)
     units = _task_units(graph)
     layouts: dict[str, Layout] = dict(homes)
+    copies: dict[tuple[str, Rect, Layout | None], set[int]] = defaultdict(set)
     plans = []
     for task in graph.tasks:
         if is_homed(graph, task):
             plan = TaskPlan(task.name, units[task.name], None, _homed_pieces(graph, task, homes))
         else:
             plan = TaskPlan(task.name, units[task.name], grids[task.name], pieces[task.name])
-            _plan_partitioned(graph, task, plan, layouts)
+            _plan_partitioned(graph, task, plan, layouts, copies)
         plans.append(plan)
     return Plan(
         graph.network,
@@ -225,7 +227,11 @@ def _homed_pieces(graph: TaskGraph, task: Task, homes: Mapping[str, Layout]) -> 
 
 
 def _plan_partitioned(
-    graph: TaskGraph, task: Task, plan: TaskPlan, layouts: dict[str, Layout]
+    graph: TaskGraph,
+    task: Task,
+    plan: TaskPlan,
+    layouts: dict[str, Layout],
+    copies: dict[tuple[str, Rect, Layout | None], set[int]],
 ) -> None:
     reads: dict[tuple[str, Rect], list[int]] = defaultdict(list)
     writes: dict[str, list[tuple[int, Rect]]] = defaultdict(list)
@@ -241,7 +247,10 @@ def _plan_partitioned(
             elif req.privilege.writes:
                 writes[req.tensor].append((rank, req.write_rect))
     for (tensor, rect), ranks in reads.items():
-        plan.transfers.extend(_fetch(graph, task, tensor, rect, ranks, layouts))
+        have = copies[(tensor, rect, layouts.get(tensor))]
+        fresh = [r for r in ranks if r not in have]
+        plan.transfers.extend(_fetch(graph, task, tensor, rect, fresh, layouts))
+        have.update(fresh)
     for tensor, pieces in writes.items():
         layout = Layout.from_pieces(len(graph.tensors[tensor].dims), pieces)
         for holders in layout.holders.values():

@@ -8,7 +8,8 @@ counts, not for planning 1024 ranks.
 2. producers: every element a piece reads of a non-resident tensor was written by exactly one piece
    of the latest earlier task that writes the tensor;
 3. messages: what reaches a rank for one task and tensor is disjoint from what it holds and from
-   every other part sent to it, and together with what it holds is exactly what its pieces read.
+   every other part sent to it, and together with what it holds (its pieces and the copies it
+   received since the tensor was last written) covers what its pieces read.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from partitioner.plan import Plan
 def verify_plan(graph: TaskGraph, plan: Plan) -> None:
     """Raise `VerifyError` naming the first broken invariant."""
     writers: dict[str, list[tuple[int, Rect]]] = {}
+    copies: dict[tuple[str, int], list[Rect]] = defaultdict(list)
     for task, task_plan in zip(graph.tasks, plan.tasks):
         if task_plan.grid is None:
             continue
@@ -49,12 +51,17 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
                 received[(transfer.tensor, dst)].append(transfer.rect)
         for key in set(needed) | set(received):
             held = [r for rank, r in writers.get(key[0], ()) if rank == key[1]]
-            _check_messages(task.name, key, needed.get(key, []), held, received.get(key, []))
+            _check_messages(
+                task.name, key, needed.get(key, []), held, copies[key], received.get(key, [])
+            )
+            copies[key].extend(received.get(key, []))
         for req_index, req in enumerate(task.requirements):
             if req.privilege.writes and req.privilege is not Privilege.REDUCE:
                 writers[req.tensor] = [
                     (p.ranks[0], p.requirements[req_index].write_rect) for p in task_plan.pieces
                 ]
+                for key in [k for k in copies if k[0] == req.tensor]:
+                    del copies[key]
 
 
 def _disjoint(rects: list[Rect]) -> bool:
@@ -78,17 +85,30 @@ def _check_producers(task: str, tensor: str, rect: Rect, sources: list[tuple[int
 
 
 def _check_messages(
-    task: str, key: tuple[str, int], reads: list[Rect], held: list[Rect], got: list[Rect]
+    task: str,
+    key: tuple[str, int],
+    reads: list[Rect],
+    held: list[Rect],
+    cached: list[Rect],
+    got: list[Rect],
 ) -> None:
     tensor, rank = key
     if not _disjoint(got):
         raise VerifyError(f"{task}: rank {rank} receives part of {tensor} twice")
     for part in got:
-        if any(part.overlaps(h) for h in held):
+        if any(part.overlaps(h) for h in held + cached):
             raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds")
         if not any(r.contains(part) for r in reads):
             raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, unread")
     for read in reads:
-        have = sum(read.intersect(r).volume for r in held + got)
-        if have != read.volume:
+        have = [read.intersect(r) for r in held + cached + got]
+        if not _covers(read, [h for h in have if not h.is_empty()]):
             raise VerifyError(f"{task}: rank {rank} lacks part of {read!r} of {tensor}")
+
+
+def _covers(rect: Rect, parts: list[Rect]) -> bool:
+    """Whether the union of `parts` contains `rect` (parts may overlap)."""
+    remaining = [rect]
+    for part in parts:
+        remaining = [piece for r in remaining for piece in r.difference(part)]
+    return not remaining
