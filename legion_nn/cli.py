@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("graph", "memory", "train")
+COMMANDS = ("graph", "memory", "partition", "train")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,104 @@
+"""The machine a plan is costed on: `--machine F`, a JSON object.
+
+    {"rank_gflops": 100, "link_gbytes_per_s": 12.5, "latency_us": 2, "rank_memory_gib": 16}
+
+Optional `"op_gflops": {"filter": 40, ...}` overrides the throughput of single ops, for instance
+from `legion-nn bench kernels --json` through `calibrate`. The default machine is the one above:
+100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs latency, 16 GiB per rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from legion_nn.errors import LegionNNError
+
+KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
+
+
+@dataclass(frozen=True)
+class Machine:
+    rank_gflops: float = 100.0
+    link_gbytes_per_s: float = 12.5
+    latency_us: float = 2.0
+    rank_memory_gib: float = 16.0
+    op_gflops: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def alpha(self) -> float:
+        """Seconds per message."""
+        return self.latency_us * 1e-6
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte."""
+        return 1.0 / (self.link_gbytes_per_s * 1e9)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.rank_memory_gib * 2**30
+
+    def flops_per_second(self, op: str) -> float:
+        return self.op_gflops.get(op, self.rank_gflops) * 1e9
+
+    def to_json(self) -> dict:
+        out = {key: getattr(self, key) for key in KEYS}
+        if self.op_gflops:
+            out["op_gflops"] = dict(self.op_gflops)
+        return out
+
+
+def _positive(data: dict, key: str, where: str) -> float:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise LegionNNError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def machine_from_json(data: object, where: str = "machine") -> Machine:
+    if not isinstance(data, dict):
+        raise LegionNNError(f"{where}: a machine must be a JSON object with keys {', '.join(KEYS)}")
+    missing = [key for key in KEYS if key not in data]
+    if missing:
+        raise LegionNNError(f"{where}: missing {', '.join(missing)}")
+    unknown = sorted(set(data) - set(KEYS) - {"op_gflops"})
+    if unknown:
+        raise LegionNNError(
+            f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(KEYS)}, op_gflops"
+        )
+    ops = data.get("op_gflops", {})
+    if not isinstance(ops, dict):
+        raise LegionNNError(f"{where}: op_gflops must map op names to GFLOP/s")
+    return Machine(
+        *(_positive(data, key, where) for key in KEYS),
+        op_gflops={op: _positive(ops, op, f"{where}: op_gflops") for op in ops},
+    )
+
+
+def load_machine(path: str | None) -> Machine:
+    """The machine in file `path`, or the default."""
+    if path is None:
+        return Machine()
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise LegionNNError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    return machine_from_json(data, str(path))
+
+
+def calibrate(machine: Machine, bench: dict) -> Machine:
+    """Per-op throughput from a `legion-nn bench kernels --json` report (legion-nn rows)."""
+    rates: dict[str, list[float]] = {}
+    for row in bench.get("results", []):
+        if row.get("impl") == "legion-nn" and row.get("gflops"):
+            rates.setdefault(row["op"], []).append(float(row["gflops"]))
+    ops = {op: sum(v) / len(v) for op, v in rates.items()}
+    return Machine(
+        machine.rank_gflops,
+        machine.link_gbytes_per_s,
+        machine.latency_us,
+        machine.rank_memory_gib,
+        {**machine.op_gflops, **ops},
+    )

@@ -1,0 +1,94 @@
+"""The partition report: a per-unit table and the `--json` object of DESIGN.md, and sweeps."""
+
+from __future__ import annotations
+
+from legion_nn.graph import TaskGraph
+from partitioner.cost import PlanCost
+from partitioner.plan import Plan
+
+
+def unit_rows(plan: Plan, cost: PlanCost) -> list[dict]:
+    """One row per unit, in program order, plus the grid each unit's tasks ran on."""
+    rows: dict[str, dict] = {}
+    grids = plan.unit_grids
+    for task_cost in cost.tasks:
+        row = rows.setdefault(
+            task_cost.unit,
+            {
+                "layer": task_cost.unit,
+                "grid": list(grids.get(task_cost.unit, ())) or "home",
+                "flops_per_rank": 0.0,
+                "bytes_sent": 0,
+                "seconds": 0.0,
+            },
+        )
+        row["flops_per_rank"] += task_cost.flops_max
+        row["bytes_sent"] += task_cost.bytes_sent
+        row["seconds"] += task_cost.seconds
+    return list(rows.values())
+
+
+def report_json(graph: TaskGraph, plan: Plan, cost: PlanCost, why: list[dict] | None) -> dict:
+    memory = list(cost.memory.values())
+    out = {
+        "network": graph.network,
+        "batch": graph.batch,
+        "ranks": plan.nranks,
+        "strategy": plan.strategy,
+        "predicted_step_seconds": cost.step_seconds,
+        "bytes_sent_total": cost.bytes_sent,
+        "memory_per_rank_max": cost.memory_max,
+        "memory_per_rank_mean": sum(memory) / len(memory),
+        "feasible": cost.feasible,
+        "machine": cost.machine.to_json(),
+        "layers": unit_rows(plan, cost),
+    }
+    if why is not None:
+        out["why"] = why
+    return out
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(report: dict) -> str:
+    head = f"{'layer':<30} {'grid':<16} {'GFLOP/rank':>11} {'sent':>10} {'seconds':>10}"
+    lines = [head, "-" * len(head)]
+    for row in report["layers"]:
+        grid = "×".join(map(str, row["grid"])) if isinstance(row["grid"], list) else row["grid"]
+        lines.append(
+            f"{row['layer']:<30} {grid:<16} {row['flops_per_rank'] / 1e9:>11.3f} "
+            f"{_size(row['bytes_sent']):>10} {row['seconds']:>10.5f}"
+        )
+    lines.append("-" * len(head))
+    flops = sum(r["flops_per_rank"] for r in report["layers"])
+    lines.append(
+        f"{'total':<30} {'':<16} {flops / 1e9:>11.3f} {_size(report['bytes_sent_total']):>10} "
+        f"{report['predicted_step_seconds']:>10.5f}"
+    )
+    lines.append(
+        f"memory per rank: max {_size(report['memory_per_rank_max'])}, mean "
+        f"{_size(report['memory_per_rank_mean'])}"
+        + ("" if report["feasible"] else "  (INFEASIBLE: exceeds rank memory)")
+    )
+    for item in report.get("why", []):
+        lines.append(
+            f"  {item['layer']}: {item['family']} {item['grid']} predicts {item['seconds']:.5f} s "
+            f"against {item['data_seconds']:.5f} s under data parallelism"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = [f"{'ranks':>6} {'step s':>10} {'mem/rank max':>14} {'sent':>10} strategy"]
+    for row in rows:
+        lines.append(
+            f"{row['ranks']:>6} {row['predicted_step_seconds']:>10.5f} "
+            f"{_size(row['memory_per_rank_max']):>14} {_size(row['bytes_sent_total']):>10} "
+            f"{row['strategy']}"
+        )
+    return "\n".join(lines) + "\n"

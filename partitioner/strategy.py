@@ -1,0 +1,257 @@
+"""Strategies: a grid over the iteration space of every partitioned task.
+
+The unit of choice is a *unit*: consecutive forward tasks of one layer group that iterate over the
+same space (`L0.filter`, `L0.filterA`, `L0.filterNL` form unit `L0`), together with their backward
+tasks. One grid per unit; a backward task whose space differs from its forward task's (softmax's
+grad iterates over classes too) keeps the parts of the dims whose extents agree and 1 elsewhere.
+
+Tasks are of two kinds:
+
+- *partitioned*: compute tasks and the `set_zero` of activation gradients and statistics. Piece i
+  of the row-major grid runs on rank i (owner computes); a grid of fewer cells than ranks leaves
+  the ranks from `cells` on idle for that task. An activation gradient is zeroed on the grid of the
+  task that produced the activation, so gradients live where their activations live; a statistic
+  (the loss, evaluate's sums) on rank 0.
+- *homed*: the `data` task, `update` tasks and the `set_zero` of parameter gradients. They touch
+  resident tensors, whose home is derived from their readers (see `plan.py`); a homed task runs on
+  every rank of that home, each over the cells it holds.
+
+The built-in strategies:
+
+- `data`: every unit split over the batch (dim 0), parameters replicated;
+- `model`: split over output channels/features (dim 1) where the unit has them, else the batch;
+- `spatial`: split over output rows and columns (dims 2, 3) as square as the extents allow, where
+  the unit has them, else the batch.
+
+Each uses as many ranks as the extents allow (at most R; a 256-sample batch on 1024 ranks uses 256).
+A user-given grid must cut the unit into exactly R non-empty pieces along splittable dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from legion_nn.access import splittable_dims
+from legion_nn.errors import LegionNNError
+from legion_nn.graph import TaskGraph
+from legion_nn.ir import RESIDENT_KINDS, Task
+
+Grid = tuple[int, ...]
+BUILTIN = ("data", "model", "spatial")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Forward tasks sharing one grid; `backward` are their gradient tasks."""
+
+    name: str
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+    extents: tuple[int, ...]
+    splittable: tuple[int, ...]
+
+
+def cells(grid: Grid) -> int:
+    n = 1
+    for parts in grid:
+        n *= parts
+    return n
+
+
+def param_of(graph: TaskGraph, tensor: str) -> str | None:
+    """The parameter a resident tensor belongs to (itself, its gradient, its optimizer state)."""
+    if tensor in graph.tensors and graph.tensors[tensor].kind == "param":
+        return tensor
+    for task in graph.tasks:
+        if task.op == "update" and any(r.tensor == tensor for r in task.requirements):
+            return task.requirement("params").tensor
+    return None
+
+
+def is_homed(graph: TaskGraph, task: Task) -> bool:
+    """Whether `task` runs where its resident tensors live rather than on a grid of its own."""
+    if task.op in ("data", "update"):
+        return True
+    if task.op == "set_zero":
+        tensor = graph.tensors[task.requirements[0].tensor]
+        return tensor.kind in RESIDENT_KINDS or param_of(graph, tensor.name) is not None
+    return False
+
+
+def find_units(graph: TaskGraph) -> list[Unit]:
+    """The units of `graph`, in program order of their first forward task."""
+    groups: list[list[Task]] = []
+    for task in graph.tasks:
+        if task.phase != "forward" or is_homed(graph, task):
+            continue
+        last = groups[-1][-1] if groups else None
+        if last is not None and last.layer == task.layer and last.space.shape == task.space.shape:
+            groups[-1].append(task)
+        else:
+            groups.append([task])
+    names = [g[0].layer for g in groups]
+    known = {task.name for task in graph.tasks}
+    units = []
+    for group in groups:
+        forward = tuple(t.name for t in group)
+        backward = tuple(f"{name}.grad" for name in forward if f"{name}.grad" in known)
+        split = set(range(group[0].space.ndim))
+        for task in group:
+            split &= set(splittable_dims(task))
+        name = group[0].layer if names.count(group[0].layer) == 1 else group[0].name
+        units.append(Unit(name, forward, backward, group[0].space.shape, tuple(sorted(split))))
+    return units
+
+
+def balanced(extents: tuple[int, ...], dims: tuple[int, ...], nranks: int) -> Grid:
+    """The grid over `dims` with the most cells (at most `nranks`, parts within the extents),
+    as square as possible among those."""
+    best: tuple[int, int, Grid] = (0, 0, (1,) * len(extents))
+    for grid in factorizations(extents, dims, nranks):
+        parts = [grid[d] for d in dims]
+        key = (cells(grid), -(max(parts) - min(parts)))
+        if key > best[:2]:
+            best = (*key, grid)
+    return best[2]
+
+
+def factorizations(extents: tuple[int, ...], dims: tuple[int, ...], limit: int) -> list[Grid]:
+    """Every grid cutting only `dims`, each part count within its extent, at most `limit` cells."""
+    out: list[Grid] = []
+
+    def extend(grid: list[int], i: int, room: int) -> None:
+        if i == len(dims):
+            out.append(tuple(grid))
+            return
+        d = dims[i]
+        for parts in range(1, min(room, extents[d]) + 1):
+            grid[d] = parts
+            extend(grid, i + 1, room // parts)
+        grid[d] = 1
+
+    extend([1] * len(extents), 0, limit)
+    return out
+
+
+def builtin_grid(unit: Unit, strategy: str, nranks: int) -> Grid:
+    """The grid of `unit` under a built-in strategy."""
+    preferred = {"data": (0,), "model": (1,), "spatial": (2, 3)}[strategy]
+    dims = tuple(d for d in preferred if d in unit.splittable and d < len(unit.extents))
+    if not dims or all(unit.extents[d] == 1 for d in dims):
+        dims = (0,) if 0 in unit.splittable else ()
+    return balanced(unit.extents, dims, nranks)
+
+
+def check_grid(unit: Unit, grid: Grid, nranks: int) -> None:
+    """A user-given grid must cut `unit` into exactly `nranks` non-empty pieces."""
+    if len(grid) != len(unit.extents):
+        raise LegionNNError(
+            f"grid {list(grid)} for {unit.name} has {len(grid)} dims; its space "
+            f"{list(unit.extents)} has {len(unit.extents)}"
+        )
+    for d, (parts, extent) in enumerate(zip(grid, unit.extents)):
+        if parts < 1 or parts > extent:
+            raise LegionNNError(
+                f"grid {list(grid)} for {unit.name}: dim {d} of extent {extent} cannot be cut "
+                f"into {parts} non-empty parts"
+            )
+        if parts > 1 and d not in unit.splittable:
+            raise LegionNNError(
+                f"grid {list(grid)} for {unit.name}: dim {d} cannot be split "
+                f"(splittable dims: {list(unit.splittable)})"
+            )
+    if cells(grid) != nranks:
+        raise LegionNNError(
+            f"grid {list(grid)} for {unit.name} makes {cells(grid)} pieces, not {nranks} "
+            f"(one per rank)"
+        )
+
+
+def backward_grid(forward: Task, backward: Task, grid: Grid) -> Grid:
+    """A backward task's grid: its forward grid on the dims of equal extent, 1 elsewhere."""
+    return tuple(
+        g if f == b else 1 for g, f, b in zip(grid, forward.space.shape, backward.space.shape)
+    )
+
+
+def task_grids(graph: TaskGraph, unit_grids: Mapping[str, Grid]) -> dict[str, Grid]:
+    """Grids of every partitioned task, from one grid per unit."""
+    grids: dict[str, Grid] = {}
+    for unit in find_units(graph):
+        grid = unit_grids[unit.name]
+        for name in unit.forward:
+            grids[name] = grid
+        for name in unit.backward:
+            grids[name] = backward_grid(graph.task(name[: -len(".grad")]), graph.task(name), grid)
+    producer: dict[str, str] = {}
+    for task in graph.tasks:
+        for req in task.requirements:
+            if req.write_rect is not None and task.name in grids:
+                producer.setdefault(req.tensor, task.name)
+    for task in graph.tasks:
+        if task.name in grids or is_homed(graph, task):
+            continue
+        target = graph.tensors[task.requirements[0].tensor]
+        base = target.name.removesuffix(".grad")
+        source = producer.get(base)
+        if task.op == "set_zero" and source is not None and target.kind == "grad":
+            src = graph.task(source)
+            grids[task.name] = (
+                tuple(
+                    g if a == b else 1
+                    for g, a, b in zip(grids[source], src.space.shape, task.space.shape)
+                )
+                if src.space.ndim == task.space.ndim
+                else (1,) * task.space.ndim
+            )
+        else:
+            grids[task.name] = (1,) * task.space.ndim
+    return grids
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named choice of one grid per unit."""
+
+    name: str
+    unit_grids: dict[str, Grid]
+
+    def task_grids(self, graph: TaskGraph) -> dict[str, Grid]:
+        return task_grids(graph, self.unit_grids)
+
+
+def builtin(graph: TaskGraph, name: str, nranks: int) -> Strategy:
+    """`data`, `model` or `spatial` for `graph` on `nranks` ranks."""
+    if name not in BUILTIN:
+        raise LegionNNError(
+            f"unknown strategy {name!r}; choose one of {', '.join(BUILTIN + ('auto',))}"
+        )
+    check_ranks(nranks)
+    return Strategy(name, {u.name: builtin_grid(u, name, nranks) for u in find_units(graph)})
+
+
+def from_grids(graph: TaskGraph, grids: Mapping[str, list[int]], nranks: int) -> Strategy:
+    """A user-given strategy: a grid for every unit, each cutting it into `nranks` pieces."""
+    check_ranks(nranks)
+    units = {u.name: u for u in find_units(graph)}
+    unknown = sorted(set(grids) - set(units))
+    if unknown:
+        raise LegionNNError(f"grid for unknown unit {unknown[0]!r}; units: {', '.join(units)}")
+    out = {}
+    for name, unit in units.items():
+        if name not in grids:
+            raise LegionNNError(f"no grid for unit {name!r}")
+        grid = grids[name]
+        if not isinstance(grid, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in grid
+        ):
+            raise LegionNNError(f"grid for {name} must be a list of ints, got {grid!r}")
+        check_grid(unit, tuple(grid), nranks)
+        out[name] = tuple(grid)
+    return Strategy("custom", out)
+
+
+def check_ranks(nranks: int) -> None:
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
+        raise LegionNNError(f"the number of ranks must be a positive int, got {nranks!r}")

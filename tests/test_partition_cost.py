@@ -1,0 +1,130 @@
+"""Cost model, machine files, auto search and the `partition` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from legion_nn.cli import main
+from legion_nn.errors import LegionNNError
+from legion_nn.networks import load_network
+from legion_nn.rect import Rect
+from partitioner.cost import plan_cost, reduction_cost
+from partitioner.machine import Machine, load_machine, machine_from_json
+from partitioner.plan import Reduction, build_plan
+from partitioner.search import auto
+from partitioner.strategy import builtin
+
+MACHINE = Machine(100, 12.5, 2, 16)
+
+
+def test_ring_all_reduce_of_a_replicated_parameter():
+    n = 64 * 64 * 7 * 7 * 27 * 27  # L1.W, float32
+    reduction = Reduction(
+        "L1.W.grad", "allreduce", (0, 1, 2, 3), ((Rect.from_dims((n,)), (0, 1, 2, 3)),), 4
+    )
+    seconds, wire = reduction_cost(reduction, MACHINE)
+    assert wire == 2 * 3 * n * 4  # each of 4 ranks sends 2(p-1)/p of the bytes
+    assert seconds == pytest.approx(2 * 3 * 2e-6 + 2 * 3 / 4 * n * 4 / 12.5e9)
+
+
+def test_data_parallel_step_is_dominated_by_the_weight_all_reduce():
+    graph = load_network("seed-lcn").lower(batch=256)
+    cost = plan_cost(graph, build_plan(graph, builtin(graph, "data", 64), 64), MACHINE)
+    weights = sum(t.nbytes for t in graph.tensors.values() if t.kind == "param")
+    assert 1.1e9 < weights < 1.3e9
+    assert cost.step_seconds > 2 * 63 / 64 * weights / 12.5e9
+
+
+def test_auto_beats_data_parallelism_threefold_and_every_pure_strategy():
+    graph = load_network("seed-lcn").lower(batch=256)
+    result = auto(graph, 64, MACHINE)
+    auto_s = plan_cost(graph, build_plan(graph, result.strategy, 64), MACHINE).step_seconds
+    pure = {
+        name: plan_cost(graph, build_plan(graph, builtin(graph, name, 64), 64), MACHINE)
+        for name in ("data", "model", "spatial")
+    }
+    assert pure["data"].step_seconds >= 3 * auto_s
+    assert auto_s <= min(c.step_seconds for c in pure.values()) + 1e-12
+    assert all(
+        c.seconds <= c.data_seconds or c.family == "data" or c.seconds < 1e-3
+        for c in result.choices
+    )
+
+
+def test_memory_capacity_makes_a_plan_infeasible():
+    graph = load_network("seed-lcn").lower(batch=256)
+    small = Machine(100, 12.5, 2, 1)
+    cost = plan_cost(graph, build_plan(graph, builtin(graph, "data", 4), 4), small)
+    assert not cost.feasible
+
+
+def test_machine_files(tmp_path):
+    assert load_machine(None) == MACHINE
+    with pytest.raises(LegionNNError, match="missing latency_us"):
+        machine_from_json({"rank_gflops": 1, "link_gbytes_per_s": 1, "rank_memory_gib": 1})
+    with pytest.raises(LegionNNError, match="rank_gflops must be a positive number"):
+        machine_from_json(
+            {"rank_gflops": 0, "link_gbytes_per_s": 1, "latency_us": 1, "rank_memory_gib": 1}
+        )
+    bad = tmp_path / "m.json"
+    bad.write_text("{nope")
+    with pytest.raises(LegionNNError, match="not JSON"):
+        load_machine(str(bad))
+
+
+def test_partition_command_json_and_errors(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert (
+        main(
+            [
+                "partition",
+                "seed-lcn-small",
+                "--ranks",
+                "4",
+                "--strategy",
+                "spatial",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    for key in (
+        "ranks",
+        "strategy",
+        "predicted_step_seconds",
+        "bytes_sent_total",
+        "memory_per_rank_max",
+    ):
+        assert key in report
+    assert {"layer", "grid", "flops_per_rank", "bytes_sent", "seconds"} <= set(report["layers"][0])
+    assert "total" in capsys.readouterr().out
+    assert main(["partition", "seed-lcn-small", "--ranks", "0", "--strategy", "data"]) == 2
+    assert main(["partition", "seed-lcn-small", "--ranks", "4", "--strategy", "nope"]) == 2
+    grids = tmp_path / "g.json"
+    grids.write_text(json.dumps({"grids": {"L0": [1, 1, 2, 1]}}))
+    assert main(["partition", "seed-lcn-small", "--ranks", "4", "--strategy", str(grids)]) == 2
+    assert "makes 2 pieces, not 4" in capsys.readouterr().err
+
+
+def test_sweep_writes_a_png(tmp_path):
+    png = tmp_path / "s.png"
+    assert (
+        main(
+            [
+                "partition",
+                "seed-lcn-small",
+                "--strategy",
+                "data",
+                "--sweep",
+                "1,2,4",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,150 @@
+"""Plans: hand-computed pieces, halos and reductions, and random networks through verify_plan."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from legion_nn.errors import LegionNNError, ShapeError, VerifyError
+from legion_nn.layers import Evaluate, Filter, FilterA, FilterNL, Linear, MaxPool, Softmax
+from legion_nn.network import Network
+from legion_nn.networks import load_network
+from legion_nn.rect import Rect
+from partitioner.plan import build_plan
+from partitioner.strategy import Strategy, builtin, factorizations, find_units, from_grids
+from partitioner.verify_plan import verify_plan
+
+
+@pytest.fixture(scope="module")
+def lcn():
+    return load_network("seed-lcn").lower(batch=256)
+
+
+def task_plan(plan, name):
+    return next(t for t in plan.tasks if t.task == name)
+
+
+def test_halo_of_a_7x7_window_split_2x2_over_27x27(lcn):
+    plan = build_plan(lcn, builtin(lcn, "spatial", 4), 4)
+    conv = task_plan(plan, "L1.filter")
+    # output rows 0..13 of 27 read input rows 0..19 of 33; the input is split 17 + 16
+    assert conv.pieces[0].requirements[0].read_rect == Rect((0, 0, 0, 0), (256, 64, 20, 20))
+    to_rank0 = sorted((t.src, t.rect, t.nbytes) for t in conv.transfers if t.dsts == (0,))
+    assert to_rank0 == [
+        (1, Rect((0, 0, 0, 17), (256, 64, 17, 20)), 256 * 64 * 17 * 3 * 4),
+        (2, Rect((0, 0, 17, 0), (256, 64, 20, 17)), 256 * 64 * 3 * 17 * 4),
+        (3, Rect((0, 0, 17, 17), (256, 64, 20, 20)), 256 * 64 * 3 * 3 * 4),
+    ]
+    # rank 3 (output rows and cols 14..26) reads input 14..32 and holds 17..32
+    to_rank3 = sum(t.nbytes for t in conv.transfers if 3 in t.dsts)
+    assert to_rank3 == 256 * 64 * (19 * 19 - 16 * 16) * 4
+    # untied weights live with their output positions: no weight gradient crosses ranks
+    grad = task_plan(plan, "L1.filter.grad")
+    assert not [r for r in grad.reductions if r.tensor == "L1.W.grad"]
+    assert not [t for t in grad.transfers if t.tensor == "L1.W.grad"]
+    # the input gradient's halos come back as partial sums to their owners
+    partial = [t for t in grad.transfers if t.reduce and t.dsts == (0,)]
+    assert sorted(t.src for t in partial) == [1, 2, 3]
+    verify_plan(lcn, plan)
+
+
+def test_data_parallel_all_reduces_each_replicated_parameter(lcn):
+    plan = build_plan(lcn, builtin(lcn, "data", 4), 4)
+    grad = task_plan(plan, "L1.filter.grad")
+    (reduction,) = [r for r in grad.reductions if r.tensor == "L1.W.grad"]
+    assert reduction.algorithm == "allreduce"
+    assert reduction.participants == (0, 1, 2, 3)
+    assert reduction.nbytes == 64 * 64 * 7 * 7 * 27 * 27 * 4
+    assert all(not t.transfers for t in plan.tasks)
+    # the loss is reduced to its owner, rank 0
+    (loss,) = task_plan(plan, "classifier.softmax").reductions
+    assert (loss.algorithm, loss.targets[0][1]) == ("reduce", (0,))
+    update = task_plan(plan, "update_L1.W")
+    assert [p.ranks for p in update.pieces] == [(0, 1, 2, 3)]
+    verify_plan(lcn, plan)
+
+
+def test_uneven_batch_split():
+    graph = load_network("seed-lcn-small").lower(batch=10)
+    plan = build_plan(graph, builtin(graph, "data", 4), 4)
+    rows = [(p.rect.lo[0], p.rect.hi[0]) for p in task_plan(plan, "L0.filter").pieces]
+    assert rows == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    verify_plan(graph, plan)
+
+
+def test_model_split_of_linear_reduce_scatters_its_input_gradient(lcn):
+    plan = build_plan(lcn, builtin(lcn, "model", 4), 4)
+    grad = task_plan(plan, "classifier.linear1.grad")
+    (reduction,) = [r for r in grad.reductions if r.tensor == "L1.filterNL.output.grad"]
+    assert reduction.algorithm == "reduce_scatter"
+    assert reduction.nbytes == 256 * 64 * 27 * 27 * 4
+    verify_plan(lcn, plan)
+
+
+def test_more_ranks_than_cells_leaves_ranks_idle():
+    graph = load_network("seed-lcn-small").lower(batch=3)
+    plan = build_plan(graph, builtin(graph, "data", 7), 7)
+    assert [p.ranks for p in task_plan(plan, "L0.filter").pieces] == [(0,), (1,), (2,)]
+
+
+def test_user_grids_must_make_r_pieces(lcn):
+    grids = {u.name: [1] * len(u.extents) for u in find_units(lcn)}
+    grids["L0"] = [2, 1, 2, 1]
+    with pytest.raises(LegionNNError, match=r"makes 4 pieces, not 8"):
+        from_grids(lcn, grids, 8)
+    grids["L0"] = [1, 1, 34, 1]
+    with pytest.raises(LegionNNError, match="cannot be cut into 34"):
+        from_grids(lcn, grids, 34)
+
+
+def test_bad_strategy_and_ranks(lcn):
+    with pytest.raises(LegionNNError, match="unknown strategy 'diagonal'"):
+        builtin(lcn, "diagonal", 4)
+    with pytest.raises(LegionNNError, match="positive int, got 0"):
+        builtin(lcn, "data", 0)
+
+
+def test_verify_plan_catches_a_missing_message(lcn):
+    plan = build_plan(lcn, builtin(lcn, "spatial", 4), 4)
+    task_plan(plan, "L1.filter").transfers.pop()
+    with pytest.raises(VerifyError, match="lacks part"):
+        verify_plan(lcn, plan)
+
+
+@st.composite
+def networks(draw):
+    size = draw(st.integers(6, 11))
+    layers = []
+    for index in range(draw(st.integers(1, 2))):
+        kernel = draw(st.integers(1, 3))
+        layers.append(
+            Filter(
+                f"L{index}",
+                out_channels=draw(st.integers(1, 3)),
+                kernel=kernel,
+                untied=draw(st.booleans()),
+                stride=draw(st.integers(1, 2)),
+                pad=draw(st.integers(0, kernel - 1)),
+            )
+        )
+        layers += [FilterA(), FilterNL(fn="relu")]
+        if draw(st.booleans()):
+            layers.append(MaxPool(f"P{index}", kernel=2, stride=draw(st.integers(1, 2))))
+    layers += [Linear("classifier", out=draw(st.integers(2, 5))), Softmax(), Evaluate()]
+    try:
+        net = Network("random", (draw(st.integers(1, 2)), size, size), layers[-3].out, layers)
+    except ShapeError:
+        reject()
+    return net.lower(batch=draw(st.integers(1, 6)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=networks(), nranks=st.sampled_from([1, 2, 3, 4, 5, 6, 7]), data=st.data())
+def test_random_networks_grids_and_rank_counts_verify(graph, nranks, data):
+    grids = {}
+    for unit in find_units(graph):
+        choices = factorizations(unit.extents, unit.splittable, nranks)
+        grids[unit.name] = data.draw(st.sampled_from(choices))
+    plan = build_plan(graph, Strategy("random", grids), nranks)
+    verify_plan(graph, plan)
