@@ -64,7 +64,9 @@ def load(directory: str | Path, expected: dict[str, Any]) -> tuple[dict[str, np.
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError, EOFError):
         raise LegionNNError(f"{path}: corrupt checkpoint (cannot be read)") from None
     if header.get("format") != FORMAT:
-        raise LegionNNError(f"{path}: unsupported checkpoint format {header.get('format')!r} (want {FORMAT})")
+        raise LegionNNError(
+            f"{path}: unsupported checkpoint format {header.get('format')!r} (want {FORMAT})"
+        )
     if checksum(arrays) != header.get("checksum"):
         raise LegionNNError(f"{path}: corrupt checkpoint (checksum mismatch)")
     for key in IDENTITY:

@@ -55,7 +55,9 @@ def _resize_axis(images: np.ndarray, size: int, axis: int) -> np.ndarray:
     shape = [1] * images.ndim
     shape[axis] = size
     weight = weight.reshape(shape)
-    return np.take(images, low, axis=axis) * (1 - weight) + np.take(images, high, axis=axis) * weight
+    return (
+        np.take(images, low, axis=axis) * (1 - weight) + np.take(images, high, axis=axis) * weight
+    )
 
 
 def fit_to_input(x: np.ndarray, shape: tuple[int, int, int], source: str) -> np.ndarray:
@@ -63,7 +65,9 @@ def fit_to_input(x: np.ndarray, shape: tuple[int, int, int], source: str) -> np.
     if x.ndim == 3:
         x = x[:, None]
     if x.ndim != 4:
-        raise LegionNNError(f"{source}: x must be (N, C, H, W) or (N, H, W), got shape {list(x.shape)}")
+        raise LegionNNError(
+            f"{source}: x must be (N, C, H, W) or (N, H, W), got shape {list(x.shape)}"
+        )
     channels, height, width = shape
     if x.shape[1] not in (1, channels):
         raise LegionNNError(
@@ -78,8 +82,8 @@ def fit_to_input(x: np.ndarray, shape: tuple[int, int, int], source: str) -> np.
 def _split(x: np.ndarray, y: np.ndarray, name: str, dtype) -> Dataset:
     order = np.random.default_rng(SPLIT_SEED).permutation(len(y))
     x, y = x[order].astype(dtype), y[order].astype(np.int32)
-    n_train = int(round(SPLITS[0] * len(y)))
-    n_val = int(round(SPLITS[1] * len(y)))
+    n_train = round(SPLITS[0] * len(y))
+    n_val = round(SPLITS[1] * len(y))
     return Dataset(
         name,
         Split(x[:n_train], y[:n_train]),

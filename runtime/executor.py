@@ -13,7 +13,7 @@ reallocated only when a graph needs other dims.
 from __future__ import annotations
 
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -39,7 +39,9 @@ def initial_value(tensor: Tensor, rng: np.random.Generator) -> np.ndarray:
         return (rng.standard_normal(tensor.dims) * float(arg)).astype(dtype)
     if kind == "rows":  # one constant per index of the first axis, e.g. running [mean, var]
         values = np.array([float(v) for v in arg.split(",")], dtype)
-        return np.broadcast_to(values.reshape((-1,) + (1,) * (len(tensor.dims) - 1)), tensor.dims).copy()
+        return np.broadcast_to(
+            values.reshape((-1,) + (1,) * (len(tensor.dims) - 1)), tensor.dims
+        ).copy()
     if kind == "he":
         return (rng.standard_normal(tensor.dims) * np.sqrt(2.0 / float(arg))).astype(dtype)
     raise ValueError(f"tensor {tensor.name}: unknown init {tensor.init!r}")
@@ -99,7 +101,9 @@ class LocalExecutor:
     def view(self, name: str, rect: Rect) -> np.ndarray:
         return self.arrays[name][rect.to_slices()]
 
-    def run(self, graph: TaskGraph, ctx: StepContext, tasks: Iterable[Task] | None = None) -> StepContext:
+    def run(
+        self, graph: TaskGraph, ctx: StepContext, tasks: Iterable[Task] | None = None
+    ) -> StepContext:
         """Run `tasks` (default: the whole step) of `graph` in program order."""
         self.prepare(graph)
         for task in graph.tasks if tasks is None else tasks:
@@ -113,7 +117,6 @@ class LocalExecutor:
             for name, array in self.arrays.items()
             if self._tensors[name].kind in ("param", "state")
         }
-
 
 
 def inference_tasks(graph: TaskGraph) -> list[Task]:

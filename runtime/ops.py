@@ -13,8 +13,9 @@ interior piece is computed without padding and a border piece with its side of i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -24,14 +25,18 @@ from legion_nn.rect import Rect
 from runtime.kernels import (
     affine,
     batchnorm,
-    conv as conv_kernels,
     dropout,
-    filter as filter_kernels,
     linear,
     nonlinear,
     pool,
     softmax,
     update,
+)
+from runtime.kernels import (
+    conv as conv_kernels,
+)
+from runtime.kernels import (
+    filter as filter_kernels,
 )
 
 
@@ -101,8 +106,13 @@ def _filter_grad(task, piece, views, dims, ctx):
     pads = _pads(task, piece, dims)
     channels = task.attrs.get("channels")
     dx, dw = filter_kernels.filter_backward(
-        views["output.delta"], views["input"], views["filters"], task.attrs["stride"], pads,
-        channels=tuple(channels) if channels else None, need_dx=task.attrs["need_dx"],
+        views["output.delta"],
+        views["input"],
+        views["filters"],
+        task.attrs["stride"],
+        pads,
+        channels=tuple(channels) if channels else None,
+        need_dx=task.attrs["need_dx"],
     )
     out = {"filters.delta": dw}
     if dx is not None:
@@ -126,13 +136,21 @@ def _conv_grad(task, piece, views, dims, ctx):
     out = {}
     if "b.delta" in views:
         dx, dw, db = conv_kernels.conv_backward(
-            views["output.delta"], views["input"], views["filters"], task.attrs["stride"], pads,
+            views["output.delta"],
+            views["input"],
+            views["filters"],
+            task.attrs["stride"],
+            pads,
             need_dx=need_dx,
         )
         out["b.delta"] = db
     else:
         dx, dw = filter_kernels.filter_backward(
-            views["output.delta"], views["input"], views["filters"], task.attrs["stride"], pads,
+            views["output.delta"],
+            views["input"],
+            views["filters"],
+            task.attrs["stride"],
+            pads,
             need_dx=need_dx,
         )
     out["filters.delta"] = dw
@@ -178,7 +196,10 @@ def _linear(task, piece, views, dims, ctx):
 def _linear_grad(task, piece, views, dims, ctx):
     need_dx = task.attrs["need_dx"]
     dx, dw, db = linear.linear_backward(
-        views["output.delta"], views["input"], views["weights"], need_dx=need_dx,
+        views["output.delta"],
+        views["input"],
+        views["weights"],
+        need_dx=need_dx,
         need_db="b.delta" in views,
     )
     out = {"weights.delta": dw}
@@ -191,9 +212,7 @@ def _linear_grad(task, piece, views, dims, ctx):
 
 @adapter("softmax", "forward")
 def _softmax(task, piece, views, dims, ctx):
-    prob, loss = softmax.softmax_forward(
-        views["input"], views["labels"], task.attrs["batch_total"]
-    )
+    prob, loss = softmax.softmax_forward(views["input"], views["labels"], task.attrs["batch_total"])
     return {"probability": prob, "output": loss}
 
 
@@ -244,7 +263,11 @@ def _dropout(task, piece, views, dims, ctx):
     if not ctx.training:
         return {"output": views["input"]}
     y = dropout.dropout_forward(
-        views["input"], task.attrs["ratio"], task.attrs["seed"], ctx.step, piece.lo,
+        views["input"],
+        task.attrs["ratio"],
+        task.attrs["seed"],
+        ctx.step,
+        piece.lo,
         dims["input"],
     )
     return {"output": y}
@@ -253,7 +276,11 @@ def _dropout(task, piece, views, dims, ctx):
 @adapter("dropout", "backward")
 def _dropout_grad(task, piece, views, dims, ctx):
     dx = dropout.dropout_backward(
-        views["output.delta"], task.attrs["ratio"], task.attrs["seed"], ctx.step, piece.lo,
+        views["output.delta"],
+        task.attrs["ratio"],
+        task.attrs["seed"],
+        ctx.step,
+        piece.lo,
         dims["output.delta"],
     )
     return {"input.delta": dx}
@@ -280,14 +307,19 @@ def _bn(task, piece, views, dims, ctx):
     spatial, x = task.attrs["spatial"], views["input"]
     if not ctx.training:
         y = batchnorm.batchnorm_inference(
-            _per_feature(x, spatial), _stats_view(views["running"], spatial),
-            _stats_view(views["gamma"], spatial), _stats_view(views["beta"], spatial),
+            _per_feature(x, spatial),
+            _stats_view(views["running"], spatial),
+            _stats_view(views["gamma"], spatial),
+            _stats_view(views["beta"], spatial),
             task.attrs["eps"],
         )
         return {"output": y.reshape(x.shape)}
     y = batchnorm.batchnorm_forward(
-        _per_feature(x, spatial), _stats_view(views["stats"], spatial), task.attrs["count"],
-        _stats_view(views["gamma"], spatial), _stats_view(views["beta"], spatial),
+        _per_feature(x, spatial),
+        _stats_view(views["stats"], spatial),
+        task.attrs["count"],
+        _stats_view(views["gamma"], spatial),
+        _stats_view(views["beta"], spatial),
         task.attrs["eps"],
     )
     return {"output": y.reshape(x.shape)}
@@ -309,8 +341,11 @@ def _bn_running(task, piece, views, dims, ctx):
 def _bn_param_grad(task, piece, views, dims, ctx):
     spatial = task.attrs["spatial"]
     dgamma, dbeta = batchnorm.batchnorm_param_backward(
-        _per_feature(views["output.delta"], spatial), _per_feature(views["input"], spatial),
-        _stats_view(views["stats"], spatial), task.attrs["count"], task.attrs["eps"],
+        _per_feature(views["output.delta"], spatial),
+        _per_feature(views["input"], spatial),
+        _stats_view(views["stats"], spatial),
+        task.attrs["count"],
+        task.attrs["eps"],
     )
     shape = views["gamma.delta"].shape
     return {"gamma.delta": dgamma.reshape(shape), "beta.delta": dbeta.reshape(shape)}
@@ -320,10 +355,14 @@ def _bn_param_grad(task, piece, views, dims, ctx):
 def _bn_input_grad(task, piece, views, dims, ctx):
     spatial, x = task.attrs["spatial"], views["input"]
     dx = batchnorm.batchnorm_input_backward(
-        _per_feature(views["output.delta"], spatial), _per_feature(x, spatial),
-        _stats_view(views["stats"], spatial), task.attrs["count"],
-        _stats_view(views["gamma"], spatial), _stats_view(views["gamma.delta"], spatial),
-        _stats_view(views["beta.delta"], spatial), task.attrs["eps"],
+        _per_feature(views["output.delta"], spatial),
+        _per_feature(x, spatial),
+        _stats_view(views["stats"], spatial),
+        task.attrs["count"],
+        _stats_view(views["gamma"], spatial),
+        _stats_view(views["gamma.delta"], spatial),
+        _stats_view(views["beta.delta"], spatial),
+        task.attrs["eps"],
     )
     return {"input.delta": dx.reshape(x.shape)}
 
@@ -353,7 +392,14 @@ def _update(task, piece, views, dims, ctx):
         update.momentum_update(params, grad, views["velocity"], attrs["lr"], attrs["momentum"])
     else:
         update.adam_update(
-            params, grad, views["m"], views["v"], attrs["lr"], attrs["beta1"], attrs["beta2"],
-            attrs["eps"], ctx.step + 1,
+            params,
+            grad,
+            views["m"],
+            views["v"],
+            attrs["lr"],
+            attrs["beta1"],
+            attrs["beta2"],
+            attrs["eps"],
+            ctx.step + 1,
         )
     return {}

@@ -15,8 +15,9 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 import numpy as np
 
@@ -59,9 +60,13 @@ def fingerprint(network: Network) -> str:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, log: IO[str] | None = None,
-                 on_step: Callable[[int, float], None] | None = None,
-                 on_epoch: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        log: IO[str] | None = None,
+        on_step: Callable[[int, float], None] | None = None,
+        on_epoch: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.log = log
         self.on_step = on_step
@@ -72,7 +77,9 @@ class Trainer:
         if len(train) == 0:
             raise LegionNNError("the training split is empty")
         self.steps_per_epoch = math.ceil(len(train) / config.batch)
-        self.total_steps = config.steps if config.steps is not None else config.epochs * self.steps_per_epoch
+        self.total_steps = (
+            config.steps if config.steps is not None else config.epochs * self.steps_per_epoch
+        )
 
     def graph(self, batch: int) -> TaskGraph:
         if batch not in self._graphs:
@@ -96,7 +103,9 @@ class Trainer:
 
     def batch_indices(self, step: int) -> np.ndarray:
         epoch, index = divmod(step, self.steps_per_epoch)
-        order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.config.dataset.train))
+        order = np.random.default_rng([self.config.seed, epoch]).permutation(
+            len(self.config.dataset.train)
+        )
         return order[index * self.config.batch : (index + 1) * self.config.batch]
 
     def _outputs(self, graph: TaskGraph) -> tuple[str, str | None]:
@@ -180,23 +189,38 @@ class Trainer:
                 epoch_stats = np.zeros(4)
         val_loss, val_accuracy = self.evaluate(c.dataset.val)
         test_loss, test_accuracy = self.evaluate(c.dataset.test)
-        train_loss, train_accuracy = self.evaluate(c.dataset.train)
+        _, train_accuracy = self.evaluate(c.dataset.train)
         seconds = time.perf_counter() - started
-        self._write({
-            "event": "done", "test_accuracy": test_accuracy, "val_accuracy": val_accuracy,
-            "train_accuracy": train_accuracy, "test_loss": test_loss, "val_loss": val_loss,
-            "steps": self.total_steps, "seconds": seconds,
-        })
-        return TrainResult(losses, val_accuracy, test_accuracy, train_accuracy, self.total_steps, seconds)
+        self._write(
+            {
+                "event": "done",
+                "test_accuracy": test_accuracy,
+                "val_accuracy": val_accuracy,
+                "train_accuracy": train_accuracy,
+                "test_loss": test_loss,
+                "val_loss": val_loss,
+                "steps": self.total_steps,
+                "seconds": seconds,
+            }
+        )
+        return TrainResult(
+            losses, val_accuracy, test_accuracy, train_accuracy, self.total_steps, seconds
+        )
 
     def _end_epoch(self, epoch: int, stats: np.ndarray, steps_done: int) -> None:
         val_loss, val_accuracy = self.evaluate(self.config.dataset.val)
         train_loss = stats[0] / stats[3] if stats[3] else float("nan")
         train_accuracy = stats[1] / stats[3] if stats[3] else float("nan")
-        self._write({
-            "event": "epoch", "epoch": epoch, "train_loss": train_loss,
-            "train_accuracy": train_accuracy, "val_loss": val_loss, "val_accuracy": val_accuracy,
-        })
+        self._write(
+            {
+                "event": "epoch",
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "train_accuracy": train_accuracy,
+                "val_loss": val_loss,
+                "val_accuracy": val_accuracy,
+            }
+        )
         if self.on_epoch:
             self.on_epoch(
                 f"epoch {epoch + 1}: train loss {train_loss:.4f} acc {train_accuracy:.4f} | "

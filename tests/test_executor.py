@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from legion_nn.access import splittable_dims
 from legion_nn.layers import (
     BatchNorm,
     Conv,
@@ -16,7 +17,6 @@ from legion_nn.layers import (
     MaxPool,
     Softmax,
 )
-from legion_nn.access import splittable_dims
 from legion_nn.network import Network
 from legion_nn.networks import load_network
 from runtime.executor import LocalExecutor, inference_tasks, run_task_piece
@@ -42,21 +42,26 @@ def rel_error(a, b):
     return np.max(np.abs(a - b) / np.maximum(1e-8, np.abs(a) + np.abs(b)))
 
 
-MIXED = Network("mixed", (2, 9, 9), 3, [
-    Conv("c0", out_channels=3, kernel=3, pad=1, stride=1, bias=False),  # batchnorm follows
-    BatchNorm("bn0"),
-    FilterNL(fn="tanh"),
-    MaxPool("p0", kernel=3, stride=2),
-    Filter("L1", out_channels=4, kernel=2, untied=True, stride=1, pad=[1, 0, 0, 1]),
-    FilterA(),
-    FilterNL(fn="sigmoid"),
-    Dropout("d1", ratio=0.3, seed=5),
-    Flatten("f"),
-    BatchNorm("bn1", spatial=False),
-    Linear("fc", out=3, bias=True),
-    Softmax(),
-    Evaluate(),
-])
+MIXED = Network(
+    "mixed",
+    (2, 9, 9),
+    3,
+    [
+        Conv("c0", out_channels=3, kernel=3, pad=1, stride=1, bias=False),  # batchnorm follows
+        BatchNorm("bn0"),
+        FilterNL(fn="tanh"),
+        MaxPool("p0", kernel=3, stride=2),
+        Filter("L1", out_channels=4, kernel=2, untied=True, stride=1, pad=[1, 0, 0, 1]),
+        FilterA(),
+        FilterNL(fn="sigmoid"),
+        Dropout("d1", ratio=0.3, seed=5),
+        Flatten("f"),
+        BatchNorm("bn1", spatial=False),
+        Linear("fc", out=3, bias=True),
+        Softmax(),
+        Evaluate(),
+    ],
+)
 
 
 def whole_network_gradient_check(net, batch, samples, seed=0):
@@ -124,16 +129,24 @@ def test_pieces_compute_what_the_whole_computes(net):
     for step in range(2):
         whole.run(graph, StepContext(step, inputs=x, labels=y))
         run_in_pieces(graph, pieces, StepContext(step, inputs=x, labels=y))
-    for name, tensor in graph.tensors.items():
-        np.testing.assert_allclose(pieces.arrays[name], whole.arrays[name], rtol=1e-9, atol=1e-12,
-                                   err_msg=name)
+    for name in graph.tensors:
+        np.testing.assert_allclose(
+            pieces.arrays[name], whole.arrays[name], rtol=1e-9, atol=1e-12, err_msg=name
+        )
 
 
 def test_sparse_update_changes_only_the_selected_channels():
-    net = Network("sparse", (4, 6, 6), 2, [
-        Filter("L0", out_channels=3, kernel=3, untied=True, update_channels=[1, 3]),
-        FilterNL(fn="relu"), Linear("c", out=2), Softmax(),
-    ])
+    net = Network(
+        "sparse",
+        (4, 6, 6),
+        2,
+        [
+            Filter("L0", out_channels=3, kernel=3, untied=True, update_channels=[1, 3]),
+            FilterNL(fn="relu"),
+            Linear("c", out=2),
+            Softmax(),
+        ],
+    )
     graph = net.lower(batch=2, dtype="float64", hyperparameters={"lr": 0.5})
     executor = LocalExecutor(seed=0)
     x, y = batch_for(net, 2)

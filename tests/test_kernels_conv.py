@@ -25,8 +25,9 @@ def make(dtype, seed=0, n=2, c=3, h=7, w=6, k=4, r=3, s=2, stride=2, pad=(1, 0, 
 def test_agrees_with_reference(dtype):
     x, w, b, dy, stride, pad = make(dtype)
     close(conv_forward(x, w, b, stride, pad), reference.conv_forward(x, w, b, stride, pad), dtype)
-    for got, want in zip(conv_backward(dy, x, w, stride, pad),
-                         reference.conv_backward(dy, x, w, stride, pad)):
+    for got, want in zip(
+        conv_backward(dy, x, w, stride, pad), reference.conv_backward(dy, x, w, stride, pad)
+    ):
         close(got, want, dtype)
     dx, dw, db = conv_backward(dy, x, w, stride, pad, need_dx=False)
     assert dx is None and dw.shape == w.shape and db.shape == b.shape
@@ -47,8 +48,11 @@ def test_numerical_gradients():
 def test_packed_matches_logical():
     x, w, b, dy, stride, pad = make(np.float32)
     xp, wp, dyp = pack_activations(x), pack_weights(w), pack_activations(dy)
-    close(unpack_activations(conv_forward_packed(xp, wp, b, stride, pad)),
-          conv_forward(x, w, b, stride, pad), np.float32)
+    close(
+        unpack_activations(conv_forward_packed(xp, wp, b, stride, pad)),
+        conv_forward(x, w, b, stride, pad),
+        np.float32,
+    )
     dxp, dwp, db = conv_backward_packed(dyp, xp, wp, stride, pad)
     dx, dw, db_logical = conv_backward(dy, x, w, stride, pad)
     close(unpack_activations(dxp), dx, np.float32)

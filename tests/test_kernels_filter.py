@@ -123,8 +123,9 @@ def test_packed_batch_pieces_and_reduction(untied):
     for n in pieces:
         close(forward_packed(xp[..., n], wp, stride, pad), y[..., n], np.float32)
         backward_data_packed(dyp[..., n], wp, x.shape[2:], stride, pad, out=dx_out[..., n])
-        backward_filter_packed(dyp[..., n], xp[..., n], w.shape[4:6], stride, pad, untied,
-                               out=dw_sum, accumulate=True)
+        backward_filter_packed(
+            dyp[..., n], xp[..., n], w.shape[4:6], stride, pad, untied, out=dw_sum, accumulate=True
+        )
     close(dx_out, dx, np.float32)
     close(dw_sum, dw, np.float32)
     close(unpack_weights(dw), reference.filter_backward(dy, x, w, stride, pad)[1], np.float32)

@@ -9,7 +9,7 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from runtime import checkpoint, data
-from runtime.training import Trainer, TrainConfig
+from runtime.training import TrainConfig, Trainer
 
 
 def config(network="seed-lcn-small", source="synthetic", **overrides):
@@ -21,8 +21,14 @@ def config(network="seed-lcn-small", source="synthetic", **overrides):
 
 def test_overfit_100_examples():
     # Seed 002: a three-layer convnet trained on 100 examples reaches >= 0.9 training accuracy.
-    cfg = config("three-layer-convnet", "digits", batch=50, epochs=15, optimizer="adam",
-                 hyperparameters={"lr": 1e-3})
+    cfg = config(
+        "three-layer-convnet",
+        "digits",
+        batch=50,
+        epochs=15,
+        optimizer="adam",
+        hyperparameters={"lr": 1e-3},
+    )
     cfg.dataset.train = data.Split(cfg.dataset.train.x[:100], cfg.dataset.train.y[:100])
     cfg.dataset.val = data.Split(cfg.dataset.val.x[:50], cfg.dataset.val.y[:50])
     cfg.dataset.test = data.Split(cfg.dataset.test.x[:50], cfg.dataset.test.y[:50])
@@ -34,19 +40,33 @@ def test_overfit_100_examples():
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path, optimizer):
     whole = Trainer(config(batch=64, steps=10, optimizer=optimizer, dtype="float64")).run()
-    first = Trainer(config(batch=64, steps=4, optimizer=optimizer, dtype="float64",
-                           checkpoint_dir=str(tmp_path))).run()
-    rest = Trainer(config(batch=64, steps=10, optimizer=optimizer, dtype="float64",
-                          checkpoint_dir=str(tmp_path), resume=True)).run()
+    first = Trainer(
+        config(
+            batch=64, steps=4, optimizer=optimizer, dtype="float64", checkpoint_dir=str(tmp_path)
+        )
+    ).run()
+    rest = Trainer(
+        config(
+            batch=64,
+            steps=10,
+            optimizer=optimizer,
+            dtype="float64",
+            checkpoint_dir=str(tmp_path),
+            resume=True,
+        )
+    ).run()
     assert first.losses + rest.losses == whole.losses
     assert rest.test_accuracy == whole.test_accuracy
 
 
 def test_checkpoint_refuses_corruption_and_other_runs(tmp_path):
     Trainer(config(batch=64, steps=2, checkpoint_dir=str(tmp_path))).run()
-    with pytest.raises(LegionNNError, match="checkpoint is for optimizer='adam', this run has optimizer='sgd'"):
-        Trainer(config(batch=64, steps=4, optimizer="sgd", checkpoint_dir=str(tmp_path),
-                       resume=True)).run()
+    with pytest.raises(
+        LegionNNError, match="checkpoint is for optimizer='adam', this run has optimizer='sgd'"
+    ):
+        Trainer(
+            config(batch=64, steps=4, optimizer="sgd", checkpoint_dir=str(tmp_path), resume=True)
+        ).run()
     with pytest.raises(LegionNNError, match="checkpoint is for batch=64, this run has batch=32"):
         Trainer(config(batch=32, steps=4, checkpoint_dir=str(tmp_path), resume=True)).run()
     path = tmp_path / checkpoint.FILENAME
@@ -68,8 +88,21 @@ def test_checksum_detects_a_changed_value(tmp_path):
 
 def test_train_cli_writes_the_log(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
-    code = main(["train", "seed-lcn-small", "--data", "synthetic", "--steps", "3", "--batch", "16",
-                 "--log-json", str(log), "--no-progress"])
+    code = main(
+        [
+            "train",
+            "seed-lcn-small",
+            "--data",
+            "synthetic",
+            "--steps",
+            "3",
+            "--batch",
+            "16",
+            "--log-json",
+            str(log),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in log.read_text().splitlines()]
     steps = [r for r in records if "step" in r]

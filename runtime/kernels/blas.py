@@ -29,11 +29,20 @@ ensure_blas()  # a clear error if SciPy (hence BLAS for Numba) is missing
 _XXGEMM = types.ExternalFunction(
     "numba_xxgemm",
     types.intc(
-        types.int8, types.int8, types.int8,  # kind ('s' or 'd'), transa, transb
-        types.intp, types.intp, types.intp,  # m, n, k
-        types.intp, types.intp, types.intp,  # alpha, a, lda
-        types.intp, types.intp,  # b, ldb
-        types.intp, types.intp, types.intp,  # beta, c, ldc
+        types.int8,
+        types.int8,
+        types.int8,  # kind ('s' or 'd'), transa, transb
+        types.intp,
+        types.intp,
+        types.intp,  # m, n, k
+        types.intp,
+        types.intp,
+        types.intp,  # alpha, a, lda
+        types.intp,
+        types.intp,  # b, ldb
+        types.intp,
+        types.intp,
+        types.intp,  # beta, c, ldc
     ),
 )
 
@@ -42,9 +51,7 @@ TRANS = np.int8(ord("T"))
 
 
 @njit(cache=True, nogil=True)
-def gemm(
-    trans_a, trans_b, m, n, k, a, a_off, lda, b, b_off, ldb, accumulate, c, c_off, ldc
-):
+def gemm(trans_a, trans_b, m, n, k, a, a_off, lda, b, b_off, ldb, accumulate, c, c_off, ldc):
     """C[c_off:] (m×n, ld ldc) = op(A)·op(B) (+ C if `accumulate`); offsets and lds in elements.
 
     op(A) is m×k and op(B) is k×n; A is stored m×k (or k×m when transposed), row-major.
@@ -57,10 +64,20 @@ def gemm(
     beta = one if accumulate else consts.ctypes.data
     kind = np.int8(ord("s")) if size == 4 else np.int8(ord("d"))
     _XXGEMM(
-        kind, trans_b, trans_a, n, m, k, one,
-        b.ctypes.data + b_off * size, ldb,
-        a.ctypes.data + a_off * size, lda,
-        beta, c.ctypes.data + c_off * size, ldc,
+        kind,
+        trans_b,
+        trans_a,
+        n,
+        m,
+        k,
+        one,
+        b.ctypes.data + b_off * size,
+        ldb,
+        a.ctypes.data + a_off * size,
+        lda,
+        beta,
+        c.ctypes.data + c_off * size,
+        ldc,
     )
 
 

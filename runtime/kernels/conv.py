@@ -29,8 +29,7 @@ def _check_tied(w_positions: tuple[int, ...]) -> None:
         raise ValueError(f"w: conv weights must be tied (P = Q = 1), got P, Q = {w_positions}")
 
 
-def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1,
-                 pad=0) -> np.ndarray:
+def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, pad=0) -> np.ndarray:
     """y (N, K, P, Q) = conv of x (N, C, H, W) by w (K, 1, 1, C, R, S, 1, 1), plus b."""
     geo = filter_geometry(x, w, stride, pad)
     _check_tied(w.shape[6:])
@@ -40,8 +39,9 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1,
     return y
 
 
-def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: int = 1, pad=0,
-                  need_dx: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+def conv_backward(
+    dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: int = 1, pad=0, need_dx: bool = True
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(dx, dw, db) for the incoming gradient dy (N, K, P, Q); dx is None unless `need_dx`."""
     filter_geometry(x, w, stride, pad)
     _check_tied(w.shape[6:])
@@ -49,8 +49,9 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: int = 1,
     return dx, dw, dy.sum(axis=(0, 2, 3)).reshape(1, -1, 1, 1)
 
 
-def conv_forward_packed(xp: np.ndarray, wp: np.ndarray, b: np.ndarray, stride: int = 1,
-                        pad=0) -> np.ndarray:
+def conv_forward_packed(
+    xp: np.ndarray, wp: np.ndarray, b: np.ndarray, stride: int = 1, pad=0
+) -> np.ndarray:
     """y (P, Q, K, N) from x (H, W, C, N), tied weights (1, 1, K, R, S, C) and b (1, K, 1, 1)."""
     check_ndim("wp", wp, 6, "(1, 1, K, R, S, C)")
     _check_tied(wp.shape[:2])
@@ -60,9 +61,9 @@ def conv_forward_packed(xp: np.ndarray, wp: np.ndarray, b: np.ndarray, stride: i
     return yp
 
 
-def conv_backward_packed(dyp: np.ndarray, xp: np.ndarray, wp: np.ndarray, stride: int = 1,
-                         pad=0, need_dx: bool = True
-                         ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+def conv_backward_packed(
+    dyp: np.ndarray, xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0, need_dx: bool = True
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(dxp, dwp, db) in the packed layouts for dy (P, Q, K, N)."""
     check_ndim("wp", wp, 6, "(1, 1, K, R, S, C)")
     _check_tied(wp.shape[:2])

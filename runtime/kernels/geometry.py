@@ -97,9 +97,7 @@ def make_geometry(
     p = (h + pad[0] + pad[1] - r) // stride + 1
     q = (w + pad[2] + pad[3] - s) // stride + 1
     if p < 1 or q < 1:
-        raise ValueError(
-            f"{w_name}: window {r}x{s} does not fit input {h}x{w} padded by {pad}"
-        )
+        raise ValueError(f"{w_name}: window {r}x{s} does not fit input {h}x{w} padded by {pad}")
     if (wp, wq) not in ((p, q), (1, 1)):
         raise ValueError(
             f"{w_name}: weight positions {wp}x{wq} are neither the output {p}x{q} (untied) "

@@ -75,9 +75,7 @@ def filter_backward(
     return dx, dw
 
 
-def conv_forward(
-    x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, pad=0
-) -> np.ndarray:
+def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, pad=0) -> np.ndarray:
     return filter_forward(x, w, stride, pad) + b
 
 
