@@ -22,6 +22,7 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from runtime.instances import Layout, choose_layouts
 from runtime.ops import StepContext, run_piece
 
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64}
@@ -77,15 +78,19 @@ def run_task_piece(
 class LocalExecutor:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
+        #: physical arrays by tensor name, in the layout of `layouts[name]`
         self.arrays: dict[str, np.ndarray] = {}
+        self.layouts: dict[str, Layout] = {}
         self._tensors: dict[str, Tensor] = {}
 
     def prepare(self, graph: TaskGraph) -> None:
         """Allocate what `graph` needs; resident tensors are initialised once, in name order."""
+        layouts = choose_layouts(graph)
         for name in sorted(graph.tensors):
             tensor = graph.tensors[name]
+            layout = self.layouts.setdefault(name, layouts[name])
             current = self.arrays.get(name)
-            if current is not None and current.shape == tensor.dims:
+            if current is not None and current.shape == layout.shape(tensor.dims):
                 continue
             if tensor.kind in ("param", "state"):
                 if current is not None:
@@ -93,13 +98,17 @@ class LocalExecutor:
                 # Each resident tensor draws from its own stream so that adding a layer does not
                 # change the initial values of the others.
                 stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-                self.arrays[name] = initial_value(tensor, stream)
+                self.arrays[name] = layout.from_logical(initial_value(tensor, stream))
             else:
-                self.arrays[name] = np.zeros(tensor.dims, NUMPY_DTYPES[tensor.dtype])
+                self.arrays[name] = np.zeros(layout.shape(tensor.dims), NUMPY_DTYPES[tensor.dtype])
             self._tensors[name] = tensor
 
     def view(self, name: str, rect: Rect) -> np.ndarray:
-        return self.arrays[name][rect.to_slices()]
+        return self.arrays[name][self.layouts[name].slices(rect)]
+
+    def logical(self, name: str) -> np.ndarray:
+        """The tensor in its logical layout (a copy where the instance is packed)."""
+        return self.layouts[name].to_logical(self.arrays[name])
 
     def run(
         self, graph: TaskGraph, ctx: StepContext, tasks: Iterable[Task] | None = None
@@ -111,12 +120,21 @@ class LocalExecutor:
         return ctx
 
     def resident(self) -> dict[str, np.ndarray]:
-        """Parameters and state by name: what a checkpoint holds."""
+        """Parameters and state by name, in their logical layouts: what a checkpoint holds."""
         return {
-            name: array
-            for name, array in self.arrays.items()
+            name: self.logical(name)
+            for name in self.arrays
             if self._tensors[name].kind in ("param", "state")
         }
+
+    def load_resident(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set parameters and state from logical arrays (a checkpoint)."""
+        for name, array in arrays.items():
+            current = self.arrays.get(name)
+            tensor = self._tensors.get(name)
+            if current is None or tensor is None or tuple(array.shape) != tensor.dims:
+                raise ValueError(f"tensor {name} {list(array.shape)} does not fit this network")
+            current[...] = self.layouts[name].from_logical(array)
 
 
 def inference_tasks(graph: TaskGraph) -> list[Task]:

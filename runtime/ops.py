@@ -26,18 +26,16 @@ from runtime.kernels import (
     affine,
     batchnorm,
     dropout,
+    filter_packed,
+    layout,
     linear,
     nonlinear,
     pool,
     softmax,
     update,
 )
-from runtime.kernels import (
-    conv as conv_kernels,
-)
-from runtime.kernels import (
-    filter as filter_kernels,
-)
+from runtime.kernels import conv as conv_kernels
+from runtime.kernels import filter as filter_kernels
 
 
 @dataclass
@@ -94,8 +92,51 @@ def _data(task, piece, views, dims, ctx):
     return out
 
 
+def _packed_filter_forward(task, piece, views, dims) -> np.ndarray:
+    """The filter of a piece, weights in the packed instance (see runtime.instances)."""
+    xp = layout.pack_activations(views["input"])
+    yp = filter_packed.forward_packed(
+        xp, views["filters"], task.attrs["stride"], _pads(task, piece, dims)
+    )
+    return layout.unpack_activations(yp)
+
+
+def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
+    """dx and dw of a piece; dw accumulates straight into the packed gradient when it can."""
+    pads, stride = _pads(task, piece, dims), task.attrs["stride"]
+    x, weights = views["input"], views["filters"]
+    dyp, xp = layout.pack_activations(views["output.delta"]), layout.pack_activations(x)
+    out: dict[str, np.ndarray] = {}
+    if task.attrs["need_dx"]:
+        dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
+        out["input.delta"] = layout.unpack_activations(dxp)
+    channels = task.attrs.get("channels")
+    window = tuple(task.attrs["kernel"])
+    untied = task.attrs["untied"]
+    grad = views["filters.delta"]
+    if grad.flags.c_contiguous:  # a reduction done by the kernel itself, in place
+        filter_packed.backward_filter_packed(
+            dyp,
+            xp,
+            window,
+            stride,
+            pads,
+            untied,
+            channels and tuple(channels),
+            out=grad,
+            accumulate=True,
+        )
+    else:  # a sub-block of channels or positions: reduce through a temporary of its size
+        out["filters.delta"] = filter_packed.backward_filter_packed(
+            dyp, xp, window, stride, pads, untied, channels and tuple(channels)
+        )
+    return out
+
+
 @adapter("filter", "forward")
 def _filter(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        return {"output": _packed_filter_forward(task, piece, views, dims)}
     pads = _pads(task, piece, dims)
     y = filter_kernels.filter_forward(views["input"], views["filters"], task.attrs["stride"], pads)
     return {"output": y}
@@ -103,6 +144,8 @@ def _filter(task, piece, views, dims, ctx):
 
 @adapter("filter", "backward")
 def _filter_grad(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        return _packed_filter_backward(task, piece, views, dims)
     pads = _pads(task, piece, dims)
     channels = task.attrs.get("channels")
     dx, dw = filter_kernels.filter_backward(
@@ -122,6 +165,11 @@ def _filter_grad(task, piece, views, dims, ctx):
 
 @adapter("conv", "forward")
 def _conv(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        y = _packed_filter_forward(task, piece, views, dims)
+        if "b" in views:
+            y += views["b"]
+        return {"output": y}
     pads = _pads(task, piece, dims)
     weights, stride = views["filters"], task.attrs["stride"]
     if "b" not in views:
@@ -131,6 +179,16 @@ def _conv(task, piece, views, dims, ctx):
 
 @adapter("conv", "backward")
 def _conv_grad(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        out = _packed_filter_backward(task, piece, views, dims)
+        if "b.delta" in views:
+            dy = views["output.delta"]
+            out["b.delta"] = (
+                dy.sum(axis=(0, 2, 3), dtype=np.float64)
+                .astype(dy.dtype)
+                .reshape(views["b.delta"].shape)
+            )
+        return out
     pads = _pads(task, piece, dims)
     need_dx = task.attrs["need_dx"]
     out = {}
@@ -194,15 +252,20 @@ def _linear(task, piece, views, dims, ctx):
 
 @adapter("linear", "backward")
 def _linear_grad(task, piece, views, dims, ctx):
-    need_dx = task.attrs["need_dx"]
-    dx, dw, db = linear.linear_backward(
-        views["output.delta"],
-        views["input"],
-        views["weights"],
-        need_dx=need_dx,
-        need_db="b.delta" in views,
-    )
-    out = {"weights.delta": dw}
+    need_dx, grad = task.attrs["need_dx"], views["weights.delta"]
+    dy, x, weights = views["output.delta"], views["input"], views["weights"]
+    out = {}
+    if grad.flags.c_contiguous:  # reduce straight into the gradient: no weight-sized temporary
+        linear.linear_weight_grad_accumulate(dy, x, grad)
+        n, m = dy.shape[0], dy.shape[1]
+        if need_dx:
+            dx = np.dot(dy.reshape(n, m), weights.reshape(m, -1)).reshape(x.shape)
+            out["input.delta"] = dx
+        if "b.delta" in views:
+            out["b.delta"] = dy.sum(axis=0, dtype=np.float64).astype(dy.dtype).reshape(1, m, 1, 1)
+        return out
+    dx, dw, db = linear.linear_backward(dy, x, weights, need_dx=need_dx, need_db="b.delta" in views)
+    out["weights.delta"] = dw
     if dx is not None:
         out["input.delta"] = dx
     if db is not None:

@@ -154,11 +154,10 @@ class Trainer:
     def _resume(self) -> int:
         arrays, header = checkpoint.load(self.config.checkpoint_dir, self.identity())
         self.executor.prepare(self.graph(self.config.batch))
-        for name, array in arrays.items():
-            current = self.executor.arrays.get(name)
-            if current is None or current.shape != array.shape:
-                raise LegionNNError(f"checkpoint tensor {name} does not fit this network")
-            current[...] = array
+        try:
+            self.executor.load_resident(arrays)
+        except ValueError as exc:
+            raise LegionNNError(f"checkpoint: {exc}") from None
         return int(header["step"])
 
     def run(self) -> TrainResult:

@@ -151,9 +151,9 @@ def test_sparse_update_changes_only_the_selected_channels():
     executor = LocalExecutor(seed=0)
     x, y = batch_for(net, 2)
     executor.prepare(graph)
-    before = executor.arrays["L0.W"].copy()
+    before = executor.logical("L0.W")
     executor.run(graph, StepContext(0, inputs=x, labels=y))
-    after = executor.arrays["L0.W"]
+    after = executor.logical("L0.W")
     np.testing.assert_array_equal(after[:, :, :, [0, 3]], before[:, :, :, [0, 3]])
     assert np.all(np.any(after[:, :, :, 1:3] != before[:, :, :, 1:3], axis=(0, 1, 2)))
 

@@ -94,3 +94,20 @@ def test_empty_batch_piece():
     dx, dw, db = linear_backward(np.zeros((0, 3, 1, 1)), x, w, need_db=True)
     assert dx.shape == x.shape
     assert not dw.any() and not db.any() and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weight_grad_accumulates_in_place(dtype):
+    from runtime.kernels.linear import linear_weight_grad_accumulate
+
+    rng = np.random.default_rng(3)
+    dy = rng.standard_normal((5, 7, 1, 1)).astype(dtype)
+    x = rng.standard_normal((5, 3, 2, 2)).astype(dtype)
+    dw = rng.standard_normal((7, 3, 2, 2)).astype(dtype)
+    expected = dw + np.einsum("nm,nc->mc", dy.reshape(5, 7), x.reshape(5, -1)).reshape(dw.shape)
+    address = dw.__array_interface__["data"][0]
+    linear_weight_grad_accumulate(dy, x, dw)
+    assert dw.__array_interface__["data"][0] == address
+    np.testing.assert_allclose(dw, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        linear_weight_grad_accumulate(dy, x, np.asfortranarray(dw))

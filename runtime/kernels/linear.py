@@ -60,3 +60,31 @@ def linear_backward(
         np.dot(dy2, w.reshape(m, chw), out=dx.reshape(n, chw))
     db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype).reshape(1, m, 1, 1) if need_db else None
     return dx, dw, db
+
+
+def linear_weight_grad_accumulate(dy: np.ndarray, x: np.ndarray, dw: np.ndarray) -> None:
+    """dw += dyᵀ·x in place, for a C-contiguous dw (M, C, H, W), with no dw-sized temporary.
+
+    A classifier's weight gradient is as large as its weights (the seed's is 0.6 GB), so the
+    reduction is one GEMM with beta = 1 writing into dw itself: dw viewed transposed,
+    (C·H·W, M), is Fortran-ordered, which is what BLAS updates in place.
+    """
+    from scipy.linalg import blas
+
+    _checks.floating("dy", dy, 4)
+    _check(x, dw)
+    n, m, chw = x.shape[0], dw.shape[0], math.prod(x.shape[1:])
+    _checks.shape("dy", dy, (n, m, 1, 1))
+    if not dw.flags.c_contiguous:
+        raise ValueError(
+            f"dw must be C-contiguous to accumulate in place, got strides {dw.strides}"
+        )
+    if n == 0:
+        return
+    gemm = blas.dgemm if dw.dtype == np.float64 else blas.sgemm
+    target = dw.reshape(m, chw).T  # (CHW, M), Fortran-ordered: updated in place
+    # x2ᵀ is a Fortran-ordered view of x, so BLAS reads it without a copy.
+    x2t = np.ascontiguousarray(x.reshape(n, chw)).T
+    result = gemm(1.0, x2t, dy.reshape(n, m), beta=1.0, c=target, overwrite_c=True)
+    if not np.shares_memory(result, dw):  # BLAS had to copy: keep the result all the same
+        target[...] = result

@@ -1,0 +1,69 @@
+"""Physical instances: how the runtime lays out each tensor in memory.
+
+Tasks name logical rects; an instance maps a logical rect to a view of its physical array. Two
+layouts exist:
+
+- `logical`: the array is the tensor in its logical dims (activations (N, C, H, W), ...);
+- `filter_packed`: 8-D filter weights (K, 1, 1, C, R, S, P, Q) kept position-major as
+  (P, Q, K, R, S, C), the layout the filter kernels compute in. Each weight set is one contiguous
+  K×(R·S·C) matrix, so the kernels read weights and accumulate weight gradients in place, with no
+  weight-sized conversion or temporary on any step.
+
+A filter's weights, their gradient and their optimizer state share the layout, because the update
+task combines them elementwise. Checkpoints see logical arrays (`to_logical`), so they do not
+depend on the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from legion_nn.graph import TaskGraph
+from legion_nn.rect import Rect
+
+#: packed axis i holds logical axis PACKED_FROM_LOGICAL[i]; logical axes 1 and 2 are unit axes
+PACKED_FROM_LOGICAL = (6, 7, 0, 4, 5, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+
+    def shape(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        if self.name == "logical":
+            return tuple(dims)
+        return tuple(dims[axis] for axis in PACKED_FROM_LOGICAL)
+
+    def slices(self, rect: Rect) -> tuple[slice, ...]:
+        logical = rect.to_slices()
+        if self.name == "logical":
+            return logical
+        return tuple(logical[axis] for axis in PACKED_FROM_LOGICAL)
+
+    def from_logical(self, array: np.ndarray) -> np.ndarray:
+        if self.name == "logical":
+            return array
+        return np.ascontiguousarray(array[:, 0, 0].transpose(4, 5, 0, 2, 3, 1))
+
+    def to_logical(self, array: np.ndarray) -> np.ndarray:
+        if self.name == "logical":
+            return array
+        return np.ascontiguousarray(array.transpose(2, 5, 3, 4, 0, 1)[:, None, None])
+
+
+LOGICAL = Layout("logical")
+FILTER_PACKED = Layout("filter_packed")
+
+
+def choose_layouts(graph: TaskGraph) -> dict[str, Layout]:
+    """The packed layout for every filter weight and the tensors updated alongside it."""
+    packed: set[str] = set()
+    for task in graph.tasks:
+        if task.op in ("filter", "conv") and task.phase == "forward":
+            packed.add(task.requirement("filters").tensor)
+    for task in graph.tasks:
+        if task.phase == "update" and task.requirement("params").tensor in packed:
+            packed.update(req.tensor for req in task.requirements)
+    return {name: FILTER_PACKED if name in packed else LOGICAL for name in graph.tensors}
