@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("graph", "memory")
+COMMANDS = ("graph", "memory", "render")
 
 
 class _Parser(argparse.ArgumentParser):
