@@ -123,6 +123,13 @@ def test_vgg19_collapses_to_one_node_per_layer(tmp_path):
     assert all(text.strip().endswith(("B", "KiB", "MiB", "GiB")) for text, _ in edges)
 
 
+def test_vgg19_full_view_still_lays_out(tmp_path):
+    # Unbounded, dot spent over ten minutes on this layout.
+    status, out = render(tmp_path, "vgg19", "--batch", "32", "--collapse", "none")
+    assert status == 0
+    assert len(svg_parts(out)[0]) == 216 + 170
+
+
 def test_max_nodes_picks_the_layer_view(tmp_path, capsys):
     status, out = render(tmp_path, "seed-lcn", "--max-nodes", "50")
     assert status == 0
@@ -186,10 +193,11 @@ def unparseable_graph(tmp_path):
     [
         ("no-such-net", "out.svg", "unknown network 'no-such-net'"),
         ("seed-lcn-small", "out.jpg", "unknown format; give a file ending in .svg"),
+        ("seed-lcn-small", "missing/out.svg", "no such directory"),
         (corrupt_graph, "out.svg", "broken.json: top level: missing key 'tasks'"),
         (unparseable_graph, "out.svg", "garbled.json:2: not valid JSON"),
     ],
-    ids=["unknown-network", "bad-suffix", "corrupt-graph-json", "unparseable-json"],
+    ids=["unknown-network", "bad-suffix", "missing-dir", "corrupt-graph-json", "unparseable-json"],
 )
 def test_bad_inputs_fail_with_one_line_and_no_file(tmp_path, capsys, source, name, message):
     out_dir = tmp_path / "out"

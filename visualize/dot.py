@@ -63,6 +63,7 @@ KIND_FILLS = {
     "stat": "#f0e8fb",
 }
 FONT = "Helvetica"
+SLOW_LAYOUT_NODES = 150
 SPINE = {"forward": ("input", "output"), "backward": ("output.delta", "input.delta")}
 
 
@@ -160,7 +161,7 @@ def _tensor_label(tensor: Tensor, summary: TensorSummary, rects: str) -> str:
     return _table(tensor.name, fill, body, fill, rounded=True)
 
 
-def _edge(dot: graphviz.Digraph, task: Task, req: Requirement) -> None:
+def _edge(dot: graphviz.Digraph, task: Task, req: Requirement, label_key: str) -> None:
     pen = PHASE_COLOURS.get(task.phase, UNKNOWN_PHASE)[1]
     task_id, tensor_id = _node_id("task", task.name), _node_id("tensor", req.tensor)
     attrs = {"color": pen, "fontcolor": pen}
@@ -169,17 +170,24 @@ def _edge(dot: graphviz.Digraph, task: Task, req: Requirement) -> None:
         # with parameters and the backward pass's re-reads of activations off to the sides.
         attrs["weight"] = "4"
     if req.privilege is Privilege.READ:
-        dot.edge(tensor_id, task_id, label=f"->{req.role}", **attrs)
+        dot.edge(tensor_id, task_id, **{label_key: f"->{req.role}"}, **attrs)
     elif req.privilege is Privilege.READ_WRITE:
-        dot.edge(tensor_id, task_id, label=f"->{req.role}", dir="both", **attrs)
+        dot.edge(tensor_id, task_id, **{label_key: f"->{req.role}"}, dir="both", **attrs)
     elif req.privilege is Privilege.REDUCE:
-        dot.edge(task_id, tensor_id, label=f"{req.role}-> (+)", style="dashed", **attrs)
+        dot.edge(task_id, tensor_id, **{label_key: f"{req.role}-> (+)"}, style="dashed", **attrs)
     else:
-        dot.edge(task_id, tensor_id, label=f"{req.role}->", **attrs)
+        dot.edge(task_id, tensor_id, **{label_key: f"{req.role}->"}, **attrs)
 
 
 def _full_view(dot: graphviz.Digraph, graph: TaskGraph, rects: str) -> None:
     summaries = tensor_summaries(graph)
+    label_key = "label"
+    if node_count(graph) > SLOW_LAYOUT_NODES:
+        # dot ranks a labelled edge as two, and positions every rank a long edge crosses with
+        # an unbounded network simplex: vgg19's full view took over ten minutes. Labels placed
+        # after layout and a bounded simplex draw it in seconds, a little less tidily.
+        label_key = "xlabel"
+        dot.attr(nslimit="2", nslimit1="2")
     for name, tensor in graph.tensors.items():
         dot.node(_node_id("tensor", name), _tensor_label(tensor, summaries[name], rects))
     for task in graph.tasks:
@@ -198,7 +206,7 @@ def _full_view(dot: graphviz.Digraph, graph: TaskGraph, rects: str) -> None:
         else:
             dot.node(_node_id("task", task.name), _task_label(task, rects))
         for req in task.requirements:
-            _edge(dot, task, req)
+            _edge(dot, task, req, label_key)
 
 
 def _layer_label(name: str, counts: dict[str, int], param_bytes: int) -> str:

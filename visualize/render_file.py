@@ -24,14 +24,17 @@ class DotMissing(LegionNNError):
     """Graphviz's `dot` is not on PATH; the `.dot` source was written instead."""
 
 
-def output_format(path: str | Path) -> str:
-    """The format named by a path's suffix, or a one-line error listing the ones there are."""
-    suffix = Path(path).suffix.lower().lstrip(".")
+def check_output(path: str | Path) -> str:
+    """The format `path`'s suffix names, after checking it can be written there: one-line errors."""
+    path = Path(path)
+    suffix = path.suffix.lower().lstrip(".")
     if suffix not in FORMATS:
         raise LegionNNError(
             f"-o {path}: unknown format; give a file ending in "
             + ", ".join(f".{f}" for f in FORMATS)
         )
+    if not path.parent.is_dir():
+        raise LegionNNError(f"-o {path}: no such directory {path.parent}")
     return suffix
 
 
@@ -40,7 +43,7 @@ def write_rendering(digraph: graphviz.Digraph, path: str | Path) -> Path:
     import graphviz
 
     path = Path(path)
-    fmt = output_format(path)
+    fmt = check_output(path)
     if fmt == "dot":
         write_text(path, digraph.source)
         return path

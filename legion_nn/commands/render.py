@@ -105,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.errors import LegionNNError
     from legion_nn.verify import verify
     from visualize.dot import forward_only, node_count, to_graphviz
-    from visualize.render_file import output_format, write_rendering
+    from visualize.render_file import check_output, write_rendering
 
-    output_format(args.output)
+    check_output(args.output)
     if args.max_nodes < 1:
         raise LegionNNError(f"--max-nodes must be at least 1, got {args.max_nodes}")
     graph = _load(args)
