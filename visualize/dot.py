@@ -57,7 +57,7 @@ UNKNOWN_PHASE = ("#ffffff", "#000000")
 KIND_FILLS = {
     "data": "#eef3fb",
     "param": "#fff4c2",
-    "state": "#fff4c2",
+    "state": "#e2f3f1",
     "activation": "#ffffff",
     "grad": "#fff0e5",
     "stat": "#f0e8fb",
@@ -250,43 +250,39 @@ def _layer_view(dot: graphviz.Digraph, view: LayerView) -> None:
         )
 
 
-def _swatches(entries: list[tuple[str, str]], rounded: bool) -> str:
-    style = ' STYLE="ROUNDED"' if rounded else ""
-    cells = "".join(
-        f'<TD BGCOLOR="{fill}" BORDER="1" WIDTH="18"{style}></TD><TD ALIGN="LEFT">{text}</TD>'
-        for text, fill in entries
-    )
-    return f'<TABLE BORDER="0" CELLSPACING="3" CELLPADDING="1"><TR>{cells}</TR></TABLE>'
+def _graph_label(title: str, graph: TaskGraph, collapsed: bool) -> str:
+    """The title over a legend of what the drawing holds: in the graph's label, off the layout.
 
-
-def _graph_label(title: str, collapsed: bool) -> str:
-    """The title over a one-line-per-topic legend: in the graph's label, outside the layout."""
-    rows = [
-        _swatches([(f"{phase} task", fill) for phase, (fill, _) in PHASE_COLOURS.items()], False)
-    ]
+    A two-column list, swatch and text: Graphviz shares out a table's spare width among its
+    columns, which pulls apart any legend laid out in more columns than that.
+    """
+    phases = {task.phase for task in graph.tasks}
+    entries = [(f"{p} task", fill, "") for p, (fill, _) in PHASE_COLOURS.items() if p in phases]
     if collapsed:
         notes = [
             "a layer: its tasks per phase (coloured cells) and its parameter bytes",
-            "an edge: bytes of tensors one layer writes and another reads, wider with log(bytes),",
-            "coloured by the writing phase: activations flow down, gradients up",
+            "an edge: bytes of tensors one layer writes and another reads,",
+            "wider with log(bytes), coloured by the writing phase:",
+            "activations flow down, gradients up",
         ]
     else:
-        kinds = ("data", "param", "activation", "grad", "stat")
-        rows.append(_swatches([(f"{kind} tensor", KIND_FILLS[kind]) for kind in kinds], True))
+        kinds = {tensor.kind for tensor in graph.tensors.values()}
+        rounded = ' STYLE="ROUNDED"'
+        entries += [(f"{k} tensor", f, rounded) for k, f in KIND_FILLS.items() if k in kinds]
         notes = [
             "->role: the task reads the tensor; role->: the task writes it",
             "dashed, (+): reduce; arrowheads at both ends: read_write",
             "rects: lo..hi, hi exclusive; 0.. starts at the origin",
         ]
-    rows += [html.escape(note) for note in notes]
-    body = "".join(
-        f'<TR><TD ALIGN="LEFT"><FONT POINT-SIZE="10">{row}</FONT></TD></TR>' for row in rows
-    )
-    return (
-        '<<TABLE BORDER="0" CELLSPACING="0" CELLPADDING="2">'
-        f'<TR><TD ALIGN="LEFT"><FONT POINT-SIZE="16">{html.escape(title)}</FONT></TD></TR>'
-        f"{body}</TABLE>>"
-    )
+    heading = f'<FONT POINT-SIZE="16">{html.escape(title)}</FONT>'
+    rows = [f'<TR><TD COLSPAN="2" ALIGN="LEFT">{heading}</TD></TR>']
+    rows += [
+        f'<TR><TD BGCOLOR="{fill}" BORDER="1" WIDTH="24" HEIGHT="12" FIXEDSIZE="TRUE"{style}>'
+        f'</TD><TD ALIGN="LEFT">{text}</TD></TR>'
+        for text, fill, style in entries
+    ]
+    rows += [f'<TR><TD></TD><TD ALIGN="LEFT">{html.escape(note)}</TD></TR>' for note in notes]
+    return f'<<TABLE BORDER="0" CELLSPACING="2" CELLPADDING="1">{"".join(rows)}</TABLE>>'
 
 
 def to_graphviz(
@@ -313,11 +309,11 @@ def to_graphviz(
     dot = _new_digraph(graph.network or "taskgraph")
     dot.attr(
         rankdir=rankdir,
-        label=_graph_label(title, collapsed=collapse is not None),
+        label=_graph_label(title, graph, collapsed=collapse is not None),
         labelloc="t",
         labeljust="l",
         fontname=FONT,
-        fontsize="16",
+        fontsize="10",
         nodesep="0.3",
         ranksep="0.45",
     )
