@@ -1,4 +1,4 @@
-"""`legion-nn render` and `visualize.dot`: the seed drawn in full, layer views, inputs that must fail."""
+"""`legion-nn render` and `visualize.dot`: the seed in full, layer views, inputs that must fail."""
 
 import xml.etree.ElementTree as ET
 

@@ -12,8 +12,8 @@
   arrowheads at both ends. Edges take the colour of their task's phase.
 - the layer view (`collapse="layer"`): one node per `Task.layer` with its task count per phase and
   its parameter bytes; an edge per flow between layers (`visualize.layers`), labelled with its
-  bytes and as wide as the log of them, coloured by the phase that writes it. Forward flows set the layout (data at the top, loss at
-  the bottom); the gradients run back up without moving it.
+  bytes and as wide as the log of them, coloured by the phase that writes it. Forward flows set
+  the layout (data at the top, loss at the bottom); the gradients run back up without moving it.
 
 Either view flows from data to loss and, in the full view, on down through the backward pass to
 the updates, as the seed is drawn; `rankdir="LR"` turns it on its side. Both carry a legend.
@@ -63,6 +63,7 @@ KIND_FILLS = {
     "stat": "#f0e8fb",
 }
 FONT = "Helvetica"
+#: full views larger than this are laid out the fast way (see `_full_view`)
 SLOW_LAYOUT_NODES = 150
 SPINE = {"forward": ("input", "output"), "backward": ("output.delta", "input.delta")}
 

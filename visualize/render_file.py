@@ -1,4 +1,4 @@
-"""Writing a rendering to a file, atomically: `.dot` as source, `.svg`, `.png`, `.pdf` through `dot`.
+"""Writing a rendering to a file, atomically: `.dot` as source; `.svg`, `.png`, `.pdf` via `dot`.
 
 The format is the output's suffix. Graphviz's `dot` program lays the drawing out; where it is
 missing the `.dot` source is still written beside the requested file, so nothing is lost, and the
