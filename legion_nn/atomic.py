@@ -19,6 +19,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     directory = target.parent if str(target.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
     try:
+        # mkstemp makes the file private (0600); an output file gets the usual umask-based mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, mode) as handle:
             yield handle
             handle.flush()

@@ -79,3 +79,16 @@ def test_bad_arguments_fail_cleanly(args, fragment, tmp_path):
 def test_help_lists_the_commands():
     result = run_cli("--help")
     assert result.returncode == 0 and "graph" in result.stdout
+
+
+def test_outputs_get_the_usual_file_mode(tmp_path):
+    import os
+    import stat
+
+    from legion_nn.atomic import write_text
+
+    path = tmp_path / "out.json"
+    write_text(path, "{}")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
