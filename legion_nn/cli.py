@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("graph",)
+COMMANDS = ("graph", "bench")
 
 
 class _Parser(argparse.ArgumentParser):
