@@ -27,7 +27,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from runtime.kernels.blas import NO_TRANS, TRANS, gemm, single_threaded_blas
+from runtime.kernels.blas import NO_TRANS, TRANS, gemm, kernel_threading
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
 
 
@@ -135,14 +135,12 @@ def _backward_filter_untied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo,
 
 @njit(cache=True, parallel=True)
 def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate,
-                          parts):
-    positions = dy.shape[0] * dy.shape[1]
-    partial = np.zeros((parts, dw2.shape[1]), dw2.dtype)
-    chunk = (positions + parts - 1) // parts
-    for part in prange(parts):
-        for pq in range(part * chunk, min(positions, (part + 1) * chunk)):
-            _filter_gradient_at(dy, x, partial, part, pq // dy.shape[1], pq % dy.shape[1],
-                                window, stride, pad_top, pad_left, c_lo, True)
+                          threads):
+    q_out = dy.shape[1]
+    partial = np.zeros((threads, dw2.shape[1]), dw2.dtype)
+    for pq in prange(dy.shape[0] * q_out):
+        _filter_gradient_at(dy, x, partial, numba.get_thread_id(), pq // q_out, pq % q_out,
+                            window, stride, pad_top, pad_left, c_lo, True)
     total = partial.sum(axis=0)
     if accumulate:
         dw2[0] += total
@@ -193,7 +191,7 @@ def forward_packed(xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0,
         y[...] = 0
         return y
     w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
-    with single_threaded_blas():
+    with kernel_threading():
         _forward(_operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2],
                  geo.untied)
     return y
@@ -213,7 +211,7 @@ def backward_data_packed(dyp: np.ndarray, wp: np.ndarray, input_size: tuple[int,
         dx[...] = 0
         return dx
     w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
-    with single_threaded_blas():
+    with kernel_threading():
         _backward_data(_operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0],
                        geo.pad[2], geo.untied)
     return dx
@@ -250,11 +248,11 @@ def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, i
     dw2 = dw.reshape(positions[0] * positions[1], -1)
     args = (_operand(dyp), _operand(xp), dw2, (r, s), geo.stride, geo.pad[0], geo.pad[2], lo,
             accumulate)
-    with single_threaded_blas():
+    with kernel_threading():
         if geo.untied:
             _backward_filter_untied(*args)
         else:
-            _backward_filter_tied(*args, min(numba.get_num_threads(), geo.p * geo.q))
+            _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS)  # any thread id
     return dw
 
 
