@@ -252,7 +252,8 @@ def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, i
         if geo.untied:
             _backward_filter_untied(*args)
         else:
-            _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS)  # any thread id
+            # one partial per thread of the pool, since thread ids range over all of it
+            _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS)
     return dw
 
 
