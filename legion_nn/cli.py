@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("graph", "memory", "partition", "render", "train")
+COMMANDS = ("bench", "graph", "memory", "partition", "render", "train")
 
 
 class _Parser(argparse.ArgumentParser):

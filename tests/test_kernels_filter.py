@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from runtime.kernels import filter as filter_module
 from runtime.kernels import filter_backward, filter_forward, reference
 from runtime.kernels.filter_packed import (
     backward_data_packed,
@@ -69,12 +70,19 @@ def test_channel_subset_skips_the_other_channels(name, dtype):
     close(dw, dw_ref[:, :, :, 1:2], dtype)
 
 
-def test_need_dx_false_does_no_dx_work():
+def test_need_dx_false_does_no_dx_work(monkeypatch):
     x, w, dy, stride, pad = make(CASES["tied-batch1-pad1"], np.float64)
     _, dw_ref = reference.filter_backward(dy, x, w, stride, pad)
-    dx, dw = filter_backward(dy, x, np.full_like(w, np.nan), stride, pad, need_dx=False)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("backward-data ran with need_dx=False")
+
+    monkeypatch.setattr(filter_module, "backward_data_packed", forbidden)
+    dx, dw = filter_backward(dy, x, w, stride, pad, need_dx=False)
     assert dx is None
     close(dw, dw_ref, np.float64)
+    with pytest.raises(AssertionError, match="need_dx=False"):
+        filter_backward(dy, x, w, stride, pad)
 
 
 def numerical_gradient(f, a, eps=1e-4):

@@ -44,6 +44,41 @@ def filter_forward(x: np.ndarray, w: np.ndarray, stride: int = 1, pad=0) -> np.n
     return y
 
 
+def filter_backward_data(
+    dy: np.ndarray, x_shape: tuple[int, ...], w: np.ndarray, stride: int = 1, pad=0
+) -> np.ndarray:
+    top, bottom, left, right = normalize_pad(pad)
+    n, c, h, wd = x_shape
+    dxp = np.zeros((n, c, h + top + bottom, wd + left + right), dy.dtype)
+    r, s = w.shape[4:6]
+    for p in range(dy.shape[2]):
+        for q in range(dy.shape[3]):
+            window = dxp[:, :, p * stride : p * stride + r, q * stride : q * stride + s]
+            window += np.tensordot(dy[:, :, p, q], _weights_at(w, p, q), axes=(1, 0))
+    return dxp[:, :, top : top + h, left : left + wd]
+
+
+def filter_backward_filter(
+    dy: np.ndarray,
+    x: np.ndarray,
+    w_shape: tuple[int, ...],
+    stride: int = 1,
+    pad=0,
+    channels: tuple[int, int] | None = None,
+) -> np.ndarray:
+    lo, hi = channels if channels is not None else (0, x.shape[1])
+    xp = _padded(x[:, lo:hi], pad)
+    k, _, _, _, r, s, wp, wq = w_shape
+    dw = np.zeros((k, 1, 1, hi - lo, r, s, wp, wq), dy.dtype)
+    untied = (wp, wq) != (1, 1)
+    for p in range(dy.shape[2]):
+        for q in range(dy.shape[3]):
+            window = xp[:, :, p * stride : p * stride + r, q * stride : q * stride + s]
+            dw_pq = np.tensordot(dy[:, :, p, q], window, axes=(0, 0))  # (K, C, R, S)
+            dw[:, 0, 0, :, :, :, p if untied else 0, q if untied else 0] += dw_pq
+    return dw
+
+
 def filter_backward(
     dy: np.ndarray,
     x: np.ndarray,
@@ -53,26 +88,8 @@ def filter_backward(
     channels: tuple[int, int] | None = None,
     need_dx: bool = True,
 ) -> tuple[np.ndarray | None, np.ndarray]:
-    top, bottom, left, right = normalize_pad(pad)
-    lo, hi = channels if channels is not None else (0, x.shape[1])
-    xp = _padded(x, pad)
-    dxp = np.zeros_like(xp) if need_dx else None
-    dw = np.zeros_like(w[:, :, :, lo:hi])
-    untied = w.shape[6:] != (1, 1)
-    r, s = w.shape[4:6]
-    for p in range(dy.shape[2]):
-        for q in range(dy.shape[3]):
-            rows = slice(p * stride, p * stride + r)
-            cols = slice(q * stride, q * stride + s)
-            g = dy[:, :, p, q]  # (N, K)
-            if need_dx:
-                dxp[:, :, rows, cols] += np.tensordot(g, _weights_at(w, p, q), axes=(1, 0))
-            dw_pq = np.tensordot(g, xp[:, lo:hi, rows, cols], axes=(0, 0))  # (K, C, R, S)
-            dw[:, 0, 0, :, :, :, p if untied else 0, q if untied else 0] += dw_pq
-    dx = None
-    if need_dx:
-        dx = dxp[:, :, top : xp.shape[2] - bottom, left : xp.shape[3] - right]
-    return dx, dw
+    dx = filter_backward_data(dy, x.shape, w, stride, pad) if need_dx else None
+    return dx, filter_backward_filter(dy, x, w.shape, stride, pad, channels)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int = 1, pad=0) -> np.ndarray:

@@ -1,0 +1,58 @@
+"""`legion-nn bench kernels`: kernel throughput beside the machine's SGEMM, NumPy and PyTorch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from legion_nn.errors import LegionNNError
+
+NAME = "bench"
+HELP = "measure kernel throughput (GFLOP/s) beside the machine's SGEMM, NumPy and PyTorch"
+SUITES = ("kernels",)
+IMPLS = ("legion-nn", "numpy", "torch")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suite", choices=SUITES, help="what to measure")
+    parser.add_argument("--json", metavar="F", help="also write the results as JSON to F")
+    parser.add_argument("--batch", metavar="N", type=_positive, nargs="+", default=[64, 256],
+                        help="batch sizes (default: 64 256)")
+    parser.add_argument("--repeat", metavar="R", type=_positive, default=3,
+                        help="timed calls per measurement, best kept (default: 3)")
+    parser.add_argument("--impl", choices=IMPLS, nargs="+", default=list(IMPLS),
+                        help="implementations to measure (default: all)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from legion_nn.atomic import write_text
+    from runtime.bench_kernels import format_table, run_benchmark
+
+    if args.json is not None and not args.json:
+        raise LegionNNError("--json: empty file name")
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    report = run_benchmark(
+        batches=tuple(args.batch),
+        repeat=args.repeat,
+        impls=tuple(dict.fromkeys(args.impl)),
+        progress=None if args.quiet else progress,
+    )
+    print(format_table(report))
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=1) + "\n")
+    return 0

@@ -1,0 +1,226 @@
+"""`legion-nn bench kernels`: filter throughput beside the machine's SGEMM and its peers.
+
+Each pass (forward, backward_data, backward_filter) of the filter op runs at one layer shape,
+by default the seed's L1 (C = K = 64, a 7×7 window, 27×27 outputs of a 33×33 input), untied
+and tied, for each batch size, in float32, and is reported in GFLOP/s with
+FLOPs = 2·N·K·C·R·S·P·Q per pass. Implementations:
+
+- `legion-nn`: the packed kernels (`runtime.kernels.filter_packed`) on packed operands and
+  preallocated outputs, as an executor that keeps its layouts runs them; best of `repeat`.
+- `numpy`: the plain references of `runtime.kernels.reference` on logical arrays; they take
+  seconds, so each is timed with a single call.
+- `torch` (when importable): untied as unfold + bmm (the usual locally connected layer),
+  tied as conv2d and `torch.nn.grad.conv2d_input` / `conv2d_weight`; best of `repeat`.
+
+The ceiling is a 2048² float32 `np.matmul`, measured at the start and again before each group
+of kernel measurements, and the best of all kept: the kernels are best-of too, and on a
+shared, noisy machine a ceiling measured once could land in a busy moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.kernels import reference
+from runtime.kernels.filter_packed import (
+    backward_data_packed,
+    backward_filter_packed,
+    forward_packed,
+)
+from runtime.kernels.layout import pack_activations, pack_weights
+
+PASSES = ("forward", "backward_data", "backward_filter")
+IMPLS = ("legion-nn", "numpy", "torch")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A stride-1, unpadded filter layer: input (C, P+R−1, Q+S−1), output (K, P, Q)."""
+
+    c: int
+    k: int
+    r: int
+    s: int
+    p: int
+    q: int
+
+    def flops(self, n: int) -> int:
+        return 2 * n * self.k * self.c * self.r * self.s * self.p * self.q
+
+    def as_dict(self, n: int) -> dict:
+        return {"N": n, "C": self.c, "K": self.k, "R": self.r, "S": self.s, "P": self.p,
+                "Q": self.q}
+
+
+SEED_L1 = LayerShape(c=64, k=64, r=7, s=7, p=27, q=27)
+
+
+def best_seconds(fn: Callable[[], object], repeat: int) -> float:
+    """Best wall time of `repeat` calls, after one untimed call (compilation, page faults)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
+    a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+    return 2 * size**3 / best_seconds(lambda: a @ a, repeat) / 1e9
+
+
+def _operands(shape: LayerShape, n: int, untied: bool) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(n)
+    h, w = shape.p + shape.r - 1, shape.q + shape.s - 1
+    x = rng.standard_normal((n, shape.c, h, w), dtype=np.float32)
+    positions = (shape.p, shape.q) if untied else (1, 1)
+    wt = rng.standard_normal((shape.k, 1, 1, shape.c, shape.r, shape.s, *positions),
+                             dtype=np.float32)
+    dy = rng.standard_normal((n, shape.k, shape.p, shape.q), dtype=np.float32)
+    return x, wt, dy
+
+
+def _ours(x, w, dy, untied: bool) -> dict[str, Callable[[], object]]:
+    xp, wp, dyp = pack_activations(x), pack_weights(w), pack_activations(dy)
+    y, dx, dw = np.empty_like(dyp), np.empty_like(xp), np.empty_like(wp)
+    window, size = w.shape[4:6], x.shape[2:]
+    return {
+        "forward": lambda: forward_packed(xp, wp, out=y),
+        "backward_data": lambda: backward_data_packed(dyp, wp, size, out=dx),
+        "backward_filter": lambda: backward_filter_packed(dyp, xp, window, untied=untied, out=dw),
+    }
+
+
+def _numpy(x, w, dy, untied: bool) -> dict[str, Callable[[], object]]:
+    return {
+        "forward": lambda: reference.filter_forward(x, w),
+        "backward_data": lambda: reference.filter_backward_data(dy, x.shape, w),
+        "backward_filter": lambda: reference.filter_backward_filter(dy, x, w.shape),
+    }
+
+
+def _torch(x, w, dy, untied: bool) -> dict[str, Callable[[], object]]:
+    import torch
+    import torch.nn.functional as F
+
+    n, _, h, wd = x.shape
+    k, _, _, _, r, s, p, q = w.shape
+    xt, dyt = torch.from_numpy(x), torch.from_numpy(dy)
+    if not untied:
+        w4 = torch.from_numpy(np.ascontiguousarray(w[:, 0, 0, :, :, :, 0, 0]))
+        return {
+            "forward": lambda: F.conv2d(xt, w4),
+            "backward_data": lambda: torch.nn.grad.conv2d_input(xt.shape, w4, dyt),
+            "backward_filter": lambda: torch.nn.grad.conv2d_weight(xt, w4.shape, dyt),
+        }
+    # one (K, C·R·S) matrix per output position, batched over positions (L = P·Q); operands
+    # are made contiguous before bmm, which is several times faster than bmm on permuted views
+    wl = torch.from_numpy(
+        np.ascontiguousarray(w[:, 0, 0].transpose(4, 5, 0, 1, 2, 3).reshape(p * q, k, -1))
+    )
+    dyl = dyt.reshape(n, k, p * q).permute(2, 1, 0).contiguous()  # (L, K, N), a model's input
+
+    def forward():
+        cols = F.unfold(xt, (r, s)).permute(2, 1, 0).contiguous()  # (L, C·R·S, N)
+        return torch.bmm(wl, cols).permute(2, 1, 0).reshape(n, k, p, q)
+
+    def backward_data():
+        cols = torch.bmm(wl.transpose(1, 2), dyl)  # (L, C·R·S, N)
+        return F.fold(cols.permute(2, 1, 0).contiguous(), (h, wd), (r, s))
+
+    def backward_filter():
+        cols = F.unfold(xt, (r, s)).permute(2, 0, 1).contiguous()  # (L, N, C·R·S)
+        return torch.bmm(dyl, cols)  # (L, K, C·R·S)
+
+    return {"forward": forward, "backward_data": backward_data,
+            "backward_filter": backward_filter}
+
+
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_benchmark(
+    batches: tuple[int, ...] = (64, 256),
+    repeat: int = 3,
+    impls: tuple[str, ...] = IMPLS,
+    shape: LayerShape = SEED_L1,
+    progress: Callable[[str], None] | None = None,
+    sgemm_size: int = 2048,
+) -> dict:
+    """Measure every (batch, untied/tied, implementation, pass); the design's bench JSON."""
+    makers = {"legion-nn": (_ours, repeat), "numpy": (_numpy, 1), "torch": (_torch, repeat)}
+    skipped = []
+    if "torch" in impls and not torch_available():
+        impls = tuple(i for i in impls if i != "torch")
+        skipped.append("torch (not importable)")
+    sgemm = [sgemm_gflops(sgemm_size)]
+    results = []
+    # implementation outermost: PyTorch's OpenMP threads keep spinning after its calls and
+    # would slow whatever runs next, so it runs last
+    for impl in impls:
+        maker, times = makers[impl]
+        for n in batches:
+            for untied in (True, False):
+                x, w, dy = _operands(shape, n, untied)
+                sgemm.append(sgemm_gflops(sgemm_size, repeat=3))
+                for name, fn in maker(x, w, dy, untied).items():
+                    seconds = best_seconds(fn, times)
+                    gflops = shape.flops(n) / seconds / 1e9
+                    results.append({
+                        "op": "filter", "pass": name, "impl": impl, "untied": untied,
+                        "shape": shape.as_dict(n), "gflops": gflops, "seconds": seconds,
+                        "calls_timed": times,
+                    })
+                    if progress:
+                        layer = "untied" if untied else "tied"
+                        progress(f"{impl:9} {name:15} {layer:6} N={n:<4} {gflops:8.1f} GFLOP/s")
+    return {
+        "sgemm_gflops": max(sgemm),
+        "sgemm": f"{sgemm_size}x{sgemm_size} float32 np.matmul, best of {len(sgemm)} rounds",
+        "dtype": "float32",
+        "repeat": repeat,
+        "skipped": skipped,
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    """One row per (pass, layer, batch), one GFLOP/s column per implementation."""
+    sgemm = report["sgemm_gflops"]
+    rows: dict[tuple, dict[str, float]] = {}
+    for res in report["results"]:
+        key = (res["pass"], res["untied"], res["shape"]["N"])
+        rows.setdefault(key, {})[res["impl"]] = res["gflops"]
+    impls = [i for i in IMPLS if any(i in row for row in rows.values())]
+    head = f"{'pass':16}{'layer':8}{'N':>5}" + "".join(f"{i:>11}" for i in impls)
+    head += f"{'%SGEMM':>9}{'x numpy':>9}{'x torch':>9}"
+    lines = [f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s", "GFLOP/s:", head]
+    order = sorted(rows, key=lambda key: (not key[1], key[2], PASSES.index(key[0])))
+    for pass_, untied, n in order:
+        row = rows[(pass_, untied, n)]
+        line = f"{pass_:16}{'untied' if untied else 'tied':8}{n:5d}"
+        line += "".join(f"{row[i]:11.1f}" if i in row else f"{'-':>11}" for i in impls)
+        ours = row.get("legion-nn")
+        line += f"{ours / sgemm:9.0%}" if ours else f"{'-':>9}"
+        for peer in ("numpy", "torch"):
+            ok = ours and row.get(peer)
+            line += f"{ours / row[peer]:8.1f}x" if ok else f"{'-':>9}"
+        lines.append(line)
+    lines.append(
+        "legion-nn: packed layouts, best of {0}; numpy: one call each; torch: best of {0}"
+        .format(report["repeat"])
+    )
+    if report["skipped"]:
+        lines.append("skipped: " + ", ".join(report["skipped"]))
+    return "\n".join(lines)

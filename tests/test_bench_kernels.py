@@ -1,0 +1,58 @@
+"""The kernel benchmark's logic and JSON schema on a toy shape (not a timing test)."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from legion_nn.commands import bench
+from runtime import bench_kernels
+from runtime.kernels import reference
+
+TOY = bench_kernels.LayerShape(c=2, k=3, r=3, s=2, p=4, q=3)
+
+
+def test_report_has_the_design_schema():
+    report = bench_kernels.run_benchmark(
+        batches=(2,), repeat=1, impls=("legion-nn", "numpy"), shape=TOY, sgemm_size=64
+    )
+    json.dumps(report)
+    assert report["sgemm_gflops"] > 0
+    assert len(report["results"]) == 2 * 2 * 3  # impls x (untied, tied) x passes
+    for res in report["results"]:
+        assert set(res) >= {"op", "pass", "impl", "untied", "shape", "gflops"}
+        assert res["pass"] in ("forward", "backward_data", "backward_filter")
+        assert res["impl"] in ("legion-nn", "numpy")
+        assert res["shape"] == {"N": 2, "C": 2, "K": 3, "R": 3, "S": 2, "P": 4, "Q": 3}
+        assert res["gflops"] > 0
+    table = bench_kernels.format_table(report)
+    assert "SGEMM ceiling" in table and table.count("untied") == 3
+
+
+@pytest.mark.parametrize("untied", [True, False])
+def test_torch_peers_compute_the_same_passes(untied):
+    pytest.importorskip("torch")
+    x, w, dy = bench_kernels._operands(TOY, 2, untied)
+    got = {name: fn() for name, fn in bench_kernels._torch(x, w, dy, untied).items()}
+    np.testing.assert_allclose(got["forward"].numpy(), reference.filter_forward(x, w), atol=1e-4)
+    np.testing.assert_allclose(
+        got["backward_data"].numpy(), reference.filter_backward_data(dy, x.shape, w), atol=1e-4
+    )
+    dw = reference.filter_backward_filter(dy, x, w.shape)[:, 0, 0]  # (K, C, R, S, P, Q)
+    if untied:
+        dw = dw.transpose(4, 5, 0, 1, 2, 3).reshape(TOY.p * TOY.q, TOY.k, -1)
+    else:
+        dw = dw[..., 0, 0]
+    np.testing.assert_allclose(got["backward_filter"].numpy(), dw, atol=1e-4)
+
+
+def test_command_arguments():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["kernels", "--batch", "8", "16", "--impl", "numpy"])
+    assert args.batch == [8, 16] and args.impl == ["numpy"] and args.repeat == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["kernels", "--batch", "0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["layers"])
