@@ -15,8 +15,8 @@ import resource
 import numpy as np
 
 from legion_nn.networks import load_network
+from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, LocalExecutor
-from runtime.ops import StepContext
 
 
 def rss_bytes() -> int:

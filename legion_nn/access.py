@@ -119,6 +119,11 @@ def window_padding(
     return (max(0, -first), max(0, last - extent))
 
 
+def elementwise(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    """The access map of an elementwise op: every role touches exactly the piece."""
+    return {role: piece for role in ("input", "output", "output.delta", "input.delta")}
+
+
 def batch_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
     """All of a tensor for the batch rows of `piece` (its dim 0)."""
     if piece.is_empty():

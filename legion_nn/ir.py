@@ -45,10 +45,7 @@ class Tensor:
 
     @property
     def volume(self) -> int:
-        v = 1
-        for d in self.dims:
-            v *= d
-        return v
+        return self.rect.volume
 
     @property
     def itemsize(self) -> int:

@@ -22,8 +22,8 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from runtime.adapters import StepContext, run_piece
 from runtime.instances import Layout, choose_layouts
-from runtime.ops import StepContext, run_piece
 
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64}
 

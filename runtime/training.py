@@ -25,9 +25,9 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.network import Network
 from runtime import checkpoint
+from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
 from runtime.executor import LocalExecutor, inference_tasks
-from runtime.ops import StepContext
 
 
 @dataclass

@@ -19,8 +19,8 @@ from legion_nn.layers import (
 )
 from legion_nn.network import Network
 from legion_nn.networks import load_network
+from runtime.adapters import StepContext
 from runtime.executor import LocalExecutor, inference_tasks, run_task_piece
-from runtime.ops import StepContext
 
 
 def batch_for(net, n, seed=1):

@@ -7,11 +7,9 @@ single-process run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from legion_nn.access import register
+from legion_nn.access import elementwise, register
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -19,10 +17,8 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-@register("dropout", "forward")
-@register("dropout", "backward")
-def _dropout_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    return {role: piece for role in ("input", "output", "output.delta", "input.delta")}
+register("dropout", "forward")(elementwise)
+register("dropout", "backward")(elementwise)
 
 
 @layer_kind("dropout")

@@ -6,11 +6,9 @@ The backward reads the forward *output*, from which all three derivatives follow
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from legion_nn.access import register
+from legion_nn.access import elementwise, register
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -19,10 +17,8 @@ FUNCTIONS = ("relu", "tanh", "sigmoid")
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-@register("filterNL", "forward")
-@register("filterNL", "backward")
-def _elementwise_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    return {role: piece for role in ("input", "output", "output.delta", "input.delta")}
+register("filterNL", "forward")(elementwise)
+register("filterNL", "backward")(elementwise)
 
 
 @layer_kind("filterNL")

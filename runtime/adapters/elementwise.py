@@ -1,0 +1,113 @@
+"""Adapters of the data task and the elementwise ops: `filterA`, `filterNL`, `dropout`,
+`reshape`, `set_zero` and the optimizer `update`.
+
+`update` changes its `params` and optimizer-state views in place (read_write privilege); the
+Adam step count is the global step, so a resumed run continues the same bias correction.
+"""
+
+from __future__ import annotations
+
+from runtime.adapters.registry import adapter
+from runtime.kernels import affine, dropout, nonlinear, update
+
+
+@adapter("data", "forward")
+def _data(task, piece, views, dims, ctx):
+    out = {"raw_data": ctx.inputs[piece.to_slices()]}
+    if views["labels"].size:
+        out["labels"] = ctx.labels[piece.lo[0] : piece.hi[0]].reshape(views["labels"].shape)
+    return out
+
+
+@adapter("filterA", "forward")
+def _affine(task, piece, views, dims, ctx):
+    return {"output": affine.filterA_forward(views["input"], views["a"], views["b"])}
+
+
+@adapter("filterA", "backward")
+def _affine_grad(task, piece, views, dims, ctx):
+    need_dx = "input.delta" in views
+    dx, da, db = affine.filterA_backward(
+        views["output.delta"], views["input"], views["a"], need_dx=need_dx
+    )
+    out = {"a.delta": da, "b.delta": db}
+    if need_dx:
+        out["input.delta"] = dx
+    return out
+
+
+@adapter("filterNL", "forward")
+def _nonlinear(task, piece, views, dims, ctx):
+    return {"output": nonlinear.filterNL_forward(views["input"], task.attrs["fn"])}
+
+
+@adapter("filterNL", "backward")
+def _nonlinear_grad(task, piece, views, dims, ctx):
+    dx = nonlinear.filterNL_backward(views["output.delta"], views["output"], task.attrs["fn"])
+    return {"input.delta": dx}
+
+
+@adapter("dropout", "forward")
+def _dropout(task, piece, views, dims, ctx):
+    if not ctx.training:
+        return {"output": views["input"]}
+    y = dropout.dropout_forward(
+        views["input"],
+        task.attrs["ratio"],
+        task.attrs["seed"],
+        ctx.step,
+        piece.lo,
+        dims["input"],
+    )
+    return {"output": y}
+
+
+@adapter("dropout", "backward")
+def _dropout_grad(task, piece, views, dims, ctx):
+    dx = dropout.dropout_backward(
+        views["output.delta"],
+        task.attrs["ratio"],
+        task.attrs["seed"],
+        ctx.step,
+        piece.lo,
+        dims["output.delta"],
+    )
+    return {"input.delta": dx}
+
+
+@adapter("reshape", "forward")
+def _reshape(task, piece, views, dims, ctx):
+    return {"output": views["input"].reshape(views["output"].shape)}
+
+
+@adapter("reshape", "backward")
+def _reshape_grad(task, piece, views, dims, ctx):
+    return {"input.delta": views["output.delta"].reshape(views["input.delta"].shape)}
+
+
+@adapter("set_zero", "set_zero")
+def _set_zero(task, piece, views, dims, ctx):
+    views["output"][...] = 0
+    return {}
+
+
+@adapter("update", "update")
+def _update(task, piece, views, dims, ctx):
+    attrs, params, grad = task.attrs, views["params"], views["gradient"]
+    if attrs["optimizer"] == "sgd":
+        update.sgd_update(params, grad, attrs["lr"])
+    elif attrs["optimizer"] == "momentum":
+        update.momentum_update(params, grad, views["velocity"], attrs["lr"], attrs["momentum"])
+    else:
+        update.adam_update(
+            params,
+            grad,
+            views["m"],
+            views["v"],
+            attrs["lr"],
+            attrs["beta1"],
+            attrs["beta2"],
+            attrs["eps"],
+            ctx.step + 1,
+        )
+    return {}

@@ -1,0 +1,171 @@
+"""Adapters of the windowed ops: `filter`, `conv` and `maxpool`.
+
+Each gets the clipped halo of its piece plus the zero padding of its own border
+(`window_padding`), so an interior piece runs without padding and a border piece with its side of
+it. Filter weights kept in the packed instance (6-D views, see `runtime.instances`) go straight to
+the packed kernels, and their gradients accumulate in place there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from legion_nn.access import window_padding
+from legion_nn.rect import Rect
+from runtime.adapters.registry import Dims, adapter
+from runtime.kernels import conv as conv_kernels
+from runtime.kernels import filter as filter_kernels
+from runtime.kernels import filter_packed, layout, pool
+
+
+def _pads(task, piece: Rect, dims: Dims) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) zero padding of this piece's halo."""
+    _, _, height, width = dims["input"]
+    kernel = task.attrs["kernel"]
+    stride = task.attrs["stride"]
+    rows_stride, cols_stride = (stride, stride) if isinstance(stride, int) else stride
+    top, _, left, _ = task.attrs["pad"]
+    rows = window_padding(piece.lo[2], piece.hi[2], rows_stride, top, kernel[0], height)
+    cols = window_padding(piece.lo[3], piece.hi[3], cols_stride, left, kernel[1], width)
+    return rows + cols
+
+
+def _packed_filter_forward(task, piece, views, dims) -> np.ndarray:
+    """The filter of a piece, weights in the packed instance (see runtime.instances)."""
+    xp = layout.pack_activations(views["input"])
+    yp = filter_packed.forward_packed(
+        xp, views["filters"], task.attrs["stride"], _pads(task, piece, dims)
+    )
+    return layout.unpack_activations(yp)
+
+
+def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
+    """dx and dw of a piece; dw accumulates straight into the packed gradient when it can."""
+    pads, stride = _pads(task, piece, dims), task.attrs["stride"]
+    x, weights = views["input"], views["filters"]
+    dyp, xp = layout.pack_activations(views["output.delta"]), layout.pack_activations(x)
+    out: dict[str, np.ndarray] = {}
+    if task.attrs["need_dx"]:
+        dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
+        out["input.delta"] = layout.unpack_activations(dxp)
+    channels = task.attrs.get("channels")
+    window = tuple(task.attrs["kernel"])
+    untied = task.attrs["untied"]
+    grad = views["filters.delta"]
+    if grad.flags.c_contiguous:  # a reduction done by the kernel itself, in place
+        filter_packed.backward_filter_packed(
+            dyp,
+            xp,
+            window,
+            stride,
+            pads,
+            untied,
+            channels and tuple(channels),
+            out=grad,
+            accumulate=True,
+        )
+    else:  # a sub-block of channels or positions: reduce through a temporary of its size
+        out["filters.delta"] = filter_packed.backward_filter_packed(
+            dyp, xp, window, stride, pads, untied, channels and tuple(channels)
+        )
+    return out
+
+
+@adapter("filter", "forward")
+def _filter(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        return {"output": _packed_filter_forward(task, piece, views, dims)}
+    pads = _pads(task, piece, dims)
+    y = filter_kernels.filter_forward(views["input"], views["filters"], task.attrs["stride"], pads)
+    return {"output": y}
+
+
+@adapter("filter", "backward")
+def _filter_grad(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        return _packed_filter_backward(task, piece, views, dims)
+    pads = _pads(task, piece, dims)
+    channels = task.attrs.get("channels")
+    dx, dw = filter_kernels.filter_backward(
+        views["output.delta"],
+        views["input"],
+        views["filters"],
+        task.attrs["stride"],
+        pads,
+        channels=tuple(channels) if channels else None,
+        need_dx=task.attrs["need_dx"],
+    )
+    out = {"filters.delta": dw}
+    if dx is not None:
+        out["input.delta"] = dx
+    return out
+
+
+@adapter("conv", "forward")
+def _conv(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        y = _packed_filter_forward(task, piece, views, dims)
+        if "b" in views:
+            y += views["b"]
+        return {"output": y}
+    pads = _pads(task, piece, dims)
+    weights, stride = views["filters"], task.attrs["stride"]
+    if "b" not in views:
+        return {"output": filter_kernels.filter_forward(views["input"], weights, stride, pads)}
+    return {"output": conv_kernels.conv_forward(views["input"], weights, views["b"], stride, pads)}
+
+
+@adapter("conv", "backward")
+def _conv_grad(task, piece, views, dims, ctx):
+    if views["filters"].ndim == 6:
+        out = _packed_filter_backward(task, piece, views, dims)
+        if "b.delta" in views:
+            dy = views["output.delta"]
+            out["b.delta"] = (
+                dy.sum(axis=(0, 2, 3), dtype=np.float64)
+                .astype(dy.dtype)
+                .reshape(views["b.delta"].shape)
+            )
+        return out
+    pads = _pads(task, piece, dims)
+    need_dx = task.attrs["need_dx"]
+    out = {}
+    if "b.delta" in views:
+        dx, dw, db = conv_kernels.conv_backward(
+            views["output.delta"],
+            views["input"],
+            views["filters"],
+            task.attrs["stride"],
+            pads,
+            need_dx=need_dx,
+        )
+        out["b.delta"] = db
+    else:
+        dx, dw = filter_kernels.filter_backward(
+            views["output.delta"],
+            views["input"],
+            views["filters"],
+            task.attrs["stride"],
+            pads,
+            need_dx=need_dx,
+        )
+    out["filters.delta"] = dw
+    if dx is not None:
+        out["input.delta"] = dx
+    return out
+
+
+@adapter("maxpool", "forward")
+def _pool(task, piece, views, dims, ctx):
+    pads = _pads(task, piece, dims)
+    y = pool.maxpool_forward(views["input"], task.attrs["kernel"], task.attrs["stride"], pads)
+    return {"output": y}
+
+
+@adapter("maxpool", "backward")
+def _pool_grad(task, piece, views, dims, ctx):
+    pads = _pads(task, piece, dims)
+    dx = pool.maxpool_backward(
+        views["output.delta"], views["input"], task.attrs["kernel"], task.attrs["stride"], pads
+    )
+    return {"input.delta": dx}
