@@ -1,6 +1,7 @@
 """`legion-nn render` and `visualize.dot`: the seed in full, layer views, inputs that must fail."""
 
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import graphviz
 import pytest
@@ -209,3 +210,21 @@ def test_bad_inputs_fail_with_one_line_and_no_file(tmp_path, capsys, source, nam
     assert status == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert list(out_dir.iterdir()) == []
+
+
+def test_a_chainer_dump_renders_and_exports(tmp_path):
+    """Imported graphs render and export like lowered ones (issue 4)."""
+    from legion_nn.graphjson import load_graph
+    from legion_nn.verify import verify
+
+    dump = Path(__file__).parent / "fixtures" / "chainer_chain.txt"
+    out = tmp_path / "chain.dot"
+    assert main(["render", str(dump), "-o", str(out)]) == 0
+    text = out.read_text()
+    exported = tmp_path / "chain.json"
+    assert main(["graph", str(dump), "--json", str(exported)]) == 0
+    graph = load_graph(exported)
+    verify(graph)
+    assert any(t.phase == "backward" for t in graph.tasks)
+    for task in graph.tasks:
+        assert task.name in text, task.name

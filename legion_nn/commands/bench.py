@@ -27,12 +27,28 @@ def _positive(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", choices=SUITES, help="what to measure")
     parser.add_argument("--json", metavar="F", help="also write the results as JSON to F")
-    parser.add_argument("--batch", metavar="N", type=_positive, nargs="+", default=[64, 256],
-                        help="batch sizes (default: 64 256)")
-    parser.add_argument("--repeat", metavar="R", type=_positive, default=3,
-                        help="timed calls per measurement, best kept (default: 3)")
-    parser.add_argument("--impl", choices=IMPLS, nargs="+", default=list(IMPLS),
-                        help="implementations to measure (default: all)")
+    parser.add_argument(
+        "--batch",
+        metavar="N",
+        type=_positive,
+        nargs="+",
+        default=[64, 256],
+        help="batch sizes (default: 64 256)",
+    )
+    parser.add_argument(
+        "--repeat",
+        metavar="R",
+        type=_positive,
+        default=3,
+        help="timed calls per measurement, best kept (default: 3)",
+    )
+    parser.add_argument(
+        "--impl",
+        choices=IMPLS,
+        nargs="+",
+        default=list(IMPLS),
+        help="implementations to measure (default: all)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 

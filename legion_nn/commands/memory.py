@@ -16,7 +16,6 @@ from pathlib import Path
 
 NAME = "memory"
 HELP = "peak memory of one training step of a Chainer dump or a network, per data-parallel rank"
-SPEC_SUFFIXES = (".json", ".toml")
 PLOT_FORMATS = ("png", "pdf", "svg")
 NETWORK_BATCH = 256
 
@@ -46,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _schedule(args: argparse.Namespace):
     from legion_nn.memory import schedule_from_dump, schedule_from_graph
+    from legion_nn.sources import is_dump
 
     path = Path(args.source)
-    if path.is_file() and path.suffix.lower() not in SPEC_SUFFIXES:
+    if is_dump(path):
         from legion_nn.importers.chainer import parse_dump
 
         return schedule_from_dump(parse_dump(path), args.batch)

@@ -10,9 +10,7 @@ explicitly. The drawing is `visualize.dot`'s, the file writing `visualize.render
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 NAME = "render"
 HELP = "draw a network's task graph, or a task-graph JSON, with Graphviz"
@@ -71,34 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _is_graph_json(path: Path) -> bool:
-    """A task-graph JSON rather than a network spec: a JSON object with a `format` key."""
-    if path.suffix.lower() != ".json" or not path.is_file():
-        return False
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        # Unreadable either way; the spec loader reports it in one line.
-        return False
-    return isinstance(data, dict) and "format" in data
-
-
 def _load(args: argparse.Namespace):
-    from legion_nn.errors import LegionNNError
+    from legion_nn.sources import load_source_graph
 
-    path = Path(args.source)
-    if _is_graph_json(path):
-        from legion_nn.graphjson import load_graph
-
-        if args.batch is not None:
-            raise LegionNNError(f"--batch applies to networks; {path} is a task graph")
-        return load_graph(path)
-    from legion_nn.networks import load_network
-
-    batch = NETWORK_BATCH if args.batch is None else args.batch
-    if batch < 1:
-        raise LegionNNError(f"--batch must be at least 1, got {batch}")
-    return load_network(args.source).lower(batch=batch)
+    return load_source_graph(args.source, args.batch, NETWORK_BATCH)
 
 
 def run(args: argparse.Namespace) -> int:
