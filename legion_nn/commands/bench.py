@@ -29,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="F", help="also write the results as JSON to F")
     parser.add_argument("--batch", metavar="N", type=_positive, nargs="+", default=[64, 256],
                         help="batch sizes (default: 64 256)")
-    parser.add_argument("--repeat", metavar="R", type=_positive, default=5,
-                        help="timed calls of ours per measurement, best kept (default: 5)")
+    parser.add_argument("--repeat", metavar="R", type=_positive, default=3,
+                        help="timed calls of ours per measurement, best kept (default: 3)")
+    parser.add_argument("--rounds", metavar="R", type=_positive, default=3,
+                        help="sweeps over our measurements, best kept (default: 3)")
     parser.add_argument("--peer-repeat", metavar="R", type=_positive, default=2,
                         help="timed calls of PyTorch per measurement (default: 2)")
     parser.add_argument("--impl", choices=IMPLS, nargs="+", default=list(IMPLS),
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         batches=tuple(args.batch),
         repeat=args.repeat,
         peer_repeat=args.peer_repeat,
+        rounds=args.rounds,
         impls=tuple(dict.fromkeys(args.impl)),
         progress=None if args.quiet else progress,
     )
