@@ -57,3 +57,12 @@ def test_command_arguments():
         parser.parse_args(["kernels", "--batch", "0"])
     with pytest.raises(SystemExit):
         parser.parse_args(["layers"])
+
+
+def test_unwritable_json_fails_before_measuring(monkeypatch, capsys, tmp_path):
+    from legion_nn import cli
+
+    monkeypatch.setattr(cli, "COMMANDS", ("bench",))
+    target = tmp_path / "missing" / "bench.json"
+    assert cli.main(["bench", "kernels", "--json", str(target)]) == 2
+    assert "--json: cannot write" in capsys.readouterr().err

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from legion_nn.errors import LegionNNError
 
@@ -44,8 +46,11 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
     from runtime.bench_kernels import format_table, run_benchmark
 
-    if args.json is not None and not args.json:
-        raise LegionNNError("--json: empty file name")
+    if args.json is not None:
+        # fail before minutes of measuring, not after
+        parent = Path(args.json).parent
+        if not args.json or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise LegionNNError(f"--json: cannot write {args.json!r}")
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
