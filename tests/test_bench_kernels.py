@@ -15,7 +15,8 @@ TOY = bench_kernels.LayerShape(c=2, k=3, r=3, s=2, p=4, q=3)
 
 def test_report_has_the_design_schema():
     report = bench_kernels.run_benchmark(
-        batches=(2,), repeat=1, impls=("legion-nn", "numpy"), shape=TOY, sgemm_size=64
+        batches=(2,), repeat=1, impls=("legion-nn", "numpy"), shape=TOY, sgemm_size=64,
+        peer_repeat=1, rounds=2,
     )
     json.dumps(report)
     assert report["sgemm_gflops"] > 0
@@ -51,8 +52,17 @@ def test_command_arguments():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["kernels", "--batch", "8", "16", "--impl", "numpy"])
-    assert args.batch == [8, 16] and args.impl == ["numpy"] and args.repeat == 3
+    assert args.batch == [8, 16] and args.impl == ["numpy"] and args.repeat == 3 and args.rounds == 3 and args.peer_repeat == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["kernels", "--batch", "0"])
     with pytest.raises(SystemExit):
         parser.parse_args(["layers"])
+
+
+def test_unwritable_json_fails_before_measuring(monkeypatch, capsys, tmp_path):
+    from legion_nn import cli
+
+    monkeypatch.setattr(cli, "COMMANDS", ("bench",))
+    target = tmp_path / "missing" / "bench.json"
+    assert cli.main(["bench", "kernels", "--json", str(target)]) == 2
+    assert "--json: cannot write" in capsys.readouterr().err

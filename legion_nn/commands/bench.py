@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from legion_nn.errors import LegionNNError
 
@@ -40,7 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         type=_positive,
         default=3,
-        help="timed calls per measurement, best kept (default: 3)",
+        help="timed calls of ours per measurement, best kept (default: 3)",
+    )
+    parser.add_argument(
+        "--rounds",
+        metavar="R",
+        type=_positive,
+        default=3,
+        help="sweeps over our measurements, best kept (default: 3)",
+    )
+    parser.add_argument(
+        "--peer-repeat",
+        metavar="R",
+        type=_positive,
+        default=2,
+        help="timed calls of PyTorch per measurement (default: 2)",
     )
     parser.add_argument(
         "--impl",
@@ -56,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
     from runtime.bench_kernels import format_table, run_benchmark
 
-    if args.json is not None and not args.json:
-        raise LegionNNError("--json: empty file name")
+    if args.json is not None:
+        # fail before minutes of measuring, not after
+        parent = Path(args.json).parent
+        if not args.json or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise LegionNNError(f"--json: cannot write {args.json!r}")
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -65,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_benchmark(
         batches=tuple(args.batch),
         repeat=args.repeat,
+        peer_repeat=args.peer_repeat,
+        rounds=args.rounds,
         impls=tuple(dict.fromkeys(args.impl)),
         progress=None if args.quiet else progress,
     )
