@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from legion_nn.errors import LegionNNError, ShapeError
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
 
 if TYPE_CHECKING:
     from legion_nn.lowering import Lowering
@@ -66,6 +68,41 @@ class Layer:
             value = getattr(self, field.name)
             spec[field.name] = list(value) if isinstance(value, tuple) else value
         return spec
+
+
+@dataclass
+class ElementwiseLayer(Layer):
+    """A layer of one elementwise op: task `<g>.<op>` over its output, backward `<g>.<op>.grad`."""
+
+    #: whether the backward reads the forward output (filterNL's derivatives are functions of it)
+    BACKWARD_READS_OUTPUT: ClassVar[bool] = False
+
+    def attrs(self) -> dict[str, Any]:
+        return {}
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def lower(self, ctx: Lowering, x: str, shape: Shape) -> str:
+        op = self.OP_NAME or self.KIND
+        dims = (ctx.batch,) + tuple(shape)
+        y = ctx.tensor(f"{self.stem}.output", dims, "activation")
+        space = Rect.from_dims(dims)
+        attrs = self.attrs()
+        bindings = [("input", x, Privilege.READ), ("output", y, Privilege.WRITE)]
+        ctx.task(self.stem, op, "forward", space, bindings, self.name, attrs)
+
+        def backward() -> None:
+            if ctx.tensors[x].kind == "data":
+                return
+            reads = [("output.delta", ctx.grad(y), Privilege.READ)]
+            if self.BACKWARD_READS_OUTPUT:
+                reads.append(("output", y, Privilege.READ))
+            bindings = reads + [("input.delta", ctx.grad(x), Privilege.REDUCE)]
+            ctx.task(f"{self.stem}.grad", op, "backward", space, bindings, self.name, attrs)
+
+        ctx.on_backward(backward)
+        return y
 
 
 def layer_from_spec(spec: dict[str, Any], where: str) -> Layer:

@@ -13,7 +13,6 @@ import numpy as np
 from legion_nn.access import window_padding
 from legion_nn.rect import Rect
 from runtime.adapters.registry import Dims, adapter
-from runtime.kernels import conv as conv_kernels
 from runtime.kernels import filter as filter_kernels
 from runtime.kernels import filter_packed, layout, pool
 
@@ -103,55 +102,20 @@ def _filter_grad(task, piece, views, dims, ctx):
 
 @adapter("conv", "forward")
 def _conv(task, piece, views, dims, ctx):
-    if views["filters"].ndim == 6:
-        y = _packed_filter_forward(task, piece, views, dims)
-        if "b" in views:
-            y += views["b"]
-        return {"output": y}
-    pads = _pads(task, piece, dims)
-    weights, stride = views["filters"], task.attrs["stride"]
-    if "b" not in views:
-        return {"output": filter_kernels.filter_forward(views["input"], weights, stride, pads)}
-    return {"output": conv_kernels.conv_forward(views["input"], weights, views["b"], stride, pads)}
+    """A tied filter plus a bias per output channel."""
+    y = _filter(task, piece, views, dims, ctx)["output"]
+    if "b" in views:
+        y += views["b"]
+    return {"output": y}
 
 
 @adapter("conv", "backward")
 def _conv_grad(task, piece, views, dims, ctx):
-    if views["filters"].ndim == 6:
-        out = _packed_filter_backward(task, piece, views, dims)
-        if "b.delta" in views:
-            dy = views["output.delta"]
-            out["b.delta"] = (
-                dy.sum(axis=(0, 2, 3), dtype=np.float64)
-                .astype(dy.dtype)
-                .reshape(views["b.delta"].shape)
-            )
-        return out
-    pads = _pads(task, piece, dims)
-    need_dx = task.attrs["need_dx"]
-    out = {}
+    out = _filter_grad(task, piece, views, dims, ctx)
     if "b.delta" in views:
-        dx, dw, db = conv_kernels.conv_backward(
-            views["output.delta"],
-            views["input"],
-            views["filters"],
-            task.attrs["stride"],
-            pads,
-            need_dx=need_dx,
-        )
-        out["b.delta"] = db
-    else:
-        dx, dw = filter_kernels.filter_backward(
-            views["output.delta"],
-            views["input"],
-            views["filters"],
-            task.attrs["stride"],
-            pads,
-            need_dx=need_dx,
-        )
-    out["filters.delta"] = dw
-    if dx is not None:
-        out["input.delta"] = dx
+        dy = views["output.delta"]
+        db = dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(dy.dtype)
+        out["b.delta"] = db.reshape(views["b.delta"].shape)
     return out
 
 
