@@ -80,6 +80,10 @@ class Lowering:
     def dims(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].dims
 
+    def needs_grad(self, name: str) -> bool:
+        """Whether backward tasks produce a gradient for `name`: never for the step's data."""
+        return self.tensors[name].kind != "data"
+
     def grad(self, name: str) -> str:
         """The gradient tensor of `name`, created on first use."""
         grad_name = f"{name}.grad"

@@ -57,7 +57,7 @@ class FilterA(Layer):
 
         def backward() -> None:
             bindings = [("output.delta", ctx.grad(y), R_), ("input", x, R_), ("a", a, R_)]
-            if ctx.tensors[x].kind != "data":
+            if ctx.needs_grad(x):
                 bindings.append(("input.delta", ctx.grad(x), RD))
             bindings += [("a.delta", ctx.grad(a), RD), ("b.delta", ctx.grad(b), RD)]
             ctx.task(f"{self.stem}.grad", "filterA", "backward", space, bindings, self.name)

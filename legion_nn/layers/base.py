@@ -93,7 +93,7 @@ class ElementwiseLayer(Layer):
         ctx.task(self.stem, op, "forward", space, bindings, self.name, attrs)
 
         def backward() -> None:
-            if ctx.tensors[x].kind == "data":
+            if not ctx.needs_grad(x):
                 return
             reads = [("output.delta", ctx.grad(y), Privilege.READ)]
             if self.BACKWARD_READS_OUTPUT:

@@ -140,7 +140,7 @@ class BatchNorm(Layer):
                 self.name,
                 attrs,
             )
-            if ctx.tensors[x].kind != "data":
+            if ctx.needs_grad(x):
                 ctx.task(
                     f"{self.stem}.input_grad",
                     "batchnorm_input",

@@ -157,7 +157,7 @@ class Filter(Layer):
         )
 
         def backward() -> None:
-            need_dx = ctx.tensors[x].kind != "data"
+            need_dx = ctx.needs_grad(x)
             grad_attrs = {**attrs, "need_dx": need_dx, "channels": self.update_channels}
             bindings = [("output.delta", ctx.grad(y), R_)] + inputs
             if need_dx:

@@ -85,7 +85,7 @@ class Linear(Layer):
         )
 
         def backward() -> None:
-            need_dx = ctx.tensors[x].kind != "data"
+            need_dx = ctx.needs_grad(x)
             bindings = [("output.delta", ctx.grad(y), R_)] + inputs
             if need_dx:
                 bindings.append(("input.delta", ctx.grad(x), RD))

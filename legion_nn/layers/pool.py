@@ -69,7 +69,7 @@ class MaxPool(Layer):
         )
 
         def backward() -> None:
-            if ctx.tensors[x].kind == "data":
+            if not ctx.needs_grad(x):
                 return
             bindings = [
                 ("output.delta", ctx.grad(y), R_),

@@ -62,7 +62,7 @@ class Reshape(Layer):
         )
 
         def backward() -> None:
-            if ctx.tensors[x].kind == "data":
+            if not ctx.needs_grad(x):
                 return
             bindings = [("output.delta", ctx.grad(y), R_), ("input.delta", ctx.grad(x), RD)]
             ctx.task(f"{self.stem}.grad", "reshape", "backward", space, bindings, self.name)

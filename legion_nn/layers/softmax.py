@@ -86,7 +86,7 @@ class Softmax(Layer):
         ctx.probability = probability
 
         def backward() -> None:
-            if ctx.tensors[x].kind == "data":
+            if not ctx.needs_grad(x):
                 return
             bindings = [
                 ("output.delta", ctx.grad(loss), R_),
