@@ -113,7 +113,7 @@ def balanced(extents: tuple[int, ...], dims: tuple[int, ...], nranks: int) -> Gr
     as square as possible among those."""
     best: tuple[int, int, Grid] = (0, 0, (1,) * len(extents))
     for grid in factorizations(extents, dims, nranks):
-        parts = [grid[d] for d in dims]
+        parts = [grid[d] for d in dims] or [1]  # no dim to cut: the one-cell grid
         key = (cells(grid), -(max(parts) - min(parts)))
         if key > best[:2]:
             best = (*key, grid)
