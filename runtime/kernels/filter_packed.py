@@ -156,20 +156,48 @@ def packed_geometry(xp_shape: tuple, wp_shape: tuple, stride: int, pad) -> Geome
 
 
 def _operand(a: np.ndarray) -> np.ndarray:
-    """`a` itself when BLAS can read its (W, C) axes as one and its last axis is unit-stride."""
+    """`a` itself when BLAS can read its (W, C) axes as one and its last axis is unit-stride.
+
+    The kernels take leading dimensions from the strides, so a length-1 axis (batch 1, one
+    channel) must carry the stride a contiguous array would give it: NumPy leaves such strides
+    arbitrary (a transposed view keeps its old ones) and calls the array contiguous anyway."""
+    a = _canonical_unit_strides(a)
     size = a.itemsize
     if a.strides[3] == size and a.strides[1] == a.shape[2] * a.strides[2] and min(a.strides) > 0:
         return a
-    return np.ascontiguousarray(a)
+    return _canonical_unit_strides(np.array(a, order="C", copy=True))
 
 
-def _output(name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype) -> np.ndarray:
+def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
+    strides = list(a.strides)
+    for axis in range(a.ndim - 1, -1, -1):
+        if a.shape[axis] == 1:
+            inner = axis + 1
+            strides[axis] = a.itemsize if inner == a.ndim else strides[inner] * a.shape[inner]
+    if tuple(strides) == a.strides:
+        return a
+    return np.lib.stride_tricks.as_strided(a, a.shape, tuple(strides), writeable=a.flags.writeable)
+
+
+def _output(
+    name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype, overwrite: bool = True
+) -> np.ndarray:
+    """The output array, zeroed where the kernel overwrites it.
+
+    The kernels overwrite with beta = 0 GEMMs, which must not read C; but OpenBLAS forwards a
+    GEMM with one column (batch 1) to GEMV, whose beta = 0 scaling multiplies C, so NaN garbage
+    in an uninitialised output would survive as NaN. Zeroed memory costs a pass; NaN costs the
+    run."""
     if out is None:
-        return np.empty(shape, dtype)
+        return np.zeros(shape, dtype)
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"{name}: expected shape {shape} {dtype}, got {out.shape} {out.dtype}")
-    if _operand(out) is not out:
+    out = _canonical_unit_strides(out)
+    addressable = _operand(out) is out if out.ndim == 4 else out.flags.c_contiguous
+    if not addressable:
         raise ValueError(f"{name}: layout with strides {out.strides} is not BLAS-addressable")
+    if overwrite:
+        out[...] = 0
     return out
 
 
@@ -238,7 +266,7 @@ def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, i
     geo = packed_geometry(xp.shape, (*positions, dyp.shape[2], r, s, c), stride, pad)
     _check_dy(dyp, geo)
     lo, hi = check_channels(channels, c)
-    dw = _output("out", out, (*positions, geo.k, r, s, hi - lo), dtype)
+    dw = _output("out", out, (*positions, geo.k, r, s, hi - lo), dtype, not accumulate)
     if not dw.flags.c_contiguous:
         raise ValueError(f"out: must be C-contiguous, got strides {dw.strides}")
     if min(geo.n, geo.k, hi - lo) == 0:
