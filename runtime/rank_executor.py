@@ -38,7 +38,7 @@ from legion_nn.rect import Rect
 from partitioner.layout import Layout as PlanLayout
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
-from partitioner.strategy import Strategy, builtin, param_of
+from partitioner.strategy import Strategy, builtin
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_value, run_on_views
 from runtime.instances import Layout, choose_layouts
@@ -52,9 +52,7 @@ TAG_STRATEGY, TAG_GATHER, TAG_RESIDENT = 1, 2, 3
 class TaskFailure(LegionNNError):
     def __init__(self, rank: int, step: int, task: str, error: BaseException) -> None:
         self.rank, self.step, self.task, self.error = rank, step, task, error
-        super().__init__(
-            f"rank {rank}: step {step}, task {task}: {type(error).__name__}: {error}"
-        )
+        super().__init__(f"rank {rank}: step {step}, task {task}: {type(error).__name__}: {error}")
 
 
 class InjectedFault(RuntimeError):
@@ -218,7 +216,7 @@ class RankExecutor:
                 run.task(rank_task)
             except TaskFailure:
                 raise
-            except Exception as exc:  # noqa: BLE001  (named and re-raised with rank and task)
+            except Exception as exc:
                 raise TaskFailure(self.rank, ctx.step, rank_task.task.name, exc) from exc
         run.finish()
         self.last_bytes_sent = self.transport.bytes_sent - sent_before

@@ -161,9 +161,9 @@ def build_programs(
             builder.end()
         for piece in task_plan.pieces:
             for req in piece.requirements:
-                if req.privilege.writes and req.write_rect is not None:
-                    if not req.write_rect.is_empty():
-                        writes[req.tensor].append((position, req.write_rect))
+                rect = req.write_rect
+                if req.privilege.writes and rect is not None and not rect.is_empty():
+                    writes[req.tensor].append((position, rect))
     return {rank: builder.program(seq) for rank, builder in programs.items()}
 
 
@@ -186,9 +186,7 @@ class _Builder:
         self.held: dict[str, list[Rect]] = {}
         for name, home in plan.homes.items():
             tensor = graph.tensors[name]
-            self.held[name] = [
-                part for part, holders in home.held(tensor.rect) if rank in holders
-            ]
+            self.held[name] = [part for part, holders in home.held(tensor.rect) if rank in holders]
             self.touched[name].extend(self.held[name])
 
     def begin(self, position: int, task: Task, pieces, homed: bool) -> None:

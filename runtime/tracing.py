@@ -69,8 +69,12 @@ class Recorder:
 def metadata(nranks: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for rank in range(nranks):
-        out.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
+        out.append(
+            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
+        out.append(
+            {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}
+        )
         for tid, label in ((COMPUTE, "compute"), (COMMUNICATION, "communication")):
             out.append(
                 {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": label}}
