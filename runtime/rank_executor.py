@@ -17,12 +17,14 @@ it holds and keeps its copies current.
 
 Failures carry the rank, step and task (`TaskFailure`); waits past the stall timeout name the
 ranks still owed a message (`transport.StallError`). `LEGION_NN_FAULT=raise:RANK:TASK` makes the
-named rank raise inside that task's kernel, to test that a job ends cleanly.
+named rank raise inside that task's kernel, and `hang:RANK:TASK` makes it stop there, to test that
+a job ends cleanly and that the watchdog names the rank.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +46,14 @@ from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_value, run_o
 from runtime.instances import Layout, choose_layouts
 from runtime.rank_program import Message, RankProgram, RankTask, build_programs
 from runtime.tracing import COMMUNICATION, COMPUTE, Recorder
-from runtime.transport import Transport, wait, wait_object
+from runtime.transport import (
+    GroupAborted,
+    PeerLost,
+    StallError,
+    Transport,
+    wait,
+    wait_object,
+)
 
 TAG_STRATEGY, TAG_GATHER, TAG_RESIDENT = 1, 2, 3
 
@@ -59,15 +68,18 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _fault_from_env() -> tuple[int, str] | None:
+FAULT_KINDS = ("raise", "hang")
+
+
+def _fault_from_env() -> tuple[str, int, str] | None:
     spec = os.environ.get("LEGION_NN_FAULT", "")
     if not spec:
         return None
     kind, _, rest = spec.partition(":")
     rank, _, task = rest.partition(":")
-    if kind != "raise" or not rank.isdigit() or not task:
-        raise LegionNNError(f"LEGION_NN_FAULT must be raise:RANK:TASK, got {spec!r}")
-    return int(rank), task
+    if kind not in FAULT_KINDS or not rank.isdigit() or not task:
+        raise LegionNNError(f"LEGION_NN_FAULT must be raise|hang:RANK:TASK, got {spec!r}")
+    return kind, int(rank), task
 
 
 @dataclass
@@ -214,7 +226,7 @@ class RankExecutor:
                 self.on_task(ctx.step, rank_task.task.name)
             try:
                 run.task(rank_task)
-            except TaskFailure:
+            except (TaskFailure, StallError, PeerLost, GroupAborted):
                 raise
             except Exception as exc:
                 raise TaskFailure(self.rank, ctx.step, rank_task.task.name, exc) from exc
@@ -420,7 +432,9 @@ class _StepRun:
     def _compute(self, rt: RankTask, piece, scratch) -> None:
         task = rt.task
         fault = self.ex.fault
-        if fault is not None and fault == (self.rank, task.name):
+        if fault is not None and fault[1:] == (self.rank, task.name):
+            if fault[0] == "hang":  # a rank that stops making progress, for the stall watchdog
+                time.sleep(3600)
             raise InjectedFault(f"fault injected by LEGION_NN_FAULT into {task.name}")
         views = {}
         for req in piece.requirements:

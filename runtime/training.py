@@ -67,11 +67,14 @@ class Trainer:
         on_step: Callable[[int, float], None] | None = None,
         on_epoch: Callable[[str], None] | None = None,
         executor: Any = None,
+        after_step: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.log = log
         self.on_step = on_step
         self.on_epoch = on_epoch
+        #: called on every rank after every step (the trace collection of distributed runs)
+        self.after_step = after_step
         #: a LocalExecutor, or a RankExecutor running this rank's share of a distributed run
         self.executor = executor if executor is not None else LocalExecutor(seed=config.seed)
         self._graphs: dict[int, TaskGraph] = {}
@@ -193,9 +196,13 @@ class Trainer:
             records = self.executor.gather({**record, **self.executor.step_extras()})
             if records is not None:
                 for rank, extras in enumerate(records):
-                    self._write({"step": step, "epoch": epoch, "loss": loss, "rank": rank, **extras})
+                    self._write(
+                        {"step": step, "epoch": epoch, "loss": loss, "rank": rank, **extras}
+                    )
             if self.on_step:
                 self.on_step(step, loss)
+            if self.after_step:
+                self.after_step(step)
             end_of_epoch = (step + 1) % self.steps_per_epoch == 0
             if end_of_epoch or step + 1 == self.total_steps:
                 self._end_epoch(epoch, epoch_stats, step + 1)

@@ -32,6 +32,15 @@ class StallError(LegionNNError):
     """A rank waited longer than the stall timeout for messages from other ranks."""
 
 
+class PeerLost(LegionNNError):
+    """Communication with another rank failed: it died, or its connection did."""
+
+    def __init__(self, rank: int, peer: int, what: str, error: BaseException) -> None:
+        self.peer = peer
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        super().__init__(f"rank {rank}: {what}: lost rank {peer} ({first})")
+
+
 class Request(Protocol):
     def test(self) -> bool: ...
 
@@ -69,7 +78,16 @@ def wait(
     start = time.monotonic()
     pause = 0.0
     while remaining:
-        remaining = [(req, peer) for req, peer in remaining if not req.test()]
+        still = []
+        for req, peer in remaining:
+            try:
+                if not req.test():
+                    still.append((req, peer))
+            except (GroupAborted, PeerLost):
+                raise
+            except Exception as exc:
+                raise PeerLost(rank, peer, what, exc) from exc
+        remaining = still
         if not remaining:
             return
         waited = time.monotonic() - start

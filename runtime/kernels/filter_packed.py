@@ -55,10 +55,23 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
             r_hi = r_lo
         w_row = pq if untied else 0
         for r in range(r_lo, r_hi):
-            gemm(NO_TRANS, NO_TRANS, k, n, (s_hi - s_lo) * c,
-                 w2, w_row * w2.shape[1] + (r * s_size + s_lo) * c, rsc,
-                 x, (h0 + r) * xs0 + (w0 + s_lo) * xs1, xs2,
-                 r > r_lo, y, p * ys0 + q * ys1, ys2)
+            gemm(
+                NO_TRANS,
+                NO_TRANS,
+                k,
+                n,
+                (s_hi - s_lo) * c,
+                w2,
+                w_row * w2.shape[1] + (r * s_size + s_lo) * c,
+                rsc,
+                x,
+                (h0 + r) * xs0 + (w0 + s_lo) * xs1,
+                xs2,
+                r > r_lo,
+                y,
+                p * ys0 + q * ys1,
+                ys2,
+            )
         if r_hi <= r_lo:
             y[p, q] = 0
 
@@ -85,15 +98,29 @@ def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
                 if s_hi <= s_lo:
                     continue
                 w_row = p * q_out + q if untied else 0
-                gemm(TRANS, NO_TRANS, (s_hi - s_lo) * c, n, k,
-                     w2, w_row * w2.shape[1] + (r * s_size + s_lo) * c, rsc,
-                     dy, p * gs0 + q * gs1, gs2,
-                     True, dx, row * xs0 + (w0 + s_lo) * xs1, xs2)
+                gemm(
+                    TRANS,
+                    NO_TRANS,
+                    (s_hi - s_lo) * c,
+                    n,
+                    k,
+                    w2,
+                    w_row * w2.shape[1] + (r * s_size + s_lo) * c,
+                    rsc,
+                    dy,
+                    p * gs0 + q * gs1,
+                    gs2,
+                    True,
+                    dx,
+                    row * xs0 + (w0 + s_lo) * xs1,
+                    xs2,
+                )
 
 
 @njit(cache=True)
-def _filter_gradient_at(dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_left, c_lo,
-                        accumulate):
+def _filter_gradient_at(
+    dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_left, c_lo, accumulate
+):
     """dW of output position (p, q), into row `dw_row` of dw2 ((positions, K·R·S·Cs))."""
     h, wd, c, n = x.shape
     k = dy.shape[2]
@@ -116,31 +143,83 @@ def _filter_gradient_at(dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_l
     for r in range(r_lo, r_hi):
         x_off = (h0 + r) * xs0 + (w0 + s_lo) * xs1
         if cs == c:
-            gemm(NO_TRANS, TRANS, k, (s_hi - s_lo) * c, n, dy, p * gs0 + q * gs1, gs2,
-                 x, x_off, xs2, add, dw2, base + (r * s_size + s_lo) * c, rscs)
+            gemm(
+                NO_TRANS,
+                TRANS,
+                k,
+                (s_hi - s_lo) * c,
+                n,
+                dy,
+                p * gs0 + q * gs1,
+                gs2,
+                x,
+                x_off,
+                xs2,
+                add,
+                dw2,
+                base + (r * s_size + s_lo) * c,
+                rscs,
+            )
         else:
             for s in range(s_lo, s_hi):
-                gemm(NO_TRANS, TRANS, k, cs, n, dy, p * gs0 + q * gs1, gs2,
-                     x, x_off + (s - s_lo) * xs1 + c_lo * xs2, xs2,
-                     add, dw2, base + (r * s_size + s) * cs, rscs)
+                gemm(
+                    NO_TRANS,
+                    TRANS,
+                    k,
+                    cs,
+                    n,
+                    dy,
+                    p * gs0 + q * gs1,
+                    gs2,
+                    x,
+                    x_off + (s - s_lo) * xs1 + c_lo * xs2,
+                    xs2,
+                    add,
+                    dw2,
+                    base + (r * s_size + s) * cs,
+                    rscs,
+                )
 
 
 @njit(cache=True, parallel=True)
 def _backward_filter_untied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate):
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
-        _filter_gradient_at(dy, x, dw2, pq, pq // q_out, pq % q_out, window, stride,
-                            pad_top, pad_left, c_lo, accumulate)
+        _filter_gradient_at(
+            dy,
+            x,
+            dw2,
+            pq,
+            pq // q_out,
+            pq % q_out,
+            window,
+            stride,
+            pad_top,
+            pad_left,
+            c_lo,
+            accumulate,
+        )
 
 
 @njit(cache=True, parallel=True)
-def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate,
-                          threads):
+def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate, threads):
     q_out = dy.shape[1]
     partial = np.zeros((threads, dw2.shape[1]), dw2.dtype)
     for pq in prange(dy.shape[0] * q_out):
-        _filter_gradient_at(dy, x, partial, numba.get_thread_id(), pq // q_out, pq % q_out,
-                            window, stride, pad_top, pad_left, c_lo, True)
+        _filter_gradient_at(
+            dy,
+            x,
+            partial,
+            numba.get_thread_id(),
+            pq // q_out,
+            pq % q_out,
+            window,
+            stride,
+            pad_top,
+            pad_left,
+            c_lo,
+            True,
+        )
     total = partial.sum(axis=0)
     if accumulate:
         dw2[0] += total
@@ -207,8 +286,9 @@ def _check_dy(dyp: np.ndarray, geo: Geometry) -> None:
         raise ValueError(f"dyp: expected (P, Q, K, N) = {expected}, got shape {dyp.shape}")
 
 
-def forward_packed(xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0,
-                   out: np.ndarray | None = None) -> np.ndarray:
+def forward_packed(
+    xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0, out: np.ndarray | None = None
+) -> np.ndarray:
     """y (P, Q, K, N) of x (H, W, C, N) under weights (P|1, Q|1, K, R, S, C)."""
     check_ndim("xp", xp, 4, "(H, W, C, N)")
     check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
@@ -220,13 +300,20 @@ def forward_packed(xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0,
         return y
     w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
-        _forward(_operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2],
-                 geo.untied)
+        _forward(
+            _operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
+        )
     return y
 
 
-def backward_data_packed(dyp: np.ndarray, wp: np.ndarray, input_size: tuple[int, int],
-                         stride: int = 1, pad=0, out: np.ndarray | None = None) -> np.ndarray:
+def backward_data_packed(
+    dyp: np.ndarray,
+    wp: np.ndarray,
+    input_size: tuple[int, int],
+    stride: int = 1,
+    pad=0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """dx (H, W, C, N) from dy (P, Q, K, N), for an H×W input (`input_size`)."""
     check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
     check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
@@ -240,16 +327,23 @@ def backward_data_packed(dyp: np.ndarray, wp: np.ndarray, input_size: tuple[int,
         return dx
     w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
-        _backward_data(_operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0],
-                       geo.pad[2], geo.untied)
+        _backward_data(
+            _operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
+        )
     return dx
 
 
-def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, int],
-                           stride: int = 1, pad=0, untied: bool = True,
-                           channels: tuple[int, int] | None = None,
-                           out: np.ndarray | None = None,
-                           accumulate: bool = False) -> np.ndarray:
+def backward_filter_packed(
+    dyp: np.ndarray,
+    xp: np.ndarray,
+    window: tuple[int, int],
+    stride: int = 1,
+    pad=0,
+    untied: bool = True,
+    channels: tuple[int, int] | None = None,
+    out: np.ndarray | None = None,
+    accumulate: bool = False,
+) -> np.ndarray:
     """dw (P|1, Q|1, K, R, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
 
     `channels` (lo, hi) restricts the gradient to input channels lo:hi, skipping the others'
@@ -274,8 +368,17 @@ def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, i
             dw[...] = 0
         return dw
     dw2 = dw.reshape(positions[0] * positions[1], -1)
-    args = (_operand(dyp), _operand(xp), dw2, (r, s), geo.stride, geo.pad[0], geo.pad[2], lo,
-            accumulate)
+    args = (
+        _operand(dyp),
+        _operand(xp),
+        dw2,
+        (r, s),
+        geo.stride,
+        geo.pad[0],
+        geo.pad[2],
+        lo,
+        accumulate,
+    )
     with kernel_threading():
         if geo.untied:
             _backward_filter_untied(*args)
