@@ -121,6 +121,8 @@ class RankExecutor:
         self._sent_at_step_start = 0
         self.last_bytes_planned = 0
         self.last_bytes_sent = 0
+        #: programs run so far: every rank runs the same sequence, so (run, seq) names a message
+        self.runs = 0
 
     @property
     def is_root(self) -> bool:
@@ -218,7 +220,8 @@ class RankExecutor:
         return ctx
 
     def _execute(self, graph: TaskGraph, program: RankProgram, ctx: StepContext) -> None:
-        run = _StepRun(self, graph, program, ctx)
+        self.runs += 1
+        run = _StepRun(self, graph, program, ctx, self.runs)
         sent_before = self.transport.bytes_sent
         run.post(program.post_at_start)
         for rank_task in program.tasks:
@@ -315,9 +318,15 @@ class _StepRun:
     """The state of one step on one rank: messages in flight and reduction scratch."""
 
     def __init__(
-        self, executor: RankExecutor, graph: TaskGraph, program: RankProgram, ctx: StepContext
+        self,
+        executor: RankExecutor,
+        graph: TaskGraph,
+        program: RankProgram,
+        ctx: StepContext,
+        run_index: int,
     ) -> None:
         self.ex = executor
+        self.run_index = run_index
         self.graph = graph
         self.program = program
         self.ctx = ctx
@@ -386,7 +395,7 @@ class _StepRun:
             "rect": [list(m.rect.lo), list(m.rect.hi)],
             "bytes": m.nbytes,
             "peer": peer,
-            "id": f"{self.ctx.step}:{m.seq}",
+            "id": f"{self.run_index}:{m.seq}",
         }
 
     def task(self, rt: RankTask) -> None:
