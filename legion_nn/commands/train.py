@@ -74,9 +74,13 @@ def run(args: argparse.Namespace) -> int:
     from runtime.distributed import rank_from_env, world_size_from_env
 
     if world_size_from_env() is not None:
-        from runtime.supervisor import supervised
+        from runtime.supervisor import start_watcher
 
-        return supervised(lambda status: _run_rank(args, status), rank_from_env())
+        status = start_watcher(rank_from_env())
+        try:
+            return _run_rank(args, status)
+        finally:
+            status.ended()
     return _run_single(args)
 
 
@@ -245,6 +249,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         if log is not None:
             log.close()
         if transport.size > 1:
+            status.ended()  # reported above; the abort must not read as a death
             transport.abort(1)
         return 1
     if log is not None:
