@@ -39,6 +39,27 @@ _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNR
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
+def share_cores(ranks_on_host: int) -> int:
+    """Give this rank its share of the host's cores, for Numba's and BLAS's thread pools.
+
+    Without it every rank starts one thread per core and R ranks on a host run R× too many."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(ranks_on_host, 1))
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    threadpool_limits(limits=threads)
+    return threads
+
+
+def ranks_on_this_host() -> int:
+    value = os.environ.get("MPI_LOCALNRANKS", "") or os.environ.get(
+        "OMPI_COMM_WORLD_LOCAL_SIZE", ""
+    )
+    return int(value) if value.isdigit() else (world_size_from_env() or 1)
+
+
 def world_size_from_env() -> int | None:
     """The rank count when `mpiexec`/`mpirun` started this process, else None."""
     for name in _SIZE_VARIABLES:

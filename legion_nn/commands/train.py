@@ -214,8 +214,10 @@ def _run_rank(args: argparse.Namespace, status) -> int:
             )
             print(f"legion-nn train: {text}", file=sys.stderr, flush=True)
         return 2
+    from runtime.distributed import ranks_on_this_host, share_cores
     from runtime.mpi_executor import MPITransport
 
+    share_cores(ranks_on_this_host())
     transport = MPITransport()
     status.set_rank(transport.rank)
     root = transport.rank == 0
