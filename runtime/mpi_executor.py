@@ -100,3 +100,37 @@ class MPITransport:
             request.request.wait()
         if not MPI.Is_finalized():
             MPI.Finalize()
+
+
+def pingpong(sizes=(8, 1024, 65536, 1 << 20, 4 << 20), repeat: int = 20) -> dict[str, float]:
+    """Latency and bandwidth between ranks 0 and 1, fitted to t = α + n·β over message sizes."""
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    times = []
+    for size in sizes:
+        buffer = np.zeros(size, np.uint8)
+        comm.Barrier()
+        best = float("inf")
+        for _ in range(repeat):
+            start = MPI.Wtime()
+            if rank == 0:
+                comm.Send(buffer, 1, 0)
+                comm.Recv(buffer, 1, 0)
+            elif rank == 1:
+                comm.Recv(buffer, 0, 0)
+                comm.Send(buffer, 0, 0)
+            best = min(best, (MPI.Wtime() - start) / 2)
+        times.append(best)
+    slope, intercept = np.polyfit(np.array(sizes, float), np.array(times), 1)
+    return {"latency_s": max(float(intercept), 1e-7), "seconds_per_byte": max(float(slope), 1e-13)}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:] != ["pingpong"]:
+        sys.exit("usage: mpiexec -n 2 python -m runtime.mpi_executor pingpong")
+    result = pingpong()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(json.dumps(result))

@@ -1,4 +1,9 @@
-"""`legion-nn bench kernels`: kernel throughput beside the machine's SGEMM, NumPy and PyTorch."""
+"""`legion-nn bench kernels|scaling`: benchmarks, not tests.
+
+- `kernels`: filter kernel throughput beside the machine's SGEMM, NumPy and PyTorch;
+- `scaling`: training steps under `mpiexec` on 1, 2 and 4 ranks for each strategy, measured
+  beside the cost model's calibrated prediction (see `runtime.bench_scaling`).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,8 @@ from pathlib import Path
 from legion_nn.errors import LegionNNError
 
 NAME = "bench"
-HELP = "measure kernel throughput (GFLOP/s) beside the machine's SGEMM, NumPy and PyTorch"
-SUITES = ("kernels",)
+HELP = "benchmarks: kernel GFLOP/s beside SGEMM and peers; distributed step time vs the model"
+SUITES = ("kernels", "scaling")
 IMPLS = ("legion-nn", "numpy", "torch")
 
 
@@ -66,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="implementations to measure (default: all)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--steps",
+        metavar="S",
+        type=_positive,
+        default=6,
+        help="scaling: training steps per job, the first 2 untimed (default: 6)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,6 +92,19 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+    if args.suite == "scaling":
+        from runtime import bench_scaling
+
+        if args.steps <= bench_scaling.WARMUP:
+            raise LegionNNError(f"--steps must exceed the {bench_scaling.WARMUP} untimed steps")
+        report = bench_scaling.run_scaling(
+            steps=args.steps, progress=None if args.quiet else progress
+        )
+        print(bench_scaling.format_table(report), end="")
+        if args.json:
+            write_text(args.json, json.dumps(report, indent=1) + "\n")
+        return 0
 
     report = run_benchmark(
         batches=tuple(args.batch),

@@ -1,0 +1,237 @@
+"""`legion-nn bench scaling`: measured step time on 1, 2 and 4 ranks beside the cost model's.
+
+For each network (at a reduced batch), rank count and strategy, one real `mpiexec -n R legion-nn
+train` job runs a few steps on synthetic data with `--log-json` and `--trace`. The measured step
+time is the median over rank 0's steps after the first two (compilation and first-touch); the
+bytes are the sum over ranks of one step's `bytes_sent` (equal to `bytes_planned`).
+
+The prediction is the cost model's step time (`partitioner.cost.plan_cost`) on a machine
+calibrated from what this benchmark measures, plus the runtime's fixed cost per step:
+
+- per-op throughput: from the 1-rank job's trace, each op's measured compute time against its
+  FLOPs (`partitioner.accounting`), per core; a rank's throughput is its share of the cores
+  (R ranks on C cores get C/R each; oversubscribed ranks time-share);
+- the link: latency and bandwidth from a two-rank ping-pong of 8 B to 4 MiB messages;
+- the fixed cost: what the 1-rank job spends per step beyond the FLOPs the model prices: data
+  loading, zeroing, elementwise ops priced at nearly zero FLOPs, Python dispatch per task. It is
+  charged per task, scaled by each rank's share of the tasks' elements.
+
+The goal is a prediction within 20% at 1 and 2 ranks. At 1 rank the prediction is the calibration
+itself, so the 1-rank error only checks that the median is stable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from legion_nn.errors import LegionNNError
+from legion_nn.networks import load_network
+from partitioner.accounting import task_flops
+from partitioner.cost import plan_cost
+from partitioner.machine import Machine
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+
+DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 4))
+DEFAULT_RANKS = (1, 2, 4)
+STRATEGIES = ("data", "model", "spatial")
+WARMUP = 2
+
+
+@dataclass
+class Job:
+    network: str
+    batch: int
+    ranks: int
+    strategy: str
+    step_seconds: float
+    bytes_per_step: int
+    trace: dict
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_job(network: str, batch: int, ranks: int, strategy: str, steps: int, work: Path) -> Job:
+    log, trace = work / "log.jsonl", work / "trace.json"
+    command = [
+        "mpiexec", "-n", str(ranks), sys.executable, "-m", "legion_nn.cli", "train", network,
+        "--data", "synthetic", "--batch", str(batch), "--steps", str(steps),
+        "--strategy", strategy, "--no-progress", "--log-json", str(log), "--trace", str(trace),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LegionNNError(
+            f"bench scaling: {network} on {ranks} ranks ({strategy}) failed: {last}"
+        )
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps_seen = [r for r in records if "step" in r]
+    timed = [r["seconds"] for r in steps_seen if r["rank"] == 0 and r["step"] >= WARMUP]
+    last_step = max(r["step"] for r in steps_seen)
+    sent = sum(r["bytes_sent"] for r in steps_seen if r["step"] == last_step)
+    return Job(
+        network,
+        batch,
+        ranks,
+        strategy,
+        statistics.median(timed),
+        sent,
+        json.loads(trace.read_text()),
+    )
+
+
+def pingpong() -> tuple[float, float]:
+    """(latency s, seconds per byte) between two ranks of this machine."""
+    command = ["mpiexec", "-n", "2", sys.executable, "-m", "runtime.mpi_executor", "pingpong"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    if result.returncode != 0:
+        raise LegionNNError(f"bench scaling: ping-pong failed: {result.stderr.strip()[-200:]}")
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    return data["latency_s"], data["seconds_per_byte"]
+
+
+def _step_events(trace: dict, rank: int = 0) -> list[dict]:
+    return [
+        e
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X"
+        and e.get("pid") == rank
+        and e.get("cat") == "compute"
+        and e["args"].get("step", -1) >= WARMUP
+    ]
+
+
+def calibrate(job: Job) -> tuple[dict[str, float], float]:
+    """Per-core GFLOP/s of each op, and the fixed seconds per task, from a 1-rank job."""
+    graph = load_network(job.network).lower(batch=job.batch)
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
+    ops = {task.name: task.op for task in graph.tasks}
+    events = _step_events(job.trace)
+    steps = len({e["args"]["step"] for e in events}) or 1
+    seconds: dict[str, float] = defaultdict(float)
+    work: dict[str, float] = defaultdict(float)
+    fixed = 0.0
+    for event in events:
+        name = event["name"]
+        spent = event["dur"] * 1e-6
+        if flops.get(name, 0.0) > 0:
+            seconds[ops[name]] += spent
+            work[ops[name]] += flops[name]
+        else:
+            fixed += spent
+    cores = _cores()
+    per_core = {op: work[op] / seconds[op] / 1e9 / cores for op in work if seconds[op] > 0}
+    measured = job.step_seconds
+    modelled = sum(seconds.values()) / steps
+    # Whatever the step took beyond the modelled compute: dispatch, zero-FLOP tasks, the loop.
+    overhead = max(measured - modelled, fixed / steps)
+    return per_core, overhead / len(graph.tasks)
+
+
+def predict(
+    network: str,
+    batch: int,
+    ranks: int,
+    strategy: str,
+    per_core: dict[str, float],
+    per_task: float,
+    link: tuple[float, float],
+) -> float:
+    graph = load_network(network).lower(batch=batch)
+    plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
+    share = _cores() / ranks  # cores per rank; below 1 when oversubscribed
+    latency, per_byte = link
+    machine = Machine(
+        rank_gflops=min(per_core.values()) * share,
+        link_gbytes_per_s=1.0 / per_byte / 1e9,
+        latency_us=latency * 1e6,
+        rank_memory_gib=1e6,
+        op_gflops={op: rate * share for op, rate in per_core.items()},
+    )
+    cost = plan_cost(graph, plan, machine)
+    # The busiest rank's share of each task's elements carries its share of the fixed cost.
+    fixed = 0.0
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        volume = task.space.volume or 1
+        biggest = max((p.rect.volume for p in task_plan.pieces), default=volume)
+        fixed += per_task * max(biggest / volume, 1.0 / ranks)
+    if ranks > _cores():  # time-shared cores stretch the fixed cost too
+        fixed *= ranks / _cores()
+    return cost.step_seconds + fixed
+
+
+def run_scaling(
+    cases=DEFAULT_CASES,
+    ranks=DEFAULT_RANKS,
+    strategies=STRATEGIES,
+    steps: int = 6,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    say = progress or (lambda line: None)
+    say("ping-pong between two ranks")
+    link = pingpong()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="legion-nn-scaling-") as tmp:
+        for network, batch in cases:
+            calibration = None
+            for count in ranks:
+                for strategy in strategies if count > 1 else ("data",):
+                    say(f"{network} batch {batch}: {count} rank(s), {strategy}")
+                    work = Path(tmp) / f"{network}-{count}-{strategy}"
+                    work.mkdir()
+                    job = run_job(network, batch, count, strategy, steps, work)
+                    if count == 1:
+                        calibration = calibrate(job)
+                    if calibration is None:
+                        raise LegionNNError("bench scaling: the rank counts must start with 1")
+                    predicted = predict(network, batch, count, strategy, *calibration, link)
+                    rows.append(
+                        {
+                            "network": network,
+                            "batch": batch,
+                            "ranks": count,
+                            "strategy": strategy,
+                            "measured_s": job.step_seconds,
+                            "predicted_s": predicted,
+                            "error": predicted / job.step_seconds - 1.0,
+                            "bytes_per_step": job.bytes_per_step,
+                        }
+                    )
+    return {
+        "cores": _cores(),
+        "link": {"latency_us": link[0] * 1e6, "gbytes_per_s": 1.0 / link[1] / 1e9},
+        "results": rows,
+    }
+
+
+def format_table(report: dict) -> str:
+    link = report["link"]
+    lines = [
+        (
+            f"{report['cores']} cores; link {link['latency_us']:.1f} us, "
+            f"{link['gbytes_per_s']:.2f} GB/s (ping-pong)"
+        ),
+        (
+            f"{'network':16s} {'batch':>5s} {'R':>2s} {'strategy':8s} {'measured':>10s} "
+            f"{'predicted':>10s} {'error':>7s} {'bytes/step':>12s}"
+        ),
+    ]
+    for row in report["results"]:
+        lines.append(
+            f"{row['network']:16s} {row['batch']:5d} {row['ranks']:2d} {row['strategy']:8s} "
+            f"{row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "
+            f"{row['bytes_per_step']:12,d}"
+        )
+    return "\n".join(lines) + "\n"
