@@ -32,36 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _strategy(graph, name: str, nranks: int, machine, time_limit: float):
-    from legion_nn.errors import LegionNNError
-    from partitioner.search import auto
-    from partitioner.strategy import BUILTIN, builtin, from_grids
-
-    if name == "auto":
-        result = auto(graph, nranks, machine, time_limit)
-        why = [
-            {
-                "layer": c.unit,
-                "family": c.family,
-                "grid": list(c.grid),
-                "seconds": c.seconds,
-                "data_seconds": c.data_seconds,
-            }
-            for c in result.choices
-        ]
-        return result.strategy, why
-    if name in BUILTIN or not name.endswith(".json"):
-        return builtin(graph, name, nranks), None
-    try:
-        with open(name) as handle:
-            spec = json.load(handle)
-    except json.JSONDecodeError as exc:
-        raise LegionNNError(f"{name}: not JSON ({exc.msg})") from None
-    if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
-        raise LegionNNError(f'{name}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
-    return from_grids(graph, spec["grids"], nranks), None
-
-
 def _ranks_list(text: str) -> list[int]:
     from legion_nn.errors import LegionNNError
 
@@ -82,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.machine import load_machine
     from partitioner.plan import build_plan
     from partitioner.report import report_json, sweep_table, table
+    from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
 
     if args.batch < 1:
@@ -96,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     reports = []
     for nranks in counts:
         check_ranks(nranks)
-        strategy, why = _strategy(graph, args.strategy, nranks, machine, args.time_limit)
+        strategy, why = resolve_strategy(graph, args.strategy, nranks, machine, args.time_limit)
         plan = build_plan(graph, strategy, nranks)
         reports.append(report_json(graph, plan, plan_cost(graph, plan, machine), why))
     if args.sweep:
