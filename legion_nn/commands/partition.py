@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
+from pathlib import Path
 
 NAME = "partition"
 HELP = "partition a network over R ranks (data, model, spatial, auto) and predict its step"
+PLOT_FORMATS = ("png", "pdf", "svg")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="F", help="write the report as JSON to F")
     parser.add_argument("--sweep", metavar="LIST", help="comma-separated rank counts, e.g. 1,2,4")
-    parser.add_argument("--plot", metavar="F", help="with --sweep: write a PNG of the sweep")
+    parser.add_argument(
+        "--plot",
+        metavar="F",
+        help="draw which rank owns which region of each layer's output and weights, halos "
+        "hatched (.png, .pdf or .svg); with --sweep: a PNG of the sweep",
+    )
     parser.add_argument(
         "--time-limit", type=float, default=30.0, help="seconds auto may search (default 30)"
     )
@@ -57,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
-    if args.plot and not args.sweep:
-        raise LegionNNError("--plot draws a sweep; give --sweep LIST too")
+    plot_format = Path(args.plot).suffix.lower()[1:] if args.plot else None
+    if args.plot and not args.sweep and plot_format not in PLOT_FORMATS:
+        raise LegionNNError(
+            f"--plot {args.plot}: unknown format; give a file ending in "
+            + ", ".join(f".{f}" for f in PLOT_FORMATS)
+        )
     if args.ranks is None and not args.sweep:
         raise LegionNNError("give --ranks R (or --sweep LIST)")
     machine = load_machine(args.machine)
@@ -77,14 +89,23 @@ def run(args: argparse.Namespace) -> int:
             from visualize.sweep import sweep_figure
 
             figure = sweep_figure(reports)
-            import io
-
             buffer = io.BytesIO()
             figure.savefig(buffer, format="png", dpi=120)
             write_bytes(args.plot, buffer.getvalue())
     else:
         sys.stdout.write(table(reports[0]))
         payload = reports[0]
+        if args.plot:
+            from visualize.partition_map import partition_map_figure, partition_maps
+
+            title = (
+                f"{graph.network}, batch {graph.batch}: strategy {plan.strategy} on "
+                f"{plan.nranks} ranks"
+            )
+            buffer = io.BytesIO()
+            figure = partition_map_figure(partition_maps(graph, plan), title)
+            figure.savefig(buffer, format=plot_format, dpi=110)
+            write_bytes(args.plot, buffer.getvalue())
     if args.json:
         write_text(args.json, json.dumps(payload, indent=1) + "\n")
     return 0
