@@ -6,7 +6,8 @@ import pytest
 
 from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
-from visualize.trace_summary import critical_path, load_trace, parse_trace, rank_times, summary
+from visualize.trace_file import load_trace, parse_trace
+from visualize.trace_summary import critical_path, rank_times, summary
 
 
 def trace(*events, ranks=None, **meta):
@@ -245,8 +246,25 @@ def write(tmp_path, content):
             "traceEvents[3]: 'ts' must be a number, got 'soon'",
         ),
         (trace({**compute(0, "A", 0, 1), "dur": -4}), "traceEvents[3]: negative dur"),
+        (trace({**compute(0, "A", 0, 1), "pid": -1}, ranks=1), "'pid' must be a rank or thread"),
+        (trace({**compute(0, "A", 0, 1), "tid": 0.5}), "'tid' must be a rank or thread"),
+        (
+            json.dumps(trace({**compute(0, "A", 0, 1), "ts": float("nan")})),
+            "traceEvents[3]: 'ts' must be a number, got nan",
+        ),
     ],
-    ids=["not-json", "array", "no-format", "wrong-format", "no-events", "bad-ts", "negative-dur"],
+    ids=[
+        "not-json",
+        "array",
+        "no-format",
+        "wrong-format",
+        "no-events",
+        "bad-ts",
+        "negative-dur",
+        "negative-pid",
+        "fractional-tid",
+        "nan",
+    ],
 )
 def test_bad_traces_fail_with_one_line(tmp_path, capsys, content, message):
     path = write(tmp_path, content)

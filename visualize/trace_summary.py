@@ -1,6 +1,7 @@
-"""Trace summaries (`legion-nn trace summary F`): where each rank's time went, and the critical path.
+"""Trace summaries (`legion-nn trace summary F`): where each rank's time went; the critical path.
 
-The MPI runtime writes a Chrome trace (`legion-nn/trace-v1`, opens in Perfetto): per rank `pid`,
+The MPI runtime writes a Chrome trace (`legion-nn/trace-v1`, opens in Perfetto; read by
+`visualize.trace_file`): per rank `pid`,
 thread 0 `compute` and thread 1 `communication`; complete events (`"ph": "X"`, `ts` and `dur` in
 microseconds since the aligned job start) of category `compute` (a task), `send` (a non-blocking
 send, from posting to observed completion), `recv` (time blocked waiting for a message) and
@@ -30,106 +31,14 @@ participants: the walk then stays on the rank.
 
 from __future__ import annotations
 
-import json
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
-from legion_nn.errors import LegionNNError
+from visualize.trace_file import FORMAT, Event, Trace
 
-FORMAT = "legion-nn/trace-v1"
 COMPUTE_TID = 0
 #: timestamps within this many microseconds count as the same instant
 EPS = 0.5
-
-
-@dataclass(frozen=True)
-class Event:
-    rank: int
-    tid: int
-    ts: float
-    dur: float
-    name: str
-    cat: str
-    args: dict = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def end(self) -> float:
-        return self.ts + self.dur
-
-
-@dataclass
-class Trace:
-    events: list[Event]
-    ranks: int
-    meta: dict
-
-    def by_rank(self) -> dict[int, list[Event]]:
-        """Every rank's events, in time order (ranks without events included)."""
-        out: dict[int, list[Event]] = {rank: [] for rank in range(self.ranks)}
-        for event in self.events:
-            out[event.rank].append(event)
-        return out
-
-
-def _number(event: dict, key: str, where: str) -> float:
-    value = event.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LegionNNError(f"{where}: {key!r} must be a number, got {value!r}")
-    return float(value)
-
-
-def parse_trace(data: object, source: str = "trace") -> Trace:
-    """A trace from the decoded JSON of a `legion-nn/trace-v1` file; one-line errors."""
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise LegionNNError(f"{source}: not a Chrome trace object with a traceEvents list")
-    meta = data.get("otherData")
-    found = meta.get("format") if isinstance(meta, dict) else None
-    if found != FORMAT:
-        raise LegionNNError(
-            f"{source}: otherData.format is {found!r}, not {FORMAT!r}: not a legion-nn trace"
-        )
-    events = []
-    for index, raw in enumerate(data["traceEvents"]):
-        where = f"{source}: traceEvents[{index}]"
-        if not isinstance(raw, dict):
-            raise LegionNNError(f"{where}: an event must be an object")
-        if raw.get("ph") != "X":
-            continue
-        rank, tid = _number(raw, "pid", where), _number(raw, "tid", where)
-        ts, dur = _number(raw, "ts", where), _number(raw, "dur", where)
-        if dur < 0:
-            raise LegionNNError(f"{where}: negative dur {dur}")
-        args = raw.get("args") if isinstance(raw.get("args"), dict) else {}
-        events.append(
-            Event(
-                int(rank),
-                int(tid),
-                ts,
-                dur,
-                str(raw.get("name", "")),
-                str(raw.get("cat", "")),
-                args,
-            )
-        )
-    if not events:
-        raise LegionNNError(f"{source}: no complete (ph X) events to summarise")
-    events.sort(key=lambda e: (e.ts, e.rank, e.tid))
-    ranks = meta.get("ranks")
-    if not isinstance(ranks, int) or isinstance(ranks, bool):
-        ranks = max(e.rank for e in events) + 1
-    return Trace(events, max(ranks, max(e.rank for e in events) + 1), meta)
-
-
-def load_trace(path: str | Path) -> Trace:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LegionNNError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
-    except UnicodeDecodeError:
-        raise LegionNNError(f"{path}: not JSON (not UTF-8 text)") from None
-    return parse_trace(data, str(path))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -415,9 +324,10 @@ def format_summary(report: dict, source: str, shown: int = 40) -> str:
     what = ", ".join(
         f"{key} {report[key]}" for key in ("network", "strategy") if report.get(key) is not None
     )
+    steps = f"{report['steps']} step{'' if report['steps'] == 1 else 's'}"
     title = (
-        f"{source}: {what + ', ' if what else ''}{len(report['ranks'])} ranks, "
-        f"{report['steps']} step{'' if report['steps'] == 1 else 's'}, span {report['span_seconds']:.6f} s"
+        f"{source}: {what + ', ' if what else ''}{len(report['ranks'])} ranks, {steps}, "
+        f"span {report['span_seconds']:.6f} s"
     )
     columns = (
         f"{'rank':>4} {'span s':>10} {'busy s':>10} {'%':>5} {'comm s':>10} {'%':>5} "

@@ -1,8 +1,8 @@
 """`legion-nn trace summary F [--json OUT]`: busy, communicating and idle time per rank, and the
 critical path, of a Chrome trace written by the MPI runtime (`legion-nn/trace-v1`).
 
-The reading and the analysis are `visualize.trace_summary`'s; this module parses the command line,
-prints the text and writes the JSON (atomically).
+The reading is `visualize.trace_file`'s, the analysis `visualize.trace_summary`'s; this module
+parses the command line, prints the text and writes the JSON (atomically).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
     from legion_nn.errors import LegionNNError
-    from visualize.trace_summary import format_summary, load_trace, summary
+    from visualize.trace_file import load_trace
+    from visualize.trace_summary import format_summary, summary
 
     if args.path_rows < 11:
         raise LegionNNError(f"--path-rows must be at least 11, got {args.path_rows}")
