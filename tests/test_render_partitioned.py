@@ -171,7 +171,8 @@ def test_the_layer_view_has_a_node_per_unit_and_rank_and_keeps_the_bytes(tmp_pat
     assert main([*args, "--collapse", "layer", "-o", str(out)]) == 0
     clusters, nodes, _ = svg_graph(out)
     assert len(clusters) == 4
-    assert node("L1", 2) in nodes and node("L1.filter", 2) not in nodes
+    assert node("L1.forward", 2) in nodes and node("L1.backward", 2) in nodes
+    assert node("L1.filter", 2) not in nodes
 
 
 def test_max_nodes_collapses_the_partitioned_view(tmp_path, capsys):
@@ -179,7 +180,7 @@ def test_max_nodes_collapses_the_partitioned_view(tmp_path, capsys):
     args = ["render", "seed-lcn-small", "--batch", "8", "--ranks", "4", "--strategy", "data"]
     assert main([*args, "--max-nodes", "40", "-o", str(out)]) == 0
     assert "more than --max-nodes 40" in capsys.readouterr().err
-    assert "cluster_rank3" in out.read_text() and '"piece/L0@r3"' in out.read_text()
+    assert "cluster_rank3" in out.read_text() and '"piece/L0.forward@r3"' in out.read_text()
 
 
 def test_partition_graphviz_is_pure(small, tmp_path, monkeypatch):

@@ -18,9 +18,10 @@ view (`visualize.pieces`):
   edges in from each contributing piece and out to the first piece on each holder that reads the
   result, labelled with rect and bytes.
 
-With `collapse="layer"` a node is one unit (a layer, or the part of a layer with one grid) on
-one rank, labelled with its task count and grid; collectives of a unit merge, and edges are
-summed: their label gives the bytes and the number of messages, with the rect when there is one.
+With `collapse="layer"` a node is the forward tasks, or the other tasks (backward, update), of
+one unit (a layer, or the part of a layer with one grid) on one rank, labelled with their count
+and the unit's grid; collectives of a unit merge, and edges are summed: their label gives the
+bytes and, when several, the number of messages.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from visualize.pieces import (
     PieceView,
     collapse_by_unit,
     piece_view,
+    ranks_text,
 )
 
 if TYPE_CHECKING:
@@ -60,14 +62,17 @@ TRANSFER_PEN = "#c62828"
 COLLECTIVE_PEN = "#6a1b9a"
 COLLECTIVE_FILL = "#eadcf3"
 TENSOR_FILL = "#ffffff"
+#: past this many ranks, edge labels are placed after layout
+WIDE = 4
 #: rects listed in a node before the rest are summarised
 MAX_RECTS = 2
 
 
 def _piece_label(node: PieceNode, rects: str, grid: tuple[int, ...] | None) -> str:
     fill = PHASE_COLOURS.get(node.phase, (TENSOR_FILL, ""))[0]
-    if node.tasks > 1 or grid is not None:
-        body = [f"{node.tasks} tasks" if node.tasks > 1 else "1 task"]
+    if grid is not None:
+        what = "forward" if node.phase == "forward" else "backward, update"
+        body = [f"{node.tasks} {what} task{'s' if node.tasks > 1 else ''}"]
         body.append("grid " + "×".join(map(str, grid)) if grid else "on its home")
     elif node.phase == "tensor":
         body = ["tensor"]
@@ -87,11 +92,7 @@ def _piece_label(node: PieceNode, rects: str, grid: tuple[int, ...] | None) -> s
 
 
 def _collective_label(node: CollectiveNode, collapsed: bool) -> str:
-    ranks = node.participants
-    if ranks == tuple(range(ranks[0], ranks[-1] + 1)):
-        span = f"ranks {ranks[0]}–{ranks[-1]}"
-    else:
-        span = "ranks " + ",".join(map(str, ranks))
+    span = f"ranks {ranks_text(node.participants)}"
     if collapsed:
         what = f"{len(node.tensors)} tensors" if len(node.tensors) > 1 else node.tensors[0]
         return f"{node.algorithm} ({node.unit})\n{what}\n{bytes_text(node.nbytes)}, {span}"
@@ -112,33 +113,24 @@ def _edge(
     dot: graphviz.Digraph, view: PieceView, link: Link, rects: str, label_key: str, collapsed: bool
 ) -> None:
     src, dst = _node_id("piece", link.src), _node_id("piece", link.dst)
-    # A unit node holds its forward, backward and update tasks, so only forward links and links
-    # into a collective run down the page; the rest would make cycles.
-    constraint = {}
-    if collapsed and link.phase != "forward" and link.dst not in view.collectives:
-        constraint["constraint"] = "false"
+    ends = (view.pieces.get(link.src), view.pieces.get(link.dst))
+    # A partial sum nobody in view reads goes to the same task's piece on its holder, which
+    # stands on the same row.
+    free = link.kind == "reduce" and ends[0] and ends[1] and ends[0].name == ends[1].name
+    attrs = {"constraint": "false"} if free else {}
     if link.kind == "local":
         pen = PHASE_COLOURS.get(link.phase, UNKNOWN_PHASE)[1]
-        dot.edge(src, dst, color=pen, penwidth="0.8", arrowsize="0.5", **constraint)
+        dot.edge(src, dst, color=pen, penwidth="0.8", arrowsize="0.5", **attrs)
         return
     tooltip = f"{link.tensor or 'several tensors'}: {link.src} → {link.dst}"
-    attrs = {
-        label_key: link_label(link, rects, collapsed),
-        "tooltip": tooltip,
-        "labeltooltip": tooltip,
-    }
-    attrs.update(constraint)
+    # Labels of edges that do not rank their ends are placed after layout: as labels, dot would
+    # rank them as nodes and stretch the drawing to fit them.
+    attrs["xlabel" if free else label_key] = link_label(link, rects, collapsed)
+    attrs.update(tooltip=tooltip, labeltooltip=tooltip)
     if link.kind == "collective":
-        pen = COLLECTIVE_PEN
-        attrs["style"] = "bold"
+        pen, attrs["style"] = COLLECTIVE_PEN, "bold"
     else:
-        pen = TRANSFER_PEN
-        attrs["style"] = "bold,dashed" if link.kind == "reduce" else "bold"
-        ends = (view.pieces.get(link.src), view.pieces.get(link.dst))
-        if link.kind == "reduce" and ends[0] and ends[1] and ends[0].name == ends[1].name:
-            # A partial sum nobody in view reads goes to the same task's piece on its holder:
-            # keep the rows aligned.
-            attrs["constraint"] = "false"
+        pen, attrs["style"] = TRANSFER_PEN, "bold,dashed" if link.kind == "reduce" else "bold"
     dot.edge(src, dst, color=pen, fontcolor=pen, **attrs)
 
 
@@ -153,7 +145,7 @@ def _legend(title: str, view: PieceView, collapsed: bool) -> str:
         for text, fill in swatches
     ]
     what = (
-        "a node: one unit (layer) on one rank, its task count and grid"
+        "a node: a unit's forward, or backward and update, tasks on one rank; their grid"
         if collapsed
         else "a node: a task on one rank, with the rects of the pieces it computes there"
     )
@@ -172,7 +164,8 @@ def _legend(title: str, view: PieceView, collapsed: bool) -> str:
             "reduce" in kinds,
         ),
         (
-            "purple: a collective; partial sums in, results out",
+            "purple: a collective; partial sums in, results out"
+            + (" (results back to the units that sent: not drawn)" if collapsed else ""),
             COLLECTIVE_PEN,
             bool(view.collectives),
         ),
@@ -233,6 +226,9 @@ def partition_graphviz(
         # drawings to seconds.
         label_key = "xlabel"
         dot.attr(nslimit="2", nslimit1="2")
+    elif len(view.ranks_used()) > WIDE:
+        # Between many clusters, labels laid out as nodes push the clusters far apart.
+        label_key = "xlabel"
     by_rank: dict[int, list[PieceNode]] = {}
     for node in view.pieces.values():
         by_rank.setdefault(node.rank, []).append(node)
@@ -263,8 +259,18 @@ def partition_graphviz(
             margin="0.04",
         )
     for link in view.links:
+        if collapsed and _returns(view, link):
+            continue
         _edge(dot, view, link, rects, label_key, collapsed)
     return dot
+
+
+def _returns(view: PieceView, link: Link) -> bool:
+    """A collective's result going back to a node that contributed to it (a collapsed node holds
+    a unit's backward and update tasks): implied by the edge in, and drawn it loops."""
+    if link.src not in view.collectives:
+        return False
+    return any(other.src == link.dst and other.dst == link.src for other in view.links)
 
 
 def _node(

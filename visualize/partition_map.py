@@ -45,6 +45,7 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner.plan import Plan
 from visualize.palette import rank_colour
+from visualize.pieces import ranks_text
 
 #: (dims, (row label, column label)) of each panel of a tensor
 Projection = tuple[tuple[int, int], tuple[str, str]]
@@ -249,13 +250,6 @@ def partition_maps(graph: TaskGraph, plan: Plan) -> list[UnitMap]:
 
 def _panels(graph: TaskGraph, plan: Plan, tensor: str) -> tuple[Panel, ...]:
     return tensor_panels(graph.tensors[tensor], _owned(graph, plan, tensor), _reads(plan, tensor))
-
-
-def ranks_text(ranks: tuple[int, ...]) -> str:
-    """`3`, `0–3`, `0,2,5`."""
-    if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}–{ranks[-1]}"
-    return ",".join(map(str, ranks))
 
 
 def _box(region: Rect, **style) -> Rectangle:

@@ -23,8 +23,8 @@ A received copy that a later task reads again (the backward pass re-reading the 
 pass fetched) is not linked again: the plan sends it once, and the later piece depends on the
 receiving one through its own rank.
 
-`collapse_by_unit` folds the view to one node per (unit, rank) and one collective node per unit
-and algorithm, summing the links between them. `visualize.partition_dot` draws either.
+`collapse_by_unit` folds the view to two nodes per (unit, rank), its forward tasks and the rest,
+and one collective node per unit and algorithm, summing the links between them. `visualize.partition_dot` draws either.
 """
 
 from __future__ import annotations
@@ -92,6 +92,13 @@ class PieceView:
 
     def cross_links(self) -> list[Link]:
         return [link for link in self.links if link.kind != "local"]
+
+
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """`3`, `0–3`, `0,2,5`."""
+    if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}–{ranks[-1]}"
+    return ",".join(map(str, ranks))
 
 
 def piece_id(name: str, rank: int) -> str:
@@ -287,21 +294,21 @@ def _message(src: str, dst: str, kind: str, transfer: Transfer, phase: str) -> L
 
 
 def collapse_by_unit(view: PieceView) -> PieceView:
-    """One node per (unit, rank), one collective per (unit, algorithm, participants), links
-    between different nodes summed by kind and phase."""
+    """Per rank, one node for a unit's forward tasks and one for the rest of its tasks (backward,
+    update, zeroing), so that links still run in program order; one collective per (unit,
+    algorithm, participants); links between different nodes summed by kind and phase."""
     group: dict[str, str] = {}
     pieces: dict[str, PieceNode] = {}
     for node in view.pieces.values():
-        node_id = piece_id(node.unit, node.rank)
+        phase = "forward" if node.phase == "forward" else "backward"
+        node_id = piece_id(f"{node.unit}.{phase}", node.rank)
         group[node.id] = node_id
         merged = pieces.get(node_id)
         if merged is None:
-            pieces[node_id] = PieceNode(node_id, node.unit, node.rank, node.phase, node.unit, [], 0)
-            merged = pieces[node_id]
+            merged = PieceNode(node_id, node.unit, node.rank, phase, node.unit, [], 0)
+            pieces[node_id] = merged
         merged.tasks += 1
         merged.rects.extend(node.rects)
-        if merged.phase != node.phase:
-            merged.phase = "mixed"
     collectives: dict[str, CollectiveNode] = {}
     for node in view.collectives.values():
         node_id = f"{node.algorithm}/{node.unit}/" + ",".join(map(str, node.participants))
