@@ -312,8 +312,17 @@ def _draw_halos(ax, panel: Panel) -> None:
         ax.add_patch(patch)
 
 
-def _ticks(bounds: list[int]) -> list[int]:
-    return bounds if len(bounds) <= 9 else bounds[:: -(-len(bounds) // 8)]
+def _ticks(bounds: list[int], extent: int) -> list[int]:
+    """Cut positions to label: at most nine, none within 1/12 of the axis of the last kept
+    (the extent itself is always kept; a thin cell's two cuts would print over each other)."""
+    kept = [0]
+    for value in bounds:
+        if value - kept[-1] >= extent / 12:
+            kept.append(value)
+    kept = kept[:-1] if extent - kept[-1] < extent / 12 and len(kept) > 1 else kept
+    if len(kept) > 8:
+        kept = kept[:: -(-len(kept) // 8)]
+    return [*kept, extent]
 
 
 def _draw_panel(ax, panel: Panel) -> None:
@@ -326,8 +335,8 @@ def _draw_panel(ax, panel: Panel) -> None:
     ax.set_xlabel(f"{col_label}: {cols}", fontsize=8)
     if row_label:
         ax.set_ylabel(f"{row_label}: {rows}", fontsize=8)
-    ax.set_yticks(_ticks(sorted({r.lo[0] for r, _ in panel.regions} | {rows})))
-    ax.set_xticks(_ticks(sorted({r.lo[1] for r, _ in panel.regions} | {cols})))
+    ax.set_yticks(_ticks(sorted({r.lo[0] for r, _ in panel.regions}), rows))
+    ax.set_xticks(_ticks(sorted({r.lo[1] for r, _ in panel.regions}), cols))
     ax.tick_params(labelsize=7)
     title = f"{panel.tensor}\n{' × '.join(filter(None, panel.labels))}"
     if panel.gathered:
