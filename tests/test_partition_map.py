@@ -132,3 +132,7 @@ def test_cli_writes_the_map_and_keeps_the_sweep_meaning(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--plot" in err and "unknown format" in err and len(err.strip().splitlines()) == 1
     assert not bad.exists()
+    missing = tmp_path / "nowhere" / "map.png"
+    assert main([*args, "--plot", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "no such directory" in err and len(err.strip().splitlines()) == 1

@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
             f"--plot {args.plot}: unknown format; give a file ending in "
             + ", ".join(f".{f}" for f in PLOT_FORMATS)
         )
+    if args.plot and not Path(args.plot).parent.is_dir():
+        raise LegionNNError(f"--plot {args.plot}: no such directory {Path(args.plot).parent}")
     if args.ranks is None and not args.sweep:
         raise LegionNNError("give --ranks R (or --sweep LIST)")
     machine = load_machine(args.machine)
