@@ -6,7 +6,12 @@ applying its access map to the whole space; the partitioner applies the same map
 halos, weight slices and reduction targets all come from one place.
 
 The table also records which dims of the space may be cut (`splittable`): a softmax cannot be cut
-across its classes, a reshape only across the batch.
+across its classes, a reshape only across the batch. Where that depends on the task, `splittable`
+is a function of the task's attrs.
+
+An op may be namespaced, `ns.Name`: without an entry of its own it uses the entry of `ns`. Imported
+graphs use this: every `chainer.<Type>` task has the batch-parallel map registered as `chainer`
+(`legion_nn.importers.batch_access`), and a map for one type can still be registered on its own.
 """
 
 from __future__ import annotations
@@ -19,18 +24,19 @@ from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.rect import Rect
 
 AccessFn = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], Rect], dict[str, Rect]]
+Splittable = tuple[int, ...] | Callable[[Mapping[str, Any]], tuple[int, ...]] | None
 
 
 @dataclass(frozen=True)
 class AccessEntry:
     fn: AccessFn
-    splittable: tuple[int, ...] | None  # None: every dim of the space
+    splittable: Splittable  # None: every dim of the space; a function: of the task's attrs
 
 
 _TABLE: dict[tuple[str, str], AccessEntry] = {}
 
 
-def register(op: str, phase: str, splittable: tuple[int, ...] | None = None):
+def register(op: str, phase: str, splittable: Splittable = None):
     """Decorator: make `fn` the access map of `op` in `phase`."""
 
     def wrap(fn: AccessFn) -> AccessFn:
@@ -40,13 +46,26 @@ def register(op: str, phase: str, splittable: tuple[int, ...] | None = None):
     return wrap
 
 
-def _entry(op: str, phase: str) -> AccessEntry:
-    import legion_nn.layers  # noqa: F401  (registers every layer's maps)
+def _register_all() -> None:
+    """Import the modules that register maps: every layer's, and the imported functions'."""
+    import legion_nn.importers.batch_access
+    import legion_nn.layers  # noqa: F401
 
-    try:
-        return _TABLE[(op, phase)]
-    except KeyError:
-        raise KeyError(f"no access map for op {op!r} in phase {phase!r}") from None
+
+def _lookup(op: str, phase: str) -> AccessEntry | None:
+    """The entry of `op`, else of its namespace (`ns` for `ns.Name`)."""
+    _register_all()
+    entry = _TABLE.get((op, phase))
+    if entry is None and "." in op:
+        entry = _TABLE.get((op.split(".", 1)[0], phase))
+    return entry
+
+
+def _entry(op: str, phase: str) -> AccessEntry:
+    entry = _lookup(op, phase)
+    if entry is None:
+        raise KeyError(f"no access map for op {op!r} in phase {phase!r}")
+    return entry
 
 
 def access_map(op: str, phase: str) -> AccessFn:
@@ -54,15 +73,15 @@ def access_map(op: str, phase: str) -> AccessFn:
 
 
 def has_access_map(op: str, phase: str) -> bool:
-    import legion_nn.layers  # noqa: F401
-
-    return (op, phase) in _TABLE
+    return _lookup(op, phase) is not None
 
 
 def splittable_dims(task: Task) -> tuple[int, ...]:
     entry = _entry(task.op, task.phase)
     if entry.splittable is None:
         return tuple(range(task.space.ndim))
+    if callable(entry.splittable):
+        return tuple(entry.splittable(task.attrs))
     return entry.splittable
 
 

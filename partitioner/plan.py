@@ -112,8 +112,17 @@ class Plan:
     homes: dict[str, Layout]
 
 
-def build_plan(graph: TaskGraph, strategy: Strategy, nranks: int) -> Plan:
-    """The plan of one training step of `graph` under `strategy` on `nranks` ranks."""
+def build_plan(
+    graph: TaskGraph,
+    strategy: Strategy,
+    nranks: int,
+    resident_homes: Mapping[str, Layout] | None = None,
+) -> Plan:
+    """The plan of one training step of `graph` under `strategy` on `nranks` ranks.
+
+    `resident_homes` fixes the homes of parameters and state (and their gradients), for instance
+    to those of the full-batch step while planning a run's smaller last batch, so that every rank
+    keeps updating the copies it holds."""
     grids = strategy.task_grids(graph)
     for name, grid in grids.items():
         used = 1
@@ -127,6 +136,8 @@ def build_plan(graph: TaskGraph, strategy: Strategy, nranks: int) -> Plan:
         if not is_homed(graph, task)
     }
     homes = _homes(graph, pieces)
+    if resident_homes:
+        homes.update((name, home) for name, home in resident_homes.items() if name in homes)
     units = _task_units(graph)
     layouts: dict[str, Layout] = dict(homes)
     copies: dict[tuple[str, Rect, Layout | None], set[int]] = defaultdict(set)

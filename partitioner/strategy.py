@@ -10,7 +10,8 @@ Tasks are of two kinds:
 - *partitioned*: compute tasks and the `set_zero` of activation gradients and statistics. Piece i
   of the row-major grid runs on rank i (owner computes); a grid of fewer cells than ranks leaves
   the ranks from `cells` on idle for that task. An activation gradient is zeroed on the grid of the
-  task that produced the activation, so gradients live where their activations live; a statistic
+  task that produced the activation, so gradients live where their activations live (the gradient
+  of a step input, which imported graphs have, on the grid of its first reader); a statistic
   (the loss, evaluate's sums) on rank 0.
 - *homed*: the `data` task, `update` tasks and the `set_zero` of parameter gradients. They touch
   resident tensors, whose home is derived from their readers (see `plan.py`); a homed task runs on
@@ -63,6 +64,9 @@ def param_of(graph: TaskGraph, tensor: str) -> str | None:
     """The parameter a resident tensor belongs to (itself, its gradient, its optimizer state)."""
     if tensor in graph.tensors and graph.tensors[tensor].kind == "param":
         return tensor
+    base = tensor.removesuffix(".grad")
+    if base != tensor and base in graph.tensors and graph.tensors[base].kind == "param":
+        return base  # `<param>.grad`, in graphs with or without update tasks (imported ones)
     for task in graph.tasks:
         if task.op == "update" and any(r.tensor == tensor for r in task.requirements):
             return task.requirement("params").tensor
@@ -109,7 +113,7 @@ def balanced(extents: tuple[int, ...], dims: tuple[int, ...], nranks: int) -> Gr
     as square as possible among those."""
     best: tuple[int, int, Grid] = (0, 0, (1,) * len(extents))
     for grid in factorizations(extents, dims, nranks):
-        parts = [grid[d] for d in dims]
+        parts = [grid[d] for d in dims] or [1]  # no dim to cut: the one-cell grid
         key = (cells(grid), -(max(parts) - min(parts)))
         if key > best[:2]:
             best = (*key, grid)
@@ -185,29 +189,34 @@ def task_grids(graph: TaskGraph, unit_grids: Mapping[str, Grid]) -> dict[str, Gr
         for name in unit.backward:
             grids[name] = backward_grid(graph.task(name[: -len(".grad")]), graph.task(name), grid)
     producer: dict[str, str] = {}
+    reader: dict[str, str] = {}
     for task in graph.tasks:
         for req in task.requirements:
             if req.write_rect is not None and task.name in grids:
                 producer.setdefault(req.tensor, task.name)
+            if req.read_rect is not None and not req.read_rect.is_empty() and task.name in grids:
+                reader.setdefault(req.tensor, task.name)
     for task in graph.tasks:
         if task.name in grids or is_homed(graph, task):
             continue
         target = graph.tensors[task.requirements[0].tensor]
         base = target.name.removesuffix(".grad")
-        source = producer.get(base)
+        # the gradient of a step input (imported graphs have them) lives where it is first read
+        source = producer.get(base) or reader.get(base)
         if task.op == "set_zero" and source is not None and target.kind == "grad":
             src = graph.task(source)
-            grids[task.name] = (
-                tuple(
-                    g if a == b else 1
-                    for g, a, b in zip(grids[source], src.space.shape, task.space.shape)
-                )
-                if src.space.ndim == task.space.ndim
-                else (1,) * task.space.ndim
-            )
+            grids[task.name] = _aligned(grids[source], src.space.shape, task.space.shape)
         else:
             grids[task.name] = (1,) * task.space.ndim
     return grids
+
+
+def _aligned(grid: Grid, source: tuple[int, ...], target: tuple[int, ...]) -> Grid:
+    """`grid` over the `source` extents carried to `target`: its parts on the dims (by position)
+    whose extents agree, 1 elsewhere."""
+    return tuple(
+        grid[d] if d < len(source) and source[d] == extent else 1 for d, extent in enumerate(target)
+    )
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,15 @@ class LayerShape:
         return 2 * n * self.k * self.c * self.r * self.s * self.p * self.q
 
     def as_dict(self, n: int) -> dict:
-        return {"N": n, "C": self.c, "K": self.k, "R": self.r, "S": self.s, "P": self.p,
-                "Q": self.q}
+        return {
+            "N": n,
+            "C": self.c,
+            "K": self.k,
+            "R": self.r,
+            "S": self.s,
+            "P": self.p,
+            "Q": self.q,
+        }
 
 
 SEED_L1 = LayerShape(c=64, k=64, r=7, s=7, p=27, q=27)
@@ -81,8 +88,9 @@ def _operands(shape: LayerShape, n: int, untied: bool) -> tuple[np.ndarray, ...]
     h, w = shape.p + shape.r - 1, shape.q + shape.s - 1
     x = rng.standard_normal((n, shape.c, h, w), dtype=np.float32)
     positions = (shape.p, shape.q) if untied else (1, 1)
-    wt = rng.standard_normal((shape.k, 1, 1, shape.c, shape.r, shape.s, *positions),
-                             dtype=np.float32)
+    wt = rng.standard_normal(
+        (shape.k, 1, 1, shape.c, shape.r, shape.s, *positions), dtype=np.float32
+    )
     dy = rng.standard_normal((n, shape.k, shape.p, shape.q), dtype=np.float32)
     return x, wt, dy
 
@@ -139,8 +147,7 @@ def _torch(x, w, dy, untied: bool) -> dict[str, Callable[[], object]]:
         cols = F.unfold(xt, (r, s)).permute(2, 0, 1).contiguous()  # (L, N, C·R·S)
         return torch.bmm(dyl, cols)  # (L, K, C·R·S)
 
-    return {"forward": forward, "backward_data": backward_data,
-            "backward_filter": backward_filter}
+    return {"forward": forward, "backward_data": backward_data, "backward_filter": backward_filter}
 
 
 def torch_available() -> bool:
@@ -188,14 +195,20 @@ def run_benchmark(
                     if key in best and best[key]["seconds"] <= seconds:
                         continue
                     best[key] = {
-                        "op": "filter", "pass": name, "impl": impl, "untied": untied,
-                        "shape": shape.as_dict(n), "gflops": shape.flops(n) / seconds / 1e9,
+                        "op": "filter",
+                        "pass": name,
+                        "impl": impl,
+                        "untied": untied,
+                        "shape": shape.as_dict(n),
+                        "gflops": shape.flops(n) / seconds / 1e9,
                         "seconds": seconds,
                     }
                     if progress:
                         layer = "untied" if untied else "tied"
-                        progress(f"{impl:9} {name:15} {layer:6} N={n:<4} "
-                                 f"{best[key]['gflops']:8.1f} GFLOP/s")
+                        progress(
+                            f"{impl:9} {name:15} {layer:6} N={n:<4} "
+                            f"{best[key]['gflops']:8.1f} GFLOP/s"
+                        )
     return {
         "sgemm_gflops": max(sgemm),
         "sgemm": f"{sgemm_size}x{sgemm_size} float32 np.matmul, best of {len(sgemm)} rounds",

@@ -19,7 +19,7 @@ import numpy as np
 
 from legion_nn.access import piece_requirements
 from legion_nn.graph import TaskGraph
-from legion_nn.ir import Task, Tensor
+from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext, run_piece
@@ -61,6 +61,22 @@ def run_task_piece(
     """
     requirements = piece_requirements(task, tensors, piece)
     views = {req.role: view(req.tensor, req.rect) for req in requirements}
+    run_on_views(task, piece, requirements, views, tensors, ctx)
+
+
+def run_on_views(
+    task: Task,
+    piece: Rect,
+    requirements: Iterable[Requirement],
+    views: dict[str, np.ndarray],
+    tensors: dict[str, Tensor],
+    ctx: StepContext,
+) -> None:
+    """The kernel of a piece on given views; a `write` view is overwritten, a `reduce` one added to.
+
+    The MPI executor hands a piece's reductions zeroed scratch views where the sums must be split
+    between ranks, so what accumulates there is exactly the piece's contribution."""
+    requirements = tuple(requirements)
     dims = {req.role: tensors[req.tensor].dims for req in requirements}
     results = run_piece(task, piece, views, dims, ctx)
     for req in requirements:
@@ -76,6 +92,10 @@ def run_task_piece(
 
 
 class LocalExecutor:
+    """One process, every tensor whole. `rank 0 of 1` for the training loop."""
+
+    is_root = True
+
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         #: physical arrays by tensor name, in the layout of `layouts[name]`
@@ -118,6 +138,19 @@ class LocalExecutor:
         for task in graph.tasks if tasks is None else tasks:
             run_task_piece(task, task.space, graph.tensors, self.view, ctx)
         return ctx
+
+    def run_inference(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
+        """The forward pass alone (see `inference_tasks`)."""
+        return self.run(graph, ctx, inference_tasks(graph))
+
+    def value(self, name: str) -> np.ndarray:
+        return self.logical(name)
+
+    def gather(self, value):
+        return [value]
+
+    def step_extras(self) -> dict:
+        return {}
 
     def resident(self) -> dict[str, np.ndarray]:
         """Parameters and state by name, in their logical layouts: what a checkpoint holds."""

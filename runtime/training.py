@@ -27,7 +27,7 @@ from legion_nn.network import Network
 from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
-from runtime.executor import LocalExecutor, inference_tasks
+from runtime.executor import LocalExecutor
 
 
 @dataclass
@@ -66,12 +66,17 @@ class Trainer:
         log: IO[str] | None = None,
         on_step: Callable[[int, float], None] | None = None,
         on_epoch: Callable[[str], None] | None = None,
+        executor: Any = None,
+        after_step: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.log = log
         self.on_step = on_step
         self.on_epoch = on_epoch
-        self.executor = LocalExecutor(seed=config.seed)
+        #: called on every rank after every step (the trace collection of distributed runs)
+        self.after_step = after_step
+        #: a LocalExecutor, or a RankExecutor running this rank's share of a distributed run
+        self.executor = executor if executor is not None else LocalExecutor(seed=config.seed)
         self._graphs: dict[int, TaskGraph] = {}
         train = config.dataset.train
         if len(train) == 0:
@@ -121,8 +126,12 @@ class Trainer:
         ctx = StepContext(step, training=True, inputs=train.x[idx], labels=train.y[idx])
         self.executor.run(graph, ctx)
         loss_name, stats_name = self._outputs(graph)
-        loss = float(self.executor.arrays[loss_name].reshape(-1)[0])
-        stats = self.executor.arrays[stats_name].reshape(-1).copy() if stats_name else None
+        loss_value = self.executor.value(loss_name)
+        loss = float(loss_value.reshape(-1)[0]) if loss_value is not None else float("nan")
+        stats = None
+        if stats_name:
+            value = self.executor.value(stats_name)
+            stats = value.reshape(-1).copy() if value is not None else np.zeros(4)
         return loss, stats
 
     def evaluate(self, split: Split) -> tuple[float, float]:
@@ -132,11 +141,13 @@ class Trainer:
             x = split.x[start : start + self.config.batch]
             graph = self.graph(len(x))
             ctx = StepContext(0, training=False, inputs=x, labels=split.y[start : start + len(x)])
-            self.executor.run(graph, ctx, inference_tasks(graph))
+            self.executor.run_inference(graph, ctx)
             _, stats_name = self._outputs(graph)
             if stats_name is None:
                 raise LegionNNError(f"network {self.config.network.name} has no evaluate layer")
-            totals += self.executor.arrays[stats_name].reshape(-1)
+            value = self.executor.value(stats_name)
+            if value is not None:
+                totals += value.reshape(-1)
         if totals[3] == 0:
             return float("nan"), float("nan")
         return totals[0] / totals[3], totals[1] / totals[3]
@@ -148,8 +159,10 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         if self.config.checkpoint_dir:
-            header = {**self.identity(), "step": step}
-            checkpoint.save(self.config.checkpoint_dir, self.executor.resident(), header)
+            arrays = self.executor.resident()  # every rank takes part; rank 0 gets the arrays
+            if self.executor.is_root:
+                header = {**self.identity(), "step": step}
+                checkpoint.save(self.config.checkpoint_dir, arrays, header)
 
     def _resume(self) -> int:
         arrays, header = checkpoint.load(self.config.checkpoint_dir, self.identity())
@@ -179,9 +192,17 @@ class Trainer:
             if stats is not None:
                 epoch_stats += stats
             epoch = step // self.steps_per_epoch
-            self._write({"step": step, "epoch": epoch, "loss": loss, "rank": 0, "seconds": seconds})
+            record = {"step": step, "epoch": epoch, "seconds": seconds}
+            records = self.executor.gather({**record, **self.executor.step_extras()})
+            if records is not None:
+                for rank, extras in enumerate(records):
+                    self._write(
+                        {"step": step, "epoch": epoch, "loss": loss, "rank": rank, **extras}
+                    )
             if self.on_step:
                 self.on_step(step, loss)
+            if self.after_step:
+                self.after_step(step)
             end_of_epoch = (step + 1) % self.steps_per_epoch == 0
             if end_of_epoch or step + 1 == self.total_steps:
                 self._end_epoch(epoch, epoch_stats, step + 1)

@@ -74,7 +74,15 @@ def test_chain_import_roles_and_privileges():
     graph = import_dump(CHAIN)
     verify(graph)
     names = [task.name for task in graph.tasks]
-    assert names[:4] == ["LinearFunction-0", "ReLU-1", "LinearFunction-2", "SoftmaxCrossEntropy-3"]
+    assert names[:5] == [
+        "LinearFunction-0",
+        "ReLU-1",
+        "LinearFunction-2",
+        "v9.set_zero",  # the loss is a sum over the batch: zeroed, then reduced into
+        "SoftmaxCrossEntropy-3",
+    ]
+    assert graph.tensors["v9"].kind == "stat"
+    assert graph.task("SoftmaxCrossEntropy-3").requirement("output").privilege is Privilege.REDUCE
     # every gradient is zeroed right before the first task touching it
     assert names.index("v5.grad.set_zero") == names.index("LinearFunction-2.grad") - 3
     fc2 = graph.task("LinearFunction-2.grad")

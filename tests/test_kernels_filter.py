@@ -25,6 +25,9 @@ CASES = {
     "tied-stride2-asym": (2, 4, 7, 10, 3, 2, 3, 2, (0, 2, 1, 0), False),
     "untied-windows-in-padding": (2, 2, 4, 5, 2, 2, 2, 3, 3, True),
     "tied-stride3-gaps": (2, 3, 10, 8, 2, 2, 2, 3, (1, 0, 0, 1), False),
+    # unit axes: NumPy leaves their strides arbitrary, and BLAS takes leading dims from them
+    "untied-batch1-one-channel": (1, 1, 9, 8, 3, 3, 3, 1, 0, True),
+    "tied-batch1-one-channel-one-filter": (1, 1, 7, 6, 1, 3, 2, 1, 1, False),
 }
 TOL = {np.float32: 2e-5, np.float64: 1e-12}
 

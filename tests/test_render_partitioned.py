@@ -1,5 +1,6 @@
 """`legion-nn render --ranks R --strategy S`: a cluster per rank, messages drawn between them."""
 
+import json
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
@@ -226,10 +227,34 @@ def test_bad_partition_flags_fail_with_one_line_and_no_file(tmp_path, capsys, ex
     assert not out.exists()
 
 
-def test_an_imported_graph_without_access_maps_is_refused_cleanly(tmp_path, capsys):
-    out = tmp_path / "x.svg"
-    dump = FIXTURES / "chainer_chain.txt"
-    assert main(["render", str(dump), "--ranks", "2", "--strategy", "data", "-o", str(out)]) == 2
+def test_an_imported_dump_renders_data_parallel(tmp_path, capsys):
+    out = tmp_path / "dump.svg"
+    dump = str(FIXTURES / "chainer_chain.txt")
+    assert main(["render", dump, "--ranks", "2", "--strategy", "data", "-o", str(out)]) == 0
+    clusters, _, edges = svg_graph(out)
+    assert sorted(clusters) == ["cluster_rank0", "cluster_rank1"]
+    assert any(head.startswith("piece/allreduce/") for _, head in edges)
+    assert main(["render", dump, "--ranks", "2", "-o", str(out)]) == 0
+    assert "can be cut over the batch only: planning data parallelism" in capsys.readouterr().err
+    spatial = tmp_path / "spatial.svg"
+    assert main(["render", dump, "--ranks", "2", "--strategy", "spatial", "-o", str(spatial)]) == 2
     err = capsys.readouterr().err
-    assert "cannot be partitioned" in err and len(err.strip().splitlines()) == 1
-    assert not out.exists()
+    assert "can be cut over the batch only" in err and len(err.strip().splitlines()) == 1
+    assert not spatial.exists()
+
+
+@pytest.mark.parametrize("command", ["render", "partition"])
+def test_a_task_without_an_access_map_is_refused_cleanly(tmp_path, capsys, command):
+    graph = tmp_path / "g.json"
+    assert main(["graph", "seed-lcn-small", "--batch", "8", "--json", str(graph)]) == 0
+    data = json.loads(graph.read_text())
+    for task in data["tasks"]:
+        if task["op"] == "filterNL":
+            task["op"] = "mystery"
+    graph.write_text(json.dumps(data))
+    out = tmp_path / "x.svg"
+    args = [command, str(graph), "--ranks", "2", "--strategy", "data"]
+    assert main([*args, *(["-o", str(out)] if command == "render" else [])]) == 2
+    err = capsys.readouterr().err
+    assert "task L0.filterNL (op mystery, forward) has no access map" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -285,3 +285,39 @@ def test_missing_file_and_missing_subcommand_fail_with_one_line(tmp_path, capsys
         main(["trace"])
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_trace_written_by_the_runtime_summarises(tmp_path):
+    """The reader against the writer: two ranks in threads, spatial, so halos cross ranks."""
+    import numpy as np
+
+    from legion_nn.networks import load_network
+    from runtime import data
+    from runtime.distributed import RunOptions, train_rank
+    from runtime.training import TrainConfig
+    from runtime.transport import run_threads
+
+    network = load_network("seed-lcn-small")
+    dataset = data.synthetic(network.input, network.classes, seed=3, samples=60, dtype=np.float64)
+    cfg = TrainConfig(network=network, dataset=dataset, batch=7, dtype="float64", seed=5, steps=2)
+    path = tmp_path / "trace.json"
+    options = RunOptions(strategy="spatial", stall_timeout=60, trace=str(path))
+    run_threads(2, lambda transport: train_rank(cfg, transport, options))
+    trace_data = load_trace(path)
+    report = summary(trace_data)
+    assert report["network"] == "seed-lcn-small" and len(report["ranks"]) == 2
+    for row in report["ranks"]:
+        parts = row["busy_seconds"] + row["communicating_seconds"] + row["idle_seconds"]
+        assert parts == pytest.approx(row["span_seconds"])
+        assert row["busy_seconds"] > 0
+    path_report = report["critical_path"]
+    assert path_report["seconds"] == pytest.approx(
+        sum(path_report["by_category"].values()), rel=1e-9
+    )
+    assert path_report["seconds"] <= report["span_seconds"] * (1 + 1e-9)
+    ranks_on_path = {s["rank"] for s in path_report["segments"]}
+    assert ranks_on_path <= {0, 1}
+    # every recv of the file pairs with a send, so no wait on the path is left unexplained
+    sends = {e.args["id"] for e in trace_data.events if e.cat == "send"}
+    assert all(e.args["id"] in sends for e in trace_data.events if e.cat == "recv")
+    assert "recv" not in path_report["by_category"]

@@ -17,6 +17,10 @@ Per rank, over its span (job start to the end of its last event):
   where the rank is neither computing nor waiting (its sends still draining after its last task);
 - idle: the rest.
 
+The printed path leaves out idle gaps shorter than a thousandth of the path (or 100 µs): a
+runtime's bookkeeping between consecutive tasks would otherwise be every other row. They still
+count in the totals, and `--json` lists every stretch.
+
 The critical path walks back from the event that ends last. From an event it goes to the latest
 earlier event on the same rank (sends excepted: they gate nothing on their own rank), except
 that a recv whose message is in the trace jumps at the send's posting time to the sender's
@@ -140,7 +144,7 @@ class Segment:
 @dataclass
 class CriticalPath:
     segments: list[Segment]
-    #: the trace's span the path is measured against: first event start to last event end
+    #: the span the path is measured against: the job start (time 0) to the last event's end
     span_start: float
     span_end: float
 
@@ -222,7 +226,7 @@ def critical_path(trace: Trace) -> CriticalPath:
     """The chain of events, rank to rank, that ends last; see the module docstring."""
     walk = _Walk(trace)
     current = max((e for e in trace.events if e.cat != "send"), key=lambda e: e.end, default=None)
-    span_start = min(e.ts for e in trace.events)
+    span_start = min(0.0, min(e.ts for e in trace.events))  # the job start, or earlier
     span_end = max(e.end for e in trace.events)
     if current is None:
         return CriticalPath([], span_start, span_end)
@@ -351,9 +355,16 @@ def format_summary(report: dict, source: str, shown: int = 40) -> str:
             f"({_share(path['seconds'], span).strip()}%), {len(path['segments'])} stretches"
         ),
     ]
-    segments = path["segments"]
+    # Gaps of a task's bookkeeping between tasks would fill the list: it leaves out short ones.
+    short = max(path["seconds"] * 1e-3, 1e-4)
+    segments = [
+        s
+        for s in path["segments"]
+        if s["cat"] != "idle" or s["end_seconds"] - s["start_seconds"] >= short
+    ]
+    left_out = len(path["segments"]) - len(segments)
     head = (
-        f"  {'rank':>4} {'step':>5} {'task':<28} {'category':<10} {'start s':>10} {'length s':>10}"
+        f"  {'rank':>6} {'step':>5} {'task':<28} {'category':<10} {'start s':>10} {'length s':>10}"
     )
     lines.append(head)
     keep = (
@@ -369,6 +380,8 @@ def format_summary(report: dict, source: str, shown: int = 40) -> str:
             f"  {rank:>6} {step:>5} {s['name'][:28]:<28} {s['cat']:<10} "
             f"{s['start_seconds']:>10.6f} {s['end_seconds'] - s['start_seconds']:>10.6f}"
         )
+    if left_out:
+        lines.append(f"  ({left_out} idle gaps shorter than {short:.6f} s not listed)")
     lines.append(
         "  by category: "
         + ", ".join(

@@ -1,4 +1,11 @@
-"""`legion-nn partition NETWORK --ranks R --strategy S`: plan a step on R ranks and predict it."""
+"""`legion-nn partition NETWORK --ranks R --strategy S`: plan a step on R ranks and predict it.
+
+NETWORK is what `legion_nn.sources` accepts: a built-in or spec file (lowered at `--batch`, default
+256), a task-graph JSON, or a Chainer dump (imported at its own batch unless `--batch` overrides
+it); the graph is verified before it is planned. A graph whose tasks can be cut over the batch
+only, as an imported graph's are, has one plan to offer: `data`, which `auto` then is, while
+`model` and `spatial` are refused with one line rather than quietly planned as `data`.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +16,28 @@ import sys
 from pathlib import Path
 
 NAME = "partition"
+DEFAULT_BATCH = 256
 HELP = "partition a network over R ranks (data, model, spatial, auto) and predict its step"
 PLOT_FORMATS = ("png", "pdf", "svg")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("network", help="a built-in or a JSON/TOML spec file")
+    parser.add_argument(
+        "network",
+        help="a built-in, a JSON/TOML spec file, a task-graph JSON or a Chainer graph dump",
+    )
     parser.add_argument("--ranks", type=int, default=None, help="number of ranks R")
     parser.add_argument(
         "--strategy",
         default="auto",
         help='data, model, spatial, auto, or a JSON file {"grids": {unit: [..]}} (default auto)',
     )
-    parser.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"batch size (networks: default {DEFAULT_BATCH}; dumps: overrides the dump's)",
+    )
     parser.add_argument(
         "--machine",
         metavar="F",
@@ -40,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _note(message: str) -> None:
+    print(f"legion-nn partition: {message}", file=sys.stderr)
+
+
 def _ranks_list(text: str) -> list[int]:
     from legion_nn.errors import LegionNNError
 
@@ -55,7 +75,8 @@ def _ranks_list(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_bytes, write_text
     from legion_nn.errors import LegionNNError
-    from legion_nn.networks import load_network
+    from legion_nn.sources import load_source_graph
+    from legion_nn.verify import verify
     from partitioner.cost import plan_cost
     from partitioner.machine import load_machine
     from partitioner.plan import build_plan
@@ -63,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
 
-    if args.batch < 1:
+    if args.batch is not None and args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
     plot_format = Path(args.plot).suffix.lower()[1:] if args.plot else None
     if args.plot and not args.sweep and plot_format not in PLOT_FORMATS:
@@ -76,12 +97,15 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks is None and not args.sweep:
         raise LegionNNError("give --ranks R (or --sweep LIST)")
     machine = load_machine(args.machine)
-    graph = load_network(args.network).lower(batch=args.batch)
+    graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH)
+    verify(graph)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     reports = []
     for nranks in counts:
         check_ranks(nranks)
-        strategy, why = resolve_strategy(graph, args.strategy, nranks, machine, args.time_limit)
+        strategy, why = resolve_strategy(
+            graph, args.strategy, nranks, machine, args.time_limit, note=_note
+        )
         plan = build_plan(graph, strategy, nranks)
         reports.append(report_json(graph, plan, plan_cost(graph, plan, machine), why))
     if args.sweep:

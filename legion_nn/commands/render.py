@@ -104,21 +104,6 @@ def _load(args: argparse.Namespace):
     return load_source_graph(args.source, args.batch, NETWORK_BATCH)
 
 
-def _check_plannable(graph, source: str) -> None:
-    """A graph can be planned when every task has an access map (imported graphs may not)."""
-    from legion_nn.access import splittable_dims
-    from legion_nn.errors import LegionNNError
-
-    for task in graph.tasks:
-        try:
-            splittable_dims(task)
-        except KeyError:
-            raise LegionNNError(
-                f"{source}: task {task.name} (op {task.op}, {task.phase}) has no access map, "
-                "so the graph cannot be partitioned; draw it without --ranks"
-            ) from None
-
-
 def _plan(args: argparse.Namespace, graph):
     from legion_nn.errors import LegionNNError
     from partitioner.machine import load_machine
@@ -128,9 +113,12 @@ def _plan(args: argparse.Namespace, graph):
     if args.ranks < 1:
         raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
     machine = load_machine(args.machine)
-    _check_plannable(graph, args.source)
+
+    def note(message: str) -> None:
+        print(f"legion-nn render: {message}", file=sys.stderr)
+
     strategy, _ = resolve_strategy(
-        graph, args.strategy or "auto", args.ranks, machine, args.time_limit
+        graph, args.strategy or "auto", args.ranks, machine, args.time_limit, note=note
     )
     return build_plan(graph, strategy, args.ranks)
 

@@ -3,12 +3,17 @@
 With no arguments it trains `seed-lcn-small` (a locally connected network in the seed's style:
 two untied filter layers, filterA, relu, a linear classifier) on scikit-learn's digits and reports
 the test accuracy.
+
+Under `mpiexec -n R` (or `mpirun`) every rank runs this command; together they run the
+partitioner's plan for `--strategy` (see `runtime.distributed`), and rank 0 prints and writes the
+outputs. Without a launcher it trains on one process; `--trace` then records that process's tasks.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
@@ -45,16 +50,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.npz")
     parser.add_argument("--log-json", metavar="F", help="write one JSON record per step to F")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--strategy",
+        default="data",
+        help="under mpiexec: data, model, spatial, auto, or a grids .json file (default data)",
+    )
+    parser.add_argument(
+        "--machine", metavar="F", help="machine JSON for auto's cost model (see partition)"
+    )
+    parser.add_argument(
+        "--trace", metavar="F", help="write a Chrome-trace timeline (Perfetto) of every rank to F"
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="end the job when a rank waits S seconds for others (default 60)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from runtime.distributed import rank_from_env, world_size_from_env
 
+    if world_size_from_env() is not None:
+        from runtime.supervisor import start_watcher
+
+        status = start_watcher(rank_from_env())
+        try:
+            return _run_rank(args, status)
+        finally:
+            status.ended()
+    return _run_single(args)
+
+
+def _config(args: argparse.Namespace):
     from legion_nn.errors import LegionNNError
     from legion_nn.networks import load_network
+    from partitioner.machine import load_machine
     from runtime import data
+    from runtime.distributed import RunOptions, strategy_spec
     from runtime.executor import NUMPY_DTYPES
-    from runtime.training import TrainConfig, Trainer
+    from runtime.training import TrainConfig
 
     if args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
@@ -64,6 +101,15 @@ def run(args: argparse.Namespace) -> int:
         raise LegionNNError(f"--steps must be at least 1, got {args.steps}")
     if args.lr is not None and not args.lr > 0:
         raise LegionNNError(f"--lr must be positive, got {args.lr}")
+    if not args.stall_timeout > 0:
+        raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
+    options = RunOptions(
+        strategy=args.strategy,
+        machine=load_machine(args.machine),
+        stall_timeout=args.stall_timeout,
+        trace=args.trace,
+    )
+    strategy_spec(options)  # a bad --strategy fails here, on every rank alike
     network = load_network(args.network)
     dataset = data.load(
         args.data, network.input, network.classes, args.seed, NUMPY_DTYPES[args.dtype]
@@ -81,28 +127,134 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint,
         resume=args.resume,
     )
-    log = open(args.log_json, "w") if args.log_json else None  # noqa: SIM115  (a stream, closed below)
-    try:
-        bar = tqdm(total=None, disable=args.no_progress, unit="step", file=sys.stderr)
-        trainer = Trainer(
-            config,
-            log=log,
-            on_step=lambda step, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.4f}")),
-            on_epoch=lambda line: bar.write(line, file=sys.stdout),
-        )
-        bar.total = trainer.total_steps
+    return config, options
+
+
+class _Console:
+    """The progress bar and per-epoch lines (rank 0 only)."""
+
+    def __init__(self, disable: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=None, disable=disable, unit="step", file=sys.stderr)
+
+    def on_step(self, step: int, loss: float) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def on_epoch(self, line: str) -> None:
+        self.bar.write(line, file=sys.stdout)
+
+    def start(self, config, total_steps: int, ranks: int, strategy: str) -> None:
+        self.bar.total = total_steps
+        where = f", {ranks} ranks, strategy {strategy}" if ranks > 1 else ""
         print(
-            f"training {network.name} on {dataset.name}: {len(dataset.train)} train, "
-            f"{len(dataset.val)} val, {len(dataset.test)} test samples, batch {args.batch}, "
-            f"{trainer.total_steps} steps, {args.optimizer}"
+            f"training {config.network.name} on {config.dataset.name}: "
+            f"{len(config.dataset.train)} train, {len(config.dataset.val)} val, "
+            f"{len(config.dataset.test)} test samples, batch {config.batch}, "
+            f"{total_steps} steps, {config.optimizer}{where}",
+            flush=True,
         )
-        result = trainer.run()
-        bar.close()
+
+    def done(self, result) -> None:
+        self.bar.close()
+        print(
+            f"done in {result.seconds:.1f} s: test accuracy {result.test_accuracy:.4f}, "
+            f"val accuracy {result.val_accuracy:.4f}, train accuracy {result.train_accuracy:.4f}"
+        )
+
+
+def _run_single(args: argparse.Namespace) -> int:
+    import math
+
+    from runtime.training import Trainer
+
+    config, options = _config(args)
+    log = open(args.log_json, "w") if args.log_json else None  # noqa: SIM115  (closed below)
+    try:
+        console = _Console(args.no_progress)
+        console.start(config, _total_steps(config, math), 1, options.strategy)
+        if args.trace:  # one rank of the distributed runtime, so that its tasks are traced
+            from runtime.distributed import train_rank
+            from runtime.transport import ThreadTransport
+
+            (transport,) = ThreadTransport.group(1)
+            result = train_rank(
+                config, transport, options, None, log, console.on_step, console.on_epoch
+            )
+        else:
+            trainer = Trainer(config, log=log, on_step=console.on_step, on_epoch=console.on_epoch)
+            result = trainer.run()
+        console.done(result)
     finally:
         if log is not None:
             log.close()
-    print(
-        f"done in {result.seconds:.1f} s: test accuracy {result.test_accuracy:.4f}, "
-        f"val accuracy {result.val_accuracy:.4f}, train accuracy {result.train_accuracy:.4f}"
-    )
+    return 0
+
+
+def _total_steps(config, math) -> int:
+    if config.steps is not None:
+        return config.steps
+    return config.epochs * math.ceil(len(config.dataset.train) / config.batch)
+
+
+def _run_rank(args: argparse.Namespace, status) -> int:
+    """One rank of an mpiexec job (in the supervised child process)."""
+    import math
+
+    from legion_nn.errors import LegionNNError
+    from runtime.distributed import rank_from_env, train_rank
+
+    try:
+        config, options = _config(args)
+    except (LegionNNError, OSError) as exc:  # the same on every rank: rank 0 says it once
+        if not rank_from_env():
+            text = (
+                f"{exc.filename or ''}: {exc.strerror or exc}" if isinstance(exc, OSError) else exc
+            )
+            print(f"legion-nn train: {text}", file=sys.stderr, flush=True)
+        return 2
+    from runtime.distributed import ranks_on_this_host, share_cores
+    from runtime.mpi_executor import MPITransport
+
+    share_cores(ranks_on_this_host())
+    transport = MPITransport()
+    status.set_rank(transport.rank)
+    root = transport.rank == 0
+    log = None
+    try:
+        if root and args.log_json:
+            log = open(args.log_json, "w")  # noqa: SIM115  (closed below)
+        console = _Console(args.no_progress or not root)
+        if root:
+            console.start(config, _total_steps(config, math), transport.size, options.strategy)
+        result = train_rank(
+            config, transport, options, status, log, console.on_step, console.on_epoch
+        )
+        if root:
+            console.done(result)
+    except BaseException as exc:  # noqa: BLE001  (one line naming the rank, then the job ends)
+        from runtime.transport import PeerLost
+
+        if isinstance(exc, PeerLost):
+            # Give the lost rank's watcher a moment to say which task it died in: ending the
+            # job now would kill the watcher before it speaks.
+            time.sleep(2.0)
+        if isinstance(exc, KeyboardInterrupt):
+            message = f"rank {transport.rank}: interrupted"
+        elif isinstance(exc, LegionNNError) and str(exc).startswith("rank "):
+            message = str(exc)
+        else:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            message = f"rank {transport.rank}: {type(exc).__name__}: {first}"
+        print(f"legion-nn train: {message}", file=sys.stderr, flush=True)
+        if log is not None:
+            log.close()
+        if transport.size > 1:
+            status.ended()  # reported above; the abort must not read as a death
+            transport.abort(1)
+        return 1
+    if log is not None:
+        log.close()
+    transport.finalize()
     return 0

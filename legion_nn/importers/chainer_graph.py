@@ -2,9 +2,10 @@
 
 Tensors. A parameter (name starting with `/`) keeps its Chainer name and is kind `param`; a variable
 no forward function produces is a step input, kind `data` (the label variable, named `1`, is
-int32); every other variable is an `activation` named `v<id>`. The gradient of variable `t` is the
-tensor `t.grad`, kind `grad`, for every variable that a backward record reads in the gradient role
-or outputs. Every tensor's `nbytes` is the dump's byte size exactly.
+int32); a batch-free output of a function over the batch (the loss) is a `stat`, a sum over the
+batch; every other variable is an `activation`. Non-parameters are named `v<id>`. The gradient of
+variable `t` is the tensor `t.grad`, kind `grad`, for every variable that a backward record reads in
+the gradient role or outputs. Every tensor's `nbytes` is the dump's byte size exactly.
 
 Shapes. The dump records bytes, not shapes, so shapes are inferred forward through the functions
 whose attributes allow it (convolutions, pooling, linear, reshape, elementwise ops, the loss),
@@ -12,18 +13,23 @@ assuming 4-byte elements, square kernels and square images, and are kept only wh
 the recorded byte sizes. A step input feeding a convolution gets the unique (C, H, H) that fits the
 filter and the output. Batch-carrying tensors are recognisable: a non-parameter tensor whose byte
 size is a multiple of the batch B (and more than one element) has the batch as its first dim; where
-no shape is inferred it gets (B, elements per sample), anything else a flat (elements,).
+no shape is inferred it gets (B, elements per sample), anything else a flat (elements,). This is
+the memory analysis's scaling rule, and what the partitioner splits (below).
 
-Tasks, in schedule order (forward by ascending rank, then backward by descending rank). Forward
-task `<Type>-<rank>` reads its inputs and writes its outputs; backward task `<Type>-<rank>.grad`
-reads the gradients of the forward outputs (`output.delta`) and the forward data it lists, and
-reduces into the gradients of the forward inputs (`input.delta`, `filters.delta`, `b.delta`). As in
-lowered graphs, a gradient is zeroed by `<t>.grad.set_zero` right before the first task that
-touches it, so a variable feeding two functions accumulates both contributions. The loss gradient,
-which a backward task reads before anything writes it, is one by definition and never
-materialised: as in lowered graphs, it is read with an empty rect. Other requirements name whole
-tensors. Task ops are the Chainer types, which have no access maps (yet): `verify` checks the
-names, rects, dataflow and coverage of an imported graph, not its lowering.
+Tasks, in schedule order (forward by ascending rank, then backward by descending rank), with op
+`chainer.<Type>` and attrs `{"chainer": <the dump's attributes>, "access": {role: class}}`. Forward
+task `<Type>-<rank>` reads its inputs and writes its outputs (reduces into a `stat`); backward task
+`<Type>-<rank>.grad` reads the gradients of the forward outputs (`output.delta`) and the forward
+data it lists, and reduces into the gradients of the forward inputs (`input.delta`,
+`filters.delta`, `b.delta`). As in lowered graphs, a gradient (and a `stat`) is zeroed by
+`<t>.set_zero` right before the first task that touches it, so a variable feeding two functions
+accumulates both contributions. The loss gradient, which a backward task reads before anything
+writes it, is one by definition and never materialised: as in lowered graphs, it is read with an
+empty rect. A task's space is the first batch-carrying tensor it touches (outputs first), its
+result its first output; a backward task keeps its forward task's. Requirements come from the
+batch-parallel access map (`batch_access`) applied to the space, as lowering does, so `verify`
+checks imported graphs like lowered ones and the partitioner plans them data-parallel: batch rows
+split over ranks, parameters replicated, their gradients all-reduced, the loss reduced to one rank.
 """
 
 from __future__ import annotations
@@ -34,15 +40,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from legion_nn.access import access_map, with_rect
 from legion_nn.graph import TaskGraph
-from legion_nn.importers.chainer import LABEL_NAME, Dump, Function, parse_dump
+from legion_nn.importers.batch_access import ACCESS_KEY, BATCH, NAMESPACE, NONE, WHOLE
+from legion_nn.importers.chainer import GRADIENT_ROLE, LABEL_NAME, Dump, Function, parse_dump
 from legion_nn.ir import Requirement, Task, Tensor
+from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
 ITEMSIZE = 4  # float32 and int32: the element size of every variable of a dump
 SCALAR_BYTES = ITEMSIZE  # one element: a batch-free scalar even where B divides its size
 
 Shape = tuple[int, ...]
+Binding = tuple[str, str, Privilege]  # (role, tensor name, privilege)
+#: the task attribute holding the function's attributes as the dump records them
+CHAINER_KEY = "chainer"
 
 #: role names of a forward function's inputs by position; unlisted: input, input1, input2, ...
 INPUT_ROLES: dict[str, tuple[str, ...]] = {
@@ -243,16 +255,40 @@ class _Builder:
 
     def __init__(self, dump: Dump, batch: int) -> None:
         self.dump = dump
+        self.batch = batch
         shapes = infer_shapes(dump, batch)
         produced = dump.produced()
+        sums = self._batch_sums()
         self.tensors: dict[str, Tensor] = {}
+        #: the tensors (and gradients) that carry the batch in dim 0
+        self.batchy: set[str] = set()
         for var in dump.variables.values():
-            kind = "param" if var.is_param else "activation" if var.id in produced else "data"
+            if var.is_param:
+                kind = "param"
+            elif var.id in sums:
+                kind = "stat"
+            else:
+                kind = "activation" if var.id in produced else "data"
             dtype = "int32" if var.name == LABEL_NAME else "float32"
             dims = _dims(var.nbytes, shapes.get(var.id), batch, var.is_param)
             name = tensor_name(dump, var.id)
             self.tensors[name] = Tensor(name, dims, dtype, kind, nbytes_override=var.nbytes)
+            if self.carries(var.id):
+                self.batchy.add(name)
         self.tasks: list[Task] = []
+        self.touched: set[str] = set()
+
+    def carries(self, var_id: int) -> bool:
+        var = self.dump.variables[var_id]
+        return is_batch_carrying(var.nbytes, self.batch, var.is_param)
+
+    def _batch_sums(self) -> set[int]:
+        """Batch-free outputs of forward functions over the batch: sums over its rows (the loss)."""
+        out = set()
+        for fn in self.dump.forward:
+            if any(self.carries(v) for v in fn.ids() + list(fn.outputs)):
+                out.update(v for v in fn.outputs if not self.carries(v))
+        return out
 
     def data(self, var_id: int) -> str:
         return tensor_name(self.dump, var_id)
@@ -264,54 +300,90 @@ class _Builder:
             self.tensors[name] = Tensor(
                 name, base.dims, base.dtype, "grad", nbytes_override=base.nbytes
             )
+            if base.name in self.batchy:
+                self.batchy.add(name)
         return name
 
-    def read(self, name: str, role: str) -> Requirement:
-        return Requirement.read(name, role, self.tensors[name].rect)
+    def space(self, fn: Function) -> tuple[Rect, Rect]:
+        """(space, result) of a forward function, kept by its backward: the space is the first
+        batch-carrying tensor it touches, outputs first, so that it cuts over the batch; the
+        result is its first output."""
+        outputs = [self.data(v) for v in fn.outputs]
+        result = self.tensors[outputs[0]].rect if outputs else Rect((), ())
+        touched = outputs + [self.data(v) for v in fn.ids()]
+        carrier = next((name for name in touched if name in self.batchy), None)
+        return (self.tensors[carrier].rect if carrier else result), result
 
-    def forward_requirements(self, fn: Function) -> list[Requirement]:
+    def forward_bindings(self, fn: Function) -> list[Binding]:
         in_roles, out_roles = _roles(fn)
-        reqs = [self.read(self.data(v), in_roles[v]) for v in fn.ids()]
+        bindings = [(in_roles[v], self.data(v), Privilege.READ) for v in fn.ids()]
         for v in fn.outputs:
             name = self.data(v)
-            reqs.append(Requirement.write(name, out_roles[v], self.tensors[name].rect))
-        return reqs
+            summed = self.tensors[name].kind == "stat"
+            bindings.append((out_roles[v], name, Privilege.REDUCE if summed else Privilege.WRITE))
+        return bindings
 
-    def backward_requirements(
-        self, fn: Function, forward: Function, written: set[str]
-    ) -> list[Requirement]:
+    def backward_bindings(self, fn: Function, forward: Function) -> list[Binding]:
         in_roles, out_roles = _roles(forward)
-        reqs = []
+        bindings = []
         for i in fn.inputs:
-            if i.role == "gradient":
-                name = self.grad(i.id)
-                role = f"{out_roles[i.id]}.delta"
-                if name in written:
-                    reqs.append(self.read(name, role))
-                else:  # the loss gradient: one by definition, never materialised
-                    rank = len(self.tensors[name].dims)
-                    reqs.append(Requirement.read(name, role, Rect.empty(rank)))
+            if i.role == GRADIENT_ROLE:
+                bindings.append((f"{out_roles[i.id]}.delta", self.grad(i.id), Privilege.READ))
             else:
                 role = in_roles[i.id] if i.role == "input" else out_roles[i.id]
-                reqs.append(self.read(self.data(i.id), role))
+                bindings.append((role, self.data(i.id), Privilege.READ))
         for v in fn.outputs:
-            name = self.grad(v)
-            reqs.append(Requirement.reduce(name, f"{in_roles[v]}.delta", self.tensors[name].rect))
-        return reqs
+            bindings.append((f"{in_roles[v]}.delta", self.grad(v), Privilege.REDUCE))
+        return bindings
 
-    def add(
-        self,
-        name: str,
-        op: str,
-        phase: str,
-        reqs: list[Requirement],
-        space: Rect,
-        layer: str,
-        attrs: dict,
-    ) -> None:
-        self.tasks.append(
-            Task(name, op, phase, space.shape, {"result": space}, tuple(reqs), space, layer, attrs)
+    def access_class(self, tensor: str, privilege: Privilege) -> str:
+        unwritten = tensor not in self.touched and self.tensors[tensor].kind == "grad"
+        if privilege is Privilege.READ and unwritten:
+            return NONE  # the loss gradient: one by definition, never materialised
+        return BATCH if tensor in self.batchy else WHOLE
+
+    def task(self, fn: Function, forward: Function, bindings: list[Binding]) -> None:
+        """Append `fn`'s task, its requirements from the batch-parallel map over its space, after
+        zeroing the gradients and sums it is the first to touch."""
+        classes = {role: self.access_class(t, p) for role, t, p in bindings}
+        attrs = {CHAINER_KEY: dict(fn.attrs), ACCESS_KEY: classes}
+        op = f"{NAMESPACE}.{fn.type}"
+        space, result = self.space(forward)
+        dims = {role: self.tensors[tensor].dims for role, tensor, _ in bindings}
+        rects = access_map(op, fn.direction)(attrs, dims, space)
+        reqs = [
+            with_rect(Requirement(tensor, role, privilege), rects[role])
+            for role, tensor, privilege in bindings
+        ]
+        for _, tensor, privilege in bindings:
+            if tensor not in self.touched and (
+                self.tensors[tensor].kind == "grad" or privilege is Privilege.REDUCE
+            ):
+                self.set_zero(tensor, forward.name)
+        task = Task(
+            name=fn.name,
+            op=op,
+            phase=fn.direction,
+            result_dim=result.shape,
+            dist={"result": result},
+            requirements=tuple(reqs),
+            space=space,
+            layer=forward.name,
+            attrs=attrs,
         )
+        self.tasks.append(task)
+        self.touched.update(tensor for _, tensor, _ in bindings)
+
+    def set_zero(self, tensor: str, layer: str) -> None:
+        whole = self.tensors[tensor].rect
+        zero = Requirement.write(tensor, "output", whole)
+        name = f"{tensor}.set_zero"
+        self.tasks.append(
+            Task(
+                name, "set_zero", "set_zero", whole.shape, {"result": whole}, (zero,), whole, layer
+            )
+        )
+        self.touched.add(tensor)
 
 
 def import_dump(
@@ -322,25 +394,11 @@ def import_dump(
         dump = parse_dump(dump)
     batch = dump.batch(batch)
     build = _Builder(dump, batch)
-    written: set[str] = set()
     for fn in dump.schedule():
-        forward = fn if fn.direction == "forward" else dump.functions[fn.partner]
-        out = build.data(forward.outputs[0]) if forward.outputs else None
-        space = build.tensors[out].rect if out else Rect((), ())
         if fn.direction == "forward":
-            reqs = build.forward_requirements(fn)
+            build.task(fn, fn, build.forward_bindings(fn))
         else:
-            reqs = build.backward_requirements(fn, forward, written)
-            for name in dict.fromkeys(
-                r.tensor for r in reqs if build.tensors[r.tensor].kind == "grad"
-            ):
-                if name not in written:
-                    whole = build.tensors[name].rect
-                    zero = Requirement.write(name, "output", whole)
-                    build.add(
-                        f"{name}.set_zero", "set_zero", "set_zero", [zero], whole, forward.name, {}
-                    )
-                    written.add(name)
-        build.add(fn.name, fn.type, fn.direction, reqs, space, forward.name, dict(fn.attrs))
+            forward = dump.functions[fn.partner]
+            build.task(fn, forward, build.backward_bindings(fn, forward))
     name = network or Path(dump.source).stem
     return TaskGraph(build.tensors.values(), build.tasks, network=name, batch=batch)

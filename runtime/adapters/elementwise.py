@@ -13,8 +13,11 @@ from runtime.kernels import affine, dropout, nonlinear, update
 
 @adapter("data", "forward")
 def _data(task, piece, views, dims, ctx):
-    out = {"raw_data": ctx.inputs[piece.to_slices()]}
-    if views["labels"].size:
+    # The plan loads each tensor's home cells as pieces of their own, so a piece may hold either.
+    out = {}
+    if "raw_data" in views:
+        out["raw_data"] = ctx.inputs[piece.to_slices()]
+    if "labels" in views and views["labels"].size:
         out["labels"] = ctx.labels[piece.lo[0] : piece.hi[0]].reshape(views["labels"].shape)
     return out
 

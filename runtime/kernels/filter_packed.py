@@ -55,10 +55,23 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
             r_hi = r_lo
         w_row = pq if untied else 0
         for r in range(r_lo, r_hi):
-            gemm(NO_TRANS, NO_TRANS, k, n, (s_hi - s_lo) * c,
-                 w2, w_row * w2.shape[1] + (r * s_size + s_lo) * c, rsc,
-                 x, (h0 + r) * xs0 + (w0 + s_lo) * xs1, xs2,
-                 r > r_lo, y, p * ys0 + q * ys1, ys2)
+            gemm(
+                NO_TRANS,
+                NO_TRANS,
+                k,
+                n,
+                (s_hi - s_lo) * c,
+                w2,
+                w_row * w2.shape[1] + (r * s_size + s_lo) * c,
+                rsc,
+                x,
+                (h0 + r) * xs0 + (w0 + s_lo) * xs1,
+                xs2,
+                r > r_lo,
+                y,
+                p * ys0 + q * ys1,
+                ys2,
+            )
         if r_hi <= r_lo:
             y[p, q] = 0
 
@@ -85,15 +98,29 @@ def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
                 if s_hi <= s_lo:
                     continue
                 w_row = p * q_out + q if untied else 0
-                gemm(TRANS, NO_TRANS, (s_hi - s_lo) * c, n, k,
-                     w2, w_row * w2.shape[1] + (r * s_size + s_lo) * c, rsc,
-                     dy, p * gs0 + q * gs1, gs2,
-                     True, dx, row * xs0 + (w0 + s_lo) * xs1, xs2)
+                gemm(
+                    TRANS,
+                    NO_TRANS,
+                    (s_hi - s_lo) * c,
+                    n,
+                    k,
+                    w2,
+                    w_row * w2.shape[1] + (r * s_size + s_lo) * c,
+                    rsc,
+                    dy,
+                    p * gs0 + q * gs1,
+                    gs2,
+                    True,
+                    dx,
+                    row * xs0 + (w0 + s_lo) * xs1,
+                    xs2,
+                )
 
 
 @njit(cache=True)
-def _filter_gradient_at(dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_left, c_lo,
-                        accumulate):
+def _filter_gradient_at(
+    dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_left, c_lo, accumulate
+):
     """dW of output position (p, q), into row `dw_row` of dw2 ((positions, K·R·S·Cs))."""
     h, wd, c, n = x.shape
     k = dy.shape[2]
@@ -116,31 +143,83 @@ def _filter_gradient_at(dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_l
     for r in range(r_lo, r_hi):
         x_off = (h0 + r) * xs0 + (w0 + s_lo) * xs1
         if cs == c:
-            gemm(NO_TRANS, TRANS, k, (s_hi - s_lo) * c, n, dy, p * gs0 + q * gs1, gs2,
-                 x, x_off, xs2, add, dw2, base + (r * s_size + s_lo) * c, rscs)
+            gemm(
+                NO_TRANS,
+                TRANS,
+                k,
+                (s_hi - s_lo) * c,
+                n,
+                dy,
+                p * gs0 + q * gs1,
+                gs2,
+                x,
+                x_off,
+                xs2,
+                add,
+                dw2,
+                base + (r * s_size + s_lo) * c,
+                rscs,
+            )
         else:
             for s in range(s_lo, s_hi):
-                gemm(NO_TRANS, TRANS, k, cs, n, dy, p * gs0 + q * gs1, gs2,
-                     x, x_off + (s - s_lo) * xs1 + c_lo * xs2, xs2,
-                     add, dw2, base + (r * s_size + s) * cs, rscs)
+                gemm(
+                    NO_TRANS,
+                    TRANS,
+                    k,
+                    cs,
+                    n,
+                    dy,
+                    p * gs0 + q * gs1,
+                    gs2,
+                    x,
+                    x_off + (s - s_lo) * xs1 + c_lo * xs2,
+                    xs2,
+                    add,
+                    dw2,
+                    base + (r * s_size + s) * cs,
+                    rscs,
+                )
 
 
 @njit(cache=True, parallel=True)
 def _backward_filter_untied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate):
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
-        _filter_gradient_at(dy, x, dw2, pq, pq // q_out, pq % q_out, window, stride,
-                            pad_top, pad_left, c_lo, accumulate)
+        _filter_gradient_at(
+            dy,
+            x,
+            dw2,
+            pq,
+            pq // q_out,
+            pq % q_out,
+            window,
+            stride,
+            pad_top,
+            pad_left,
+            c_lo,
+            accumulate,
+        )
 
 
 @njit(cache=True, parallel=True)
-def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate,
-                          threads):
+def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate, threads):
     q_out = dy.shape[1]
     partial = np.zeros((threads, dw2.shape[1]), dw2.dtype)
     for pq in prange(dy.shape[0] * q_out):
-        _filter_gradient_at(dy, x, partial, numba.get_thread_id(), pq // q_out, pq % q_out,
-                            window, stride, pad_top, pad_left, c_lo, True)
+        _filter_gradient_at(
+            dy,
+            x,
+            partial,
+            numba.get_thread_id(),
+            pq // q_out,
+            pq % q_out,
+            window,
+            stride,
+            pad_top,
+            pad_left,
+            c_lo,
+            True,
+        )
     total = partial.sum(axis=0)
     if accumulate:
         dw2[0] += total
@@ -156,20 +235,48 @@ def packed_geometry(xp_shape: tuple, wp_shape: tuple, stride: int, pad) -> Geome
 
 
 def _operand(a: np.ndarray) -> np.ndarray:
-    """`a` itself when BLAS can read its (W, C) axes as one and its last axis is unit-stride."""
+    """`a` itself when BLAS can read its (W, C) axes as one and its last axis is unit-stride.
+
+    The kernels take leading dimensions from the strides, so a length-1 axis (batch 1, one
+    channel) must carry the stride a contiguous array would give it: NumPy leaves such strides
+    arbitrary (a transposed view keeps its old ones) and calls the array contiguous anyway."""
+    a = _canonical_unit_strides(a)
     size = a.itemsize
     if a.strides[3] == size and a.strides[1] == a.shape[2] * a.strides[2] and min(a.strides) > 0:
         return a
-    return np.ascontiguousarray(a)
+    return _canonical_unit_strides(np.array(a, order="C", copy=True))
 
 
-def _output(name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype) -> np.ndarray:
+def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
+    strides = list(a.strides)
+    for axis in range(a.ndim - 1, -1, -1):
+        if a.shape[axis] == 1:
+            inner = axis + 1
+            strides[axis] = a.itemsize if inner == a.ndim else strides[inner] * a.shape[inner]
+    if tuple(strides) == a.strides:
+        return a
+    return np.lib.stride_tricks.as_strided(a, a.shape, tuple(strides), writeable=a.flags.writeable)
+
+
+def _output(
+    name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype, overwrite: bool = True
+) -> np.ndarray:
+    """The output array, zeroed where the kernel overwrites it.
+
+    The kernels overwrite with beta = 0 GEMMs, which must not read C; but OpenBLAS forwards a
+    GEMM with one column (batch 1) to GEMV, whose beta = 0 scaling multiplies C, so NaN garbage
+    in an uninitialised output would survive as NaN. Zeroed memory costs a pass; NaN costs the
+    run."""
     if out is None:
-        return np.empty(shape, dtype)
+        return np.zeros(shape, dtype)
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"{name}: expected shape {shape} {dtype}, got {out.shape} {out.dtype}")
-    if _operand(out) is not out:
+    out = _canonical_unit_strides(out)
+    addressable = _operand(out) is out if out.ndim == 4 else out.flags.c_contiguous
+    if not addressable:
         raise ValueError(f"{name}: layout with strides {out.strides} is not BLAS-addressable")
+    if overwrite:
+        out[...] = 0
     return out
 
 
@@ -179,8 +286,9 @@ def _check_dy(dyp: np.ndarray, geo: Geometry) -> None:
         raise ValueError(f"dyp: expected (P, Q, K, N) = {expected}, got shape {dyp.shape}")
 
 
-def forward_packed(xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0,
-                   out: np.ndarray | None = None) -> np.ndarray:
+def forward_packed(
+    xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0, out: np.ndarray | None = None
+) -> np.ndarray:
     """y (P, Q, K, N) of x (H, W, C, N) under weights (P|1, Q|1, K, R, S, C)."""
     check_ndim("xp", xp, 4, "(H, W, C, N)")
     check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
@@ -192,13 +300,20 @@ def forward_packed(xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0,
         return y
     w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
-        _forward(_operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2],
-                 geo.untied)
+        _forward(
+            _operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
+        )
     return y
 
 
-def backward_data_packed(dyp: np.ndarray, wp: np.ndarray, input_size: tuple[int, int],
-                         stride: int = 1, pad=0, out: np.ndarray | None = None) -> np.ndarray:
+def backward_data_packed(
+    dyp: np.ndarray,
+    wp: np.ndarray,
+    input_size: tuple[int, int],
+    stride: int = 1,
+    pad=0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """dx (H, W, C, N) from dy (P, Q, K, N), for an H×W input (`input_size`)."""
     check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
     check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
@@ -212,16 +327,23 @@ def backward_data_packed(dyp: np.ndarray, wp: np.ndarray, input_size: tuple[int,
         return dx
     w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
-        _backward_data(_operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0],
-                       geo.pad[2], geo.untied)
+        _backward_data(
+            _operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
+        )
     return dx
 
 
-def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, int],
-                           stride: int = 1, pad=0, untied: bool = True,
-                           channels: tuple[int, int] | None = None,
-                           out: np.ndarray | None = None,
-                           accumulate: bool = False) -> np.ndarray:
+def backward_filter_packed(
+    dyp: np.ndarray,
+    xp: np.ndarray,
+    window: tuple[int, int],
+    stride: int = 1,
+    pad=0,
+    untied: bool = True,
+    channels: tuple[int, int] | None = None,
+    out: np.ndarray | None = None,
+    accumulate: bool = False,
+) -> np.ndarray:
     """dw (P|1, Q|1, K, R, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
 
     `channels` (lo, hi) restricts the gradient to input channels lo:hi, skipping the others'
@@ -238,7 +360,7 @@ def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, i
     geo = packed_geometry(xp.shape, (*positions, dyp.shape[2], r, s, c), stride, pad)
     _check_dy(dyp, geo)
     lo, hi = check_channels(channels, c)
-    dw = _output("out", out, (*positions, geo.k, r, s, hi - lo), dtype)
+    dw = _output("out", out, (*positions, geo.k, r, s, hi - lo), dtype, not accumulate)
     if not dw.flags.c_contiguous:
         raise ValueError(f"out: must be C-contiguous, got strides {dw.strides}")
     if min(geo.n, geo.k, hi - lo) == 0:
@@ -246,8 +368,17 @@ def backward_filter_packed(dyp: np.ndarray, xp: np.ndarray, window: tuple[int, i
             dw[...] = 0
         return dw
     dw2 = dw.reshape(positions[0] * positions[1], -1)
-    args = (_operand(dyp), _operand(xp), dw2, (r, s), geo.stride, geo.pad[0], geo.pad[2], lo,
-            accumulate)
+    args = (
+        _operand(dyp),
+        _operand(xp),
+        dw2,
+        (r, s),
+        geo.stride,
+        geo.pad[0],
+        geo.pad[2],
+        lo,
+        accumulate,
+    )
     with kernel_threading():
         if geo.untied:
             _backward_filter_untied(*args)

@@ -1,0 +1,194 @@
+"""Distributed training: one rank's run of the training loop over a transport.
+
+`legion-nn train` under `mpiexec -n R` runs `train_rank` on every rank with the MPI transport
+(in a supervised child process, see `runtime.supervisor`). The loop is the local one
+(`runtime.training.Trainer`) with a `RankExecutor` in place of the local executor: the same
+batches, the same seeds, and so the same losses and parameters up to the order of sums.
+
+Rank 0 owns the outputs. It writes the `--log-json` records of every rank (each rank's
+`bytes_sent`, counted from its own MPI calls, beside its `bytes_planned`), the checkpoints, the
+progress bar and the `--trace` file, collecting the other ranks' trace events after each step.
+
+How a job is launched is read from the environment (`world_size_from_env`), without importing
+mpi4py, so that a plain `legion-nn train` never initialises MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+from legion_nn.errors import LegionNNError
+from legion_nn.graph import TaskGraph
+from partitioner.machine import Machine
+from partitioner.strategy import BUILTIN, Strategy, from_grids
+from runtime.rank_executor import RankExecutor
+from runtime.supervisor import Status
+from runtime.tracing import Recorder, TraceFile
+from runtime.training import TrainConfig, Trainer, TrainResult
+from runtime.transport import Transport, wait, wait_object
+
+TAG_CLOCK, TAG_TRACE = 10, 11
+
+#: environment variables that launchers set to the job's rank count and this process's rank
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def share_cores(ranks_on_host: int) -> int:
+    """Give this rank its share of the host's cores, for Numba's and BLAS's thread pools.
+
+    Without it every rank starts one thread per core and R ranks on a host run R× too many."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(ranks_on_host, 1))
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    threadpool_limits(limits=threads)
+    return threads
+
+
+def ranks_on_this_host() -> int:
+    value = os.environ.get("MPI_LOCALNRANKS", "") or os.environ.get(
+        "OMPI_COMM_WORLD_LOCAL_SIZE", ""
+    )
+    return int(value) if value.isdigit() else (world_size_from_env() or 1)
+
+
+def world_size_from_env() -> int | None:
+    """The rank count when `mpiexec`/`mpirun` started this process, else None."""
+    for name in _SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def rank_from_env() -> int | None:
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+@dataclass
+class RunOptions:
+    strategy: str = "data"
+    machine: Machine | None = None
+    stall_timeout: float = 60.0
+    trace: str | None = None
+    search_seconds: float = 30.0
+
+
+def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strategy]:
+    """A built-in name, or how rank 0 chooses (`auto`, a grids file) for the first graph."""
+    name = options.strategy
+    if name in BUILTIN:
+        return name
+    machine = options.machine or Machine()
+    if name == "auto":
+        from partitioner.search import auto
+
+        return lambda graph, nranks: auto(graph, nranks, machine, options.search_seconds).strategy
+    if name.endswith(".json"):
+        try:
+            with open(name) as handle:
+                spec = json.load(handle)
+        except json.JSONDecodeError as exc:
+            raise LegionNNError(f"{name}: not JSON ({exc.msg})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
+            raise LegionNNError(f'{name}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
+        return lambda graph, nranks: from_grids(graph, spec["grids"], nranks)
+    raise LegionNNError(
+        f"--strategy: unknown strategy {name!r}; choose data, model, spatial, auto or a .json file"
+    )
+
+
+class Timeline:
+    """Aligned clocks and the trace file: events flow to rank 0 after every step."""
+
+    def __init__(self, transport: Transport, path: str | None, info: dict, timeout: float):
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.timeout = timeout
+        self.recorder = Recorder(self.rank) if path else None
+        self.file = TraceFile(path, self.size, info) if path and self.rank == 0 else None
+        if self.recorder is not None:
+            self._align()
+
+    def _align(self) -> None:
+        """Rank 0 says go once every rank is ready; all take that moment as time zero."""
+        t = self.transport
+        if self.rank == 0:
+            for src in range(1, self.size):
+                wait_object(t.recv_object(src, TAG_CLOCK), src, "aligning clocks", 0, self.timeout)
+            for dst in range(1, self.size):
+                t.send_object("go", dst, TAG_CLOCK)
+        else:
+            t.send_object("ready", 0, TAG_CLOCK)
+            wait_object(t.recv_object(0, TAG_CLOCK), 0, "aligning clocks", self.rank, self.timeout)
+        self.recorder.align(self.recorder.now())
+
+    def collect(self, final: bool = False) -> None:
+        if self.recorder is None:
+            return
+        events = self.recorder.take()
+        if self.rank != 0:
+            self.transport.send_object(events, 0, TAG_TRACE)
+            return
+        self.file.extend(events)
+        pending = [(self.transport.recv_object(src, TAG_TRACE), src) for src in range(1, self.size)]
+        wait(pending, "collecting trace events", 0, self.timeout)
+        for request, _ in pending:
+            self.file.extend(request.value)
+        self.file.write(force=final)
+
+
+def train_rank(
+    config: TrainConfig,
+    transport: Transport,
+    options: RunOptions,
+    status: Status | None = None,
+    log: IO[str] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+    on_epoch: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """This rank's part of training `config`; rank 0's result carries the accuracies."""
+    info: dict[str, Any] = {"network": config.network.name, "strategy": options.strategy}
+    timeline = Timeline(transport, options.trace, info, options.stall_timeout)
+    executor = RankExecutor(
+        transport,
+        strategy_spec(options),
+        options.machine,
+        seed=config.seed,
+        stall_timeout=options.stall_timeout,
+        recorder=timeline.recorder,
+        on_task=status.set if status is not None else None,
+    )
+    root = transport.rank == 0
+    where = executor.gather({"pid": os.getpid(), "host": socket.gethostname()})
+    if root and log is not None:
+        for rank, record in enumerate(where):
+            log.write(json.dumps({"event": "start", "rank": rank, **record}) + "\n")
+        log.flush()
+    trainer = Trainer(
+        config,
+        log=log if root else None,
+        on_step=on_step if root else None,
+        on_epoch=on_epoch if root else None,
+        executor=executor,
+        after_step=lambda step: timeline.collect(),
+    )
+    try:
+        result = trainer.run()
+    finally:
+        if timeline.file is not None:
+            timeline.file.write(force=True)  # what has arrived so far, even on the way out
+    timeline.collect(final=True)
+    return result

@@ -1,0 +1,102 @@
+"""The MPI executor: the rank executor's transport over mpi4py, and the job-wide abort.
+
+This is the only module of legion-nn that imports mpi4py (a test keeps it so). Importing it
+initialises MPI, so it is imported only by a process that `mpiexec` started.
+
+Arrays go point to point with `Isend`/`Irecv` on the NumPy buffers themselves (no pickling);
+control values (the chosen strategy, log records, checkpoint blocks, trace events) with the
+pickle-based `isend`/`irecv`. Every call is non-blocking: the rank executor polls, so that its
+stall watchdog can name the ranks it waits for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from runtime.transport import CONTROL_TAGS
+
+
+class _Request:
+    __slots__ = ("request",)
+
+    def __init__(self, request: MPI.Request) -> None:
+        self.request = request
+
+    def test(self) -> bool:
+        return bool(self.request.Test())
+
+
+class _ObjectSend:
+    __slots__ = ("request",)
+
+    def __init__(self, request: MPI.Request) -> None:
+        self.request = request
+
+    def test(self) -> bool:
+        done, _ = self.request.test()
+        return bool(done)
+
+
+class _ObjectRecv:
+    """A pickled value of any size: matched by a probe, then received whole.
+
+    (`comm.irecv` without a buffer would cap the message at 32 KiB.)"""
+
+    __slots__ = ("comm", "done", "src", "tag", "value")
+
+    def __init__(self, comm: MPI.Comm, src: int, tag: int) -> None:
+        self.comm, self.src, self.tag = comm, src, tag
+        self.value: Any = None
+        self.done = False
+
+    def test(self) -> bool:
+        if not self.done:
+            message = self.comm.improbe(self.src, self.tag)
+            if message is not None:
+                self.value, self.done = message.recv(), True
+        return self.done
+
+
+class MPITransport:
+    def __init__(self) -> None:
+        self.comm = MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.bytes_sent = 0
+        tag_ub = self.comm.Get_attr(MPI.TAG_UB)
+        self._tags = int(tag_ub) - CONTROL_TAGS
+        self._object_sends: list[_ObjectSend] = []
+
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> _Request:
+        self.bytes_sent += array.nbytes
+        return _Request(self.comm.Isend(array, dst, tag))
+
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> _Request:
+        return _Request(self.comm.Irecv(array, src, tag))
+
+    def send_object(self, value: Any, dst: int, tag: int) -> _ObjectSend:
+        request = _ObjectSend(self.comm.isend(value, dst, tag))
+        # MPI wants every request completed before it finalises; callers drop these.
+        self._object_sends = [r for r in self._object_sends if not r.test()] + [request]
+        return request
+
+    def recv_object(self, src: int, tag: int) -> _ObjectRecv:
+        return _ObjectRecv(self.comm, src, tag)
+
+    def data_tag(self, seq: int) -> int:
+        # Both ends post a pair's messages in the same order, so tags that wrap around on very
+        # large plans still match correctly (MPI keeps a pair's messages in order).
+        return CONTROL_TAGS + seq % self._tags
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job now."""
+        self.comm.Abort(code)
+
+    def finalize(self) -> None:
+        for request in self._object_sends:
+            request.request.wait()
+        if not MPI.Is_finalized():
+            MPI.Finalize()

@@ -1,0 +1,294 @@
+"""What one rank does in a step of a plan: its pieces, messages, partial sums and collectives.
+
+The program is derived from the plan alone, identically on every rank, so that both ends of every
+message agree on it without talking: each message has a sequence number (its tag) and a point in
+the task order after which both sides post it.
+
+- *Copies* (a plan `Transfer` that is not a reduction): the part of a read rect that another rank
+  holds. They are posted, the send on its source and the receive on its destination, right after
+  the last task that wrote the part (or at the start of the step), and the destination waits for
+  them just before the task that reads them. A halo therefore travels while the ranks compute
+  whatever lies between its producer and its consumer.
+- *Partial sums* (a `reduce` transfer): part of a piece's reduction that another rank holds. Sent
+  after the piece runs; the holder adds it in at the end of the task.
+- *Collectives*: the plan's `Reduction`s, run with the schedules of `partitioner.collectives`.
+- *Local reduction*: the rest of a piece's reduction, the part this rank holds, added straight in.
+  Where a reduction is entirely local the kernel accumulates into the tensor itself; otherwise it
+  accumulates into a zeroed scratch, whose parts then go their separate ways.
+
+Which rects a rank holds follows the plan's layout rules: a partitioned task's writes replace a
+tensor's layout; resident tensors (and their gradients and state) keep their homes.
+
+`bytes_planned` is what the program sends: every copy and partial sum once per destination, and
+the hops of every collective this rank sends. The executor counts what its calls actually send
+and the two must agree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from legion_nn.graph import TaskGraph
+from legion_nn.ir import Requirement, Task
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+from partitioner.collectives import Hop, schedule, target_order
+from partitioner.machine import Machine
+from partitioner.plan import Plan, Reduction
+from partitioner.strategy import is_homed
+
+#: copies posted at the start of the step, before any task
+STEP_START = -1
+
+
+@dataclass(frozen=True)
+class Message:
+    seq: int
+    tensor: str
+    rect: Rect
+    src: int
+    dst: int
+    nbytes: int
+    #: index of the task that consumes it
+    task: int
+    #: index of the task after which both sides post it (copies only)
+    post_after: int
+    reduce: bool
+
+
+@dataclass(frozen=True)
+class Collective:
+    reduction: Reduction
+    #: the targets in flat-vector order: (rect, holders)
+    targets: tuple[tuple[Rect, tuple[int, ...]], ...]
+    rounds: list[list[Hop]]
+    #: the tag of hop j of the flattened rounds is seq + j
+    seq: int
+
+
+@dataclass(frozen=True)
+class PieceWork:
+    rect: Rect
+    requirements: tuple[Requirement, ...]
+
+
+@dataclass
+class RankTask:
+    index: int
+    task: Task
+    pieces: list[PieceWork] = field(default_factory=list)
+    copies_in: list[Message] = field(default_factory=list)
+    partial_out: list[Message] = field(default_factory=list)
+    partial_in: list[Message] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    #: per reduced tensor, the parts of this rank's contribution it adds into its own copy;
+    #: absent when the kernel may accumulate into the tensor directly
+    local_parts: dict[str, list[Rect]] = field(default_factory=dict)
+    #: copies (sends and receives) to post once this task is done
+    post: list[Message] = field(default_factory=list)
+
+
+@dataclass
+class RankProgram:
+    rank: int
+    nranks: int
+    tasks: list[RankTask]
+    #: copies to post at the start of the step
+    post_at_start: list[Message]
+    #: per tensor, the bounding box of every rect this rank touches (its buffer)
+    boxes: dict[str, Rect]
+    bytes_planned: int
+    #: every message of the step, for diagnostics (who waits for whom)
+    messages: int
+
+
+def build_programs(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    ranks: Iterable[int],
+    include: Iterable[str] | None = None,
+) -> dict[int, RankProgram]:
+    """The programs of `ranks` for the tasks named in `include` (default: the whole step)."""
+    wanted = set(include) if include is not None else None
+    ranks = list(ranks)
+    indexed = [
+        (i, task, plan.tasks[i])
+        for i, task in enumerate(graph.tasks)
+        if wanted is None or task.name in wanted
+    ]
+    programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
+    writes: dict[str, list[tuple[int, Rect]]] = defaultdict(list)
+    seq = 0
+    for position, (index, task, task_plan) in enumerate(indexed):
+        homed = is_homed(graph, task)
+        for builder in programs.values():
+            builder.begin(position, task, task_plan.pieces, homed)
+        for transfer in task_plan.transfers:
+            if transfer.reduce:
+                post_after = position
+            else:
+                post_after = _last_write(writes[transfer.tensor], transfer.rect)
+            for dst in transfer.dsts:
+                message = Message(
+                    seq,
+                    transfer.tensor,
+                    transfer.rect,
+                    transfer.src,
+                    dst,
+                    transfer.nbytes,
+                    position,
+                    post_after,
+                    transfer.reduce,
+                )
+                seq += 1
+                for builder in (programs.get(transfer.src), programs.get(dst)):
+                    if builder is not None:
+                        builder.message(message)
+        for reduction in task_plan.reductions:
+            order = target_order(reduction)
+            rounds = schedule(reduction, machine)
+            collective = Collective(
+                reduction, tuple(reduction.targets[t] for t in order), rounds, seq
+            )
+            seq += sum(len(hops) for hops in rounds)
+            for rank in reduction.participants:
+                if rank in programs:
+                    programs[rank].collective(collective)
+        for builder in programs.values():
+            builder.end()
+        for piece in task_plan.pieces:
+            for req in piece.requirements:
+                rect = req.write_rect
+                if req.privilege.writes and rect is not None and not rect.is_empty():
+                    writes[req.tensor].append((position, rect))
+    return {rank: builder.program(seq) for rank, builder in programs.items()}
+
+
+def _last_write(history: list[tuple[int, Rect]], rect: Rect) -> int:
+    for position, written in reversed(history):
+        if written.overlaps(rect):
+            return position
+    return STEP_START
+
+
+class _Builder:
+    def __init__(self, graph: TaskGraph, plan: Plan, rank: int) -> None:
+        self.graph = graph
+        self.rank = rank
+        self.nranks = plan.nranks
+        self.tasks: list[RankTask] = []
+        self.at_start: list[Message] = []
+        self.touched: dict[str, list[Rect]] = defaultdict(list)
+        self.bytes_planned = 0
+        self.held: dict[str, list[Rect]] = {}
+        for name, home in plan.homes.items():
+            tensor = graph.tensors[name]
+            self.held[name] = [part for part, holders in home.held(tensor.rect) if rank in holders]
+            self.touched[name].extend(self.held[name])
+
+    def begin(self, position: int, task: Task, pieces, homed: bool) -> None:
+        current = RankTask(position, task)
+        for piece in pieces:
+            if self.rank in piece.ranks:
+                current.pieces.append(PieceWork(piece.rect, piece.requirements))
+                for req in piece.requirements:
+                    for rect in (req.read_rect, req.write_rect):
+                        if rect is not None and not rect.is_empty():
+                            self.touched[req.tensor].append(rect)
+        self.current = current
+        self.homed = homed
+
+    def message(self, message: Message) -> None:
+        current = self.current
+        self.touched[message.tensor].append(message.rect)
+        if message.src == self.rank:
+            self.bytes_planned += message.nbytes
+        if message.reduce:
+            (current.partial_out if message.src == self.rank else current.partial_in).append(
+                message
+            )
+            return
+        if message.dst == self.rank:
+            current.copies_in.append(message)
+        if message.post_after == STEP_START:
+            self.at_start.append(message)
+        else:
+            self.tasks[message.post_after].post.append(message)
+
+    def collective(self, collective: Collective) -> None:
+        self.current.collectives.append(collective)
+        itemsize = collective.reduction.itemsize
+        for hops in collective.rounds:
+            for hop in hops:
+                if hop.src == self.rank:
+                    self.bytes_planned += (hop.hi - hop.lo) * itemsize
+
+    def end(self) -> None:
+        current = self.current
+        self.tasks.append(current)
+        reduced: dict[str, list[Rect]] = defaultdict(list)
+        written: dict[str, list[Rect]] = defaultdict(list)
+        for piece in current.pieces:
+            for req in piece.requirements:
+                if req.write_rect is None or req.write_rect.is_empty():
+                    continue
+                if req.privilege is Privilege.REDUCE:
+                    reduced[req.tensor].append(req.write_rect)
+                elif req.privilege.writes:
+                    written[req.tensor].append(req.write_rect)
+        for tensor, rects in reduced.items():
+            collective_rects = [
+                rect
+                for c in current.collectives
+                if c.reduction.tensor == tensor
+                for rect, _ in c.targets
+            ]
+            sends = [m for m in current.partial_out if m.tensor == tensor]
+            held = self.held.get(tensor, [])
+            if not collective_rects and not sends and all(_covered(r, held) for r in rects):
+                continue
+            parts = []
+            for rect in rects:
+                for h in held:
+                    part = rect.intersect(h)
+                    if not part.is_empty():
+                        parts.extend(_minus(part, collective_rects))
+            current.local_parts[tensor] = parts
+        if not self.homed:
+            # A partitioned task's writes are the tensor's new layout, even where this rank
+            # wrote none of it.
+            for req in current.task.requirements:
+                if req.privilege.writes and req.privilege is not Privilege.REDUCE:
+                    self.held[req.tensor] = written.get(req.tensor, [])
+
+    def program(self, messages: int) -> RankProgram:
+        boxes = {}
+        for tensor, rects in self.touched.items():
+            rects = [r for r in rects if not r.is_empty()]
+            if rects:
+                box = rects[0]
+                for rect in rects[1:]:
+                    box = box.union_bounds(rect)
+                boxes[tensor] = box
+        return RankProgram(
+            self.rank, self.nranks, self.tasks, self.at_start, boxes, self.bytes_planned, messages
+        )
+
+
+def _covered(rect: Rect, parts: list[Rect]) -> bool:
+    remaining = [rect]
+    for part in parts:
+        remaining = [piece for r in remaining for piece in r.difference(part)]
+        if not remaining:
+            return True
+    return not remaining
+
+
+def _minus(rect: Rect, cuts: list[Rect]) -> list[Rect]:
+    remaining = [rect]
+    for cut in cuts:
+        remaining = [piece for r in remaining for piece in r.difference(cut)]
+    return remaining

@@ -1,0 +1,196 @@
+"""`legion-nn train` under real `mpiexec -n K` jobs, launched from pytest with timeouts.
+
+Each job trains seed-lcn-small in float64 on synthetic data and is compared with the same command
+on one process: the same losses (1e-9 relative) and the same final parameters (from the
+checkpoint), with `bytes_sent == bytes_planned` on every rank and step. Faults must end the job
+within 30 seconds, with one line naming the rank and the task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")
+
+TRAIN = [
+    "--data",
+    "synthetic",
+    "--dtype",
+    "float64",
+    "--batch",
+    "7",
+    "--seed",
+    "2",
+    "--no-progress",
+]
+JOB_TIMEOUT = 240
+
+
+def legion_nn(*args: str) -> list[str]:
+    return [sys.executable, "-m", "legion_nn.cli", *args]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def mpiexec(nranks: int, *args: str, env=None, timeout=JOB_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["mpiexec", "-n", str(nranks), *legion_nn(*args)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        env=env or environment(),
+    )
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def losses(path: Path) -> list[float]:
+    return [r["loss"] for r in records(path) if "step" in r and r.get("rank") == 0]
+
+
+def parameters(directory: Path) -> dict[str, np.ndarray]:
+    with np.load(directory / "checkpoint.npz") as archive:
+        return {name: archive[name] for name in archive.files if name != "header"}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    result = subprocess.run(
+        legion_nn(
+            "train", *TRAIN, "--steps", "4", "--log-json", str(out / "log.jsonl"),
+            "--checkpoint", str(out / "ckpt"),
+        ),
+        capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return losses(out / "log.jsonl"), parameters(out / "ckpt")
+
+
+@pytest.mark.parametrize(
+    "nranks,strategy",
+    [(1, "data"), (2, "model"), (3, "spatial"), (4, "auto")],
+)
+def test_mpiexec_equals_one_process(single, tmp_path, nranks, strategy):
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        nranks, "train", *TRAIN, "--steps", "4", "--strategy", strategy,
+        "--log-json", str(log), "--checkpoint", str(tmp_path / "ckpt"),
+        "--trace", str(tmp_path / "trace.json"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected_losses, expected_params = single
+    np.testing.assert_allclose(losses(log), expected_losses, rtol=1e-9)
+    got = parameters(tmp_path / "ckpt")
+    for name, value in expected_params.items():
+        scale = max(np.abs(value).max(), 1e-30)
+        assert np.abs(got[name] - value).max() / scale < 1e-9, name
+    steps = [r for r in records(log) if "step" in r]
+    assert sorted({r["rank"] for r in steps}) == list(range(nranks))
+    assert len(steps) == 4 * nranks
+    for record in steps:
+        assert record["bytes_sent"] == record["bytes_planned"], record
+    if nranks > 1:
+        assert any(r["bytes_sent"] > 0 for r in steps)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(nranks))
+
+
+def assert_ends_naming(result: subprocess.CompletedProcess, started: float, pattern: str) -> None:
+    assert result.returncode != 0
+    assert time.monotonic() - started < 30 + 15  # 30 s to end, plus start-up
+    lines = [line for line in result.stderr.splitlines() if line.startswith("legion-nn")]
+    assert any(re.search(pattern, line) for line in lines), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_exception_in_a_kernel_ends_the_job(tmp_path):
+    started = time.monotonic()
+    result = mpiexec(
+        3, "train", *TRAIN, "--steps", "50",
+        env=environment(LEGION_NN_FAULT="raise:1:L1.filter.grad"),
+    )  # fmt: skip
+    assert_ends_naming(result, started, r"rank 1: step 0, task L1\.filter\.grad: InjectedFault")
+
+
+def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
+    log = tmp_path / "log.jsonl"
+    command = ["mpiexec", "-n", "3", *legion_nn("train", *TRAIN, "--steps", "100000",
+                                                "--log-json", str(log))]  # fmt: skip
+    job = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment()
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            if log.exists() and any('"step": 2' in line for line in log.read_text().splitlines()):
+                break
+        starts = [r for r in records(log) if r.get("event") == "start"]
+        victim = next(r["pid"] for r in starts if r["rank"] == 1)
+        started = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    result = subprocess.CompletedProcess(command, job.returncode, "", stderr)
+    assert_ends_naming(result, started, r"rank 1 died in step \d+, task \S+")
+
+
+def test_the_stall_watchdog_names_the_ranks_waited_for():
+    started = time.monotonic()
+    result = mpiexec(
+        2, "train", *TRAIN, "--steps", "5", "--stall-timeout", "3",
+        env=environment(LEGION_NN_FAULT="hang:1:L1.filter"),
+    )  # fmt: skip
+    assert_ends_naming(result, started, r"rank 0: step 0, task \S+ .*has waited \d+ s for rank 1")
+
+
+def test_checkpoint_on_3_ranks_resumes_on_2(tmp_path):
+    whole = tmp_path / "whole.jsonl"
+    args = [*TRAIN, "--batch", "40", "--epochs", "2"]
+    result = subprocess.run(
+        legion_nn("train", *args, "--log-json", str(whole)),
+        capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ckpt = str(tmp_path / "ckpt")
+    first = mpiexec(3, "train", *TRAIN, "--batch", "40", "--epochs", "1", "--checkpoint", ckpt,
+                    "--strategy", "spatial")  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    resumed_log = tmp_path / "resumed.jsonl"
+    second = mpiexec(2, "train", *args, "--checkpoint", ckpt, "--resume", "--strategy", "model",
+                     "--log-json", str(resumed_log))  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    expected = losses(whole)
+    resumed = losses(resumed_log)
+    assert 0 < len(resumed) < len(expected)
+    np.testing.assert_allclose(resumed, expected[-len(resumed) :], rtol=1e-9)
+
+
+def test_bad_strategy_is_one_line_from_rank_0():
+    result = mpiexec(2, "train", *TRAIN, "--steps", "1", "--strategy", "diagonal")
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("legion-nn")]
+    assert len(lines) == 1 and "unknown strategy 'diagonal'" in lines[0], result.stderr

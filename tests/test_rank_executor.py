@@ -1,0 +1,238 @@
+"""The rank executor over the in-process transport: R ranks equal the local run.
+
+Every strategy, 1–4 ranks and uneven splits run the plan's programs in threads, in float64, and
+must give the local executor's losses and parameters up to the order of sums (1e-9 relative), with
+each rank sending exactly the bytes its program plans. The MPI tests (`test_mpi_runtime.py`) then
+run the same programs under `mpiexec`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from legion_nn.network import Network
+from legion_nn.networks import load_network
+from legion_nn.spec import network_from_dict
+from partitioner.cost import plan_cost
+from partitioner.machine import Machine
+from partitioner.plan import build_plan
+from partitioner.strategy import Strategy, builtin, find_units
+from runtime import data
+from runtime.distributed import RunOptions, train_rank
+from runtime.rank_executor import RankExecutor, TaskFailure
+from runtime.rank_program import build_programs
+from runtime.training import TrainConfig, Trainer
+from runtime.transport import ThreadTransport, run_threads
+
+STEPS = 3
+
+
+def small_network() -> Network:
+    return load_network("seed-lcn-small")
+
+
+def rows_network() -> Network:
+    """27 output rows (to split over 4 ranks: 7, 7, 7, 6), with a halo to exchange."""
+    return network_from_dict(
+        {
+            "name": "rows27",
+            "input": [1, 29, 29],
+            "classes": 5,
+            "layers": [
+                {
+                    "kind": "filter",
+                    "name": "L0",
+                    "out_channels": 3,
+                    "kernel": [3, 3],
+                    "untied": True,
+                },
+                {"kind": "filterA"},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "filter", "name": "L1", "out_channels": 2, "kernel": [3, 3], "pad": 1},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "linear", "name": "classifier", "out": 5},
+                {"kind": "softmax"},
+                {"kind": "evaluate"},
+            ],
+        },
+        "rows27",
+    )
+
+
+def config(network: Network, batch: int = 7, **extra) -> TrainConfig:
+    dataset = data.synthetic(network.input, network.classes, seed=3, samples=120, dtype=np.float64)
+    return TrainConfig(
+        network=network, dataset=dataset, batch=batch, dtype="float64", seed=5, **extra
+    )
+
+
+def local_run(cfg: TrainConfig, steps: int = STEPS):
+    trainer = Trainer(cfg)
+    trainer.executor.prepare(trainer.graph(cfg.batch))
+    losses = [trainer.step(step)[0] for step in range(steps)]
+    return losses, trainer.executor.resident()
+
+
+def ranks_run(cfg: TrainConfig, nranks: int, strategy, steps: int = STEPS):
+    def body(transport):
+        executor = RankExecutor(transport, strategy, seed=cfg.seed, stall_timeout=30)
+        trainer = Trainer(cfg, executor=executor)
+        executor.prepare(trainer.graph(cfg.batch))
+        losses, traffic = [], []
+        for step in range(steps):
+            losses.append(trainer.step(step)[0])
+            traffic.append((executor.last_bytes_sent, executor.last_bytes_planned))
+        return losses, executor.resident(), traffic
+
+    return run_threads(nranks, body)
+
+
+def assert_same(local, ranks) -> None:
+    losses, params = local
+    got_losses, got_params, _ = ranks[0]
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-9, atol=0)
+    assert set(got_params) == set(params)
+    for name, value in params.items():
+        scale = max(np.abs(value).max(), 1e-30)
+        assert np.abs(got_params[name] - value).max() / scale < 1e-9, name
+    for _, _, traffic in ranks:
+        for sent, planned in traffic:
+            assert sent == planned
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_ranks_equal_the_local_run(strategy, nranks):
+    cfg = config(small_network())  # batch 7: uneven over 2, 3 and 4 ranks
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
+
+
+def test_auto_equals_the_local_run():
+    from partitioner.search import auto
+
+    cfg = config(small_network())
+    choose = lambda graph, nranks: auto(graph, nranks, Machine(), 10.0).strategy
+    assert_same(local_run(cfg), ranks_run(cfg, 3, choose))
+
+
+def test_27_rows_over_4_ranks():
+    cfg = config(rows_network(), batch=4)
+
+    def rows(graph, nranks):
+        """Rows where a unit has 27 or 25 of them, else the batch; 1 where neither splits."""
+        grids = {}
+        for unit in find_units(graph):
+            grid = [1] * len(unit.extents)
+            if 2 in unit.splittable and len(unit.extents) == 4 and unit.extents[2] >= nranks:
+                grid[2] = nranks
+            elif 0 in unit.splittable and unit.extents[0] >= nranks:
+                grid[0] = nranks
+            grids[unit.name] = tuple(grid)
+        return Strategy("rows", grids)
+
+    graph = cfg.network.lower(batch=4, dtype="float64")
+    plan = build_plan(graph, rows(graph, 4), 4)
+    l0 = next(tp for tp in plan.tasks if tp.task == "L0.filter")
+    assert [p.rect.hi[2] - p.rect.lo[2] for p in l0.pieces] == [7, 7, 7, 6]
+    assert any(not t.reduce for tp in plan.tasks for t in tp.transfers)  # halos move
+    assert_same(local_run(cfg), ranks_run(cfg, 4, rows))
+
+
+def test_a_rank_without_a_piece_keeps_its_parameters_current():
+    """Batch 2 on 3 data-parallel ranks: rank 2 computes nothing, yet holds and updates copies."""
+    cfg = config(small_network(), batch=2)
+    local = local_run(cfg)
+    ranks = ranks_run(cfg, 3, "data")
+    assert_same(local, ranks)
+
+
+def test_training_with_a_short_last_batch_and_evaluation_matches():
+    network = small_network()
+    cfg = config(network, batch=32, epochs=1)  # 84 training samples: 32, 32, 20
+    local = Trainer(cfg).run()
+
+    def body(transport):
+        return train_rank(cfg, transport, RunOptions(strategy="spatial", stall_timeout=30))
+
+    ranked = run_threads(3, body)[0]
+    np.testing.assert_allclose(ranked.losses, local.losses, rtol=1e-9)
+    assert ranked.test_accuracy == local.test_accuracy
+    assert ranked.val_accuracy == local.val_accuracy
+
+
+def test_checkpoint_from_3_ranks_resumes_on_2(tmp_path):
+    network = small_network()
+    whole = Trainer(config(network, batch=16, epochs=2)).run().losses
+    first = config(network, batch=16, epochs=1, checkpoint_dir=str(tmp_path))
+    run_threads(3, lambda t: train_rank(first, t, RunOptions(strategy="model", stall_timeout=30)))
+    second = config(network, batch=16, epochs=2, checkpoint_dir=str(tmp_path), resume=True)
+    resumed = run_threads(
+        2, lambda t: train_rank(second, t, RunOptions(strategy="spatial", stall_timeout=30))
+    )[0]
+    np.testing.assert_allclose(resumed.losses, whole[len(whole) - len(resumed.losses) :], rtol=1e-9)
+    assert len(resumed.losses) == len(whole) // 2
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_planned_bytes_are_the_cost_models_bytes(strategy, nranks):
+    graph = small_network().lower(batch=7, dtype="float64")
+    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
+    programs = build_programs(graph, plan, Machine(), range(nranks))
+    planned = sum(p.bytes_planned for p in programs.values())
+    assert planned == plan_cost(graph, plan, Machine()).bytes_sent
+
+
+def test_copies_are_posted_right_after_their_producer():
+    graph = small_network().lower(batch=4, dtype="float64")
+    plan = build_plan(graph, builtin(graph, "spatial", 2), 2)
+    program = build_programs(graph, plan, Machine(), [0])[0]
+    names = [rt.task.name for rt in program.tasks]
+    halos = [m for rt in program.tasks for m in rt.copies_in]
+    assert halos
+    for message in halos:
+        assert message.post_after < message.task
+        producer = program.tasks[message.post_after].task
+        assert any(
+            req.tensor == message.tensor and req.privilege.writes for req in producer.requirements
+        ), (message, names[message.post_after])
+
+
+def test_an_exception_names_the_rank_and_task(monkeypatch):
+    monkeypatch.setenv("LEGION_NN_FAULT", "raise:1:L1.filter.grad")
+    cfg = config(small_network())
+    with pytest.raises(TaskFailure, match=r"rank 1: step 0, task L1.filter.grad: InjectedFault"):
+        ranks_run(cfg, 2, "data", steps=1)
+
+
+def test_trace_events_pair_sends_with_receives(tmp_path):
+    cfg = config(small_network(), steps=2)
+    trace = tmp_path / "trace.json"
+    options = RunOptions(strategy="spatial", stall_timeout=30, trace=str(trace))
+    run_threads(2, lambda t: train_rank(cfg, t, options))
+    content = json.loads(trace.read_text())
+    assert content["otherData"]["format"] == "legion-nn/trace-v1"
+    events = [e for e in content["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}
+    computes = [e for e in events if e["cat"] == "compute"]
+    assert {e["tid"] for e in computes} == {0}
+    assert {e["args"]["task"] for e in computes} >= {"L0.filter", "L1.filter.grad"}
+    sends = {e["args"]["id"]: e for e in events if e["cat"] == "send"}
+    recvs = [e for e in events if e["cat"] == "recv"]
+    assert recvs and all(e["tid"] == 1 for e in recvs)
+    for recv in recvs:
+        send = sends[recv["args"]["id"]]
+        assert send["pid"] == recv["args"]["peer"] and recv["pid"] == send["args"]["peer"]
+        assert send["args"]["bytes"] == recv["args"]["bytes"]
+    assert any(e["cat"] == "collective" for e in events)
+
+
+def test_thread_transport_refuses_a_wrong_shape():
+    (a, b) = ThreadTransport.group(2)
+    a.isend(np.zeros(3), 1, 7)
+    request = b.irecv(np.zeros(4), 0, 7)
+    with pytest.raises(ValueError, match="shape"):
+        request.test()
