@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("bench", "graph", "memory", "partition", "render", "train")
+COMMANDS = ("bench", "graph", "memory", "partition", "render", "trace", "train")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -10,12 +10,15 @@ only, as an imported graph's are, has one plan to offer: `data`, which `auto` th
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
+from pathlib import Path
 
 NAME = "partition"
 DEFAULT_BATCH = 256
 HELP = "partition a network over R ranks (data, model, spatial, auto) and predict its step"
+PLOT_FORMATS = ("png", "pdf", "svg")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,60 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="F", help="write the report as JSON to F")
     parser.add_argument("--sweep", metavar="LIST", help="comma-separated rank counts, e.g. 1,2,4")
-    parser.add_argument("--plot", metavar="F", help="with --sweep: write a PNG of the sweep")
+    parser.add_argument(
+        "--plot",
+        metavar="F",
+        help="draw which rank owns which region of each layer's output and weights, halos "
+        "hatched (.png, .pdf or .svg); with --sweep: a PNG of the sweep",
+    )
     parser.add_argument(
         "--time-limit", type=float, default=30.0, help="seconds auto may search (default 30)"
     )
 
 
-def _batch_only(graph) -> bool:
-    """Whether no unit of `graph` can be cut along anything but the batch (dim 0)."""
-    from partitioner.strategy import find_units
-
-    return all(set(unit.splittable) <= {0} for unit in find_units(graph))
-
-
-def _strategy(graph, name: str, nranks: int, machine, time_limit: float):
-    from legion_nn.errors import LegionNNError
-    from partitioner.search import auto
-    from partitioner.strategy import BUILTIN, builtin, from_grids
-
-    if name in ("auto", "model", "spatial") and _batch_only(graph):
-        if name == "auto":
-            print(
-                f"legion-nn partition: auto: the tasks of {graph.network or 'this graph'} can be "
-                "cut over the batch only: planning data parallelism",
-                file=sys.stderr,
-            )
-            return builtin(graph, "data", nranks), None
-        raise LegionNNError(
-            f"--strategy {name}: the tasks of {graph.network or 'this graph'} can be cut over the "
-            f"batch only (imported graphs support data parallelism: their functions have "
-            f"batch-parallel access maps, no channel or spatial ones); use --strategy data"
-        )
-    if name == "auto":
-        result = auto(graph, nranks, machine, time_limit)
-        why = [
-            {
-                "layer": c.unit,
-                "family": c.family,
-                "grid": list(c.grid),
-                "seconds": c.seconds,
-                "data_seconds": c.data_seconds,
-            }
-            for c in result.choices
-        ]
-        return result.strategy, why
-    if name in BUILTIN or not name.endswith(".json"):
-        return builtin(graph, name, nranks), None
-    try:
-        with open(name) as handle:
-            spec = json.load(handle)
-    except json.JSONDecodeError as exc:
-        raise LegionNNError(f"{name}: not JSON ({exc.msg})") from None
-    if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
-        raise LegionNNError(f'{name}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
-    return from_grids(graph, spec["grids"], nranks), None
+def _note(message: str) -> None:
+    print(f"legion-nn partition: {message}", file=sys.stderr)
 
 
 def _ranks_list(text: str) -> list[int]:
@@ -119,12 +81,19 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.machine import load_machine
     from partitioner.plan import build_plan
     from partitioner.report import report_json, sweep_table, table
+    from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
 
     if args.batch is not None and args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
-    if args.plot and not args.sweep:
-        raise LegionNNError("--plot draws a sweep; give --sweep LIST too")
+    plot_format = Path(args.plot).suffix.lower()[1:] if args.plot else None
+    if args.plot and not args.sweep and plot_format not in PLOT_FORMATS:
+        raise LegionNNError(
+            f"--plot {args.plot}: unknown format; give a file ending in "
+            + ", ".join(f".{f}" for f in PLOT_FORMATS)
+        )
+    if args.plot and not Path(args.plot).parent.is_dir():
+        raise LegionNNError(f"--plot {args.plot}: no such directory {Path(args.plot).parent}")
     if args.ranks is None and not args.sweep:
         raise LegionNNError("give --ranks R (or --sweep LIST)")
     machine = load_machine(args.machine)
@@ -134,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     reports = []
     for nranks in counts:
         check_ranks(nranks)
-        strategy, why = _strategy(graph, args.strategy, nranks, machine, args.time_limit)
+        strategy, why = resolve_strategy(
+            graph, args.strategy, nranks, machine, args.time_limit, note=_note
+        )
         plan = build_plan(graph, strategy, nranks)
         reports.append(report_json(graph, plan, plan_cost(graph, plan, machine), why))
     if args.sweep:
@@ -144,14 +115,23 @@ def run(args: argparse.Namespace) -> int:
             from visualize.sweep import sweep_figure
 
             figure = sweep_figure(reports)
-            import io
-
             buffer = io.BytesIO()
             figure.savefig(buffer, format="png", dpi=120)
             write_bytes(args.plot, buffer.getvalue())
     else:
         sys.stdout.write(table(reports[0]))
         payload = reports[0]
+        if args.plot:
+            from visualize.partition_map import partition_map_figure, partition_maps
+
+            title = (
+                f"{graph.network}, batch {graph.batch}: strategy {plan.strategy} on "
+                f"{plan.nranks} ranks"
+            )
+            buffer = io.BytesIO()
+            figure = partition_map_figure(partition_maps(graph, plan), title)
+            figure.savefig(buffer, format=plot_format, dpi=110)
+            write_bytes(args.plot, buffer.getvalue())
     if args.json:
         write_text(args.json, json.dumps(payload, indent=1) + "\n")
     return 0

@@ -5,6 +5,12 @@ network, lowered at `--batch`. Either is verified before drawing, so a broken gr
 `verify`'s message rather than a misleading picture. Past `--max-nodes` nodes the full view gives
 way to the layer view, with a note on stderr; `--collapse layer` or `--collapse none` decides
 explicitly. The drawing is `visualize.dot`'s, the file writing `visualize.render_file`'s.
+
+With `--ranks R` the graph is planned on R ranks under `--strategy` (resolved as
+`legion-nn partition` resolves it) and drawn with one cluster per rank and the messages between
+them (`visualize.partition_dot`); `--max-nodes` then counts task pieces per rank, and the layer
+view is one node per unit per rank. The plan is always the whole step's: `--forward-only` draws
+its forward part.
 """
 
 from __future__ import annotations
@@ -62,6 +68,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="top to bottom (default) or left to right",
     )
     parser.add_argument(
+        "--ranks",
+        type=int,
+        metavar="R",
+        help="draw the graph partitioned over R ranks: a cluster per rank, messages between them",
+    )
+    parser.add_argument(
+        "--strategy",
+        metavar="S",
+        help='with --ranks: data, model, spatial, auto (default) or a JSON file {"grids": ...}',
+    )
+    parser.add_argument(
+        "--machine",
+        metavar="F",
+        help="with --strategy auto: the machine JSON its cost model uses (as for partition)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --strategy auto: seconds it may search (default 30)",
+    )
+    parser.add_argument(
         "--rects",
         choices=("compact", "seed"),
         default="compact",
@@ -75,6 +104,38 @@ def _load(args: argparse.Namespace):
     return load_source_graph(args.source, args.batch, NETWORK_BATCH)
 
 
+def _plan(args: argparse.Namespace, graph):
+    from legion_nn.errors import LegionNNError
+    from partitioner.machine import load_machine
+    from partitioner.plan import build_plan
+    from partitioner.resolve import resolve_strategy
+
+    if args.ranks < 1:
+        raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
+    machine = load_machine(args.machine)
+
+    def note(message: str) -> None:
+        print(f"legion-nn render: {message}", file=sys.stderr)
+
+    strategy, _ = resolve_strategy(
+        graph, args.strategy or "auto", args.ranks, machine, args.time_limit, note=note
+    )
+    return build_plan(graph, strategy, args.ranks)
+
+
+def _collapse(args: argparse.Namespace, nodes: int) -> str:
+    if args.collapse is not None:
+        return args.collapse
+    if nodes <= args.max_nodes:
+        return "none"
+    print(
+        f"legion-nn render: {nodes} nodes is more than --max-nodes {args.max_nodes}: "
+        "drawing one node per layer (--collapse none draws them all)",
+        file=sys.stderr,
+    )
+    return "layer"
+
+
 def run(args: argparse.Namespace) -> int:
     from legion_nn.errors import LegionNNError
     from legion_nn.verify import verify
@@ -84,21 +145,18 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output)
     if args.max_nodes < 1:
         raise LegionNNError(f"--max-nodes must be at least 1, got {args.max_nodes}")
+    if args.ranks is None:
+        for flag, value in (("--strategy", args.strategy), ("--machine", args.machine)):
+            if value is not None:
+                raise LegionNNError(f"{flag} applies to a partitioned drawing; give --ranks R too")
     graph = _load(args)
     verify(graph)
+    if args.ranks is not None:
+        return _run_partitioned(args, graph)
     if args.forward_only:
         graph = forward_only(graph)
 
-    nodes = node_count(graph)
-    collapse = args.collapse
-    if collapse is None:
-        collapse = "layer" if nodes > args.max_nodes else "none"
-        if collapse == "layer":
-            print(
-                f"legion-nn render: {nodes} nodes is more than --max-nodes {args.max_nodes}: "
-                "drawing one node per layer (--collapse none draws them all)",
-                file=sys.stderr,
-            )
+    collapse = _collapse(args, node_count(graph))
     title = None
     if args.forward_only:
         title = (
@@ -119,4 +177,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         what = f"{len(graph.tasks)} tasks, {len(graph.tensors)} tensors"
     print(f"wrote {written} ({what})")
+    return 0
+
+
+def _run_partitioned(args: argparse.Namespace, graph) -> int:
+    from visualize.dot import forward_only
+    from visualize.partition_dot import partition_graphviz, piece_count
+    from visualize.render_file import write_rendering
+
+    plan = _plan(args, graph)
+    tasks = {task.name for task in forward_only(graph).tasks} if args.forward_only else None
+    collapse = _collapse(args, piece_count(graph, plan, tasks))
+    title = (
+        f"{graph.network or 'task graph'}, batch {graph.batch}"
+        + (", forward only" if args.forward_only else "")
+        + f": strategy {plan.strategy} on {plan.nranks} ranks"
+    )
+    digraph = partition_graphviz(
+        graph,
+        plan,
+        tasks=tasks,
+        collapse=None if collapse == "none" else collapse,
+        rankdir=args.rankdir,
+        rects=args.rects,
+        title=title,
+    )
+    written = write_rendering(digraph, args.output)
+    unit = "units" if collapse == "layer" else "tasks"
+    print(f"wrote {written} ({args.ranks} ranks, {plan.strategy}, {unit} per rank)")
     return 0
