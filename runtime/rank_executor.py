@@ -327,6 +327,8 @@ class _StepRun:
     ) -> None:
         self.ex = executor
         self.run_index = run_index
+        #: what trace events call the step: its number, or "eval" for an evaluation pass
+        self.step_label: int | str = ctx.step if ctx.training else "eval"
         self.graph = graph
         self.program = program
         self.ctx = ctx
@@ -389,7 +391,7 @@ class _StepRun:
     def _message_args(self, m: Message, task: Task, peer: int) -> dict[str, Any]:
         consumer = self.program.tasks[m.task].task.name if m.task < len(self.program.tasks) else ""
         return {
-            "step": self.ctx.step,
+            "step": self.step_label,
             "task": consumer or task.name,
             "tensor": m.tensor,
             "rect": [list(m.rect.lo), list(m.rect.hi)],
@@ -415,7 +417,7 @@ class _StepRun:
                 task.name,
                 COMPUTE,
                 start,
-                {"step": self.ctx.step, "task": task.name, "phase": task.phase},
+                {"step": self.step_label, "task": task.name, "phase": task.phase},
             )
         for m in rt.partial_out:
             rect, contribution = scratch[m.tensor]
@@ -514,7 +516,7 @@ class _StepRun:
             COMMUNICATION,
             start,
             {
-                "step": self.ctx.step,
+                "step": self.step_label,
                 "task": rt.task.name,
                 "tensor": tensor,
                 "bytes": reduction.nbytes,

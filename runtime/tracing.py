@@ -5,14 +5,14 @@ Format (`legion-nn/trace-v1`): one JSON object `{"traceEvents": [...], "displayT
 tid 1 communication. Times are microseconds since the job's common start: the ranks agree on it by
 a handshake with rank 0 when the run begins, so clocks are aligned to within a message latency.
 
-- `compute` (tid 0): one event per task a rank runs, args {step, task, phase};
+- `compute` (tid 0): one event per task a rank runs, args {step, task, phase}; `step` is
+  "eval" for the evaluation passes;
 - `send` (tid 1): a non-blocking send, from when it was posted (right after its data was
   produced) to when its completion was seen; args {step, task, tensor, rect, bytes, peer, id};
 - `recv` (tid 1): time blocked waiting for a message before a task could go on; same args, with
   `peer` the sender and the same `id` as the send;
 - `collective` (tid 1): a reduction of the plan; args {step, task, tensor, bytes, algorithm,
-  participants};
-- `checkpoint` (tid 0): rank 0 gathering and writing a checkpoint.
+  participants}.
 
 Every rank records its own events; rank 0 collects them after each step and rewrites the file
 atomically (at most every `flush_seconds`, and at the end), so the file is valid JSON at every
