@@ -42,7 +42,7 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy, builtin
 from runtime.adapters import StepContext
-from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_value, run_on_views
+from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part, run_on_views
 from runtime.instances import Layout, choose_layouts
 from runtime.rank_program import Message, RankProgram, RankTask, build_programs
 from runtime.tracing import COMMUNICATION, COMPUTE, Recorder
@@ -189,8 +189,7 @@ class RankExecutor:
                 if name in self.arrays:
                     raise AssertionError(f"the home of {name} moved from {self.boxes[name]!r}")
                 stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-                whole = initial_value(tensor, stream)
-                part = np.ascontiguousarray(whole[box.to_slices()])
+                part = initial_part(tensor, stream, box)
                 self.arrays[name] = np.ascontiguousarray(layout.from_logical(part))
             else:
                 shape = layout.shape(box.shape)

@@ -236,3 +236,22 @@ def test_thread_transport_refuses_a_wrong_shape():
     request = b.irecv(np.zeros(4), 0, 7)
     with pytest.raises(ValueError, match="shape"):
         request.test()
+
+
+def test_a_ranks_initial_part_is_that_part_of_the_whole_initial_value():
+    import zlib
+
+    from legion_nn.rect import Rect
+    from runtime.executor import initial_part, initial_value
+
+    graph = load_network("seed-lcn-small").lower(batch=4)
+    for name, tensor in graph.tensors.items():
+        if tensor.kind != "param":
+            continue
+        box = Rect(
+            tuple(d // 3 for d in tensor.dims),
+            tuple(max(d // 3 + 1, d - d // 4) for d in tensor.dims),
+        )
+        whole = initial_value(tensor, np.random.default_rng([0, zlib.crc32(name.encode())]))
+        part = initial_part(tensor, np.random.default_rng([0, zlib.crc32(name.encode())]), box)
+        np.testing.assert_array_equal(part, whole[box.to_slices()])
