@@ -108,7 +108,8 @@ def _step_events(trace: dict, rank: int = 0) -> list[dict]:
         if e.get("ph") == "X"
         and e.get("pid") == rank
         and e.get("cat") == "compute"
-        and e["args"].get("step", -1) >= WARMUP
+        and isinstance(e["args"].get("step"), int)  # not the "eval" passes
+        and e["args"]["step"] >= WARMUP
     ]
 
 
@@ -191,7 +192,12 @@ def run_scaling(
                     say(f"{network} batch {batch}: {count} rank(s), {strategy}")
                     work = Path(tmp) / f"{network}-{count}-{strategy}"
                     work.mkdir()
-                    job = run_job(network, batch, count, strategy, steps, work)
+                    try:
+                        job = run_job(network, batch, count, strategy, steps, work)
+                    except LegionNNError as exc:  # a job that fails is a row, not the end
+                        say(str(exc))
+                        rows.append(_failed(network, batch, count, strategy, str(exc)))
+                        continue
                     if count == 1:
                         calibration = calibrate(job)
                     if calibration is None:
@@ -216,6 +222,16 @@ def run_scaling(
     }
 
 
+def _failed(network: str, batch: int, ranks: int, strategy: str, why: str) -> dict:
+    return {
+        "network": network,
+        "batch": batch,
+        "ranks": ranks,
+        "strategy": strategy,
+        "failed": why.split(": ", 2)[-1],
+    }
+
+
 def format_table(report: dict) -> str:
     link = report["link"]
     lines = [
@@ -229,6 +245,12 @@ def format_table(report: dict) -> str:
         ),
     ]
     for row in report["results"]:
+        if "failed" in row:
+            lines.append(
+                f"{row['network']:16s} {row['batch']:5d} {row['ranks']:2d} {row['strategy']:8s} "
+                f"failed: {row['failed']}"
+            )
+            continue
         lines.append(
             f"{row['network']:16s} {row['batch']:5d} {row['ranks']:2d} {row['strategy']:8s} "
             f"{row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "

@@ -469,13 +469,19 @@ class _StepRun:
         tensor = reduction.tensor
         dtype = self._dtype(tensor)
         sizes = [rect.volume for rect, _ in collective.targets]
-        vector = np.zeros(sum(sizes), dtype)
         mine = scratch.get(tensor)
-        offset = 0
-        for (rect, _), size in zip(collective.targets, sizes):
-            if mine is not None and mine[0].contains(rect):
-                vector[offset : offset + size] = self._part(tensor, mine[1], mine[0], rect).ravel()
-            offset += size
+        if mine is not None and len(sizes) == 1 and mine[0] == collective.targets[0][0]:
+            # The whole contribution is the vector (a replicated gradient): reduce it in place
+            # rather than copy a weight-sized array.
+            vector = mine[1].reshape(-1)
+        else:
+            vector = np.zeros(sum(sizes), dtype)
+            offset = 0
+            for (rect, _), size in zip(collective.targets, sizes):
+                if mine is not None and mine[0].contains(rect):
+                    part = self._part(tensor, mine[1], mine[0], rect)
+                    vector[offset : offset + size] = part.ravel()
+                offset += size
         start = self._now()
         seq = collective.seq
         for hops in collective.rounds:
