@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from random_networks import networks
 
-from legion_nn.errors import LegionNNError, ShapeError, VerifyError
-from legion_nn.layers import Evaluate, Filter, FilterA, FilterNL, Linear, MaxPool, Softmax
-from legion_nn.network import Network
+from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.plan import build_plan
@@ -110,33 +109,6 @@ def test_verify_plan_catches_a_missing_message(lcn):
     task_plan(plan, "L1.filter").transfers.pop()
     with pytest.raises(VerifyError, match="lacks part"):
         verify_plan(lcn, plan)
-
-
-@st.composite
-def networks(draw):
-    size = draw(st.integers(6, 11))
-    layers = []
-    for index in range(draw(st.integers(1, 2))):
-        kernel = draw(st.integers(1, 3))
-        layers.append(
-            Filter(
-                f"L{index}",
-                out_channels=draw(st.integers(1, 3)),
-                kernel=kernel,
-                untied=draw(st.booleans()),
-                stride=draw(st.integers(1, 2)),
-                pad=draw(st.integers(0, kernel - 1)),
-            )
-        )
-        layers += [FilterA(), FilterNL(fn="relu")]
-        if draw(st.booleans()):
-            layers.append(MaxPool(f"P{index}", kernel=2, stride=draw(st.integers(1, 2))))
-    layers += [Linear("classifier", out=draw(st.integers(2, 5))), Softmax(), Evaluate()]
-    try:
-        net = Network("random", (draw(st.integers(1, 2)), size, size), layers[-3].out, layers)
-    except ShapeError:
-        reject()
-    return net.lower(batch=draw(st.integers(1, 6)))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
