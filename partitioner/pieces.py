@@ -127,6 +127,23 @@ def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int], probe: bool =
     )
 
 
+class PieceCache:
+    """Grid pieces of one graph's tasks by (task, grid), for planning it under many strategies
+    (`auto` prices dozens of plans that share most of their grids)."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        self.graph = graph
+        self._found: dict[tuple[str, tuple[int, ...]], PieceSet] = {}
+
+    def get(self, graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
+        if graph is not self.graph:
+            raise ValueError("a PieceCache serves the graph it was made for")
+        key = (task.name, tuple(grid))
+        if key not in self._found:
+            self._found[key] = grid_pieces(graph, task, grid)
+        return self._found[key]
+
+
 def _direct(
     task: Task, dims: Mapping[str, tuple[int, ...]], lo: np.ndarray, hi: np.ndarray
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:

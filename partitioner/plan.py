@@ -56,7 +56,7 @@ from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.layout import Layout
 from partitioner.messages import Accesses, Copies, combine, fetch
-from partitioner.pieces import Piece, PieceSet, grid_pieces, homed_pieces
+from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
 from partitioner.strategy import Grid, Strategy, find_units, is_homed, param_of
 from partitioner.transfers import Transfer, TransferSet
 
@@ -162,12 +162,13 @@ def build_plan(
     strategy: Strategy,
     nranks: int,
     resident_homes: Mapping[str, Layout] | None = None,
+    cache: PieceCache | None = None,
 ) -> Plan:
     """The plan of one training step of `graph` under `strategy` on `nranks` ranks.
 
     `resident_homes` fixes the homes of parameters and state (and their gradients), for instance
     to those of the full-batch step while planning a run's smaller last batch, so that every rank
-    keeps updating the copies it holds."""
+    keeps updating the copies it holds. `cache` reuses pieces across plans of the same graph."""
     grids = strategy.task_grids(graph)
     for name, grid in grids.items():
         used = 1
@@ -176,8 +177,9 @@ def build_plan(
         if used > nranks:
             raise PlanError(f"task {name}: grid {list(grid)} needs {used} ranks, only {nranks}")
     homed = {task.name for task in graph.tasks if is_homed(graph, task)}
+    cache = cache or PieceCache(graph)
     pieces = {
-        task.name: grid_pieces(graph, task, grids[task.name])
+        task.name: cache.get(graph, task, grids[task.name])
         for task in graph.tasks
         if task.name not in homed
     }

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from legion_nn.graph import TaskGraph
 from partitioner.cost import PlanCost, plan_cost
 from partitioner.machine import Machine
+from partitioner.pieces import PieceCache
 from partitioner.plan import build_plan
 from partitioner.strategy import Grid, Strategy, Unit, balanced, builtin_grid, find_units
 
@@ -72,6 +73,7 @@ def _strategy(units: list[Unit], families: list[str], nranks: int, name: str) ->
 def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30.0) -> SearchResult:
     units = find_units(graph)
     start = time.monotonic()
+    cache = PieceCache(graph)
     k = len(FAMILIES)
     priced: dict[tuple[int, int], dict[str, float]] = {}
     feasible: dict[tuple[int, int], bool] = {}
@@ -81,7 +83,7 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
             break
         families = [FAMILIES[x] if i % 2 == 0 else FAMILIES[y] for i in range(len(units))]
         strategy = _strategy(units, families, nranks, "auto")
-        cost = plan_cost(graph, build_plan(graph, strategy, nranks), machine)
+        cost = plan_cost(graph, build_plan(graph, strategy, nranks, cache=cache), machine)
         priced[(x, y)] = cost.unit_seconds()
         feasible[(x, y)] = cost.feasible
 
