@@ -128,3 +128,32 @@ def test_sweep_writes_a_png(tmp_path):
         == 0
     )
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _report(tmp_path, strategy: str, *extra: str) -> dict:
+    out = tmp_path / f"{strategy}.json"
+    args = ["partition", "seed-lcn-small", "--batch", "8", "--ranks", "4", "--strategy", strategy]
+    assert main([*args, "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_memory_per_layer_adds_up_to_the_step(tmp_path, capsys):
+    data = _report(tmp_path, "data")
+    assert "mem max" in capsys.readouterr().out
+    rows = {row["layer"]: row for row in data["layers"]}
+    for report in (data, _report(tmp_path, "spatial")):
+        layers = report["layers"]
+        # every byte a rank holds is in exactly one row: the rows' means add up to the step's
+        assert sum(r["memory_per_rank_mean"] for r in layers) == pytest.approx(
+            report["memory_per_rank_mean"]
+        )
+        assert max(r["memory_per_rank_max"] for r in layers) <= report["memory_per_rank_max"]
+        assert all(r["memory_per_rank_mean"] <= r["memory_per_rank_max"] for r in layers)
+    # data parallel: every rank holds all of L0's untied weights and their gradient, and a
+    # quarter of the batch of its three activations
+    weights = 2 * (204800 + 4 + 8192)
+    activations = 3 * 65536 // 4
+    assert rows["L0"]["memory_per_rank_max"] >= weights + activations
+    # a 2x2 spatial split keeps each rank's weight sets with its output positions
+    spatial = {row["layer"]: row for row in _report(tmp_path, "spatial")["layers"]}
+    assert spatial["L0"]["memory_per_rank_max"] < rows["L0"]["memory_per_rank_max"] / 2
