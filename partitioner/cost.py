@@ -15,7 +15,9 @@
 - a plan is infeasible when some rank's memory (`accounting.memory_per_rank`) exceeds the machine's.
 
 Known blind spots: no overlap of communication with computation or between tasks (FlexFlow's
-simulator models it); every op runs at one throughput unless calibrated, and memory-bound ops
+simulator models it); every op runs at one throughput unless calibrated (`machine.py`: per pass of
+the filter from `legion-nn bench kernels`, at its mean over batch sizes, whatever a rank's piece
+size), and memory-bound ops
 (`set_zero`, elementwise, data loading) are counted as free or nearly; no network contention or
 topology beyond per-rank link load; data re-fetched by a later task is paid again; memory is a
 no-reuse upper bound on the peak.
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from legion_nn.ir import Task
 from partitioner.accounting import flops_per_rank, memory_by_unit
 from partitioner.machine import Machine
 from partitioner.plan import Plan, Reduction, Transfer
@@ -118,6 +121,22 @@ def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
 
+def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
+    """Seconds to compute `flops` of `task`, pass by pass (see `machine.py`)."""
+    variant = ""
+    passes = [(task.phase, 1.0)]
+    if task.op in ("filter", "conv"):
+        variant = "untied" if task.attrs.get("untied") else "tied"
+        if task.phase == "backward":
+            passes = [("backward_filter", 1.0)]
+            if task.attrs.get("need_dx", True):
+                passes = [("backward_data", 0.5), ("backward_filter", 0.5)]
+    rates = [(share, machine.flops_per_second(task.op, name, variant)) for name, share in passes]
+    if len({rate for _, rate in rates}) == 1:
+        return flops / rates[0][1]
+    return sum(flops * share / rate for share, rate in rates)
+
+
 def plan_cost(graph: TaskGraph, plan: Plan, machine: Machine) -> PlanCost:
     n = plan.nranks
     costs = []
@@ -141,7 +160,7 @@ def plan_cost(graph: TaskGraph, plan: Plan, machine: Machine) -> PlanCost:
                 busiest,
                 float(per_rank.sum()),
                 int(sent),
-                busiest / machine.flops_per_second(task.op),
+                compute_seconds(task, busiest, machine),
                 comm,
             )
         )

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="machine JSON (default: 100 GFLOP/s, 12.5 GB/s, 2 us, 16 GiB per rank)",
     )
+    parser.add_argument(
+        "--calibrate",
+        metavar="BENCH",
+        help="per-op throughput from a `legion-nn bench kernels --json` report (see machine.py)",
+    )
     parser.add_argument("--json", metavar="F", help="write the report as JSON to F")
     parser.add_argument("--sweep", metavar="LIST", help="comma-separated rank counts, e.g. 1,2,4")
     parser.add_argument("--plot", metavar="F", help="with --sweep: write a PNG of the sweep")
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.errors import LegionNNError
     from legion_nn.networks import load_network
     from partitioner.cost import plan_cost
-    from partitioner.machine import load_machine
+    from partitioner.machine import load_calibrated, load_machine
     from partitioner.plan import build_plan
     from partitioner.report import report_json, sweep_table, table
     from partitioner.strategy import check_ranks
@@ -91,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks is None and not args.sweep:
         raise LegionNNError("give --ranks R (or --sweep LIST)")
     machine = load_machine(args.machine)
+    if args.calibrate:
+        machine = load_calibrated(machine, args.calibrate)
     graph = load_network(args.network).lower(batch=args.batch)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     reports = []
