@@ -186,7 +186,7 @@ def build_plan(
     homes = _homes(graph, pieces)
     if resident_homes:
         homes.update((name, home) for name, home in resident_homes.items() if name in homes)
-    units = _task_units(graph)
+    units = task_rows(graph)
     layouts: dict[str, Layout] = dict(homes)
     copies = Copies()
     plans = []
@@ -245,7 +245,7 @@ def _homes(graph: TaskGraph, pieces: Mapping[str, PieceSet]) -> dict[str, Layout
     return homes
 
 
-def _task_units(graph: TaskGraph) -> dict[str, str]:
+def task_rows(graph: TaskGraph) -> dict[str, str]:
     """The table row of every task: its unit, or for helpers the unit of the task they serve."""
     out: dict[str, str] = {}
     for unit in find_units(graph):

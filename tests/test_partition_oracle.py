@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from random_networks import networks, strategies
+from plan_cases import networks, strategies
 
 import partitioner.pieces as pieces_module
 from legion_nn.access import piece_requirements

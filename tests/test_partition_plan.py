@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from random_networks import networks
+from plan_cases import networks
 
 from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.networks import load_network

@@ -1,4 +1,4 @@
-"""Random small networks for property tests of the partitioner (hypothesis strategies)."""
+"""Networks for partitioner tests: random small chains (hypothesis strategies) and a branching one."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ from hypothesis import reject
 from hypothesis import strategies as st
 
 from legion_nn.errors import ShapeError
+from legion_nn.graph import TaskGraph
 from legion_nn.layers import Evaluate, Filter, FilterA, FilterNL, Linear, MaxPool, Softmax
+from legion_nn.lowering import Lowering
 from legion_nn.network import Network
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
 from partitioner.strategy import Strategy, factorizations, find_units
 
 
@@ -47,3 +51,31 @@ def strategies(draw, graph, nranks: int) -> Strategy:
             st.sampled_from(factorizations(unit.extents, unit.splittable, nranks))
         )
     return Strategy("random", grids)
+
+
+def two_headed(batch: int = 4) -> TaskGraph:
+    """A trunk feeding two heads, a classifier and an auxiliary one (as in GoogLeNet): not a chain.
+
+    The Network API is sequential, so this drives the lowering by hand, each layer lowering onto
+    the tensor it is given; the trunk's output gradient gathers both heads' contributions."""
+    ctx = Lowering("two-headed", batch)
+    dims = (batch, 1, 12, 12)
+    x = ctx.tensor("data.raw_output", dims, "data")
+    ctx.labels = ctx.tensor("data.labels_output", (batch, 1, 1, 1), "data", dtype="int32")
+    bindings = [("raw_data", x, Privilege.WRITE), ("labels", ctx.labels, Privilege.WRITE)]
+    ctx.task("data", "data", "forward", Rect.from_dims(dims), bindings, "data")
+
+    def stack(layers, x, shape):
+        for layer in layers:
+            x, shape = layer.lower(ctx, x, shape), layer.out_shape(shape)
+        return x, shape
+
+    def block(name: str) -> list:
+        conv = Filter(name, out_channels=4, kernel=3, untied=False, stride=1, pad=1)
+        return [conv, FilterA(name), FilterNL(name, fn="relu")]
+
+    trunk, shape = stack(block("L0"), x, (1, 12, 12))
+    head = [Linear("classifier", out=5), Softmax("classifier"), Evaluate("classifier")]
+    stack(block("L1") + head, trunk, shape)
+    stack(block("L2") + [Linear("aux", out=5), Softmax("aux")], trunk, shape)
+    return ctx.finish()
