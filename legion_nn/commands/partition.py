@@ -55,8 +55,13 @@ def _strategy(graph, name: str, nranks: int, machine, time_limit: float):
             for c in result.choices
         ]
         return result.strategy, why
-    if name in BUILTIN or not name.endswith(".json"):
+    if name in BUILTIN:
         return builtin(graph, name, nranks), None
+    if not name.endswith(".json"):
+        raise LegionNNError(
+            f"--strategy: unknown strategy {name!r}; choose one of "
+            f"{', '.join(BUILTIN + ('auto',))}, or a JSON file of grids"
+        )
     try:
         with open(name) as handle:
             spec = json.load(handle)
@@ -64,7 +69,10 @@ def _strategy(graph, name: str, nranks: int, machine, time_limit: float):
         raise LegionNNError(f"{name}: not JSON ({exc.msg})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
         raise LegionNNError(f'{name}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
-    return from_grids(graph, spec["grids"], nranks), None
+    try:
+        return from_grids(graph, spec["grids"], nranks), None
+    except LegionNNError as exc:
+        raise LegionNNError(f"{name}: {exc}") from None
 
 
 def _ranks_list(text: str) -> list[int]:
@@ -91,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
+    if args.ranks is not None and args.ranks < 1:
+        raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
+    if not args.time_limit >= 0:
+        raise LegionNNError(f"--time-limit must be at least 0 seconds, got {args.time_limit}")
     if args.plot and not args.sweep:
         raise LegionNNError("--plot draws a sweep; give --sweep LIST too")
     if args.ranks is None and not args.sweep:
