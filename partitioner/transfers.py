@@ -70,12 +70,10 @@ class TransferSet:
         for b in blocks:
             ptr = b.dst_ptr.tolist()
             dsts = b.dsts.tolist()
-            for i, (lo, hi, src, nbytes) in enumerate(
-                zip(b.lo.tolist(), b.hi.tolist(), b.src.tolist(), b.nbytes.tolist())
-            ):
-                rect = boxes.to_rect(lo, hi)
+            rects = boxes.to_rects(b.lo, b.hi)
+            for i, (rect, src, nbytes) in enumerate(zip(rects, b.src.tolist(), b.nbytes.tolist())):
                 made.append(
-                    Transfer(
+                    _transfer(
                         b.tensor, rect, src, tuple(dsts[ptr[i] : ptr[i + 1]]), nbytes, b.reduce
                     )
                 )
@@ -111,6 +109,16 @@ class TransferSet:
                 )
             )
         return cls(blocks)
+
+
+def _transfer(
+    tensor: str, rect: Rect, src: int, dsts: tuple[int, ...], nbytes: int, reduce: bool
+) -> Transfer:
+    """A Transfer without the frozen dataclass's per-field `object.__setattr__` (this runs once
+    per message when a plan of many ranks is read as objects)."""
+    made = object.__new__(Transfer)
+    made.__dict__.update(tensor=tensor, rect=rect, src=src, dsts=dsts, nbytes=nbytes, reduce=reduce)
+    return made
 
 
 def link_loads(

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_cases import networks
 
+import partitioner.verify_plan as verify_module
 from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
-from partitioner.plan import build_plan
+from partitioner.plan import Transfer, build_plan
 from partitioner.strategy import Strategy, builtin, factorizations, find_units, from_grids
-from partitioner.verify_plan import verify_plan
+from partitioner.verify_plan import PAIRWISE, verify_plan
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +123,30 @@ def test_random_networks_grids_and_rank_counts_verify(graph, nranks, data):
         grids[unit.name] = data.draw(st.sampled_from(choices))
     plan = build_plan(graph, Strategy("random", grids), nranks)
     verify_plan(graph, plan)
+    with mock.patch.object(verify_module, "PAIRWISE", 0):  # every check by counting
+        verify_plan(graph, plan)
+
+
+def test_verify_plan_counts_the_many_parts_of_a_transpose(lcn):
+    # features split 32 ways, then softmax over batch rows: each rank gets 32 parts of its rows
+    plan = build_plan(lcn, builtin(lcn, "model", 32), 32)
+    softmax = task_plan(plan, "classifier.softmax")
+    to_rank0 = [t for t in softmax.transfers if 0 in t.dsts]
+    assert len(to_rank0) > PAIRWISE
+    verify_plan(lcn, plan)
+    softmax.transfers.append(to_rank0[0])
+    with pytest.raises(
+        VerifyError, match="rank 0 receives part of classifier.linear1.output twice"
+    ):
+        verify_plan(lcn, plan)
+    softmax.transfers.pop()
+    softmax.transfers.remove(to_rank0[-1])
+    with pytest.raises(VerifyError, match="rank 0 lacks part"):
+        verify_plan(lcn, plan)
+    softmax.transfers.append(to_rank0[-1])
+    # rank 0's own rows of its own features: it reads them and holds them
+    rows, own = to_rank0[0].rect, next(t for t in softmax.transfers if t.src == 0).rect
+    part = Rect((rows.lo[0], own.lo[1], 0, 0), (rows.hi[0], own.hi[1], 1, 1))
+    softmax.transfers.append(Transfer("classifier.linear1.output", part, 1, (0,), 4))
+    with pytest.raises(VerifyError, match="rank 0 is sent .* which it holds"):
+        verify_plan(lcn, plan)
