@@ -36,11 +36,18 @@ def from_rects(rects: Sequence[Rect], ndim: int) -> tuple[np.ndarray, np.ndarray
 
 def volumes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Elements of each box (0 for an empty one)."""
-    return np.prod(np.maximum(hi - lo, 0), axis=1, dtype=INDEX)
+    # column by column: several times faster than np.prod(axis=1) over a few short rows
+    out = np.ones(len(lo), INDEX)
+    for d in range(lo.shape[1]):
+        out *= np.maximum(hi[:, d] - lo[:, d], 0)
+    return out
 
 
 def nonempty(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    return np.all(hi > lo, axis=1)
+    out = np.ones(len(lo), bool)
+    for d in range(lo.shape[1]):
+        out &= hi[:, d] > lo[:, d]
+    return out
 
 
 def to_rect(lo: Sequence[int], hi: Sequence[int]) -> Rect:
@@ -112,20 +119,35 @@ def grid_overlaps(
         last = np.minimum(np.searchsorted(dim_cuts, hi[:, d], side="left"), len(dim_cuts) - 1)
         first.append(f)
         count.append(np.maximum(last - f, 0))
-    per_box = np.prod(np.stack(count), axis=0, dtype=INDEX) * nonempty(lo, hi)
+    per_box = nonempty(lo, hi).astype(INDEX)
+    for k in count:
+        per_box *= k
     box = np.repeat(np.arange(n, dtype=INDEX), per_box)
-    local = np.arange(len(box), dtype=INDEX) - np.repeat(np.cumsum(per_box) - per_box, per_box)
     strides = grid_strides(cuts)
-    cell = np.zeros(len(box), INDEX)
+    start = np.zeros(n, INDEX)
     part_lo = np.empty((len(box), ndim), INDEX)
     part_hi = np.empty((len(box), ndim), INDEX)
+    local = None
     for d in range(ndim - 1, -1, -1):
+        if count[d].max(initial=0) <= 1:
+            # one cell along d for every box: per-box arithmetic, gathered once
+            start += first[d] * strides[d]
+            part_lo[:, d] = np.maximum(cuts[d][first[d]], lo[:, d])[box]
+            upper = cuts[d][np.minimum(first[d] + 1, len(cuts[d]) - 1)]
+            part_hi[:, d] = np.minimum(upper, hi[:, d])[box]
+            continue
+        if local is None:
+            local = np.arange(len(box), dtype=INDEX) - np.repeat(
+                np.cumsum(per_box) - per_box, per_box
+            )
+            cell = np.zeros(len(box), INDEX)
         k = count[d][box]
         index = first[d][box] + local % k
         local //= k
         cell += index * strides[d]
         part_lo[:, d] = np.maximum(cuts[d][index], lo[box, d])
         part_hi[:, d] = np.minimum(cuts[d][index + 1], hi[box, d])
+    cell = start[box] + (cell if local is not None else 0)
     return box, cell, part_lo, part_hi
 
 

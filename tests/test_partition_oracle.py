@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from itertools import product
 from unittest import mock
 
 import numpy as np
@@ -34,6 +35,7 @@ from legion_nn.ir import Task
 from legion_nn.networks import load_network
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from partitioner import boxes
 from partitioner.accounting import flops_per_element
 from partitioner.cost import plan_cost, reduction_cost
 from partitioner.machine import Machine
@@ -325,3 +327,40 @@ def test_a_map_that_is_not_separable_is_called_per_piece():
     ]
     assert got == expected
     assert len(calls) >= 16
+
+
+@st.composite
+def cuts_and_boxes(draw):
+    ndim = draw(st.integers(1, 3))
+    cuts = [
+        np.array(sorted(draw(st.sets(st.integers(0, 12), min_size=0, max_size=5))), np.int64)
+        for _ in range(ndim)
+    ]
+    count = draw(st.integers(0, 6))
+    lo = np.array(draw(st.lists(st.lists(st.integers(-2, 13), min_size=ndim, max_size=ndim),
+                                min_size=count, max_size=count)), np.int64).reshape(count, ndim)  # fmt: skip
+    size = np.array(draw(st.lists(st.lists(st.integers(-1, 8), min_size=ndim, max_size=ndim),
+                                  min_size=count, max_size=count)), np.int64).reshape(count, ndim)  # fmt: skip
+    return cuts, lo, lo + size
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=cuts_and_boxes())
+def test_grid_overlaps_enumerates_every_cell_a_box_meets_in_order(case):
+    cuts, lo, hi = case
+    expected = []
+    shape = [max(len(c) - 1, 0) for c in cuts]
+    for b in range(len(lo)):
+        if not (hi[b] > lo[b]).all():
+            continue
+        for index, cell in enumerate(product(*[range(n) for n in shape])):
+            part_lo = [max(c[i], v) for c, i, v in zip(cuts, cell, lo[b])]
+            part_hi = [min(c[i + 1], v) for c, i, v in zip(cuts, cell, hi[b])]
+            if all(a < z for a, z in zip(part_lo, part_hi)):
+                expected.append((b, index, tuple(part_lo), tuple(part_hi)))
+    box, cell, part_lo, part_hi = boxes.grid_overlaps(cuts, lo, hi)
+    got = [
+        (b, c, tuple(a), tuple(z))
+        for b, c, a, z in zip(box.tolist(), cell.tolist(), part_lo.tolist(), part_hi.tolist())
+    ]
+    assert got == expected
