@@ -97,7 +97,7 @@ def _with_rect(req: Requirement, rect: Rect) -> Requirement:
     )
 
 
-def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int], probe: bool = True) -> PieceSet:
+def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
     """The non-empty cells of `grid` over `task`'s space, cell i on rank i."""
     space = task.space
     bounds = [
@@ -111,7 +111,7 @@ def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int], probe: bool =
     lo, hi, coords = lo[keep], hi[keep], coords[:, keep]
     dims = {req.role: graph.tensors[req.tensor].dims for req in task.requirements}
     rects = None
-    if probe and len(ranks) > DIRECT_LIMIT:
+    if len(ranks) > DIRECT_LIMIT:
         rects = _probed(task, dims, bounds, coords, lo, hi)
     if rects is None:
         rects = _direct(task, dims, lo, hi)
@@ -178,7 +178,7 @@ def _probed(
                 continue
             piece_lo, piece_hi = list(space.lo), list(space.hi)
             piece_lo[d], piece_hi[d] = part_lo, part_hi
-            probes[d].append(fn(task.attrs, dims, Rect(tuple(piece_lo), tuple(piece_hi))))
+            probes[d].append(fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi)))
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
         role_lo = np.full((len(lo), ndim), np.iinfo(boxes.INDEX).min, boxes.INDEX)
