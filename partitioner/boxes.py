@@ -157,3 +157,14 @@ def csr(groups: np.ndarray, values: np.ndarray, ngroups: int) -> tuple[np.ndarra
     ptr = np.zeros(ngroups + 1, INDEX)
     np.cumsum(np.bincount(groups, minlength=ngroups), out=ptr[1:])
     return ptr, values[order]
+
+
+def gather_ragged(
+    ptr: np.ndarray, values: np.ndarray, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ragged array of rows `rows` of the ragged array (`ptr`, `values`)."""
+    counts = ptr[rows + 1] - ptr[rows]
+    out_ptr = np.zeros(len(rows) + 1, INDEX)
+    np.cumsum(counts, out=out_ptr[1:])
+    index = np.repeat(ptr[rows] - out_ptr[:-1], counts) + np.arange(out_ptr[-1], dtype=INDEX)
+    return out_ptr, values[index]

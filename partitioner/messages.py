@@ -20,7 +20,6 @@ import numpy as np
 from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.layout import Layout
-from partitioner.pieces import gather_ragged
 from partitioner.transfers import TransferBlock
 
 Fail = Callable[[str], Exception]
@@ -113,7 +112,7 @@ def fetch(
     owner_of = np.repeat(np.arange(len(reads)), counts)
     np.cumsum(np.bincount(owner_of[fresh], minlength=len(reads)), out=fresh_ptr[1:])
     fresh_ranks = reads.ranks[fresh]
-    pair_ptr, readers = gather_ragged(fresh_ptr, fresh_ranks, box)
+    pair_ptr, readers = boxes.gather_ragged(fresh_ptr, fresh_ranks, box)
     pair_of = np.repeat(np.arange(len(box), dtype=boxes.INDEX), np.diff(pair_ptr))
     away = ~_holds(layout, cell[pair_of], readers)
     dsts = readers[away]
@@ -185,7 +184,7 @@ def combine(
     # 2. differing parts, into cells with one holder: every contributor sends its part
     split = ~equal & (holders_per == 1)
     pairs = np.flatnonzero(split[group])
-    pair_ptr, senders = gather_ragged(contributions.ptr, contributions.ranks, box[pairs])
+    pair_ptr, senders = boxes.gather_ragged(contributions.ptr, contributions.ranks, box[pairs])
     pair_of = np.repeat(pairs, np.diff(pair_ptr))
     position = np.arange(len(pair_of), dtype=boxes.INDEX)
     keep = senders != owner[group[pair_of]]
@@ -259,7 +258,7 @@ def _partial_sums(
     np.cumsum(fanout, out=ptr[1:])
     order = np.lexsort((position, group))
     fanout = fanout[order]
-    dst_ptr, dsts = gather_ragged(ptr, dsts_of, order)
+    dst_ptr, dsts = boxes.gather_ragged(ptr, dsts_of, order)
     lo, hi = part_lo[part[order]], part_hi[part[order]]
     return TransferBlock(
         tensor,

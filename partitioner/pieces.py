@@ -245,7 +245,7 @@ def _home_cells(home: Layout, rect: Rect, requirements: tuple[Requirement, ...])
     _, cells, part_lo, part_hi = boxes.grid_overlaps(home.cut_arrays, lo, hi)
     held = home.holder_count[cells] > 0
     cells, part_lo, part_hi = cells[held], part_lo[held], part_hi[held]
-    ptr, ranks = gather_ragged(home.holder_ptr, home.holder_ranks, cells)
+    ptr, ranks = boxes.gather_ragged(home.holder_ptr, home.holder_ranks, cells)
     return PieceSet(
         part_lo,
         part_hi,
@@ -255,14 +255,3 @@ def _home_cells(home: Layout, rect: Rect, requirements: tuple[Requirement, ...])
         [part_lo] * len(requirements),
         [part_hi] * len(requirements),
     )
-
-
-def gather_ragged(
-    ptr: np.ndarray, values: np.ndarray, rows: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The ragged array of rows `rows` of the ragged array (`ptr`, `values`)."""
-    counts = ptr[rows + 1] - ptr[rows]
-    out_ptr = np.zeros(len(rows) + 1, boxes.INDEX)
-    np.cumsum(counts, out=out_ptr[1:])
-    index = np.repeat(ptr[rows] - out_ptr[:-1], counts) + np.arange(out_ptr[-1], dtype=boxes.INDEX)
-    return out_ptr, values[index]
