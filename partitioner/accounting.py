@@ -114,8 +114,10 @@ def task_flops(graph: TaskGraph, plan: Plan) -> dict[str, dict[int, float]]:
     return out
 
 
-def memory_by_unit(graph: TaskGraph, plan: Plan) -> dict[str, np.ndarray]:
-    """Bytes each rank holds over the step, per table row (see the module docstring)."""
+def memory_by_unit(graph: TaskGraph, plan: Plan, once: bool = True) -> dict[str, np.ndarray]:
+    """Bytes each rank holds over the step, per table row (see the module docstring).
+
+    With `once` false a part received twice counts twice: a quicker upper bound."""
     n = plan.nranks
     rows: dict[str, np.ndarray] = {}
     owner: dict[str, str] = {}
@@ -148,7 +150,11 @@ def memory_by_unit(graph: TaskGraph, plan: Plan) -> dict[str, np.ndarray]:
             for rect, holders in reduction.targets:
                 row[list(holders)] -= rect.volume * reduction.itemsize
     for found in received.values():
-        _count_copies(found, rows, n)
+        if once:
+            _count_copies(found, rows, n)
+            continue
+        for unit, block in found:
+            rows[unit] += _per_rank(block.dsts, np.repeat(block.nbytes, block.fanout), n)
     return rows
 
 
@@ -180,3 +186,15 @@ def memory_per_rank(graph: TaskGraph, plan: Plan) -> dict[int, int]:
     for row in memory_by_unit(graph, plan).values():
         total += row
     return dict(enumerate(total.tolist()))
+
+
+def fits(graph: TaskGraph, plan: Plan, capacity: float) -> bool:
+    """Whether every rank's memory (`memory_per_rank`) is within `capacity` bytes; the exact
+    count is made only when the quick upper bound does not settle it."""
+    for once in (False, True):
+        total = np.zeros(plan.nranks, boxes.INDEX)
+        for row in memory_by_unit(graph, plan, once).values():
+            total += row
+        if total.max(initial=0) <= capacity:
+            return True
+    return False

@@ -65,7 +65,7 @@ class PlanCost:
 
     @property
     def step_seconds(self) -> float:
-        return sum(t.seconds for t in self.tasks)
+        return step_seconds(self.tasks)
 
     @property
     def bytes_sent(self) -> int:
@@ -80,10 +80,20 @@ class PlanCost:
         return self.memory_max <= self.machine.memory_bytes
 
     def unit_seconds(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for task in self.tasks:
-            out[task.unit] += task.seconds
-        return dict(out)
+        return unit_seconds(self.tasks)
+
+
+def step_seconds(tasks: list[TaskCost]) -> float:
+    """The step is bulk synchronous: the sum of its tasks."""
+    return sum(t.seconds for t in tasks)
+
+
+def unit_seconds(tasks: list[TaskCost]) -> dict[str, float]:
+    """Predicted seconds per table row."""
+    out: dict[str, float] = defaultdict(float)
+    for task in tasks:
+        out[task.unit] += task.seconds
+    return dict(out)
 
 
 def transfers_time(transfers: Iterable[Transfer], machine: Machine) -> float:
@@ -138,6 +148,16 @@ def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
 
 
 def plan_cost(graph: TaskGraph, plan: Plan, machine: Machine) -> PlanCost:
+    by_unit = memory_by_unit(graph, plan)
+    total = np.zeros(plan.nranks, np.int64)
+    for row in by_unit.values():
+        total += row
+    costs = task_costs(graph, plan, machine)
+    return PlanCost(costs, dict(enumerate(total.tolist())), machine, by_unit)
+
+
+def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]:
+    """The predicted cost of every task, without the memory accounting."""
     n = plan.nranks
     costs = []
     for task, task_plan, per_rank in zip(graph.tasks, plan.tasks, flops_per_rank(graph, plan)):
@@ -164,8 +184,4 @@ def plan_cost(graph: TaskGraph, plan: Plan, machine: Machine) -> PlanCost:
                 comm,
             )
         )
-    by_unit = memory_by_unit(graph, plan)
-    total = np.zeros(n, np.int64)
-    for row in by_unit.values():
-        total += row
-    return PlanCost(costs, dict(enumerate(total.tolist())), machine, by_unit)
+    return costs

@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 
 from legion_nn.graph import TaskGraph
-from partitioner.cost import PlanCost, plan_cost
+from partitioner.accounting import fits
+from partitioner.cost import step_seconds, task_costs, unit_seconds
 from partitioner.coupling import is_chain
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
@@ -75,32 +76,46 @@ class SearchResult:
     note: str
 
 
+@dataclass(frozen=True)
+class Priced:
+    """What the search keeps of a costed plan."""
+
+    unit_seconds: dict[str, float]
+    step_seconds: float
+    feasible: bool
+
+
 class _Pricer:
     """Plans and costs strategies given as one family per unit, each distinct set of grids once."""
 
     def __init__(self, graph: TaskGraph, units: list[Unit], nranks: int, machine: Machine):
         self.graph, self.units, self.nranks, self.machine = graph, units, nranks, machine
         self.cache = PieceCache(graph)
-        self._costs: dict[tuple[Grid, ...], PlanCost] = {}
+        self._found: dict[tuple[Grid, ...], Priced] = {}
 
     def strategy(self, families: list[str]) -> Strategy:
         grids = {u.name: family_grid(u, f, self.nranks) for u, f in zip(self.units, families)}
         return Strategy("auto", grids)
 
-    def price(self, families: list[str]) -> PlanCost:
+    def price(self, families: list[str]) -> Priced:
         strategy = self.strategy(families)
         key = tuple(strategy.unit_grids[u.name] for u in self.units)
-        if key not in self._costs:
+        if key not in self._found:
             plan = build_plan(self.graph, strategy, self.nranks, cache=self.cache)
-            self._costs[key] = plan_cost(self.graph, plan, self.machine)
-        return self._costs[key]
+            costs = task_costs(self.graph, plan, self.machine)
+            self._found[key] = Priced(
+                unit_seconds(costs),
+                step_seconds(costs),
+                fits(self.graph, plan, self.machine.memory_bytes),
+            )
+        return self._found[key]
 
     @property
     def priced(self) -> int:
-        return len(self._costs)
+        return len(self._found)
 
 
-def _rank(cost: PlanCost) -> tuple[bool, float]:
+def _rank(cost: Priced) -> tuple[bool, float]:
     """Sort key: plans that fit in memory first, then by predicted step."""
     return (not cost.feasible, cost.step_seconds)
 
@@ -114,8 +129,8 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
     else:
         families, note = _local_search(pricer, deadline)
     strategy = pricer.strategy(families)
-    final = pricer.price(families).unit_seconds()
-    data = pricer.price(["data"] * len(units)).unit_seconds()
+    final = pricer.price(families).unit_seconds
+    data = pricer.price(["data"] * len(units)).unit_seconds
     choices = [
         Choice(
             u.name, f, strategy.unit_grids[u.name], final.get(u.name, 0.0), data.get(u.name, 0.0)
@@ -136,7 +151,7 @@ def _chain_dp(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
             break
         families = [FAMILIES[x] if i % 2 == 0 else FAMILIES[y] for i in range(len(units))]
         cost = pricer.price(families)
-        priced[(x, y)] = cost.unit_seconds()
+        priced[(x, y)] = cost.unit_seconds
         feasible[(x, y)] = cost.feasible
 
     def unit_cost(i: int, prev: int | None, own: int) -> float:
@@ -183,7 +198,7 @@ def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
     while time.monotonic() <= deadline:
         passes += 1
         changed = False
-        seconds = best.unit_seconds()
+        seconds = best.unit_seconds
         for i in sorted(range(n), key=lambda i: -seconds.get(pricer.units[i].name, 0.0)):
             grid = family_grid(pricer.units[i], current[i], pricer.nranks)
             for family in FAMILIES:

@@ -10,6 +10,7 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
+from partitioner.accounting import fits, memory_by_unit, memory_per_rank
 from partitioner.cost import plan_cost, reduction_cost
 from partitioner.machine import Machine, calibrate, load_machine, machine_from_json
 from partitioner.plan import Reduction, build_plan
@@ -217,3 +218,17 @@ def test_partition_calibrate_flag(tmp_path, capsys):
     bench.write_text(json.dumps({"results": [_row("forward", True, 64, 1.0, impl="numpy")]}))
     assert main([*args, str(bench)]) == 2
     assert "no legion-nn filter measurements" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["data", "model", "spatial"])
+def test_fits_agrees_with_the_exact_memory_count(name):
+    graph = load_network("seed-lcn-small").lower(batch=8)
+    plan = build_plan(graph, builtin(graph, name, 4), 4)
+    exact = max(memory_per_rank(graph, plan).values())
+    bound = max(
+        sum(rows)
+        for rows in zip(*(r.tolist() for r in memory_by_unit(graph, plan, False).values()))
+    )
+    assert bound >= exact
+    for capacity in (exact - 1, exact, (exact + bound) // 2, bound):
+        assert fits(graph, plan, capacity) == (exact <= capacity)
