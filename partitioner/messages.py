@@ -254,11 +254,14 @@ def _partial_sums(
     dsts_of = np.concatenate(
         (single[:, 4], np.array([d for r in records for d in r[4]], boxes.INDEX))
     )
-    ptr = np.zeros(len(fanout) + 1, boxes.INDEX)
-    np.cumsum(fanout, out=ptr[1:])
-    order = np.lexsort((position, group))
-    fanout = fanout[order]
-    dst_ptr, dsts = boxes.gather_ragged(ptr, dsts_of, order)
+    span = int(position.max(initial=0)) + 1
+    order = np.argsort(group * span + position, kind="stable")
+    if records:
+        ptr = np.zeros(len(fanout) + 1, boxes.INDEX)
+        np.cumsum(fanout, out=ptr[1:])
+        dst_ptr, dsts = boxes.gather_ragged(ptr, dsts_of, order)
+    else:  # one destination each
+        dst_ptr, dsts = np.arange(len(order) + 1, dtype=boxes.INDEX), dsts_of[order]
     lo, hi = part_lo[part[order]], part_hi[part[order]]
     return TransferBlock(
         tensor,
