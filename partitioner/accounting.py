@@ -9,8 +9,17 @@ none (they are memory traffic, a blind spot of the model); an update counts per 
 
 Memory per rank is everything the rank holds at any point of the step, with no reuse: its cells of
 every tensor's layouts (activations, gradients, the homes of data, parameters, their gradients and
-optimizer state, replicated or not) plus the parts it receives for a read and the partial sums it
-holds for a reduction into a rect it does not own. This bounds the peak from above.
+optimizer state, replicated or not) plus the parts it receives for a read (once per tensor, rect
+and rank over the step) and the partial sums it holds for a reduction into a rect it does not own.
+This bounds the peak from above.
+
+Memory per layer splits that sum by table row (`memory_by_unit`), so the rows of a rank add up to
+its total: a tensor's cells count in the row of the first task that touches it (an activation in
+its producer's row; a parameter, its gradient and its optimizer state in the row of the layer that
+reads it; an activation's gradient in the row whose backward first adds into it, i.e. of its
+consumer; the loaded data in `data`), and received parts and partial sums in the row of the task
+that receives or sends them. A row's max and mean are over ranks, so the rows' maxima need not add
+up to the step's.
 """
 
 from __future__ import annotations
@@ -18,8 +27,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+import numpy as np
+
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
+from partitioner import boxes
 from partitioner.plan import Plan
 
 UPDATE_FLOPS = {"sgd": 2, "momentum": 4, "adam": 10}
@@ -74,53 +86,115 @@ def flops_per_element(task: Task, graph: TaskGraph) -> float:
     return float(fn(task, graph)) if fn else DEFAULT_FLOPS
 
 
+def flops_per_rank(graph: TaskGraph, plan: Plan) -> list[np.ndarray]:
+    """FLOPs of every task (in `plan.tasks` order) on each of the plan's ranks."""
+    out = []
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        per = flops_per_element(task, graph)
+        ranks = np.zeros(plan.nranks)
+        if per:
+            for pieces in task_plan.piece_sets:
+                work = per * pieces.volumes().astype(float)
+                ranks += np.bincount(
+                    pieces.ranks,
+                    weights=np.repeat(work, np.diff(pieces.rank_ptr)),
+                    minlength=plan.nranks,
+                )
+        out.append(ranks)
+    return out
+
+
 def task_flops(graph: TaskGraph, plan: Plan) -> dict[str, dict[int, float]]:
     """FLOPs of every task on every rank that computes part of it."""
     out: dict[str, dict[int, float]] = {}
-    for task, task_plan in zip(graph.tasks, plan.tasks):
-        per = flops_per_element(task, graph)
-        ranks: dict[int, float] = defaultdict(float)
-        if per:
-            for piece in task_plan.pieces:
-                work = per * piece.rect.volume
-                for rank in piece.ranks:
-                    ranks[rank] += work
-        out[task.name] = dict(ranks)
+    for task, task_plan, ranks in zip(graph.tasks, plan.tasks, flops_per_rank(graph, plan)):
+        working = np.unique(np.concatenate([p.ranks for p in task_plan.piece_sets] or [[]]))
+        working = working.astype(boxes.INDEX) if flops_per_element(task, graph) else working[:0]
+        out[task.name] = dict(zip(working.tolist(), ranks[working].tolist()))
     return out
+
+
+def memory_by_unit(graph: TaskGraph, plan: Plan, once: bool = True) -> dict[str, np.ndarray]:
+    """Bytes each rank holds over the step, per table row (see the module docstring).
+
+    With `once` false a part received twice counts twice: a quicker upper bound."""
+    n = plan.nranks
+    rows: dict[str, np.ndarray] = {}
+    owner: dict[str, str] = {}
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        rows.setdefault(task_plan.unit, np.zeros(n, boxes.INDEX))
+        for req in task.requirements:
+            owner.setdefault(req.tensor, task_plan.unit)
+
+    def hold(name: str, layout) -> None:
+        volume = layout.volume_per_rank(n) * graph.tensors[name].itemsize
+        rows.setdefault(owner.get(name, "data"), np.zeros(n, boxes.INDEX))
+        rows[owner.get(name, "data")] += volume
+
+    for name, layout in plan.layouts.items():
+        hold(name, layout)
+    for name, layout in plan.homes.items():
+        if name not in plan.layouts or plan.layouts[name] is not layout:
+            hold(name, layout)
+    received: dict[str, list[tuple[str, object]]] = defaultdict(list)
+    for task_plan in plan.tasks:
+        for block in task_plan.transfer_set.blocks:
+            if block.reduce:
+                rows[task_plan.unit] += _per_rank(block.src, block.nbytes, n)
+            elif len(block):
+                received[block.tensor].append((task_plan.unit, block))
+        for reduction in task_plan.reductions:
+            # a participant holds the partial sum of every target it does not own
+            row = rows[task_plan.unit]
+            row[list(reduction.participants)] += reduction.nbytes
+            for rect, holders in reduction.targets:
+                row[list(holders)] -= rect.volume * reduction.itemsize
+    for found in received.values():
+        if once:
+            _count_copies(found, rows, n)
+            continue
+        for unit, block in found:
+            rows[unit] += _per_rank(block.dsts, np.repeat(block.nbytes, block.fanout), n)
+    return rows
+
+
+def _count_copies(found: list[tuple[str, object]], rows: dict[str, np.ndarray], n: int) -> None:
+    """Add the parts of one tensor each rank receives, once per (rect, rank), to the row of the
+    first task that brings them."""
+    lo = np.concatenate([b.lo for _, b in found])
+    hi = np.concatenate([b.hi for _, b in found])
+    ids, _ = boxes.first_seen_ids(np.concatenate((lo, hi), axis=1))
+    fanout = np.concatenate([b.fanout for _, b in found])
+    keys = np.repeat(ids, fanout) * n + np.concatenate([b.dsts for _, b in found])
+    _, first = np.unique(keys, return_index=True)
+    nbytes = np.repeat(np.concatenate([b.nbytes for _, b in found]), fanout)
+    sizes = np.cumsum([0] + [int(b.dst_ptr[-1]) for _, b in found])
+    which = np.searchsorted(sizes, first, side="right") - 1
+    dsts = keys[first] % n
+    for k, (unit, _) in enumerate(found):
+        mine = which == k
+        rows[unit] += _per_rank(dsts[mine], nbytes[first[mine]], n)
+
+
+def _per_rank(ranks: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
+    return np.bincount(ranks, weights=nbytes.astype(float), minlength=n).astype(boxes.INDEX)
 
 
 def memory_per_rank(graph: TaskGraph, plan: Plan) -> dict[int, int]:
     """Bytes each rank holds over the step (see the module docstring)."""
-    held: dict[int, int] = defaultdict(int)
-    for name, layout in plan.layouts.items():
-        itemsize = graph.tensors[name].itemsize
-        for rank, volume in layout.volumes_by_rank().items():
-            held[rank] += volume * itemsize
-    for name, layout in plan.homes.items():
-        if name not in plan.layouts or plan.layouts[name] is not layout:
-            itemsize = graph.tensors[name].itemsize
-            for rank, volume in layout.volumes_by_rank().items():
-                held[rank] += volume * itemsize
-    seen: set[tuple[str, object, int]] = set()
-    for task_plan in plan.tasks:
-        for transfer in task_plan.transfers:
-            if transfer.reduce:
-                continue
-            for dst in transfer.dsts:
-                key = (transfer.tensor, transfer.rect, dst)
-                if key not in seen:
-                    seen.add(key)
-                    held[dst] += transfer.nbytes
-        for transfer in task_plan.transfers:
-            if transfer.reduce:
-                held[transfer.src] += transfer.nbytes
-        for reduction in task_plan.reductions:
-            owned: dict[int, int] = defaultdict(int)
-            for rect, holders in reduction.targets:
-                for rank in holders:
-                    owned[rank] += rect.volume * reduction.itemsize
-            for rank in reduction.participants:
-                held[rank] += reduction.nbytes - owned[rank]
-    for rank in range(plan.nranks):
-        held.setdefault(rank, 0)
-    return dict(held)
+    total = np.zeros(plan.nranks, boxes.INDEX)
+    for row in memory_by_unit(graph, plan).values():
+        total += row
+    return dict(enumerate(total.tolist()))
+
+
+def fits(graph: TaskGraph, plan: Plan, capacity: float) -> bool:
+    """Whether every rank's memory (`memory_per_rank`) is within `capacity` bytes; the exact
+    count is made only when the quick upper bound does not settle it."""
+    for once in (False, True):
+        total = np.zeros(plan.nranks, boxes.INDEX)
+        for row in memory_by_unit(graph, plan, once).values():
+            total += row
+        if total.max(initial=0) <= capacity:
+            return True
+    return False

@@ -15,7 +15,9 @@
 - a plan is infeasible when some rank's memory (`accounting.memory_per_rank`) exceeds the machine's.
 
 Known blind spots: no overlap of communication with computation or between tasks (FlexFlow's
-simulator models it); every op runs at one throughput unless calibrated, and memory-bound ops
+simulator models it); every op runs at one throughput unless calibrated (`machine.py`: per pass of
+the filter from `legion-nn bench kernels`, at its mean over batch sizes, whatever a rank's piece
+size), and memory-bound ops
 (`set_zero`, elementwise, data loading) are counted as free or nearly; no network contention or
 topology beyond per-rank link load; data re-fetched by a later task is paid again; memory is a
 no-reuse upper bound on the peak.
@@ -25,12 +27,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from legion_nn.graph import TaskGraph
-from partitioner.accounting import memory_per_rank, task_flops
+from legion_nn.ir import Task
+from partitioner.accounting import flops_per_rank, memory_by_unit
 from partitioner.machine import Machine
 from partitioner.plan import Plan, Reduction, Transfer
+from partitioner.transfers import TransferBlock, TransferSet, link_loads
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,12 @@ class PlanCost:
     tasks: list[TaskCost]
     memory: dict[int, int]
     machine: Machine
+    #: bytes held per rank, by table row (`accounting.memory_by_unit`)
+    memory_by_unit: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def step_seconds(self) -> float:
-        return sum(t.seconds for t in self.tasks)
+        return step_seconds(self.tasks)
 
     @property
     def bytes_sent(self) -> int:
@@ -71,30 +80,35 @@ class PlanCost:
         return self.memory_max <= self.machine.memory_bytes
 
     def unit_seconds(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for task in self.tasks:
-            out[task.unit] += task.seconds
-        return dict(out)
+        return unit_seconds(self.tasks)
 
 
-def transfers_time(transfers: list[Transfer], machine: Machine) -> float:
+def step_seconds(tasks: list[TaskCost]) -> float:
+    """The step is bulk synchronous: the sum of its tasks."""
+    return sum(t.seconds for t in tasks)
+
+
+def unit_seconds(tasks: list[TaskCost]) -> dict[str, float]:
+    """Predicted seconds per table row."""
+    out: dict[str, float] = defaultdict(float)
+    for task in tasks:
+        out[task.unit] += task.seconds
+    return dict(out)
+
+
+def transfers_time(transfers: Iterable[Transfer], machine: Machine) -> float:
     """The busiest rank's time to move `transfers` (link-load model)."""
-    if not transfers:
+    blocks = TransferSet.from_transfers(transfers).blocks
+    ranks = [int(r) for b in blocks for r in (*b.src, *b.dsts)]
+    return blocks_time(blocks, machine, max(ranks, default=-1) + 1)
+
+
+def blocks_time(blocks: Iterable[TransferBlock], machine: Machine, nranks: int) -> float:
+    """`transfers_time` of the transfers in `blocks`, over ranks 0..nranks-1."""
+    sent, received, rounds = link_loads(blocks, nranks)
+    if not nranks or not rounds.any():
         return 0.0
-    sent: dict[int, float] = defaultdict(float)
-    received: dict[int, float] = defaultdict(float)
-    messages: dict[int, float] = defaultdict(float)
-    for t in transfers:
-        rounds = math.ceil(math.log2(len(t.dsts) + 1))
-        sent[t.src] += t.nbytes
-        messages[t.src] += rounds
-        for dst in t.dsts:
-            received[dst] += t.nbytes
-            messages[dst] += rounds
-    ranks = set(sent) | set(received)
-    return max(
-        messages[r] * machine.alpha + max(sent[r], received[r]) * machine.beta for r in ranks
-    )
+    return float(np.max(rounds * machine.alpha + np.maximum(sent, received) * machine.beta))
 
 
 def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
@@ -117,32 +131,57 @@ def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
 
+def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
+    """Seconds to compute `flops` of `task`, pass by pass (see `machine.py`)."""
+    variant = ""
+    passes = [(task.phase, 1.0)]
+    if task.op in ("filter", "conv"):
+        variant = "untied" if task.attrs.get("untied") else "tied"
+        if task.phase == "backward":
+            passes = [("backward_filter", 1.0)]
+            if task.attrs.get("need_dx", True):
+                passes = [("backward_data", 0.5), ("backward_filter", 0.5)]
+    rates = [(share, machine.flops_per_second(task.op, name, variant)) for name, share in passes]
+    if len({rate for _, rate in rates}) == 1:
+        return flops / rates[0][1]
+    return sum(flops * share / rate for share, rate in rates)
+
+
 def plan_cost(graph: TaskGraph, plan: Plan, machine: Machine) -> PlanCost:
-    flops = task_flops(graph, plan)
+    by_unit = memory_by_unit(graph, plan)
+    total = np.zeros(plan.nranks, np.int64)
+    for row in by_unit.values():
+        total += row
+    costs = task_costs(graph, plan, machine)
+    return PlanCost(costs, dict(enumerate(total.tolist())), machine, by_unit)
+
+
+def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]:
+    """The predicted cost of every task, without the memory accounting."""
+    n = plan.nranks
     costs = []
-    for task, task_plan in zip(graph.tasks, plan.tasks):
-        per_rank = flops[task.name]
-        busiest = max(per_rank.values(), default=0.0)
-        incoming = [t for t in task_plan.transfers if not t.reduce]
-        partial = [t for t in task_plan.transfers if t.reduce]
-        comm = transfers_time(incoming, machine) + transfers_time(partial, machine)
-        sent = sum(t.nbytes * len(t.dsts) for t in task_plan.transfers)
-        busy: dict[int, float] = defaultdict(float)
+    for task, task_plan, per_rank in zip(graph.tasks, plan.tasks, flops_per_rank(graph, plan)):
+        busiest = float(per_rank.max(initial=0.0))
+        blocks = task_plan.transfer_set.blocks
+        incoming = [b for b in blocks if not b.reduce]
+        partial = [b for b in blocks if b.reduce]
+        comm = blocks_time(incoming, machine, n) + blocks_time(partial, machine, n)
+        sent = sum(int(np.dot(b.nbytes, b.fanout)) for b in blocks)
+        busy = np.zeros(n)
         for reduction in task_plan.reductions:
             seconds, wire = reduction_cost(reduction, machine)
-            for rank in reduction.participants:
-                busy[rank] += seconds
+            busy[list(reduction.participants)] += seconds
             sent += wire
-        comm += max(busy.values(), default=0.0)
+        comm += float(busy.max(initial=0.0))
         costs.append(
             TaskCost(
                 task.name,
                 task_plan.unit,
                 busiest,
-                sum(per_rank.values()),
+                float(per_rank.sum()),
                 int(sent),
-                busiest / machine.flops_per_second(task.op),
+                compute_seconds(task, busiest, machine),
                 comm,
             )
         )
-    return PlanCost(costs, memory_per_rank(graph, plan), machine)
+    return costs

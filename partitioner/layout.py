@@ -7,43 +7,78 @@ may give several (a replicated parameter is one cell held by every rank).
 
 Finding the cells a rect overlaps is arithmetic: a bisection of the cuts per dim, then the product
 of the index ranges, so a message or a reduction is found without scanning other ranks' pieces.
+The holders are kept as a ragged array (`holder_ptr`, `holder_ranks`: the holders of cell i are
+`holder_ranks[holder_ptr[i]:holder_ptr[i + 1]]`, sorted), which the planner reads for many cells
+at once; `holders` is the same as a dict of tuples, built when first asked for.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import product
 
+import numpy as np
+
 from legion_nn.rect import Rect
+from partitioner import boxes
 
 
 class Layout:
-    def __init__(self, cuts: list[list[int]], holders: dict[int, tuple[int, ...]]) -> None:
-        self.cuts = cuts
-        self.holders = holders
-        self._strides = []
-        stride = 1
-        for dim_cuts in reversed(cuts):
-            self._strides.append(stride)
-            stride *= max(len(dim_cuts) - 1, 0)
-        self._strides.reverse()
+    def __init__(self, cuts: list[list[int]], holders: Mapping[int, tuple[int, ...]]) -> None:
+        arrays = [np.asarray(c, boxes.INDEX) for c in cuts]
+        ncells = int(np.prod(boxes.grid_shape(arrays), dtype=boxes.INDEX)) if arrays else 0
+        cells = np.array([i for i, h in holders.items() for _ in h], boxes.INDEX)
+        ranks = np.array([r for h in holders.values() for r in sorted(h)], boxes.INDEX)
+        ptr, flat = boxes.csr(cells, ranks, ncells)
+        self._init(arrays, ptr, flat)
+
+    def _init(self, cuts: list[np.ndarray], ptr: np.ndarray, ranks: np.ndarray) -> None:
+        self.cut_arrays = cuts
+        self.cuts = [c.tolist() for c in cuts]
+        self.holder_ptr = ptr
+        self.holder_ranks = ranks
+        self.holder_count = np.diff(ptr)
+        self.strides = boxes.grid_strides(cuts)
+        self._holders: dict[int, tuple[int, ...]] | None = None
+
+    @classmethod
+    def from_arrays(cls, ndim: int, ranks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> Layout:
+        """The layout where rank `ranks[i]` holds box i; empty boxes hold nothing."""
+        keep = boxes.nonempty(lo, hi)
+        ranks, lo, hi = ranks[keep], lo[keep], hi[keep]
+        cuts = [np.unique(np.concatenate((lo[:, d], hi[:, d]))) for d in range(ndim)]
+        box, cell, _, _ = boxes.grid_overlaps(cuts, lo, hi)
+        ncells = int(np.prod(boxes.grid_shape(cuts), dtype=boxes.INDEX))
+        span = int(ranks.max()) + 1 if len(ranks) else 1
+        pairs = np.unique(cell * span + ranks[box])
+        ptr = np.zeros(ncells + 1, boxes.INDEX)
+        np.cumsum(np.bincount(pairs // span, minlength=ncells), out=ptr[1:])
+        layout = cls.__new__(cls)
+        layout._init(cuts, ptr, pairs % span)
+        return layout
 
     @classmethod
     def from_pieces(cls, ndim: int, pieces: Iterable[tuple[int, Rect]]) -> Layout:
         """The layout where each (rank, rect) holds its rect; empty rects hold nothing."""
-        pieces = [(rank, rect) for rank, rect in pieces if not rect.is_empty()]
-        cut_sets: list[set[int]] = [set() for _ in range(ndim)]
-        for _, rect in pieces:
-            for d in range(ndim):
-                cut_sets[d].update((rect.lo[d], rect.hi[d]))
-        layout = cls([sorted(c) for c in cut_sets], {})
-        found: dict[int, list[int]] = {}
-        for rank, rect in pieces:
-            for index, _ in layout.cells(rect):
-                found.setdefault(index, []).append(rank)
-        layout.holders = {i: tuple(sorted(set(r))) for i, r in found.items()}
-        return layout
+        pieces = list(pieces)
+        lo, hi = boxes.from_rects([rect for _, rect in pieces], ndim)
+        return cls.from_arrays(ndim, np.array([r for r, _ in pieces], boxes.INDEX), lo, hi)
+
+    @property
+    def ncells(self) -> int:
+        return len(self.holder_count)
+
+    @property
+    def holders(self) -> dict[int, tuple[int, ...]]:
+        """Cell index -> its holders, for the cells held by anyone."""
+        if self._holders is None:
+            held = np.flatnonzero(self.holder_count)
+            starts = self.holder_ptr[held].tolist()
+            ends = self.holder_ptr[held + 1].tolist()
+            flat = self.holder_ranks.tolist()
+            self._holders = {i: tuple(flat[a:b]) for i, a, b in zip(held.tolist(), starts, ends)}
+        return self._holders
 
     def cell_rect(self, coords: tuple[int, ...]) -> Rect:
         return Rect(
@@ -60,8 +95,9 @@ class Layout:
             lo, hi = rect.lo[d], rect.hi[d]
             first = max(bisect_right(dim_cuts, lo) - 1, 0)
             last = min(bisect_left(dim_cuts, hi), len(dim_cuts) - 1)
+            stride = int(self.strides[d])
             spans = [
-                (i * self._strides[d], max(dim_cuts[i], lo), min(dim_cuts[i + 1], hi))
+                (i * stride, max(dim_cuts[i], lo), min(dim_cuts[i + 1], hi))
                 for i in range(first, last)
             ]
             spans = [span for span in spans if span[1] < span[2]]
@@ -71,33 +107,33 @@ class Layout:
         for combo in product(*per_dim):
             yield (
                 sum(s[0] for s in combo),
-                _trusted_rect(tuple(s[1] for s in combo), tuple(s[2] for s in combo)),
+                boxes.to_rect(tuple(s[1] for s in combo), tuple(s[2] for s in combo)),
             )
 
     def held(self, rect: Rect) -> Iterator[tuple[Rect, tuple[int, ...]]]:
         """(part of `rect`, its holders) for each cell overlapping it; unheld parts give ()."""
+        holders = self.holders
         for index, part in self.cells(rect):
-            yield part, self.holders.get(index, ())
+            yield part, holders.get(index, ())
+
+    def cell_volumes(self) -> np.ndarray:
+        """Elements of every cell, by index."""
+        if self.ncells == 0:
+            return np.zeros(0, boxes.INDEX)
+        sizes = [np.diff(c) for c in self.cut_arrays]
+        return np.prod(np.stack(np.meshgrid(*sizes, indexing="ij")), axis=0).reshape(-1)
+
+    def volume_per_rank(self, nranks: int) -> np.ndarray:
+        """Elements held by each of ranks 0..nranks-1."""
+        per_cell = np.repeat(self.cell_volumes(), self.holder_count)
+        return np.bincount(self.holder_ranks, weights=per_cell, minlength=nranks).astype(
+            boxes.INDEX
+        )[:nranks]
 
     def volumes_by_rank(self) -> dict[int, int]:
         """Elements held by each rank that holds any."""
-        out: dict[int, int] = {}
-        for index, holders in self.holders.items():
-            volume = self.cell_rect(self._coords(index)).volume
-            for rank in holders:
-                out[rank] = out.get(rank, 0) + volume
-        return out
-
-    def _coords(self, index: int) -> tuple[int, ...]:
-        return tuple((index // s) % (len(c) - 1) for s, c in zip(self._strides, self.cuts))
-
-
-def _trusted_rect(lo: tuple[int, ...], hi: tuple[int, ...]) -> Rect:
-    """A Rect from bounds already known to be int tuples of equal rank.
-
-    Planning 1024 ranks creates about a million of these; skipping `Rect.__post_init__`'s
-    conversions halves the planning time."""
-    rect = object.__new__(Rect)
-    object.__setattr__(rect, "lo", lo)
-    object.__setattr__(rect, "hi", hi)
-    return rect
+        if len(self.holder_ranks) == 0:
+            return {}
+        per_rank = self.volume_per_rank(int(self.holder_ranks.max()) + 1)
+        held = np.unique(self.holder_ranks)
+        return dict(zip(held.tolist(), per_rank[held].tolist()))

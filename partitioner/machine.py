@@ -2,9 +2,21 @@
 
     {"rank_gflops": 100, "link_gbytes_per_s": 12.5, "latency_us": 2, "rank_memory_gib": 16}
 
-Optional `"op_gflops": {"filter": 40, ...}` overrides the throughput of single ops, for instance
-from `legion-nn bench kernels --json` through `calibrate`. The default machine is the one above:
-100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs latency, 16 GiB per rank.
+Optional `"op_gflops"` overrides the throughput of single ops. A key names an op (`"filter"`),
+an op and one of the passes the kernels run (`"filter.forward"`, `"filter.backward_data"`,
+`"filter.backward_filter"`), optionally with `.untied` or `.tied`; the most specific key present
+wins, then `rank_gflops`. A filter or conv backward task runs two passes (input and weight
+gradients, half its FLOPs each; only the second when its input needs no gradient); every other
+task runs one pass, named after its phase (`"linear.forward"`, `"linear.backward"`).
+
+`calibrate` fills `op_gflops` from a `legion-nn bench kernels --json` report (`partition
+--calibrate BENCH.json`): each (pass, untied/tied) of the filter at the mean GFLOP/s of the
+`legion-nn` rows over the measured batch sizes, the same tied rates for `conv` (a tied filter plus
+a bias), and `linear` (GEMMs through BLAS) at the report's SGEMM rate. Other ops (elementwise,
+pooling, softmax: memory-bound, and nearly free in this model) keep `rank_gflops`.
+
+The default machine is the one above: 100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs
+latency, 16 GiB per rank.
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ from pathlib import Path
 from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
+#: the passes `legion-nn bench kernels` measures
+PASSES = ("forward", "backward_data", "backward_filter")
 
 
 @dataclass(frozen=True)
@@ -40,8 +54,12 @@ class Machine:
     def memory_bytes(self) -> float:
         return self.rank_memory_gib * 2**30
 
-    def flops_per_second(self, op: str) -> float:
-        return self.op_gflops.get(op, self.rank_gflops) * 1e9
+    def flops_per_second(self, op: str, pass_: str = "", variant: str = "") -> float:
+        """FLOP/s of `pass_` of `op` (`variant`: "untied" or "tied"), by the most specific key."""
+        for key in (f"{op}.{pass_}.{variant}", f"{op}.{pass_}", op):
+            if key in self.op_gflops:
+                return self.op_gflops[key] * 1e9
+        return self.rank_gflops * 1e9
 
     def to_json(self) -> dict:
         out = {key: getattr(self, key) for key in KEYS}
@@ -88,13 +106,26 @@ def load_machine(path: str | None) -> Machine:
     return machine_from_json(data, str(path))
 
 
-def calibrate(machine: Machine, bench: dict) -> Machine:
-    """Per-op throughput from a `legion-nn bench kernels --json` report (legion-nn rows)."""
+def calibrate(machine: Machine, bench: object, where: str = "--calibrate") -> Machine:
+    """`machine` with per-pass throughput from a `legion-nn bench kernels --json` report."""
+    if not isinstance(bench, dict) or not isinstance(bench.get("results"), list):
+        raise LegionNNError(f"{where}: not a `legion-nn bench kernels --json` report (no results)")
     rates: dict[str, list[float]] = {}
-    for row in bench.get("results", []):
-        if row.get("impl") == "legion-nn" and row.get("gflops"):
-            rates.setdefault(row["op"], []).append(float(row["gflops"]))
-    ops = {op: sum(v) / len(v) for op, v in rates.items()}
+    for row in bench["results"]:
+        if not isinstance(row, dict) or row.get("impl") != "legion-nn" or row.get("op") != "filter":
+            continue
+        if row.get("pass") not in PASSES:
+            raise LegionNNError(f"{where}: unknown pass {row.get('pass')!r}")
+        variant = "untied" if row.get("untied") else "tied"
+        rate = _positive(row, "gflops", where)
+        rates.setdefault(f"filter.{row['pass']}.{variant}", []).append(rate)
+        if variant == "tied":
+            rates.setdefault(f"conv.{row['pass']}", []).append(rate)
+    if not rates:
+        raise LegionNNError(f"{where}: no legion-nn filter measurements to calibrate from")
+    ops = {key: sum(found) / len(found) for key, found in rates.items()}
+    if "sgemm_gflops" in bench:
+        ops["linear"] = _positive(bench, "sgemm_gflops", where)
     return Machine(
         machine.rank_gflops,
         machine.link_gbytes_per_s,
@@ -102,3 +133,14 @@ def calibrate(machine: Machine, bench: dict) -> Machine:
         machine.rank_memory_gib,
         {**machine.op_gflops, **ops},
     )
+
+
+def load_calibrated(machine: Machine, path: str) -> Machine:
+    """`calibrate` from the report in file `path`."""
+    try:
+        bench = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise LegionNNError(
+            f"--calibrate {path}: not JSON ({exc.msg} at line {exc.lineno})"
+        ) from None
+    return calibrate(machine, bench, f"--calibrate {path}")

@@ -30,49 +30,41 @@ with its output positions; a parameter read whole by every batch piece is replic
 and optimizer state share its home; its update runs on every holder, each on its own copy. Reading
 resident data is therefore free (the loader loads each rank's halo); the price of a replicated
 parameter is the all-reduce of its gradient and the memory of its copies.
+
+Representation: planning 1024 ranks meets some 10⁵ pieces and 10⁵–10⁶ messages, so a `TaskPlan`
+keeps them as arrays (`pieces.PieceSet`, `transfers.TransferSet`) and the steps above run over
+all the pieces of a task at once (`messages.py`). `TaskPlan.pieces` and `TaskPlan.transfers` make
+the `Piece` and `Transfer` objects when first read, for executors and `verify_plan`; the cost
+model and the accounting read the arrays (so an edit to those lists is seen by `verify_plan`
+but not by `plan_cost`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 
-from legion_nn.access import piece_requirements, with_rect
+import numpy as np
+
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
-from legion_nn.ir import Requirement, Task
+from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from partitioner import boxes
 from partitioner.layout import Layout
+from partitioner.messages import Accesses, Copies, combine, fetch
+from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
 from partitioner.strategy import Grid, Strategy, find_units, is_homed, param_of
+from partitioner.transfers import Transfer, TransferSet
+
+__all__ = ["Piece", "Plan", "PlanError", "Reduction", "TaskPlan", "Transfer", "build_plan"]
 
 
 class PlanError(LegionNNError):
     """A strategy that cannot be planned (overlapping writes, a read of unwritten data)."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A rect of a task's space, computed by `ranks` (one rank unless homed and replicated)."""
-
-    ranks: tuple[int, ...]
-    rect: Rect
-    requirements: tuple[Requirement, ...]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """`rect` of `tensor` sent from `src` to each of `dsts`; `nbytes` per destination.
-
-    A `reduce` transfer carries a partial sum that the destination adds into its copy."""
-
-    tensor: str
-    rect: Rect
-    src: int
-    dsts: tuple[int, ...]
-    nbytes: int
-    reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,19 +77,72 @@ class Reduction:
     targets: tuple[tuple[Rect, tuple[int, ...]], ...]
     itemsize: int
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(rect.volume for rect, _ in self.targets) * self.itemsize
 
 
-@dataclass
 class TaskPlan:
-    task: str
-    unit: str
-    grid: Grid | None
-    pieces: list[Piece]
-    transfers: list[Transfer] = field(default_factory=list)
-    reductions: list[Reduction] = field(default_factory=list)
+    """One task's pieces, incoming transfers and reductions.
+
+    `pieces` and `transfers` may be given as lists (a plan assembled by hand) or as the arrays
+    the planner makes; either way they read as lists, made once."""
+
+    def __init__(
+        self,
+        task: str,
+        unit: str,
+        grid: Grid | None,
+        pieces: Sequence[Piece] | Sequence[PieceSet],
+        transfers: Sequence[Transfer] | TransferSet = (),
+        reductions: list[Reduction] | None = None,
+    ) -> None:
+        self.task = task
+        self.unit = unit
+        self.grid = grid
+        self.reductions = reductions if reductions is not None else []
+        self._pieces: list[Piece] | None = None
+        self._transfers: list[Transfer] | None = None
+        if pieces and isinstance(pieces[0], Piece):
+            self._pieces = list(pieces)
+            self.piece_sets = [_piece_set(self._pieces)]
+        else:
+            self.piece_sets = list(pieces)
+        if isinstance(transfers, TransferSet):
+            self.transfer_set = transfers
+        else:
+            self._transfers = list(transfers)
+            self.transfer_set = TransferSet.from_transfers(self._transfers)
+
+    @property
+    def pieces(self) -> list[Piece]:
+        if self._pieces is None:
+            self._pieces = [p for s in self.piece_sets for p in s.pieces()]
+        return self._pieces
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        if self._transfers is None:
+            self._transfers = self.transfer_set.transfers()
+        return self._transfers
+
+    def __repr__(self) -> str:
+        pieces = sum(len(s) for s in self.piece_sets)
+        transfers = sum(len(b) for b in self.transfer_set.blocks)
+        return (
+            f"TaskPlan({self.task!r}, unit={self.unit!r}, grid={self.grid}, pieces={pieces}, "
+            f"transfers={transfers}, reductions={len(self.reductions)})"
+        )
+
+
+def _piece_set(pieces: list[Piece]) -> PieceSet:
+    """Arrays of hand-made pieces (their rects and ranks; requirements stay in the objects)."""
+    ndim = pieces[0].rect.ndim
+    lo, hi = boxes.from_rects([p.rect for p in pieces], ndim)
+    ptr = np.zeros(len(pieces) + 1, boxes.INDEX)
+    np.cumsum([len(p.ranks) for p in pieces], out=ptr[1:])
+    ranks = np.array([r for p in pieces for r in p.ranks], boxes.INDEX)
+    return PieceSet(lo, hi, ptr, ranks, (), [], [])
 
 
 @dataclass
@@ -117,12 +162,13 @@ def build_plan(
     strategy: Strategy,
     nranks: int,
     resident_homes: Mapping[str, Layout] | None = None,
+    cache: PieceCache | None = None,
 ) -> Plan:
     """The plan of one training step of `graph` under `strategy` on `nranks` ranks.
 
     `resident_homes` fixes the homes of parameters and state (and their gradients), for instance
     to those of the full-batch step while planning a run's smaller last batch, so that every rank
-    keeps updating the copies it holds."""
+    keeps updating the copies it holds. `cache` reuses pieces across plans of the same graph."""
     grids = strategy.task_grids(graph)
     for name, grid in grids.items():
         used = 1
@@ -130,24 +176,35 @@ def build_plan(
             used *= parts
         if used > nranks:
             raise PlanError(f"task {name}: grid {list(grid)} needs {used} ranks, only {nranks}")
+    homed = {task.name for task in graph.tasks if is_homed(graph, task)}
+    cache = cache or PieceCache(graph)
     pieces = {
-        task.name: _grid_pieces(graph, task, grids[task.name])
+        task.name: cache.get(graph, task, grids[task.name])
         for task in graph.tasks
-        if not is_homed(graph, task)
+        if task.name not in homed
     }
     homes = _homes(graph, pieces)
     if resident_homes:
         homes.update((name, home) for name, home in resident_homes.items() if name in homes)
-    units = _task_units(graph)
+    units = task_rows(graph)
     layouts: dict[str, Layout] = dict(homes)
-    copies: dict[tuple[str, Rect, Layout | None], set[int]] = defaultdict(set)
+    copies = Copies()
     plans = []
     for task in graph.tasks:
-        if is_homed(graph, task):
-            plan = TaskPlan(task.name, units[task.name], None, _homed_pieces(graph, task, homes))
+        if task.name in homed:
+            plan = TaskPlan(task.name, units[task.name], None, homed_pieces(graph, task, homes))
         else:
-            plan = TaskPlan(task.name, units[task.name], grids[task.name], pieces[task.name])
-            _plan_partitioned(graph, task, plan, layouts, copies)
+            transfers, reductions = _plan_partitioned(
+                graph, task, pieces[task.name], layouts, copies
+            )
+            plan = TaskPlan(
+                task.name,
+                units[task.name],
+                grids[task.name],
+                [pieces[task.name]],
+                transfers,
+                reductions,
+            )
         plans.append(plan)
     return Plan(
         graph.network,
@@ -161,26 +218,26 @@ def build_plan(
     )
 
 
-def _grid_pieces(graph: TaskGraph, task: Task, grid: Grid) -> list[Piece]:
-    out = []
-    for rank, rect in enumerate(task.space.split(grid)):
-        if not rect.is_empty():
-            out.append(Piece((rank,), rect, piece_requirements(task, graph.tensors, rect)))
-    return out
-
-
-def _homes(graph: TaskGraph, pieces: Mapping[str, list[Piece]]) -> dict[str, Layout]:
-    readers: dict[str, list[tuple[int, Rect]]] = defaultdict(list)
+def _homes(graph: TaskGraph, pieces: Mapping[str, PieceSet]) -> dict[str, Layout]:
+    readers: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
     for task in graph.tasks:
-        for piece in pieces.get(task.name, ()):
-            for req in piece.requirements:
-                if req.read_rect is not None and graph.tensors[req.tensor].resident:
-                    readers[req.tensor].append((piece.ranks[0], req.read_rect))
+        found = pieces.get(task.name)
+        if found is None:
+            continue
+        for j, req in enumerate(task.requirements):
+            if req.privilege.reads and graph.tensors[req.tensor].resident:
+                readers[req.tensor].append((found.owners, found.req_lo[j], found.req_hi[j]))
     homes = {}
     for name, tensor in graph.tensors.items():
         if tensor.kind in ("data", "param"):
-            found = readers.get(name) or [(0, tensor.rect)]
-            homes[name] = Layout.from_pieces(len(tensor.dims), found)
+            ndim = len(tensor.dims)
+            found = readers.get(name)
+            if found:
+                ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
+            else:
+                ranks = np.zeros(1, boxes.INDEX)
+                lo, hi = boxes.from_rects([tensor.rect], ndim)
+            homes[name] = Layout.from_arrays(ndim, ranks, lo, hi)
     for name in graph.tensors:
         owner = param_of(graph, name)
         if owner is not None and name not in homes:
@@ -188,7 +245,7 @@ def _homes(graph: TaskGraph, pieces: Mapping[str, list[Piece]]) -> dict[str, Lay
     return homes
 
 
-def _task_units(graph: TaskGraph) -> dict[str, str]:
+def task_rows(graph: TaskGraph) -> dict[str, str]:
     """The table row of every task: its unit, or for helpers the unit of the task they serve."""
     out: dict[str, str] = {}
     for unit in find_units(graph):
@@ -220,146 +277,88 @@ def _task_units(graph: TaskGraph) -> dict[str, str]:
     return out
 
 
-def _homed_pieces(graph: TaskGraph, task: Task, homes: Mapping[str, Layout]) -> list[Piece]:
-    """One piece per home cell the task touches, run by every holder of the cell."""
-    out = []
-    if task.op == "data":
-        for req in task.requirements:
-            for part, holders in homes[req.tensor].held(req.rect):
-                if holders:
-                    out.append(Piece(holders, part, (with_rect(req, part),)))
-        return out
-    home = homes[task.requirements[0].tensor]
-    for part, holders in home.held(task.space):
-        if holders:
-            requirements = tuple(with_rect(req, part) for req in task.requirements)
-            out.append(Piece(holders, part, requirements))
-    return out
-
-
 def _plan_partitioned(
     graph: TaskGraph,
     task: Task,
-    plan: TaskPlan,
+    pieces: PieceSet,
     layouts: dict[str, Layout],
-    copies: dict[tuple[str, Rect, Layout | None], set[int]],
-) -> None:
-    reads: dict[tuple[str, Rect], list[int]] = defaultdict(list)
-    writes: dict[str, list[tuple[int, Rect]]] = defaultdict(list)
-    reduces: dict[tuple[str, Rect], list[int]] = defaultdict(list)
-    for piece in plan.pieces:
-        rank = piece.ranks[0]
-        for req in piece.requirements:
-            if req.privilege.reads and req.read_rect is not None and not req.read_rect.is_empty():
-                reads[(req.tensor, req.read_rect)].append(rank)
-            if req.privilege is Privilege.REDUCE:
-                if not req.write_rect.is_empty():
-                    reduces[(req.tensor, req.write_rect)].append(rank)
-            elif req.privilege.writes:
-                writes[req.tensor].append((rank, req.write_rect))
-    for (tensor, rect), ranks in reads.items():
-        have = copies[(tensor, rect, layouts.get(tensor))]
-        fresh = [r for r in ranks if r not in have]
-        plan.transfers.extend(_fetch(graph, task, tensor, rect, fresh, layouts))
-        have.update(fresh)
-    for tensor, pieces in writes.items():
-        layout = Layout.from_pieces(len(graph.tensors[tensor].dims), pieces)
-        for holders in layout.holders.values():
-            if len(holders) > 1:
-                raise PlanError(
-                    f"task {task.name}: ranks {list(holders)} write overlapping rects of {tensor}"
-                )
+    copies: Copies,
+) -> tuple[TransferSet, list[Reduction]]:
+    def fail(message: str) -> PlanError:
+        return PlanError(f"task {task.name} {message}")
+
+    nreq = len(task.requirements)
+    key = np.arange(len(pieces), dtype=boxes.INDEX) * nreq
+    owners = pieces.owners
+    reads: dict[str, list[tuple[np.ndarray, ...]]] = defaultdict(list)
+    writes: dict[str, list[tuple[np.ndarray, ...]]] = defaultdict(list)
+    reduces: dict[str, list[tuple[np.ndarray, ...]]] = defaultdict(list)
+    for j, req in enumerate(task.requirements):
+        lo, hi = pieces.req_lo[j], pieces.req_hi[j]
+        used = boxes.nonempty(lo, hi)
+        touched = (owners[used], lo[used], hi[used], key[used] + j)
+        if req.privilege.reads:
+            reads[req.tensor].append(touched)
+        if req.privilege is Privilege.REDUCE:
+            reduces[req.tensor].append(touched)
+        elif req.privilege.writes:
+            writes[req.tensor].append((owners, lo, hi))
+    blocks = []
+    for tensor, found in _by_first_key(reads):
+        layout = layouts.get(tensor)
+        if layout is None:
+            raise fail(f"reads {tensor}, which no earlier task wrote")
+        accesses = Accesses(*found)
+        fresh = copies.fresh(tensor, layout, accesses)
+        blocks.append(fetch(tensor, graph.tensors[tensor].itemsize, layout, accesses, fresh, fail))
+    for tensor, found in writes.items():
+        ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
+        layout = Layout.from_arrays(len(graph.tensors[tensor].dims), ranks, lo, hi)
+        shared = np.flatnonzero(layout.holder_count > 1)
+        if len(shared):
+            holders = layout.holders[int(shared[0])]
+            raise PlanError(
+                f"task {task.name}: ranks {list(holders)} write overlapping rects of {tensor}"
+            )
         layouts[tensor] = layout
-    by_tensor: dict[str, list[tuple[Rect, list[int]]]] = defaultdict(list)
-    for (tensor, rect), ranks in reduces.items():
-        by_tensor[tensor].append((rect, ranks))
-    for tensor, contributions in by_tensor.items():
-        if tensor not in layouts:
-            raise PlanError(f"task {task.name} reduces into {tensor}, which was never zeroed")
-        transfers, reductions = _combine(graph, task, tensor, contributions, layouts[tensor])
-        plan.transfers.extend(transfers)
-        plan.reductions.extend(reductions)
-
-
-def _fetch(
-    graph: TaskGraph,
-    task: Task,
-    tensor: str,
-    rect: Rect,
-    readers: list[int],
-    layouts: Mapping[str, Layout],
-) -> list[Transfer]:
-    layout = layouts.get(tensor)
-    if layout is None:
-        raise PlanError(f"task {task.name} reads {tensor}, which no earlier task wrote")
-    itemsize = graph.tensors[tensor].itemsize
-    out = []
-    covered = 0
-    for part, holders in layout.held(rect):
-        if not holders:
-            raise PlanError(f"task {task.name} reads {part!r} of {tensor}, which nobody holds")
-        covered += part.volume
-        dsts = tuple(r for r in readers if r not in holders)
-        if dsts:
-            src = holders[dsts[0] % len(holders)]
-            out.append(Transfer(tensor, part, src, dsts, part.volume * itemsize))
-    if covered != rect.volume:
-        raise PlanError(f"task {task.name} reads {rect!r} of {tensor}; only part of it was written")
-    return out
-
-
-def _combine(
-    graph: TaskGraph,
-    task: Task,
-    tensor: str,
-    contributions: list[tuple[Rect, list[int]]],
-    layout: Layout,
-) -> tuple[list[Transfer], list[Reduction]]:
-    itemsize = graph.tensors[tensor].itemsize
-    per_cell: dict[int, list[tuple[Rect, list[int]]]] = defaultdict(list)
-    for rect, ranks in contributions:
-        for index, part in layout.cells(rect):
-            per_cell[index].append((part, ranks))
-    transfers: list[Transfer] = []
-    collectives: dict[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]] = defaultdict(list)
-    participants_cache: dict[tuple, tuple[int, ...]] = {}
-    for index, entries in per_cell.items():
-        holders = layout.holders.get(index, ())
-        if not holders:
-            raise PlanError(f"task {task.name} reduces into {tensor} where nothing was zeroed")
-        part = entries[0][0]
-        if all(p == part for p, _ in entries):
-            key = (tuple(id(r) for _, r in entries), holders)
-            participants = participants_cache.get(key)
-            if participants is None:
-                found = set(holders)
-                for _, ranks in entries:
-                    found.update(ranks)
-                participants = participants_cache[key] = tuple(sorted(found))
-            if len(participants) == 1:
-                continue
-            if len(participants) == 2 and len(holders) == 1:
-                src = participants[0] if participants[1] == holders[0] else participants[1]
-                nbytes = part.volume * itemsize
-                transfers.append(Transfer(tensor, part, src, holders, nbytes, reduce=True))
-                continue
-            collectives[participants].append((part, holders))
-            continue
-        for p, ranks in entries:
-            for rank in ranks:
-                dsts = tuple(h for h in holders if h != rank)
-                if dsts:
-                    transfers.append(
-                        Transfer(tensor, p, rank, dsts, p.volume * itemsize, reduce=True)
-                    )
     reductions = []
-    for participants, targets in collectives.items():
-        if all(h == participants for _, h in targets):
-            algorithm = "allreduce"
-        elif all(len(h) == 1 for _, h in targets):
-            owners = {h[0] for _, h in targets}
-            algorithm = "reduce" if len(owners) == 1 else "reduce_scatter"
-        else:
-            algorithm = "allreduce"
-        reductions.append(Reduction(tensor, algorithm, participants, tuple(targets), itemsize))
-    return transfers, reductions
+    after = len(pieces) * nreq
+    for position, (tensor, found) in enumerate(_by_first_key(reduces)):
+        if tensor not in layouts:
+            raise fail(f"reduces into {tensor}, which was never zeroed")
+        itemsize = graph.tensors[tensor].itemsize
+        block, collectives = combine(
+            tensor, itemsize, layouts[tensor], Accesses(*found), after + position, fail
+        )
+        blocks.append(block)
+        for participants, targets in collectives:
+            reductions.append(
+                Reduction(
+                    tensor,
+                    _algorithm(participants, targets),
+                    participants,
+                    tuple(targets),
+                    itemsize,
+                )
+            )
+    return TransferSet(blocks), reductions
+
+
+def _by_first_key(
+    accesses: Mapping[str, list[tuple[np.ndarray, ...]]],
+) -> list[tuple[str, tuple[np.ndarray, ...]]]:
+    """(tensor, concatenated (ranks, lo, hi, key)) in order of each tensor's first access."""
+    out = []
+    for tensor, found in accesses.items():
+        columns = tuple(np.concatenate(column) for column in zip(*found))
+        if len(columns[0]):
+            out.append((int(columns[3].min()), tensor, columns))
+    return [(tensor, columns) for _, tensor, columns in sorted(out, key=lambda item: item[0])]
+
+
+def _algorithm(participants: tuple[int, ...], targets: list[tuple[Rect, tuple[int, ...]]]) -> str:
+    if all(h == participants for _, h in targets):
+        return "allreduce"
+    if all(len(h) == 1 for _, h in targets):
+        return "reduce" if len({h[0] for _, h in targets}) == 1 else "reduce_scatter"
+    return "allreduce"

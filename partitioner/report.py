@@ -1,6 +1,15 @@
-"""The partition report: a per-unit table and the `--json` object of DESIGN.md, and sweeps."""
+"""The partition report: a per-unit table and the `--json` object of DESIGN.md, and sweeps.
+
+Each row is a unit (or `data`, or a helper's unit): its grid, the busiest rank's FLOPs summed over
+its tasks, the bytes its tasks put on the wire, the memory per rank it accounts for (max and mean
+over all ranks; `accounting.memory_by_unit` says which bytes belong to which row) and its predicted
+seconds. The totals give the step: memory per rank is the max and mean of each rank's sum over
+the rows, not a sum of the rows' maxima.
+"""
 
 from __future__ import annotations
+
+import numpy as np
 
 from legion_nn.graph import TaskGraph
 from partitioner.cost import PlanCost
@@ -10,6 +19,7 @@ from partitioner.plan import Plan
 def unit_rows(plan: Plan, cost: PlanCost) -> list[dict]:
     """One row per unit, in program order, plus the grid each unit's tasks ran on."""
     rows: dict[str, dict] = {}
+    none = np.zeros(max(plan.nranks, 1), np.int64)
     grids = plan.unit_grids
     for task_cost in cost.tasks:
         row = rows.setdefault(
@@ -19,6 +29,8 @@ def unit_rows(plan: Plan, cost: PlanCost) -> list[dict]:
                 "grid": list(grids.get(task_cost.unit, ())) or "home",
                 "flops_per_rank": 0.0,
                 "bytes_sent": 0,
+                "memory_per_rank_max": int(cost.memory_by_unit.get(task_cost.unit, none).max()),
+                "memory_per_rank_mean": float(cost.memory_by_unit.get(task_cost.unit, none).mean()),
                 "seconds": 0.0,
             },
         )
@@ -56,25 +68,27 @@ def _size(n: float) -> str:
 
 
 def table(report: dict) -> str:
-    head = f"{'layer':<30} {'grid':<16} {'GFLOP/rank':>11} {'sent':>10} {'seconds':>10}"
+    head = (
+        f"{'layer':<30} {'grid':<16} {'GFLOP/rank':>11} {'sent':>10} {'mem max':>10} "
+        f"{'mem mean':>10} {'seconds':>10}"
+    )
     lines = [head, "-" * len(head)]
     for row in report["layers"]:
         grid = "×".join(map(str, row["grid"])) if isinstance(row["grid"], list) else row["grid"]
         lines.append(
             f"{row['layer']:<30} {grid:<16} {row['flops_per_rank'] / 1e9:>11.3f} "
-            f"{_size(row['bytes_sent']):>10} {row['seconds']:>10.5f}"
+            f"{_size(row['bytes_sent']):>10} {_size(row['memory_per_rank_max']):>10} "
+            f"{_size(row['memory_per_rank_mean']):>10} {row['seconds']:>10.5f}"
         )
     lines.append("-" * len(head))
     flops = sum(r["flops_per_rank"] for r in report["layers"])
     lines.append(
         f"{'total':<30} {'':<16} {flops / 1e9:>11.3f} {_size(report['bytes_sent_total']):>10} "
+        f"{_size(report['memory_per_rank_max']):>10} {_size(report['memory_per_rank_mean']):>10} "
         f"{report['predicted_step_seconds']:>10.5f}"
     )
-    lines.append(
-        f"memory per rank: max {_size(report['memory_per_rank_max'])}, mean "
-        f"{_size(report['memory_per_rank_mean'])}"
-        + ("" if report["feasible"] else "  (INFEASIBLE: exceeds rank memory)")
-    )
+    if not report["feasible"]:
+        lines.append("INFEASIBLE: some rank needs more memory than it has")
     for item in report.get("why", []):
         lines.append(
             f"  {item['layer']}: {item['family']} {item['grid']} predicts {item['seconds']:.5f} s "

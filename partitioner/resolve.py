@@ -76,8 +76,13 @@ def resolve_strategy(
             for c in result.choices
         ]
         return result.strategy, why
-    if name in BUILTIN or not name.endswith(".json"):
+    if name in BUILTIN:
         return builtin(graph, name, nranks), None
+    if not name.endswith(".json"):
+        raise LegionNNError(
+            f"--strategy: unknown strategy {name!r}; choose one of "
+            f"{', '.join(BUILTIN + ('auto',))}, or a JSON file of grids"
+        )
     try:
         with open(name) as handle:
             spec = json.load(handle)
@@ -85,4 +90,7 @@ def resolve_strategy(
         raise LegionNNError(f"{name}: not JSON ({exc.msg})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
         raise LegionNNError(f'{name}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
-    return from_grids(graph, spec["grids"], nranks), None
+    try:
+        return from_grids(graph, spec["grids"], nranks), None
+    except LegionNNError as exc:
+        raise LegionNNError(f"{name}: {exc}") from None

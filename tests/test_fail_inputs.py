@@ -1,5 +1,6 @@
 """Every input in tests/fail/ must fail with one clear line, exit status 2, and no output file."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,76 @@ def test_outputs_get_the_usual_file_mode(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+MACHINE = {"rank_gflops": 100, "link_gbytes_per_s": 12.5, "latency_us": 2, "rank_memory_gib": 16}
+PARTITION_FILES = {
+    "machine.json": {
+        "not JSON": ("{rank_gflops: 1", "machine.json: not JSON"),
+        "not an object": ("[1, 2]", "machine.json: a machine must be a JSON object"),
+        "missing": (json.dumps({"rank_gflops": 1}), "machine.json: missing link_gbytes_per_s"),
+        "unknown": (json.dumps({**MACHINE, "cores": 4}), "machine.json: unknown key 'cores'"),
+        "negative": (
+            json.dumps({**MACHINE, "latency_us": -2}),
+            "machine.json: latency_us must be a positive number, got -2",
+        ),
+        "op rate": (
+            json.dumps({**MACHINE, "op_gflops": {"filter": "fast"}}),
+            "op_gflops: filter must be a positive number, got 'fast'",
+        ),
+    },
+    "grids.json": {
+        "not R pieces": (
+            json.dumps({"grids": {"L0": [1, 1, 2, 1]}}),
+            "grids.json: grid [1, 1, 2, 1] for L0 makes 2 pieces, not 4 (one per rank)",
+        ),
+        "no grids": (json.dumps({"L0": [4, 1, 1, 1]}), 'grids.json: a strategy file is {"grids"'),
+        "too many parts": (
+            json.dumps({"grids": {"L0": [1, 1, 1, 17]}}),
+            "grids.json: grid [1, 1, 1, 17] for L0: dim 3 of extent 16 cannot be cut into 17",
+        ),
+    },
+    "bench.json": {
+        "not a report": (json.dumps({"sgemm_gflops": 1}), "--calibrate bench.json: not a"),
+    },
+}
+FLAGS = {"machine.json": "--machine", "grids.json": "--strategy", "bench.json": "--calibrate"}
+
+
+@pytest.mark.parametrize(
+    "name, case", [(name, case) for name, cases in PARTITION_FILES.items() for case in cases]
+)
+def test_bad_partition_files_fail_cleanly(name, case, tmp_path):
+    text, fragment = PARTITION_FILES[name][case]
+    (tmp_path / name).write_text(text)
+    args = ["partition", "seed-lcn-small", "--ranks", "4", "--strategy", "data"]
+    if name == "grids.json":
+        args = args[:-1] + [name]
+    else:
+        args += [FLAGS[name], name]
+    result = run_cli(*args, "--json", "out.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert fragment in result.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--ranks", "0", "--strategy", "data"], "--ranks must be at least 1, got 0"),
+        (["--ranks", "-4", "--strategy", "model"], "--ranks must be at least 1, got -4"),
+        (["--ranks", "4", "--strategy", "diagonal"], "--strategy: unknown strategy 'diagonal'"),
+        (["--ranks", "4", "--time-limit", "-1"], "--time-limit must be at least 0"),
+        (["--sweep", "4,0", "--strategy", "data"], "--sweep needs positive rank counts"),
+        (["--ranks", "4", "--strategy", "missing.json"], "missing.json: No such file"),
+        (["--strategy", "data"], "give --ranks R"),
+    ],
+)
+def test_bad_partition_arguments_fail_cleanly(args, fragment, tmp_path):
+    result = run_cli("partition", "seed-lcn-small", *args, "--json", "out.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert fragment in result.stderr
+    assert not (tmp_path / "out.json").exists()

@@ -10,8 +10,9 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
+from partitioner.accounting import fits, memory_by_unit, memory_per_rank
 from partitioner.cost import plan_cost, reduction_cost
-from partitioner.machine import Machine, load_machine, machine_from_json
+from partitioner.machine import Machine, calibrate, load_machine, machine_from_json
 from partitioner.plan import Reduction, build_plan
 from partitioner.search import auto
 from partitioner.strategy import builtin
@@ -128,3 +129,106 @@ def test_sweep_writes_a_png(tmp_path):
         == 0
     )
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _report(tmp_path, strategy: str, *extra: str) -> dict:
+    out = tmp_path / f"{strategy}.json"
+    args = ["partition", "seed-lcn-small", "--batch", "8", "--ranks", "4", "--strategy", strategy]
+    assert main([*args, "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_memory_per_layer_adds_up_to_the_step(tmp_path, capsys):
+    data = _report(tmp_path, "data")
+    assert "mem max" in capsys.readouterr().out
+    rows = {row["layer"]: row for row in data["layers"]}
+    for report in (data, _report(tmp_path, "spatial")):
+        layers = report["layers"]
+        # every byte a rank holds is in exactly one row: the rows' means add up to the step's
+        assert sum(r["memory_per_rank_mean"] for r in layers) == pytest.approx(
+            report["memory_per_rank_mean"]
+        )
+        assert max(r["memory_per_rank_max"] for r in layers) <= report["memory_per_rank_max"]
+        assert all(r["memory_per_rank_mean"] <= r["memory_per_rank_max"] for r in layers)
+    # data parallel: every rank holds all of L0's untied weights and their gradient, and a
+    # quarter of the batch of its three activations
+    weights = 2 * (204800 + 4 + 8192)
+    activations = 3 * 65536 // 4
+    assert rows["L0"]["memory_per_rank_max"] >= weights + activations
+    # a 2x2 spatial split keeps each rank's weight sets with its output positions
+    spatial = {row["layer"]: row for row in _report(tmp_path, "spatial")["layers"]}
+    assert spatial["L0"]["memory_per_rank_max"] < rows["L0"]["memory_per_rank_max"] / 2
+
+
+def _row(pass_: str, untied: bool, n: int, gflops: float, impl: str = "legion-nn") -> dict:
+    shape = {"N": n, "C": 64, "K": 64, "R": 7, "S": 7, "P": 27, "Q": 27}
+    return {"op": "filter", "pass": pass_, "impl": impl, "untied": untied, "shape": shape,
+            "gflops": gflops}  # fmt: skip
+
+
+BENCH = {
+    "sgemm_gflops": 200.0,
+    "results": [
+        _row("forward", True, 64, 40.0),
+        _row("forward", True, 256, 60.0),
+        _row("backward_data", True, 256, 25.0),
+        _row("backward_filter", True, 256, 100.0),
+        _row("forward", False, 256, 80.0),
+        _row("backward_data", False, 256, 70.0),
+        _row("backward_filter", False, 256, 90.0),
+        _row("forward", True, 256, 1.0, impl="numpy"),
+    ],
+}
+
+
+def test_calibration_sets_the_throughput_of_each_pass():
+    machine = calibrate(MACHINE, BENCH)
+    assert machine.flops_per_second("filter", "forward", "untied") == 50e9  # mean over batches
+    assert machine.flops_per_second("conv", "backward_filter", "tied") == 90e9
+    assert machine.flops_per_second("linear", "backward") == 200e9  # GEMMs at the SGEMM rate
+    assert machine.flops_per_second("filterNL", "forward") == 100e9  # uncalibrated: rank_gflops
+    graph = load_network("seed-lcn-small").lower(batch=8)
+    costs = {
+        c.task: c
+        for c in plan_cost(graph, build_plan(graph, builtin(graph, "data", 4), 4), machine).tasks
+    }
+    forward, grad, first = costs["L1.filter"], costs["L1.filter.grad"], costs["L0.filter.grad"]
+    assert forward.compute_s == pytest.approx(forward.flops_max / 50e9)
+    # input and weight gradients, half the FLOPs each, at their own rates
+    assert grad.compute_s == pytest.approx(grad.flops_max / 2 / 25e9 + grad.flops_max / 2 / 100e9)
+    # the first layer's input is data: only the weight gradient is computed
+    assert first.compute_s == pytest.approx(first.flops_max / 100e9)
+    assert costs["classifier.linear1"].compute_s == pytest.approx(
+        costs["classifier.linear1"].flops_max / 200e9
+    )
+
+
+def test_partition_calibrate_flag(tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(BENCH))
+    plain = _report(tmp_path, "data")
+    calibrated = _report(tmp_path, "data", "--calibrate", str(bench))
+    assert calibrated["machine"]["op_gflops"]["filter.backward_data.untied"] == 25.0
+    assert calibrated["predicted_step_seconds"] > plain["predicted_step_seconds"]
+    capsys.readouterr()
+    args = ["partition", "seed-lcn-small", "--ranks", "4", "--strategy", "data", "--calibrate"]
+    bench.write_text("{nope")
+    assert main([*args, str(bench)]) == 2
+    assert "--calibrate" in capsys.readouterr().err
+    bench.write_text(json.dumps({"results": [_row("forward", True, 64, 1.0, impl="numpy")]}))
+    assert main([*args, str(bench)]) == 2
+    assert "no legion-nn filter measurements" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["data", "model", "spatial"])
+def test_fits_agrees_with_the_exact_memory_count(name):
+    graph = load_network("seed-lcn-small").lower(batch=8)
+    plan = build_plan(graph, builtin(graph, name, 4), 4)
+    exact = max(memory_per_rank(graph, plan).values())
+    bound = max(
+        sum(rows)
+        for rows in zip(*(r.tolist() for r in memory_by_unit(graph, plan, False).values()))
+    )
+    assert bound >= exact
+    for capacity in (exact - 1, exact, (exact + bound) // 2, bound):
+        assert fits(graph, plan, capacity) == (exact <= capacity)

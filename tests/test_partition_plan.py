@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import HealthCheck, given, reject, settings
-from hypothesis import strategies as st
+from unittest import mock
 
-from legion_nn.errors import LegionNNError, ShapeError, VerifyError
-from legion_nn.layers import Evaluate, Filter, FilterA, FilterNL, Linear, MaxPool, Softmax
-from legion_nn.network import Network
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plan_cases import networks
+
+import partitioner.verify_plan as verify_module
+from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
-from partitioner.plan import build_plan
+from partitioner.plan import Transfer, build_plan
 from partitioner.strategy import Strategy, builtin, factorizations, find_units, from_grids
-from partitioner.verify_plan import verify_plan
+from partitioner.verify_plan import PAIRWISE, verify_plan
 
 
 @pytest.fixture(scope="module")
@@ -112,33 +114,6 @@ def test_verify_plan_catches_a_missing_message(lcn):
         verify_plan(lcn, plan)
 
 
-@st.composite
-def networks(draw):
-    size = draw(st.integers(6, 11))
-    layers = []
-    for index in range(draw(st.integers(1, 2))):
-        kernel = draw(st.integers(1, 3))
-        layers.append(
-            Filter(
-                f"L{index}",
-                out_channels=draw(st.integers(1, 3)),
-                kernel=kernel,
-                untied=draw(st.booleans()),
-                stride=draw(st.integers(1, 2)),
-                pad=draw(st.integers(0, kernel - 1)),
-            )
-        )
-        layers += [FilterA(), FilterNL(fn="relu")]
-        if draw(st.booleans()):
-            layers.append(MaxPool(f"P{index}", kernel=2, stride=draw(st.integers(1, 2))))
-    layers += [Linear("classifier", out=draw(st.integers(2, 5))), Softmax(), Evaluate()]
-    try:
-        net = Network("random", (draw(st.integers(1, 2)), size, size), layers[-3].out, layers)
-    except ShapeError:
-        reject()
-    return net.lower(batch=draw(st.integers(1, 6)))
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=networks(), nranks=st.sampled_from([1, 2, 3, 4, 5, 6, 7]), data=st.data())
 def test_random_networks_grids_and_rank_counts_verify(graph, nranks, data):
@@ -148,3 +123,30 @@ def test_random_networks_grids_and_rank_counts_verify(graph, nranks, data):
         grids[unit.name] = data.draw(st.sampled_from(choices))
     plan = build_plan(graph, Strategy("random", grids), nranks)
     verify_plan(graph, plan)
+    with mock.patch.object(verify_module, "PAIRWISE", 0):  # every check by counting
+        verify_plan(graph, plan)
+
+
+def test_verify_plan_counts_the_many_parts_of_a_transpose(lcn):
+    # features split 32 ways, then softmax over batch rows: each rank gets 32 parts of its rows
+    plan = build_plan(lcn, builtin(lcn, "model", 32), 32)
+    softmax = task_plan(plan, "classifier.softmax")
+    to_rank0 = [t for t in softmax.transfers if 0 in t.dsts]
+    assert len(to_rank0) > PAIRWISE
+    verify_plan(lcn, plan)
+    softmax.transfers.append(to_rank0[0])
+    with pytest.raises(
+        VerifyError, match="rank 0 receives part of classifier.linear1.output twice"
+    ):
+        verify_plan(lcn, plan)
+    softmax.transfers.pop()
+    softmax.transfers.remove(to_rank0[-1])
+    with pytest.raises(VerifyError, match="rank 0 lacks part"):
+        verify_plan(lcn, plan)
+    softmax.transfers.append(to_rank0[-1])
+    # rank 0's own rows of its own features: it reads them and holds them
+    rows, own = to_rank0[0].rect, next(t for t in softmax.transfers if t.src == 0).rect
+    part = Rect((rows.lo[0], own.lo[1], 0, 0), (rows.hi[0], own.hi[1], 1, 1))
+    softmax.transfers.append(Transfer("classifier.linear1.output", part, 1, (0,), 4))
+    with pytest.raises(VerifyError, match="rank 0 is sent .* which it holds"):
+        verify_plan(lcn, plan)

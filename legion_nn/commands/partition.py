@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="machine JSON (default: 100 GFLOP/s, 12.5 GB/s, 2 us, 16 GiB per rank)",
     )
+    parser.add_argument(
+        "--calibrate",
+        metavar="BENCH",
+        help="per-op throughput from a `legion-nn bench kernels --json` report (see machine.py)",
+    )
     parser.add_argument("--json", metavar="F", help="write the report as JSON to F")
     parser.add_argument("--sweep", metavar="LIST", help="comma-separated rank counts, e.g. 1,2,4")
     parser.add_argument(
@@ -78,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.sources import load_source_graph
     from legion_nn.verify import verify
     from partitioner.cost import plan_cost
-    from partitioner.machine import load_machine
+    from partitioner.machine import load_calibrated, load_machine
     from partitioner.plan import build_plan
     from partitioner.report import report_json, sweep_table, table
     from partitioner.resolve import resolve_strategy
@@ -86,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch is not None and args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
+    if args.ranks is not None and args.ranks < 1:
+        raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
+    if not args.time_limit >= 0:
+        raise LegionNNError(f"--time-limit must be at least 0 seconds, got {args.time_limit}")
     plot_format = Path(args.plot).suffix.lower()[1:] if args.plot else None
     if args.plot and not args.sweep and plot_format not in PLOT_FORMATS:
         raise LegionNNError(
@@ -97,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks is None and not args.sweep:
         raise LegionNNError("give --ranks R (or --sweep LIST)")
     machine = load_machine(args.machine)
+    if args.calibrate:
+        machine = load_calibrated(machine, args.calibrate)
     graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH)
     verify(graph)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]

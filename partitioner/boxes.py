@@ -1,0 +1,170 @@
+"""Arrays of N-d boxes: the vectorised geometry that planning many ranks runs on.
+
+n boxes of one rank are two int64 arrays `lo`, `hi` of shape (n, ndim), with the conventions of
+`Rect` (lo inclusive, hi exclusive; a box with some hi <= lo is empty). Planning 1024 ranks meets
+hundreds of thousands of boxes (pieces, halos, the parts of messages); holding them in arrays
+turns per-box Python work into a few NumPy calls per task, and `Rect` objects are made only when
+someone asks for them.
+
+A *grid* here is the cell grid of a `Layout`: sorted cut points per dim, cells numbered row-major.
+`grid_overlaps` is `Layout.cells` for many boxes at once, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from legion_nn.rect import Rect
+
+INDEX = np.int64
+
+
+def empty(ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((0, ndim), INDEX), np.zeros((0, ndim), INDEX)
+
+
+def from_rects(rects: Sequence[Rect], ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    if not rects:
+        return empty(ndim)
+    return (
+        np.array([r.lo for r in rects], INDEX).reshape(len(rects), ndim),
+        np.array([r.hi for r in rects], INDEX).reshape(len(rects), ndim),
+    )
+
+
+def volumes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Elements of each box (0 for an empty one)."""
+    # column by column: several times faster than np.prod(axis=1) over a few short rows
+    out = np.ones(len(lo), INDEX)
+    for d in range(lo.shape[1]):
+        out *= np.maximum(hi[:, d] - lo[:, d], 0)
+    return out
+
+
+def nonempty(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    out = np.ones(len(lo), bool)
+    for d in range(lo.shape[1]):
+        out &= hi[:, d] > lo[:, d]
+    return out
+
+
+def to_rect(lo: Sequence[int], hi: Sequence[int]) -> Rect:
+    """A Rect from one row of each array, without `Rect.__post_init__`'s conversions.
+
+    Materialising a plan of 1024 ranks makes about a million of these."""
+    rect = object.__new__(Rect)
+    object.__setattr__(rect, "lo", tuple(lo))
+    object.__setattr__(rect, "hi", tuple(hi))
+    return rect
+
+
+def to_rects(lo: np.ndarray, hi: np.ndarray) -> list[Rect]:
+    return [to_rect(a, b) for a, b in zip(lo.tolist(), hi.tolist())]
+
+
+def first_seen_ids(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(id of each row, index of each id's first row), ids numbered in order of first appearance.
+
+    `rows` is (n, k) int64; equal rows get equal ids."""
+    if len(rows) == 0:
+        return np.zeros(0, INDEX), np.zeros(0, INDEX)
+    # One int64 key per row, column by column in mixed radix; when the next column would
+    # overflow it, the key is first renumbered densely (ids < n). Sorting int64 keys is several
+    # times faster than np.unique(axis=0)'s sort of the rows as byte strings.
+    key = np.zeros(len(rows), INDEX)
+    for column in rows.T:
+        low = column.min()
+        span = int(column.max() - low) + 1
+        if int(key.max()) >= (1 << 62) // span:
+            key = np.unique(key, return_inverse=True)[1].reshape(-1).astype(INDEX)
+            if len(rows) >= (1 << 62) // span:
+                key = np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1)
+                break
+        key = key * span + (column - low)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    renumber = np.empty(len(first), INDEX)
+    renumber[order] = np.arange(len(first), dtype=INDEX)
+    return renumber[inverse.reshape(-1)], first[order]
+
+
+def grid_shape(cuts: Sequence[np.ndarray]) -> tuple[int, ...]:
+    return tuple(max(len(c) - 1, 0) for c in cuts)
+
+
+def grid_strides(cuts: Sequence[np.ndarray]) -> np.ndarray:
+    """Row-major strides of the cell grid (the last dim varies fastest)."""
+    shape = grid_shape(cuts)
+    strides = np.ones(len(shape), INDEX)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return strides
+
+
+def grid_overlaps(
+    cuts: Sequence[np.ndarray], lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (box, cell) pair that overlaps, with the overlap: (box, cell, part_lo, part_hi).
+
+    Pairs come box by box, and for each box in row-major cell order, as `Layout.cells` yields them.
+    Parts of a box outside the grid belong to no cell (the caller sees a shortfall in volume)."""
+    n, ndim = lo.shape
+    if n == 0 or any(len(c) < 2 for c in cuts):
+        return np.zeros(0, INDEX), np.zeros(0, INDEX), *empty(ndim)
+    first, count = [], []
+    for d, dim_cuts in enumerate(cuts):
+        f = np.maximum(np.searchsorted(dim_cuts, lo[:, d], side="right") - 1, 0)
+        last = np.minimum(np.searchsorted(dim_cuts, hi[:, d], side="left"), len(dim_cuts) - 1)
+        first.append(f)
+        count.append(np.maximum(last - f, 0))
+    per_box = nonempty(lo, hi).astype(INDEX)
+    for k in count:
+        per_box *= k
+    box = np.repeat(np.arange(n, dtype=INDEX), per_box)
+    strides = grid_strides(cuts)
+    start = np.zeros(n, INDEX)
+    part_lo = np.empty((len(box), ndim), INDEX)
+    part_hi = np.empty((len(box), ndim), INDEX)
+    local = None
+    for d in range(ndim - 1, -1, -1):
+        if count[d].max(initial=0) <= 1:
+            # one cell along d for every box: per-box arithmetic, gathered once
+            start += first[d] * strides[d]
+            part_lo[:, d] = np.maximum(cuts[d][first[d]], lo[:, d])[box]
+            upper = cuts[d][np.minimum(first[d] + 1, len(cuts[d]) - 1)]
+            part_hi[:, d] = np.minimum(upper, hi[:, d])[box]
+            continue
+        if local is None:
+            local = np.arange(len(box), dtype=INDEX) - np.repeat(
+                np.cumsum(per_box) - per_box, per_box
+            )
+            cell = np.zeros(len(box), INDEX)
+        k = count[d][box]
+        index = first[d][box] + local % k
+        local //= k
+        cell += index * strides[d]
+        part_lo[:, d] = np.maximum(cuts[d][index], lo[box, d])
+        part_hi[:, d] = np.minimum(cuts[d][index + 1], hi[box, d])
+    cell = start[box] + (cell if local is not None else 0)
+    return box, cell, part_lo, part_hi
+
+
+def csr(groups: np.ndarray, values: np.ndarray, ngroups: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr, values sorted by group, stable): a ragged list of values per group."""
+    order = np.argsort(groups, kind="stable")
+    ptr = np.zeros(ngroups + 1, INDEX)
+    np.cumsum(np.bincount(groups, minlength=ngroups), out=ptr[1:])
+    return ptr, values[order]
+
+
+def gather_ragged(
+    ptr: np.ndarray, values: np.ndarray, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ragged array of rows `rows` of the ragged array (`ptr`, `values`)."""
+    counts = ptr[rows + 1] - ptr[rows]
+    out_ptr = np.zeros(len(rows) + 1, INDEX)
+    np.cumsum(counts, out=out_ptr[1:])
+    index = np.repeat(ptr[rows] - out_ptr[:-1], counts) + np.arange(out_ptr[-1], dtype=INDEX)
+    return out_ptr, values[index]

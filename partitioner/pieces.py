@@ -1,0 +1,257 @@
+"""Pieces as arrays: the rect each rank computes of a task, and the rects its requirements touch.
+
+A `PieceSet` is a run of pieces sharing one list of requirements: piece i is the box
+(`lo[i]`, `hi[i]`), computed by `ranks[rank_ptr[i]:rank_ptr[i + 1]]`, and its requirement j
+touches (`req_lo[j][i]`, `req_hi[j][i]`). `Piece` objects, as executors read them, are made from
+it on demand.
+
+*Grid pieces* (a partitioned task): cell i of the row-major grid, on rank i; empty cells are
+left out. Their requirement rects come from the layer's access map. One call per piece costs
+several microseconds, a second for 1024 ranks, so a grid of more than `DIRECT_LIMIT` pieces is
+*probed* instead: the map is applied to the whole space and, for each cut dim d and each part i,
+to the space cut only along d. The access maps here are axis-separable (each dim of a returned
+rect follows at most one dim of the piece: a halo's rows its rows, a linear layer's weight rows
+its features; cutting another dim never widens it), so a piece's rect is the intersection of
+its probes' rects. This is checked, not assumed: a map where a dim of a rect moves with two dims
+of the piece, or whose probed rects differ from direct calls on a sample of pieces (the grid's
+corners, its centre, a few more), is applied piece by piece.
+
+*Homed pieces* (data loading, updates, zeroing parameter gradients): one per cell of the tensor's
+home, run by every holder of the cell; each requirement touches the cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import product
+
+import numpy as np
+
+from legion_nn.access import access_map
+from legion_nn.graph import TaskGraph
+from legion_nn.ir import Requirement, Task
+from legion_nn.rect import Rect, split_bounds
+from partitioner import boxes
+from partitioner.layout import Layout
+
+#: grids of at most this many pieces get one access-map call per piece
+DIRECT_LIMIT = 16
+#: pieces checked against direct calls, besides the grid's corners and centre
+SAMPLE = 8
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rect of a task's space, computed by `ranks` (one rank unless homed and replicated)."""
+
+    ranks: tuple[int, ...]
+    rect: Rect
+    requirements: tuple[Requirement, ...]
+
+
+@dataclass
+class PieceSet:
+    lo: np.ndarray
+    hi: np.ndarray
+    rank_ptr: np.ndarray
+    ranks: np.ndarray
+    requirements: tuple[Requirement, ...]
+    req_lo: list[np.ndarray]
+    req_hi: list[np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.lo)
+
+    @property
+    def owners(self) -> np.ndarray:
+        """The first rank of each piece (its only one for grid pieces)."""
+        return self.ranks[self.rank_ptr[:-1]]
+
+    def volumes(self) -> np.ndarray:
+        return boxes.volumes(self.lo, self.hi)
+
+    def pieces(self) -> list[Piece]:
+        ranks = self.ranks.tolist()
+        ptr = self.rank_ptr.tolist()
+        rects = boxes.to_rects(self.lo, self.hi)
+        columns = [
+            [_with_rect(req, rect) for rect in (rects if lo is self.lo else boxes.to_rects(lo, hi))]
+            for req, lo, hi in zip(self.requirements, self.req_lo, self.req_hi)
+        ]
+        return [
+            Piece(tuple(ranks[ptr[i] : ptr[i + 1]]), rect, tuple(col[i] for col in columns))
+            for i, rect in enumerate(rects)
+        ]
+
+
+def _with_rect(req: Requirement, rect: Rect) -> Requirement:
+    """`access.with_rect` without `dataclasses.replace` (this runs once per piece and role)."""
+    privilege = req.privilege
+    return Requirement(
+        req.tensor,
+        req.role,
+        privilege,
+        rect if privilege.reads else None,
+        rect if privilege.writes else None,
+    )
+
+
+def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
+    """The non-empty cells of `grid` over `task`'s space, cell i on rank i."""
+    space = task.space
+    bounds = [
+        np.array(split_bounds(a, b, g), boxes.INDEX) for a, b, g in zip(space.lo, space.hi, grid)
+    ]
+    coords = np.indices(tuple(grid), dtype=boxes.INDEX).reshape(len(grid), -1)
+    lo = np.stack([bounds[d][coords[d], 0] for d in range(len(grid))], axis=1)
+    hi = np.stack([bounds[d][coords[d], 1] for d in range(len(grid))], axis=1)
+    keep = boxes.nonempty(lo, hi)
+    ranks = np.flatnonzero(keep).astype(boxes.INDEX)
+    lo, hi, coords = lo[keep], hi[keep], coords[:, keep]
+    dims = {req.role: graph.tensors[req.tensor].dims for req in task.requirements}
+    rects = None
+    if len(ranks) > DIRECT_LIMIT:
+        rects = _probed(task, dims, bounds, coords, lo, hi)
+    if rects is None:
+        rects = _direct(task, dims, lo, hi)
+    ptr = np.arange(len(ranks) + 1, dtype=boxes.INDEX)
+    return PieceSet(
+        lo,
+        hi,
+        ptr,
+        ranks,
+        task.requirements,
+        [rects[req.role][0] for req in task.requirements],
+        [rects[req.role][1] for req in task.requirements],
+    )
+
+
+class PieceCache:
+    """Grid pieces of one graph's tasks by (task, grid), for planning it under many strategies
+    (`auto` prices dozens of plans that share most of their grids)."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        self.graph = graph
+        self._found: dict[tuple[str, tuple[int, ...]], PieceSet] = {}
+
+    def get(self, graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
+        if graph is not self.graph:
+            raise ValueError("a PieceCache serves the graph it was made for")
+        key = (task.name, tuple(grid))
+        if key not in self._found:
+            self._found[key] = grid_pieces(graph, task, grid)
+        return self._found[key]
+
+
+def _direct(
+    task: Task, dims: Mapping[str, tuple[int, ...]], lo: np.ndarray, hi: np.ndarray
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    fn = access_map(task.op, task.phase)
+    found: dict[str, list[Rect]] = {role: [] for role in dims}
+    for piece in boxes.to_rects(lo, hi):
+        rects = fn(task.attrs, dims, piece)
+        for role, column in found.items():
+            column.append(rects[role])
+    return {role: boxes.from_rects(column, len(dims[role])) for role, column in found.items()}
+
+
+def _probed(
+    task: Task,
+    dims: Mapping[str, tuple[int, ...]],
+    bounds: list[np.ndarray],
+    coords: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+    """Requirement rects of every piece from the probes, or None where the map is not separable."""
+    fn = access_map(task.op, task.phase)
+    space = task.space
+    cut = [d for d, b in enumerate(bounds) if len(b) > 1]
+    out = {}
+    probes: dict[int, list[dict[str, Rect] | None]] = {}
+    for d in cut:
+        probes[d] = []
+        for part_lo, part_hi in bounds[d].tolist():
+            if part_hi <= part_lo:
+                probes[d].append(None)
+                continue
+            piece_lo, piece_hi = list(space.lo), list(space.hi)
+            piece_lo[d], piece_hi[d] = part_lo, part_hi
+            probes[d].append(fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi)))
+    for role, tensor_dims in dims.items():
+        ndim = len(tensor_dims)
+        role_lo = np.full((len(lo), ndim), np.iinfo(boxes.INDEX).min, boxes.INDEX)
+        role_hi = np.full((len(lo), ndim), np.iinfo(boxes.INDEX).max, boxes.INDEX)
+        movers = np.zeros(ndim, boxes.INDEX)
+        for d in cut:
+            blank = Rect.empty(ndim)
+            probe_lo, probe_hi = boxes.from_rects(
+                [blank if p is None else p[role] for p in probes[d]], ndim
+            )
+            used = np.array([p is not None for p in probes[d]])
+            moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
+                probe_hi[used] != probe_hi[used][0], axis=0
+            )
+            movers += moves
+            np.maximum(role_lo, probe_lo[coords[d]], out=role_lo)
+            np.minimum(role_hi, probe_hi[coords[d]], out=role_hi)
+        if np.any(movers > 1):
+            return None
+        if not cut:
+            whole = fn(task.attrs, dims, space)[role]
+            role_lo[:], role_hi[:] = whole.lo, whole.hi
+        empty = ~boxes.nonempty(role_lo, role_hi)
+        role_lo[empty] = 0
+        role_hi[empty] = 0
+        out[role] = (role_lo, role_hi)
+    for i in _sample(coords, cut):
+        rects = fn(task.attrs, dims, boxes.to_rect(lo[i].tolist(), hi[i].tolist()))
+        for role, (role_lo, role_hi) in out.items():
+            if rects[role] != boxes.to_rect(role_lo[i].tolist(), role_hi[i].tolist()):
+                return None
+    return out
+
+
+def _sample(coords: np.ndarray, cut: list[int]) -> list[int]:
+    """Pieces to check: every corner of the grid over the cut dims, its centre, and a few more."""
+    count = coords.shape[1]
+    chosen = set()
+    extremes = [(coords[d].min(), coords[d].max()) for d in cut]
+    for corner in product(*extremes):
+        match = np.ones(count, bool)
+        for d, value in zip(cut, corner):
+            match &= coords[d] == value
+        chosen.update(np.flatnonzero(match).tolist())
+    chosen.add(count // 2)
+    rng = np.random.default_rng(count)
+    chosen.update(rng.choice(count, size=min(SAMPLE, count), replace=False).tolist())
+    return sorted(chosen)
+
+
+def homed_pieces(graph: TaskGraph, task: Task, homes: Mapping[str, Layout]) -> list[PieceSet]:
+    """One piece per home cell the task touches, run by every holder of the cell.
+
+    The data task loads each of its tensors over that tensor's home; other homed tasks run over
+    the home of their first tensor, every requirement touching the piece."""
+    if task.op == "data":
+        return [_home_cells(homes[req.tensor], req.rect, (req,)) for req in task.requirements]
+    home = homes[task.requirements[0].tensor]
+    return [_home_cells(home, task.space, task.requirements)]
+
+
+def _home_cells(home: Layout, rect: Rect, requirements: tuple[Requirement, ...]) -> PieceSet:
+    lo, hi = boxes.from_rects([rect], rect.ndim)
+    _, cells, part_lo, part_hi = boxes.grid_overlaps(home.cut_arrays, lo, hi)
+    held = home.holder_count[cells] > 0
+    cells, part_lo, part_hi = cells[held], part_lo[held], part_hi[held]
+    ptr, ranks = boxes.gather_ragged(home.holder_ptr, home.holder_ranks, cells)
+    return PieceSet(
+        part_lo,
+        part_hi,
+        ptr,
+        ranks,
+        tuple(requirements),
+        [part_lo] * len(requirements),
+        [part_hi] * len(requirements),
+    )
