@@ -78,19 +78,33 @@ def resolve_strategy(
         return result.strategy, why
     if name in BUILTIN:
         return builtin(graph, name, nranks), None
-    if not name.endswith(".json"):
+    check_strategy_name(name)
+    return grids_strategy(graph, name, read_grids(name), nranks), None
+
+
+def check_strategy_name(name: str) -> None:
+    """A built-in, `auto`, or a JSON file of grids; anything else is one line."""
+    if name not in BUILTIN and name != "auto" and not name.endswith(".json"):
         raise LegionNNError(
             f"--strategy: unknown strategy {name!r}; choose one of "
             f"{', '.join(BUILTIN + ('auto',))}, or a JSON file of grids"
         )
+
+
+def read_grids(path: str) -> dict:
+    """The `{unit: [parts, ...]}` of a strategy file `{"grids": ...}`."""
     try:
-        with open(name) as handle:
+        with open(path) as handle:
             spec = json.load(handle)
     except json.JSONDecodeError as exc:
-        raise LegionNNError(f"{name}: not JSON ({exc.msg})") from None
+        raise LegionNNError(f"{path}: not JSON ({exc.msg})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
-        raise LegionNNError(f'{name}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
+        raise LegionNNError(f'{path}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
+    return spec["grids"]
+
+
+def grids_strategy(graph: TaskGraph, path: str, grids: dict, nranks: int) -> Strategy:
     try:
-        return from_grids(graph, spec["grids"], nranks), None
+        return from_grids(graph, grids, nranks)
     except LegionNNError as exc:
-        raise LegionNNError(f"{name}: {exc}") from None
+        raise LegionNNError(f"{path}: {exc}") from None

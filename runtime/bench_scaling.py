@@ -23,7 +23,6 @@ itself, so the 1-rank error only checks that the median is stable.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
+from runtime.distributed import host_cores
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 4))
 DEFAULT_RANKS = (1, 2, 4)
@@ -56,10 +56,6 @@ class Job:
     step_seconds: float
     bytes_per_step: int
     trace: dict
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def run_job(network: str, batch: int, ranks: int, strategy: str, steps: int, work: Path) -> Job:
@@ -132,7 +128,7 @@ def calibrate(job: Job) -> tuple[dict[str, float], float]:
             work[ops[name]] += flops[name]
         else:
             fixed += spent
-    cores = _cores()
+    cores = host_cores()
     per_core = {op: work[op] / seconds[op] / 1e9 / cores for op in work if seconds[op] > 0}
     measured = job.step_seconds
     modelled = sum(seconds.values()) / steps
@@ -152,7 +148,7 @@ def predict(
 ) -> float:
     graph = load_network(network).lower(batch=batch)
     plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
-    share = _cores() / ranks  # cores per rank; below 1 when oversubscribed
+    share = host_cores() / ranks  # cores per rank; below 1 when oversubscribed
     latency, per_byte = link
     machine = Machine(
         rank_gflops=min(per_core.values()) * share,
@@ -168,8 +164,8 @@ def predict(
         volume = task.space.volume or 1
         biggest = max((p.rect.volume for p in task_plan.pieces), default=volume)
         fixed += per_task * max(biggest / volume, 1.0 / ranks)
-    if ranks > _cores():  # time-shared cores stretch the fixed cost too
-        fixed *= ranks / _cores()
+    if ranks > host_cores():  # time-shared cores stretch the fixed cost too
+        fixed *= ranks / host_cores()
     return cost.step_seconds + fixed
 
 
@@ -216,7 +212,7 @@ def run_scaling(
                         }
                     )
     return {
-        "cores": _cores(),
+        "cores": host_cores(),
         "link": {"latency_us": link[0] * 1e6, "gbytes_per_s": 1.0 / link[1] / 1e9},
         "results": rows,
     }

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
-from partitioner.strategy import BUILTIN, Strategy, from_grids
+from partitioner.resolve import check_strategy_name, grids_strategy, read_grids
+from partitioner.strategy import BUILTIN, Strategy
 from runtime.rank_executor import RankExecutor
 from runtime.supervisor import Status
 from runtime.tracing import Recorder, TraceFile
@@ -39,6 +39,13 @@ _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNR
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
+def host_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def share_cores(ranks_on_host: int) -> int:
     """Give this rank its share of the host's cores, for Numba's and BLAS's thread pools.
 
@@ -46,8 +53,7 @@ def share_cores(ranks_on_host: int) -> int:
     import numba
     from threadpoolctl import threadpool_limits
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // max(ranks_on_host, 1))
+    threads = max(1, host_cores() // max(ranks_on_host, 1))
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     threadpool_limits(limits=threads)
     return threads
@@ -87,8 +93,11 @@ class RunOptions:
 
 
 def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strategy]:
-    """A built-in name, or how rank 0 chooses (`auto`, a grids file) for the first graph."""
+    """A built-in name, or how rank 0 chooses (`auto`, a grids file) for the first graph.
+
+    A bad name or grids file fails here, on every rank alike, before MPI starts."""
     name = options.strategy
+    check_strategy_name(name)
     if name in BUILTIN:
         return name
     machine = options.machine or Machine()
@@ -96,18 +105,8 @@ def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strat
         from partitioner.search import auto
 
         return lambda graph, nranks: auto(graph, nranks, machine, options.search_seconds).strategy
-    if name.endswith(".json"):
-        try:
-            with open(name) as handle:
-                spec = json.load(handle)
-        except json.JSONDecodeError as exc:
-            raise LegionNNError(f"{name}: not JSON ({exc.msg})") from None
-        if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
-            raise LegionNNError(f'{name}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
-        return lambda graph, nranks: from_grids(graph, spec["grids"], nranks)
-    raise LegionNNError(
-        f"--strategy: unknown strategy {name!r}; choose data, model, spatial, auto or a .json file"
-    )
+    grids = read_grids(name)
+    return lambda graph, nranks: grids_strategy(graph, name, grids, nranks)
 
 
 class Timeline:

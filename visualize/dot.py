@@ -286,6 +286,16 @@ def _graph_label(title: str, graph: TaskGraph, collapsed: bool) -> str:
     return f'<<TABLE BORDER="0" CELLSPACING="2" CELLPADDING="1">{"".join(rows)}</TABLE>>'
 
 
+def check_options(collapse: str | None, rankdir: str, rects: str) -> None:
+    """The drawing options every renderer takes, each checked against its closed vocabulary."""
+    if collapse not in (None, *COLLAPSE):
+        raise LegionNNError(f"unknown collapse {collapse!r}: choose one of {', '.join(COLLAPSE)}")
+    if rankdir not in RANKDIRS:
+        raise LegionNNError(f"unknown rankdir {rankdir!r}: choose one of {', '.join(RANKDIRS)}")
+    if rects not in RECT_STYLES:
+        raise LegionNNError(f"unknown rect style {rects!r}: choose one of {', '.join(RECT_STYLES)}")
+
+
 def to_graphviz(
     graph: TaskGraph,
     *,
@@ -295,12 +305,7 @@ def to_graphviz(
     title: str | None = None,
 ) -> graphviz.Digraph:
     """The graph drawn in full (`collapse=None`) or one node per layer (`collapse="layer"`)."""
-    if collapse not in (None, *COLLAPSE):
-        raise LegionNNError(f"unknown collapse {collapse!r}: choose one of {', '.join(COLLAPSE)}")
-    if rankdir not in RANKDIRS:
-        raise LegionNNError(f"unknown rankdir {rankdir!r}: choose one of {', '.join(RANKDIRS)}")
-    if rects not in RECT_STYLES:
-        raise LegionNNError(f"unknown rect style {rects!r}: choose one of {', '.join(RECT_STYLES)}")
+    check_options(collapse, rankdir, rects)
     if title is None:
         network = graph.network or "task graph"
         title = (

@@ -29,19 +29,16 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from partitioner.plan import Plan
 from visualize.dot import (
-    COLLAPSE,
     FONT,
     PHASE_COLOURS,
-    RANKDIRS,
-    RECT_STYLES,
     UNKNOWN_PHASE,
     _new_digraph,
     _node_id,
     bytes_text,
+    check_options,
     rect_text,
 )
 from visualize.palette import rank_colour, tint
@@ -191,12 +188,7 @@ def partition_graphviz(
     title: str | None = None,
 ) -> graphviz.Digraph:
     """`plan` of `graph` drawn with one cluster per rank; only the named `tasks` if given."""
-    if collapse not in (None, *COLLAPSE):
-        raise LegionNNError(f"unknown collapse {collapse!r}: choose one of {', '.join(COLLAPSE)}")
-    if rankdir not in RANKDIRS:
-        raise LegionNNError(f"unknown rankdir {rankdir!r}: choose one of {', '.join(RANKDIRS)}")
-    if rects not in RECT_STYLES:
-        raise LegionNNError(f"unknown rect style {rects!r}: choose one of {', '.join(RECT_STYLES)}")
+    check_options(collapse, rankdir, rects)
     view = piece_view(graph, plan, _shown(graph, tasks))
     collapsed = collapse == "layer"
     if collapsed:
