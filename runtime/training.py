@@ -44,6 +44,14 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = False
 
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.dataset.train) / self.batch)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps if self.steps is not None else self.epochs * self.steps_per_epoch
+
 
 @dataclass
 class TrainResult:
@@ -81,10 +89,8 @@ class Trainer:
         train = config.dataset.train
         if len(train) == 0:
             raise LegionNNError("the training split is empty")
-        self.steps_per_epoch = math.ceil(len(train) / config.batch)
-        self.total_steps = (
-            config.steps if config.steps is not None else config.epochs * self.steps_per_epoch
-        )
+        self.steps_per_epoch = config.steps_per_epoch
+        self.total_steps = config.total_steps
 
     def graph(self, batch: int) -> TaskGraph:
         if batch not in self._graphs:

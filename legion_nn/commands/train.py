@@ -165,7 +165,6 @@ class _Console:
 
 
 def _run_single(args: argparse.Namespace) -> int:
-    import math
 
     from runtime.training import Trainer
 
@@ -173,7 +172,7 @@ def _run_single(args: argparse.Namespace) -> int:
     log = open(args.log_json, "w") if args.log_json else None  # noqa: SIM115  (closed below)
     try:
         console = _Console(args.no_progress)
-        console.start(config, _total_steps(config, math), 1, options.strategy)
+        console.start(config, config.total_steps, 1, options.strategy)
         if args.trace:  # one rank of the distributed runtime, so that its tasks are traced
             from runtime.distributed import train_rank
             from runtime.transport import ThreadTransport
@@ -192,15 +191,8 @@ def _run_single(args: argparse.Namespace) -> int:
     return 0
 
 
-def _total_steps(config, math) -> int:
-    if config.steps is not None:
-        return config.steps
-    return config.epochs * math.ceil(len(config.dataset.train) / config.batch)
-
-
 def _run_rank(args: argparse.Namespace, status) -> int:
     """One rank of an mpiexec job (in the supervised child process)."""
-    import math
 
     from legion_nn.errors import LegionNNError
     from runtime.distributed import rank_from_env, train_rank
@@ -227,7 +219,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
             log = open(args.log_json, "w")  # noqa: SIM115  (closed below)
         console = _Console(args.no_progress or not root)
         if root:
-            console.start(config, _total_steps(config, math), transport.size, options.strategy)
+            console.start(config, config.total_steps, transport.size, options.strategy)
         result = train_rank(
             config, transport, options, status, log, console.on_step, console.on_epoch
         )

@@ -1,0 +1,302 @@
+"""One step of one rank's program: messages in flight, pieces, partial sums and collectives.
+
+`RankExecutor` (the buffers, the plans, the values across steps) runs a `StepRun` per program it
+executes. The step posts the program's copies as their data appears, waits for them just before
+the task that reads them, runs the rank's pieces with the shared kernel adapters, sends and adds
+partial sums, and runs the plan's collectives hop by hop. Every wait goes through
+`transport.wait`, the stall watchdog. Trace events, when recorded, name the step ("eval" for an
+evaluation pass) and pair each send with its receive by (program run, message sequence).
+
+`LEGION_NN_FAULT=raise:RANK:TASK` makes the named rank raise inside that task's kernel, and
+`hang:RANK:TASK` makes it stop there, to test that a job ends cleanly and that the watchdog names
+the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from legion_nn.errors import LegionNNError
+from legion_nn.graph import TaskGraph
+from legion_nn.ir import Task
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+from runtime.adapters import StepContext
+from runtime.executor import NUMPY_DTYPES, run_on_views
+from runtime.rank_program import Message, RankProgram, RankTask
+from runtime.tracing import COMMUNICATION, COMPUTE
+from runtime.transport import wait
+
+if TYPE_CHECKING:
+    from runtime.rank_executor import RankExecutor
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+FAULT_KINDS = ("raise", "hang")
+
+
+def fault_from_env() -> tuple[str, int, str] | None:
+    spec = os.environ.get("LEGION_NN_FAULT", "")
+    if not spec:
+        return None
+    kind, _, rest = spec.partition(":")
+    rank, _, task = rest.partition(":")
+    if kind not in FAULT_KINDS or not rank.isdigit() or not task:
+        raise LegionNNError(f"LEGION_NN_FAULT must be raise|hang:RANK:TASK, got {spec!r}")
+    return kind, int(rank), task
+
+
+class StepRun:
+    """The state of one step on one rank: messages in flight and reduction scratch."""
+
+    def __init__(
+        self,
+        executor: RankExecutor,
+        graph: TaskGraph,
+        program: RankProgram,
+        ctx: StepContext,
+        run_index: int,
+    ) -> None:
+        self.ex = executor
+        self.run_index = run_index
+        #: what trace events call the step: its number, or "eval" for an evaluation pass
+        self.step_label: int | str = ctx.step if ctx.training else "eval"
+        self.graph = graph
+        self.program = program
+        self.ctx = ctx
+        self.rank = executor.rank
+        self.transport = executor.transport
+        self.recorder = executor.recorder
+        #: seq -> (request, buffer, message, posted at)
+        self.inbox: dict[int, tuple[Any, np.ndarray, Message, float]] = {}
+        #: (request, peer, buffer kept alive, message, posted at)
+        self.sends: list[tuple[Any, int, np.ndarray, Message | None, float]] = []
+
+    def _dtype(self, tensor: str):
+        return NUMPY_DTYPES[self.graph.tensors[tensor].dtype]
+
+    def _shape(self, tensor: str, rect: Rect) -> tuple[int, ...]:
+        return self.ex.layouts[tensor].shape(rect.shape)
+
+    def _event(self, cat: str, name: str, tid: int, start: float, args: dict[str, Any]) -> None:
+        if self.recorder is not None:
+            self.recorder.add(cat, name, tid, start, self.recorder.now(), args)
+
+    def _now(self) -> float:
+        return self.recorder.now() if self.recorder is not None else 0.0
+
+    def post(self, messages: list[Message]) -> None:
+        for m in messages:
+            tag = self.transport.data_tag(m.seq)
+            if m.src == self.rank:
+                data = np.array(self.ex.view(m.tensor, m.rect), copy=True, order="C")
+                request = self.transport.isend(data, m.dst, tag)
+                self.sends.append((request, m.dst, data, m, self._now()))
+            if m.dst == self.rank:
+                buffer = np.empty(self._shape(m.tensor, m.rect), self._dtype(m.tensor))
+                request = self.transport.irecv(buffer, m.src, tag)
+                self.inbox[m.seq] = (request, buffer, m, self._now())
+
+    def _wait_messages(self, messages: list[Message], task: Task, why: str) -> None:
+        if not messages:
+            return
+        start = self._now()
+        pending = [(self.inbox[m.seq][0], m.src) for m in messages]
+        wait(
+            pending,
+            f"step {self.ctx.step}, task {task.name} ({why})",
+            self.rank,
+            self.ex.stall_timeout,
+        )
+        if self.recorder is not None:
+            end = self.recorder.now()
+            for m in messages:
+                self.recorder.add(
+                    "recv",
+                    f"{m.tensor} from {m.src}",
+                    COMMUNICATION,
+                    start,
+                    end,
+                    self._message_args(m, task, m.src),
+                )
+
+    def _message_args(self, m: Message, task: Task, peer: int) -> dict[str, Any]:
+        consumer = self.program.tasks[m.task].task.name if m.task < len(self.program.tasks) else ""
+        return {
+            "step": self.step_label,
+            "task": consumer or task.name,
+            "tensor": m.tensor,
+            "rect": [list(m.rect.lo), list(m.rect.hi)],
+            "bytes": m.nbytes,
+            "peer": peer,
+            "id": f"{self.run_index}:{m.seq}",
+        }
+
+    def task(self, rt: RankTask) -> None:
+        task = rt.task
+        self.post(rt.partial_in)
+        self._wait_messages(rt.copies_in, task, "halo and copies")
+        for m in rt.copies_in:
+            _, buffer, _, _ = self.inbox.pop(m.seq)
+            self.ex.view(m.tensor, m.rect)[...] = buffer
+        scratch: dict[str, tuple[Rect, np.ndarray]] = {}
+        start = self._now()
+        for piece in rt.pieces:
+            self._compute(rt, piece, scratch)
+        if rt.pieces:
+            self._event(
+                "compute",
+                task.name,
+                COMPUTE,
+                start,
+                {"step": self.step_label, "task": task.name, "phase": task.phase},
+            )
+        for m in rt.partial_out:
+            rect, contribution = scratch[m.tensor]
+            data = np.array(self._part(m.tensor, contribution, rect, m.rect), copy=True)
+            request = self.transport.isend(data, m.dst, self.transport.data_tag(m.seq))
+            self.sends.append((request, m.dst, data, m, self._now()))
+        for tensor, parts in rt.local_parts.items():
+            rect, contribution = scratch[tensor]
+            for part in parts:
+                self.ex.view(tensor, part)[...] += self._part(tensor, contribution, rect, part)
+        self._wait_messages(rt.partial_in, task, "partial sums")
+        for m in rt.partial_in:
+            _, buffer, _, _ = self.inbox.pop(m.seq)
+            self.ex.view(m.tensor, m.rect)[...] += buffer
+        for collective in rt.collectives:
+            self._collective(rt, collective, scratch)
+        self.post(rt.post)
+        self._progress()
+
+    def _part(self, tensor: str, array: np.ndarray, rect: Rect, part: Rect) -> np.ndarray:
+        return array[self.ex.layouts[tensor].slices(part.relative_to(rect))]
+
+    def _compute(self, rt: RankTask, piece, scratch) -> None:
+        task = rt.task
+        fault = self.ex.fault
+        if fault is not None and fault[1:] == (self.rank, task.name):
+            if fault[0] == "hang":  # a rank that stops making progress, for the stall watchdog
+                time.sleep(3600)
+            raise InjectedFault(f"fault injected by LEGION_NN_FAULT into {task.name}")
+        views = {}
+        for req in piece.requirements:
+            if req.privilege is Privilege.REDUCE and (
+                req.tensor in rt.local_parts
+                or any(c.reduction.tensor == req.tensor for c in rt.collectives)
+            ):
+                rect = req.write_rect
+                if req.tensor in scratch:
+                    raise AssertionError(f"{task.name}: two pieces reduce {req.tensor} here")
+                array = np.zeros(self._shape(req.tensor, rect), self._dtype(req.tensor))
+                scratch[req.tensor] = (rect, array)
+                views[req.role] = array
+            elif req.rect is None:
+                views[req.role] = np.zeros((0,) * len(self.graph.tensors[req.tensor].dims))
+            else:
+                views[req.role] = self.ex.view(req.tensor, req.rect)
+        run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, self.ctx)
+
+    def _collective(self, rt: RankTask, collective, scratch) -> None:
+        reduction = collective.reduction
+        tensor = reduction.tensor
+        dtype = self._dtype(tensor)
+        sizes = [rect.volume for rect, _ in collective.targets]
+        mine = scratch.get(tensor)
+        if mine is not None and len(sizes) == 1 and mine[0] == collective.targets[0][0]:
+            # The whole contribution is the vector (a replicated gradient): reduce it in place
+            # rather than copy a weight-sized array.
+            vector = mine[1].reshape(-1)
+        else:
+            vector = np.zeros(sum(sizes), dtype)
+            offset = 0
+            for (rect, _), size in zip(collective.targets, sizes):
+                if mine is not None and mine[0].contains(rect):
+                    part = self._part(tensor, mine[1], mine[0], rect)
+                    vector[offset : offset + size] = part.ravel()
+                offset += size
+        start = self._now()
+        seq = collective.seq
+        for hops in collective.rounds:
+            received = []
+            for hop in hops:
+                tag = self.transport.data_tag(seq)
+                seq += 1
+                if hop.src == self.rank:
+                    data = vector[hop.lo : hop.hi].copy()
+                    self.sends.append(
+                        (self.transport.isend(data, hop.dst, tag), hop.dst, data, None, 0.0)
+                    )
+                if hop.dst == self.rank:
+                    buffer = np.empty(hop.hi - hop.lo, dtype)
+                    received.append((self.transport.irecv(buffer, hop.src, tag), hop, buffer))
+            wait(
+                [(request, hop.src) for request, hop, _ in received],
+                f"step {self.ctx.step}, task {rt.task.name} ({reduction.algorithm} of {tensor} "
+                f"over ranks {list(reduction.participants)})",
+                self.rank,
+                self.ex.stall_timeout,
+            )
+            for _, hop, buffer in received:
+                if hop.add:
+                    vector[hop.lo : hop.hi] += buffer
+                else:
+                    vector[hop.lo : hop.hi] = buffer
+        offset = 0
+        for (rect, holders), size in zip(collective.targets, sizes):
+            if self.rank in holders:
+                target = self.ex.view(tensor, rect)
+                target += vector[offset : offset + size].reshape(target.shape)
+            offset += size
+        self._event(
+            "collective",
+            f"{reduction.algorithm} {tensor}",
+            COMMUNICATION,
+            start,
+            {
+                "step": self.step_label,
+                "task": rt.task.name,
+                "tensor": tensor,
+                "bytes": reduction.nbytes,
+                "algorithm": reduction.algorithm,
+                "participants": list(reduction.participants),
+            },
+        )
+
+    def _progress(self) -> None:
+        still = []
+        for entry in self.sends:
+            request, peer, _, message, posted = entry
+            if request.test():
+                if message is not None and self.recorder is not None:
+                    self.recorder.add(
+                        "send",
+                        f"{message.tensor} to {peer}",
+                        COMMUNICATION,
+                        posted,
+                        self.recorder.now(),
+                        self._message_args(message, self.program.tasks[message.task].task, peer),
+                    )
+            else:
+                still.append(entry)
+        self.sends = still
+
+    def finish(self) -> None:
+        if self.inbox:
+            seqs = sorted(self.inbox)
+            raise AssertionError(f"rank {self.rank}: messages {seqs[:5]} were never consumed")
+        self._progress()
+        wait(
+            [(request, peer) for request, peer, *_ in self.sends],
+            f"step {self.ctx.step}, end of step (sends still in flight)",
+            self.rank,
+            self.ex.stall_timeout,
+        )
+        self._progress()
