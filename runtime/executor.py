@@ -25,6 +25,7 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext, run_piece
 from runtime.instances import Layout, choose_layouts
+from runtime.kernels.blas import kernel_threading
 
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64}
 
@@ -160,8 +161,9 @@ class LocalExecutor:
     ) -> StepContext:
         """Run `tasks` (default: the whole step) of `graph` in program order."""
         self.prepare(graph)
-        for task in graph.tasks if tasks is None else tasks:
-            run_task_piece(task, task.space, graph.tensors, self.view, ctx)
+        with kernel_threading():  # once per step, not once per kernel
+            for task in graph.tasks if tasks is None else tasks:
+                run_task_piece(task, task.space, graph.tensors, self.view, ctx)
         return ctx
 
     def run_inference(self, graph: TaskGraph, ctx: StepContext) -> StepContext:

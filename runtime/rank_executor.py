@@ -39,6 +39,7 @@ from partitioner.strategy import Strategy, builtin
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.instances import Layout, choose_layouts
+from runtime.kernels.blas import kernel_threading
 from runtime.rank_program import RankProgram, build_programs
 from runtime.rank_step import StepRun, fault_from_env
 from runtime.tracing import Recorder
@@ -200,16 +201,17 @@ class RankExecutor:
         run = StepRun(self, graph, program, ctx, self.runs)
         sent_before = self.transport.bytes_sent
         run.post(program.post_at_start)
-        for rank_task in program.tasks:
-            if self.on_task:
-                self.on_task(ctx.step, rank_task.task.name)
-            try:
-                run.task(rank_task)
-            except (TaskFailure, StallError, PeerLost, GroupAborted):
-                raise
-            except Exception as exc:
-                raise TaskFailure(self.rank, ctx.step, rank_task.task.name, exc) from exc
-        run.finish()
+        with kernel_threading():  # once per step, not once per kernel
+            for rank_task in program.tasks:
+                if self.on_task:
+                    self.on_task(ctx.step, rank_task.task.name)
+                try:
+                    run.task(rank_task)
+                except (TaskFailure, StallError, PeerLost, GroupAborted):
+                    raise
+                except Exception as exc:
+                    raise TaskFailure(self.rank, ctx.step, rank_task.task.name, exc) from exc
+            run.finish()
         self.last_bytes_sent = self.transport.bytes_sent - sent_before
         self.last_bytes_planned = program.bytes_planned
 

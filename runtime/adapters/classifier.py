@@ -24,10 +24,9 @@ def _linear_grad(task, piece, views, dims, ctx):
     out = {}
     if grad.flags.c_contiguous:  # reduce straight into the gradient: no weight-sized temporary
         linear.linear_weight_grad_accumulate(dy, x, grad)
-        n, m = dy.shape[0], dy.shape[1]
+        m = dy.shape[1]
         if need_dx:
-            dx = np.dot(dy.reshape(n, m), weights.reshape(m, -1)).reshape(x.shape)
-            out["input.delta"] = dx
+            out["input.delta"] = linear.linear_input_grad(dy, weights, x.shape)
         if "b.delta" in views:
             out["b.delta"] = dy.sum(axis=0, dtype=np.float64).astype(dy.dtype).reshape(1, m, 1, 1)
         return out

@@ -2,19 +2,22 @@
 
 x is (N, C, H, W) and w is (M, C, H, W), so a fully connected layer keeps the logical layout of
 the activation it reads and the partitioner can split w along M (model parallel) or x along N
-(data parallel) with plain rects. The work is three GEMMs, so these kernels hand reshaped views
-to BLAS through np.dot rather than loop in Numba; reshape only copies when a piece is a
-non-contiguous slice. On a batch piece dw and db are that piece's contributions (the runtime adds
-them); on an M piece dx is the piece's contribution to the input gradient.
+(data parallel) with plain rects. The work is three GEMMs on the flattened 2-D views, each run by
+`blas.parallel_gemm`, so that the layer uses Numba's threads like every other kernel rather than
+a second, competing BLAS thread pool. Flattening only copies when a piece is a non-contiguous
+slice. On a batch piece dw and db are that piece's contributions (the runtime adds them); on an M
+piece dx is the piece's contribution to the input gradient.
 """
 
 from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from runtime.kernels import _checks
+from runtime.kernels.blas import NO_TRANS, TRANS, kernel_threading, parallel_gemm
 
 
 def _check(x: np.ndarray, w: np.ndarray) -> None:
@@ -25,17 +28,55 @@ def _check(x: np.ndarray, w: np.ndarray) -> None:
         raise ValueError(f"w shape {w.shape} does not match x shape {x.shape} in (C, H, W)")
 
 
+def _matrix(a: np.ndarray, rows: int) -> np.ndarray:
+    """`a` as a C-contiguous (rows, rest) matrix: a view when it can be, else a copy."""
+    return np.ascontiguousarray(a.reshape(rows, math.prod(a.shape[1:])))
+
+
+def _product(
+    a: np.ndarray, trans_a, b: np.ndarray, trans_b, c: np.ndarray, accumulate: bool = False
+) -> None:
+    """c (m×n, C-contiguous) (+)= op(a)·op(b) for C-contiguous matrices a and b."""
+    m, n = c.shape
+    k = a.shape[0] if trans_a == TRANS else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        if not accumulate:
+            c[...] = 0
+        return
+    with kernel_threading():
+        parallel_gemm(trans_a, trans_b, m, n, k, a, 0, a.shape[1], b, 0, b.shape[1],
+                      accumulate, c, 0, n, numba.get_num_threads())  # fmt: skip
+
+
 def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     """y (N, M, 1, 1) = x·wᵀ (+ b) for x (N, C, H, W), w (M, C, H, W), b (1, M, 1, 1)."""
     _check(x, w)
-    n, m, chw = x.shape[0], w.shape[0], math.prod(x.shape[1:])
+    n, m = x.shape[0], w.shape[0]
     y = np.empty((n, m, 1, 1), x.dtype)
-    np.dot(x.reshape(n, chw), w.reshape(m, chw).T, out=y.reshape(n, m))
+    _product(_matrix(x, n), NO_TRANS, _matrix(w, m), TRANS, y.reshape(n, m))
     if b is not None:
         _checks.floating("b", b)
         _checks.shape("b", b, (1, m, 1, 1))
         y += b.astype(x.dtype, copy=False)
     return y
+
+
+def _check_dy(dy: np.ndarray, x: np.ndarray, m: int) -> None:
+    _checks.floating("dy", dy)
+    _checks.shape("dy", dy, (x.shape[0], m, 1, 1))
+    _checks.same_dtype("dy", dy, "x", x)
+
+
+def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...]) -> np.ndarray:
+    """dx (N, C, H, W) = dy·w for dy (N, M, 1, 1) and w (M, C, H, W)."""
+    n, m = dy.shape[0], w.shape[0]
+    dx = np.empty(input_shape, w.dtype)
+    _product(
+        _matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, dx.reshape(n, math.prod(input_shape[1:]))
+    )
+    return dx
 
 
 def linear_backward(
@@ -47,17 +88,12 @@ def linear_backward(
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
     """(dx, dw, db): dx = dy·w (N, C, H, W), dw = dyᵀ·x (M, C, H, W), db = Σ_n dy (1, M, 1, 1)."""
     _check(x, w)
-    n, m, chw = x.shape[0], w.shape[0], math.prod(x.shape[1:])
-    _checks.floating("dy", dy)
-    _checks.shape("dy", dy, (n, m, 1, 1))
-    _checks.same_dtype("dy", dy, "x", x)
-    dy2 = dy.reshape(n, m)
+    n, m = x.shape[0], w.shape[0]
+    _check_dy(dy, x, m)
     dw = np.empty(w.shape, w.dtype)
-    np.dot(dy2.T, x.reshape(n, chw), out=dw.reshape(m, chw))
-    dx = None
-    if need_dx:
-        dx = np.empty(x.shape, x.dtype)
-        np.dot(dy2, w.reshape(m, chw), out=dx.reshape(n, chw))
+    _product(_matrix(dy, n), TRANS, _matrix(x, n), NO_TRANS, dw.reshape(m, math.prod(w.shape[1:])))
+    dx = linear_input_grad(dy, w, x.shape) if need_dx else None
+    dy2 = dy.reshape(n, m)
     db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype).reshape(1, m, 1, 1) if need_db else None
     return dx, dw, db
 
@@ -66,25 +102,21 @@ def linear_weight_grad_accumulate(dy: np.ndarray, x: np.ndarray, dw: np.ndarray)
     """dw += dyᵀ·x in place, for a C-contiguous dw (M, C, H, W), with no dw-sized temporary.
 
     A classifier's weight gradient is as large as its weights (the seed's is 0.6 GB), so the
-    reduction is one GEMM with beta = 1 writing into dw itself: dw viewed transposed,
-    (C·H·W, M), is Fortran-ordered, which is what BLAS updates in place.
+    reduction is one GEMM with beta = 1 writing into dw itself.
     """
-    from scipy.linalg import blas
-
     _checks.floating("dy", dy, 4)
     _check(x, dw)
-    n, m, chw = x.shape[0], dw.shape[0], math.prod(x.shape[1:])
-    _checks.shape("dy", dy, (n, m, 1, 1))
+    n, m = x.shape[0], dw.shape[0]
+    _check_dy(dy, x, m)
     if not dw.flags.c_contiguous:
         raise ValueError(
             f"dw must be C-contiguous to accumulate in place, got strides {dw.strides}"
         )
-    if n == 0:
-        return
-    gemm = blas.dgemm if dw.dtype == np.float64 else blas.sgemm
-    target = dw.reshape(m, chw).T  # (CHW, M), Fortran-ordered: updated in place
-    # x2ᵀ is a Fortran-ordered view of x, so BLAS reads it without a copy.
-    x2t = np.ascontiguousarray(x.reshape(n, chw)).T
-    result = gemm(1.0, x2t, dy.reshape(n, m), beta=1.0, c=target, overwrite_c=True)
-    if not np.shares_memory(result, dw):  # BLAS had to copy: keep the result all the same
-        target[...] = result
+    _product(
+        _matrix(dy, n),
+        TRANS,
+        _matrix(x, n),
+        NO_TRANS,
+        dw.reshape(m, math.prod(dw.shape[1:])),
+        accumulate=True,
+    )
