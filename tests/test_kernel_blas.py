@@ -20,7 +20,7 @@ def _stored(rng, rows, cols, pad):
 
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
-@pytest.mark.parametrize("shape", [(130, 9, 70), (9, 300, 70), (1, 1, 5), (64, 64, 0)])
+@pytest.mark.parametrize("shape", [(600, 9, 200), (9, 2000, 70), (1, 1, 5), (64, 64, 0)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_parallel_gemm_matches_numpy(trans_a, trans_b, shape, threads):
     m, n, k = shape
@@ -43,10 +43,10 @@ def test_parallel_gemm_matches_numpy(trans_a, trans_b, shape, threads):
 
 def test_parallel_gemm_leaves_padding_alone():
     rng = np.random.default_rng(1)
-    a, b = rng.standard_normal((200, 40)), rng.standard_normal((40, 30))
+    a, b = rng.standard_normal((200, 400)), rng.standard_normal((400, 30))
     c = np.full((200, 33), 7.0)
     with kernel_threading():
-        parallel_gemm(NO_TRANS, NO_TRANS, 200, 30, 40, a, 0, 40, b, 0, 30, False, c, 0, 33,
+        parallel_gemm(NO_TRANS, NO_TRANS, 200, 30, 400, a, 0, 400, b, 0, 30, False, c, 0, 33,
                       numba.config.NUMBA_NUM_THREADS)  # fmt: skip
     np.testing.assert_allclose(c[:, :30], a @ b, rtol=1e-12)
     assert np.all(c[:, 30:] == 7.0)
