@@ -37,6 +37,7 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy, builtin
 from runtime.adapters import StepContext
+from runtime.buffer_pool import BufferPool
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.instances import Layout, choose_layouts
 from runtime.kernels.blas import kernel_threading
@@ -103,6 +104,7 @@ class RankExecutor:
         self.last_bytes_sent = 0
         #: programs run so far: every rank runs the same sequence, so (run, seq) names a message
         self.runs = 0
+        self.buffers = BufferPool()
 
     @property
     def is_root(self) -> bool:

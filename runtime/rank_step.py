@@ -70,6 +70,8 @@ class StepRun:
         self.step_label: int | str = ctx.step if ctx.training else "eval"
         self.graph = graph
         self.program = program
+        #: the programs (training, inference) keep separate buffers
+        self.program_key = id(program)
         self.ctx = ctx
         self.rank = executor.rank
         self.transport = executor.transport
@@ -89,6 +91,10 @@ class StepRun:
         if self.recorder is not None:
             self.recorder.add(cat, name, tid, start, self.recorder.now(), args)
 
+    def _buffer(self, kind: str, seq: int, shape, dtype, zero: bool = False) -> np.ndarray:
+        """This step's buffer for message or collective `seq`: the same memory every step."""
+        return self.ex.buffers.get((self.program_key, kind, seq), shape, dtype, zero)
+
     def _now(self) -> float:
         return self.recorder.now() if self.recorder is not None else 0.0
 
@@ -96,11 +102,14 @@ class StepRun:
         for m in messages:
             tag = self.transport.data_tag(m.seq)
             if m.src == self.rank:
-                data = np.array(self.ex.view(m.tensor, m.rect), copy=True, order="C")
+                view = self.ex.view(m.tensor, m.rect)
+                data = self._buffer("send", m.seq, view.shape, view.dtype)
+                data[...] = view
                 request = self.transport.isend(data, m.dst, tag)
                 self.sends.append((request, m.dst, data, m, self._now()))
             if m.dst == self.rank:
-                buffer = np.empty(self._shape(m.tensor, m.rect), self._dtype(m.tensor))
+                shape = self._shape(m.tensor, m.rect)
+                buffer = self._buffer("recv", m.seq, shape, self._dtype(m.tensor))
                 request = self.transport.irecv(buffer, m.src, tag)
                 self.inbox[m.seq] = (request, buffer, m, self._now())
 
@@ -160,7 +169,9 @@ class StepRun:
             )
         for m in rt.partial_out:
             rect, contribution = scratch[m.tensor]
-            data = np.array(self._part(m.tensor, contribution, rect, m.rect), copy=True)
+            part = self._part(m.tensor, contribution, rect, m.rect)
+            data = self._buffer("send", m.seq, part.shape, part.dtype)
+            data[...] = part
             request = self.transport.isend(data, m.dst, self.transport.data_tag(m.seq))
             self.sends.append((request, m.dst, data, m, self._now()))
         for tensor, parts in rt.local_parts.items():
@@ -195,7 +206,12 @@ class StepRun:
                 rect = req.write_rect
                 if req.tensor in scratch:
                     raise AssertionError(f"{task.name}: two pieces reduce {req.tensor} here")
-                array = np.zeros(self._shape(req.tensor, rect), self._dtype(req.tensor))
+                array = self.ex.buffers.get(
+                    (self.program_key, "scratch", req.tensor, rect),
+                    self._shape(req.tensor, rect),
+                    self._dtype(req.tensor),
+                    zero=True,
+                )
                 scratch[req.tensor] = (rect, array)
                 views[req.role] = array
             elif req.rect is None:
@@ -215,7 +231,7 @@ class StepRun:
             # rather than copy a weight-sized array.
             vector = mine[1].reshape(-1)
         else:
-            vector = np.zeros(sum(sizes), dtype)
+            vector = self._buffer("vector", collective.seq, (sum(sizes),), dtype, zero=True)
             offset = 0
             for (rect, _), size in zip(collective.targets, sizes):
                 if mine is not None and mine[0].contains(rect):
@@ -224,31 +240,34 @@ class StepRun:
                 offset += size
         start = self._now()
         seq = collective.seq
+        # Hops send straight from the vector and a round waits for its sends as well as its
+        # receives, since a later round (or an add in this one) may overwrite what was sent.
+        # A hop that only copies receives straight into the vector.
         for hops in collective.rounds:
-            received = []
+            pending, adds = [], []
             for hop in hops:
                 tag = self.transport.data_tag(seq)
-                seq += 1
                 if hop.src == self.rank:
-                    data = vector[hop.lo : hop.hi].copy()
-                    self.sends.append(
-                        (self.transport.isend(data, hop.dst, tag), hop.dst, data, None, 0.0)
-                    )
+                    request = self.transport.isend(vector[hop.lo : hop.hi], hop.dst, tag)
+                    pending.append((request, hop.dst))
                 if hop.dst == self.rank:
-                    buffer = np.empty(hop.hi - hop.lo, dtype)
-                    received.append((self.transport.irecv(buffer, hop.src, tag), hop, buffer))
+                    if hop.add:  # one buffer per add of a round serves every round
+                        key = ("hop", np.dtype(dtype).str, len(adds))
+                        buffer = self.ex.buffers.get(key, (hop.hi - hop.lo,), dtype)
+                        adds.append((hop, buffer))
+                    else:
+                        buffer = vector[hop.lo : hop.hi]
+                    pending.append((self.transport.irecv(buffer, hop.src, tag), hop.src))
+                seq += 1
             wait(
-                [(request, hop.src) for request, hop, _ in received],
+                pending,
                 f"step {self.ctx.step}, task {rt.task.name} ({reduction.algorithm} of {tensor} "
                 f"over ranks {list(reduction.participants)})",
                 self.rank,
                 self.ex.stall_timeout,
             )
-            for _, hop, buffer in received:
-                if hop.add:
-                    vector[hop.lo : hop.hi] += buffer
-                else:
-                    vector[hop.lo : hop.hi] = buffer
+            for hop, buffer in adds:
+                vector[hop.lo : hop.hi] += buffer
         offset = 0
         for (rect, holders), size in zip(collective.targets, sizes):
             if self.rank in holders:

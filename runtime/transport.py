@@ -14,6 +14,7 @@ strategy through it quickly; the MPI tests then launch `mpiexec`).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -67,6 +68,10 @@ class ObjectRequest(Protocol):
     def test(self) -> bool: ...
 
 
+#: how long `wait` polls, yielding the core between polls, before it starts sleeping
+YIELDING_WAIT_S = 0.005
+
+
 def wait(
     pending: Sequence[tuple[Request, int]],
     what: str,
@@ -97,7 +102,13 @@ def wait(
                 f"rank {rank}: {what} has waited {waited:.0f} s for rank"
                 f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
             )
-        # Back off to 1 ms: oversubscribed ranks must not spin the cores their peers need.
+        if waited < YIELDING_WAIT_S:
+            # Most waits are short (a peer finishing the same task): yielding keeps this rank
+            # ready to go on at once, where a sleep of even 50 us would be overslept at each of
+            # a step's dozens of synchronisations, and lets time-shared peers run.
+            os.sched_yield()
+            continue
+        # Then back off to 1 ms: a long wait must not spin a core another rank needs.
         pause = min(max(pause * 2, 1e-5), 1e-3)
         time.sleep(pause)
 
