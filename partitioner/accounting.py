@@ -7,6 +7,11 @@ weight gradient, twice that, or once when the input needs no gradient); a `linea
 none (they are memory traffic, a blind spot of the model); an update counts per element 2 (sgd),
 4 (momentum), 10 (adam). A homed piece is computed by every holder.
 
+Memory traffic per rank (`bytes_per_rank`) is what the cost model's roofline term prices: the
+bytes of every rect a rank's pieces of a task touch, once for a read or a write and twice for an
+update in place (read-write, reduce). It counts each rect once, as if the kernel streamed it, so it
+is a lower bound on a kernel's traffic (a filter re-reads its window from cache, not memory).
+
 Memory per rank is everything the rank holds at any point of the step, with no reuse: its cells of
 every tensor's layouts (activations, gradients, the homes of data, parameters, their gradients and
 optimizer state, replicated or not) plus the parts it receives for a read (once per tensor, rect
@@ -31,6 +36,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
+from legion_nn.privilege import Privilege
 from partitioner import boxes
 from partitioner.plan import Plan
 
@@ -100,6 +106,29 @@ def flops_per_rank(graph: TaskGraph, plan: Plan) -> list[np.ndarray]:
                     weights=np.repeat(work, np.diff(pieces.rank_ptr)),
                     minlength=plan.nranks,
                 )
+        out.append(ranks)
+    return out
+
+
+def _passes(privilege: Privilege) -> int:
+    return 2 if privilege in (Privilege.READ_WRITE, Privilege.REDUCE) else 1
+
+
+def bytes_per_rank(graph: TaskGraph, plan: Plan) -> list[np.ndarray]:
+    """Bytes each rank's pieces of every task (in `plan.tasks` order) read and write."""
+    out = []
+    for task_plan in plan.tasks:
+        ranks = np.zeros(plan.nranks)
+        for pieces in task_plan.piece_sets:
+            per_piece = np.zeros(len(pieces))
+            for req, lo, hi in zip(pieces.requirements, pieces.req_lo, pieces.req_hi):
+                weight = graph.tensors[req.tensor].itemsize * _passes(req.privilege)
+                per_piece += boxes.volumes(lo, hi) * float(weight)
+            ranks += np.bincount(
+                pieces.ranks,
+                weights=np.repeat(per_piece, np.diff(pieces.rank_ptr)),
+                minlength=plan.nranks,
+            )
         out.append(ranks)
     return out
 

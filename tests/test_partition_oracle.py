@@ -36,7 +36,7 @@ from legion_nn.networks import load_network
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
-from partitioner.accounting import flops_per_element
+from partitioner.accounting import bytes_per_rank, flops_per_element
 from partitioner.cost import plan_cost, reduction_cost
 from partitioner.machine import Machine
 from partitioner.pieces import Piece, grid_pieces
@@ -193,13 +193,20 @@ def check_costs(graph, plan) -> None:
             for rank, volume in layout.volumes_by_rank().items():
                 memory[rank] += volume * graph.tensors[name].itemsize
     seen = set()
-    for task, task_plan, task_cost in zip(graph.tasks, plan.tasks, cost.tasks):
+    traffic = bytes_per_rank(graph, plan)
+    for k, (task, task_plan, task_cost) in enumerate(zip(graph.tasks, plan.tasks, cost.tasks)):
         flops: Counter = Counter()
+        touched = np.zeros(plan.nranks)
         for piece in task_plan.pieces:
             for rank in piece.ranks:
                 flops[rank] += flops_per_element(task, graph) * piece.rect.volume
+                for req in piece.requirements:
+                    updates = req.privilege in (Privilege.READ_WRITE, Privilege.REDUCE)
+                    size = req.rect.volume * graph.tensors[req.tensor].itemsize
+                    touched[rank] += size * (2 if updates else 1)
         assert task_cost.flops_max == max(flops.values(), default=0.0)
         assert task_cost.flops_total == sum(flops.values())
+        np.testing.assert_array_equal(traffic[k], touched)
         transfers = task_plan.transfers
         comm = link_time([t for t in transfers if not t.reduce], MACHINE)
         comm += link_time([t for t in transfers if t.reduce], MACHINE)
