@@ -15,19 +15,30 @@ task runs one pass, named after its phase (`"linear.forward"`, `"linear.backward
 a bias), and `linear` (GEMMs through BLAS) at the report's SGEMM rate. Other ops (elementwise,
 pooling, softmax: memory-bound, and nearly free in this model) keep `rank_gflops`.
 
+Two optional keys price what FLOPs do not (`legion-nn bench scaling` measures both):
+
+- `"memory_gbytes_per_s"`: a rank's streaming memory bandwidth. With it a task takes the longer of
+  its FLOPs over the op's throughput and its memory traffic (`accounting.bytes_per_rank`) over
+  this bandwidth (a roofline), so zeroing, loading and the elementwise ops cost their bytes, a
+  `linear` at a small batch pays for reading its weights, and a message or collective adds the
+  runtime's local passes over memory (`cost.py`). Without it memory traffic is free.
+- `"task_overhead_us"`: a runtime's fixed cost per task and rank (dispatch, views, bookkeeping),
+  added to every task. Default 0.
+
 The default machine is the one above: 100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs
-latency, 16 GiB per rank.
+latency, 16 GiB per rank, memory traffic not priced and no per-task overhead.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
+OPTIONAL_KEYS = ("memory_gbytes_per_s", "task_overhead_us")
 #: the passes `legion-nn bench kernels` measures
 PASSES = ("forward", "backward_data", "backward_filter")
 
@@ -39,6 +50,9 @@ class Machine:
     latency_us: float = 2.0
     rank_memory_gib: float = 16.0
     op_gflops: dict[str, float] = field(default_factory=dict)
+    #: None: memory traffic is not priced
+    memory_gbytes_per_s: float | None = None
+    task_overhead_us: float = 0.0
 
     @property
     def alpha(self) -> float:
@@ -49,6 +63,17 @@ class Machine:
     def beta(self) -> float:
         """Seconds per byte."""
         return 1.0 / (self.link_gbytes_per_s * 1e9)
+
+    @property
+    def seconds_per_memory_byte(self) -> float:
+        """Seconds per byte of memory traffic; 0 where the machine does not price it."""
+        if self.memory_gbytes_per_s is None:
+            return 0.0
+        return 1.0 / (self.memory_gbytes_per_s * 1e9)
+
+    @property
+    def task_overhead(self) -> float:
+        return self.task_overhead_us * 1e-6
 
     @property
     def memory_bytes(self) -> float:
@@ -63,6 +88,10 @@ class Machine:
 
     def to_json(self) -> dict:
         out = {key: getattr(self, key) for key in KEYS}
+        if self.memory_gbytes_per_s is not None:
+            out["memory_gbytes_per_s"] = self.memory_gbytes_per_s
+        if self.task_overhead_us:
+            out["task_overhead_us"] = self.task_overhead_us
         if self.op_gflops:
             out["op_gflops"] = dict(self.op_gflops)
         return out
@@ -81,17 +110,25 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
     missing = [key for key in KEYS if key not in data]
     if missing:
         raise LegionNNError(f"{where}: missing {', '.join(missing)}")
-    unknown = sorted(set(data) - set(KEYS) - {"op_gflops"})
+    unknown = sorted(set(data) - set(KEYS) - set(OPTIONAL_KEYS) - {"op_gflops"})
     if unknown:
         raise LegionNNError(
-            f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(KEYS)}, op_gflops"
+            f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(KEYS + OPTIONAL_KEYS)}, "
+            "op_gflops"
         )
+    overhead = data.get("task_overhead_us", 0)
+    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0:
+        raise LegionNNError(f"{where}: task_overhead_us must be a number >= 0, got {overhead!r}")
     ops = data.get("op_gflops", {})
     if not isinstance(ops, dict):
         raise LegionNNError(f"{where}: op_gflops must map op names to GFLOP/s")
     return Machine(
         *(_positive(data, key, where) for key in KEYS),
         op_gflops={op: _positive(ops, op, f"{where}: op_gflops") for op in ops},
+        memory_gbytes_per_s=(
+            _positive(data, "memory_gbytes_per_s", where) if "memory_gbytes_per_s" in data else None
+        ),
+        task_overhead_us=float(overhead),
     )
 
 
@@ -126,13 +163,7 @@ def calibrate(machine: Machine, bench: object, where: str = "--calibrate") -> Ma
     ops = {key: sum(found) / len(found) for key, found in rates.items()}
     if "sgemm_gflops" in bench:
         ops["linear"] = _positive(bench, "sgemm_gflops", where)
-    return Machine(
-        machine.rank_gflops,
-        machine.link_gbytes_per_s,
-        machine.latency_us,
-        machine.rank_memory_gib,
-        {**machine.op_gflops, **ops},
-    )
+    return replace(machine, op_gflops={**machine.op_gflops, **ops})
 
 
 def load_calibrated(machine: Machine, path: str) -> Machine:

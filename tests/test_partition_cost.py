@@ -75,6 +75,23 @@ def test_machine_files(tmp_path):
         load_machine(str(bad))
 
 
+def test_machine_files_optional_keys():
+    base = {"rank_gflops": 10, "link_gbytes_per_s": 2, "latency_us": 3, "rank_memory_gib": 4}
+    plain = machine_from_json(base)
+    assert plain.memory_gbytes_per_s is None and plain.seconds_per_memory_byte == 0.0
+    assert plain.task_overhead == 0.0 and plain.to_json() == base
+    full = machine_from_json({**base, "memory_gbytes_per_s": 20, "task_overhead_us": 15})
+    assert full.seconds_per_memory_byte == pytest.approx(1 / 20e9)
+    assert full.task_overhead == pytest.approx(15e-6)
+    assert machine_from_json(full.to_json()) == full
+    with pytest.raises(LegionNNError, match="memory_gbytes_per_s must be a positive number"):
+        machine_from_json({**base, "memory_gbytes_per_s": 0})
+    with pytest.raises(LegionNNError, match="task_overhead_us must be a number >= 0"):
+        machine_from_json({**base, "task_overhead_us": -1})
+    with pytest.raises(LegionNNError, match="unknown key 'memory_bw'"):
+        machine_from_json({**base, "memory_bw": 1})
+
+
 def test_partition_command_json_and_errors(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert (
