@@ -88,6 +88,11 @@ class RankTask:
     local_parts: dict[str, list[Rect]] = field(default_factory=dict)
     #: copies (sends and receives) to post once this task is done
     post: list[Message] = field(default_factory=list)
+    #: reduced tensors whose collective runs in the tensor itself: this rank holds the whole
+    #: target, nothing has been added to it since it was zeroed, and nothing else adds to it in
+    #: this task, so the kernel accumulates straight into it and the collective sums it in place
+    #: (no scratch the size of the gradient, no zeroing it, no folding it back)
+    in_place: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -184,6 +189,8 @@ class _Builder:
         self.touched: dict[str, list[Rect]] = defaultdict(list)
         self.bytes_planned = 0
         self.held: dict[str, list[Rect]] = {}
+        #: per tensor, the rects this rank zeroed and has not added to or written since
+        self.zeroed: dict[str, list[Rect]] = defaultdict(list)
         for name, home in plan.homes.items():
             tensor = graph.tensors[name]
             self.held[name] = [part for part, holders in home.held(tensor.rect) if rank in holders]
@@ -257,12 +264,33 @@ class _Builder:
                     if not part.is_empty():
                         parts.extend(_minus(part, collective_rects))
             current.local_parts[tensor] = parts
+            if self._reduces_in_place(tensor, rects):
+                current.in_place.add(tensor)
+        for tensor in set(reduced) | set(written):
+            if current.task.op == "set_zero":
+                self.zeroed[tensor].extend(written.get(tensor, []))
+            else:
+                self.zeroed[tensor] = []
         if not self.homed:
             # A partitioned task's writes are the tensor's new layout, even where this rank
             # wrote none of it.
             for req in current.task.requirements:
                 if req.privilege.writes and req.privilege is not Privilege.REDUCE:
                     self.held[req.tensor] = written.get(req.tensor, [])
+
+    def _reduces_in_place(self, tensor: str, rects: list[Rect]) -> bool:
+        current = self.current
+        collectives = [c for c in current.collectives if c.reduction.tensor == tensor]
+        if len(collectives) != 1 or len(rects) != 1 or len(collectives[0].targets) != 1:
+            return False
+        (target, holders) = collectives[0].targets[0]
+        messages = current.partial_in + current.partial_out
+        return (
+            target == rects[0]
+            and self.rank in holders
+            and not any(m.tensor == tensor for m in messages)
+            and _covered(target, self.zeroed.get(tensor, []))
+        )
 
     def program(self, messages: int) -> RankProgram:
         boxes = {}

@@ -199,7 +199,15 @@ class StepRun:
             raise InjectedFault(f"fault injected by LEGION_NN_FAULT into {task.name}")
         views = {}
         for req in piece.requirements:
-            if req.privilege is Privilege.REDUCE and (
+            in_place = None
+            if req.tensor in rt.in_place:
+                in_place = self.ex.view(req.tensor, req.write_rect)
+                if not in_place.flags.c_contiguous:  # a collective needs one flat vector
+                    in_place = None
+            if in_place is not None:
+                scratch[req.tensor] = (req.write_rect, in_place)
+                views[req.role] = in_place
+            elif req.privilege is Privilege.REDUCE and (
                 req.tensor in rt.local_parts
                 or any(c.reduction.tensor == req.tensor for c in rt.collectives)
             ):
@@ -272,7 +280,8 @@ class StepRun:
         for (rect, holders), size in zip(collective.targets, sizes):
             if self.rank in holders:
                 target = self.ex.view(tensor, rect)
-                target += vector[offset : offset + size].reshape(target.shape)
+                if not np.may_share_memory(target, vector):  # else it was reduced in place
+                    target += vector[offset : offset + size].reshape(target.shape)
             offset += size
         self._event(
             "collective",

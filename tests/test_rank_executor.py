@@ -255,3 +255,34 @@ def test_a_ranks_initial_part_is_that_part_of_the_whole_initial_value():
         whole = initial_value(tensor, np.random.default_rng([0, zlib.crc32(name.encode())]))
         part = initial_part(tensor, np.random.default_rng([0, zlib.crc32(name.encode())]), box)
         np.testing.assert_array_equal(part, whole[box.to_slices()])
+
+
+def _with_a_second_reducer(graph):
+    """`graph` with L1's affine backward run twice: its parameter gradients get two additions
+    in one step, the second onto a gradient that is no longer zero."""
+    from dataclasses import replace as replace_task
+
+    from legion_nn.graph import TaskGraph
+
+    tasks = []
+    for task in graph.tasks:
+        tasks.append(task)
+        if task.name == "L1.filterA.grad":
+            tasks.append(replace_task(task, name="L1.filterA.grad.again"))
+    return TaskGraph(graph.tensors.values(), tasks)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_gradient_added_to_twice_is_reduced_in_place_only_the_first_time(nranks, monkeypatch):
+    graph = _with_a_second_reducer(small_network().lower(batch=7, dtype="float64"))
+    programs = build_programs(graph, build_plan(graph, builtin(graph, "data", nranks), nranks),
+                              Machine(), range(nranks))  # fmt: skip
+    for program in programs.values():
+        by_name = {t.task.name: t for t in program.tasks}
+        assert "L1.a.grad" in by_name["L1.filterA.grad"].in_place
+        assert "L1.a.grad" not in by_name["L1.filterA.grad.again"].in_place
+        assert by_name["L1.filterA.grad.again"].collectives  # reduced through its scratch
+    monkeypatch.setattr(Trainer, "graph", lambda self, batch: _with_a_second_reducer(
+        self.config.network.lower(batch=batch, dtype="float64")))  # fmt: skip
+    cfg = config(small_network())
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, "data"))
