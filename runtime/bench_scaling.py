@@ -1,23 +1,28 @@
 """`legion-nn bench scaling`: measured step time on 1, 2 and 4 ranks beside the cost model's.
 
-For each network (at a reduced batch), rank count and strategy, one real `mpiexec -n R legion-nn
-train` job runs a few steps on synthetic data with `--log-json` and `--trace`. The measured step
-time is the median over rank 0's steps after the first two (compilation and first-touch); the
-bytes are the sum over ranks of one step's `bytes_sent` (equal to `bytes_planned`).
+For each network (at a reduced batch), rank count and strategy, real `mpiexec -n R legion-nn
+train` jobs run a few steps on synthetic data with `--log-json` (and plain SGD, so that four
+data-parallel replicas of seed-lcn fit in memory). A job's step time is the median over its steps
+after the first two (compilation and first touch) of the slowest rank's step; each job runs
+`repeat` times and the fastest run counts (`best_job` says why). The bytes are the sum over ranks
+of one step's `bytes_sent` (equal to `bytes_planned`).
 
 The prediction is the cost model's step time (`partitioner.cost.plan_cost`) on a machine
-calibrated from what this benchmark measures, plus the runtime's fixed cost per step:
+calibrated from what this benchmark measures, plus the training loop's time outside the tasks:
 
-- per-op throughput: from the 1-rank job's trace, each op's measured compute time against its
-  FLOPs (`partitioner.accounting`), per core; a rank's throughput is its share of the cores
-  (R ranks on C cores get C/R each; oversubscribed ranks time-share);
-- the link: latency and bandwidth from a two-rank ping-pong of 8 B to 4 MiB messages;
-- the fixed cost: what the 1-rank job spends per step beyond the FLOPs the model prices: data
-  loading, zeroing, elementwise ops priced at nearly zero FLOPs, Python dispatch per task. It is
-  charged per task, scaled by each rank's share of the tasks' elements.
+- per-op throughput, per tied or untied pass: from 1-rank jobs run with `--trace`, one per thread
+  count the rank counts use (2 threads for 1 rank, 1 for 2 and 4 ranks on this 2-core machine),
+  each op's FLOPs over its measured time (`calibrate`). A rank on R ranks runs at its thread
+  count's rates; oversubscribed ranks time-share, at the fraction cores/(R·threads);
+- memory bandwidth: this process streaming `a + b -> c` over 256 MB arrays. The model's
+  roofline then prices zeroing, loading and elementwise work by their bytes, a `linear` at a
+  small batch by its weights, and the local passes of messages and collectives;
+- the runtime's fixed cost per task: the median, over the tasks priced at no FLOPs, of their time
+  beyond their bytes;
+- the link: latency and bandwidth from a two-rank ping-pong (`runtime.mpi_executor.pingpong`).
 
 The goal is a prediction within 20% at 1 and 2 ranks. At 1 rank the prediction is the calibration
-itself, so the 1-rank error only checks that the median is stable.
+(a separate run), so the 1-rank error measures how stable a run is.
 """
 
 from __future__ import annotations
@@ -28,14 +33,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from legion_nn.errors import LegionNNError
+from legion_nn.ir import Task
 from legion_nn.networks import load_network
-from partitioner.accounting import task_flops
+from partitioner.accounting import bytes_per_rank, task_flops
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
@@ -153,38 +162,75 @@ def _step_events(trace: dict, rank: int = 0) -> list[dict]:
 
 @dataclass
 class Calibration:
-    """What one rank does per step at `threads` Numba threads, from a 1-rank job."""
+    """What one rank does per step at `threads` Numba threads, from a 1-rank job's trace."""
 
     threads: int
-    #: GFLOP/s of each op that the cost model prices by its FLOPs
+    #: GFLOP/s by the cost model's keys (op, pass, tied or untied)
     op_gflops: dict[str, float]
-    #: seconds per step of each task the model prices at no FLOPs (zeroing, loading), by name
-    zero_flop_seconds: dict[str, float]
-    #: seconds per step outside every task: the training loop, data loading, logging
+    #: the machine's streaming bandwidth (`memory_bandwidth`)
+    memory_gbytes_per_s: float
+    #: the runtime's fixed cost per task
+    task_overhead_us: float
+    #: seconds per step outside every task: the training loop, logging
     loop_seconds: float
 
 
-def calibrate(job: Job, threads: int) -> Calibration:
+def rate_keys(task: Task) -> tuple[str, ...]:
+    """The `Machine.op_gflops` keys a task's measured time calibrates."""
+    if task.op in ("filter", "conv"):
+        variant = "untied" if task.attrs.get("untied") else "tied"
+        if task.phase == "forward":
+            return (f"{task.op}.forward.{variant}",)
+        return (f"{task.op}.backward_data.{variant}", f"{task.op}.backward_filter.{variant}")
+    return (f"{task.op}.{task.phase}",)
+
+
+def memory_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
+    """GB/s of this process streaming `a + b -> c` over arrays far larger than the caches, the
+    pattern of the runtime's elementwise ops and reductions (two reads and a write per element)."""
+    n = megabytes * 2**20 // 4
+    a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.add(a, b, out=c)
+        best = min(best, time.perf_counter() - start)
+    return 3 * a.nbytes / best / 1e9
+
+
+def calibrate(job: Job, threads: int, memory_gbytes_per_s: float) -> Calibration:
+    """Fit the model's per-task terms to the 1-rank trace.
+
+    The overhead is the median, over the tasks the model prices at no FLOPs (zeroing, loading),
+    of what each took beyond its bytes at the measured bandwidth; each FLOP-priced op's rate is
+    its FLOPs over its time less that overhead, summed over its tasks."""
     graph = load_network(job.network).lower(batch=job.batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
-    ops = {task.name: task.op for task in graph.tasks}
+    traffic = {t.name: float(b[0]) for t, b in zip(graph.tasks, bytes_per_rank(graph, plan))}
+    tasks = {task.name: task for task in graph.tasks}
     events = _step_events(job.trace)
     steps = len({e["args"]["step"] for e in events}) or 1
+    spent: dict[str, float] = defaultdict(float)
+    for event in events:
+        spent[event["name"]] += event["dur"] * 1e-6 / steps
+    per_byte = 1.0 / (memory_gbytes_per_s * 1e9)
+    beyond = [
+        max(t - traffic.get(name, 0.0) * per_byte, 0.0)
+        for name, t in spent.items()
+        if not flops.get(name)
+    ]
+    overhead = statistics.median(beyond) if beyond else 0.0
     seconds: dict[str, float] = defaultdict(float)
     work: dict[str, float] = defaultdict(float)
-    zero_flop: dict[str, float] = defaultdict(float)
-    for event in events:
-        name = event["name"]
-        spent = event["dur"] * 1e-6 / steps
-        if flops.get(name, 0.0) > 0:
-            seconds[ops[name]] += spent
-            work[ops[name]] += flops[name] / steps
-        else:
-            zero_flop[name] += spent
-    rates = {op: work[op] / seconds[op] / 1e9 for op in work if seconds[op] > 0}
-    in_tasks = sum(seconds.values()) + sum(zero_flop.values())
-    return Calibration(threads, rates, dict(zero_flop), max(job.step_seconds - in_tasks, 0.0))
+    for name, t in spent.items():
+        if flops.get(name):
+            for key in rate_keys(tasks[name]):
+                seconds[key] += max(t - overhead, 1e-9)
+                work[key] += flops[name]
+    rates = {key: work[key] / seconds[key] / 1e9 for key in work}
+    loop = max(job.step_seconds - sum(spent.values()), 0.0)
+    return Calibration(threads, rates, memory_gbytes_per_s, overhead * 1e6, loop)
 
 
 def rank_threads(ranks: int, cores: int) -> int:
@@ -212,19 +258,11 @@ def predict(
         link_gbytes_per_s=1.0 / per_byte / 1e9,
         latency_us=latency * 1e6,
         rank_memory_gib=1e6,
-        op_gflops={op: rate * share for op, rate in rates.items()},
+        op_gflops={key: rate * share for key, rate in rates.items()},
+        memory_gbytes_per_s=calibration.memory_gbytes_per_s * share,
+        task_overhead_us=calibration.task_overhead_us / share,
     )
-    cost = plan_cost(graph, plan, machine)
-    # A zero-FLOP task's time follows the busiest rank's share of its elements.
-    fixed = calibration.loop_seconds
-    for task, task_plan in zip(graph.tasks, plan.tasks):
-        measured = calibration.zero_flop_seconds.get(task.name)
-        if measured is None:
-            continue
-        volume = task.space.volume or 1
-        biggest = max((p.rect.volume for p in task_plan.pieces), default=volume)
-        fixed += measured * max(biggest / volume, 1.0 / ranks)
-    return cost.step_seconds + fixed / share
+    return plan_cost(graph, plan, machine).step_seconds + calibration.loop_seconds / share
 
 
 def run_scaling(
@@ -237,8 +275,9 @@ def run_scaling(
 ) -> dict:
     say = progress or (lambda line: None)
     cores = host_cores()
-    say("ping-pong between two ranks")
+    say("ping-pong between two ranks; memory bandwidth")
     link = pingpong()
+    bandwidth = memory_bandwidth()
     rows, calibrations = [], []
     with tempfile.TemporaryDirectory(prefix="legion-nn-scaling-") as tmp:
         for network, batch in cases:
@@ -248,7 +287,7 @@ def run_scaling(
                 work = Path(tmp) / f"{network}-calibration-{threads}"
                 work.mkdir()
                 job = best_job(repeat, network, batch, 1, "data", steps, work, threads, traced=True)
-                by_threads[threads] = calibrate(job, threads)
+                by_threads[threads] = calibrate(job, threads, bandwidth)
                 calibrations.append(
                     {"network": network, "batch": batch, "step_s": job.step_seconds}
                     | asdict(by_threads[threads])
@@ -283,6 +322,7 @@ def run_scaling(
         "steps": steps,
         "repeat": repeat,
         "link": {"latency_us": link[0] * 1e6, "gbytes_per_s": 1.0 / link[1] / 1e9},
+        "memory_gbytes_per_s": bandwidth,
         "calibrations": calibrations,
         "results": rows,
     }
