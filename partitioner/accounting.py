@@ -30,7 +30,7 @@ up to the step's.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -38,7 +38,9 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
+from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
+from partitioner.transfers import TransferBlock
 
 UPDATE_FLOPS = {"sgd": 2, "momentum": 4, "adam": 10}
 
@@ -94,20 +96,27 @@ def flops_per_element(task: Task, graph: TaskGraph) -> float:
 
 def flops_per_rank(graph: TaskGraph, plan: Plan) -> list[np.ndarray]:
     """FLOPs of every task (in `plan.tasks` order) on each of the plan's ranks."""
-    out = []
-    for task, task_plan in zip(graph.tasks, plan.tasks):
-        per = flops_per_element(task, graph)
-        ranks = np.zeros(plan.nranks)
-        if per:
-            for pieces in task_plan.piece_sets:
-                work = per * pieces.volumes().astype(float)
-                ranks += np.bincount(
-                    pieces.ranks,
-                    weights=np.repeat(work, np.diff(pieces.rank_ptr)),
-                    minlength=plan.nranks,
-                )
-        out.append(ranks)
-    return out
+    return [
+        pieces_flops(graph, task, task_plan.piece_sets, plan.nranks)
+        for task, task_plan in zip(graph.tasks, plan.tasks)
+    ]
+
+
+def pieces_flops(
+    graph: TaskGraph, task: Task, piece_sets: Iterable[PieceSet], nranks: int
+) -> np.ndarray:
+    """FLOPs of `task` on each of ranks 0..nranks-1 when it runs as `piece_sets`."""
+    per = flops_per_element(task, graph)
+    ranks = np.zeros(nranks)
+    if per:
+        for pieces in piece_sets:
+            work = per * pieces.volumes().astype(float)
+            ranks += np.bincount(
+                pieces.ranks,
+                weights=np.repeat(work, np.diff(pieces.rank_ptr)),
+                minlength=nranks,
+            )
+    return ranks
 
 
 def _passes(privilege: Privilege) -> int:
@@ -190,19 +199,28 @@ def memory_by_unit(graph: TaskGraph, plan: Plan, once: bool = True) -> dict[str,
 def _count_copies(found: list[tuple[str, object]], rows: dict[str, np.ndarray], n: int) -> None:
     """Add the parts of one tensor each rank receives, once per (rect, rank), to the row of the
     first task that brings them."""
-    lo = np.concatenate([b.lo for _, b in found])
-    hi = np.concatenate([b.hi for _, b in found])
+    for (unit, _), held in zip(found, received_once([b for _, b in found], n)):
+        rows[unit] += held
+
+
+def received_once(blocks: list[TransferBlock], n: int) -> list[np.ndarray]:
+    """Per block of transfers of one tensor (in plan order), the bytes each rank receives in it
+    of parts (rect, rank) no earlier block brought."""
+    lo = np.concatenate([b.lo for b in blocks])
+    hi = np.concatenate([b.hi for b in blocks])
     ids, _ = boxes.first_seen_ids(np.concatenate((lo, hi), axis=1))
-    fanout = np.concatenate([b.fanout for _, b in found])
-    keys = np.repeat(ids, fanout) * n + np.concatenate([b.dsts for _, b in found])
+    fanout = np.concatenate([b.fanout for b in blocks])
+    keys = np.repeat(ids, fanout) * n + np.concatenate([b.dsts for b in blocks])
     _, first = np.unique(keys, return_index=True)
-    nbytes = np.repeat(np.concatenate([b.nbytes for _, b in found]), fanout)
-    sizes = np.cumsum([0] + [int(b.dst_ptr[-1]) for _, b in found])
+    nbytes = np.repeat(np.concatenate([b.nbytes for b in blocks]), fanout)
+    sizes = np.cumsum([0] + [int(b.dst_ptr[-1]) for b in blocks])
     which = np.searchsorted(sizes, first, side="right") - 1
     dsts = keys[first] % n
-    for k, (unit, _) in enumerate(found):
+    out = []
+    for k in range(len(blocks)):
         mine = which == k
-        rows[unit] += _per_rank(dsts[mine], nbytes[first[mine]], n)
+        out.append(_per_rank(dsts[mine], nbytes[first[mine]], n))
+    return out
 
 
 def _per_rank(ranks: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:

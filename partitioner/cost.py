@@ -105,8 +105,14 @@ def transfers_time(transfers: Iterable[Transfer], machine: Machine) -> float:
 
 def blocks_time(blocks: Iterable[TransferBlock], machine: Machine, nranks: int) -> float:
     """`transfers_time` of the transfers in `blocks`, over ranks 0..nranks-1."""
-    sent, received, rounds = link_loads(blocks, nranks)
-    if not nranks or not rounds.any():
+    return loads_time(*link_loads(blocks, nranks), machine)
+
+
+def loads_time(
+    sent: np.ndarray, received: np.ndarray, rounds: np.ndarray, machine: Machine
+) -> float:
+    """The busiest rank's time for per-rank bytes sent, bytes received and message rounds."""
+    if not len(rounds) or not rounds.any():
         return 0.0
     return float(np.max(rounds * machine.alpha + np.maximum(sent, received) * machine.beta))
 
@@ -161,27 +167,57 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
     n = plan.nranks
     costs = []
     for task, task_plan, per_rank in zip(graph.tasks, plan.tasks, flops_per_rank(graph, plan)):
-        busiest = float(per_rank.max(initial=0.0))
         blocks = task_plan.transfer_set.blocks
-        incoming = [b for b in blocks if not b.reduce]
-        partial = [b for b in blocks if b.reduce]
-        comm = blocks_time(incoming, machine, n) + blocks_time(partial, machine, n)
+        incoming = link_loads([b for b in blocks if not b.reduce], n)
+        partial = link_loads([b for b in blocks if b.reduce], n)
         sent = sum(int(np.dot(b.nbytes, b.fanout)) for b in blocks)
-        busy = np.zeros(n)
-        for reduction in task_plan.reductions:
-            seconds, wire = reduction_cost(reduction, machine)
-            busy[list(reduction.participants)] += seconds
-            sent += wire
-        comm += float(busy.max(initial=0.0))
         costs.append(
-            TaskCost(
-                task.name,
+            task_cost(
+                task,
                 task_plan.unit,
-                busiest,
-                float(per_rank.sum()),
-                int(sent),
-                compute_seconds(task, busiest, machine),
-                comm,
+                per_rank,
+                incoming,
+                partial,
+                task_plan.reductions,
+                sent,
+                machine,
+                n,
             )
         )
     return costs
+
+
+Loads = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def task_cost(
+    task: Task,
+    unit: str,
+    per_rank: np.ndarray,
+    incoming: Loads,
+    partial: Loads,
+    reductions: Iterable[Reduction],
+    sent: int,
+    machine: Machine,
+    nranks: int,
+) -> TaskCost:
+    """One task's cost from its FLOPs per rank, the link loads (`transfers.link_loads`) of its
+    incoming transfers and of its partial sums, its collectives and the bytes its transfers
+    carry: what `task_costs` computes from a plan, and the search from parts of plans."""
+    busiest = float(per_rank.max(initial=0.0))
+    comm = loads_time(*incoming, machine) + loads_time(*partial, machine)
+    busy = np.zeros(nranks)
+    for reduction in reductions:
+        seconds, wire = reduction_cost(reduction, machine)
+        busy[list(reduction.participants)] += seconds
+        sent += wire
+    comm += float(busy.max(initial=0.0))
+    return TaskCost(
+        task.name,
+        unit,
+        busiest,
+        float(per_rank.sum()),
+        int(sent),
+        compute_seconds(task, busiest, machine),
+        comm,
+    )

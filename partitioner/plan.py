@@ -42,7 +42,7 @@ but not by `plan_cost`).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -59,6 +59,8 @@ from partitioner.messages import Accesses, Copies, combine, fetch
 from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
 from partitioner.strategy import Grid, Strategy, find_units, is_homed, param_of
 from partitioner.transfers import Transfer, TransferSet
+
+Columns = tuple[np.ndarray, ...]
 
 __all__ = ["Piece", "Plan", "PlanError", "Reduction", "TaskPlan", "Transfer", "build_plan"]
 
@@ -219,30 +221,42 @@ def build_plan(
 
 
 def _homes(graph: TaskGraph, pieces: Mapping[str, PieceSet]) -> dict[str, Layout]:
-    readers: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+    readers: dict[str, list[Columns]] = defaultdict(list)
     for task in graph.tasks:
         found = pieces.get(task.name)
-        if found is None:
-            continue
-        for j, req in enumerate(task.requirements):
-            if req.privilege.reads and graph.tensors[req.tensor].resident:
-                readers[req.tensor].append((found.owners, found.req_lo[j], found.req_hi[j]))
+        if found is not None:
+            for tensor, columns in resident_reads(graph, task, found):
+                readers[tensor].append(columns)
     homes = {}
     for name, tensor in graph.tensors.items():
         if tensor.kind in ("data", "param"):
-            ndim = len(tensor.dims)
-            found = readers.get(name)
-            if found:
-                ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
-            else:
-                ranks = np.zeros(1, boxes.INDEX)
-                lo, hi = boxes.from_rects([tensor.rect], ndim)
-            homes[name] = Layout.from_arrays(ndim, ranks, lo, hi)
+            homes[name] = home_layout(graph, name, readers.get(name, []))
     for name in graph.tensors:
         owner = param_of(graph, name)
         if owner is not None and name not in homes:
             homes[name] = homes[owner]
     return homes
+
+
+def resident_reads(graph: TaskGraph, task: Task, pieces: PieceSet) -> list[tuple[str, Columns]]:
+    """(tensor, (ranks, lo, hi)) for each requirement of `task` reading a resident tensor."""
+    return [
+        (req.tensor, (pieces.owners, pieces.req_lo[j], pieces.req_hi[j]))
+        for j, req in enumerate(task.requirements)
+        if req.privilege.reads and graph.tensors[req.tensor].resident
+    ]
+
+
+def home_layout(graph: TaskGraph, name: str, found: Sequence[Columns]) -> Layout:
+    """The home of data or a parameter: each rank holds what its readers' pieces read (`found`,
+    from `resident_reads`); a tensor nobody reads lives whole on rank 0."""
+    ndim = len(graph.tensors[name].dims)
+    if found:
+        ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
+    else:
+        ranks = np.zeros(1, boxes.INDEX)
+        lo, hi = boxes.from_rects([graph.tensors[name].rect], ndim)
+    return Layout.from_arrays(ndim, ranks, lo, hi)
 
 
 def task_rows(graph: TaskGraph) -> dict[str, str]:
@@ -277,22 +291,24 @@ def task_rows(graph: TaskGraph) -> dict[str, str]:
     return out
 
 
-def _plan_partitioned(
-    graph: TaskGraph,
-    task: Task,
-    pieces: PieceSet,
-    layouts: dict[str, Layout],
-    copies: Copies,
-) -> tuple[TransferSet, list[Reduction]]:
-    def fail(message: str) -> PlanError:
-        return PlanError(f"task {task.name} {message}")
+@dataclass
+class TaskAccesses:
+    """What one partitioned task's pieces touch, by tensor: the (ranks, lo, hi, key) columns of
+    its reads and reductions in order of each tensor's first access, and the (ranks, lo, hi) of
+    its writes."""
 
+    reads: list[tuple[str, Columns]]
+    writes: dict[str, list[Columns]]
+    reduces: list[tuple[str, Columns]]
+
+
+def task_accesses(task: Task, pieces: PieceSet) -> TaskAccesses:
     nreq = len(task.requirements)
     key = np.arange(len(pieces), dtype=boxes.INDEX) * nreq
     owners = pieces.owners
-    reads: dict[str, list[tuple[np.ndarray, ...]]] = defaultdict(list)
-    writes: dict[str, list[tuple[np.ndarray, ...]]] = defaultdict(list)
-    reduces: dict[str, list[tuple[np.ndarray, ...]]] = defaultdict(list)
+    reads: dict[str, list[Columns]] = defaultdict(list)
+    writes: dict[str, list[Columns]] = defaultdict(list)
+    reduces: dict[str, list[Columns]] = defaultdict(list)
     for j, req in enumerate(task.requirements):
         lo, hi = pieces.req_lo[j], pieces.req_hi[j]
         used = boxes.nonempty(lo, hi)
@@ -303,27 +319,63 @@ def _plan_partitioned(
             reduces[req.tensor].append(touched)
         elif req.privilege.writes:
             writes[req.tensor].append((owners, lo, hi))
+    return TaskAccesses(_by_first_key(reads), dict(writes), _by_first_key(reduces))
+
+
+def written_layout(graph: TaskGraph, task: Task, tensor: str, found: list[Columns]) -> Layout:
+    """The layout `task` leaves `tensor` in: one holder per written rect."""
+    ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
+    layout = Layout.from_arrays(len(graph.tensors[tensor].dims), ranks, lo, hi)
+    shared = np.flatnonzero(layout.holder_count > 1)
+    if len(shared):
+        holders = layout.holders[int(shared[0])]
+        raise PlanError(
+            f"task {task.name}: ranks {list(holders)} write overlapping rects of {tensor}"
+        )
+    return layout
+
+
+def reductions_of(
+    tensor: str,
+    itemsize: int,
+    collectives: list[tuple[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]]],
+) -> list[Reduction]:
+    """The `Reduction`s of the collectives `messages.combine` found for `tensor`."""
+    return [
+        Reduction(tensor, _algorithm(participants, targets), participants, tuple(targets), itemsize)
+        for participants, targets in collectives
+    ]
+
+
+def _failure(task: Task) -> Callable[[str], PlanError]:
+    def fail(message: str) -> PlanError:
+        return PlanError(f"task {task.name} {message}")
+
+    return fail
+
+
+def _plan_partitioned(
+    graph: TaskGraph,
+    task: Task,
+    pieces: PieceSet,
+    layouts: dict[str, Layout],
+    copies: Copies,
+) -> tuple[TransferSet, list[Reduction]]:
+    fail = _failure(task)
+    touched = task_accesses(task, pieces)
     blocks = []
-    for tensor, found in _by_first_key(reads):
+    for tensor, found in touched.reads:
         layout = layouts.get(tensor)
         if layout is None:
             raise fail(f"reads {tensor}, which no earlier task wrote")
         accesses = Accesses(*found)
         fresh = copies.fresh(tensor, layout, accesses)
         blocks.append(fetch(tensor, graph.tensors[tensor].itemsize, layout, accesses, fresh, fail))
-    for tensor, found in writes.items():
-        ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
-        layout = Layout.from_arrays(len(graph.tensors[tensor].dims), ranks, lo, hi)
-        shared = np.flatnonzero(layout.holder_count > 1)
-        if len(shared):
-            holders = layout.holders[int(shared[0])]
-            raise PlanError(
-                f"task {task.name}: ranks {list(holders)} write overlapping rects of {tensor}"
-            )
-        layouts[tensor] = layout
+    for tensor, found in touched.writes.items():
+        layouts[tensor] = written_layout(graph, task, tensor, found)
     reductions = []
-    after = len(pieces) * nreq
-    for position, (tensor, found) in enumerate(_by_first_key(reduces)):
+    after = len(pieces) * len(task.requirements)
+    for position, (tensor, found) in enumerate(touched.reduces):
         if tensor not in layouts:
             raise fail(f"reduces into {tensor}, which was never zeroed")
         itemsize = graph.tensors[tensor].itemsize
@@ -331,16 +383,7 @@ def _plan_partitioned(
             tensor, itemsize, layouts[tensor], Accesses(*found), after + position, fail
         )
         blocks.append(block)
-        for participants, targets in collectives:
-            reductions.append(
-                Reduction(
-                    tensor,
-                    _algorithm(participants, targets),
-                    participants,
-                    tuple(targets),
-                    itemsize,
-                )
-            )
+        reductions += reductions_of(tensor, itemsize, collectives)
     return TransferSet(blocks), reductions
 
 

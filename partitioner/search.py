@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import pairwise, product
 
 from legion_nn.graph import TaskGraph
 from partitioner.accounting import fits
@@ -36,6 +37,7 @@ from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import build_plan, task_rows
 from partitioner.strategy import Grid, Strategy, Unit, balanced, builtin_grid, find_units
+from partitioner.transitions import NotAChain, RowCost, UnitPricer
 
 BUILTIN_FAMILIES = ("data", "model", "spatial")
 FAMILIES = BUILTIN_FAMILIES + ("batch2×model", "channels4×spatial", "batch4×spatial")
@@ -71,9 +73,11 @@ class Choice:
 class SearchResult:
     strategy: Strategy
     choices: list[Choice]
-    #: whole plans built and costed
+    #: whole plans built and costed (the local search)
     plans_priced: int
     note: str
+    #: unit transitions priced (the DP on chains; see `transitions.py`)
+    transitions_priced: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,12 +126,14 @@ def _rank(cost: Priced) -> tuple[bool, float]:
 
 def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30.0) -> SearchResult:
     units = find_units(graph)
-    pricer = _Pricer(graph, units, nranks, machine)
     deadline = time.monotonic() + time_limit
-    if is_chain(graph, units, task_rows(graph)):
-        families, note = _chain_dp(pricer, deadline)
-    else:
-        families, note = _local_search(pricer, deadline)
+    if units and is_chain(graph, units, task_rows(graph)):
+        try:
+            return _chain_dp(UnitPricer(graph, units, nranks, machine), deadline)
+        except NotAChain:
+            pass
+    pricer = _Pricer(graph, units, nranks, machine)
+    families, note = _local_search(pricer, deadline)
     strategy = pricer.strategy(families)
     final = pricer.price(families).unit_seconds
     data = pricer.price(["data"] * len(units)).unit_seconds
@@ -140,49 +146,106 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
     return SearchResult(strategy, choices, pricer.priced, note)
 
 
-def _chain_dp(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
-    units = pricer.units
-    k = len(FAMILIES)
-    priced: dict[tuple[int, int], dict[str, float]] = {}
-    feasible: dict[tuple[int, int], bool] = {}
-    order = [(x, x) for x in range(k)] + [(x, y) for x in range(k) for y in range(k) if x != y]
-    for x, y in order:
-        if x >= len(BUILTIN_FAMILIES) and time.monotonic() > deadline:
+def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
+    units, nranks = pricer.units, pricer.nranks
+    # each unit's distinct grids, each under the first family (in FAMILIES order) giving it
+    options: list[dict[Grid, str]] = []
+    for unit in units:
+        found: dict[Grid, str] = {}
+        for family in FAMILIES:
+            found.setdefault(family_grid(unit, family, nranks), family)
+        options.append(found)
+    grids = [list(found) for found in options]
+    table: dict[tuple[int, Grid | None, Grid], RowCost] = {}
+
+    def price(i: int, p: Grid | None, q: Grid) -> None:
+        if (i, p, q) not in table:
+            table[(i, p, q)] = pricer.transition(i, p, q)
+
+    def family_pair(x: str, y: str) -> None:
+        for i, unit in enumerate(units):
+            p = family_grid(units[i - 1], x, nranks) if i else None
+            price(i, p, family_grid(unit, y, nranks))
+
+    for family in BUILTIN_FAMILIES:
+        family_pair(family, family)
+    total = len(grids[0]) + sum(len(a) * len(b) for a, b in pairwise(grids))
+    for x, y in product(FAMILIES, FAMILIES):
+        if time.monotonic() > deadline:
             break
-        families = [FAMILIES[x] if i % 2 == 0 else FAMILIES[y] for i in range(len(units))]
-        cost = pricer.price(families)
-        priced[(x, y)] = cost.unit_seconds
-        feasible[(x, y)] = cost.feasible
+        family_pair(x, y)
+    constant = pricer.constant().memory
+    capacity = pricer.machine.memory_bytes
 
-    def unit_cost(i: int, prev: int | None, own: int) -> float:
-        key = (own, prev if prev is not None else own) if i % 2 == 0 else (prev, own)
-        if key not in priced or not feasible[key]:
-            return float("inf")
-        return priced[key].get(units[i].name, 0.0)
+    def row(i: int, p: Grid | None, q: Grid) -> RowCost | None:
+        found = table.get((i, p, q))
+        if found is None or (constant + found.memory).max(initial=0) > capacity:
+            return None
+        return found
 
-    best: list[dict[int, tuple[float, list[int]]]] = [
-        {q: (unit_cost(0, None, q), [q]) for q in range(k)}
-    ]
-    for i in range(1, len(units)):
+    def best_path(penalty: float) -> list[Grid] | None:
+        """The assignment minimising seconds + penalty × each row's peak memory."""
         layer = {}
-        for q in range(k):
-            layer[q] = min(
-                ((c + unit_cost(i, p, q), path + [q]) for p, (c, path) in best[-1].items()),
-                key=lambda item: item[0],
-            )
-        best.append(layer)
-    seconds, path = min(best[-1].values(), key=lambda item: item[0])
-    families = [FAMILIES[q] for q in path]
-    if seconds == float("inf"):
-        # no assignment fits in memory: the fastest of the uniform plans priced, infeasible
-        families = min(
-            ([FAMILIES[x]] * len(units) for x in range(k) if (x, x) in priced),
-            key=lambda f: _rank(pricer.price(f)),
+        for q in grids[0]:
+            found = row(0, None, q)
+            if found is not None:
+                layer[q] = (found.seconds + penalty * found.memory.max(initial=0), [q])
+        for i in range(1, len(units)):
+            nxt = {}
+            for q in grids[i]:
+                for p, (c, path) in layer.items():
+                    found = row(i, p, q)
+                    if found is None:
+                        continue
+                    c2 = c + found.seconds + penalty * found.memory.max(initial=0)
+                    if q not in nxt or c2 < nxt[q][0]:
+                        nxt[q] = (c2, path + [q])
+            layer = nxt
+        if not layer:
+            return None
+        return min(layer.values(), key=lambda item: item[0])[1]
+
+    def cost(path: list[Grid]) -> tuple[float, bool]:
+        rows = [table[(i, path[i - 1] if i else None, q)] for i, q in enumerate(path)]
+        memory = constant + sum(r.memory for r in rows)
+        return sum(r.seconds for r in rows), bool(memory.max(initial=0) <= capacity)
+
+    uniform = [
+        [family_grid(u, f, nranks) for u in units]
+        for f in FAMILIES
+        if all(
+            (i, family_grid(units[i - 1], f, nranks) if i else None, family_grid(u, f, nranks))
+            in table
+            for i, u in enumerate(units)
         )
+    ]
+    candidates = [path for path in [best_path(0.0)] if path is not None]
+    if not candidates or not cost(candidates[0])[1]:
+        # the fastest assignment does not fit: trade seconds for memory, row by row
+        scale = max((r.seconds for r in table.values()), default=1.0) / max(capacity, 1.0)
+        for k in range(-8, 40):
+            path = best_path(scale * 2.0**k)
+            if path is not None and cost(path)[1]:
+                candidates.append(path)
+                break
+        candidates += uniform
+    feasible = [path for path in candidates if cost(path)[1]]
+    if feasible:
+        chosen = min(feasible, key=lambda path: cost(path)[0])
+    else:
+        # nothing fits in memory: the fastest of the uniform assignments, infeasible
+        chosen = min(uniform, key=lambda path: cost(path)[0])
     note = "exact DP over all family pairs"
-    if len(priced) < k * k:
-        note = f"time limit: DP over {len(priced)} of {k * k} family pairs"
-    return families, note
+    if len(table) < total:
+        note = f"time limit: DP over {len(table)} of {total} unit transitions"
+    choices = []
+    for i, (unit, q) in enumerate(zip(units, chosen)):
+        p = chosen[i - 1] if i else None
+        data_p = family_grid(units[i - 1], "data", nranks) if i else None
+        data = table[(i, data_p, family_grid(unit, "data", nranks))]
+        choices.append(Choice(unit.name, options[i][q], q, table[(i, p, q)].seconds, data.seconds))
+    strategy = Strategy("auto", {u.name: q for u, q in zip(units, chosen)})
+    return SearchResult(strategy, choices, 0, note, pricer.priced)
 
 
 def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:

@@ -1,11 +1,15 @@
-"""`auto`: exact DP on chains (against brute force), local search elsewhere, and its time limit."""
+"""`auto`: exact DP on chains (against brute force), its unit transitions priced exactly as whole
+plans price them, local search elsewhere, and its time limit."""
 
 from __future__ import annotations
 
 from itertools import product
 
+import numpy as np
 import pytest
-from plan_cases import two_headed
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plan_cases import networks, strategies, two_headed
 
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
@@ -14,6 +18,7 @@ from partitioner.machine import Machine
 from partitioner.plan import build_plan, task_rows
 from partitioner.search import FAMILIES, auto, family_grid
 from partitioner.strategy import Strategy, builtin, find_units
+from partitioner.transitions import UnitPricer
 from partitioner.verify_plan import verify_plan
 
 MACHINE = Machine(100, 12.5, 2, 16)
@@ -70,7 +75,16 @@ def test_local_search_on_a_branching_network_beats_every_pure_strategy():
 def test_a_spent_time_limit_still_prices_the_builtins_and_returns_the_best(graph):
     result = auto(graph, 8, MACHINE, time_limit=0.0)
     assert result.note.startswith("time limit")
-    assert result.plans_priced == 3  # data, model and spatial, then it stops
+    if chain(graph):  # the DP prices the builtins' transitions, unit by unit, then it stops
+        units = find_units(graph)
+        builtins = {
+            (i, family_grid(units[i - 1], f, 8) if i else None, family_grid(u, f, 8))
+            for f in ("data", "model", "spatial")
+            for i, u in enumerate(units)
+        }
+        assert result.transitions_priced == len(builtins)
+    else:
+        assert result.plans_priced == 3  # data, model and spatial, then it stops
     assert step(graph, result.strategy, 8).step_seconds == pytest.approx(best_pure(graph, 8))
 
 
@@ -80,3 +94,75 @@ def test_local_search_keeps_plans_that_fit_in_memory():
     tight = Machine(100, 12.5, 2, (sorted(sizes)[1] + 1) / 2**30)
     result = auto(graph, 8, tight)
     assert step(graph, result.strategy, 8, tight).feasible
+
+
+def rows_by_transitions(graph, strategy, nranks: int, machine: Machine = MACHINE):
+    """(seconds per unit, memory per rank) of `strategy` from `UnitPricer`'s transitions."""
+    units = find_units(graph)
+    pricer = UnitPricer(graph, units, nranks, machine)
+    grids = [strategy.unit_grids[u.name] for u in units]
+    memory = pricer.constant().memory.copy()
+    seconds = {}
+    for i, unit in enumerate(units):
+        row = pricer.transition(i, grids[i - 1] if i else None, grids[i])
+        seconds[unit.name] = row.seconds
+        memory += row.memory
+    return seconds, memory
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    graph=networks(),
+    nranks=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 11, 13]),
+    data=st.data(),
+)
+def test_transitions_price_each_row_exactly_as_the_whole_plan(graph, nranks, data):
+    strategy = data.draw(strategies(graph, nranks))
+    cost = plan_cost(graph, build_plan(graph, strategy, nranks), MACHINE)
+    seconds, memory = rows_by_transitions(graph, strategy, nranks)
+    whole = cost.unit_seconds()
+    assert seconds == {name: whole.get(name, 0.0) for name in seconds}  # float for float
+    assert memory.tolist() == list(cost.memory.values())
+
+
+@pytest.mark.parametrize(
+    ("network", "batch", "nranks"),
+    [("seed-lcn", 256, 64), ("seed-lcn", 16, 13), ("three-layer-convnet", 8, 7), ("vgg19", 4, 31)],
+)
+def test_transitions_price_the_builtin_networks_exactly(network, batch, nranks):
+    graph = load_network(network).lower(batch=batch)
+    units = find_units(graph)
+    rng = np.random.default_rng(nranks)
+    for _ in range(2):
+        families = [FAMILIES[k] for k in rng.integers(len(FAMILIES), size=len(units))]
+        strategy = Strategy(
+            "mixed", {u.name: family_grid(u, f, nranks) for u, f in zip(units, families)}
+        )
+        cost = plan_cost(graph, build_plan(graph, strategy, nranks), MACHINE)
+        seconds, memory = rows_by_transitions(graph, strategy, nranks)
+        assert seconds == {u.name: cost.unit_seconds()[u.name] for u in units}
+        assert memory.tolist() == list(cost.memory.values())
+
+
+def test_the_chosen_rows_are_what_the_plan_costs_and_fit_in_memory():
+    graph = load_network("seed-lcn").lower(batch=256)
+    result = auto(graph, 64, MACHINE)
+    cost = plan_cost(graph, build_plan(graph, result.strategy, 64), MACHINE)
+    rows = cost.unit_seconds()
+    assert [c.seconds for c in result.choices] == [rows[c.unit] for c in result.choices]
+    data = plan_cost(graph, build_plan(graph, builtin(graph, "data", 64), 64), MACHINE)
+    data_rows = data.unit_seconds()
+    assert [c.data_seconds for c in result.choices] == [data_rows[c.unit] for c in result.choices]
+    assert cost.feasible
+
+
+def test_the_dp_keeps_to_assignments_that_fit_in_memory():
+    graph = load_network("seed-lcn-small").lower(batch=8)
+    fastest = step(graph, auto(graph, 6, MACHINE).strategy, 6)
+    pure = [step(graph, builtin(graph, n, 6), 6) for n in ("data", "model", "spatial")]
+    fitting = [c for c in pure if c.memory_max < fastest.memory_max]
+    assert fitting  # the fastest assignment needs more memory than some pure strategy
+    tight = Machine(100, 12.5, 2, (fastest.memory_max - 1) / 2**30)
+    cost = step(graph, auto(graph, 6, tight).strategy, 6, tight)
+    assert cost.feasible
+    assert fastest.step_seconds <= cost.step_seconds <= min(c.step_seconds for c in fitting)
