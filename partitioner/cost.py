@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,20 +121,48 @@ def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     """(seconds, bytes on the wire) of one collective."""
     p = len(reduction.participants)
     n = reduction.nbytes
-    a, b = machine.alpha, machine.beta
-    if p < 2 or n == 0:
-        return 0.0, 0
-    if reduction.algorithm == "allreduce":
-        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b, 2 * (p - 1) * n
-    if reduction.algorithm == "reduce_scatter":
+    largest = 0
+    if reduction.algorithm == "reduce_scatter" and p >= 2 and n:
         share: dict[int, int] = defaultdict(int)
         for rect, holders in reduction.targets:
             share[holders[0]] += rect.volume * reduction.itemsize
         largest = max(share.values())
+    return collective_cost(reduction.algorithm, p, n, largest, machine)
+
+
+def collective_cost(
+    algorithm: str, p: int, n: int, largest: int, machine: Machine
+) -> tuple[float, int]:
+    """(seconds, bytes on the wire) of a collective of `algorithm` over `p` participants and
+    `n` bytes; `largest` is, for a reduce-scatter, the largest owner's share of them."""
+    a, b = machine.alpha, machine.beta
+    if p < 2 or n == 0:
+        return 0.0, 0
+    if algorithm == "allreduce":
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b, 2 * (p - 1) * n
+    if algorithm == "reduce_scatter":
         return (p - 1) * (a + largest * b), (p - 1) * n
     tree = math.ceil(math.log2(p)) * (a + n * b)
     ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
+
+
+def collective_costs(
+    reduce: np.ndarray, p: np.ndarray, n: np.ndarray, largest: np.ndarray, machine: Machine
+) -> tuple[np.ndarray, np.ndarray]:
+    """`collective_cost` of many collectives at once, float for float: collective k is a
+    `reduce` where `reduce[k]`, else a `reduce_scatter`."""
+    a, b = machine.alpha, machine.beta
+    p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
+    less = p - 1
+    scatter = less * (a + largest * b)
+    tree = np.ceil(np.log2(np.maximum(p, 1))) * (a + n * b)
+    ring = 2 * less * a + 2 * less / np.maximum(p, 1) * n * b
+    by_tree = tree <= ring
+    seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)
+    wire = np.where(reduce & ~by_tree, 2 * less * n, less * n)
+    none = (p < 2) | (n == 0)
+    return np.where(none, 0.0, seconds), np.where(none, 0, wire)
 
 
 def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
@@ -171,17 +199,10 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
         incoming = link_loads([b for b in blocks if not b.reduce], n)
         partial = link_loads([b for b in blocks if b.reduce], n)
         sent = sum(int(np.dot(b.nbytes, b.fanout)) for b in blocks)
+        collectives = [(r.participants, *reduction_cost(r, machine)) for r in task_plan.reductions]
         costs.append(
             task_cost(
-                task,
-                task_plan.unit,
-                per_rank,
-                incoming,
-                partial,
-                task_plan.reductions,
-                sent,
-                machine,
-                n,
+                task, task_plan.unit, per_rank, incoming, partial, collectives, sent, machine, n
             )
         )
     return costs
@@ -196,20 +217,20 @@ def task_cost(
     per_rank: np.ndarray,
     incoming: Loads,
     partial: Loads,
-    reductions: Iterable[Reduction],
+    collectives: Iterable[tuple[Sequence[int] | np.ndarray, float, int]],
     sent: int,
     machine: Machine,
     nranks: int,
 ) -> TaskCost:
     """One task's cost from its FLOPs per rank, the link loads (`transfers.link_loads`) of its
-    incoming transfers and of its partial sums, its collectives and the bytes its transfers
-    carry: what `task_costs` computes from a plan, and the search from parts of plans."""
+    incoming transfers and of its partial sums, its collectives in order as (participants,
+    seconds, bytes on the wire) (`reduction_cost`) and the bytes its transfers carry: what
+    `task_costs` computes from a plan, and the search from parts of plans."""
     busiest = float(per_rank.max(initial=0.0))
     comm = loads_time(*incoming, machine) + loads_time(*partial, machine)
     busy = np.zeros(nranks)
-    for reduction in reductions:
-        seconds, wire = reduction_cost(reduction, machine)
-        busy[list(reduction.participants)] += seconds
+    for participants, seconds, wire in collectives:
+        busy[np.asarray(participants)] += seconds
         sent += wire
     comm += float(busy.max(initial=0.0))
     return TaskCost(

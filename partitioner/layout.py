@@ -48,7 +48,16 @@ class Layout:
         keep = boxes.nonempty(lo, hi)
         ranks, lo, hi = ranks[keep], lo[keep], hi[keep]
         cuts = [np.unique(np.concatenate((lo[:, d], hi[:, d]))) for d in range(ndim)]
-        box, cell, _, _ = boxes.grid_overlaps(cuts, lo, hi)
+        first = [np.searchsorted(c, lo[:, d]) for d, c in enumerate(cuts)]
+        if len(lo) and all(
+            np.array_equal(np.searchsorted(c, hi[:, d]), f + 1)
+            for d, (c, f) in enumerate(zip(cuts, first))
+        ):
+            # every box is one cell (the pieces of a grid): no overlaps to enumerate
+            box = np.arange(len(lo), dtype=boxes.INDEX)
+            cell = np.ravel_multi_index(first, boxes.grid_shape(cuts)).astype(boxes.INDEX)
+        else:
+            box, cell, _, _ = boxes.grid_overlaps(cuts, lo, hi)
         ncells = int(np.prod(boxes.grid_shape(cuts), dtype=boxes.INDEX))
         span = int(ranks.max()) + 1 if len(ranks) else 1
         pairs = np.unique(cell * span + ranks[box])

@@ -97,8 +97,13 @@ def _with_rect(req: Requirement, rect: Rect) -> Requirement:
     )
 
 
-def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
-    """The non-empty cells of `grid` over `task`'s space, cell i on rank i."""
+def grid_pieces(
+    graph: TaskGraph, task: Task, grid: Sequence[int], memo: dict | None = None
+) -> PieceSet:
+    """The non-empty cells of `grid` over `task`'s space, cell i on rank i.
+
+    `memo` keeps the access map's answers for the task's shape (see `PieceCache`) across grids:
+    grids that cut a dim the same way share its probes."""
     space = task.space
     bounds = [
         np.array(split_bounds(a, b, g), boxes.INDEX) for a, b, g in zip(space.lo, space.hi, grid)
@@ -112,7 +117,7 @@ def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
     dims = {req.role: graph.tensors[req.tensor].dims for req in task.requirements}
     rects = None
     if len(ranks) > DIRECT_LIMIT:
-        rects = _probed(task, dims, bounds, coords, lo, hi)
+        rects = _probed(task, dims, bounds, coords, lo, hi, {} if memo is None else memo)
     if rects is None:
         rects = _direct(task, dims, lo, hi)
     ptr = np.arange(len(ranks) + 1, dtype=boxes.INDEX)
@@ -129,19 +134,53 @@ def grid_pieces(graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
 
 class PieceCache:
     """Grid pieces of one graph's tasks by (task, grid), for planning it under many strategies
-    (`auto` prices dozens of plans that share most of their grids)."""
+    (`auto` prices dozens of plans that share most of their grids).
+
+    Tasks that differ only in the tensors they touch (the same op, phase, attributes, space and
+    tensor dims per role, as the repeated layers of VGG have) get the same rects, so they share
+    one computation of them."""
 
     def __init__(self, graph: TaskGraph) -> None:
         self.graph = graph
         self._found: dict[tuple[str, tuple[int, ...]], PieceSet] = {}
+        self._shapes: dict[tuple, PieceSet] = {}
+        self._memos: dict[tuple, dict] = {}
 
     def get(self, graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
         if graph is not self.graph:
             raise ValueError("a PieceCache serves the graph it was made for")
         key = (task.name, tuple(grid))
-        if key not in self._found:
-            self._found[key] = grid_pieces(graph, task, grid)
-        return self._found[key]
+        found = self._found.get(key)
+        if found is None:
+            shape = _shape_key(graph, task, tuple(grid))
+            same = self._shapes.get(shape) if shape is not None else None
+            if same is None:
+                memo = self._memos.setdefault(shape[:-1], {}) if shape is not None else None
+                found = grid_pieces(graph, task, grid, memo)
+                if shape is not None:
+                    self._shapes[shape] = found
+            else:
+                found = PieceSet(
+                    same.lo,
+                    same.hi,
+                    same.rank_ptr,
+                    same.ranks,
+                    task.requirements,
+                    same.req_lo,
+                    same.req_hi,
+                )
+            self._found[key] = found
+        return found
+
+
+def _shape_key(graph: TaskGraph, task: Task, grid: tuple[int, ...]) -> tuple | None:
+    """What `grid_pieces` computes the rects from (None: attributes that do not compare)."""
+    try:
+        attrs = repr(sorted(task.attrs.items()))
+    except TypeError:
+        return None
+    roles = tuple((req.role, graph.tensors[req.tensor].dims) for req in task.requirements)
+    return (task.op, task.phase, attrs, roles, task.space.lo, task.space.hi, grid)
 
 
 def _direct(
@@ -163,54 +202,78 @@ def _probed(
     coords: np.ndarray,
     lo: np.ndarray,
     hi: np.ndarray,
+    memo: dict,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
     """Requirement rects of every piece from the probes, or None where the map is not separable."""
     fn = access_map(task.op, task.phase)
     space = task.space
+
+    def call(piece_lo: Sequence[int], piece_hi: Sequence[int]) -> dict[str, Rect]:
+        key = ("call", tuple(piece_lo), tuple(piece_hi))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi))
+        return found
+
     cut = [d for d, b in enumerate(bounds) if len(b) > 1]
+    probes = {d: _probes(d, bounds[d], space, dims, call, memo) for d in cut}
     out = {}
-    probes: dict[int, list[dict[str, Rect] | None]] = {}
-    for d in cut:
-        probes[d] = []
-        for part_lo, part_hi in bounds[d].tolist():
-            if part_hi <= part_lo:
-                probes[d].append(None)
-                continue
-            piece_lo, piece_hi = list(space.lo), list(space.hi)
-            piece_lo[d], piece_hi[d] = part_lo, part_hi
-            probes[d].append(fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi)))
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
         role_lo = np.full((len(lo), ndim), np.iinfo(boxes.INDEX).min, boxes.INDEX)
         role_hi = np.full((len(lo), ndim), np.iinfo(boxes.INDEX).max, boxes.INDEX)
         movers = np.zeros(ndim, boxes.INDEX)
         for d in cut:
-            blank = Rect.empty(ndim)
-            probe_lo, probe_hi = boxes.from_rects(
-                [blank if p is None else p[role] for p in probes[d]], ndim
-            )
-            used = np.array([p is not None for p in probes[d]])
-            moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
-                probe_hi[used] != probe_hi[used][0], axis=0
-            )
+            probe_lo, probe_hi, moves = probes[d][role]
             movers += moves
             np.maximum(role_lo, probe_lo[coords[d]], out=role_lo)
             np.minimum(role_hi, probe_hi[coords[d]], out=role_hi)
         if np.any(movers > 1):
             return None
         if not cut:
-            whole = fn(task.attrs, dims, space)[role]
+            whole = call(space.lo, space.hi)[role]
             role_lo[:], role_hi[:] = whole.lo, whole.hi
         empty = ~boxes.nonempty(role_lo, role_hi)
         role_lo[empty] = 0
         role_hi[empty] = 0
         out[role] = (role_lo, role_hi)
     for i in _sample(coords, cut):
-        rects = fn(task.attrs, dims, boxes.to_rect(lo[i].tolist(), hi[i].tolist()))
+        rects = call(lo[i].tolist(), hi[i].tolist())
         for role, (role_lo, role_hi) in out.items():
             if rects[role] != boxes.to_rect(role_lo[i].tolist(), role_hi[i].tolist()):
                 return None
     return out
+
+
+def _probes(d, bounds, space, dims, call, memo) -> dict[str, tuple[np.ndarray, ...]]:
+    """Per role, the rects (lo, hi) of the space cut only along dim d at `bounds`, one per part
+    (empty for an empty part), and which dims of them move with the part."""
+    key = ("probes", d, bounds.tobytes())
+    found = memo.get(key)
+    if found is not None:
+        return found
+    probes: list[dict[str, Rect] | None] = []
+    for part_lo, part_hi in bounds.tolist():
+        if part_hi <= part_lo:
+            probes.append(None)
+            continue
+        piece_lo, piece_hi = list(space.lo), list(space.hi)
+        piece_lo[d], piece_hi[d] = part_lo, part_hi
+        probes.append(call(piece_lo, piece_hi))
+    used = np.array([p is not None for p in probes])
+    found = {}
+    for role, tensor_dims in dims.items():
+        ndim = len(tensor_dims)
+        blank = Rect.empty(ndim)
+        probe_lo, probe_hi = boxes.from_rects(
+            [blank if p is None else p[role] for p in probes], ndim
+        )
+        moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
+            probe_hi[used] != probe_hi[used][0], axis=0
+        )
+        found[role] = (probe_lo, probe_hi, moves)
+    memo[key] = found
+    return found
 
 
 def _sample(coords: np.ndarray, cut: list[int]) -> list[int]:

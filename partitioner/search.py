@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cache
 from itertools import pairwise, product
 
 from legion_nn.graph import TaskGraph
@@ -48,6 +49,7 @@ _MIXTURES = {
 }
 
 
+@cache
 def family_grid(unit: Unit, family: str, nranks: int) -> Grid:
     if family in ("data", "model", "spatial"):
         return builtin_grid(unit, family, nranks)

@@ -40,6 +40,7 @@ not priced this way (`NotAChain`); `search.py` then runs its local search over w
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,14 +52,14 @@ from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
 from partitioner.accounting import flops_per_element, pieces_flops, received_once
-from partitioner.cost import task_cost
+from partitioner.cost import collective_costs, reduction_cost, task_cost
+from partitioner.grid_loads import Geometry, Moved, RectSet, combine_loads, fetch_loads
 from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.messages import Accesses, combine, fetch
 from partitioner.pieces import PieceCache, PieceSet, homed_pieces
 from partitioner.plan import (
     PlanError,
-    Reduction,
     TaskAccesses,
     home_layout,
     reductions_of,
@@ -84,11 +85,12 @@ class _Moved:
 
     loads: Loads | None  # (bytes sent, bytes received, message rounds) per rank; None: nothing
     wire: int  # bytes of its point-to-point transfers, counted per destination
-    reductions: list[Reduction]
-    #: bytes held per rank for it: partial sums sent, collective buffers (received parts are
-    #: counted per tensor, once per part and rank, from `block`)
+    #: its collectives, in order: (participants, seconds, bytes on the wire)
+    collectives: list[tuple]
+    #: bytes held per rank for it: partial sums sent, collective buffers
     memory: np.ndarray | None
-    block: TransferBlock | None
+    #: for a fetch that moves anything, the bytes of the parts each rank receives, each once
+    received: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class UnitPricer:
         self._memory_terms()
         self._memo: dict[Key, object] = {}
         self.priced = 0
+        #: use `grid_loads` where it applies (off: every message through `messages`)
+        self.fast = True
 
     # -- static analysis -------------------------------------------------------------------
 
@@ -320,69 +324,162 @@ class UnitPricer:
 
         return self._remember(("layout", key), make)
 
-    def _read_rows(self, name: str, grid: Grid, tensor: str) -> tuple[Accesses, np.ndarray]:
-        """The task's reads of `tensor` grouped by rect, and its (rect, rank) rows as `Copies`
-        records them."""
+    def _layout_digest(self, key: Key) -> bytes:
+        def make() -> bytes:
+            layout = self._layout(key)
+            return digest(*layout.cut_arrays, layout.holder_ptr, layout.holder_ranks)
+
+        return self._remember(("layout digest", key), make)
+
+    def _geometry(self, key: Key) -> Geometry:
+        return self._remember(("geometry", key), lambda: Geometry(self._layout(key), self.nranks))
+
+    def _rects(self, key: Key, accesses: Accesses) -> RectSet:
+        return self._remember(("rects", key), lambda: RectSet(accesses))
+
+    def _reduces(self, name: str, grid: Grid, tensor: str) -> tuple[Accesses, bytes]:
+        def make():
+            reduces = Accesses(*dict(self._accesses(name, grid).reduces)[tensor])
+            return reduces, digest(reduces.rect_lo, reduces.rect_hi, reduces.ptr, reduces.ranks)
+
+        return self._remember(("reduces", name, grid, tensor), make)
+
+    def _reads(self, name: str, grid: Grid, tensor: str) -> tuple[Accesses, bytes]:
+        """The task's reads of `tensor` grouped by rect, and a digest of them."""
 
         def make():
-            found = dict(self._accesses(name, grid).reads)[tensor]
-            reads = Accesses(*found)
-            counts = np.diff(reads.ptr)
-            rects = np.concatenate((reads.rect_lo, reads.rect_hi), axis=1)
-            rows = np.concatenate((np.repeat(rects, counts, axis=0), reads.ranks[:, None]), axis=1)
-            return reads, rows
+            reads = Accesses(*dict(self._accesses(name, grid).reads)[tensor])
+            return reads, digest(reads.rect_lo, reads.rect_hi, reads.ptr, reads.ranks)
 
         return self._remember(("reads", name, grid, tensor), make)
 
-    def _fetch(self, key: Key) -> _Moved:
-        def make() -> _Moved:
-            _, name, grid, tensor, layout_key, before = key
-            reads, rows = self._read_rows(name, grid, tensor)
-            fresh = np.ones(len(rows), bool)
-            if before:
-                held = np.concatenate([self._read_rows(n, g, tensor)[1] for n, g in before])
-                ids, _ = boxes.first_seen_ids(np.concatenate((held, rows)))
-                fresh = ~np.isin(ids[len(held) :], ids[: len(held)])
-            task = self.graph.task(name)
-            block = fetch(
-                tensor,
-                self.graph.tensors[tensor].itemsize,
-                self._layout(layout_key),
-                reads,
-                fresh,
-                _failure(task),
-            )
-            if not len(block):
-                return _Moved(None, 0, [], None, None)
-            loads = link_loads([block], self.nranks)
-            return _Moved(loads, int(np.dot(block.nbytes, block.fanout)), [], None, block)
+    def _rows(self, name: str, grid: Grid, tensor: str) -> np.ndarray:
+        """The (rect, rank) rows of the task's reads of `tensor`, as `Copies` records them."""
 
-        return self._remember(key, make)
+        def make():
+            reads = self._reads(name, grid, tensor)[0]
+            counts = np.diff(reads.ptr)
+            rects = np.concatenate((reads.rect_lo, reads.rect_hi), axis=1)
+            return np.concatenate((np.repeat(rects, counts, axis=0), reads.ranks[:, None]), axis=1)
+
+        return self._remember(("rows", name, grid, tensor), make)
+
+    def _fresh(self, key: Key) -> tuple[Accesses, np.ndarray | None]:
+        """A fetch's reads, and which of them are fresh (`messages.Copies`; None: all)."""
+
+        def make():
+            _, name, grid, tensor, _, before = key
+            reads, mine = self._reads(name, grid, tensor)
+            if not before:
+                return reads, None
+            if any(self._reads(n, g, tensor)[1] == mine for n, g in before):
+                return reads, np.zeros(len(reads.ranks), bool)  # the same reads again
+            rows = self._rows(name, grid, tensor)
+            held = np.concatenate([self._rows(n, g, tensor) for n, g in before])
+            ids, _ = boxes.first_seen_ids(np.concatenate((held, rows)))
+            fresh = ~np.isin(ids[len(held) :], ids[: len(held)])
+            return reads, None if fresh.all() else fresh
+
+        return self._remember(("fresh", key), make)
+
+    def _block(self, key: Key) -> TransferBlock:
+        """The transfers of a fetch, as `messages.fetch` lists them."""
+
+        def make() -> TransferBlock:
+            _, name, _, tensor, layout_key, _ = key
+            reads, fresh = self._fresh(key)
+            fresh = np.ones(len(reads.ranks), bool) if fresh is None else fresh
+            itemsize = self.graph.tensors[tensor].itemsize
+            failure = _failure(self.graph.task(name))
+            return fetch(tensor, itemsize, self._layout(layout_key), reads, fresh, failure)
+
+        return self._remember(("block", key), make)
+
+    def _fetch(self, key: Key) -> _Moved:
+        """What a fetch moves, kept by its contents: the same layout read the same way by
+        another task (a repeated layer) is priced once."""
+        _, name, grid, tensor, layout_key, _ = key
+        reads, fresh = self._fresh(key)
+        if fresh is not None and not fresh.any():
+            return _NOTHING
+        itemsize = self.graph.tensors[tensor].itemsize
+        content = (
+            "fetch",
+            self._layout_digest(layout_key),
+            self._reads(name, grid, tensor)[1],
+            None if fresh is None else digest(fresh),
+            itemsize,
+        )
+
+        def make() -> _Moved:
+            fast = None
+            if self.fast:
+                geometry = self._geometry(layout_key)
+                rects = self._rects(("reads", name, grid, tensor), reads)
+                fast = fetch_loads(geometry, rects, fresh, itemsize, self.nranks)
+            if fast is not None:
+                if fast.empty:
+                    return _NOTHING
+                return _Moved(_floats(fast), fast.wire, [], None, fast.held)
+            block = self._block(key)
+            if not len(block):
+                return _NOTHING
+            loads = link_loads([block], self.nranks)
+            received = received_once([block], self.nranks)[0]
+            return _Moved(loads, int(np.dot(block.nbytes, block.fanout)), [], None, received)
+
+        return self._remember(content, make)
 
     def _combine(self, key: Key) -> _Moved:
-        def make() -> _Moved:
-            _, name, grid, tensor, layout_key = key
-            found = dict(self._accesses(name, grid).reduces)[tensor]
-            task = self.graph.task(name)
-            itemsize = self.graph.tensors[tensor].itemsize
-            block, collectives = combine(
-                tensor, itemsize, self._layout(layout_key), Accesses(*found), 0, _failure(task)
-            )
-            reductions = reductions_of(tensor, itemsize, collectives)
-            n = self.nranks
-            memory = np.zeros(n, boxes.INDEX)
-            loads = None
-            if len(block):
-                loads = link_loads([block], n)
-                memory += _per_rank(block.src, block.nbytes, n)
-            for reduction in reductions:
-                memory[list(reduction.participants)] += reduction.nbytes
-                for rect, holders in reduction.targets:
-                    memory[list(holders)] -= rect.volume * reduction.itemsize
-            wire = int(np.dot(block.nbytes, block.fanout))
-            return _Moved(loads, wire, reductions, memory, None)
+        """What a combine moves, kept by its contents (see `_fetch`)."""
+        _, name, grid, tensor, layout_key = key
+        reduces, shape = self._reduces(name, grid, tensor)
+        itemsize = self.graph.tensors[tensor].itemsize
+        content = ("combine", self._layout_digest(layout_key), shape, itemsize)
 
-        return self._remember(key, make)
+        def make() -> _Moved:
+            task = self.graph.task(name)
+            layout = self._layout(layout_key)
+            n, machine = self.nranks, self.machine
+            fast = None
+            if self.fast:
+                rects = self._rects(("reduces", name, grid, tensor), reduces)
+                fast = combine_loads(self._geometry(layout_key), rects, itemsize, n)
+            collectives = []
+            if fast is not None:
+                moved, found = fast
+                loads = None if moved.empty else _floats(moved)
+                memory, wire = moved.held.copy(), moved.wire
+                if len(found):
+                    sizes = np.array([len(who) for who in found.participants])
+                    seconds, on_wire = collective_costs(
+                        found.reduce, sizes, found.total, found.largest, machine
+                    )
+                    collectives = list(zip(found.participants, seconds.tolist(), on_wire.tolist()))
+                    everyone = np.concatenate(found.participants)
+                    held = np.repeat(found.total, sizes)
+                    memory += np.bincount(everyone, weights=held, minlength=n).astype(boxes.INDEX)
+                    memory -= np.bincount(found.holders, weights=found.nbytes, minlength=n).astype(
+                        boxes.INDEX
+                    )
+            else:
+                block, found = combine(tensor, itemsize, layout, reduces, 0, _failure(task))
+                memory = np.zeros(n, boxes.INDEX)
+                loads = None
+                if len(block):
+                    loads = link_loads([block], n)
+                    memory += _per_rank(block.src, block.nbytes, n)
+                wire = int(np.dot(block.nbytes, block.fanout))
+                for reduction in reductions_of(tensor, itemsize, found):
+                    collectives.append(
+                        (reduction.participants, *reduction_cost(reduction, machine))
+                    )
+                    memory[list(reduction.participants)] += reduction.nbytes
+                    for rect, holders in reduction.targets:
+                        memory[list(holders)] -= rect.volume * reduction.itemsize
+            return _Moved(loads, wire, collectives, memory, None)
+
+        return self._remember(content, make)
 
     def _task_cost(self, name: str, grid: Grid, keys: tuple[Key, ...]) -> tuple[float, object]:
         def make():
@@ -390,7 +487,7 @@ class UnitPricer:
             n = self.nranks
             incoming = [np.zeros(n), np.zeros(n), np.zeros(n)]
             partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
-            reductions: list[Reduction] = []
+            collectives: list[tuple] = []
             sent = 0
             memory = None
             for key in keys:
@@ -399,13 +496,13 @@ class UnitPricer:
                     into = incoming if key[0] == "fetch" else partial
                     for total, part in zip(into, moved.loads):
                         total += part
-                reductions += moved.reductions
+                collectives += moved.collectives
                 sent += moved.wire
                 if moved.memory is not None:
                     memory = moved.memory if memory is None else memory + moved.memory
             flops = pieces_flops(self.graph, task, [self._pieces(name, grid)], n)
             cost = task_cost(
-                task, self.rows[name], flops, incoming, partial, reductions, sent, self.machine, n
+                task, self.rows[name], flops, incoming, partial, collectives, sent, self.machine, n
             )
             return cost.seconds, memory
 
@@ -508,11 +605,14 @@ class UnitPricer:
 
         def make() -> np.ndarray:
             out = np.zeros(self.nranks, boxes.INDEX)
-            moved = [(mine, self._fetch(key).block) for mine, key in found]
-            moved = [(mine, block) for mine, block in moved if block is not None]
-            if moved:
-                held = received_once([block for _, block in moved], self.nranks)
-                for (mine, _), part in zip(moved, held):
+            moved = [(mine, key) for mine, key in found if self._fetch(key).received is not None]
+            if len(moved) == 1:  # each part reaches each rank once within a block
+                mine, key = moved[0]
+                if mine:
+                    out += self._fetch(key).received
+            elif moved:
+                blocks = [self._block(key) for _, key in moved]
+                for (mine, _), part in zip(moved, received_once(blocks, self.nranks)):
                     if mine:
                         out += part
             return out
@@ -532,10 +632,42 @@ class UnitPricer:
 
     def _volume(self, key: Key, tensor: str) -> np.ndarray:
         itemsize = self.graph.tensors[tensor].itemsize
-        return self._remember(
-            ("volume", key, itemsize),
-            lambda: self._layout(key).volume_per_rank(self.nranks) * itemsize,
-        )
+
+        def make() -> np.ndarray:
+            if key[0] == "write":
+                _, name, grid, _ = key
+                found = self._accesses(name, grid).writes[tensor]
+                if len(found) == 1:  # one rect per rank, disjoint (else the plan fails)
+                    ranks, lo, hi = found[0]
+                    volume = boxes.volumes(lo, hi) * itemsize
+                    return np.bincount(ranks, weights=volume, minlength=self.nranks).astype(
+                        boxes.INDEX
+                    )[: self.nranks]
+            return self._layout(key).volume_per_rank(self.nranks) * itemsize
+
+        return self._remember(("volume", key, itemsize), make)
+
+
+_NOTHING = _Moved(None, 0, [], None, None)
+
+
+def digest(*arrays: np.ndarray) -> bytes:
+    """A 128-bit digest of arrays' shapes, types and contents (a key for what they determine)."""
+    found = hashlib.blake2b(digest_size=16)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        found.update(f"{array.shape}{array.dtype}".encode())
+        found.update(array.view(np.uint8).reshape(-1))
+    return found.digest()
+
+
+def _floats(moved: Moved) -> Loads:
+    """`link_loads`'s arrays from a `grid_loads.Moved`."""
+    return (
+        moved.sent.astype(float),
+        moved.received.astype(float),
+        moved.rounds.astype(float),
+    )
 
 
 def _failure(task: Task):

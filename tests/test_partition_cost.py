@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from legion_nn.cli import main
@@ -249,3 +250,20 @@ def test_fits_agrees_with_the_exact_memory_count(name):
     assert bound >= exact
     for capacity in (exact - 1, exact, (exact + bound) // 2, bound):
         assert fits(graph, plan, capacity) == (exact <= capacity)
+
+
+def test_collective_costs_of_many_equal_those_of_each():
+    from partitioner.cost import collective_cost, collective_costs
+
+    rng = np.random.default_rng(7)
+    for machine in (MACHINE, Machine(7, 0.3, 17, 1)):
+        p = rng.integers(0, 3000, 5000)
+        n = rng.integers(0, 10**10, 5000)
+        n[::9] = 0
+        largest = (n * rng.random(5000)).astype(np.int64)
+        reduce = rng.random(5000) < 0.5
+        seconds, wire = collective_costs(reduce, p, n, largest, machine)
+        for k in range(5000):
+            kind = "reduce" if reduce[k] else "reduce_scatter"
+            expected = collective_cost(kind, int(p[k]), int(n[k]), int(largest[k]), machine)
+            assert expected == (seconds[k], wire[k])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -150,3 +151,48 @@ def test_verify_plan_counts_the_many_parts_of_a_transpose(lcn):
     softmax.transfers.append(Transfer("classifier.linear1.output", part, 1, (0,), 4))
     with pytest.raises(VerifyError, match="rank 0 is sent .* which it holds"):
         verify_plan(lcn, plan)
+
+
+def test_pieces_of_repeated_layers_are_shared_and_equal(lcn):
+    from partitioner.pieces import PieceCache, grid_pieces
+
+    graph = load_network("vgg19").lower(batch=4)
+    cache = PieceCache(graph)
+    grid = (1, 4, 2, 2)
+    first, second = graph.task("conv3_2.conv"), graph.task("conv3_3.conv")
+    a, b = cache.get(graph, first, grid), cache.get(graph, second, grid)
+    assert b.req_lo[0] is a.req_lo[0]  # computed once
+    assert b.requirements == second.requirements
+    direct = grid_pieces(graph, second, grid)
+    for got, want in zip(b.req_lo + b.req_hi, direct.req_lo + direct.req_hi):
+        assert np.array_equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    extents=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_layout_of_boxes_that_tile_a_grid(extents, data):
+    from partitioner import boxes
+    from partitioner.layout import Layout
+
+    parts = [data.draw(st.integers(1, e)) for e in extents]
+    bounds = [np.linspace(0, e, p + 1).astype(int) for e, p in zip(extents, parts)]
+    cells = list(np.ndindex(*parts))
+    ranks = np.array(data.draw(st.permutations(range(len(cells)))), boxes.INDEX)
+    lo = np.array([[b[i] for b, i in zip(bounds, c)] for c in cells], boxes.INDEX)
+    hi = np.array([[b[i + 1] for b, i in zip(bounds, c)] for c in cells], boxes.INDEX)
+    layout = Layout.from_arrays(len(extents), ranks, lo, hi)
+    assert layout.cuts == [b.tolist() for b in bounds]
+    assert layout.holders == {k: (int(r),) for k, r in enumerate(ranks)}
+    # with one box spanning two cells, the general path gives the same holders
+    if len(cells) > 1:
+        joined = Layout.from_arrays(
+            len(extents),
+            np.append(ranks, ranks[0]),
+            np.vstack([lo, lo[:1]]),
+            np.vstack([hi, hi[1:2]]),
+        )
+        assert joined.cuts == layout.cuts
+        assert all(ranks[0] in joined.holders[k] for k in (0, 1))
