@@ -29,6 +29,8 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import add
 
 import numpy as np
 
@@ -199,16 +201,59 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
         incoming = link_loads([b for b in blocks if not b.reduce], n)
         partial = link_loads([b for b in blocks if b.reduce], n)
         sent = sum(int(np.dot(b.nbytes, b.fanout)) for b in blocks)
-        collectives = [(r.participants, *reduction_cost(r, machine)) for r in task_plan.reductions]
+        priced = [reduction_cost(r, machine) for r in task_plan.reductions]
+        groups = [np.asarray(r.participants, np.int64) for r in task_plan.reductions]
+        busy = busy_seconds(
+            groups, range(len(groups)), [-1] * len(groups), [s for s, _ in priced], n
+        )
+        sent += sum(wire for _, wire in priced)
         costs.append(
-            task_cost(
-                task, task_plan.unit, per_rank, incoming, partial, collectives, sent, machine, n
-            )
+            task_cost(task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine)
         )
     return costs
 
 
 Loads = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def busy_seconds(
+    groups: Sequence[np.ndarray],
+    group: Sequence[int] | np.ndarray,
+    extra: Sequence[int] | np.ndarray,
+    seconds: Sequence[float] | np.ndarray,
+    nranks: int,
+) -> np.ndarray:
+    """Per rank, the seconds of the collectives it takes part in, one after another: collective
+    k (in order) runs over the ranks `groups[group[k]]` and rank `extra[k]` (-1: none) and takes
+    `seconds[k]`. Float for float what adding each collective's seconds to its participants in
+    turn gives; when the groups are disjoint and an extra rank takes part in one collective
+    only, a group's ranks share one running sum."""
+    busy = np.zeros(nranks)
+    group = np.asarray(group, np.int64)
+    extra = np.asarray(extra, np.int64)
+    seconds = np.asarray(seconds, float)
+    if not len(seconds):
+        return busy
+    used = np.unique(group)
+    alone = extra >= 0
+    ranks = np.concatenate([groups[g] for g in used.tolist()] + [extra[alone]])
+    if int(np.bincount(ranks, minlength=nranks).max(initial=0)) <= 1:
+        busy[extra[alone]] = 0.0 + seconds[alone]
+        if len(used) == 1:
+            busy[groups[int(used[0])]] = reduce(add, seconds.tolist(), 0.0)
+            return busy
+        order = np.argsort(group, kind="stable")
+        bounds = np.searchsorted(group[order], used, side="right")
+        start = 0
+        for g, stop in zip(used.tolist(), bounds.tolist()):
+            busy[groups[g]] = reduce(add, seconds[order[start:stop]].tolist(), 0.0)
+            start = stop
+        return busy
+    for g, e, s in zip(group.tolist(), extra.tolist(), seconds.tolist()):
+        busy[groups[g]] += s
+        if e >= 0:
+            busy[e] += s
+    return busy
 
 
 def task_cost(
@@ -217,21 +262,16 @@ def task_cost(
     per_rank: np.ndarray,
     incoming: Loads,
     partial: Loads,
-    collectives: Iterable[tuple[Sequence[int] | np.ndarray, float, int]],
+    busy: np.ndarray,
     sent: int,
     machine: Machine,
-    nranks: int,
 ) -> TaskCost:
     """One task's cost from its FLOPs per rank, the link loads (`transfers.link_loads`) of its
-    incoming transfers and of its partial sums, its collectives in order as (participants,
-    seconds, bytes on the wire) (`reduction_cost`) and the bytes its transfers carry: what
-    `task_costs` computes from a plan, and the search from parts of plans."""
+    incoming transfers and of its partial sums, its ranks' seconds in collectives
+    (`busy_seconds`) and the bytes it puts on the wire: what `task_costs` computes from a plan,
+    and the search from parts of plans."""
     busiest = float(per_rank.max(initial=0.0))
     comm = loads_time(*incoming, machine) + loads_time(*partial, machine)
-    busy = np.zeros(nranks)
-    for participants, seconds, wire in collectives:
-        busy[np.asarray(participants)] += seconds
-        sent += wire
     comm += float(busy.max(initial=0.0))
     return TaskCost(
         task.name,

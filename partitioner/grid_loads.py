@@ -63,12 +63,14 @@ class Moved:
 @dataclass
 class Collectives:
     """The collectives of `messages.combine`, in its order, as arrays: collective k runs over
-    `participants[k]` (sorted), is a `reduce` (one holder) or a `reduce_scatter`, moves
-    `total[k]` bytes of which one holder owns at most `largest[k]`; target t (in order)
-    belongs to collective `which[t]`, spans (`lo[t]`, `hi[t]`), is held by `holders[t]` and
-    has `nbytes[t]` bytes."""
+    the ranks `groups[group[k]]` and rank `extra[k]` (-1: none), is a `reduce` (one holder) or a
+    `reduce_scatter`, moves `total[k]` bytes of which one holder owns at most `largest[k]`;
+    target t (in order) belongs to collective `which[t]`, spans (`lo[t]`, `hi[t]`), is held by
+    `holders[t]` and has `nbytes[t]` bytes."""
 
-    participants: list[np.ndarray]
+    groups: list[np.ndarray]
+    group: np.ndarray
+    extra: np.ndarray
     reduce: np.ndarray
     total: np.ndarray
     largest: np.ndarray
@@ -79,16 +81,39 @@ class Collectives:
     nbytes: np.ndarray
 
     def __len__(self) -> int:
-        return len(self.participants)
+        return len(self.group)
+
+    def sizes(self) -> np.ndarray:
+        """Participants of each collective."""
+        counts = np.array([len(g) for g in self.groups], boxes.INDEX)
+        return counts[self.group] + (self.extra >= 0)
+
+    def participants(self, k: int) -> np.ndarray:
+        """The ranks taking part in collective k, sorted."""
+        members = self.groups[int(self.group[k])]
+        extra = int(self.extra[k])
+        return members if extra < 0 else np.sort(np.append(members, extra))
 
     @staticmethod
     def none(ndim: int) -> Collectives:
         empty = np.zeros(0, boxes.INDEX)
         lo, hi = boxes.empty(ndim)
-        return Collectives([], np.zeros(0, bool), empty, empty, empty, lo, hi, empty, empty)
+        return Collectives(
+            [], empty, empty, np.zeros(0, bool), empty, empty, empty, lo, hi, empty, empty
+        )
 
 
 _TREES: dict[int, np.ndarray] = {}
+_WORDS: dict[int, np.ndarray] = {}
+
+
+def _words(n: int) -> np.ndarray:
+    """A fixed random 64-bit word per rank (set hashes: a set's is the sum of its ranks')."""
+    found = _WORDS.get(n)
+    if found is None:
+        rng = np.random.default_rng(0x5EED)
+        found = _WORDS[n] = rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + 1
+    return found
 
 
 def trees(upto: int) -> np.ndarray:
@@ -108,6 +133,8 @@ class Geometry:
         self.shape = boxes.grid_shape(self.cuts)
         self.ncells = layout.ncells
         self.single = self.ncells > 0 and int(layout.holder_count.max(initial=0)) <= 1
+        #: per dim, overlaps of the cuts with sets of intervals (`_overlaps`)
+        self.overlaps: dict[tuple[bytes, bytes, bytes], _Overlap] = {}
         if not self.single:
             return
         owner = np.full(self.ncells, -1, boxes.INDEX)
@@ -200,18 +227,13 @@ class _Overlap:
         self.hits_by_interval = self.hit.sum(axis=0)
 
 
-_OVERLAPS: dict[tuple[bytes, bytes, bytes], _Overlap] = {}
-
-
 def _overlaps(geometry: Geometry, rects: RectSet) -> list[_Overlap]:
     out = []
     for cuts, lo, hi in zip(geometry.cuts, rects.lo, rects.hi):
         key = (cuts.tobytes(), lo.tobytes(), hi.tobytes())
-        found = _OVERLAPS.get(key)
+        found = geometry.overlaps.get(key)
         if found is None:
-            if len(_OVERLAPS) > 4096:
-                _OVERLAPS.clear()
-            found = _OVERLAPS[key] = _Overlap(cuts, lo, hi)
+            found = geometry.overlaps[key] = _Overlap(cuts, lo, hi)
         out.append(found)
     return out
 
@@ -356,7 +378,7 @@ def combine_loads(
     rect, ranks = rects.pair_rect, rects.pair_rank
     if not grid.single or not len(rect) or not rects.unique_pairs or not rects.full:
         return None
-    if rects.size > LIMIT or ranks.max() >= n:
+    if rects.size > LIMIT or ranks.max() >= n or grid.owner.max(initial=-1) >= n:
         return None
     dims = _overlaps(grid, rects)
     contributors = rects.touchers
@@ -488,20 +510,22 @@ class _Gathered:
         signature = np.ravel_multi_index(pattern_of, counts)
         groups, inverse = np.unique(signature, return_inverse=True)
         inverse = inverse.reshape(-1)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(groups) + 1))
         rows = np.unravel_index(groups, counts)
+        # each dim's pattern rows, read at every rect's interval
+        at = [pattern[:, index] for pattern, index in zip(patterns, rects.index)]
+        mark = np.zeros(self.n, bool)
         for g, sig_rows in enumerate(zip(*(r.tolist() for r in rows))):
-            meets = reduce(
-                np.logical_and,
-                [
-                    pattern[row][index]
-                    for pattern, row, index in zip(patterns, sig_rows, rects.index)
-                ],
-            )
-            members = np.unique(rects.pair_rank[meets[rects.pair_rect]])
-            mine = rest[inverse == g]
+            meets = at[0][sig_rows[0]]
+            for found, row in zip(at[1:], sig_rows[1:]):
+                meets = meets & found[row]
+            mark[:] = False
+            mark[rects.pair_rank[meets[rects.pair_rect]]] = True
+            mine = rest[order[bounds[g] : bounds[g + 1]]]
             first[mine] = int(np.argmax(meets))
-            mid[mine] = self._member_id(members)
-            inside[mine] = np.isin(holders[mine], members)
+            mid[mine] = self._member_id(np.flatnonzero(mark))
+            inside[mine] = mark[holders[mine]]
 
     def _book(self, cells, first, mid, holders, inside, lo, hi) -> None:
         """Two participants exchange a partial sum; more are kept for `collectives`."""
@@ -530,6 +554,33 @@ class _Gathered:
             hi[big],
         )
 
+    def _same_sets(self, keys: np.ndarray) -> np.ndarray:
+        """An id per key (contributor set, extra holder) naming its set of participants: keys
+        whose sets hash alike (a sum of random words per rank) are compared exactly."""
+        n = self.n
+        mid, extra = np.divmod(keys, n + 1)
+        words = _words(n)
+        member_hash = np.array([words[m].sum() for m in self.members], np.uint64)
+        sizes = np.array([len(m) for m in self.members], boxes.INDEX)
+        hashed = member_hash[mid] + np.where(
+            extra > 0, words[np.maximum(extra - 1, 0)], np.uint64(0)
+        )
+        size = sizes[mid] + (extra > 0)
+        _, alike = np.unique(
+            np.stack([hashed.view(np.int64), size], axis=1), axis=0, return_inverse=True
+        )
+        alike = alike.reshape(-1)
+        out = np.zeros(len(keys), boxes.INDEX)
+        canonical: dict[bytes, int] = {}
+        for k in np.flatnonzero(np.bincount(alike)[alike] > 1).tolist() or []:
+            members = self.members[mid[k]]
+            if extra[k]:
+                members = np.sort(np.append(members, extra[k] - 1))
+            out[k] = canonical.setdefault(members.tobytes(), len(canonical))
+        lone = np.bincount(alike)[alike] == 1
+        out[lone] = len(canonical) + np.arange(int(lone.sum()))
+        return out
+
     def collectives(self) -> Collectives:
         """Merged by participants, in order of their first cell as `combine` meets them."""
         if not len(self.columns[0]):
@@ -541,24 +592,13 @@ class _Gathered:
         # a collective per distinct set of participants (a contributor set plus a holder
         # outside it may equal another contributor set)
         keys, inverse = np.unique(key, return_inverse=True)
-        canonical: dict[bytes, int] = {}
-        sets: list[np.ndarray] = []
-        same = np.zeros(len(keys), boxes.INDEX)
-        for k, found in enumerate(keys.tolist()):
-            mid, extra = divmod(found, n + 1)
-            members = self.members[mid]
-            if extra:
-                members = np.insert(members, np.searchsorted(members, extra - 1), extra - 1)
-            same[k] = canonical.setdefault(members.tobytes(), len(sets))
-            if same[k] == len(sets):
-                sets.append(members)
-        group = same[inverse.reshape(-1)]
+        group = self._same_sets(keys)[inverse.reshape(-1)]
         which, leads = boxes.first_seen_ids(group[:, None])
+        mid, extra = np.divmod(key[leads], n + 1)
         at = np.argsort(which, kind="stable")
         which, holders, lo, hi = which[at], holders[at], lo[at], hi[at]
         nbytes = boxes.volumes(lo, hi) * self.itemsize
         count = len(leads)
-        participants = [sets[g] for g in group[leads].tolist()]
         total = np.bincount(which, weights=nbytes, minlength=count).astype(boxes.INDEX)
         # per collective and holder, the bytes it owns
         owned, inverse = np.unique(which * n + holders, return_inverse=True)
@@ -566,4 +606,6 @@ class _Gathered:
         largest = np.zeros(count, boxes.INDEX)
         np.maximum.at(largest, owned // n, share)
         reduce_ = np.bincount(owned // n, minlength=count) == 1
-        return Collectives(participants, reduce_, total, largest, which, lo, hi, holders, nbytes)
+        return Collectives(
+            self.members, mid, extra - 1, reduce_, total, largest, which, lo, hi, holders, nbytes
+        )

@@ -173,6 +173,16 @@ class PieceCache:
         return found
 
 
+def chosen_pieces(cache: PieceCache, grids: Mapping[str, tuple[int, ...]]) -> PieceCache:
+    """A cache holding what `cache` has of the tasks on `grids` (task name -> grid)."""
+    out = PieceCache(cache.graph)
+    for name, grid in grids.items():
+        found = cache._found.get((name, tuple(grid)))
+        if found is not None:
+            out._found[(name, tuple(grid))] = found
+    return out
+
+
 def _shape_key(graph: TaskGraph, task: Task, grid: tuple[int, ...]) -> tuple | None:
     """What `grid_pieces` computes the rects from (None: attributes that do not compare)."""
     try:

@@ -170,7 +170,8 @@ def build_plan(
 
     `resident_homes` fixes the homes of parameters and state (and their gradients), for instance
     to those of the full-batch step while planning a run's smaller last batch, so that every rank
-    keeps updating the copies it holds. `cache` reuses pieces across plans of the same graph."""
+    keeps updating the copies it holds. `cache` reuses pieces across plans of the same graph
+    (by default, those a search attached to `strategy`)."""
     grids = strategy.task_grids(graph)
     for name, grid in grids.items():
         used = 1
@@ -179,7 +180,10 @@ def build_plan(
         if used > nranks:
             raise PlanError(f"task {name}: grid {list(grid)} needs {used} ranks, only {nranks}")
     homed = {task.name for task in graph.tasks if is_homed(graph, task)}
-    cache = cache or PieceCache(graph)
+    if cache is None:
+        cache = getattr(strategy, "pieces", None)  # from the search that chose it
+        if cache is None or cache.graph is not graph:
+            cache = PieceCache(graph)
     pieces = {
         task.name: cache.get(graph, task, grids[task.name])
         for task in graph.tasks

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cache
 from itertools import pairwise, product
 
 from legion_nn.graph import TaskGraph
@@ -35,7 +34,7 @@ from partitioner.accounting import fits
 from partitioner.cost import step_seconds, task_costs, unit_seconds
 from partitioner.coupling import is_chain
 from partitioner.machine import Machine
-from partitioner.pieces import PieceCache
+from partitioner.pieces import PieceCache, chosen_pieces
 from partitioner.plan import build_plan, task_rows
 from partitioner.strategy import Grid, Strategy, Unit, balanced, builtin_grid, find_units
 from partitioner.transitions import NotAChain, RowCost, UnitPricer
@@ -49,7 +48,6 @@ _MIXTURES = {
 }
 
 
-@cache
 def family_grid(unit: Unit, family: str, nranks: int) -> Grid:
     if family in ("data", "model", "spatial"):
         return builtin_grid(unit, family, nranks)
@@ -150,24 +148,22 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
 
 def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     units, nranks = pricer.units, pricer.nranks
+    grid_of = {(i, f): family_grid(u, f, nranks) for i, u in enumerate(units) for f in FAMILIES}
     # each unit's distinct grids, each under the first family (in FAMILIES order) giving it
     options: list[dict[Grid, str]] = []
-    for unit in units:
+    for i in range(len(units)):
         found: dict[Grid, str] = {}
         for family in FAMILIES:
-            found.setdefault(family_grid(unit, family, nranks), family)
+            found.setdefault(grid_of[(i, family)], family)
         options.append(found)
     grids = [list(found) for found in options]
     table: dict[tuple[int, Grid | None, Grid], RowCost] = {}
 
-    def price(i: int, p: Grid | None, q: Grid) -> None:
-        if (i, p, q) not in table:
-            table[(i, p, q)] = pricer.transition(i, p, q)
-
     def family_pair(x: str, y: str) -> None:
-        for i, unit in enumerate(units):
-            p = family_grid(units[i - 1], x, nranks) if i else None
-            price(i, p, family_grid(unit, y, nranks))
+        for i in range(len(units)):
+            key = (i, grid_of[(i - 1, x)] if i else None, grid_of[(i, y)])
+            if key not in table:
+                table[key] = pricer.transition(*key)
 
     for family in BUILTIN_FAMILIES:
         family_pair(family, family)
@@ -213,12 +209,11 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         return sum(r.seconds for r in rows), bool(memory.max(initial=0) <= capacity)
 
     uniform = [
-        [family_grid(u, f, nranks) for u in units]
+        [grid_of[(i, f)] for i in range(len(units))]
         for f in FAMILIES
         if all(
-            (i, family_grid(units[i - 1], f, nranks) if i else None, family_grid(u, f, nranks))
-            in table
-            for i, u in enumerate(units)
+            (i, grid_of[(i - 1, f)] if i else None, grid_of[(i, f)]) in table
+            for i in range(len(units))
         )
     ]
     candidates = [path for path in [best_path(0.0)] if path is not None]
@@ -243,10 +238,12 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     choices = []
     for i, (unit, q) in enumerate(zip(units, chosen)):
         p = chosen[i - 1] if i else None
-        data_p = family_grid(units[i - 1], "data", nranks) if i else None
-        data = table[(i, data_p, family_grid(unit, "data", nranks))]
+        data_p = grid_of[(i - 1, "data")] if i else None
+        data = table[(i, data_p, grid_of[(i, "data")])]
         choices.append(Choice(unit.name, options[i][q], q, table[(i, p, q)].seconds, data.seconds))
     strategy = Strategy("auto", {u.name: q for u, q in zip(units, chosen)})
+    pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
+    object.__setattr__(strategy, "pieces", pieces)
     return SearchResult(strategy, choices, 0, note, pricer.priced)
 
 

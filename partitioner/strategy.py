@@ -221,13 +221,22 @@ def _aligned(grid: Grid, source: tuple[int, ...], target: tuple[int, ...]) -> Gr
 
 @dataclass(frozen=True)
 class Strategy:
-    """A named choice of one grid per unit."""
+    """A named choice of one grid per unit.
+
+    A strategy `search.auto` chose also carries, as `pieces`, the `pieces.PieceCache` of its
+    grids on the graph it searched (the search computed them), which `plan.build_plan` reuses
+    for that graph; the cache stays in the process (it is not pickled)."""
 
     name: str
     unit_grids: dict[str, Grid]
 
     def task_grids(self, graph: TaskGraph) -> dict[str, Grid]:
         return task_grids(graph, self.unit_grids)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("pieces", None)
+        return state
 
 
 def builtin(graph: TaskGraph, name: str, nranks: int) -> Strategy:

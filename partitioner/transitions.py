@@ -52,8 +52,21 @@ from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
 from partitioner.accounting import flops_per_element, pieces_flops, received_once
-from partitioner.cost import collective_costs, reduction_cost, task_cost
-from partitioner.grid_loads import Geometry, Moved, RectSet, combine_loads, fetch_loads
+from partitioner.cost import (
+    busy_seconds,
+    collective_costs,
+    compute_seconds,
+    reduction_cost,
+    task_cost,
+)
+from partitioner.grid_loads import (
+    Collectives,
+    Geometry,
+    Moved,
+    RectSet,
+    combine_loads,
+    fetch_loads,
+)
 from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.messages import Accesses, combine, fetch
@@ -85,8 +98,9 @@ class _Moved:
 
     loads: Loads | None  # (bytes sent, bytes received, message rounds) per rank; None: nothing
     wire: int  # bytes of its point-to-point transfers, counted per destination
-    #: its collectives, in order: (participants, seconds, bytes on the wire)
-    collectives: list[tuple]
+    #: its collectives, in order, as `cost.busy_seconds` takes them: (groups of ranks, each
+    #: one's group, each one's extra rank or -1, each one's seconds); None: none
+    collectives: tuple | None
     #: bytes held per rank for it: partial sums sent, collective buffers
     memory: np.ndarray | None
     #: for a fetch that moves anything, the bytes of the parts each rank receives, each once
@@ -117,6 +131,7 @@ class UnitPricer:
         self.cache = cache or PieceCache(graph)
         self.rows = task_rows(graph)
         self.homed = {t.name for t in graph.tasks if is_homed(graph, t)}
+        self._grids: dict[tuple, Grid] = {}
         self._rules()
         self._homes()
         self._windows()
@@ -164,6 +179,14 @@ class UnitPricer:
 
     def grid(self, name: str, grids: Mapping[int, Grid]) -> Grid:
         """The grid of partitioned task `name` when unit k runs on `grids[k]`."""
+        unit = self.unit_of[name]
+        key = (name, None if unit is None else grids.get(unit))
+        found = self._grids.get(key)
+        if found is None:
+            found = self._grids[key] = self._grid(name, grids)
+        return found
+
+    def _grid(self, name: str, grids: Mapping[int, Grid]) -> Grid:
         rule = self.rule[name]
         task = self.graph.task(name)
         if rule[0] == "fixed":
@@ -420,13 +443,13 @@ class UnitPricer:
             if fast is not None:
                 if fast.empty:
                     return _NOTHING
-                return _Moved(_floats(fast), fast.wire, [], None, fast.held)
+                return _Moved(_floats(fast), fast.wire, None, None, fast.held)
             block = self._block(key)
             if not len(block):
                 return _NOTHING
             loads = link_loads([block], self.nranks)
             received = received_once([block], self.nranks)[0]
-            return _Moved(loads, int(np.dot(block.nbytes, block.fanout)), [], None, received)
+            return _Moved(loads, int(np.dot(block.nbytes, block.fanout)), None, None, received)
 
         return self._remember(content, make)
 
@@ -445,20 +468,18 @@ class UnitPricer:
             if self.fast:
                 rects = self._rects(("reduces", name, grid, tensor), reduces)
                 fast = combine_loads(self._geometry(layout_key), rects, itemsize, n)
-            collectives = []
+            collectives = None
             if fast is not None:
                 moved, found = fast
                 loads = None if moved.empty else _floats(moved)
                 memory, wire = moved.held.copy(), moved.wire
                 if len(found):
-                    sizes = np.array([len(who) for who in found.participants])
                     seconds, on_wire = collective_costs(
-                        found.reduce, sizes, found.total, found.largest, machine
+                        found.reduce, found.sizes(), found.total, found.largest, machine
                     )
-                    collectives = list(zip(found.participants, seconds.tolist(), on_wire.tolist()))
-                    everyone = np.concatenate(found.participants)
-                    held = np.repeat(found.total, sizes)
-                    memory += np.bincount(everyone, weights=held, minlength=n).astype(boxes.INDEX)
+                    collectives = (found.groups, found.group, found.extra, seconds)
+                    wire += int(on_wire.sum())
+                    memory += _group_bytes(found, n)
                     memory -= np.bincount(found.holders, weights=found.nbytes, minlength=n).astype(
                         boxes.INDEX
                     )
@@ -470,13 +491,26 @@ class UnitPricer:
                     loads = link_loads([block], n)
                     memory += _per_rank(block.src, block.nbytes, n)
                 wire = int(np.dot(block.nbytes, block.fanout))
-                for reduction in reductions_of(tensor, itemsize, found):
-                    collectives.append(
-                        (reduction.participants, *reduction_cost(reduction, machine))
+                reductions = reductions_of(tensor, itemsize, found)
+                if reductions:
+                    groups, seconds = [], []
+                    for reduction in reductions:
+                        took, on_wire = reduction_cost(reduction, machine)
+                        groups.append(np.asarray(reduction.participants, boxes.INDEX))
+                        seconds.append(took)
+                        wire += on_wire
+                        memory[list(reduction.participants)] += reduction.nbytes
+                        for rect, holders in reduction.targets:
+                            memory[list(holders)] -= rect.volume * reduction.itemsize
+                    count = len(groups)
+                    collectives = (
+                        groups,
+                        np.arange(count),
+                        np.full(count, -1),
+                        np.array(seconds),
                     )
-                    memory[list(reduction.participants)] += reduction.nbytes
-                    for rect, holders in reduction.targets:
-                        memory[list(holders)] -= rect.volume * reduction.itemsize
+            if loads is None and collectives is None and not wire and not memory.any():
+                return _NOTHING
             return _Moved(loads, wire, collectives, memory, None)
 
         return self._remember(content, make)
@@ -485,24 +519,46 @@ class UnitPricer:
         def make():
             task = self.graph.task(name)
             n = self.nranks
+            pieces = self._pieces(name, grid)
+            moved = [self._fetch(k) if k[0] == "fetch" else self._combine(k) for k in keys]
+            moved = [m for m in moved if m is not _NOTHING]
+            if not moved:  # it only computes
+                per = flops_per_element(task, self.graph)
+                busiest = float((per * pieces.volumes().astype(float)).max(initial=0.0))
+                return compute_seconds(task, busiest, self.machine), None
             incoming = [np.zeros(n), np.zeros(n), np.zeros(n)]
             partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
-            collectives: list[tuple] = []
+            groups: list[np.ndarray] = []
+            named: dict[bytes, int] = {}
+            group, extra, seconds = [], [], []
             sent = 0
             memory = None
-            for key in keys:
-                moved = self._fetch(key) if key[0] == "fetch" else self._combine(key)
-                if moved.loads is not None:
+            for key, found in zip(keys, moved):
+                if found.loads is not None:
                     into = incoming if key[0] == "fetch" else partial
-                    for total, part in zip(into, moved.loads):
+                    for total, part in zip(into, found.loads):
                         total += part
-                collectives += moved.collectives
-                sent += moved.wire
-                if moved.memory is not None:
-                    memory = moved.memory if memory is None else memory + moved.memory
-            flops = pieces_flops(self.graph, task, [self._pieces(name, grid)], n)
+                if found.collectives is not None:
+                    mine, which, alone, took = found.collectives
+                    ids = []
+                    for members in mine:
+                        ids.append(named.setdefault(members.tobytes(), len(groups)))
+                        if ids[-1] == len(groups):
+                            groups.append(members)
+                    group.append(np.asarray(ids, np.int64)[which])
+                    extra.append(alone)
+                    seconds.append(took)
+                sent += found.wire
+                if found.memory is not None:
+                    memory = found.memory if memory is None else memory + found.memory
+            busy = np.zeros(n)
+            if group:
+                busy = busy_seconds(
+                    groups, np.concatenate(group), np.concatenate(extra), np.concatenate(seconds), n
+                )
+            flops = pieces_flops(self.graph, task, [pieces], n)
             cost = task_cost(
-                task, self.rows[name], flops, incoming, partial, collectives, sent, self.machine, n
+                task, self.rows[name], flops, incoming, partial, busy, sent, self.machine
             )
             return cost.seconds, memory
 
@@ -519,7 +575,7 @@ class UnitPricer:
             n = self.nranks
             flops = pieces_flops(self.graph, task, homed_pieces(self.graph, task, homes), n)
             zero = (np.zeros(n), np.zeros(n), np.zeros(n))
-            cost = task_cost(task, self.rows[name], flops, zero, zero, [], 0, self.machine, n)
+            cost = task_cost(task, self.rows[name], flops, zero, zero, zero[0], 0, self.machine)
             return cost.seconds
 
         return self._remember(("homed", name, keys), make)
@@ -572,8 +628,10 @@ class UnitPricer:
                         continue  # a rank's home holds what it reads
                     layout_key = layouts[tensor] = self._home_key(tensor, grids)
                 before = copies.get(tensor, ())
-                key = ("fetch", name, grid, tensor, layout_key, before)
                 copies[tensor] = before + ((name, grid),)
+                if self._local(name, grid, tensor, layout_key, reduce=False):
+                    continue  # each rank reads what it wrote: nothing moves
+                key = ("fetch", name, grid, tensor, layout_key, before)
                 fetched[tensor].append((mine, key))
                 if mine:
                     keys.append(key)
@@ -590,7 +648,8 @@ class UnitPricer:
                             f"task {name} reduces into {tensor}, which was never zeroed"
                         )
                     layout_key = layouts[tensor] = self._home_key(tensor, grids)
-                keys.append(("combine", name, grid, tensor, layout_key))
+                if not self._local(name, grid, tensor, layout_key, reduce=True):
+                    keys.append(("combine", name, grid, tensor, layout_key))
             task_seconds, held = self._task_cost(name, grid, tuple(keys))
             seconds += task_seconds
             if held is not None:
@@ -599,6 +658,38 @@ class UnitPricer:
             if any(mine for mine, _ in found):
                 memory = memory + self._received(tuple(found))
         return RowCost(seconds, memory)
+
+    def _local(self, name: str, grid: Grid, tensor: str, layout_key: Key, reduce: bool) -> bool:
+        """Whether every rank of the task reads (or reduces into) exactly the rect of `tensor`
+        it wrote itself, so that nothing moves: the rects are compared, not the messages."""
+        if layout_key[0] != "write":
+            return False
+        _, writer, written, _ = layout_key
+
+        def make() -> bool:
+            mine, theirs = self._pieces(name, grid), self._pieces(writer, written)
+            task, source = self.graph.task(name), self.graph.task(writer)
+            wrote = [
+                k
+                for k, r in enumerate(source.requirements)
+                if r.tensor == tensor and r.privilege.writes and r.privilege is not Privilege.REDUCE
+            ]
+            touch = [
+                j
+                for j, r in enumerate(task.requirements)
+                if r.tensor == tensor
+                and (r.privilege is Privilege.REDUCE if reduce else r.privilege.reads)
+            ]
+            if len(wrote) != 1 or not np.array_equal(mine.owners, theirs.owners):
+                return False
+            k = wrote[0]
+            return all(
+                np.array_equal(mine.req_lo[j], theirs.req_lo[k])
+                and np.array_equal(mine.req_hi[j], theirs.req_hi[k])
+                for j in touch
+            )
+
+        return self._remember(("local", name, grid, tensor, writer, written, reduce), make)
 
     def _received(self, found: tuple[tuple[bool, Key], ...]) -> np.ndarray:
         """Bytes per rank of the parts of one tensor that the row's fetches bring first."""
@@ -648,7 +739,7 @@ class UnitPricer:
         return self._remember(("volume", key, itemsize), make)
 
 
-_NOTHING = _Moved(None, 0, [], None, None)
+_NOTHING = _Moved(None, 0, None, None, None)
 
 
 def digest(*arrays: np.ndarray) -> bytes:
@@ -659,6 +750,17 @@ def digest(*arrays: np.ndarray) -> bytes:
         found.update(f"{array.shape}{array.dtype}".encode())
         found.update(array.view(np.uint8).reshape(-1))
     return found.digest()
+
+
+def _group_bytes(found: Collectives, n: int) -> np.ndarray:
+    """Bytes per rank its collectives hold: each participant the whole of each one's targets."""
+    sizes = np.array([len(g) for g in found.groups], boxes.INDEX)
+    per_group = np.bincount(found.group, weights=found.total, minlength=len(found.groups))
+    ranks = np.concatenate(found.groups + [np.maximum(found.extra, 0)])
+    weights = np.concatenate(
+        (np.repeat(per_group, sizes), np.where(found.extra >= 0, found.total, 0))
+    )
+    return np.bincount(ranks, weights=weights, minlength=n).astype(boxes.INDEX)
 
 
 def _floats(moved: Moved) -> Loads:

@@ -144,7 +144,7 @@ def test_combine_loads_are_those_of_the_partial_sums_and_collectives(case):
     assert len(collectives) == len(reductions)
     for k, reduction in enumerate(reductions):
         mine = collectives.which == k
-        assert tuple(sorted(collectives.participants[k].tolist())) == reduction.participants
+        assert tuple(collectives.participants(k).tolist()) == reduction.participants
         assert ("reduce" if collectives.reduce[k] else "reduce_scatter") == reduction.algorithm
         targets = [
             (tuple(lo), tuple(hi), (h,))

@@ -166,3 +166,44 @@ def test_the_dp_keeps_to_assignments_that_fit_in_memory():
     cost = step(graph, auto(graph, 6, tight).strategy, 6, tight)
     assert cost.feasible
     assert fastest.step_seconds <= cost.step_seconds <= min(c.step_seconds for c in fitting)
+
+
+def test_auto_hands_its_pieces_to_the_plan_but_not_to_pickles():
+    import pickle
+
+    graph = load_network("seed-lcn-small").lower(batch=8)
+    strategy = auto(graph, 4, MACHINE).strategy
+    plan = build_plan(graph, strategy, 4)
+    grids = strategy.task_grids(graph)
+    name = "L1.filter"
+    assert plan.tasks[[t.name for t in graph.tasks].index(name)].piece_sets[0] is (
+        strategy.pieces.get(graph, graph.task(name), grids[name])
+    )
+    copy = pickle.loads(pickle.dumps(strategy))
+    assert copy == strategy and not hasattr(copy, "pieces")
+    other = load_network("seed-lcn-small").lower(batch=8)  # another graph: its own pieces
+    verify_plan(other, build_plan(other, strategy, 4))
+
+
+def test_busy_seconds_of_disjoint_groups_equal_one_collective_at_a_time():
+    from partitioner.cost import busy_seconds
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        ranks = rng.permutation(n)
+        cut = np.sort(rng.integers(0, n + 1, size=3))
+        groups = [g for g in np.split(ranks, cut) if len(g)]
+        spare = [int(r) for r in rng.permutation(n)[: int(rng.integers(0, 4))]]
+        count = int(rng.integers(0, 30))
+        group = rng.integers(0, max(len(groups), 1), count) if groups else np.zeros(0, int)
+        extra = [spare[k] if k < len(spare) and rng.random() < 0.5 else -1 for k in range(count)]
+        seconds = rng.random(count) * 10.0 ** rng.integers(-6, 1, count)
+        if not groups:
+            continue
+        expected = np.zeros(n)
+        for g, e, s in zip(group, extra, seconds):
+            expected[groups[g]] += s
+            if e >= 0:
+                expected[e] += s
+        assert busy_seconds(groups, group, extra, seconds, n).tolist() == expected.tolist()
