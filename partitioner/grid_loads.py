@@ -227,13 +227,14 @@ class _Overlap:
         self.hits_by_interval = self.hit.sum(axis=0)
 
 
-def _overlaps(geometry: Geometry, rects: RectSet) -> list[_Overlap]:
+def _overlaps(geometry: Geometry, rects: RectSet, cache: dict | None) -> list[_Overlap]:
+    cache = geometry.overlaps if cache is None else cache
     out = []
     for cuts, lo, hi in zip(geometry.cuts, rects.lo, rects.hi):
         key = (cuts.tobytes(), lo.tobytes(), hi.tobytes())
-        found = geometry.overlaps.get(key)
+        found = cache.get(key)
         if found is None:
-            found = geometry.overlaps[key] = _Overlap(cuts, lo, hi)
+            found = cache[key] = _Overlap(cuts, lo, hi)
         out.append(found)
     return out
 
@@ -294,9 +295,10 @@ def fetch_loads(
     fresh: np.ndarray | None,
     itemsize: int,
     nranks: int,
+    cache: dict | None = None,
 ) -> Moved | None:
     """`link_loads` (and the received bytes per rank) of `messages.fetch`'s block, or None;
-    `fresh` None: every read is fresh."""
+    `fresh` None: every read is fresh. `cache` keeps per-dim overlaps across calls."""
     n = nranks
     grid = layout if isinstance(layout, Geometry) else Geometry(layout, n)
     rects = reads if isinstance(reads, RectSet) else RectSet(reads)
@@ -305,7 +307,7 @@ def fetch_loads(
         return _zero(n)
     if not grid.single or rects.flat is None or ranks.max() >= n:
         return None
-    dims = _overlaps(grid, rects)
+    dims = _overlaps(grid, rects, cache)
     for d, lo, hi in zip(dims, rects.lo, rects.hi):
         if not np.array_equal(d.length_by_interval, hi - lo):
             return None  # part of a rect lies outside every cell
@@ -368,7 +370,11 @@ def fetch_loads(
 
 
 def combine_loads(
-    layout: Layout | Geometry, contributions: Accesses | RectSet, itemsize: int, nranks: int
+    layout: Layout | Geometry,
+    contributions: Accesses | RectSet,
+    itemsize: int,
+    nranks: int,
+    cache: dict | None = None,
 ) -> tuple[Moved, Collectives] | None:
     """`link_loads` of `messages.combine`'s partial sums (and the bytes each sender holds for
     them) and its collectives, in its order, or None."""
@@ -380,7 +386,7 @@ def combine_loads(
         return None
     if rects.size > LIMIT or ranks.max() >= n or grid.owner.max(initial=-1) >= n:
         return None
-    dims = _overlaps(grid, rects)
+    dims = _overlaps(grid, rects, cache)
     contributors = rects.touchers
     entries = _outer([d.hits_by_cut for d in dims])  # rects overlapping each cell
     total = _per_cell(rects, dims, contributors, volume=False)

@@ -226,7 +226,7 @@ def _probed(
         return found
 
     cut = [d for d, b in enumerate(bounds) if len(b) > 1]
-    probes = {d: _probes(d, bounds[d], space, dims, call, memo) for d in cut}
+    probes = {d: _probes(d, bounds[d], space, dims, fn, task.attrs, memo) for d in cut}
     out = {}
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
@@ -255,32 +255,39 @@ def _probed(
     return out
 
 
-def _probes(d, bounds, space, dims, call, memo) -> dict[str, tuple[np.ndarray, ...]]:
+def _probes(d, bounds, space, dims, fn, attrs, memo) -> dict[str, tuple[np.ndarray, ...]]:
     """Per role, the rects (lo, hi) of the space cut only along dim d at `bounds`, one per part
     (empty for an empty part), and which dims of them move with the part."""
     key = ("probes", d, bounds.tobytes())
     found = memo.get(key)
     if found is not None:
         return found
-    probes: list[dict[str, Rect] | None] = []
-    for part_lo, part_hi in bounds.tolist():
-        if part_hi <= part_lo:
-            probes.append(None)
-            continue
-        piece_lo, piece_hi = list(space.lo), list(space.hi)
-        piece_lo[d], piece_hi[d] = part_lo, part_hi
-        probes.append(call(piece_lo, piece_hi))
+    lo, hi = tuple(space.lo), tuple(space.hi)
+    head_lo, tail_lo, head_hi, tail_hi = lo[:d], lo[d + 1 :], hi[:d], hi[d + 1 :]
+    to_rect = boxes.to_rect
+    probes = [
+        fn(attrs, dims, to_rect(head_lo + (a,) + tail_lo, head_hi + (b,) + tail_hi))
+        if b > a
+        else None
+        for a, b in bounds.tolist()
+    ]
     used = np.array([p is not None for p in probes])
     found = {}
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
-        blank = Rect.empty(ndim)
-        probe_lo, probe_hi = boxes.from_rects(
-            [blank if p is None else p[role] for p in probes], ndim
-        )
-        moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
-            probe_hi[used] != probe_hi[used][0], axis=0
-        )
+        blank = (0,) * ndim
+        rects = [p[role] if p is not None else None for p in probes]
+        probe_lo = np.array([r.lo if r is not None else blank for r in rects], boxes.INDEX)
+        probe_hi = np.array([r.hi if r is not None else blank for r in rects], boxes.INDEX)
+        probe_lo, probe_hi = probe_lo.reshape(len(rects), ndim), probe_hi.reshape(len(rects), ndim)
+        if used.all():
+            moves = np.any(probe_lo != probe_lo[0], axis=0) | np.any(
+                probe_hi != probe_hi[0], axis=0
+            )
+        else:
+            moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
+                probe_hi[used] != probe_hi[used][0], axis=0
+            )
         found[role] = (probe_lo, probe_hi, moves)
     memo[key] = found
     return found

@@ -25,7 +25,9 @@ but it can stop at a local optimum.
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise, product
 
@@ -40,6 +42,9 @@ from partitioner.strategy import Grid, Strategy, Unit, balanced, builtin_grid, f
 from partitioner.transitions import NotAChain, RowCost, UnitPricer
 
 BUILTIN_FAMILIES = ("data", "model", "spatial")
+INF = float("inf")
+#: (unit index, predecessor's grid or None, the unit's grid)
+Transition = tuple
 FAMILIES = BUILTIN_FAMILIES + ("batch2×model", "channels4×spatial", "batch4×spatial")
 _MIXTURES = {
     "batch2×model": ((0,), 2, (1,)),
@@ -129,7 +134,8 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
     deadline = time.monotonic() + time_limit
     if units and is_chain(graph, units, task_rows(graph)):
         try:
-            return _chain_dp(UnitPricer(graph, units, nranks, machine), deadline)
+            with _no_cycle_collection():
+                return _chain_dp(UnitPricer(graph, units, nranks, machine), deadline)
         except NotAChain:
             pass
     pricer = _Pricer(graph, units, nranks, machine)
@@ -146,6 +152,20 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
     return SearchResult(strategy, choices, pricer.priced, note)
 
 
+@contextmanager
+def _no_cycle_collection():
+    """The DP allocates some 10⁵ small objects (rects, dicts, tuples) and keeps many alive in
+    its tables; none forms a reference cycle, yet each allocation burst makes Python's cycle
+    collector walk them all. It is paused for the search and resumed after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     units, nranks = pricer.units, pricer.nranks
     grid_of = {(i, f): family_grid(u, f, nranks) for i, u in enumerate(units) for f in FAMILIES}
@@ -157,71 +177,91 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
             found.setdefault(grid_of[(i, family)], family)
         options.append(found)
     grids = [list(found) for found in options]
-    table: dict[tuple[int, Grid | None, Grid], RowCost] = {}
-
-    def family_pair(x: str, y: str) -> None:
-        for i in range(len(units)):
-            key = (i, grid_of[(i - 1, x)] if i else None, grid_of[(i, y)])
-            if key not in table:
-                table[key] = pricer.transition(*key)
-
-    for family in BUILTIN_FAMILIES:
-        family_pair(family, family)
     total = len(grids[0]) + sum(len(a) * len(b) for a, b in pairwise(grids))
-    for x, y in product(FAMILIES, FAMILIES):
-        if time.monotonic() > deadline:
-            break
-        family_pair(x, y)
+    table: dict[Transition, RowCost] = {}
+    fits: dict[Transition, bool] = {}
     constant = pricer.constant().memory
     capacity = pricer.machine.memory_bytes
 
-    def row(i: int, p: Grid | None, q: Grid) -> RowCost | None:
-        found = table.get((i, p, q))
-        if found is None or (constant + found.memory).max(initial=0) > capacity:
-            return None
-        return found
+    def price(key: Transition) -> None:
+        if key not in table:
+            table[key] = found = pricer.transition(*key)
+            fits[key] = bool((constant + found.memory).max(initial=0) <= capacity)
 
-    def best_path(penalty: float) -> list[Grid] | None:
-        """The assignment minimising seconds + penalty × each row's peak memory."""
-        layer = {}
-        for q in grids[0]:
-            found = row(0, None, q)
-            if found is not None:
-                layer[q] = (found.seconds + penalty * found.memory.max(initial=0), [q])
-        for i in range(1, len(units)):
-            nxt = {}
-            for q in grids[i]:
-                for p, (c, path) in layer.items():
-                    found = row(i, p, q)
-                    if found is None:
-                        continue
-                    c2 = c + found.seconds + penalty * found.memory.max(initial=0)
-                    if q not in nxt or c2 < nxt[q][0]:
-                        nxt[q] = (c2, path + [q])
-            layer = nxt
-        if not layer:
+    def family_pair(x: str, y: str) -> None:
+        for i in range(len(units)):
+            price((i, grid_of[(i - 1, x)] if i else None, grid_of[(i, y)]))
+
+    def seconds(key: Transition) -> float:
+        """A priced row's seconds (infinite where it alone does not fit); None: unpriced."""
+        if key not in table:
             return None
-        return min(layer.values(), key=lambda item: item[0])[1]
+        return table[key].seconds if fits[key] else INF
+
+    def best_path(value) -> list[Grid] | None:
+        """The assignment of grids minimising the sum of `value(transition)`."""
+        layer = {q: (value((0, None, q)), [q]) for q in grids[0]}
+        for i in range(1, len(units)):
+            layer = {
+                q: min(
+                    ((c + value((i, p, q)), path) for p, (c, path) in layer.items()),
+                    key=lambda item: item[0],
+                )
+                for q in grids[i]
+            }
+            layer = {q: (c, path + [q]) for q, (c, path) in layer.items()}
+        c, path = min(layer.values(), key=lambda item: item[0])
+        return None if c == INF else path
+
+    def bounded(key: Transition) -> float:
+        found = seconds(key)
+        return pricer.bound(key[0], key[2]) if found is None else found
+
+    def exact(key: Transition) -> float:
+        found = seconds(key)
+        return INF if found is None else found
+
+    def keys(path: list[Grid]) -> list[Transition]:
+        return [(i, path[i - 1] if i else None, q) for i, q in enumerate(path)]
+
+    for family in BUILTIN_FAMILIES:  # whatever the time limit
+        family_pair(family, family)
+    # Price lazily: a transition not yet priced counts at its lower bound; the cheapest
+    # assignment under those values has its transitions priced, until it needs none unpriced.
+    # It is then the cheapest under the exact values too, as every bound is below its price.
+    proven = False
+    while time.monotonic() <= deadline:
+        path = best_path(bounded)
+        missing = [] if path is None else [k for k in keys(path) if k not in table]
+        if not missing:
+            proven = True
+            break
+        for key in missing:
+            price(key)
 
     def cost(path: list[Grid]) -> tuple[float, bool]:
-        rows = [table[(i, path[i - 1] if i else None, q)] for i, q in enumerate(path)]
+        rows = [table[key] for key in keys(path)]
         memory = constant + sum(r.memory for r in rows)
         return sum(r.seconds for r in rows), bool(memory.max(initial=0) <= capacity)
 
     uniform = [
         [grid_of[(i, f)] for i in range(len(units))]
         for f in FAMILIES
-        if all(
-            (i, grid_of[(i - 1, f)] if i else None, grid_of[(i, f)]) in table
-            for i in range(len(units))
-        )
+        if all(k in table for k in keys([grid_of[(i, f)] for i in range(len(units))]))
     ]
-    candidates = [path for path in [best_path(0.0)] if path is not None]
+    candidates = [path for path in [best_path(exact)] if path is not None]
     if not candidates or not cost(candidates[0])[1]:
-        # the fastest assignment does not fit: trade seconds for memory, row by row
+        # the fastest assignment does not fit: price what is left, then trade seconds for
+        # memory, row by row
+        for x, y in product(FAMILIES, FAMILIES):
+            if time.monotonic() > deadline:
+                break
+            family_pair(x, y)
+        peak = {key: float(row.memory.max(initial=0)) for key, row in table.items()}
         scale = max((r.seconds for r in table.values()), default=1.0) / max(capacity, 1.0)
         for k in range(-8, 40):
-            path = best_path(scale * 2.0**k)
+            penalty = scale * 2.0**k
+            path = best_path(lambda key, w=penalty: exact(key) + w * peak.get(key, 0.0))
             if path is not None and cost(path)[1]:
                 candidates.append(path)
                 break
@@ -233,7 +273,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         # nothing fits in memory: the fastest of the uniform assignments, infeasible
         chosen = min(uniform, key=lambda path: cost(path)[0])
     note = "exact DP over all family pairs"
-    if len(table) < total:
+    if not proven:
         note = f"time limit: DP over {len(table)} of {total} unit transitions"
     choices = []
     for i, (unit, q) in enumerate(zip(units, chosen)):
@@ -244,7 +284,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     strategy = Strategy("auto", {u.name: q for u, q in zip(units, chosen)})
     pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
     object.__setattr__(strategy, "pieces", pieces)
-    return SearchResult(strategy, choices, 0, note, pricer.priced)
+    return SearchResult(strategy, choices, 0, note, len(table))
 
 
 def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:

@@ -110,13 +110,30 @@ def find_units(graph: TaskGraph) -> list[Unit]:
 
 def balanced(extents: tuple[int, ...], dims: tuple[int, ...], nranks: int) -> Grid:
     """The grid over `dims` with the most cells (at most `nranks`, parts within the extents),
-    as square as possible among those."""
+    as square as possible among those; the first such in `factorizations`' order.
+
+    A grid with the most cells has, given its other parts, the most parts its last dim allows,
+    so only those grids are visited (in `factorizations`' order)."""
     best: tuple[int, int, Grid] = (0, 0, (1,) * len(extents))
-    for grid in factorizations(extents, dims, nranks):
-        parts = [grid[d] for d in dims] or [1]  # no dim to cut: the one-cell grid
-        key = (cells(grid), -(max(parts) - min(parts)))
-        if key > best[:2]:
-            best = (*key, grid)
+    grid = [1] * len(extents)
+
+    def visit(i: int, room: int) -> None:
+        nonlocal best
+        if i == len(dims) - 1 or not dims:
+            if dims:
+                grid[dims[i]] = min(room, extents[dims[i]])
+            parts = [grid[d] for d in dims] or [1]  # no dim to cut: the one-cell grid
+            key = (cells(tuple(grid)), -(max(parts) - min(parts)))
+            if key > best[:2]:
+                best = (*key, tuple(grid))
+            return
+        d = dims[i]
+        for parts in range(1, min(room, extents[d]) + 1):
+            grid[d] = parts
+            visit(i + 1, room // parts)
+        grid[d] = 1
+
+    visit(0, nranks)
     return best[2]
 
 

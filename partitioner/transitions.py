@@ -132,6 +132,7 @@ class UnitPricer:
         self.rows = task_rows(graph)
         self.homed = {t.name for t in graph.tasks if is_homed(graph, t)}
         self._grids: dict[tuple, Grid] = {}
+        self._overlaps: dict = {}  # `grid_loads` per-dim overlaps
         self._rules()
         self._homes()
         self._windows()
@@ -334,13 +335,7 @@ class UnitPricer:
     def _layout(self, key: Key) -> Layout:
         def make() -> Layout:
             if key[0] == "home":
-                _, source, readers = key
-                found = []
-                for name, grid in readers:
-                    pieces = self._pieces(name, grid)
-                    task = self.graph.task(name)
-                    found += [c for t, c in resident_reads(self.graph, task, pieces) if t == source]
-                return home_layout(self.graph, source, found)
+                return home_layout(self.graph, key[1], self._home_reads(key))
             _, name, grid, tensor = key
             found = self._accesses(name, grid).writes[tensor]
             return written_layout(self.graph, self.graph.task(name), tensor, found)
@@ -348,9 +343,17 @@ class UnitPricer:
         return self._remember(("layout", key), make)
 
     def _layout_digest(self, key: Key) -> bytes:
+        """A digest naming the layout's contents: of the rects and ranks it is made from."""
+
         def make() -> bytes:
-            layout = self._layout(key)
-            return digest(*layout.cut_arrays, layout.holder_ptr, layout.holder_ranks)
+            if key[0] == "write":
+                _, name, grid, tensor = key
+                found = self._accesses(name, grid).writes[tensor]
+                return digest(*(a for columns in found for a in columns))
+            found = self._home_reads(key)
+            if not found:
+                return digest(np.asarray(self.graph.tensors[key[1]].dims))
+            return digest(*(a for columns in found for a in columns))
 
         return self._remember(("layout digest", key), make)
 
@@ -439,7 +442,7 @@ class UnitPricer:
             if self.fast:
                 geometry = self._geometry(layout_key)
                 rects = self._rects(("reads", name, grid, tensor), reads)
-                fast = fetch_loads(geometry, rects, fresh, itemsize, self.nranks)
+                fast = fetch_loads(geometry, rects, fresh, itemsize, self.nranks, self._overlaps)
             if fast is not None:
                 if fast.empty:
                     return _NOTHING
@@ -467,7 +470,7 @@ class UnitPricer:
             fast = None
             if self.fast:
                 rects = self._rects(("reduces", name, grid, tensor), reduces)
-                fast = combine_loads(self._geometry(layout_key), rects, itemsize, n)
+                fast = combine_loads(self._geometry(layout_key), rects, itemsize, n, self._overlaps)
             collectives = None
             if fast is not None:
                 moved, found = fast
@@ -587,6 +590,78 @@ class UnitPricer:
         grids = {i: q} if p is None else {i - 1: p, i: q}
         self.priced += 1
         return self._replay(self.window[i], self.costed[i], self.touched[i], grids, i)
+
+    def bound(self, i: int, q: Grid) -> float:
+        """A lower bound on unit i's row seconds on grid `q` whatever the grid of unit i − 1:
+        the row's tasks without the messages and collectives whose layouts or copies come from
+        the predecessor's grid (a task's seconds only grow with what it moves), tasks run on the
+        predecessor's grid counted as 0. What it keeps is priced exactly as in `transition`."""
+        return self._remember(("bound", i, q), lambda: self._bound(i, q))
+
+    def _bound(self, i: int, q: Grid) -> float:
+        grids = {i: q}
+        unknown: Key = ("unknown",)
+        layouts: dict[str, Key] = {}
+        copies: dict[str, tuple[tuple[str, Grid], ...]] = {}
+        tainted: set[str] = set()  # read on the predecessor's grid since last written
+        costed, touched = self.costed[i], self.touched[i]
+        seconds = 0.0
+        for name in self.window[i]:
+            task = self.graph.task(name)
+            if name in self.homed:
+                if flops_per_element(task, self.graph):
+                    try:
+                        seconds += self._homed_cost(name, grids)
+                    except NotAChain:
+                        pass  # its home is read on the predecessor's grid
+                continue
+            if self.unit_of[name] == i - 1:
+                for req in task.requirements:
+                    if req.privilege.reads:
+                        tainted.add(req.tensor)
+                    elif req.privilege.writes and req.privilege is not Privilege.REDUCE:
+                        layouts[req.tensor] = unknown
+                continue
+            grid = self.grid(name, grids)
+            accesses = self._accesses(name, grid)
+            mine = name in costed
+            keys: list[Key] = []
+            for tensor, _ in accesses.reads:
+                if not mine and tensor not in touched:
+                    continue
+                layout_key = layouts.get(tensor)
+                if layout_key is None:
+                    if self.home_source.get(tensor) == tensor:
+                        continue
+                    try:
+                        layout_key = layouts[tensor] = self._home_key(tensor, grids)
+                    except (KeyError, NotAChain):
+                        layout_key = layouts[tensor] = unknown
+                before = copies.get(tensor, ())
+                copies[tensor] = before + ((name, grid),)
+                if layout_key is unknown or tensor in tainted:
+                    continue
+                if mine and not self._local(name, grid, tensor, layout_key, reduce=False):
+                    keys.append(("fetch", name, grid, tensor, layout_key, before))
+            for tensor in accesses.writes:
+                layouts[tensor] = ("write", name, grid, tensor)
+                copies[tensor] = ()
+                tainted.discard(tensor)
+            if not mine:
+                continue
+            for tensor, _ in accesses.reduces:
+                layout_key = layouts.get(tensor)
+                if layout_key is None:
+                    try:
+                        layout_key = layouts[tensor] = self._home_key(tensor, grids)
+                    except (KeyError, NotAChain):
+                        layout_key = layouts[tensor] = unknown
+                if layout_key is unknown:
+                    continue
+                if not self._local(name, grid, tensor, layout_key, reduce=True):
+                    keys.append(("combine", name, grid, tensor, layout_key))
+            seconds += self._task_cost(name, grid, tuple(keys))[0]
+        return seconds
 
     def constant(self) -> RowCost:
         """The rows of no unit (data loading) and the memory no unit's grid sets."""
@@ -734,9 +809,36 @@ class UnitPricer:
                     return np.bincount(ranks, weights=volume, minlength=self.nranks).astype(
                         boxes.INDEX
                     )[: self.nranks]
+            if key[0] == "home":
+                found = self._home_reads(key)
+                if found:
+                    ranks, lo, hi = found[0]
+                    same = all(
+                        np.array_equal(r, ranks) and np.array_equal(a, lo) and np.array_equal(b, hi)
+                        for r, a, b in found[1:]
+                    )
+                    if same and len(np.unique(ranks)) == len(ranks):
+                        # every reader reads the same rect per rank: the home holds just it
+                        volume = boxes.volumes(lo, hi) * itemsize
+                        return np.bincount(ranks, weights=volume, minlength=self.nranks).astype(
+                            boxes.INDEX
+                        )[: self.nranks]
             return self._layout(key).volume_per_rank(self.nranks) * itemsize
 
         return self._remember(("volume", key, itemsize), make)
+
+    def _home_reads(self, key: Key) -> list:
+        """(ranks, lo, hi) of every read making the home `key` (`plan.resident_reads`)."""
+        _, source, readers = key
+        found = []
+        for name, grid in readers:
+            pieces = self._pieces(name, grid)
+            found += [
+                c
+                for t, c in resident_reads(self.graph, self.graph.task(name), pieces)
+                if t == source
+            ]
+        return found
 
 
 _NOTHING = _Moved(None, 0, None, None, None)

@@ -196,3 +196,23 @@ def test_layout_of_boxes_that_tile_a_grid(extents, data):
         )
         assert joined.cuts == layout.cuts
         assert all(ranks[0] in joined.holders[k] for k in (0, 1))
+
+
+def test_balanced_grids_are_the_first_best_of_all_factorizations():
+    import random
+
+    from partitioner.strategy import balanced, cells, factorizations
+
+    rng = random.Random(5)
+    for _ in range(400):
+        ndim = rng.randint(1, 4)
+        extents = tuple(rng.randint(1, 60) for _ in range(ndim))
+        dims = tuple(sorted(rng.sample(range(ndim), rng.randint(0, ndim))))
+        nranks = rng.choice([1, 2, 3, 7, 12, 64, 97, 256])
+        best, key = (1,) * ndim, (0, 0)
+        for grid in factorizations(extents, dims, nranks):
+            parts = [grid[d] for d in dims] or [1]
+            found = (cells(grid), -(max(parts) - min(parts)))
+            if found > key:
+                best, key = grid, found
+        assert balanced(extents, dims, nranks) == best

@@ -207,3 +207,24 @@ def test_busy_seconds_of_disjoint_groups_equal_one_collective_at_a_time():
             if e >= 0:
                 expected[e] += s
         assert busy_seconds(groups, group, extra, seconds, n).tolist() == expected.tolist()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=networks(), nranks=st.sampled_from([2, 3, 4, 6, 7, 8, 13]))
+def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nranks):
+    units = find_units(graph)
+    pricer = UnitPricer(graph, units, nranks, MACHINE)
+    options = [sorted({family_grid(u, f, nranks) for f in FAMILIES}) for u in units]
+    rows = {}
+    for i, grids in enumerate(options):
+        for q in grids:
+            bound = pricer.bound(i, q)
+            for p in options[i - 1] if i else [None]:
+                rows[(i, p, q)] = pricer.transition(i, p, q).seconds
+                assert bound <= rows[(i, p, q)]
+    best = {q: rows[(0, None, q)] for q in options[0]}
+    for i in range(1, len(units)):
+        best = {q: min(c + rows[(i, p, q)] for p, c in best.items()) for q in options[i]}
+    result = auto(graph, nranks, MACHINE)
+    assert result.note == "exact DP over all family pairs"
+    assert sum(c.seconds for c in result.choices) == pytest.approx(min(best.values()), rel=1e-12)
