@@ -3,11 +3,14 @@
     python bench/planning.py [--networks seed-lcn,vgg19] [--strategies data,model,spatial,auto]
                              [--ranks 64,1024] [--batch 256] [--repeat 3] [--verify]
 
-"planning" is `build_plan` + `plan_cost` on the default machine (for `auto`, the search, which
-plans and costs many candidate strategies, plus the final plan); `--verify` adds a column timing
+"planning" is `build_plan` + `plan_cost` on the default machine; for `auto` it is the search
+(`partitioner/search.py`: unit transitions priced by `partitioner/transitions.py`, lazily against
+lower bounds, then a DP) plus the final plan, which reuses the pieces the search computed for the
+grids it chose, as `legion-nn partition --strategy auto` does. `--verify` adds a column timing
 `verify_plan`, the brute-force check of the plan's invariants. Each cell is the best of
-`--repeat` runs. The issue's goal: seed-lcn (batch 256) and vgg19 on 1024 ranks in under 2 s for
-each of data, model and spatial.
+`--repeat` runs, each run from scratch (nothing is kept between them); on a shared machine the
+CPU column is the steadier one. The issue's goal: seed-lcn (batch 256) and vgg19 on 1024 ranks
+in under 2 s for each of data, model, spatial and auto.
 """
 
 from __future__ import annotations

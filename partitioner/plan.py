@@ -316,7 +316,10 @@ def task_accesses(task: Task, pieces: PieceSet) -> TaskAccesses:
     for j, req in enumerate(task.requirements):
         lo, hi = pieces.req_lo[j], pieces.req_hi[j]
         used = boxes.nonempty(lo, hi)
-        touched = (owners[used], lo[used], hi[used], key[used] + j)
+        if used.all():
+            touched = (owners, lo, hi, key + j)
+        else:
+            touched = (owners[used], lo[used], hi[used], key[used] + j)
         if req.privilege.reads:
             reads[req.tensor].append(touched)
         if req.privilege is Privilege.REDUCE:
@@ -397,7 +400,10 @@ def _by_first_key(
     """(tensor, concatenated (ranks, lo, hi, key)) in order of each tensor's first access."""
     out = []
     for tensor, found in accesses.items():
-        columns = tuple(np.concatenate(column) for column in zip(*found))
+        if len(found) == 1:
+            columns = found[0]
+        else:
+            columns = tuple(np.concatenate(column) for column in zip(*found))
         if len(columns[0]):
             out.append((int(columns[3].min()), tensor, columns))
     return [(tensor, columns) for _, tensor, columns in sorted(out, key=lambda item: item[0])]

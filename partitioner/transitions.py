@@ -14,21 +14,30 @@ step: it replays, in program order, the *window* of the row, which is
 
 Every step of the replay is the planner's own (`plan.task_accesses`, `messages.fetch` and
 `combine`, `plan.written_layout`, `plan.home_layout`, `cost.task_cost`,
-`accounting.received_once`), and each result is kept under a key naming everything it depends
-on: a task's pieces by (task, grid); a layout by the task and grid that wrote it, or, for a
-home, by its readers' grids; a fetch by the task, its grid, the layout and the copies already
-received; a combine by the task, its grid and the layout. So a row's seconds under a transition
-are, float for float, what `plan_cost` gives the row of any whole plan with those two grids
-(`tests/test_partition_search.py` checks this on random chains), and the work a transition
-shares with others (everything of the row that does not depend on the predecessor's grid) is
-done once.
+`accounting.received_once`) or computes exactly what they would: a read of the very rect each
+rank wrote moves nothing (the rects are compared, `_local`), and the loads, held bytes and
+collectives of a fetch or a combine between grid layouts are computed dim by dim
+(`grid_loads.py`, with the message-level functions as its fallback). Each result is kept under a
+key naming what it depends on: a task's pieces by (task, grid); a layout by the task and grid
+that wrote it, or, for a home, by its readers' grids; a fetch or a combine by its contents (the
+layout's and the rects' digests, so the repeated layers of VGG share them); a task's cost by its
+fetches and combines. So a row's seconds under a transition are, float for float, what
+`plan_cost` gives the row of any whole plan with those two grids
+(`tests/test_partition_search.py` checks this on random chains and rank counts), and the work a
+transition shares with others (everything of the row that does not depend on the predecessor's
+grid) is done once.
+
+`UnitPricer.bound(i, q)` replays the row on grid q with the predecessor's tasks left out: the
+messages and collectives whose layouts or copies come from the predecessor's grid are dropped,
+tasks on that grid count 0. What is kept is priced as in `transition`, and a task's seconds only
+grow with the messages it moves, so the bound is below the row's seconds after any predecessor.
 
 Memory. A plan's memory per rank (`accounting.memory_by_unit`) is a sum of terms, and on a chain
 each term is set by one transition: a tensor's final layout by the unit whose grid its last
 writer runs on; a home (data, a parameter with its gradient and optimizer state) by the later
 of the two units reading it; the parts a task receives (once per rank and part over the step),
 the partial sums it sends and the buffers of its collectives by its row. `transition` returns
-the terms it sets and `constant_memory` the terms no unit sets (tensors on fixed grids), so the
+the terms it sets and `constant` the terms no unit sets (tensors on fixed grids), so the
 memory of any assignment of grids is their sum, exactly `memory_per_rank` of its whole plan.
 
 The replay leaves out one coupling, the one `coupling.py` leaves out: a task of a third unit
