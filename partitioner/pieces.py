@@ -275,11 +275,11 @@ def _probes(d, bounds, space, dims, fn, attrs, memo) -> dict[str, tuple[np.ndarr
     found = {}
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
-        blank = (0,) * ndim
-        rects = [p[role] if p is not None else None for p in probes]
-        probe_lo = np.array([r.lo if r is not None else blank for r in rects], boxes.INDEX)
-        probe_hi = np.array([r.hi if r is not None else blank for r in rects], boxes.INDEX)
-        probe_lo, probe_hi = probe_lo.reshape(len(rects), ndim), probe_hi.reshape(len(rects), ndim)
+        blank = (0,) * (2 * ndim)
+        both = np.array(
+            [blank if p is None else p[role].lo + p[role].hi for p in probes], boxes.INDEX
+        ).reshape(len(probes), 2 * ndim)
+        probe_lo, probe_hi = both[:, :ndim], both[:, ndim:]
         if used.all():
             moves = np.any(probe_lo != probe_lo[0], axis=0) | np.any(
                 probe_hi != probe_hi[0], axis=0
