@@ -275,10 +275,15 @@ def _probes(d, bounds, space, dims, fn, attrs, memo) -> dict[str, tuple[np.ndarr
     found = {}
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
-        blank = (0,) * (2 * ndim)
-        both = np.array(
-            [blank if p is None else p[role].lo + p[role].hi for p in probes], boxes.INDEX
-        ).reshape(len(probes), 2 * ndim)
+        rects = [None if p is None else p[role] for p in probes]
+        first = rects[0]
+        if first is not None and all(r == first for r in rects):  # the part does not move it
+            both = np.tile(np.array(first.lo + first.hi, boxes.INDEX), (len(rects), 1))
+        else:
+            blank = (0,) * (2 * ndim)
+            both = np.array(
+                [blank if r is None else r.lo + r.hi for r in rects], boxes.INDEX
+            ).reshape(len(rects), 2 * ndim)
         probe_lo, probe_hi = both[:, :ndim], both[:, ndim:]
         if used.all():
             moves = np.any(probe_lo != probe_lo[0], axis=0) | np.any(
