@@ -125,21 +125,36 @@ def _passes(privilege: Privilege) -> int:
 
 def bytes_per_rank(graph: TaskGraph, plan: Plan) -> list[np.ndarray]:
     """Bytes each rank's pieces of every task (in `plan.tasks` order) read and write."""
-    out = []
-    for task_plan in plan.tasks:
-        ranks = np.zeros(plan.nranks)
-        for pieces in task_plan.piece_sets:
-            per_piece = np.zeros(len(pieces))
-            for req, lo, hi in zip(pieces.requirements, pieces.req_lo, pieces.req_hi):
-                weight = graph.tensors[req.tensor].itemsize * _passes(req.privilege)
-                per_piece += boxes.volumes(lo, hi) * float(weight)
-            ranks += np.bincount(
-                pieces.ranks,
-                weights=np.repeat(per_piece, np.diff(pieces.rank_ptr)),
-                minlength=plan.nranks,
-            )
-        out.append(ranks)
-    return out
+    return [
+        pieces_bytes(graph, task, task_plan.piece_sets, plan.nranks)
+        for task, task_plan in zip(graph.tasks, plan.tasks)
+    ]
+
+
+def moves_bytes(task: Task) -> bool:
+    """Whether the model prices a task's memory traffic: all but data loading, whose source (a
+    host's dataset) is no tensor of the graph, and whose batch is small beside the step's work."""
+    return task.op != "data"
+
+
+def pieces_bytes(
+    graph: TaskGraph, task: Task, piece_sets: Iterable[PieceSet], nranks: int
+) -> np.ndarray:
+    """Bytes `task`'s `piece_sets` read and write on each of ranks 0..nranks-1."""
+    ranks = np.zeros(nranks)
+    if not moves_bytes(task):
+        return ranks
+    for pieces in piece_sets:
+        per_piece = np.zeros(len(pieces))
+        for req, lo, hi in zip(pieces.requirements, pieces.req_lo, pieces.req_hi):
+            weight = graph.tensors[req.tensor].itemsize * _passes(req.privilege)
+            per_piece += boxes.volumes(lo, hi) * float(weight)
+        ranks += np.bincount(
+            pieces.ranks,
+            weights=np.repeat(per_piece, np.diff(pieces.rank_ptr)),
+            minlength=nranks,
+        )
+    return ranks
 
 
 def task_flops(graph: TaskGraph, plan: Plan) -> dict[str, dict[int, float]]:

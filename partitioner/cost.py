@@ -1,6 +1,8 @@
 """The cost model: predicted seconds of each task of a plan, and of the step.
 
-- compute: the busiest rank's FLOPs over the op's throughput (`Machine.flops_per_second`);
+- compute: the busiest rank's FLOPs over the op's throughput (`Machine.flops_per_second`); where
+  the machine gives a memory bandwidth, the longer of that and the busiest rank's memory traffic
+  (`accounting.bytes_per_rank`) over it (a roofline), plus the machine's overhead per task;
 - point-to-point transfers, as a link-load model: each rank pays α per message and β per byte for
   the larger of what it sends and what it receives, and the task waits for the busiest rank. A
   transfer to k > 1 destinations is a broadcast down a binomial tree: ⌈log2(k+1)⌉ rounds, and
@@ -9,6 +11,8 @@
   `reduce_scatter` (ring) (p−1)α + (p−1)·bβ with b the largest owner's share; `reduce` to one
   owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter then gather
   2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire, summed;
+- where memory traffic is priced, messages and collectives also pay their local passes: two per
+  byte sent or received (packing, unpacking), three per byte added (two reads, one write);
 - a task's time is compute, then its incoming transfers, then its reductions, one after another;
   collectives over disjoint ranks run at once, those sharing a rank one after another; the step is
   the sum over tasks (bulk synchronous);
@@ -17,8 +21,10 @@
 Known blind spots: no overlap of communication with computation or between tasks (FlexFlow's
 simulator models it); every op runs at one throughput unless calibrated (`machine.py`: per pass of
 the filter from `legion-nn bench kernels`, at its mean over batch sizes, whatever a rank's piece
-size), and memory-bound ops
-(`set_zero`, elementwise, data loading) are counted as free or nearly; no network contention or
+size); memory-bound ops (`set_zero`, elementwise) are free or nearly unless the machine gives a
+memory bandwidth, data loading always is, and the roofline counts each rect once (a kernel that
+re-reads from memory is underpriced); an all-reduce is priced as run in place (the runtime's case
+for a just-zeroed gradient, not for a second reduction into it); no network contention or
 topology beyond per-rank link load; data re-fetched by a later task is paid again; memory is a
 no-reuse upper bound on the peak.
 """
@@ -36,7 +42,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
-from partitioner.accounting import flops_per_rank, memory_by_unit
+from partitioner.accounting import bytes_per_rank, flops_per_rank, memory_by_unit
 from partitioner.machine import Machine
 from partitioner.plan import Plan, Reduction, Transfer
 from partitioner.transfers import TransferBlock, TransferSet, link_loads
@@ -113,10 +119,17 @@ def blocks_time(blocks: Iterable[TransferBlock], machine: Machine, nranks: int) 
 def loads_time(
     sent: np.ndarray, received: np.ndarray, rounds: np.ndarray, machine: Machine
 ) -> float:
-    """The busiest rank's time for per-rank bytes sent, bytes received and message rounds."""
+    """The busiest rank's time for per-rank bytes sent, bytes received and message rounds.
+
+    Where the machine prices memory traffic, every byte a rank sends or receives also crosses
+    its memory twice more: packed from the tensor into a message buffer, or unpacked from one."""
     if not len(rounds) or not rounds.any():
         return 0.0
-    return float(np.max(rounds * machine.alpha + np.maximum(sent, received) * machine.beta))
+    seconds = rounds * machine.alpha + np.maximum(sent, received) * machine.beta
+    per_byte = machine.seconds_per_memory_byte
+    if per_byte:
+        seconds = seconds + 2 * (sent + received) * per_byte
+    return float(np.max(seconds))
 
 
 def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
@@ -132,20 +145,29 @@ def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     return collective_cost(reduction.algorithm, p, n, largest, machine)
 
 
+# Local memory traffic of a collective, in bytes per rank, where the machine prices it (as the
+# runtime runs them): every add reads two operands and writes one (3 bytes a byte); an all-reduce
+# sums the gradient in place; the others first zero and fill a flat vector (3n) and finally add
+# the rank's share into the tensor (3 bytes a byte again).
+
+
 def collective_cost(
     algorithm: str, p: int, n: int, largest: int, machine: Machine
 ) -> tuple[float, int]:
     """(seconds, bytes on the wire) of a collective of `algorithm` over `p` participants and
     `n` bytes; `largest` is, for a reduce-scatter, the largest owner's share of them."""
-    a, b = machine.alpha, machine.beta
+    a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
     if p < 2 or n == 0:
         return 0.0, 0
     if algorithm == "allreduce":
-        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b, 2 * (p - 1) * n
+        local = 3 * (p - 1) / p * n
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + local * m, 2 * (p - 1) * n
     if algorithm == "reduce_scatter":
-        return (p - 1) * (a + largest * b), (p - 1) * n
-    tree = math.ceil(math.log2(p)) * (a + n * b)
-    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b
+        local = 3 * n + 3 * p * largest
+        return (p - 1) * (a + largest * b) + local * m, (p - 1) * n
+    levels = math.ceil(math.log2(p))
+    tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
+    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (6 * n + 3 * (p - 1) / p * n) * m
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
 
@@ -154,12 +176,17 @@ def collective_costs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`collective_cost` of many collectives at once, float for float: collective k is a
     `reduce` where `reduce[k]`, else a `reduce_scatter`."""
-    a, b = machine.alpha, machine.beta
+    a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
-    scatter = less * (a + largest * b)
-    tree = np.ceil(np.log2(np.maximum(p, 1))) * (a + n * b)
-    ring = 2 * less * a + 2 * less / np.maximum(p, 1) * n * b
+    scatter = less * (a + largest * b) + (3 * n + 3 * p * largest) * m
+    levels = np.ceil(np.log2(np.maximum(p, 1)))
+    tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
+    ring = (
+        2 * less * a
+        + 2 * less / np.maximum(p, 1) * n * b
+        + (6 * n + 3 * less / np.maximum(p, 1) * n) * m
+    )
     by_tree = tree <= ring
     seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)
     wire = np.where(reduce & ~by_tree, 2 * less * n, less * n)
@@ -196,7 +223,14 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
     """The predicted cost of every task, without the memory accounting."""
     n = plan.nranks
     costs = []
-    for task, task_plan, per_rank in zip(graph.tasks, plan.tasks, flops_per_rank(graph, plan)):
+    traffic = (
+        bytes_per_rank(graph, plan)
+        if machine.seconds_per_memory_byte
+        else [None] * len(plan.tasks)
+    )
+    for task, task_plan, per_rank, moved in zip(
+        graph.tasks, plan.tasks, flops_per_rank(graph, plan), traffic
+    ):
         blocks = task_plan.transfer_set.blocks
         incoming = link_loads([b for b in blocks if not b.reduce], n)
         partial = link_loads([b for b in blocks if b.reduce], n)
@@ -208,7 +242,9 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
         )
         sent += sum(wire for _, wire in priced)
         costs.append(
-            task_cost(task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine)
+            task_cost(
+                task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine, moved
+            )
         )
     return costs
 
@@ -265,11 +301,13 @@ def task_cost(
     busy: np.ndarray,
     sent: int,
     machine: Machine,
+    traffic: np.ndarray | None = None,
 ) -> TaskCost:
     """One task's cost from its FLOPs per rank, the link loads (`transfers.link_loads`) of its
     incoming transfers and of its partial sums, its ranks' seconds in collectives
-    (`busy_seconds`) and the bytes it puts on the wire: what `task_costs` computes from a plan,
-    and the search from parts of plans."""
+    (`busy_seconds`), the bytes it puts on the wire and its memory traffic per rank
+    (`accounting.pieces_bytes`): what `task_costs` computes from a plan, and the search from
+    parts of plans."""
     busiest = float(per_rank.max(initial=0.0))
     comm = loads_time(*incoming, machine) + loads_time(*partial, machine)
     comm += float(busy.max(initial=0.0))
@@ -279,6 +317,19 @@ def task_cost(
         busiest,
         float(per_rank.sum()),
         int(sent),
-        compute_seconds(task, busiest, machine),
+        compute_time(task, per_rank, traffic, machine),
         comm,
     )
+
+
+def compute_time(
+    task: Task, per_rank: np.ndarray, traffic: np.ndarray | None, machine: Machine
+) -> float:
+    """The slowest rank's compute: its FLOPs at the op's rate or, where the machine prices
+    memory traffic and that takes longer, its bytes at the memory bandwidth (a roofline); plus
+    the runtime's overhead per task."""
+    seconds = compute_seconds(task, float(per_rank.max(initial=0.0)), machine)
+    per_byte = machine.seconds_per_memory_byte
+    if per_byte and traffic is not None:
+        seconds = max(seconds, float(traffic.max(initial=0.0)) * per_byte)
+    return seconds + machine.task_overhead

@@ -60,11 +60,17 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
-from partitioner.accounting import flops_per_element, pieces_flops, received_once
+from partitioner.accounting import (
+    flops_per_element,
+    moves_bytes,
+    pieces_bytes,
+    pieces_flops,
+    received_once,
+)
 from partitioner.cost import (
     busy_seconds,
     collective_costs,
-    compute_seconds,
+    compute_time,
     reduction_cost,
     task_cost,
 )
@@ -534,10 +540,10 @@ class UnitPricer:
             pieces = self._pieces(name, grid)
             moved = [self._fetch(k) if k[0] == "fetch" else self._combine(k) for k in keys]
             moved = [m for m in moved if m is not _NOTHING]
+            traffic = self._traffic(task, [pieces])
             if not moved:  # it only computes
-                per = flops_per_element(task, self.graph)
-                busiest = float((per * pieces.volumes().astype(float)).max(initial=0.0))
-                return compute_seconds(task, busiest, self.machine), None
+                flops = pieces_flops(self.graph, task, [pieces], n)
+                return compute_time(task, flops, traffic, self.machine), None
             incoming = [np.zeros(n), np.zeros(n), np.zeros(n)]
             partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
             groups: list[np.ndarray] = []
@@ -570,11 +576,17 @@ class UnitPricer:
                 )
             flops = pieces_flops(self.graph, task, [pieces], n)
             cost = task_cost(
-                task, self.rows[name], flops, incoming, partial, busy, sent, self.machine
+                task, self.rows[name], flops, incoming, partial, busy, sent, self.machine, traffic
             )
             return cost.seconds, memory
 
         return self._remember(("task", name, grid, keys), make)
+
+    def _traffic(self, task: Task, piece_sets) -> np.ndarray | None:
+        """Bytes per rank of `piece_sets`, where the machine prices memory traffic."""
+        if not self.machine.seconds_per_memory_byte:
+            return None
+        return pieces_bytes(self.graph, task, piece_sets, self.nranks)
 
     def _homed_cost(self, name: str, grids: Mapping[int, Grid]) -> float:
         task = self.graph.task(name)
@@ -585,9 +597,13 @@ class UnitPricer:
         def make() -> float:
             homes = {t: self._layout(k) for t, k in zip(tensors, keys)}
             n = self.nranks
-            flops = pieces_flops(self.graph, task, homed_pieces(self.graph, task, homes), n)
+            pieces = homed_pieces(self.graph, task, homes)
+            flops = pieces_flops(self.graph, task, pieces, n)
             zero = (np.zeros(n), np.zeros(n), np.zeros(n))
-            cost = task_cost(task, self.rows[name], flops, zero, zero, zero[0], 0, self.machine)
+            cost = task_cost(
+                task, self.rows[name], flops, zero, zero, zero[0], 0, self.machine,
+                self._traffic(task, pieces),
+            )  # fmt: skip
             return cost.seconds
 
         return self._remember(("homed", name, keys), make)
@@ -694,8 +710,13 @@ class UnitPricer:
         memory = self._tensor_memory(unit, grids)
         for name in window:
             if name in self.homed:
-                if flops_per_element(self.graph.task(name), graph):
+                task = graph.task(name)
+                if flops_per_element(task, graph) or (
+                    self.machine.seconds_per_memory_byte and moves_bytes(task)
+                ):
                     seconds += self._homed_cost(name, grids)
+                else:  # no FLOPs and no bytes, whatever its home: `compute_time`'s overhead
+                    seconds += self.machine.task_overhead
                 continue
             grid = self.grid(name, grids)
             accesses = self._accesses(name, grid)

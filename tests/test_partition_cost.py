@@ -11,7 +11,7 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
-from partitioner.accounting import fits, memory_by_unit, memory_per_rank
+from partitioner.accounting import bytes_per_rank, fits, memory_by_unit, memory_per_rank
 from partitioner.cost import plan_cost, reduction_cost
 from partitioner.machine import Machine, calibrate, load_machine, machine_from_json
 from partitioner.plan import Reduction, build_plan
@@ -29,6 +29,32 @@ def test_ring_all_reduce_of_a_replicated_parameter():
     seconds, wire = reduction_cost(reduction, MACHINE)
     assert wire == 2 * 3 * n * 4  # each of 4 ranks sends 2(p-1)/p of the bytes
     assert seconds == pytest.approx(2 * 3 * 2e-6 + 2 * 3 / 4 * n * 4 / 12.5e9)
+    # where memory traffic is priced, the ring's adds read two operands and write one
+    roofline = Machine(100, 12.5, 2, 16, memory_gbytes_per_s=25)
+    seconds, _ = reduction_cost(reduction, roofline)
+    local = 3 * 3 / 4 * n * 4 / 25e9
+    assert seconds == pytest.approx(2 * 3 * 2e-6 + 2 * 3 / 4 * n * 4 / 12.5e9 + local)
+
+
+def test_the_roofline_prices_bytes_and_the_overhead_per_task():
+    graph = load_network("seed-lcn").lower(batch=4)
+    plan = build_plan(graph, builtin(graph, "data", 2), 2)
+    flat = plan_cost(graph, plan, MACHINE)
+    roofline = Machine(100, 12.5, 2, 16, memory_gbytes_per_s=20, task_overhead_us=7)
+    priced = plan_cost(graph, plan, roofline)
+    traffic = bytes_per_rank(graph, plan)
+    by_name = {t.name: t for t in graph.tasks}
+    for before, after, moved in zip(flat.tasks, priced.tasks, traffic):
+        op = by_name[before.task].op
+        memory = 0.0 if op == "data" else moved.max() / 20e9
+        assert after.compute_s == pytest.approx(max(before.compute_s, memory) + 7e-6)
+        assert after.comm_s >= before.comm_s
+    # zeroing a replicated 585 MB gradient costs its bytes; the classifier at batch 2 a rank
+    # is bound by reading its 566 MB of weights, not by its FLOPs
+    zero = next(t for t in priced.tasks if t.task == "L1.W.grad.set_zero")
+    assert zero.compute_s == pytest.approx(585_252_864 / 20e9 + 7e-6, rel=1e-6)
+    linear = next(t for t in priced.tasks if t.task == "classifier.linear1")
+    assert linear.compute_s > 2 * linear.flops_max / 100e9
 
 
 def test_data_parallel_step_is_dominated_by_the_weight_all_reduce():

@@ -200,7 +200,7 @@ def check_costs(graph, plan) -> None:
         for piece in task_plan.pieces:
             for rank in piece.ranks:
                 flops[rank] += flops_per_element(task, graph) * piece.rect.volume
-                for req in piece.requirements:
+                for req in piece.requirements if task.op != "data" else ():  # loads: unpriced
                     updates = req.privilege in (Privilege.READ_WRITE, Privilege.REDUCE)
                     size = req.rect.volume * graph.tensors[req.tensor].itemsize
                     touched[rank] += size * (2 if updates else 1)

@@ -22,6 +22,8 @@ from partitioner.transitions import UnitPricer
 from partitioner.verify_plan import verify_plan
 
 MACHINE = Machine(100, 12.5, 2, 16)
+#: a machine that also prices memory traffic and a per-task overhead (the roofline terms)
+ROOFLINE = Machine(100, 12.5, 2, 16, memory_gbytes_per_s=20, task_overhead_us=10)
 
 
 def step(graph, strategy, nranks: int, machine: Machine = MACHINE):
@@ -114,22 +116,29 @@ def rows_by_transitions(graph, strategy, nranks: int, machine: Machine = MACHINE
 @given(
     graph=networks(),
     nranks=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 11, 13]),
+    machine=st.sampled_from([MACHINE, ROOFLINE]),
     data=st.data(),
 )
-def test_transitions_price_each_row_exactly_as_the_whole_plan(graph, nranks, data):
+def test_transitions_price_each_row_exactly_as_the_whole_plan(graph, nranks, machine, data):
     strategy = data.draw(strategies(graph, nranks))
-    cost = plan_cost(graph, build_plan(graph, strategy, nranks), MACHINE)
-    seconds, memory = rows_by_transitions(graph, strategy, nranks)
+    cost = plan_cost(graph, build_plan(graph, strategy, nranks), machine)
+    seconds, memory = rows_by_transitions(graph, strategy, nranks, machine)
     whole = cost.unit_seconds()
     assert seconds == {name: whole.get(name, 0.0) for name in seconds}  # float for float
     assert memory.tolist() == list(cost.memory.values())
 
 
 @pytest.mark.parametrize(
-    ("network", "batch", "nranks"),
-    [("seed-lcn", 256, 64), ("seed-lcn", 16, 13), ("three-layer-convnet", 8, 7), ("vgg19", 4, 31)],
+    ("network", "batch", "nranks", "machine"),
+    [
+        ("seed-lcn", 256, 64, MACHINE),
+        ("seed-lcn", 16, 13, ROOFLINE),
+        ("three-layer-convnet", 8, 7, ROOFLINE),
+        ("vgg19", 4, 31, MACHINE),
+        ("vgg19", 4, 8, ROOFLINE),
+    ],
 )
-def test_transitions_price_the_builtin_networks_exactly(network, batch, nranks):
+def test_transitions_price_the_builtin_networks_exactly(network, batch, nranks, machine):
     graph = load_network(network).lower(batch=batch)
     units = find_units(graph)
     rng = np.random.default_rng(nranks)
@@ -138,8 +147,8 @@ def test_transitions_price_the_builtin_networks_exactly(network, batch, nranks):
         strategy = Strategy(
             "mixed", {u.name: family_grid(u, f, nranks) for u, f in zip(units, families)}
         )
-        cost = plan_cost(graph, build_plan(graph, strategy, nranks), MACHINE)
-        seconds, memory = rows_by_transitions(graph, strategy, nranks)
+        cost = plan_cost(graph, build_plan(graph, strategy, nranks), machine)
+        seconds, memory = rows_by_transitions(graph, strategy, nranks, machine)
         assert seconds == {u.name: cost.unit_seconds()[u.name] for u in units}
         assert memory.tolist() == list(cost.memory.values())
 
@@ -210,10 +219,14 @@ def test_busy_seconds_of_disjoint_groups_equal_one_collective_at_a_time():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(graph=networks(), nranks=st.sampled_from([2, 3, 4, 6, 7, 8, 13]))
-def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nranks):
+@given(
+    graph=networks(),
+    nranks=st.sampled_from([2, 3, 4, 6, 7, 8, 13]),
+    machine=st.sampled_from([MACHINE, ROOFLINE]),
+)
+def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nranks, machine):
     units = find_units(graph)
-    pricer = UnitPricer(graph, units, nranks, MACHINE)
+    pricer = UnitPricer(graph, units, nranks, machine)
     options = [sorted({family_grid(u, f, nranks) for f in FAMILIES}) for u in units]
     rows = {}
     for i, grids in enumerate(options):
@@ -225,6 +238,6 @@ def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nrank
     best = {q: rows[(0, None, q)] for q in options[0]}
     for i in range(1, len(units)):
         best = {q: min(c + rows[(i, p, q)] for p, c in best.items()) for q in options[i]}
-    result = auto(graph, nranks, MACHINE)
+    result = auto(graph, nranks, machine)
     assert result.note == "exact DP over all family pairs"
     assert sum(c.seconds for c in result.choices) == pytest.approx(min(best.values()), rel=1e-12)
