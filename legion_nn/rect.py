@@ -46,8 +46,9 @@ class Rect:
     hi: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        lo = tuple(int(v) for v in self.lo)
-        hi = tuple(int(v) for v in self.hi)
+        # map(int, ...): planning at 1024 ranks builds hundreds of thousands of rects
+        lo = tuple(map(int, self.lo))
+        hi = tuple(map(int, self.hi))
         if len(lo) != len(hi):
             raise ValueError(f"Rect bounds differ in rank: lo has {len(lo)} dims, hi has {len(hi)}")
         object.__setattr__(self, "lo", lo)
