@@ -4,9 +4,18 @@ When a rank of an MPI job dies from a signal (SIGKILL from the OOM killer or a u
 native code), `mpiexec` kills the others and reports a process id; the process that knew which
 rank and task it was is gone. So before it initialises MPI, each rank forks a small watcher. The
 rank writes its rank, step and task into a page shared with the watcher as it goes, and marks the
-page when it ends by its own hand (success, or an error it has already reported). The watcher only
-waits for its rank to die (`PR_SET_PDEATHSIG`); if the page is not marked then, the rank was killed,
-and the watcher prints one line naming the rank, step and task before it exits.
+page when it ends by its own hand (success, or an error it has already reported). If the rank
+dies unmarked, its watcher prints one line naming the rank, step and task.
+
+Only the first death is named: once one rank dies, the launcher kills the others, and their
+watchers must stay quiet. Which death came first cannot be read from the order the watchers wake
+in (on a loaded machine a survivor's watcher may run before the victim's). It is decided by the
+kernel instead, with a System V semaphore set per launcher (`_DeathClaim`): each rank holds an
+`alive` count with `SEM_UNDO`, and its watcher sleeps in one atomic operation "my rank's count is
+zero and nobody has claimed; claim". The kernel undoes a dead process's semaphore counts in its
+exit path, before it closes the process's files, and completes sleeping operations right there.
+So the victim's watcher has claimed before the launcher can even see the victim's pipes close,
+let alone kill anyone else.
 
 The rank process stays the one the launcher started, and the watcher lets go of the launcher's
 connection (`PMI_FD`) at once, so the launcher sees an ordinary MPI process. (The other way round,
@@ -17,23 +26,36 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import signal
 import sys
-import tempfile
-import time
+import zlib
 
 _SIZE = 512
 PR_SET_PDEATHSIG = 1
 _ENDED = "\x00ended"
 
+# <sys/ipc.h>, <sys/sem.h> on Linux
+_IPC_CREAT = 0o1000
+_IPC_NOWAIT = 0o4000
+_IPC_RMID = 0
+_GETVAL = 12
+_SEM_UNDO = 0x1000
+
+_CLAIMED = 0  # 0 until the first death (or a reported error) claims the right to speak
+_MEMBERS = 1  # ranks alive on this host, so that the last watcher out removes the set
+_FIRST_SLOT = 2  # then one `alive` count per local rank: 1 alive, 0 killed, 2 ended by itself
+_WAKE_EVERY_S = 1  # a watcher re-checks its rank this often, should it miss the death signal
+
 
 class Status:
     """Where a rank is, readable by its watcher after it died."""
 
-    def __init__(self, rank: int | None = None) -> None:
+    def __init__(self, rank: int | None = None, claim: _DeathClaim | None = None) -> None:
         self._page = mmap.mmap(-1, _SIZE)
+        self._claim = claim
         self.rank = rank
         self.step: int | None = None
         self.task = "start-up"
@@ -49,8 +71,18 @@ class Status:
 
     def ended(self) -> None:
         """The rank ends by its own hand: its watcher has nothing to say."""
+        if self.task == _ENDED:
+            return
         self.task = _ENDED
         self._write()
+        if self._claim is not None:
+            self._claim.mark_ended()
+
+    def reported(self) -> None:
+        """The rank has reported its own error: the deaths that follow are not to be named."""
+        if self._claim is not None:
+            self._claim.claim_now()
+        self.ended()
 
     def _write(self) -> None:
         text = f"{self.rank if self.rank is not None else '?'}\t{self.step}\t{self.task}"
@@ -63,36 +95,137 @@ class Status:
         return rank, step, task
 
 
+class _SemBuf(ctypes.Structure):
+    _fields_ = [
+        ("sem_num", ctypes.c_ushort),
+        ("sem_op", ctypes.c_short),
+        ("sem_flg", ctypes.c_short),
+    ]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _operations(*ops: tuple[int, int, int]) -> ctypes.Array:
+    return (_SemBuf * len(ops))(*(_SemBuf(*op) for op in ops))
+
+
+class _DeathClaim:
+    """The semaphore set through which the first rank to die on a host is told apart.
+
+    Layout: `_CLAIMED`, `_MEMBERS`, then one `alive` count per local rank (`slot`)."""
+
+    def __init__(self, key: int, slots: int, slot: int) -> None:
+        self._libc = _libc()
+        self.slot = _FIRST_SLOT + slot
+        self.id = self._libc.semget(ctypes.c_int(key), _FIRST_SLOT + slots, _IPC_CREAT | 0o600)
+        if self.id < 0:
+            raise OSError(ctypes.get_errno(), "semget")
+
+    @classmethod
+    def for_launcher(cls, launcher: int, slots: int, slot: int) -> _DeathClaim | None:
+        """The claim shared by the ranks `launcher` started; None where SysV IPC is unavailable."""
+        if not 0 <= slot < slots:
+            return None
+        try:
+            return cls(_launcher_key(launcher), slots, slot)
+        except (OSError, AttributeError):
+            return None
+
+    def join(self) -> None:
+        """Called by the rank: the kernel takes both counts back when it dies, however it dies."""
+        self._semop((self.slot, 1, _SEM_UNDO), (_MEMBERS, 1, _SEM_UNDO))
+
+    def mark_ended(self) -> None:
+        with contextlib.suppress(OSError):
+            self._semop((self.slot, 1, 0))
+
+    def claim_now(self) -> bool:
+        try:
+            self._semop((_CLAIMED, 0, _IPC_NOWAIT), (_CLAIMED, 1, _IPC_NOWAIT))
+        except OSError:
+            return False
+        return True
+
+    def wait_for_death_claim(self, rank_gone) -> bool:
+        """Called by the watcher: True when its rank died first; False once it is gone otherwise.
+
+        The operation sleeps in the kernel, which completes it inside the dying rank's exit, so
+        the claim's order is the order of the deaths. `rank_gone` is checked between sleeps."""
+
+        def claim(flags: int) -> ctypes.Array:
+            return _operations((self.slot, 0, flags), (_CLAIMED, 0, flags), (_CLAIMED, 1, flags))
+
+        timeout = _Timespec(_WAKE_EVERY_S, 0)
+        while True:
+            gone = rank_gone()  # then one last try that does not sleep: nobody will wake it
+            operations = claim(_IPC_NOWAIT if gone else 0)
+            if self._libc.semtimedop(self.id, operations, 3, ctypes.byref(timeout)) == 0:
+                return True
+            if gone or ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
+                return False
+
+    def remove_if_unused(self) -> None:
+        """The last watcher out removes the set, so that nothing outlives the job."""
+        if self._libc.semctl(self.id, _MEMBERS, _GETVAL) == 0:
+            self._libc.semctl(self.id, 0, _IPC_RMID)
+
+    def _semop(self, *ops: tuple[int, int, int]) -> None:
+        array = _operations(*ops)
+        if self._libc.semop(self.id, array, len(array)) != 0:
+            raise OSError(ctypes.get_errno(), "semop")
+
+
+def _launcher_key(launcher: int) -> int:
+    """A SysV key for this launcher process, its start time included so a reused pid differs."""
+    try:
+        with open(f"/proc/{launcher}/stat") as stat:
+            started = stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    key = zlib.crc32(f"legion-nn:{os.getuid()}:{launcher}:{started}".encode()) & 0x7FFFFFFF
+    return key or 1
+
+
+def _local_slot(rank_hint: int | None) -> tuple[int, int]:
+    """This rank's index among the ranks its launcher started, and their number."""
+    for slot_name, count_name in (
+        ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ):
+        slot, count = os.environ.get(slot_name, ""), os.environ.get(count_name, "")
+        if slot.isdigit() and count.isdigit():
+            return int(slot), int(count)
+    from runtime.distributed import world_size_from_env
+
+    return (rank_hint if rank_hint is not None else -1), (world_size_from_env() or 0)
+
+
 def _prctl_death_signal(number: int) -> bool:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, number, 0, 0, 0) == 0
+        return _libc().prctl(PR_SET_PDEATHSIG, number, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
 
-def _first_death_marker(launcher: int) -> str | None:
-    """Claim the right to report for this launcher's job; None when another rank died first.
-
-    Once one rank dies, the launcher kills the others, and their watchers would report them
-    too: only the first death, the cause, is named."""
-    path = os.path.join(tempfile.gettempdir(), f"legion-nn-death-{os.getuid()}-{launcher}")
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
-        return None
-    except OSError:
-        return path  # cannot coordinate: better a line too many than none
-    return path
-
-
 def start_watcher(rank_hint: int | None = None) -> Status:
     """Fork this rank's watcher (Linux; elsewhere no watcher) and return the shared status."""
-    status = Status(rank_hint)
     if not sys.platform.startswith("linux"):
-        return status
-    parent = os.getpid()
+        return Status(rank_hint)
     launcher = os.getppid()
+    claim = _DeathClaim.for_launcher(launcher, *reversed(_local_slot(rank_hint)))
+    if claim is not None:
+        try:
+            claim.join()
+        except OSError:
+            claim = None
+    status = Status(rank_hint, claim)
+    parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -100,6 +233,10 @@ def start_watcher(rank_hint: int | None = None) -> Status:
     if pid != 0:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
         return status
+    _watch(status, claim, parent)
+
+
+def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
     code = 0
     try:
         pmi = os.environ.get("PMI_FD", "")
@@ -109,22 +246,30 @@ def start_watcher(rank_hint: int | None = None) -> Status:
         os.setsid()  # out of the rank's process group, which the launcher may kill whole
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        if _prctl_death_signal(signal.SIGUSR1) and os.getppid() == parent:
-            signal.sigwait({signal.SIGUSR1})
+        signal.signal(signal.SIGUSR1, lambda *_: None)  # only to interrupt the wait
+        _prctl_death_signal(signal.SIGUSR1)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+
+        def rank_gone() -> bool:
+            return os.getppid() != parent
+
+        if claim is not None:
+            first = claim.wait_for_death_claim(rank_gone)
+        else:  # no coordination: better a line too many than none
+            while not rank_gone():
+                signal.sigtimedwait({signal.SIGUSR1}, _WAKE_EVERY_S)
+            first = True
         rank, step, task = status.read()
-        if task != _ENDED:
-            marker = _first_death_marker(launcher)
-            if marker is not None:
-                where = f"step {step}, task {task}" if step not in ("None", "?") else task
-                print(
-                    f"legion-nn train: rank {rank} died in {where}: killed by a signal "
-                    f"(or a crash in native code)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                time.sleep(1.0)  # the launcher now kills the other ranks: keep them quiet
-                with contextlib.suppress(OSError):
-                    os.unlink(marker)
+        if first and task != _ENDED:
+            where = f"step {step}, task {task}" if step not in ("None", "?") else task
+            print(
+                f"legion-nn train: rank {rank} died in {where}: killed by a signal "
+                f"(or a crash in native code)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if claim is not None:
+            claim.remove_if_unused()
     except BaseException:  # noqa: BLE001  (a watcher never outlives its rank or raises)
         code = 1
     finally:
