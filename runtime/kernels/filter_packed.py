@@ -1,9 +1,9 @@
 """Filter kernels on the packed layouts: every pass is a sequence of GEMMs on strided views.
 
-With activations (H, W, C, N) and weights (P, Q, K, R, S, C) (see `layout`), output position
+With activations (H, W, C, N) and weights (P, Q, R, K, S, C) (see `layout`), output position
 (p, q) reads input rows h0 + r, h0 = p·stride − pad_top, columns w0 .. w0 + S. For each window
-row r that block is one contiguous (S·C)×N matrix X_r, and the weights W_pq of the position are
-one K×(R·S·C) matrix whose column block r is W_pq[r]. The three passes are then
+row r that block is one contiguous (S·C)×N matrix X_r, and the weights of the position for that
+row are one contiguous K×(S·C) matrix W_pq[r]. The three passes are then
 
     forward           Y_pq   = Σ_r W_pq[r] · X_r            (K×S·C)(S·C×N), into y[p, q]
     backward-data     dX_r  += W_pq[r]ᵀ · dY_pq             (S·C×K)(K×N), into dx rows h0 + r
@@ -14,6 +14,11 @@ instead of padding the tensor: rows and columns that fall outside the input are 
 the GEMM (and their weight-gradient block is zeroed). A channel subset lo:hi of the weight
 gradient (seed 003's sparse update) makes X_r non-contiguous, so it runs one K×(hi−lo)×N GEMM
 per window element (r, s) over exactly those channels.
+
+Weights are read through their strides: any view whose (S, C) axes form one unit-stride row is
+an operand as it is, so a piece of positions `wp[p0:p1, q0:q1]` or of output channels
+`wp[:, :, :, k0:k1]` (a model-parallel piece) costs no copy. Weight gradients are written into
+C-contiguous arrays (`out`), each (position, r) block with leading dimension S·(hi−lo).
 
 Parallelism (Numba threads, one BLAS thread per GEMM, see `blas`): forward and untied
 backward-filter split output positions, which write disjoint blocks; backward-data splits
@@ -38,14 +43,15 @@ def _clip(start, size, extent):
 
 
 @njit(cache=True, parallel=True)
-def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
+def _forward(x, w, y, stride, pad_top, pad_left, untied):
     h, wd, c, n = x.shape
     p_out, q_out, k, _ = y.shape
-    r_size, s_size = window
+    r_size, s_size = w.shape[2], w.shape[4]
     size = x.itemsize
     xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
     ys0, ys1, ys2 = y.strides[0] // size, y.strides[1] // size, y.strides[2] // size
-    rsc = r_size * s_size * c
+    ws0, ws1, ws2 = w.strides[0] // size, w.strides[1] // size, w.strides[2] // size
+    ws3, ws4 = w.strides[3] // size, w.strides[4] // size
     for pq in prange(p_out * q_out):
         p, q = pq // q_out, pq % q_out
         h0, w0 = p * stride - pad_top, q * stride - pad_left
@@ -53,7 +59,7 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
         s_lo, s_hi = _clip(w0, s_size, wd)
         if s_hi <= s_lo:
             r_hi = r_lo
-        w_row = pq if untied else 0
+        w_at = p * ws0 + q * ws1 if untied else 0
         for r in range(r_lo, r_hi):
             gemm(
                 NO_TRANS,
@@ -61,9 +67,9 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
                 k,
                 n,
                 (s_hi - s_lo) * c,
-                w2,
-                w_row * w2.shape[1] + (r * s_size + s_lo) * c,
-                rsc,
+                w,
+                w_at + r * ws2 + s_lo * ws4,
+                ws3,
                 x,
                 (h0 + r) * xs0 + (w0 + s_lo) * xs1,
                 xs2,
@@ -77,14 +83,15 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
 
 
 @njit(cache=True, parallel=True)
-def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
+def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
     h, wd, c, n = dx.shape
     p_out, q_out, k, _ = dy.shape
-    r_size, s_size = window
+    r_size, s_size = w.shape[2], w.shape[4]
     size = dx.itemsize
     gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
     xs0, xs1, xs2 = dx.strides[0] // size, dx.strides[1] // size, dx.strides[2] // size
-    rsc = r_size * s_size * c
+    ws0, ws1, ws2 = w.strides[0] // size, w.strides[1] // size, w.strides[2] // size
+    ws3, ws4 = w.strides[3] // size, w.strides[4] // size
     for row in prange(h):
         dx[row] = 0
         for r in range(r_size):
@@ -97,16 +104,16 @@ def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
                 s_lo, s_hi = _clip(w0, s_size, wd)
                 if s_hi <= s_lo:
                     continue
-                w_row = p * q_out + q if untied else 0
+                w_at = p * ws0 + q * ws1 if untied else 0
                 gemm(
                     TRANS,
                     NO_TRANS,
                     (s_hi - s_lo) * c,
                     n,
                     k,
-                    w2,
-                    w_row * w2.shape[1] + (r * s_size + s_lo) * c,
-                    rsc,
+                    w,
+                    w_at + r * ws2 + s_lo * ws4,
+                    ws3,
                     dy,
                     p * gs0 + q * gs1,
                     gs2,
@@ -121,7 +128,9 @@ def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
 def _filter_gradient_at(
     dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_left, c_lo, accumulate
 ):
-    """dW of output position (p, q), into row `dw_row` of dw2 ((positions, K·R·S·Cs))."""
+    """dW of output position (p, q), into row `dw_row` of dw2 ((positions, R·K·S·Cs)).
+
+    Window row r goes to the r-th contiguous K×(S·Cs) block of that row of dw2."""
     h, wd, c, n = x.shape
     k = dy.shape[2]
     r_size, s_size = window
@@ -138,9 +147,9 @@ def _filter_gradient_at(
     if s_hi <= s_lo:
         return
     add = accumulate or clipped
-    base = dw_row * dw2.shape[1]
-    rscs = r_size * s_size * cs
+    scs = s_size * cs
     for r in range(r_lo, r_hi):
+        block = dw_row * dw2.shape[1] + r * k * scs
         x_off = (h0 + r) * xs0 + (w0 + s_lo) * xs1
         if cs == c:
             gemm(
@@ -157,8 +166,8 @@ def _filter_gradient_at(
                 xs2,
                 add,
                 dw2,
-                base + (r * s_size + s_lo) * c,
-                rscs,
+                block + s_lo * c,
+                scs,
             )
         else:
             for s in range(s_lo, s_hi):
@@ -176,8 +185,8 @@ def _filter_gradient_at(
                     xs2,
                     add,
                     dw2,
-                    base + (r * s_size + s) * cs,
-                    rscs,
+                    block + s * cs,
+                    scs,
                 )
 
 
@@ -228,9 +237,9 @@ def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, a
 
 
 def packed_geometry(xp_shape: tuple, wp_shape: tuple, stride: int, pad) -> Geometry:
-    """The geometry of (H, W, C, N) activations under (P, Q, K, R, S, C) weights."""
+    """The geometry of (H, W, C, N) activations under (P, Q, R, K, S, C) weights."""
     h, w, c, n = xp_shape
-    wp, wq, k, r, s, wc = wp_shape
+    wp, wq, r, k, s, wc = wp_shape
     return make_geometry((n, c, h, w), (k, wc, r, s, wp, wq), stride, pad, "xp", "wp")
 
 
@@ -245,6 +254,24 @@ def _operand(a: np.ndarray) -> np.ndarray:
     if a.strides[3] == size and a.strides[1] == a.shape[2] * a.strides[2] and min(a.strides) > 0:
         return a
     return _canonical_unit_strides(np.array(a, order="C", copy=True))
+
+
+def _weights(wp: np.ndarray) -> np.ndarray:
+    """`wp` itself when BLAS can read each of its K×(S·C) blocks as a matrix, else a copy.
+
+    That holds for the packed arrays and for any slice of positions or output channels of one:
+    the (S, C) axes read as one unit-stride row and rows are at least S·C apart."""
+    wp = _canonical_unit_strides(wp)
+    size, (s, c), strides = wp.itemsize, wp.shape[4:], wp.strides
+    if (
+        strides[5] == size
+        and strides[4] == c * size
+        and strides[3] >= s * c * size
+        and min(strides) > 0
+        and all(v % size == 0 for v in strides)
+    ):
+        return wp
+    return _canonical_unit_strides(np.array(wp, order="C", copy=True))
 
 
 def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
@@ -289,20 +316,17 @@ def _check_dy(dyp: np.ndarray, geo: Geometry) -> None:
 def forward_packed(
     xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """y (P, Q, K, N) of x (H, W, C, N) under weights (P|1, Q|1, K, R, S, C)."""
+    """y (P, Q, K, N) of x (H, W, C, N) under weights (P|1, Q|1, R, K, S, C)."""
     check_ndim("xp", xp, 4, "(H, W, C, N)")
-    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
+    check_ndim("wp", wp, 6, "(P, Q, R, K, S, C)")
     dtype = check_dtypes(xp=xp, wp=wp)
     geo = packed_geometry(xp.shape, wp.shape, stride, pad)
     y = _output("out", out, (geo.p, geo.q, geo.k, geo.n), dtype)
     if min(geo.n, geo.k, geo.c) == 0:
         y[...] = 0
         return y
-    w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
-        _forward(
-            _operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
-        )
+        _forward(_operand(xp), _weights(wp), y, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
     return y
 
 
@@ -316,7 +340,7 @@ def backward_data_packed(
 ) -> np.ndarray:
     """dx (H, W, C, N) from dy (P, Q, K, N), for an H×W input (`input_size`)."""
     check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
-    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
+    check_ndim("wp", wp, 6, "(P, Q, R, K, S, C)")
     dtype = check_dtypes(dyp=dyp, wp=wp)
     h, w = input_size
     geo = packed_geometry((h, w, wp.shape[5], dyp.shape[3]), wp.shape, stride, pad)
@@ -325,10 +349,9 @@ def backward_data_packed(
     if min(geo.n, geo.k, geo.c) == 0:
         dx[...] = 0
         return dx
-    w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
         _backward_data(
-            _operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
+            _operand(dyp), _weights(wp), dx, geo.stride, geo.pad[0], geo.pad[2], geo.untied
         )
     return dx
 
@@ -344,7 +367,7 @@ def backward_filter_packed(
     out: np.ndarray | None = None,
     accumulate: bool = False,
 ) -> np.ndarray:
-    """dw (P|1, Q|1, K, R, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
+    """dw (P|1, Q|1, R, K, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
 
     `channels` (lo, hi) restricts the gradient to input channels lo:hi, skipping the others'
     work; `accumulate` adds into `out` (a reduction over batch pieces) instead of overwriting.
@@ -357,10 +380,10 @@ def backward_filter_packed(
     r, s = (int(v) for v in window)
     c = xp.shape[2]
     positions = (dyp.shape[0], dyp.shape[1]) if untied else (1, 1)
-    geo = packed_geometry(xp.shape, (*positions, dyp.shape[2], r, s, c), stride, pad)
+    geo = packed_geometry(xp.shape, (*positions, r, dyp.shape[2], s, c), stride, pad)
     _check_dy(dyp, geo)
     lo, hi = check_channels(channels, c)
-    dw = _output("out", out, (*positions, geo.k, r, s, hi - lo), dtype, not accumulate)
+    dw = _output("out", out, (*positions, r, geo.k, s, hi - lo), dtype, not accumulate)
     if not dw.flags.c_contiguous:
         raise ValueError(f"out: must be C-contiguous, got strides {dw.strides}")
     if min(geo.n, geo.k, hi - lo) == 0:
