@@ -4,12 +4,12 @@ Tasks name logical rects; an instance maps a logical rect to a view of its physi
 layouts exist:
 
 - `logical`: the array is the tensor in its logical dims (activations (N, C, H, W), ...);
-- `filter_packed`: 8-D filter weights (K, 1, 1, C, R, S, P, Q) kept position-major as
-  (P, Q, R, K, S, C), the layout the filter kernels compute in (`runtime.kernels.layout`). Each
-  (position, window row) block is one contiguous K×(S·C) matrix, so the kernels read weights and
-  accumulate weight gradients in place, with no weight-sized conversion or temporary on any
-  step. A rect's slices map its logical axes onto the packed ones: a piece of output positions
-  (P, Q) or of output channels (K) is a strided view that the kernels take as it is.
+- `filter_packed`: 8-D filter weights (K, 1, 1, C, R, S, P, Q) kept as (P, R, Q, K, S, C), the
+  layout the filter kernels compute in (`runtime.kernels.layout`). Each (position, window row)
+  block is one contiguous K×(S·C) matrix, so the kernels read weights and accumulate weight
+  gradients in place, with no weight-sized conversion or temporary on any step. A rect's slices
+  map its logical axes onto the packed ones: a piece of output positions (P, Q) or of output
+  channels (K) is a view that the kernels take as it is.
 
 A filter's weights, their gradient and their optimizer state share the layout, because the update
 task combines them elementwise. Checkpoints see logical arrays (`to_logical`), so they do not

@@ -174,10 +174,10 @@ def test_layout_round_trips():
     x, w, _, _, _ = make(CASES["untied-stride2-asym"], np.float32)
     assert pack_activations(x).shape == (9, 7, 3, 2)
     wp = pack_weights(w)
-    assert wp.shape == (4, 5, 3, 4, 2, 3)  # (P, Q, R, K, S, C)
+    assert wp.shape == (4, 3, 5, 4, 2, 3)  # (P, R, Q, K, S, C)
     assert wp.flags.c_contiguous
     k, c, r, s, p, q = 3, 2, 1, 0, 3, 4
-    assert wp[p, q, r, k, s, c] == w[k, 0, 0, c, r, s, p, q]
+    assert wp[p, r, q, k, s, c] == w[k, 0, 0, c, r, s, p, q]
     np.testing.assert_array_equal(unpack_activations(pack_activations(x)), x)
     np.testing.assert_array_equal(unpack_weights(wp), w)
 
@@ -190,7 +190,7 @@ def test_output_channel_pieces_of_weights_are_operands_without_a_copy(name):
     xp, wp = pack_activations(x), pack_weights(w)
     piece = wp[:, :, :, 1:3]
     assert not piece.flags.c_contiguous
-    assert filter_packed._weights(piece) is piece
+    assert np.shares_memory(filter_packed._weights(piece), piece)  # no copy
     y = forward_packed(xp, piece, stride, pad)
     close(unpack_activations(y), reference.filter_forward(x, w[1:3], stride, pad), np.float64)
     dy_piece = np.ascontiguousarray(dy[:, 1:3])
@@ -206,9 +206,9 @@ def test_position_pieces_of_untied_weights_are_operands_without_a_copy():
     (top, _, left, _), (r, s) = pad, w.shape[4:6]
     xp, wp = pack_activations(x), pack_weights(w)
     rows, cols = slice(1, 3), slice(1, 4)
-    piece = wp[rows, cols]
+    piece = wp[rows, :, cols]
     assert not piece.flags.c_contiguous
-    assert filter_packed._weights(piece) is piece
+    assert np.shares_memory(filter_packed._weights(piece), piece)  # no copy
     h0, w0 = rows.start * stride - top, cols.start * stride - left
     assert h0 >= 0 and w0 >= 0  # no padding: the piece is inside the input
     halo = xp[h0 : h0 + (rows.stop - rows.start - 1) * stride + r,
@@ -217,11 +217,30 @@ def test_position_pieces_of_untied_weights_are_operands_without_a_copy():
     close(y, forward_packed(xp, wp, stride, pad)[rows, cols], np.float64)
 
 
+@pytest.mark.parametrize("name", ["untied-stride2-asym", "tied-stride2-asym"])
+def test_weight_gradient_accumulates_into_a_piece_of_output_channels(name):
+    """`out` may be a strided view (a K-piece of a larger gradient): written in place."""
+    x, w, dy, stride, pad = make(CASES[name], np.float64)
+    untied, window = CASES[name][-1], w.shape[4:6]
+    dy_piece = np.ascontiguousarray(dy[:, 1:3])
+    dw_ref = reference.filter_backward(dy_piece, x, w[1:3], stride, pad)[1]
+    grad = np.ones_like(pack_weights(w))
+    piece = grad[:, :, :, 1:3]
+    xp, dyp = pack_activations(x), pack_activations(dy_piece)
+    backward_filter_packed(dyp, xp, window, stride, pad, untied, out=piece, accumulate=True)
+    close(unpack_weights(grad)[1:3], dw_ref + 1, np.float64)
+    np.testing.assert_array_equal(np.delete(grad, [1, 2], axis=3), 1)  # the other channels
+    backward_filter_packed(dyp, xp, window, stride, pad, untied, out=piece)
+    close(unpack_weights(grad)[1:3], dw_ref, np.float64)
+    with pytest.raises(ValueError, match="not BLAS-addressable"):
+        backward_filter_packed(dyp, xp, window, stride, pad, untied, out=np.asfortranarray(piece))
+
+
 def test_weights_without_a_blas_layout_are_copied():
     x, w, dy, stride, pad = make(CASES["untied-stride2-asym"], np.float64)
     xp, wp = pack_activations(x), pack_weights(w)
     odd = np.asfortranarray(wp)  # (S, C) is not one unit-stride row
-    assert filter_packed._weights(odd) is not odd
+    assert not np.shares_memory(filter_packed._weights(odd), odd)
     close(forward_packed(xp, odd, stride, pad), forward_packed(xp, wp, stride, pad), np.float64)
     size = x.shape[2:]
     dyp = pack_activations(dy)

@@ -7,12 +7,13 @@ put the batch outermost and the output position innermost. The packed kernels us
   output position reads is R blocks of S·C·N contiguous elements (one per window row), so
   every GEMM operand is a strided view of the tensor and no patch is ever gathered. A batch
   slice `xp[..., n0:n1]` or a spatial slice `xp[h0:h1, w0:w1]` is still a valid operand.
-- weights and their gradients: (P, Q, R, K, S, C), position-major, with P = Q = 1 when tied.
-  Each (position, window row r) block is one contiguous K×(S·C) matrix, the exact operand of
-  the kernels' per-row GEMMs (see `filter_packed`), so a weight-gradient GEMM writes one
-  contiguous block. (K outside R, i.e. (P, Q, K, R, S, C), gives the same operands as strided
-  sub-matrices with leading dimension R·S·C; the untied backward-filter pass measured 13% slower
-  writing into those.) A slice of output channels `wp[:, :, :, k0:k1]` stays a valid operand.
+- weights and their gradients: (P, R, Q, K, S, C), with P = Q = 1 when tied. Each (output
+  position p, q; window row r) block wp[p, r, q] is one contiguous K×(S·C) matrix, the exact
+  operand of the kernels' per-row GEMMs (see `filter_packed`), and the blocks of one output row
+  p and window row r follow each other along q, the order in which backward-data, which walks
+  input rows, reads them. A piece of output rows `wp[p0:p1]` is contiguous; a piece of output
+  columns `wp[:, :, q0:q1]` or of output channels `wp[:, :, :, k0:k1]` is a strided view that
+  the kernels read in place.
 
 An executor should pack each weight once when the run starts, keep it packed for the whole run
 (optimizer updates are elementwise, hence indifferent to the layout; a sparse update of input
@@ -29,7 +30,7 @@ import numpy as np
 from runtime.kernels.geometry import check_ndim
 
 #: packed weight axis i holds axis WEIGHT_AXES[i] of the logical (K, 1, 1, C, R, S, P, Q)
-WEIGHT_AXES = (6, 7, 4, 0, 5, 3)
+WEIGHT_AXES = (6, 4, 7, 0, 5, 3)
 # the logical order of (*packed axes, the two unit axes), and back
 _PACK = (*WEIGHT_AXES, 1, 2)
 _UNPACK = tuple(int(i) for i in np.argsort(_PACK))
@@ -48,7 +49,7 @@ def unpack_activations(xp: np.ndarray) -> np.ndarray:
 
 
 def pack_weights(w: np.ndarray) -> np.ndarray:
-    """(K, 1, 1, C, R, S, P, Q) -> a C-contiguous (P, Q, R, K, S, C) copy."""
+    """(K, 1, 1, C, R, S, P, Q) -> a C-contiguous (P, R, Q, K, S, C) copy."""
     check_ndim("w", w, 8, "(K, 1, 1, C, R, S, P, Q)")
     if w.shape[1:3] != (1, 1):
         raise ValueError(f"w: axes 1 and 2 must be unit axes, got shape {w.shape}")
@@ -56,6 +57,6 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
 
 
 def unpack_weights(wp: np.ndarray) -> np.ndarray:
-    """(P, Q, R, K, S, C) -> a C-contiguous (K, 1, 1, C, R, S, P, Q) copy."""
-    check_ndim("wp", wp, 6, "(P, Q, R, K, S, C)")
+    """(P, R, Q, K, S, C) -> a C-contiguous (K, 1, 1, C, R, S, P, Q) copy."""
+    check_ndim("wp", wp, 6, "(P, R, Q, K, S, C)")
     return np.ascontiguousarray(wp[..., None, None].transpose(_UNPACK))
