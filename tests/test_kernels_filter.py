@@ -89,6 +89,24 @@ def test_packed_channel_subset_accumulates_over_batch_pieces(name):
     close(unpack_weights(dw), dw_ref + 0.5, np.float64)
 
 
+@pytest.mark.parametrize("channels", [None, (1, 2)])
+@pytest.mark.parametrize("name", CASES)
+def test_weight_gradient_overwrites_garbage(name, channels):
+    """Without `accumulate` the gradient is written, not added: NaN garbage in `out` (memory
+    nobody zeroed) must not survive anywhere, clipped windows and one-row GEMMs included."""
+    x, w, dy, stride, pad = make(CASES[name], np.float64)
+    untied, c = CASES[name][-1], x.shape[1]
+    lo, hi = channels or (0, c)
+    if hi > c:
+        pytest.skip("one input channel")
+    dw_ref = reference.filter_backward(dy, x, w, stride, pad)[1][:, :, :, lo:hi]
+    out = np.full_like(pack_weights(dw_ref), np.nan)
+    xp, dyp = pack_activations(x), pack_activations(dy)
+    dw = backward_filter_packed(dyp, xp, w.shape[4:6], stride, pad, untied, channels, out)
+    assert dw is out
+    close(unpack_weights(dw), dw_ref, np.float64)
+
+
 def test_need_dx_false_does_no_dx_work(monkeypatch):
     x, w, dy, stride, pad = make(CASES["tied-batch1-pad1"], np.float64)
     _, dw_ref = reference.filter_backward(dy, x, w, stride, pad)

@@ -140,11 +140,14 @@ def _filter_gradient_at(dy, x, dw, i, j, p, q, stride, pad_top, pad_left, c_lo, 
     r_lo, r_hi = _clip(h0, r_size, h)
     s_lo, s_hi = _clip(w0, s_size, wd)
     clipped = r_lo > 0 or r_hi < r_size or s_lo > 0 or s_hi < s_size
-    if clipped and not accumulate:
+    # a GEMM with one row or column may go to GEMV, which scales C by beta = 0 (NaN survives)
+    thin = min(k, (s_hi - s_lo) * c if cs == c else cs) <= 1
+    add = accumulate
+    if not accumulate and (clipped or thin):
         dw[i, j] = 0
+        add = True
     if s_hi <= s_lo:
         return
-    add = accumulate or clipped
     for r in range(r_lo, r_hi):
         block = at + r * ds2
         x_off = (h0 + r) * xs0 + (w0 + s_lo) * xs1
@@ -281,12 +284,14 @@ def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
 def _output(
     name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype, overwrite: bool = True
 ) -> np.ndarray:
-    """The output array, zeroed where the kernel overwrites it.
+    """The output array, zeroed first when `overwrite`.
 
     The kernels overwrite with beta = 0 GEMMs, which must not read C; but OpenBLAS forwards a
     GEMM with one column (batch 1) to GEMV, whose beta = 0 scaling multiplies C, so NaN garbage
     in an uninitialised output would survive as NaN. Zeroed memory costs a pass; NaN costs the
-    run."""
+    run. The forward and backward-data outputs are activation-sized and zeroed here; the
+    weight-sized gradient is not: backward-filter zeroes the blocks it must (clipped windows,
+    one-row or one-column GEMMs) and writes all the others with beta = 0."""
     if out is None:
         return np.zeros(shape, dtype)
     if out.shape != shape or out.dtype != dtype:
@@ -376,7 +381,7 @@ def backward_filter_packed(
     geo = packed_geometry(xp.shape, (p, r, q, dyp.shape[2], s, c), stride, pad)
     _check_dy(dyp, geo)
     lo, hi = check_channels(channels, c)
-    dw = _output("out", out, (p, r, q, geo.k, s, hi - lo), dtype, not accumulate)
+    dw = _output("out", out, (p, r, q, geo.k, s, hi - lo), dtype, overwrite=False)
     if min(geo.n, geo.k, hi - lo) == 0:
         if not accumulate:
             dw[...] = 0
