@@ -15,11 +15,10 @@ the GEMM (and their weight-gradient block is zeroed). A channel subset lo:hi of 
 gradient (seed 003's sparse update) makes X_r non-contiguous, so it runs one K×(hi−lo)×N GEMM
 per window element (r, s) over exactly those channels.
 
-Weights are read through their strides (the Numba kernels index them (p, q, r, k, s, c), a
-transposed view), so the physical order is `layout`'s choice alone, and any view whose (S, C)
-axes form one unit-stride row is an operand as it is: a piece of positions
-`wp[p0:p1, :, q0:q1]` or of output channels `wp[:, :, :, k0:k1]` (a model-parallel piece)
-costs no copy. A weight gradient `out` may be such a view too.
+Weights are read through their strides (the Numba kernels index a (P, Q, R, K, S, C) view of
+them), so any view whose (S, C) axes form one unit-stride row is an operand as it is: a piece
+of positions `wp[p0:p1, :, q0:q1]` or of output channels `wp[:, :, :, k0:k1]` (a
+model-parallel piece) costs no copy. A weight gradient `out` may be such a view too.
 
 Parallelism (Numba threads, one BLAS thread per GEMM, see `blas`): forward and untied
 backward-filter split output positions, which write disjoint blocks; backward-data splits
