@@ -4,10 +4,12 @@ Tasks name logical rects; an instance maps a logical rect to a view of its physi
 layouts exist:
 
 - `logical`: the array is the tensor in its logical dims (activations (N, C, H, W), ...);
-- `filter_packed`: 8-D filter weights (K, 1, 1, C, R, S, P, Q) kept position-major as
-  (P, Q, K, R, S, C), the layout the filter kernels compute in. Each weight set is one contiguous
-  K×(R·S·C) matrix, so the kernels read weights and accumulate weight gradients in place, with no
-  weight-sized conversion or temporary on any step.
+- `filter_packed`: 8-D filter weights (K, 1, 1, C, R, S, P, Q) kept as (P, R, Q, K, S, C), the
+  layout the filter kernels compute in (`runtime.kernels.layout`). Each (position, window row)
+  block is one contiguous K×(S·C) matrix, so the kernels read weights and accumulate weight
+  gradients in place, with no weight-sized conversion or temporary on any step. A rect's slices
+  map its logical axes onto the packed ones: a piece of output positions (P, Q) or of output
+  channels (K) is a view that the kernels take as it is.
 
 A filter's weights, their gradient and their optimizer state share the layout, because the update
 task combines them elementwise. Checkpoints see logical arrays (`to_logical`), so they do not
@@ -22,9 +24,10 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.rect import Rect
+from runtime.kernels.layout import WEIGHT_AXES, pack_weights, unpack_weights
 
 #: packed axis i holds logical axis PACKED_FROM_LOGICAL[i]; logical axes 1 and 2 are unit axes
-PACKED_FROM_LOGICAL = (6, 7, 0, 4, 5, 3)
+PACKED_FROM_LOGICAL = WEIGHT_AXES
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,12 @@ class Layout:
     def from_logical(self, array: np.ndarray) -> np.ndarray:
         if self.name == "logical":
             return array
-        return np.ascontiguousarray(array[:, 0, 0].transpose(4, 5, 0, 2, 3, 1))
+        return pack_weights(array)
 
     def to_logical(self, array: np.ndarray) -> np.ndarray:
         if self.name == "logical":
             return array
-        return np.ascontiguousarray(array.transpose(2, 5, 3, 4, 0, 1)[:, None, None])
+        return unpack_weights(array)
 
 
 LOGICAL = Layout("logical")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from runtime.kernels import filter as filter_module
-from runtime.kernels import filter_backward, filter_forward, reference
+from runtime.kernels import filter_backward, filter_forward, filter_packed, reference
 from runtime.kernels.filter_packed import (
     backward_data_packed,
     backward_filter_packed,
@@ -71,6 +71,40 @@ def test_channel_subset_skips_the_other_channels(name, dtype):
     dx, dw = filter_backward(dy, x, w, stride, pad, channels=(1, 2), need_dx=False)
     assert dx is None
     close(dw, dw_ref[:, :, :, 1:2], dtype)
+
+
+@pytest.mark.parametrize("name", ["untied-stride2-asym", "tied-stride2-asym"])
+def test_packed_channel_subset_accumulates_over_batch_pieces(name):
+    """The sparse path (one GEMM per window element into blocks of S·(hi−lo) columns) with
+    clipped windows, reducing two batch pieces into one packed gradient."""
+    x, w, dy, stride, pad = make((4, *CASES[name][1:]), np.float64)
+    dw_ref = reference.filter_backward(dy, x, w, stride, pad)[1][:, :, :, 1:3]
+    xp, dyp = pack_activations(x), pack_activations(dy)
+    untied, window = CASES[name][-1], w.shape[4:6]
+    dw = np.full_like(pack_weights(dw_ref), 0.5)
+    for n in (slice(0, 3), slice(3, 4)):
+        backward_filter_packed(
+            dyp[..., n], xp[..., n], window, stride, pad, untied, (1, 3), dw, accumulate=True
+        )
+    close(unpack_weights(dw), dw_ref + 0.5, np.float64)
+
+
+@pytest.mark.parametrize("channels", [None, (1, 2)])
+@pytest.mark.parametrize("name", CASES)
+def test_weight_gradient_overwrites_garbage(name, channels):
+    """Without `accumulate` the gradient is written, not added: NaN garbage in `out` (memory
+    nobody zeroed) must not survive anywhere, clipped windows and one-row GEMMs included."""
+    x, w, dy, stride, pad = make(CASES[name], np.float64)
+    untied, c = CASES[name][-1], x.shape[1]
+    lo, hi = channels or (0, c)
+    if hi > c:
+        pytest.skip("one input channel")
+    dw_ref = reference.filter_backward(dy, x, w, stride, pad)[1][:, :, :, lo:hi]
+    out = np.full_like(pack_weights(dw_ref), np.nan)
+    xp, dyp = pack_activations(x), pack_activations(dy)
+    dw = backward_filter_packed(dyp, xp, w.shape[4:6], stride, pad, untied, channels, out)
+    assert dw is out
+    close(unpack_weights(dw), dw_ref, np.float64)
 
 
 def test_need_dx_false_does_no_dx_work(monkeypatch):
@@ -157,9 +191,82 @@ def test_packed_spatial_piece_with_one_sided_padding():
 def test_layout_round_trips():
     x, w, _, _, _ = make(CASES["untied-stride2-asym"], np.float32)
     assert pack_activations(x).shape == (9, 7, 3, 2)
-    assert pack_weights(w).shape == (4, 5, 4, 3, 2, 3)
+    wp = pack_weights(w)
+    assert wp.shape == (4, 3, 5, 4, 2, 3)  # (P, R, Q, K, S, C)
+    assert wp.flags.c_contiguous
+    k, c, r, s, p, q = 3, 2, 1, 0, 3, 4
+    assert wp[p, r, q, k, s, c] == w[k, 0, 0, c, r, s, p, q]
     np.testing.assert_array_equal(unpack_activations(pack_activations(x)), x)
-    np.testing.assert_array_equal(unpack_weights(pack_weights(w)), w)
+    np.testing.assert_array_equal(unpack_weights(wp), w)
+
+
+@pytest.mark.parametrize("name", ["untied-stride2-asym", "tied-stride2-asym", "tied-batch1-pad1"])
+def test_output_channel_pieces_of_weights_are_operands_without_a_copy(name):
+    """A piece of output channels of a packed weight (a model-parallel piece) is read through
+    its strides and gives those channels' part of the result."""
+    x, w, dy, stride, pad = make(CASES[name], np.float64)
+    xp, wp = pack_activations(x), pack_weights(w)
+    piece = wp[:, :, :, 1:3]
+    assert not piece.flags.c_contiguous
+    assert np.shares_memory(filter_packed._weights(piece), piece)  # no copy
+    y = forward_packed(xp, piece, stride, pad)
+    close(unpack_activations(y), reference.filter_forward(x, w[1:3], stride, pad), np.float64)
+    dy_piece = np.ascontiguousarray(dy[:, 1:3])
+    dx = backward_data_packed(pack_activations(dy_piece), piece, x.shape[2:], stride, pad)
+    dx_ref = reference.filter_backward(dy_piece, x, w[1:3], stride, pad)[0]
+    close(unpack_activations(dx), dx_ref, np.float64)
+
+
+def test_position_pieces_of_untied_weights_are_operands_without_a_copy():
+    """Output rows 1:3 and columns 1:4 of an untied filter (a spatial piece): the weights of
+    those positions, a strided view, on the piece's input halo."""
+    x, w, _, stride, pad = make(CASES["untied-stride2-asym"], np.float64)
+    (top, _, left, _), (r, s) = pad, w.shape[4:6]
+    xp, wp = pack_activations(x), pack_weights(w)
+    rows, cols = slice(1, 3), slice(1, 4)
+    piece = wp[rows, :, cols]
+    assert not piece.flags.c_contiguous
+    assert np.shares_memory(filter_packed._weights(piece), piece)  # no copy
+    h0, w0 = rows.start * stride - top, cols.start * stride - left
+    assert h0 >= 0 and w0 >= 0  # no padding: the piece is inside the input
+    halo = xp[h0 : h0 + (rows.stop - rows.start - 1) * stride + r,
+              w0 : w0 + (cols.stop - cols.start - 1) * stride + s]  # fmt: skip
+    y = forward_packed(halo, piece, stride, 0)
+    close(y, forward_packed(xp, wp, stride, pad)[rows, cols], np.float64)
+
+
+@pytest.mark.parametrize("name", ["untied-stride2-asym", "tied-stride2-asym"])
+def test_weight_gradient_accumulates_into_a_piece_of_output_channels(name):
+    """`out` may be a strided view (a K-piece of a larger gradient): written in place."""
+    x, w, dy, stride, pad = make(CASES[name], np.float64)
+    untied, window = CASES[name][-1], w.shape[4:6]
+    dy_piece = np.ascontiguousarray(dy[:, 1:3])
+    dw_ref = reference.filter_backward(dy_piece, x, w[1:3], stride, pad)[1]
+    grad = np.ones_like(pack_weights(w))
+    piece = grad[:, :, :, 1:3]
+    xp, dyp = pack_activations(x), pack_activations(dy_piece)
+    backward_filter_packed(dyp, xp, window, stride, pad, untied, out=piece, accumulate=True)
+    close(unpack_weights(grad)[1:3], dw_ref + 1, np.float64)
+    np.testing.assert_array_equal(np.delete(grad, [1, 2], axis=3), 1)  # the other channels
+    backward_filter_packed(dyp, xp, window, stride, pad, untied, out=piece)
+    close(unpack_weights(grad)[1:3], dw_ref, np.float64)
+    with pytest.raises(ValueError, match="not BLAS-addressable"):
+        backward_filter_packed(dyp, xp, window, stride, pad, untied, out=np.asfortranarray(piece))
+
+
+def test_weights_without_a_blas_layout_are_copied():
+    x, w, dy, stride, pad = make(CASES["untied-stride2-asym"], np.float64)
+    xp, wp = pack_activations(x), pack_weights(w)
+    odd = np.asfortranarray(wp)  # (S, C) is not one unit-stride row
+    assert not np.shares_memory(filter_packed._weights(odd), odd)
+    close(forward_packed(xp, odd, stride, pad), forward_packed(xp, wp, stride, pad), np.float64)
+    size = x.shape[2:]
+    dyp = pack_activations(dy)
+    close(
+        backward_data_packed(dyp, odd, size, stride, pad),
+        backward_data_packed(dyp, wp, size, stride, pad),
+        np.float64,
+    )
 
 
 def test_zero_channel_subset_is_empty():

@@ -51,7 +51,7 @@ def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
     window = tuple(task.attrs["kernel"])
     untied = task.attrs["untied"]
     grad = views["filters.delta"]
-    if grad.flags.c_contiguous:  # a reduction done by the kernel itself, in place
+    if filter_packed.accumulates_in_place(grad):  # a reduction done by the kernel, in place
         filter_packed.backward_filter_packed(
             dyp,
             xp,
@@ -63,7 +63,7 @@ def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
             out=grad,
             accumulate=True,
         )
-    else:  # a sub-block of channels or positions: reduce through a temporary of its size
+    else:  # a sub-block of input channels: reduce through a temporary of its size
         out["filters.delta"] = filter_packed.backward_filter_packed(
             dyp, xp, window, stride, pads, untied, channels and tuple(channels)
         )

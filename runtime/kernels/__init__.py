@@ -1,7 +1,7 @@
 """Numba kernels: NumPy arrays in, NumPy arrays out; no graph or MPI imports.
 
 `filter` and `conv` take the logical layouts of the design; `filter_packed` and the `*_packed`
-functions of `conv` run on the position-major layouts of `layout`, which an executor keeps
+functions of `conv` run on the packed layouts of `layout`, which an executor keeps
 across training steps. `reference` holds the plain NumPy oracles.
 
 Numba's OpenMP threads spin in a barrier for a while (GNU libgomp: 300,000 polls, about a

@@ -52,9 +52,9 @@ def conv_backward(
 def conv_forward_packed(
     xp: np.ndarray, wp: np.ndarray, b: np.ndarray, stride: int = 1, pad=0
 ) -> np.ndarray:
-    """y (P, Q, K, N) from x (H, W, C, N), tied weights (1, 1, K, R, S, C) and b (1, K, 1, 1)."""
-    check_ndim("wp", wp, 6, "(1, 1, K, R, S, C)")
-    _check_tied(wp.shape[:2])
+    """y (P, Q, K, N) from x (H, W, C, N), tied weights (1, R, 1, K, S, C) and b (1, K, 1, 1)."""
+    check_ndim("wp", wp, 6, "(1, R, 1, K, S, C)")
+    _check_tied((wp.shape[0], wp.shape[2]))
     yp = forward_packed(xp, wp, stride, pad)
     _check_bias(b, yp.shape[2], xp=xp)
     yp += b.reshape(-1, 1)
@@ -65,10 +65,11 @@ def conv_backward_packed(
     dyp: np.ndarray, xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0, need_dx: bool = True
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(dxp, dwp, db) in the packed layouts for dy (P, Q, K, N)."""
-    check_ndim("wp", wp, 6, "(1, 1, K, R, S, C)")
-    _check_tied(wp.shape[:2])
+    check_ndim("wp", wp, 6, "(1, R, 1, K, S, C)")
+    _check_tied((wp.shape[0], wp.shape[2]))
     dxp = None
     if need_dx:
         dxp = backward_data_packed(dyp, wp, xp.shape[:2], stride, pad)
-    dwp = backward_filter_packed(dyp, xp, wp.shape[3:5], stride, pad, untied=False)
+    window = (wp.shape[1], wp.shape[4])
+    dwp = backward_filter_packed(dyp, xp, window, stride, pad, untied=False)
     return dxp, dwp, dyp.sum(axis=(0, 1, 3)).reshape(1, -1, 1, 1)

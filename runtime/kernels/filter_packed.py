@@ -1,9 +1,9 @@
 """Filter kernels on the packed layouts: every pass is a sequence of GEMMs on strided views.
 
-With activations (H, W, C, N) and weights (P, Q, K, R, S, C) (see `layout`), output position
+With activations (H, W, C, N) and weights (P, R, Q, K, S, C) (see `layout`), output position
 (p, q) reads input rows h0 + r, h0 = p·stride − pad_top, columns w0 .. w0 + S. For each window
-row r that block is one contiguous (S·C)×N matrix X_r, and the weights W_pq of the position are
-one K×(R·S·C) matrix whose column block r is W_pq[r]. The three passes are then
+row r that block is one contiguous (S·C)×N matrix X_r, and the weights of the position for that
+row are one contiguous K×(S·C) matrix W_pq[r] = wp[p, r, q]. The three passes are then
 
     forward           Y_pq   = Σ_r W_pq[r] · X_r            (K×S·C)(S·C×N), into y[p, q]
     backward-data     dX_r  += W_pq[r]ᵀ · dY_pq             (S·C×K)(K×N), into dx rows h0 + r
@@ -14,6 +14,11 @@ instead of padding the tensor: rows and columns that fall outside the input are 
 the GEMM (and their weight-gradient block is zeroed). A channel subset lo:hi of the weight
 gradient (seed 003's sparse update) makes X_r non-contiguous, so it runs one K×(hi−lo)×N GEMM
 per window element (r, s) over exactly those channels.
+
+Weights are read through their strides (the Numba kernels index a (P, Q, R, K, S, C) view of
+them), so any view whose (S, C) axes form one unit-stride row is an operand as it is: a piece
+of positions `wp[p0:p1, :, q0:q1]` or of output channels `wp[:, :, :, k0:k1]` (a
+model-parallel piece) costs no copy. A weight gradient `out` may be such a view too.
 
 Parallelism (Numba threads, one BLAS thread per GEMM, see `blas`): forward and untied
 backward-filter split output positions, which write disjoint blocks; backward-data splits
@@ -38,14 +43,15 @@ def _clip(start, size, extent):
 
 
 @njit(cache=True, parallel=True)
-def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
+def _forward(x, w, y, stride, pad_top, pad_left, untied):
     h, wd, c, n = x.shape
     p_out, q_out, k, _ = y.shape
-    r_size, s_size = window
+    r_size, s_size = w.shape[2], w.shape[4]
     size = x.itemsize
     xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
     ys0, ys1, ys2 = y.strides[0] // size, y.strides[1] // size, y.strides[2] // size
-    rsc = r_size * s_size * c
+    ws0, ws1, ws2 = w.strides[0] // size, w.strides[1] // size, w.strides[2] // size
+    ws3, ws4 = w.strides[3] // size, w.strides[4] // size
     for pq in prange(p_out * q_out):
         p, q = pq // q_out, pq % q_out
         h0, w0 = p * stride - pad_top, q * stride - pad_left
@@ -53,7 +59,7 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
         s_lo, s_hi = _clip(w0, s_size, wd)
         if s_hi <= s_lo:
             r_hi = r_lo
-        w_row = pq if untied else 0
+        w_at = p * ws0 + q * ws1 if untied else 0
         for r in range(r_lo, r_hi):
             gemm(
                 NO_TRANS,
@@ -61,9 +67,9 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
                 k,
                 n,
                 (s_hi - s_lo) * c,
-                w2,
-                w_row * w2.shape[1] + (r * s_size + s_lo) * c,
-                rsc,
+                w,
+                w_at + r * ws2 + s_lo * ws4,
+                ws3,
                 x,
                 (h0 + r) * xs0 + (w0 + s_lo) * xs1,
                 xs2,
@@ -77,14 +83,15 @@ def _forward(x, w2, y, window, stride, pad_top, pad_left, untied):
 
 
 @njit(cache=True, parallel=True)
-def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
+def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
     h, wd, c, n = dx.shape
     p_out, q_out, k, _ = dy.shape
-    r_size, s_size = window
+    r_size, s_size = w.shape[2], w.shape[4]
     size = dx.itemsize
     gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
     xs0, xs1, xs2 = dx.strides[0] // size, dx.strides[1] // size, dx.strides[2] // size
-    rsc = r_size * s_size * c
+    ws0, ws1, ws2 = w.strides[0] // size, w.strides[1] // size, w.strides[2] // size
+    ws3, ws4 = w.strides[3] // size, w.strides[4] // size
     for row in prange(h):
         dx[row] = 0
         for r in range(r_size):
@@ -97,16 +104,16 @@ def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
                 s_lo, s_hi = _clip(w0, s_size, wd)
                 if s_hi <= s_lo:
                     continue
-                w_row = p * q_out + q if untied else 0
+                w_at = p * ws0 + q * ws1 if untied else 0
                 gemm(
                     TRANS,
                     NO_TRANS,
                     (s_hi - s_lo) * c,
                     n,
                     k,
-                    w2,
-                    w_row * w2.shape[1] + (r * s_size + s_lo) * c,
-                    rsc,
+                    w,
+                    w_at + r * ws2 + s_lo * ws4,
+                    ws3,
                     dy,
                     p * gs0 + q * gs1,
                     gs2,
@@ -118,29 +125,30 @@ def _backward_data(dy, w2, dx, window, stride, pad_top, pad_left, untied):
 
 
 @njit(cache=True)
-def _filter_gradient_at(
-    dy, x, dw2, dw_row, p, q, window, stride, pad_top, pad_left, c_lo, accumulate
-):
-    """dW of output position (p, q), into row `dw_row` of dw2 ((positions, K·R·S·Cs))."""
+def _filter_gradient_at(dy, x, dw, i, j, p, q, stride, pad_top, pad_left, c_lo, accumulate):
+    """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), whose window
+    row r is the K×(S·Cs) matrix dw[i, j, r], addressed through dw's strides."""
     h, wd, c, n = x.shape
-    k = dy.shape[2]
-    r_size, s_size = window
-    cs = dw2.shape[1] // (k * r_size * s_size)
+    r_size, k, s_size, cs = dw.shape[2:]
     size = x.itemsize
     gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
     xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
+    ds2, ds3, ds4 = dw.strides[2] // size, dw.strides[3] // size, dw.strides[4] // size
+    at = i * (dw.strides[0] // size) + j * (dw.strides[1] // size)
     h0, w0 = p * stride - pad_top, q * stride - pad_left
     r_lo, r_hi = _clip(h0, r_size, h)
     s_lo, s_hi = _clip(w0, s_size, wd)
     clipped = r_lo > 0 or r_hi < r_size or s_lo > 0 or s_hi < s_size
-    if clipped and not accumulate:
-        dw2[dw_row] = 0
+    # a GEMM with one row or column may go to GEMV, which scales C by beta = 0 (NaN survives)
+    thin = min(k, (s_hi - s_lo) * c if cs == c else cs) <= 1
+    add = accumulate
+    if not accumulate and (clipped or thin):
+        dw[i, j] = 0
+        add = True
     if s_hi <= s_lo:
         return
-    add = accumulate or clipped
-    base = dw_row * dw2.shape[1]
-    rscs = r_size * s_size * cs
     for r in range(r_lo, r_hi):
+        block = at + r * ds2
         x_off = (h0 + r) * xs0 + (w0 + s_lo) * xs1
         if cs == c:
             gemm(
@@ -156,9 +164,9 @@ def _filter_gradient_at(
                 x_off,
                 xs2,
                 add,
-                dw2,
-                base + (r * s_size + s_lo) * c,
-                rscs,
+                dw,
+                block + s_lo * ds4,
+                ds3,
             )
         else:
             for s in range(s_lo, s_hi):
@@ -175,62 +183,40 @@ def _filter_gradient_at(
                     x_off + (s - s_lo) * xs1 + c_lo * xs2,
                     xs2,
                     add,
-                    dw2,
-                    base + (r * s_size + s) * cs,
-                    rscs,
+                    dw,
+                    block + s * ds4,
+                    ds3,
                 )
 
 
 @njit(cache=True, parallel=True)
-def _backward_filter_untied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate):
+def _backward_filter_untied(dy, x, dw, stride, pad_top, pad_left, c_lo, accumulate):
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
-        _filter_gradient_at(
-            dy,
-            x,
-            dw2,
-            pq,
-            pq // q_out,
-            pq % q_out,
-            window,
-            stride,
-            pad_top,
-            pad_left,
-            c_lo,
-            accumulate,
-        )
+        p, q = pq // q_out, pq % q_out
+        _filter_gradient_at(dy, x, dw, p, q, p, q, stride, pad_top, pad_left, c_lo, accumulate)
 
 
 @njit(cache=True, parallel=True)
-def _backward_filter_tied(dy, x, dw2, window, stride, pad_top, pad_left, c_lo, accumulate, threads):
+def _backward_filter_tied(dy, x, dw, stride, pad_top, pad_left, c_lo, accumulate, threads):
     q_out = dy.shape[1]
-    partial = np.zeros((threads, dw2.shape[1]), dw2.dtype)
+    r_size, k, s_size, cs = dw.shape[2:]
+    partial = np.zeros((threads, 1, r_size, k, s_size, cs), dw.dtype)
     for pq in prange(dy.shape[0] * q_out):
-        _filter_gradient_at(
-            dy,
-            x,
-            partial,
-            numba.get_thread_id(),
-            pq // q_out,
-            pq % q_out,
-            window,
-            stride,
-            pad_top,
-            pad_left,
-            c_lo,
-            True,
-        )
+        p, q = pq // q_out, pq % q_out
+        thread = numba.get_thread_id()
+        _filter_gradient_at(dy, x, partial, thread, 0, p, q, stride, pad_top, pad_left, c_lo, True)
     total = partial.sum(axis=0)
     if accumulate:
-        dw2[0] += total
+        dw[0] += total
     else:
-        dw2[0] = total
+        dw[0] = total
 
 
 def packed_geometry(xp_shape: tuple, wp_shape: tuple, stride: int, pad) -> Geometry:
-    """The geometry of (H, W, C, N) activations under (P, Q, K, R, S, C) weights."""
+    """The geometry of (H, W, C, N) activations under (P, R, Q, K, S, C) weights."""
     h, w, c, n = xp_shape
-    wp, wq, k, r, s, wc = wp_shape
+    wp, r, wq, k, s, wc = wp_shape
     return make_geometry((n, c, h, w), (k, wc, r, s, wp, wq), stride, pad, "xp", "wp")
 
 
@@ -247,6 +233,42 @@ def _operand(a: np.ndarray) -> np.ndarray:
     return _canonical_unit_strides(np.array(a, order="C", copy=True))
 
 
+def _by_position(wp: np.ndarray) -> np.ndarray:
+    """The (P, Q, R, K, S, C) view of packed (P, R, Q, K, S, C) weights that the kernels index
+    (its own inverse)."""
+    return wp.transpose(0, 2, 1, 3, 4, 5)
+
+
+def _blocks_addressable(wp: np.ndarray) -> bool:
+    """Whether BLAS can read each K×(S·C) block wp[p, r, q] of (canonical) weights as a matrix.
+
+    That holds for the packed arrays and for any slice of positions or output channels of one:
+    the (S, C) axes read as one unit-stride row and rows are at least S·C apart."""
+    size, (s, c), strides = wp.itemsize, wp.shape[4:], wp.strides
+    return (
+        strides[5] == size
+        and strides[4] == c * size
+        and strides[3] >= s * c * size
+        and min(strides) > 0
+        and all(v % size == 0 for v in strides)
+    )
+
+
+def accumulates_in_place(dw: np.ndarray) -> bool:
+    """Whether `backward_filter_packed` can write into the packed weight gradient view `dw` as
+    its `out`: a whole gradient or a piece of its positions or output channels, not a piece of
+    its input channels."""
+    return dw.ndim == 6 and dw.flags.writeable and _blocks_addressable(_canonical_unit_strides(dw))
+
+
+def _weights(wp: np.ndarray) -> np.ndarray:
+    """`wp` itself when its blocks are BLAS-addressable, else a C-contiguous copy."""
+    wp = _canonical_unit_strides(wp)
+    if _blocks_addressable(wp):
+        return wp
+    return _canonical_unit_strides(np.array(wp, order="C", copy=True))
+
+
 def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
     strides = list(a.strides)
     for axis in range(a.ndim - 1, -1, -1):
@@ -261,18 +283,20 @@ def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
 def _output(
     name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype, overwrite: bool = True
 ) -> np.ndarray:
-    """The output array, zeroed where the kernel overwrites it.
+    """The output array, zeroed first when `overwrite`.
 
     The kernels overwrite with beta = 0 GEMMs, which must not read C; but OpenBLAS forwards a
     GEMM with one column (batch 1) to GEMV, whose beta = 0 scaling multiplies C, so NaN garbage
     in an uninitialised output would survive as NaN. Zeroed memory costs a pass; NaN costs the
-    run."""
+    run. The forward and backward-data outputs are activation-sized and zeroed here; the
+    weight-sized gradient is not: backward-filter zeroes the blocks it must (clipped windows,
+    one-row or one-column GEMMs) and writes all the others with beta = 0."""
     if out is None:
         return np.zeros(shape, dtype)
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"{name}: expected shape {shape} {dtype}, got {out.shape} {out.dtype}")
     out = _canonical_unit_strides(out)
-    addressable = _operand(out) is out if out.ndim == 4 else out.flags.c_contiguous
+    addressable = _operand(out) is out if out.ndim == 4 else _blocks_addressable(out)
     if not addressable:
         raise ValueError(f"{name}: layout with strides {out.strides} is not BLAS-addressable")
     if overwrite:
@@ -289,20 +313,18 @@ def _check_dy(dyp: np.ndarray, geo: Geometry) -> None:
 def forward_packed(
     xp: np.ndarray, wp: np.ndarray, stride: int = 1, pad=0, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """y (P, Q, K, N) of x (H, W, C, N) under weights (P|1, Q|1, K, R, S, C)."""
+    """y (P, Q, K, N) of x (H, W, C, N) under weights (P|1, R, Q|1, K, S, C)."""
     check_ndim("xp", xp, 4, "(H, W, C, N)")
-    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
+    check_ndim("wp", wp, 6, "(P, R, Q, K, S, C)")
     dtype = check_dtypes(xp=xp, wp=wp)
     geo = packed_geometry(xp.shape, wp.shape, stride, pad)
     y = _output("out", out, (geo.p, geo.q, geo.k, geo.n), dtype)
     if min(geo.n, geo.k, geo.c) == 0:
         y[...] = 0
         return y
-    w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
-        _forward(
-            _operand(xp), w2, y, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
-        )
+        w = _by_position(_weights(wp))
+        _forward(_operand(xp), w, y, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
     return y
 
 
@@ -316,7 +338,7 @@ def backward_data_packed(
 ) -> np.ndarray:
     """dx (H, W, C, N) from dy (P, Q, K, N), for an H×W input (`input_size`)."""
     check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
-    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
+    check_ndim("wp", wp, 6, "(P, R, Q, K, S, C)")
     dtype = check_dtypes(dyp=dyp, wp=wp)
     h, w = input_size
     geo = packed_geometry((h, w, wp.shape[5], dyp.shape[3]), wp.shape, stride, pad)
@@ -325,11 +347,9 @@ def backward_data_packed(
     if min(geo.n, geo.k, geo.c) == 0:
         dx[...] = 0
         return dx
-    w2 = np.ascontiguousarray(wp).reshape(wp.shape[0] * wp.shape[1], -1)
     with kernel_threading():
-        _backward_data(
-            _operand(dyp), w2, dx, (geo.r, geo.s), geo.stride, geo.pad[0], geo.pad[2], geo.untied
-        )
+        w = _by_position(_weights(wp))
+        _backward_data(_operand(dyp), w, dx, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
     return dx
 
 
@@ -344,7 +364,7 @@ def backward_filter_packed(
     out: np.ndarray | None = None,
     accumulate: bool = False,
 ) -> np.ndarray:
-    """dw (P|1, Q|1, K, R, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
+    """dw (P|1, R, Q|1, K, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
 
     `channels` (lo, hi) restricts the gradient to input channels lo:hi, skipping the others'
     work; `accumulate` adds into `out` (a reduction over batch pieces) instead of overwriting.
@@ -356,29 +376,17 @@ def backward_filter_packed(
         raise ValueError(f"window: expected (R, S), got {window!r}")
     r, s = (int(v) for v in window)
     c = xp.shape[2]
-    positions = (dyp.shape[0], dyp.shape[1]) if untied else (1, 1)
-    geo = packed_geometry(xp.shape, (*positions, dyp.shape[2], r, s, c), stride, pad)
+    p, q = (dyp.shape[0], dyp.shape[1]) if untied else (1, 1)
+    geo = packed_geometry(xp.shape, (p, r, q, dyp.shape[2], s, c), stride, pad)
     _check_dy(dyp, geo)
     lo, hi = check_channels(channels, c)
-    dw = _output("out", out, (*positions, geo.k, r, s, hi - lo), dtype, not accumulate)
-    if not dw.flags.c_contiguous:
-        raise ValueError(f"out: must be C-contiguous, got strides {dw.strides}")
+    dw = _output("out", out, (p, r, q, geo.k, s, hi - lo), dtype, overwrite=False)
     if min(geo.n, geo.k, hi - lo) == 0:
         if not accumulate:
             dw[...] = 0
         return dw
-    dw2 = dw.reshape(positions[0] * positions[1], -1)
-    args = (
-        _operand(dyp),
-        _operand(xp),
-        dw2,
-        (r, s),
-        geo.stride,
-        geo.pad[0],
-        geo.pad[2],
-        lo,
-        accumulate,
-    )
+    args = (_operand(dyp), _operand(xp), _by_position(dw), geo.stride, geo.pad[0], geo.pad[2])
+    args += (lo, accumulate)
     with kernel_threading():
         if geo.untied:
             _backward_filter_untied(*args)

@@ -1,4 +1,4 @@
-"""Position-major physical layouts for the filter and conv kernels, and conversions to them.
+"""The physical layouts of the filter and conv kernels, and conversions to them.
 
 The logical layouts of the design (activations (N, C, H, W), weights (K, 1, 1, C, R, S, P, Q))
 put the batch outermost and the output position innermost. The packed kernels use instead:
@@ -7,8 +7,17 @@ put the batch outermost and the output position innermost. The packed kernels us
   output position reads is R blocks of S·C·N contiguous elements (one per window row), so
   every GEMM operand is a strided view of the tensor and no patch is ever gathered. A batch
   slice `xp[..., n0:n1]` or a spatial slice `xp[h0:h1, w0:w1]` is still a valid operand.
-- weights and their gradients: (P, Q, K, R, S, C), position-major, with P = Q = 1 when tied.
-  The weights of one position are one contiguous K×(R·S·C) matrix.
+- weights and their gradients: (P, R, Q, K, S, C), with P = Q = 1 when tied. Each (output
+  position p, q; window row r) block wp[p, r, q] is one contiguous K×(S·C) matrix, the exact
+  operand of the kernels' per-row GEMMs (see `filter_packed`), and the blocks of one output row
+  p and window row r follow each other along q, the order in which backward-data, which walks
+  input rows, reads them. A piece of output rows `wp[p0:p1]` is contiguous; a piece of output
+  columns `wp[:, :, q0:q1]` or of output channels `wp[:, :, :, k0:k1]` is a strided view that
+  the kernels read in place. Measured at the seed L1 shape (batch 64, untied, the same kernels
+  on three orders of the same blocks): against (P, Q, K, R, S, C), whose blocks are strided
+  column blocks of a K×(R·S·C) matrix per position, backward-filter runs 11% faster (7% when
+  accumulating) and backward-data 7%; against (P, Q, R, K, S, C), whose consecutive blocks
+  along q lie R·K·S·C apart, backward-data runs 20% faster; forward is within 2% on all three.
 
 An executor should pack each weight once when the run starts, keep it packed for the whole run
 (optimizer updates are elementwise, hence indifferent to the layout; a sparse update of input
@@ -24,6 +33,12 @@ import numpy as np
 
 from runtime.kernels.geometry import check_ndim
 
+#: packed weight axis i holds axis WEIGHT_AXES[i] of the logical (K, 1, 1, C, R, S, P, Q)
+WEIGHT_AXES = (6, 4, 7, 0, 5, 3)
+# the logical order of (*packed axes, the two unit axes), and back
+_PACK = (*WEIGHT_AXES, 1, 2)
+_UNPACK = tuple(int(i) for i in np.argsort(_PACK))
+
 
 def pack_activations(x: np.ndarray) -> np.ndarray:
     """(N, C, H, W) -> a C-contiguous (H, W, C, N) copy."""
@@ -38,14 +53,14 @@ def unpack_activations(xp: np.ndarray) -> np.ndarray:
 
 
 def pack_weights(w: np.ndarray) -> np.ndarray:
-    """(K, 1, 1, C, R, S, P, Q) -> a C-contiguous (P, Q, K, R, S, C) copy."""
+    """(K, 1, 1, C, R, S, P, Q) -> a C-contiguous (P, R, Q, K, S, C) copy."""
     check_ndim("w", w, 8, "(K, 1, 1, C, R, S, P, Q)")
     if w.shape[1:3] != (1, 1):
         raise ValueError(f"w: axes 1 and 2 must be unit axes, got shape {w.shape}")
-    return np.ascontiguousarray(w[:, 0, 0].transpose(4, 5, 0, 2, 3, 1))
+    return np.ascontiguousarray(w.transpose(_PACK)[..., 0, 0])
 
 
 def unpack_weights(wp: np.ndarray) -> np.ndarray:
-    """(P, Q, K, R, S, C) -> a C-contiguous (K, 1, 1, C, R, S, P, Q) copy."""
-    check_ndim("wp", wp, 6, "(P, Q, K, R, S, C)")
-    return np.ascontiguousarray(wp.transpose(2, 5, 3, 4, 0, 1)[:, None, None])
+    """(P, R, Q, K, S, C) -> a C-contiguous (K, 1, 1, C, R, S, P, Q) copy."""
+    check_ndim("wp", wp, 6, "(P, R, Q, K, S, C)")
+    return np.ascontiguousarray(wp[..., None, None].transpose(_UNPACK))
