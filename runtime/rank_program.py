@@ -16,6 +16,11 @@ the task order after which both sides post it.
   Where a reduction is entirely local the kernel accumulates into the tensor itself; otherwise it
   accumulates into a zeroed scratch, whose parts then go their separate ways.
 
+The program runs the step's tasks in `step_order`: the graph's order with the optimizer's updates
+moved as late as their dependences allow, so that a gradient's collective, which runs in the
+background (see `rank_step`), overlaps the backward pass of the layers below it rather than
+holding up the update that reads its result.
+
 Which rects a rank holds follows the plan's layout rules: a partitioned task's writes replace a
 tensor's layout; resident tensors (and their gradients and state) keep their homes.
 
@@ -26,6 +31,7 @@ and the two must agree.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -120,9 +126,9 @@ def build_programs(
     wanted = set(include) if include is not None else None
     ranks = list(ranks)
     indexed = [
-        (i, task, plan.tasks[i])
-        for i, task in enumerate(graph.tasks)
-        if wanted is None or task.name in wanted
+        (i, graph.tasks[i], plan.tasks[i])
+        for i in step_order(graph)
+        if wanted is None or graph.tasks[i].name in wanted
     ]
     programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
     writes: dict[str, list[tuple[int, Rect]]] = defaultdict(list)
@@ -170,6 +176,38 @@ def build_programs(
                 if req.privilege.writes and rect is not None and not rect.is_empty():
                     writes[req.tensor].append((position, rect))
     return {rank: builder.program(seq) for rank, builder in programs.items()}
+
+
+def step_order(graph: TaskGraph) -> list[int]:
+    """Task indices in the order a rank runs them: every `update` task as late as it may go.
+
+    A topological order of the graph's dependences that takes the other tasks first, each in
+    its graph order; updates go when nothing else can. Should deferring the updates ever
+    reorder two other tasks (one waiting on an update), the graph's own order is kept instead,
+    so that reductions into one tensor always add up in the same order as the local executor's.
+    """
+    tasks = graph.tasks
+    position = {task.name: i for i, task in enumerate(tasks)}
+    successors: dict[int, list[int]] = defaultdict(list)
+    waiting = [0] * len(tasks)
+    for dep in graph.dependences:
+        src, dst = position[dep.src], position[dep.dst]
+        successors[src].append(dst)
+        waiting[dst] += 1
+    ready = [(tasks[i].phase == "update", i) for i in range(len(tasks)) if waiting[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for j in successors[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, (tasks[j].phase == "update", j))
+    others = [i for i in order if tasks[i].phase != "update"]
+    if len(order) != len(tasks) or others != sorted(others):
+        return list(range(len(tasks)))
+    return order
 
 
 def _last_write(history: list[tuple[int, Rect]], rect: Rect) -> int:

@@ -27,9 +27,9 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
-from runtime.rank_program import Message, RankProgram, RankTask
+from runtime.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.tracing import COMMUNICATION, COMPUTE
-from runtime.transport import wait
+from runtime.transport import done, wait
 
 if TYPE_CHECKING:
     from runtime.rank_executor import RankExecutor
@@ -80,6 +80,8 @@ class StepRun:
         self.inbox: dict[int, tuple[Any, np.ndarray, Message, float]] = {}
         #: (request, peer, buffer kept alive, message, posted at)
         self.sends: list[tuple[Any, int, np.ndarray, Message | None, float]] = []
+        #: collectives started and not yet complete, in the order they started
+        self.collectives: list[_RunningCollective] = []
 
     def _dtype(self, tensor: str):
         return NUMPY_DTYPES[self.graph.tensors[tensor].dtype]
@@ -123,6 +125,7 @@ class StepRun:
             f"step {self.ctx.step}, task {task.name} ({why})",
             self.rank,
             self.ex.stall_timeout,
+            self._advance_collectives if self.collectives else None,
         )
         if self.recorder is not None:
             end = self.recorder.now()
@@ -150,6 +153,7 @@ class StepRun:
 
     def task(self, rt: RankTask) -> None:
         task = rt.task
+        self._complete_collectives(rt)
         self.post(rt.partial_in)
         self._wait_messages(rt.copies_in, task, "halo and copies")
         for m in rt.copies_in:
@@ -228,10 +232,9 @@ class StepRun:
                 views[req.role] = self.ex.view(req.tensor, req.rect)
         run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, self.ctx)
 
-    def _collective(self, rt: RankTask, collective, scratch) -> None:
-        reduction = collective.reduction
-        tensor = reduction.tensor
-        dtype = self._dtype(tensor)
+    def _collective(self, rt: RankTask, collective: Collective, scratch) -> None:
+        """Start `collective` on the contribution in `scratch`; it runs in the background."""
+        tensor = collective.reduction.tensor
         sizes = [rect.volume for rect, _ in collective.targets]
         mine = scratch.get(tensor)
         if mine is not None and len(sizes) == 1 and mine[0] == collective.targets[0][0]:
@@ -239,70 +242,60 @@ class StepRun:
             # rather than copy a weight-sized array.
             vector = mine[1].reshape(-1)
         else:
-            vector = self._buffer("vector", collective.seq, (sum(sizes),), dtype, zero=True)
+            vector = self._buffer(
+                "vector", collective.seq, (sum(sizes),), self._dtype(tensor), zero=True
+            )
             offset = 0
             for (rect, _), size in zip(collective.targets, sizes):
                 if mine is not None and mine[0].contains(rect):
                     part = self._part(tensor, mine[1], mine[0], rect)
                     vector[offset : offset + size] = part.ravel()
                 offset += size
-        start = self._now()
-        seq = collective.seq
-        # Hops send straight from the vector and a round waits for its sends as well as its
-        # receives, since a later round (or an add in this one) may overwrite what was sent.
-        # A hop that only copies receives straight into the vector.
-        for hops in collective.rounds:
-            pending, adds = [], []
-            for hop in hops:
-                tag = self.transport.data_tag(seq)
-                if hop.src == self.rank:
-                    request = self.transport.isend(vector[hop.lo : hop.hi], hop.dst, tag)
-                    pending.append((request, hop.dst))
-                if hop.dst == self.rank:
-                    if hop.add:  # one buffer per add of a round serves every round
-                        key = ("hop", np.dtype(dtype).str, len(adds))
-                        buffer = self.ex.buffers.get(key, (hop.hi - hop.lo,), dtype)
-                        adds.append((hop, buffer))
-                    else:
-                        buffer = vector[hop.lo : hop.hi]
-                    pending.append((self.transport.irecv(buffer, hop.src, tag), hop.src))
-                seq += 1
-            wait(
-                pending,
-                f"step {self.ctx.step}, task {rt.task.name} ({reduction.algorithm} of {tensor} "
-                f"over ranks {list(reduction.participants)})",
-                self.rank,
-                self.ex.stall_timeout,
-            )
-            for hop, buffer in adds:
-                vector[hop.lo : hop.hi] += buffer
-        offset = 0
-        for (rect, holders), size in zip(collective.targets, sizes):
-            if self.rank in holders:
-                target = self.ex.view(tensor, rect)
-                if not np.may_share_memory(target, vector):  # else it was reduced in place
-                    target += vector[offset : offset + size].reshape(target.shape)
-            offset += size
-        self._event(
-            "collective",
-            f"{reduction.algorithm} {tensor}",
-            COMMUNICATION,
-            start,
-            {
-                "step": self.step_label,
-                "task": rt.task.name,
-                "tensor": tensor,
-                "bytes": reduction.nbytes,
-                "algorithm": reduction.algorithm,
-                "participants": list(reduction.participants),
-            },
+        running = _RunningCollective(self, rt, collective, vector)
+        running.post_round()
+        self.collectives.append(running)
+
+    def _complete_collectives(self, rt: RankTask | None) -> None:
+        """Finish the collectives in flight up to the last one whose tensor `rt` touches (all when
+        None), in the order they started.
+
+        Every rank starts the collectives in the same order and completes them in that order
+        too, so the oldest collective anyone is blocked in never waits on a rank blocked in a
+        younger one: a rank blocks in a collective only once every older one is done."""
+        if not self.collectives:
+            return
+        touched = None if rt is None else self._tensors_of(rt)
+        last = max(
+            (i for i, c in enumerate(self.collectives) if touched is None or c.tensor in touched),
+            default=-1,
         )
+        for running in self.collectives[: last + 1]:
+            running.complete()
+        del self.collectives[: last + 1]
+
+    def _tensors_of(self, rt: RankTask) -> frozenset[str]:
+        key = (self.program_key, rt.index)
+        tensors = self.ex.task_tensors.get(key)
+        if tensors is None:
+            names = {req.tensor for piece in rt.pieces for req in piece.requirements}
+            messages = (*rt.copies_in, *rt.partial_in, *rt.partial_out, *rt.post)
+            names.update(m.tensor for m in messages)
+            names.update(c.reduction.tensor for c in rt.collectives)
+            names.update(rt.local_parts)
+            tensors = self.ex.task_tensors[key] = frozenset(names)
+        return tensors
+
+    def _advance_collectives(self, skip: _RunningCollective | None = None) -> None:
+        for running in self.collectives:
+            if running is not skip:
+                running.advance()
 
     def _progress(self) -> None:
+        self._advance_collectives()
         still = []
         for entry in self.sends:
             request, peer, _, message, posted = entry
-            if request.test():
+            if done(request, peer, f"step {self.ctx.step}, a send to rank {peer}", self.rank):
                 if message is not None and self.recorder is not None:
                     self.recorder.add(
                         "send",
@@ -317,6 +310,7 @@ class StepRun:
         self.sends = still
 
     def finish(self) -> None:
+        self._complete_collectives(None)
         if self.inbox:
             seqs = sorted(self.inbox)
             raise AssertionError(f"rank {self.rank}: messages {seqs[:5]} were never consumed")
@@ -328,3 +322,110 @@ class StepRun:
             self.ex.stall_timeout,
         )
         self._progress()
+
+
+class _RunningCollective:
+    """A collective in flight: its rounds of hops, posted one after another as each completes.
+
+    Hops send straight from the vector and a round waits for its sends as well as its receives,
+    since a later round (or an add in this one) may overwrite what was sent. A hop that only
+    copies receives straight into the vector. Between the step's tasks, `advance` moves it on
+    without blocking; `complete` blocks until the last round is in, then adds the result into
+    the tensor (unless it was reduced in place). Until then no task touches the tensor: the
+    step completes a collective before any task that does."""
+
+    def __init__(
+        self, run: StepRun, rt: RankTask, collective: Collective, vector: np.ndarray
+    ) -> None:
+        self.run = run
+        self.rt = rt
+        self.collective = collective
+        self.tensor = collective.reduction.tensor
+        self.vector = vector
+        self.round = 0
+        self.seq = collective.seq
+        self.pending: list[tuple[Any, int]] = []
+        self.adds: list[tuple[Any, np.ndarray]] = []
+        self.started = run._now()
+        #: when the last round came in, for the trace (the step may complete it much later)
+        self.finished = self.started
+
+    @property
+    def what(self) -> str:
+        reduction = self.collective.reduction
+        return (
+            f"step {self.run.ctx.step}, task {self.rt.task.name} ({reduction.algorithm} of "
+            f"{self.tensor} over ranks {list(reduction.participants)})"
+        )
+
+    def post_round(self) -> None:
+        run, vector = self.run, self.vector
+        self.pending, self.adds = [], []
+        for hop in self.collective.rounds[self.round]:
+            tag = run.transport.data_tag(self.seq)
+            if hop.src == run.rank:
+                request = run.transport.isend(vector[hop.lo : hop.hi], hop.dst, tag)
+                self.pending.append((request, hop.dst))
+            if hop.dst == run.rank:
+                if hop.add:  # one buffer per add of a round serves every round
+                    key = ("hop", self.collective.seq, len(self.adds))
+                    buffer = run.ex.buffers.get(key, (hop.hi - hop.lo,), vector.dtype)
+                    self.adds.append((hop, buffer))
+                else:
+                    buffer = vector[hop.lo : hop.hi]
+                self.pending.append((run.transport.irecv(buffer, hop.src, tag), hop.src))
+            self.seq += 1
+
+    def _end_round(self) -> None:
+        for hop, buffer in self.adds:
+            self.vector[hop.lo : hop.hi] += buffer
+        self.round += 1
+        if self.round < len(self.collective.rounds):
+            self.post_round()
+        else:
+            self.finished = self.run._now()
+
+    def advance(self) -> None:
+        rank, what = self.run.rank, self.what
+        while self.round < len(self.collective.rounds) and all(
+            done(request, peer, what, rank) for request, peer in self.pending
+        ):
+            self._end_round()
+
+    def complete(self) -> None:
+        run = self.run
+        reduction = self.collective.reduction
+        while self.round < len(self.collective.rounds):
+            wait(
+                self.pending,
+                self.what,
+                run.rank,
+                run.ex.stall_timeout,
+                lambda: run._advance_collectives(skip=self),
+            )
+            self._end_round()
+        offset = 0
+        for rect, holders in self.collective.targets:
+            size = rect.volume
+            if run.rank in holders:
+                target = run.ex.view(self.tensor, rect)
+                if not np.may_share_memory(target, self.vector):  # else it was reduced in place
+                    target += self.vector[offset : offset + size].reshape(target.shape)
+            offset += size
+        if run.recorder is None:
+            return
+        run.recorder.add(
+            "collective",
+            f"{reduction.algorithm} {self.tensor}",
+            COMMUNICATION,
+            self.started,
+            self.finished,
+            {
+                "step": run.step_label,
+                "task": self.rt.task.name,
+                "tensor": self.tensor,
+                "bytes": reduction.nbytes,
+                "algorithm": reduction.algorithm,
+                "participants": list(reduction.participants),
+            },
+        )

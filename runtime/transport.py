@@ -77,22 +77,19 @@ def wait(
     what: str,
     rank: int,
     stall_timeout: float,
+    progress: Callable[[], None] | None = None,
 ) -> None:
-    """Wait for every (request, peer rank); past `stall_timeout` s, name the peers still owed."""
+    """Wait for every (request, peer rank); past `stall_timeout` s, name the peers still owed.
+
+    `progress`, when given, is called at every poll: the caller's other work in flight (the
+    rounds of background collectives) moves on while this rank waits."""
     remaining = list(pending)
     start = time.monotonic()
     pause = 0.0
     while remaining:
-        still = []
-        for req, peer in remaining:
-            try:
-                if not req.test():
-                    still.append((req, peer))
-            except (GroupAborted, PeerLost):
-                raise
-            except Exception as exc:
-                raise PeerLost(rank, peer, what, exc) from exc
-        remaining = still
+        if progress is not None:
+            progress()
+        remaining = [(req, peer) for req, peer in remaining if not done(req, peer, what, rank)]
         if not remaining:
             return
         waited = time.monotonic() - start
@@ -111,6 +108,16 @@ def wait(
         # Then back off to 1 ms: a long wait must not spin a core another rank needs.
         pause = min(max(pause * 2, 1e-5), 1e-3)
         time.sleep(pause)
+
+
+def done(request: Request, peer: int, what: str, rank: int) -> bool:
+    """Whether `request` has completed; a failure of the transport names the peer (`PeerLost`)."""
+    try:
+        return request.test()
+    except (GroupAborted, PeerLost):
+        raise
+    except Exception as exc:
+        raise PeerLost(rank, peer, what, exc) from exc
 
 
 def wait_object(request: ObjectRequest, peer: int, what: str, rank: int, timeout: float) -> Any:

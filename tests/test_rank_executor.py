@@ -9,6 +9,7 @@ run the same programs under `mpiexec`.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +24,8 @@ from partitioner.strategy import Strategy, builtin, find_units
 from runtime import data
 from runtime.distributed import RunOptions, train_rank
 from runtime.rank_executor import RankExecutor, TaskFailure
-from runtime.rank_program import build_programs
+from runtime.rank_program import build_programs, step_order
+from runtime.rank_step import StepRun
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import ThreadTransport, run_threads
 
@@ -286,3 +288,44 @@ def test_a_gradient_added_to_twice_is_reduced_in_place_only_the_first_time(nrank
         self.config.network.lower(batch=batch, dtype="float64")))  # fmt: skip
     cfg = config(small_network())
     assert_same(local_run(cfg), ranks_run(cfg, nranks, "data"))
+
+
+def test_the_updates_go_after_the_backward_pass_and_every_dependence_holds():
+    graph = small_network().lower(batch=4, dtype="float64")
+    order = step_order(graph)
+    assert sorted(order) == list(range(len(graph.tasks)))
+    position = {graph.tasks[i].name: p for p, i in enumerate(order)}
+    for dep in graph.dependences:
+        assert position[dep.src] < position[dep.dst], dep
+    phases = [graph.tasks[i].phase for i in order]
+    first_update = phases.index("update")
+    assert first_update > max(p for p, phase in enumerate(phases) if phase == "backward")
+    assert set(phases[first_update:]) == {"update"}
+    others = [i for i in order if graph.tasks[i].phase != "update"]
+    assert others == sorted(others)  # everything else keeps the graph's order
+    assert order != list(range(len(graph.tasks)))  # the graph interleaves them
+
+
+def test_a_collective_runs_while_the_backward_pass_goes_on(tmp_path, monkeypatch):
+    """Rank 1 stalls in a backward task after starting the all-reduce of the classifier's
+    gradient. Rank 0 must not wait for it there: it goes on down the backward pass, and only the
+    update that reads the gradient waits for the sum."""
+    compute = StepRun._compute
+
+    def slow_on_rank_1(self, rt, piece, scratch):
+        if self.rank == 1 and rt.task.name == "L1.filterNL.grad":
+            time.sleep(0.3)
+        compute(self, rt, piece, scratch)
+
+    monkeypatch.setattr(StepRun, "_compute", slow_on_rank_1)
+    cfg = config(small_network(), steps=1)
+    trace = tmp_path / "trace.json"
+    options = RunOptions(strategy="data", stall_timeout=30, trace=str(trace))
+    run_threads(2, lambda t: train_rank(cfg, t, options))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    on_rank_0 = {(e["cat"], e["name"]): e for e in events if e["pid"] == 0}
+    reduction = on_rank_0[("collective", "allreduce classifier.weights1.grad")]
+    lowest_layer = on_rank_0[("compute", "L0.filter.grad")]
+    update = on_rank_0[("compute", "update_W1")]
+    assert reduction["ts"] + reduction["dur"] - lowest_layer["ts"] > 0.2e6
+    assert update["ts"] >= reduction["ts"] + reduction["dur"]
