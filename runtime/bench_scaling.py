@@ -14,8 +14,9 @@ calibrated from what this benchmark measures, plus the training loop's time outs
   count the rank counts use (2 threads for 1 rank, 1 for 2 and 4 ranks on this 2-core machine),
   each op's FLOPs over its measured time (`calibrate`). A rank on R ranks runs at its thread
   count's rates; oversubscribed ranks time-share, at the fraction cores/(R·threads);
-- memory bandwidth: this process streaming `a + b -> c` over 256 MB arrays. The model's
-  roofline then prices zeroing, loading and elementwise work by their bytes, a `linear` at a
+- memory bandwidth: what the runtime's own weight-sized zeroing reaches in the calibration
+  trace where there is any (seed-lcn's gradients: about half a streaming add's rate), else this
+  process streaming `a + b -> c` over 256 MB arrays. The model's roofline then prices zeroing, loading and elementwise work by their bytes, a `linear` at a
   small batch by its weights, and the local passes of messages and collectives;
 - the runtime's fixed cost per task: the median, over the tasks priced at no FLOPs, of their time
   beyond their bytes;
@@ -167,12 +168,16 @@ class Calibration:
     threads: int
     #: GFLOP/s by the cost model's keys (op, pass, tied or untied)
     op_gflops: dict[str, float]
-    #: the machine's streaming bandwidth (`memory_bandwidth`)
+    #: the bandwidth the runtime's memory-bound tasks reach (else `memory_bandwidth`)
     memory_gbytes_per_s: float
     #: the runtime's fixed cost per task
     task_overhead_us: float
     #: seconds per step outside every task: the training loop, logging
     loop_seconds: float
+
+
+#: a zero-FLOP task moving this many bytes calibrates the memory bandwidth (`calibrate`)
+_LARGE_BYTES = 64 * 2**20
 
 
 def rate_keys(task: Task) -> tuple[str, ...]:
@@ -201,9 +206,14 @@ def memory_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
 def calibrate(job: Job, threads: int, memory_gbytes_per_s: float) -> Calibration:
     """Fit the model's per-task terms to the 1-rank trace.
 
-    The overhead is the median, over the tasks the model prices at no FLOPs (zeroing, loading),
-    of what each took beyond its bytes at the measured bandwidth; each FLOP-priced op's rate is
-    its FLOPs over its time less that overhead, summed over its tasks."""
+    The tasks the model prices at no FLOPs (zeroing, loading) give the runtime's memory terms.
+    The overhead is the median, over the small ones, of what each took beyond its bytes. Where
+    some move `_LARGE_BYTES` or more (a weight-sized gradient
+    zeroed), the bandwidth is theirs: their bytes over their time less the overhead. The
+    runtime's passes over a weight reach less than a streaming add does, and on a step
+    dominated by weight-sized traffic the model must price those at the rate the runtime gets.
+    Each FLOP-priced op's rate is its FLOPs over its time less the overhead, summed over its
+    tasks."""
     graph = load_network(job.network).lower(batch=job.batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
@@ -214,13 +224,22 @@ def calibrate(job: Job, threads: int, memory_gbytes_per_s: float) -> Calibration
     spent: dict[str, float] = defaultdict(float)
     for event in events:
         spent[event["name"]] += event["dur"] * 1e-6 / steps
-    per_byte = 1.0 / (memory_gbytes_per_s * 1e9)
-    beyond = [
-        max(t - traffic.get(name, 0.0) * per_byte, 0.0)
-        for name, t in spent.items()
-        if not flops.get(name)
-    ]
-    overhead = statistics.median(beyond) if beyond else 0.0
+    memory_only = [name for name in spent if not flops.get(name)]
+    large = [name for name in memory_only if traffic.get(name, 0.0) >= _LARGE_BYTES]
+    small = [name for name in memory_only if name not in large]
+    overhead = 0.0
+    # The overhead is read beyond the small tasks' bytes, and the bandwidth beyond the large
+    # ones' overhead: alternate until the two agree (a few rounds; the bytes terms are small
+    # beside the overhead in the one, and the reverse in the other).
+    for _ in range(4):
+        per_byte = 1.0 / (memory_gbytes_per_s * 1e9)
+        beyond = [max(spent[name] - traffic.get(name, 0.0) * per_byte, 0.0) for name in small]
+        overhead = statistics.median(beyond) if beyond else 0.0
+        if not large:
+            break
+        moved = sum(traffic[name] for name in large)
+        taken = sum(max(spent[name] - overhead, 1e-9) for name in large)
+        memory_gbytes_per_s = moved / taken / 1e9
     seconds: dict[str, float] = defaultdict(float)
     work: dict[str, float] = defaultdict(float)
     for name, t in spent.items():
