@@ -1,8 +1,10 @@
+import numba
 import numpy as np
 import pytest
 from numeric_grad import assert_grad, numeric_grad
 
-from runtime.kernels.linear import linear_backward, linear_forward
+from runtime.kernels import linear
+from runtime.kernels.linear import STREAMING_BATCH, linear_backward, linear_forward
 
 
 def _inputs(n, m, chw, dtype, seed=0):
@@ -111,3 +113,34 @@ def test_weight_grad_accumulates_in_place(dtype):
     np.testing.assert_allclose(dw, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
     with pytest.raises(ValueError, match="C-contiguous"):
         linear_weight_grad_accumulate(dy, x, np.asfortranarray(dw))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 3, STREAMING_BATCH, STREAMING_BATCH + 1])
+def test_small_and_large_batches_agree_with_einsum_across_chunks(n, dtype, monkeypatch):
+    """Batches up to STREAMING_BATCH take the streaming loops, larger ones BLAS; a feature count
+    of 2.4 chunks puts a chunk boundary inside every row."""
+    monkeypatch.setattr(linear, "STREAMING_CHUNK", 25)
+    x, w, _ = _inputs(n, 3, (2, 5, 6), dtype, seed=n)  # 60 features: chunks of 25, 25, 10
+    dy = np.random.default_rng(7).standard_normal((n, 3, 1, 1)).astype(dtype)
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy[:, :, 0, 0]))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == np.float32 else {"rtol": 1e-12, "atol": 0}
+    np.testing.assert_allclose(
+        linear_forward(x, w)[:, :, 0, 0], np.einsum("nchw,mchw->nm", x64, w64), **tol
+    )
+    dx = linear.linear_input_grad(dy, w, x.shape)
+    assert dx.dtype == dtype
+    np.testing.assert_allclose(dx, np.einsum("nm,mchw->nchw", dy64, w64), **tol)
+
+
+def test_the_streaming_forward_does_not_depend_on_the_thread_count(monkeypatch):
+    monkeypatch.setattr(linear, "STREAMING_CHUNK", 1000)
+    x, w, _ = _inputs(2, 4, (3, 50, 40), np.float32)  # 6 chunks
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = linear_forward(x, w)
+        numba.set_num_threads(threads)
+        assert np.array_equal(linear_forward(x, w), one)
+    finally:
+        numba.set_num_threads(threads)
