@@ -51,7 +51,7 @@ def nonempty(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def to_rect(lo: Sequence[int], hi: Sequence[int]) -> Rect:
-    """A Rect from one row of each array, without `Rect.__post_init__`'s conversions.
+    """A Rect from one row of each array, without `Rect.__init__`'s conversions.
 
     Materialising a plan of 1024 ranks makes about a million of these."""
     rect = object.__new__(Rect)
