@@ -224,9 +224,7 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
     n = plan.nranks
     costs = []
     traffic = (
-        bytes_per_rank(graph, plan)
-        if machine.seconds_per_memory_byte
-        else [None] * len(plan.tasks)
+        bytes_per_rank(graph, plan) if machine.seconds_per_memory_byte else [None] * len(plan.tasks)
     )
     for task, task_plan, per_rank, moved in zip(
         graph.tasks, plan.tasks, flops_per_rank(graph, plan), traffic
@@ -242,9 +240,7 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
         )
         sent += sum(wire for _, wire in priced)
         costs.append(
-            task_cost(
-                task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine, moved
-            )
+            task_cost(task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine, moved)
         )
     return costs
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import product
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -39,6 +41,8 @@ from partitioner.layout import Layout
 DIRECT_LIMIT = 16
 #: pieces checked against direct calls, besides the grid's corners and centre
 SAMPLE = 8
+
+_lo_of, _hi_of = attrgetter("lo"), attrgetter("hi")
 
 
 @dataclass(frozen=True)
@@ -275,27 +279,36 @@ def _probes(d, bounds, space, dims, fn, attrs, memo) -> dict[str, tuple[np.ndarr
     found = {}
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
-        rects = [None if p is None else p[role] for p in probes]
-        first = rects[0]
-        if first is not None and all(r == first for r in rects):  # the part does not move it
-            both = np.tile(np.array(first.lo + first.hi, boxes.INDEX), (len(rects), 1))
-        else:
-            blank = (0,) * (2 * ndim)
-            both = np.array(
-                [blank if r is None else r.lo + r.hi for r in rects], boxes.INDEX
-            ).reshape(len(rects), 2 * ndim)
-        probe_lo, probe_hi = both[:, :ndim], both[:, ndim:]
         if used.all():
-            moves = np.any(probe_lo != probe_lo[0], axis=0) | np.any(
-                probe_hi != probe_hi[0], axis=0
-            )
-        else:
-            moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
-                probe_hi[used] != probe_hi[used][0], axis=0
-            )
+            found[role] = _role_probes(list(map(itemgetter(role), probes)), ndim)
+            continue
+        rects = [None if p is None else p[role] for p in probes]
+        blank = (0,) * (2 * ndim)
+        both = np.array([blank if r is None else r.lo + r.hi for r in rects], boxes.INDEX)
+        probe_lo, probe_hi = both[:, :ndim], both[:, ndim:]
+        moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
+            probe_hi[used] != probe_hi[used][0], axis=0
+        )
         found[role] = (probe_lo, probe_hi, moves)
     memo[key] = found
     return found
+
+
+def _role_probes(rects: list[Rect], ndim: int) -> tuple[np.ndarray, ...]:
+    """`_probes`' (lo, hi, moves) of one role from its rect in every (non-empty) part.
+
+    The bounds are gathered as tuples and compared with `list.count`, which stays in C: this
+    runs for every part of every cut dim of every role, some 10⁵ rects at 1024 ranks."""
+    count = len(rects)
+    los, his = list(map(_lo_of, rects)), list(map(_hi_of, rects))
+    if los.count(los[0]) == count and his.count(his[0]) == count:  # the part does not move it
+        one = np.array(los[0] + his[0], boxes.INDEX).reshape(1, 2 * ndim)
+        both = np.broadcast_to(one, (count, 2 * ndim))
+        return both[:, :ndim], both[:, ndim:], np.zeros(ndim, bool)
+    probe_lo = np.array(los, boxes.INDEX).reshape(count, ndim)
+    probe_hi = np.array(his, boxes.INDEX).reshape(count, ndim)
+    moves = np.any(probe_lo != probe_lo[0], axis=0) | np.any(probe_hi != probe_hi[0], axis=0)
+    return probe_lo, probe_hi, moves
 
 
 def _sample(coords: np.ndarray, cut: list[int]) -> list[int]:
@@ -309,9 +322,16 @@ def _sample(coords: np.ndarray, cut: list[int]) -> list[int]:
             match &= coords[d] == value
         chosen.update(np.flatnonzero(match).tolist())
     chosen.add(count // 2)
-    rng = np.random.default_rng(count)
-    chosen.update(rng.choice(count, size=min(SAMPLE, count), replace=False).tolist())
+    chosen.update(_random_pieces(count))
     return sorted(chosen)
+
+
+@cache
+def _random_pieces(count: int) -> tuple[int, ...]:
+    """`SAMPLE` pieces of `count`, drawn by a generator seeded with `count` (kept: making the
+    generator costs more than the rest of `_sample`, and grids of equal size recur)."""
+    rng = np.random.default_rng(count)
+    return tuple(rng.choice(count, size=min(SAMPLE, count), replace=False).tolist())
 
 
 def homed_pieces(graph: TaskGraph, task: Task, homes: Mapping[str, Layout]) -> list[PieceSet]:

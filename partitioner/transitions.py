@@ -348,6 +348,9 @@ class UnitPricer:
         return ("home", source, readers)
 
     def _layout(self, key: Key) -> Layout:
+        """The layout `key` names, made once per contents: different grids often leave a
+        tensor the same (a replicated parameter's home), and repeated layers write alike."""
+
         def make() -> Layout:
             if key[0] == "home":
                 return home_layout(self.graph, key[1], self._home_reads(key))
@@ -355,7 +358,10 @@ class UnitPricer:
             found = self._accesses(name, grid).writes[tensor]
             return written_layout(self.graph, self.graph.task(name), tensor, found)
 
-        return self._remember(("layout", key), make)
+        return self._remember(
+            ("layout", key),
+            lambda: self._remember(("layout of", key[0], self._layout_digest(key)), make),
+        )
 
     def _layout_digest(self, key: Key) -> bytes:
         """A digest naming the layout's contents: of the rects and ranks it is made from."""
@@ -373,7 +379,14 @@ class UnitPricer:
         return self._remember(("layout digest", key), make)
 
     def _geometry(self, key: Key) -> Geometry:
-        return self._remember(("geometry", key), lambda: Geometry(self._layout(key), self.nranks))
+        """`grid_loads.Geometry` of the layout `key` names, made once per contents."""
+        return self._remember(
+            ("geometry", key),
+            lambda: self._remember(
+                ("geometry of", key[0], self._layout_digest(key)),
+                lambda: Geometry(self._layout(key), self.nranks),
+            ),
+        )
 
     def _rects(self, key: Key, accesses: Accesses) -> RectSet:
         return self._remember(("rects", key), lambda: RectSet(accesses))
