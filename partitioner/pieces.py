@@ -7,9 +7,11 @@ it on demand.
 
 *Grid pieces* (a partitioned task): cell i of the row-major grid, on rank i; empty cells are
 left out. Their requirement rects come from the layer's access map. One call per piece costs
-several microseconds, a second for 1024 ranks, so a grid of more than `DIRECT_LIMIT` pieces is
-*probed* instead: the map is applied to the whole space and, for each cut dim d and each part i,
-to the space cut only along d. The access maps here are axis-separable (each dim of a returned
+several microseconds, a second for 1024 ranks, so a grid of more than `DIRECT_LIMIT` pieces
+takes them from the op's array map (`box_maps.py`), all pieces at once, where it has one and it
+agrees with the access map on a sample of pieces (as below); otherwise the grid is *probed*:
+the map is applied to the whole space and, for each cut dim d and each part i, to the space cut
+only along d. The access maps here are axis-separable (each dim of a returned
 rect follows at most one dim of the piece: a halo's rows its rows, a linear layer's weight rows
 its features; cutting another dim never widens it), so a piece's rect is the intersection of
 its probes' rects. This is checked, not assumed: a map where a dim of a rect moves with two dims
@@ -35,6 +37,7 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.rect import Rect, split_bounds
 from partitioner import boxes
+from partitioner.box_maps import BoxMap, box_map
 from partitioner.layout import Layout
 
 #: grids of at most this many pieces get one access-map call per piece
@@ -121,7 +124,12 @@ def grid_pieces(
     dims = {req.role: graph.tensors[req.tensor].dims for req in task.requirements}
     rects = None
     if len(ranks) > DIRECT_LIMIT:
-        rects = _probed(task, dims, bounds, coords, lo, hi, {} if memo is None else memo)
+        memo = {} if memo is None else memo
+        boxed = box_map(task.op, task.phase)
+        if boxed is not None:
+            rects = _boxed(task, dims, boxed, bounds, coords, lo, hi, memo)
+        if rects is None:
+            rects = _probed(task, dims, bounds, coords, lo, hi, memo)
     if rects is None:
         rects = _direct(task, dims, lo, hi)
     ptr = np.arange(len(ranks) + 1, dtype=boxes.INDEX)
@@ -221,14 +229,7 @@ def _probed(
     """Requirement rects of every piece from the probes, or None where the map is not separable."""
     fn = access_map(task.op, task.phase)
     space = task.space
-
-    def call(piece_lo: Sequence[int], piece_hi: Sequence[int]) -> dict[str, Rect]:
-        key = ("call", tuple(piece_lo), tuple(piece_hi))
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi))
-        return found
-
+    call = _memoised(task, dims, memo)
     cut = [d for d, b in enumerate(bounds) if len(b) > 1]
     probes = {d: _probes(d, bounds[d], space, dims, fn, task.attrs, memo) for d in cut}
     out = {}
@@ -247,16 +248,62 @@ def _probed(
         if not cut:
             whole = call(space.lo, space.hi)[role]
             role_lo[:], role_hi[:] = whole.lo, whole.hi
-        empty = ~boxes.nonempty(role_lo, role_hi)
-        role_lo[empty] = 0
-        role_hi[empty] = 0
-        out[role] = (role_lo, role_hi)
+        out[role] = _zero_empty(role_lo, role_hi)
+    return out if _agrees(out, call, coords, cut, lo, hi) else None
+
+
+def _boxed(
+    task: Task,
+    dims: Mapping[str, tuple[int, ...]],
+    boxed: BoxMap,
+    bounds: list[np.ndarray],
+    coords: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    memo: dict,
+) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+    """Requirement rects of every piece from the op's array map (`box_maps.py`), or None where
+    they differ from the layer's own map on the sampled pieces."""
+    out = {}
+    for role, (role_lo, role_hi) in boxed(task.attrs, dims, lo, hi).items():
+        shape = (len(lo), len(dims[role]))
+        role_lo = np.array(np.broadcast_to(role_lo, shape), boxes.INDEX)
+        role_hi = np.array(np.broadcast_to(role_hi, shape), boxes.INDEX)
+        out[role] = _zero_empty(role_lo, role_hi)
+    cut = [d for d, b in enumerate(bounds) if len(b) > 1]
+    return out if _agrees(out, _memoised(task, dims, memo), coords, cut, lo, hi) else None
+
+
+def _memoised(task: Task, dims: Mapping[str, tuple[int, ...]], memo: dict):
+    """The task's access map on a piece given as bounds, its answers kept in `memo`."""
+    fn = access_map(task.op, task.phase)
+
+    def call(piece_lo: Sequence[int], piece_hi: Sequence[int]) -> dict[str, Rect]:
+        key = ("call", tuple(piece_lo), tuple(piece_hi))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi))
+        return found
+
+    return call
+
+
+def _zero_empty(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Empty rects as the access maps give them, all zeros (in place)."""
+    empty = ~boxes.nonempty(lo, hi)
+    lo[empty] = 0
+    hi[empty] = 0
+    return lo, hi
+
+
+def _agrees(out, call, coords: np.ndarray, cut: list[int], lo: np.ndarray, hi: np.ndarray) -> bool:
+    """Whether the rects `out` gives the sampled pieces are those of the access map (`call`)."""
     for i in _sample(coords, cut):
         rects = call(lo[i].tolist(), hi[i].tolist())
         for role, (role_lo, role_hi) in out.items():
             if rects[role] != boxes.to_rect(role_lo[i].tolist(), role_hi[i].tolist()):
-                return None
-    return out
+                return False
+    return True
 
 
 def _probes(d, bounds, space, dims, fn, attrs, memo) -> dict[str, tuple[np.ndarray, ...]]:
