@@ -66,6 +66,7 @@ from partitioner.accounting import (
     pieces_bytes,
     pieces_flops,
     received_once,
+    reductions_memory,
 )
 from partitioner.cost import (
     busy_seconds,
@@ -530,9 +531,7 @@ class UnitPricer:
                         groups.append(np.asarray(reduction.participants, boxes.INDEX))
                         seconds.append(took)
                         wire += on_wire
-                        memory[list(reduction.participants)] += reduction.nbytes
-                        for rect, holders in reduction.targets:
-                            memory[list(holders)] -= rect.volume * reduction.itemsize
+                    memory += reductions_memory(reductions, n)
                     count = len(groups)
                     collectives = (
                         groups,
