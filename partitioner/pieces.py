@@ -298,10 +298,14 @@ def _zero_empty(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 def _agrees(out, call, coords: np.ndarray, cut: list[int], lo: np.ndarray, hi: np.ndarray) -> bool:
     """Whether the rects `out` gives the sampled pieces are those of the access map (`call`)."""
-    for i in _sample(coords, cut):
-        rects = call(lo[i].tolist(), hi[i].tolist())
-        for role, (role_lo, role_hi) in out.items():
-            if rects[role] != boxes.to_rect(role_lo[i].tolist(), role_hi[i].tolist()):
+    chosen = _sample(coords, cut)
+    expected = [call(a, b) for a, b in zip(lo[chosen].tolist(), hi[chosen].tolist())]
+    for role, (role_lo, role_hi) in out.items():
+        # bounds compared as tuples: a Rect per sampled piece and role would cost more
+        got = zip(role_lo[chosen].tolist(), role_hi[chosen].tolist())
+        for rects, (a, b) in zip(expected, got):
+            rect = rects[role]
+            if rect.lo != tuple(a) or rect.hi != tuple(b):
                 return False
     return True
 
