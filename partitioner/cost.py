@@ -285,10 +285,20 @@ def busy_seconds(
         members = [groups[g] for g in used.tolist()]
         busy[np.concatenate(members)] = np.repeat(sums, [len(m) for m in members])
         return busy
-    for g, e, s in zip(group.tolist(), extra.tolist(), seconds.tolist()):
-        busy[groups[g]] += s
-        if e >= 0:
-            busy[e] += s
+    # Overlapping groups: every (collective, rank) pair in collective order, each collective's
+    # extra rank right after its group, added one by one by np.add.at (unbuffered, in index
+    # order), so each rank's seconds are summed in the same order as a loop would.
+    sizes = np.array([len(members) for members in groups], np.int64)[group]
+    total = sizes + alone
+    ptr = np.zeros(len(total) + 1, np.int64)
+    np.cumsum(total, out=ptr[1:])
+    starts = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    flat = np.empty(int(ptr[-1]), np.int64)
+    within = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(starts, sizes)
+    flat[np.repeat(ptr[:-1], sizes) + within] = np.concatenate([groups[g] for g in group.tolist()])
+    flat[ptr[1:][alone] - 1] = extra[alone]
+    np.add.at(busy, flat, np.repeat(seconds, total))
     return busy
 
 

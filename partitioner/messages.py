@@ -202,12 +202,15 @@ def combine(
     rest = np.flatnonzero(~simple & ~split)
     holder_ptr, holder_ranks = layout.holder_ptr.tolist(), layout.holder_ranks.tolist()
     box_of = box.tolist()
-    for gi, cell_i, first, count, same in zip(
+    firsts = starts[rest]
+    for gi, cell_i, first, count, same, lead_lo, lead_hi in zip(
         rest.tolist(),
         group_cell[rest].tolist(),
-        starts[rest].tolist(),
+        firsts.tolist(),
         entries[rest].tolist(),
         equal[rest].tolist(),
+        part_lo[firsts].tolist(),
+        part_hi[firsts].tolist(),
     ):
         holders = tuple(holder_ranks[holder_ptr[cell_i] : holder_ptr[cell_i + 1]])
         members = range(first, first + count)
@@ -234,7 +237,7 @@ def combine(
             src = participants[0] if participants[1] == holders[0] else participants[1]
             records.append((gi, 0, first, src, holders))
             continue
-        part = boxes.to_rect(part_lo[first].tolist(), part_hi[first].tolist())
+        part = boxes.to_rect(lead_lo, lead_hi)
         collectives.setdefault(participants, []).append((part, holders))
     block = _partial_sums(tensor, itemsize, part_lo, part_hi, rows, records, major)
     return block, list(collectives.items())
