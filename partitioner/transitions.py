@@ -553,8 +553,8 @@ class UnitPricer:
             moved = [self._fetch(k) if k[0] == "fetch" else self._combine(k) for k in keys]
             moved = [m for m in moved if m is not _NOTHING]
             traffic = self._traffic(task, [pieces])
+            flops = self._flops(name, grid)
             if not moved:  # it only computes
-                flops = pieces_flops(self.graph, task, [pieces], n)
                 return compute_time(task, flops, traffic, self.machine), None
             incoming = [np.zeros(n), np.zeros(n), np.zeros(n)]
             partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
@@ -586,13 +586,22 @@ class UnitPricer:
                 busy = busy_seconds(
                     groups, np.concatenate(group), np.concatenate(extra), np.concatenate(seconds), n
                 )
-            flops = pieces_flops(self.graph, task, [pieces], n)
             cost = task_cost(
                 task, self.rows[name], flops, incoming, partial, busy, sent, self.machine, traffic
             )
             return cost.seconds, memory
 
         return self._remember(("task", name, grid, keys), make)
+
+    def _flops(self, name: str, grid: Grid) -> np.ndarray:
+        """FLOPs per rank of task `name` on `grid`, kept: its cost is made once per set of
+        messages, and most tasks meet several."""
+        return self._remember(
+            ("flops", name, grid),
+            lambda: pieces_flops(
+                self.graph, self.graph.task(name), [self._pieces(name, grid)], self.nranks
+            ),
+        )
 
     def _traffic(self, task: Task, piece_sets) -> np.ndarray | None:
         """Bytes per rank of `piece_sets`, where the machine prices memory traffic."""
