@@ -40,19 +40,23 @@ def _format_array(values: Sequence[int]) -> str:
     return "array([" + ", ".join(str(v) for v in values) + "], dtype=int32)"
 
 
-@dataclass(frozen=True, slots=True)
+_set_field = object.__setattr__
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Rect:
     lo: tuple[int, ...]
     hi: tuple[int, ...]
 
-    def __post_init__(self) -> None:
-        # map(int, ...): planning at 1024 ranks builds hundreds of thousands of rects
-        lo = tuple(map(int, self.lo))
-        hi = tuple(map(int, self.hi))
+    def __init__(self, lo: Iterable[int], hi: Iterable[int]) -> None:
+        # written out rather than a dataclass __init__ plus __post_init__: the access maps build
+        # some 10⁵ rects while planning 1024 ranks, and that pair sets each field twice
+        lo = tuple(map(int, lo))
+        hi = tuple(map(int, hi))
         if len(lo) != len(hi):
             raise ValueError(f"Rect bounds differ in rank: lo has {len(lo)} dims, hi has {len(hi)}")
-        object.__setattr__(self, "lo", lo)
-        object.__setattr__(self, "hi", hi)
+        _set_field(self, "lo", lo)
+        _set_field(self, "hi", hi)
 
     @classmethod
     def from_dims(cls, dims: Iterable[int]) -> Rect:
@@ -73,17 +77,23 @@ class Rect:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(max(h - lo, 0) for lo, h in zip(self.lo, self.hi))
+        return tuple([h - lo if h > lo else 0 for lo, h in zip(self.lo, self.hi)])
 
     @property
     def volume(self) -> int:
         v = 1
-        for extent in self.shape:
-            v *= extent
+        for lo, h in zip(self.lo, self.hi):
+            if h <= lo:
+                return 0
+            v *= h - lo
         return v
 
     def is_empty(self) -> bool:
-        return self.volume == 0
+        # a loop that stops at the first empty dim: every access map asks this of every piece
+        for lo, h in zip(self.lo, self.hi):
+            if h <= lo:
+                return True
+        return False
 
     def _check_rank(self, other: Rect) -> None:
         if other.ndim != self.ndim:

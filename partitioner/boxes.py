@@ -51,7 +51,7 @@ def nonempty(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def to_rect(lo: Sequence[int], hi: Sequence[int]) -> Rect:
-    """A Rect from one row of each array, without `Rect.__post_init__`'s conversions.
+    """A Rect from one row of each array, without `Rect.__init__`'s conversions.
 
     Materialising a plan of 1024 ranks makes about a million of these."""
     rect = object.__new__(Rect)
@@ -73,16 +73,23 @@ def first_seen_ids(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # One int64 key per row, column by column in mixed radix; when the next column would
     # overflow it, the key is first renumbered densely (ids < n). Sorting int64 keys is several
     # times faster than np.unique(axis=0)'s sort of the rows as byte strings.
+    # `bound` bounds the keys from above (all < bound), which saves a pass over them per column;
+    # a constant column (most, in the rects of a few pieces) leaves the keys as they are.
     key = np.zeros(len(rows), INDEX)
+    bound = 1
     for column in rows.T:
-        low = column.min()
-        span = int(column.max() - low) + 1
-        if int(key.max()) >= (1 << 62) // span:
-            key = np.unique(key, return_inverse=True)[1].reshape(-1).astype(INDEX)
+        low = int(column.min())
+        span = int(column.max()) - low + 1
+        if span == 1:
+            continue
+        if bound - 1 >= (1 << 62) // span:
+            unique, key = np.unique(key, return_inverse=True)
+            key, bound = key.reshape(-1).astype(INDEX), len(unique)
             if len(rows) >= (1 << 62) // span:
                 key = np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1)
                 break
         key = key * span + (column - low)
+        bound *= span
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")
     renumber = np.empty(len(first), INDEX)

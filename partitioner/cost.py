@@ -224,9 +224,7 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
     n = plan.nranks
     costs = []
     traffic = (
-        bytes_per_rank(graph, plan)
-        if machine.seconds_per_memory_byte
-        else [None] * len(plan.tasks)
+        bytes_per_rank(graph, plan) if machine.seconds_per_memory_byte else [None] * len(plan.tasks)
     )
     for task, task_plan, per_rank, moved in zip(
         graph.tasks, plan.tasks, flops_per_rank(graph, plan), traffic
@@ -242,9 +240,7 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
         )
         sent += sum(wire for _, wire in priced)
         costs.append(
-            task_cost(
-                task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine, moved
-            )
+            task_cost(task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine, moved)
         )
     return costs
 
@@ -280,15 +276,29 @@ def busy_seconds(
             return busy
         order = np.argsort(group, kind="stable")
         bounds = np.searchsorted(group[order], used, side="right")
-        start = 0
-        for g, stop in zip(used.tolist(), bounds.tolist()):
-            busy[groups[g]] = reduce(add, seconds[order[start:stop]].tolist(), 0.0)
+        ordered = seconds[order].tolist()
+        sums, start = [], 0
+        for stop in bounds.tolist():
+            sums.append(reduce(add, ordered[start:stop], 0.0))
             start = stop
+        # one assignment for all groups (they are disjoint): hundreds of groups at 1024 ranks
+        members = [groups[g] for g in used.tolist()]
+        busy[np.concatenate(members)] = np.repeat(sums, [len(m) for m in members])
         return busy
-    for g, e, s in zip(group.tolist(), extra.tolist(), seconds.tolist()):
-        busy[groups[g]] += s
-        if e >= 0:
-            busy[e] += s
+    # Overlapping groups: every (collective, rank) pair in collective order, each collective's
+    # extra rank right after its group, added one by one by np.add.at (unbuffered, in index
+    # order), so each rank's seconds are summed in the same order as a loop would.
+    sizes = np.array([len(members) for members in groups], np.int64)[group]
+    total = sizes + alone
+    ptr = np.zeros(len(total) + 1, np.int64)
+    np.cumsum(total, out=ptr[1:])
+    starts = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    flat = np.empty(int(ptr[-1]), np.int64)
+    within = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(starts, sizes)
+    flat[np.repeat(ptr[:-1], sizes) + within] = np.concatenate([groups[g] for g in group.tolist()])
+    flat[ptr[1:][alone] - 1] = extra[alone]
+    np.add.at(busy, flat, np.repeat(seconds, total))
     return busy
 
 

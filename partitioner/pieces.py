@@ -7,9 +7,11 @@ it on demand.
 
 *Grid pieces* (a partitioned task): cell i of the row-major grid, on rank i; empty cells are
 left out. Their requirement rects come from the layer's access map. One call per piece costs
-several microseconds, a second for 1024 ranks, so a grid of more than `DIRECT_LIMIT` pieces is
-*probed* instead: the map is applied to the whole space and, for each cut dim d and each part i,
-to the space cut only along d. The access maps here are axis-separable (each dim of a returned
+several microseconds, a second for 1024 ranks, so a grid of more than `DIRECT_LIMIT` pieces
+takes them from the op's array map (`box_maps.py`), all pieces at once, where it has one and it
+agrees with the access map on a sample of pieces (as below); otherwise the grid is *probed*:
+the map is applied to the whole space and, for each cut dim d and each part i, to the space cut
+only along d. The access maps here are axis-separable (each dim of a returned
 rect follows at most one dim of the piece: a halo's rows its rows, a linear layer's weight rows
 its features; cutting another dim never widens it), so a piece's rect is the intersection of
 its probes' rects. This is checked, not assumed: a map where a dim of a rect moves with two dims
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import product
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -33,12 +37,15 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.rect import Rect, split_bounds
 from partitioner import boxes
+from partitioner.box_maps import BoxMap, box_map
 from partitioner.layout import Layout
 
 #: grids of at most this many pieces get one access-map call per piece
 DIRECT_LIMIT = 16
 #: pieces checked against direct calls, besides the grid's corners and centre
 SAMPLE = 8
+
+_lo_of, _hi_of = attrgetter("lo"), attrgetter("hi")
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,12 @@ def grid_pieces(
     dims = {req.role: graph.tensors[req.tensor].dims for req in task.requirements}
     rects = None
     if len(ranks) > DIRECT_LIMIT:
-        rects = _probed(task, dims, bounds, coords, lo, hi, {} if memo is None else memo)
+        memo = {} if memo is None else memo
+        boxed = box_map(task.op, task.phase)
+        if boxed is not None:
+            rects = _boxed(task, dims, boxed, bounds, coords, lo, hi, memo)
+        if rects is None:
+            rects = _probed(task, dims, bounds, coords, lo, hi, memo)
     if rects is None:
         rects = _direct(task, dims, lo, hi)
     ptr = np.arange(len(ranks) + 1, dtype=boxes.INDEX)
@@ -217,14 +229,7 @@ def _probed(
     """Requirement rects of every piece from the probes, or None where the map is not separable."""
     fn = access_map(task.op, task.phase)
     space = task.space
-
-    def call(piece_lo: Sequence[int], piece_hi: Sequence[int]) -> dict[str, Rect]:
-        key = ("call", tuple(piece_lo), tuple(piece_hi))
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi))
-        return found
-
+    call = _memoised(task, dims, memo)
     cut = [d for d, b in enumerate(bounds) if len(b) > 1]
     probes = {d: _probes(d, bounds[d], space, dims, fn, task.attrs, memo) for d in cut}
     out = {}
@@ -243,16 +248,66 @@ def _probed(
         if not cut:
             whole = call(space.lo, space.hi)[role]
             role_lo[:], role_hi[:] = whole.lo, whole.hi
-        empty = ~boxes.nonempty(role_lo, role_hi)
-        role_lo[empty] = 0
-        role_hi[empty] = 0
-        out[role] = (role_lo, role_hi)
-    for i in _sample(coords, cut):
-        rects = call(lo[i].tolist(), hi[i].tolist())
-        for role, (role_lo, role_hi) in out.items():
-            if rects[role] != boxes.to_rect(role_lo[i].tolist(), role_hi[i].tolist()):
-                return None
-    return out
+        out[role] = _zero_empty(role_lo, role_hi)
+    return out if _agrees(out, call, coords, cut, lo, hi) else None
+
+
+def _boxed(
+    task: Task,
+    dims: Mapping[str, tuple[int, ...]],
+    boxed: BoxMap,
+    bounds: list[np.ndarray],
+    coords: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    memo: dict,
+) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+    """Requirement rects of every piece from the op's array map (`box_maps.py`), or None where
+    they differ from the layer's own map on the sampled pieces."""
+    out = {}
+    for role, (role_lo, role_hi) in boxed(task.attrs, dims, lo, hi).items():
+        shape = (len(lo), len(dims[role]))
+        role_lo = np.array(np.broadcast_to(role_lo, shape), boxes.INDEX)
+        role_hi = np.array(np.broadcast_to(role_hi, shape), boxes.INDEX)
+        out[role] = _zero_empty(role_lo, role_hi)
+    cut = [d for d, b in enumerate(bounds) if len(b) > 1]
+    return out if _agrees(out, _memoised(task, dims, memo), coords, cut, lo, hi) else None
+
+
+def _memoised(task: Task, dims: Mapping[str, tuple[int, ...]], memo: dict):
+    """The task's access map on a piece given as bounds, its answers kept in `memo`."""
+    fn = access_map(task.op, task.phase)
+
+    def call(piece_lo: Sequence[int], piece_hi: Sequence[int]) -> dict[str, Rect]:
+        key = ("call", tuple(piece_lo), tuple(piece_hi))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = fn(task.attrs, dims, boxes.to_rect(piece_lo, piece_hi))
+        return found
+
+    return call
+
+
+def _zero_empty(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Empty rects as the access maps give them, all zeros (in place)."""
+    empty = ~boxes.nonempty(lo, hi)
+    lo[empty] = 0
+    hi[empty] = 0
+    return lo, hi
+
+
+def _agrees(out, call, coords: np.ndarray, cut: list[int], lo: np.ndarray, hi: np.ndarray) -> bool:
+    """Whether the rects `out` gives the sampled pieces are those of the access map (`call`)."""
+    chosen = _sample(coords, cut)
+    expected = [call(a, b) for a, b in zip(lo[chosen].tolist(), hi[chosen].tolist())]
+    for role, (role_lo, role_hi) in out.items():
+        # bounds compared as tuples: a Rect per sampled piece and role would cost more
+        got = zip(role_lo[chosen].tolist(), role_hi[chosen].tolist())
+        for rects, (a, b) in zip(expected, got):
+            rect = rects[role]
+            if rect.lo != tuple(a) or rect.hi != tuple(b):
+                return False
+    return True
 
 
 def _probes(d, bounds, space, dims, fn, attrs, memo) -> dict[str, tuple[np.ndarray, ...]]:
@@ -275,27 +330,36 @@ def _probes(d, bounds, space, dims, fn, attrs, memo) -> dict[str, tuple[np.ndarr
     found = {}
     for role, tensor_dims in dims.items():
         ndim = len(tensor_dims)
-        rects = [None if p is None else p[role] for p in probes]
-        first = rects[0]
-        if first is not None and all(r == first for r in rects):  # the part does not move it
-            both = np.tile(np.array(first.lo + first.hi, boxes.INDEX), (len(rects), 1))
-        else:
-            blank = (0,) * (2 * ndim)
-            both = np.array(
-                [blank if r is None else r.lo + r.hi for r in rects], boxes.INDEX
-            ).reshape(len(rects), 2 * ndim)
-        probe_lo, probe_hi = both[:, :ndim], both[:, ndim:]
         if used.all():
-            moves = np.any(probe_lo != probe_lo[0], axis=0) | np.any(
-                probe_hi != probe_hi[0], axis=0
-            )
-        else:
-            moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
-                probe_hi[used] != probe_hi[used][0], axis=0
-            )
+            found[role] = _role_probes(list(map(itemgetter(role), probes)), ndim)
+            continue
+        rects = [None if p is None else p[role] for p in probes]
+        blank = (0,) * (2 * ndim)
+        both = np.array([blank if r is None else r.lo + r.hi for r in rects], boxes.INDEX)
+        probe_lo, probe_hi = both[:, :ndim], both[:, ndim:]
+        moves = np.any(probe_lo[used] != probe_lo[used][0], axis=0) | np.any(
+            probe_hi[used] != probe_hi[used][0], axis=0
+        )
         found[role] = (probe_lo, probe_hi, moves)
     memo[key] = found
     return found
+
+
+def _role_probes(rects: list[Rect], ndim: int) -> tuple[np.ndarray, ...]:
+    """`_probes`' (lo, hi, moves) of one role from its rect in every (non-empty) part.
+
+    The bounds are gathered as tuples and compared with `list.count`, which stays in C: this
+    runs for every part of every cut dim of every role, some 10⁵ rects at 1024 ranks."""
+    count = len(rects)
+    los, his = list(map(_lo_of, rects)), list(map(_hi_of, rects))
+    if los.count(los[0]) == count and his.count(his[0]) == count:  # the part does not move it
+        one = np.array(los[0] + his[0], boxes.INDEX).reshape(1, 2 * ndim)
+        both = np.broadcast_to(one, (count, 2 * ndim))
+        return both[:, :ndim], both[:, ndim:], np.zeros(ndim, bool)
+    probe_lo = np.array(los, boxes.INDEX).reshape(count, ndim)
+    probe_hi = np.array(his, boxes.INDEX).reshape(count, ndim)
+    moves = np.any(probe_lo != probe_lo[0], axis=0) | np.any(probe_hi != probe_hi[0], axis=0)
+    return probe_lo, probe_hi, moves
 
 
 def _sample(coords: np.ndarray, cut: list[int]) -> list[int]:
@@ -309,9 +373,16 @@ def _sample(coords: np.ndarray, cut: list[int]) -> list[int]:
             match &= coords[d] == value
         chosen.update(np.flatnonzero(match).tolist())
     chosen.add(count // 2)
-    rng = np.random.default_rng(count)
-    chosen.update(rng.choice(count, size=min(SAMPLE, count), replace=False).tolist())
+    chosen.update(_random_pieces(count))
     return sorted(chosen)
+
+
+@cache
+def _random_pieces(count: int) -> tuple[int, ...]:
+    """`SAMPLE` pieces of `count`, drawn by a generator seeded with `count` (kept: making the
+    generator costs more than the rest of `_sample`, and grids of equal size recur)."""
+    rng = np.random.default_rng(count)
+    return tuple(rng.choice(count, size=min(SAMPLE, count), replace=False).tolist())
 
 
 def homed_pieces(graph: TaskGraph, task: Task, homes: Mapping[str, Layout]) -> list[PieceSet]:

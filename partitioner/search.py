@@ -39,8 +39,8 @@ but it can stop at a local optimum.
 
 The strategy `auto` returns carries the pieces of the grids it chose (`Strategy.pieces`), which
 `build_plan` reuses. Planning at 1024 ranks (batch 256; `bench/planning.py`, CPU seconds on the
-2-core development machine, search and final plan): seed-lcn 0.5 s (7 s when every family pair
-was priced as whole plans), vgg19 2.2 s (over a minute then, cut at the 30 s default limit).
+2-core development machine, search and final plan): seed-lcn 0.4 s (7 s when every family pair
+was priced as whole plans), vgg19 1.5 s (over a minute then, cut at the 30 s default limit).
 """
 
 from __future__ import annotations

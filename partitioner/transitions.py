@@ -66,6 +66,7 @@ from partitioner.accounting import (
     pieces_bytes,
     pieces_flops,
     received_once,
+    reductions_memory,
 )
 from partitioner.cost import (
     busy_seconds,
@@ -348,6 +349,9 @@ class UnitPricer:
         return ("home", source, readers)
 
     def _layout(self, key: Key) -> Layout:
+        """The layout `key` names, made once per contents: different grids often leave a
+        tensor the same (a replicated parameter's home), and repeated layers write alike."""
+
         def make() -> Layout:
             if key[0] == "home":
                 return home_layout(self.graph, key[1], self._home_reads(key))
@@ -355,7 +359,10 @@ class UnitPricer:
             found = self._accesses(name, grid).writes[tensor]
             return written_layout(self.graph, self.graph.task(name), tensor, found)
 
-        return self._remember(("layout", key), make)
+        return self._remember(
+            ("layout", key),
+            lambda: self._remember(("layout of", key[0], self._layout_digest(key)), make),
+        )
 
     def _layout_digest(self, key: Key) -> bytes:
         """A digest naming the layout's contents: of the rects and ranks it is made from."""
@@ -373,7 +380,14 @@ class UnitPricer:
         return self._remember(("layout digest", key), make)
 
     def _geometry(self, key: Key) -> Geometry:
-        return self._remember(("geometry", key), lambda: Geometry(self._layout(key), self.nranks))
+        """`grid_loads.Geometry` of the layout `key` names, made once per contents."""
+        return self._remember(
+            ("geometry", key),
+            lambda: self._remember(
+                ("geometry of", key[0], self._layout_digest(key)),
+                lambda: Geometry(self._layout(key), self.nranks),
+            ),
+        )
 
     def _rects(self, key: Key, accesses: Accesses) -> RectSet:
         return self._remember(("rects", key), lambda: RectSet(accesses))
@@ -517,9 +531,7 @@ class UnitPricer:
                         groups.append(np.asarray(reduction.participants, boxes.INDEX))
                         seconds.append(took)
                         wire += on_wire
-                        memory[list(reduction.participants)] += reduction.nbytes
-                        for rect, holders in reduction.targets:
-                            memory[list(holders)] -= rect.volume * reduction.itemsize
+                    memory += reductions_memory(reductions, n)
                     count = len(groups)
                     collectives = (
                         groups,
@@ -541,8 +553,8 @@ class UnitPricer:
             moved = [self._fetch(k) if k[0] == "fetch" else self._combine(k) for k in keys]
             moved = [m for m in moved if m is not _NOTHING]
             traffic = self._traffic(task, [pieces])
+            flops = self._flops(name, grid)
             if not moved:  # it only computes
-                flops = pieces_flops(self.graph, task, [pieces], n)
                 return compute_time(task, flops, traffic, self.machine), None
             incoming = [np.zeros(n), np.zeros(n), np.zeros(n)]
             partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
@@ -574,13 +586,22 @@ class UnitPricer:
                 busy = busy_seconds(
                     groups, np.concatenate(group), np.concatenate(extra), np.concatenate(seconds), n
                 )
-            flops = pieces_flops(self.graph, task, [pieces], n)
             cost = task_cost(
                 task, self.rows[name], flops, incoming, partial, busy, sent, self.machine, traffic
             )
             return cost.seconds, memory
 
         return self._remember(("task", name, grid, keys), make)
+
+    def _flops(self, name: str, grid: Grid) -> np.ndarray:
+        """FLOPs per rank of task `name` on `grid`, kept: its cost is made once per set of
+        messages, and most tasks meet several."""
+        return self._remember(
+            ("flops", name, grid),
+            lambda: pieces_flops(
+                self.graph, self.graph.task(name), [self._pieces(name, grid)], self.nranks
+            ),
+        )
 
     def _traffic(self, task: Task, piece_sets) -> np.ndarray | None:
         """Bytes per rank of `piece_sets`, where the machine prices memory traffic."""
@@ -624,68 +645,7 @@ class UnitPricer:
         return self._remember(("bound", i, q), lambda: self._bound(i, q))
 
     def _bound(self, i: int, q: Grid) -> float:
-        grids = {i: q}
-        unknown: Key = ("unknown",)
-        layouts: dict[str, Key] = {}
-        copies: dict[str, tuple[tuple[str, Grid], ...]] = {}
-        tainted: set[str] = set()  # read on the predecessor's grid since last written
-        costed, touched = self.costed[i], self.touched[i]
-        seconds = 0.0
-        for name in self.window[i]:
-            task = self.graph.task(name)
-            if name in self.homed:
-                if flops_per_element(task, self.graph):
-                    try:
-                        seconds += self._homed_cost(name, grids)
-                    except NotAChain:
-                        pass  # its home is read on the predecessor's grid
-                continue
-            if self.unit_of[name] == i - 1:
-                for req in task.requirements:
-                    if req.privilege.reads:
-                        tainted.add(req.tensor)
-                    elif req.privilege.writes and req.privilege is not Privilege.REDUCE:
-                        layouts[req.tensor] = unknown
-                continue
-            grid = self.grid(name, grids)
-            accesses = self._accesses(name, grid)
-            mine = name in costed
-            keys: list[Key] = []
-            for tensor, _ in accesses.reads:
-                if not mine and tensor not in touched:
-                    continue
-                layout_key = layouts.get(tensor)
-                if layout_key is None:
-                    if self.home_source.get(tensor) == tensor:
-                        continue
-                    try:
-                        layout_key = layouts[tensor] = self._home_key(tensor, grids)
-                    except (KeyError, NotAChain):
-                        layout_key = layouts[tensor] = unknown
-                before = copies.get(tensor, ())
-                copies[tensor] = before + ((name, grid),)
-                if layout_key is unknown or tensor in tainted:
-                    continue
-                if mine and not self._local(name, grid, tensor, layout_key, reduce=False):
-                    keys.append(("fetch", name, grid, tensor, layout_key, before))
-            for tensor in accesses.writes:
-                layouts[tensor] = ("write", name, grid, tensor)
-                copies[tensor] = ()
-                tainted.discard(tensor)
-            if not mine:
-                continue
-            for tensor, _ in accesses.reduces:
-                layout_key = layouts.get(tensor)
-                if layout_key is None:
-                    try:
-                        layout_key = layouts[tensor] = self._home_key(tensor, grids)
-                    except (KeyError, NotAChain):
-                        layout_key = layouts[tensor] = unknown
-                if layout_key is unknown:
-                    continue
-                if not self._local(name, grid, tensor, layout_key, reduce=True):
-                    keys.append(("combine", name, grid, tensor, layout_key))
-            seconds += self._task_cost(name, grid, tuple(keys))[0]
+        seconds, _ = self._walk(self.window[i], self.costed[i], self.touched[i], {i: q}, i, i - 1)
         return seconds
 
     def constant(self) -> RowCost:
@@ -702,21 +662,42 @@ class UnitPricer:
         grids: Mapping[int, Grid],
         unit: int | None,
     ) -> RowCost:
-        graph = self.graph
+        seconds, memory = self._walk(window, costed, touched, grids, unit, None)
+        return RowCost(seconds, memory)
+
+    def _walk(
+        self,
+        window: list[str],
+        costed: set[str],
+        touched: set[str],
+        grids: Mapping[int, Grid],
+        unit: int | None,
+        hidden: int | None,
+    ) -> tuple[float, np.ndarray | None]:
+        """The seconds of the `costed` tasks of `window`, replayed in program order, and the
+        memory terms `unit`'s transition sets.
+
+        `hidden` is the unit whose grid is unknown, for `bound` (None: `transition`, every grid
+        known): its tasks are left out, the tensors they write have unknown layouts and those
+        they read unknown copies, and the messages and collectives that would need either are
+        dropped; a home read on its grid is unknown too. No memory is counted then."""
+        bounding = hidden is not None
         layouts: dict[str, Key] = {}
         copies: dict[str, tuple[tuple[str, Grid], ...]] = {}
         fetched: dict[str, list[tuple[bool, Key]]] = defaultdict(list)
+        tainted: set[str] = set()  # read on the hidden grid since last written
         seconds = 0.0
-        memory = self._tensor_memory(unit, grids)
+        memory = None if bounding else self._tensor_memory(unit, grids)
         for name in window:
             if name in self.homed:
-                task = graph.task(name)
-                if flops_per_element(task, graph) or (
-                    self.machine.seconds_per_memory_byte and moves_bytes(task)
-                ):
-                    seconds += self._homed_cost(name, grids)
-                else:  # no FLOPs and no bytes, whatever its home: `compute_time`'s overhead
-                    seconds += self.machine.task_overhead
+                seconds += self._homed_seconds(name, grids, bounding)
+                continue
+            if bounding and self.unit_of[name] == hidden:
+                for req in self.graph.task(name).requirements:
+                    if req.privilege.reads:
+                        tainted.add(req.tensor)
+                    elif req.privilege.writes and req.privilege is not Privilege.REDUCE:
+                        layouts[req.tensor] = _UNKNOWN
                 continue
             grid = self.grid(name, grids)
             accesses = self._accesses(name, grid)
@@ -727,42 +708,78 @@ class UnitPricer:
                     continue
                 layout_key = layouts.get(tensor)
                 if layout_key is None:
-                    if tensor not in self.home_source:
-                        raise PlanError(f"task {name} reads {tensor}, which no earlier task wrote")
-                    if self.home_source[tensor] == tensor:
+                    if self.home_source.get(tensor) == tensor:
                         continue  # a rank's home holds what it reads
-                    layout_key = layouts[tensor] = self._home_key(tensor, grids)
+                    layout_key = layouts[tensor] = self._first_layout(
+                        name, tensor, grids, bounding, reduce=False
+                    )
                 before = copies.get(tensor, ())
                 copies[tensor] = before + ((name, grid),)
+                if layout_key is _UNKNOWN or tensor in tainted or (bounding and not mine):
+                    continue
                 if self._local(name, grid, tensor, layout_key, reduce=False):
                     continue  # each rank reads what it wrote: nothing moves
                 key = ("fetch", name, grid, tensor, layout_key, before)
-                fetched[tensor].append((mine, key))
+                if not bounding:
+                    fetched[tensor].append((mine, key))
                 if mine:
                     keys.append(key)
             for tensor in accesses.writes:
                 layouts[tensor] = ("write", name, grid, tensor)
                 copies[tensor] = ()
+                tainted.discard(tensor)
             if not mine:
                 continue
             for tensor, _ in accesses.reduces:
                 layout_key = layouts.get(tensor)
                 if layout_key is None:
-                    if tensor not in self.home_source:
-                        raise PlanError(
-                            f"task {name} reduces into {tensor}, which was never zeroed"
-                        )
-                    layout_key = layouts[tensor] = self._home_key(tensor, grids)
+                    layout_key = layouts[tensor] = self._first_layout(
+                        name, tensor, grids, bounding, reduce=True
+                    )
+                if layout_key is _UNKNOWN:
+                    continue
                 if not self._local(name, grid, tensor, layout_key, reduce=True):
                     keys.append(("combine", name, grid, tensor, layout_key))
             task_seconds, held = self._task_cost(name, grid, tuple(keys))
             seconds += task_seconds
-            if held is not None:
+            if memory is not None and held is not None:
                 memory = memory + held
-        for tensor, found in fetched.items():
-            if any(mine for mine, _ in found):
-                memory = memory + self._received(tuple(found))
-        return RowCost(seconds, memory)
+        if memory is not None:
+            for found in fetched.values():
+                if any(mine for mine, _ in found):
+                    memory = memory + self._received(tuple(found))
+        return seconds, memory
+
+    def _first_layout(
+        self, name: str, tensor: str, grids: Mapping[int, Grid], bounding: bool, reduce: bool
+    ) -> Key:
+        """The layout of a tensor that task `name` touches before the window writes it: its
+        home (for a bound, unknown where the home is read on the hidden grid, or has none)."""
+        if bounding:
+            try:
+                return self._home_key(tensor, grids)
+            except (KeyError, NotAChain):
+                return _UNKNOWN
+        if tensor not in self.home_source:
+            if reduce:
+                raise PlanError(f"task {name} reduces into {tensor}, which was never zeroed")
+            raise PlanError(f"task {name} reads {tensor}, which no earlier task wrote")
+        return self._home_key(tensor, grids)
+
+    def _homed_seconds(self, name: str, grids: Mapping[int, Grid], bounding: bool) -> float:
+        task = self.graph.task(name)
+        if bounding:  # only what it computes counts, and not where its home is unknown
+            if not flops_per_element(task, self.graph):
+                return 0.0
+            try:
+                return self._homed_cost(name, grids)
+            except NotAChain:
+                return 0.0  # its home is read on the hidden grid
+        if flops_per_element(task, self.graph) or (
+            self.machine.seconds_per_memory_byte and moves_bytes(task)
+        ):
+            return self._homed_cost(name, grids)
+        return self.machine.task_overhead  # no FLOPs and no bytes: `compute_time`'s overhead
 
     def _local(self, name: str, grid: Grid, tensor: str, layout_key: Key, reduce: bool) -> bool:
         """Whether every rank of the task reads (or reduces into) exactly the rect of `tensor`
@@ -872,6 +889,8 @@ class UnitPricer:
 
 
 _NOTHING = _Moved(None, 0, None, None, None)
+#: a layout `UnitPricer.bound` cannot know (written or read on the predecessor's grid)
+_UNKNOWN: Key = ("unknown",)
 
 
 def digest(*arrays: np.ndarray) -> bytes:

@@ -270,12 +270,18 @@ def check_plan(graph, strategy, nranks: int) -> None:
     graph=networks(),
     nranks=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8]),
     probe_all=st.booleans(),
+    array_maps=st.booleans(),
     data=st.data(),
 )
-def test_planner_matches_the_element_oracle(graph, nranks, probe_all, data):
+def test_planner_matches_the_element_oracle(graph, nranks, probe_all, array_maps, data):
     strategy = data.draw(strategies(graph, nranks))
     limit = 0 if probe_all else pieces_module.DIRECT_LIMIT
-    with mock.patch.object(pieces_module, "DIRECT_LIMIT", limit):
+    # without the array maps (`partitioner/box_maps.py`) every op's rects come from probing
+    box_map = pieces_module.box_map if array_maps else (lambda op, phase: None)
+    with (
+        mock.patch.object(pieces_module, "DIRECT_LIMIT", limit),
+        mock.patch.object(pieces_module, "box_map", box_map),
+    ):
         check_plan(graph, strategy, nranks)
 
 
@@ -298,7 +304,10 @@ def test_probing_calls_a_separable_map_once_per_part_not_per_piece():
     task = graph.task("L0.filter")
     calls: list[Rect] = []
     real = pieces_module.access_map(task.op, task.phase)
-    with mock.patch.object(pieces_module, "access_map", lambda op, phase: _counting(real, calls)):
+    with (
+        mock.patch.object(pieces_module, "access_map", lambda op, phase: _counting(real, calls)),
+        mock.patch.object(pieces_module, "box_map", lambda op, phase: None),
+    ):
         probed = grid_pieces(graph, task, (1, 1, 8, 8))
     assert probed.pieces() == direct_pieces(graph, task, (1, 1, 8, 8))
     assert len(calls) < 64 // 2

@@ -1,0 +1,27 @@
+"""`partitioner.boxes.first_seen_ids` numbers equal rows alike, in order of first appearance."""
+
+import numpy as np
+import pytest
+
+from partitioner import boxes
+
+
+def _reference(rows):
+    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    renumber = np.empty(len(first), np.int64)
+    renumber[order] = np.arange(len(first))
+    return renumber[inverse.reshape(-1)], first[order]
+
+
+@pytest.mark.parametrize("scale", [1, 3, 1000, 2**40, 2**62])
+def test_first_seen_ids_match_a_sort_of_the_rows(scale):
+    rng = np.random.default_rng(scale % 97)
+    for _ in range(60):
+        n, k = int(rng.integers(1, 200)), int(rng.integers(1, 12))
+        rows = rng.integers(0, scale, (n, k), dtype=np.int64) if scale > 1 else np.zeros((n, k))
+        rows = rows.astype(np.int64)[rng.integers(0, n, n)]  # with repeats
+        ids, first = boxes.first_seen_ids(rows)
+        expected_ids, expected_first = _reference(rows)
+        assert np.array_equal(ids, expected_ids)
+        assert np.array_equal(first, expected_first)
