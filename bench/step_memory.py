@@ -53,8 +53,10 @@ def main() -> None:
     executor = LocalExecutor(seed=0)
     executor.run(graph, StepContext(0, inputs=x, labels=y))
     step_peak = peak_bytes() - baseline
-    print(f"{args.network} batch {args.batch} {args.dtype}: tensors {tensor_bytes / 2**30:.3f} GiB, "
-          f"step peak above baseline {step_peak / 2**30:.3f} GiB, ratio {step_peak / tensor_bytes:.3f}")
+    print(
+        f"{args.network} batch {args.batch} {args.dtype}: tensors {tensor_bytes / 2**30:.3f} GiB, "
+        f"step peak above baseline {step_peak / 2**30:.3f} GiB, ratio {step_peak / tensor_bytes:.3f}"
+    )
     kinds: dict[str, int] = {}
     for tensor in graph.tensors.values():
         kinds[tensor.kind] = kinds.get(tensor.kind, 0) + tensor.nbytes

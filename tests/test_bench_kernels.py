@@ -15,8 +15,13 @@ TOY = bench_kernels.LayerShape(c=2, k=3, r=3, s=2, p=4, q=3)
 
 def test_report_has_the_design_schema():
     report = bench_kernels.run_benchmark(
-        batches=(2,), repeat=1, impls=("legion-nn", "numpy"), shape=TOY, sgemm_size=64,
-        peer_repeat=1, rounds=2,
+        batches=(2,),
+        repeat=1,
+        impls=("legion-nn", "numpy"),
+        shape=TOY,
+        sgemm_size=64,
+        peer_repeat=1,
+        rounds=2,
     )
     json.dumps(report)
     assert report["sgemm_gflops"] > 0
@@ -52,7 +57,13 @@ def test_command_arguments():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["kernels", "--batch", "8", "16", "--impl", "numpy"])
-    assert args.batch == [8, 16] and args.impl == ["numpy"] and args.repeat == 3 and args.rounds == 3 and args.peer_repeat == 2
+    assert (
+        args.batch == [8, 16]
+        and args.impl == ["numpy"]
+        and args.repeat == 3
+        and args.rounds == 3
+        and args.peer_repeat == 2
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["kernels", "--batch", "0"])
     with pytest.raises(SystemExit):
