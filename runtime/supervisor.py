@@ -268,9 +268,10 @@ def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-        if claim is not None:
-            claim.remove_if_unused()
     except BaseException:  # noqa: BLE001  (a watcher never outlives its rank or raises)
         code = 1
     finally:
+        if claim is not None:
+            with contextlib.suppress(BaseException):
+                claim.remove_if_unused()
         os._exit(code)
