@@ -37,6 +37,7 @@ TAG_CLOCK, TAG_TRACE = 10, 11
 #: environment variables that launchers set to the job's rank count and this process's rank
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+_LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
 
 
 def host_cores() -> int:
@@ -68,15 +69,20 @@ def ranks_on_this_host() -> int:
 
 def world_size_from_env() -> int | None:
     """The rank count when `mpiexec`/`mpirun` started this process, else None."""
-    for name in _SIZE_VARIABLES:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
+    return _first_number(_SIZE_VARIABLES)
 
 
 def rank_from_env() -> int | None:
-    for name in _RANK_VARIABLES:
+    return _first_number(_RANK_VARIABLES)
+
+
+def local_rank_from_env() -> int | None:
+    """This rank's index among the ranks on its host, where the launcher says."""
+    return _first_number(_LOCAL_RANK_VARIABLES)
+
+
+def _first_number(names: tuple[str, ...]) -> int | None:
+    for name in names:
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)

@@ -105,8 +105,6 @@ class RankExecutor:
         #: programs run so far: every rank runs the same sequence, so (run, seq) names a message
         self.runs = 0
         self.buffers = BufferPool()
-        #: per (program, task index), the tensors the task touches (see `StepRun`)
-        self.task_tensors: dict[tuple[int, int], frozenset[str]] = {}
 
     @property
     def is_root(self) -> bool:

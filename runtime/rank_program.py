@@ -35,6 +35,7 @@ import heapq
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
@@ -99,6 +100,16 @@ class RankTask:
     #: this task, so the kernel accumulates straight into it and the collective sums it in place
     #: (no scratch the size of the gradient, no zeroing it, no folding it back)
     in_place: set[str] = field(default_factory=set)
+
+    @cached_property
+    def tensors(self) -> frozenset[str]:
+        """Every tensor the task touches: its pieces', messages', collectives' and parts'."""
+        names = {req.tensor for piece in self.pieces for req in piece.requirements}
+        messages = (*self.copies_in, *self.partial_in, *self.partial_out, *self.post)
+        names.update(m.tensor for m in messages)
+        names.update(c.reduction.tensor for c in self.collectives)
+        names.update(self.local_parts)
+        return frozenset(names)
 
 
 @dataclass

@@ -264,7 +264,7 @@ class StepRun:
         younger one: a rank blocks in a collective only once every older one is done."""
         if not self.collectives:
             return
-        touched = None if rt is None else self._tensors_of(rt)
+        touched = None if rt is None else rt.tensors
         last = max(
             (i for i, c in enumerate(self.collectives) if touched is None or c.tensor in touched),
             default=-1,
@@ -272,18 +272,6 @@ class StepRun:
         for running in self.collectives[: last + 1]:
             running.complete()
         del self.collectives[: last + 1]
-
-    def _tensors_of(self, rt: RankTask) -> frozenset[str]:
-        key = (self.program_key, rt.index)
-        tensors = self.ex.task_tensors.get(key)
-        if tensors is None:
-            names = {req.tensor for piece in rt.pieces for req in piece.requirements}
-            messages = (*rt.copies_in, *rt.partial_in, *rt.partial_out, *rt.post)
-            names.update(m.tensor for m in messages)
-            names.update(c.reduction.tensor for c in rt.collectives)
-            names.update(rt.local_parts)
-            tensors = self.ex.task_tensors[key] = frozenset(names)
-        return tensors
 
     def _advance_collectives(self, skip: _RunningCollective | None = None) -> None:
         for running in self.collectives:

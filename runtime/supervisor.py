@@ -194,16 +194,12 @@ def _launcher_key(launcher: int) -> int:
 
 def _local_slot(rank_hint: int | None) -> tuple[int, int]:
     """This rank's index among the ranks its launcher started, and their number."""
-    for slot_name, count_name in (
-        ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-        ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ):
-        slot, count = os.environ.get(slot_name, ""), os.environ.get(count_name, "")
-        if slot.isdigit() and count.isdigit():
-            return int(slot), int(count)
-    from runtime.distributed import world_size_from_env
+    from runtime.distributed import local_rank_from_env, ranks_on_this_host
 
-    return (rank_hint if rank_hint is not None else -1), (world_size_from_env() or 0)
+    slot = local_rank_from_env()
+    if slot is None:
+        slot = rank_hint if rank_hint is not None else -1
+    return slot, ranks_on_this_host()
 
 
 def _prctl_death_signal(number: int) -> bool:
@@ -218,7 +214,8 @@ def start_watcher(rank_hint: int | None = None) -> Status:
     if not sys.platform.startswith("linux"):
         return Status(rank_hint)
     launcher = os.getppid()
-    claim = _DeathClaim.for_launcher(launcher, *reversed(_local_slot(rank_hint)))
+    slot, slots = _local_slot(rank_hint)
+    claim = _DeathClaim.for_launcher(launcher, slots, slot)
     if claim is not None:
         try:
             claim.join()
