@@ -21,7 +21,7 @@
 Known blind spots: no overlap of communication with computation or between tasks (FlexFlow's
 simulator models it); every op runs at one throughput unless calibrated (`machine.py`: per pass of
 the filter from `legion-nn bench kernels`, at its mean over batch sizes, whatever a rank's piece
-size); memory-bound ops (`set_zero`, elementwise) are free or nearly unless the machine gives a
+size) or its compute is `measured` (`runtime.task_profile` runs the plan's pieces); memory-bound ops (`set_zero`, elementwise) are free or nearly unless the machine gives a
 memory bandwidth, data loading always is, and the roofline counts each rect once (a kernel that
 re-reads from memory is underpriced); an all-reduce is priced as run in place (the runtime's case
 for a just-zeroed gradient, not for a second reduction into it); no network contention or
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from operator import add
@@ -210,17 +210,25 @@ def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
     return sum(flops * share / rate for share, rate in rates)
 
 
-def plan_cost(graph: TaskGraph, plan: Plan, machine: Machine) -> PlanCost:
+def plan_cost(
+    graph: TaskGraph, plan: Plan, machine: Machine, measured: Mapping[str, float] | None = None
+) -> PlanCost:
+    """The plan's predicted cost; `measured` gives, per task name, its busiest rank's compute
+    seconds as run on this machine (`runtime.task_profile`), in place of the FLOP model."""
     by_unit = memory_by_unit(graph, plan)
     total = np.zeros(plan.nranks, np.int64)
     for row in by_unit.values():
         total += row
-    costs = task_costs(graph, plan, machine)
+    costs = task_costs(graph, plan, machine, measured)
     return PlanCost(costs, dict(enumerate(total.tolist())), machine, by_unit)
 
 
-def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]:
-    """The predicted cost of every task, without the memory accounting."""
+def task_costs(
+    graph: TaskGraph, plan: Plan, machine: Machine, measured: Mapping[str, float] | None = None
+) -> list[TaskCost]:
+    """The predicted cost of every task, without the memory accounting (`measured`: see
+    `plan_cost`)."""
+    measured = measured or {}
     n = plan.nranks
     costs = []
     traffic = (
@@ -240,7 +248,18 @@ def task_costs(graph: TaskGraph, plan: Plan, machine: Machine) -> list[TaskCost]
         )
         sent += sum(wire for _, wire in priced)
         costs.append(
-            task_cost(task, task_plan.unit, per_rank, incoming, partial, busy, sent, machine, moved)
+            task_cost(
+                task,
+                task_plan.unit,
+                per_rank,
+                incoming,
+                partial,
+                busy,
+                sent,
+                machine,
+                moved,
+                measured=measured.get(task.name),
+            )
         )
     return costs
 
@@ -312,12 +331,14 @@ def task_cost(
     sent: int,
     machine: Machine,
     traffic: np.ndarray | None = None,
+    measured: float | None = None,
 ) -> TaskCost:
     """One task's cost from its FLOPs per rank, the link loads (`transfers.link_loads`) of its
     incoming transfers and of its partial sums, its ranks' seconds in collectives
     (`busy_seconds`), the bytes it puts on the wire and its memory traffic per rank
     (`accounting.pieces_bytes`): what `task_costs` computes from a plan, and the search from
-    parts of plans."""
+    parts of plans. A `measured` compute time replaces the modelled one; the runtime's overhead
+    per task is still added."""
     busiest = float(per_rank.max(initial=0.0))
     comm = loads_time(*incoming, machine) + loads_time(*partial, machine)
     comm += float(busy.max(initial=0.0))
@@ -327,7 +348,11 @@ def task_cost(
         busiest,
         float(per_rank.sum()),
         int(sent),
-        compute_time(task, per_rank, traffic, machine),
+        (
+            compute_time(task, per_rank, traffic, machine)
+            if measured is None
+            else measured + machine.task_overhead
+        ),
         comm,
     )
 

@@ -7,23 +7,32 @@ after the first two (compilation and first touch) of the slowest rank's step; ea
 `repeat` times and the fastest run counts (`best_job` says why). The bytes are the sum over ranks
 of one step's `bytes_sent` (equal to `bytes_planned`).
 
-The prediction is the cost model's step time (`partitioner.cost.plan_cost`) on a machine
-calibrated from what this benchmark measures, plus the training loop's time outside the tasks:
+The prediction is the cost model's step time (`partitioner.cost.plan_cost`) with each task's
+compute measured rather than modelled, on a machine calibrated from what this benchmark measures,
+plus the training loop's time outside the tasks:
 
-- per-op throughput, per tied or untied pass: from 1-rank jobs run with `--trace`, one per thread
-  count the rank counts use (2 threads for 1 rank, 1 for 2 and 4 ranks on this 2-core machine),
-  each op's FLOPs over its measured time (`calibrate`). A rank on R ranks runs at its thread
-  count's rates; oversubscribed ranks time-share, at the fraction cores/(R·threads);
-- memory bandwidth: what the runtime's own weight-sized zeroing reaches in the calibration
-  trace where there is any (seed-lcn's gradients: about half a streaming add's rate), else this
-  process streaming `a + b -> c` over 256 MB arrays. The model's roofline then prices zeroing, loading and elementwise work by their bytes, a `linear` at a
-  small batch by its weights, and the local passes of messages and collectives;
-- the runtime's fixed cost per task: the median, over the tasks priced at no FLOPs, of their time
-  beyond their bytes;
+- compute: `runtime.task_profile` runs each rank's pieces of each task of the job's plan with the
+  runtime's kernels, in this process, on the rank's thread count, and the busiest rank's sum is
+  the task's compute (FlexFlow's simulator measures each operator configuration the same way). A
+  kernel's rate depends on its piece: seed-lcn-small's L1 weight gradient runs at about 60% of
+  its full-batch rate on half the batch or half the channels, which a FLOP model at one rate per
+  op cannot see. Oversubscribed ranks time-share the cores: each runs at the fraction
+  cores/(R·threads) of its speed;
+- the runtime's fixed cost per task (dispatch, views, bookkeeping): the median over the tasks of
+  a 1-rank job's trace of what each took beyond its profiled kernels. One job per thread count
+  the rank counts use (2 threads for 1 rank, 1 for 2 and 4 ranks on this 2-core machine);
+- memory bandwidth, for the local passes of messages and collectives (packing, unpacking,
+  adding): what the profile's weight-sized zeroing reaches where there is any (seed-lcn's
+  gradients: about half a streaming add's rate), else this process streaming `a + b -> c` over
+  256 MB arrays;
 - the link: latency and bandwidth from a two-rank ping-pong (`runtime.mpi_executor.pingpong`).
 
-The goal is a prediction within 20% at 1 and 2 ranks. At 1 rank the prediction is the calibration
-(a separate run), so the 1-rank error measures how stable a run is.
+Each row also gives the prediction of the FLOP model alone (`flop_model_s`): the same machine,
+with every op at the rate the 1-rank trace gives it (its FLOPs over its time less the overhead,
+per tied or untied pass) and memory-bound tasks at their bytes over the bandwidth.
+
+The goal is a prediction within 20% at 1 and 2 ranks. At 1 rank the prediction is a separate
+run's profile and calibration, so the 1-rank error measures how stable a run is.
 """
 
 from __future__ import annotations
@@ -48,9 +57,10 @@ from legion_nn.networks import load_network
 from partitioner.accounting import bytes_per_rank, task_flops
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
-from partitioner.plan import build_plan
+from partitioner.plan import Plan, build_plan
 from partitioner.strategy import builtin
 from runtime.distributed import host_cores
+from runtime.task_profile import profile_plan, sample_step
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 4))
 #: plain SGD keeps no optimizer state, so that four data-parallel replicas of seed-lcn's 1.2 GB of
@@ -163,10 +173,11 @@ def _step_events(trace: dict, rank: int = 0) -> list[dict]:
 
 @dataclass
 class Calibration:
-    """What one rank does per step at `threads` Numba threads, from a 1-rank job's trace."""
+    """What one rank does per step at `threads` Numba threads, from a 1-rank job's trace and
+    the profile of its plan."""
 
     threads: int
-    #: GFLOP/s by the cost model's keys (op, pass, tied or untied)
+    #: GFLOP/s by the cost model's keys (op, pass, tied or untied), for the FLOP model's column
     op_gflops: dict[str, float]
     #: the bandwidth the runtime's memory-bound tasks reach (else `memory_bandwidth`)
     memory_gbytes_per_s: float
@@ -203,17 +214,18 @@ def memory_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
     return 3 * a.nbytes / best / 1e9
 
 
-def calibrate(job: Job, threads: int, memory_gbytes_per_s: float) -> Calibration:
-    """Fit the model's per-task terms to the 1-rank trace.
+def calibrate(
+    job: Job, threads: int, memory_gbytes_per_s: float, profiled: dict[str, float]
+) -> Calibration:
+    """Fit the model's per-task terms to a 1-rank trace and the profile of the same plan.
 
-    The tasks the model prices at no FLOPs (zeroing, loading) give the runtime's memory terms.
-    The overhead is the median, over the small ones, of what each took beyond its bytes. Where
-    some move `_LARGE_BYTES` or more (a weight-sized gradient
-    zeroed), the bandwidth is theirs: their bytes over their time less the overhead. The
-    runtime's passes over a weight reach less than a streaming add does, and on a step
-    dominated by weight-sized traffic the model must price those at the rate the runtime gets.
-    Each FLOP-priced op's rate is its FLOPs over its time less the overhead, summed over its
-    tasks."""
+    The overhead is the median over the tasks of what each took in the trace beyond its
+    profiled kernels. Where some zero-FLOP tasks move `_LARGE_BYTES` or more (a weight-sized
+    gradient zeroed), the bandwidth is theirs: their bytes over their profiled time. The
+    runtime's passes over a weight reach less than a streaming add does, and messages and
+    collectives of weight-sized gradients must be priced at the rate the runtime gets. Each
+    FLOP-priced op's rate, for the FLOP model, is its FLOPs over its time less the overhead,
+    summed over its tasks."""
     graph = load_network(job.network).lower(batch=job.batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
@@ -224,22 +236,12 @@ def calibrate(job: Job, threads: int, memory_gbytes_per_s: float) -> Calibration
     spent: dict[str, float] = defaultdict(float)
     for event in events:
         spent[event["name"]] += event["dur"] * 1e-6 / steps
-    memory_only = [name for name in spent if not flops.get(name)]
-    large = [name for name in memory_only if traffic.get(name, 0.0) >= _LARGE_BYTES]
-    small = [name for name in memory_only if name not in large]
-    overhead = 0.0
-    # The overhead is read beyond the small tasks' bytes, and the bandwidth beyond the large
-    # ones' overhead: alternate until the two agree (a few rounds; the bytes terms are small
-    # beside the overhead in the one, and the reverse in the other).
-    for _ in range(4):
-        per_byte = 1.0 / (memory_gbytes_per_s * 1e9)
-        beyond = [max(spent[name] - traffic.get(name, 0.0) * per_byte, 0.0) for name in small]
-        overhead = statistics.median(beyond) if beyond else 0.0
-        if not large:
-            break
+    beyond = [max(spent[name] - profiled.get(name, 0.0), 0.0) for name in spent]
+    overhead = statistics.median(beyond) if beyond else 0.0
+    large = [n for n in spent if not flops.get(n) and traffic.get(n, 0.0) >= _LARGE_BYTES]
+    if large:
         moved = sum(traffic[name] for name in large)
-        taken = sum(max(spent[name] - overhead, 1e-9) for name in large)
-        memory_gbytes_per_s = moved / taken / 1e9
+        memory_gbytes_per_s = moved / max(sum(profiled[name] for name in large), 1e-9) / 1e9
     seconds: dict[str, float] = defaultdict(float)
     work: dict[str, float] = defaultdict(float)
     for name, t in spent.items():
@@ -257,31 +259,52 @@ def rank_threads(ranks: int, cores: int) -> int:
     return max(1, cores // ranks)
 
 
-def predict(
-    network: str,
-    batch: int,
-    ranks: int,
-    strategy: str,
-    calibration: Calibration,
-    link: tuple[float, float],
-    cores: int,
-) -> float:
-    graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
-    plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
-    # Oversubscribed ranks time-share the cores: each runs at this fraction of its speed.
-    share = min(1.0, cores / (ranks * calibration.threads))
-    latency, per_byte = link
-    rates = calibration.op_gflops
-    machine = Machine(
-        rank_gflops=min(rates.values()) * share,
-        link_gbytes_per_s=1.0 / per_byte / 1e9,
-        latency_us=latency * 1e6,
-        rank_memory_gib=1e6,
-        op_gflops={key: rate * share for key, rate in rates.items()},
-        memory_gbytes_per_s=calibration.memory_gbytes_per_s * share,
-        task_overhead_us=calibration.task_overhead_us / share,
-    )
-    return plan_cost(graph, plan, machine).step_seconds + calibration.loop_seconds / share
+@dataclass
+class Prediction:
+    #: with each task's compute profiled
+    seconds: float
+    #: with each op at its calibrated rate
+    flop_model_seconds: float
+
+
+class Predictor:
+    """Predicted step times of one network's jobs, from one sample step's values, with the
+    profiles of pieces shared between the plans that have them."""
+
+    def __init__(self, network: str, batch: int, cores: int, link: tuple[float, float]) -> None:
+        self.graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+        self.cores, self.link = cores, link
+        self.sample = sample_step(self.graph)
+        self.cache: dict = {}
+
+    def plan(self, ranks: int, strategy: str) -> Plan:
+        return build_plan(self.graph, builtin(self.graph, strategy, ranks), ranks)
+
+    def profile(self, plan: Plan, threads: int) -> dict[str, float]:
+        return profile_plan(self.graph, plan, threads, self.sample, self.cache)
+
+    def predict(self, ranks: int, strategy: str, calibration: Calibration) -> Prediction:
+        plan = self.plan(ranks, strategy)
+        profiled = self.profile(plan, calibration.threads)
+        # Oversubscribed ranks time-share the cores: each runs at this fraction of its speed.
+        share = min(1.0, self.cores / (ranks * calibration.threads))
+        latency, per_byte = self.link
+        rates = calibration.op_gflops
+        machine = Machine(
+            rank_gflops=min(rates.values()) * share,
+            link_gbytes_per_s=1.0 / per_byte / 1e9,
+            latency_us=latency * 1e6,
+            rank_memory_gib=1e6,
+            op_gflops={key: rate * share for key, rate in rates.items()},
+            memory_gbytes_per_s=calibration.memory_gbytes_per_s * share,
+            task_overhead_us=calibration.task_overhead_us / share,
+        )
+        loop = calibration.loop_seconds / share
+        measured = {name: seconds / share for name, seconds in profiled.items()}
+        return Prediction(
+            plan_cost(self.graph, plan, machine, measured).step_seconds + loop,
+            plan_cost(self.graph, plan, machine).step_seconds + loop,
+        )
 
 
 def run_scaling(
@@ -292,6 +315,8 @@ def run_scaling(
     repeat: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
+    """Every job of a network runs before its predictions are made: the prediction holds the
+    whole network's tensors in this process, which the jobs need the memory for."""
     say = progress or (lambda line: None)
     cores = host_cores()
     say("ping-pong between two ranks; memory bandwidth")
@@ -300,17 +325,15 @@ def run_scaling(
     rows, calibrations = [], []
     with tempfile.TemporaryDirectory(prefix="legion-nn-scaling-") as tmp:
         for network, batch in cases:
-            by_threads: dict[int, Calibration] = {}
+            calibration_jobs: dict[int, Job] = {}
             for threads in sorted({rank_threads(count, cores) for count in ranks}, reverse=True):
                 say(f"{network} batch {batch}: calibration, 1 rank on {threads} thread(s)")
                 work = Path(tmp) / f"{network}-calibration-{threads}"
                 work.mkdir()
-                job = best_job(repeat, network, batch, 1, "data", steps, work, threads, traced=True)
-                by_threads[threads] = calibrate(job, threads, bandwidth)
-                calibrations.append(
-                    {"network": network, "batch": batch, "step_s": job.step_seconds}
-                    | asdict(by_threads[threads])
+                calibration_jobs[threads] = best_job(
+                    repeat, network, batch, 1, "data", steps, work, threads, traced=True
                 )
+            jobs: list[tuple[int, str, Job | LegionNNError]] = []
             for count in ranks:
                 for strategy in strategies if count > 1 else ("data",):
                     say(f"{network} batch {batch}: {count} rank(s), {strategy}")
@@ -320,22 +343,39 @@ def run_scaling(
                         job = best_job(repeat, network, batch, count, strategy, steps, work)
                     except LegionNNError as exc:  # a job that fails is a row, not the end
                         say(str(exc))
-                        rows.append(_failed(network, batch, count, strategy, str(exc)))
-                        continue
-                    calibration = by_threads[rank_threads(count, cores)]
-                    predicted = predict(network, batch, count, strategy, calibration, link, cores)
-                    rows.append(
-                        {
-                            "network": network,
-                            "batch": batch,
-                            "ranks": count,
-                            "strategy": strategy,
-                            "measured_s": job.step_seconds,
-                            "predicted_s": predicted,
-                            "error": predicted / job.step_seconds - 1.0,
-                            "bytes_per_step": job.bytes_per_step,
-                        }
-                    )
+                        job = exc
+                    jobs.append((count, strategy, job))
+            say(f"{network} batch {batch}: profiling each plan's pieces")
+            predictor = Predictor(network, batch, cores, link)
+            by_threads = {}
+            for threads, job in calibration_jobs.items():
+                profiled = predictor.profile(predictor.plan(1, "data"), threads)
+                by_threads[threads] = calibrate(job, threads, bandwidth, profiled)
+                calibrations.append(
+                    {"network": network, "batch": batch, "step_s": job.step_seconds}
+                    | asdict(by_threads[threads])
+                )
+            for count, strategy, job in jobs:
+                if isinstance(job, LegionNNError):
+                    rows.append(_failed(network, batch, count, strategy, str(job)))
+                    continue
+                calibration = by_threads[rank_threads(count, cores)]
+                predicted = predictor.predict(count, strategy, calibration)
+                rows.append(
+                    {
+                        "network": network,
+                        "batch": batch,
+                        "ranks": count,
+                        "strategy": strategy,
+                        "measured_s": job.step_seconds,
+                        "predicted_s": predicted.seconds,
+                        "error": predicted.seconds / job.step_seconds - 1.0,
+                        "flop_model_s": predicted.flop_model_seconds,
+                        "flop_model_error": predicted.flop_model_seconds / job.step_seconds - 1.0,
+                        "bytes_per_step": job.bytes_per_step,
+                    }
+                )
+            del predictor
     return {
         "cores": cores,
         "steps": steps,
@@ -366,7 +406,8 @@ def format_table(report: dict) -> str:
         ),
         (
             f"{'network':16s} {'batch':>5s} {'R':>2s} {'strategy':8s} {'measured':>10s} "
-            f"{'predicted':>10s} {'error':>7s} {'bytes/step':>12s}"
+            f"{'predicted':>10s} {'error':>7s} {'FLOP model':>10s} {'error':>7s} "
+            f"{'bytes/step':>12s}"
         ),
     ]
     for row in report["results"]:
@@ -379,6 +420,7 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{row['network']:16s} {row['batch']:5d} {row['ranks']:2d} {row['strategy']:8s} "
             f"{row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "
+            f"{row['flop_model_s']:9.4f}s {row['flop_model_error']:+7.1%} "
             f"{row['bytes_per_step']:12,d}"
         )
     return "\n".join(lines) + "\n"

@@ -14,6 +14,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from runtime.aligned import aligned_empty
+
 
 class BufferPool:
     def __init__(self) -> None:
@@ -28,7 +30,7 @@ class BufferPool:
         dtype = np.dtype(dtype)
         array = self._arrays.get(key)
         if array is None or array.dtype != dtype or array.size < size:
-            array = self._arrays[key] = np.empty(size, dtype)
+            array = self._arrays[key] = aligned_empty((size,), dtype)
         view = array[:size].reshape(shape)
         if zero:
             view.fill(0)

@@ -24,6 +24,7 @@ from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext, run_piece
+from runtime.aligned import aligned_copy, aligned_zeros
 from runtime.instances import Layout, choose_layouts
 from runtime.kernels.blas import kernel_threading
 
@@ -144,9 +145,11 @@ class LocalExecutor:
                 # Each resident tensor draws from its own stream so that adding a layer does not
                 # change the initial values of the others.
                 stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-                self.arrays[name] = layout.from_logical(initial_value(tensor, stream))
+                self.arrays[name] = aligned_copy(layout.from_logical(initial_value(tensor, stream)))
             else:
-                self.arrays[name] = np.zeros(layout.shape(tensor.dims), NUMPY_DTYPES[tensor.dtype])
+                self.arrays[name] = aligned_zeros(
+                    layout.shape(tensor.dims), NUMPY_DTYPES[tensor.dtype]
+                )
             self._tensors[name] = tensor
 
     def view(self, name: str, rect: Rect) -> np.ndarray:

@@ -37,6 +37,7 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy, builtin
 from runtime.adapters import StepContext
+from runtime.aligned import aligned_copy, aligned_zeros
 from runtime.buffer_pool import BufferPool
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.instances import Layout, choose_layouts
@@ -170,10 +171,10 @@ class RankExecutor:
                     raise AssertionError(f"the home of {name} moved from {self.boxes[name]!r}")
                 stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
                 part = initial_part(tensor, stream, box)
-                self.arrays[name] = np.ascontiguousarray(layout.from_logical(part))
+                self.arrays[name] = aligned_copy(layout.from_logical(part))
             else:
                 shape = layout.shape(box.shape)
-                self.arrays[name] = np.zeros(shape, NUMPY_DTYPES[tensor.dtype])
+                self.arrays[name] = aligned_zeros(shape, NUMPY_DTYPES[tensor.dtype])
             self.boxes[name] = box
             self._tensors[name] = tensor
 

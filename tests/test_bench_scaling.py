@@ -1,4 +1,4 @@
-"""`bench scaling`'s calibration recovers the terms a trace was made from."""
+"""`bench scaling`'s calibration recovers the terms a trace and a profile were made from."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from legion_nn.networks import load_network
 from partitioner.accounting import bytes_per_rank, task_flops
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, calibrate
+from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, calibrate, format_table
 
 OVERHEAD_S = 40e-6
 BANDWIDTH = 12e9  # bytes/s the runtime's own passes reach: well below the streaming add's
@@ -16,33 +16,58 @@ STREAMING = 38.0  # GB/s, what `memory_bandwidth` measured
 RATE = 50e9  # FLOP/s of every op
 
 
-def synthetic_job(network: str, batch: int) -> Job:
-    """A 1-rank trace whose every task took exactly what the model's terms say."""
+def synthetic_job(network: str, batch: int) -> tuple[Job, dict[str, float]]:
+    """A 1-rank trace whose every task took exactly what the model's terms say, and the profile
+    of its kernels: the same less the overhead."""
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
-    events = []
+    events, profiled = [], {}
     for step in range(WARMUP, WARMUP + 3):
         for task, traffic in zip(graph.tasks, bytes_per_rank(graph, plan)):
             work = flops.get(task.name, 0.0)
-            seconds = OVERHEAD_S + (work / RATE if work else float(traffic[0]) / BANDWIDTH)
+            profiled[task.name] = work / RATE if work else float(traffic[0]) / BANDWIDTH
+            seconds = OVERHEAD_S + profiled[task.name]
             events.append(
                 {"ph": "X", "pid": 0, "tid": 0, "cat": "compute", "name": task.name,
                  "ts": 0, "dur": seconds * 1e6, "args": {"step": step, "task": task.name}}
             )  # fmt: skip
-    return Job(network, batch, 1, "data", 0.0, 0, {"traceEvents": events})
+    return Job(network, batch, 1, "data", 0.0, 0, {"traceEvents": events}), profiled
 
 
 def test_weight_sized_zeroing_calibrates_the_memory_bandwidth():
-    calibration = calibrate(synthetic_job("seed-lcn", 4), 1, STREAMING)
+    job, profiled = synthetic_job("seed-lcn", 4)
+    calibration = calibrate(job, 1, STREAMING, profiled)
     assert calibration.memory_gbytes_per_s == pytest.approx(BANDWIDTH / 1e9, rel=0.02)
-    assert calibration.task_overhead_us == pytest.approx(OVERHEAD_S * 1e6, rel=0.2)
+    assert calibration.task_overhead_us == pytest.approx(OVERHEAD_S * 1e6, rel=1e-6)
     for rate in calibration.op_gflops.values():
         assert rate == pytest.approx(RATE / 1e9, rel=0.02)
 
 
 def test_without_large_zeroing_the_streaming_bandwidth_stands():
     """seed-lcn-small zeroes nothing weight-sized: its small tasks say nothing of bandwidth."""
-    calibration = calibrate(synthetic_job("seed-lcn-small", 8), 1, STREAMING)
+    job, profiled = synthetic_job("seed-lcn-small", 8)
+    calibration = calibrate(job, 1, STREAMING, profiled)
     assert calibration.memory_gbytes_per_s == STREAMING
-    assert calibration.task_overhead_us == pytest.approx(OVERHEAD_S * 1e6, rel=0.2)
+    assert calibration.task_overhead_us == pytest.approx(OVERHEAD_S * 1e6, rel=1e-6)
+
+
+def test_the_table_gives_both_predictions_and_failed_jobs():
+    row = {
+        "network": "seed-lcn-small", "batch": 64, "ranks": 2, "strategy": "model",
+        "measured_s": 0.010, "predicted_s": 0.009, "error": -0.1, "flop_model_s": 0.005,
+        "flop_model_error": -0.5, "bytes_per_step": 1_854_004,
+    }  # fmt: skip
+    failed = {"network": "seed-lcn", "batch": 4, "ranks": 4, "strategy": "data", "failed": "oom"}
+    report = {
+        "cores": 2,
+        "link": {"latency_us": 2.3, "gbytes_per_s": 12.6},
+        "results": [row, failed],
+    }
+    lines = format_table(report).splitlines()
+    assert "FLOP model" in lines[1]
+    assert lines[2].split() == [
+        "seed-lcn-small", "64", "2", "model", "0.0100s", "0.0090s", "-10.0%", "0.0050s", "-50.0%",
+        "1,854,004",
+    ]  # fmt: skip
+    assert lines[3].endswith("failed: oom")

@@ -57,6 +57,24 @@ def test_the_roofline_prices_bytes_and_the_overhead_per_task():
     assert linear.compute_s > 2 * linear.flops_max / 100e9
 
 
+def test_measured_compute_replaces_the_flop_model_and_keeps_the_rest():
+    graph = load_network("seed-lcn-small").lower(batch=8)
+    plan = build_plan(graph, builtin(graph, "model", 2), 2)
+    machine = Machine(100, 12.5, 2, 16, memory_gbytes_per_s=20, task_overhead_us=7)
+    modelled = plan_cost(graph, plan, machine)
+    measured = {task.name: 1e-3 * (k + 1) for k, task in enumerate(graph.tasks)}
+    priced = plan_cost(graph, plan, machine, measured)
+    for before, after in zip(modelled.tasks, priced.tasks):
+        assert after.compute_s == pytest.approx(measured[after.task] + 7e-6)
+        assert (after.comm_s, after.bytes_sent) == (before.comm_s, before.bytes_sent)
+    assert priced.memory == modelled.memory
+    # a task the measurement leaves out keeps its modelled compute
+    del measured["L1.filter"]
+    partial = plan_cost(graph, plan, machine, measured)
+    kept = next(t for t in partial.tasks if t.task == "L1.filter")
+    assert kept.compute_s == next(t for t in modelled.tasks if t.task == "L1.filter").compute_s
+
+
 def test_data_parallel_step_is_dominated_by_the_weight_all_reduce():
     graph = load_network("seed-lcn").lower(batch=256)
     cost = plan_cost(graph, build_plan(graph, builtin(graph, "data", 64), 64), MACHINE)

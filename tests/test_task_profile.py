@@ -1,0 +1,68 @@
+"""`runtime.task_profile`: a plan's pieces run with the runtime's kernels, summed per rank."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from legion_nn.networks import load_network
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+from runtime import task_profile
+from runtime.aligned import LINE, aligned_copy, aligned_empty, aligned_zeros
+
+
+@pytest.fixture(scope="module")
+def small():
+    graph = load_network("seed-lcn-small").lower(batch=6, optimizer="sgd")
+    return graph, task_profile.sample_step(graph)
+
+
+def test_the_busiest_rank_sums_its_pieces_and_each_shape_is_timed_once(small, monkeypatch):
+    graph, sample = small
+    plan = build_plan(graph, builtin(graph, "spatial", 3), 3)
+    timed = []
+
+    def volume(graph, task, piece, executor, ctx):
+        timed.append((task.name, piece.rect))
+        return float(piece.rect.volume)
+
+    monkeypatch.setattr(task_profile, "_time_piece", volume)
+    cache: dict = {}
+    profiled = task_profile.profile_plan(graph, plan, 1, sample, cache)
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        per_rank: dict[int, float] = defaultdict(float)
+        for piece in task_plan.pieces:
+            for rank in piece.ranks:
+                per_rank[rank] += piece.rect.volume
+        assert profiled[task.name] == max(per_rank.values(), default=0.0)
+    assert len(timed) == len(cache) < sum(len(t.pieces) for t in plan.tasks)
+    # a second plan with the same pieces times nothing again
+    task_profile.profile_plan(graph, plan, 1, sample, cache)
+    assert len(timed) == len(cache)
+
+
+def test_profiling_runs_every_piece_and_leaves_the_sample_as_it_was(small):
+    graph, (executor, ctx) = small
+    before = {name: array.copy() for name, array in executor.arrays.items()}
+    plan = build_plan(graph, builtin(graph, "model", 2), 2)
+    profiled = task_profile.profile_plan(graph, plan, 1, (executor, ctx))
+    assert list(profiled) == [task.name for task in graph.tasks]
+    assert all(seconds > 0 for seconds in profiled.values())
+    for name, array in executor.arrays.items():
+        np.testing.assert_array_equal(array, before[name], err_msg=name)
+
+
+def test_placed_arrays_start_on_distinct_cache_lines():
+    arrays = [aligned_zeros((5, 7), np.float32) for _ in range(4)]
+    offsets = [a.ctypes.data % 4096 for a in arrays]
+    assert all(offset % LINE == 0 for offset in offsets)
+    assert len(set(offsets)) == len(offsets)
+    assert all(a.shape == (5, 7) and a.dtype == np.float32 and not a.any() for a in arrays)
+    source = np.arange(12.0).reshape(3, 4)[:, ::2]
+    copy = aligned_copy(source)
+    assert copy.flags.c_contiguous and copy.ctypes.data % LINE == 0
+    np.testing.assert_array_equal(copy, source)
+    assert aligned_empty((0, 3), np.float64).shape == (0, 3)
