@@ -11,8 +11,8 @@ into its predecessor's gradient. The search prices *transitions*, (unit i, grid 
 grid q of unit i), each by `transitions.UnitPricer`, which replays just the tasks the row
 depends on with the planner's own steps and gets, float for float, the row's seconds in any whole
 plan with those two grids, and the memory per rank the transition sets; the messages between two
-different grids are priced dim by dim (`grid_loads.py`), not listed. A DP over the transitions
-then finds the cheapest assignment of grids under the cost model.
+different grids are priced dim by dim (`grid_loads.py`, `grid_combine.py`), not listed. A DP over
+the transitions then finds the cheapest assignment of grids under the cost model.
 
 Not every transition is priced. `UnitPricer.bound(i, q)` is a lower bound on unit i's row on
 grid q whatever its predecessor's grid (the row without the messages that depend on that grid).

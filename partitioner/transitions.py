@@ -12,20 +12,13 @@ step: it replays, in program order, the *window* of the row, which is
   tensor the row reads or reduces into: the writes give the layouts the row's messages come
   from, the reads the copies a rank already holds (a rect received once is not sent again).
 
-Every step of the replay is the planner's own (`plan.task_accesses`, `messages.fetch` and
-`combine`, `plan.written_layout`, `plan.home_layout`, `cost.task_cost`,
-`accounting.received_once`) or computes exactly what they would: a read of the very rect each
-rank wrote moves nothing (the rects are compared, `_local`), and the loads, held bytes and
-collectives of a fetch or a combine between grid layouts are computed dim by dim
-(`grid_loads.py`, with the message-level functions as its fallback). Each result is kept under a
-key naming what it depends on: a task's pieces by (task, grid); a layout by the task and grid
-that wrote it, or, for a home, by its readers' grids; a fetch or a combine by its contents (the
-layout's and the rects' digests, so the repeated layers of VGG share them); a task's cost by its
-fetches and combines. So a row's seconds under a transition are, float for float, what
-`plan_cost` gives the row of any whole plan with those two grids
-(`tests/test_partition_search.py` checks this on random chains and rank counts), and the work a
-transition shares with others (everything of the row that does not depend on the predecessor's
-grid) is done once.
+Every step of the replay is the planner's own or computes exactly what it would, and each is kept
+under a key naming what it depends on: the layouts and accesses by `layout_cache.py`, what a
+task's fetches and combines move and what the task costs by `task_prices.py`. So a row's seconds
+under a transition are, float for float, what `plan_cost` gives the row of any whole plan with
+those two grids (`tests/test_partition_search.py` checks this on random chains and rank counts),
+and the work a transition shares with others (everything of the row that does not depend on the
+predecessor's grid) is done once.
 
 `UnitPricer.bound(i, q)` replays the row on grid q with the predecessor's tasks left out: the
 messages and collectives whose layouts or copies come from the predecessor's grid are dropped,
@@ -49,7 +42,6 @@ not priced this way (`NotAChain`); `search.py` then runs its local search over w
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,70 +49,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from legion_nn.graph import TaskGraph
-from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
-from partitioner.accounting import (
-    flops_per_element,
-    moves_bytes,
-    pieces_bytes,
-    pieces_flops,
-    received_once,
-    reductions_memory,
-)
-from partitioner.cost import (
-    busy_seconds,
-    collective_costs,
-    compute_time,
-    reduction_cost,
-    task_cost,
-)
-from partitioner.grid_loads import (
-    Collectives,
-    Geometry,
-    Moved,
-    RectSet,
-    combine_loads,
-    fetch_loads,
-)
-from partitioner.layout import Layout
+from partitioner.accounting import flops_per_element, moves_bytes
+from partitioner.layout_cache import Key, LayoutCache, Memo
 from partitioner.machine import Machine
-from partitioner.messages import Accesses, combine, fetch
-from partitioner.pieces import PieceCache, PieceSet, homed_pieces
-from partitioner.plan import (
-    PlanError,
-    TaskAccesses,
-    home_layout,
-    reductions_of,
-    resident_reads,
-    task_accesses,
-    task_rows,
-    written_layout,
-)
+from partitioner.pieces import PieceCache
+from partitioner.plan import PlanError
 from partitioner.strategy import Grid, Unit, backward_grid, is_homed, param_of
-from partitioner.transfers import TransferBlock, link_loads
-
-Loads = tuple[np.ndarray, np.ndarray, np.ndarray]
-Key = tuple
+from partitioner.task_prices import TaskPrices
 
 
 class NotAChain(Exception):
     """The graph's costs do not split into transitions between consecutive units."""
-
-
-@dataclass
-class _Moved:
-    """What one fetch or combine of one task puts on the links."""
-
-    loads: Loads | None  # (bytes sent, bytes received, message rounds) per rank; None: nothing
-    wire: int  # bytes of its point-to-point transfers, counted per destination
-    #: its collectives, in order, as `cost.busy_seconds` takes them: (groups of ranks, each
-    #: one's group, each one's extra rank or -1, each one's seconds); None: none
-    collectives: tuple | None
-    #: bytes held per rank for it: partial sums sent, collective buffers
-    memory: np.ndarray | None
-    #: for a fetch that moves anything, the bytes of the parts each rank receives, each once
-    received: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -144,19 +85,18 @@ class UnitPricer:
         cache: PieceCache | None = None,
     ) -> None:
         self.graph, self.units, self.nranks, self.machine = graph, list(units), nranks, machine
-        self.cache = cache or PieceCache(graph)
-        self.rows = task_rows(graph)
+        self.layouts = LayoutCache(graph, nranks, cache)
+        self.prices = TaskPrices(self.layouts, machine)
+        self.cache = self.layouts.cache
+        self.rows = self.prices.rows
         self.homed = {t.name for t in graph.tasks if is_homed(graph, t)}
         self._grids: dict[tuple, Grid] = {}
-        self._overlaps: dict = {}  # `grid_loads` per-dim overlaps
         self._rules()
         self._homes()
         self._windows()
         self._memory_terms()
-        self._memo: dict[Key, object] = {}
+        self._bounds = Memo()
         self.priced = 0
-        #: use `grid_loads` where it applies (off: every message through `messages`)
-        self.fast = True
 
     # -- static analysis -------------------------------------------------------------------
 
@@ -326,308 +266,10 @@ class UnitPricer:
             if name in self.home_source:
                 self.home_terms[self._home_units(self.home_source[name])].append(name)
 
-    # -- memoised steps --------------------------------------------------------------------
-
-    def _remember(self, key: Key, make):
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = make()
-        return found
-
-    def _pieces(self, name: str, grid: Grid) -> PieceSet:
-        return self.cache.get(self.graph, self.graph.task(name), grid)
-
-    def _accesses(self, name: str, grid: Grid) -> TaskAccesses:
-        return self._remember(
-            ("accesses", name, grid),
-            lambda: task_accesses(self.graph.task(name), self._pieces(name, grid)),
-        )
-
     def _home_key(self, tensor: str, grids: Mapping[int, Grid]) -> Key:
         source = self.home_source[tensor]
         readers = tuple((r, self.grid(r, grids)) for r in self.readers.get(source, []))
         return ("home", source, readers)
-
-    def _layout(self, key: Key) -> Layout:
-        """The layout `key` names, made once per contents: different grids often leave a
-        tensor the same (a replicated parameter's home), and repeated layers write alike."""
-
-        def make() -> Layout:
-            if key[0] == "home":
-                return home_layout(self.graph, key[1], self._home_reads(key))
-            _, name, grid, tensor = key
-            found = self._accesses(name, grid).writes[tensor]
-            return written_layout(self.graph, self.graph.task(name), tensor, found)
-
-        return self._remember(
-            ("layout", key),
-            lambda: self._remember(("layout of", key[0], self._layout_digest(key)), make),
-        )
-
-    def _layout_digest(self, key: Key) -> bytes:
-        """A digest naming the layout's contents: of the rects and ranks it is made from."""
-
-        def make() -> bytes:
-            if key[0] == "write":
-                _, name, grid, tensor = key
-                found = self._accesses(name, grid).writes[tensor]
-                return digest(*(a for columns in found for a in columns))
-            found = self._home_reads(key)
-            if not found:
-                return digest(np.asarray(self.graph.tensors[key[1]].dims))
-            return digest(*(a for columns in found for a in columns))
-
-        return self._remember(("layout digest", key), make)
-
-    def _geometry(self, key: Key) -> Geometry:
-        """`grid_loads.Geometry` of the layout `key` names, made once per contents."""
-        return self._remember(
-            ("geometry", key),
-            lambda: self._remember(
-                ("geometry of", key[0], self._layout_digest(key)),
-                lambda: Geometry(self._layout(key), self.nranks),
-            ),
-        )
-
-    def _rects(self, key: Key, accesses: Accesses) -> RectSet:
-        return self._remember(("rects", key), lambda: RectSet(accesses))
-
-    def _reduces(self, name: str, grid: Grid, tensor: str) -> tuple[Accesses, bytes]:
-        def make():
-            reduces = Accesses(*dict(self._accesses(name, grid).reduces)[tensor])
-            return reduces, digest(reduces.rect_lo, reduces.rect_hi, reduces.ptr, reduces.ranks)
-
-        return self._remember(("reduces", name, grid, tensor), make)
-
-    def _reads(self, name: str, grid: Grid, tensor: str) -> tuple[Accesses, bytes]:
-        """The task's reads of `tensor` grouped by rect, and a digest of them."""
-
-        def make():
-            reads = Accesses(*dict(self._accesses(name, grid).reads)[tensor])
-            return reads, digest(reads.rect_lo, reads.rect_hi, reads.ptr, reads.ranks)
-
-        return self._remember(("reads", name, grid, tensor), make)
-
-    def _rows(self, name: str, grid: Grid, tensor: str) -> np.ndarray:
-        """The (rect, rank) rows of the task's reads of `tensor`, as `Copies` records them."""
-
-        def make():
-            reads = self._reads(name, grid, tensor)[0]
-            counts = np.diff(reads.ptr)
-            rects = np.concatenate((reads.rect_lo, reads.rect_hi), axis=1)
-            return np.concatenate((np.repeat(rects, counts, axis=0), reads.ranks[:, None]), axis=1)
-
-        return self._remember(("rows", name, grid, tensor), make)
-
-    def _fresh(self, key: Key) -> tuple[Accesses, np.ndarray | None]:
-        """A fetch's reads, and which of them are fresh (`messages.Copies`; None: all)."""
-
-        def make():
-            _, name, grid, tensor, _, before = key
-            reads, mine = self._reads(name, grid, tensor)
-            if not before:
-                return reads, None
-            if any(self._reads(n, g, tensor)[1] == mine for n, g in before):
-                return reads, np.zeros(len(reads.ranks), bool)  # the same reads again
-            rows = self._rows(name, grid, tensor)
-            held = np.concatenate([self._rows(n, g, tensor) for n, g in before])
-            ids, _ = boxes.first_seen_ids(np.concatenate((held, rows)))
-            fresh = ~np.isin(ids[len(held) :], ids[: len(held)])
-            return reads, None if fresh.all() else fresh
-
-        return self._remember(("fresh", key), make)
-
-    def _block(self, key: Key) -> TransferBlock:
-        """The transfers of a fetch, as `messages.fetch` lists them."""
-
-        def make() -> TransferBlock:
-            _, name, _, tensor, layout_key, _ = key
-            reads, fresh = self._fresh(key)
-            fresh = np.ones(len(reads.ranks), bool) if fresh is None else fresh
-            itemsize = self.graph.tensors[tensor].itemsize
-            failure = _failure(self.graph.task(name))
-            return fetch(tensor, itemsize, self._layout(layout_key), reads, fresh, failure)
-
-        return self._remember(("block", key), make)
-
-    def _fetch(self, key: Key) -> _Moved:
-        """What a fetch moves, kept by its contents: the same layout read the same way by
-        another task (a repeated layer) is priced once."""
-        _, name, grid, tensor, layout_key, _ = key
-        reads, fresh = self._fresh(key)
-        if fresh is not None and not fresh.any():
-            return _NOTHING
-        itemsize = self.graph.tensors[tensor].itemsize
-        content = (
-            "fetch",
-            self._layout_digest(layout_key),
-            self._reads(name, grid, tensor)[1],
-            None if fresh is None else digest(fresh),
-            itemsize,
-        )
-
-        def make() -> _Moved:
-            fast = None
-            if self.fast:
-                geometry = self._geometry(layout_key)
-                rects = self._rects(("reads", name, grid, tensor), reads)
-                fast = fetch_loads(geometry, rects, fresh, itemsize, self.nranks, self._overlaps)
-            if fast is not None:
-                if fast.empty:
-                    return _NOTHING
-                return _Moved(_floats(fast), fast.wire, None, None, fast.held)
-            block = self._block(key)
-            if not len(block):
-                return _NOTHING
-            loads = link_loads([block], self.nranks)
-            received = received_once([block], self.nranks)[0]
-            return _Moved(loads, int(np.dot(block.nbytes, block.fanout)), None, None, received)
-
-        return self._remember(content, make)
-
-    def _combine(self, key: Key) -> _Moved:
-        """What a combine moves, kept by its contents (see `_fetch`)."""
-        _, name, grid, tensor, layout_key = key
-        reduces, shape = self._reduces(name, grid, tensor)
-        itemsize = self.graph.tensors[tensor].itemsize
-        content = ("combine", self._layout_digest(layout_key), shape, itemsize)
-
-        def make() -> _Moved:
-            task = self.graph.task(name)
-            layout = self._layout(layout_key)
-            n, machine = self.nranks, self.machine
-            fast = None
-            if self.fast:
-                rects = self._rects(("reduces", name, grid, tensor), reduces)
-                fast = combine_loads(self._geometry(layout_key), rects, itemsize, n, self._overlaps)
-            collectives = None
-            if fast is not None:
-                moved, found = fast
-                loads = None if moved.empty else _floats(moved)
-                memory, wire = moved.held.copy(), moved.wire
-                if len(found):
-                    seconds, on_wire = collective_costs(
-                        found.reduce, found.sizes(), found.total, found.largest, machine
-                    )
-                    collectives = (found.groups, found.group, found.extra, seconds)
-                    wire += int(on_wire.sum())
-                    memory += _group_bytes(found, n)
-                    memory -= np.bincount(found.holders, weights=found.nbytes, minlength=n).astype(
-                        boxes.INDEX
-                    )
-            else:
-                block, found = combine(tensor, itemsize, layout, reduces, 0, _failure(task))
-                memory = np.zeros(n, boxes.INDEX)
-                loads = None
-                if len(block):
-                    loads = link_loads([block], n)
-                    memory += _per_rank(block.src, block.nbytes, n)
-                wire = int(np.dot(block.nbytes, block.fanout))
-                reductions = reductions_of(tensor, itemsize, found)
-                if reductions:
-                    groups, seconds = [], []
-                    for reduction in reductions:
-                        took, on_wire = reduction_cost(reduction, machine)
-                        groups.append(np.asarray(reduction.participants, boxes.INDEX))
-                        seconds.append(took)
-                        wire += on_wire
-                    memory += reductions_memory(reductions, n)
-                    count = len(groups)
-                    collectives = (
-                        groups,
-                        np.arange(count),
-                        np.full(count, -1),
-                        np.array(seconds),
-                    )
-            if loads is None and collectives is None and not wire and not memory.any():
-                return _NOTHING
-            return _Moved(loads, wire, collectives, memory, None)
-
-        return self._remember(content, make)
-
-    def _task_cost(self, name: str, grid: Grid, keys: tuple[Key, ...]) -> tuple[float, object]:
-        def make():
-            task = self.graph.task(name)
-            n = self.nranks
-            pieces = self._pieces(name, grid)
-            moved = [self._fetch(k) if k[0] == "fetch" else self._combine(k) for k in keys]
-            moved = [m for m in moved if m is not _NOTHING]
-            traffic = self._traffic(task, [pieces])
-            flops = self._flops(name, grid)
-            if not moved:  # it only computes
-                return compute_time(task, flops, traffic, self.machine), None
-            incoming = [np.zeros(n), np.zeros(n), np.zeros(n)]
-            partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
-            groups: list[np.ndarray] = []
-            named: dict[bytes, int] = {}
-            group, extra, seconds = [], [], []
-            sent = 0
-            memory = None
-            for key, found in zip(keys, moved):
-                if found.loads is not None:
-                    into = incoming if key[0] == "fetch" else partial
-                    for total, part in zip(into, found.loads):
-                        total += part
-                if found.collectives is not None:
-                    mine, which, alone, took = found.collectives
-                    ids = []
-                    for members in mine:
-                        ids.append(named.setdefault(members.tobytes(), len(groups)))
-                        if ids[-1] == len(groups):
-                            groups.append(members)
-                    group.append(np.asarray(ids, np.int64)[which])
-                    extra.append(alone)
-                    seconds.append(took)
-                sent += found.wire
-                if found.memory is not None:
-                    memory = found.memory if memory is None else memory + found.memory
-            busy = np.zeros(n)
-            if group:
-                busy = busy_seconds(
-                    groups, np.concatenate(group), np.concatenate(extra), np.concatenate(seconds), n
-                )
-            cost = task_cost(
-                task, self.rows[name], flops, incoming, partial, busy, sent, self.machine, traffic
-            )
-            return cost.seconds, memory
-
-        return self._remember(("task", name, grid, keys), make)
-
-    def _flops(self, name: str, grid: Grid) -> np.ndarray:
-        """FLOPs per rank of task `name` on `grid`, kept: its cost is made once per set of
-        messages, and most tasks meet several."""
-        return self._remember(
-            ("flops", name, grid),
-            lambda: pieces_flops(
-                self.graph, self.graph.task(name), [self._pieces(name, grid)], self.nranks
-            ),
-        )
-
-    def _traffic(self, task: Task, piece_sets) -> np.ndarray | None:
-        """Bytes per rank of `piece_sets`, where the machine prices memory traffic."""
-        if not self.machine.seconds_per_memory_byte:
-            return None
-        return pieces_bytes(self.graph, task, piece_sets, self.nranks)
-
-    def _homed_cost(self, name: str, grids: Mapping[int, Grid]) -> float:
-        task = self.graph.task(name)
-        tensors = [r.tensor for r in task.requirements] if task.op == "data" else []
-        tensors = tensors or [task.requirements[0].tensor]
-        keys = tuple(self._home_key(t, grids) for t in tensors)
-
-        def make() -> float:
-            homes = {t: self._layout(k) for t, k in zip(tensors, keys)}
-            n = self.nranks
-            pieces = homed_pieces(self.graph, task, homes)
-            flops = pieces_flops(self.graph, task, pieces, n)
-            zero = (np.zeros(n), np.zeros(n), np.zeros(n))
-            cost = task_cost(
-                task, self.rows[name], flops, zero, zero, zero[0], 0, self.machine,
-                self._traffic(task, pieces),
-            )  # fmt: skip
-            return cost.seconds
-
-        return self._remember(("homed", name, keys), make)
 
     # -- replay ----------------------------------------------------------------------------
 
@@ -642,7 +284,7 @@ class UnitPricer:
         the row's tasks without the messages and collectives whose layouts or copies come from
         the predecessor's grid (a task's seconds only grow with what it moves), tasks run on the
         predecessor's grid counted as 0. What it keeps is priced exactly as in `transition`."""
-        return self._remember(("bound", i, q), lambda: self._bound(i, q))
+        return self._bounds.remember((i, q), lambda: self._bound(i, q))
 
     def _bound(self, i: int, q: Grid) -> float:
         seconds, _ = self._walk(self.window[i], self.costed[i], self.touched[i], {i: q}, i, i - 1)
@@ -700,7 +342,7 @@ class UnitPricer:
                         layouts[req.tensor] = _UNKNOWN
                 continue
             grid = self.grid(name, grids)
-            accesses = self._accesses(name, grid)
+            accesses = self.layouts.accesses(name, grid)
             mine = name in costed
             keys: list[Key] = []
             for tensor, _ in accesses.reads:
@@ -717,7 +359,7 @@ class UnitPricer:
                 copies[tensor] = before + ((name, grid),)
                 if layout_key is _UNKNOWN or tensor in tainted or (bounding and not mine):
                     continue
-                if self._local(name, grid, tensor, layout_key, reduce=False):
+                if self.layouts.local(name, grid, tensor, layout_key, reduce=False):
                     continue  # each rank reads what it wrote: nothing moves
                 key = ("fetch", name, grid, tensor, layout_key, before)
                 if not bounding:
@@ -738,16 +380,16 @@ class UnitPricer:
                     )
                 if layout_key is _UNKNOWN:
                     continue
-                if not self._local(name, grid, tensor, layout_key, reduce=True):
+                if not self.layouts.local(name, grid, tensor, layout_key, reduce=True):
                     keys.append(("combine", name, grid, tensor, layout_key))
-            task_seconds, held = self._task_cost(name, grid, tuple(keys))
+            task_seconds, held = self.prices.task_cost(name, grid, tuple(keys))
             seconds += task_seconds
             if memory is not None and held is not None:
                 memory = memory + held
         if memory is not None:
             for found in fetched.values():
                 if any(mine for mine, _ in found):
-                    memory = memory + self._received(tuple(found))
+                    memory = memory + self.prices.received(tuple(found))
         return seconds, memory
 
     def _first_layout(
@@ -766,6 +408,13 @@ class UnitPricer:
             raise PlanError(f"task {name} reads {tensor}, which no earlier task wrote")
         return self._home_key(tensor, grids)
 
+    def _homed_cost(self, name: str, grids: Mapping[int, Grid]) -> float:
+        task = self.graph.task(name)
+        tensors = [r.tensor for r in task.requirements] if task.op == "data" else []
+        tensors = tensors or [task.requirements[0].tensor]
+        home_keys = tuple((t, self._home_key(t, grids)) for t in tensors)
+        return self.prices.homed_cost(name, home_keys)
+
     def _homed_seconds(self, name: str, grids: Mapping[int, Grid], bounding: bool) -> float:
         task = self.graph.task(name)
         if bounding:  # only what it computes counts, and not where its home is unknown
@@ -781,154 +430,17 @@ class UnitPricer:
             return self._homed_cost(name, grids)
         return self.machine.task_overhead  # no FLOPs and no bytes: `compute_time`'s overhead
 
-    def _local(self, name: str, grid: Grid, tensor: str, layout_key: Key, reduce: bool) -> bool:
-        """Whether every rank of the task reads (or reduces into) exactly the rect of `tensor`
-        it wrote itself, so that nothing moves: the rects are compared, not the messages."""
-        if layout_key[0] != "write":
-            return False
-        _, writer, written, _ = layout_key
-
-        def make() -> bool:
-            mine, theirs = self._pieces(name, grid), self._pieces(writer, written)
-            task, source = self.graph.task(name), self.graph.task(writer)
-            wrote = [
-                k
-                for k, r in enumerate(source.requirements)
-                if r.tensor == tensor and r.privilege.writes and r.privilege is not Privilege.REDUCE
-            ]
-            touch = [
-                j
-                for j, r in enumerate(task.requirements)
-                if r.tensor == tensor
-                and (r.privilege is Privilege.REDUCE if reduce else r.privilege.reads)
-            ]
-            if len(wrote) != 1 or not np.array_equal(mine.owners, theirs.owners):
-                return False
-            k = wrote[0]
-            return all(
-                np.array_equal(mine.req_lo[j], theirs.req_lo[k])
-                and np.array_equal(mine.req_hi[j], theirs.req_hi[k])
-                for j in touch
-            )
-
-        return self._remember(("local", name, grid, tensor, writer, written, reduce), make)
-
-    def _received(self, found: tuple[tuple[bool, Key], ...]) -> np.ndarray:
-        """Bytes per rank of the parts of one tensor that the row's fetches bring first."""
-
-        def make() -> np.ndarray:
-            out = np.zeros(self.nranks, boxes.INDEX)
-            moved = [(mine, key) for mine, key in found if self._fetch(key).received is not None]
-            if len(moved) == 1:  # each part reaches each rank once within a block
-                mine, key = moved[0]
-                if mine:
-                    out += self._fetch(key).received
-            elif moved:
-                blocks = [self._block(key) for _, key in moved]
-                for (mine, _), part in zip(moved, received_once(blocks, self.nranks)):
-                    if mine:
-                        out += part
-            return out
-
-        return self._remember(("received", found), make)
-
     def _tensor_memory(self, unit: int | None, grids: Mapping[int, Grid]) -> np.ndarray:
         """Bytes per rank of the layouts whose grids `unit`'s transition sets."""
         n = self.nranks
         memory = np.zeros(n, boxes.INDEX)
         for tensor, writer in self.write_terms.get(unit, []):
             key = ("write", writer, self.grid(writer, grids), tensor)
-            memory += self._volume(key, tensor)
+            memory += self.layouts.volume(key, tensor)
         for tensor in self.home_terms.get(unit, []):
-            memory += self._volume(self._home_key(tensor, grids), tensor)
+            memory += self.layouts.volume(self._home_key(tensor, grids), tensor)
         return memory
 
-    def _volume(self, key: Key, tensor: str) -> np.ndarray:
-        itemsize = self.graph.tensors[tensor].itemsize
 
-        def make() -> np.ndarray:
-            if key[0] == "write":
-                _, name, grid, _ = key
-                found = self._accesses(name, grid).writes[tensor]
-                if len(found) == 1:  # one rect per rank, disjoint (else the plan fails)
-                    ranks, lo, hi = found[0]
-                    volume = boxes.volumes(lo, hi) * itemsize
-                    return np.bincount(ranks, weights=volume, minlength=self.nranks).astype(
-                        boxes.INDEX
-                    )[: self.nranks]
-            if key[0] == "home":
-                found = self._home_reads(key)
-                if found:
-                    ranks, lo, hi = found[0]
-                    same = all(
-                        np.array_equal(r, ranks) and np.array_equal(a, lo) and np.array_equal(b, hi)
-                        for r, a, b in found[1:]
-                    )
-                    if same and len(np.unique(ranks)) == len(ranks):
-                        # every reader reads the same rect per rank: the home holds just it
-                        volume = boxes.volumes(lo, hi) * itemsize
-                        return np.bincount(ranks, weights=volume, minlength=self.nranks).astype(
-                            boxes.INDEX
-                        )[: self.nranks]
-            return self._layout(key).volume_per_rank(self.nranks) * itemsize
-
-        return self._remember(("volume", key, itemsize), make)
-
-    def _home_reads(self, key: Key) -> list:
-        """(ranks, lo, hi) of every read making the home `key` (`plan.resident_reads`)."""
-        _, source, readers = key
-        found = []
-        for name, grid in readers:
-            pieces = self._pieces(name, grid)
-            found += [
-                c
-                for t, c in resident_reads(self.graph, self.graph.task(name), pieces)
-                if t == source
-            ]
-        return found
-
-
-_NOTHING = _Moved(None, 0, None, None, None)
 #: a layout `UnitPricer.bound` cannot know (written or read on the predecessor's grid)
 _UNKNOWN: Key = ("unknown",)
-
-
-def digest(*arrays: np.ndarray) -> bytes:
-    """A 128-bit digest of arrays' shapes, types and contents (a key for what they determine)."""
-    found = hashlib.blake2b(digest_size=16)
-    for array in arrays:
-        array = np.ascontiguousarray(array)
-        found.update(f"{array.shape}{array.dtype}".encode())
-        found.update(array.view(np.uint8).reshape(-1))
-    return found.digest()
-
-
-def _group_bytes(found: Collectives, n: int) -> np.ndarray:
-    """Bytes per rank its collectives hold: each participant the whole of each one's targets."""
-    sizes = np.array([len(g) for g in found.groups], boxes.INDEX)
-    per_group = np.bincount(found.group, weights=found.total, minlength=len(found.groups))
-    ranks = np.concatenate(found.groups + [np.maximum(found.extra, 0)])
-    weights = np.concatenate(
-        (np.repeat(per_group, sizes), np.where(found.extra >= 0, found.total, 0))
-    )
-    return np.bincount(ranks, weights=weights, minlength=n).astype(boxes.INDEX)
-
-
-def _floats(moved: Moved) -> Loads:
-    """`link_loads`'s arrays from a `grid_loads.Moved`."""
-    return (
-        moved.sent.astype(float),
-        moved.received.astype(float),
-        moved.rounds.astype(float),
-    )
-
-
-def _failure(task: Task):
-    def fail(message: str) -> PlanError:
-        return PlanError(f"task {task.name} {message}")
-
-    return fail
-
-
-def _per_rank(ranks: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
-    return np.bincount(ranks, weights=nbytes.astype(float), minlength=n).astype(boxes.INDEX)

@@ -1,5 +1,6 @@
-"""`grid_loads`: per-rank link loads, held bytes and collectives computed dim by dim equal what
-`messages.fetch` / `messages.combine` list message by message, on random layouts and reads."""
+"""`grid_loads` and `grid_combine`: per-rank link loads, held bytes and collectives computed dim
+by dim equal what `messages.fetch` / `messages.combine` list message by message, on random
+layouts and reads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 from partitioner import boxes
 from partitioner.accounting import received_once
-from partitioner.grid_loads import combine_loads, fetch_loads
+from partitioner.grid_combine import combine_loads
+from partitioner.grid_loads import fetch_loads
 from partitioner.layout import Layout
 from partitioner.messages import Accesses, combine, fetch
 from partitioner.plan import reductions_of
