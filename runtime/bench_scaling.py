@@ -353,6 +353,7 @@ def run_scaling(
                 by_threads[threads] = calibrate(job, threads, bandwidth, profiled)
                 calibrations.append(
                     {"network": network, "batch": batch, "step_s": job.step_seconds}
+                    | {"profiled_compute_s": sum(profiled.values())}
                     | asdict(by_threads[threads])
                 )
             for count, strategy, job in jobs:
