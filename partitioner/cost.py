@@ -21,8 +21,9 @@
 Known blind spots: no overlap of communication with computation or between tasks (FlexFlow's
 simulator models it); every op runs at one throughput unless calibrated (`machine.py`: per pass of
 the filter from `legion-nn bench kernels`, at its mean over batch sizes, whatever a rank's piece
-size) or its compute is `measured` (`runtime.task_profile` runs the plan's pieces); memory-bound ops (`set_zero`, elementwise) are free or nearly unless the machine gives a
-memory bandwidth, data loading always is, and the roofline counts each rect once (a kernel that
+size) or its compute is `measured` (`runtime.task_profile` runs the plan's pieces); memory-bound
+ops (`set_zero`, elementwise) are free or nearly unless the machine gives a memory bandwidth, data
+loading always is, and the roofline counts each rect once (a kernel that
 re-reads from memory is underpriced); an all-reduce is priced as run in place (the runtime's case
 for a just-zeroed gradient, not for a second reduction into it); no network contention or
 topology beyond per-rank link load; data re-fetched by a later task is paid again; memory is a

@@ -277,7 +277,7 @@ class UnitPricer:
         """Unit i's row on grid `q` after unit i − 1 on grid `p` (None for the first unit)."""
         grids = {i: q} if p is None else {i - 1: p, i: q}
         self.priced += 1
-        return self._replay(self.window[i], self.costed[i], self.touched[i], grids, i)
+        return RowCost(*self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, None))
 
     def bound(self, i: int, q: Grid) -> float:
         """A lower bound on unit i's row seconds on grid `q` whatever the grid of unit i − 1:
@@ -292,20 +292,16 @@ class UnitPricer:
 
     def constant(self) -> RowCost:
         """The rows of no unit (data loading) and the memory no unit's grid sets."""
-        return self._replay(
-            self.constant_window, set(self.constant_tasks), self.constant_touched, {}, None
+        return RowCost(
+            *self._walk(
+                self.constant_window,
+                set(self.constant_tasks),
+                self.constant_touched,
+                {},
+                None,
+                None,
+            )
         )
-
-    def _replay(
-        self,
-        window: list[str],
-        costed: set[str],
-        touched: set[str],
-        grids: Mapping[int, Grid],
-        unit: int | None,
-    ) -> RowCost:
-        seconds, memory = self._walk(window, costed, touched, grids, unit, None)
-        return RowCost(seconds, memory)
 
     def _walk(
         self,

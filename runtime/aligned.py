@@ -1,11 +1,11 @@
 """Placed arrays: the buffers the runtime computes in start at a chosen cache line of a page.
 
-Where a buffer starts within its page changes how fast the kernels run over it. With seed-lcn-small's
-L1 weight-gradient piece (five buffers of 0.4-1.3 MB), the same kernel on the same values took
-2.4-3.4 ms with the buffers at the offsets the heap gave five fresh copies, and 1.5-2.1 ms with
-each at the start of a page or at any cache-line offset from one. The heap's offsets depend on
-what was allocated and freed before (glibc serves arrays below its moving mmap threshold from the
-heap), so a run's speed varied with its allocation history. Placing each buffer takes that out.
+Where a buffer starts within its page changes how fast the kernels run over it. With
+seed-lcn-small's L1 weight-gradient piece (five buffers of 0.4-1.3 MB), the same kernel on the same
+values took 2.4-3.4 ms with the buffers at the offsets the heap gave five fresh copies, and 1.5-2.1
+ms with each at the start of a page or at any cache-line offset from one. The heap's offsets depend
+on what was allocated and freed before (glibc serves arrays below its moving mmap threshold from
+the heap), so a run's speed varied with its allocation history. Placing each buffer takes that out.
 Successive buffers start at successive "colours" (cache-line offsets 17 lines apart, modulo the
 page), not all at the page start: the runtime's streaming passes read two buffers and write a
 third, and buffers at the same offset in their pages would contend for the same cache sets and

@@ -14,9 +14,10 @@ plus the training loop's time outside the tasks:
 - compute: `runtime.task_profile` runs each rank's pieces of each task of the job's plan with the
   runtime's kernels, in this process, on the rank's thread count, and the busiest rank's sum is
   the task's compute (FlexFlow's simulator measures each operator configuration the same way). A
-  kernel's rate depends on its piece: seed-lcn-small's L1 weight gradient runs at about 60% of
-  its full-batch rate on half the batch or half the channels, which a FLOP model at one rate per
-  op cannot see. Oversubscribed ranks time-share the cores: each runs at the fraction
+  kernel's rate depends on its piece: on one thread, seed-lcn-small's L1 weight gradient runs at
+  about 60% of its whole-layer rate on half the output channels (a model-parallel piece), at its
+  whole-layer rate on half the batch, and 25% above it on half the rows, which a FLOP model at
+  one rate per op cannot see. Oversubscribed ranks time-share the cores: each runs at the fraction
   cores/(R·threads) of its speed;
 - the runtime's fixed cost per task (dispatch, views, bookkeeping): the median over the tasks of
   a 1-rank job's trace of what each took beyond its profiled kernels. One job per thread count

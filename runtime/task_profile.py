@@ -8,7 +8,8 @@ operator once per parallel configuration on the device and simulating the rest f
 measurements; `profile_plan` does the same for a plan. It runs every distinct piece with the
 runtime's own kernels (`run_on_views`, as a rank runs it), on values from a real training step,
 each requirement's rect copied into its own buffer, placed and laid out as the runtime places
-and lays out a rank's buffers (`runtime.aligned`, `runtime.instances`), and sums a rank's pieces per task.
+and lays out a rank's buffers (`runtime.aligned`, `runtime.instances`), and sums a rank's
+pieces per task.
 
 What it leaves out is what the cost model adds: messages, reductions and collectives, and the
 runtime's per-task bookkeeping (`Machine.task_overhead_us`). `partitioner.cost.plan_cost` takes
