@@ -11,6 +11,7 @@ from partitioner.strategy import builtin
 from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, calibrate, format_table
 
 OVERHEAD_S = 40e-6
+FACTOR = 1.25  # a kernel in a step against the same kernel profiled alone
 BANDWIDTH = 12e9  # bytes/s the runtime's own passes reach: well below the streaming add's
 STREAMING = 38.0  # GB/s, what `memory_bandwidth` measured
 RATE = 50e9  # FLOP/s of every op
@@ -18,7 +19,7 @@ RATE = 50e9  # FLOP/s of every op
 
 def synthetic_job(network: str, batch: int) -> tuple[Job, dict[str, float]]:
     """A 1-rank trace whose every task took exactly what the model's terms say, and the profile
-    of its kernels: the same less the overhead."""
+    of its kernels: the same less the overhead, over the factor."""
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
@@ -26,8 +27,9 @@ def synthetic_job(network: str, batch: int) -> tuple[Job, dict[str, float]]:
     for step in range(WARMUP, WARMUP + 3):
         for task, traffic in zip(graph.tasks, bytes_per_rank(graph, plan)):
             work = flops.get(task.name, 0.0)
-            profiled[task.name] = work / RATE if work else float(traffic[0]) / BANDWIDTH
-            seconds = OVERHEAD_S + profiled[task.name]
+            kernel = work / RATE if work else float(traffic[0]) / BANDWIDTH
+            profiled[task.name] = kernel / FACTOR
+            seconds = OVERHEAD_S + kernel
             events.append(
                 {"ph": "X", "pid": 0, "tid": 0, "cat": "compute", "name": task.name,
                  "ts": 0, "dur": seconds * 1e6, "args": {"step": step, "task": task.name}}
@@ -40,6 +42,7 @@ def test_weight_sized_zeroing_calibrates_the_memory_bandwidth():
     calibration = calibrate(job, 1, STREAMING, profiled)
     assert calibration.memory_gbytes_per_s == pytest.approx(BANDWIDTH / 1e9, rel=0.02)
     assert calibration.task_overhead_us == pytest.approx(OVERHEAD_S * 1e6, rel=1e-6)
+    assert calibration.compute_factor == pytest.approx(FACTOR, rel=1e-9)
     for rate in calibration.op_gflops.values():
         assert rate == pytest.approx(RATE / 1e9, rel=0.02)
 
@@ -50,6 +53,16 @@ def test_without_large_zeroing_the_streaming_bandwidth_stands():
     calibration = calibrate(job, 1, STREAMING, profiled)
     assert calibration.memory_gbytes_per_s == STREAMING
     assert calibration.task_overhead_us == pytest.approx(OVERHEAD_S * 1e6, rel=1e-6)
+    assert calibration.compute_factor == pytest.approx(FACTOR, rel=1e-9)
+
+
+def test_a_fit_below_zero_overhead_is_refitted_through_the_origin():
+    job, profiled = synthetic_job("seed-lcn-small", 8)
+    for event in job.trace["traceEvents"]:
+        event["dur"] = profiled[event["name"]] * 2e6  # twice the profile, no overhead
+    calibration = calibrate(job, 1, STREAMING, profiled)
+    assert calibration.task_overhead_us == pytest.approx(0.0, abs=1e-6)
+    assert calibration.compute_factor == pytest.approx(2.0, rel=1e-9)
 
 
 def test_the_table_gives_both_predictions_and_failed_jobs():
