@@ -31,6 +31,7 @@ import mmap
 import os
 import signal
 import sys
+import time
 import zlib
 
 _SIZE = 512
@@ -48,6 +49,7 @@ _CLAIMED = 0  # 0 until the first death (or a reported error) claims the right t
 _MEMBERS = 1  # ranks alive on this host, so that the last watcher out removes the set
 _FIRST_SLOT = 2  # then one `alive` count per local rank: 1 alive, 0 killed, 2 ended by itself
 _WAKE_EVERY_S = 1  # a watcher re-checks its rank this often, should it miss the death signal
+_UNDO_WAIT_S = 2.0  # the longest a watcher waits for the kernel to take back its rank's counts
 
 
 class Status:
@@ -170,8 +172,21 @@ class _DeathClaim:
             if gone or ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
                 return False
 
-    def remove_if_unused(self) -> None:
-        """The last watcher out removes the set, so that nothing outlives the job."""
+    def remove_if_unused(self, ended: bool) -> None:
+        """Called by the watcher once its rank is gone: the last watcher out removes the set, so
+        that nothing outlives the job.
+
+        The kernel takes a dead rank's counts back in whichever of its threads exits last, and
+        another of its threads may already have handed the watcher to init: the watcher can see
+        its rank gone while the rank still counts as a member (1 job in 8 here, leaving the set
+        behind). So it first waits, briefly, for its own slot to drop to what a dead rank leaves:
+        1 when the rank ended by its own hand (`mark_ended`), else 0."""
+        after_death = 1 if ended else 0
+        deadline = time.monotonic() + _UNDO_WAIT_S
+        while self._libc.semctl(self.id, self.slot, _GETVAL) > after_death:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
         if self._libc.semctl(self.id, _MEMBERS, _GETVAL) == 0:
             self._libc.semctl(self.id, 0, _IPC_RMID)
 
@@ -270,5 +285,5 @@ def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
     finally:
         if claim is not None:
             with contextlib.suppress(BaseException):
-                claim.remove_if_unused()
+                claim.remove_if_unused(ended=status.read()[2] == _ENDED)
         os._exit(code)

@@ -189,3 +189,44 @@ def test_a_watcher_without_a_claim_still_names_its_rank():
     )
     rank = start(code, "sleep", env={"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"})
     assert "rank 0 died in step 7, task L0.filter" in kill(rank)
+
+
+@pytest.mark.parametrize("ended", [True, False])
+def test_the_last_watcher_waits_for_its_ranks_counts_before_removing_the_set(ended):
+    """The watcher can see its rank gone before the kernel has taken back the rank's counts
+    (they go back in the rank's last exiting thread). Here the test plays the dying rank: its
+    slot and membership still count when the watcher looks, and go back 50 ms later, as the
+    kernel's undo would. The watcher must still remove the set."""
+    key = random.randrange(1 << 20, 1 << 30)
+    remove_set(key)
+    claim = _DeathClaim(key, 1, 0)
+    try:
+        ops = [(claim.slot, 1, 0), (supervisor._MEMBERS, 1, 0)]
+        if ended:
+            ops.append((claim.slot, 1, 0))  # mark_ended's count, which death leaves in place
+        claim._semop(*ops)
+
+        def undo() -> None:
+            time.sleep(0.05)
+            claim._semop((claim.slot, -1, 0), (supervisor._MEMBERS, -1, 0))
+
+        undoing = threading.Thread(target=undo)
+        undoing.start()
+        claim.remove_if_unused(ended=ended)
+        undoing.join(timeout=30)
+        assert existing_set(key) is None
+    finally:
+        remove_set(key)
+
+
+def test_a_watcher_leaves_the_set_to_ranks_still_alive():
+    key = random.randrange(1 << 20, 1 << 30)
+    remove_set(key)
+    claim = _DeathClaim(key, 2, 0)
+    try:
+        other = _DeathClaim(key, 2, 1)
+        other._semop((other.slot, 1, 0), (supervisor._MEMBERS, 1, 0))  # rank 1 is alive
+        claim.remove_if_unused(ended=False)
+        assert existing_set(key) == claim.id
+    finally:
+        remove_set(key)
