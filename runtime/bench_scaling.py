@@ -4,7 +4,7 @@ For each network (at a reduced batch), rank count and strategy, real `mpiexec -n
 train` jobs run a few steps on synthetic data with `--log-json` (and plain SGD, so that four
 data-parallel replicas of seed-lcn fit in memory). A job's step time is the median over its steps
 after the first two (compilation and first touch) of the slowest rank's step; each job runs
-`repeat` times and the fastest run counts (`best_job` says why). The bytes are the sum over ranks
+`repeat` times and the fastest run counts (`best_jobs` says why). The bytes are the sum over ranks
 of one step's `bytes_sent` (equal to `bytes_planned`).
 
 The prediction is the cost model's step time (`partitioner.cost.plan_cost`) with each task's
@@ -41,6 +41,7 @@ run's profile and calibration, so the 1-rank error measures how stable a run is.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -137,19 +138,69 @@ def run_job(
     )
 
 
-def best_job(repeat: int, *args, **kwargs) -> Job:
-    """`run_job` `repeat` times; the run with the fastest median step.
+#: a measured job times at least this long: a few steps of a small network would be a sample
+#: of 50 ms, inside one of the machine's slow or fast stretches
+MIN_TIMED_S = 1.0
 
-    This machine's step times drift between runs and within them: a 2-rank job here spends
-    stretches of a second or more at twice its usual step time, with nothing else running and
-    each rank bound to its own core (the host's other tenants). The best of a few runs is the
-    machine as the model sees it, and the same rule is used for the calibration jobs."""
-    runs = []
+
+def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], None]) -> list:
+    """Each job of `specs` (`run_job`'s keyword arguments) `repeat` times; per spec, the run with
+    the fastest median step, or the `LegionNNError` of its first failure.
+
+    This machine's step times drift between runs and within them: the same 1-rank job measured
+    5.6 ms and, in a calibration run seconds before, 7.2 ms; a 2-rank job here spends stretches
+    of a second or more at twice its usual step time, with nothing else running and each rank
+    bound to its own core (the host's other tenants). So a job times at least `MIN_TIMED_S` of
+    steps: a first run with the spec's steps measures the step, and a job that timed less than
+    that has its steps raised (the spec is updated) and that run discarded. The repeats go
+    round-robin over the specs, so a job's runs are far apart in time and one slow stretch
+    cannot take them all. The best of a few runs is the machine as the model sees it, for
+    calibration jobs and measured jobs alike."""
+    best: list = [None] * len(specs)
+    runs_left = [repeat] * len(specs)
+
+    def run(index: int, label: str) -> Job | None:
+        spec = specs[index]
+        say(
+            f"{spec['network']} batch {spec['batch']}: {spec['ranks']} rank(s), "
+            f"{spec['strategy']}"
+            + (
+                f", 1 rank on {spec['threads']} thread(s) (calibration)"
+                if spec.get("traced")
+                else ""
+            )
+            + f", {spec['steps']} steps, {label}"
+        )
+        where = work / f"job-{index}-{label.replace(' ', '-')}"
+        where.mkdir(parents=True)
+        try:
+            return run_job(**spec, work=where)
+        except LegionNNError as exc:  # a job that fails is a row, not the end
+            say(str(exc))
+            best[index] = exc
+            return None
+
+    for index, spec in enumerate(specs):
+        probe = run(index, "first run")
+        if probe is None:
+            continue
+        timed = probe.step_seconds * (spec["steps"] - WARMUP)
+        if timed >= MIN_TIMED_S:
+            best[index] = probe
+            runs_left[index] -= 1
+        else:
+            spec["steps"] = WARMUP + math.ceil(MIN_TIMED_S / probe.step_seconds)
     for attempt in range(repeat):
-        work = Path(args[5]) / f"run-{attempt}"
-        work.mkdir()
-        runs.append(run_job(*args[:5], work, *args[6:], **kwargs))
-    return min(runs, key=lambda job: job.step_seconds)
+        for index in range(len(specs)):
+            if runs_left[index] == 0 or isinstance(best[index], LegionNNError):
+                continue
+            runs_left[index] -= 1
+            job = run(index, f"run {attempt + 1}")
+            if job is not None and (
+                best[index] is None or job.step_seconds < best[index].step_seconds
+            ):
+                best[index] = job
+    return best
 
 
 def pingpong() -> tuple[float, float]:
@@ -243,11 +294,12 @@ def calibrate(
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
     traffic = {t.name: float(b[0]) for t, b in zip(graph.tasks, bytes_per_rank(graph, plan))}
     tasks = {task.name: task for task in graph.tasks}
-    events = _step_events(job.trace)
-    steps = len({e["args"]["step"] for e in events}) or 1
-    spent: dict[str, float] = defaultdict(float)
-    for event in events:
-        spent[event["name"]] += event["dur"] * 1e-6 / steps
+    # Per task, the median over the steps: a long job's steps include each epoch's short last
+    # batch, which a mean would average in.
+    by_step: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for event in _step_events(job.trace):
+        by_step[event["name"]][event["args"]["step"]] += event["dur"] * 1e-6
+    spent = {name: statistics.median(per.values()) for name, per in by_step.items()}
     factor, overhead = _fit_task_times(
         [profiled.get(name, 0.0) for name in spent], list(spent.values())
     )
@@ -355,26 +407,34 @@ def run_scaling(
     rows, calibrations = [], []
     with tempfile.TemporaryDirectory(prefix="legion-nn-scaling-") as tmp:
         for network, batch in cases:
-            calibration_jobs: dict[int, Job] = {}
-            for threads in sorted({rank_threads(count, cores) for count in ranks}, reverse=True):
-                say(f"{network} batch {batch}: calibration, 1 rank on {threads} thread(s)")
-                work = Path(tmp) / f"{network}-calibration-{threads}"
-                work.mkdir()
-                calibration_jobs[threads] = best_job(
-                    repeat, network, batch, 1, "data", steps, work, threads, traced=True
+            base = {"network": network, "batch": batch, "steps": steps}
+            thread_counts = sorted({rank_threads(count, cores) for count in ranks}, reverse=True)
+            specs = [
+                {**base, "ranks": 1, "strategy": "data", "threads": threads, "traced": True}
+                for threads in thread_counts
+            ]
+            cases_run = [
+                (count, strategy)
+                for count in ranks
+                for strategy in (strategies if count > 1 else ("data",))
+            ]
+            specs += [
+                {**base, "ranks": count, "strategy": strategy} for count, strategy in cases_run
+            ]
+            results = best_jobs(specs, repeat, Path(tmp) / network, say)
+            calibration_jobs = dict(zip(thread_counts, results[: len(thread_counts)]))
+            for threads, job in calibration_jobs.items():
+                if isinstance(job, LegionNNError):
+                    raise job  # without its calibration no row of the network can be predicted
+            calibration_steps = {
+                spec["threads"]: spec["steps"] for spec in specs if "threads" in spec
+            }
+            jobs = [
+                (count, strategy, job, spec["steps"])
+                for (count, strategy), job, spec in zip(
+                    cases_run, results[len(thread_counts) :], specs[len(thread_counts) :]
                 )
-            jobs: list[tuple[int, str, Job | LegionNNError]] = []
-            for count in ranks:
-                for strategy in strategies if count > 1 else ("data",):
-                    say(f"{network} batch {batch}: {count} rank(s), {strategy}")
-                    work = Path(tmp) / f"{network}-{count}-{strategy}"
-                    work.mkdir()
-                    try:
-                        job = best_job(repeat, network, batch, count, strategy, steps, work)
-                    except LegionNNError as exc:  # a job that fails is a row, not the end
-                        say(str(exc))
-                        job = exc
-                    jobs.append((count, strategy, job))
+            ]
             say(f"{network} batch {batch}: profiling each plan's pieces")
             predictor = Predictor(network, batch, cores, link)
             by_threads = {}
@@ -382,11 +442,12 @@ def run_scaling(
                 profiled = predictor.profile(predictor.plan(1, "data"), threads)
                 by_threads[threads] = calibrate(job, threads, bandwidth, profiled)
                 calibrations.append(
-                    {"network": network, "batch": batch, "step_s": job.step_seconds}
+                    {"network": network, "batch": batch, "steps": calibration_steps[threads]}
+                    | {"step_s": job.step_seconds}
                     | {"profiled_compute_s": sum(profiled.values())}
                     | asdict(by_threads[threads])
                 )
-            for count, strategy, job in jobs:
+            for count, strategy, job, job_steps in jobs:
                 if isinstance(job, LegionNNError):
                     rows.append(_failed(network, batch, count, strategy, str(job)))
                     continue
@@ -398,6 +459,7 @@ def run_scaling(
                         "batch": batch,
                         "ranks": count,
                         "strategy": strategy,
+                        "steps": job_steps,
                         "measured_s": job.step_seconds,
                         "predicted_s": predicted.seconds,
                         "error": predicted.seconds / job.step_seconds - 1.0,
@@ -409,7 +471,8 @@ def run_scaling(
             del predictor
     return {
         "cores": cores,
-        "steps": steps,
+        "min_steps": steps,
+        "min_timed_s": MIN_TIMED_S,
         "repeat": repeat,
         "link": {"latency_us": link[0] * 1e6, "gbytes_per_s": 1.0 / link[1] / 1e9},
         "memory_gbytes_per_s": bandwidth,
