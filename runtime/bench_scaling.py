@@ -1,10 +1,10 @@
 """`legion-nn bench scaling`: measured step time on 1, 2 and 4 ranks beside the cost model's.
 
 For each network (at a reduced batch), rank count and strategy, real `mpiexec -n R legion-nn
-train` jobs run a few steps on synthetic data with `--log-json` (and plain SGD, so that four
-data-parallel replicas of seed-lcn fit in memory). A job's step time is the median over its steps
-after the first two (compilation and first touch) of the slowest rank's step; each job runs
-`repeat` times and the fastest run counts (`best_jobs` says why). The bytes are the sum over ranks
+train` jobs run at least `MIN_TIMED_S` of steps on synthetic data with `--log-json` (and plain
+SGD, so that four data-parallel replicas of seed-lcn fit in memory). A job's step time is the
+median over its steps after the first two (compilation and first touch) of the slowest rank's
+step; each job runs `repeat` times and the fastest run counts (`best_jobs` says why). The bytes are the sum over ranks
 of one step's `bytes_sent` (equal to `bytes_planned`).
 
 The prediction is the cost model's step time (`partitioner.cost.plan_cost`) with each task's
@@ -164,11 +164,7 @@ def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], N
         say(
             f"{spec['network']} batch {spec['batch']}: {spec['ranks']} rank(s), "
             f"{spec['strategy']}"
-            + (
-                f", 1 rank on {spec['threads']} thread(s) (calibration)"
-                if spec.get("traced")
-                else ""
-            )
+            + (f", {spec['threads']} thread(s), traced (calibration)" if spec.get("traced") else "")
             + f", {spec['steps']} steps, {label}"
         )
         where = work / f"job-{index}-{label.replace(' ', '-')}"
@@ -279,9 +275,11 @@ def calibrate(
     overhead, by least squares over the tasks. The factor is the difference between a kernel
     in isolation, run five times over the same buffers, and the same kernel in a step, whose
     operands the tasks before it have pushed out of the caches; the profile cannot see it, and
-    an overhead alone cannot carry it: it grows with the task. seed-lcn-small at batch 64 on one
-    thread fits about 1.04 and 26 us, and that fit predicts its 2-rank jobs' compute within
-        3-12%, where the median excess (21 us a task, no factor) was 11-18% short.
+    an overhead alone cannot carry it: it grows with the task. It also absorbs a profile that
+    ran in a slower or faster stretch of the machine than the job (fits of 0.7-1.1 here). In one
+    traced comparison, seed-lcn-small at batch 64 on one thread fitted 1.04 and 26 us, and that
+    fit predicted its 2-rank jobs' compute within 3-12%, where the median excess (21 us a task,
+    no factor) was 11-18% short.
 
     Where some zero-FLOP tasks move `_LARGE_BYTES` or more (a weight-sized gradient zeroed),
     the bandwidth is theirs: their bytes over their profiled time times the factor. The

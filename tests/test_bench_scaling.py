@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.accounting import bytes_per_rank, task_flops
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, calibrate, format_table
+from runtime import bench_scaling
+from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, best_jobs, calibrate, format_table
 
 OVERHEAD_S = 40e-6
 FACTOR = 1.25  # a kernel in a step against the same kernel profiled alone
@@ -84,3 +86,38 @@ def test_the_table_gives_both_predictions_and_failed_jobs():
         "1,854,004",
     ]  # fmt: skip
     assert lines[3].endswith("failed: oom")
+
+
+def test_best_jobs_lengthen_short_jobs_go_round_robin_and_keep_the_fastest(monkeypatch, tmp_path):
+    """A fake `run_job`: job "short" takes 10 ms a step, "long" 0.5 s, "broken" fails. Each
+    run's step is the base times the next factor of its job's sequence."""
+    base = {"short": 0.010, "long": 0.5}
+    factors = {"short": iter([1.0, 1.3, 0.9, 1.1]), "long": iter([1.2, 1.0, 1.4])}
+    calls = []
+
+    def fake_run_job(network, batch, ranks, strategy, steps, work, threads=None, traced=False):
+        calls.append((network, steps))
+        assert work.is_dir() and not any(work.iterdir())
+        if network == "broken":
+            raise LegionNNError(f"bench scaling: {network} failed: boom")
+        seconds = base[network] * next(factors[network])
+        return Job(network, batch, ranks, strategy, seconds, 0, {})
+
+    monkeypatch.setattr(bench_scaling, "run_job", fake_run_job)
+    specs = [
+        {"network": name, "batch": 4, "ranks": 1, "strategy": "data", "steps": 8}
+        for name in ("short", "long", "broken")
+    ]
+    best = best_jobs(specs, 3, tmp_path, lambda line: None)
+    short_steps = WARMUP + 100  # 1 s of 10 ms steps
+    assert specs[0]["steps"] == short_steps and specs[1]["steps"] == 8
+    # first runs; then round-robin: the short job's probe is discarded, the long job's counts
+    assert calls == [
+        ("short", 8), ("long", 8), ("broken", 8),
+        ("short", short_steps), ("long", 8),
+        ("short", short_steps), ("long", 8),
+        ("short", short_steps),
+    ]  # fmt: skip
+    assert best[0].step_seconds == pytest.approx(0.009)  # not the discarded probe's 0.010
+    assert best[1].step_seconds == pytest.approx(0.5)
+    assert isinstance(best[2], LegionNNError)
