@@ -276,7 +276,7 @@ def calibrate(
     in isolation, run five times over the same buffers, and the same kernel in a step, whose
     operands the tasks before it have pushed out of the caches; the profile cannot see it, and
     an overhead alone cannot carry it: it grows with the task. It also absorbs a profile that
-    ran in a slower or faster stretch of the machine than the job (fits of 0.7-1.1 here). In one
+    ran in a slower or faster stretch of the machine than the job (fits of 0.7-1.3 here). In one
     traced comparison, seed-lcn-small at batch 64 on one thread fitted 1.04 and 26 us, and that
     fit predicted its 2-rank jobs' compute within 3-12%, where the median excess (21 us a task,
     no factor) was 11-18% short.
