@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         type=_positive,
         default=6,
-        help="scaling: training steps per job, the first 2 untimed (default: 6)",
+        help="scaling: the fewest training steps per job, the first 2 untimed; a job gets more where "
+        "its timed steps would take under 1 s (default: 6)",
     )
 
 
