@@ -49,7 +49,8 @@ _CLAIMED = 0  # 0 until the first death (or a reported error) claims the right t
 _MEMBERS = 1  # ranks alive on this host, so that the last watcher out removes the set
 _FIRST_SLOT = 2  # then one `alive` count per local rank: 1 alive, 0 killed, 2 ended by itself
 _WAKE_EVERY_S = 1  # a watcher re-checks its rank this often, should it miss the death signal
-_UNDO_WAIT_S = 2.0  # the longest a watcher waits for the kernel to take back its rank's counts
+_UNDO_WAIT_S = 10.0  # the longest a watcher waits for the kernel to take back its rank's counts
+_UNDO_POLL_NS = 10_000_000  # meanwhile it re-reads its slot this often
 
 
 class Status:
@@ -79,6 +80,13 @@ class Status:
         self._write()
         if self._claim is not None:
             self._claim.mark_ended()
+
+    def wait_for_a_death_claim(self, seconds: float) -> None:
+        """Give a lost peer's watcher on this host up to `seconds` to claim and name it."""
+        if self._claim is None:
+            time.sleep(seconds)
+        else:
+            self._claim.wait_until_claimed(seconds)
 
     def reported(self) -> None:
         """The rank has reported its own error: the deaths that follow are not to be named."""
@@ -154,23 +162,47 @@ class _DeathClaim:
             return False
         return True
 
-    def wait_for_death_claim(self, rank_gone) -> bool:
+    def wait_for_death_claim(self, rank_gone, rank_ended=lambda: False) -> bool:
         """Called by the watcher: True when its rank died first; False once it is gone otherwise.
 
         The operation sleeps in the kernel, which completes it inside the dying rank's exit, so
-        the claim's order is the order of the deaths. `rank_gone` is checked between sleeps."""
+        the claim's order is the order of the deaths. `rank_gone` is checked between sleeps.
 
-        def claim(flags: int) -> ctypes.Array:
-            return _operations((self.slot, 0, flags), (_CLAIMED, 0, flags), (_CLAIMED, 1, flags))
-
-        timeout = _Timespec(_WAKE_EVERY_S, 0)
+        The watcher can see its rank gone (reparented, by the rank's first exiting thread)
+        before the kernel has taken back the rank's counts, which happens in its last exiting
+        thread, perhaps after tearing down gigabytes. Giving up then would leave the victim
+        unnamed and the first survivor the launcher kills named in its place. So a gone rank's
+        watcher goes on sleeping in the claim, in short sleeps, until its slot has dropped (then
+        one last try that does not sleep), its rank turns out to have ended by its own hand, or
+        `_UNDO_WAIT_S` has passed."""
+        operations = _operations((self.slot, 0, 0), (_CLAIMED, 0, 0), (_CLAIMED, 1, 0))
+        last_try = _operations(
+            (self.slot, 0, _IPC_NOWAIT), (_CLAIMED, 0, _IPC_NOWAIT), (_CLAIMED, 1, _IPC_NOWAIT)
+        )
+        gone_since: float | None = None
         while True:
-            gone = rank_gone()  # then one last try that does not sleep: nobody will wake it
-            operations = claim(_IPC_NOWAIT if gone else 0)
-            if self._libc.semtimedop(self.id, operations, 3, ctypes.byref(timeout)) == 0:
+            timeout = _Timespec(_WAKE_EVERY_S, 0)
+            attempt = operations
+            if gone_since is None and rank_gone():
+                gone_since = time.monotonic()
+            if gone_since is not None:
+                if rank_ended():
+                    return False
+                undone = self._libc.semctl(self.id, self.slot, _GETVAL) == 0
+                if undone or time.monotonic() - gone_since > _UNDO_WAIT_S:
+                    attempt = last_try  # nobody will wake a sleeping one now
+                else:
+                    timeout = _Timespec(0, _UNDO_POLL_NS)
+            if self._libc.semtimedop(self.id, attempt, 3, ctypes.byref(timeout)) == 0:
                 return True
-            if gone or ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
+            if attempt is last_try or ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
                 return False
+
+    def wait_until_claimed(self, seconds: float) -> bool:
+        """Sleep until some watcher or rank on this host has claimed, at most `seconds`."""
+        timeout = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+        operations = _operations((_CLAIMED, -1, 0), (_CLAIMED, 1, 0))
+        return self._libc.semtimedop(self.id, operations, 2, ctypes.byref(timeout)) == 0
 
     def remove_if_unused(self, ended: bool) -> None:
         """Called by the watcher once its rank is gone: the last watcher out removes the set, so
@@ -266,7 +298,7 @@ def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
             return os.getppid() != parent
 
         if claim is not None:
-            first = claim.wait_for_death_claim(rank_gone)
+            first = claim.wait_for_death_claim(rank_gone, lambda: status.read()[2] == _ENDED)
         else:  # no coordination: better a line too many than none
             while not rank_gone():
                 signal.sigtimedwait({signal.SIGUSR1}, _WAKE_EVERY_S)

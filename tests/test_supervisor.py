@@ -140,6 +140,64 @@ def test_the_first_death_is_claimed_in_the_kernel_before_any_watcher_runs():
         remove_set(key)
 
 
+def test_a_watcher_that_sees_its_rank_gone_before_the_undo_still_claims():
+    """A killed rank's first exiting thread hands the watcher to init while its last thread may
+    still be tearing down memory, its counts not yet taken back. Here the watcher is told its
+    rank is gone from the start, and the rank is killed 100 ms later: the watcher must wait for
+    the undo and claim, not give up at once (CI once named a survivor for that)."""
+    key = random.randrange(1 << 20, 1 << 30)
+    remove_set(key)
+    rank = start(JOINING_RANK, str(key), "1")
+    try:
+        claim = _DeathClaim(key, 2, 1)
+        result: list[bool] = []
+        watcher = threading.Thread(
+            target=lambda: result.append(claim.wait_for_death_claim(lambda: True))
+        )
+        watcher.start()
+        time.sleep(0.1)
+        assert not result, "the watcher gave up while its rank still counted"
+        rank.kill()
+        rank.wait(timeout=30)
+        watcher.join(timeout=30)
+        assert result == [True]
+        assert LIBC.semctl(claim.id, _CLAIMED, _GETVAL) == 1
+    finally:
+        rank.kill()
+        rank.wait()
+        remove_set(key)
+
+
+def test_a_gone_rank_that_ended_by_its_own_hand_is_not_waited_for():
+    key = random.randrange(1 << 20, 1 << 30)
+    remove_set(key)
+    claim = _DeathClaim(key, 1, 0)
+    try:
+        claim._semop((claim.slot, 1, 0), (claim.slot, 1, 0))  # alive, then mark_ended's count
+        started = time.monotonic()
+        assert not claim.wait_for_death_claim(lambda: True, lambda: True)
+        assert time.monotonic() - started < 1
+        assert LIBC.semctl(claim.id, _CLAIMED, _GETVAL) == 0
+    finally:
+        remove_set(key)
+
+
+def test_a_rank_that_lost_a_peer_waits_for_the_peers_claim_not_longer():
+    key = random.randrange(1 << 20, 1 << 30)
+    remove_set(key)
+    claim = _DeathClaim(key, 2, 0)
+    try:
+        started = time.monotonic()
+        assert not claim.wait_until_claimed(0.2)
+        assert 0.15 < time.monotonic() - started < 5
+        threading.Timer(0.1, lambda: _DeathClaim(key, 2, 1).claim_now()).start()
+        started = time.monotonic()
+        assert claim.wait_until_claimed(20.0)
+        assert time.monotonic() - started < 5
+    finally:
+        remove_set(key)
+
+
 def test_a_killed_rank_is_named_once_with_its_task_and_the_set_is_removed(launcher_key):
     environments = [{"MPI_LOCALRANKID": str(r), "MPI_LOCALNRANKS": "2"} for r in (0, 1)]
     ranks = [start(WATCHED_RANK, "sleep", env=env) for env in environments]

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
 DEFAULT_NETWORK = "seed-lcn-small"
+#: the longest a rank that lost a peer waits for the peer's watcher to name it
+PEER_LOST_GRACE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -229,9 +230,9 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         from runtime.transport import PeerLost
 
         if isinstance(exc, PeerLost):
-            # Give the lost rank's watcher a moment to say which task it died in: ending the
-            # job now would kill the watcher before it speaks.
-            time.sleep(2.0)
+            # Give the lost rank's watcher time to say which task it died in: ending the job
+            # now would claim the right to speak first, or kill the watcher before it speaks.
+            status.wait_for_a_death_claim(PEER_LOST_GRACE_S)
         if isinstance(exc, KeyboardInterrupt):
             message = f"rank {transport.rank}: interrupted"
         elif isinstance(exc, LegionNNError) and str(exc).startswith("rank "):
