@@ -83,6 +83,37 @@ def sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
     return 2 * size**3 / best_seconds(lambda: a @ a, repeat) / 1e9
 
 
+def torch_sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
+    """The peer's own SGEMM (PyTorch's BLAS, on its threads), beside NumPy's ceiling: whether a
+    ratio to PyTorch comes from its GEMM or from its copies around it."""
+    import torch
+
+    a = torch.from_numpy(np.random.default_rng(0).standard_normal((size, size), dtype=np.float32))
+    return 2 * size**3 / best_seconds(lambda: a @ a, repeat) / 1e9
+
+
+def blas_in_use() -> dict[str, str]:
+    """The BLAS libraries behind the kernels (SciPy's, which Numba calls) and behind the ceiling
+    (NumPy's), each with the core type its kernels were chosen for.
+
+    OpenBLAS picks its kernels by CPU, or as `OPENBLAS_CORETYPE` says: AVX2 ("Haswell") kernels
+    on an AVX-512 machine run both the ceiling and our kernels below what the machine can do."""
+    import scipy.linalg  # noqa: F401  (loads SciPy's BLAS, so that it is listed)
+    from threadpoolctl import threadpool_info
+
+    found = {"kernels": "unknown", "ceiling": "unknown"}
+    for info in threadpool_info():
+        if info.get("user_api") != "blas":
+            continue
+        package = info.get("filepath", "").replace("\\", "/").split("/")[-2]
+        text = f"{info['internal_api']} {info.get('version')}, {info.get('architecture')} kernels"
+        if package.startswith("scipy"):
+            found["kernels"] = text
+        elif package.startswith("numpy"):
+            found["ceiling"] = text
+    return found
+
+
 def _operands(shape: LayerShape, n: int, untied: bool) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(n)
     h, w = shape.p + shape.r - 1, shape.q + shape.s - 1
@@ -179,12 +210,15 @@ def run_benchmark(
         impls = tuple(i for i in impls if i != "torch")
         skipped.append("torch (not importable)")
     sgemm = [sgemm_gflops(sgemm_size)]
+    peer_sgemm: list[float] = []
     best: dict[tuple, dict] = {}
     # implementation outermost: PyTorch's OpenMP threads keep spinning after its calls and
     # would slow whatever runs next, so it runs last. Ours, being fast, sweeps `rounds` times:
     # a best over calls spread across minutes survives a neighbour's burst on a shared machine
     for impl in impls:
         maker, times = makers[impl]
+        if impl == "torch":
+            peer_sgemm.append(torch_sgemm_gflops(sgemm_size))
         for _ in range(rounds if impl == "legion-nn" else 1):
             for n, untied in ((n, untied) for n in batches for untied in (True, False)):
                 x, w, dy = _operands(shape, n, untied)
@@ -212,6 +246,8 @@ def run_benchmark(
     return {
         "sgemm_gflops": max(sgemm),
         "sgemm": f"{sgemm_size}x{sgemm_size} float32 np.matmul, best of {len(sgemm)} rounds",
+        "blas": blas_in_use(),
+        "torch_sgemm_gflops": max(peer_sgemm) if peer_sgemm else None,
         "dtype": "float32",
         "repeat": repeat,
         "rounds": rounds,
@@ -231,7 +267,17 @@ def format_table(report: dict) -> str:
     impls = [i for i in IMPLS if any(i in row for row in rows.values())]
     head = f"{'pass':16}{'layer':8}{'N':>5}" + "".join(f"{i:>11}" for i in impls)
     head += f"{'%SGEMM':>9}{'x numpy':>9}{'x torch':>9}"
-    lines = [f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s", "GFLOP/s:", head]
+    lines = [
+        f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s",
+    ]
+    blas = report.get("blas") or {}
+    if blas:
+        lines.append(f"BLAS: kernels {blas['kernels']}; ceiling {blas['ceiling']}")
+    if report.get("torch_sgemm_gflops"):
+        lines.append(
+            f"PyTorch's own SGEMM (torch.mm, same size): {report['torch_sgemm_gflops']:.1f}"
+        )
+    lines += ["GFLOP/s:", head]
     order = sorted(rows, key=lambda key: (not key[1], key[2], PASSES.index(key[0])))
     for pass_, untied, n in order:
         row = rows[(pass_, untied, n)]

@@ -32,8 +32,19 @@ def test_report_has_the_design_schema():
         assert res["impl"] in ("legion-nn", "numpy")
         assert res["shape"] == {"N": 2, "C": 2, "K": 3, "R": 3, "S": 2, "P": 4, "Q": 3}
         assert res["gflops"] > 0
+    assert report["torch_sgemm_gflops"] is None  # PyTorch not measured
+    assert set(report["blas"]) == {"kernels", "ceiling"}
     table = bench_kernels.format_table(report)
     assert "SGEMM ceiling" in table and table.count("untied") == 3
+    assert f"BLAS: kernels {report['blas']['kernels']}" in table
+    assert "PyTorch's own SGEMM" not in table
+    report["torch_sgemm_gflops"] = 123.4
+    assert "PyTorch's own SGEMM (torch.mm, same size): 123.4" in bench_kernels.format_table(report)
+
+
+def test_the_kernels_blas_is_named_with_its_core_type():
+    blas = bench_kernels.blas_in_use()
+    assert blas["kernels"] != "unknown" and blas["kernels"].endswith(" kernels"), blas
 
 
 @pytest.mark.parametrize("untied", [True, False])
