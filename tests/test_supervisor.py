@@ -62,6 +62,15 @@ def remove_set(key: int) -> None:
         LIBC.semctl(semid, 0, _IPC_RMID)
 
 
+@pytest.fixture(name="key")
+def fresh_key():
+    """A semaphore-set key of the test's own, with no set behind it before or after the test."""
+    key = random.randrange(1 << 20, 1 << 30)
+    remove_set(key)
+    yield key
+    remove_set(key)
+
+
 @pytest.fixture
 def launcher_key():
     """These tests' ranks are children of pytest: their set is the one keyed by pytest's pid."""
@@ -91,12 +100,10 @@ def kill(rank: subprocess.Popen) -> str:
     return stderr
 
 
-def test_the_first_death_is_claimed_in_the_kernel_before_any_watcher_runs():
+def test_the_first_death_is_claimed_in_the_kernel_before_any_watcher_runs(key):
     """The watchers are threads here. The test holds the GIL from the kill until it has read the
     claim, so no watcher can have run a line of Python in between: only the kernel can have
     claimed."""
-    key = random.randrange(1 << 20, 1 << 30)
-    remove_set(key)
     ranks = [start(JOINING_RANK, str(key), str(slot)) for slot in (0, 1)]
     switch_interval = sys.getswitchinterval()
     try:
@@ -137,16 +144,13 @@ def test_the_first_death_is_claimed_in_the_kernel_before_any_watcher_runs():
         for rank in ranks:
             rank.kill()
             rank.wait()
-        remove_set(key)
 
 
-def test_a_watcher_that_sees_its_rank_gone_before_the_undo_still_claims():
+def test_a_watcher_that_sees_its_rank_gone_before_the_undo_still_claims(key):
     """A killed rank's first exiting thread hands the watcher to init while its last thread may
     still be tearing down memory, its counts not yet taken back. Here the watcher is told its
     rank is gone from the start, and the rank is killed 100 ms later: the watcher must wait for
     the undo and claim, not give up at once (CI once named a survivor for that)."""
-    key = random.randrange(1 << 20, 1 << 30)
-    remove_set(key)
     rank = start(JOINING_RANK, str(key), "1")
     try:
         claim = _DeathClaim(key, 2, 1)
@@ -165,37 +169,26 @@ def test_a_watcher_that_sees_its_rank_gone_before_the_undo_still_claims():
     finally:
         rank.kill()
         rank.wait()
-        remove_set(key)
 
 
-def test_a_gone_rank_that_ended_by_its_own_hand_is_not_waited_for():
-    key = random.randrange(1 << 20, 1 << 30)
-    remove_set(key)
+def test_a_gone_rank_that_ended_by_its_own_hand_is_not_waited_for(key):
     claim = _DeathClaim(key, 1, 0)
-    try:
-        claim._semop((claim.slot, 1, 0), (claim.slot, 1, 0))  # alive, then mark_ended's count
-        started = time.monotonic()
-        assert not claim.wait_for_death_claim(lambda: True, lambda: True)
-        assert time.monotonic() - started < 1
-        assert LIBC.semctl(claim.id, _CLAIMED, _GETVAL) == 0
-    finally:
-        remove_set(key)
+    claim._semop((claim.slot, 1, 0), (claim.slot, 1, 0))  # alive, then mark_ended's count
+    started = time.monotonic()
+    assert not claim.wait_for_death_claim(lambda: True, lambda: True)
+    assert time.monotonic() - started < 1
+    assert LIBC.semctl(claim.id, _CLAIMED, _GETVAL) == 0
 
 
-def test_a_rank_that_lost_a_peer_waits_for_the_peers_claim_not_longer():
-    key = random.randrange(1 << 20, 1 << 30)
-    remove_set(key)
+def test_a_rank_that_lost_a_peer_waits_for_the_peers_claim_not_longer(key):
     claim = _DeathClaim(key, 2, 0)
-    try:
-        started = time.monotonic()
-        assert not claim.wait_until_claimed(0.2)
-        assert 0.15 < time.monotonic() - started < 5
-        threading.Timer(0.1, lambda: _DeathClaim(key, 2, 1).claim_now()).start()
-        started = time.monotonic()
-        assert claim.wait_until_claimed(20.0)
-        assert time.monotonic() - started < 5
-    finally:
-        remove_set(key)
+    started = time.monotonic()
+    assert not claim.wait_until_claimed(0.2)
+    assert 0.15 < time.monotonic() - started < 5
+    threading.Timer(0.1, lambda: _DeathClaim(key, 2, 1).claim_now()).start()
+    started = time.monotonic()
+    assert claim.wait_until_claimed(20.0)
+    assert time.monotonic() - started < 5
 
 
 def test_a_killed_rank_is_named_once_with_its_task_and_the_set_is_removed(launcher_key):
@@ -250,41 +243,31 @@ def test_a_watcher_without_a_claim_still_names_its_rank():
 
 
 @pytest.mark.parametrize("ended", [True, False])
-def test_the_last_watcher_waits_for_its_ranks_counts_before_removing_the_set(ended):
+def test_the_last_watcher_waits_for_its_ranks_counts_before_removing_the_set(key, ended):
     """The watcher can see its rank gone before the kernel has taken back the rank's counts
     (they go back in the rank's last exiting thread). Here the test plays the dying rank: its
     slot and membership still count when the watcher looks, and go back 50 ms later, as the
     kernel's undo would. The watcher must still remove the set."""
-    key = random.randrange(1 << 20, 1 << 30)
-    remove_set(key)
     claim = _DeathClaim(key, 1, 0)
-    try:
-        ops = [(claim.slot, 1, 0), (supervisor._MEMBERS, 1, 0)]
-        if ended:
-            ops.append((claim.slot, 1, 0))  # mark_ended's count, which death leaves in place
-        claim._semop(*ops)
+    ops = [(claim.slot, 1, 0), (supervisor._MEMBERS, 1, 0)]
+    if ended:
+        ops.append((claim.slot, 1, 0))  # mark_ended's count, which death leaves in place
+    claim._semop(*ops)
 
-        def undo() -> None:
-            time.sleep(0.05)
-            claim._semop((claim.slot, -1, 0), (supervisor._MEMBERS, -1, 0))
+    def undo() -> None:
+        time.sleep(0.05)
+        claim._semop((claim.slot, -1, 0), (supervisor._MEMBERS, -1, 0))
 
-        undoing = threading.Thread(target=undo)
-        undoing.start()
-        claim.remove_if_unused(ended=ended)
-        undoing.join(timeout=30)
-        assert existing_set(key) is None
-    finally:
-        remove_set(key)
+    undoing = threading.Thread(target=undo)
+    undoing.start()
+    claim.remove_if_unused(ended=ended)
+    undoing.join(timeout=30)
+    assert existing_set(key) is None
 
 
-def test_a_watcher_leaves_the_set_to_ranks_still_alive():
-    key = random.randrange(1 << 20, 1 << 30)
-    remove_set(key)
+def test_a_watcher_leaves_the_set_to_ranks_still_alive(key):
     claim = _DeathClaim(key, 2, 0)
-    try:
-        other = _DeathClaim(key, 2, 1)
-        other._semop((other.slot, 1, 0), (supervisor._MEMBERS, 1, 0))  # rank 1 is alive
-        claim.remove_if_unused(ended=False)
-        assert existing_set(key) == claim.id
-    finally:
-        remove_set(key)
+    other = _DeathClaim(key, 2, 1)
+    other._semop((other.slot, 1, 0), (supervisor._MEMBERS, 1, 0))  # rank 1 is alive
+    claim.remove_if_unused(ended=False)
+    assert existing_set(key) == claim.id
