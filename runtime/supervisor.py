@@ -15,7 +15,9 @@ kernel instead, with a System V semaphore set per launcher (`_DeathClaim`): each
 zero and nobody has claimed; claim". The kernel undoes a dead process's semaphore counts in its
 exit path, before it closes the process's files, and completes sleeping operations right there.
 So the victim's watcher has claimed before the launcher can even see the victim's pipes close,
-let alone kill anyone else.
+let alone kill anyone else. Once its line is written the watcher marks the claim named; a rank
+that lost a peer waits for that (bounded) before it reports and aborts, since an abort can close
+the launcher's pipes before a watcher just woken has written.
 
 The rank process stays the one the launcher started, and the watcher lets go of the launcher's
 connection (`PMI_FD`) at once, so the launcher sees an ordinary MPI process. (The other way round,
@@ -45,7 +47,9 @@ _IPC_RMID = 0
 _GETVAL = 12
 _SEM_UNDO = 0x1000
 
-_CLAIMED = 0  # 0 until the first death (or a reported error) claims the right to speak
+_CLAIMED = 0  # 0 until the first death (or a reported error) claims the right to speak, 1 while
+# the claimant's line is still to be written, 2 once it is (`_NAMED`)
+_NAMED = 2
 _MEMBERS = 1  # ranks alive on this host, so that the last watcher out removes the set
 _FIRST_SLOT = 2  # then one `alive` count per local rank: 1 alive, 0 killed, 2 ended by itself
 _WAKE_EVERY_S = 1  # a watcher re-checks its rank this often, should it miss the death signal
@@ -81,12 +85,15 @@ class Status:
         if self._claim is not None:
             self._claim.mark_ended()
 
-    def wait_for_a_death_claim(self, seconds: float) -> None:
-        """Give a lost peer's watcher on this host up to `seconds` to claim and name it."""
+    def wait_for_a_death_named(self, seconds: float) -> None:
+        """Give a lost peer's watcher on this host up to `seconds` to claim and write its line.
+
+        Waiting for the claim alone is not enough: the rank would wake with the watcher, abort
+        the job, and the launcher could close the pipes before the watcher has written."""
         if self._claim is None:
             time.sleep(seconds)
         else:
-            self._claim.wait_until_claimed(seconds)
+            self._claim.wait_until_named(seconds)
 
     def reported(self) -> None:
         """The rank has reported its own error: the deaths that follow are not to be named."""
@@ -156,8 +163,9 @@ class _DeathClaim:
             self._semop((self.slot, 1, 0))
 
     def claim_now(self) -> bool:
+        """Claim for a rank that has already written its own line (so: named at once)."""
         try:
-            self._semop((_CLAIMED, 0, _IPC_NOWAIT), (_CLAIMED, 1, _IPC_NOWAIT))
+            self._semop((_CLAIMED, 0, _IPC_NOWAIT), (_CLAIMED, _NAMED, _IPC_NOWAIT))
         except OSError:
             return False
         return True
@@ -198,10 +206,15 @@ class _DeathClaim:
             if attempt is last_try or ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
                 return False
 
-    def wait_until_claimed(self, seconds: float) -> bool:
-        """Sleep until some watcher or rank on this host has claimed, at most `seconds`."""
+    def mark_named(self) -> None:
+        """Called by the watcher that claimed, once its line is written (or will never be)."""
+        with contextlib.suppress(OSError):
+            self._semop((_CLAIMED, _NAMED - 1, 0))
+
+    def wait_until_named(self, seconds: float) -> bool:
+        """Sleep until a claimant on this host has written its line, at most `seconds`."""
         timeout = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-        operations = _operations((_CLAIMED, -1, 0), (_CLAIMED, 1, 0))
+        operations = _operations((_CLAIMED, -_NAMED, 0), (_CLAIMED, _NAMED, 0))
         return self._libc.semtimedop(self.id, operations, 2, ctypes.byref(timeout)) == 0
 
     def remove_if_unused(self, ended: bool) -> None:
@@ -282,6 +295,7 @@ def start_watcher(rank_hint: int | None = None) -> Status:
 
 def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
     code = 0
+    first = False
     try:
         pmi = os.environ.get("PMI_FD", "")
         if pmi.isdigit():
@@ -317,5 +331,7 @@ def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
     finally:
         if claim is not None:
             with contextlib.suppress(BaseException):
+                if first:
+                    claim.mark_named()
                 claim.remove_if_unused(ended=status.read()[2] == _ENDED)
         os._exit(code)

@@ -180,15 +180,28 @@ def test_a_gone_rank_that_ended_by_its_own_hand_is_not_waited_for(key):
     assert LIBC.semctl(claim.id, _CLAIMED, _GETVAL) == 0
 
 
-def test_a_rank_that_lost_a_peer_waits_for_the_peers_claim_not_longer(key):
+def test_a_rank_that_lost_a_peer_waits_until_the_claimant_has_written_not_longer(key):
+    """A claim alone does not release the waiting rank: it would abort the job as the watcher
+    wakes, and the launcher could close the pipes before the watcher's line is written (this
+    lost the victim's line once). The watcher's `mark_named` after writing does."""
     claim = _DeathClaim(key, 2, 0)
     started = time.monotonic()
-    assert not claim.wait_until_claimed(0.2)
+    assert not claim.wait_until_named(0.2)
     assert 0.15 < time.monotonic() - started < 5
-    threading.Timer(0.1, lambda: _DeathClaim(key, 2, 1).claim_now()).start()
+    watcher = _DeathClaim(key, 2, 1)
+    watcher._semop((_CLAIMED, 1, 0))  # what the kernel completes for the victim's watcher
+    assert not claim.wait_until_named(0.2)
+    threading.Timer(0.1, watcher.mark_named).start()
     started = time.monotonic()
-    assert claim.wait_until_claimed(20.0)
+    assert claim.wait_until_named(20.0)
     assert time.monotonic() - started < 5
+
+
+def test_a_rank_that_reports_its_own_error_claims_as_named(key):
+    claim = _DeathClaim(key, 2, 0)
+    assert claim.claim_now()
+    assert not _DeathClaim(key, 2, 1).claim_now()
+    assert claim.wait_until_named(0.0)
 
 
 def test_a_killed_rank_is_named_once_with_its_task_and_the_set_is_removed(launcher_key):
@@ -196,6 +209,7 @@ def test_a_killed_rank_is_named_once_with_its_task_and_the_set_is_removed(launch
     ranks = [start(WATCHED_RANK, "sleep", env=env) for env in environments]
     assert existing_set(launcher_key) is not None
     victim_says = kill(ranks[1])
+    assert LIBC.semctl(existing_set(launcher_key), _CLAIMED, _GETVAL) == 2  # claimed and named
     survivor_says = kill(ranks[0])
     died = [line for line in victim_says.splitlines() if "died" in line]
     expected = "legion-nn train: rank 1 died in step 7, task L1.filter: killed by a signal"

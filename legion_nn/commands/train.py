@@ -231,8 +231,8 @@ def _run_rank(args: argparse.Namespace, status) -> int:
 
         if isinstance(exc, PeerLost):
             # Give the lost rank's watcher time to say which task it died in: ending the job
-            # now would claim the right to speak first, or kill the watcher before it speaks.
-            status.wait_for_a_death_claim(PEER_LOST_GRACE_S)
+            # now would claim the right to speak first, or end it before the watcher speaks.
+            status.wait_for_a_death_named(PEER_LOST_GRACE_S)
         if isinstance(exc, KeyboardInterrupt):
             message = f"rank {transport.rank}: interrupted"
         elif isinstance(exc, LegionNNError) and str(exc).startswith("rank "):
