@@ -267,9 +267,7 @@ def format_table(report: dict) -> str:
     impls = [i for i in IMPLS if any(i in row for row in rows.values())]
     head = f"{'pass':16}{'layer':8}{'N':>5}" + "".join(f"{i:>11}" for i in impls)
     head += f"{'%SGEMM':>9}{'x numpy':>9}{'x torch':>9}"
-    lines = [
-        f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s",
-    ]
+    lines = [f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s"]
     blas = report.get("blas") or {}
     if blas:
         lines.append(f"BLAS: kernels {blas['kernels']}; ceiling {blas['ceiling']}")

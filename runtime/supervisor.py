@@ -183,14 +183,15 @@ class _DeathClaim:
         watcher goes on sleeping in the claim, in short sleeps, until its slot has dropped (then
         one last try that does not sleep), its rank turns out to have ended by its own hand, or
         `_UNDO_WAIT_S` has passed."""
-        operations = _operations((self.slot, 0, 0), (_CLAIMED, 0, 0), (_CLAIMED, 1, 0))
-        last_try = _operations(
-            (self.slot, 0, _IPC_NOWAIT), (_CLAIMED, 0, _IPC_NOWAIT), (_CLAIMED, 1, _IPC_NOWAIT)
-        )
+
+        def claim(flags: int) -> ctypes.Array:
+            return _operations((self.slot, 0, flags), (_CLAIMED, 0, flags), (_CLAIMED, 1, flags))
+
+        sleeping, last_try = claim(0), claim(_IPC_NOWAIT)
         gone_since: float | None = None
         while True:
             timeout = _Timespec(_WAKE_EVERY_S, 0)
-            attempt = operations
+            attempt = sleeping
             if gone_since is None and rank_gone():
                 gone_since = time.monotonic()
             if gone_since is not None:
