@@ -54,7 +54,7 @@ _MEMBERS = 1  # ranks alive on this host, so that the last watcher out removes t
 _FIRST_SLOT = 2  # then one `alive` count per local rank: 1 alive, 0 killed, 2 ended by itself
 _WAKE_EVERY_S = 1  # a watcher re-checks its rank this often, should it miss the death signal
 _UNDO_WAIT_S = 10.0  # the longest a watcher waits for the kernel to take back its rank's counts
-_UNDO_POLL_NS = 10_000_000  # meanwhile it re-reads its slot this often
+_UNDO_POLL_S = 0.01  # meanwhile it re-reads its slot this often
 
 
 class Status:
@@ -106,6 +106,10 @@ class Status:
         self._page.seek(0)
         self._page.write(text.encode()[: _SIZE - 1].ljust(_SIZE, b"\0"))
 
+    def has_ended(self) -> bool:
+        """Whether the rank has ended by its own hand, as its watcher reads the shared page."""
+        return self.read()[2] == _ENDED
+
     def read(self) -> tuple[str, str, str]:
         raw = bytes(self._page[:_SIZE]).rstrip(b"\0").decode(errors="replace")
         rank, step, task = (raw.split("\t") + ["?", "?", "?"])[:3]
@@ -122,6 +126,10 @@ class _SemBuf(ctypes.Structure):
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _timespec(seconds: float) -> _Timespec:
+    return _Timespec(int(seconds), int(seconds % 1 * 1e9))
 
 
 def _libc() -> ctypes.CDLL:
@@ -190,7 +198,7 @@ class _DeathClaim:
         sleeping, last_try = claim(0), claim(_IPC_NOWAIT)
         gone_since: float | None = None
         while True:
-            timeout = _Timespec(_WAKE_EVERY_S, 0)
+            timeout = _timespec(_WAKE_EVERY_S)
             attempt = sleeping
             if gone_since is None and rank_gone():
                 gone_since = time.monotonic()
@@ -201,7 +209,7 @@ class _DeathClaim:
                 if undone or time.monotonic() - gone_since > _UNDO_WAIT_S:
                     attempt = last_try  # nobody will wake a sleeping one now
                 else:
-                    timeout = _Timespec(0, _UNDO_POLL_NS)
+                    timeout = _timespec(_UNDO_POLL_S)
             if self._libc.semtimedop(self.id, attempt, 3, ctypes.byref(timeout)) == 0:
                 return True
             if attempt is last_try or ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
@@ -214,9 +222,8 @@ class _DeathClaim:
 
     def wait_until_named(self, seconds: float) -> bool:
         """Sleep until a claimant on this host has written its line, at most `seconds`."""
-        timeout = _Timespec(int(seconds), int((seconds % 1) * 1e9))
         operations = _operations((_CLAIMED, -_NAMED, 0), (_CLAIMED, _NAMED, 0))
-        return self._libc.semtimedop(self.id, operations, 2, ctypes.byref(timeout)) == 0
+        return self._libc.semtimedop(self.id, operations, 2, ctypes.byref(_timespec(seconds))) == 0
 
     def remove_if_unused(self, ended: bool) -> None:
         """Called by the watcher once its rank is gone: the last watcher out removes the set, so
@@ -313,7 +320,7 @@ def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
             return os.getppid() != parent
 
         if claim is not None:
-            first = claim.wait_for_death_claim(rank_gone, lambda: status.read()[2] == _ENDED)
+            first = claim.wait_for_death_claim(rank_gone, status.has_ended)
         else:  # no coordination: better a line too many than none
             while not rank_gone():
                 signal.sigtimedwait({signal.SIGUSR1}, _WAKE_EVERY_S)
@@ -334,5 +341,5 @@ def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
             with contextlib.suppress(BaseException):
                 if first:
                     claim.mark_named()
-                claim.remove_if_unused(ended=status.read()[2] == _ENDED)
+                claim.remove_if_unused(ended=status.has_ended())
         os._exit(code)
