@@ -15,14 +15,23 @@ FLOPs = 2·N·K·C·R·S·P·Q per pass. Implementations:
 
 The ceiling is a 2048² float32 `np.matmul`, measured at the start and again before each group
 of kernel measurements, and the best of all kept: the kernels are best-of too, and on a
-shared, noisy machine a ceiling measured once could land in a busy moment.
+shared, noisy machine a ceiling measured once could land in a busy moment. When the
+environment pins OpenBLAS's kernels (`OPENBLAS_CORETYPE`, read once when the library loads),
+the same SGEMM is also measured in a child process without that setting, with the kernels
+OpenBLAS picks for the CPU, and the ceiling is the faster of the two: an AVX2 core type on an
+AVX-512 machine halves the SGEMM, and a ceiling below what the machine does is no ceiling.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -112,6 +121,40 @@ def blas_in_use() -> dict[str, str]:
         elif package.startswith("numpy"):
             found["ceiling"] = text
     return found
+
+
+def sgemm_native(size: int = 2048, repeat: int = 5) -> dict | None:
+    """SGEMM with the BLAS kernels OpenBLAS picks for this CPU, measured in a child process
+    without `OPENBLAS_CORETYPE`: {"gflops", "blas"}; None when the environment does not pin a
+    core type (the in-process SGEMM is then the native one). A failed child is a RuntimeError
+    that names why."""
+    if not os.environ.get("OPENBLAS_CORETYPE"):
+        return None
+    env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    code = f"from runtime.bench_kernels import _print_sgemm; _print_sgemm({size}, {repeat})"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except subprocess.CalledProcessError as error:
+        last = (error.stderr or "").strip().splitlines()[-1:] or [f"exit {error.returncode}"]
+        raise RuntimeError(last[0]) from None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as error:
+        raise RuntimeError(str(error) or type(error).__name__) from None
+
+
+def _print_sgemm(size: int, repeat: int) -> None:
+    """The child's side of `sgemm_native`: one JSON line."""
+    gflops = sgemm_gflops(size, repeat)
+    print(json.dumps({"gflops": gflops, "blas": blas_in_use()["ceiling"]}))
 
 
 def _operands(shape: LayerShape, n: int, untied: bool) -> tuple[np.ndarray, ...]:
@@ -209,6 +252,18 @@ def run_benchmark(
     if "torch" in impls and not torch_available():
         impls = tuple(i for i in impls if i != "torch")
         skipped.append("torch (not importable)")
+    native: list[dict] = []
+
+    def measure_native() -> None:
+        try:
+            run = sgemm_native(sgemm_size)
+        except RuntimeError as error:
+            skipped.append(f"SGEMM without OPENBLAS_CORETYPE ({error})")
+            return
+        if run:
+            native.append(run)
+
+    measure_native()
     sgemm = [sgemm_gflops(sgemm_size)]
     peer_sgemm: list[float] = []
     best: dict[tuple, dict] = {}
@@ -243,9 +298,15 @@ def run_benchmark(
                             f"{impl:9} {name:15} {layer:6} N={n:<4} "
                             f"{best[key]['gflops']:8.1f} GFLOP/s"
                         )
+    if native:  # again at the end, the best kept, like the in-process ceiling
+        measure_native()
+    best_native = max(native, key=lambda run: run["gflops"]) if native else None
     return {
-        "sgemm_gflops": max(sgemm),
-        "sgemm": f"{sgemm_size}x{sgemm_size} float32 np.matmul, best of {len(sgemm)} rounds",
+        "sgemm_gflops": max(max(sgemm), best_native["gflops"] if best_native else 0.0),
+        "sgemm": f"{sgemm_size}x{sgemm_size} float32 np.matmul",
+        "sgemm_configured_gflops": max(sgemm),
+        "sgemm_configured": f"in this process, best of {len(sgemm)} rounds",
+        "sgemm_native": best_native,
         "blas": blas_in_use(),
         "torch_sgemm_gflops": max(peer_sgemm) if peer_sgemm else None,
         "dtype": "float32",
@@ -269,6 +330,16 @@ def format_table(report: dict) -> str:
     head += f"{'%SGEMM':>9}{'x numpy':>9}{'x torch':>9}"
     lines = [f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s"]
     blas = report.get("blas") or {}
+    configured = report.get("sgemm_configured_gflops")
+    if configured:
+        lines.append(f"  as configured ({blas.get('ceiling', 'BLAS')}): {configured:.1f}")
+    native = report.get("sgemm_native")
+    if native:
+        core = os.environ.get("OPENBLAS_CORETYPE", "set")
+        lines.append(
+            f"  without OPENBLAS_CORETYPE={core} ({native['blas']}, in a child process): "
+            f"{native['gflops']:.1f}"
+        )
     if blas:
         lines.append(f"BLAS: kernels {blas['kernels']}; ceiling {blas['ceiling']}")
     if report.get("torch_sgemm_gflops"):

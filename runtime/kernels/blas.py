@@ -7,22 +7,18 @@ so a kernel can hand BLAS a window of a larger tensor without copying it. It cal
 not baked in as an address, so functions that use `gemm` can be cached (`cache=True`).
 Row-major C = op(A)·op(B) is computed as the column-major product Cᵀ = op(B)ᵀ·op(A)ᵀ.
 
-The kernels parallelise over output positions with Numba threads and run each GEMM on one
-BLAS thread: the per-position GEMMs are small (64×448×64 at batch 64), where one thread per
-GEMM is far faster than BLAS's own threading, and BLAS threads inside Numba threads would
-oversubscribe the cores. `parallel_gemm` does the same for one large product (the `linear`
-kernels), so that a training step keeps a single thread pool busy: Numba's. With BLAS's own
-threads in the mix, each pool's workers spin-wait for a while after their work and starve the
-other's: on 2 cores, alternating a NumPy matmul with a Numba parallel loop measured 8.8 ms a
-round against 0.06 ms for the same work on one pool.
+Kernels run each GEMM on one BLAS thread inside Numba's threads: BLAS threads inside Numba
+threads would oversubscribe the cores. `parallel_gemm` splits one large product (the `linear`
+kernels) into single-threaded blocks on Numba's threads, so that a training step keeps a single
+thread pool busy: Numba's. With BLAS's own threads in the mix, each pool's workers spin-wait for
+a while after their work and starve the other's: on 2 cores, alternating a NumPy matmul with a
+Numba parallel loop measured 8.8 ms a round against 0.06 ms for the same work on one pool. (The
+filter kernels do not use BLAS: their small per-position products run on `microkernel`.)
 
 `kernel_threading()` pins every BLAS library in the process to one thread while a kernel runs
 (about 12 µs to enter) and restores the previous setting when the outermost one exits. It is
 re-entrant and shared by threads, so an executor can hold it for a whole step and the kernels'
 own entries inside cost nothing.
-Numba's default static schedule (one block of consecutive positions per thread) is kept on
-purpose: neighbouring positions share most of their input window, and handing positions out
-one at a time measured up to 40% slower (tied backward-filter, batch 64).
 """
 
 from __future__ import annotations

@@ -9,21 +9,29 @@ row are one contiguous K×(S·C) matrix W_pq[r] = wp[p, r, q]. The three passes 
     backward-data     dX_r  += W_pq[r]ᵀ · dY_pq             (S·C×K)(K×N), into dx rows h0 + r
     backward-filter   dW_pq[r] (+)= dY_pq · X_rᵀ             (K×N)(N×S·C)
 
-R GEMMs per position and pass, no im2col matrix, no gather. Zero padding clips the window
+R GEMMs per position and pass, each one `microkernel.tiled_gemm`, no im2col matrix, no gather.
+That GEMM vectorises along the rows of its right operand and of its result, which are
+unit-stride in the first two passes (along the batch) but not in the third, whose result runs
+along (S, C) while X_r runs along the batch: backward-filter reads the input through one
+(H, N, W, C) copy made per call (activation-sized, against the weight-sized gradient it writes),
+whose rows per example run along (S, C). Zero padding clips the window
 instead of padding the tensor: rows and columns that fall outside the input are left out of
 the GEMM (and their weight-gradient block is zeroed). A channel subset lo:hi of the weight
-gradient (seed 003's sparse update) makes X_r non-contiguous, so it runs one K×(hi−lo)×N GEMM
-per window element (r, s) over exactly those channels.
+gradient (seed 003's sparse update) copies only those channels, so its GEMMs are
+K×(S·(hi−lo))×N and the other channels cost nothing.
 
 Weights are read through their strides (the Numba kernels index a (P, Q, R, K, S, C) view of
 them), so any view whose (S, C) axes form one unit-stride row is an operand as it is: a piece
 of positions `wp[p0:p1, :, q0:q1]` or of output channels `wp[:, :, :, k0:k1]` (a
 model-parallel piece) costs no copy. A weight gradient `out` may be such a view too.
 
-Parallelism (Numba threads, one BLAS thread per GEMM, see `blas`): forward and untied
+Parallelism (Numba threads, one thread per GEMM): forward and untied
 backward-filter split output positions, which write disjoint blocks; backward-data splits
 input rows, so the overlapping windows of one row accumulate on one thread; tied
 backward-filter gives each thread its own partial gradient and sums them at the end.
+Numba's default static schedule (one block of consecutive positions per thread) is kept on
+purpose: neighbouring positions share most of their input window, and handing positions out
+one at a time measured up to 40% slower (tied backward-filter, batch 64, with BLAS products).
 """
 
 from __future__ import annotations
@@ -32,8 +40,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from runtime.kernels.blas import NO_TRANS, TRANS, gemm, kernel_threading
+from runtime.aligned import aligned_empty
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
+from runtime.kernels.microkernel import tiled_gemm
 
 
 @njit(cache=True, inline="always")
@@ -61,23 +70,10 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied):
             r_hi = r_lo
         w_at = p * ws0 + q * ws1 if untied else 0
         for r in range(r_lo, r_hi):
-            gemm(
-                NO_TRANS,
-                NO_TRANS,
-                k,
-                n,
-                (s_hi - s_lo) * c,
-                w,
-                w_at + r * ws2 + s_lo * ws4,
-                ws3,
-                x,
-                (h0 + r) * xs0 + (w0 + s_lo) * xs1,
-                xs2,
-                r > r_lo,
-                y,
-                p * ys0 + q * ys1,
-                ys2,
-            )
+            tiled_gemm(k, n, (s_hi - s_lo) * c,
+                       w, w_at + r * ws2 + s_lo * ws4, ws3, 1,
+                       x, (h0 + r) * xs0 + (w0 + s_lo) * xs1, xs2,
+                       r > r_lo, y, p * ys0 + q * ys1, ys2)  # fmt: skip
         if r_hi <= r_lo:
             y[p, q] = 0
 
@@ -105,107 +101,70 @@ def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
                 if s_hi <= s_lo:
                     continue
                 w_at = p * ws0 + q * ws1 if untied else 0
-                gemm(
-                    TRANS,
-                    NO_TRANS,
-                    (s_hi - s_lo) * c,
-                    n,
-                    k,
-                    w,
-                    w_at + r * ws2 + s_lo * ws4,
-                    ws3,
-                    dy,
-                    p * gs0 + q * gs1,
-                    gs2,
-                    True,
-                    dx,
-                    row * xs0 + (w0 + s_lo) * xs1,
-                    xs2,
-                )
+                tiled_gemm((s_hi - s_lo) * c, n, k,
+                           w, w_at + r * ws2 + s_lo * ws4, 1, ws3,
+                           dy, p * gs0 + q * gs1, gs2,
+                           True, dx, row * xs0 + (w0 + s_lo) * xs1, xs2)  # fmt: skip
+
+
+@njit(cache=True, parallel=True)
+def _batch_major(x, xt, c_lo):
+    """xt (H, N, W, Cs) = channels c_lo:c_lo + Cs of x (H, W, C, N): the backward-filter's B
+    operand, whose rows (one per example) run along a window row's (S, Cs) elements, the weight
+    gradient's unit-stride axis."""
+    h, n, wd, cs = xt.shape
+    for hw in prange(h * wd):
+        row, col = hw // wd, hw % wd
+        for b in range(n):
+            for ch in range(cs):
+                xt[row, b, col, ch] = x[row, col, c_lo + ch, b]
 
 
 @njit(cache=True)
-def _filter_gradient_at(dy, x, dw, i, j, p, q, stride, pad_top, pad_left, c_lo, accumulate):
+def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate):
     """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), whose window
-    row r is the K×(S·Cs) matrix dw[i, j, r], addressed through dw's strides."""
-    h, wd, c, n = x.shape
-    r_size, k, s_size, cs = dw.shape[2:]
-    size = x.itemsize
+    row r is the K×(S·Cs) matrix dw[i, j, r], addressed through dw's strides; `xt` holds the
+    input's Cs channels in (H, N, W, Cs) (see `_batch_major`)."""
+    h, n, wd, cs = xt.shape
+    r_size, k, s_size = dw.shape[2:5]
+    size = xt.itemsize
     gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
-    xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
+    ts0, ts1, ts2 = xt.strides[0] // size, xt.strides[1] // size, xt.strides[2] // size
     ds2, ds3, ds4 = dw.strides[2] // size, dw.strides[3] // size, dw.strides[4] // size
     at = i * (dw.strides[0] // size) + j * (dw.strides[1] // size)
     h0, w0 = p * stride - pad_top, q * stride - pad_left
     r_lo, r_hi = _clip(h0, r_size, h)
     s_lo, s_hi = _clip(w0, s_size, wd)
-    clipped = r_lo > 0 or r_hi < r_size or s_lo > 0 or s_hi < s_size
-    # a GEMM with one row or column may go to GEMV, which scales C by beta = 0 (NaN survives)
-    thin = min(k, (s_hi - s_lo) * c if cs == c else cs) <= 1
     add = accumulate
-    if not accumulate and (clipped or thin):
+    if not accumulate and (r_lo > 0 or r_hi < r_size or s_lo > 0 or s_hi < s_size):
         dw[i, j] = 0
         add = True
     if s_hi <= s_lo:
         return
     for r in range(r_lo, r_hi):
-        block = at + r * ds2
-        x_off = (h0 + r) * xs0 + (w0 + s_lo) * xs1
-        if cs == c:
-            gemm(
-                NO_TRANS,
-                TRANS,
-                k,
-                (s_hi - s_lo) * c,
-                n,
-                dy,
-                p * gs0 + q * gs1,
-                gs2,
-                x,
-                x_off,
-                xs2,
-                add,
-                dw,
-                block + s_lo * ds4,
-                ds3,
-            )
-        else:
-            for s in range(s_lo, s_hi):
-                gemm(
-                    NO_TRANS,
-                    TRANS,
-                    k,
-                    cs,
-                    n,
-                    dy,
-                    p * gs0 + q * gs1,
-                    gs2,
-                    x,
-                    x_off + (s - s_lo) * xs1 + c_lo * xs2,
-                    xs2,
-                    add,
-                    dw,
-                    block + s * ds4,
-                    ds3,
-                )
+        tiled_gemm(k, (s_hi - s_lo) * cs, n,
+                   dy, p * gs0 + q * gs1, gs2, 1,
+                   xt, (h0 + r) * ts0 + (w0 + s_lo) * ts2, ts1,
+                   add, dw, at + r * ds2 + s_lo * ds4, ds3)  # fmt: skip
 
 
 @njit(cache=True, parallel=True)
-def _backward_filter_untied(dy, x, dw, stride, pad_top, pad_left, c_lo, accumulate):
+def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate):
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
         p, q = pq // q_out, pq % q_out
-        _filter_gradient_at(dy, x, dw, p, q, p, q, stride, pad_top, pad_left, c_lo, accumulate)
+        _filter_gradient_at(dy, xt, dw, p, q, p, q, stride, pad_top, pad_left, accumulate)
 
 
 @njit(cache=True, parallel=True)
-def _backward_filter_tied(dy, x, dw, stride, pad_top, pad_left, c_lo, accumulate, threads):
+def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, threads):
     q_out = dy.shape[1]
     r_size, k, s_size, cs = dw.shape[2:]
     partial = np.zeros((threads, 1, r_size, k, s_size, cs), dw.dtype)
     for pq in prange(dy.shape[0] * q_out):
         p, q = pq // q_out, pq % q_out
         thread = numba.get_thread_id()
-        _filter_gradient_at(dy, x, partial, thread, 0, p, q, stride, pad_top, pad_left, c_lo, True)
+        _filter_gradient_at(dy, xt, partial, thread, 0, p, q, stride, pad_top, pad_left, True)
     total = partial.sum(axis=0)
     if accumulate:
         dw[0] += total
@@ -221,7 +180,7 @@ def packed_geometry(xp_shape: tuple, wp_shape: tuple, stride: int, pad) -> Geome
 
 
 def _operand(a: np.ndarray) -> np.ndarray:
-    """`a` itself when BLAS can read its (W, C) axes as one and its last axis is unit-stride.
+    """`a` itself when its (W, C) axes read as one and its last axis is unit-stride.
 
     The kernels take leading dimensions from the strides, so a length-1 axis (batch 1, one
     channel) must carry the stride a contiguous array would give it: NumPy leaves such strides
@@ -240,7 +199,7 @@ def _by_position(wp: np.ndarray) -> np.ndarray:
 
 
 def _blocks_addressable(wp: np.ndarray) -> bool:
-    """Whether BLAS can read each K×(S·C) block wp[p, r, q] of (canonical) weights as a matrix.
+    """Whether each K×(S·C) block wp[p, r, q] of (canonical) weights reads as a matrix.
 
     That holds for the packed arrays and for any slice of positions or output channels of one:
     the (S, C) axes read as one unit-stride row and rows are at least S·C apart."""
@@ -262,7 +221,7 @@ def accumulates_in_place(dw: np.ndarray) -> bool:
 
 
 def _weights(wp: np.ndarray) -> np.ndarray:
-    """`wp` itself when its blocks are BLAS-addressable, else a C-contiguous copy."""
+    """`wp` itself when its blocks are addressable, else a C-contiguous copy."""
     wp = _canonical_unit_strides(wp)
     if _blocks_addressable(wp):
         return wp
@@ -280,27 +239,17 @@ def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(a, a.shape, tuple(strides), writeable=a.flags.writeable)
 
 
-def _output(
-    name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype, overwrite: bool = True
-) -> np.ndarray:
-    """The output array, zeroed first when `overwrite`.
-
-    The kernels overwrite with beta = 0 GEMMs, which must not read C; but OpenBLAS forwards a
-    GEMM with one column (batch 1) to GEMV, whose beta = 0 scaling multiplies C, so NaN garbage
-    in an uninitialised output would survive as NaN. Zeroed memory costs a pass; NaN costs the
-    run. The forward and backward-data outputs are activation-sized and zeroed here; the
-    weight-sized gradient is not: backward-filter zeroes the blocks it must (clipped windows,
-    one-row or one-column GEMMs) and writes all the others with beta = 0."""
+def _output(name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """The output array, left as it is: every kernel writes each element of its output (the
+    first product into a block does not read it, and clipped or empty windows are zeroed)."""
     if out is None:
-        return np.zeros(shape, dtype)
+        return aligned_empty(shape, dtype)
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"{name}: expected shape {shape} {dtype}, got {out.shape} {out.dtype}")
     out = _canonical_unit_strides(out)
     addressable = _operand(out) is out if out.ndim == 4 else _blocks_addressable(out)
     if not addressable:
-        raise ValueError(f"{name}: layout with strides {out.strides} is not BLAS-addressable")
-    if overwrite:
-        out[...] = 0
+        raise ValueError(f"{name}: layout with strides {out.strides} is not addressable")
     return out
 
 
@@ -322,9 +271,8 @@ def forward_packed(
     if min(geo.n, geo.k, geo.c) == 0:
         y[...] = 0
         return y
-    with kernel_threading():
-        w = _by_position(_weights(wp))
-        _forward(_operand(xp), w, y, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
+    w = _by_position(_weights(wp))
+    _forward(_operand(xp), w, y, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
     return y
 
 
@@ -347,9 +295,8 @@ def backward_data_packed(
     if min(geo.n, geo.k, geo.c) == 0:
         dx[...] = 0
         return dx
-    with kernel_threading():
-        w = _by_position(_weights(wp))
-        _backward_data(_operand(dyp), w, dx, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
+    w = _by_position(_weights(wp))
+    _backward_data(_operand(dyp), w, dx, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
     return dx
 
 
@@ -380,19 +327,19 @@ def backward_filter_packed(
     geo = packed_geometry(xp.shape, (p, r, q, dyp.shape[2], s, c), stride, pad)
     _check_dy(dyp, geo)
     lo, hi = check_channels(channels, c)
-    dw = _output("out", out, (p, r, q, geo.k, s, hi - lo), dtype, overwrite=False)
+    dw = _output("out", out, (p, r, q, geo.k, s, hi - lo), dtype)
     if min(geo.n, geo.k, hi - lo) == 0:
         if not accumulate:
             dw[...] = 0
         return dw
-    args = (_operand(dyp), _operand(xp), _by_position(dw), geo.stride, geo.pad[0], geo.pad[2])
-    args += (lo, accumulate)
-    with kernel_threading():
-        if geo.untied:
-            _backward_filter_untied(*args)
-        else:
-            # one partial per thread of the pool, since thread ids range over all of it
-            _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS)
+    xt = aligned_empty((geo.h, geo.n, geo.w, hi - lo), dtype)
+    _batch_major(xp, xt, lo)
+    args = (_operand(dyp), xt, _by_position(dw), geo.stride, geo.pad[0], geo.pad[2], accumulate)
+    if geo.untied:
+        _backward_filter_untied(*args)
+    else:
+        # one partial per thread of the pool, since thread ids range over all of it
+        _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS)
     return dw
 
 

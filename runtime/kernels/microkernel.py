@@ -1,0 +1,288 @@
+"""A register-tiled GEMM for the filter kernels, emitted as LLVM vector code for the host.
+
+The filter passes are thousands of small products per call (64×448×64 per output position and
+window row at the seed's L1 shape). Through BLAS each one pays a packing of both operands, and
+OpenBLAS's kernels are the ones its core type selects, which an environment may pin below the
+machine (`OPENBLAS_CORETYPE=Haswell` runs AVX2 kernels on an AVX-512 CPU). This module
+generates the inner kernel itself instead:
+
+    C[i, 0:w] (+)= Σ_l A[i·a_rs + l·a_cs] · B[l·ldb + 0:w]        for i < mr, l < depth
+
+with mr rows of C held as `nv` vectors each in registers for the whole reduction, one vector
+load of B's row per vector and one broadcast of A's element per row at each step. B and C
+rows are read in place through their leading dimensions, and A through any two strides, so
+the forward (A = the weights), backward-data (A = the weights transposed) and backward-filter
+(A = the output gradient) passes all run on the packed tensors without a copy of A.
+
+The body is written as LLVM IR with vectors as wide as the host's registers (`VECTOR_BYTES`:
+AVX-512, AVX2 or 128-bit) and `llvm.fma`, inside a Numba intrinsic, so it is compiled for the
+host ISA by Numba's own LLVM and cached like any other Numba function. The tile shapes are
+chosen so the accumulators, B's vectors and a broadcast fit in the vector register file
+(`MAX_ROWS` × `MAX_VECTORS` accumulators: 24 of AVX-512's 32 registers, 12 of AVX2's 16). A
+row narrower than a vector ends in one masked tile (`llvm.masked.load` / `.store`), so every
+width is handled here and nothing falls back to BLAS.
+
+Measured at the seed's L1 forward on a 2-core Zen 5 (AVX-512), float32: 420 GFLOP/s at batch
+64 and 469 at batch 256, against 174 and 203 for the same loops calling single-threaded
+OpenBLAS with Haswell kernels, and 521 for OpenBLAS's own 2048² SGEMM with AVX-512 kernels.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm_binding
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+def _host_vector_bytes() -> int:
+    features = llvm_binding.get_host_cpu_features().flatten()
+    if "+avx512f" in features:
+        return 64
+    if "+avx" in features:
+        return 32
+    return 16
+
+
+VECTOR_BYTES = _host_vector_bytes()
+#: rows of C in one tile, and the most vectors per row: 24 accumulators with AVX-512's 32
+#: registers, 12 with the 16 of AVX2 or SSE, leaving room for B's vectors and a broadcast
+MAX_ROWS = 6
+MAX_VECTORS = 4 if VECTOR_BYTES == 64 else 2
+
+
+def lanes(itemsize: int) -> int:
+    """Elements of one vector."""
+    return VECTOR_BYTES // itemsize
+
+
+_I32 = ir.IntType(32)
+
+
+def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth, accumulate, tail):
+    """One tile: C (rows × vectors, the last vector's first `tail` lanes when `tail` is an IR
+    value) (+)= A · B over `depth` steps, accumulators in SSA registers (allocas that LLVM's
+    mem2reg promotes)."""
+    width = vty.count
+    size = 4 if vty.element == ir.FloatType() else 8
+    vptr = vty.as_pointer()
+    index = ldc.type
+    module = builder.module
+    suffix = f"v{width}f{size * 8}"
+    fma = cgutils.get_or_insert_function(
+        module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.{suffix}"
+    )
+    mask = None
+    if tail is not None:
+        mask_ty = ir.VectorType(ir.IntType(1), width)
+        lane_ids = ir.Constant(ir.VectorType(_I32, width), list(range(width)))
+        splat = builder.insert_element(
+            ir.Constant(ir.VectorType(_I32, width), ir.Undefined),
+            builder.trunc(tail, _I32),
+            ir.Constant(_I32, 0),
+        )
+        splat = builder.shuffle_vector(
+            splat, splat, ir.Constant(ir.VectorType(_I32, width), [0] * width)
+        )
+        mask = builder.icmp_signed("<", lane_ids, splat)
+        masked_load = cgutils.get_or_insert_function(
+            module,
+            ir.FunctionType(vty, [vptr, _I32, mask_ty, vty]),
+            f"llvm.masked.load.{suffix}.p0",
+        )
+        masked_store = cgutils.get_or_insert_function(
+            module,
+            ir.FunctionType(ir.VoidType(), [vty, vptr, _I32, mask_ty]),
+            f"llvm.masked.store.{suffix}.p0",
+        )
+    zero = ir.Constant(vty, None)
+    align = ir.Constant(_I32, size)
+
+    def vector_at(row_ptr, v):
+        return builder.bitcast(builder.gep(row_ptr, [ir.Constant(index, v * width)]), vptr)
+
+    def load(row_ptr, v):
+        ptr = vector_at(row_ptr, v)
+        if mask is not None and v == vectors - 1:
+            return builder.call(masked_load, [ptr, align, mask, zero])
+        return builder.load(ptr, align=size)
+
+    def store(value, row_ptr, v):
+        ptr = vector_at(row_ptr, v)
+        if mask is not None and v == vectors - 1:
+            builder.call(masked_store, [value, ptr, align, mask])
+        else:
+            builder.store(value, ptr, align=size)
+
+    accs = [[cgutils.alloca_once(builder, vty) for _ in range(vectors)] for _ in range(rows)]
+    c_rows = [builder.gep(c, [builder.mul(ir.Constant(index, i), ldc)]) for i in range(rows)]
+    a_rows = [builder.gep(a, [builder.mul(ir.Constant(index, i), a_rs)]) for i in range(rows)]
+    with builder.if_else(accumulate) as (then, otherwise):
+        with then:
+            for i in range(rows):
+                for v in range(vectors):
+                    builder.store(load(c_rows[i], v), accs[i][v])
+        with otherwise:
+            for i in range(rows):
+                for v in range(vectors):
+                    builder.store(zero, accs[i][v])
+    broadcast = ir.Constant(ir.VectorType(_I32, width), [0] * width)
+    with cgutils.for_range(builder, depth) as loop:
+        step = loop.index
+        b_row = builder.gep(b, [builder.mul(step, ldb)])
+        b_vectors = [load(b_row, v) for v in range(vectors)]
+        a_step = builder.mul(step, a_cs)
+        for i in range(rows):
+            element = builder.load(builder.gep(a_rows[i], [a_step]))
+            lane0 = builder.insert_element(
+                ir.Constant(vty, ir.Undefined), element, ir.Constant(_I32, 0)
+            )
+            splat = builder.shuffle_vector(lane0, ir.Constant(vty, ir.Undefined), broadcast)
+            for v in range(vectors):
+                total = builder.call(fma, [splat, b_vectors[v], builder.load(accs[i][v])])
+                builder.store(total, accs[i][v])
+    for i in range(rows):
+        for v in range(vectors):
+            store(builder.load(accs[i][v]), c_rows[i], v)
+
+
+def _element_pointer(context, builder, array_type, array, offset):
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.gep(data, [offset])
+
+
+@intrinsic
+def _tile(
+    typingctx,
+    rows,
+    vectors,
+    tail,
+    c,
+    c_off,
+    ldc,
+    a,
+    a_off,
+    a_rs,
+    a_cs,
+    b,
+    b_off,
+    ldb,
+    depth,
+    accumulate,
+):
+    """C[c_off:] (rows × vectors·lanes, row stride ldc) (+)= A · B, dispatched on (rows,
+    vectors) to a fully unrolled body; `tail` < lanes makes the (single) vector masked."""
+    if not (c.dtype == a.dtype == b.dtype and c.dtype in (types.float32, types.float64)):
+        return None
+    sig = types.void(
+        types.intp,
+        types.intp,
+        types.intp,
+        c,
+        types.intp,
+        types.intp,
+        a,
+        types.intp,
+        types.intp,
+        types.intp,
+        b,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.boolean,
+    )
+
+    def codegen(context, builder, signature, args):
+        (
+            rows_,
+            vectors_,
+            tail_,
+            c_,
+            c_off_,
+            ldc_,
+            a_,
+            a_off_,
+            a_rs_,
+            a_cs_,
+            b_,
+            b_off_,
+            ldb_,
+            depth_,
+            acc_,
+        ) = args
+        array_types = signature.args
+        c_ptr = _element_pointer(context, builder, array_types[3], c_, c_off_)
+        a_ptr = _element_pointer(context, builder, array_types[6], a_, a_off_)
+        b_ptr = _element_pointer(context, builder, array_types[10], b_, b_off_)
+        element = context.get_value_type(array_types[3].dtype)
+        vty = ir.VectorType(element, VECTOR_BYTES // (4 if element == ir.FloatType() else 8))
+        function = builder.function
+        done = function.append_basic_block("tile.done")
+        width = ir.Constant(tail_.type, vty.count)
+        masked = builder.icmp_signed("<", tail_, width)
+        key = builder.add(builder.mul(rows_, ir.Constant(rows_.type, 16)), vectors_)
+        key = builder.select(masked, builder.add(key, ir.Constant(key.type, 8)), key)
+        switch = builder.switch(key, done)
+        for r in range(1, MAX_ROWS + 1):
+            for v in range(1, MAX_VECTORS + 1):
+                block = function.append_basic_block(f"tile.{r}x{v}")
+                switch.add_case(ir.Constant(key.type, r * 16 + v), block)
+                builder.position_at_end(block)
+                _tile_body(
+                    builder,
+                    vty,
+                    r,
+                    v,
+                    c_ptr,
+                    ldc_,
+                    a_ptr,
+                    a_rs_,
+                    a_cs_,
+                    b_ptr,
+                    ldb_,
+                    depth_,
+                    acc_,
+                    None,
+                )
+                builder.branch(done)
+            block = function.append_basic_block(f"tile.{r}x1.masked")
+            switch.add_case(ir.Constant(key.type, r * 16 + 1 + 8), block)
+            builder.position_at_end(block)
+            _tile_body(
+                builder,
+                vty,
+                r,
+                1,
+                c_ptr,
+                ldc_,
+                a_ptr,
+                a_rs_,
+                a_cs_,
+                b_ptr,
+                ldb_,
+                depth_,
+                acc_,
+                tail_,
+            )
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def tiled_gemm(m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc):
+    """C[c_off:] (m×n, row stride ldc) = A·B (+ C if `accumulate`), offsets and strides in
+    elements: A (m×k) has element (i, l) at a_off + i·a_rs + l·a_cs, B (k×n) is row-major with
+    unit-stride rows. With k = 0 it writes zeros (or leaves C as it is)."""
+    width = VECTOR_BYTES // a.itemsize
+    n0 = 0
+    while n0 < n:
+        left = n - n0
+        vectors, tail = (min(MAX_VECTORS, left // width), width) if left >= width else (1, left)
+        for i0 in range(0, m, MAX_ROWS):
+            _tile(min(MAX_ROWS, m - i0), vectors, tail, c, c_off + i0 * ldc + n0, ldc, a,
+                  a_off + i0 * a_rs, a_rs, a_cs, b, b_off + n0, ldb, k, accumulate)  # fmt: skip
+        n0 += vectors * width if tail == width else tail

@@ -1,0 +1,98 @@
+"""The generated register-tiled GEMM against NumPy, on every tile shape and row width."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.kernels.microkernel import MAX_ROWS, MAX_VECTORS, lanes, tiled_gemm
+
+DTYPES = [np.float32, np.float64]
+TOL = {np.float32: 1e-5, np.float64: 1e-13}
+
+
+def run(m, n, k, dtype, a_transposed, accumulate, seed=0, margin=3):
+    """tiled_gemm into the middle of a larger C, from offsets into larger A and B; returns
+    (C after, C before, the expected product block)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((k, m + margin) if a_transposed else (m, k + margin)).astype(dtype)
+    b = rng.standard_normal((k, n + 2 * margin)).astype(dtype)
+    c = rng.standard_normal((m + 1, n + 2 * margin)).astype(dtype)
+    before = c.copy()
+    ld_a = a.shape[1]
+    a_rs, a_cs = (1, ld_a) if a_transposed else (ld_a, 1)
+    a_view = a[:, margin : margin + m].T if a_transposed else a[:, margin : margin + k]
+    ldb, ldc = b.shape[1], c.shape[1]
+    tiled_gemm(m, n, k, a, margin, a_rs, a_cs, b, margin, ldb, accumulate, c, ldc + margin, ldc)
+    expected = a_view.astype(np.float64) @ b[:, margin : margin + n].astype(np.float64)
+    if accumulate:
+        expected += before[1:, margin : margin + n]
+    return c, before, expected
+
+
+def check(c, before, expected, m, n, dtype, margin=3):
+    block = c[1 : m + 1, margin : margin + n]
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(block, expected, rtol=0, atol=TOL[dtype] * scale)
+    outside = np.ones(c.shape, bool)
+    outside[1 : m + 1, margin : margin + n] = False
+    np.testing.assert_array_equal(c[outside], before[outside])
+
+
+def widths(dtype):
+    """Row widths that reach every body: whole blocks, each count of leftover whole vectors,
+    and a masked tail of each length (alone and after whole vectors)."""
+    v = lanes(np.dtype(dtype).itemsize)
+    block = MAX_VECTORS * v
+    found = {1, v - 1, v, v + 1, block, block + v, 2 * block + 1}
+    found |= {block + j * v + t for j in range(MAX_VECTORS) for t in (0, 1, v - 1)}
+    return sorted(w for w in found if w > 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("a_transposed", [False, True])
+def test_every_tile_shape_and_width(dtype, a_transposed):
+    for m in range(1, 2 * MAX_ROWS + 2):
+        for n in widths(dtype):
+            for accumulate in (False, True):
+                c, before, expected = run(m, n, 5, dtype, a_transposed, accumulate, seed=m * n)
+                check(c, before, expected, m, n, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_depth_writes_zeros_or_keeps(dtype):
+    c, before, _ = run(7, 19, 0, dtype, False, False)
+    check(c, before, np.zeros((7, 19)), 7, 19, dtype)
+    c, before, _ = run(7, 19, 0, dtype, False, True)
+    check(c, before, before[1:8, 3:22], 7, 19, dtype)
+
+
+def test_nan_in_c_does_not_survive_an_overwrite():
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((13, 9)).astype(np.float32)
+    b = rng.standard_normal((9, 37)).astype(np.float32)
+    c = np.full((13, 37), np.nan, np.float32)
+    tiled_gemm(13, 37, 9, a, 0, 9, 1, b, 0, 37, False, c, 0, 37)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    n=st.integers(1, 140),
+    k=st.integers(0, 40),
+    dtype=st.sampled_from(DTYPES),
+    a_transposed=st.booleans(),
+    accumulate=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_agrees_with_numpy(m, n, k, dtype, a_transposed, accumulate, seed):
+    c, before, expected = run(m, n, k, dtype, a_transposed, accumulate, seed)
+    check(c, before, expected, m, n, dtype)
+
+
+def test_rejects_mixed_dtypes():
+    a = np.ones((2, 2), np.float32)
+    b = np.ones((2, 2), np.float64)
+    with pytest.raises(Exception, match="(?i)typing|resolution|No implementation"):
+        tiled_gemm(2, 2, 2, a, 0, 2, 1, b, 0, 2, False, a, 0, 2)
