@@ -5,7 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.kernels.microkernel import MAX_ROWS, MAX_VECTORS, lanes, tiled_gemm
+from runtime.kernels.microkernel import (
+    MAX_ROWS,
+    MAX_VECTORS,
+    lanes,
+    tiled_gemm,
+    tiled_gemm_prefetching,
+)
 
 DTYPES = [np.float32, np.float64]
 TOL = {np.float32: 1e-5, np.float64: 1e-13}
@@ -96,3 +102,13 @@ def test_rejects_mixed_dtypes():
     b = np.ones((2, 2), np.float64)
     with pytest.raises(Exception, match="(?i)typing|resolution|No implementation"):
         tiled_gemm(2, 2, 2, a, 0, 2, 1, b, 0, 2, False, a, 0, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefetching_the_next_operand_changes_nothing(dtype):
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((2, 13, 11)).astype(dtype)  # this product's A, then the next one
+    b = rng.standard_normal((11, 70)).astype(dtype)
+    c = np.full((13, 70), np.nan, dtype)
+    tiled_gemm_prefetching(13, 70, 11, a, 0, 11, 1, b, 0, 70, False, c, 0, 70, 13 * 11, 13, 11, 11)
+    np.testing.assert_allclose(c, a[0] @ b, rtol=0, atol=TOL[dtype] * 10)

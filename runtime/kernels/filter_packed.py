@@ -42,7 +42,7 @@ from numba import njit, prange
 
 from runtime.aligned import aligned_empty
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
-from runtime.kernels.microkernel import tiled_gemm
+from runtime.kernels.microkernel import tiled_gemm, tiled_gemm_prefetching
 
 
 @njit(cache=True, inline="always")
@@ -101,10 +101,13 @@ def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
                 if s_hi <= s_lo:
                     continue
                 w_at = p * ws0 + q * ws1 if untied else 0
-                tiled_gemm((s_hi - s_lo) * c, n, k,
-                           w, w_at + r * ws2 + s_lo * ws4, 1, ws3,
-                           dy, p * gs0 + q * gs1, gs2,
-                           True, dx, row * xs0 + (w0 + s_lo) * xs1, xs2)  # fmt: skip
+                # the next block (position q + 1) is the one after this in memory
+                ahead = k if untied and q + 1 < q_out else 0
+                tiled_gemm_prefetching((s_hi - s_lo) * c, n, k,
+                                       w, w_at + r * ws2 + s_lo * ws4, 1, ws3,
+                                       dy, p * gs0 + q * gs1, gs2,
+                                       True, dx, row * xs0 + (w0 + s_lo) * xs1, xs2,
+                                       w_at + ws1 + r * ws2, ahead, ws3, s_size * c)  # fmt: skip
 
 
 @njit(cache=True, parallel=True)

@@ -15,7 +15,7 @@ the forward (A = the weights), backward-data (A = the weights transposed) and ba
 (A = the output gradient) passes all run on the packed tensors without a copy of A.
 
 The body is written as LLVM IR with vectors as wide as the host's registers (`VECTOR_BYTES`:
-AVX-512, AVX2 or 128-bit) and `llvm.fma`, inside a Numba intrinsic, so it is compiled for the
+AVX-512, AVX2 or 128-bit) and `llvm.fmuladd` (one FMA where the host has them), inside a Numba intrinsic, so it is compiled for the
 host ISA by Numba's own LLVM and cached like any other Numba function. The tile shapes are
 chosen so the accumulators, B's vectors and a broadcast fit in the vector register file
 (`MAX_ROWS` × `MAX_VECTORS` accumulators: 24 of AVX-512's 32 registers, 12 of AVX2's 16). A
@@ -71,7 +71,7 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
     module = builder.module
     suffix = f"v{width}f{size * 8}"
     fma = cgutils.get_or_insert_function(
-        module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.{suffix}"
+        module, ir.FunctionType(vty, [vty] * 3), f"llvm.fmuladd.{suffix}"
     )
     mask = None
     if tail is not None:
@@ -277,12 +277,72 @@ def tiled_gemm(m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_of
     """C[c_off:] (m×n, row stride ldc) = A·B (+ C if `accumulate`), offsets and strides in
     elements: A (m×k) has element (i, l) at a_off + i·a_rs + l·a_cs, B (k×n) is row-major with
     unit-stride rows. With k = 0 it writes zeros (or leaves C as it is)."""
+    tiled_gemm_prefetching(m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
+                           ldc, 0, 0, 0, 0)  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def tiled_gemm_prefetching(
+    m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
+    next_off, next_rows, next_ld, next_columns,
+):  # fmt: skip
+    """`tiled_gemm`, which also prefetches the next product's A operand, a[next_off:] as
+    `next_rows` rows of `next_columns` elements `next_ld` apart, a slice before each tile.
+
+    The filter passes stream each weight block from memory once. Read in a product's own
+    order they arrive late: backward-data reads a block down its columns (64 rows at a time,
+    one cache line each), which the hardware prefetchers do not follow, and it ran at 65–70%
+    of SGEMM against 90% with the block hinted in ahead, spread over the tiles so that the
+    hints do not overflow the core's queue of outstanding misses."""
     width = VECTOR_BYTES // a.itemsize
-    n0 = 0
-    while n0 < n:
-        left = n - n0
-        vectors, tail = (min(MAX_VECTORS, left // width), width) if left >= width else (1, left)
-        for i0 in range(0, m, MAX_ROWS):
+    block = MAX_VECTORS * width
+    tiles = -(-m // MAX_ROWS) * -(-n // block)
+    tile = 0
+    # row tiles outermost: a tile's A rows (the weights, in the forward) are read once, while
+    # B's rows, shared by every row tile, stay in cache
+    for i0 in range(0, m, MAX_ROWS):
+        n0 = 0
+        while n0 < n:
+            left = n - n0
+            vectors, tail = (min(MAX_VECTORS, left // width), width) if left >= width else (1, left)
+            if next_rows > 0 and tile < tiles:
+                lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
+                prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
+                tile += 1
             _tile(min(MAX_ROWS, m - i0), vectors, tail, c, c_off + i0 * ldc + n0, ldc, a,
                   a_off + i0 * a_rs, a_rs, a_cs, b, b_off + n0, ldb, k, accumulate)  # fmt: skip
-        n0 += vectors * width if tail == width else tail
+            n0 += vectors * width if tail == width else tail
+
+
+@intrinsic
+def _prefetch(typingctx, a, offset):
+    """A hint to bring the cache line of a[offset] (flat, in elements) into the caches."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+        byte_ptr = builder.bitcast(pointer, ir.IntType(8).as_pointer())
+        function = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [byte_ptr.type, _I32, _I32, _I32]),
+            "llvm.prefetch.p0",
+        )
+        # read, keep in all levels, data cache
+        builder.call(
+            function, [byte_ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]
+        )
+        return context.get_dummy_value()
+
+    return types.void(a, types.intp), codegen
+
+
+@njit(cache=True, nogil=True)
+def prefetch_rows(a, a_off, rows, ld, columns):
+    """Prefetch `rows` rows of `columns` elements, `ld` apart, from a[a_off:]: one hint per
+    cache line."""
+    step = 64 // a.itemsize
+    for i in range(rows):
+        at = a_off + i * ld
+        for j in range(0, columns, step):
+            _prefetch(a, at + j)
