@@ -112,3 +112,15 @@ def test_prefetching_the_next_operand_changes_nothing(dtype):
     c = np.full((13, 70), np.nan, dtype)
     tiled_gemm_prefetching(13, 70, 11, a, 0, 11, 1, b, 0, 70, False, c, 0, 70, 13 * 11, 13, 11, 11)
     np.testing.assert_allclose(c, a[0] @ b, rtol=0, atol=TOL[dtype] * 10)
+
+
+def test_vector_width_follows_numbas_target(monkeypatch):
+    from runtime.kernels import microkernel
+
+    monkeypatch.setattr(microkernel.numba.config, "CPU_FEATURES", "+avx,+avx2,+fma")
+    assert microkernel._target_vector_bytes() == 32
+    monkeypatch.setattr(microkernel.numba.config, "CPU_FEATURES", "+avx512f,+avx2")
+    assert microkernel._target_vector_bytes() == 64
+    monkeypatch.setattr(microkernel.numba.config, "CPU_FEATURES", "")
+    monkeypatch.setattr(microkernel.numba.config, "CPU_NAME", "generic")
+    assert microkernel._target_vector_bytes() == 16

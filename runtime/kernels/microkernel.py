@@ -22,22 +22,32 @@ chosen so the accumulators, B's vectors and a broadcast fit in the vector regist
 row narrower than a vector ends in one masked tile (`llvm.masked.load` / `.store`), so every
 width is handled here and nothing falls back to BLAS.
 
-Measured at the seed's L1 forward on a 2-core Zen 5 (AVX-512), float32: 420 GFLOP/s at batch
-64 and 469 at batch 256, against 174 and 203 for the same loops calling single-threaded
-OpenBLAS with Haswell kernels, and 521 for OpenBLAS's own 2048² SGEMM with AVX-512 kernels.
+With it, `legion-nn bench kernels` on a 2-core Zen 5 (AVX-512) ran the seed's L1 untied passes
+at 390–462 GFLOP/s in float32 (76–90% of OpenBLAS's own 2048² SGEMM with its AVX-512 kernels),
+against 174–235 when the same loops called single-threaded OpenBLAS per product with the
+environment's Haswell kernels.
 """
 
 from __future__ import annotations
 
 import llvmlite.binding as llvm_binding
+import numba
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 
-def _host_vector_bytes() -> int:
-    features = llvm_binding.get_host_cpu_features().flatten()
+def _target_vector_bytes() -> int:
+    """The vector width of the CPU Numba compiles for: the host's, unless `NUMBA_CPU_NAME` /
+    `NUMBA_CPU_FEATURES` name another target (portable caches), whose features then decide, or
+    128 bits when only a name is given."""
+    if numba.config.CPU_FEATURES:
+        features = numba.config.CPU_FEATURES
+    elif numba.config.CPU_NAME and numba.config.CPU_NAME != "host":
+        return 16
+    else:
+        features = llvm_binding.get_host_cpu_features().flatten()
     if "+avx512f" in features:
         return 64
     if "+avx" in features:
@@ -45,7 +55,7 @@ def _host_vector_bytes() -> int:
     return 16
 
 
-VECTOR_BYTES = _host_vector_bytes()
+VECTOR_BYTES = _target_vector_bytes()
 #: rows of C in one tile, and the most vectors per row: 24 accumulators with AVX-512's 32
 #: registers, 12 with the 16 of AVX2 or SSE, leaving room for B's vectors and a broadcast
 MAX_ROWS = 6
