@@ -234,48 +234,17 @@ def _tile(
         key = builder.add(builder.mul(rows_, ir.Constant(rows_.type, 16)), vectors_)
         key = builder.select(masked, builder.add(key, ir.Constant(key.type, 8)), key)
         switch = builder.switch(key, done)
+        operands = (c_ptr, ldc_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, depth_, acc_)
         for r in range(1, MAX_ROWS + 1):
-            for v in range(1, MAX_VECTORS + 1):
-                block = function.append_basic_block(f"tile.{r}x{v}")
-                switch.add_case(ir.Constant(key.type, r * 16 + v), block)
+            # whole vectors (1..MAX_VECTORS of them), then one masked vector (key + 8)
+            variants = [(v, None, f"{r}x{v}", r * 16 + v) for v in range(1, MAX_VECTORS + 1)]
+            variants.append((1, tail_, f"{r}x1.masked", r * 16 + 1 + 8))
+            for count, lanes_left, name, case in variants:
+                block = function.append_basic_block(f"tile.{name}")
+                switch.add_case(ir.Constant(key.type, case), block)
                 builder.position_at_end(block)
-                _tile_body(
-                    builder,
-                    vty,
-                    r,
-                    v,
-                    c_ptr,
-                    ldc_,
-                    a_ptr,
-                    a_rs_,
-                    a_cs_,
-                    b_ptr,
-                    ldb_,
-                    depth_,
-                    acc_,
-                    None,
-                )
+                _tile_body(builder, vty, r, count, *operands, lanes_left)
                 builder.branch(done)
-            block = function.append_basic_block(f"tile.{r}x1.masked")
-            switch.add_case(ir.Constant(key.type, r * 16 + 1 + 8), block)
-            builder.position_at_end(block)
-            _tile_body(
-                builder,
-                vty,
-                r,
-                1,
-                c_ptr,
-                ldc_,
-                a_ptr,
-                a_rs_,
-                a_cs_,
-                b_ptr,
-                ldb_,
-                depth_,
-                acc_,
-                tail_,
-            )
-            builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
 
