@@ -102,11 +102,12 @@ def torch_sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
 
 
 def blas_in_use() -> dict[str, str]:
-    """The BLAS libraries behind the kernels (SciPy's, which Numba calls) and behind the ceiling
-    (NumPy's), each with the core type its kernels were chosen for.
+    """The BLAS libraries in the process, each with the core type its kernels were chosen for:
+    "kernels", SciPy's, which Numba's BLAS calls reach (the `linear` kernels; the filter kernels
+    measured here call none, see `runtime.kernels.microkernel`), and "ceiling", NumPy's.
 
     OpenBLAS picks its kernels by CPU, or as `OPENBLAS_CORETYPE` says: AVX2 ("Haswell") kernels
-    on an AVX-512 machine run both the ceiling and our kernels below what the machine can do."""
+    on an AVX-512 machine run the in-process ceiling below what the machine can do."""
     import scipy.linalg  # noqa: F401  (loads SciPy's BLAS, so that it is listed)
     from threadpoolctl import threadpool_info
 

@@ -225,8 +225,8 @@ def _tile(
         c_ptr = _element_pointer(context, builder, array_types[3], c_, c_off_)
         a_ptr = _element_pointer(context, builder, array_types[6], a_, a_off_)
         b_ptr = _element_pointer(context, builder, array_types[10], b_, b_off_)
-        element = context.get_value_type(array_types[3].dtype)
-        vty = ir.VectorType(element, VECTOR_BYTES // (4 if element == ir.FloatType() else 8))
+        dtype = array_types[3].dtype
+        vty = ir.VectorType(context.get_value_type(dtype), lanes(dtype.bitwidth // 8))
         function = builder.function
         done = function.append_basic_block("tile.done")
         width = ir.Constant(tail_.type, vty.count)
