@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("bench", "graph", "memory", "partition", "render", "trace", "train")
+COMMANDS = ("bench", "cluster", "graph", "memory", "partition", "render", "trace", "train")
 
 
 class _Parser(argparse.ArgumentParser):

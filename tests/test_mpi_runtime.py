@@ -4,6 +4,11 @@ Each job trains seed-lcn-small in float64 on synthetic data and is compared with
 on one process: the same losses (1e-9 relative) and the same final parameters (from the
 checkpoint), with `bytes_sent == bytes_planned` on every rank and step. Faults must end the job
 within 30 seconds, with one line naming the rank and the task.
+
+Every job runs under each launcher: `mpiexec` on this host, and `legion-nn cluster run` on an
+emulated cluster of 2 and of 3 hosts (namespaces joined by 1 Gbit/s links, MPI over TCP between
+them; root only), where the faults strike a rank on a host other than the first. After a
+cluster job nothing of it may be left: no namespace, no cluster state.
 """
 
 from __future__ import annotations
@@ -22,6 +27,23 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")
+
+CLUSTER_MISSING = (
+    "the emulated cluster needs root"
+    if os.geteuid() != 0
+    else "the emulated cluster needs iproute2 (ip, tc) and util-linux (nsenter, unshare)"
+    if any(shutil.which(tool) is None for tool in ("ip", "tc", "nsenter", "unshare"))
+    else None
+)
+#: where a job's ranks run: this host, or an emulated cluster of that many hosts
+LAUNCHERS = [
+    "local",
+    *(
+        pytest.param(hosts, marks=pytest.mark.skipif(CLUSTER_MISSING is not None,
+                                                     reason=CLUSTER_MISSING or ""))
+        for hosts in ("2 hosts", "3 hosts")
+    ),
+]  # fmt: skip
 
 TRAIN = [
     "--data",
@@ -49,9 +71,48 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
-def mpiexec(nranks: int, *args: str, env=None, timeout=JOB_TIMEOUT) -> subprocess.CompletedProcess:
+def job(launcher: str, nranks: int, *args: str) -> list[str]:
+    """`legion-nn ARGS` as one job of `nranks` ranks under `launcher`."""
+    if launcher == "local":
+        return ["mpiexec", "-n", str(nranks), *legion_nn(*args)]
+    hosts = launcher.split()[0]
+    return [
+        *legion_nn("cluster", "run", "--hosts", hosts, "--link", "1gbit", "-n", str(nranks), "--"),
+        *legion_nn(*args),
+    ]
+
+
+def first_rank_off_the_first_host(launcher: str, nranks: int) -> int:
+    """Ranks are placed in blocks, host by host: 3 ranks on 2 hosts are 2, then 1."""
+    if launcher == "local":
+        return 1
+    hosts = int(launcher.split()[0])
+    return -(-nranks // hosts)
+
+
+def cluster_namespaces() -> set[str]:
+    out = subprocess.run(
+        ["ip", "-json", "netns", "list"], capture_output=True, text=True, check=False
+    )
+    return {e["name"] for e in json.loads(out.stdout or "[]") if e["name"].startswith("lnn-")}
+
+
+@pytest.fixture(params=LAUNCHERS)
+def launcher(request):
+    """Each launcher in turn; after a cluster job, nothing of it is left."""
+    if request.param == "local":
+        yield request.param
+        return
+    before = cluster_namespaces()
+    yield request.param
+    assert cluster_namespaces() <= before, "a cluster job left namespaces behind"
+
+
+def mpiexec(
+    nranks: int, *args: str, env=None, timeout=JOB_TIMEOUT, launcher: str = "local"
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["mpiexec", "-n", str(nranks), *legion_nn(*args)],
+        job(launcher, nranks, *args),
         capture_output=True,
         text=True,
         check=False,
@@ -89,14 +150,16 @@ def single(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "nranks,strategy",
-    [(1, "data"), (2, "model"), (3, "spatial"), (4, "auto")],
+    [(1, "data"), (2, "model"), (3, "spatial"), (4, "auto"), (3, "data")],
 )
-def test_mpiexec_equals_one_process(single, tmp_path, nranks, strategy):
+def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy):
+    if launcher != "local" and nranks < int(launcher.split()[0]):
+        pytest.skip("fewer ranks than hosts")
     log = tmp_path / "log.jsonl"
     result = mpiexec(
         nranks, "train", *TRAIN, "--steps", "4", "--strategy", strategy,
         "--log-json", str(log), "--checkpoint", str(tmp_path / "ckpt"),
-        "--trace", str(tmp_path / "trace.json"),
+        "--trace", str(tmp_path / "trace.json"), launcher=launcher,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     expected_losses, expected_params = single
@@ -124,20 +187,23 @@ def assert_ends_naming(result: subprocess.CompletedProcess, started: float, patt
     assert "Traceback" not in result.stderr
 
 
-def test_an_exception_in_a_kernel_ends_the_job(tmp_path):
+def test_an_exception_in_a_kernel_ends_the_job(tmp_path, launcher):
+    victim = first_rank_off_the_first_host(launcher, 3)
     started = time.monotonic()
     result = mpiexec(
-        3, "train", *TRAIN, "--steps", "50",
-        env=environment(LEGION_NN_FAULT="raise:1:L1.filter.grad"),
+        3, "train", *TRAIN, "--steps", "50", launcher=launcher,
+        env=environment(LEGION_NN_FAULT=f"raise:{victim}:L1.filter.grad"),
     )  # fmt: skip
-    assert_ends_naming(result, started, r"rank 1: step 0, task L1\.filter\.grad: InjectedFault")
+    assert_ends_naming(
+        result, started, rf"rank {victim}: step 0, task L1\.filter\.grad: InjectedFault"
+    )
 
 
-def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
+def test_a_killed_rank_ends_the_job_and_is_named(tmp_path, launcher):
+    rank = first_rank_off_the_first_host(launcher, 3)
     log = tmp_path / "log.jsonl"
-    command = ["mpiexec", "-n", "3", *legion_nn("train", *TRAIN, "--steps", "100000",
-                                                "--log-json", str(log))]  # fmt: skip
-    job = subprocess.Popen(
+    command = job(launcher, 3, "train", *TRAIN, "--steps", "100000", "--log-json", str(log))
+    running = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment()
     )
     try:
@@ -147,27 +213,33 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
             if log.exists() and any('"step": 2' in line for line in log.read_text().splitlines()):
                 break
         starts = [r for r in records(log) if r.get("event") == "start"]
-        victim = next(r["pid"] for r in starts if r["rank"] == 1)
+        victim = next(r["pid"] for r in starts if r["rank"] == rank)
         started = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        _, stderr = job.communicate(timeout=60)
+        _, stderr = running.communicate(timeout=60)
     finally:
-        if job.poll() is None:
-            job.kill()
-    result = subprocess.CompletedProcess(command, job.returncode, "", stderr)
-    assert_ends_naming(result, started, r"rank 1 died in step \d+, task \S+")
+        if running.poll() is None:
+            running.kill()
+    result = subprocess.CompletedProcess(command, running.returncode, "", stderr)
+    assert_ends_naming(result, started, rf"rank {rank} died in step \d+, task \S+")
+    named = [line for line in stderr.splitlines() if re.search(r"rank \d+ died", line)]
+    assert len(named) == 1, stderr
 
 
-def test_the_stall_watchdog_names_the_ranks_waited_for():
+def test_the_stall_watchdog_names_the_ranks_waited_for(launcher):
+    nranks = 2 if launcher == "local" else int(launcher.split()[0])
+    victim = first_rank_off_the_first_host(launcher, nranks)
     started = time.monotonic()
     result = mpiexec(
-        2, "train", *TRAIN, "--steps", "5", "--stall-timeout", "3",
-        env=environment(LEGION_NN_FAULT="hang:1:L1.filter"),
+        nranks, "train", *TRAIN, "--steps", "5", "--stall-timeout", "3", launcher=launcher,
+        env=environment(LEGION_NN_FAULT=f"hang:{victim}:L1.filter"),
     )  # fmt: skip
-    assert_ends_naming(result, started, r"rank 0: step 0, task \S+ .*has waited \d+ s for rank 1")
+    assert_ends_naming(
+        result, started, rf"rank 0: step 0, task \S+ .*has waited \d+ s for rank {victim}"
+    )
 
 
-def test_checkpoint_on_3_ranks_resumes_on_2(tmp_path):
+def test_checkpoint_on_3_ranks_resumes_on_another_count(tmp_path, launcher):
     whole = tmp_path / "whole.jsonl"
     args = [*TRAIN, "--batch", "40", "--epochs", "2"]
     result = subprocess.run(
@@ -177,11 +249,12 @@ def test_checkpoint_on_3_ranks_resumes_on_2(tmp_path):
     assert result.returncode == 0, result.stderr
     ckpt = str(tmp_path / "ckpt")
     first = mpiexec(3, "train", *TRAIN, "--batch", "40", "--epochs", "1", "--checkpoint", ckpt,
-                    "--strategy", "spatial")  # fmt: skip
+                    "--strategy", "spatial", launcher=launcher)  # fmt: skip
     assert first.returncode == 0, first.stderr
     resumed_log = tmp_path / "resumed.jsonl"
-    second = mpiexec(2, "train", *args, "--checkpoint", ckpt, "--resume", "--strategy", "model",
-                     "--log-json", str(resumed_log))  # fmt: skip
+    again = {"local": 2, "2 hosts": 2, "3 hosts": 4}[launcher]  # another count, >= the hosts
+    second = mpiexec(again, "train", *args, "--checkpoint", ckpt, "--resume", "--strategy",
+                     "model", "--log-json", str(resumed_log), launcher=launcher)  # fmt: skip
     assert second.returncode == 0, second.stderr
     expected = losses(whole)
     resumed = losses(resumed_log)

@@ -1,0 +1,100 @@
+"""`legion-nn cluster run|up|down|status`: an emulated cluster on one Linux machine (root).
+
+    legion-nn cluster run --hosts 2 --link 1gbit -n 4 -- legion-nn train --strategy model
+
+brings up 2 hosts (network namespaces behind a switch, each host's link limited to 1 Gbit/s each
+way), runs one `mpiexec` job of 4 ranks across them (2 per host), takes everything down on every
+exit path and exits with the job's status. `up NAME` keeps a cluster for a session, `run --on
+NAME` runs jobs on it, `status` lists clusters (and leftovers of killed runs), `down NAME`
+removes one. See `runtime.cluster` for what a host and a link are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+NAME = "cluster"
+HELP = "an emulated cluster on this machine (root): hosts as namespaces, links limited by tc"
+
+
+def _hosts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", type=int, default=2, metavar="H", help="hosts (default 2)")
+    parser.add_argument(
+        "--link",
+        default="1gbit",
+        metavar="RATE",
+        help="each host's link, each way: 1gbit, 500mbit, 10gbit, unlimited (default 1gbit)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="cluster_command", required=True, metavar="run|up|down|status")
+    run = sub.add_parser(
+        "run",
+        help="bring up a cluster, run one mpiexec job across it, take it down",
+        description="Bring up a cluster, run COMMAND as one mpiexec job of R ranks placed in "
+        "blocks over the hosts, take the cluster down and exit with the job's status.",
+    )
+    _hosts(run)
+    run.add_argument(
+        "-n", type=int, default=None, metavar="R", help="ranks (default: one per host)"
+    )
+    run.add_argument("--on", metavar="NAME", help="run on the cluster NAME (from `up`) instead")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND... run on every rank")
+    up = sub.add_parser("up", help="bring up a cluster and keep it", description=up_help())
+    up.add_argument("name", help="1-8 lower-case letters and digits")
+    _hosts(up)
+    down = sub.add_parser("down", help="remove a cluster, or every one (--all)")
+    down.add_argument("name", nargs="?", help="the cluster")
+    down.add_argument("--all", action="store_true", help="every cluster and leftover found")
+    status = sub.add_parser("status", help="clusters and leftovers on this machine")
+    status.add_argument("--json", action="store_true", help="as JSON")
+
+
+def up_help() -> str:
+    return (
+        "Bring up a cluster NAME and keep it, for `cluster run --on NAME`; remove it with "
+        "`cluster down NAME`."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from legion_nn.errors import LegionNNError
+    from runtime import cluster
+
+    command = args.cluster_command
+    if command == "status":
+        found = cluster.status()
+        if args.json:
+            print(json.dumps(found))
+        for entry in [] if args.json else found:
+            details = ", ".join(f"{k} {v}" for k, v in entry.items() if k not in ("name",))
+            print(f"{entry['name']}: {details}")
+        if not found and not args.json:
+            print("no clusters")
+        return 0
+    if command == "down":
+        if bool(args.name) == bool(args.all):
+            raise LegionNNError("down: name a cluster or give --all")
+        names = [args.name] if args.name else [e["name"] for e in cluster.status()]
+        for name in names:
+            removed = cluster.down(name)
+            print(f"{name}: removed {len(removed)} namespace(s)")
+        return 0
+    link = cluster.parse_rate(args.link)
+    if command == "up":
+        made = cluster.up(args.name, args.hosts, link)
+        print(f"{made.name}: {made.hosts} hosts, link {cluster.format_rate(link)}")
+        return 0
+    words = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not words:
+        raise LegionNNError("run: no command (legion-nn cluster run ... -- COMMAND...)")
+    if args.on:
+        on = cluster.load(args.on)
+        code = cluster.execute(on, args.n or on.hosts, words)
+    else:
+        code = cluster.run(args.hosts, link, args.n or args.hosts, words)
+    sys.stdout.flush()
+    return code
