@@ -369,3 +369,24 @@ def compute_time(
     if per_byte and traffic is not None:
         seconds = max(seconds, float(traffic.max(initial=0.0)) * per_byte)
     return seconds + machine.task_overhead
+
+
+def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.ndarray]:
+    """Per task (in `plan.tasks` order), each rank's compute seconds as `compute_time` prices
+    its busiest rank, the runtime's per-task overhead paid by the ranks that have a piece: for
+    a simulation of the step, where each rank keeps its own time."""
+    traffic = (
+        bytes_per_rank(graph, plan) if machine.seconds_per_memory_byte else [None] * len(plan.tasks)
+    )
+    out = []
+    for task, task_plan, flops, moved in zip(
+        graph.tasks, plan.tasks, flops_per_rank(graph, plan), traffic
+    ):
+        seconds = np.array([compute_seconds(task, float(f), machine) for f in flops])
+        if moved is not None:
+            seconds = np.maximum(seconds, moved * machine.seconds_per_memory_byte)
+        working = np.zeros(plan.nranks, bool)
+        for piece_set in task_plan.piece_sets:
+            working[piece_set.ranks] = True
+        out.append(np.where(working, seconds + machine.task_overhead, 0.0))
+    return out

@@ -7,10 +7,25 @@ Arrays go point to point with `Isend`/`Irecv` on the NumPy buffers themselves (n
 control values (the chosen strategy, log records, checkpoint blocks, trace events) with the
 pickle-based `isend`/`irecv`. Every call is non-blocking: the rank executor polls, so that its
 stall watchdog can name the ranks it waits for.
+
+MPI moves a large message only while its sender calls into MPI. Over TCP between hosts, measured
+on the emulated cluster (250 Mbit/s): a 4 MiB send posted before 0.3 s of compute reached its
+receiver 386 ms after it was posted, against 138 ms with the sender polling meanwhile; a rank
+spends most of a step in kernels, so a halo or a gradient posted before one would wait for its
+end. So while the rank computes (`computing`), a thread calls `Iprobe` every
+`LEGION_NN_PROGRESS_US` (default `PROGRESS_INTERVAL_US`; 0 turns it off) on a communicator
+of its own (the kernels release the GIL). MPICH's own
+progress thread (`MPIR_CVAR_ASYNC_PROGRESS`) spins without pause: with one core per host it made
+steps 2.5-4x slower.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -60,6 +75,38 @@ class _ObjectRecv:
         return self.done
 
 
+#: how often the progress thread calls into MPI while the rank computes, by default
+PROGRESS_INTERVAL_US = 2000
+
+
+def progress_interval() -> float:
+    """Seconds between the progress thread's calls (`LEGION_NN_PROGRESS_US`; 0: no thread)."""
+    text = os.environ.get("LEGION_NN_PROGRESS_US", "")
+    return (int(text) if text.isdigit() else PROGRESS_INTERVAL_US) * 1e-6
+
+
+class _ProgressThread(threading.Thread):
+    """Calls into MPI while `active` is set, so that posted messages move during kernels."""
+
+    def __init__(self, comm: MPI.Comm, interval: float) -> None:
+        super().__init__(name="legion-nn-mpi-progress", daemon=True)
+        self.comm = comm
+        self.interval = interval
+        self.active = threading.Event()
+        self.stopped = False
+
+    def run(self) -> None:
+        while not self.stopped:
+            if self.active.wait(0.1) and not self.stopped:
+                self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # nothing is ever sent on it
+                time.sleep(self.interval)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.active.set()
+        self.join()
+
+
 class MPITransport:
     def __init__(self) -> None:
         self.comm = MPI.COMM_WORLD
@@ -69,6 +116,22 @@ class MPITransport:
         tag_ub = self.comm.Get_attr(MPI.TAG_UB)
         self._tags = int(tag_ub) - CONTROL_TAGS
         self._object_sends: list[_ObjectSend] = []
+        self._progress: _ProgressThread | None = None
+        if self.size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE and progress_interval() > 0:
+            self._progress = _ProgressThread(self.comm.Dup(), progress_interval())
+            self._progress.start()
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """The rank runs kernels: messages in flight move on meanwhile."""
+        if self._progress is None:
+            yield
+            return
+        self._progress.active.set()
+        try:
+            yield
+        finally:
+            self._progress.active.clear()
 
     def isend(self, array: np.ndarray, dst: int, tag: int) -> _Request:
         self.bytes_sent += array.nbytes
@@ -96,6 +159,9 @@ class MPITransport:
         self.comm.Abort(code)
 
     def finalize(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress.comm.Free()
         for request in self._object_sends:
             request.request.wait()
         if not MPI.Is_finalized():

@@ -161,8 +161,9 @@ class StepRun:
             self.ex.view(m.tensor, m.rect)[...] = buffer
         scratch: dict[str, tuple[Rect, np.ndarray]] = {}
         start = self._now()
-        for piece in rt.pieces:
-            self._compute(rt, piece, scratch)
+        with self.transport.computing():
+            for piece in rt.pieces:
+                self._compute(rt, piece, scratch)
         if rt.pieces:
             self._event(
                 "compute",

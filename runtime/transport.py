@@ -19,6 +19,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -60,6 +61,11 @@ class Transport(Protocol):
     def recv_object(self, src: int, tag: int) -> ObjectRequest: ...
 
     def data_tag(self, seq: int) -> int: ...
+
+    def computing(self) -> AbstractContextManager[None]:
+        """Around a task's kernels: where the transport must be driven to move messages, it
+        drives them meanwhile."""
+        ...
 
 
 class ObjectRequest(Protocol):
@@ -205,6 +211,9 @@ class ThreadTransport:
 
     def recv_object(self, src: int, tag: int) -> ObjectRequest:
         return _ThreadRecv(self.box, (src, self.rank, tag), None)
+
+    def computing(self) -> AbstractContextManager[None]:
+        return nullcontext()  # a mailbox needs no driving
 
     def data_tag(self, seq: int) -> int:
         return CONTROL_TAGS + seq

@@ -15,7 +15,7 @@ from numba import njit, prange
 from runtime.kernels import _checks
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _forward(x, a, b, y):
     n, k, p, q = x.shape
     for nk in prange(n * k):
@@ -25,7 +25,7 @@ def _forward(x, a, b, y):
                 y[i, c, r, s] = a * x[i, c, r, s] + b[0, c, r, s]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _backward(dy, x, a, need_dx, dx, da_parts, db):
     n, k, p, q = dy.shape
     # One channel per iteration: each writes its own slice of db (float64, zeroed by the caller)

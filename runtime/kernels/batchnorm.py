@@ -24,7 +24,7 @@ from numba import njit, prange
 from runtime.kernels import _checks
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _stats(x, out):
     n, c, h, w = x.shape
     for j in prange(c):
@@ -40,7 +40,7 @@ def _stats(x, out):
         out[1, j] = s2
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _channel_affine(x, scale, shift, y):
     n, c, h, w = x.shape
     for nc in prange(n * c):
@@ -50,7 +50,7 @@ def _channel_affine(x, scale, shift, y):
                 y[i, j, r, q] = x[i, j, r, q] * scale[j] + shift[j]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _param_backward(dy, x, mean, invstd, out):
     n, c, h, w = x.shape
     for j in prange(c):
@@ -66,7 +66,7 @@ def _param_backward(dy, x, mean, invstd, out):
         out[1, j] = sb
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _input_backward(dy, x, mean, invstd, coef, count, dgamma, dbeta, dx):
     n, c, h, w = x.shape
     for nc in prange(n * c):

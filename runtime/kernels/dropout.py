@@ -29,25 +29,25 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _MASK64 = (1 << 64) - 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _mix(z):
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _stream(seed, step):
     return _mix(_mix(seed + _GAMMA) ^ (step * _GAMMA))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _uniform(key, index):
     h = _mix(key + (index + np.uint64(1)) * _GAMMA)
     return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _apply(x, ratio, scale, seed, step, origin, dims, y):
     n, c, h, w = x.shape
     key = _stream(seed, step)

@@ -51,7 +51,7 @@ def _clip(start, size, extent):
     return max(0, -start), min(size, extent - start)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _forward(x, w, y, stride, pad_top, pad_left, untied):
     h, wd, c, n = x.shape
     p_out, q_out, k, _ = y.shape
@@ -78,7 +78,7 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied):
             y[p, q] = 0
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
     h, wd, c, n = dx.shape
     p_out, q_out, k, _ = dy.shape
@@ -110,7 +110,7 @@ def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
                                        w_at + ws1 + r * ws2, ahead, ws3, s_size * c)  # fmt: skip
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _batch_major(x, xt, c_lo):
     """xt (H, N, W, Cs) = channels c_lo:c_lo + Cs of x (H, W, C, N): the backward-filter's B
     operand, whose rows (one per example) run along a window row's (S, Cs) elements, the weight
@@ -123,7 +123,7 @@ def _batch_major(x, xt, c_lo):
                 xt[row, b, col, ch] = x[row, col, c_lo + ch, b]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate):
     """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), whose window
     row r is the K×(S·Cs) matrix dw[i, j, r], addressed through dw's strides; `xt` holds the
@@ -151,7 +151,7 @@ def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accum
                    add, dw, at + r * ds2 + s_lo * ds4, ds3)  # fmt: skip
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate):
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
@@ -159,7 +159,7 @@ def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate):
         _filter_gradient_at(dy, xt, dw, p, q, p, q, stride, pad_top, pad_left, accumulate)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, threads):
     q_out = dy.shape[1]
     r_size, k, s_size, cs = dw.shape[2:]

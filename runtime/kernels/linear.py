@@ -36,7 +36,7 @@ STREAMING_CHUNK = 16384
 _FAST = {"reassoc", "contract"}  # vectorised sums; no change to infinities or NaNs
 
 
-@njit(cache=True, parallel=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def _streaming_forward(x, w, chunk):
     """(N, M) float64 = x (N, F) · w (M, F)ᵀ, a chunk of F per task, chunks added in order."""
     n, features = x.shape
@@ -60,7 +60,7 @@ def _streaming_forward(x, w, chunk):
     return y
 
 
-@njit(cache=True, parallel=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def _streaming_input_grad(dy, w, dx, chunk):
     """dx (N, F) = dy (N, M) · w (M, F), a chunk of F per task."""
     n, features = dx.shape

@@ -16,7 +16,7 @@ from runtime.kernels import _checks
 FUNCTIONS = {"relu": 0, "tanh": 1, "sigmoid": 2}
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sigmoid(v):
     # Split by sign so exp never overflows.
     if v >= 0:
@@ -25,7 +25,7 @@ def _sigmoid(v):
     return e / (1.0 + e)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _forward(x, code, y):
     n, c, h, w = x.shape
     zero = x.dtype.type(0)
@@ -42,7 +42,7 @@ def _forward(x, code, y):
                     y[i, j, r, s] = _sigmoid(v)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _backward(dy, y, code, dx):
     n, c, h, w = dy.shape
     zero = dy.dtype.type(0)

@@ -20,7 +20,7 @@ from numba import njit, prange
 from runtime.kernels import _checks
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _argmax(x, i, j, r0, s0, kh, kw):
     h, w = x.shape[2], x.shape[3]
     r_lo, r_hi = max(r0, 0), min(r0 + kh, h)
@@ -34,7 +34,7 @@ def _argmax(x, i, j, r0, s0, kh, kw):
     return best_r, best_s
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _forward(x, kh, kw, sh, sw, top, left, y):
     n, c = x.shape[0], x.shape[1]
     ho, wo = y.shape[2], y.shape[3]
@@ -46,7 +46,7 @@ def _forward(x, kh, kw, sh, sw, top, left, y):
                 y[i, j, p, q] = x[i, j, r, s]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _backward(dy, x, kh, kw, sh, sw, top, left, dx):
     n, c = x.shape[0], x.shape[1]
     ho, wo = dy.shape[2], dy.shape[3]

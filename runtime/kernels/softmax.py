@@ -22,7 +22,7 @@ from runtime.kernels import _checks
 TOP_K = 5
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _forward(x, labels, prob, losses):
     n, k = x.shape[0], x.shape[1]
     for i in range(n):
@@ -37,7 +37,7 @@ def _forward(x, labels, prob, losses):
         losses[i] = np.log(total) - (x[i, labels[i, 0, 0, 0], 0, 0] - mx)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _backward(prob, labels, scale, dx):
     n, k = prob.shape[0], prob.shape[1]
     for i in range(n):
@@ -47,7 +47,7 @@ def _backward(prob, labels, scale, dx):
             dx[i, j, 0, 0] = (p - 1.0 if j == y else p) * scale
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _evaluate(prob, labels, top_k, tiny, stats):
     n, k = prob.shape[0], prob.shape[1]
     for i in range(n):

@@ -16,13 +16,13 @@ from numba import njit, prange
 from runtime.kernels import _checks
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _sgd(p, g, lr):
     for k in prange(p.shape[0]):
         p[k] -= lr * g[k]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _momentum(p, g, vel, lr, mu):
     for k in prange(p.shape[0]):
         v = mu * vel[k] - lr * g[k]
@@ -30,7 +30,7 @@ def _momentum(p, g, vel, lr, mu):
         p[k] += v
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _adam(p, g, m, v, lr, beta1, beta2, eps, c1, c2):
     for k in prange(p.shape[0]):
         gk = np.float64(g[k])

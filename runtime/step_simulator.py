@@ -1,0 +1,370 @@
+"""A step of the runtime, simulated: every rank's program on a machine's links, event by event.
+
+The cost model (`partitioner.cost`) prices a step as the sum of its tasks, each task's messages
+and collectives after its compute (bulk synchronous). The runtime does better than that, and on
+slow links the difference is most of the step: it posts a copy as soon as its data is written,
+so a halo travels while the ranks compute what lies between producer and consumer, and it runs a
+gradient's collective in the background, round by round, while the backward pass goes on below
+it (`runtime.rank_step`). FlexFlow's answer is a simulator over measured task times; this is one
+for legion-nn's own rank programs (`runtime.rank_program`), so it follows exactly the order,
+post points and collective schedules the runtime runs:
+
+- each rank runs its program's tasks in order: complete the collectives the task touches, post
+  its partial-sum receives, wait for its copies, compute (the given seconds), send its partial
+  sums, wait for those it holds, start its collectives, post the copies due after it;
+- a message moves once both ends have posted it: on a link between hosts it takes the sending
+  host's egress and the receiving host's ingress (full duplex per host, a non-blocking switch),
+  one message after another in the order they became ready, for latency + bytes / bandwidth;
+  within a host it takes latency + bytes / bandwidth of the host's own link (shared memory);
+- MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
+  waits (for a message or a collective) it polls, so a round that completes then is followed at
+  once; while it computes, the next round waits for the end of the task. Data already posted
+  moves in the background (the transport's threads and the kernel's socket buffers carry it);
+- where the machine prices memory traffic, a rank also pays its local passes: packing a send and
+  unpacking a receive (two bytes a byte each), adding a received partial sum (three).
+
+The step ends when every rank has finished its last task, completed its collectives and seen its
+sends off. Events are processed in time order (a heap), so the links serve messages in the order
+they became ready, as a FIFO queue would.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from legion_nn.graph import TaskGraph
+from partitioner.cost import compute_per_rank
+from partitioner.machine import Machine
+from partitioner.plan import Plan
+from runtime.rank_program import Collective, Message, RankProgram, build_programs
+
+Key = tuple  # ("m", seq) for a message, ("h", seq) for a collective's hop
+
+
+@dataclass
+class Links:
+    """Latency and seconds per byte between hosts and within one; ranks sit on hosts in blocks
+    of `ranks_per_host` (a machine that does not say has one rank per host: its link is
+    between ranks, as the cost model reads it)."""
+
+    alpha: float
+    beta: float
+    alpha_intra: float
+    beta_intra: float
+    ranks_per_host: int
+
+    @classmethod
+    def of(cls, machine: Machine, nranks: int) -> Links:
+        per_host = getattr(machine, "ranks_per_host", None) or 1
+        intra = getattr(machine, "intra_host", None)
+        if intra is None:
+            return cls(machine.alpha, machine.beta, machine.alpha, machine.beta, per_host)
+        return cls(
+            machine.alpha,
+            machine.beta,
+            intra["latency_us"] * 1e-6,
+            1.0 / (intra["gbytes_per_s"] * 1e9),
+            per_host,
+        )
+
+    def host(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+
+@dataclass
+class _Transfer:
+    src: int
+    dst: int
+    nbytes: int
+    send_posted: float | None = None
+    recv_posted: float | None = None
+    end: float | None = None
+
+
+@dataclass
+class _Running:
+    """A rank's collective in flight: the keys of each round that concern this rank."""
+
+    rounds: list[list[Key]]
+    tensor: str
+    adds: list[int]  # bytes added at the end of each round
+    round: int = 0
+    #: time the current round's last transfer ends, once all of them are scheduled
+    round_end: float | None = None
+
+
+@dataclass
+class SimulatedStep:
+    seconds: float
+    #: per rank, when it finished the step
+    finish: dict[int, float]
+    #: per rank, seconds spent waiting (for messages, partial sums and collectives)
+    waiting: dict[int, float] = field(default_factory=dict)
+
+
+_SYNC = "sync"  # the rank's clock moved on: resume it when the simulation gets there
+_PROGRESS = "progress"  # a call into MPI between tasks: collectives move on
+
+
+class _Simulator:
+    def __init__(
+        self,
+        programs: Mapping[int, RankProgram],
+        compute: Mapping[int, Sequence[float]],
+        machine: Machine,
+        links: Links | None = None,
+    ) -> None:
+        self.programs = programs
+        self.compute = compute
+        self.links = links or Links.of(machine, max(programs) + 1)
+        self.memory = machine.seconds_per_memory_byte
+        self.transfers: dict[Key, _Transfer] = {}
+        #: when each host's link (or, within a host, each rank) is next free, each way
+        self.egress: dict[tuple[str, int], float] = defaultdict(float)
+        self.ingress: dict[tuple[str, int], float] = defaultdict(float)
+        self.clock = {rank: 0.0 for rank in programs}
+        self.waiting = {rank: 0.0 for rank in programs}
+        self.running: dict[int, list[_Running]] = {rank: [] for rank in programs}
+        self.sends: dict[int, list[Key]] = {rank: [] for rank in programs}
+        #: per rank, the keys it is blocked on (None while it runs)
+        self.blocked: dict[int, list[Key] | None] = {rank: None for rank in programs}
+        self.events: list[tuple[float, int, int]] = []
+        self.counter = itertools.count()
+        self.done: dict[int, float] = {}
+        self.threads = {rank: self._program(rank) for rank in programs}
+
+    # -- links ---------------------------------------------------------------------------------
+
+    def _transfer(self, key: Key, src: int, dst: int, nbytes: int) -> _Transfer:
+        found = self.transfers.get(key)
+        if found is None:
+            found = self.transfers[key] = _Transfer(src, dst, nbytes)
+        return found
+
+    def _post(self, rank: int, key: Key, now: float) -> None:
+        transfer = self.transfers[key]
+        if rank == transfer.src:
+            transfer.send_posted = now
+            self.sends[rank].append(key)
+        if rank == transfer.dst:
+            transfer.recv_posted = now
+        if transfer.send_posted is not None and transfer.recv_posted is not None:
+            self._schedule(transfer, now)
+
+    def _schedule(self, transfer: _Transfer, ready: float) -> None:
+        links = self.links
+        src_host, dst_host = links.host(transfer.src), links.host(transfer.dst)
+        if src_host == dst_host:  # shared memory: each rank copies one message at a time
+            out, into = ("rank", transfer.src), ("rank", transfer.dst)
+            alpha, beta = links.alpha_intra, links.beta_intra
+        else:
+            out, into = ("host", src_host), ("host", dst_host)
+            alpha, beta = links.alpha, links.beta
+        start = max(ready, self.egress[out], self.ingress[into])
+        transfer.end = start + alpha + transfer.nbytes * beta
+        self.egress[out] = self.ingress[into] = transfer.end
+        for rank in (transfer.src, transfer.dst):
+            if self.blocked.get(rank) is not None:
+                self._wake(rank, transfer.end)
+
+    def _ends(self, keys: Sequence[Key]) -> float | None:
+        """When the last of `keys` ends, or None while some is not scheduled."""
+        latest = 0.0
+        for key in keys:
+            transfer = self.transfers[key]
+            if transfer.end is None:
+                return None
+            latest = max(latest, transfer.end)
+        return latest
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def _start_collective(self, rank: int, collective: Collective) -> None:
+        itemsize = collective.reduction.itemsize
+        rounds: list[list[Key]] = []
+        adds: list[int] = []
+        seq = collective.seq
+        for hops in collective.rounds:
+            mine: list[Key] = []
+            added = 0
+            for hop in hops:
+                key = ("h", seq)
+                seq += 1
+                self._transfer(key, hop.src, hop.dst, (hop.hi - hop.lo) * itemsize)
+                if rank in (hop.src, hop.dst):
+                    mine.append(key)
+                if hop.dst == rank and hop.add:
+                    added += (hop.hi - hop.lo) * itemsize
+            rounds.append(mine)
+            adds.append(added)
+        running = _Running(rounds, collective.reduction.tensor, adds)
+        self.running[rank].append(running)
+        self._post_round(rank, running)
+
+    def _post_round(self, rank: int, running: _Running) -> None:
+        for key in running.rounds[running.round] if running.round < len(running.rounds) else []:
+            self._post(rank, key, self.clock[rank])
+
+    def _advance(self, rank: int) -> None:
+        """Post the next round of each of `rank`'s collectives whose round has ended by now."""
+        now = self.clock[rank]
+        for running in self.running[rank]:
+            while running.round < len(running.rounds):
+                end = self._ends(running.rounds[running.round])
+                if end is None or end > now:
+                    break
+                self.clock[rank] += 3 * running.adds[running.round] * self.memory
+                running.round += 1
+                self._post_round(rank, running)
+
+    def _next_round_end(self, rank: int) -> float | None:
+        ends = [
+            self._ends(r.rounds[r.round]) for r in self.running[rank] if r.round < len(r.rounds)
+        ]
+        future = [end for end in ends if end is not None and end > self.clock[rank]]
+        return min(future, default=None)
+
+    # -- ranks ---------------------------------------------------------------------------------
+
+    def _wake(self, rank: int, at: float) -> None:
+        heapq.heappush(self.events, (at, next(self.counter), rank))
+
+    def _pack(self, messages: Sequence[Message], rank: int) -> float:
+        """Seconds to copy `rank`'s sends among `messages` into send buffers."""
+        return sum(2 * m.nbytes * self.memory for m in messages if m.src == rank)
+
+    def _messages(self, rank: int, messages: Sequence[Message]) -> None:
+        for m in messages:
+            self._transfer(("m", m.seq), m.src, m.dst, m.nbytes)
+            self._post(rank, ("m", m.seq), self.clock[rank])
+
+    def _program(self, rank: int) -> Generator[object, None, None]:
+        """The rank's step. It yields `_SYNC` when its clock has moved on, `_PROGRESS` at a
+        call into MPI between tasks, and a list of keys to wait for (polling meanwhile)."""
+        program = self.programs[rank]
+        self.clock[rank] += self._pack(program.post_at_start, rank)
+        yield _SYNC
+        self._messages(rank, program.post_at_start)
+        for position, rt in enumerate(program.tasks):
+            touched = rt.tensors
+            last = max(
+                (i for i, r in enumerate(self.running[rank]) if r.tensor in touched), default=-1
+            )
+            for running in self.running[rank][: last + 1]:
+                while running.round < len(running.rounds):
+                    yield list(running.rounds[running.round])
+            del self.running[rank][: last + 1]
+            self._messages(rank, rt.partial_in)
+            yield [("m", m.seq) for m in rt.copies_in]
+            self.clock[rank] += sum(2 * m.nbytes * self.memory for m in rt.copies_in)
+            self.clock[rank] += self.compute[rank][position]
+            self.clock[rank] += self._pack(rt.partial_out, rank) + self._pack(rt.post, rank)
+            yield _SYNC
+            self._messages(rank, rt.partial_out)
+            yield [("m", m.seq) for m in rt.partial_in]
+            self.clock[rank] += sum(3 * m.nbytes * self.memory for m in rt.partial_in)
+            for collective in rt.collectives:
+                self._start_collective(rank, collective)
+            self._messages(rank, rt.post)
+            yield _PROGRESS
+        for running in self.running[rank]:
+            while running.round < len(running.rounds):
+                yield list(running.rounds[running.round])
+        self.running[rank] = []
+        yield list(self.sends[rank])
+
+    def _run(self, rank: int) -> None:
+        """Go on with `rank` at its clock until it waits, syncs or ends."""
+        thread = self.threads[rank]
+        while True:
+            try:
+                op = next(thread)
+            except StopIteration:
+                self.done[rank] = self.clock[rank]
+                return
+            if op is _SYNC:
+                self._wake(rank, self.clock[rank])
+                return
+            if op is _PROGRESS:
+                self._advance(rank)
+                continue
+            keys: list[Key] = op  # type: ignore[assignment]
+            for key in keys:
+                if key not in self.transfers:  # posted by the peer alone so far
+                    raise AssertionError(f"rank {rank} waits for {key}, never posted")
+            self.blocked[rank] = keys
+            self._poll(rank, self.clock[rank])
+            return
+
+    def _poll(self, rank: int, now: float) -> None:
+        """`rank` is blocked: at `now`, follow its collectives' rounds, and go on if its wait
+        is over, else sleep until the next end it knows of."""
+        waited_from = self.clock[rank]
+        self.clock[rank] = max(self.clock[rank], now)
+        self._advance(rank)
+        now = self.clock[rank]
+        transfers = self.transfers
+        # what has ended is dropped, so that a long wait (the step's last, on every send) is
+        # not read again at every wake
+        keys = [k for k in self.blocked[rank] if transfers[k].end is None or transfers[k].end > now]
+        self.waiting[rank] += now - waited_from
+        if not keys:
+            self.blocked[rank] = None
+            self._run(rank)
+            return
+        self.blocked[rank] = keys
+        end = self._ends(keys)
+        wake = [t for t in (end, self._next_round_end(rank)) if t is not None]
+        if wake:
+            self._wake(rank, min(wake))
+
+    def run(self) -> SimulatedStep:
+        for rank in self.programs:
+            self._wake(rank, 0.0)
+        while self.events:
+            at, _, rank = heapq.heappop(self.events)
+            if rank in self.done or at < self.clock[rank]:
+                continue
+            if self.blocked[rank] is not None:
+                self._poll(rank, at)
+            else:
+                self.clock[rank] = at
+                self._run(rank)
+        stuck = sorted(set(self.programs) - set(self.done))
+        if stuck:
+            raise RuntimeError(f"step simulation: ranks {stuck} never finished (a deadlock)")
+        return SimulatedStep(max(self.done.values(), default=0.0), dict(self.done), self.waiting)
+
+
+def simulate_step(
+    programs: Mapping[int, RankProgram],
+    compute: Mapping[int, Sequence[float]],
+    machine: Machine,
+    links: Links | None = None,
+) -> SimulatedStep:
+    """The step of every rank's `programs`, with `compute[rank][i]` seconds for the i-th task
+    of its program (kernels and the runtime's per-task cost), on `machine`'s links (or
+    `links`)."""
+    return _Simulator(programs, compute, machine, links).run()
+
+
+def predict_step(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    compute: Sequence[Sequence[float]] | None = None,
+) -> SimulatedStep:
+    """The simulated step of `plan`: `compute[i][rank]` seconds for task i of the graph on
+    each rank (default: the cost model's, `cost.compute_per_rank`)."""
+    per_task = compute if compute is not None else compute_per_rank(graph, plan, machine)
+    programs = build_programs(graph, plan, machine, range(plan.nranks))
+    index = {task.name: i for i, task in enumerate(graph.tasks)}
+    seconds = {
+        rank: [float(per_task[index[rt.task.name]][rank]) for rt in program.tasks]
+        for rank, program in programs.items()
+    }
+    return simulate_step(programs, seconds, machine)

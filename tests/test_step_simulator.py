@@ -1,0 +1,136 @@
+"""The step simulator against steps worked out by hand, and against the bounds any schedule of a
+real plan must respect."""
+
+from __future__ import annotations
+
+import pytest
+
+from legion_nn.ir import Task
+from legion_nn.networks import load_network
+from legion_nn.rect import Rect
+from partitioner.collectives import Hop
+from partitioner.cost import compute_per_rank
+from partitioner.machine import Machine
+from partitioner.plan import Reduction, build_plan
+from partitioner.strategy import builtin
+from runtime.rank_program import Collective, Message, RankProgram, RankTask, build_programs
+from runtime.step_simulator import Links, predict_step, simulate_step
+
+MACHINE = Machine(memory_gbytes_per_s=None)
+
+
+def task(name: str) -> Task:
+    return Task(name, "relu", "forward", (1,), {}, (), Rect((0,), (1,)))
+
+
+def program(rank: int, tasks: list[RankTask], start: list[Message] = ()) -> RankProgram:
+    return RankProgram(rank, 2, tasks, list(start), {}, 0, 0)
+
+
+def links(alpha=0.1, beta=1e-6, per_host=1, alpha_intra=0.0, beta_intra=1e-9) -> Links:
+    return Links(alpha, beta, alpha_intra, beta_intra, per_host)
+
+
+def test_a_copy_moves_once_both_ends_posted_and_its_reader_waits_for_it():
+    m = Message(0, "x", Rect((0,), (1,)), 0, 1, 1_000_000, 1, 0, False)
+    programs = {
+        0: program(0, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"))]),
+        1: program(1, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"), copies_in=[m])]),
+    }
+    compute = {0: [1.0, 1.0], 1: [0.5, 1.0]}
+    step = simulate_step(programs, compute, MACHINE, links())
+    # ready at 1.0 (the sender's post), 0.1 + 1.0 s on the link; the reader waits from 0.5
+    assert step.finish[1] == pytest.approx(3.1)
+    assert step.finish[0] == pytest.approx(2.1)  # its send seen off
+    assert step.seconds == pytest.approx(3.1)
+    assert step.waiting[1] == pytest.approx(1.6)
+
+
+def two_round_allreduce(nbytes: int) -> Collective:
+    n = nbytes // 4
+    reduction = Reduction("g", "allreduce", (0, 1), ((Rect((0,), (2 * n,)), (0, 1)),), 4)
+    rounds = [
+        [Hop(0, 1, 0, n, True), Hop(1, 0, n, 2 * n, True)],
+        [Hop(0, 1, n, 2 * n, False), Hop(1, 0, 0, n, False)],
+    ]
+    return Collective(reduction, reduction.targets, rounds, 100)
+
+
+def update_of_g() -> Task:
+    from legion_nn.ir import Requirement
+    from legion_nn.privilege import Privilege
+
+    read = Requirement("g", "gradient", Privilege.READ, Rect((0,), (1,)), None)
+    return Task("update", "update", "update", (1,), {}, (read,), Rect((0,), (1,)))
+
+
+@pytest.mark.parametrize("middle", [5.0, 0.2])
+def test_a_collective_round_follows_only_when_the_rank_calls_into_mpi(middle):
+    collective = two_round_allreduce(1_000_000)
+    programs = {
+        rank: program(
+            rank,
+            [
+                RankTask(0, task("backward"), collectives=[collective]),
+                RankTask(1, task("below")),
+                RankTask(2, update_of_g()),
+            ],
+        )
+        for rank in (0, 1)
+    }
+    compute = {rank: [0.0, middle, 0.0] for rank in (0, 1)}
+    step = simulate_step(programs, compute, MACHINE, links(alpha=0.0, beta=1e-6 / 2))
+    # a round is 1 MB each way at once (full duplex): 0.5 s. The first starts at 0; the second
+    # is posted at the end of `below` if the first was done by then, else as it ends, since
+    # the rank then waits in the update and polls.
+    expected = max(middle, 0.5) + 0.5
+    assert step.seconds == pytest.approx(expected)
+
+
+def copies(pairs: list[tuple[int, int]], nbytes: int, nranks: int) -> dict[int, RankProgram]:
+    """Each (src, dst) copies `nbytes`, posted at the start, read by the second task."""
+    sent = [Message(i, "x", Rect((0,), (1,)), s, d, nbytes, 1, 0, False) for i, (s, d) in
+            enumerate(pairs)]  # fmt: skip
+
+    def tasks(rank: int) -> list[RankTask]:
+        mine = [m for m in sent if rank in (m.src, m.dst)]
+        return [
+            RankTask(0, task("a"), post=mine),
+            RankTask(1, task("b"), copies_in=[m for m in mine if m.dst == rank]),
+        ]
+
+    return {rank: RankProgram(rank, nranks, tasks(rank), [], {}, 0, 0) for rank in range(nranks)}
+
+
+def test_the_ranks_of_a_host_share_its_link_one_message_after_another():
+    programs = copies([(0, 2), (1, 3)], 1_000_000, 4)
+    compute = {rank: [0.0, 0.0] for rank in range(4)}
+    step = simulate_step(programs, compute, MACHINE, links(alpha=0.0, beta=1e-6, per_host=2))
+    assert sorted(step.finish[r] for r in (2, 3)) == pytest.approx([1.0, 2.0])
+    apart = simulate_step(programs, compute, MACHINE, links(alpha=0.0, beta=1e-6, per_host=1))
+    assert [apart.finish[r] for r in (2, 3)] == pytest.approx([1.0, 1.0])
+
+
+def test_a_copy_within_a_host_takes_the_host_link_not_the_network():
+    programs = copies([(0, 1), (1, 0)], 1_000_000, 2)
+    compute = {rank: [0.0, 0.0] for rank in range(2)}
+    step = simulate_step(programs, compute, MACHINE, links(beta=1e-6, per_host=2, beta_intra=1e-9))
+    assert step.seconds == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+def test_a_plan_step_lies_between_its_bounds(strategy):
+    graph = load_network("seed-lcn-small").lower(batch=16, optimizer="sgd")
+    plan = build_plan(graph, builtin(graph, strategy, 3), 3)
+    fast = Machine(link_gbytes_per_s=1e6, latency_us=1e-6)
+    compute = compute_per_rank(graph, plan, fast)
+    busiest = max(float(sum(per[rank] for per in compute)) for rank in range(3))
+    free = predict_step(graph, plan, fast)
+    # links that cost nothing leave each rank its compute, and the waits for the busiest
+    assert busiest <= free.seconds <= sum(float(per.max()) for per in compute) + 1e-9
+    slow = Machine(link_gbytes_per_s=0.01, latency_us=50)
+    simulated = predict_step(graph, plan, slow)
+    # no schedule beats the busiest host's bytes on its link, nor its compute
+    programs = build_programs(graph, plan, slow, range(3))
+    sent = max(prog.bytes_planned for prog in programs.values())
+    assert simulated.seconds >= max(sent * slow.beta, busiest)
