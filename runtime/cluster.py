@@ -365,12 +365,19 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated()
 
 
-def run(hosts: int, link_bits: float | None, ranks: int, command: Sequence[str]) -> int:
-    """Bring a cluster up, run one job on it, take it down on every exit path; the job's status."""
+def run(
+    hosts: int,
+    link_bits: float | None,
+    ranks: int,
+    command: Sequence[str],
+    name: str | None = None,
+) -> int:
+    """Bring a cluster up (`name`, default r<pid>), run one job on it, take it down on every
+    exit path; the job's status."""
     require()
     if ranks < 1:
         raise LegionNNError(f"-n: expected a positive rank count, got {ranks}")
-    name = f"r{os.getpid() % 10_000_000}"
+    name = name or f"r{os.getpid() % 10_000_000}"
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         cluster = up(name, hosts, link_bits)

@@ -93,15 +93,17 @@ def namespaces() -> set[str]:
     return set(cluster.existing_namespaces())
 
 
+_NAMES = iter(range(10**6))
+
+
 @pytest.fixture
 def clean():
-    """Whatever the test does, it leaves no namespace and no cluster state behind."""
-    before = namespaces()
-    states = set(cluster.STATE_ROOT.iterdir()) if cluster.STATE_ROOT.is_dir() else set()
-    yield
-    assert namespaces() <= before
-    after = set(cluster.STATE_ROOT.iterdir()) if cluster.STATE_ROOT.is_dir() else set()
-    assert after <= states
+    """A cluster name for the test; whatever the test does, no namespace and no state of that
+    name is left behind."""
+    name = f"t{os.getpid() % 100000}{next(_NAMES)}"[:8]
+    yield name
+    assert not [n for n in namespaces() if cluster.cluster_of(n) == name]
+    assert not (cluster.STATE_ROOT / name).exists()
 
 
 PROBE = """
@@ -122,7 +124,8 @@ def test_a_job_spans_hosts_with_their_own_names_shm_and_cores(clean, tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     result = run(
-        "cluster", "run", "--hosts", "2", "-n", "3", "--", sys.executable, str(probe), str(tmp_path)
+        "cluster", "run", "--name", clean, "--hosts", "2", "-n", "3", "--",
+        sys.executable, str(probe), str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
@@ -165,7 +168,7 @@ else:
 def test_the_link_is_limited_to_its_rate_between_hosts(clean, tmp_path):
     script = tmp_path / "stream.py"
     script.write_text(STREAM)
-    name = f"t{os.getpid() % 100000}"
+    name = clean
     assert run("cluster", "up", name, "--hosts", "2", "--link", "400mbit").returncode == 0
     try:
         result = run(
@@ -182,8 +185,11 @@ def test_the_link_is_limited_to_its_rate_between_hosts(clean, tmp_path):
 
 @needs_root
 def test_the_job_status_is_the_exit_status_and_failures_clean_up(clean):
-    assert run("cluster", "run", "--", sys.executable, "-c", "raise SystemExit(3)").returncode == 3
-    missing = run("cluster", "run", "--", "no-such-command-here")
+    exits = run(
+        "cluster", "run", "--name", clean, "--", sys.executable, "-c", "raise SystemExit(3)"
+    )
+    assert exits.returncode == 3
+    missing = run("cluster", "run", "--name", clean, "--", "no-such-command-here")
     assert missing.returncode != 0
     bad = run("cluster", "run", "--link", "fast", "--", "true")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--link" in bad.stderr
@@ -195,7 +201,7 @@ def test_the_job_status_is_the_exit_status_and_failures_clean_up(clean):
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_takes_its_cluster_down(clean, how):
     job = subprocess.Popen(
-        legion_nn("cluster", "run", "--hosts", "2", "--", "sleep", "60"),
+        legion_nn("cluster", "run", "--name", clean, "--hosts", "2", "--", "sleep", "60"),
         env=environment(),
         stderr=subprocess.PIPE,
         text=True,
@@ -204,7 +210,7 @@ def test_an_interrupted_run_takes_its_cluster_down(clean, how):
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(
-            cluster.cluster_of(n) == f"r{job.pid}" for n in namespaces()
+            cluster.cluster_of(n) == clean for n in namespaces()
         ):
             time.sleep(0.05)
         time.sleep(1.0)  # mpiexec and the sleeps are up
@@ -220,7 +226,7 @@ def test_an_interrupted_run_takes_its_cluster_down(clean, how):
 
 @needs_root
 def test_up_run_on_status_and_down(clean):
-    name = f"t{os.getpid() % 100000}"
+    name = clean
     made = run("cluster", "up", name, "--hosts", "3", "--link", "500mbit")
     assert made.returncode == 0, made.stderr
     try:
@@ -243,10 +249,11 @@ def test_up_run_on_status_and_down(clean):
 
 @needs_root
 def test_leftovers_of_a_killed_run_are_found_and_removed(clean):
+    name = clean
     job = subprocess.Popen(
-        legion_nn("cluster", "run", "--hosts", "2", "--", "sleep", "60"), env=environment()
+        legion_nn("cluster", "run", "--name", name, "--hosts", "2", "--", "sleep", "60"),
+        env=environment(),
     )
-    name = f"r{job.pid}"
     try:
         deadline = time.monotonic() + 30
         while (

@@ -71,15 +71,21 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
+#: the clusters of this module's jobs are named for it, so that a check for leftovers sees
+#: them and not another user's
+CLUSTER = f"m{os.getpid() % 10_000_000}"
+
+
 def job(launcher: str, nranks: int, *args: str) -> list[str]:
     """`legion-nn ARGS` as one job of `nranks` ranks under `launcher`."""
     if launcher == "local":
         return ["mpiexec", "-n", str(nranks), *legion_nn(*args)]
     hosts = launcher.split()[0]
     return [
-        *legion_nn("cluster", "run", "--hosts", hosts, "--link", "1gbit", "-n", str(nranks), "--"),
+        *legion_nn("cluster", "run", "--name", CLUSTER, "--hosts", hosts, "--link", "1gbit",
+                   "-n", str(nranks), "--"),
         *legion_nn(*args),
-    ]
+    ]  # fmt: skip
 
 
 def first_rank_off_the_first_host(launcher: str, nranks: int) -> int:
@@ -94,18 +100,17 @@ def cluster_namespaces() -> set[str]:
     out = subprocess.run(
         ["ip", "-json", "netns", "list"], capture_output=True, text=True, check=False
     )
-    return {e["name"] for e in json.loads(out.stdout or "[]") if e["name"].startswith("lnn-")}
+    names = {entry["name"] for entry in json.loads(out.stdout or "[]")}
+    return {name for name in names if name.startswith(f"lnn-{CLUSTER}-")}
 
 
 @pytest.fixture(params=LAUNCHERS)
 def launcher(request):
     """Each launcher in turn; after a cluster job, nothing of it is left."""
-    if request.param == "local":
-        yield request.param
-        return
-    before = cluster_namespaces()
     yield request.param
-    assert cluster_namespaces() <= before, "a cluster job left namespaces behind"
+    if request.param != "local":
+        assert not cluster_namespaces(), "a cluster job left namespaces behind"
+        assert not Path(f"/run/legion-nn/clusters/{CLUSTER}").exists()
 
 
 def mpiexec(

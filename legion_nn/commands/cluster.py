@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-n", type=int, default=None, metavar="R", help="ranks (default: one per host)"
     )
     run.add_argument("--on", metavar="NAME", help="run on the cluster NAME (from `up`) instead")
+    run.add_argument("--name", help="name the run's cluster (default r<pid>)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND... run on every rank")
     up = sub.add_parser("up", help="bring up a cluster and keep it", description=up_help())
     up.add_argument("name", help="1-8 lower-case letters and digits")
@@ -95,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
         on = cluster.load(args.on)
         code = cluster.execute(on, args.n or on.hosts, words)
     else:
-        code = cluster.run(args.hosts, link, args.n or args.hosts, words)
+        code = cluster.run(args.hosts, link, args.n or args.hosts, words, args.name)
     sys.stdout.flush()
     return code
