@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ class _Simulator:
         #: per rank, the keys it is blocked on (None while it runs)
         self.blocked: dict[int, list[Key] | None] = {rank: None for rank in programs}
         self.events: list[tuple[float, int, int]] = []
+        self.wake_at: dict[int, float] = {}
         self.counter = itertools.count()
         self.done: dict[int, float] = {}
         self.threads = {rank: self._program(rank) for rank in programs}
@@ -231,7 +233,11 @@ class _Simulator:
     # -- ranks ---------------------------------------------------------------------------------
 
     def _wake(self, rank: int, at: float) -> None:
-        heapq.heappush(self.events, (at, next(self.counter), rank))
+        """Resume `rank` at `at`, unless it is already due earlier: a rank has one live event
+        (others are left in the heap as stale), and each wake re-reads what it waits for."""
+        if at < self.wake_at.get(rank, math.inf):
+            self.wake_at[rank] = at
+            heapq.heappush(self.events, (at, next(self.counter), rank))
 
     def _pack(self, messages: Sequence[Message], rank: int) -> float:
         """Seconds to copy `rank`'s sends among `messages` into send buffers."""
@@ -327,12 +333,15 @@ class _Simulator:
             self._wake(rank, 0.0)
         while self.events:
             at, _, rank = heapq.heappop(self.events)
-            if rank in self.done or at < self.clock[rank]:
+            if self.wake_at.get(rank) != at:
+                continue
+            del self.wake_at[rank]
+            if rank in self.done:
                 continue
             if self.blocked[rank] is not None:
                 self._poll(rank, at)
             else:
-                self.clock[rank] = at
+                self.clock[rank] = max(self.clock[rank], at)
                 self._run(rank)
         stuck = sorted(set(self.programs) - set(self.done))
         if stuck:
