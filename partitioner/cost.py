@@ -229,6 +229,12 @@ def task_costs(
 ) -> list[TaskCost]:
     """The predicted cost of every task, without the memory accounting (`measured`: see
     `plan_cost`)."""
+    if measured is None and machine.pieces:
+        measured = {
+            task.name: float(per.max(initial=0.0)) - machine.task_overhead
+            for task, per in zip(graph.tasks, compute_per_rank(graph, plan, machine))
+            if per.any()
+        }
     measured = measured or {}
     n = plan.nranks
     costs = []
@@ -372,21 +378,32 @@ def compute_time(
 
 
 def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.ndarray]:
-    """Per task (in `plan.tasks` order), each rank's compute seconds as `compute_time` prices
-    its busiest rank, the runtime's per-task overhead paid by the ranks that have a piece: for
-    a simulation of the step, where each rank keeps its own time."""
-    traffic = (
-        bytes_per_rank(graph, plan) if machine.seconds_per_memory_byte else [None] * len(plan.tasks)
+    """Per task (in `plan.tasks` order), each rank's compute seconds: from the machine's table
+    of measured pieces where it has every piece of the task (`piece_times`), else as
+    `compute_time` prices its busiest rank; the runtime's per-task overhead paid by the ranks
+    that have a piece. For the step simulator, where each rank keeps its own time, and for
+    `plan_cost`'s busiest rank."""
+    from partitioner.piece_times import task_piece_times, working_ranks
+
+    measured = (
+        task_piece_times(graph, plan, machine.pieces)
+        if machine.pieces
+        else [None] * len(plan.tasks)
     )
+    per_byte = machine.seconds_per_memory_byte
+    modelled = any(m is None for m in measured)
+    flops = flops_per_rank(graph, plan) if modelled else [None] * len(plan.tasks)
+    traffic = bytes_per_rank(graph, plan) if modelled and per_byte else [None] * len(plan.tasks)
     out = []
-    for task, task_plan, flops, moved in zip(
-        graph.tasks, plan.tasks, flops_per_rank(graph, plan), traffic
+    for index, (task, found, task_flops, moved) in enumerate(
+        zip(graph.tasks, measured, flops, traffic)
     ):
-        seconds = np.array([compute_seconds(task, float(f), machine) for f in flops])
-        if moved is not None:
-            seconds = np.maximum(seconds, moved * machine.seconds_per_memory_byte)
-        working = np.zeros(plan.nranks, bool)
-        for piece_set in task_plan.piece_sets:
-            working[piece_set.ranks] = True
+        if found is not None:
+            seconds = found * machine.compute_factor
+        else:
+            seconds = np.array([compute_seconds(task, float(f), machine) for f in task_flops])
+            if moved is not None:
+                seconds = np.maximum(seconds, moved * per_byte)
+        working = working_ranks(plan, index)
         out.append(np.where(working, seconds + machine.task_overhead, 0.0))
     return out

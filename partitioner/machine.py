@@ -27,6 +27,21 @@ Two optional keys price what FLOPs do not (`legion-nn bench scaling` measures bo
 
 The default machine is the one above: 100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs
 latency, 16 GiB per rank, memory traffic not priced and no per-task overhead.
+
+`legion-nn bench machine` measures all of these on the machine it runs on and adds (all
+optional; see the README's table of keys):
+
+- `"ranks_per_host"`: ranks sit on hosts in blocks of this many; the link keys are then the
+  link between hosts, and `"intra_host": {"latency_us", "gbytes_per_s"}` the one within a host
+  (without `ranks_per_host` every rank is its own host: the link is between ranks);
+- `"pieces"`: the runtime's kernels timed on the pieces of a network's plans
+  (`partitioner.piece_times`), each `{"op", "phase", "attrs", "shape", "requirements":
+  [[role, shape]], "seconds", "threads"}`; `"compute_factor"` (a task's kernels in a running
+  step take this many times their time alone) and `"loop_us"` (a step's time outside its
+  tasks);
+- what was measured and where, for the record: `"hosts"`, `"rank_cores"`,
+  `"duplex_gbytes_per_s"` (both directions of the link at once), `"pingpong"` (the raw points),
+  `"measured_on"`.
 """
 
 from __future__ import annotations
@@ -39,6 +54,10 @@ from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
 OPTIONAL_KEYS = ("memory_gbytes_per_s", "task_overhead_us")
+#: measured by `bench machine`, priced by the cost model and the step simulator
+MEASURED_KEYS = ("ranks_per_host", "intra_host", "pieces", "compute_factor", "loop_us")
+#: measured by `bench machine` and kept for the record
+RECORD_KEYS = ("hosts", "rank_cores", "duplex_gbytes_per_s", "pingpong", "measured_on")
 #: the passes `legion-nn bench kernels` measures
 PASSES = ("forward", "backward_data", "backward_filter")
 
@@ -53,6 +72,18 @@ class Machine:
     #: None: memory traffic is not priced
     memory_gbytes_per_s: float | None = None
     task_overhead_us: float = 0.0
+    #: None: one rank per host
+    ranks_per_host: int | None = None
+    #: (latency us, GB/s) within a host; None: the link's
+    intra_host: tuple[float, float] | None = None
+    #: seconds of a piece by `piece_key`
+    pieces: dict[str, float] = field(default_factory=dict)
+    compute_factor: float = 1.0
+    loop_us: float = 0.0
+    #: the measured file's other keys, written back as they were read
+    record: dict = field(default_factory=dict)
+    #: the pieces as the file gave them, written back as they were read
+    piece_rows: tuple = ()
 
     @property
     def alpha(self) -> float:
@@ -79,6 +110,21 @@ class Machine:
     def memory_bytes(self) -> float:
         return self.rank_memory_gib * 2**30
 
+    @property
+    def loop_seconds(self) -> float:
+        """A step's time outside its tasks (the training loop)."""
+        return self.loop_us * 1e-6
+
+    def host(self, rank: int) -> int:
+        return rank // self.ranks_per_host if self.ranks_per_host else rank
+
+    def link(self, src: int, dst: int) -> tuple[float, float]:
+        """(seconds per message, seconds per byte) from rank `src` to rank `dst`."""
+        if self.intra_host is not None and self.host(src) == self.host(dst):
+            latency_us, gbytes = self.intra_host
+            return latency_us * 1e-6, 1.0 / (gbytes * 1e9)
+        return self.alpha, self.beta
+
     def flops_per_second(self, op: str, pass_: str = "", variant: str = "") -> float:
         """FLOP/s of `pass_` of `op` (`variant`: "untied" or "tied"), by the most specific key."""
         for key in (f"{op}.{pass_}.{variant}", f"{op}.{pass_}", op):
@@ -94,7 +140,19 @@ class Machine:
             out["task_overhead_us"] = self.task_overhead_us
         if self.op_gflops:
             out["op_gflops"] = dict(self.op_gflops)
-        return out
+        if self.ranks_per_host is not None:
+            out["ranks_per_host"] = self.ranks_per_host
+        if self.intra_host is not None:
+            out["intra_host"] = {
+                "latency_us": self.intra_host[0],
+                "gbytes_per_s": self.intra_host[1],
+            }
+        if self.piece_rows:
+            out["pieces"] = list(self.piece_rows)
+            out["compute_factor"] = self.compute_factor
+        if self.loop_us:
+            out["loop_us"] = self.loop_us
+        return out | self.record
 
 
 def _positive(data: dict, key: str, where: str) -> float:
@@ -110,12 +168,10 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
     missing = [key for key in KEYS if key not in data]
     if missing:
         raise LegionNNError(f"{where}: missing {', '.join(missing)}")
-    unknown = sorted(set(data) - set(KEYS) - set(OPTIONAL_KEYS) - {"op_gflops"})
+    known = (*KEYS, *OPTIONAL_KEYS, "op_gflops", *MEASURED_KEYS, *RECORD_KEYS)
+    unknown = sorted(set(data) - set(known))
     if unknown:
-        raise LegionNNError(
-            f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(KEYS + OPTIONAL_KEYS)}, "
-            "op_gflops"
-        )
+        raise LegionNNError(f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(known)}")
     overhead = data.get("task_overhead_us", 0)
     if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0:
         raise LegionNNError(f"{where}: task_overhead_us must be a number >= 0, got {overhead!r}")
@@ -129,7 +185,67 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
             _positive(data, "memory_gbytes_per_s", where) if "memory_gbytes_per_s" in data else None
         ),
         task_overhead_us=float(overhead),
+        **_measured(data, where),
+        record={key: data[key] for key in RECORD_KEYS if key in data},
     )
+
+
+def piece_key_of(op: str, phase: str, attrs: dict, shape, requirements) -> str:
+    """The key of a piece in a machine's table: what decides its kernel's work, as canonical
+    JSON. `requirements` are (role, rect shape or None) pairs."""
+    return json.dumps(
+        [op, phase, attrs, list(shape), [[role, None if s is None else list(s)] for role, s in
+                                          requirements]],
+        sort_keys=True,
+        default=str,
+        separators=(",", ":"),
+    )  # fmt: skip
+
+
+def _measured(data: dict, where: str) -> dict:
+    out: dict = {}
+    if "ranks_per_host" in data:
+        value = data["ranks_per_host"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LegionNNError(
+                f"{where}: ranks_per_host must be a positive integer, got {value!r}"
+            )
+        out["ranks_per_host"] = value
+    if "intra_host" in data:
+        intra = data["intra_host"]
+        if not isinstance(intra, dict) or set(intra) != {"latency_us", "gbytes_per_s"}:
+            raise LegionNNError(f'{where}: intra_host must be {{"latency_us", "gbytes_per_s"}}')
+        out["intra_host"] = (
+            _positive(intra, "latency_us", f"{where}: intra_host"),
+            _positive(intra, "gbytes_per_s", f"{where}: intra_host"),
+        )
+    for key in ("compute_factor", "loop_us"):
+        if key in data:
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise LegionNNError(f"{where}: {key} must be a number >= 0, got {value!r}")
+            out[key] = float(value)
+    rows = data.get("pieces", [])
+    if not isinstance(rows, list):
+        raise LegionNNError(f"{where}: pieces must be a list of measured pieces")
+    pieces = {}
+    for index, row in enumerate(rows):
+        fields = ("op", "phase", "attrs", "shape", "requirements", "seconds")
+        if not isinstance(row, dict) or any(f not in row for f in fields):
+            raise LegionNNError(f"{where}: pieces[{index}] needs {', '.join(fields)}")
+        try:
+            key = piece_key_of(row["op"], row["phase"], row["attrs"], row["shape"],
+                               [(role, shape) for role, shape in row["requirements"]])  # fmt: skip
+        except (TypeError, ValueError):
+            raise LegionNNError(f"{where}: pieces[{index}] is malformed") from None
+        value = row["seconds"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise LegionNNError(f"{where}: pieces[{index}].seconds must be >= 0, got {value!r}")
+        pieces[key] = float(value)
+    if pieces:
+        out["pieces"] = pieces
+        out["piece_rows"] = tuple(rows)
+    return out
 
 
 def load_machine(path: str | None) -> Machine:

@@ -40,7 +40,16 @@ def unit_rows(plan: Plan, cost: PlanCost) -> list[dict]:
     return list(rows.values())
 
 
-def report_json(graph: TaskGraph, plan: Plan, cost: PlanCost, why: list[dict] | None) -> dict:
+def report_json(
+    graph: TaskGraph,
+    plan: Plan,
+    cost: PlanCost,
+    why: list[dict] | None,
+    step: dict | None = None,
+) -> dict:
+    """The `--json` object; `step` overrides `predicted_step_seconds` with the simulated step
+    (`runtime.step_simulator.step_prediction`: `predicted_step_seconds`, `step_model`,
+    `bulk_synchronous_seconds`)."""
     memory = list(cost.memory.values())
     out = {
         "network": graph.network,
@@ -55,6 +64,7 @@ def report_json(graph: TaskGraph, plan: Plan, cost: PlanCost, why: list[dict] | 
         "machine": cost.machine.to_json(),
         "layers": unit_rows(plan, cost),
     }
+    out |= step or {}
     if why is not None:
         out["why"] = why
     return out
@@ -87,6 +97,12 @@ def table(report: dict) -> str:
         f"{_size(report['memory_per_rank_max']):>10} {_size(report['memory_per_rank_mean']):>10} "
         f"{report['predicted_step_seconds']:>10.5f}"
     )
+    if report.get("step_model") == "simulated":
+        lines.append(
+            f"step {report['predicted_step_seconds']:.5f} s, simulated (every rank's program on "
+            f"the machine's links); {report['bulk_synchronous_seconds']:.5f} s as the rows' "
+            "bulk-synchronous sum"
+        )
     if not report["feasible"]:
         lines.append("INFEASIBLE: some rank needs more memory than it has")
     for item in report.get("why", []):

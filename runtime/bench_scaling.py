@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -95,8 +95,12 @@ def run_job(
     work: Path,
     threads: int | None = None,
     traced: bool = False,
+    launch: Sequence[str] | None = None,
+    extra: Sequence[str] = (),
 ) -> Job:
-    """One `mpiexec` job; `threads` caps each rank's Numba threads (default: its share).
+    """One `mpiexec` job; `threads` caps each rank's Numba threads (default: its share);
+    `launch` starts the ranks (default `mpiexec -n RANKS`; the emulated cluster's
+    `runtime.cluster.job_command`); `extra` are more `train` arguments.
 
     Only a `traced` job writes a trace: rank 0 gathers every rank's events between steps, which
     delays the next step's first exchange, so the timed jobs run without one."""
@@ -105,10 +109,11 @@ def run_job(
     if threads is not None:
         env["NUMBA_NUM_THREADS"] = str(threads)
     command = [
-        "mpiexec", "-n", str(ranks), sys.executable, "-m", "legion_nn.cli", "train", network,
+        *(launch if launch is not None else ["mpiexec", "-n", str(ranks)]),
+        sys.executable, "-m", "legion_nn.cli", "train", network,
         "--data", "synthetic", "--batch", str(batch), "--steps", str(steps),
         "--strategy", strategy, "--optimizer", OPTIMIZER, "--no-progress",
-        "--log-json", str(log), *(["--trace", str(trace)] if traced else []),
+        "--log-json", str(log), *(["--trace", str(trace)] if traced else []), *extra,
     ]  # fmt: skip
     result = subprocess.run(
         command, capture_output=True, text=True, check=False, timeout=1800, env=env
@@ -125,8 +130,11 @@ def run_job(
     for r in steps_seen:
         if r["step"] >= WARMUP:
             slowest[r["step"]] = max(slowest[r["step"]], r["seconds"])
-    last_step = max(r["step"] for r in steps_seen)
-    sent = sum(r["bytes_sent"] for r in steps_seen if r["step"] == last_step)
+    # a full batch's bytes: the last step of an epoch may take a smaller batch
+    sent_by_step: dict[int, int] = defaultdict(int)
+    for r in steps_seen:
+        sent_by_step[r["step"]] += r["bytes_sent"]
+    sent = statistics.mode(sent_by_step.values())
     return Job(
         network,
         batch,

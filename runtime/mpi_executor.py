@@ -176,29 +176,65 @@ def pingpong(
     """Latency and bandwidth between ranks 0 and 1: the latency is the smallest message's
     one-way time, the seconds per byte the slope of the one-way time over messages of 1 MiB
     and more (what gradients and activations are; small messages run from cache)."""
+    times = link_times(0, 1, sizes, repeat)
+    result = fit_link(list(zip(sizes, times))) if times is not None else (0.0, 0.0)
+    return {"latency_s": result[0], "seconds_per_byte": result[1]}
+
+
+def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency s, seconds per byte) of one-way times at sizes: the smallest message's time,
+    and the slope over messages of 1 MiB and more (least squares)."""
+    large = [(size, t) for size, t in points if size >= 1 << 20]
+    if len(large) >= 2:
+        slope = float(np.polyfit(*np.array(large, float).T, 1)[0])
+    else:
+        slope = (points[-1][1] - points[0][1]) / max(points[-1][0] - points[0][0], 1)
+    return max(float(points[0][1]), 1e-7), max(slope, 1e-13)
+
+
+def link_times(a: int, b: int, sizes, repeat: int = 20, duplex: bool = False) -> list[float] | None:
+    """Collective over the world: ranks `a` and `b` time a message of each size one way (half
+    a ping-pong's round trip; with `duplex`, both send at once and each exchange counts), the
+    best of `repeat`; the times on rank `a`, None elsewhere. The other ranks wait, sleeping."""
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     times = []
     for size in sizes:
-        buffer = np.ones(size, np.uint8)  # written, so its pages are in before the clock starts
-        comm.Barrier()
+        out = np.ones(size, np.uint8)  # written, so its pages are in before the clock starts
+        into = np.ones(size, np.uint8)
+        idle_barrier()
         best = float("inf")
         for _ in range(repeat if size <= 4 << 20 else max(3, repeat // 4)):
             start = MPI.Wtime()
-            if rank == 0:
-                comm.Send(buffer, 1, 0)
-                comm.Recv(buffer, 1, 0)
-            elif rank == 1:
-                comm.Recv(buffer, 0, 0)
-                comm.Send(buffer, 0, 0)
-            best = min(best, (MPI.Wtime() - start) / 2)
+            if rank in (a, b) and duplex:
+                comm.Sendrecv(out, b if rank == a else a, 0, into, b if rank == a else a, 0)
+                best = min(best, MPI.Wtime() - start)
+            elif rank == a:
+                comm.Send(out, b, 0)
+                comm.Recv(into, b, 0)
+                best = min(best, (MPI.Wtime() - start) / 2)
+            elif rank == b:
+                comm.Recv(into, a, 0)
+                comm.Send(out, a, 0)
         times.append(best)
-    large = [(size, t) for size, t in zip(sizes, times) if size >= 1 << 20]
-    if len(large) >= 2:
-        slope = float(np.polyfit(*np.array(large, float).T, 1)[0])
-    else:
-        slope = (times[-1] - times[0]) / max(sizes[-1] - sizes[0], 1)
-    return {"latency_s": max(float(times[0]), 1e-7), "seconds_per_byte": max(slope, 1e-13)}
+    return times if rank == a else None
+
+
+def idle_barrier(poll_s: float = 0.001) -> None:
+    """A barrier that sleeps while it waits, so a waiting rank leaves its host's cores to the
+    ranks measuring (MPI's own barrier spins)."""
+    request = MPI.COMM_WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_s)
+
+
+def allgather(value: Any) -> list[Any]:
+    return MPI.COMM_WORLD.allgather(value)
+
+
+def world() -> tuple[int, int]:
+    """(this rank, the rank count)."""
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
 if __name__ == "__main__":

@@ -60,17 +60,11 @@ class Links:
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
-        per_host = getattr(machine, "ranks_per_host", None) or 1
-        intra = getattr(machine, "intra_host", None)
-        if intra is None:
-            return cls(machine.alpha, machine.beta, machine.alpha, machine.beta, per_host)
-        return cls(
-            machine.alpha,
-            machine.beta,
-            intra["latency_us"] * 1e-6,
-            1.0 / (intra["gbytes_per_s"] * 1e9),
-            per_host,
+        per_host = machine.ranks_per_host or 1
+        alpha_intra, beta_intra = (
+            machine.link(0, 0) if per_host > 1 else (machine.alpha, machine.beta)
         )
+        return cls(machine.alpha, machine.beta, alpha_intra, beta_intra, per_host)
 
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host
@@ -377,3 +371,23 @@ def predict_step(
         for rank, program in programs.items()
     }
     return simulate_step(programs, seconds, machine)
+
+
+#: plans on more ranks are priced by the cost model's bulk-synchronous sum alone: simulating
+#: every rank's program takes seconds at 64 ranks and grows with the ranks
+SIMULATE_MAX_RANKS = 64
+
+
+def step_prediction(graph: TaskGraph, plan: Plan, machine: Machine, bulk_seconds: float) -> dict:
+    """The step `partition` and `bench scaling` predict: the simulated step where the plan has
+    at most `SIMULATE_MAX_RANKS` ranks, else the bulk-synchronous sum (`plan_cost`'s
+    `bulk_seconds`), each with the machine's time outside the tasks (`loop_us`)."""
+    loop = machine.loop_seconds
+    out = {"bulk_synchronous_seconds": bulk_seconds + loop}
+    if plan.nranks <= SIMULATE_MAX_RANKS:
+        out["predicted_step_seconds"] = predict_step(graph, plan, machine).seconds + loop
+        out["step_model"] = "simulated"
+    else:
+        out["predicted_step_seconds"] = bulk_seconds + loop
+        out["step_model"] = "bulk-synchronous"
+    return out

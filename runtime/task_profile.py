@@ -27,6 +27,7 @@ import numba
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from partitioner.piece_times import piece_key
 from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
@@ -69,8 +70,9 @@ def profile_plan(
     cache: MutableMapping[PieceKey, float] | None = None,
 ) -> dict[str, float]:
     """Per task of `plan`, the seconds its busiest rank spends in its pieces' kernels, on
-    `threads` Numba threads. Pieces with the same task, rect and requirement shapes are timed
-    once (`cache`, which may be shared between plans of one graph)."""
+    `threads` Numba threads. Pieces with the same key (`piece_times.piece_key`: op, phase,
+    attributes, shapes) are timed once (`cache`, keyed by (threads, piece key), which may be
+    shared between plans and is the table `bench machine` writes)."""
     executor, ctx = sample if sample is not None else sample_step(graph)
     cache = {} if cache is None else cache
     previous = numba.get_num_threads()
@@ -81,12 +83,7 @@ def profile_plan(
             for task, task_plan in zip(graph.tasks, plan.tasks):
                 per_rank: dict[int, float] = defaultdict(float)
                 for piece in task_plan.pieces:
-                    key = (
-                        threads,
-                        task.name,
-                        piece.rect.shape,
-                        tuple(None if r.rect is None else r.rect.shape for r in piece.requirements),
-                    )
+                    key = (threads, piece_key(task, piece.rect.shape, piece.requirements))
                     if key not in cache:
                         cache[key] = _time_piece(graph, task, piece, executor, ctx)
                     for rank in piece.ranks:

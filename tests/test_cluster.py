@@ -270,3 +270,23 @@ def test_leftovers_of_a_killed_run_are_found_and_removed(clean):
         removed = run("cluster", "down", name)
     assert removed.returncode == 0, removed.stderr
     assert not [n for n in namespaces() if cluster.cluster_of(n) == name]
+
+
+@needs_root
+def test_bench_machine_measures_the_link_between_hosts(clean, tmp_path):
+    path = tmp_path / "machine.json"
+    result = run(
+        "cluster", "run", "--name", clean, "--hosts", "2", "--link", "400mbit", "-n", "2", "--",
+        *legion_nn("bench", "machine", "--network", "seed-lcn-small", "--batch", "4", "--quick",
+                   "--quiet", "--json", str(path)),
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(path.read_text())
+    assert data["hosts"] == 2 and data["ranks_per_host"] == 1
+    assert data["measured_on"]["links_measured"] == ["inter_host"]
+    assert data["measured_on"]["hosts"] == [f"{clean}-h0", f"{clean}-h1"]
+    # tbf lets no more through than its rate (400 Mbit/s = 0.05 GB/s), each way and both at once
+    assert 0 < data["link_gbytes_per_s"] <= 0.05 * 1.1
+    assert 0 < data["duplex_gbytes_per_s"] <= 0.05 * 1.1
+    assert "intra_host" not in data

@@ -1,4 +1,5 @@
-"""Writing a rendering to a file, atomically: `.dot` as source; `.svg`, `.png`, `.pdf` via `dot`.
+"""Writing a rendering to a file, atomically: `.dot` as source; `.svg`, `.png`, `.pdf` via `dot`;
+a matplotlib figure (`--plot F`) as `.png`, `.svg` or `.pdf`.
 
 The format is the output's suffix. Graphviz's `dot` program lays the drawing out; where it is
 missing the `.dot` source is still written beside the requested file, so nothing is lost, and the
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     import graphviz
 
 FORMATS = ("svg", "png", "pdf", "dot")
+PLOT_FORMATS = ("png", "pdf", "svg")
 INSTALL_HINT = "install Graphviz (apt-get install graphviz, brew install graphviz)"
 
 
@@ -24,17 +26,17 @@ class DotMissing(LegionNNError):
     """Graphviz's `dot` is not on PATH; the `.dot` source was written instead."""
 
 
-def check_output(path: str | Path) -> str:
+def check_output(path: str | Path, formats: tuple[str, ...] = FORMATS, flag: str = "-o") -> str:
     """The format `path`'s suffix names, after checking it can be written there: one-line errors."""
     path = Path(path)
     suffix = path.suffix.lower().lstrip(".")
-    if suffix not in FORMATS:
+    if suffix not in formats:
         raise LegionNNError(
-            f"-o {path}: unknown format; give a file ending in "
-            + ", ".join(f".{f}" for f in FORMATS)
+            f"{flag} {path}: unknown format; give a file ending in "
+            + ", ".join(f".{f}" for f in formats)
         )
     if not path.parent.is_dir():
-        raise LegionNNError(f"-o {path}: no such directory {path.parent}")
+        raise LegionNNError(f"{flag} {path}: no such directory {path.parent}")
     return suffix
 
 
@@ -63,3 +65,17 @@ def write_rendering(digraph: graphviz.Digraph, path: str | Path) -> Path:
         ) from None
     write_bytes(path, data)
     return path
+
+
+def check_plot(path: str | Path) -> str:
+    """The figure format `--plot PATH`'s suffix names, after checking it can be written there."""
+    return check_output(path, PLOT_FORMATS, "--plot")
+
+
+def write_figure(figure, path: str | Path, dpi: int = 110) -> None:
+    """Write a matplotlib `figure` to `path` in the format its suffix names (`check_plot`)."""
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=check_plot(path), dpi=dpi)
+    write_bytes(path, buffer.getvalue())

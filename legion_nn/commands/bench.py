@@ -1,8 +1,12 @@
-"""`legion-nn bench kernels|scaling`: benchmarks, not tests.
+"""`legion-nn bench kernels|scaling|machine`: benchmarks, not tests.
 
 - `kernels`: filter kernel throughput beside the machine's SGEMM, NumPy and PyTorch;
 - `scaling`: training steps under `mpiexec` on 1, 2 and 4 ranks for each strategy, measured
-  beside the cost model's calibrated prediction (see `runtime.bench_scaling`).
+  beside the cost model's calibrated prediction (see `runtime.bench_scaling`); with `--hosts H
+  --link RATE[,RATE...]`, on an emulated cluster, predicted from the machine file `bench machine`
+  measured there (`runtime.bench_cluster`);
+- `machine`: run under `mpiexec` or `legion-nn cluster run`, it measures the machine file a plan
+  is costed on (`runtime.machine_bench`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from pathlib import Path
 from legion_nn.errors import LegionNNError
 
 NAME = "bench"
-HELP = "benchmarks: kernel GFLOP/s beside SGEMM and peers; distributed step time vs the model"
-SUITES = ("kernels", "scaling")
+HELP = (
+    "benchmarks: kernel GFLOP/s beside SGEMM and peers; distributed step time vs the model; "
+    "the machine file"
+)
+SUITES = ("kernels", "scaling", "machine")
+KERNEL_BATCHES = [64, 256]
 IMPLS = ("legion-nn", "numpy", "torch")
 
 
@@ -39,8 +47,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         type=_positive,
         nargs="+",
-        default=[64, 256],
-        help="batch sizes (default: 64 256)",
+        default=None,
+        help="batch sizes (kernels, default: 64 256); machine: the network's batch (default: 64); "
+        "scaling --hosts: the batch of --network",
+    )
+    parser.add_argument(
+        "--network",
+        metavar="NET",
+        help="machine: the network whose pieces are timed (default: seed-lcn-small); scaling "
+        "--hosts: the one network to run (default: seed-lcn-small at batch 64 and seed-lcn at 16)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="machine: fewer ping-pong sizes and repeats (for tests)",
+    )
+    parser.add_argument(
+        "--hosts",
+        metavar="H",
+        type=_positive,
+        help="scaling: run on an emulated cluster of H hosts (needs root and iproute2)",
+    )
+    parser.add_argument(
+        "--link",
+        metavar="RATE[,RATE...]",
+        help="scaling --hosts: each host's link, e.g. 1gbit or 250mbit,1gbit,3gbit for a sweep",
+    )
+    parser.add_argument(
+        "--ranks",
+        metavar="R",
+        type=_positive,
+        help="scaling --hosts: ranks across the hosts (default: one per host)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="F",
+        help="scaling --hosts: write the step time against link bandwidth figure to F (png, svg, pdf)",
     )
     parser.add_argument(
         "--repeat",
@@ -94,6 +136,18 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    say = None if args.quiet else progress
+    if args.suite == "machine":
+        return _machine(args, say)
+    if args.suite == "scaling" and args.hosts is not None:
+        return _cluster_scaling(args, say)
+    for flag, value in (("--hosts", args.hosts), ("--link", args.link), ("--ranks", args.ranks),
+                        ("--plot", args.plot), ("--network", args.network)):  # fmt: skip
+        if value is not None:
+            needs = "--hosts" if flag != "--hosts" else "scaling"
+            raise LegionNNError(f"{flag} is for bench scaling --hosts, not bench {args.suite}"
+                                if flag != "--network" else
+                                f"--network is for bench machine or scaling --hosts ({needs})")  # fmt: skip
     if args.suite == "scaling":
         from runtime import bench_scaling
 
@@ -108,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     report = run_benchmark(
-        batches=tuple(args.batch),
+        batches=tuple(args.batch or KERNEL_BATCHES),
         repeat=args.repeat,
         peer_repeat=args.peer_repeat,
         rounds=args.rounds,
@@ -118,4 +172,67 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(report))
     if args.json:
         write_text(args.json, json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _single_batch(args: argparse.Namespace, default: int) -> int:
+    if args.batch is None:
+        return default
+    if len(args.batch) != 1:
+        raise LegionNNError(
+            f"--batch: bench {args.suite} takes one batch size, got {len(args.batch)}"
+        )
+    return args.batch[0]
+
+
+def _machine(args: argparse.Namespace, say) -> int:
+    from legion_nn.atomic import write_text
+    from legion_nn.networks import load_network
+    from runtime import machine_bench
+
+    network = args.network or "seed-lcn-small"
+    load_network(network)  # a bad name fails before the ping-pongs
+    machine = machine_bench.measure(
+        network, _single_batch(args, 64), quick=args.quick, progress=say
+    )
+    if machine is None:  # not rank 0
+        return 0
+    print(machine_bench.format_summary(machine), end="")
+    if args.json:
+        write_text(args.json, json.dumps(machine, indent=1) + "\n")
+    return 0
+
+
+def _cluster_scaling(args: argparse.Namespace, say) -> int:
+    from legion_nn.atomic import write_text
+    from runtime import bench_cluster, cluster
+    from visualize.render_file import check_plot, write_figure
+
+    if args.link is None:
+        raise LegionNNError("bench scaling --hosts needs --link RATE[,RATE...]")
+    links = [link.strip() for link in args.link.split(",") if link.strip()]
+    for link in links:
+        cluster.parse_rate(link)
+    if args.plot is not None:
+        check_plot(args.plot)
+    if args.network is not None:
+        from legion_nn.networks import load_network
+
+        load_network(args.network)
+        cases = ((args.network, _single_batch(args, 64)),)
+    else:
+        if args.batch is not None:
+            raise LegionNNError("--batch with scaling --hosts needs --network")
+        cases = bench_cluster.DEFAULT_CASES
+    cluster.require()
+    report = bench_cluster.run_cluster_scaling(
+        args.hosts, links, args.ranks, cases, steps=args.steps, progress=say
+    )
+    print(bench_cluster.format_table(report), end="")
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        from visualize.link_sweep import link_sweep_figure
+
+        write_figure(link_sweep_figure(report), args.plot)
     return 0

@@ -16,7 +16,6 @@ from pathlib import Path
 
 NAME = "memory"
 HELP = "peak memory of one training step of a Chainer dump or a network, per data-parallel rank"
-PLOT_FORMATS = ("png", "pdf", "svg")
 NETWORK_BATCH = 256
 
 
@@ -68,17 +67,14 @@ def _size(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_bytes
     from legion_nn.errors import LegionNNError
+    from visualize.render_file import check_plot
 
     if args.ranks < 1:
         raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
     if args.batch is not None and args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
-    plot_format = Path(args.plot).suffix.lower()[1:] if args.plot else None
-    if args.plot and plot_format not in PLOT_FORMATS:
-        raise LegionNNError(
-            f"--plot {args.plot}: unknown format; give a file ending in "
-            + ", ".join(f".{f}" for f in PLOT_FORMATS)
-        )
+    if args.plot:
+        check_plot(args.plot)
 
     report = _schedule(args).analyze(args.ranks)
     result = report.to_json()
@@ -89,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         from visualize.memory import live_bytes_figure
 
         buffer = io.BytesIO()
-        live_bytes_figure(report).savefig(buffer, format=plot_format)
+        live_bytes_figure(report).savefig(buffer, format=check_plot(args.plot))
         outputs.append((args.plot, buffer.getvalue()))
     for path, data in outputs:
         write_bytes(path, data)

@@ -10,15 +10,12 @@ only, as an imported graph's are, has one plan to offer: `data`, which `auto` th
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
-from pathlib import Path
 
 NAME = "partition"
 DEFAULT_BATCH = 256
 HELP = "partition a network over R ranks (data, model, spatial, auto) and predict its step"
-PLOT_FORMATS = ("png", "pdf", "svg")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +75,7 @@ def _ranks_list(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from legion_nn.atomic import write_bytes, write_text
+    from legion_nn.atomic import write_text
     from legion_nn.errors import LegionNNError
     from legion_nn.sources import load_source_graph
     from legion_nn.verify import verify
@@ -88,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.report import report_json, sweep_table, table
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
+    from runtime.step_simulator import step_prediction
+    from visualize.render_file import check_plot, write_figure
 
     if args.batch is not None and args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
@@ -95,14 +94,8 @@ def run(args: argparse.Namespace) -> int:
         raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
     if not args.time_limit >= 0:
         raise LegionNNError(f"--time-limit must be at least 0 seconds, got {args.time_limit}")
-    plot_format = Path(args.plot).suffix.lower()[1:] if args.plot else None
-    if args.plot and not args.sweep and plot_format not in PLOT_FORMATS:
-        raise LegionNNError(
-            f"--plot {args.plot}: unknown format; give a file ending in "
-            + ", ".join(f".{f}" for f in PLOT_FORMATS)
-        )
-    if args.plot and not Path(args.plot).parent.is_dir():
-        raise LegionNNError(f"--plot {args.plot}: no such directory {Path(args.plot).parent}")
+    if args.plot:
+        check_plot(args.plot)
     if args.ranks is None and not args.sweep:
         raise LegionNNError("give --ranks R (or --sweep LIST)")
     machine = load_machine(args.machine)
@@ -118,17 +111,16 @@ def run(args: argparse.Namespace) -> int:
             graph, args.strategy, nranks, machine, args.time_limit, note=_note
         )
         plan = build_plan(graph, strategy, nranks)
-        reports.append(report_json(graph, plan, plan_cost(graph, plan, machine), why))
+        cost = plan_cost(graph, plan, machine)
+        step = step_prediction(graph, plan, machine, cost.step_seconds)
+        reports.append(report_json(graph, plan, cost, why, step))
     if args.sweep:
         sys.stdout.write(sweep_table(reports))
         payload = {"sweep": reports}
         if args.plot:
             from visualize.sweep import sweep_figure
 
-            figure = sweep_figure(reports)
-            buffer = io.BytesIO()
-            figure.savefig(buffer, format="png", dpi=120)
-            write_bytes(args.plot, buffer.getvalue())
+            write_figure(sweep_figure(reports), args.plot, dpi=120)
     else:
         sys.stdout.write(table(reports[0]))
         payload = reports[0]
@@ -139,10 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{graph.network}, batch {graph.batch}: strategy {plan.strategy} on "
                 f"{plan.nranks} ranks"
             )
-            buffer = io.BytesIO()
-            figure = partition_map_figure(partition_maps(graph, plan), title)
-            figure.savefig(buffer, format=plot_format, dpi=110)
-            write_bytes(args.plot, buffer.getvalue())
+            write_figure(partition_map_figure(partition_maps(graph, plan), title), args.plot)
     if args.json:
         write_text(args.json, json.dumps(payload, indent=1) + "\n")
     return 0

@@ -1,0 +1,215 @@
+"""`legion-nn bench scaling --hosts H --link RATE[,RATE...]`: the cost model on an emulated cluster.
+
+For each link rate an emulated cluster of H hosts is brought up (`runtime.cluster`), and for each
+network (at its batch):
+
+1. `legion-nn bench machine` runs on the cluster (one `mpiexec` job, R ranks across the hosts) and
+   writes the machine file: the link between hosts and within one, the runtime's kernels on the
+   network's pieces, its per-task overhead, memory bandwidth, cores and memory per rank;
+2. each strategy's step is predicted from that file alone, as `legion-nn partition --machine F`
+   predicts it (`auto` is the plan the search picks on that machine), and so is one rank's on one
+   host (the "one host" row, measured once per network: it has no link), the step data
+   parallelism must beat to pay;
+3. each strategy's step is measured: `legion-nn train --strategy S` (auto with `--machine F`) on
+   the same cluster, timed as `bench scaling` times its jobs (`best_jobs`: at least a second of
+   steps, the best of `repeat` runs taken round-robin, a step being its slowest rank's).
+
+The rows give both, their error, the bytes a step sends and which plan auto chose; the plot puts
+step time against the link's bandwidth, one colour per strategy, predicted lines and measured
+points, so that it shows where data parallelism stops paying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from legion_nn.errors import LegionNNError
+from legion_nn.networks import load_network
+from partitioner.cost import plan_cost
+from partitioner.machine import Machine, load_machine
+from partitioner.plan import build_plan
+from partitioner.search import auto
+from partitioner.strategy import builtin
+from runtime import cluster
+from runtime.bench_scaling import OPTIMIZER, WARMUP, best_jobs
+from runtime.step_simulator import step_prediction
+
+DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 16))
+STRATEGIES = ("data", "model", "spatial", "auto")
+#: the row of one rank on one host: the step data parallelism must beat to pay
+ONE_HOST = "one host"
+#: auto's search on the benchmark's machine: the same limit `train` gives it
+SEARCH_SECONDS = 30.0
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "legion_nn.cli", *args]
+
+
+def measure_machine(name: str, ranks: int, network: str, batch: int, path: Path) -> Machine:
+    """`legion-nn bench machine` on cluster `name`; the machine file it wrote."""
+    command = _cli(
+        "cluster", "run", "--on", name, "-n", str(ranks), "--",
+        *_cli("bench", "machine", "--network", network, "--batch", str(batch),
+              "--json", str(path)),
+    )  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LegionNNError(f"bench scaling: bench machine on cluster {name} failed: {last}")
+    return load_machine(str(path))
+
+
+def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machine) -> dict:
+    """The step `partition --machine` predicts (simulated), its bulk-synchronous sum, and for
+    auto the families it chose."""
+    graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+    chosen = ""
+    if strategy == "auto":
+        result = auto(graph, ranks, machine, SEARCH_SECONDS)
+        plan_strategy = result.strategy
+        chosen = ",".join(sorted({c.family for c in result.choices}))
+    else:
+        plan_strategy = builtin(graph, strategy, ranks)
+    plan = build_plan(graph, plan_strategy, ranks)
+    cost = plan_cost(graph, plan, machine)
+    step = step_prediction(graph, plan, machine, cost.step_seconds)
+    return {
+        "predicted_s": step["predicted_step_seconds"],
+        "bulk_synchronous_s": step["bulk_synchronous_seconds"],
+        "bytes_planned": cost.bytes_sent,
+        "auto_chose": chosen,
+    }
+
+
+def run_cluster_scaling(
+    hosts: int,
+    links: Sequence[str],
+    ranks: int | None = None,
+    cases: Sequence[tuple[str, int]] = DEFAULT_CASES,
+    strategies: Sequence[str] = STRATEGIES,
+    steps: int = 8,
+    repeat: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    say = progress or (lambda line: None)
+    ranks = ranks or hosts
+    rates = [(link, cluster.parse_rate(link)) for link in links]
+    rows, machines = [], []
+    one_host: dict[tuple[str, int], object] = {}
+    name = f"s{os.getpid() % 10_000_000}"
+    with tempfile.TemporaryDirectory(prefix="legion-nn-cluster-scaling-") as tmp:
+        for link, bits in rates:
+            say(f"cluster {name}: {hosts} hosts, link {link}")
+            made = cluster.up(name, hosts, bits)
+            try:
+                launch = _cli("cluster", "run", "--on", name, "-n", str(ranks), "--")
+                for network, batch in cases:
+                    where = Path(tmp) / f"{link}-{network}"
+                    where.mkdir()
+                    say(f"{network} batch {batch}: bench machine on {ranks} ranks")
+                    machine_file = where / "machine.json"
+                    machine = measure_machine(made.name, ranks, network, batch, machine_file)
+                    machines.append(
+                        {"link": link, "network": network, "batch": batch}
+                        | json.loads(machine_file.read_text())
+                    )
+                    specs = [
+                        {
+                            "network": network, "batch": batch, "ranks": ranks,
+                            "strategy": strategy, "steps": steps, "launch": launch,
+                            "extra": ["--machine", str(machine_file)] if strategy == "auto"
+                            else [],
+                        }
+                        for strategy in strategies
+                    ]  # fmt: skip
+                    labels = list(strategies)
+                    if (network, batch) not in one_host:
+                        # no link in it: measured once, on the first cluster
+                        labels.append(ONE_HOST)
+                        specs.append(
+                            {"network": network, "batch": batch, "ranks": 1, "strategy": "data",
+                             "steps": steps, "launch": _cli("cluster", "run", "--on", name,
+                                                            "-n", "1", "--")}
+                        )  # fmt: skip
+                    jobs = best_jobs(specs, repeat, where / "jobs", say)
+                    if ONE_HOST in labels:
+                        one_host[network, batch] = jobs[-1]
+                    else:
+                        labels.append(ONE_HOST)
+                        jobs.append(one_host[network, batch])
+                    for label, job in zip(labels, jobs):
+                        count = 1 if label == ONE_HOST else ranks
+                        row = {
+                            "link": link, "link_bits": bits, "network": network,
+                            "batch": batch, "hosts": hosts, "ranks": count,
+                            "strategy": label,
+                        }  # fmt: skip
+                        if isinstance(job, LegionNNError):
+                            rows.append(row | {"failed": str(job).split(": ", 2)[-1]})
+                            continue
+                        strategy = "data" if label == ONE_HOST else label
+                        predicted = predict(network, batch, count, strategy, machine)
+                        rows.append(
+                            row
+                            | predicted
+                            | {
+                                "measured_s": job.step_seconds,
+                                "error": predicted["predicted_s"] / job.step_seconds - 1.0,
+                                "bytes_per_step": job.bytes_per_step,
+                            }
+                        )
+            finally:
+                cluster.down(name)
+    return {
+        "hosts": hosts,
+        "ranks": ranks,
+        "links": list(links),
+        "min_steps": steps,
+        "warmup": WARMUP,
+        "repeat": repeat,
+        "machines": machines,
+        "results": rows,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"{report['hosts']} emulated hosts, {report['ranks']} ranks",
+        (
+            f"{'link':>9s} {'network':16s} {'batch':>5s} {'strategy':8s} {'measured':>10s} "
+            f"{'predicted':>10s} {'error':>7s} {'bytes/step':>14s}  auto chose"
+        ),
+    ]
+    for row in report["results"]:
+        head = f"{row['link']:>9s} {row['network']:16s} {row['batch']:5d} {row['strategy']:8s}"
+        if "failed" in row:
+            lines.append(f"{head} failed: {row['failed']}")
+            continue
+        lines.append(
+            f"{head} {row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "
+            f"{row['bytes_per_step']:14,d}  {row['auto_chose']}"
+        )
+    for network in dict.fromkeys(r["network"] for r in report["results"]):
+        for link in report["links"]:
+            done = [
+                r
+                for r in report["results"]
+                if r["network"] == network and r["link"] == link and "measured_s" in r
+            ]
+            fixed = [r for r in done if r["strategy"] not in ("auto", ONE_HOST)]
+            chosen = [r for r in done if r["strategy"] == "auto"]
+            if fixed and chosen:
+                best = min(fixed, key=lambda r: r["measured_s"])
+                ratio = chosen[0]["measured_s"] / best["measured_s"] - 1.0
+                lines.append(
+                    f"{network} at {link}: auto {ratio:+.1%} against the best measured "
+                    f"({best['strategy']})"
+                )
+    return "\n".join(lines) + "\n"

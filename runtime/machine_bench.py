@@ -1,0 +1,281 @@
+"""`legion-nn bench machine`: measure the machine file a plan is costed on.
+
+Run it where the job will run: under `mpiexec -n R` on a cluster, or `legion-nn cluster run
+--hosts H --link RATE -n R -- legion-nn bench machine` on the emulated one. Every rank takes its
+share of its host's cores, as `train` does; rank 0 measures while the others wait (sleeping, so
+that the cores of a host stay with the rank measuring), and writes the file:
+
+- the links, from ping-pongs at 8 B to 16 MiB (`mpi_executor.link_times`), each fitted as latency
+  plus bytes over bandwidth (`fit_link`): rank 0 and the first rank on another host (the link
+  between hosts, `latency_us` and `link_gbytes_per_s`), and rank 0 and rank 1 where they share a
+  host (`intra_host`); between hosts also both directions at once (`duplex_gbytes_per_s`: links
+  are full duplex);
+- the layout: hosts, ranks per host (ranks are placed in blocks), the cores a rank has and its
+  share of its host's memory (`rank_memory_gib`);
+- compute on the named network's shapes: every distinct piece of its data, model and spatial
+  plans, on 1 rank and on R, timed with the runtime's kernels on the rank's thread count
+  (`runtime.task_profile`, FlexFlow's per-configuration measurement) into the `pieces` table;
+- the runtime's costs outside its kernels, from a traced one-rank training of the network in
+  this process (`bench_scaling.calibrate`): per-task overhead, the factor by which a kernel in a
+  step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
+  memory-bound tasks reach, and each op's rate for pieces the table lacks (`op_gflops`).
+
+`partition --machine F`, `render --machine F` and `train --strategy auto --machine F` read it
+(`partitioner.machine`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import socket
+import statistics
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+
+from legion_nn.errors import LegionNNError
+from legion_nn.networks import load_network
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+from runtime import data
+from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, calibrate, memory_bandwidth
+from runtime.distributed import RunOptions, host_cores, train_rank, world_size_from_env
+from runtime.task_profile import profile_plan, sample_step
+from runtime.training import TrainConfig
+from runtime.transport import ThreadTransport
+
+LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20)
+QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
+DUPLEX_SIZES = (1 << 20, 4 << 20)
+STRATEGIES = ("data", "model", "spatial")
+#: steps of the traced one-rank training that calibrates the runtime's own costs
+CALIBRATION_STEPS = 12
+
+
+def _host_memory_gib() -> float:
+    """This host's memory, or the cgroup's limit where that is smaller."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    try:
+        text = limit.read_text().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
+    return total / 2**30
+
+
+def _layout(hosts: list[str]) -> tuple[int, int]:
+    """(host count, ranks per host) of ranks placed in blocks, host by host."""
+    names = list(dict.fromkeys(hosts))
+    per_host = hosts.count(names[0])
+    expected = [name for i, name in enumerate(names) for _ in range(per_host)][: len(hosts)]
+    if hosts != expected:
+        raise LegionNNError(
+            "bench machine: ranks are not placed in blocks host by host "
+            f"({', '.join(hosts)}); the cost model places them so"
+        )
+    return len(names), per_host
+
+
+def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
+    """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
+    graph_network = load_network(network)
+    dataset = data.load("synthetic", graph_network.input, graph_network.classes, 0, np.float32)
+    config = TrainConfig(
+        network=graph_network,
+        dataset=dataset,
+        batch=batch,
+        steps=CALIBRATION_STEPS,
+        optimizer=OPTIMIZER,
+    )
+    with tempfile.TemporaryDirectory(prefix="legion-nn-machine-") as tmp:
+        trace_path = Path(tmp) / "trace.json"
+        log = io.StringIO()
+        (transport,) = ThreadTransport.group(1)
+        train_rank(config, transport, RunOptions(strategy="data", trace=str(trace_path)), log=log)
+        trace = json.loads(trace_path.read_text())
+    records = [json.loads(line) for line in log.getvalue().splitlines()]
+    steps = [r["seconds"] for r in records if "step" in r and r["step"] >= WARMUP]
+    job = Job(network, batch, 1, "data", statistics.median(steps), 0, trace)
+    fitted = calibrate(job, threads, memory_bandwidth(), profiled)
+    return {
+        "op_gflops": fitted.op_gflops,
+        "memory_gbytes_per_s": fitted.memory_gbytes_per_s,
+        "task_overhead_us": fitted.task_overhead_us,
+        "compute_factor": fitted.compute_factor,
+        "loop_us": fitted.loop_seconds * 1e6,
+    }
+
+
+def piece_rows(cache: dict) -> list[dict]:
+    """The profile's times as the machine file's `pieces` table."""
+    rows = []
+    for (threads, key), seconds in sorted(cache.items(), key=lambda item: item[0][1]):
+        op, phase, attrs, shape, requirements = json.loads(key)
+        rows.append(
+            {
+                "op": op,
+                "phase": phase,
+                "attrs": attrs,
+                "shape": shape,
+                "requirements": requirements,
+                "threads": threads,
+                "seconds": seconds,
+            }
+        )
+    return rows
+
+
+def measure_compute(
+    network: str, batch: int, ranks: int, strategies: Sequence[str], threads: int
+) -> tuple[list[dict], dict]:
+    """The pieces table of the network's plans on 1 and `ranks` ranks, and the calibration."""
+    graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+    sample = sample_step(graph)
+    cache: dict = {}
+    profiled_one = profile_plan(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
+                                sample, cache)  # fmt: skip
+    for count in sorted({ranks} - {1}):
+        for strategy in strategies:
+            plan = build_plan(graph, builtin(graph, strategy, count), count)
+            profile_plan(graph, plan, threads, sample, cache)
+    del sample, graph
+    return piece_rows(cache), calibrate_in_process(network, batch, threads, profiled_one)
+
+
+def _gbytes(seconds_per_byte: float) -> float:
+    return 1.0 / seconds_per_byte / 1e9
+
+
+def measure(
+    network: str,
+    batch: int,
+    strategies: Sequence[str] = STRATEGIES,
+    quick: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict | None:
+    """The machine file's object on rank 0 (None on the others)."""
+    from runtime.distributed import ranks_on_this_host, share_cores
+
+    say = progress or (lambda line: None)
+    threads = share_cores(ranks_on_this_host())
+    distributed = world_size_from_env() is not None
+    if distributed:
+        from runtime import mpi_executor as mpi
+
+        rank, size = mpi.world()
+        hosts = mpi.allgather(socket.gethostname())
+    else:
+        rank, size, hosts = 0, 1, [socket.gethostname()]
+    host_count, per_host = _layout(hosts)
+    out: dict = {}
+    pingpong: list[dict] = []
+    sizes = QUICK_LINK_SIZES if quick else LINK_SIZES
+    repeat = 5 if quick else 20
+    pairs = []
+    if host_count > 1:
+        pairs.append(("inter_host", 0, per_host))
+    if per_host > 1:
+        pairs.append(("intra_host", 0, 1))
+    links = {}
+    for name, a, b in pairs:
+        if rank == 0:
+            say(f"ping-pong {name}: ranks {a} and {b}")
+        times = mpi.link_times(a, b, sizes, repeat)
+        duplex = (
+            mpi.link_times(a, b, DUPLEX_SIZES, repeat, duplex=True)
+            if name == "inter_host"
+            else None
+        )
+        if rank == 0:
+            pingpong += [{"pair": name, "bytes": s, "seconds": t} for s, t in zip(sizes, times)]
+            links[name] = mpi.fit_link(list(zip(sizes, times)))
+            if duplex is not None:
+                out["duplex_gbytes_per_s"] = max(s / t for s, t in zip(DUPLEX_SIZES, duplex)) / 1e9
+    if rank == 0:
+        say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
+        pieces, fitted = measure_compute(network, batch, size, strategies, threads)
+    if distributed:
+        mpi.idle_barrier()
+    if rank != 0:
+        return None
+    main = links.get("inter_host") or links.get("intra_host")
+    latency, per_byte = main if main else (0.0, 0.0)
+    rates = fitted["op_gflops"]
+    out |= {
+        "rank_gflops": statistics.median(rates.values()) if rates else 1.0,
+        # one process has no link: a machine file needs one, so it says what the cost model
+        # then assumes (the default machine's) and measured_on says there was none
+        "link_gbytes_per_s": _gbytes(per_byte) if main else 12.5,
+        "latency_us": latency * 1e6 if main else 2.0,
+        "rank_memory_gib": _host_memory_gib() / per_host,
+        "memory_gbytes_per_s": fitted["memory_gbytes_per_s"],
+        "task_overhead_us": fitted["task_overhead_us"],
+        "op_gflops": rates,
+        "ranks_per_host": per_host,
+        "compute_factor": fitted["compute_factor"],
+        "loop_us": fitted["loop_us"],
+        "pieces": pieces,
+        "hosts": host_count,
+        "rank_cores": max(1, host_cores() // per_host),
+        "pingpong": pingpong,
+        "measured_on": {
+            "network": network,
+            "batch": batch,
+            "ranks": size,
+            "hosts": list(dict.fromkeys(hosts)),
+            "threads_per_rank": threads,
+            "links_measured": [name for name, _, _ in pairs] or "none (one process)",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "legion_nn": _version(),
+        },
+    }
+    if "intra_host" in links and "inter_host" in links:
+        latency, per_byte = links["intra_host"]
+        out["intra_host"] = {"latency_us": latency * 1e6, "gbytes_per_s": _gbytes(per_byte)}
+    return out
+
+
+def _version() -> str:
+    try:
+        return version("legion-nn")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def format_summary(machine: dict) -> str:
+    intra = machine.get("intra_host")
+    lines = [
+        (
+            f"hosts {machine['hosts']}, {machine['ranks_per_host']} rank(s) per host, "
+            f"{machine['rank_cores']} core(s) and {machine['rank_memory_gib']:.1f} GiB per rank"
+        ),
+        f"link: {machine['latency_us']:.1f} us, {machine['link_gbytes_per_s']:.3f} GB/s"
+        + (
+            f" (both ways at once: {machine['duplex_gbytes_per_s']:.3f} GB/s)"
+            if "duplex_gbytes_per_s" in machine
+            else ""
+        ),
+    ]
+    if intra:
+        lines.append(
+            f"within a host: {intra['latency_us']:.1f} us, {intra['gbytes_per_s']:.2f} GB/s"
+        )
+    by_op: dict[str, float] = defaultdict(float)
+    for row in machine["pieces"]:
+        by_op[f"{row['op']}.{row['phase']}"] += row["seconds"]
+    lines.append(
+        f"{len(machine['pieces'])} pieces timed; per-task overhead "
+        f"{machine['task_overhead_us']:.1f} us, kernels in a step x{machine['compute_factor']:.2f}, "
+        f"{machine['loop_us']:.0f} us a step outside tasks, memory "
+        f"{machine['memory_gbytes_per_s']:.1f} GB/s"
+    )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,177 @@
+"""The measured machine file (`bench machine`'s keys): parsing, bad input, the link between
+hosts and within one, and compute read from the table of measured pieces."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from legion_nn.cli import main
+from legion_nn.errors import LegionNNError
+from legion_nn.networks import load_network
+from partitioner.cost import compute_per_rank, plan_cost
+from partitioner.machine import Machine, machine_from_json, piece_key_of
+from partitioner.piece_times import piece_key
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+from runtime.mpi_executor import fit_link
+from runtime.step_simulator import SIMULATE_MAX_RANKS, predict_step, step_prediction
+
+PIECE = {"op": "linear", "phase": "forward", "attrs": {}, "shape": [1], "requirements": []}
+BASE = {"rank_gflops": 10, "link_gbytes_per_s": 0.125, "latency_us": 30, "rank_memory_gib": 4}
+
+
+def _graph_and_plan(strategy: str = "model", ranks: int = 2):
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    return graph, build_plan(graph, builtin(graph, strategy, ranks), ranks)
+
+
+def _rows(graph, plan, seconds_of) -> list[dict]:
+    """A pieces table for `plan`, piece k of the plan's distinct pieces taking `seconds_of(k)`."""
+    rows: dict[str, dict] = {}
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        for piece in task_plan.pieces:
+            key = piece_key(task, piece.rect.shape, piece.requirements)
+            if key not in rows:
+                op, phase, attrs, shape, requirements = json.loads(key)
+                rows[key] = {
+                    "op": op, "phase": phase, "attrs": attrs, "shape": shape,
+                    "requirements": requirements, "threads": 1,
+                    "seconds": seconds_of(len(rows)),
+                }  # fmt: skip
+    return list(rows.values())
+
+
+def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
+    graph, plan = _graph_and_plan()
+    data = {
+        **BASE,
+        "ranks_per_host": 2,
+        "intra_host": {"latency_us": 2, "gbytes_per_s": 8},
+        "pieces": _rows(graph, plan, lambda k: 1e-4 * (k + 1)),
+        "compute_factor": 1.25,
+        "loop_us": 300,
+        "hosts": 2,
+        "rank_cores": 1,
+        "duplex_gbytes_per_s": 0.12,
+        "pingpong": [{"pair": "inter_host", "bytes": 8, "seconds": 3e-5}],
+        "measured_on": {"network": "seed-lcn-small", "batch": 8},
+    }
+    machine = machine_from_json(data)
+    assert machine.to_json() == data
+    assert machine_from_json(json.loads(json.dumps(machine.to_json()))) == machine
+    assert machine.loop_seconds == pytest.approx(3e-4)
+    assert [machine.host(r) for r in range(5)] == [0, 0, 1, 1, 2]
+    assert machine.link(0, 1) == pytest.approx((2e-6, 1 / 8e9))
+    assert machine.link(1, 2) == pytest.approx((30e-6, 1 / 0.125e9))
+    # without ranks_per_host every rank is its own host: the link is between ranks
+    assert machine_from_json(BASE).link(0, 1) == machine_from_json(BASE).link(0, 0)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"ranks_per_host": 0}, "ranks_per_host must be a positive integer"),
+        ({"ranks_per_host": 1.5}, "ranks_per_host must be a positive integer"),
+        ({"intra_host": {"latency_us": 2}}, "intra_host must be"),
+        ({"intra_host": {"latency_us": 2, "gbytes_per_s": 0}}, "gbytes_per_s must be a positive"),
+        ({"compute_factor": -1}, "compute_factor must be a number >= 0"),
+        ({"loop_us": "fast"}, "loop_us must be a number >= 0"),
+        ({"pieces": {"a": 1}}, "pieces must be a list"),
+        ({"pieces": [{"op": "linear"}]}, r"pieces\[0\] needs op, phase"),
+        ({"pieces": [PIECE | {"requirements": [1], "seconds": 1}]}, r"pieces\[0\] is malformed"),
+        ({"pieces": [PIECE | {"seconds": -1}]}, r"pieces\[0\].seconds must be >= 0"),
+        ({"link_gbps": 1}, "unknown key 'link_gbps'"),
+    ],
+)
+def test_a_bad_measured_key_is_one_line_naming_it(extra, message, tmp_path, capsys):
+    with pytest.raises(LegionNNError, match=message):
+        machine_from_json({**BASE, **extra})
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps({**BASE, **extra}))
+    assert main(["partition", "seed-lcn-small", "--ranks", "2", "--machine", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err
+
+
+def test_compute_is_read_from_the_pieces_table_with_factor_and_overhead():
+    graph, plan = _graph_and_plan()
+    rows = _rows(graph, plan, lambda k: 1e-4 * (k + 1))
+    machine = machine_from_json(
+        {**BASE, "task_overhead_us": 20, "compute_factor": 1.5, "pieces": rows}
+    )
+    seconds = {piece_key_row: row["seconds"] for piece_key_row, row in zip(machine.pieces, rows)}
+    per_task = compute_per_rank(graph, plan, machine)
+    for task, task_plan, got in zip(graph.tasks, plan.tasks, per_task):
+        expected = np.zeros(plan.nranks)
+        working = np.zeros(plan.nranks, bool)
+        for piece in task_plan.pieces:
+            for rank in piece.ranks:
+                expected[rank] += seconds[piece_key(task, piece.rect.shape, piece.requirements)]
+                working[rank] = True
+        expected = np.where(working, expected * 1.5 + 20e-6, 0.0)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, err_msg=task.name)
+    # plan_cost's busiest rank reads the same table
+    cost = plan_cost(graph, plan, machine)
+    for task_cost, per in zip(cost.tasks, per_task):
+        if per.any():
+            assert task_cost.compute_s == pytest.approx(float(per.max()), rel=1e-9)
+
+
+def test_a_task_with_a_piece_the_table_lacks_is_priced_by_the_flop_model():
+    graph, plan = _graph_and_plan()
+    rows = _rows(graph, plan, lambda k: 1.0)  # a second a piece: far from the FLOP model
+    lacking = next(i for i, t in enumerate(graph.tasks) if t.op == "linear")
+    task = graph.tasks[lacking]
+    gone = {piece_key(task, p.rect.shape, p.requirements) for p in plan.tasks[lacking].pieces}
+    kept = [r for r in rows if _key(r) not in gone]
+    measured = compute_per_rank(graph, plan, machine_from_json({**BASE, "pieces": kept}))
+    modelled = compute_per_rank(graph, plan, machine_from_json(BASE))
+    for index, (task, task_plan) in enumerate(zip(graph.tasks, plan.tasks)):
+        keys = {piece_key(task, p.rect.shape, p.requirements) for p in task_plan.pieces}
+        if keys & gone:
+            np.testing.assert_allclose(measured[index], modelled[index], rtol=1e-12)
+        elif keys:
+            assert measured[index].max() >= 1.0, task.name
+    assert gone and len(kept) < len(rows)
+
+
+def _key(row: dict) -> str:
+    return piece_key_of(row["op"], row["phase"], row["attrs"], row["shape"], row["requirements"])
+
+
+def test_a_link_fit_recovers_latency_and_bandwidth():
+    sizes = [8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20]
+    latency, per_byte = 25e-6, 1 / 0.117e9
+    latency_fit, per_byte_fit = fit_link([(s, latency + s * per_byte) for s in sizes])
+    # the latency is the smallest message's time: 8 bytes' worth above the true intercept
+    assert latency_fit == pytest.approx(latency + 8 * per_byte, rel=1e-12)
+    assert per_byte_fit == pytest.approx(per_byte, rel=1e-9)
+
+
+def test_the_step_is_simulated_up_to_a_rank_count_then_summed():
+    graph, plan = _graph_and_plan()
+    machine = Machine(**{**BASE, "loop_us": 500})
+    cost = plan_cost(graph, plan, machine)
+    step = step_prediction(graph, plan, machine, cost.step_seconds)
+    assert step["step_model"] == "simulated"
+    assert step["predicted_step_seconds"] == pytest.approx(
+        predict_step(graph, plan, machine).seconds + 5e-4, rel=1e-12
+    )
+    assert step["bulk_synchronous_seconds"] == pytest.approx(cost.step_seconds + 5e-4)
+    many = SIMULATE_MAX_RANKS * 2
+    big = build_plan(graph, builtin(graph, "data", many), many)
+    step = step_prediction(graph, big, machine, 1.0)
+    assert step["step_model"] == "bulk-synchronous"
+    assert step["predicted_step_seconds"] == step["bulk_synchronous_seconds"] == 1.0005
+
+
+def test_partition_json_gives_the_simulated_step(tmp_path):
+    out = tmp_path / "p.json"
+    argv = ["partition", "seed-lcn-small", "--ranks", "2", "--strategy", "model", "--json"]
+    assert main([*argv, str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["step_model"] == "simulated"
+    assert report["predicted_step_seconds"] > 0 and report["bulk_synchronous_seconds"] > 0
