@@ -67,6 +67,15 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
     report = json.loads(out.read_text())
     assert report["machine"] == data and report["step_model"] == "simulated"
     assert report["predicted_step_seconds"] > machine.loop_seconds
+    drawing = tmp_path / "plan.dot"
+    argv = ["render", "seed-lcn-small", "--batch", str(BATCH), "--ranks", "2"]
+    assert main([*argv, "--strategy", "auto", "--machine", str(path), "-o", str(drawing)]) == 0
+    assert "cluster_rank1" in drawing.read_text()
+    log = tmp_path / "log.jsonl"
+    argv = ["train", "seed-lcn-small", "--data", "synthetic", "--batch", str(BATCH), "--steps", "2"]
+    argv += ["--strategy", "auto", "--machine", str(path), "--no-progress", "--log-json", str(log)]
+    assert main(argv) == 0
+    assert any('"event": "done"' in line for line in log.read_text().splitlines())
 
 
 @pytest.mark.parametrize(

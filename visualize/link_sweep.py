@@ -32,8 +32,13 @@ def link_sweep_figure(report: dict) -> Figure:
                 if row["strategy"] == strategy
             )
             gbits = [p[0] for p in points]
-            ax.plot(gbits, [p[1] for p in points], "-", color=colour, label=f"{strategy} predicted")
-            ax.plot(gbits, [p[2] for p in points], "o", color=colour, label=f"{strategy} measured")
+            # auto is often one of the others: dashed and crossed so that both stay visible
+            line, marker = ("--", "x") if strategy == "auto" else ("-", "o")
+            ax.plot(
+                gbits, [p[1] for p in points], line, color=colour, label=f"{strategy} predicted"
+            )
+            ax.plot(gbits, [p[2] for p in points], marker, color=colour, markersize=8,
+                    label=f"{strategy} measured")  # fmt: skip
         alone = [row for row in mine if row["ranks"] == 1]
         if alone:
             # no link in it: the step data parallelism has to beat
