@@ -19,6 +19,11 @@ let alone kill anyone else. Once its line is written the watcher marks the claim
 that lost a peer waits for that (bounded) before it reports and aborts, since an abort can close
 the launcher's pipes before a watcher just woken has written.
 
+The last watcher out on a host also removes MPICH's shared-memory segment of the job
+(`/dev/shm/mpich_shm_*`, which MPICH unlinks in `MPI_Finalize`): a job that ends in `MPI_Abort`
+or by a signal would leave it behind, megabytes a job. The rank names the segments it has mapped
+once MPI is up (`Status.set_segments`); a job that finalized has unlinked them already.
+
 The rank process stays the one the launcher started, and the watcher lets go of the launcher's
 connection (`PMI_FD`) at once, so the launcher sees an ordinary MPI process. (The other way round,
 MPI in a forked child, makes MPICH's launcher kill the job at random when it finishes.)
@@ -37,6 +42,8 @@ import time
 import zlib
 
 _SIZE = 512
+_SEGMENTS_AT = 256  # the page's second half: the MPI library's shared-memory segments
+_SEGMENT_PREFIX = "/dev/shm/mpich_"
 PR_SET_PDEATHSIG = 1
 _ENDED = "\x00ended"
 
@@ -104,14 +111,25 @@ class Status:
     def _write(self) -> None:
         text = f"{self.rank if self.rank is not None else '?'}\t{self.step}\t{self.task}"
         self._page.seek(0)
-        self._page.write(text.encode()[: _SIZE - 1].ljust(_SIZE, b"\0"))
+        self._page.write(text.encode()[: _SEGMENTS_AT - 1].ljust(_SEGMENTS_AT, b"\0"))
+
+    def set_segments(self, paths: list[str]) -> None:
+        """The MPI library's shared-memory segments this rank has mapped (see the module)."""
+        text = "\n".join(p for p in paths if len(p) < _SIZE - _SEGMENTS_AT).encode()
+        self._page[_SEGMENTS_AT:_SIZE] = text[: _SIZE - _SEGMENTS_AT - 1].ljust(
+            _SIZE - _SEGMENTS_AT, b"\0"
+        )
+
+    def segments(self) -> list[str]:
+        raw = bytes(self._page[_SEGMENTS_AT:_SIZE]).rstrip(b"\0").decode(errors="replace")
+        return [p for p in raw.split("\n") if p.startswith(_SEGMENT_PREFIX)]
 
     def has_ended(self) -> bool:
         """Whether the rank has ended by its own hand, as its watcher reads the shared page."""
         return self.read()[2] == _ENDED
 
     def read(self) -> tuple[str, str, str]:
-        raw = bytes(self._page[:_SIZE]).rstrip(b"\0").decode(errors="replace")
+        raw = bytes(self._page[:_SEGMENTS_AT]).rstrip(b"\0").decode(errors="replace")
         rank, step, task = (raw.split("\t") + ["?", "?", "?"])[:3]
         return rank, step, task
 
@@ -225,9 +243,9 @@ class _DeathClaim:
         operations = _operations((_CLAIMED, -_NAMED, 0), (_CLAIMED, _NAMED, 0))
         return self._libc.semtimedop(self.id, operations, 2, ctypes.byref(_timespec(seconds))) == 0
 
-    def remove_if_unused(self, ended: bool) -> None:
+    def remove_if_unused(self, ended: bool) -> bool:
         """Called by the watcher once its rank is gone: the last watcher out removes the set, so
-        that nothing outlives the job.
+        that nothing outlives the job; True for the last watcher out.
 
         The kernel takes a dead rank's counts back in whichever of its threads exits last, and
         another of its threads may already have handed the watcher to init: the watcher can see
@@ -242,6 +260,8 @@ class _DeathClaim:
             time.sleep(0.001)
         if self._libc.semctl(self.id, _MEMBERS, _GETVAL) == 0:
             self._libc.semctl(self.id, 0, _IPC_RMID)
+            return True
+        return False
 
     def _semop(self, *ops: tuple[int, int, int]) -> None:
         array = _operations(*ops)
@@ -341,5 +361,18 @@ def _watch(status: Status, claim: _DeathClaim | None, parent: int) -> None:
             with contextlib.suppress(BaseException):
                 if first:
                     claim.mark_named()
-                claim.remove_if_unused(ended=status.has_ended())
+                if claim.remove_if_unused(ended=status.has_ended()):
+                    for path in status.segments():
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
         os._exit(code)
+
+
+def mapped_segments() -> list[str]:
+    """The MPI library's shared-memory segments this process has mapped (read once MPI is up)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split(maxsplit=5)[-1].strip() for line in maps if _SEGMENT_PREFIX in line]
+    except OSError:
+        return []
+    return sorted({p for p in paths if p.startswith(_SEGMENT_PREFIX) and " " not in p})

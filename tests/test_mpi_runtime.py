@@ -104,10 +104,21 @@ def cluster_namespaces() -> set[str]:
     return {name for name in names if name.startswith(f"lnn-{CLUSTER}-")}
 
 
+def mpich_segments() -> set[Path]:
+    return set(Path("/dev/shm").glob("mpich_*"))
+
+
 @pytest.fixture(params=LAUNCHERS)
 def launcher(request):
-    """Each launcher in turn; after a cluster job, nothing of it is left."""
+    """Each launcher in turn; after a job, nothing of it is left: MPICH's shared-memory segment
+    (removed by the last watcher out, after MPI_Abort and SIGKILL too), and after a cluster job
+    its namespaces and state."""
+    before = mpich_segments()
     yield request.param
+    deadline = time.monotonic() + 15  # the watchers outlive their ranks by a moment
+    while mpich_segments() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not mpich_segments() - before, "a job left MPICH's shared memory behind"
     if request.param != "local":
         assert not cluster_namespaces(), "a cluster job left namespaces behind"
         assert not Path(f"/run/legion-nn/clusters/{CLUSTER}").exists()

@@ -285,3 +285,16 @@ def test_a_watcher_leaves_the_set_to_ranks_still_alive(key):
     other._semop((other.slot, 1, 0), (supervisor._MEMBERS, 1, 0))  # rank 1 is alive
     claim.remove_if_unused(ended=False)
     assert existing_set(key) == claim.id
+
+
+def test_the_page_keeps_the_mpi_segments_apart_from_the_task():
+    from runtime.supervisor import Status
+
+    status = Status(3)
+    status.set(7, "L1.filter.grad")
+    status.set_segments(["/dev/shm/mpich_shm_1a2b_0", "/dev/shm/other", "/dev/shm/mpich_x"])
+    assert status.read() == ("3", "7", "L1.filter.grad")
+    # only the MPI library's segments are ever removed
+    assert status.segments() == ["/dev/shm/mpich_shm_1a2b_0", "/dev/shm/mpich_x"]
+    status.set(8, "x" * 1000)  # a long task name stays in its half of the page
+    assert status.segments() == ["/dev/shm/mpich_shm_1a2b_0", "/dev/shm/mpich_x"]

@@ -209,10 +209,12 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         return 2
     from runtime.distributed import ranks_on_this_host, share_cores
     from runtime.mpi_executor import MPITransport
+    from runtime.supervisor import mapped_segments
 
     share_cores(ranks_on_this_host())
     transport = MPITransport()
     status.set_rank(transport.rank)
+    status.set_segments(mapped_segments())
     root = transport.rank == 0
     log = None
     try:
