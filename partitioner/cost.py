@@ -21,7 +21,7 @@
 Known blind spots: no overlap of communication with computation or between tasks (FlexFlow's
 simulator models it); every op runs at one throughput unless calibrated (`machine.py`: per pass of
 the filter from `legion-nn bench kernels`, at its mean over batch sizes, whatever a rank's piece
-size) or its compute is `measured` (`runtime.task_profile` runs the plan's pieces); memory-bound
+size) or its compute is `measured` (`bench.task_profile` runs the plan's pieces); memory-bound
 ops (`set_zero`, elementwise) are free or nearly unless the machine gives a memory bandwidth, data
 loading always is, and the roofline counts each rect once (a kernel that
 re-reads from memory is underpriced); an all-reduce is priced as run in place (the runtime's case
@@ -215,7 +215,7 @@ def plan_cost(
     graph: TaskGraph, plan: Plan, machine: Machine, measured: Mapping[str, float] | None = None
 ) -> PlanCost:
     """The plan's predicted cost; `measured` gives, per task name, its busiest rank's compute
-    seconds as run on this machine (`runtime.task_profile`), in place of the FLOP model."""
+    seconds as run on this machine (`bench.task_profile`), in place of the FLOP model."""
     by_unit = memory_by_unit(graph, plan)
     total = np.zeros(plan.nranks, np.int64)
     for row in by_unit.values():

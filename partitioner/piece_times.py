@@ -1,7 +1,7 @@
 """Measured compute: a machine's table of piece times, and a plan's compute read from it.
 
 FlexFlow prices an operator configuration by running it once on the device. `legion-nn bench
-machine` does the same for the pieces of a network's plans (`runtime.task_profile` times them
+machine` does the same for the pieces of a network's plans (`bench.task_profile` times them
 with the runtime's kernels) and writes the times into the machine file (`"pieces"`). A piece is
 known by what decides its kernel's work, not by its task's name, so the table serves any graph
 with the same shapes:

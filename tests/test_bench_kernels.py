@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
+from bench import kernels as bench_kernels
 from legion_nn.commands import bench
-from runtime import bench_kernels
 from runtime.kernels import reference
 
 TOY = bench_kernels.LayerShape(c=2, k=3, r=3, s=2, p=4, q=3)

@@ -109,7 +109,7 @@ def _row(link: str, bits: float, strategy: str, measured: float, predicted: floa
 
 
 def test_the_cluster_table_and_figure_put_auto_against_the_best_and_one_host_apart():
-    from runtime.bench_cluster import ONE_HOST, format_table
+    from bench.cluster_scaling import ONE_HOST, format_table
     from visualize.link_sweep import link_sweep_figure
 
     rows = []

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from bench import jobs
+from bench.calibration import calibrate
+from bench.jobs import OPTIMIZER, WARMUP, Job, best_jobs
+from bench.scaling import format_table
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.accounting import bytes_per_rank, task_flops
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime import bench_scaling
-from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, best_jobs, calibrate, format_table
 
 OVERHEAD_S = 40e-6
 FACTOR = 1.25  # a kernel in a step against the same kernel profiled alone
@@ -103,7 +105,7 @@ def test_best_jobs_lengthen_short_jobs_go_round_robin_and_keep_the_fastest(monke
         seconds = base[network] * next(factors[network])
         return Job(network, batch, ranks, strategy, seconds, 0, {})
 
-    monkeypatch.setattr(bench_scaling, "run_job", fake_run_job)
+    monkeypatch.setattr(jobs, "run_job", fake_run_job)
     specs = [
         {"network": name, "batch": 4, "ranks": 1, "strategy": "data", "steps": 8}
         for name in ("short", "long", "broken")

@@ -1,4 +1,5 @@
-"""Imports point one way: legion_nn <- partitioner <- runtime; visualize may use the first two.
+"""Imports point one way: legion_nn <- partitioner <- runtime <- bench; visualize may use the
+first two. The benchmarks (`bench`) may use everything and nothing but the CLI uses them.
 
 Only runtime's MPI executor imports mpi4py; kernels import no graph or MPI code. The CLI's
 sub-commands may reach further, but only lazily, inside functions.
@@ -10,12 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("legion_nn", "partitioner", "runtime", "visualize")
+PACKAGES = ("legion_nn", "partitioner", "runtime", "visualize", "bench")
 FORBIDDEN = {
-    "legion_nn": {"partitioner", "runtime", "visualize", "mpi4py"},
-    "partitioner": {"runtime", "visualize", "mpi4py"},
-    "visualize": {"runtime", "mpi4py"},
-    "runtime": {"visualize"},
+    "legion_nn": {"partitioner", "runtime", "visualize", "bench", "mpi4py"},
+    "partitioner": {"runtime", "visualize", "bench", "mpi4py"},
+    "visualize": {"runtime", "bench", "mpi4py"},
+    "runtime": {"visualize", "bench"},
+    "bench": {"mpi4py"},
 }
 
 

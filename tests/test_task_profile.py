@@ -1,4 +1,4 @@
-"""`runtime.task_profile`: a plan's pieces run with the runtime's kernels, summed per rank."""
+"""`bench.task_profile`: a plan's pieces run with the runtime's kernels, summed per rank."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from bench import task_profile
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime import task_profile
 from runtime.aligned import LINE, aligned_copy, aligned_empty, aligned_zeros
 
 

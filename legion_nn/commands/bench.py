@@ -2,11 +2,11 @@
 
 - `kernels`: filter kernel throughput beside the machine's SGEMM, NumPy and PyTorch;
 - `scaling`: training steps under `mpiexec` on 1, 2 and 4 ranks for each strategy, measured
-  beside the cost model's calibrated prediction (see `runtime.bench_scaling`); with `--hosts H
+  beside the cost model's calibrated prediction (see `bench.scaling`); with `--hosts H
   --link RATE[,RATE...]`, on an emulated cluster, predicted from the machine file `bench machine`
-  measured there (`runtime.bench_cluster`);
+  measured there (`bench.cluster_scaling`);
 - `machine`: run under `mpiexec` or `legion-nn cluster run`, it measures the machine file a plan
-  is costed on (`runtime.machine_bench`).
+  is costed on (`bench.machine`).
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bench.kernels import format_table, run_benchmark
     from legion_nn.atomic import write_text
-    from runtime.bench_kernels import format_table, run_benchmark
 
     if args.json is not None:
         # fail before minutes of measuring, not after
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                                 if flag != "--network" else
                                 f"--network is for bench machine or scaling --hosts ({needs})")  # fmt: skip
     if args.suite == "scaling":
-        from runtime import bench_scaling
+        from bench import scaling as bench_scaling
 
         if args.steps <= bench_scaling.WARMUP:
             raise LegionNNError(f"--steps must exceed the {bench_scaling.WARMUP} untimed steps")
@@ -186,9 +186,9 @@ def _single_batch(args: argparse.Namespace, default: int) -> int:
 
 
 def _machine(args: argparse.Namespace, say) -> int:
+    from bench import machine as machine_bench
     from legion_nn.atomic import write_text
     from legion_nn.networks import load_network
-    from runtime import machine_bench
 
     network = args.network or "seed-lcn-small"
     load_network(network)  # a bad name fails before the ping-pongs
@@ -204,8 +204,9 @@ def _machine(args: argparse.Namespace, say) -> int:
 
 
 def _cluster_scaling(args: argparse.Namespace, say) -> int:
+    from bench import cluster_scaling as bench_cluster
     from legion_nn.atomic import write_text
-    from runtime import bench_cluster, cluster
+    from runtime import cluster
     from visualize.render_file import check_plot, write_figure
 
     if args.link is None:

@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bench.jobs import OPTIMIZER, WARMUP, best_jobs
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
@@ -37,7 +38,6 @@ from partitioner.plan import build_plan
 from partitioner.search import auto
 from partitioner.strategy import builtin
 from runtime import cluster
-from runtime.bench_scaling import OPTIMIZER, WARMUP, best_jobs
 from runtime.step_simulator import step_prediction
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 16))

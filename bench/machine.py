@@ -14,9 +14,9 @@ that the cores of a host stay with the rank measuring), and writes the file:
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
   plans, on 1 rank and on R, timed with the runtime's kernels on the rank's thread count
-  (`runtime.task_profile`, FlexFlow's per-configuration measurement) into the `pieces` table;
+  (`bench.task_profile`, FlexFlow's per-configuration measurement) into the `pieces` table;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
-  this process (`bench_scaling.calibrate`): per-task overhead, the factor by which a kernel in a
+  this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
   memory-bound tasks reach, and each op's rate for pieces the table lacks (`op_gflops`).
 
@@ -40,14 +40,15 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.calibration import calibrate, memory_bandwidth
+from bench.jobs import OPTIMIZER, WARMUP, Job
+from bench.task_profile import profile_plan, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime import data
-from runtime.bench_scaling import OPTIMIZER, WARMUP, Job, calibrate, memory_bandwidth
 from runtime.distributed import RunOptions, host_cores, train_rank, world_size_from_env
-from runtime.task_profile import profile_plan, sample_step
 from runtime.training import TrainConfig
 from runtime.transport import ThreadTransport
 

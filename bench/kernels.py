@@ -134,7 +134,7 @@ def sgemm_native(size: int = 2048, repeat: int = 5) -> dict | None:
     env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    code = f"from runtime.bench_kernels import _print_sgemm; _print_sgemm({size}, {repeat})"
+    code = f"from bench.kernels import _print_sgemm; _print_sgemm({size}, {repeat})"
     try:
         done = subprocess.run(
             [sys.executable, "-c", code],

@@ -1,0 +1,145 @@
+"""The runtime's costs outside its kernels, fitted to a traced 1-rank training job: the factor
+by which a kernel in a running step is slower than alone, the fixed cost per task, the memory
+bandwidth its memory-bound tasks reach, and each op's rate for the FLOP model (`calibrate`).
+`bench scaling` and `bench machine` both use it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.jobs import OPTIMIZER, WARMUP, Job
+from legion_nn.ir import Task
+from legion_nn.networks import load_network
+from partitioner.accounting import bytes_per_rank, task_flops
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+
+
+def _step_events(trace: dict, rank: int = 0) -> list[dict]:
+    return [
+        e
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X"
+        and e.get("pid") == rank
+        and e.get("cat") == "compute"
+        and isinstance(e["args"].get("step"), int)  # not the "eval" passes
+        and e["args"]["step"] >= WARMUP
+    ]
+
+
+@dataclass
+class Calibration:
+    """What one rank does per step at `threads` Numba threads, from a 1-rank job's trace and
+    the profile of its plan."""
+
+    threads: int
+    #: GFLOP/s by the cost model's keys (op, pass, tied or untied), for the FLOP model's column
+    op_gflops: dict[str, float]
+    #: the bandwidth the runtime's memory-bound tasks reach (else `memory_bandwidth`)
+    memory_gbytes_per_s: float
+    #: the runtime's fixed cost per task
+    task_overhead_us: float
+    #: a task's kernels in a running job take this many times their profiled time
+    compute_factor: float
+    #: seconds per step outside every task: the training loop, logging
+    loop_seconds: float
+
+
+#: a zero-FLOP task moving this many bytes calibrates the memory bandwidth (`calibrate`)
+_LARGE_BYTES = 64 * 2**20
+
+
+def rate_keys(task: Task) -> tuple[str, ...]:
+    """The `Machine.op_gflops` keys a task's measured time calibrates."""
+    if task.op in ("filter", "conv"):
+        variant = "untied" if task.attrs.get("untied") else "tied"
+        if task.phase == "forward":
+            return (f"{task.op}.forward.{variant}",)
+        return (f"{task.op}.backward_data.{variant}", f"{task.op}.backward_filter.{variant}")
+    return (f"{task.op}.{task.phase}",)
+
+
+def memory_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
+    """GB/s of this process streaming `a + b -> c` over arrays far larger than the caches, the
+    pattern of the runtime's elementwise ops and reductions (two reads and a write per element)."""
+    n = megabytes * 2**20 // 4
+    a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.add(a, b, out=c)
+        best = min(best, time.perf_counter() - start)
+    return 3 * a.nbytes / best / 1e9
+
+
+def calibrate(
+    job: Job, threads: int, memory_gbytes_per_s: float, profiled: dict[str, float]
+) -> Calibration:
+    """Fit the model's per-task terms to a 1-rank trace and the profile of the same plan.
+
+    Each task's traced time is fitted as `compute_factor` × its profiled kernels + the per-task
+    overhead, by least squares over the tasks. The factor is the difference between a kernel
+    in isolation, run five times over the same buffers, and the same kernel in a step, whose
+    operands the tasks before it have pushed out of the caches; the profile cannot see it, and
+    an overhead alone cannot carry it: it grows with the task. It also absorbs a profile that
+    ran in a slower or faster stretch of the machine than the job (fits of 0.7-1.3 here). In one
+    traced comparison, seed-lcn-small at batch 64 on one thread fitted 1.04 and 26 us, and that
+    fit predicted its 2-rank jobs' compute within 3-12%, where the median excess (21 us a task,
+    no factor) was 11-18% short.
+
+    Where some zero-FLOP tasks move `_LARGE_BYTES` or more (a weight-sized gradient zeroed),
+    the bandwidth is theirs: their bytes over their profiled time times the factor. The
+    runtime's passes over a weight reach less than a streaming add does, and messages and
+    collectives of weight-sized gradients must be priced at the rate the runtime gets. Each
+    FLOP-priced op's rate, for the FLOP model, is its FLOPs over its time less the overhead,
+    summed over its tasks."""
+    graph = load_network(job.network).lower(batch=job.batch, optimizer=OPTIMIZER)
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
+    traffic = {t.name: float(b[0]) for t, b in zip(graph.tasks, bytes_per_rank(graph, plan))}
+    tasks = {task.name: task for task in graph.tasks}
+    # Per task, the median over the steps: a long job's steps include each epoch's short last
+    # batch, which a mean would average in.
+    by_step: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for event in _step_events(job.trace):
+        by_step[event["name"]][event["args"]["step"]] += event["dur"] * 1e-6
+    spent = {name: statistics.median(per.values()) for name, per in by_step.items()}
+    factor, overhead = _fit_task_times(
+        [profiled.get(name, 0.0) for name in spent], list(spent.values())
+    )
+    large = [n for n in spent if not flops.get(n) and traffic.get(n, 0.0) >= _LARGE_BYTES]
+    if large:
+        moved = sum(traffic[name] for name in large)
+        in_step = factor * sum(profiled[name] for name in large)
+        memory_gbytes_per_s = moved / max(in_step, 1e-9) / 1e9
+    seconds: dict[str, float] = defaultdict(float)
+    work: dict[str, float] = defaultdict(float)
+    for name, t in spent.items():
+        if flops.get(name):
+            for key in rate_keys(tasks[name]):
+                seconds[key] += max(t - overhead, 1e-9)
+                work[key] += flops[name]
+    rates = {key: work[key] / seconds[key] / 1e9 for key in work}
+    loop = max(job.step_seconds - sum(spent.values()), 0.0)
+    return Calibration(threads, rates, memory_gbytes_per_s, overhead * 1e6, factor, loop)
+
+
+def _fit_task_times(profiled: list[float], spent: list[float]) -> tuple[float, float]:
+    """(factor, overhead s): least squares of spent ≈ factor · profiled + overhead, with the
+    overhead kept >= 0 (refitted through the origin where the free fit would go below)."""
+    if not spent:
+        return 1.0, 0.0
+    x, y = np.asarray(profiled), np.asarray(spent)
+    if len(x) >= 2 and np.ptp(x) > 0:
+        (factor, overhead), *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), y, rcond=None)
+        if overhead >= 0 and factor > 0:
+            return float(factor), float(overhead)
+    if x @ x > 0:
+        return float(max(x @ y / (x @ x), 1e-3)), 0.0
+    return 1.0, float(np.mean(y))
