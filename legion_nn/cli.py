@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+#: Numba's OpenMP threads spin in a barrier for a while (GNU libgomp: 300,000 polls, about a
+#: millisecond) before they sleep. When another process holds one of the cores, a parallel loop
+#: waits a whole time slice for its descheduled thread while the others burn theirs spinning:
+#: seed-lcn-small's step went from 5 ms to 123 ms beside one busy process. 3,000 polls keep the
+#: launch of a small loop as fast on an idle machine (5.1 ms a step) and give 10 ms beside the
+#: busy process. libgomp reads the setting when Numba first loads it, at the first parallel loop,
+#: so the command sets it for its process before any kernel runs; a user's own setting wins.
+OPENMP_SPIN_POLLS = "3000"
 
 COMMANDS = ("bench", "cluster", "graph", "memory", "partition", "render", "trace", "train")
 
@@ -37,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from legion_nn.errors import LegionNNError
 
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_POLLS)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -138,11 +138,3 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
         ]
         return _ring_reduce_scatter(ranks, chunks) + [gather]
     raise ValueError(f"unknown collective {reduction.algorithm!r}")
-
-
-def bytes_sent_by_rank(reduction: Reduction, machine: Machine) -> dict[int, int]:
-    out: dict[int, int] = defaultdict(int)
-    for hops in schedule(reduction, machine):
-        for hop in hops:
-            out[hop.src] += (hop.hi - hop.lo) * reduction.itemsize
-    return dict(out)

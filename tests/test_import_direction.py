@@ -87,3 +87,26 @@ def test_commands_import_heavier_packages_lazily():
                 "matplotlib",
                 "numba",
             }, f"{path.relative_to(ROOT)} imports {name} at module level"
+
+
+def test_importing_the_packages_changes_no_environment():
+    code = (
+        "import os, importlib, pkgutil; before = dict(os.environ)\n"
+        "import legion_nn, partitioner, runtime, runtime.kernels, visualize, bench\n"
+        "for package in (legion_nn, partitioner, runtime, visualize, bench):\n"
+        "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+        "        if info.name != 'runtime.mpi_executor':  # MPI_Init on import: a launcher's job\n"
+        "            importlib.import_module(info.name)\n"
+        "changed = sorted(k for k in set(os.environ) | set(before)\n"
+        "                 if os.environ.get(k) != before.get(k))\n"
+        "assert not changed, changed\n"
+    )
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=ROOT, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
