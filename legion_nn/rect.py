@@ -169,6 +169,19 @@ class Rect:
             lo[d], hi[d] = cut.lo[d], cut.hi[d]
         return pieces
 
+    def minus(self, cuts: Iterable[Rect]) -> list[Rect]:
+        """Disjoint, non-empty boxes covering exactly the points of self in none of `cuts`."""
+        remaining = [] if self.is_empty() else [self]
+        for cut in cuts:
+            remaining = [piece for part in remaining for piece in part.difference(cut)]
+            if not remaining:
+                break
+        return remaining
+
+    def covered_by(self, parts: Iterable[Rect]) -> bool:
+        """Whether every point of self lies in one of `parts`."""
+        return not self.minus(parts)
+
     def split(self, grid: Sequence[int]) -> list[Rect]:
         """A row-major grid of near-equal pieces, `grid[d]` parts along dim d (uneven allowed).
 

@@ -177,15 +177,6 @@ def _check_acyclic(graph: TaskGraph) -> list[str]:
     return []
 
 
-def _uncovered(rect: Rect, written: list[Rect]) -> list[Rect]:
-    remaining = [rect]
-    for done in written:
-        remaining = [piece for part in remaining for piece in part.difference(done)]
-        if not remaining:
-            break
-    return remaining
-
-
 def _check_dataflow(graph: TaskGraph) -> list[str]:
     out = []
     written: dict[str, list[Rect]] = defaultdict(list)
@@ -199,7 +190,7 @@ def _check_dataflow(graph: TaskGraph) -> list[str]:
                 needs = req.write_rect
             if needs is None or needs.is_empty():
                 continue
-            missing = _uncovered(needs, written[req.tensor])
+            missing = needs.minus(written[req.tensor])
             if missing:
                 verb = "reduces into" if req.privilege is Privilege.REDUCE else "reads"
                 out.append(
@@ -222,7 +213,7 @@ def _check_coverage(graph: TaskGraph) -> list[str]:
     for tensor in graph.tensors.values():
         if tensor.resident:
             continue
-        missing = _uncovered(tensor.rect, written[tensor.name])
+        missing = tensor.rect.minus(written[tensor.name])
         if missing:
             out.append(
                 f"tensor {tensor.name} (dims {list(tensor.dims)}): no task writes {missing[0]!r}"

@@ -304,14 +304,14 @@ class _Builder:
             ]
             sends = [m for m in current.partial_out if m.tensor == tensor]
             held = self.held.get(tensor, [])
-            if not collective_rects and not sends and all(_covered(r, held) for r in rects):
+            if not collective_rects and not sends and all(r.covered_by(held) for r in rects):
                 continue
             parts = []
             for rect in rects:
                 for h in held:
                     part = rect.intersect(h)
                     if not part.is_empty():
-                        parts.extend(_minus(part, collective_rects))
+                        parts.extend(part.minus(collective_rects))
             current.local_parts[tensor] = parts
             if self._reduces_in_place(tensor, rects):
                 current.in_place.add(tensor)
@@ -338,7 +338,7 @@ class _Builder:
             target == rects[0]
             and self.rank in holders
             and not any(m.tensor == tensor for m in messages)
-            and _covered(target, self.zeroed.get(tensor, []))
+            and target.covered_by(self.zeroed.get(tensor, []))
         )
 
     def program(self, messages: int) -> RankProgram:
@@ -353,19 +353,3 @@ class _Builder:
         return RankProgram(
             self.rank, self.nranks, self.tasks, self.at_start, boxes, self.bytes_planned, messages
         )
-
-
-def _covered(rect: Rect, parts: list[Rect]) -> bool:
-    remaining = [rect]
-    for part in parts:
-        remaining = [piece for r in remaining for piece in r.difference(part)]
-        if not remaining:
-            return True
-    return not remaining
-
-
-def _minus(rect: Rect, cuts: list[Rect]) -> list[Rect]:
-    remaining = [rect]
-    for cut in cuts:
-        remaining = [piece for r in remaining for piece in r.difference(cut)]
-    return remaining

@@ -117,3 +117,18 @@ def test_union_bounds_contains_both(data):
     b = data.draw(boxes(ndim=a.ndim))
     u = a.union_bounds(b)
     assert u.contains(a) and u.contains(b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_minus_many_leaves_disjoint_boxes_of_exactly_the_points_left(data):
+    a = data.draw(boxes(ndim=data.draw(st.integers(1, 3))))
+    cuts = data.draw(st.lists(boxes(ndim=a.ndim), max_size=4))
+    left = a.minus(cuts)
+    seen: set = set()
+    for box in left:
+        assert not box.is_empty() and not (seen & points(box))
+        seen |= points(box)
+    expected = points(a).difference(*[points(c) for c in cuts])
+    assert seen == expected
+    assert a.covered_by(cuts) == (not expected)

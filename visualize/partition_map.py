@@ -118,9 +118,7 @@ def _project(rect: Rect, dims: tuple[int, int]) -> Rect:
 
 
 def _subtract(rects: list[Rect], cuts: list[Rect]) -> list[Rect]:
-    for cut in cuts:
-        rects = [rest for rect in rects for rest in rect.difference(cut)]
-    return rects
+    return [rest for rect in rects for rest in rect.minus(cuts)]
 
 
 def _regions(owned: list[tuple[Rect, tuple[int, ...]]], dims) -> list[tuple[Rect, tuple]]:
