@@ -168,8 +168,13 @@ def test_inference_runs_no_backward_and_leaves_parameters_alone():
     tasks = inference_tasks(graph)
     assert {t.phase for t in tasks} == {"forward", "set_zero"}
     ctx = executor.run(graph, StepContext(0, training=False, inputs=x, labels=y), tasks)
-    assert 0.0 <= ctx.futures["classifier.evaluate.accuracy"] <= 1.0
+    # labels that the model's own predictions get right in rows 0 and 2 and wrong in row 1
+    predicted = np.argmax(executor.logical("classifier.softmax.probability").reshape(3, -1), 1)
+    y = predicted.astype(np.int32)
+    y[1] = (y[1] + 1) % net.classes
+    ctx = executor.run(graph, StepContext(1, training=False, inputs=x, labels=y), tasks)
+    assert ctx.futures["classifier.evaluate.accuracy"] == pytest.approx(2 / 3, abs=1e-12)
     for name, value in executor.resident().items():
         np.testing.assert_array_equal(value, before[name])
     stats = executor.arrays["classifier.evaluate.output"].reshape(-1)
-    assert stats[3] == 3 and stats[2] >= stats[1]
+    assert stats[1] == 2 and stats[3] == 3 and stats[2] >= stats[1]
