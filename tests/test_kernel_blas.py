@@ -6,6 +6,7 @@ import threading
 import numba
 import numpy as np
 import pytest
+from error_bounds import assert_product_close
 from threadpoolctl import threadpool_info
 
 from runtime.kernels.blas import NO_TRANS, TRANS, kernel_threading, parallel_gemm
@@ -29,13 +30,13 @@ def test_parallel_gemm_matches_numpy(trans_a, trans_b, shape, threads):
     b, b_off, ldb, b_view = _stored(rng, *((n, k) if trans_b else (k, n)), pad=1)
     c, c_off, ldc, c_view = _stored(rng, m, n, pad=4)
     before, buffer_before = c_view.copy(), c.copy()
-    expected = before + (a_view.T if trans_a else a_view) @ (b_view.T if trans_b else b_view)
+    a_math, b_math = (a_view.T if trans_a else a_view), (b_view.T if trans_b else b_view)
     with kernel_threading():
         parallel_gemm(
             TRANS if trans_a else NO_TRANS, TRANS if trans_b else NO_TRANS, m, n, k,
             a, a_off, lda, b, b_off, ldb, True, c, c_off, ldc, threads,
         )  # fmt: skip
-    np.testing.assert_allclose(c_view, expected, rtol=1e-12, atol=1e-12)
+    assert_product_close(c_view, a_math, b_math, offset=before)
     outside = np.ones(c.shape, bool)
     outside[c_off:].reshape(m, ldc)[:, :n] = False
     assert np.array_equal(c[outside], buffer_before[outside])  # offsets and padding untouched
@@ -48,7 +49,7 @@ def test_parallel_gemm_leaves_padding_alone():
     with kernel_threading():
         parallel_gemm(NO_TRANS, NO_TRANS, 200, 30, 400, a, 0, 400, b, 0, 30, False, c, 0, 33,
                       numba.config.NUMBA_NUM_THREADS)  # fmt: skip
-    np.testing.assert_allclose(c[:, :30], a @ b, rtol=1e-12)
+    assert_product_close(c[:, :30], a, b)
     assert np.all(c[:, 30:] == 7.0)
 
 
