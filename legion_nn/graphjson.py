@@ -11,11 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from legion_nn.errors import LegionNNError
+from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from legion_nn.verify import verify
 
 FORMAT = "legion-nn/taskgraph-v1"
 
@@ -175,4 +176,9 @@ def load_graph(path: str | Path) -> TaskGraph:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise LegionNNError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-    return graph_from_json(data, str(path))
+    graph = graph_from_json(data, str(path))
+    try:
+        verify(graph)
+    except VerifyError as exc:
+        raise LegionNNError(f"{path}: the task graph does not verify: {exc}") from None
+    return graph

@@ -96,6 +96,8 @@ class RunOptions:
     stall_timeout: float = 60.0
     trace: str | None = None
     search_seconds: float = 30.0
+    #: check every plan with `verify_plan` before it runs
+    verify: bool = False
 
 
 def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strategy]:
@@ -175,6 +177,7 @@ def train_rank(
         stall_timeout=options.stall_timeout,
         recorder=timeline.recorder,
         on_task=status.set if status is not None else None,
+        verify_plans=options.verify,
     )
     root = transport.rank == 0
     where = executor.gather({"pid": os.getpid(), "host": socket.gethostname()})

@@ -36,6 +36,7 @@ from partitioner.layout import Layout as PlanLayout
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy, builtin
+from partitioner.verify_plan import verify_plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy, aligned_zeros
 from runtime.buffer_pool import BufferPool
@@ -81,8 +82,11 @@ class RankExecutor:
         stall_timeout: float = 60.0,
         recorder: Recorder | None = None,
         on_task: Callable[[int, str], None] | None = None,
+        verify_plans: bool = False,
     ) -> None:
         self.transport = transport
+        #: check every plan with `verify_plan` before running it (`train --verify`)
+        self.verify_plans = verify_plans
         self.rank, self.nranks = transport.rank, transport.size
         self.strategy_spec = strategy
         self.machine = machine or Machine()
@@ -139,6 +143,8 @@ class RankExecutor:
         if prepared is None:
             strategy = self.strategy(graph)
             plan = build_plan(graph, strategy, self.nranks, self._resident_homes)
+            if self.verify_plans:
+                verify_plan(graph, plan)
             if self._resident_homes is None:
                 self._resident_homes = {
                     name: home

@@ -24,6 +24,7 @@ import numpy as np
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.network import Network
+from legion_nn.verify import verify
 from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
@@ -95,9 +96,11 @@ class Trainer:
     def graph(self, batch: int) -> TaskGraph:
         if batch not in self._graphs:
             c = self.config
-            self._graphs[batch] = c.network.lower(
+            graph = c.network.lower(
                 batch=batch, dtype=c.dtype, optimizer=c.optimizer, hyperparameters=c.hyperparameters
             )
+            verify(graph)  # the invariants every executor relies on (milliseconds)
+            self._graphs[batch] = graph
         return self._graphs[batch]
 
     def identity(self) -> dict[str, Any]:

@@ -311,3 +311,21 @@ def test_collective_costs_of_many_equal_those_of_each():
             kind = "reduce" if reduce[k] else "reduce_scatter"
             expected = collective_cost(kind, int(p[k]), int(n[k]), int(largest[k]), machine)
             assert expected == (seconds[k], wire[k])
+
+
+def test_partition_verify_runs_verify_plan(monkeypatch, capsys):
+    from legion_nn.errors import VerifyError
+    from partitioner import verify_plan
+
+    argv = ["partition", "seed-lcn-small", "--ranks", "3", "--strategy", "spatial", "--verify"]
+    assert main(argv) == 0  # a real plan passes
+    capsys.readouterr()
+
+    def broken(graph, plan):
+        raise VerifyError("task L1.filter: pieces overlap")
+
+    monkeypatch.setattr(verify_plan, "verify_plan", broken)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pieces overlap" in err
+    assert main(argv[:-1]) == 0  # without --verify the check does not run

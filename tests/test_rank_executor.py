@@ -333,3 +333,32 @@ def test_a_collective_runs_while_the_backward_pass_goes_on(tmp_path, monkeypatch
     reduction = on_rank_0[("collective", "allreduce classifier.weights1.grad")]
     update = on_rank_0[("compute", "update_W1")]
     assert update["ts"] >= reduction["ts"] + reduction["dur"]
+
+
+def test_verify_plans_checks_each_plan_before_it_runs(monkeypatch):
+    from legion_nn.errors import VerifyError
+    from runtime import rank_executor
+
+    cfg = config(small_network())
+    checked = []
+
+    def record(graph, plan):
+        checked.append((graph.batch, plan.nranks))
+
+    monkeypatch.setattr(rank_executor, "verify_plan", record)
+
+    def body(transport):
+        executor = RankExecutor(transport, "model", seed=cfg.seed, verify_plans=True)
+        trainer = Trainer(cfg, executor=executor)
+        executor.prepare(trainer.graph(cfg.batch))
+        trainer.step(0)
+
+    run_threads(2, body)
+    assert checked == [(cfg.batch, 2), (cfg.batch, 2)]  # each rank checks its plan once
+
+    def broken(graph, plan):
+        raise VerifyError("task L1.filter: pieces overlap")
+
+    monkeypatch.setattr(rank_executor, "verify_plan", broken)
+    with pytest.raises(VerifyError, match="pieces overlap"):
+        run_threads(2, body)

@@ -193,3 +193,20 @@ def test_problems_lists_everything():
     found = problems(rebuild(g, tasks))
     assert len(found) >= 2
     assert Privilege.WRITE.value in found[0]
+
+
+def test_a_task_graph_file_that_does_not_verify_is_refused_on_load(tmp_path, capsys):
+    import json
+
+    from legion_nn.cli import main
+
+    path = tmp_path / "graph.json"
+    assert main(["graph", "seed-lcn-small", "--batch", "2", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    data["tasks"] = [t for t in data["tasks"] if t["name"] != "L0.filter"]  # L0's output: unwritten
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    for command in (["partition", str(path), "--ranks", "2"], ["graph", str(path)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{path}: the task graph does not verify" in err

@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-limit", type=float, default=30.0, help="seconds auto may search (default 30)"
     )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="check the plan by brute force (coverage, producers, messages; verify_plan)",
+    )
 
 
 def _note(message: str) -> None:
@@ -85,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.report import report_json, sweep_table, table
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
+    from partitioner.verify_plan import verify_plan
     from runtime.step_simulator import step_prediction
     from visualize.render_file import check_plot, write_figure
 
@@ -111,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             graph, args.strategy, nranks, machine, args.time_limit, note=_note
         )
         plan = build_plan(graph, strategy, nranks)
+        if args.verify:
+            verify_plan(graph, plan)
         cost = plan_cost(graph, plan, machine)
         step = step_prediction(graph, plan, machine, cost.step_seconds)
         reports.append(report_json(graph, plan, cost, why, step))

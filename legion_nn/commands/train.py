@@ -63,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace", metavar="F", help="write a Chrome-trace timeline (Perfetto) of every rank to F"
     )
     parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="check each rank's plan (coverage, producers, messages) before it runs",
+    )
+    parser.add_argument(
         "--stall-timeout",
         type=float,
         default=60.0,
@@ -109,6 +114,7 @@ def _config(args: argparse.Namespace):
         machine=load_machine(args.machine),
         stall_timeout=args.stall_timeout,
         trace=args.trace,
+        verify=args.verify,
     )
     strategy_spec(options)  # a bad --strategy fails here, on every rank alike
     network = load_network(args.network)
@@ -174,7 +180,7 @@ def _run_single(args: argparse.Namespace) -> int:
     try:
         console = _Console(args.no_progress)
         console.start(config, config.total_steps, 1, options.strategy)
-        if args.trace:  # one rank of the distributed runtime, so that its tasks are traced
+        if args.trace or args.verify:  # one rank of the distributed runtime: traced, verified
             from runtime.distributed import train_rank
             from runtime.transport import ThreadTransport
 

@@ -41,12 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from legion_nn.access import access_map, with_rect
+from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.graph import TaskGraph
 from legion_nn.importers.batch_access import ACCESS_KEY, BATCH, NAMESPACE, NONE, WHOLE
 from legion_nn.importers.chainer import GRADIENT_ROLE, LABEL_NAME, Dump, Function, parse_dump
 from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from legion_nn.verify import verify
 
 ITEMSIZE = 4  # float32 and int32: the element size of every variable of a dump
 SCALAR_BYTES = ITEMSIZE  # one element: a batch-free scalar even where B divides its size
@@ -401,4 +403,9 @@ def import_dump(
             forward = dump.functions[fn.partner]
             build.task(fn, forward, build.backward_bindings(fn, forward))
     name = network or Path(dump.source).stem
-    return TaskGraph(build.tensors.values(), build.tasks, network=name, batch=batch)
+    graph = TaskGraph(build.tensors.values(), build.tasks, network=name, batch=batch)
+    try:
+        verify(graph)
+    except VerifyError as exc:  # a dump the importer reads but cannot turn into a valid graph
+        raise LegionNNError(f"{dump.source}: imported graph does not verify: {exc}") from None
+    return graph
