@@ -48,7 +48,8 @@ from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime import data
-from runtime.distributed import RunOptions, host_cores, train_rank, world_size_from_env
+from runtime.distributed import RunOptions, train_rank
+from runtime.launch import host_cores, world_size_from_env
 from runtime.training import TrainConfig
 from runtime.transport import ThreadTransport
 
@@ -164,7 +165,7 @@ def measure(
     progress: Callable[[str], None] | None = None,
 ) -> dict | None:
     """The machine file's object on rank 0 (None on the others)."""
-    from runtime.distributed import ranks_on_this_host, share_cores
+    from runtime.launch import ranks_on_this_host, share_cores
 
     say = progress or (lambda line: None)
     threads = share_cores(ranks_on_this_host())

@@ -57,7 +57,7 @@ from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import builtin
-from runtime.distributed import host_cores
+from runtime.launch import host_cores
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 4))
 DEFAULT_RANKS = (1, 2, 4)

@@ -9,8 +9,8 @@ Rank 0 owns the outputs. It writes the `--log-json` records of every rank (each 
 `bytes_sent`, counted from its own MPI calls, beside its `bytes_planned`), the checkpoints, the
 progress bar and the `--trace` file, collecting the other ranks' trace events after each step.
 
-How a job is launched is read from the environment (`world_size_from_env`), without importing
-mpi4py, so that a plain `legion-nn train` never initialises MPI.
+How a job is launched is read from the environment (`runtime.launch`), without importing mpi4py,
+so that a plain `legion-nn train` never initialises MPI.
 """
 
 from __future__ import annotations
@@ -33,60 +33,6 @@ from runtime.training import TrainConfig, Trainer, TrainResult
 from runtime.transport import Transport, wait, wait_object
 
 TAG_CLOCK, TAG_TRACE = 10, 11
-
-#: environment variables that launchers set to the job's rank count and this process's rank
-_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
-_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-_LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
-
-
-def host_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def share_cores(ranks_on_host: int) -> int:
-    """Give this rank its share of the host's cores, for Numba's and BLAS's thread pools.
-
-    Without it every rank starts one thread per core and R ranks on a host run R× too many."""
-    import numba
-    from threadpoolctl import threadpool_limits
-
-    threads = max(1, host_cores() // max(ranks_on_host, 1))
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    threadpool_limits(limits=threads)
-    return threads
-
-
-def ranks_on_this_host() -> int:
-    value = os.environ.get("MPI_LOCALNRANKS", "") or os.environ.get(
-        "OMPI_COMM_WORLD_LOCAL_SIZE", ""
-    )
-    return int(value) if value.isdigit() else (world_size_from_env() or 1)
-
-
-def world_size_from_env() -> int | None:
-    """The rank count when `mpiexec`/`mpirun` started this process, else None."""
-    return _first_number(_SIZE_VARIABLES)
-
-
-def rank_from_env() -> int | None:
-    return _first_number(_RANK_VARIABLES)
-
-
-def local_rank_from_env() -> int | None:
-    """This rank's index among the ranks on its host, where the launcher says."""
-    return _first_number(_LOCAL_RANK_VARIABLES)
-
-
-def _first_number(names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -32,7 +32,26 @@ from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 
 if TYPE_CHECKING:
-    from runtime.rank_executor import RankExecutor
+    from runtime.buffer_pool import BufferPool
+    from runtime.instances import Layout
+    from runtime.tracing import Recorder
+    from runtime.transport import Transport
+
+
+class StepHost(Protocol):
+    """What a step needs of the executor that owns it (`runtime.rank_executor.RankExecutor`):
+    its transport and identity, the buffers and layouts it keeps across steps, its views of
+    them, and its settings."""
+
+    rank: int
+    transport: Transport
+    recorder: Recorder | None
+    buffers: BufferPool
+    layouts: dict[str, Layout]
+    stall_timeout: float
+    fault: tuple[str, int, str] | None
+
+    def view(self, name: str, rect: Rect) -> np.ndarray: ...
 
 
 class InjectedFault(RuntimeError):
@@ -58,7 +77,7 @@ class StepRun:
 
     def __init__(
         self,
-        executor: RankExecutor,
+        executor: StepHost,
         graph: TaskGraph,
         program: RankProgram,
         ctx: StepContext,

@@ -282,7 +282,7 @@ def _launcher_key(launcher: int) -> int:
 
 def _local_slot(rank_hint: int | None) -> tuple[int, int]:
     """This rank's index among the ranks its launcher started, and their number."""
-    from runtime.distributed import local_rank_from_env, ranks_on_this_host
+    from runtime.launch import local_rank_from_env, ranks_on_this_host
 
     slot = local_rank_from_env()
     if slot is None:

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.distributed import rank_from_env, world_size_from_env
+    from runtime.launch import rank_from_env, world_size_from_env
 
     if world_size_from_env() is not None:
         from runtime.supervisor import start_watcher
@@ -202,7 +202,8 @@ def _run_rank(args: argparse.Namespace, status) -> int:
     """One rank of an mpiexec job (in the supervised child process)."""
 
     from legion_nn.errors import LegionNNError
-    from runtime.distributed import rank_from_env, train_rank
+    from runtime.distributed import train_rank
+    from runtime.launch import rank_from_env
 
     try:
         config, options = _config(args)
@@ -213,7 +214,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
             )
             print(f"legion-nn train: {text}", file=sys.stderr, flush=True)
         return 2
-    from runtime.distributed import ranks_on_this_host, share_cores
+    from runtime.launch import ranks_on_this_host, share_cores
     from runtime.mpi_executor import MPITransport
     from runtime.supervisor import mapped_segments
 
