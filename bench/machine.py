@@ -5,7 +5,7 @@ Run it where the job will run: under `mpiexec -n R` on a cluster, or `legion-nn 
 share of its host's cores, as `train` does; rank 0 measures while the others wait (sleeping, so
 that the cores of a host stay with the rank measuring), and writes the file:
 
-- the links, from ping-pongs at 8 B to 16 MiB (`mpi_executor.link_times`), each fitted as latency
+- the links, from ping-pongs at 8 B to 16 MiB (`mpi_transport.link_times`), each fitted as latency
   plus bytes over bandwidth (`fit_link`): rank 0 and the first rank on another host (the link
   between hosts, `latency_us` and `link_gbytes_per_s`), and rank 0 and rank 1 where they share a
   host (`intra_host`); between hosts also both directions at once (`duplex_gbytes_per_s`: links
@@ -171,7 +171,7 @@ def measure(
     threads = share_cores(ranks_on_this_host())
     distributed = world_size_from_env() is not None
     if distributed:
-        from runtime import mpi_executor as mpi
+        from runtime import mpi_transport as mpi
 
         rank, size = mpi.world()
         hosts = mpi.allgather(socket.gethostname())

@@ -28,7 +28,7 @@ plus the training loop's time outside the tasks:
   adding): what the profile's weight-sized zeroing reaches where there is any (seed-lcn's
   gradients: about half a streaming add's rate), else this process streaming `a + b -> c` over
   256 MB arrays;
-- the link: latency and bandwidth from a two-rank ping-pong (`runtime.mpi_executor.pingpong`).
+- the link: latency and bandwidth from a two-rank ping-pong (`runtime.mpi_transport.pingpong`).
 
 Each row also gives the prediction of the FLOP model alone (`flop_model_s`): the same machine,
 with every op at the rate the 1-rank trace gives it (its FLOPs over its time less the overhead,
@@ -66,7 +66,7 @@ STRATEGIES = ("data", "model", "spatial")
 
 def pingpong() -> tuple[float, float]:
     """(latency s, seconds per byte) between two ranks of this machine."""
-    command = ["mpiexec", "-n", "2", sys.executable, "-m", "runtime.mpi_executor", "pingpong"]
+    command = ["mpiexec", "-n", "2", sys.executable, "-m", "runtime.mpi_transport", "pingpong"]
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     if result.returncode != 0:
         raise LegionNNError(f"bench scaling: ping-pong failed: {result.stderr.strip()[-200:]}")

@@ -150,5 +150,5 @@ def _elementwise_boxes(attrs, dims, lo, hi) -> dict[str, Boxes]:
 
 @_register(("set_zero",), ("set_zero",))
 def _set_zero_boxes(attrs, dims, lo, hi) -> dict[str, Boxes]:
-    """`legion_nn.layers.bookkeeping._set_zero_rects`."""
+    """`legion_nn.layers.common_access._set_zero_rects`."""
     return {"output": (lo, hi)}

@@ -1,1 +1,2 @@
-"""Kernels, the local and MPI executors, optimizers, checkpoints and tracing."""
+"""Kernels, the local and rank executors, their transports (threads, MPI), optimizers,
+checkpoints and tracing."""

@@ -101,7 +101,7 @@ def run_on_views(
 ) -> None:
     """The kernel of a piece on given views; a `write` view is overwritten, a `reduce` one added to.
 
-    The MPI executor hands a piece's reductions zeroed scratch views where the sums must be split
+    The rank executor hands a piece's reductions zeroed scratch views where the sums must be split
     between ranks, so what accumulates there is exactly the piece's contribution."""
     requirements = tuple(requirements)
     dims = {req.role: tensors[req.tensor].dims for req in requirements}

@@ -6,7 +6,7 @@ polls them; `wait` is the only place a rank blocks, and it is where the stall wa
 rank was doing. Every send goes through `Transport.isend`, which counts the bytes it hands over;
 that count is the `bytes_sent` of the training log.
 
-Two transports implement this: `runtime.mpi_executor.MPITransport` (mpi4py, the only module that
+Two transports implement this: `runtime.mpi_transport.MPITransport` (mpi4py, the only module that
 imports it) and `ThreadTransport` below, R ranks as threads of one process exchanging through
 mailboxes, which runs the very same rank programs without MPI (the equivalence tests run every
 strategy through it quickly; the MPI tests then launch `mpiexec`).

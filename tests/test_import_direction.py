@@ -1,7 +1,7 @@
 """Imports point one way: legion_nn <- partitioner <- runtime <- bench; visualize may use the
 first two. The benchmarks (`bench`) may use everything and nothing but the CLI uses them.
 
-Only runtime's MPI executor imports mpi4py; kernels import no graph or MPI code. The CLI's
+Only runtime's MPI transport imports mpi4py; kernels import no graph or MPI code. The CLI's
 sub-commands may reach further, but only lazily, inside functions.
 """
 
@@ -63,10 +63,10 @@ def test_import_direction(package, path):
         )
 
 
-def test_only_the_mpi_executor_imports_mpi4py():
+def test_only_the_mpi_transport_imports_mpi4py():
     for package, path in modules():
         if "mpi4py" in [name.split(".")[0] for name in all_imports(path)]:
-            assert path.relative_to(ROOT).as_posix() == "runtime/mpi_executor.py", path
+            assert path.relative_to(ROOT).as_posix() == "runtime/mpi_transport.py", path
 
 
 def test_kernels_import_no_graph_or_mpi_code():
@@ -95,7 +95,7 @@ def test_importing_the_packages_changes_no_environment():
         "import legion_nn, partitioner, runtime, runtime.kernels, visualize, bench\n"
         "for package in (legion_nn, partitioner, runtime, visualize, bench):\n"
         "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
-        "        if info.name != 'runtime.mpi_executor':  # MPI_Init on import: a launcher's job\n"
+        "        if info.name != 'runtime.mpi_transport':  # MPI_Init on import: a launcher's job\n"
         "            importlib.import_module(info.name)\n"
         "changed = sorted(k for k in set(os.environ) | set(before)\n"
         "                 if os.environ.get(k) != before.get(k))\n"

@@ -16,7 +16,7 @@ from partitioner.machine import Machine, machine_from_json, piece_key_of
 from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.mpi_executor import fit_link
+from runtime.mpi_transport import fit_link
 from runtime.step_simulator import SIMULATE_MAX_RANKS, predict_step, step_prediction
 
 PIECE = {"op": "linear", "phase": "forward", "attrs": {}, "shape": [1], "requirements": []}

@@ -215,7 +215,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
             print(f"legion-nn train: {text}", file=sys.stderr, flush=True)
         return 2
     from runtime.launch import ranks_on_this_host, share_cores
-    from runtime.mpi_executor import MPITransport
+    from runtime.mpi_transport import MPITransport
     from runtime.supervisor import mapped_segments
 
     share_cores(ranks_on_this_host())

@@ -3,7 +3,7 @@
 from legion_nn.layers import (  # noqa: F401  (registration side effects)
     affine,
     batchnorm,
-    bookkeeping,
+    common_access,
     dropout,
     evaluate,
     filter,

@@ -1,4 +1,5 @@
-"""Access maps of the tasks every network has: `data`, `set_zero` and `update`.
+"""Access maps of the tasks every network has, whatever its layers: `data`, `set_zero` and
+`update`.
 
 `data` writes a piece of the batch and, from the piece at the origin of the non-batch dims only,
 its labels, so each label has exactly one writer however the batch is cut. `set_zero` and `update`

@@ -1,4 +1,4 @@
-"""The MPI executor: the rank executor's transport over mpi4py, and the job-wide abort.
+"""The MPI transport: the rank executor's transport over mpi4py, and the job-wide abort.
 
 This is the only module of legion-nn that imports mpi4py (a test keeps it so). Importing it
 initialises MPI, so it is imported only by a process that `mpiexec` started.
@@ -252,7 +252,7 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["pingpong"]:
-        sys.exit("usage: mpiexec -n 2 python -m runtime.mpi_executor pingpong")
+        sys.exit("usage: mpiexec -n 2 python -m runtime.mpi_transport pingpong")
     result = pingpong()
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(json.dumps(result))
