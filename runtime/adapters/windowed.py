@@ -13,7 +13,6 @@ import numpy as np
 from legion_nn.access import window_padding
 from legion_nn.rect import Rect
 from runtime.adapters.registry import Dims, adapter
-from runtime.kernels import filter as filter_kernels
 from runtime.kernels import filter_packed, layout, pool
 
 
@@ -72,32 +71,13 @@ def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
 
 @adapter("filter", "forward")
 def _filter(task, piece, views, dims, ctx):
-    if views["filters"].ndim == 6:
-        return {"output": _packed_filter_forward(task, piece, views, dims)}
-    pads = _pads(task, piece, dims)
-    y = filter_kernels.filter_forward(views["input"], views["filters"], task.attrs["stride"], pads)
-    return {"output": y}
+    # every executor keeps filter weights packed (`runtime.instances.choose_layouts`)
+    return {"output": _packed_filter_forward(task, piece, views, dims)}
 
 
 @adapter("filter", "backward")
 def _filter_grad(task, piece, views, dims, ctx):
-    if views["filters"].ndim == 6:
-        return _packed_filter_backward(task, piece, views, dims)
-    pads = _pads(task, piece, dims)
-    channels = task.attrs.get("channels")
-    dx, dw = filter_kernels.filter_backward(
-        views["output.delta"],
-        views["input"],
-        views["filters"],
-        task.attrs["stride"],
-        pads,
-        channels=tuple(channels) if channels else None,
-        need_dx=task.attrs["need_dx"],
-    )
-    out = {"filters.delta": dw}
-    if dx is not None:
-        out["input.delta"] = dx
-    return out
+    return _packed_filter_backward(task, piece, views, dims)
 
 
 @adapter("conv", "forward")
