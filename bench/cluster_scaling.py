@@ -36,12 +36,12 @@ from partitioner.cost import plan_cost
 from partitioner.machine import Machine, load_machine
 from partitioner.plan import build_plan
 from partitioner.search import auto
-from partitioner.strategy import builtin
+from partitioner.strategy import STRATEGY_NAMES, builtin
 from runtime import cluster
 from runtime.step_simulator import step_prediction
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 16))
-STRATEGIES = ("data", "model", "spatial", "auto")
+STRATEGIES = STRATEGY_NAMES
 #: the row of one rank on one host: the step data parallelism must beat to pay
 ONE_HOST = "one host"
 #: auto's search on the benchmark's machine: the same limit `train` gives it

@@ -46,7 +46,7 @@ from bench.task_profile import profile_plan, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
-from partitioner.strategy import builtin
+from partitioner.strategy import BUILTIN, builtin
 from runtime import data
 from runtime.distributed import RunOptions, train_rank
 from runtime.launch import host_cores, world_size_from_env
@@ -56,7 +56,7 @@ from runtime.transport import ThreadTransport
 LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20)
 QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 DUPLEX_SIZES = (1 << 20, 4 << 20)
-STRATEGIES = ("data", "model", "spatial")
+STRATEGIES = BUILTIN
 #: steps of the traced one-rank training that calibrates the runtime's own costs
 CALIBRATION_STEPS = 12
 

@@ -56,12 +56,12 @@ from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
-from partitioner.strategy import builtin
+from partitioner.strategy import BUILTIN, builtin
 from runtime.launch import host_cores
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 4))
 DEFAULT_RANKS = (1, 2, 4)
-STRATEGIES = ("data", "model", "spatial")
+STRATEGIES = BUILTIN
 
 
 def pingpong() -> tuple[float, float]:

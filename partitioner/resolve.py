@@ -3,7 +3,8 @@
 A strategy file is JSON, `{"grids": {unit: [parts per dim], ...}}`, one grid per unit cutting it
 into exactly R pieces (`strategy.from_grids`). `auto` searches under the cost model of a machine
 (`search.auto`) and also returns why it chose each grid. `legion-nn partition` and
-`legion-nn render --ranks` resolve the argument here, so both mean the same plan by it.
+`legion-nn render --ranks` resolve the argument here, and `legion-nn train` chooses with it
+(`strategy_chooser`, which checks the argument before MPI starts), so all mean the same plan by it.
 
 A graph whose tasks can be cut over the batch only, as an imported graph's are, has one plan to
 offer: `data`, which `auto` then is (with a note saying so), while `model` and `spatial` are
@@ -20,7 +21,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.search import auto
-from partitioner.strategy import BUILTIN, Strategy, builtin, find_units, from_grids
+from partitioner.strategy import BUILTIN, STRATEGY_NAMES, Strategy, builtin, find_units, from_grids
 
 
 def check_plannable(graph: TaskGraph) -> None:
@@ -82,12 +83,30 @@ def resolve_strategy(
     return grids_strategy(graph, name, read_grids(name), nranks), None
 
 
+def strategy_chooser(
+    name: str, machine: Machine, time_limit: float
+) -> str | Callable[[TaskGraph, int], Strategy]:
+    """A built-in's name, or how to choose the strategy `name` stands for once the graph is
+    known (`resolve_strategy`); a bad name or strategy file fails here, before any graph."""
+    check_strategy_name(name)
+    if name in BUILTIN:
+        return name
+    grids = read_grids(name) if name != "auto" else None
+
+    def choose(graph: TaskGraph, nranks: int) -> Strategy:
+        if grids is not None:
+            return grids_strategy(graph, name, grids, nranks)
+        return resolve_strategy(graph, name, nranks, machine, time_limit)[0]
+
+    return choose
+
+
 def check_strategy_name(name: str) -> None:
     """A built-in, `auto`, or a JSON file of grids; anything else is one line."""
-    if name not in BUILTIN and name != "auto" and not name.endswith(".json"):
+    if name not in STRATEGY_NAMES and not name.endswith(".json"):
         raise LegionNNError(
             f"--strategy: unknown strategy {name!r}; choose one of "
-            f"{', '.join(BUILTIN + ('auto',))}, or a JSON file of grids"
+            f"{', '.join(STRATEGY_NAMES)}, or a JSON file of grids"
         )
 
 

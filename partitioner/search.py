@@ -58,14 +58,21 @@ from partitioner.coupling import is_chain
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache, chosen_pieces
 from partitioner.plan import build_plan, task_rows
-from partitioner.strategy import Grid, Strategy, Unit, balanced, builtin_grid, find_units
+from partitioner.strategy import (
+    BUILTIN,
+    Grid,
+    Strategy,
+    Unit,
+    balanced,
+    builtin_grid,
+    find_units,
+)
 from partitioner.transitions import NotAChain, RowCost, UnitPricer
 
-BUILTIN_FAMILIES = ("data", "model", "spatial")
 INF = float("inf")
 #: (unit index, predecessor's grid or None, the unit's grid)
 Transition = tuple
-FAMILIES = BUILTIN_FAMILIES + ("batch2×model", "channels4×spatial", "batch4×spatial")
+FAMILIES = BUILTIN + ("batch2×model", "channels4×spatial", "batch4×spatial")
 _MIXTURES = {
     "batch2×model": ((0,), 2, (1,)),
     "channels4×spatial": ((1,), 4, (2, 3)),
@@ -74,7 +81,7 @@ _MIXTURES = {
 
 
 def family_grid(unit: Unit, family: str, nranks: int) -> Grid:
-    if family in ("data", "model", "spatial"):
+    if family in BUILTIN:
         return builtin_grid(unit, family, nranks)
     first, parts, rest = _MIXTURES[family]
     usable = all(d in unit.splittable for d in first + rest)
@@ -244,7 +251,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     def keys(path: list[Grid]) -> list[Transition]:
         return [(i, path[i - 1] if i else None, q) for i, q in enumerate(path)]
 
-    for family in BUILTIN_FAMILIES:  # whatever the time limit
+    for family in BUILTIN:  # whatever the time limit
         family_pair(family, family)
     # Price lazily: a transition not yet priced counts at its lower bound; the cheapest
     # assignment under those values has its transitions priced, until it needs none unpriced.
@@ -311,7 +318,7 @@ def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
     n = len(pricer.units)
     pure = []
     for index, family in enumerate(FAMILIES):
-        if index >= len(BUILTIN_FAMILIES) and time.monotonic() > deadline:
+        if index >= len(BUILTIN) and time.monotonic() > deadline:
             break
         pure.append([family] * n)
     current = min(pure, key=lambda f: _rank(pricer.price(f)))

@@ -39,7 +39,9 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import RESIDENT_KINDS, Task
 
 Grid = tuple[int, ...]
+#: the fixed strategies; with `auto`, every name `--strategy` takes besides a grids file
 BUILTIN = ("data", "model", "spatial")
+STRATEGY_NAMES = (*BUILTIN, "auto")
 
 
 @dataclass(frozen=True)
@@ -259,9 +261,7 @@ class Strategy:
 def builtin(graph: TaskGraph, name: str, nranks: int) -> Strategy:
     """`data`, `model` or `spatial` for `graph` on `nranks` ranks."""
     if name not in BUILTIN:
-        raise LegionNNError(
-            f"unknown strategy {name!r}; choose one of {', '.join(BUILTIN + ('auto',))}"
-        )
+        raise LegionNNError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
     check_ranks(nranks)
     return Strategy(name, {u.name: builtin_grid(u, name, nranks) for u in find_units(graph)})
 

@@ -24,8 +24,8 @@ from typing import IO, Any
 
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
-from partitioner.resolve import check_strategy_name, grids_strategy, read_grids
-from partitioner.strategy import BUILTIN, Strategy
+from partitioner.resolve import strategy_chooser
+from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
 from runtime.supervisor import Status
 from runtime.tracing import Recorder, TraceFile
@@ -47,20 +47,9 @@ class RunOptions:
 
 
 def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strategy]:
-    """A built-in name, or how rank 0 chooses (`auto`, a grids file) for the first graph.
-
-    A bad name or grids file fails here, on every rank alike, before MPI starts."""
-    name = options.strategy
-    check_strategy_name(name)
-    if name in BUILTIN:
-        return name
-    machine = options.machine or Machine()
-    if name == "auto":
-        from partitioner.search import auto
-
-        return lambda graph, nranks: auto(graph, nranks, machine, options.search_seconds).strategy
-    grids = read_grids(name)
-    return lambda graph, nranks: grids_strategy(graph, name, grids, nranks)
+    """A built-in name, or how rank 0 chooses (`auto`, a grids file) for the first graph
+    (`partitioner.resolve.strategy_chooser`); a bad one fails on every rank alike, before MPI."""
+    return strategy_chooser(options.strategy, options.machine or Machine(), options.search_seconds)
 
 
 class Timeline:
