@@ -28,7 +28,8 @@ from legion_nn.verify import verify
 from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
-from runtime.executor import LocalExecutor
+from runtime.rank_executor import RankExecutor
+from runtime.transport import ThreadTransport
 
 
 @dataclass
@@ -84,8 +85,11 @@ class Trainer:
         self.on_epoch = on_epoch
         #: called on every rank after every step (the trace collection of distributed runs)
         self.after_step = after_step
-        #: a LocalExecutor, or a RankExecutor running this rank's share of a distributed run
-        self.executor = executor if executor is not None else LocalExecutor(seed=config.seed)
+        #: the rank executor: of a one-rank run over an in-process transport unless given one
+        if executor is None:
+            (transport,) = ThreadTransport.group(1)
+            executor = RankExecutor(transport, "data", seed=config.seed)
+        self.executor = executor
         self._graphs: dict[int, TaskGraph] = {}
         train = config.dataset.train
         if len(train) == 0:
