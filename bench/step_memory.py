@@ -16,15 +16,7 @@ import numpy as np
 
 from legion_nn.networks import load_network
 from runtime.adapters import StepContext
-from runtime.executor import NUMPY_DTYPES
-from runtime.rank_executor import RankExecutor
-from runtime.transport import ThreadTransport
-
-
-def one_rank_executor() -> RankExecutor:
-    """The executor `legion-nn train` runs in one process."""
-    (transport,) = ThreadTransport.group(1)
-    return RankExecutor(transport, "data", seed=0)
+from runtime.executor import NUMPY_DTYPES, LocalExecutor
 
 
 def rss_bytes() -> int:
@@ -52,13 +44,14 @@ def main() -> None:
     y = rng.integers(0, net.classes, args.batch).astype(np.int32)
     # Compile every kernel on a tiny batch first, so compilation does not count.
     small = net.lower(batch=2, dtype=args.dtype)
-    one_rank_executor().run(small, StepContext(0, inputs=x[:2], labels=y[:2]))
+    LocalExecutor(seed=0).run(small, StepContext(0, inputs=x[:2], labels=y[:2]))
     del small
 
     graph = net.lower(batch=args.batch, dtype=args.dtype)
     tensor_bytes = sum(t.nbytes for t in graph.tensors.values())
     baseline = rss_bytes()
-    one_rank_executor().run(graph, StepContext(0, inputs=x, labels=y))
+    executor = LocalExecutor(seed=0)
+    executor.run(graph, StepContext(0, inputs=x, labels=y))
     step_peak = peak_bytes() - baseline
     print(
         f"{args.network} batch {args.batch} {args.dtype}: tensors {tensor_bytes / 2**30:.3f} GiB, "

@@ -31,10 +31,8 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
-from runtime.executor import run_on_views
+from runtime.executor import LocalExecutor, run_on_views
 from runtime.kernels.blas import kernel_threading
-from runtime.rank_executor import RankExecutor
-from runtime.transport import ThreadTransport
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5
@@ -42,8 +40,8 @@ REPEAT = 5
 PieceKey = tuple
 
 
-def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepContext]:
-    """A one-rank executor after one training step of `graph` on seeded random data, and that
+def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[LocalExecutor, StepContext]:
+    """A local executor after one training step of `graph` on seeded random data, and that
     step's context: realistic values (labels in range, activations of a real forward pass) for
     every tensor a piece reads."""
     data_task = next(t for t in graph.tasks if t.op == "data")
@@ -58,8 +56,7 @@ def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepCont
         if req.role == "input"
     )
     labels = rng.integers(0, classes, size=dims["raw_data"][0])
-    (transport,) = ThreadTransport.group(1)
-    executor = RankExecutor(transport, "data", seed=seed)
+    executor = LocalExecutor(seed)
     ctx = StepContext(0, training=True, inputs=inputs, labels=labels)
     executor.run(graph, ctx)
     return executor, StepContext(1, training=True, inputs=inputs, labels=labels)
@@ -69,7 +66,7 @@ def profile_plan(
     graph: TaskGraph,
     plan: Plan,
     threads: int,
-    sample: tuple[RankExecutor, StepContext] | None = None,
+    sample: tuple[LocalExecutor, StepContext] | None = None,
     cache: MutableMapping[PieceKey, float] | None = None,
 ) -> dict[str, float]:
     """Per task of `plan`, the seconds its busiest rank spends in its pieces' kernels, on
@@ -97,7 +94,7 @@ def profile_plan(
     return out
 
 
-def _time_piece(graph, task, piece, executor: RankExecutor, ctx: StepContext) -> float:
+def _time_piece(graph, task, piece, executor: LocalExecutor, ctx: StepContext) -> float:
     views = {}
     for req in piece.requirements:
         if req.rect is None:
