@@ -28,8 +28,7 @@ from legion_nn.verify import verify
 from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
-from runtime.rank_executor import RankExecutor
-from runtime.transport import ThreadTransport
+from runtime.executor import LocalExecutor
 
 
 @dataclass
@@ -85,11 +84,8 @@ class Trainer:
         self.on_epoch = on_epoch
         #: called on every rank after every step (the trace collection of distributed runs)
         self.after_step = after_step
-        #: the rank executor: of a one-rank run over an in-process transport unless given one
-        if executor is None:
-            (transport,) = ThreadTransport.group(1)
-            executor = RankExecutor(transport, "data", seed=config.seed)
-        self.executor = executor
+        #: a LocalExecutor, or a RankExecutor running this rank's share of a distributed run
+        self.executor = executor if executor is not None else LocalExecutor(seed=config.seed)
         self._graphs: dict[int, TaskGraph] = {}
         train = config.dataset.train
         if len(train) == 0:
