@@ -148,3 +148,15 @@ def test_train_cli_bad_input(args, fragment, capsys):
     assert main(args + ["--no-progress"]) == 2
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_network_with_batchnorm_and_dropout_trains_in_one_process():
+    from tests.test_executor import MIXED
+
+    dataset = data.load("synthetic", MIXED.input, MIXED.classes, 0, np.float64)
+    cfg = TrainConfig(network=MIXED, dataset=dataset, batch=8, steps=6, dtype="float64")
+    trainer = Trainer(cfg)
+    result = trainer.run()
+    assert len(result.losses) == 6 and all(np.isfinite(result.losses))
+    running = trainer.executor.resident()["bn0.running"]
+    assert not np.allclose(running[0], 0.0) and not np.allclose(running[1], 1.0)
