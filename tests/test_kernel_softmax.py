@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from error_bounds import assert_close_to
 from numeric_grad import assert_grad, numeric_grad
 
 from runtime.kernels.softmax import accuracy, evaluate_forward, softmax_backward, softmax_forward
@@ -58,7 +59,8 @@ def test_batch_pieces_add_up():
     prob, loss = softmax_forward(x, labels, 7)
     halves = (slice(0, 3), slice(3, 7))
     pieces = [softmax_forward(x[s], labels[s], 7) for s in halves]
-    np.testing.assert_allclose(pieces[0][1] + pieces[1][1], loss, rtol=1e-12)
+    # the loss sums positive per-sample terms, the same in both: only the order of the sum differs
+    assert_close_to(pieces[0][1] + pieces[1][1], loss, loss, 7 + 1)
     np.testing.assert_allclose(np.concatenate([p[0] for p in pieces]), prob, rtol=1e-12)
     stats = [evaluate_forward(prob[s], labels[s]) for s in halves]
     np.testing.assert_allclose(stats[0] + stats[1], evaluate_forward(prob, labels), rtol=1e-12)
