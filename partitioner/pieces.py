@@ -392,7 +392,7 @@ def homed_pieces(graph: TaskGraph, task: Task, homes: Mapping[str, Layout]) -> l
     the home of their first tensor, every requirement touching the piece."""
     if task.op == "data":
         return [_home_cells(homes[req.tensor], req.rect, (req,)) for req in task.requirements]
-    home = homes[task.requirements[0].tensor]
+    home = homes[next(r.tensor for r in task.requirements if r.tensor in homes)]
     return [_home_cells(home, task.space, task.requirements)]
 
 

@@ -233,7 +233,8 @@ def _homes(graph: TaskGraph, pieces: Mapping[str, PieceSet]) -> dict[str, Layout
                 readers[tensor].append(columns)
     homes = {}
     for name, tensor in graph.tensors.items():
-        if tensor.kind in ("data", "param"):
+        owned = param_of(graph, name) is not None  # optimizer state lives with its parameter
+        if tensor.kind in ("data", "param") or (tensor.kind == "state" and not owned):
             homes[name] = home_layout(graph, name, readers.get(name, []))
     for name in graph.tensors:
         owner = param_of(graph, name)

@@ -120,6 +120,9 @@ class StepRun:
         return self.recorder.now() if self.recorder is not None else 0.0
 
     def post(self, messages: list[Message]) -> None:
+        sending = {m.tensor for m in messages if m.src == self.rank}
+        if sending:  # a copy of a tensor being reduced carries the sum, not this rank's part
+            self._complete_collectives(sending)
         for m in messages:
             tag = self.transport.data_tag(m.seq)
             if m.src == self.rank:
@@ -275,16 +278,16 @@ class StepRun:
         running.post_round()
         self.collectives.append(running)
 
-    def _complete_collectives(self, rt: RankTask | None) -> None:
-        """Finish the collectives in flight up to the last one whose tensor `rt` touches (all when
-        None), in the order they started.
+    def _complete_collectives(self, touching: RankTask | set[str] | None) -> None:
+        """Finish the collectives in flight up to the last one whose tensor `touching` (a task,
+        or tensor names) touches (all when None), in the order they started.
 
         Every rank starts the collectives in the same order and completes them in that order
         too, so the oldest collective anyone is blocked in never waits on a rank blocked in a
         younger one: a rank blocks in a collective only once every older one is done."""
         if not self.collectives:
             return
-        touched = None if rt is None else rt.tensors
+        touched = touching.tensors if isinstance(touching, RankTask) else touching
         last = max(
             (i for i, c in enumerate(self.collectives) if touched is None or c.tensor in touched),
             default=-1,

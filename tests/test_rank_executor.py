@@ -362,3 +362,15 @@ def test_verify_plans_checks_each_plan_before_it_runs(monkeypatch):
     monkeypatch.setattr(rank_executor, "verify_plan", broken)
     with pytest.raises(VerifyError, match="pieces overlap"):
         run_threads(2, body)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_batchnorm_dropout_and_every_op_equal_the_local_run(strategy, nranks):
+    """BatchNorm's running statistics (state with a home of its own, updated where they live)
+    and its statistics, a sum of the ranks' parts that every rank then reads: a copy of a
+    tensor under reduction carries the finished sum (on 3 ranks it once carried a part)."""
+    from tests.test_executor import MIXED
+
+    cfg = config(MIXED, batch=6)
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
