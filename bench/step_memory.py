@@ -16,7 +16,8 @@ import numpy as np
 
 from legion_nn.networks import load_network
 from runtime.adapters import StepContext
-from runtime.executor import NUMPY_DTYPES, LocalExecutor
+from runtime.executor import NUMPY_DTYPES
+from runtime.rank_executor import one_process
 
 
 def rss_bytes() -> int:
@@ -44,14 +45,13 @@ def main() -> None:
     y = rng.integers(0, net.classes, args.batch).astype(np.int32)
     # Compile every kernel on a tiny batch first, so compilation does not count.
     small = net.lower(batch=2, dtype=args.dtype)
-    LocalExecutor(seed=0).run(small, StepContext(0, inputs=x[:2], labels=y[:2]))
+    one_process().run(small, StepContext(0, inputs=x[:2], labels=y[:2]))
     del small
 
     graph = net.lower(batch=args.batch, dtype=args.dtype)
     tensor_bytes = sum(t.nbytes for t in graph.tensors.values())
     baseline = rss_bytes()
-    executor = LocalExecutor(seed=0)
-    executor.run(graph, StepContext(0, inputs=x, labels=y))
+    one_process().run(graph, StepContext(0, inputs=x, labels=y))
     step_peak = peak_bytes() - baseline
     print(
         f"{args.network} batch {args.batch} {args.dtype}: tensors {tensor_bytes / 2**30:.3f} GiB, "

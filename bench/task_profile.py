@@ -31,8 +31,9 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
-from runtime.executor import LocalExecutor, run_on_views
+from runtime.executor import run_on_views
 from runtime.kernels.blas import kernel_threading
+from runtime.rank_executor import RankExecutor, one_process
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5
@@ -40,8 +41,8 @@ REPEAT = 5
 PieceKey = tuple
 
 
-def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[LocalExecutor, StepContext]:
-    """A local executor after one training step of `graph` on seeded random data, and that
+def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepContext]:
+    """A one-rank executor after one training step of `graph` on seeded random data, and that
     step's context: realistic values (labels in range, activations of a real forward pass) for
     every tensor a piece reads."""
     data_task = next(t for t in graph.tasks if t.op == "data")
@@ -56,7 +57,7 @@ def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[LocalExecutor, StepCon
         if req.role == "input"
     )
     labels = rng.integers(0, classes, size=dims["raw_data"][0])
-    executor = LocalExecutor(seed)
+    executor = one_process(seed)
     ctx = StepContext(0, training=True, inputs=inputs, labels=labels)
     executor.run(graph, ctx)
     return executor, StepContext(1, training=True, inputs=inputs, labels=labels)
@@ -66,7 +67,7 @@ def profile_plan(
     graph: TaskGraph,
     plan: Plan,
     threads: int,
-    sample: tuple[LocalExecutor, StepContext] | None = None,
+    sample: tuple[RankExecutor, StepContext] | None = None,
     cache: MutableMapping[PieceKey, float] | None = None,
 ) -> dict[str, float]:
     """Per task of `plan`, the seconds its busiest rank spends in its pieces' kernels, on
@@ -94,7 +95,7 @@ def profile_plan(
     return out
 
 
-def _time_piece(graph, task, piece, executor: LocalExecutor, ctx: StepContext) -> float:
+def _time_piece(graph, task, piece, executor: RankExecutor, ctx: StepContext) -> float:
     views = {}
     for req in piece.requirements:
         if req.rect is None:

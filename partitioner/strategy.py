@@ -79,7 +79,9 @@ def is_homed(graph: TaskGraph, task: Task) -> bool:
     """Whether `task` runs where its resident tensors live rather than on a grid of its own."""
     if task.op in ("data", "update"):
         return True
-    if all(graph.tensors[r.tensor].kind == "state" for r in task.requirements if r.privilege.writes):
+    if all(
+        graph.tensors[r.tensor].kind == "state" for r in task.requirements if r.privilege.writes
+    ):
         return any(r.privilege.writes for r in task.requirements)  # e.g. running statistics
     if task.op == "set_zero":
         tensor = graph.tensors[task.requirements[0].tensor]

@@ -1,20 +1,19 @@
-"""The local executor: runs a task graph's tasks in program order on one process.
+"""The executor's interface (`Executor`, what the training loop relies on) and what running a
+task graph needs: initial values, a piece's kernel on views of its requirements, and the forward
+pass's tasks.
 
-It is a thin adapter over the shared per-piece step (`run_task_piece`): it owns one NumPy array per
-tensor, in the logical layout, and hands each task the views of its requirements' rects. The MPI
-executor runs the same step on a rank's pieces with buffers of its own.
-
-Parameters and optimizer state (resident tensors) live across steps and across graphs: a training
-run lowers one graph per batch size it meets (the last, partial batch of an epoch; evaluation
-batches), and all of them share the parameters by name. Activations and gradients are
-reallocated only when a graph needs other dims.
+The one executor is `runtime.rank_executor.RankExecutor`: a rank's share of a plan, over a
+transport. A run in one process is a one-rank run of it over an in-process transport
+(`runtime.rank_executor.one_process`), so there is one executor to keep right. Parameters and
+optimizer state (resident tensors) draw their initial values from a stream per tensor name
+(`initial_part`), so every rank count starts from the same values.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,11 +23,44 @@ from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext, run_piece
-from runtime.aligned import aligned_copy, aligned_zeros
-from runtime.instances import Layout, choose_layouts
-from runtime.kernels.blas import kernel_threading
 
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64}
+
+
+class Executor(Protocol):
+    """What `runtime.training.Trainer` needs of an executor: run steps of the graphs it lowers,
+    read small results, and take part in gathering log records and checkpoints.
+
+    Collective calls (`run`, `run_inference`, `gather`, `resident`) are made by every rank in the
+    same order; values that live on one rank come back on rank 0 (`is_root`) and None elsewhere.
+    """
+
+    @property
+    def is_root(self) -> bool: ...
+
+    def prepare(self, graph: TaskGraph) -> object:
+        """Plan `graph` and allocate what it needs (resident tensors once, for the whole run)."""
+
+    def run(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
+        """One training step of `graph`: forward, zeroing, backward and updates."""
+
+    def run_inference(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
+        """The forward pass of `graph` alone (`inference_tasks`)."""
+
+    def value(self, name: str) -> np.ndarray | None:
+        """A whole small tensor (the loss, evaluate's sums) where it is held, else None."""
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's `value`, in rank order, on rank 0."""
+
+    def step_extras(self) -> dict[str, Any]:
+        """What the last step's log record adds (bytes sent and planned)."""
+
+    def resident(self) -> dict[str, np.ndarray] | None:
+        """Parameters and state, whole and logical, on rank 0: what a checkpoint holds."""
+
+    def load_resident(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set parameters and state from whole logical arrays (a checkpoint)."""
 
 
 def initial_value(tensor: Tensor, rng: np.random.Generator) -> np.ndarray:
@@ -116,88 +148,6 @@ def run_on_views(
             target[...] = results[req.role]
         else:
             raise AssertionError(f"{task.name}: adapter returned a {req.privilege} role {req.role}")
-
-
-class LocalExecutor:
-    """One process, every tensor whole. `rank 0 of 1` for the training loop."""
-
-    is_root = True
-
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
-        #: physical arrays by tensor name, in the layout of `layouts[name]`
-        self.arrays: dict[str, np.ndarray] = {}
-        self.layouts: dict[str, Layout] = {}
-        self._tensors: dict[str, Tensor] = {}
-
-    def prepare(self, graph: TaskGraph) -> None:
-        """Allocate what `graph` needs; resident tensors are initialised once, in name order."""
-        layouts = choose_layouts(graph)
-        for name in sorted(graph.tensors):
-            tensor = graph.tensors[name]
-            layout = self.layouts.setdefault(name, layouts[name])
-            current = self.arrays.get(name)
-            if current is not None and current.shape == layout.shape(tensor.dims):
-                continue
-            if tensor.kind in ("param", "state"):
-                if current is not None:
-                    raise ValueError(f"tensor {name} changed dims to {list(tensor.dims)}")
-                # Each resident tensor draws from its own stream so that adding a layer does not
-                # change the initial values of the others.
-                stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-                self.arrays[name] = aligned_copy(layout.from_logical(initial_value(tensor, stream)))
-            else:
-                self.arrays[name] = aligned_zeros(
-                    layout.shape(tensor.dims), NUMPY_DTYPES[tensor.dtype]
-                )
-            self._tensors[name] = tensor
-
-    def view(self, name: str, rect: Rect) -> np.ndarray:
-        return self.arrays[name][self.layouts[name].slices(rect)]
-
-    def logical(self, name: str) -> np.ndarray:
-        """The tensor in its logical layout (a copy where the instance is packed)."""
-        return self.layouts[name].to_logical(self.arrays[name])
-
-    def run(
-        self, graph: TaskGraph, ctx: StepContext, tasks: Iterable[Task] | None = None
-    ) -> StepContext:
-        """Run `tasks` (default: the whole step) of `graph` in program order."""
-        self.prepare(graph)
-        with kernel_threading():  # once per step, not once per kernel
-            for task in graph.tasks if tasks is None else tasks:
-                run_task_piece(task, task.space, graph.tensors, self.view, ctx)
-        return ctx
-
-    def run_inference(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
-        """The forward pass alone (see `inference_tasks`)."""
-        return self.run(graph, ctx, inference_tasks(graph))
-
-    def value(self, name: str) -> np.ndarray:
-        return self.logical(name)
-
-    def gather(self, value):
-        return [value]
-
-    def step_extras(self) -> dict:
-        return {}
-
-    def resident(self) -> dict[str, np.ndarray]:
-        """Parameters and state by name, in their logical layouts: what a checkpoint holds."""
-        return {
-            name: self.logical(name)
-            for name in self.arrays
-            if self._tensors[name].kind in ("param", "state")
-        }
-
-    def load_resident(self, arrays: dict[str, np.ndarray]) -> None:
-        """Set parameters and state from logical arrays (a checkpoint)."""
-        for name, array in arrays.items():
-            current = self.arrays.get(name)
-            tensor = self._tensors.get(name)
-            if current is None or tensor is None or tuple(array.shape) != tensor.dims:
-                raise ValueError(f"tensor {name} {list(array.shape)} does not fit this network")
-            current[...] = self.layouts[name].from_logical(array)
 
 
 def inference_tasks(graph: TaskGraph) -> list[Task]:

@@ -3,7 +3,7 @@
 Given the partitioner's plan, each rank runs its `RankProgram` (see `runtime.rank_program`): it
 allocates one buffer per tensor covering only the rects its pieces, halos, messages and home cells
 touch (`RankProgram.boxes`), posts the step's copies as soon as their data exists, runs its pieces
-with the same kernel adapters as the local executor (`run_on_views`), sends and adds partial
+with the kernel adapters (`run_on_views`), sends and adds partial
 sums, and runs the plan's collectives hop by hop (`partitioner.collectives`). One rank needs no
 special path: its program has no messages.
 
@@ -50,6 +50,7 @@ from runtime.transport import (
     GroupAborted,
     PeerLost,
     StallError,
+    ThreadTransport,
     Transport,
     wait_object,
 )
@@ -299,3 +300,9 @@ class RankExecutor:
             self.arrays[name][...] = self.layouts[name].from_logical(
                 np.ascontiguousarray(array[box.to_slices()])
             )
+
+
+def one_process(seed: int = 0, strategy: str = "data", **options: Any) -> RankExecutor:
+    """The executor of a run in one process: rank 0 of 1 over the in-process transport."""
+    (transport,) = ThreadTransport.group(1)
+    return RankExecutor(transport, strategy, seed=seed, **options)

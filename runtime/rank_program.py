@@ -195,7 +195,7 @@ def step_order(graph: TaskGraph) -> list[int]:
     A topological order of the graph's dependences that takes the other tasks first, each in
     its graph order; updates go when nothing else can. Should deferring the updates ever
     reorder two other tasks (one waiting on an update), the graph's own order is kept instead,
-    so that reductions into one tensor always add up in the same order as the local executor's.
+    so that reductions into one tensor always add up in the same order on every rank count.
     """
     tasks = graph.tasks
     position = {task.name: i for i, task in enumerate(tasks)}

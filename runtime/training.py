@@ -28,7 +28,8 @@ from legion_nn.verify import verify
 from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
-from runtime.executor import LocalExecutor
+from runtime.executor import Executor
+from runtime.rank_executor import one_process
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Trainer:
         log: IO[str] | None = None,
         on_step: Callable[[int, float], None] | None = None,
         on_epoch: Callable[[str], None] | None = None,
-        executor: Any = None,
+        executor: Executor | None = None,
         after_step: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
@@ -84,8 +85,8 @@ class Trainer:
         self.on_epoch = on_epoch
         #: called on every rank after every step (the trace collection of distributed runs)
         self.after_step = after_step
-        #: a LocalExecutor, or a RankExecutor running this rank's share of a distributed run
-        self.executor = executor if executor is not None else LocalExecutor(seed=config.seed)
+        #: a rank's executor; a one-process run's unless given one
+        self.executor: Executor = executor if executor is not None else one_process(config.seed)
         self._graphs: dict[int, TaskGraph] = {}
         train = config.dataset.train
         if len(train) == 0:

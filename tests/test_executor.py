@@ -1,4 +1,5 @@
-"""The local executor runs the task graph itself: gradients, pieces, sparse updates."""
+"""The executor runs the task graph itself (one rank, in one process, as `legion-nn train` runs
+it): gradients, pieces, sparse updates, inference."""
 
 import numpy as np
 import pytest
@@ -20,7 +21,11 @@ from legion_nn.layers import (
 from legion_nn.network import Network
 from legion_nn.networks import load_network
 from runtime.adapters import StepContext
-from runtime.executor import LocalExecutor, inference_tasks, run_task_piece
+from runtime.executor import inference_tasks, run_task_piece
+from runtime.rank_executor import one_process
+
+#: a step whose update leaves every parameter as it was: forward, zeroing and backward only
+FROZEN = {"optimizer": "sgd", "hyperparameters": {"lr": 0.0}}
 
 
 def batch_for(net, n, seed=1):
@@ -31,9 +36,9 @@ def batch_for(net, n, seed=1):
 
 
 def loss_and_grads(executor, graph, x, y, step=0):
-    """Run forward, zeroing and backward (no update); return the loss tensor's value."""
+    """Run a step of a `FROZEN` graph (the update leaves the parameters); return the loss."""
     ctx = StepContext(step, inputs=x, labels=y)
-    executor.run(graph, ctx, [t for t in graph.tasks if t.phase != "update"])
+    executor.run(graph, ctx)
     loss = next(t for t in graph.tasks if t.op == "softmax" and t.phase == "forward")
     return float(executor.arrays[loss.requirement("output").tensor].reshape(-1)[0])
 
@@ -65,8 +70,8 @@ MIXED = Network(
 
 
 def whole_network_gradient_check(net, batch, samples, seed=0):
-    graph = net.lower(batch=batch, dtype="float64")
-    executor = LocalExecutor(seed=seed)
+    graph = net.lower(batch=batch, dtype="float64", **FROZEN)
+    executor = one_process(seed)
     x, y = batch_for(net, batch)
     loss_and_grads(executor, graph, x, y)
     rng = np.random.default_rng(2)
@@ -125,7 +130,7 @@ def run_in_pieces(graph, executor, ctx):
 def test_pieces_compute_what_the_whole_computes(net):
     graph = net.lower(batch=4, dtype="float64", optimizer="momentum")
     x, y = batch_for(net, 4)
-    whole, pieces = LocalExecutor(seed=3), LocalExecutor(seed=3)
+    whole, pieces = one_process(3), one_process(3)
     for step in range(2):
         whole.run(graph, StepContext(step, inputs=x, labels=y))
         run_in_pieces(graph, pieces, StepContext(step, inputs=x, labels=y))
@@ -148,12 +153,12 @@ def test_sparse_update_changes_only_the_selected_channels():
         ],
     )
     graph = net.lower(batch=2, dtype="float64", hyperparameters={"lr": 0.5})
-    executor = LocalExecutor(seed=0)
+    executor = one_process(0)
     x, y = batch_for(net, 2)
     executor.prepare(graph)
-    before = executor.logical("L0.W")
+    before = executor.value("L0.W").copy()
     executor.run(graph, StepContext(0, inputs=x, labels=y))
-    after = executor.logical("L0.W")
+    after = executor.value("L0.W")
     np.testing.assert_array_equal(after[:, :, :, [0, 3]], before[:, :, :, [0, 3]])
     assert np.all(np.any(after[:, :, :, 1:3] != before[:, :, :, 1:3], axis=(0, 1, 2)))
 
@@ -161,18 +166,18 @@ def test_sparse_update_changes_only_the_selected_channels():
 def test_inference_runs_no_backward_and_leaves_parameters_alone():
     net = load_network("seed-lcn-small")
     graph = net.lower(batch=3)
-    executor = LocalExecutor(seed=0)
+    executor = one_process(0)
     x, y = batch_for(net, 3)
     executor.prepare(graph)
     before = {k: v.copy() for k, v in executor.resident().items()}
     tasks = inference_tasks(graph)
     assert {t.phase for t in tasks} == {"forward", "set_zero"}
-    ctx = executor.run(graph, StepContext(0, training=False, inputs=x, labels=y), tasks)
+    ctx = executor.run_inference(graph, StepContext(0, training=False, inputs=x, labels=y))
     # labels that the model's own predictions get right in rows 0 and 2 and wrong in row 1
-    predicted = np.argmax(executor.logical("classifier.softmax.probability").reshape(3, -1), 1)
+    predicted = np.argmax(executor.value("classifier.softmax.probability").reshape(3, -1), 1)
     y = predicted.astype(np.int32)
     y[1] = (y[1] + 1) % net.classes
-    ctx = executor.run(graph, StepContext(1, training=False, inputs=x, labels=y), tasks)
+    ctx = executor.run_inference(graph, StepContext(1, training=False, inputs=x, labels=y))
     assert ctx.futures["classifier.evaluate.accuracy"] == pytest.approx(2 / 3, abs=1e-12)
     for name, value in executor.resident().items():
         np.testing.assert_array_equal(value, before[name])

@@ -1,7 +1,7 @@
-"""The rank executor over the in-process transport: R ranks equal the local run.
+"""The rank executor over the in-process transport: R ranks equal the one-process run.
 
 Every strategy, 1–4 ranks and uneven splits run the plan's programs in threads, in float64, and
-must give the local executor's losses and parameters up to the order of sums (1e-9 relative), with
+must give the one-process run's losses and parameters up to the order of sums (1e-9 relative), with
 each rank sending exactly the bytes its program plans. The MPI tests (`test_mpi_runtime.py`) then
 run the same programs under `mpiexec`.
 """

@@ -172,25 +172,19 @@ class _Console:
 
 
 def _run_single(args: argparse.Namespace) -> int:
-
-    from runtime.training import Trainer
+    """One process: a one-rank run of the distributed runtime over an in-process transport."""
+    from runtime.distributed import train_rank
+    from runtime.transport import ThreadTransport
 
     config, options = _config(args)
     log = open(args.log_json, "w") if args.log_json else None  # noqa: SIM115  (closed below)
     try:
         console = _Console(args.no_progress)
         console.start(config, config.total_steps, 1, options.strategy)
-        if args.trace or args.verify:  # one rank of the distributed runtime: traced, verified
-            from runtime.distributed import train_rank
-            from runtime.transport import ThreadTransport
-
-            (transport,) = ThreadTransport.group(1)
-            result = train_rank(
-                config, transport, options, None, log, console.on_step, console.on_epoch
-            )
-        else:
-            trainer = Trainer(config, log=log, on_step=console.on_step, on_epoch=console.on_epoch)
-            result = trainer.run()
+        (transport,) = ThreadTransport.group(1)
+        result = train_rank(
+            config, transport, options, None, log, console.on_step, console.on_epoch
+        )
         console.done(result)
     finally:
         if log is not None:

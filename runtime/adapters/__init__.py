@@ -4,8 +4,8 @@ An adapter gets the task, the piece of its space, the views of its requirements'
 the dims of the tensors bound to each role, and the step context. It returns the arrays to store
 by role: a `write` requirement's view is overwritten with them, a `reduce` requirement's view
 accumulates them; `read_write` requirements are updated in place by the adapter. Because the
-views are exactly the rects of the access map, the same adapters serve the local executor (one
-piece per task) and the rank executor (a rank's pieces, with halos received from other ranks).
+views are exactly the rects of the access map, the same adapters serve a whole task (one piece)
+and a rank's pieces (with halos received from other ranks).
 
 Windowed ops get the clipped halo plus the padding of their own border (`window_padding`), so an
 interior piece is computed without padding and a border piece with its side of it.
