@@ -128,8 +128,9 @@ def gathered_gradients(executor: RankExecutor, graph: TaskGraph) -> dict[str, np
             for req in piece.requirements:
                 if req.role == "gradient":
                     view = executor.view(req.tensor, req.rect)
-                    parts.append((param, req.rect, executor.layouts[req.tensor].to_logical(view)))
-    everyone = executor.gather([(name, rect, np.array(block)) for name, rect, block in parts])
+                    block = np.array(executor.layouts[req.tensor].to_logical(view))
+                    parts.append((param, req.rect, block))
+    everyone = executor.gather(parts)
     if everyone is None:
         return None
     out: dict[str, np.ndarray] = {}
