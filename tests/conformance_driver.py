@@ -37,6 +37,7 @@ from runtime.adapters import StepContext
 from runtime.rank_executor import RankExecutor
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import Transport, wait_object
+from tests.test_executor import MIXED
 
 SEED = 4
 #: the gradient check's batch: uneven over 2, 3 and 4 ranks
@@ -218,8 +219,6 @@ def train_and_resume(new_executor: Factory, checkpoint: Path, resume_from: Path)
 
 
 def mixed(executor: RankExecutor) -> dict[str, Any] | None:
-    from tests.test_executor import MIXED
-
     trainer = Trainer(config(MIXED, MIXED_BATCH, steps=MIXED_STEPS), executor=executor)
     executor.prepare(trainer.graph(MIXED_BATCH))
     losses = [trainer.step(step)[0] for step in range(MIXED_STEPS)]

@@ -35,8 +35,10 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,13 +46,14 @@ import pytest
 from runtime import cluster
 from runtime.rank_executor import RankExecutor, one_process
 from runtime.training import Trainer
-from runtime.transport import run_threads
+from runtime.transport import ThreadTransport, run_threads
 from tests.conformance_driver import (
     GRADIENT_BATCH,
     NETWORK,
     SEED,
     STALL_TIMEOUT,
     TRAIN_BATCH,
+    Factory,
     H,
     config,
     exercise,
@@ -105,10 +108,10 @@ def other_count(ranks: int) -> int:
     return 1 if ranks > 1 else 2
 
 
-def in_threads(ranks: int, body, strategy: str = "spatial"):
+def in_threads(ranks: int, body: Callable[[Factory], Any], strategy: str = "spatial") -> Any:
     """`body(new_executor)` on each of `ranks` in-process ranks; rank 0's result."""
 
-    def rank(transport):
+    def rank(transport: ThreadTransport) -> Any:
         return body(
             lambda: RankExecutor(transport, strategy, seed=SEED, stall_timeout=STALL_TIMEOUT)
         )
