@@ -16,6 +16,7 @@ import numpy as np
 from bench.jobs import OPTIMIZER, WARMUP, Job
 from legion_nn.ir import Task
 from legion_nn.networks import load_network
+from legion_nn.ops import rate_passes
 from partitioner.accounting import bytes_per_rank, task_flops
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
@@ -57,12 +58,13 @@ _LARGE_BYTES = 64 * 2**20
 
 def rate_keys(task: Task) -> tuple[str, ...]:
     """The `Machine.op_gflops` keys a task's measured time calibrates."""
-    if task.op in ("filter", "conv"):
-        variant = "untied" if task.attrs.get("untied") else "tied"
-        if task.phase == "forward":
-            return (f"{task.op}.forward.{variant}",)
-        return (f"{task.op}.backward_data.{variant}", f"{task.op}.backward_filter.{variant}")
-    return (f"{task.op}.{task.phase}",)
+    variant, _ = rate_passes(task)
+    if not variant:
+        return (f"{task.op}.{task.phase}",)
+    if task.phase == "forward":
+        return (f"{task.op}.forward.{variant}",)
+    # a backward's measured time calibrates the rates of both of its passes
+    return (f"{task.op}.backward_data.{variant}", f"{task.op}.backward_filter.{variant}")
 
 
 def memory_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:

@@ -1,92 +1,27 @@
 """Access maps: for a piece of a task's iteration space, the rect each requirement touches.
 
-Every (op, phase) registers one function ``fn(attrs, dims, piece) -> {role: Rect}``, where `dims`
-maps each role to the dims of the tensor bound to it. Lowering builds a task's requirements by
-applying its access map to the whole space; the partitioner applies the same map to each piece, so
-halos, weight slices and reduction targets all come from one place.
+Every (op, phase) records one function ``fn(attrs, dims, piece) -> {role: Rect}`` in its op record
+(`legion_nn.registry`), where `dims` maps each role to the dims of the tensor bound to it.
+Lowering builds a task's requirements by applying its access map to the whole space; the
+partitioner applies the same map to each piece, so halos, weight slices and reduction targets
+all come from one place. An op may also record the same map over arrays of pieces (its box map:
+`lo`, `hi` (n, ndim) int64, every piece non-empty, returning {role: (lo, hi)}), which the
+partitioner uses where one rect at a time is too slow and checks against the map itself.
 
-The table also records which dims of the space may be cut (`splittable`): a softmax cannot be cut
-across its classes, a reshape only across the batch. Where that depends on the task, `splittable`
-is a function of the task's attrs.
-
-An op may be namespaced, `ns.Name`: without an entry of its own it uses the entry of `ns`. Imported
-graphs use this: every `chainer.<Type>` task has the batch-parallel map registered as `chainer`
-(`legion_nn.importers.batch_access`), and a map for one type can still be registered on its own.
+This module holds the building blocks the families' maps share, one piece at a time and over
+arrays; it knows no op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from legion_nn.ir import Requirement, Task, Tensor
+import numpy as np
+
+from legion_nn.ir import Requirement
 from legion_nn.rect import Rect
-
-AccessFn = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], Rect], dict[str, Rect]]
-Splittable = tuple[int, ...] | Callable[[Mapping[str, Any]], tuple[int, ...]] | None
-
-
-@dataclass(frozen=True)
-class AccessEntry:
-    fn: AccessFn
-    splittable: Splittable  # None: every dim of the space; a function: of the task's attrs
-
-
-_TABLE: dict[tuple[str, str], AccessEntry] = {}
-
-
-def register(op: str, phase: str, splittable: Splittable = None):
-    """Decorator: make `fn` the access map of `op` in `phase`."""
-
-    def wrap(fn: AccessFn) -> AccessFn:
-        _TABLE[(op, phase)] = AccessEntry(fn, splittable)
-        return fn
-
-    return wrap
-
-
-def _register_all() -> None:
-    """Import the modules that register maps: every layer's, and the imported functions'."""
-    import legion_nn.importers.batch_access
-    import legion_nn.layers  # noqa: F401
-
-
-def _lookup(op: str, phase: str) -> AccessEntry | None:
-    """The entry of `op`, else of its namespace (`ns` for `ns.Name`)."""
-    _register_all()
-    entry = _TABLE.get((op, phase))
-    if entry is None and "." in op:
-        entry = _TABLE.get((op.split(".", 1)[0], phase))
-    return entry
-
-
-def _entry(op: str, phase: str) -> AccessEntry:
-    entry = _lookup(op, phase)
-    if entry is None:
-        raise KeyError(f"no access map for op {op!r} in phase {phase!r}")
-    return entry
-
-
-def access_map(op: str, phase: str) -> AccessFn:
-    return _entry(op, phase).fn
-
-
-def has_access_map(op: str, phase: str) -> bool:
-    return _lookup(op, phase) is not None
-
-
-def splittable_dims(task: Task) -> tuple[int, ...]:
-    entry = _entry(task.op, task.phase)
-    if entry.splittable is None:
-        return tuple(range(task.space.ndim))
-    if callable(entry.splittable):
-        return tuple(entry.splittable(task.attrs))
-    return entry.splittable
-
-
-def access_rects(task: Task, dims: Mapping[str, tuple[int, ...]], piece: Rect) -> dict[str, Rect]:
-    return _entry(task.op, task.phase).fn(task.attrs, dims, piece)
 
 
 def with_rect(req: Requirement, rect: Rect) -> Requirement:
@@ -96,18 +31,6 @@ def with_rect(req: Requirement, rect: Rect) -> Requirement:
         read_rect=rect if req.privilege.reads else None,
         write_rect=rect if req.privilege.writes else None,
     )
-
-
-def piece_requirements(
-    task: Task, tensors: Mapping[str, Tensor], piece: Rect
-) -> tuple[Requirement, ...]:
-    """The requirements of one piece of `task`'s space."""
-    dims = {req.role: tensors[req.tensor].dims for req in task.requirements}
-    rects = access_rects(task, dims, piece)
-    return tuple(with_rect(req, rects[req.role]) for req in task.requirements)
-
-
-# Shared building blocks for the layers' maps.
 
 
 def window_span(lo: int, hi: int, stride: int, pad: int, size: int, extent: int) -> tuple[int, int]:
@@ -153,3 +76,26 @@ def batch_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
 def whole(dims: tuple[int, ...], piece: Rect) -> Rect:
     """The whole tensor, or nothing when the piece is empty."""
     return Rect.empty(len(dims)) if piece.is_empty() else Rect.from_dims(dims)
+
+
+def window_spans(
+    lo: np.ndarray, hi: np.ndarray, stride: int, pad: int, size: int, extent: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`window_span` of each (lo, hi): (0, 0) where nothing is read."""
+    first = np.maximum(lo * stride - pad, 0)
+    last = np.minimum((hi - 1) * stride - pad + size, extent)
+    read = (hi > lo) & (first < last)
+    return np.where(read, first, 0), np.where(read, last, 0)
+
+
+def columns(n: int, *values) -> np.ndarray:
+    """An (n, len(values)) int64 array from columns that are arrays of n or scalars."""
+    out = np.empty((n, len(values)), np.int64)
+    for d, column in enumerate(values):
+        out[:, d] = column
+    return out
+
+
+def elementwise_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
+    """`elementwise` over arrays: every role touches the piece."""
+    return {role: (lo, hi) for role in dims}

@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from legion_nn.access import access_map
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from legion_nn.registry import access_map
 
 OPTIMIZERS = {
     "sgd": {"lr": 0.01},

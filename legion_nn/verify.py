@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from legion_nn.access import has_access_map, piece_requirements
 from legion_nn.errors import VerifyError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import KINDS, PHASES, Requirement
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from legion_nn.registry import has_access_map, piece_requirements
 
 
 def verify(graph: TaskGraph) -> None:

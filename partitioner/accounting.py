@@ -1,11 +1,9 @@
 """FLOPs and memory per rank of a plan.
 
-FLOPs are counted per element of a task's iteration space, by op and phase (multiply and add count
-as two): a filter output reads C·R·S inputs (2·C·R·S forward; backward computes the input and the
-weight gradient, twice that, or once when the input needs no gradient); a `linear` output
-2·C·H·W; elementwise ops a few; softmax and evaluate a few per class. `set_zero` and `data` count
-none (they are memory traffic, a blind spot of the model); an update counts per element 2 (sgd),
-4 (momentum), 10 (adam). A homed piece is computed by every holder.
+FLOPs are counted per element of a task's iteration space, as its op's record states them by phase
+(`legion_nn.ops`; multiply and add count as two): a filter output reads C·R·S inputs, a `linear`
+output C·H·W, elementwise ops a few, softmax and evaluate a few per class; `set_zero` and `data`
+count none (memory traffic, a blind spot of the model). A homed piece is computed by every holder.
 
 Memory traffic per rank (`bytes_per_rank`) is what the cost model's roofline term prices: the
 bytes of every rect a rank's pieces of a task touch, once for a read or a write and twice for an
@@ -30,10 +28,11 @@ up to the step's.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
+from legion_nn import ops
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
@@ -42,56 +41,10 @@ from partitioner.pieces import PieceSet
 from partitioner.plan import Plan, Reduction
 from partitioner.transfers import TransferBlock
 
-UPDATE_FLOPS = {"sgd": 2, "momentum": 4, "adam": 10}
-
-
-def _window(task: Task, graph: TaskGraph) -> int:
-    dims = graph.tensors[task.requirement("filters").tensor].dims
-    return dims[3] * dims[4] * dims[5]
-
-
-def _fan_in(task: Task, graph: TaskGraph) -> int:
-    _, c, h, w = graph.tensors[task.requirement("input").tensor].dims
-    return c * h * w
-
-
-def _classes(task: Task, graph: TaskGraph) -> int:
-    role = "input" if task.op == "softmax" else "probability"
-    return graph.tensors[task.requirement(role).tensor].dims[1]
-
-
-def _backward_factor(task: Task) -> int:
-    return 4 if task.attrs.get("need_dx", True) else 2
-
-
-FLOPS_PER_ELEMENT: dict[tuple[str, str], Callable[[Task, TaskGraph], float]] = {
-    ("filter", "forward"): lambda t, g: 2 * _window(t, g),
-    ("filter", "backward"): lambda t, g: _backward_factor(t) * _window(t, g),
-    ("conv", "forward"): lambda t, g: 2 * _window(t, g) + 1,
-    ("conv", "backward"): lambda t, g: _backward_factor(t) * _window(t, g) + 1,
-    ("linear", "forward"): lambda t, g: 2 * _fan_in(t, g),
-    ("linear", "backward"): lambda t, g: _backward_factor(t) * _fan_in(t, g),
-    ("filterA", "forward"): lambda t, g: 2,
-    ("filterA", "backward"): lambda t, g: 4,
-    ("filterNL", "forward"): lambda t, g: 1,
-    ("filterNL", "backward"): lambda t, g: 2,
-    ("dropout", "forward"): lambda t, g: 2,
-    ("dropout", "backward"): lambda t, g: 1,
-    ("maxpool", "forward"): lambda t, g: t.attrs["kernel"][0] * t.attrs["kernel"][1],
-    ("maxpool", "backward"): lambda t, g: t.attrs["kernel"][0] * t.attrs["kernel"][1],
-    ("softmax", "forward"): lambda t, g: 5 * _classes(t, g),
-    ("softmax", "backward"): lambda t, g: 2,
-    ("evaluate", "forward"): lambda t, g: 6 * _classes(t, g),
-    ("update", "update"): lambda t, g: UPDATE_FLOPS.get(t.attrs.get("optimizer", "sgd"), 10),
-}
-DEFAULT_FLOPS = 8.0  # ops with no entry (batchnorm, reshape): a few per element
-
 
 def flops_per_element(task: Task, graph: TaskGraph) -> float:
-    if task.op in ("set_zero", "data", "accuracy"):
-        return 0.0
-    fn = FLOPS_PER_ELEMENT.get((task.op, task.phase))
-    return float(fn(task, graph)) if fn else DEFAULT_FLOPS
+    """FLOPs per element of `task`'s space, from its op record (`legion_nn.ops`)."""
+    return ops.flops_per_element(task, graph.tensors)
 
 
 def flops_per_rank(graph: TaskGraph, plan: Plan) -> list[np.ndarray]:

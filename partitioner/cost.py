@@ -43,6 +43,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
+from legion_nn.ops import rate_passes
 from partitioner.accounting import bytes_per_rank, flops_per_rank, memory_by_unit
 from partitioner.machine import Machine
 from partitioner.plan import Plan, Reduction, Transfer
@@ -197,14 +198,7 @@ def collective_costs(
 
 def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
     """Seconds to compute `flops` of `task`, pass by pass (see `machine.py`)."""
-    variant = ""
-    passes = [(task.phase, 1.0)]
-    if task.op in ("filter", "conv"):
-        variant = "untied" if task.attrs.get("untied") else "tied"
-        if task.phase == "backward":
-            passes = [("backward_filter", 1.0)]
-            if task.attrs.get("need_dx", True):
-                passes = [("backward_data", 0.5), ("backward_filter", 0.5)]
+    variant, passes = rate_passes(task)
     rates = [(share, machine.flops_per_second(task.op, name, variant)) for name, share in passes]
     if len({rate for _, rate in rates}) == 1:
         return flops / rates[0][1]

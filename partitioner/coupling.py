@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from legion_nn.graph import TaskGraph
+from legion_nn.ops import record_of
 from legion_nn.privilege import Privilege
 from partitioner.accounting import flops_per_element
 from partitioner.strategy import Unit, is_homed
@@ -56,9 +57,9 @@ def cost_dependencies(graph: TaskGraph, units: Sequence[Unit]) -> dict[str, set[
     """For each task, the units whose grids its predicted cost depends on."""
     owner = grid_owners(graph, units)
     params = {
-        req.tensor: task.requirement("params").tensor
+        req.tensor: task.requirement(role).tensor
         for task in graph.tasks
-        if task.op == "update"
+        if (role := record_of(task.op).owner_role) is not None
         for req in task.requirements
     }
     params.update((n, n) for n, t in graph.tensors.items() if t.kind == "param")

@@ -8,7 +8,7 @@ it on demand.
 *Grid pieces* (a partitioned task): cell i of the row-major grid, on rank i; empty cells are
 left out. Their requirement rects come from the layer's access map. One call per piece costs
 several microseconds, a second for 1024 ranks, so a grid of more than `DIRECT_LIMIT` pieces
-takes them from the op's array map (`box_maps.py`), all pieces at once, where it has one and it
+takes them from the op's array map (`box_map`), all pieces at once, where it has one and it
 agrees with the access map on a sample of pieces (as below); otherwise the grid is *probed*:
 the map is applied to the whole space and, for each cut dim d and each part i, to the space cut
 only along d. The access maps here are axis-separable (each dim of a returned
@@ -32,12 +32,11 @@ from operator import attrgetter, itemgetter
 
 import numpy as np
 
-from legion_nn.access import access_map
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
+from legion_nn.ops import BoxMap, access_map, box_map
 from legion_nn.rect import Rect, split_bounds
 from partitioner import boxes
-from partitioner.box_maps import BoxMap, box_map
 from partitioner.layout import Layout
 
 #: grids of at most this many pieces get one access-map call per piece
@@ -262,7 +261,7 @@ def _boxed(
     hi: np.ndarray,
     memo: dict,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
-    """Requirement rects of every piece from the op's array map (`box_maps.py`), or None where
+    """Requirement rects of every piece from the op's array map (`box_map`), or None where
     they differ from the layer's own map on the sampled pieces."""
     out = {}
     for role, (role_lo, role_hi) in boxed(task.attrs, dims, lo, hi).items():

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from legion_nn.access import has_access_map
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
+from legion_nn.ops import has_access_map
 from partitioner.machine import Machine
 from partitioner.search import auto
 from partitioner.strategy import BUILTIN, STRATEGY_NAMES, Strategy, builtin, find_units, from_grids

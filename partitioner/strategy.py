@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from legion_nn.access import splittable_dims
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import RESIDENT_KINDS, Task
+from legion_nn.ops import HOME, WITH_TENSOR, record_of, splittable_dims
 
 Grid = tuple[int, ...]
 #: the fixed strategies; with `auto`, every name `--strategy` takes besides a grids file
@@ -70,20 +70,22 @@ def param_of(graph: TaskGraph, tensor: str) -> str | None:
     if base != tensor and base in graph.tensors and graph.tensors[base].kind == "param":
         return base  # `<param>.grad`, in graphs with or without update tasks (imported ones)
     for task in graph.tasks:
-        if task.op == "update" and any(r.tensor == tensor for r in task.requirements):
-            return task.requirement("params").tensor
+        owner = record_of(task.op).owner_role
+        if owner is not None and any(r.tensor == tensor for r in task.requirements):
+            return task.requirement(owner).tensor
     return None
 
 
 def is_homed(graph: TaskGraph, task: Task) -> bool:
     """Whether `task` runs where its resident tensors live rather than on a grid of its own."""
-    if task.op in ("data", "update"):
+    homing = record_of(task.op).homing
+    if homing == HOME:
         return True
     if all(
         graph.tensors[r.tensor].kind == "state" for r in task.requirements if r.privilege.writes
     ):
         return any(r.privilege.writes for r in task.requirements)  # e.g. running statistics
-    if task.op == "set_zero":
+    if homing == WITH_TENSOR:
         tensor = graph.tensors[task.requirements[0].tensor]
         return tensor.kind in RESIDENT_KINDS or param_of(graph, tensor.name) is not None
     return False

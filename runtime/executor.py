@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from legion_nn.access import piece_requirements
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task, Tensor
+from legion_nn.ops import piece_requirements
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext, run_piece

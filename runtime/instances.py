@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from legion_nn.ops import record_of
 from legion_nn.rect import Rect
 from runtime.kernels.layout import WEIGHT_AXES, pack_weights, unpack_weights
 
@@ -61,12 +62,15 @@ FILTER_PACKED = Layout("filter_packed")
 
 
 def choose_layouts(graph: TaskGraph) -> dict[str, Layout]:
-    """The packed layout for every filter weight and the tensors updated alongside it."""
+    """The packed layout for the weights whose op's record asks for it (`packed_role`) and for
+    the tensors their owner task updates alongside them (`owner_role`)."""
     packed: set[str] = set()
     for task in graph.tasks:
-        if task.op in ("filter", "conv") and task.phase == "forward":
-            packed.add(task.requirement("filters").tensor)
+        role = record_of(task.op).packed_role
+        if role is not None:
+            packed.add(task.requirement(role).tensor)
     for task in graph.tasks:
-        if task.phase == "update" and task.requirement("params").tensor in packed:
+        owner = record_of(task.op).owner_role
+        if owner is not None and task.requirement(owner).tensor in packed:
             packed.update(req.tensor for req in task.requirements)
     return {name: FILTER_PACKED if name in packed else LOGICAL for name in graph.tensors}

@@ -1,18 +1,17 @@
-"""The access maps over arrays (`partitioner/box_maps.py`) give the layers' own rects."""
+"""The access maps over arrays (the records' `box_map`s) give the layers' own rects."""
 
 from unittest import mock
 
 import numpy as np
 import pytest
 
-from legion_nn.access import access_map
 from legion_nn.layers import Conv, Filter, Linear, MaxPool, Softmax
 from legion_nn.network import Network
 from legion_nn.networks import load_network
+from legion_nn.ops import access_map, box_map
 from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner import pieces as pieces_module
-from partitioner.box_maps import box_map
 from partitioner.pieces import grid_pieces
 
 

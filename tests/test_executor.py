@@ -4,7 +4,6 @@ it): gradients, pieces, sparse updates, inference."""
 import numpy as np
 import pytest
 
-from legion_nn.access import splittable_dims
 from legion_nn.layers import (
     BatchNorm,
     Conv,
@@ -20,6 +19,7 @@ from legion_nn.layers import (
 )
 from legion_nn.network import Network
 from legion_nn.networks import load_network
+from legion_nn.ops import splittable_dims
 from runtime.adapters import StepContext
 from runtime.executor import inference_tasks, run_task_piece
 from runtime.rank_executor import one_process

@@ -173,12 +173,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-#: the one cycle left: the layers and their access maps, until ops have one registry (issue 16)
-KNOWN_CYCLE_ROOTS = {"legion_nn.access", "legion_nn.layers", "legion_nn.lowering"}
-
-
-def test_no_new_import_cycle():
-    cycles = _cycles(_import_graph())
-    new = [sorted(c) for c in cycles if not KNOWN_CYCLE_ROOTS <= c]
-    assert not new, new
+def test_no_import_cycle():
+    cycles = [sorted(c) for c in _cycles(_import_graph())]
+    assert not cycles, cycles
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]

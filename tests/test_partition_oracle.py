@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from plan_cases import networks, strategies
 
 import partitioner.pieces as pieces_module
-from legion_nn.access import piece_requirements
 from legion_nn.ir import Task
 from legion_nn.networks import load_network
+from legion_nn.ops import piece_requirements
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
@@ -276,7 +276,7 @@ def check_plan(graph, strategy, nranks: int) -> None:
 def test_planner_matches_the_element_oracle(graph, nranks, probe_all, array_maps, data):
     strategy = data.draw(strategies(graph, nranks))
     limit = 0 if probe_all else pieces_module.DIRECT_LIMIT
-    # without the array maps (`partitioner/box_maps.py`) every op's rects come from probing
+    # without the array maps (the records' `box_map`s) every op's rects come from probing
     box_map = pieces_module.box_map if array_maps else (lambda op, phase: None)
     with (
         mock.patch.object(pieces_module, "DIRECT_LIMIT", limit),

@@ -40,14 +40,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from legion_nn.access import access_map, with_rect
+from legion_nn.access import with_rect
 from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.graph import TaskGraph
-from legion_nn.importers.batch_access import ACCESS_KEY, BATCH, NAMESPACE, NONE, WHOLE
+from legion_nn.importers.batch_access import (
+    ACCESS_KEY,
+    ATTRS_KEY,
+    BATCH,
+    NAMESPACE,
+    NONE,
+    WHOLE,
+)
 from legion_nn.importers.chainer import GRADIENT_ROLE, LABEL_NAME, Dump, Function, parse_dump
 from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from legion_nn.registry import access_map
 from legion_nn.verify import verify
 
 ITEMSIZE = 4  # float32 and int32: the element size of every variable of a dump
@@ -56,7 +64,6 @@ SCALAR_BYTES = ITEMSIZE  # one element: a batch-free scalar even where B divides
 Shape = tuple[int, ...]
 Binding = tuple[str, str, Privilege]  # (role, tensor name, privilege)
 #: the task attribute holding the function's attributes as the dump records them
-CHAINER_KEY = "chainer"
 
 #: role names of a forward function's inputs by position; unlisted: input, input1, input2, ...
 INPUT_ROLES: dict[str, tuple[str, ...]] = {
@@ -348,7 +355,7 @@ class _Builder:
         """Append `fn`'s task, its requirements from the batch-parallel map over its space, after
         zeroing the gradients and sums it is the first to touch."""
         classes = {role: self.access_class(t, p) for role, t, p in bindings}
-        attrs = {CHAINER_KEY: dict(fn.attrs), ACCESS_KEY: classes}
+        attrs = {ATTRS_KEY: dict(fn.attrs), ACCESS_KEY: classes}
         op = f"{NAMESPACE}.{fn.type}"
         space, result = self.space(forward)
         dims = {role: self.tensors[tensor].dims for role, tensor, _ in bindings}

@@ -1,4 +1,4 @@
-"""Layer kinds; importing this package registers every layer and every op's access map."""
+"""Layer kinds; importing this package registers every layer and every op's record."""
 
 from legion_nn.layers import (  # noqa: F401  (registration side effects)
     affine,

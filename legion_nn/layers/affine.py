@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.access import register
+from legion_nn import registry
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -18,8 +18,6 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-@register("filterA", "forward")
-@register("filterA", "backward")
 def _affine_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     if piece.is_empty():
         scalar, bias = Rect.empty(1), Rect.empty(4)
@@ -36,6 +34,29 @@ def _affine_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
         "a.delta": scalar,
         "b.delta": bias,
     }
+
+
+# a multiply and an add per element forward; backward the input gradient and two reductions
+registry.register(
+    "filterA",
+    phases={
+        "forward": {
+            "access": _affine_rects,
+            "flops": registry.per_element(2),
+            "adapter": "filterA.forward",
+        },
+        "backward": {
+            "access": _affine_rects,
+            "flops": registry.per_element(4),
+            "adapter": "filterA.backward",
+        },
+    },
+    splittable=registry.EVERY_DIM,
+    homing=registry.GRID,
+    packed_role=None,
+    owner_role=None,
+    passes=None,
+)
 
 
 @layer_kind("filterA")

@@ -2,7 +2,7 @@
 
 A layer is a small dataclass of hyperparameters. It knows three things: the per-sample shape it
 produces from the one it is given (`out_shape`, raising `ShapeError` with what would fit), how it
-lowers to tasks (`lower`), and, in its module, the access maps of its ops.
+lowers to tasks (`lower`), and, in its module, the records of its ops (`legion_nn.registry`).
 
 Naming follows the seed. A layer's `name` is a group (`L0`, `classifier`); a layer without a name
 joins the group of the layer before it, so `filter`, `filterA`, `filterNL` named `L0` lower to tasks
@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from legion_nn import registry
+from legion_nn.access import elementwise, elementwise_boxes
 from legion_nn.errors import LegionNNError, ShapeError
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -26,6 +28,33 @@ if TYPE_CHECKING:
 Shape = tuple[int, int, int]  # per-sample (C, H, W)
 
 LAYER_KINDS: dict[str, type[Layer]] = {}
+
+
+def record_elementwise(op: str, forward: float, backward: float) -> None:
+    """Record an elementwise op costing `forward` and `backward` FLOPs per element."""
+    registry.register(
+        op,
+        phases={
+            phase: {
+                "access": elementwise,
+                "box_map": elementwise_boxes,
+                "flops": registry.per_element(flops),
+                "adapter": f"{op}.{phase}",
+            }
+            for phase, flops in (("forward", forward), ("backward", backward))
+        },
+        splittable=registry.EVERY_DIM,
+        homing=registry.GRID,
+        packed_role=None,
+        owner_role=None,
+        passes=None,
+    )
+
+
+def backward_factor(attrs: dict[str, Any]) -> int:
+    """FLOPs of a backward per forward multiply-add pair: the weight gradient and, unless the
+    input needs none (`need_dx`), the input gradient."""
+    return 4 if attrs.get("need_dx", True) else 2
 
 
 def layer_kind(kind: str):

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.access import register
+from legion_nn import registry
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -53,15 +53,37 @@ def _batchnorm_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece:
     }
 
 
-register("batchnorm_stats", "forward")(_batchnorm_rects)
-register("batchnorm", "forward")(_batchnorm_rects)
-register("batchnorm", "backward")(_batchnorm_rects)
-register("batchnorm_input", "backward")(_batchnorm_rects)
-
-
-@register("batchnorm_running", "forward", splittable=(1, 2, 3))  # mean and var stay together
 def _running_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     return {"stats": piece, "running": piece}
+
+
+def _record(op: str, flops: dict[str, float], splittable=registry.EVERY_DIM, access=None) -> None:
+    registry.register(
+        op,
+        phases={
+            phase: {
+                "access": access or _batchnorm_rects,
+                "flops": registry.per_element(count),
+                "adapter": f"{op}.{phase}",
+            }
+            for phase, count in flops.items()
+        },
+        splittable=splittable,
+        homing=registry.GRID,
+        packed_role=None,
+        owner_role=None,
+        passes=None,
+    )
+
+
+# FLOPs per element: Σx and Σx² (a square, two adds); (x − mean)·inv_std·gamma + beta; backward
+# Σdy and Σdy·x̂ with x̂ recomputed; the input gradient gamma·inv_std·(dy − mean dy − x̂·mean dy·x̂)
+# with x̂ recomputed; folding a statistic into its running value m·r + (1 − m)·s
+_record("batchnorm_stats", {"forward": 3})
+_record("batchnorm", {"forward": 4, "backward": 5})
+_record("batchnorm_input", {"backward": 6})
+# mean and var stay together: the statistics' rows are not cut
+_record("batchnorm_running", {"forward": 3}, splittable=(1, 2, 3), access=_running_rects)
 
 
 @layer_kind("batchnorm")

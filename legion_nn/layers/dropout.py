@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.access import elementwise, register
-from legion_nn.layers.base import ElementwiseLayer, layer_kind
+from legion_nn.layers.base import ElementwiseLayer, layer_kind, record_elementwise
 
-register("dropout", "forward")(elementwise)
-register("dropout", "backward")(elementwise)
+# forward hashes the mask and scales, backward scales
+record_elementwise("dropout", forward=2, backward=1)
 
 
 @layer_kind("dropout")

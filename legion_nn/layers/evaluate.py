@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.access import batch_rows, register, whole
+from legion_nn import registry
+from legion_nn.access import batch_rows, whole
 from legion_nn.errors import ShapeError
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
@@ -22,7 +23,6 @@ STATISTICS = ("loss_sum", "top1", "top5", "count")
 R_, RD = Privilege.READ, Privilege.REDUCE
 
 
-@register("evaluate", "forward")
 def _evaluate_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     return {
         "probability": batch_rows(piece, dims["probability"]),
@@ -31,9 +31,47 @@ def _evaluate_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: 
     }
 
 
-@register("accuracy", "forward")
 def _accuracy_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     return {"input": whole(dims["input"], piece)}
+
+
+def _evaluate_flops(attrs: Mapping[str, Any], dims: Mapping[str, tuple]) -> float:
+    """Per sample: the loss term and the top-1 and top-5 comparisons over its classes."""
+    return 6 * dims["probability"][1]
+
+
+registry.register(
+    "evaluate",
+    phases={
+        "forward": {
+            "access": _evaluate_rects,
+            "flops": _evaluate_flops,
+            "adapter": "evaluate.forward",
+        }
+    },
+    splittable=registry.EVERY_DIM,
+    homing=registry.GRID,
+    packed_role=None,
+    owner_role=None,
+    passes=None,
+)
+
+# a fraction of four numbers: no FLOPs worth counting
+registry.register(
+    "accuracy",
+    phases={
+        "forward": {
+            "access": _accuracy_rects,
+            "flops": registry.per_element(0),
+            "adapter": "accuracy.forward",
+        }
+    },
+    splittable=registry.EVERY_DIM,
+    homing=registry.GRID,
+    packed_role=None,
+    owner_role=None,
+    passes=None,
+)
 
 
 @layer_kind("evaluate")

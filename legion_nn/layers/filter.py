@@ -20,9 +20,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from legion_nn.access import register, window_span
+from legion_nn import registry
+from legion_nn.access import columns, window_span, window_spans
 from legion_nn.errors import ShapeError
-from legion_nn.layers.base import Layer, Shape, layer_kind, padding, pair, positive, window_out
+from legion_nn.layers.base import (
+    Layer,
+    Shape,
+    backward_factor,
+    layer_kind,
+    padding,
+    pair,
+    positive,
+    window_out,
+)
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -72,9 +82,89 @@ def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
     }
 
 
-for _op in ("filter", "conv"):
-    register(_op, "forward")(_filter_rects)
-    register(_op, "backward")(_filter_rects)
+def _filter_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
+    """`_filter_rects` over arrays of pieces."""
+    n = len(lo)
+    _, c_in, h_in, w_in = dims["input"]
+    kernel_r, kernel_s = attrs["kernel"]
+    stride = attrs["stride"]
+    top, _, left, _ = attrs["pad"]
+    n0, k0, p0, q0 = lo.T
+    n1, k1, p1, q1 = hi.T
+    rows = window_spans(p0, p1, stride, top, kernel_r, h_in)
+    cols = window_spans(q0, q1, stride, left, kernel_s, w_in)
+    halo = (columns(n, n0, 0, rows[0], cols[0]), columns(n, n1, c_in, rows[1], cols[1]))
+    if attrs["untied"]:
+        pos_lo, pos_hi = (p0, q0), (p1, q1)
+    else:
+        pos_lo, pos_hi = (0, 0), (1, 1)
+    c_lo, c_hi = attrs.get("channels") or (0, c_in)
+    weights = (
+        columns(n, k0, 0, 0, 0, 0, 0, *pos_lo),
+        columns(n, k1, 1, 1, c_in, kernel_r, kernel_s, *pos_hi),
+    )
+    delta = (
+        columns(n, k0, 0, 0, c_lo, 0, 0, *pos_lo),
+        columns(n, k1, 1, 1, c_hi, kernel_r, kernel_s, *pos_hi),
+    )
+    bias = (columns(n, 0, k0, 0, 0), columns(n, 1, k1, 1, 1))
+    found = {
+        "input": halo,
+        "filters": weights,
+        "output": (lo, hi),
+        "output.delta": (lo, hi),
+        "input.delta": halo,
+        "filters.delta": delta,
+        "b": bias,
+        "b.delta": bias,
+    }
+    return {role: found[role] for role in dims}
+
+
+def _window(dims: Mapping[str, tuple]) -> int:
+    """Inputs one output element reads: C·R·S."""
+    filters = dims["filters"]
+    return filters[3] * filters[4] * filters[5]
+
+
+def _passes(attrs: Mapping[str, Any], phase: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """Rates differ tied and untied; a backward splits its FLOPs over the data and filter passes."""
+    variant = "untied" if attrs.get("untied") else "tied"
+    if phase == "forward":
+        return variant, (("forward", 1.0),)
+    if attrs.get("need_dx", True):
+        return variant, (("backward_data", 0.5), ("backward_filter", 0.5))
+    return variant, (("backward_filter", 1.0),)
+
+
+def _record(op: str, bias_flops: int) -> None:
+    """`conv` adds its bias: one more FLOP per output element each way."""
+    registry.register(
+        op,
+        phases={
+            "forward": {
+                "access": _filter_rects,
+                "box_map": _filter_boxes,
+                "flops": lambda attrs, dims: 2 * _window(dims) + bias_flops,
+                "adapter": f"{op}.forward",
+            },
+            "backward": {
+                "access": _filter_rects,
+                "box_map": _filter_boxes,
+                "flops": lambda attrs, dims: backward_factor(attrs) * _window(dims) + bias_flops,
+                "adapter": f"{op}.backward",
+            },
+        },
+        splittable=registry.EVERY_DIM,
+        homing=registry.GRID,
+        packed_role="filters",
+        owner_role=None,
+        passes=_passes,
+    )
+
+
+_record("filter", bias_flops=0)
+_record("conv", bias_flops=1)
 
 
 @layer_kind("filter")

@@ -15,16 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.access import batch_rows, register
-from legion_nn.layers.base import Layer, Shape, layer_kind, positive
+from legion_nn import registry
+from legion_nn.access import batch_rows, columns
+from legion_nn.layers.base import Layer, Shape, backward_factor, layer_kind, positive
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-@register("linear", "forward")
-@register("linear", "backward")
 def _linear_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     inputs = batch_rows(piece, dims["input"])
     if piece.is_empty():
@@ -43,6 +42,57 @@ def _linear_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
         "weights.delta": weights,
         "b.delta": bias,
     }
+
+
+def _linear_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
+    """`_linear_rects` over arrays of pieces."""
+    n = len(lo)
+    rest = dims["input"][1:]
+    inputs = (columns(n, lo[:, 0], *(0 for _ in rest)), columns(n, hi[:, 0], *rest))
+    m0, m1 = lo[:, 1], hi[:, 1]
+    weights = (columns(n, m0, 0, 0, 0), columns(n, m1, *dims["weights"][1:]))
+    bias = (columns(n, 0, m0, 0, 0), columns(n, 1, m1, 1, 1))
+    found = {
+        "input": inputs,
+        "weights": weights,
+        "b": bias,
+        "output": (lo, hi),
+        "output.delta": (lo, hi),
+        "input.delta": inputs,
+        "weights.delta": weights,
+        "b.delta": bias,
+    }
+    return {role: found[role] for role in dims}
+
+
+def _fan_in(dims: Mapping[str, tuple]) -> int:
+    """Inputs one output reads: C·H·W of a sample."""
+    _, c, h, w = dims["input"]
+    return c * h * w
+
+
+registry.register(
+    "linear",
+    phases={
+        "forward": {
+            "access": _linear_rects,
+            "box_map": _linear_boxes,
+            "flops": lambda attrs, dims: 2 * _fan_in(dims),
+            "adapter": "linear.forward",
+        },
+        "backward": {
+            "access": _linear_rects,
+            "box_map": _linear_boxes,
+            "flops": lambda attrs, dims: backward_factor(attrs) * _fan_in(dims),
+            "adapter": "linear.backward",
+        },
+    },
+    splittable=registry.EVERY_DIM,
+    homing=registry.GRID,
+    packed_role=None,
+    owner_role=None,
+    passes=None,
+)
 
 
 @layer_kind("linear")

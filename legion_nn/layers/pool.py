@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.access import register, window_span
+from legion_nn import registry
+from legion_nn.access import columns, window_span, window_spans
 from legion_nn.layers.base import Layer, Shape, layer_kind, padding, pair, window_out
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -18,8 +19,6 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-@register("maxpool", "forward")
-@register("maxpool", "backward")
 def _pool_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     _, _, h_in, w_in = dims["input"]
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
@@ -34,6 +33,46 @@ def _pool_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect
                 (piece.hi[0], piece.hi[1], rows[1], cols[1]),
             )
     return {"input": halo, "output": piece, "output.delta": piece, "input.delta": halo}
+
+
+def _pool_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
+    """`_pool_rects` over arrays of pieces."""
+    n = len(lo)
+    _, _, h_in, w_in = dims["input"]
+    (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
+    top, _, left, _ = attrs["pad"]
+    rows = window_spans(lo[:, 2], hi[:, 2], sh, top, kh, h_in)
+    cols = window_spans(lo[:, 3], hi[:, 3], sw, left, kw, w_in)
+    halo = (
+        columns(n, lo[:, 0], lo[:, 1], rows[0], cols[0]),
+        columns(n, hi[:, 0], hi[:, 1], rows[1], cols[1]),
+    )
+    found = {"input": halo, "output": (lo, hi), "output.delta": (lo, hi), "input.delta": halo}
+    return {role: found[role] for role in dims}
+
+
+def _window(attrs: Mapping[str, Any], dims: Mapping[str, tuple]) -> float:
+    """A comparison per window element forward, a scan of the window backward."""
+    return attrs["kernel"][0] * attrs["kernel"][1]
+
+
+registry.register(
+    "maxpool",
+    phases={
+        phase: {
+            "access": _pool_rects,
+            "box_map": _pool_boxes,
+            "flops": _window,
+            "adapter": f"maxpool.{phase}",
+        }
+        for phase in ("forward", "backward")
+    },
+    splittable=registry.EVERY_DIM,
+    homing=registry.GRID,
+    packed_role=None,
+    owner_role=None,
+    passes=None,
+)
 
 
 @layer_kind("maxpool")

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.access import batch_rows, register
+from legion_nn import registry
+from legion_nn.access import batch_rows
 from legion_nn.errors import ShapeError
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
@@ -29,7 +30,6 @@ def _scalar(piece: Rect, ndim: int = 4) -> Rect:
     return Rect.empty(ndim) if piece.is_empty() else Rect((0,) * ndim, (1,) * ndim)
 
 
-@register("softmax", "forward")
 def _softmax_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     rows = batch_rows(piece, dims["input"])
     return {
@@ -40,7 +40,6 @@ def _softmax_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: R
     }
 
 
-@register("softmax", "backward")
 def _softmax_grad_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     return {
         "output.delta": Rect.empty(4),
@@ -48,6 +47,34 @@ def _softmax_grad_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], pie
         "labels": batch_rows(piece, dims["labels"]),
         "input.delta": piece,
     }
+
+
+def _forward_flops(attrs: Mapping[str, Any], dims: Mapping[str, tuple]) -> float:
+    """Per sample: max, exp, sum, divide and the loss term over its classes."""
+    return 5 * dims["input"][1]
+
+
+registry.register(
+    "softmax",
+    phases={
+        "forward": {
+            "access": _softmax_rects,
+            "flops": _forward_flops,
+            "adapter": "softmax.forward",
+        },
+        # per class: (p - onehot) / N
+        "backward": {
+            "access": _softmax_grad_rects,
+            "flops": registry.per_element(2),
+            "adapter": "softmax.backward",
+        },
+    },
+    splittable=registry.EVERY_DIM,
+    homing=registry.GRID,
+    packed_role=None,
+    owner_role=None,
+    passes=None,
+)
 
 
 @layer_kind("softmax")

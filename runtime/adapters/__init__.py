@@ -11,7 +11,17 @@ Windowed ops get the clipped halo plus the padding of their own border (`window_
 interior piece is computed without padding and a border piece with its side of it.
 """
 
+from legion_nn.ops import records
 from runtime.adapters import classifier, elementwise, normalization, windowed  # noqa: F401
-from runtime.adapters.registry import ADAPTERS, StepContext, adapter, run_piece
+from runtime.adapters.registry import (
+    ADAPTERS,
+    BY_OP,
+    StepContext,
+    adapter,
+    resolve_adapters,
+    run_piece,
+)
 
-__all__ = ["ADAPTERS", "StepContext", "adapter", "run_piece"]
+BY_OP.update(resolve_adapters(records(), ADAPTERS))
+
+__all__ = ["ADAPTERS", "BY_OP", "StepContext", "adapter", "run_piece"]

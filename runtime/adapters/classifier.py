@@ -12,12 +12,12 @@ from runtime.adapters.registry import adapter
 from runtime.kernels import linear, softmax
 
 
-@adapter("linear", "forward")
+@adapter("linear.forward")
 def _linear(task, piece, views, dims, ctx):
     return {"output": linear.linear_forward(views["input"], views["weights"], views.get("b"))}
 
 
-@adapter("linear", "backward")
+@adapter("linear.backward")
 def _linear_grad(task, piece, views, dims, ctx):
     need_dx, grad = task.attrs["need_dx"], views["weights.delta"]
     dy, x, weights = views["output.delta"], views["input"], views["weights"]
@@ -39,13 +39,13 @@ def _linear_grad(task, piece, views, dims, ctx):
     return out
 
 
-@adapter("softmax", "forward")
+@adapter("softmax.forward")
 def _softmax(task, piece, views, dims, ctx):
     prob, loss = softmax.softmax_forward(views["input"], views["labels"], task.attrs["batch_total"])
     return {"probability": prob, "output": loss}
 
 
-@adapter("softmax", "backward")
+@adapter("softmax.backward")
 def _softmax_grad(task, piece, views, dims, ctx):
     prob, labels = views["probability"], views["labels"]
     total = task.attrs["batch_total"]
@@ -60,12 +60,12 @@ def _softmax_grad(task, piece, views, dims, ctx):
     return {"input.delta": dx}
 
 
-@adapter("evaluate", "forward")
+@adapter("evaluate.forward")
 def _evaluate(task, piece, views, dims, ctx):
     return {"output": softmax.evaluate_forward(views["probability"], views["labels"])}
 
 
-@adapter("accuracy", "forward")
+@adapter("accuracy.forward")
 def _accuracy(task, piece, views, dims, ctx):
     ctx.futures[task.name] = softmax.accuracy(views["input"])
     return {}

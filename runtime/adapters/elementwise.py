@@ -11,7 +11,7 @@ from runtime.adapters.registry import adapter
 from runtime.kernels import affine, dropout, nonlinear, update
 
 
-@adapter("data", "forward")
+@adapter("data.forward")
 def _data(task, piece, views, dims, ctx):
     # The plan loads each tensor's home cells as pieces of their own, so a piece may hold either.
     out = {}
@@ -22,12 +22,12 @@ def _data(task, piece, views, dims, ctx):
     return out
 
 
-@adapter("filterA", "forward")
+@adapter("filterA.forward")
 def _affine(task, piece, views, dims, ctx):
     return {"output": affine.filterA_forward(views["input"], views["a"], views["b"])}
 
 
-@adapter("filterA", "backward")
+@adapter("filterA.backward")
 def _affine_grad(task, piece, views, dims, ctx):
     need_dx = "input.delta" in views
     dx, da, db = affine.filterA_backward(
@@ -39,18 +39,18 @@ def _affine_grad(task, piece, views, dims, ctx):
     return out
 
 
-@adapter("filterNL", "forward")
+@adapter("filterNL.forward")
 def _nonlinear(task, piece, views, dims, ctx):
     return {"output": nonlinear.filterNL_forward(views["input"], task.attrs["fn"])}
 
 
-@adapter("filterNL", "backward")
+@adapter("filterNL.backward")
 def _nonlinear_grad(task, piece, views, dims, ctx):
     dx = nonlinear.filterNL_backward(views["output.delta"], views["output"], task.attrs["fn"])
     return {"input.delta": dx}
 
 
-@adapter("dropout", "forward")
+@adapter("dropout.forward")
 def _dropout(task, piece, views, dims, ctx):
     if not ctx.training:
         return {"output": views["input"]}
@@ -65,7 +65,7 @@ def _dropout(task, piece, views, dims, ctx):
     return {"output": y}
 
 
-@adapter("dropout", "backward")
+@adapter("dropout.backward")
 def _dropout_grad(task, piece, views, dims, ctx):
     dx = dropout.dropout_backward(
         views["output.delta"],
@@ -78,23 +78,23 @@ def _dropout_grad(task, piece, views, dims, ctx):
     return {"input.delta": dx}
 
 
-@adapter("reshape", "forward")
+@adapter("reshape.forward")
 def _reshape(task, piece, views, dims, ctx):
     return {"output": views["input"].reshape(views["output"].shape)}
 
 
-@adapter("reshape", "backward")
+@adapter("reshape.backward")
 def _reshape_grad(task, piece, views, dims, ctx):
     return {"input.delta": views["output.delta"].reshape(views["input.delta"].shape)}
 
 
-@adapter("set_zero", "set_zero")
+@adapter("set_zero.set_zero")
 def _set_zero(task, piece, views, dims, ctx):
     views["output"][...] = 0
     return {}
 
 
-@adapter("update", "update")
+@adapter("update.update")
 def _update(task, piece, views, dims, ctx):
     attrs, params, grad = task.attrs, views["params"], views["gradient"]
     if attrs["optimizer"] == "sgd":

@@ -22,14 +22,14 @@ def _stats_view(stats: np.ndarray, spatial: bool) -> np.ndarray:
     return stats if spatial else stats.reshape(stats.shape[0], -1, 1, 1)
 
 
-@adapter("batchnorm_stats", "forward")
+@adapter("batchnorm_stats.forward")
 def _bn_stats(task, piece, views, dims, ctx):
     spatial = task.attrs["spatial"]
     stats = batchnorm.batchnorm_stats(_per_feature(views["input"], spatial))
     return {"stats": stats.reshape(views["stats"].shape)}
 
 
-@adapter("batchnorm", "forward")
+@adapter("batchnorm.forward")
 def _bn(task, piece, views, dims, ctx):
     spatial, x = task.attrs["spatial"], views["input"]
     if not ctx.training:
@@ -52,7 +52,7 @@ def _bn(task, piece, views, dims, ctx):
     return {"output": y.reshape(x.shape)}
 
 
-@adapter("batchnorm_running", "forward")
+@adapter("batchnorm_running.forward")
 def _bn_running(task, piece, views, dims, ctx):
     if not ctx.training:
         return {}
@@ -64,7 +64,7 @@ def _bn_running(task, piece, views, dims, ctx):
     return {}
 
 
-@adapter("batchnorm", "backward")
+@adapter("batchnorm.backward")
 def _bn_param_grad(task, piece, views, dims, ctx):
     spatial = task.attrs["spatial"]
     dgamma, dbeta = batchnorm.batchnorm_param_backward(
@@ -78,7 +78,7 @@ def _bn_param_grad(task, piece, views, dims, ctx):
     return {"gamma.delta": dgamma.reshape(shape), "beta.delta": dbeta.reshape(shape)}
 
 
-@adapter("batchnorm_input", "backward")
+@adapter("batchnorm_input.backward")
 def _bn_input_grad(task, piece, views, dims, ctx):
     spatial, x = task.attrs["spatial"], views["input"]
     dx = batchnorm.batchnorm_input_backward(

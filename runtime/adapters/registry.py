@@ -1,4 +1,9 @@
-"""The adapter registry: `adapter(op, phase)` registers how a task's piece runs; `run_piece` runs it.
+"""The adapter registry: `adapter(name)` registers a kernel adapter under the name that op records
+give (`legion_nn.registry`: each phase's `adapter`); `run_piece` runs a task's piece with it.
+
+`resolve_adapters` checks both ways when `runtime.adapters` is imported: every name a record gives
+resolves to a registered adapter, and every registered adapter is named by some record, so an op
+cannot run without a record nor a record promise a kernel that does not exist.
 
 See `runtime.adapters` for the contract between adapters, views and privileges.
 """
@@ -12,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from legion_nn.ir import Task
+from legion_nn.ops import OpRecord, RegistryError
 from legion_nn.rect import Rect
 
 
@@ -30,20 +36,49 @@ class StepContext:
 Views = Mapping[str, np.ndarray]
 Dims = Mapping[str, tuple[int, ...]]
 Adapter = Callable[[Task, Rect, Views, Dims, StepContext], dict[str, np.ndarray]]
-ADAPTERS: dict[tuple[str, str], Adapter] = {}
+#: adapters by name
+ADAPTERS: dict[str, Adapter] = {}
+#: adapters by (op, phase), as the records name them (`resolve_adapters`)
+BY_OP: dict[tuple[str, str], Adapter] = {}
 
 
-def adapter(op: str, phase: str):
+def adapter(name: str):
+    """Decorator: register `fn` as the adapter called `name`."""
+
     def wrap(fn: Adapter) -> Adapter:
-        ADAPTERS[(op, phase)] = fn
+        if name in ADAPTERS:
+            raise RegistryError(f"adapter {name!r} is registered twice")
+        ADAPTERS[name] = fn
         return fn
 
     return wrap
 
 
+def resolve_adapters(
+    records: Mapping[str, OpRecord], adapters: Mapping[str, Adapter]
+) -> dict[tuple[str, str], Adapter]:
+    """Each recorded (op, phase)'s adapter; a name that resolves to none, or an adapter that no
+    record names, is a `RegistryError`."""
+    found: dict[tuple[str, str], Adapter] = {}
+    for op, record in records.items():
+        for phase, entry in record.phases.items():
+            if entry.adapter is None:
+                continue
+            if entry.adapter not in adapters:
+                raise RegistryError(
+                    f"op {op!r} phase {phase!r}: no adapter {entry.adapter!r} is registered"
+                )
+            found[(op, phase)] = adapters[entry.adapter]
+    named = {entry.adapter for record in records.values() for entry in record.phases.values()}
+    unnamed = sorted(set(adapters) - named)
+    if unnamed:
+        raise RegistryError(f"adapters {unnamed} are named by no op record")
+    return found
+
+
 def run_piece(task: Task, piece: Rect, views: Views, dims: Dims, ctx: StepContext) -> dict:
     try:
-        fn = ADAPTERS[(task.op, task.phase)]
+        fn = BY_OP[(task.op, task.phase)]
     except KeyError:
         raise NotImplementedError(f"no kernel for op {task.op!r} in phase {task.phase!r}") from None
     return fn(task, piece, views, dims, ctx)

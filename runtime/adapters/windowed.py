@@ -69,18 +69,18 @@ def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
     return out
 
 
-@adapter("filter", "forward")
+@adapter("filter.forward")
 def _filter(task, piece, views, dims, ctx):
     # every executor keeps filter weights packed (`runtime.instances.choose_layouts`)
     return {"output": _packed_filter_forward(task, piece, views, dims)}
 
 
-@adapter("filter", "backward")
+@adapter("filter.backward")
 def _filter_grad(task, piece, views, dims, ctx):
     return _packed_filter_backward(task, piece, views, dims)
 
 
-@adapter("conv", "forward")
+@adapter("conv.forward")
 def _conv(task, piece, views, dims, ctx):
     """A tied filter plus a bias per output channel."""
     y = _filter(task, piece, views, dims, ctx)["output"]
@@ -89,7 +89,7 @@ def _conv(task, piece, views, dims, ctx):
     return {"output": y}
 
 
-@adapter("conv", "backward")
+@adapter("conv.backward")
 def _conv_grad(task, piece, views, dims, ctx):
     out = _filter_grad(task, piece, views, dims, ctx)
     if "b.delta" in views:
@@ -99,14 +99,14 @@ def _conv_grad(task, piece, views, dims, ctx):
     return out
 
 
-@adapter("maxpool", "forward")
+@adapter("maxpool.forward")
 def _pool(task, piece, views, dims, ctx):
     pads = _pads(task, piece, dims)
     y = pool.maxpool_forward(views["input"], task.attrs["kernel"], task.attrs["stride"], pads)
     return {"output": y}
 
 
-@adapter("maxpool", "backward")
+@adapter("maxpool.backward")
 def _pool_grad(task, piece, views, dims, ctx):
     pads = _pads(task, piece, dims)
     dx = pool.maxpool_backward(

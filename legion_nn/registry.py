@@ -1,0 +1,217 @@
+"""The op registry: one declarative record per op, everything the compiler knows about it.
+
+A record says, for each phase the op runs in:
+
+- `access`: its access map, `fn(attrs, dims, piece) -> {role: Rect}` (`legion_nn.access`), which
+  also defines the bytes a piece moves: the partitioner's traffic is the bytes of these rects;
+- `box_map`: optionally the same map over arrays of pieces (`BoxMap`), an optimisation the
+  partitioner checks against `access` before using it;
+- `flops`: FLOPs per element of the task's space, `fn(attrs, dims) -> float` (multiply and add
+  count as two; 0 for pure data movement);
+- `adapter`: the name of the kernel adapter that runs a piece, which the runtime resolves (it
+  checks when `runtime.adapters` is imported that every name resolves and that every adapter
+  has a record); None says the op has no kernel: it is planned and costed, not run;
+
+and for the op as a whole:
+
+- `splittable`: the dims of the space a partition may cut (`EVERY_DIM`, a tuple, or a function
+  of the task's attrs);
+- `homing`: where its pieces run: `GRID` (on a grid of their own), `HOME` (where the tensors it
+  writes live: data, updates), or `WITH_TENSOR` (homed when the tensor it zeroes is resident);
+- `packed_role`: the role whose weights the kernels want in the packed filter layout, or None;
+- `owner_role`: the role whose tensor owns the task's other tensors (an update's parameter owns
+  its gradient and optimizer state), or None;
+- `passes`: how the machine model rates its phases, `fn(attrs, phase) -> (variant, ((pass,
+  share), ...))`, or None for one pass named after the phase; a filter's backward is two passes
+  (data and filter gradients) whose rates differ between tied and untied weights.
+
+Every field must be given, in every phase: `register` raises `RegistryError` naming the op and the
+field that is missing, so a new op cannot fall back on a silent default. Records live in one
+module per op family (`legion_nn.layers.*`, `legion_nn.importers.batch_access`); importing
+`legion_nn.ops` imports them all. Lookups here see what has been registered so far: a layer's
+lowering needs only its own family, which is loaded by then.
+
+An op may be namespaced, `ns.Name`: without a record of its own it uses the record of `ns`
+(imported graphs' `chainer.<Type>` tasks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from legion_nn.access import with_rect
+from legion_nn.errors import LegionNNError
+from legion_nn.ir import Requirement, Task, Tensor
+from legion_nn.rect import Rect
+
+Dims = Mapping[str, tuple[int, ...]]
+AccessFn = Callable[[Mapping[str, Any], Dims, Rect], dict[str, Rect]]
+#: the array form of an access map: (attrs, dims, lo, hi) -> {role: (lo, hi)}
+BoxMap = Callable[[Mapping[str, Any], Dims, np.ndarray, np.ndarray], dict]
+FlopsFn = Callable[[Mapping[str, Any], Dims], float]
+PassesFn = Callable[[Mapping[str, Any], str], tuple[str, tuple[tuple[str, float], ...]]]
+Splittable = str | tuple[int, ...] | Callable[[Mapping[str, Any]], tuple[int, ...]]
+
+EVERY_DIM = "every dim"
+GRID, HOME, WITH_TENSOR = "grid", "home", "with tensor"
+HOMINGS = (GRID, HOME, WITH_TENSOR)
+
+PHASE_FIELDS = ("access", "flops", "adapter")
+OP_FIELDS = ("phases", "splittable", "homing", "packed_role", "owner_role", "passes")
+
+
+class RegistryError(LegionNNError):
+    """A record that is incomplete or contradicts another."""
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    access: AccessFn
+    flops: FlopsFn
+    adapter: str | None
+    box_map: BoxMap | None = None
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    op: str
+    phases: Mapping[str, PhaseRecord]
+    splittable: Splittable
+    homing: str
+    packed_role: str | None
+    owner_role: str | None
+    passes: PassesFn | None
+
+    def phase(self, phase: str) -> PhaseRecord:
+        try:
+            return self.phases[phase]
+        except KeyError:
+            raise KeyError(f"op {self.op!r} has no phase {phase!r}") from None
+
+
+_RECORDS: dict[str, OpRecord] = {}
+
+
+def _phase_record(op: str, phase: str, fields: Mapping[str, Any]) -> PhaseRecord:
+    for name in PHASE_FIELDS:
+        if name not in fields:
+            raise RegistryError(f"op {op!r} phase {phase!r}: the record has no {name!r}")
+    unknown = set(fields) - set(PHASE_FIELDS) - {"box_map"}
+    if unknown:
+        raise RegistryError(f"op {op!r} phase {phase!r}: unknown fields {sorted(unknown)}")
+    for name in ("access", "flops"):
+        if not callable(fields[name]):
+            raise RegistryError(f"op {op!r} phase {phase!r}: {name!r} must be a function")
+    adapter = fields["adapter"]
+    if adapter is not None and not isinstance(adapter, str):
+        raise RegistryError(f"op {op!r} phase {phase!r}: 'adapter' must be a name or None")
+    return PhaseRecord(**fields)
+
+
+def register(op: str, **fields: Any) -> OpRecord:
+    """Record `op` (fields as in the module docstring; `phases` maps phase to its fields)."""
+    for name in OP_FIELDS:
+        if name not in fields:
+            raise RegistryError(f"op {op!r}: the record has no {name!r}")
+    unknown = set(fields) - set(OP_FIELDS)
+    if unknown:
+        raise RegistryError(f"op {op!r}: unknown fields {sorted(unknown)}")
+    if not fields["phases"]:
+        raise RegistryError(f"op {op!r}: the record has no phases")
+    if fields["homing"] not in HOMINGS:
+        raise RegistryError(f"op {op!r}: homing {fields['homing']!r} is not one of {HOMINGS}")
+    if op in _RECORDS:
+        raise RegistryError(f"op {op!r} is recorded twice")
+    phases = {p: _phase_record(op, p, f) for p, f in fields["phases"].items()}
+    record = OpRecord(op=op, **{**fields, "phases": phases})
+    _RECORDS[op] = record
+    return record
+
+
+def records() -> dict[str, OpRecord]:
+    """Every record registered so far, by op."""
+    return dict(_RECORDS)
+
+
+def find_record(op: str) -> OpRecord | None:
+    """The record of `op`, else of its namespace (`ns` for `ns.Name`)."""
+    record = _RECORDS.get(op)
+    if record is None and "." in op:
+        record = _RECORDS.get(op.split(".", 1)[0])
+    return record
+
+
+def record_of(op: str) -> OpRecord:
+    record = find_record(op)
+    if record is None:
+        raise KeyError(f"no record for op {op!r}")
+    return record
+
+
+def has_access_map(op: str, phase: str) -> bool:
+    record = find_record(op)
+    return record is not None and phase in record.phases
+
+
+def access_map(op: str, phase: str) -> AccessFn:
+    record = find_record(op)
+    if record is None or phase not in record.phases:
+        raise KeyError(f"no access map for op {op!r} in phase {phase!r}")
+    return record.phases[phase].access
+
+
+def box_map(op: str, phase: str) -> BoxMap | None:
+    """The array form of the access map of `op` in `phase`, if it has one."""
+    record = find_record(op)
+    if record is None or phase not in record.phases:
+        return None
+    return record.phases[phase].box_map
+
+
+def splittable_dims(task: Task) -> tuple[int, ...]:
+    splittable = record_of(task.op).splittable
+    if splittable == EVERY_DIM:
+        return tuple(range(task.space.ndim))
+    if callable(splittable):
+        return tuple(splittable(task.attrs))
+    return tuple(splittable)
+
+
+def access_rects(task: Task, dims: Dims, piece: Rect) -> dict[str, Rect]:
+    return access_map(task.op, task.phase)(task.attrs, dims, piece)
+
+
+def piece_requirements(
+    task: Task, tensors: Mapping[str, Tensor], piece: Rect
+) -> tuple[Requirement, ...]:
+    """The requirements of one piece of `task`'s space."""
+    dims = {req.role: tensors[req.tensor].dims for req in task.requirements}
+    rects = access_rects(task, dims, piece)
+    return tuple(with_rect(req, rects[req.role]) for req in task.requirements)
+
+
+def flops_per_element(task: Task, tensors: Mapping[str, Tensor]) -> float:
+    """FLOPs per element of `task`'s space, from its record."""
+    dims = {req.role: tensors[req.tensor].dims for req in task.requirements}
+    return float(record_of(task.op).phase(task.phase).flops(task.attrs, dims))
+
+
+def rate_passes(task: Task) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """(variant, ((pass, share), ...)): how the machine model rates `task` (`passes`)."""
+    passes = record_of(task.op).passes
+    if passes is None:
+        return "", ((task.phase, 1.0),)
+    return passes(task.attrs, task.phase)
+
+
+def per_element(flops: float) -> FlopsFn:
+    """A FLOPs function for an op that costs `flops` per element whatever its attrs and dims."""
+
+    def count(attrs: Mapping[str, Any], dims: Dims) -> float:
+        return flops
+
+    return count
