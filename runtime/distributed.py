@@ -1,7 +1,7 @@
 """Distributed training: one rank's run of the training loop over a transport.
 
 `legion-nn train` under `mpiexec -n R` runs `train_rank` on every rank with the MPI transport
-(in a supervised child process, see `runtime.supervisor`), and one process runs it as rank 0 of
+(in the child of a watcher, see `runtime.supervisor`), and one process runs it as rank 0 of
 1 over `ThreadTransport`. The loop is `runtime.training.Trainer` over a `RankExecutor`: the same
 batches, the same seeds, and so the same losses and parameters up to the order of sums.
 

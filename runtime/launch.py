@@ -1,7 +1,7 @@
 """What the launcher tells a process: whether `mpiexec`/`mpirun` started it, its rank, its
 host's ranks, and the cores it may use. Read from the environment, without importing mpi4py, so
-that a plain `legion-nn train` never initialises MPI and a rank's watcher
-(`runtime.supervisor`) can read it before MPI starts.
+that a plain `legion-nn train` never initialises MPI, and a rank can be handed to its watcher
+(`runtime.supervisor`) before MPI starts.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ import sys
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
 DEFAULT_NETWORK = "seed-lcn-small"
-#: the longest a rank that lost a peer waits for the peer's watcher to name it
-PEER_LOST_GRACE_S = 5.0
+#: how long a rank that lost a peer waits before it reports and ends the job, so that the
+#: lost rank's watcher (`runtime.supervisor`), woken by the same death, has written its line
+PEER_LOST_GRACE_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,11 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if world_size_from_env() is not None:
         from runtime.supervisor import start_watcher
 
-        status = start_watcher(rank_from_env())
-        try:
-            return _run_rank(args, status)
-        finally:
-            status.ended()
+        return _run_rank(args, start_watcher(rank_from_env()))
     return _run_single(args)
 
 
@@ -193,7 +190,8 @@ def _run_single(args: argparse.Namespace) -> int:
 
 
 def _run_rank(args: argparse.Namespace, status) -> int:
-    """One rank of an mpiexec job (in the supervised child process)."""
+    """One rank of an mpiexec job (the child of its watcher, see `runtime.supervisor`)."""
+    import time
 
     from legion_nn.errors import LegionNNError
     from runtime.distributed import train_rank
@@ -209,13 +207,14 @@ def _run_rank(args: argparse.Namespace, status) -> int:
             print(f"legion-nn train: {text}", file=sys.stderr, flush=True)
         return 2
     from runtime.launch import ranks_on_this_host, share_cores
-    from runtime.mpi_transport import MPITransport
-    from runtime.supervisor import mapped_segments
+    from runtime.mpi_transport import MPITransport, idle_barrier
+    from runtime.supervisor import release_segments
 
     share_cores(ranks_on_this_host())
     transport = MPITransport()
     status.set_rank(transport.rank)
-    status.set_segments(mapped_segments())
+    idle_barrier()  # every rank has mapped MPI's shared memory: nothing opens it by name again
+    release_segments()
     root = transport.rank == 0
     log = None
     try:
@@ -233,9 +232,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         from runtime.transport import PeerLost
 
         if isinstance(exc, PeerLost):
-            # Give the lost rank's watcher time to say which task it died in: ending the job
-            # now would claim the right to speak first, or end it before the watcher speaks.
-            status.wait_for_a_death_named(PEER_LOST_GRACE_S)
+            time.sleep(PEER_LOST_GRACE_S)  # the launcher may well end this rank meanwhile
         if isinstance(exc, KeyboardInterrupt):
             message = f"rank {transport.rank}: interrupted"
         elif isinstance(exc, LegionNNError) and str(exc).startswith("rank "):
@@ -247,7 +244,6 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         if log is not None:
             log.close()
         if transport.size > 1:
-            status.reported()  # the deaths the abort causes are not to be named
             transport.abort(1)
         return 1
     if log is not None:
