@@ -24,9 +24,9 @@ The parent keeps the launcher's connection (`PMI_FD`) and the output pipes open 
 written its line, so hydra cannot end the job before the line is out: the rank's death alone
 closes none of them. The first watcher here was such a parent, dropped after MPICH's launcher
 killed jobs at random as they finished (the cause was not recorded); with this one, 20 jobs of
-3 ranks and 30 of 4 in a row, and every run of the MPI tests, end cleanly. Its successor, a watcher forked as
-the rank's child, cannot learn how its rank died, and told the first death apart with System V
-semaphores; that took about ten commits of race fixes.
+3 ranks and 30 of 4 in a row, and every run of the MPI tests, end cleanly. Its successor, a
+watcher forked as the rank's child, cannot learn how its rank died, and told the first death
+apart with System V semaphores; that took about ten commits of race fixes.
 
 MPICH maps a shared-memory segment per host (`/dev/shm/mpich_shm_*`) and unlinks it in
 `MPI_Finalize`; a job that ends in `MPI_Abort` or by a signal would leave it behind, megabytes a
