@@ -14,6 +14,8 @@ import partitioner.verify_plan as verify_module
 from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
+from partitioner.cost import plan_cost
+from partitioner.machine import Machine
 from partitioner.plan import Transfer, build_plan
 from partitioner.strategy import Strategy, builtin, factorizations, find_units, from_grids
 from partitioner.verify_plan import PAIRWISE, verify_plan
@@ -26,6 +28,12 @@ def lcn():
 
 def task_plan(plan, name):
     return next(t for t in plan.tasks if t.task == name)
+
+
+def edit_transfers(plan, name, transfers):
+    """Replace task `name`'s transfers (a plan's objects are read-only views of its arrays)."""
+    index = next(i for i, t in enumerate(plan.tasks) if t.task == name)
+    plan.tasks[index] = plan.tasks[index].with_transfers(transfers)
 
 
 def test_halo_of_a_7x7_window_split_2x2_over_27x27(lcn):
@@ -110,9 +118,17 @@ def test_bad_strategy_and_ranks(lcn):
 
 def test_verify_plan_catches_a_missing_message(lcn):
     plan = build_plan(lcn, builtin(lcn, "spatial", 4), 4)
-    task_plan(plan, "L1.filter").transfers.pop()
+    transfers = task_plan(plan, "L1.filter").transfers
+    with pytest.raises(AttributeError):
+        transfers.pop()  # a view: an edit makes a new task plan
+    sent = plan_cost(lcn, plan, Machine()).bytes_sent
+    edit_transfers(plan, "L1.filter", transfers[:-1])
     with pytest.raises(VerifyError, match="lacks part"):
         verify_plan(lcn, plan)
+    # the cost model reads the same record as verify_plan
+    assert plan_cost(lcn, plan, Machine()).bytes_sent == sent - transfers[-1].nbytes * len(
+        transfers[-1].dsts
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -135,20 +151,21 @@ def test_verify_plan_counts_the_many_parts_of_a_transpose(lcn):
     to_rank0 = [t for t in softmax.transfers if 0 in t.dsts]
     assert len(to_rank0) > PAIRWISE
     verify_plan(lcn, plan)
-    softmax.transfers.append(to_rank0[0])
+    name, transfers = softmax.task, list(softmax.transfers)
+    edit_transfers(plan, name, [*transfers, to_rank0[0]])
     with pytest.raises(
         VerifyError, match="rank 0 receives part of classifier.linear1.output twice"
     ):
         verify_plan(lcn, plan)
-    softmax.transfers.pop()
-    softmax.transfers.remove(to_rank0[-1])
+    edit_transfers(plan, name, [t for t in transfers if t is not to_rank0[-1]])
     with pytest.raises(VerifyError, match="rank 0 lacks part"):
         verify_plan(lcn, plan)
-    softmax.transfers.append(to_rank0[-1])
     # rank 0's own rows of its own features: it reads them and holds them
-    rows, own = to_rank0[0].rect, next(t for t in softmax.transfers if t.src == 0).rect
+    rows, own = to_rank0[0].rect, next(t for t in transfers if t.src == 0).rect
     part = Rect((rows.lo[0], own.lo[1], 0, 0), (rows.hi[0], own.hi[1], 1, 1))
-    softmax.transfers.append(Transfer("classifier.linear1.output", part, 1, (0,), 4))
+    edit_transfers(
+        plan, name, [*transfers, Transfer("classifier.linear1.output", part, 1, (0,), 4)]
+    )
     with pytest.raises(VerifyError, match="rank 0 is sent .* which it holds"):
         verify_plan(lcn, plan)
 
