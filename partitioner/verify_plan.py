@@ -5,11 +5,18 @@ used, so they test the planner rather than restate it:
 
 1. coverage: the pieces of every partitioned task lie in its space, are disjoint and cover it;
 2. producers: every element a piece reads of a non-resident tensor was written by exactly one piece
-   of the latest earlier task that writes the tensor;
+   of the latest earlier task that writes the tensor (a homed task's piece, such as the zeroing
+   of a parameter's gradient, is run by every holder of its cell, and each holds it);
 3. messages: what reaches a rank for one task and tensor is disjoint from what it holds and from
-   every other part sent to it, lies in a rect the rank reads, and together with what it holds
-   (its pieces and the copies it received since the tensor was last written) covers what its
-   pieces read.
+   every other part sent to it, lies in a rect the rank reads, is not wholly a copy it received
+   since the tensor was last written, and together with what it holds and those copies covers
+   what its pieces read. (A part may overlap such a copy: the planner keeps copies by read rect,
+   so a task reading a wider rect than an earlier reader fetches each cell's part whole.)
+4. sums: where a partitioned task later reads a tensor that tasks reduce into, every part of
+   every piece's contribution reaches every rank holding that part, by the rank's own piece, a
+   partial sum sent to it, or a collective that both take part in and whose target the holder
+   holds (a sum held by several ranks, such as BatchNorm's parameter gradients read by its
+   input gradient, is complete on each).
 
 Small sets of boxes are compared pair by pair. Large ones (a task's pieces, a tensor's writers, the
 parts of a transpose arriving at one rank) are counted instead: `_Grid` cuts space at every bound
@@ -21,15 +28,17 @@ about the number of cells rather than the square of the number of boxes.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from itertools import product
 
 import numpy as np
 
 from legion_nn.errors import VerifyError
 from legion_nn.graph import TaskGraph
+from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
-from partitioner.plan import Plan
+from partitioner.plan import Piece, Plan, TaskPlan
 
 #: boxes beyond which sets are counted on a grid rather than compared pair by pair
 PAIRWISE = 24
@@ -37,10 +46,13 @@ PAIRWISE = 24
 
 def verify_plan(graph: TaskGraph, plan: Plan) -> None:
     """Raise `VerifyError` naming the first broken invariant."""
-    writers: dict[str, dict[int, list[Rect]]] = {}
+    #: per tensor, the rects of the pieces of its latest writer, and per rank those it holds
+    writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]] = {}
     copies: dict[tuple[str, int], list[Rect]] = defaultdict(list)
+    read = _read_by_partitioned_tasks(graph, plan)
     for task, task_plan in zip(graph.tasks, plan.tasks):
         if task_plan.grid is None:
+            _record_writes(graph, task, task_plan.pieces, writers, copies)
             continue
         pieces = task_plan.pieces
         _check_coverage(task.name, task.space, [p.rect for p in pieces])
@@ -56,10 +68,9 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
         for (tensor, _), rects in needed.items():
             by_tensor[tensor].extend(rects)
         for tensor, rects in by_tensor.items():
-            sources = writers.get(tensor)
-            if sources is None:
+            if tensor not in writers:
                 raise VerifyError(f"{task.name} reads {tensor}, never written before")
-            _check_producers(task.name, tensor, rects, [r for rs in sources.values() for r in rs])
+            _check_producers(task.name, tensor, rects, writers[tensor][0])
         received: dict[tuple[str, int], list[Rect]] = defaultdict(list)
         for transfer in task_plan.transfers:
             if transfer.reduce:
@@ -67,21 +78,89 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
             for dst in transfer.dsts:
                 received[(transfer.tensor, dst)].append(transfer.rect)
         for key in set(needed) | set(received):
-            held = writers.get(key[0], {}).get(key[1], [])
+            held = writers[key[0]][1].get(key[1], []) if key[0] in writers else []
             _check_messages(
                 task.name, key, needed.get(key, []), held, copies[key], received.get(key, [])
             )
             copies[key].extend(received.get(key, []))
-        for req_index, req in enumerate(task.requirements):
-            if req.privilege.writes and req.privilege is not Privilege.REDUCE:
-                written: dict[int, list[Rect]] = defaultdict(list)
-                for p in pieces:
-                    rect = p.requirements[req_index].write_rect
-                    if not rect.is_empty():
-                        written[p.ranks[0]].append(rect)
-                writers[req.tensor] = written
-                for key in [k for k in copies if k[0] == req.tensor]:
-                    del copies[key]
+        for tensor in {r.tensor for r in task.requirements if r.privilege is Privilege.REDUCE}:
+            if tensor in read and tensor in writers:
+                _check_sums(task.name, tensor, task_plan, writers[tensor][1])
+        _record_writes(graph, task, pieces, writers, copies)
+
+
+def _read_by_partitioned_tasks(graph: TaskGraph, plan: Plan) -> set[str]:
+    """The tensors some partitioned task reads (the sums whose completeness matters)."""
+    return {
+        r.tensor
+        for task, task_plan in zip(graph.tasks, plan.tasks)
+        if task_plan.grid is not None
+        for r in task.requirements
+        if r.privilege.reads and r.privilege is not Privilege.REDUCE
+    }
+
+
+def _record_writes(
+    graph: TaskGraph,
+    task: Task,
+    pieces: Sequence[Piece],
+    writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]],
+    copies: dict[tuple[str, int], list[Rect]],
+) -> None:
+    """A task's writes replace what is held of each tensor it writes: every rank of a piece
+    holds the piece's rect (a homed piece is run, and held, by every holder of its cell)."""
+    for req_index, req in enumerate(task.requirements):
+        if not req.privilege.writes or req.privilege is Privilege.REDUCE:
+            continue
+        if graph.tensors[req.tensor].resident:
+            continue  # its home holds what its readers read
+        sources: list[Rect] = []
+        held: dict[int, list[Rect]] = defaultdict(list)
+        for piece in pieces:
+            rect = piece.requirements[req_index].write_rect
+            if not rect.is_empty():
+                sources.append(rect)
+                for rank in piece.ranks:
+                    held[rank].append(rect)
+        writers[req.tensor] = (sources, held)
+        for key in [k for k in copies if k[0] == req.tensor]:
+            del copies[key]
+
+
+def _check_sums(task: str, tensor: str, task_plan: TaskPlan, held: dict[int, list[Rect]]) -> None:
+    """Every part of every piece's contribution to `tensor` reaches every rank holding that
+    part: the rank itself, a partial sum sent to the holder, or a collective both take part in
+    whose target the holder holds."""
+    sent: dict[tuple[int, int], list[Rect]] = defaultdict(list)
+    for transfer in task_plan.transfers:
+        if transfer.reduce and transfer.tensor == tensor:
+            for dst in transfer.dsts:
+                sent[(transfer.src, dst)].append(transfer.rect)
+    summed: dict[int, list[tuple[frozenset[int], Rect]]] = defaultdict(list)
+    for reduction in task_plan.reductions:
+        if reduction.tensor == tensor:
+            members = frozenset(reduction.participants)
+            for rect, holders in reduction.targets:
+                for holder in holders:
+                    summed[holder].append((members, rect))
+    for piece in task_plan.pieces:
+        for req in piece.requirements:
+            if req.tensor != tensor or req.privilege is not Privilege.REDUCE:
+                continue
+            source = piece.ranks[0]
+            for holder, rects in held.items():
+                if holder == source:
+                    continue
+                arrived = sent.get((source, holder), []) + [
+                    rect for members, rect in summed.get(holder, []) if source in members
+                ]
+                for rect in rects:
+                    part = req.write_rect.intersect(rect)
+                    if not part.is_empty() and not part.covered_by(arrived):
+                        raise VerifyError(
+                            f"{task}: rank {source}'s partial sum of {part!r} of {tensor} "
+                            f"never reaches rank {holder}, which holds it"
+                        )
 
 
 class _Grid:
@@ -182,13 +261,15 @@ def _check_messages(
         if not any(_inside(part, r) for r in reads):
             raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, unread")
     if len(got) + len(held) + len(cached) > PAIRWISE:
-        _count_messages(task, key, reads, held + cached, got)
+        _count_messages(task, key, reads, held, cached, got)
         return
     if not _disjoint(got):
         raise VerifyError(f"{task}: rank {rank} receives part of {tensor} twice")
     for part in got:
-        if any(part.overlaps(h) for h in held + cached):
+        if any(part.overlaps(h) for h in held):
             raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds")
+        if part.covered_by(cached):
+            raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor} again")
     for read in reads:
         have = [read.intersect(r) for r in held + cached + got]
         if not _covers(read, [h for h in have if not h.is_empty()]):
@@ -196,23 +277,34 @@ def _check_messages(
 
 
 def _count_messages(
-    task: str, key: tuple[str, int], reads: list[Rect], had: list[Rect], got: list[Rect]
+    task: str,
+    key: tuple[str, int],
+    reads: list[Rect],
+    held: list[Rect],
+    cached: list[Rect],
+    got: list[Rect],
 ) -> None:
     """`_check_messages` by counting, for many boxes."""
     tensor, rank = key
-    grid = _Grid(reads + had + got)
-    arrived = grid.count(got) if got else np.zeros(grid.shape, np.int64)
-    present = grid.count(had) if had else np.zeros(grid.shape, np.int64)
+    grid = _Grid(reads + held + cached + got)
+    none = np.zeros(grid.shape, np.int64)
+    arrived = grid.count(got) if got else none
+    holds = grid.count(held) if held else none
+    copied = grid.count(cached) if cached else none
     if int(arrived.max(initial=0)) > 1:
         raise VerifyError(f"{task}: rank {rank} receives part of {tensor} twice")
     if got:
-        for part, volume in zip(got, grid.volume_where(present > 0, got).tolist()):
-            if volume:
+        inside = grid.volume_where(holds > 0, got).tolist()
+        again = grid.volume_where(copied > 0, got).tolist()
+        for part, held_volume, copied_volume in zip(got, inside, again):
+            if held_volume:
                 raise VerifyError(
                     f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds"
                 )
+            if copied_volume == part.volume:
+                raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor} again")
     if reads:
-        covered = grid.volume_where((arrived + present) > 0, reads)
+        covered = grid.volume_where((arrived + holds + copied) > 0, reads)
         for read, volume in zip(reads, covered.tolist()):
             if volume != read.volume:
                 raise VerifyError(f"{task}: rank {rank} lacks part of {read!r} of {tensor}")

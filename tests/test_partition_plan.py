@@ -16,8 +16,9 @@ from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
-from partitioner.plan import Transfer, build_plan
+from partitioner.plan import TaskPlan, Transfer, build_plan
 from partitioner.strategy import Strategy, builtin, factorizations, find_units, from_grids
+from partitioner.transfers import TransferSet
 from partitioner.verify_plan import PAIRWISE, verify_plan
 
 
@@ -233,3 +234,36 @@ def test_balanced_grids_are_the_first_best_of_all_factorizations():
             if found > key:
                 best, key = grid, found
         assert balanced(extents, dims, nranks) == best
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_verify_plan_models_reads_of_sums_held_by_several_ranks(strategy, nranks):
+    # BatchNorm's input gradient reads its gamma and beta gradients, sums held by every rank of
+    # their home: the plans verify, and one whose sum misses a holder does not
+    from test_executor import MIXED
+
+    graph = MIXED.lower(batch=3, dtype="float64", optimizer="momentum")
+    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
+    verify_plan(graph, plan)
+    if nranks == 1:
+        return
+    tensor = "bn1.gamma.grad"
+    index = next(
+        i
+        for i, t in enumerate(plan.tasks)
+        if any(r.tensor == tensor for r in t.reductions)
+        or any(m.reduce and m.tensor == tensor for m in t.transfers)
+    )
+    summing = plan.tasks[index]
+    plan.tasks[index] = TaskPlan(
+        summing.task,
+        summing.unit,
+        summing.grid,
+        summing.piece_sets,
+        TransferSet.from_transfers(m for m in summing.transfers if m.tensor != tensor),
+        [r for r in summing.reductions if r.tensor != tensor],
+        summing.holdings,
+    )
+    with pytest.raises(VerifyError, match=f"partial sum of .* of {tensor} never reaches"):
+        verify_plan(graph, plan)
