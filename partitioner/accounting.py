@@ -14,7 +14,8 @@ is a lower bound on a kernel's traffic (a filter re-reads its window from cache,
 
 Memory per rank is everything the rank holds at any point of the step, with no reuse: its cells of
 every tensor's layouts (activations, gradients, the homes of data, parameters, their gradients and
-optimizer state, replicated or not) plus the parts it receives for a read (once per tensor, rect
+optimizer state, replicated or not; read from the plan's record of who holds what, `Plan.homes`
+and `Plan.layouts`) plus the parts it receives for a read (once per tensor, rect
 and rank over the step) and the partial sums it holds for a reduction into a rect it does not own.
 This bounds the peak from above.
 

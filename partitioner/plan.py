@@ -33,10 +33,15 @@ parameter is the all-reduce of its gradient and the memory of its copies.
 
 Representation: planning 1024 ranks meets some 10⁵ pieces and 10⁵–10⁶ messages, so a `TaskPlan`
 keeps them as arrays (`pieces.PieceSet`, `transfers.TransferSet`) and the steps above run over
-all the pieces of a task at once (`messages.py`). `TaskPlan.pieces` and `TaskPlan.transfers` make
-the `Piece` and `Transfer` objects when first read, for executors and `verify_plan`; the cost
-model and the accounting read the arrays (so an edit to those lists is seen by `verify_plan`
-but not by `plan_cost`).
+all the pieces of a task at once (`messages.py`). The plan also records who holds what: the
+homes, and per task the layout after it of every tensor it writes or reduces into
+(`TaskPlan.holdings`, made by `holdings_after`; a `Layout` is arrays of cuts and holders, and
+the record shares the layouts the planner made, so it costs no copy). The rank programs, the
+accounting (`Plan.layouts`, the layouts after the step) and the search's replay
+(`layout_cache.py`, by way of `written_layout`) read that record or the function that makes it
+rather than replaying writes. `TaskPlan.pieces` and `TaskPlan.transfers` are read-only views of
+the arrays, made when first read, for executors and `verify_plan`; the arrays are frozen, so
+an edit makes a new `TaskPlan`, which the cost model and `verify_plan` both read.
 """
 
 from __future__ import annotations
@@ -156,13 +161,6 @@ class Plan:
         """Every tensor's layout after the step: its home, then each task's `holdings`."""
         out = dict(self.homes)
         for task_plan in self.tasks:
-            out.update(task_plan.holdings)
-        return out
-
-    def holdings_before(self, index: int) -> dict[str, Layout]:
-        """Every tensor's layout when task `index` starts (those no earlier task wrote: none)."""
-        out = dict(self.homes)
-        for task_plan in self.tasks[:index]:
             out.update(task_plan.holdings)
         return out
 
