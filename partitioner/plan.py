@@ -36,10 +36,11 @@ keeps them as arrays (`pieces.PieceSet`, `transfers.TransferSet`) and the steps 
 all the pieces of a task at once (`messages.py`). The plan also records who holds what: the
 homes, and per task the layout after it of every tensor it writes or reduces into
 (`TaskPlan.holdings`, made by `holdings_after`; a `Layout` is arrays of cuts and holders, and
-the record shares the layouts the planner made, so it costs no copy). The rank programs, the
-accounting (`Plan.layouts`, the layouts after the step) and the search's replay
-(`layout_cache.py`, by way of `written_layout`) read that record or the function that makes it
-rather than replaying writes. `TaskPlan.pieces` and `TaskPlan.transfers` are read-only views of
+the record shares the layouts the planner made, so it costs no copy), with the task that last
+wrote each cell (`TaskPlan.written_by`, an array per layout). The rank programs (what they hold,
+and after which task a copy's data is ready), the accounting (`Plan.layouts`, the layouts after
+the step) and the search's replay (`layout_cache.py`) read that record or the function that
+makes it rather than replaying writes. `TaskPlan.pieces` and `TaskPlan.transfers` are read-only views of
 the arrays, made when first read, for executors and `verify_plan`; the arrays are frozen, so
 an edit makes a new `TaskPlan`, which the cost model and `verify_plan` both read.
 """
@@ -107,6 +108,7 @@ class TaskPlan:
         transfer_set: TransferSet,
         reductions: Sequence[Reduction] = (),
         holdings: Mapping[str, Layout] | None = None,
+        written_by: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.task = task
         self.unit = unit
@@ -115,6 +117,11 @@ class TaskPlan:
         self.transfer_set = transfer_set
         self.reductions = tuple(reductions)
         self.holdings: Mapping[str, Layout] = MappingProxyType(dict(holdings or {}))
+        for array in (written_by or {}).values():
+            array.flags.writeable = False
+        #: per tensor in `holdings`, per cell of its layout, the index of the task that last
+        #: wrote or reduced into the cell (-1: none since the step began)
+        self.written_by: Mapping[str, np.ndarray] = MappingProxyType(dict(written_by or {}))
 
     @cached_property
     def pieces(self) -> tuple[Piece, ...]:
@@ -134,6 +141,7 @@ class TaskPlan:
             TransferSet.from_transfers(transfers),
             self.reductions,
             self.holdings,
+            self.written_by,
         )
 
     def __repr__(self) -> str:
@@ -200,23 +208,35 @@ def build_plan(
         homes.update((name, home) for name, home in resident_homes.items() if name in homes)
     units = task_rows(graph)
     layouts: dict[str, Layout] = dict(homes)
+    written_by = {name: np.full(home.ncells, -1, boxes.INDEX) for name, home in homes.items()}
     copies = Copies()
     plans = []
-    for task in graph.tasks:
+    for index, task in enumerate(graph.tasks):
         if task.name in homed:
+            after = homed_holdings(task, homes)
             plan = TaskPlan(
                 task.name,
                 units[task.name],
                 None,
                 homed_pieces(graph, task, homes),
                 TransferSet(),
-                holdings=homed_holdings(task, homes),
+                holdings=after,
+                written_by=writers_after(index, after, set(after), [], written_by),
             )
         else:
             plan = _plan_partitioned(
-                graph, task, units[task.name], grids[task.name], pieces[task.name], layouts, copies
+                graph,
+                index,
+                task,
+                units[task.name],
+                grids[task.name],
+                pieces[task.name],
+                layouts,
+                written_by,
+                copies,
             )
         layouts.update(plan.holdings)
+        written_by.update(plan.written_by)
         plans.append(plan)
     return Plan(
         graph.network,
@@ -388,13 +408,37 @@ def holdings_after(
     return after
 
 
+def writers_after(
+    index: int,
+    after: Mapping[str, Layout],
+    written: set[str],
+    reduced: Sequence[tuple[str, Columns]],
+    before: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """`TaskPlan.written_by` of task `index`: every held cell of a tensor in `written`, and every
+    cell of the others in `after` that a rect of `reduced` (tensor, (ranks, lo, hi, ...))
+    overlaps, was last written by it; the rest keep their writers from `before`."""
+    out = {}
+    for tensor, layout in after.items():
+        if tensor in written:
+            out[tensor] = np.where(layout.holder_count > 0, index, -1).astype(boxes.INDEX)
+        else:
+            out[tensor] = before[tensor].copy()
+    for tensor, (_, lo, hi, *_) in reduced:
+        _, cells, _, _ = boxes.grid_overlaps(after[tensor].cut_arrays, lo, hi)
+        out[tensor][cells] = index
+    return out
+
+
 def _plan_partitioned(
     graph: TaskGraph,
+    index: int,
     task: Task,
     unit: str,
     grid: Grid,
     pieces: PieceSet,
     layouts: Mapping[str, Layout],
+    written_by: Mapping[str, np.ndarray],
     copies: Copies,
 ) -> TaskPlan:
     fail = _failure(task)
@@ -419,7 +463,16 @@ def _plan_partitioned(
         )
         blocks.append(block)
         reductions += reductions_of(tensor, itemsize, collectives)
-    return TaskPlan(task.name, unit, grid, [pieces], TransferSet(tuple(blocks)), reductions, after)
+    return TaskPlan(
+        task.name,
+        unit,
+        grid,
+        [pieces],
+        TransferSet(tuple(blocks)),
+        reductions,
+        after,
+        writers_after(index, after, set(touched.writes), touched.reduces, written_by),
+    )
 
 
 def _by_first_key(

@@ -21,8 +21,10 @@ moved as late as their dependences allow, so that a gradient's collective, which
 background (see `rank_step`), overlaps the backward pass of the layers below it rather than
 holding up the update that reads its result.
 
-Which rects a rank holds is read from the plan's record: the homes before the first task, then
-each task's `holdings` (the layout of every tensor it writes or reduces into, after it).
+Which rects a rank holds, and which task last wrote each part (after which a copy of it is
+posted), are read from the plan's record: the homes before the first task, then each task's
+`holdings` (the layout of every tensor it writes or reduces into, after it) and `written_by`
+(per cell of that layout, the task that last wrote or reduced into it).
 
 `bytes_planned` is what the program sends: every copy and partial sum once per destination, and
 the hops of every collective this rank sends. The executor counts what its calls actually send
@@ -36,6 +38,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+
+import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
@@ -143,7 +147,11 @@ def build_programs(
         if wanted is None or graph.tasks[i].name in wanted
     ]
     programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
-    writes: dict[str, list[tuple[int, Rect]]] = defaultdict(list)
+    position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
+    #: per tensor, its layout now and the task that last wrote each cell (the plan's record)
+    written: dict[str, tuple[Layout, np.ndarray]] = {
+        name: (home, np.full(home.ncells, -1)) for name, home in plan.homes.items()
+    }
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         for builder in programs.values():
@@ -152,7 +160,7 @@ def build_programs(
             if transfer.reduce:
                 post_after = position
             else:
-                post_after = _last_write(writes[transfer.tensor], transfer.rect)
+                post_after = _last_write(written.get(transfer.tensor), transfer.rect, position_of)
             for dst in transfer.dsts:
                 message = Message(
                     seq,
@@ -181,11 +189,8 @@ def build_programs(
                     programs[rank].collective(collective)
         for builder in programs.values():
             builder.end(task_plan.holdings)
-        for piece in task_plan.pieces:
-            for req in piece.requirements:
-                rect = req.write_rect
-                if req.privilege.writes and rect is not None and not rect.is_empty():
-                    writes[req.tensor].append((position, rect))
+        for tensor, layout in task_plan.holdings.items():
+            written[tensor] = (layout, task_plan.written_by[tensor])
     return {rank: builder.program(seq) for rank, builder in programs.items()}
 
 
@@ -221,11 +226,18 @@ def step_order(graph: TaskGraph) -> list[int]:
     return order
 
 
-def _last_write(history: list[tuple[int, Rect]], rect: Rect) -> int:
-    for position, written in reversed(history):
-        if written.overlaps(rect):
-            return position
-    return STEP_START
+def _last_write(
+    written: tuple[Layout, np.ndarray] | None, rect: Rect, position_of: Mapping[int, int]
+) -> int:
+    """The position of the task in view that last wrote some part of `rect`, from the plan's
+    record of who wrote each cell of the tensor's layout now (`TaskPlan.written_by`)."""
+    if written is None:
+        return STEP_START
+    layout, writers = written
+    return max(
+        (position_of.get(int(writers[index]), STEP_START) for index, _ in layout.cells(rect)),
+        default=STEP_START,
+    )
 
 
 class _Builder:

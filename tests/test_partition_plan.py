@@ -267,3 +267,34 @@ def test_verify_plan_models_reads_of_sums_held_by_several_ranks(strategy, nranks
     )
     with pytest.raises(VerifyError, match=f"partial sum of .* of {tensor} never reaches"):
         verify_plan(graph, plan)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+def test_the_record_names_the_last_writer_of_every_cell(strategy):
+    # against the pieces: the named task wrote or reduced into the cell, and no task since has
+    from test_executor import MIXED
+
+    graph = MIXED.lower(batch=3, dtype="float64", optimizer="momentum")
+    plan = build_plan(graph, builtin(graph, strategy, 3), 3)
+
+    def touches(index, tensor, cell):
+        return any(
+            req.tensor == tensor and req.privilege.writes and req.write_rect.overlaps(cell)
+            for piece in plan.tasks[index].pieces
+            for req in piece.requirements
+        )
+
+    named = 0
+    for index, task_plan in enumerate(plan.tasks):
+        for tensor, layout in task_plan.holdings.items():
+            writers = task_plan.written_by[tensor]
+            assert len(writers) == layout.ncells
+            with pytest.raises(ValueError):
+                writers[0] = 0  # the record is read-only
+            for cell in layout.holders:
+                coords = np.unravel_index(cell, [len(c) - 1 for c in layout.cuts])
+                rect, writer = layout.cell_rect(coords), int(writers[cell])
+                assert 0 <= writer <= index and touches(writer, tensor, rect), (tensor, rect)
+                assert not any(touches(i, tensor, rect) for i in range(writer + 1, index + 1))
+                named += 1
+    assert named > 0
