@@ -119,8 +119,7 @@ class TaskPlan:
         self.holdings: Mapping[str, Layout] = MappingProxyType(dict(holdings or {}))
         for array in (written_by or {}).values():
             array.flags.writeable = False
-        #: per tensor in `holdings`, per cell of its layout, the index of the task that last
-        #: wrote or reduced into the cell (-1: none since the step began)
+        #: per cell of each layout in `holdings`, the task that last wrote it (-1: none yet)
         self.written_by: Mapping[str, np.ndarray] = MappingProxyType(dict(written_by or {}))
 
     @cached_property
@@ -224,16 +223,10 @@ def build_plan(
                 written_by=writers_after(index, after, set(after), [], written_by),
             )
         else:
+            unit, grid = units[task.name], grids[task.name]
+            before = (layouts, written_by)
             plan = _plan_partitioned(
-                graph,
-                index,
-                task,
-                units[task.name],
-                grids[task.name],
-                pieces[task.name],
-                layouts,
-                written_by,
-                copies,
+                graph, index, task, unit, grid, pieces[task.name], before, copies
             )
         layouts.update(plan.holdings)
         written_by.update(plan.written_by)
@@ -415,16 +408,19 @@ def writers_after(
     reduced: Sequence[tuple[str, Columns]],
     before: Mapping[str, np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """`TaskPlan.written_by` of task `index`: every held cell of a tensor in `written`, and every
+    """`TaskPlan.written_by` of task `index`: every held cell of a tensor in `written`, and each
     cell of the others in `after` that a rect of `reduced` (tensor, (ranks, lo, hi, ...))
-    overlaps, was last written by it; the rest keep their writers from `before`."""
-    out = {}
-    for tensor, layout in after.items():
-        if tensor in written:
-            out[tensor] = np.where(layout.holder_count > 0, index, -1).astype(boxes.INDEX)
-        else:
-            out[tensor] = before[tensor].copy()
+    overlaps, is the task's; the rest keep their last writers from `before`."""
+    out = {
+        tensor: np.where(layout.holder_count > 0, index, -1)
+        if tensor in written
+        else before[tensor].copy()
+        for tensor, layout in after.items()
+    }
     for tensor, (_, lo, hi, *_) in reduced:
+        bounds = np.concatenate((lo, hi), axis=1)
+        if len(bounds) and (bounds == bounds[0]).all():  # one rect for all (a weight's gradient)
+            lo, hi = lo[:1], hi[:1]
         _, cells, _, _ = boxes.grid_overlaps(after[tensor].cut_arrays, lo, hi)
         out[tensor][cells] = index
     return out
@@ -437,11 +433,10 @@ def _plan_partitioned(
     unit: str,
     grid: Grid,
     pieces: PieceSet,
-    layouts: Mapping[str, Layout],
-    written_by: Mapping[str, np.ndarray],
+    before: tuple[Mapping[str, Layout], Mapping[str, np.ndarray]],
     copies: Copies,
 ) -> TaskPlan:
-    fail = _failure(task)
+    (layouts, written_by), fail = before, _failure(task)
     touched = task_accesses(task, pieces)
     blocks = []
     for tensor, found in touched.reads:
