@@ -185,10 +185,11 @@ def memory_by_unit(graph: TaskGraph, plan: Plan, once: bool = True) -> dict[str,
         rows.setdefault(owner.get(name, "data"), np.zeros(n, boxes.INDEX))
         rows[owner.get(name, "data")] += volume
 
-    for name, layout in plan.layouts.items():
+    layouts = plan.layouts
+    for name, layout in layouts.items():
         hold(name, layout)
     for name, layout in plan.homes.items():
-        if name not in plan.layouts or plan.layouts[name] is not layout:
+        if layouts.get(name) is not layout:
             hold(name, layout)
     received: dict[str, list[tuple[str, object]]] = defaultdict(list)
     for task_plan in plan.tasks:

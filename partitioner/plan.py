@@ -36,11 +36,11 @@ keeps them as arrays (`pieces.PieceSet`, `transfers.TransferSet`) and the steps 
 all the pieces of a task at once (`messages.py`). The plan also records who holds what: the
 homes, and per task the layout after it of every tensor it writes or reduces into
 (`TaskPlan.holdings`, made by `holdings_after`; a `Layout` is arrays of cuts and holders, and
-the record shares the layouts the planner made, so it costs no copy), with the task that last
-wrote each cell (`TaskPlan.written_by`, an array per layout). The rank programs (what they hold,
-and after which task a copy's data is ready), the accounting (`Plan.layouts`, the layouts after
-the step) and the search's replay (`layout_cache.py`) read that record or the function that
-makes it rather than replaying writes. `TaskPlan.pieces` and `TaskPlan.transfers` are read-only views of
+the record shares the layouts the planner made, so it costs no copy), and from it, when first
+read, the task that last wrote each cell (`Plan.written_by`). The rank programs (what a rank
+holds, and after which task a copy's data is ready), the accounting (`Plan.layouts`, the
+layouts after the step) and the search's replay (`layout_cache.py`) read that record or the
+function that makes it rather than replaying writes. `TaskPlan.pieces` and `TaskPlan.transfers` are read-only views of
 the arrays, made when first read, for executors and `verify_plan`; the arrays are frozen, so
 an edit makes a new `TaskPlan`, which the cost model and `verify_plan` both read.
 """
@@ -108,7 +108,6 @@ class TaskPlan:
         transfer_set: TransferSet,
         reductions: Sequence[Reduction] = (),
         holdings: Mapping[str, Layout] | None = None,
-        written_by: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.task = task
         self.unit = unit
@@ -117,10 +116,6 @@ class TaskPlan:
         self.transfer_set = transfer_set
         self.reductions = tuple(reductions)
         self.holdings: Mapping[str, Layout] = MappingProxyType(dict(holdings or {}))
-        for array in (written_by or {}).values():
-            array.flags.writeable = False
-        #: per cell of each layout in `holdings`, the task that last wrote it (-1: none yet)
-        self.written_by: Mapping[str, np.ndarray] = MappingProxyType(dict(written_by or {}))
 
     @cached_property
     def pieces(self) -> tuple[Piece, ...]:
@@ -140,7 +135,6 @@ class TaskPlan:
             TransferSet.from_transfers(transfers),
             self.reductions,
             self.holdings,
-            self.written_by,
         )
 
     def __repr__(self) -> str:
@@ -170,6 +164,19 @@ class Plan:
         for task_plan in self.tasks:
             out.update(task_plan.holdings)
         return out
+
+    @cached_property
+    def written_by(self) -> tuple[Mapping[str, np.ndarray], ...]:
+        """Per task, per tensor of its `holdings`, per cell of that layout: the index of the task
+        that last wrote or reduced into the cell (-1: none this step). Read-only arrays, made
+        from the record when first read (the rank programs time copies by them)."""
+        before = {name: np.full(home.ncells, -1, boxes.INDEX) for name, home in self.homes.items()}
+        out = []
+        for index, task_plan in enumerate(self.tasks):
+            after = writers_after(index, task_plan, before)
+            before.update(after)
+            out.append(MappingProxyType(after))
+        return tuple(out)
 
 
 def build_plan(
@@ -207,29 +214,23 @@ def build_plan(
         homes.update((name, home) for name, home in resident_homes.items() if name in homes)
     units = task_rows(graph)
     layouts: dict[str, Layout] = dict(homes)
-    written_by = {name: np.full(home.ncells, -1, boxes.INDEX) for name, home in homes.items()}
     copies = Copies()
     plans = []
-    for index, task in enumerate(graph.tasks):
+    for task in graph.tasks:
         if task.name in homed:
-            after = homed_holdings(task, homes)
             plan = TaskPlan(
                 task.name,
                 units[task.name],
                 None,
                 homed_pieces(graph, task, homes),
                 TransferSet(),
-                holdings=after,
-                written_by=writers_after(index, after, set(after), [], written_by),
+                holdings=homed_holdings(task, homes),
             )
         else:
-            unit, grid = units[task.name], grids[task.name]
-            before = (layouts, written_by)
             plan = _plan_partitioned(
-                graph, index, task, unit, grid, pieces[task.name], before, copies
+                graph, task, units[task.name], grids[task.name], pieces[task.name], layouts, copies
             )
         layouts.update(plan.holdings)
-        written_by.update(plan.written_by)
         plans.append(plan)
     return Plan(
         graph.network,
@@ -402,41 +403,54 @@ def holdings_after(
 
 
 def writers_after(
-    index: int,
-    after: Mapping[str, Layout],
-    written: set[str],
-    reduced: Sequence[tuple[str, Columns]],
-    before: Mapping[str, np.ndarray],
+    index: int, task_plan: TaskPlan, before: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """`TaskPlan.written_by` of task `index`: every held cell of a tensor in `written`, and each
-    cell of the others in `after` that a rect of `reduced` (tensor, (ranks, lo, hi, ...))
-    overlaps, is the task's; the rest keep their last writers from `before`."""
+    """`Plan.written_by` of task `index`, given the writers `before` it: every held cell of a
+    tensor it writes (a homed task: all it holds) is its own, and so is every cell of a sum it
+    reduces into that a piece's rect overlaps; the other cells keep their writers."""
+    requirements = [
+        (req, pieces.req_lo[j], pieces.req_hi[j])
+        for pieces in task_plan.piece_sets
+        for j, req in enumerate(pieces.requirements)
+    ]
+    reduced = [(r.tensor, lo, hi) for r, lo, hi in requirements if r.privilege is Privilege.REDUCE]
+    if task_plan.grid is None:
+        written = set(task_plan.holdings)
+    else:
+        written = {
+            r.tensor
+            for r, _, _ in requirements
+            if r.privilege.writes and r.privilege is not Privilege.REDUCE
+        }
     out = {
         tensor: np.where(layout.holder_count > 0, index, -1)
         if tensor in written
         else before[tensor].copy()
-        for tensor, layout in after.items()
+        for tensor, layout in task_plan.holdings.items()
     }
-    for tensor, (_, lo, hi, *_) in reduced:
+    for tensor, lo, hi in reduced:
+        if tensor in written:
+            continue
         bounds = np.concatenate((lo, hi), axis=1)
         if len(bounds) and (bounds == bounds[0]).all():  # one rect for all (a weight's gradient)
             lo, hi = lo[:1], hi[:1]
-        _, cells, _, _ = boxes.grid_overlaps(after[tensor].cut_arrays, lo, hi)
+        _, cells, _, _ = boxes.grid_overlaps(task_plan.holdings[tensor].cut_arrays, lo, hi)
         out[tensor][cells] = index
+    for array in out.values():
+        array.flags.writeable = False
     return out
 
 
 def _plan_partitioned(
     graph: TaskGraph,
-    index: int,
     task: Task,
     unit: str,
     grid: Grid,
     pieces: PieceSet,
-    before: tuple[Mapping[str, Layout], Mapping[str, np.ndarray]],
+    layouts: Mapping[str, Layout],
     copies: Copies,
 ) -> TaskPlan:
-    (layouts, written_by), fail = before, _failure(task)
+    fail = _failure(task)
     touched = task_accesses(task, pieces)
     blocks = []
     for tensor, found in touched.reads:
@@ -458,16 +472,7 @@ def _plan_partitioned(
         )
         blocks.append(block)
         reductions += reductions_of(tensor, itemsize, collectives)
-    return TaskPlan(
-        task.name,
-        unit,
-        grid,
-        [pieces],
-        TransferSet(tuple(blocks)),
-        reductions,
-        after,
-        writers_after(index, after, set(touched.writes), touched.reduces, written_by),
-    )
+    return TaskPlan(task.name, unit, grid, [pieces], TransferSet(tuple(blocks)), reductions, after)
 
 
 def _by_first_key(

@@ -23,8 +23,8 @@ holding up the update that reads its result.
 
 Which rects a rank holds, and which task last wrote each part (after which a copy of it is
 posted), are read from the plan's record: the homes before the first task, then each task's
-`holdings` (the layout of every tensor it writes or reduces into, after it) and `written_by`
-(per cell of that layout, the task that last wrote or reduced into it).
+`holdings` (the layout of every tensor it writes or reduces into, after it) and
+`Plan.written_by` (per cell of that layout, the task that last wrote or reduced into it).
 
 `bytes_planned` is what the program sends: every copy and partial sum once per destination, and
 the hops of every collective this rank sends. The executor counts what its calls actually send
@@ -190,7 +190,7 @@ def build_programs(
         for builder in programs.values():
             builder.end(task_plan.holdings)
         for tensor, layout in task_plan.holdings.items():
-            written[tensor] = (layout, task_plan.written_by[tensor])
+            written[tensor] = (layout, plan.written_by[index][tensor])
     return {rank: builder.program(seq) for rank, builder in programs.items()}
 
 
@@ -230,7 +230,7 @@ def _last_write(
     written: tuple[Layout, np.ndarray] | None, rect: Rect, position_of: Mapping[int, int]
 ) -> int:
     """The position of the task in view that last wrote some part of `rect`, from the plan's
-    record of who wrote each cell of the tensor's layout now (`TaskPlan.written_by`)."""
+    record of who wrote each cell of the tensor's layout now (`Plan.written_by`)."""
     if written is None:
         return STEP_START
     layout, writers = written

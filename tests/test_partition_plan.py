@@ -287,7 +287,7 @@ def test_the_record_names_the_last_writer_of_every_cell(strategy):
     named = 0
     for index, task_plan in enumerate(plan.tasks):
         for tensor, layout in task_plan.holdings.items():
-            writers = task_plan.written_by[tensor]
+            writers = plan.written_by[index][tensor]
             assert len(writers) == layout.ncells
             with pytest.raises(ValueError):
                 writers[0] = 0  # the record is read-only
