@@ -298,3 +298,34 @@ def test_the_record_names_the_last_writer_of_every_cell(strategy):
                 assert not any(touches(i, tensor, rect) for i in range(writer + 1, index + 1))
                 named += 1
     assert named > 0
+
+
+def test_verify_plan_finds_a_sum_whose_collective_leaves_out_a_holder():
+    from dataclasses import replace
+
+    from test_executor import MIXED
+
+    graph = MIXED.lower(batch=3, dtype="float64", optimizer="momentum")
+    plan = build_plan(graph, builtin(graph, "data", 3), 3)
+    tensor = "bn1.gamma.grad"
+    index, summing = next(
+        (i, t) for i, t in enumerate(plan.tasks) if any(r.tensor == tensor for r in t.reductions)
+    )
+    reductions = [
+        replace(r, targets=tuple((rect, holders[:-1]) for rect, holders in r.targets))
+        if r.tensor == tensor
+        else r
+        for r in summing.reductions
+    ]
+    left_out = next(r for r in summing.reductions if r.tensor == tensor).targets[0][1][-1]
+    plan.tasks[index] = TaskPlan(
+        summing.task,
+        summing.unit,
+        summing.grid,
+        summing.piece_sets,
+        summing.transfer_set,
+        reductions,
+        summing.holdings,
+    )
+    with pytest.raises(VerifyError, match=f"of {tensor} never reaches rank {left_out},"):
+        verify_plan(graph, plan)
