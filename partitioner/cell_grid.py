@@ -83,13 +83,21 @@ class CellGrid:
         lo, hi = arrays([rect for group in groups for rect in group])
         return cls(lo, hi, [len(group) for group in groups])
 
-    def one_layer(self, layer: int) -> CellGrid:
-        """The grid of the boxes in `layer` alone, cut at their bounds only."""
-        picks = [np.flatnonzero(self._layer[self._span(g)] == layer) for g in range(len(self.rows))]
-        every = np.concatenate([pick + self._groups[g][0] for g, pick in enumerate(picks)])
-        grid = CellGrid(self.lo[every], self.hi[every], [len(pick) for pick in picks])
-        grid.rows = [rows[pick] for rows, pick in zip(self.rows, picks)]
-        return grid
+    def by_layer(self) -> list[CellGrid]:
+        """Per layer, the grid of its boxes alone, cut at their bounds only."""
+        order = np.argsort(self._layer, kind="stable")  # each layer's boxes in group order
+        starts = np.searchsorted(self._layer[order], np.arange(self.nlayers + 1))
+        group = np.searchsorted([end for _, end in self._groups], order, side="right")
+        out = []
+        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+            every = order[a:b]
+            sizes = np.bincount(group[a:b], minlength=len(self._groups))
+            grid = CellGrid(self.lo[every], self.hi[every], sizes.tolist())
+            grid.rows = [
+                every[group[a:b] == g] - self._groups[g][0] for g in range(len(self._groups))
+            ]
+            out.append(grid)
+        return out
 
     def _span(self, group: int) -> slice:
         return slice(*self._groups[group])
@@ -117,25 +125,41 @@ class CellGrid:
         return flat
 
     def count(self, group: int) -> np.ndarray:
-        """How many boxes of the group cover each cell (an N-d difference array)."""
-        flat = self._corners(group, self.shape)[:, self._nonempty[self._span(group)]]
-        plus = np.bincount(flat[self._sign > 0].ravel(), minlength=self.size)
-        minus = np.bincount(flat[self._sign < 0].ravel(), minlength=self.size)
-        count = (plus - minus).reshape(self.nlayers, *self.shape)
-        for axis in range(1, self.ndim + 1):
+        """How many boxes of the group cover each cell."""
+        return self.counts([group])[0]
+
+    def counts(self, groups: Sequence[int]) -> np.ndarray:
+        """`count` of each of `groups`, stacked (one N-d difference array, summed at once)."""
+        size = self.size
+        flat = [
+            self._corners(g, self.shape)[:, self._nonempty[self._span(g)]] + k * size
+            for k, g in enumerate(groups)
+        ]
+        plus = np.concatenate([f[self._sign > 0].ravel() for f in flat])
+        minus = np.concatenate([f[self._sign < 0].ravel() for f in flat])
+        total = len(groups) * size
+        count = np.bincount(plus, minlength=total) - np.bincount(minus, minlength=total)
+        count = count.reshape(len(groups), self.nlayers, *self.shape)
+        for axis in range(2, self.ndim + 2):
             np.cumsum(count, axis=axis, out=count)
         return count
 
     def volume_where(self, mask: np.ndarray, group: int) -> np.ndarray:
         """For each box of the group, the volume of its cells (in its layer) where `mask`
-        holds, from a summed-volume table; 0 for an empty box."""
-        table = np.zeros((self.nlayers, *(n + 1 for n in self.shape)), np.int64)
-        table[(slice(None), *[slice(1, None)] * self.ndim)] = np.where(mask, self.volume, 0)
-        for axis in range(1, self.ndim + 1):
+        holds; 0 for an empty box."""
+        return self.volumes_where(mask[None], group)[0]
+
+    def volumes_where(self, masks: np.ndarray, group: int) -> np.ndarray:
+        """`volume_where` of each of `masks` (stacked), from one stack of summed-volume tables."""
+        table = np.zeros((len(masks), self.nlayers, *(n + 1 for n in self.shape)), np.int64)
+        table[(slice(None), slice(None), *[slice(1, None)] * self.ndim)] = np.where(
+            masks, self.volume, 0
+        )
+        for axis in range(2, self.ndim + 2):
             np.cumsum(table, axis=axis, out=table)
         sign = self._sign if self.ndim % 2 == 0 else -self._sign
-        corners = self._corners(group, table.shape[1:])
-        out = (table.ravel()[corners] * sign[:, None]).sum(axis=0)
+        corners = self._corners(group, table.shape[2:])
+        out = (table.reshape(len(masks), -1)[:, corners] * sign[:, None]).sum(axis=1)
         return np.where(self._nonempty[self._span(group)], out, 0)
 
     def inside_one(self, group: int, within: int) -> np.ndarray:

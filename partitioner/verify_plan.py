@@ -313,8 +313,8 @@ def _count_messages(task: str, tensor: str, ranks: list[_RankBoxes]) -> None:
     lo, hi = arrays([rect for group in groups for rect in group])
     grid = CellGrid(lo, hi, [len(group) for group in groups], layer, len(ranks))
     if len(ranks) > 1 and grid.size > RANK_CELLS * len(ranks):
-        for index, (rank, *_) in enumerate(ranks):
-            _check_counts(task, tensor, [rank], groups, grid.one_layer(index))
+        for (rank, *_), alone in zip(ranks, grid.by_layer()):
+            _check_counts(task, tensor, [rank], groups, alone)
     elif len(ranks) > 1 and grid.size > BATCH_CELLS:
         _count_messages(task, tensor, ranks[: len(ranks) // 2])
         _count_messages(task, tensor, ranks[len(ranks) // 2 :])
@@ -338,12 +338,12 @@ def _check_counts(
         raise VerifyError(
             f"{task}: rank {rank_of(3, unread[0])} is sent {part!r} of {tensor}, unread"
         )
-    arrived, holds, copied = grid.count(3), grid.count(1), grid.count(2)
+    arrived, holds, copied = grid.counts([3, 1, 2])
     twice = np.flatnonzero(arrived.reshape(len(ranks), -1).max(axis=1, initial=0) > 1)
     if len(twice):
         raise VerifyError(f"{task}: rank {ranks[twice[0]]} receives part of {tensor} twice")
-    inside = grid.volume_where(holds > 0, 3)
-    again = grid.volume_where(copied > 0, 3) == grid.volumes(3)
+    inside, copied_volume = grid.volumes_where(np.stack((holds > 0, copied > 0)), 3)
+    again = copied_volume == grid.volumes(3)
     bad = np.flatnonzero((inside > 0) | again)
     if len(bad):
         rank, part = rank_of(3, bad[0]), got[grid.rows[3][bad[0]]]

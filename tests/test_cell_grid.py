@@ -43,8 +43,12 @@ def test_counts_and_volumes_per_layer_match_a_dense_count(groups):
         for index, (j, rect) in enumerate(asked):
             if j == k:
                 assert once[index] == int(((elements == 1) & (dense(rect) == 1)).sum())
-    layered = grid.one_layer(1)
-    assert layered.rows[0].tolist() == [i for i, (k, _) in enumerate(covering) if k == 1]
+    for k, alone in enumerate(grid.by_layer()):
+        assert alone.rows[0].tolist() == [i for i, (j, _) in enumerate(covering) if j == k]
+        assert alone.rows[1].tolist() == [i for i, (j, _) in enumerate(asked) if j == k]
+        assert (alone.count(0)[0].max(initial=0) if len(alone.rows[0]) else 0) == int(
+            count[k].max(initial=0)
+        )
 
 
 def test_join_pairs_every_equal_key():
