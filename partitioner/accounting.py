@@ -12,7 +12,8 @@ is a lower bound on a kernel's traffic (a filter re-reads its window from cache,
 
 Memory per rank is everything the rank holds at any point of the step, with no reuse: its cells of
 every tensor's layouts (activations, gradients, the homes of data, parameters, their gradients and
-optimizer state, replicated or not) plus the parts it receives for a read (once per tensor, rect
+optimizer state, replicated or not; read from the plan's record of who holds what, `Plan.homes`
+and `Plan.layouts`) plus the parts it receives for a read (once per tensor, rect
 and rank over the step) and the partial sums it holds for a reduction into a rect it does not own.
 This bounds the peak from above.
 
@@ -137,10 +138,11 @@ def memory_by_unit(graph: TaskGraph, plan: Plan, once: bool = True) -> dict[str,
         rows.setdefault(owner.get(name, "data"), np.zeros(n, boxes.INDEX))
         rows[owner.get(name, "data")] += volume
 
-    for name, layout in plan.layouts.items():
+    layouts = plan.layouts
+    for name, layout in layouts.items():
         hold(name, layout)
     for name, layout in plan.homes.items():
-        if name not in plan.layouts or plan.layouts[name] is not layout:
+        if layouts.get(name) is not layout:
             hold(name, layout)
     received: dict[str, list[tuple[str, object]]] = defaultdict(list)
     for task_plan in plan.tasks:

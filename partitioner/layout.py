@@ -119,6 +119,17 @@ class Layout:
                 boxes.to_rect(tuple(s[1] for s in combo), tuple(s[2] for s in combo)),
             )
 
+    def held_by(self, rank: int) -> list[Rect]:
+        """The cells `rank` holds, by index."""
+        mine = self.holder_ranks == rank
+        if not mine.any():
+            return []
+        cells = np.repeat(np.arange(self.ncells, dtype=boxes.INDEX), self.holder_count)[mine]
+        coords = np.unravel_index(cells, boxes.grid_shape(self.cut_arrays))
+        lo = np.stack([c[i] for c, i in zip(self.cut_arrays, coords)], axis=1)
+        hi = np.stack([c[i + 1] for c, i in zip(self.cut_arrays, coords)], axis=1)
+        return boxes.to_rects(lo, hi)
+
     def held(self, rect: Rect) -> Iterator[tuple[Rect, tuple[int, ...]]]:
         """(part of `rect`, its holders) for each cell overlapping it; unheld parts give ()."""
         holders = self.holders

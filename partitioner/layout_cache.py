@@ -1,7 +1,8 @@
 """Layouts named by keys, each made once per contents, for the search's replay (`transitions.py`).
 
 A replay meets a tensor's layout under a key naming what the layout depends on: ("write", task,
-grid, tensor), the layout a task wrote on a grid (`plan.written_layout`), or ("home", source,
+grid, tensor), the layout a task wrote on a grid, made by the function that makes a plan's record
+of who holds what after each task (`plan.holdings_after`), or ("home", source,
 ((reader, grid), ...)), the home of data or a parameter (its gradient and optimizer state share
 it), which the grids of its readers make (`plan.home_layout` of their `plan.resident_reads`).
 Many keys name the same layout (a replicated parameter's home under most grids, the repeated
@@ -18,6 +19,7 @@ cheaper than listing the messages.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -29,10 +31,10 @@ from partitioner.layout import Layout
 from partitioner.pieces import PieceCache, PieceSet
 from partitioner.plan import (
     TaskAccesses,
+    holdings_after,
     home_layout,
     resident_reads,
     task_accesses,
-    written_layout,
 )
 from partitioner.strategy import Grid
 
@@ -67,6 +69,16 @@ class LayoutCache:
             lambda: task_accesses(self.graph.task(name), self.pieces(name, grid)),
         )
 
+    def holdings(self, name: str, grid: Grid) -> Mapping[str, Layout]:
+        """What task `name` on `grid` leaves written, as a plan records it (`plan.holdings_after`;
+        the sums it reduces into keep the layouts they had, which the replay knows by key)."""
+        return self._memo.remember(
+            ("holdings", name, grid),
+            lambda: holdings_after(
+                self.graph, self.graph.task(name), self.accesses(name, grid), {}
+            ),
+        )
+
     def layout(self, key: Key) -> Layout:
         """The layout `key` names, made once per contents: different grids often leave a
         tensor the same (a replicated parameter's home), and repeated layers write alike."""
@@ -75,8 +87,7 @@ class LayoutCache:
             if key[0] == "home":
                 return home_layout(self.graph, key[1], self._home_reads(key))
             _, name, grid, tensor = key
-            found = self.accesses(name, grid).writes[tensor]
-            return written_layout(self.graph, self.graph.task(name), tensor, found)
+            return self.holdings(name, grid)[tensor]
 
         return self._memo.remember(
             ("layout", key),

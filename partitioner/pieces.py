@@ -2,8 +2,9 @@
 
 A `PieceSet` is a run of pieces sharing one list of requirements: piece i is the box
 (`lo[i]`, `hi[i]`), computed by `ranks[rank_ptr[i]:rank_ptr[i + 1]]`, and its requirement j
-touches (`req_lo[j][i]`, `req_hi[j][i]`). `Piece` objects, as executors read them, are made from
-it on demand.
+touches (`req_lo[j][i]`, `req_hi[j][i]`). It is frozen and its arrays are not writeable, so the
+`Piece` objects made from it on demand, as executors and `verify_plan` read them, are read-only
+views of what the cost model and the accounting read.
 
 *Grid pieces* (a partitioned task): cell i of the row-major grid, on rank i; empty cells are
 left out. Their requirement rects come from the layer's access map. One call per piece costs
@@ -56,7 +57,7 @@ class Piece:
     requirements: tuple[Requirement, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PieceSet:
     lo: np.ndarray
     hi: np.ndarray
@@ -65,6 +66,10 @@ class PieceSet:
     requirements: tuple[Requirement, ...]
     req_lo: list[np.ndarray]
     req_hi: list[np.ndarray]
+
+    def __post_init__(self) -> None:
+        for array in (self.lo, self.hi, self.rank_ptr, self.ranks, *self.req_lo, *self.req_hi):
+            array.flags.writeable = False
 
     def __len__(self) -> int:
         return len(self.lo)

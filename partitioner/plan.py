@@ -33,18 +33,25 @@ parameter is the all-reduce of its gradient and the memory of its copies.
 
 Representation: planning 1024 ranks meets some 10⁵ pieces and 10⁵–10⁶ messages, so a `TaskPlan`
 keeps them as arrays (`pieces.PieceSet`, `transfers.TransferSet`) and the steps above run over
-all the pieces of a task at once (`messages.py`). `TaskPlan.pieces` and `TaskPlan.transfers` make
-the `Piece` and `Transfer` objects when first read, for executors and `verify_plan`; the cost
-model and the accounting read the arrays (so an edit to those lists is seen by `verify_plan`
-but not by `plan_cost`).
+all the pieces of a task at once (`messages.py`). The plan also records who holds what: the
+homes, and per task the layout after it of every tensor it writes or reduces into
+(`TaskPlan.holdings`, made by `holdings_after`; a `Layout` is arrays of cuts and holders, and
+the record shares the layouts the planner made, so it costs no copy), and from it, when first
+read, the task that last wrote each cell (`Plan.written_by`). The rank programs (what a rank
+holds, and after which task a copy's data is ready), the accounting (`Plan.layouts`, the
+layouts after the step) and the search's replay (`layout_cache.py`) read that record or the
+function that makes it rather than replaying writes. `TaskPlan.pieces` and `TaskPlan.transfers` are read-only views of
+the arrays, made when first read, for executors and `verify_plan`; the arrays are frozen, so
+an edit makes a new `TaskPlan`, which the cost model and `verify_plan` both read.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 
 import numpy as np
 
@@ -85,48 +92,50 @@ class Reduction:
 
 
 class TaskPlan:
-    """One task's pieces, incoming transfers and reductions.
+    """One task's pieces, incoming transfers and reductions, and who holds what after it.
 
-    `pieces` and `transfers` may be given as lists (a plan assembled by hand) or as the arrays
-    the planner makes; either way they read as lists, made once."""
+    The arrays are the plan: `piece_sets`, `transfer_set`, and `holdings`, the layout after the
+    task of every tensor it writes or reduces into. `pieces` and `transfers` are read-only views
+    of the arrays, made when first read; an edited plan is a new `TaskPlan`
+    (`with_transfers`), so whatever reads it, arrays or objects, reads the same."""
 
     def __init__(
         self,
         task: str,
         unit: str,
         grid: Grid | None,
-        pieces: Sequence[Piece] | Sequence[PieceSet],
-        transfers: Sequence[Transfer] | TransferSet = (),
-        reductions: list[Reduction] | None = None,
+        piece_sets: Sequence[PieceSet],
+        transfer_set: TransferSet,
+        reductions: Sequence[Reduction] = (),
+        holdings: Mapping[str, Layout] | None = None,
     ) -> None:
         self.task = task
         self.unit = unit
         self.grid = grid
-        self.reductions = reductions if reductions is not None else []
-        self._pieces: list[Piece] | None = None
-        self._transfers: list[Transfer] | None = None
-        if pieces and isinstance(pieces[0], Piece):
-            self._pieces = list(pieces)
-            self.piece_sets = [_piece_set(self._pieces)]
-        else:
-            self.piece_sets = list(pieces)
-        if isinstance(transfers, TransferSet):
-            self.transfer_set = transfers
-        else:
-            self._transfers = list(transfers)
-            self.transfer_set = TransferSet.from_transfers(self._transfers)
+        self.piece_sets = tuple(piece_sets)
+        self.transfer_set = transfer_set
+        self.reductions = tuple(reductions)
+        self.holdings: Mapping[str, Layout] = MappingProxyType(dict(holdings or {}))
 
-    @property
-    def pieces(self) -> list[Piece]:
-        if self._pieces is None:
-            self._pieces = [p for s in self.piece_sets for p in s.pieces()]
-        return self._pieces
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        return tuple(p for s in self.piece_sets for p in s.pieces())
 
-    @property
-    def transfers(self) -> list[Transfer]:
-        if self._transfers is None:
-            self._transfers = self.transfer_set.transfers()
-        return self._transfers
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        return tuple(self.transfer_set.transfers())
+
+    def with_transfers(self, transfers: Iterable[Transfer]) -> TaskPlan:
+        """This task's plan with `transfers` in place of its own (for tests of `verify_plan`)."""
+        return TaskPlan(
+            self.task,
+            self.unit,
+            self.grid,
+            self.piece_sets,
+            TransferSet.from_transfers(transfers),
+            self.reductions,
+            self.holdings,
+        )
 
     def __repr__(self) -> str:
         pieces = sum(len(s) for s in self.piece_sets)
@@ -137,16 +146,6 @@ class TaskPlan:
         )
 
 
-def _piece_set(pieces: list[Piece]) -> PieceSet:
-    """Arrays of hand-made pieces (their rects and ranks; requirements stay in the objects)."""
-    ndim = pieces[0].rect.ndim
-    lo, hi = boxes.from_rects([p.rect for p in pieces], ndim)
-    ptr = np.zeros(len(pieces) + 1, boxes.INDEX)
-    np.cumsum([len(p.ranks) for p in pieces], out=ptr[1:])
-    ranks = np.array([r for p in pieces for r in p.ranks], boxes.INDEX)
-    return PieceSet(lo, hi, ptr, ranks, (), [], [])
-
-
 @dataclass
 class Plan:
     network: str
@@ -155,8 +154,29 @@ class Plan:
     strategy: str
     unit_grids: dict[str, Grid]
     tasks: list[TaskPlan]
-    layouts: dict[str, Layout]
+    #: the layouts of data, parameters and state (and their gradients), before the first task
     homes: dict[str, Layout]
+
+    @property
+    def layouts(self) -> dict[str, Layout]:
+        """Every tensor's layout after the step: its home, then each task's `holdings`."""
+        out = dict(self.homes)
+        for task_plan in self.tasks:
+            out.update(task_plan.holdings)
+        return out
+
+    @cached_property
+    def written_by(self) -> tuple[Mapping[str, np.ndarray], ...]:
+        """Per task, per tensor of its `holdings`, per cell of that layout: the index of the task
+        that last wrote or reduced into the cell (-1: none this step). Read-only arrays, made
+        from the record when first read (the rank programs time copies by them)."""
+        before = {name: np.full(home.ncells, -1, boxes.INDEX) for name, home in self.homes.items()}
+        out = []
+        for index, task_plan in enumerate(self.tasks):
+            after = writers_after(index, task_plan, before)
+            before.update(after)
+            out.append(MappingProxyType(after))
+        return tuple(out)
 
 
 def build_plan(
@@ -198,19 +218,19 @@ def build_plan(
     plans = []
     for task in graph.tasks:
         if task.name in homed:
-            plan = TaskPlan(task.name, units[task.name], None, homed_pieces(graph, task, homes))
-        else:
-            transfers, reductions = _plan_partitioned(
-                graph, task, pieces[task.name], layouts, copies
-            )
             plan = TaskPlan(
                 task.name,
                 units[task.name],
-                grids[task.name],
-                [pieces[task.name]],
-                transfers,
-                reductions,
+                None,
+                homed_pieces(graph, task, homes),
+                TransferSet(),
+                holdings=homed_holdings(task, homes),
             )
+        else:
+            plan = _plan_partitioned(
+                graph, task, units[task.name], grids[task.name], pieces[task.name], layouts, copies
+            )
+        layouts.update(plan.holdings)
         plans.append(plan)
     return Plan(
         graph.network,
@@ -219,7 +239,6 @@ def build_plan(
         strategy.name,
         dict(strategy.unit_grids),
         plans,
-        layouts,
         homes,
     )
 
@@ -362,13 +381,75 @@ def _failure(task: Task) -> Callable[[str], PlanError]:
     return fail
 
 
+def homed_holdings(task: Task, homes: Mapping[str, Layout]) -> dict[str, Layout]:
+    """The holdings after a homed task: what it writes stays in its home."""
+    return {r.tensor: homes[r.tensor] for r in task.requirements if r.privilege.writes}
+
+
+def holdings_after(
+    graph: TaskGraph, task: Task, touched: TaskAccesses, layouts: Mapping[str, Layout]
+) -> dict[str, Layout]:
+    """The holdings after partitioned `task` (its accesses `touched`), given the `layouts`
+    before it: a written tensor is held where it was written (`written_layout`, one holder per
+    rect), and a sum where its target was zeroed, by every holder of each cell."""
+    after = {
+        tensor: written_layout(graph, task, tensor, found)
+        for tensor, found in touched.writes.items()
+    }
+    for tensor, _ in touched.reduces:
+        if tensor in layouts:
+            after.setdefault(tensor, layouts[tensor])
+    return after
+
+
+def writers_after(
+    index: int, task_plan: TaskPlan, before: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """`Plan.written_by` of task `index`, given the writers `before` it: every held cell of a
+    tensor it writes (a homed task: all it holds) is its own, and so is every cell of a sum it
+    reduces into that a piece's rect overlaps; the other cells keep their writers."""
+    requirements = [
+        (req, pieces.req_lo[j], pieces.req_hi[j])
+        for pieces in task_plan.piece_sets
+        for j, req in enumerate(pieces.requirements)
+    ]
+    reduced = [(r.tensor, lo, hi) for r, lo, hi in requirements if r.privilege is Privilege.REDUCE]
+    if task_plan.grid is None:
+        written = set(task_plan.holdings)
+    else:
+        written = {
+            r.tensor
+            for r, _, _ in requirements
+            if r.privilege.writes and r.privilege is not Privilege.REDUCE
+        }
+    out = {
+        tensor: np.where(layout.holder_count > 0, index, -1)
+        if tensor in written
+        else before[tensor].copy()
+        for tensor, layout in task_plan.holdings.items()
+    }
+    for tensor, lo, hi in reduced:
+        if tensor in written:
+            continue
+        bounds = np.concatenate((lo, hi), axis=1)
+        if len(bounds) and (bounds == bounds[0]).all():  # one rect for all (a weight's gradient)
+            lo, hi = lo[:1], hi[:1]
+        _, cells, _, _ = boxes.grid_overlaps(task_plan.holdings[tensor].cut_arrays, lo, hi)
+        out[tensor][cells] = index
+    for array in out.values():
+        array.flags.writeable = False
+    return out
+
+
 def _plan_partitioned(
     graph: TaskGraph,
     task: Task,
+    unit: str,
+    grid: Grid,
     pieces: PieceSet,
-    layouts: dict[str, Layout],
+    layouts: Mapping[str, Layout],
     copies: Copies,
-) -> tuple[TransferSet, list[Reduction]]:
+) -> TaskPlan:
     fail = _failure(task)
     touched = task_accesses(task, pieces)
     blocks = []
@@ -379,20 +460,19 @@ def _plan_partitioned(
         accesses = Accesses(*found)
         fresh = copies.fresh(tensor, layout, accesses)
         blocks.append(fetch(tensor, graph.tensors[tensor].itemsize, layout, accesses, fresh, fail))
-    for tensor, found in touched.writes.items():
-        layouts[tensor] = written_layout(graph, task, tensor, found)
+    after = holdings_after(graph, task, touched, layouts)
     reductions = []
-    after = len(pieces) * len(task.requirements)
+    nreads = len(pieces) * len(task.requirements)
     for position, (tensor, found) in enumerate(touched.reduces):
-        if tensor not in layouts:
+        if tensor not in after:
             raise fail(f"reduces into {tensor}, which was never zeroed")
         itemsize = graph.tensors[tensor].itemsize
         block, collectives = combine(
-            tensor, itemsize, layouts[tensor], Accesses(*found), after + position, fail
+            tensor, itemsize, after[tensor], Accesses(*found), nreads + position, fail
         )
         blocks.append(block)
         reductions += reductions_of(tensor, itemsize, collectives)
-    return TransferSet(blocks), reductions
+    return TaskPlan(task.name, unit, grid, [pieces], TransferSet(tuple(blocks)), reductions, after)
 
 
 def _by_first_key(

@@ -1,17 +1,19 @@
-"""Point-to-point messages, as objects for executors and as arrays for the planner's own use.
+"""Point-to-point messages: arrays, and read-only objects made from them.
 
 A `Transfer` sends `rect` of `tensor` from `src` to each of `dsts`. Planning 1024 ranks makes
-hundreds of thousands of them, so the planner keeps them as `TransferBlock`s: the transfers of
-one task and tensor as arrays (rect bounds, source, a ragged array of destinations). The cost
-model and the accounting read the blocks; `TransferSet.transfers()` makes the `Transfer` objects,
+hundreds of thousands of them, so a plan records them as `TransferBlock`s: the transfers of one
+task and tensor as arrays (rect bounds, source, a ragged array of destinations). The cost model
+and the accounting read the blocks; `TransferSet.transfers()` makes `Transfer` objects from them,
 in the planner's order (fetches in the order their reads first appear in the task's pieces, then
-partial sums tensor by tensor), for executors and `verify_plan`.
+partial sums tensor by tensor), for executors and `verify_plan`. Blocks, sets and objects are
+frozen and the arrays not writeable, so the objects stay views of the arrays: a changed plan is
+made anew from transfers (`TransferSet.from_transfers`), and every reader sees the change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +35,7 @@ class Transfer:
     reduce: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class TransferBlock:
     """Transfers of one tensor: transfer i sends (`lo[i]`, `hi[i]`), `nbytes[i]` bytes, from
     `src[i]` to each of `dsts[dst_ptr[i]:dst_ptr[i + 1]]`; (`major[i]`, `minor[i]`) orders it in
@@ -50,6 +52,10 @@ class TransferBlock:
     major: np.ndarray
     minor: np.ndarray
 
+    def __post_init__(self) -> None:
+        for array in (self.lo, self.hi, self.nbytes, self.src, self.dst_ptr, self.dsts):
+            array.flags.writeable = False
+
     def __len__(self) -> int:
         return len(self.src)
 
@@ -58,9 +64,9 @@ class TransferBlock:
         return np.diff(self.dst_ptr)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TransferSet:
-    blocks: list[TransferBlock] = field(default_factory=list)
+    blocks: tuple[TransferBlock, ...] = ()
 
     def transfers(self) -> list[Transfer]:
         blocks = [b for b in self.blocks if len(b)]
@@ -108,7 +114,7 @@ class TransferSet:
                     np.zeros(len(items), boxes.INDEX),
                 )
             )
-        return cls(blocks)
+        return cls(tuple(blocks))
 
 
 def _transfer(

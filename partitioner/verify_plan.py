@@ -1,46 +1,67 @@
 """`verify_plan(graph, plan)`: the invariants of a plan, checked by brute force.
 
-The checks recompute from the `Piece` and `Transfer` objects alone, without the layouts the planner
-used, so they test the planner rather than restate it:
+The checks recompute from the pieces and transfers alone (their objects, or for the sums the
+arrays the objects view), without the layouts the planner used, so they test the planner rather
+than restate it:
 
 1. coverage: the pieces of every partitioned task lie in its space, are disjoint and cover it;
 2. producers: every element a piece reads of a non-resident tensor was written by exactly one piece
-   of the latest earlier task that writes the tensor;
+   of the latest earlier task that writes the tensor (a homed task's piece, such as the zeroing
+   of a parameter's gradient, is run by every holder of its cell, and each holds it);
 3. messages: what reaches a rank for one task and tensor is disjoint from what it holds and from
-   every other part sent to it, lies in a rect the rank reads, and together with what it holds
-   (its pieces and the copies it received since the tensor was last written) covers what its
-   pieces read.
+   every other part sent to it, lies in a rect the rank reads, is not wholly a copy it received
+   since the tensor was last written, and together with what it holds and those copies covers
+   what its pieces read. (A part may overlap such a copy: the planner keeps copies by read rect,
+   so a task reading a wider rect than an earlier reader fetches each cell's part whole.)
+4. sums: where a partitioned task later reads a tensor that tasks reduce into, every part of
+   every piece's contribution reaches every rank holding that part, by the rank's own piece, a
+   partial sum sent to it, or a collective that both take part in and whose target the holder
+   holds (a sum held by several ranks, such as BatchNorm's parameter gradients read by its
+   input gradient, is complete on each).
 
 Small sets of boxes are compared pair by pair. Large ones (a task's pieces, a tensor's writers, the
-parts of a transpose arriving at one rank) are counted instead: `_Grid` cuts space at every bound
-of the boxes (coordinate compression), counts how many boxes cover each resulting cell with an
-N-d difference array, and sums cell volumes over a box with a summed-volume table, so a check costs
-about the number of cells rather than the square of the number of boxes.
+parts of a transpose arriving at one rank) are counted instead on the grid cut at every bound of
+the boxes (`cell_grid.py`), so a check costs about the number of cells rather than the square of
+the number of boxes. The ranks of one task
+and tensor are counted on one grid, a layer per rank, where that grid is not much finer than
+theirs (see `_count_messages`): a model-parallel layer's 64 readers cost one pass, not 64 calls.
+Sums are checked the same way over (cell, contributor, holder) triples (`_check_sums`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import product
+from collections.abc import Sequence
 
 import numpy as np
 
 from legion_nn.errors import VerifyError
 from legion_nn.graph import TaskGraph
+from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
-from partitioner.plan import Plan
+from partitioner import boxes
+from partitioner.cell_grid import CellGrid, arrays, join
+from partitioner.plan import Piece, Plan, TaskPlan
 
 #: boxes beyond which sets are counted on a grid rather than compared pair by pair
 PAIRWISE = 24
+#: cells per rank beyond which ranks' messages are counted rank by rank rather than on one
+#: grid (about what a call per rank costs, in cells counted: a fraction of a millisecond)
+RANK_CELLS = 2048
+#: cells beyond which the ranks counted on one grid are split in halves (its memory)
+BATCH_CELLS = 1 << 21
 
 
 def verify_plan(graph: TaskGraph, plan: Plan) -> None:
     """Raise `VerifyError` naming the first broken invariant."""
-    writers: dict[str, dict[int, list[Rect]]] = {}
+    #: per tensor, the rects of the pieces of its latest writer, and per rank those it holds
+    writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]] = {}
     copies: dict[tuple[str, int], list[Rect]] = defaultdict(list)
+    read = _read_by_partitioned_tasks(graph, plan)
     for task, task_plan in zip(graph.tasks, plan.tasks):
         if task_plan.grid is None:
+            _record_writes(graph, task, task_plan.pieces, writers, copies)
             continue
         pieces = task_plan.pieces
         _check_coverage(task.name, task.space, [p.rect for p in pieces])
@@ -56,89 +77,167 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
         for (tensor, _), rects in needed.items():
             by_tensor[tensor].extend(rects)
         for tensor, rects in by_tensor.items():
-            sources = writers.get(tensor)
-            if sources is None:
+            if tensor not in writers:
                 raise VerifyError(f"{task.name} reads {tensor}, never written before")
-            _check_producers(task.name, tensor, rects, [r for rs in sources.values() for r in rs])
+            _check_producers(task.name, tensor, rects, writers[tensor][0])
         received: dict[tuple[str, int], list[Rect]] = defaultdict(list)
         for transfer in task_plan.transfers:
             if transfer.reduce:
                 continue
             for dst in transfer.dsts:
                 received[(transfer.tensor, dst)].append(transfer.rect)
+        many: dict[str, list[_RankBoxes]] = defaultdict(list)
         for key in set(needed) | set(received):
-            held = writers.get(key[0], {}).get(key[1], [])
-            _check_messages(
-                task.name, key, needed.get(key, []), held, copies[key], received.get(key, [])
-            )
-            copies[key].extend(received.get(key, []))
-        for req_index, req in enumerate(task.requirements):
-            if req.privilege.writes and req.privilege is not Privilege.REDUCE:
-                written: dict[int, list[Rect]] = defaultdict(list)
-                for p in pieces:
-                    rect = p.requirements[req_index].write_rect
-                    if not rect.is_empty():
-                        written[p.ranks[0]].append(rect)
-                writers[req.tensor] = written
-                for key in [k for k in copies if k[0] == req.tensor]:
-                    del copies[key]
+            held = writers[key[0]][1].get(key[1], []) if key[0] in writers else []
+            boxes_of = (needed.get(key, []), held, copies[key], received.get(key, []))
+            if sum(len(b) for b in boxes_of[1:]) > PAIRWISE:
+                many[key[0]].append((key[1], *boxes_of))
+            else:
+                _check_messages(task.name, key, *boxes_of)
+        for tensor, ranks in many.items():
+            _count_messages(task.name, tensor, ranks)
+        for key, parts in received.items():
+            copies[key].extend(parts)
+        for tensor in {r.tensor for r in task.requirements if r.privilege is Privilege.REDUCE}:
+            if tensor in read and tensor in writers:
+                _check_sums(task.name, tensor, task_plan, writers[tensor][1], plan.nranks)
+        _record_writes(graph, task, pieces, writers, copies)
 
 
-class _Grid:
-    """The grid cut at every bound of some boxes: cell i along dim d is [cuts[d][i],
-    cuts[d][i + 1]); the last index along each dim is the outside beyond the last cut."""
-
-    def __init__(self, boxes: list[Rect]) -> None:
-        lo, hi = _arrays(boxes)
-        self.ndim = lo.shape[1]
-        self.cuts = [np.unique(np.concatenate((lo[:, d], hi[:, d]))) for d in range(self.ndim)]
-        self.shape = tuple(len(c) for c in self.cuts)
-        self.volume = np.ones(self.shape, np.int64)
-        for d, c in enumerate(self.cuts):
-            size = np.append(np.diff(c), 0)
-            self.volume = self.volume * size.reshape(
-                [-1 if e == d else 1 for e in range(self.ndim)]
-            )
-
-    def _corners(self, boxes: list[Rect]):
-        lo, hi = _arrays(boxes)
-        keep = np.all(hi > lo, axis=1)
-        lo = [np.searchsorted(c, lo[keep, d]) for d, c in enumerate(self.cuts)]
-        hi = [np.searchsorted(c, hi[keep, d]) for d, c in enumerate(self.cuts)]
-        for corner in product((0, 1), repeat=self.ndim):
-            index = tuple(hi[d] if up else lo[d] for d, up in enumerate(corner))
-            yield index, -1 if sum(corner) % 2 else 1
-
-    def count(self, boxes: list[Rect]) -> np.ndarray:
-        """How many of `boxes` (bounds among the cuts) cover each cell (an N-d difference array)."""
-        count = np.zeros(self.shape, np.int64)
-        for index, sign in self._corners(boxes):
-            np.add.at(count, index, sign)
-        for axis in range(self.ndim):
-            np.cumsum(count, axis=axis, out=count)
-        return count
-
-    def volume_where(self, mask: np.ndarray, rects: list[Rect]) -> np.ndarray:
-        """For each rect (bounds among the cuts), the volume of its cells where `mask` holds."""
-        table = np.pad(np.where(mask, self.volume, 0), [(1, 0)] * self.ndim)
-        for axis in range(self.ndim):
-            np.cumsum(table, axis=axis, out=table)
-        out = np.zeros(len(rects), np.int64)
-        for index, sign in self._corners(rects):
-            out += table[index] * (sign if self.ndim % 2 == 0 else -sign)
-        return out
+def _read_by_partitioned_tasks(graph: TaskGraph, plan: Plan) -> set[str]:
+    """The tensors some partitioned task reads (the sums whose completeness matters)."""
+    return {
+        r.tensor
+        for task, task_plan in zip(graph.tasks, plan.tasks)
+        if task_plan.grid is not None
+        for r in task.requirements
+        if r.privilege.reads and r.privilege is not Privilege.REDUCE
+    }
 
 
-def _arrays(rects: list[Rect]) -> tuple[np.ndarray, np.ndarray]:
-    ndim = rects[0].ndim
-    lo = np.array([r.lo for r in rects], np.int64).reshape(len(rects), ndim)
-    hi = np.array([r.hi for r in rects], np.int64).reshape(len(rects), ndim)
-    return lo, hi
+def _record_writes(
+    graph: TaskGraph,
+    task: Task,
+    pieces: Sequence[Piece],
+    writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]],
+    copies: dict[tuple[str, int], list[Rect]],
+) -> None:
+    """A task's writes replace what is held of each tensor it writes: every rank of a piece
+    holds the piece's rect (a homed piece is run, and held, by every holder of its cell)."""
+    for req_index, req in enumerate(task.requirements):
+        if not req.privilege.writes or req.privilege is Privilege.REDUCE:
+            continue
+        if graph.tensors[req.tensor].resident:
+            continue  # its home holds what its readers read
+        sources: list[Rect] = []
+        held: dict[int, list[Rect]] = defaultdict(list)
+        for piece in pieces:
+            rect = piece.requirements[req_index].write_rect
+            if not rect.is_empty():
+                sources.append(rect)
+                for rank in piece.ranks:
+                    held[rank].append(rect)
+        writers[req.tensor] = (sources, held)
+        for key in [k for k in copies if k[0] == req.tensor]:
+            del copies[key]
+
+
+def _check_sums(
+    task: str, tensor: str, task_plan: TaskPlan, held: dict[int, list[Rect]], nranks: int
+) -> None:
+    """Every part of every piece's contribution to `tensor` reaches every rank holding that
+    part: the rank itself, a partial sum sent to the holder, or a collective both take part in
+    whose target the holder holds.
+
+    Read from the plan's arrays and counted on the grid cut at every bound of the
+    contributions, holdings, partial sums and targets: each cell lies wholly inside or outside
+    each of them, so the check is whether every (cell, contributor, holder) that must meet is
+    one that a partial sum or a collective joins."""
+    src, c_lo, c_hi = _contributions(task_plan, tensor)
+    if not len(src) or not held:
+        return
+    ndim = c_lo.shape[1]
+    holder = np.array([rank for rank, rects in held.items() for _ in rects], boxes.INDEX)
+    h_lo, h_hi = boxes.from_rects([rect for rects in held.values() for rect in rects], ndim)
+    s_src, s_dst, s_lo, s_hi = _partial_sums(task_plan, tensor, ndim)
+    reductions = [r for r in task_plan.reductions if r.tensor == tensor]
+    targets = [(k, h, rect) for k, r in enumerate(reductions) for rect, hs in r.targets for h in hs]
+    t_reduction = np.array([k for k, _, _ in targets], boxes.INDEX)
+    t_holder = np.array([h for _, h, _ in targets], boxes.INDEX)
+    t_lo, t_hi = boxes.from_rects([rect for _, _, rect in targets], ndim)
+    m_reduction = np.array(
+        [k for k, r in enumerate(reductions) for _ in r.participants], boxes.INDEX
+    )
+    m_rank = np.array([s for r in reductions for s in r.participants], boxes.INDEX)
+
+    every = (c_lo, c_hi, h_lo, h_hi, s_lo, s_hi, t_lo, t_hi)
+    cuts = [np.unique(np.concatenate([a[:, d] for a in every])) for d in range(ndim)]
+
+    def key(cell: np.ndarray, source: np.ndarray, sink: np.ndarray) -> np.ndarray:
+        return (cell * nranks + source) * nranks + sink
+
+    c_box, c_cell, _, _ = boxes.grid_overlaps(cuts, c_lo, c_hi)
+    h_box, h_cell, _, _ = boxes.grid_overlaps(cuts, h_lo, h_hi)
+    left, right = join(c_cell, h_cell)
+    apart = src[c_box[left]] != holder[h_box[right]]
+    left, right = left[apart], right[apart]
+    need = key(c_cell[left], src[c_box[left]], holder[h_box[right]])
+    s_box, s_cell, _, _ = boxes.grid_overlaps(cuts, s_lo, s_hi)
+    t_box, t_cell, _, _ = boxes.grid_overlaps(cuts, t_lo, t_hi)
+    by_target, by_member = join(t_reduction[t_box], m_reduction)
+    arrived = np.concatenate(
+        (
+            key(s_cell, s_src[s_box], s_dst[s_box]),
+            key(t_cell[by_target], m_rank[by_member], t_holder[t_box[by_target]]),
+        )
+    )
+    missing = np.flatnonzero(~np.isin(need, arrived))
+    if len(missing):
+        i, j = c_box[left[missing[0]]], h_box[right[missing[0]]]
+        part = boxes.to_rect(
+            np.maximum(c_lo[i], h_lo[j]).tolist(), np.minimum(c_hi[i], h_hi[j]).tolist()
+        )
+        raise VerifyError(
+            f"{task}: rank {src[i]}'s partial sum of {part!r} of {tensor} "
+            f"never reaches rank {holder[j]}, which holds it"
+        )
+
+
+def _contributions(task_plan: TaskPlan, tensor: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, lo, hi) of every piece's reduction into `tensor`."""
+    found = [
+        (pieces.owners, pieces.req_lo[j], pieces.req_hi[j])
+        for pieces in task_plan.piece_sets
+        for j, req in enumerate(pieces.requirements)
+        if req.tensor == tensor and req.privilege is Privilege.REDUCE
+    ]
+    if not found:
+        return np.zeros(0, boxes.INDEX), *boxes.empty(0)
+    src, lo, hi = zip(*found)
+    return np.concatenate(src), np.concatenate(lo), np.concatenate(hi)
+
+
+def _partial_sums(
+    task_plan: TaskPlan, tensor: str, ndim: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(source, destination, lo, hi) of every partial sum of `tensor`, once per destination."""
+    blocks = [b for b in task_plan.transfer_set.blocks if b.reduce and b.tensor == tensor]
+    none = np.zeros(0, boxes.INDEX)
+    src = [np.repeat(b.src, b.fanout) for b in blocks]
+    lo = [np.repeat(b.lo, b.fanout, axis=0) for b in blocks]
+    hi = [np.repeat(b.hi, b.fanout, axis=0) for b in blocks]
+    empty_lo, empty_hi = boxes.empty(ndim)
+    return (
+        np.concatenate([*src, none]),
+        np.concatenate([*(b.dsts for b in blocks), none]),
+        np.concatenate([*lo, empty_lo]),
+        np.concatenate([*hi, empty_hi]),
+    )
 
 
 def _disjoint(rects: list[Rect]) -> bool:
     if len(rects) > PAIRWISE:
-        return int(_Grid(rects).count(rects).max(initial=0)) <= 1
+        return int(CellGrid.of(rects).count(0).max(initial=0)) <= 1
     return all(not a.overlaps(b) for i, a in enumerate(rects) for b in rects[i + 1 :])
 
 
@@ -153,8 +252,8 @@ def _check_coverage(task: str, space: Rect, pieces: list[Rect]) -> None:
 
 def _check_producers(task: str, tensor: str, reads: list[Rect], sources: list[Rect]) -> None:
     if len(sources) > PAIRWISE:
-        grid = _Grid(sources + reads)
-        once = grid.volume_where(grid.count(sources) == 1, reads)
+        grid = CellGrid.of(sources, reads)
+        once = grid.volume_where(grid.count(0) == 1, 1)
         bad = [r for r, v in zip(reads, once.tolist()) if v != r.volume]
     else:
         bad = []
@@ -181,51 +280,83 @@ def _check_messages(
     for part in got:
         if not any(_inside(part, r) for r in reads):
             raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, unread")
-    if len(got) + len(held) + len(cached) > PAIRWISE:
-        _count_messages(task, key, reads, held + cached, got)
-        return
     if not _disjoint(got):
         raise VerifyError(f"{task}: rank {rank} receives part of {tensor} twice")
     for part in got:
-        if any(part.overlaps(h) for h in held + cached):
+        if any(part.overlaps(h) for h in held):
             raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds")
+        if part.covered_by(cached):
+            raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor} again")
+    have = held + cached + got
     for read in reads:
-        have = [read.intersect(r) for r in held + cached + got]
-        if not _covers(read, [h for h in have if not h.is_empty()]):
+        if not read.covered_by(have):
             raise VerifyError(f"{task}: rank {rank} lacks part of {read!r} of {tensor}")
 
 
-def _count_messages(
-    task: str, key: tuple[str, int], reads: list[Rect], had: list[Rect], got: list[Rect]
+#: a rank, and the rects of one tensor that it reads, holds, holds as copies and receives
+_RankBoxes = tuple[int, list[Rect], list[Rect], list[Rect], list[Rect]]
+
+
+def _count_messages(task: str, tensor: str, ranks: list[_RankBoxes]) -> None:
+    """`_check_messages` by counting, for ranks with many boxes of `tensor`.
+
+    The ranks share one grid, a layer per rank, cut at every bound of all their boxes: where
+    each reads the same wide rect (a transpose, a model-parallel layer's input) that grid is
+    about as fine as each rank's own, and one pass replaces a call per rank. Where they read
+    apart (a halo each) it is far finer, so past `RANK_CELLS` a cell per rank they are counted
+    one by one; past `BATCH_CELLS` in all, half of them at a time."""
+    groups = [[rect for boxes_of in ranks for rect in boxes_of[g]] for g in range(1, 5)]
+    layer = np.repeat(
+        np.tile(np.arange(len(ranks)), 4),
+        [len(boxes_of[g]) for g in range(1, 5) for boxes_of in ranks],
+    )
+    lo, hi = arrays([rect for group in groups for rect in group])
+    grid = CellGrid(lo, hi, [len(group) for group in groups], layer, len(ranks))
+    if len(ranks) > 1 and grid.size > RANK_CELLS * len(ranks):
+        for (rank, *_), alone in zip(ranks, grid.by_layer()):
+            _check_counts(task, tensor, [rank], groups, alone)
+    elif len(ranks) > 1 and grid.size > BATCH_CELLS:
+        _count_messages(task, tensor, ranks[: len(ranks) // 2])
+        _count_messages(task, tensor, ranks[len(ranks) // 2 :])
+    else:
+        _check_counts(task, tensor, [rank for rank, *_ in ranks], groups, grid)
+
+
+def _check_counts(
+    task: str, tensor: str, ranks: list[int], groups: list[list[Rect]], grid: CellGrid
 ) -> None:
-    """`_check_messages` by counting, for many boxes."""
-    tensor, rank = key
-    grid = _Grid(reads + had + got)
-    arrived = grid.count(got) if got else np.zeros(grid.shape, np.int64)
-    present = grid.count(had) if had else np.zeros(grid.shape, np.int64)
-    if int(arrived.max(initial=0)) > 1:
-        raise VerifyError(f"{task}: rank {rank} receives part of {tensor} twice")
-    if got:
-        for part, volume in zip(got, grid.volume_where(present > 0, got).tolist()):
-            if volume:
-                raise VerifyError(
-                    f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds"
-                )
-    if reads:
-        covered = grid.volume_where((arrived + present) > 0, reads)
-        for read, volume in zip(reads, covered.tolist()):
-            if volume != read.volume:
-                raise VerifyError(f"{task}: rank {rank} lacks part of {read!r} of {tensor}")
+    """The checks of `_count_messages` on `grid`, whose layers are `ranks` and whose groups are
+    (some of) the reads, holdings, copies and received parts in `groups`."""
+    reads, got = groups[0], groups[3]
+
+    def rank_of(group: int, index: int) -> int:
+        return ranks[int(grid.layer(group)[index])]
+
+    unread = np.flatnonzero(~grid.inside_one(3, 0))
+    if len(unread):
+        part = got[grid.rows[3][unread[0]]]
+        raise VerifyError(
+            f"{task}: rank {rank_of(3, unread[0])} is sent {part!r} of {tensor}, unread"
+        )
+    arrived, holds, copied = grid.counts([3, 1, 2])
+    twice = np.flatnonzero(arrived.reshape(len(ranks), -1).max(axis=1, initial=0) > 1)
+    if len(twice):
+        raise VerifyError(f"{task}: rank {ranks[twice[0]]} receives part of {tensor} twice")
+    inside, copied_volume = grid.volumes_where(np.stack((holds > 0, copied > 0)), 3)
+    again = copied_volume == grid.volumes(3)
+    bad = np.flatnonzero((inside > 0) | again)
+    if len(bad):
+        rank, part = rank_of(3, bad[0]), got[grid.rows[3][bad[0]]]
+        if inside[bad[0]]:
+            raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds")
+        raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor} again")
+    covered = grid.volume_where((arrived + holds + copied) > 0, 0)
+    lacking = np.flatnonzero(covered != grid.volumes(0))
+    if len(lacking):
+        rank, read = rank_of(0, lacking[0]), reads[grid.rows[0][lacking[0]]]
+        raise VerifyError(f"{task}: rank {rank} lacks part of {read!r} of {tensor}")
 
 
 def _inside(part: Rect, rect: Rect) -> bool:
     """`rect.contains(part)` for a non-empty part, without Rect's checks (called per message)."""
     return all(a <= c and d <= b for a, b, c, d in zip(rect.lo, rect.hi, part.lo, part.hi))
-
-
-def _covers(rect: Rect, parts: list[Rect]) -> bool:
-    """Whether the union of `parts` contains `rect` (parts may overlap)."""
-    remaining = [rect]
-    for part in parts:
-        remaining = [piece for r in remaining for piece in r.difference(part)]
-    return not remaining

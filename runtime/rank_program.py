@@ -21,8 +21,10 @@ moved as late as their dependences allow, so that a gradient's collective, which
 background (see `rank_step`), overlaps the backward pass of the layers below it rather than
 holding up the update that reads its result.
 
-Which rects a rank holds follows the plan's layout rules: a partitioned task's writes replace a
-tensor's layout; resident tensors (and their gradients and state) keep their homes.
+Which rects a rank holds, and which task last wrote each part (after which a copy of it is
+posted), are read from the plan's record: the homes before the first task, then each task's
+`holdings` (the layout of every tensor it writes or reduces into, after it) and
+`Plan.written_by` (per cell of that layout, the task that last wrote or reduced into it).
 
 `bytes_planned` is what the program sends: every copy and partial sum once per destination, and
 the hops of every collective this rank sends. The executor counts what its calls actually send
@@ -33,18 +35,21 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+
+import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner.collectives import Hop, schedule, target_order
+from partitioner.layout import Layout
 from partitioner.machine import Machine
+from partitioner.pieces import Piece
 from partitioner.plan import Plan, Reduction
-from partitioner.strategy import is_homed
 
 #: copies posted at the start of the step, before any task
 STEP_START = -1
@@ -142,17 +147,20 @@ def build_programs(
         if wanted is None or graph.tasks[i].name in wanted
     ]
     programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
-    writes: dict[str, list[tuple[int, Rect]]] = defaultdict(list)
+    position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
+    #: per tensor, its layout now and the task that last wrote each cell (the plan's record)
+    written: dict[str, tuple[Layout, np.ndarray]] = {
+        name: (home, np.full(home.ncells, -1)) for name, home in plan.homes.items()
+    }
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
-        homed = is_homed(graph, task)
         for builder in programs.values():
-            builder.begin(position, task, task_plan.pieces, homed)
+            builder.begin(position, task, task_plan.pieces)
         for transfer in task_plan.transfers:
             if transfer.reduce:
                 post_after = position
             else:
-                post_after = _last_write(writes[transfer.tensor], transfer.rect)
+                post_after = _last_write(written.get(transfer.tensor), transfer.rect, position_of)
             for dst in transfer.dsts:
                 message = Message(
                     seq,
@@ -180,12 +188,9 @@ def build_programs(
                 if rank in programs:
                     programs[rank].collective(collective)
         for builder in programs.values():
-            builder.end()
-        for piece in task_plan.pieces:
-            for req in piece.requirements:
-                rect = req.write_rect
-                if req.privilege.writes and rect is not None and not rect.is_empty():
-                    writes[req.tensor].append((position, rect))
+            builder.end(task_plan.holdings)
+        for tensor, layout in task_plan.holdings.items():
+            written[tensor] = (layout, plan.written_by[index][tensor])
     return {rank: builder.program(seq) for rank, builder in programs.items()}
 
 
@@ -221,11 +226,18 @@ def step_order(graph: TaskGraph) -> list[int]:
     return order
 
 
-def _last_write(history: list[tuple[int, Rect]], rect: Rect) -> int:
-    for position, written in reversed(history):
-        if written.overlaps(rect):
-            return position
-    return STEP_START
+def _last_write(
+    written: tuple[Layout, np.ndarray] | None, rect: Rect, position_of: Mapping[int, int]
+) -> int:
+    """The position of the task in view that last wrote some part of `rect`, from the plan's
+    record of who wrote each cell of the tensor's layout now (`Plan.written_by`)."""
+    if written is None:
+        return STEP_START
+    layout, writers = written
+    return max(
+        (position_of.get(int(writers[index]), STEP_START) for index, _ in layout.cells(rect)),
+        default=STEP_START,
+    )
 
 
 class _Builder:
@@ -237,15 +249,25 @@ class _Builder:
         self.at_start: list[Message] = []
         self.touched: dict[str, list[Rect]] = defaultdict(list)
         self.bytes_planned = 0
-        self.held: dict[str, list[Rect]] = {}
+        #: per tensor, its layout now (from the plan's record) and the cells this rank holds
+        self.layouts: dict[str, Layout] = dict(plan.homes)
+        self._held: dict[str, tuple[Layout, list[Rect]]] = {}
         #: per tensor, the rects this rank zeroed and has not added to or written since
         self.zeroed: dict[str, list[Rect]] = defaultdict(list)
-        for name, home in plan.homes.items():
-            tensor = graph.tensors[name]
-            self.held[name] = [part for part, holders in home.held(tensor.rect) if rank in holders]
-            self.touched[name].extend(self.held[name])
+        for name in plan.homes:
+            self.touched[name].extend(self.held(name))
 
-    def begin(self, position: int, task: Task, pieces, homed: bool) -> None:
+    def held(self, tensor: str) -> list[Rect]:
+        """The rects of `tensor` this rank holds now."""
+        layout = self.layouts.get(tensor)
+        if layout is None:
+            return []
+        found = self._held.get(tensor)
+        if found is None or found[0] is not layout:
+            found = self._held[tensor] = (layout, layout.held_by(self.rank))
+        return found[1]
+
+    def begin(self, position: int, task: Task, pieces: Iterable[Piece]) -> None:
         current = RankTask(position, task)
         for piece in pieces:
             if self.rank in piece.ranks:
@@ -255,7 +277,6 @@ class _Builder:
                         if rect is not None and not rect.is_empty():
                             self.touched[req.tensor].append(rect)
         self.current = current
-        self.homed = homed
 
     def message(self, message: Message) -> None:
         current = self.current
@@ -282,7 +303,7 @@ class _Builder:
                 if hop.src == self.rank:
                     self.bytes_planned += (hop.hi - hop.lo) * itemsize
 
-    def end(self) -> None:
+    def end(self, holdings: Mapping[str, Layout]) -> None:
         current = self.current
         self.tasks.append(current)
         reduced: dict[str, list[Rect]] = defaultdict(list)
@@ -303,7 +324,7 @@ class _Builder:
                 for rect, _ in c.targets
             ]
             sends = [m for m in current.partial_out if m.tensor == tensor]
-            held = self.held.get(tensor, [])
+            held = self.held(tensor)
             if not collective_rects and not sends and all(r.covered_by(held) for r in rects):
                 continue
             parts = []
@@ -320,12 +341,7 @@ class _Builder:
                 self.zeroed[tensor].extend(written.get(tensor, []))
             else:
                 self.zeroed[tensor] = []
-        if not self.homed:
-            # A partitioned task's writes are the tensor's new layout, even where this rank
-            # wrote none of it.
-            for req in current.task.requirements:
-                if req.privilege.writes and req.privilege is not Privilege.REDUCE:
-                    self.held[req.tensor] = written.get(req.tensor, [])
+        self.layouts.update(holdings)
 
     def _reduces_in_place(self, tensor: str, rects: list[Rect]) -> bool:
         current = self.current

@@ -247,7 +247,7 @@ def check_plan(graph, strategy, nranks: int) -> None:
             check_homed(graph, task, task_plan, held)
             continue
         pieces = direct_pieces(graph, task, task_plan.grid)
-        assert task_plan.pieces == pieces, task.name
+        assert list(task_plan.pieces) == pieces, task.name
         copies |= check_reads(graph, task, pieces, task_plan, held, copies)
         written = {
             req.tensor

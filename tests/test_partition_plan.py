@@ -14,8 +14,11 @@ import partitioner.verify_plan as verify_module
 from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
-from partitioner.plan import Transfer, build_plan
+from partitioner.cost import plan_cost
+from partitioner.machine import Machine
+from partitioner.plan import TaskPlan, Transfer, build_plan
 from partitioner.strategy import Strategy, builtin, factorizations, find_units, from_grids
+from partitioner.transfers import TransferSet
 from partitioner.verify_plan import PAIRWISE, verify_plan
 
 
@@ -26,6 +29,12 @@ def lcn():
 
 def task_plan(plan, name):
     return next(t for t in plan.tasks if t.task == name)
+
+
+def edit_transfers(plan, name, transfers):
+    """Replace task `name`'s transfers (a plan's objects are read-only views of its arrays)."""
+    index = next(i for i, t in enumerate(plan.tasks) if t.task == name)
+    plan.tasks[index] = plan.tasks[index].with_transfers(transfers)
 
 
 def test_halo_of_a_7x7_window_split_2x2_over_27x27(lcn):
@@ -110,9 +119,17 @@ def test_bad_strategy_and_ranks(lcn):
 
 def test_verify_plan_catches_a_missing_message(lcn):
     plan = build_plan(lcn, builtin(lcn, "spatial", 4), 4)
-    task_plan(plan, "L1.filter").transfers.pop()
+    transfers = task_plan(plan, "L1.filter").transfers
+    with pytest.raises(AttributeError):
+        transfers.pop()  # a view: an edit makes a new task plan
+    sent = plan_cost(lcn, plan, Machine()).bytes_sent
+    edit_transfers(plan, "L1.filter", transfers[:-1])
     with pytest.raises(VerifyError, match="lacks part"):
         verify_plan(lcn, plan)
+    # the cost model reads the same record as verify_plan
+    assert plan_cost(lcn, plan, Machine()).bytes_sent == sent - transfers[-1].nbytes * len(
+        transfers[-1].dsts
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -135,20 +152,21 @@ def test_verify_plan_counts_the_many_parts_of_a_transpose(lcn):
     to_rank0 = [t for t in softmax.transfers if 0 in t.dsts]
     assert len(to_rank0) > PAIRWISE
     verify_plan(lcn, plan)
-    softmax.transfers.append(to_rank0[0])
+    name, transfers = softmax.task, list(softmax.transfers)
+    edit_transfers(plan, name, [*transfers, to_rank0[0]])
     with pytest.raises(
         VerifyError, match="rank 0 receives part of classifier.linear1.output twice"
     ):
         verify_plan(lcn, plan)
-    softmax.transfers.pop()
-    softmax.transfers.remove(to_rank0[-1])
+    edit_transfers(plan, name, [t for t in transfers if t is not to_rank0[-1]])
     with pytest.raises(VerifyError, match="rank 0 lacks part"):
         verify_plan(lcn, plan)
-    softmax.transfers.append(to_rank0[-1])
     # rank 0's own rows of its own features: it reads them and holds them
-    rows, own = to_rank0[0].rect, next(t for t in softmax.transfers if t.src == 0).rect
+    rows, own = to_rank0[0].rect, next(t for t in transfers if t.src == 0).rect
     part = Rect((rows.lo[0], own.lo[1], 0, 0), (rows.hi[0], own.hi[1], 1, 1))
-    softmax.transfers.append(Transfer("classifier.linear1.output", part, 1, (0,), 4))
+    edit_transfers(
+        plan, name, [*transfers, Transfer("classifier.linear1.output", part, 1, (0,), 4)]
+    )
     with pytest.raises(VerifyError, match="rank 0 is sent .* which it holds"):
         verify_plan(lcn, plan)
 
@@ -216,3 +234,98 @@ def test_balanced_grids_are_the_first_best_of_all_factorizations():
             if found > key:
                 best, key = grid, found
         assert balanced(extents, dims, nranks) == best
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_verify_plan_models_reads_of_sums_held_by_several_ranks(strategy, nranks):
+    # BatchNorm's input gradient reads its gamma and beta gradients, sums held by every rank of
+    # their home: the plans verify, and one whose sum misses a holder does not
+    from test_executor import MIXED
+
+    graph = MIXED.lower(batch=3, dtype="float64", optimizer="momentum")
+    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
+    verify_plan(graph, plan)
+    if nranks == 1:
+        return
+    tensor = "bn1.gamma.grad"
+    index = next(
+        i
+        for i, t in enumerate(plan.tasks)
+        if any(r.tensor == tensor for r in t.reductions)
+        or any(m.reduce and m.tensor == tensor for m in t.transfers)
+    )
+    summing = plan.tasks[index]
+    plan.tasks[index] = TaskPlan(
+        summing.task,
+        summing.unit,
+        summing.grid,
+        summing.piece_sets,
+        TransferSet.from_transfers(m for m in summing.transfers if m.tensor != tensor),
+        [r for r in summing.reductions if r.tensor != tensor],
+        summing.holdings,
+    )
+    with pytest.raises(VerifyError, match=f"partial sum of .* of {tensor} never reaches"):
+        verify_plan(graph, plan)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+def test_the_record_names_the_last_writer_of_every_cell(strategy):
+    # against the pieces: the named task wrote or reduced into the cell, and no task since has
+    from test_executor import MIXED
+
+    graph = MIXED.lower(batch=3, dtype="float64", optimizer="momentum")
+    plan = build_plan(graph, builtin(graph, strategy, 3), 3)
+
+    def touches(index, tensor, cell):
+        return any(
+            req.tensor == tensor and req.privilege.writes and req.write_rect.overlaps(cell)
+            for piece in plan.tasks[index].pieces
+            for req in piece.requirements
+        )
+
+    named = 0
+    for index, task_plan in enumerate(plan.tasks):
+        for tensor, layout in task_plan.holdings.items():
+            writers = plan.written_by[index][tensor]
+            assert len(writers) == layout.ncells
+            with pytest.raises(ValueError):
+                writers[0] = 0  # the record is read-only
+            for cell in layout.holders:
+                coords = np.unravel_index(cell, [len(c) - 1 for c in layout.cuts])
+                rect, writer = layout.cell_rect(coords), int(writers[cell])
+                assert 0 <= writer <= index and touches(writer, tensor, rect), (tensor, rect)
+                assert not any(touches(i, tensor, rect) for i in range(writer + 1, index + 1))
+                named += 1
+    assert named > 0
+
+
+def test_verify_plan_finds_a_sum_whose_collective_leaves_out_a_holder():
+    from dataclasses import replace
+
+    from test_executor import MIXED
+
+    graph = MIXED.lower(batch=3, dtype="float64", optimizer="momentum")
+    plan = build_plan(graph, builtin(graph, "data", 3), 3)
+    tensor = "bn1.gamma.grad"
+    index, summing = next(
+        (i, t) for i, t in enumerate(plan.tasks) if any(r.tensor == tensor for r in t.reductions)
+    )
+    reductions = [
+        replace(r, targets=tuple((rect, holders[:-1]) for rect, holders in r.targets))
+        if r.tensor == tensor
+        else r
+        for r in summing.reductions
+    ]
+    left_out = next(r for r in summing.reductions if r.tensor == tensor).targets[0][1][-1]
+    plan.tasks[index] = TaskPlan(
+        summing.task,
+        summing.unit,
+        summing.grid,
+        summing.piece_sets,
+        summing.transfer_set,
+        reductions,
+        summing.holdings,
+    )
+    with pytest.raises(VerifyError, match=f"of {tensor} never reaches rank {left_out},"):
+        verify_plan(graph, plan)
