@@ -40,9 +40,10 @@ the record shares the layouts the planner made, so it costs no copy), and from i
 read, the task that last wrote each cell (`Plan.written_by`). The rank programs (what a rank
 holds, and after which task a copy's data is ready), the accounting (`Plan.layouts`, the
 layouts after the step) and the search's replay (`layout_cache.py`) read that record or the
-function that makes it rather than replaying writes. `TaskPlan.pieces` and `TaskPlan.transfers` are read-only views of
-the arrays, made when first read, for executors and `verify_plan`; the arrays are frozen, so
-an edit makes a new `TaskPlan`, which the cost model and `verify_plan` both read.
+function that makes it rather than replaying writes. `TaskPlan.pieces` and
+`TaskPlan.transfers` are read-only views of the arrays, made when first read, for executors and
+`verify_plan`; the arrays are frozen, so an edit makes a new `TaskPlan`, which the cost model
+and `verify_plan` both read.
 """
 
 from __future__ import annotations
