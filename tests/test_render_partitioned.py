@@ -125,6 +125,24 @@ def test_halo_partial_sums_go_to_the_piece_that_reads_them(small):
     assert {view.pieces[link.dst].name for link in sums} == {"L0.filterNL.grad"}
 
 
+def test_a_sum_read_on_its_holder_links_every_part_it_is_made_of(small):
+    # Under the spatial split rank 1 holds a quarter of L1's output gradient for the whole batch;
+    # the classifier's gradient is split by batch, so rank 1's own contribution covers a quarter
+    # of that cell, the other ranks' partial sums add to it, and the rest of the cell is still
+    # the zeroed copy: the reader links to all of them, not only to the cell's last writer.
+    tensor = "L1.filterNL.output.grad"
+    view = piece_view(small, plan_for(small, "spatial"))
+    reader = piece_id("L1.filterNL.grad", 1)
+    into = {
+        (link.src, link.kind) for link in view.links if link.dst == reader and link.tensor == tensor
+    }
+    assert into == {
+        *((piece_id("classifier.linear1.grad", r), "reduce") for r in (0, 2, 3)),
+        (piece_id("classifier.linear1.grad", 1), "local"),
+        (piece_id(f"{tensor}.set_zero", 1), "local"),
+    }
+
+
 def test_a_replicated_update_sits_on_every_holder_behind_its_allreduce(small):
     view = piece_view(small, plan_for(small, "data"))
     (allreduce,) = [c for c in view.collectives.values() if c.tensors == ["L0.W.grad"]]

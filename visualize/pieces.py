@@ -6,11 +6,17 @@ node on every holder of its cells, so a replicated piece appears once per holder
 node* is one `Reduction` of the plan (an all-reduce, reduce or reduce-scatter); it belongs to no
 rank.
 
-Links run in program order, found by replaying the plan's writes rank by rank:
+Links run in program order. They are read from the plan's record (`Plan.written_by` after each
+task, the layouts in `TaskPlan.holdings`), its pieces' rects, transfers and reductions, with no
+replay of writes: what a piece on rank r reads of a cell came from the cell's last writer in
+view, and from the writers before it as far as the data on r is made of their parts (a partial
+sum adds to what r held; a collective's result or a write on r replaces it):
 
-- `local`: a piece reads (or reduces into) a rect its own rank last wrote, by an earlier task;
-- `transfer`: a `Transfer`, from the piece that last wrote the rect on the sender to the reading
-  piece on each destination (one link per destination, each with the bytes it receives);
+- `local`: a piece reads (or reduces into) a rect a piece of an earlier task wrote or reduced
+  into on its own rank (a rank's own contribution to a sum is such a write);
+- `transfer`: a `Transfer`, from the piece that produced the rect on the sender (or the
+  collective, or the pieces whose partial sums it holds) to the reading piece on each destination
+  (one link per destination, each with the bytes it receives);
 - `reduce`: a reduce `Transfer`, a partial sum the holder adds into its copy: from the
   contributing piece to the first piece on the holder that then reads the sum (when none in view
   does, to the same task's piece there, or to a node for the tensor);
@@ -18,6 +24,9 @@ Links run in program order, found by replaying the plan's writes rank by rank:
   of the targets), and from the collective to the first piece on each holder that then reads its
   target (the bytes of that holder's targets). These are the bytes the data carries, not the
   bytes an algorithm puts on the wire (a ring all-reduce sends 2(p−1)/p of them per rank).
+
+A partial sum or a collective's result is linked to its first reader on the holder only: later
+readers there depend on it through that rank, and link to the holder's own contribution.
 
 A received copy that a later task reads again (the backward pass re-reading the halo its forward
 pass fetched) is not linked again: the plan sends it once, and the later piece depends on the
@@ -31,11 +40,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from itertools import count
+
+import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from partitioner.layout import Layout
 from partitioner.plan import Plan, Reduction, TaskPlan, Transfer
 
 LINK_KINDS = ("local", "transfer", "reduce", "collective")
@@ -106,74 +119,62 @@ def piece_id(name: str, rank: int) -> str:
 
 
 @dataclass
-class _Written:
+class _Delivery:
+    """A partial sum or a collective's result that `task` delivered to a holder, not yet read."""
+
+    task: int
+    #: the order it was sent in
+    order: int
     rect: Rect
+    #: the node the data comes from: the contributing piece, or the collective
     node: str
-    #: for data from another rank (a collective's result, a partial sum), the link its first
-    #: reader gets; None for the rank's own writes
-    via: Link | None = None
-    #: whether it replaces what was there (a partial sum adds to it)
-    covers: bool = True
-
-
-class _Replay:
-    """Per rank and tensor, the latest writers of each part, in program order."""
-
-    def __init__(self) -> None:
-        self.written: dict[tuple[int, str], list[_Written]] = defaultdict(list)
-
-    def record(self, rank: int, tensor: str, entry: _Written) -> None:
-        self.written[(rank, tensor)].append(entry)
-
-    def writers(self, rank: int, tensor: str, rect: Rect) -> list[_Written]:
-        """The latest entries that wrote some part of `rect` on `rank`, newest first."""
-        remaining = [rect]
-        found = []
-        for entry in reversed(self.written.get((rank, tensor), ())):
-            if not remaining:
-                break
-            if any(part.overlaps(entry.rect) for part in remaining):
-                found.append(entry)
-                if entry.covers:
-                    remaining = [rest for part in remaining for rest in part.difference(entry.rect)]
-        return found
-
-    def consume(self, rank: int, tensor: str, entry: _Written) -> None:
-        """Data from another rank is linked to its first reader only."""
-        self.written[(rank, tensor)].remove(entry)
-
-    def unread(self) -> list[Link]:
-        """Partial sums that no piece in view read: linked to where they were sent."""
-        return [
-            entry.via
-            for entries in self.written.values()
-            for entry in entries
-            if entry.via is not None and entry.via.kind == "reduce"
-        ]
+    #: the link its first reader gets
+    via: Link
 
 
 def piece_view(graph: TaskGraph, plan: Plan, tasks: set[str] | None = None) -> PieceView:
     """The piece view of `plan` (built for `graph`), limited to the named `tasks` if given."""
-    builder = _Builder()
-    for task, task_plan in zip(graph.tasks, plan.tasks):
+    builder = _Builder(plan)
+    for index, (task, task_plan) in enumerate(zip(graph.tasks, plan.tasks)):
         if tasks is None or task.name in tasks:
-            builder.add(task, task_plan)
-    return builder.view(plan.nranks)
+            builder.add(index, task, task_plan)
+        builder.advance(index, task_plan)
+    return builder.view()
 
 
 class _Builder:
-    """Replays a plan task by task: reads, fetches, writes, partial sums, then collectives."""
+    """Walks the plan's record task by task: the layout and last writer of each cell before the
+    task give the links into its pieces and transfers."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
         self.pieces: dict[str, PieceNode] = {}
         self.collectives: dict[str, CollectiveNode] = {}
         self.links: dict[tuple, Link] = {}
-        self.replay = _Replay()
+        self.layouts: dict[str, Layout] = dict(plan.homes)
+        #: per tensor, `Plan.written_by` after each task since its layout was made
+        self.history: dict[str, list[np.ndarray]] = {
+            name: [np.full(home.ncells, -1)] for name, home in plan.homes.items()
+        }
+        #: per task in view, per (rank, tensor), the rects its pieces there write or reduce into
+        self.wrote: dict[int, dict[tuple[int, str], list[Rect]]] = {}
+        self.pending: dict[tuple[int, str], list[_Delivery]] = defaultdict(list)
+        self.sent = count()
 
-    def view(self, nranks: int) -> PieceView:
-        for unread in self.replay.unread():
-            self.link(unread)
-        return PieceView(nranks, self.pieces, self.collectives, list(self.links.values()))
+    def view(self) -> PieceView:
+        for deliveries in self.pending.values():
+            for delivery in deliveries:
+                if delivery.via.kind == "reduce":
+                    self.link(delivery.via)
+        return PieceView(self.plan.nranks, self.pieces, self.collectives, list(self.links.values()))
+
+    def advance(self, index: int, task_plan: TaskPlan) -> None:
+        for tensor, writers in self.plan.written_by[index].items():
+            if task_plan.holdings[tensor] is self.layouts.get(tensor):
+                self.history[tensor].append(writers)
+            else:
+                self.history[tensor] = [writers]
+        self.layouts.update(task_plan.holdings)
 
     def link(self, new: Link) -> None:
         if new.src != new.dst:
@@ -184,7 +185,8 @@ class _Builder:
         self.pieces.setdefault(node_id, PieceNode(node_id, tensor, rank, "tensor", unit))
         return node_id
 
-    def add(self, task: Task, task_plan: TaskPlan) -> None:
+    def add(self, index: int, task: Task, task_plan: TaskPlan) -> None:
+        wrote: dict[tuple[int, str], list[Rect]] = defaultdict(list)
         for piece in task_plan.pieces:
             for rank in piece.ranks:
                 node_id = piece_id(task.name, rank)
@@ -193,26 +195,60 @@ class _Builder:
                         node_id, task.name, rank, task.phase, task_plan.unit
                     )
                 self.pieces[node_id].rects.append(piece.rect)
+                for req in piece.requirements:
+                    if req.privilege.writes and req.write_rect is not None:
+                        wrote[(rank, req.tensor)].append(req.write_rect)
         self._reads(task, task_plan)
         for transfer in task_plan.transfers:
             if not transfer.reduce:
                 self._fetch(task, task_plan, transfer)
-        for piece in task_plan.pieces:
-            for rank in piece.ranks:
-                for req in piece.requirements:
-                    if req.privilege.writes and req.write_rect is not None:
-                        entry = _Written(req.write_rect, piece_id(task.name, rank))
-                        self.replay.record(rank, req.tensor, entry)
-        # Partial sums come after the task's own writes: they add to what it wrote.
+        self.wrote[index] = wrote
         for transfer in task_plan.transfers:
             if transfer.reduce:
-                self._partial_sum(task, task_plan, transfer)
-        for index, reduction in enumerate(task_plan.reductions):
-            self._collective(task, task_plan, index, reduction)
+                self._partial_sum(index, task, task_plan, transfer)
+        for number, reduction in enumerate(task_plan.reductions):
+            self._collective(index, task, task_plan, number, reduction)
+
+    def _sources(self, rank: int, tensor: str, rect: Rect) -> list[_Delivery | str]:
+        """What a reader of `rect` on `rank` gets its data from, newest first: per cell, walking
+        back through the cell's writers in view, the unread deliveries each sent `rank` and its
+        own piece there, down to one that replaced the data (a collective's result, or a write on
+        `rank`). An own piece is its node's id."""
+        layout = self.layouts.get(tensor)
+        if layout is None:
+            return []
+        pending = self.pending.get((rank, tensor), ())
+        found: dict[object, tuple[tuple[int, int, int], _Delivery | str]] = {}
+        for cell, part in layout.cells(rect):
+            remaining = [part]
+            for writer in self._writers_of(tensor, cell):
+                for delivery in pending:
+                    if delivery.task == writer and _overlaps(delivery.rect, remaining):
+                        found[id(delivery)] = ((writer, 1, delivery.order), delivery)
+                        if delivery.via.kind == "collective":
+                            remaining = _minus(remaining, delivery.rect)
+                for wrote in self.wrote[writer].get((rank, tensor), ()):
+                    if _overlaps(wrote, remaining):
+                        node = piece_id(self.plan.tasks[writer].task, rank)
+                        found[node] = ((writer, 0, 0), node)
+                        remaining = _minus(remaining, wrote)
+                if not remaining:
+                    break
+        return [source for _, source in sorted(found.values(), key=lambda f: f[0], reverse=True)]
+
+    def _writers_of(self, tensor: str, cell: int) -> list[int]:
+        """The tasks in view that wrote or reduced into `cell` of the tensor's layout, newest
+        first (`Plan.written_by` after each task since the layout was made)."""
+        out = []
+        for writers in reversed(self.history[tensor]):
+            writer = int(writers[cell])
+            if writer in self.wrote and (not out or out[-1] != writer):
+                out.append(writer)
+        return out
 
     def _reads(self, task: Task, task_plan: TaskPlan) -> None:
         """Links into each piece from what it reads (a reduction folds into what is there, so
-        it reads too)."""
+        it reads too); a delivery is linked to its first reader only."""
         for piece in task_plan.pieces:
             for rank in piece.ranks:
                 here = piece_id(task.name, rank)
@@ -220,17 +256,17 @@ class _Builder:
                     rect = req.write_rect if req.privilege is Privilege.REDUCE else req.read_rect
                     if rect is None or rect.is_empty():
                         continue
-                    for entry in self.replay.writers(rank, req.tensor, rect):
-                        if entry.via is None:
-                            self.link(Link(entry.node, here, "local", req.tensor, phase=task.phase))
-                            continue
-                        self.link(replace(entry.via, dst=here))
-                        self.replay.consume(rank, req.tensor, entry)
+                    for source in self._sources(rank, req.tensor, rect):
+                        if isinstance(source, _Delivery):
+                            self.link(replace(source.via, dst=here))
+                            self.pending[(rank, req.tensor)].remove(source)
+                        else:
+                            self.link(Link(source, here, "local", req.tensor, phase=task.phase))
 
     def _fetch(self, task: Task, task_plan: TaskPlan, transfer: Transfer) -> None:
         senders = [
-            entry.node
-            for entry in self.replay.writers(transfer.src, transfer.tensor, transfer.rect)
+            source.node if isinstance(source, _Delivery) else source
+            for source in self._sources(transfer.src, transfer.tensor, transfer.rect)
         ]
         if not senders:
             # Nothing in view wrote it there (a resident tensor, or a writer left out).
@@ -240,21 +276,22 @@ class _Builder:
                 receiver = piece_id(task.name, dst)
                 self.link(_message(sender, receiver, "transfer", transfer, task.phase))
 
-    def _partial_sum(self, task: Task, task_plan: TaskPlan, transfer: Transfer) -> None:
+    def _partial_sum(self, index: int, task: Task, task_plan: TaskPlan, transfer: Transfer) -> None:
         source = piece_id(task.name, transfer.src)
         for dst in transfer.dsts:
             target = piece_id(task.name, dst)
             if target not in self.pieces:
                 target = self.tensor_node(transfer.tensor, dst, task_plan.unit)
             sent = _message(source, target, "reduce", transfer, task.phase)
-            entry = _Written(transfer.rect, source, sent, covers=False)
-            self.replay.record(dst, transfer.tensor, entry)
+            self.pending[(dst, transfer.tensor)].append(
+                _Delivery(index, next(self.sent), transfer.rect, source, sent)
+            )
 
     def _collective(
-        self, task: Task, task_plan: TaskPlan, index: int, reduction: Reduction
+        self, index: int, task: Task, task_plan: TaskPlan, number: int, reduction: Reduction
     ) -> None:
         node = CollectiveNode(
-            f"{reduction.algorithm}/{task.name}#{index}",
+            f"{reduction.algorithm}/{task.name}#{number}",
             f"{reduction.algorithm} {reduction.tensor}",
             task_plan.unit,
             reduction.algorithm,
@@ -286,7 +323,16 @@ class _Builder:
                 node.id, "", "collective", reduction.tensor, rect, nbytes, phase=task.phase
             )
             for rank in holders:
-                self.replay.record(rank, reduction.tensor, _Written(rect, node.id, result))
+                delivery = _Delivery(index, next(self.sent), rect, node.id, result)
+                self.pending[(rank, reduction.tensor)].append(delivery)
+
+
+def _overlaps(rect: Rect, parts: list[Rect]) -> bool:
+    return any(part.overlaps(rect) for part in parts)
+
+
+def _minus(parts: list[Rect], rect: Rect) -> list[Rect]:
+    return [rest for part in parts for rest in part.difference(rect)]
 
 
 def _message(src: str, dst: str, kind: str, transfer: Transfer, phase: str) -> Link:
