@@ -46,7 +46,7 @@ def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepCont
     step's context: realistic values (labels in range, activations of a real forward pass) for
     every tensor a piece reads."""
     data_task = next(t for t in graph.tasks if t.op == "data")
-    dims = {req.role: graph.tensors[req.tensor].dims for req in data_task.requirements}
+    dims = data_task.role_dims(graph.tensors)
     rng = np.random.default_rng(seed)
     inputs = rng.standard_normal(dims["raw_data"]).astype(np.float32)
     classes = next(

@@ -13,6 +13,7 @@ access map returns for the task's whole space; a piece of the space gets the acc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -114,6 +115,10 @@ class Task:
             if req.role == role:
                 return req
         raise KeyError(f"task {self.name} has no requirement with role {role!r}")
+
+    def role_dims(self, tensors: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        """The dims of the tensor bound to each role: what access maps and FLOP counts take."""
+        return {req.role: tensors[req.tensor].dims for req in self.requirements}
 
     def with_requirements(self, requirements: tuple[Requirement, ...]) -> Task:
         return replace(self, requirements=tuple(requirements))

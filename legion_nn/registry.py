@@ -189,14 +189,14 @@ def piece_requirements(
     task: Task, tensors: Mapping[str, Tensor], piece: Rect
 ) -> tuple[Requirement, ...]:
     """The requirements of one piece of `task`'s space."""
-    dims = {req.role: tensors[req.tensor].dims for req in task.requirements}
+    dims = task.role_dims(tensors)
     rects = access_rects(task, dims, piece)
     return tuple(with_rect(req, rects[req.role]) for req in task.requirements)
 
 
 def flops_per_element(task: Task, tensors: Mapping[str, Tensor]) -> float:
     """FLOPs per element of `task`'s space, from its record."""
-    dims = {req.role: tensors[req.tensor].dims for req in task.requirements}
+    dims = task.role_dims(tensors)
     return float(record_of(task.op).phase(task.phase).flops(task.attrs, dims))
 
 

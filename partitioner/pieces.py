@@ -125,7 +125,7 @@ def grid_pieces(
     keep = boxes.nonempty(lo, hi)
     ranks = np.flatnonzero(keep).astype(boxes.INDEX)
     lo, hi, coords = lo[keep], hi[keep], coords[:, keep]
-    dims = {req.role: graph.tensors[req.tensor].dims for req in task.requirements}
+    dims = task.role_dims(graph.tensors)
     rects = None
     if len(ranks) > DIRECT_LIMIT:
         memo = {} if memo is None else memo

@@ -148,10 +148,9 @@ def build_programs(
     ]
     programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
     position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
-    #: per tensor, its layout now and the task that last wrote each cell (the plan's record)
-    written: dict[str, tuple[Layout, np.ndarray]] = {
-        name: (home, np.full(home.ncells, -1)) for name, home in plan.homes.items()
-    }
+    #: per tensor written this step, its layout now and the task that last wrote each cell (the
+    #: plan's record); a tensor not written yet holds what the step started with
+    written: dict[str, tuple[Layout, np.ndarray]] = {}
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         for builder in programs.values():
