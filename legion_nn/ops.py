@@ -22,10 +22,12 @@ from legion_nn.registry import (
     find_record,
     flops_per_element,
     has_access_map,
+    output_ndim,
     piece_requirements,
     rate_passes,
     record_of,
     records,
+    reduction_dims,
     splittable_dims,
 )
 
@@ -43,9 +45,11 @@ __all__ = [
     "find_record",
     "flops_per_element",
     "has_access_map",
+    "output_ndim",
     "piece_requirements",
     "rate_passes",
     "record_of",
     "records",
+    "reduction_dims",
     "splittable_dims",
 ]

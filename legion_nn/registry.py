@@ -23,7 +23,11 @@ and for the op as a whole:
   its gradient and optimizer state), or None;
 - `passes`: how the machine model rates its phases, `fn(attrs, phase) -> (variant, ((pass,
   share), ...))`, or None for one pass named after the phase; a filter's backward is two passes
-  (data and filter gradients) whose rates differ between tied and untied weights.
+  (data and filter gradients) whose rates differ between tied and untied weights;
+- `sums_over`: how many trailing dims of the space the op sums over (its *reduction dims*: a
+  linear layer's input C, H, W, a filter's input channels; 0 for most ops). The dims before them
+  are the output's; a piece covering part of a reduction dim writes partial sums of its output
+  (`partitioner.reduction_split`).
 
 Every field must be given, in every phase: `register` raises `RegistryError` naming the op and the
 field that is missing, so a new op cannot fall back on a silent default. Records live in one
@@ -61,7 +65,7 @@ GRID, HOME, WITH_TENSOR = "grid", "home", "with tensor"
 HOMINGS = (GRID, HOME, WITH_TENSOR)
 
 PHASE_FIELDS = ("access", "flops", "adapter")
-OP_FIELDS = ("phases", "splittable", "homing", "packed_role", "owner_role", "passes")
+OP_FIELDS = ("phases", "splittable", "homing", "packed_role", "owner_role", "passes", "sums_over")
 
 
 class RegistryError(LegionNNError):
@@ -85,6 +89,7 @@ class OpRecord:
     packed_role: str | None
     owner_role: str | None
     passes: PassesFn | None
+    sums_over: int
 
     def phase(self, phase: str) -> PhaseRecord:
         try:
@@ -124,6 +129,9 @@ def register(op: str, **fields: Any) -> OpRecord:
         raise RegistryError(f"op {op!r}: the record has no phases")
     if fields["homing"] not in HOMINGS:
         raise RegistryError(f"op {op!r}: homing {fields['homing']!r} is not one of {HOMINGS}")
+    sums_over = fields["sums_over"]
+    if isinstance(sums_over, bool) or not isinstance(sums_over, int) or sums_over < 0:
+        raise RegistryError(f"op {op!r}: 'sums_over' must be a count of dims, got {sums_over!r}")
     if op in _RECORDS:
         raise RegistryError(f"op {op!r} is recorded twice")
     phases = {p: _phase_record(op, p, f) for p, f in fields["phases"].items()}
@@ -179,6 +187,17 @@ def splittable_dims(task: Task) -> tuple[int, ...]:
     if callable(splittable):
         return tuple(splittable(task.attrs))
     return tuple(splittable)
+
+
+def reduction_dims(task: Task) -> tuple[int, ...]:
+    """The dims of `task`'s space that it sums over (the last `sums_over` of them)."""
+    count = record_of(task.op).sums_over
+    return tuple(range(task.space.ndim - count, task.space.ndim))
+
+
+def output_ndim(task: Task) -> int:
+    """How many leading dims of `task`'s space are its output's (the rest it sums over)."""
+    return task.space.ndim - record_of(task.op).sums_over
 
 
 def access_rects(task: Task, dims: Dims, piece: Rect) -> dict[str, Rect]:

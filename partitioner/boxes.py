@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from legion_nn.rect import Rect
+from legion_nn.rect import Rect, split_bounds
 
 INDEX = np.int64
 
@@ -95,6 +95,21 @@ def first_seen_ids(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     renumber = np.empty(len(first), INDEX)
     renumber[order] = np.arange(len(first), dtype=INDEX)
     return renumber[inverse.reshape(-1)], first[order]
+
+
+def grid_cells(
+    rect: Rect, grid: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]:
+    """The non-empty cells of the row-major `grid` over `rect` (uneven splits as
+    `split_bounds`): (ranks, lo, hi, bounds, coords), cell i on rank i, where `bounds[d]` are
+    dim d's (start, stop) pairs and `coords` the kept cells' grid coordinates (ndim, cells)."""
+    bounds = [np.array(split_bounds(a, b, g), INDEX) for a, b, g in zip(rect.lo, rect.hi, grid)]
+    coords = np.indices(tuple(grid), dtype=INDEX).reshape(len(grid), -1)
+    lo = np.stack([bounds[d][coords[d], 0] for d in range(len(grid))], axis=1)
+    hi = np.stack([bounds[d][coords[d], 1] for d in range(len(grid))], axis=1)
+    keep = nonempty(lo, hi)
+    ranks = np.flatnonzero(keep).astype(INDEX)
+    return ranks, lo[keep], hi[keep], bounds, coords[:, keep]
 
 
 def grid_shape(cuts: Sequence[np.ndarray]) -> tuple[int, ...]:

@@ -127,25 +127,19 @@ class LayoutCache:
         _, writer, written, _ = layout_key
 
         def make() -> bool:
-            mine, theirs = self.pieces(name, grid), self.pieces(writer, written)
-            task, source = self.graph.task(name), self.graph.task(writer)
-            wrote = [
-                k
-                for k, r in enumerate(source.requirements)
-                if r.tensor == tensor and r.privilege.writes and r.privilege is not Privilege.REDUCE
-            ]
+            mine = self.pieces(name, grid)
+            found = self.accesses(writer, written).writes.get(tensor, [])
             touch = [
                 j
-                for j, r in enumerate(task.requirements)
+                for j, r in enumerate(mine.requirements)
                 if r.tensor == tensor
                 and (r.privilege is Privilege.REDUCE if reduce else r.privilege.reads)
             ]
-            if len(wrote) != 1 or not np.array_equal(mine.owners, theirs.owners):
+            if len(found) != 1 or not np.array_equal(mine.owners, found[0][0]):
                 return False
-            k = wrote[0]
+            _, lo, hi = found[0]  # what each rank wrote: its piece's rect, or its part of a sum
             return all(
-                np.array_equal(mine.req_lo[j], theirs.req_lo[k])
-                and np.array_equal(mine.req_hi[j], theirs.req_hi[k])
+                np.array_equal(mine.req_lo[j], lo) and np.array_equal(mine.req_hi[j], hi)
                 for j in touch
             )
 

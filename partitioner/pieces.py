@@ -36,9 +36,10 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.ops import BoxMap, access_map, box_map
-from legion_nn.rect import Rect, split_bounds
-from partitioner import boxes
+from legion_nn.rect import Rect
+from partitioner import boxes, reduction_split
 from partitioner.layout import Layout
+from partitioner.reduction_split import SumTarget
 
 #: grids of at most this many pieces get one access-map call per piece
 DIRECT_LIMIT = 16
@@ -66,9 +67,20 @@ class PieceSet:
     requirements: tuple[Requirement, ...]
     req_lo: list[np.ndarray]
     req_hi: list[np.ndarray]
+    #: where the partial sums of a grid that cuts a reduction dim land (`reduction_split`)
+    sums: tuple[SumTarget, ...] = ()
 
     def __post_init__(self) -> None:
-        for array in (self.lo, self.hi, self.rank_ptr, self.ranks, *self.req_lo, *self.req_hi):
+        targets = [a for _, *arrays in self.sums for a in arrays]
+        for array in (
+            self.lo,
+            self.hi,
+            self.rank_ptr,
+            self.ranks,
+            *self.req_lo,
+            *self.req_hi,
+            *targets,
+        ):
             array.flags.writeable = False
 
     def __len__(self) -> int:
@@ -115,16 +127,9 @@ def grid_pieces(
 
     `memo` keeps the access map's answers for the task's shape (see `PieceCache`) across grids:
     grids that cut a dim the same way share its probes."""
-    space = task.space
-    bounds = [
-        np.array(split_bounds(a, b, g), boxes.INDEX) for a, b, g in zip(space.lo, space.hi, grid)
-    ]
-    coords = np.indices(tuple(grid), dtype=boxes.INDEX).reshape(len(grid), -1)
-    lo = np.stack([bounds[d][coords[d], 0] for d in range(len(grid))], axis=1)
-    hi = np.stack([bounds[d][coords[d], 1] for d in range(len(grid))], axis=1)
-    keep = boxes.nonempty(lo, hi)
-    ranks = np.flatnonzero(keep).astype(boxes.INDEX)
-    lo, hi, coords = lo[keep], hi[keep], coords[:, keep]
+    if len(grid) != task.space.ndim:
+        raise ValueError(f"grid {list(grid)} for task {task.name} over a {task.space.ndim}-d space")
+    ranks, lo, hi, bounds, coords = boxes.grid_cells(task.space, grid)
     dims = task.role_dims(graph.tensors)
     rects = None
     if len(ranks) > DIRECT_LIMIT:
@@ -142,9 +147,10 @@ def grid_pieces(
         hi,
         ptr,
         ranks,
-        task.requirements,
+        reduction_split.piece_requirements(task, tuple(grid)),
         [rects[req.role][0] for req in task.requirements],
         [rects[req.role][1] for req in task.requirements],
+        reduction_split.sum_targets(task, tuple(grid)),
     )
 
 
@@ -181,9 +187,10 @@ class PieceCache:
                     same.hi,
                     same.rank_ptr,
                     same.ranks,
-                    task.requirements,
+                    reduction_split.piece_requirements(task, tuple(grid)),
                     same.req_lo,
                     same.req_hi,
+                    same.sums,
                 )
             self._found[key] = found
         return found

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
 
@@ -65,7 +65,7 @@ from partitioner import boxes
 from partitioner.layout import Layout
 from partitioner.messages import Accesses, Copies, combine, fetch
 from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
-from partitioner.strategy import Grid, Strategy, find_units, is_homed, param_of
+from partitioner.strategy import Grid, Strategy, find_units, grid_label, is_homed, param_of
 from partitioner.transfers import Transfer, TransferSet
 
 Columns = tuple[np.ndarray, ...]
@@ -157,6 +157,12 @@ class Plan:
     tasks: list[TaskPlan]
     #: the layouts of data, parameters and state (and their gradients), before the first task
     homes: dict[str, Layout]
+    #: per unit whose reducer sums over some dims, how many of its grid's last dims those are
+    summed: dict[str, int] = field(default_factory=dict)
+
+    def grid_label(self, unit: str) -> str:
+        """`strategy.grid_label` of the unit's grid (its reduction dims after `Σ`)."""
+        return grid_label(self.unit_grids[unit], self.summed.get(unit, 0))
 
     @property
     def layouts(self) -> dict[str, Layout]:
@@ -241,6 +247,7 @@ def build_plan(
         dict(strategy.unit_grids),
         plans,
         homes,
+        {u.name: len(u.summed) for u in find_units(graph) if u.summed},
     )
 
 
@@ -328,13 +335,18 @@ class TaskAccesses:
 
 
 def task_accesses(task: Task, pieces: PieceSet) -> TaskAccesses:
+    """What the pieces touch, with their own privileges: where a grid cuts a reduction dim,
+    the pieces reduce into the output (their partial sums) and the task writes it where the
+    sums land (`PieceSet.sums`)."""
     nreq = len(task.requirements)
     key = np.arange(len(pieces), dtype=boxes.INDEX) * nreq
     owners = pieces.owners
     reads: dict[str, list[Columns]] = defaultdict(list)
     writes: dict[str, list[Columns]] = defaultdict(list)
     reduces: dict[str, list[Columns]] = defaultdict(list)
-    for j, req in enumerate(task.requirements):
+    for j, ranks, lo, hi in pieces.sums:
+        writes[pieces.requirements[j].tensor].append((ranks, lo, hi))
+    for j, req in enumerate(pieces.requirements):
         lo, hi = pieces.req_lo[j], pieces.req_hi[j]
         used = boxes.nonempty(lo, hi)
         if used.all():
@@ -423,6 +435,7 @@ def writers_after(
             for r, _, _ in requirements
             if r.privilege.writes and r.privilege is not Privilege.REDUCE
         }
+        written |= {s.requirements[j].tensor for s in task_plan.piece_sets for j, *_ in s.sums}
     out = {
         tensor: np.where(layout.holder_count > 0, index, -1)
         if tensor in written

@@ -27,6 +27,11 @@ def unit_rows(plan: Plan, cost: PlanCost) -> list[dict]:
             {
                 "layer": task_cost.unit,
                 "grid": list(grids.get(task_cost.unit, ())) or "home",
+                "grid_label": plan.grid_label(task_cost.unit)
+                if task_cost.unit in grids
+                else "home",
+                # how many of the grid's last dims the unit's reducer sums over (`Σ` in the label)
+                "summed_dims": plan.summed.get(task_cost.unit, 0),
                 "flops_per_rank": 0.0,
                 "bytes_sent": 0,
                 "memory_per_rank_max": int(cost.memory_by_unit.get(task_cost.unit, none).max()),
@@ -84,7 +89,7 @@ def table(report: dict) -> str:
     )
     lines = [head, "-" * len(head)]
     for row in report["layers"]:
-        grid = "×".join(map(str, row["grid"])) if isinstance(row["grid"], list) else row["grid"]
+        grid = row["grid_label"]
         lines.append(
             f"{row['layer']:<30} {grid:<16} {row['flops_per_rank'] / 1e9:>11.3f} "
             f"{_size(row['bytes_sent']):>10} {_size(row['memory_per_rank_max']):>10} "

@@ -1,8 +1,11 @@
 """`auto`: per-unit grids, by dynamic programming on a chain of units and local search elsewhere.
 
-Each unit is offered the same few *families* of grids: `data`, `model`, `spatial`, and the mixtures
-`batch2×model`, `channels4×spatial`, `batch4×spatial` (a family a unit cannot take falls back to
-its batch split); families giving a unit the same grid count once.
+Each unit is offered the same few *families* of grids: `data`, `model`, `spatial`, the mixtures
+`batch2×model`, `channels4×spatial`, `batch4×spatial`, and the reduction splits (`reduction_split`)
+`row` (the dims the unit's reducer sums over: a linear layer's input features, Megatron's
+row-parallel linear, or a filter's input channels) with its mixtures `batch2×row` and
+`batch4×row` (a family a unit cannot take falls back to its batch split); families giving a unit
+the same grid count once.
 
 On a chain (`coupling.is_chain`; the Network API lowers to chains) a unit's table row (its tasks,
 their transfers and reductions, its parameters' updates) costs what it costs because of two grids
@@ -65,6 +68,7 @@ from partitioner.strategy import (
     Unit,
     balanced,
     builtin_grid,
+    cells,
     find_units,
 )
 from partitioner.transitions import NotAChain, RowCost, UnitPricer
@@ -72,24 +76,52 @@ from partitioner.transitions import NotAChain, RowCost, UnitPricer
 INF = float("inf")
 #: (unit index, predecessor's grid or None, the unit's grid)
 Transition = tuple
-FAMILIES = BUILTIN + ("batch2×model", "channels4×spatial", "batch4×spatial")
+FAMILIES = BUILTIN + (
+    "batch2×model",
+    "channels4×spatial",
+    "batch4×spatial",
+    "row",
+    "batch2×row",
+    "batch4×row",
+)
+#: the dims a unit's reducer sums over, in a mixture (see `reduction_split`)
+SUMMED = "summed"
 _MIXTURES = {
     "batch2×model": ((0,), 2, (1,)),
     "channels4×spatial": ((1,), 4, (2, 3)),
     "batch4×spatial": ((0,), 4, (2, 3)),
+    "batch2×row": ((0,), 2, SUMMED),
+    "batch4×row": ((0,), 4, SUMMED),
 }
 
 
 def family_grid(unit: Unit, family: str, nranks: int) -> Grid:
     if family in BUILTIN:
         return builtin_grid(unit, family, nranks)
+    if family == "row":
+        return _row_grid(unit, nranks) or builtin_grid(unit, "data", nranks)
     first, parts, rest = _MIXTURES[family]
-    usable = all(d in unit.splittable for d in first + rest)
+    if rest == SUMMED:
+        rest = tuple(d for d in unit.summed if d in unit.splittable)
+    usable = bool(rest) and all(d in unit.splittable for d in first + rest)
     if not usable or nranks % parts or all(unit.extents[d] == 1 for d in rest):
         return builtin_grid(unit, "data", nranks)
     head = balanced(unit.extents, first, parts)
-    tail = balanced(unit.extents, rest, nranks // parts)
+    tail = _row_grid(unit, nranks // parts) if family.endswith("row") else None
+    tail = tail or balanced(unit.extents, rest, nranks // parts)
     return tuple(max(a, b) for a, b in zip(head, tail))
+
+
+def _row_grid(unit: Unit, nranks: int) -> Grid | None:
+    """A reduction split of `unit` (Megatron's row-parallel linear, a filter split over its
+    input channels): over the first dim its reducer sums over (the input channels) where that
+    takes as many ranks as all of them would, else over all of them; None where it has none."""
+    dims = tuple(d for d in unit.summed if d in unit.splittable)
+    if not dims or all(unit.extents[d] == 1 for d in dims):
+        return None
+    alone = balanced(unit.extents, dims[:1], nranks)
+    every = balanced(unit.extents, dims, nranks)
+    return alone if cells(alone) >= cells(every) else every
 
 
 @dataclass

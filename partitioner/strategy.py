@@ -25,7 +25,10 @@ The built-in strategies:
   the unit has them, else the batch.
 
 Each uses as many ranks as the extents allow (at most R; a 256-sample batch on 1024 ranks uses 256).
-A user-given grid must cut the unit into exactly R non-empty pieces along splittable dims.
+A user-given grid must cut the unit into exactly R non-empty pieces along splittable dims. It may
+name the dims the unit's reducer sums over after its output dims (a linear unit's grid is over
+(N, M, 1, 1, C, H, W), a filter's over (N, K, P, Q, C); see `reduction_split`), or give the output
+dims alone, leaving the sums whole.
 """
 
 from __future__ import annotations
@@ -36,7 +39,15 @@ from dataclasses import dataclass
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import RESIDENT_KINDS, Task
-from legion_nn.ops import HOME, WITH_TENSOR, record_of, splittable_dims
+from legion_nn.ops import (
+    HOME,
+    WITH_TENSOR,
+    output_ndim,
+    record_of,
+    reduction_dims,
+    splittable_dims,
+)
+from partitioner.reduction_split import output_grid
 
 Grid = tuple[int, ...]
 #: the fixed strategies; with `auto`, every name `--strategy` takes besides a grids file
@@ -46,13 +57,27 @@ STRATEGY_NAMES = (*BUILTIN, "auto")
 
 @dataclass(frozen=True)
 class Unit:
-    """Forward tasks sharing one grid; `backward` are their gradient tasks."""
+    """Forward tasks sharing one grid; `backward` are their gradient tasks.
+
+    `extents` is the space of the unit's widest task: its output, then the dims `reducer` (that
+    task, if it sums over any) sums over, `summed`. A grid of the unit cuts that space; the
+    unit's other tasks run on its `reduction_split.output_grid`."""
 
     name: str
     forward: tuple[str, ...]
     backward: tuple[str, ...]
     extents: tuple[int, ...]
     splittable: tuple[int, ...]
+    summed: tuple[int, ...] = ()
+    reducer: str | None = None
+
+
+def grid_label(grid: Grid, summed: int = 0) -> str:
+    """A grid as people read it, `2×4×1×1`; where it cuts the last `summed` dims (those its
+    reducer sums over) they follow a `Σ`, `1×1×1×1 Σ8×1×1`, and are left out otherwise."""
+    head, tail = grid[: len(grid) - summed], grid[len(grid) - summed :]
+    text = "×".join(map(str, head))
+    return f"{text} Σ{'×'.join(map(str, tail))}" if any(p > 1 for p in tail) else text
 
 
 def cells(grid: Grid) -> int:
@@ -98,7 +123,7 @@ def find_units(graph: TaskGraph) -> list[Unit]:
         if task.phase != "forward" or is_homed(graph, task):
             continue
         last = groups[-1][-1] if groups else None
-        if last is not None and last.layer == task.layer and last.space.shape == task.space.shape:
+        if last is not None and last.layer == task.layer and _output(last) == _output(task):
             groups[-1].append(task)
         else:
             groups.append([task])
@@ -108,12 +133,43 @@ def find_units(graph: TaskGraph) -> list[Unit]:
     for group in groups:
         forward = tuple(t.name for t in group)
         backward = tuple(f"{name}.grad" for name in forward if f"{name}.grad" in known)
-        split = set(range(group[0].space.ndim))
-        for task in group:
-            split &= set(splittable_dims(task))
+        widest = max(group, key=lambda t: t.space.ndim)
+        ndim = widest.space.ndim
+        split = set(range(ndim))
+        for task in group:  # a task without the reduction dims leaves them to the reducer
+            split &= set(splittable_dims(task)) | set(range(task.space.ndim, ndim))
+        summed = reduction_dims(widest)
         name = group[0].layer if names.count(group[0].layer) == 1 else group[0].name
-        units.append(Unit(name, forward, backward, group[0].space.shape, tuple(sorted(split))))
+        units.append(
+            Unit(
+                name,
+                forward,
+                backward,
+                widest.space.shape,
+                tuple(sorted(split)),
+                summed,
+                widest.name if summed else None,
+            )
+        )
     return units
+
+
+def _output(task: Task) -> tuple[int, ...]:
+    return task.space.shape[: output_ndim(task)]
+
+
+def unit_task_grid(graph: TaskGraph, unit: Unit, name: str, grid: Grid) -> Grid:
+    """The grid of forward task `name` of `unit` when the unit runs on `grid`."""
+    if unit.reducer is None or graph.task(name).space.ndim == len(grid):
+        return grid
+    return output_grid(graph.task(unit.reducer), grid)
+
+
+def aligned_grid(graph: TaskGraph, source: Task, source_grid: Grid, task: Task) -> Grid:
+    """The grid of a task serving the output of `source` (run on `source_grid`), such as the
+    zeroing of its gradient: where that output lives, carried to `task`'s space by position."""
+    grid = output_grid(source, source_grid)
+    return _aligned(grid, source.space.shape[: len(grid)], task.space.shape)
 
 
 def balanced(extents: tuple[int, ...], dims: tuple[int, ...], nranks: int) -> Grid:
@@ -172,27 +228,31 @@ def builtin_grid(unit: Unit, strategy: str, nranks: int) -> Grid:
     return balanced(unit.extents, dims, nranks)
 
 
-def check_grid(unit: Unit, grid: Grid, nranks: int) -> None:
-    """A user-given grid must cut `unit` into exactly `nranks` non-empty pieces."""
+def check_grid(unit: Unit, grid: Grid, nranks: int, given: Grid | None = None) -> None:
+    """A user-given grid must cut `unit` into exactly `nranks` non-empty pieces; errors quote
+    it as `given` (the output dims alone, when the user left out the reduction dims)."""
+    shown = list(given if given is not None else grid)
     if len(grid) != len(unit.extents):
+        outputs = len(unit.extents) - len(unit.summed)
+        also = f" (the first {outputs} its output's; give those alone or all)" if unit.summed else ""
         raise LegionNNError(
-            f"grid {list(grid)} for {unit.name} has {len(grid)} dims; its space "
-            f"{list(unit.extents)} has {len(unit.extents)}"
+            f"grid {shown} for {unit.name} has {len(grid)} dims; its space "
+            f"{list(unit.extents)} has {len(unit.extents)}{also}"
         )
     for d, (parts, extent) in enumerate(zip(grid, unit.extents)):
         if parts < 1 or parts > extent:
             raise LegionNNError(
-                f"grid {list(grid)} for {unit.name}: dim {d} of extent {extent} cannot be cut "
+                f"grid {shown} for {unit.name}: dim {d} of extent {extent} cannot be cut "
                 f"into {parts} non-empty parts"
             )
         if parts > 1 and d not in unit.splittable:
             raise LegionNNError(
-                f"grid {list(grid)} for {unit.name}: dim {d} cannot be split "
+                f"grid {shown} for {unit.name}: dim {d} cannot be split "
                 f"(splittable dims: {list(unit.splittable)})"
             )
     if cells(grid) != nranks:
         raise LegionNNError(
-            f"grid {list(grid)} for {unit.name} makes {cells(grid)} pieces, not {nranks} "
+            f"grid {shown} for {unit.name} makes {cells(grid)} pieces, not {nranks} "
             f"(one per rank)"
         )
 
@@ -210,9 +270,10 @@ def task_grids(graph: TaskGraph, unit_grids: Mapping[str, Grid]) -> dict[str, Gr
     for unit in find_units(graph):
         grid = unit_grids[unit.name]
         for name in unit.forward:
-            grids[name] = grid
+            grids[name] = unit_task_grid(graph, unit, name, grid)
         for name in unit.backward:
-            grids[name] = backward_grid(graph.task(name[: -len(".grad")]), graph.task(name), grid)
+            forward = name[: -len(".grad")]
+            grids[name] = backward_grid(graph.task(forward), graph.task(name), grids[forward])
     producer: dict[str, str] = {}
     reader: dict[str, str] = {}
     for task in graph.tasks:
@@ -229,8 +290,7 @@ def task_grids(graph: TaskGraph, unit_grids: Mapping[str, Grid]) -> dict[str, Gr
         # the gradient of a step input (imported graphs have them) lives where it is first read
         source = producer.get(base) or reader.get(base)
         if task.op == "set_zero" and source is not None and target.kind == "grad":
-            src = graph.task(source)
-            grids[task.name] = _aligned(grids[source], src.space.shape, task.space.shape)
+            grids[task.name] = aligned_grid(graph, graph.task(source), grids[source], task)
         else:
             grids[task.name] = (1,) * task.space.ndim
     return grids
@@ -288,8 +348,12 @@ def from_grids(graph: TaskGraph, grids: Mapping[str, list[int]], nranks: int) ->
             isinstance(v, int) and not isinstance(v, bool) for v in grid
         ):
             raise LegionNNError(f"grid for {name} must be a list of ints, got {grid!r}")
-        check_grid(unit, tuple(grid), nranks)
-        out[name] = tuple(grid)
+        given = tuple(grid)
+        grid = given
+        if unit.summed and len(grid) == len(unit.extents) - len(unit.summed):
+            grid += (1,) * len(unit.summed)  # a grid of the output alone: the sums stay whole
+        check_grid(unit, grid, nranks, given)
+        out[name] = grid
     return Strategy("custom", out)
 
 

@@ -225,11 +225,11 @@ class TaskPrices:
             task = self.graph.task(name)
             n = self.nranks
             pieces = self.layouts.pieces(name, grid)
-            moved = [self._fetch(k) if k[0] == "fetch" else self._combine(k) for k in keys]
-            moved = [m for m in moved if m is not _NOTHING]
+            found = [(k, self._fetch(k) if k[0] == "fetch" else self._combine(k)) for k in keys]
+            found = [(k, m) for k, m in found if m is not _NOTHING]  # keys stay with their loads
             traffic = self._traffic(task, [pieces])
             flops = self._flops(name, grid)
-            if not moved:  # it only computes
+            if not found:  # it only computes
                 return compute_time(task, flops, traffic, self.machine), None
             incoming = [np.zeros(n), np.zeros(n), np.zeros(n)]
             partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
@@ -238,13 +238,13 @@ class TaskPrices:
             group, extra, seconds = [], [], []
             sent = 0
             memory = None
-            for key, found in zip(keys, moved):
-                if found.loads is not None:
+            for key, moved in found:
+                if moved.loads is not None:
                     into = incoming if key[0] == "fetch" else partial
-                    for total, part in zip(into, found.loads):
+                    for total, part in zip(into, moved.loads):
                         total += part
-                if found.collectives is not None:
-                    mine, which, alone, took = found.collectives
+                if moved.collectives is not None:
+                    mine, which, alone, took = moved.collectives
                     ids = []
                     for members in mine:
                         ids.append(named.setdefault(members.tobytes(), len(groups)))
@@ -253,9 +253,9 @@ class TaskPrices:
                     group.append(np.asarray(ids, np.int64)[which])
                     extra.append(alone)
                     seconds.append(took)
-                sent += found.wire
-                if found.memory is not None:
-                    memory = found.memory if memory is None else memory + found.memory
+                sent += moved.wire
+                if moved.memory is not None:
+                    memory = moved.memory if memory is None else memory + moved.memory
             busy = np.zeros(n)
             if group:
                 busy = busy_seconds(

@@ -56,7 +56,15 @@ from partitioner.layout_cache import Key, LayoutCache, Memo
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import PlanError
-from partitioner.strategy import Grid, Unit, backward_grid, is_homed, param_of
+from partitioner.strategy import (
+    Grid,
+    Unit,
+    aligned_grid,
+    backward_grid,
+    is_homed,
+    param_of,
+    unit_task_grid,
+)
 from partitioner.task_prices import TaskPrices
 
 
@@ -152,16 +160,11 @@ class UnitPricer:
         if unit not in grids:
             raise NotAChain(f"task {name} runs on the grid of unit {self.units[unit].name}")
         if rule[0] == "unit":
-            return grids[unit]
+            return unit_task_grid(self.graph, self.units[unit], name, grids[unit])
         if rule[0] == "backward":
-            return backward_grid(self.graph.task(rule[1]), task, grids[unit])
-        source = self.graph.task(rule[1])
-        grid = self.grid(rule[1], grids)
-        shape = source.space.shape
-        return tuple(
-            grid[d] if d < len(shape) and shape[d] == extent else 1
-            for d, extent in enumerate(task.space.shape)
-        )
+            forward = rule[1]
+            return backward_grid(self.graph.task(forward), task, self.grid(forward, grids))
+        return aligned_grid(self.graph, self.graph.task(rule[1]), self.grid(rule[1], grids), task)
 
     def _homes(self) -> None:
         """Which tensors live in a home, whose readers make it, and the units of those."""

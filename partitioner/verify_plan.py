@@ -13,7 +13,9 @@ than restate it:
    since the tensor was last written, and together with what it holds and those copies covers
    what its pieces read. (A part may overlap such a copy: the planner keeps copies by read rect,
    so a task reading a wider rect than an earlier reader fetches each cell's part whole.)
-4. sums: where a partitioned task later reads a tensor that tasks reduce into, every part of
+4. sums: the partial sums of a task whose grid cuts a dim it sums over land in rects that cut
+   its output into disjoint parts covering it (one sum per element), and where a partitioned
+   task later reads a tensor that tasks reduce into, every part of
    every piece's contribution reaches every rank holding that part, by the rank's own piece, a
    partial sum sent to it, or a collective that both take part in and whose target the holder
    holds (a sum held by several ranks, such as BatchNorm's parameter gradients read by its
@@ -98,10 +100,23 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
             _count_messages(task.name, tensor, ranks)
         for key, parts in received.items():
             copies[key].extend(parts)
-        for tensor in {r.tensor for r in task.requirements if r.privilege is Privilege.REDUCE}:
-            if tensor in read and tensor in writers:
-                _check_sums(task.name, tensor, task_plan, writers[tensor][1], plan.nranks)
-        _record_writes(graph, task, pieces, writers, copies)
+        opened = _sum_targets(task, task_plan)
+        reduced = {
+            r.tensor
+            for piece_set in task_plan.piece_sets
+            for r in piece_set.requirements
+            if r.privilege is Privilege.REDUCE
+        }
+        for tensor in reduced:
+            held = opened[tensor][1] if tensor in opened else writers.get(tensor, (0, None))[1]
+            if tensor in read and held is not None:
+                _check_sums(task.name, tensor, task_plan, held, plan.nranks)
+        summed = frozenset(j for piece_set in task_plan.piece_sets for j, *_ in piece_set.sums)
+        _record_writes(graph, task, pieces, writers, copies, summed)
+        for tensor, written in opened.items():
+            writers[tensor] = written
+            for key in [k for k in copies if k[0] == tensor]:
+                del copies[key]
 
 
 def _read_by_partitioned_tasks(graph: TaskGraph, plan: Plan) -> set[str]:
@@ -121,12 +136,15 @@ def _record_writes(
     pieces: Sequence[Piece],
     writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]],
     copies: dict[tuple[str, int], list[Rect]],
+    summed: frozenset[int] = frozenset(),
 ) -> None:
     """A task's writes replace what is held of each tensor it writes: every rank of a piece
     holds the piece's rect (a homed piece is run, and held, by every holder of its cell)."""
     for req_index, req in enumerate(task.requirements):
         if not req.privilege.writes or req.privilege is Privilege.REDUCE:
             continue
+        if req_index in summed:
+            continue  # partial sums, held where `PieceSet.sums` says (`_sum_targets`)
         if graph.tensors[req.tensor].resident:
             continue  # its home holds what its readers read
         sources: list[Rect] = []
@@ -140,6 +158,25 @@ def _record_writes(
         writers[req.tensor] = (sources, held)
         for key in [k for k in copies if k[0] == req.tensor]:
             del copies[key]
+
+
+def _sum_targets(
+    task: Task, task_plan: TaskPlan
+) -> dict[str, tuple[list[Rect], dict[int, list[Rect]]]]:
+    """Per tensor whose partial sums the task's pieces write (a grid cutting a reduction dim),
+    the rects the sums land in and who holds each; they must cut the rect the task writes into
+    disjoint parts that cover it: one sum per element."""
+    out = {}
+    for piece_set in task_plan.piece_sets:
+        for j, ranks, lo, hi in piece_set.sums:
+            req = task.requirements[j]
+            rects = boxes.to_rects(lo, hi)
+            _check_coverage(f"{task.name} (the sums of {req.tensor})", req.write_rect, rects)
+            held: dict[int, list[Rect]] = defaultdict(list)
+            for rank, rect in zip(ranks.tolist(), rects):
+                held[rank].append(rect)
+            out[req.tensor] = (rects, held)
+    return out
 
 
 def _check_sums(

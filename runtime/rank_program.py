@@ -105,6 +105,9 @@ class RankTask:
     #: this task, so the kernel accumulates straight into it and the collective sums it in place
     #: (no scratch the size of the gradient, no zeroing it, no folding it back)
     in_place: set[str] = field(default_factory=set)
+    #: the rects this rank holds of outputs whose partial sums the task adds up (a grid cutting
+    #: a reduction dim, `partitioner.reduction_split`): zeroed before its pieces run
+    zero_first: list[tuple[str, Rect]] = field(default_factory=list)
 
     @cached_property
     def tensors(self) -> frozenset[str]:
@@ -114,6 +117,7 @@ class RankTask:
         names.update(m.tensor for m in messages)
         names.update(c.reduction.tensor for c in self.collectives)
         names.update(self.local_parts)
+        names.update(tensor for tensor, _ in self.zero_first)
         return frozenset(names)
 
 
@@ -305,6 +309,10 @@ class _Builder:
     def end(self, holdings: Mapping[str, Layout]) -> None:
         current = self.current
         self.tasks.append(current)
+        self.layouts.update(holdings)  # a sum's target is where it is held after the task
+        opened = {
+            req.tensor for req in current.task.requirements if req.privilege is Privilege.WRITE
+        }
         reduced: dict[str, list[Rect]] = defaultdict(list)
         written: dict[str, list[Rect]] = defaultdict(list)
         for piece in current.pieces:
@@ -315,6 +323,11 @@ class _Builder:
                     reduced[req.tensor].append(req.write_rect)
                 elif req.privilege.writes:
                     written[req.tensor].append(req.write_rect)
+        for tensor in opened & set(holdings):  # partial sums, whether or not this rank adds one
+            if tensor not in written:
+                self.zeroed[tensor] = list(self.held(tensor))
+                self.touched[tensor].extend(self.zeroed[tensor])
+                current.zero_first.extend((tensor, rect) for rect in self.zeroed[tensor])
         for tensor, rects in reduced.items():
             collective_rects = [
                 rect
@@ -340,7 +353,6 @@ class _Builder:
                 self.zeroed[tensor].extend(written.get(tensor, []))
             else:
                 self.zeroed[tensor] = []
-        self.layouts.update(holdings)
 
     def _reduces_in_place(self, tensor: str, rects: list[Rect]) -> bool:
         current = self.current

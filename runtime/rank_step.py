@@ -181,6 +181,8 @@ class StepRun:
         for m in rt.copies_in:
             _, buffer, _, _ = self.inbox.pop(m.seq)
             self.ex.view(m.tensor, m.rect)[...] = buffer
+        for tensor, rect in rt.zero_first:
+            self.ex.view(tensor, rect)[...] = 0
         scratch: dict[str, tuple[Rect, np.ndarray]] = {}
         start = self._now()
         with self.transport.computing():

@@ -18,11 +18,11 @@ def rects(graph, task_name, piece):
 def test_halo_of_a_7x7_window_split_2x2_over_a_27x27_output():
     graph = load_network("seed-lcn").lower(batch=256)
     space = graph.task("L1.filter").space
-    assert space.shape == (256, 64, 27, 27)
-    pieces = space.split([1, 1, 2, 2])
+    assert space.shape == (256, 64, 27, 27, 64)  # the output × the input channels summed
+    pieces = space.split([1, 1, 2, 2, 1])
     halos = [rects(graph, "L1.filter", p)["input"].read_rect for p in pieces]
     # 27 output rows split 14 + 13; a 7-row window reads 14 + 6 = 20 input rows for the first.
-    assert [p.lo[2:] + p.hi[2:] for p in pieces] == [
+    assert [p.lo[2:4] + p.hi[2:4] for p in pieces] == [
         (0, 0, 14, 14),
         (0, 14, 14, 27),
         (14, 0, 27, 14),
@@ -54,9 +54,9 @@ def test_stride_and_padding_clip_the_halo():
     graph = net.lower(batch=2)
     verify(graph)
     space = graph.task("L0.filter").space
-    assert space.shape == (2, 2, 6, 5)  # (11 + 2 - 3) // 2 + 1 = 6, (9 + 2 - 3) // 2 + 1 = 5
-    top = Rect((0, 0, 0, 0), (2, 2, 1, 5))
-    bottom = Rect((0, 0, 5, 0), (2, 2, 6, 5))
+    assert space.shape == (2, 2, 6, 5, 3)  # (11 + 2 - 3) // 2 + 1 = 6, (9 + 2 - 3) // 2 + 1 = 5
+    top = Rect((0, 0, 0, 0, 0), (2, 2, 1, 5, 3))
+    bottom = Rect((0, 0, 5, 0, 0), (2, 2, 6, 5, 3))
     # Output row 0 covers padded rows -1..1: input rows 0..1; row 5 covers 9..11: rows 9..10.
     assert rects(graph, "L0.filter", top)["input"].read_rect == Rect((0, 0, 0, 0), (2, 3, 2, 9))
     assert rects(graph, "L0.filter", bottom)["input"].read_rect == Rect((0, 0, 9, 0), (2, 3, 11, 9))
@@ -68,7 +68,7 @@ def test_stride_and_padding_clip_the_halo():
 
 def test_uneven_batch_split_and_backward_reductions():
     graph = load_network("seed-lcn-small").lower(batch=7)
-    pieces = graph.task("L1.filter.grad").space.split([3, 1, 1, 1])
+    pieces = graph.task("L1.filter.grad").space.split([3, 1, 1, 1, 1])
     assert [p.shape[0] for p in pieces] == [3, 2, 2]
     reqs = [rects(graph, "L1.filter.grad", p) for p in pieces]
     # Each batch piece reduces into the whole weight gradient: the rects coincide.
@@ -80,7 +80,7 @@ def test_uneven_batch_split_and_backward_reductions():
 
 def test_linear_split_over_features_reduces_the_input_gradient():
     graph = load_network("seed-lcn-small").lower(batch=4)
-    halves = graph.task("classifier.linear1.grad").space.split([1, 2, 1, 1])
+    halves = graph.task("classifier.linear1.grad").space.split([1, 2, 1, 1, 1, 1, 1])
     reqs = [rects(graph, "classifier.linear1.grad", p) for p in halves]
     assert (
         reqs[0]["input.delta"].write_rect
@@ -89,6 +89,47 @@ def test_linear_split_over_features_reduces_the_input_gradient():
     )
     assert reqs[0]["weights"].read_rect == Rect((0, 0, 0, 0), (5, 8, 14, 14))
     assert reqs[1]["weights.delta"].write_rect == Rect((5, 0, 0, 0), (10, 8, 14, 14))
+
+
+def test_linear_split_over_its_input_reads_and_reduces_only_its_part():
+    """A row-parallel piece (part of C, H, W) reads its part of the input and of the weights,
+    writes the whole output rows (a partial sum) and adds the bias only where its part starts;
+    its input and weight gradients are its own parts, whole."""
+    layers = [Linear("fc", out=6), Linear("row", out=4, bias=True), Softmax()]
+    graph = Network("rows", (5, 1, 1), 4, layers).lower(batch=3)
+    task = graph.task("row.linear2")
+    assert task.space.shape == (3, 4, 1, 1, 6, 1, 1) and task.result_dim == (3, 4, 1, 1)
+    first, second = task.space.split([1, 1, 1, 1, 2, 1, 1])
+    a, b = rects(graph, "row.linear2", first), rects(graph, "row.linear2", second)
+    assert a["input"].read_rect == Rect((0, 0, 0, 0), (3, 3, 1, 1))
+    assert b["input"].read_rect == Rect((0, 3, 0, 0), (3, 6, 1, 1))
+    assert b["weights"].read_rect == Rect((0, 3, 0, 0), (4, 6, 1, 1))
+    assert a["output"].write_rect == b["output"].write_rect == Rect.from_dims((3, 4, 1, 1))
+    assert a["b"].read_rect == Rect.from_dims((1, 4, 1, 1)) and b["b"].read_rect.is_empty()
+    grad = [rects(graph, "row.linear2.grad", p) for p in (first, second)]
+    assert grad[1]["output.delta"].read_rect == Rect.from_dims((3, 4, 1, 1))
+    assert grad[1]["input.delta"].write_rect == Rect((0, 3, 0, 0), (3, 6, 1, 1))
+    assert grad[1]["weights.delta"].write_rect == Rect((0, 3, 0, 0), (4, 6, 1, 1))
+    assert grad[0]["b.delta"].write_rect == Rect.from_dims((1, 4, 1, 1))
+    assert grad[1]["b.delta"].write_rect.is_empty()
+
+
+def test_filter_split_over_input_channels_reads_its_channels():
+    net = Network(
+        "cin",
+        (4, 6, 6),
+        3,
+        [Conv("c", out_channels=2, kernel=3, pad=1), Linear("fc", out=3), Softmax()],
+    )
+    graph = net.lower(batch=2)
+    space = graph.task("c.conv").space
+    assert space.shape == (2, 2, 6, 6, 4)
+    low, high = space.split([1, 1, 1, 1, 2])
+    a, b = rects(graph, "c.conv", low), rects(graph, "c.conv", high)
+    assert b["input"].read_rect == Rect((0, 2, 0, 0), (2, 4, 6, 6))
+    assert b["filters"].read_rect == Rect((0, 0, 0, 2, 0, 0, 0, 0), (2, 1, 1, 4, 3, 3, 1, 1))
+    assert a["output"].write_rect == b["output"].write_rect == Rect.from_dims((2, 2, 6, 6))
+    assert not a["b"].read_rect.is_empty() and b["b"].read_rect.is_empty()
 
 
 def test_labels_have_one_writer_however_the_data_is_cut():
@@ -154,7 +195,7 @@ def test_maxpool_overlapping_windows():
 
 def test_reshape_splits_only_over_the_batch():
     graph = load_network("three-layer-convnet").lower(batch=2)
-    assert splittable_dims(graph.task("conv1.conv")) == (0, 1, 2, 3)
+    assert splittable_dims(graph.task("conv1.conv")) == (0, 1, 2, 3, 4)  # 4: input channels
     net = Network(
         "r",
         (2, 4, 4),

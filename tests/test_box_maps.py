@@ -90,9 +90,9 @@ def test_a_box_map_that_disagrees_is_not_used():
         return found
 
     with mock.patch.object(pieces_module, "box_map", lambda op, phase: shifted):
-        got = grid_pieces(graph, task, (1, 1, 4, 4))
+        got = grid_pieces(graph, task, (1, 1, 4, 4, 1))
     with mock.patch.object(pieces_module, "box_map", lambda op, phase: None):
-        expected = grid_pieces(graph, task, (1, 1, 4, 4))
+        expected = grid_pieces(graph, task, (1, 1, 4, 4, 1))
     assert got.pieces() == expected.pieces()
     assert not np.array_equal(
         got.req_hi[0], shifted(task.attrs, _dims(graph, task), got.lo, got.hi)["input"][1]

@@ -19,7 +19,8 @@ from legion_nn.layers import (
 )
 from legion_nn.network import Network
 from legion_nn.networks import load_network
-from legion_nn.ops import splittable_dims
+from legion_nn.ops import reduction_dims, splittable_dims
+from legion_nn.privilege import Privilege
 from runtime.adapters import StepContext
 from runtime.executor import inference_tasks, run_task_piece
 from runtime.rank_executor import one_process
@@ -114,16 +115,23 @@ def test_every_op_in_one_network_has_correct_gradients():
 
 
 def run_in_pieces(graph, executor, ctx):
-    """Run every task as a grid of pieces (each splittable dim cut in two where it can be)."""
+    """Run every task as a grid of pieces (each splittable dim cut in two where it can be); a
+    grid cutting a dim the task sums over makes its pieces add partial sums into its output,
+    zeroed first."""
     executor.prepare(graph)
     for task in graph.tasks:
         grid = [1] * task.space.ndim
         for dim in splittable_dims(task):
             if task.space.shape[dim] >= 2:
                 grid[dim] = 2
+        partial = any(grid[d] > 1 for d in reduction_dims(task))
+        if partial:
+            for req in task.requirements:
+                if req.privilege is Privilege.WRITE:
+                    executor.view(req.tensor, req.write_rect)[...] = 0
         for piece in task.space.split(grid):
             if not piece.is_empty():
-                run_task_piece(task, piece, graph.tensors, executor.view, ctx)
+                run_task_piece(task, piece, graph.tensors, executor.view, ctx, partial)
 
 
 @pytest.mark.parametrize("net", [MIXED, load_network("seed-lcn-small")], ids=["mixed", "lcn"])

@@ -73,6 +73,7 @@ def _fields(**phase):
         "packed_role": None,
         "owner_role": None,
         "passes": None,
+        "sums_over": 0,
     }
 
 

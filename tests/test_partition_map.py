@@ -35,7 +35,7 @@ def test_one_row_per_unit_with_its_output_and_weights(lcn):
     ]
     assert maps["classifier.linear1"].weights[0].tensor == "classifier.weights1"
     assert maps["classifier.softmax"].output[0].tensor == "classifier.softmax.probability"
-    assert maps["data"].weights == () and maps["L1"].grid == (1, 1, 2, 2)
+    assert maps["data"].weights == () and maps["L1"].grid == "1×1×2×2"
 
 
 def test_a_2x2_spatial_split_owns_quadrants_and_reads_7x7_halos(lcn):

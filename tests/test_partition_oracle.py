@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from plan_cases import networks, strategies
 
 import partitioner.pieces as pieces_module
-from legion_nn.ir import Task
+from legion_nn.ir import Requirement, Task
 from legion_nn.networks import load_network
-from legion_nn.ops import piece_requirements
+from legion_nn.ops import piece_requirements, record_of
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
@@ -41,6 +41,7 @@ from partitioner.cost import plan_cost, reduction_cost
 from partitioner.machine import Machine
 from partitioner.pieces import Piece, grid_pieces
 from partitioner.plan import build_plan
+from partitioner.reduction_split import output_grid
 from partitioner.strategy import builtin, is_homed, param_of
 
 MACHINE = Machine(100, 12.5, 2, 16)
@@ -52,12 +53,28 @@ def box(dims, rect: Rect) -> np.ndarray:
     return out
 
 
+def sums_cut(task: Task, grid) -> bool:
+    """Whether `grid` cuts a dim the task sums over (the last `sums_over` of its space)."""
+    summed = record_of(task.op).sums_over
+    return summed > 0 and any(parts > 1 for parts in grid[len(grid) - summed :])
+
+
 def direct_pieces(graph, task: Task, grid) -> list[Piece]:
-    return [
-        Piece((rank,), rect, piece_requirements(task, graph.tensors, rect))
-        for rank, rect in enumerate(task.space.split(grid))
-        if not rect.is_empty()
-    ]
+    """Piece i of the grid on rank i, its requirements from the access map, each write a
+    partial sum (`reduce`) where the grid cuts a dim the task sums over."""
+    partial = sums_cut(task, grid)
+    out = []
+    for rank, rect in enumerate(task.space.split(grid)):
+        if rect.is_empty():
+            continue
+        requirements = tuple(
+            Requirement(r.tensor, r.role, Privilege.REDUCE, None, r.write_rect)
+            if partial and r.privilege is Privilege.WRITE
+            else r
+            for r in piece_requirements(task, graph.tensors, rect)
+        )
+        out.append(Piece((rank,), rect, requirements))
+    return out
 
 
 def initial_holdings(graph, plan, nranks: int) -> dict[str, np.ndarray]:
@@ -257,10 +274,19 @@ def check_plan(graph, strategy, nranks: int) -> None:
         for t in written:
             held[t] = np.zeros((nranks, *graph.tensors[t].dims), bool)
             copies = {c for c in copies if c[0] != t}
-        for piece in pieces:
-            for req in piece.requirements:
-                if req.tensor in written:
-                    held[req.tensor][piece.ranks[0]] |= box(held[req.tensor].shape[1:], req.rect)
+        if sums_cut(task, task_plan.grid):  # the sums land on the sum grid, cell i on rank i
+            for t in written:
+                whole = task.requirements[[r.tensor for r in task.requirements].index(t)]
+                cells = whole.write_rect.split(output_grid(task, task_plan.grid))
+                for rank, rect in enumerate(cells):
+                    held[t][rank] |= box(held[t].shape[1:], rect)
+        else:
+            for piece in pieces:
+                for req in piece.requirements:
+                    if req.tensor in written:
+                        held[req.tensor][piece.ranks[0]] |= box(
+                            held[req.tensor].shape[1:], req.rect
+                        )
         check_reductions(graph, task, pieces, task_plan, held)
     check_costs(graph, plan)
 
@@ -308,8 +334,8 @@ def test_probing_calls_a_separable_map_once_per_part_not_per_piece():
         mock.patch.object(pieces_module, "access_map", lambda op, phase: _counting(real, calls)),
         mock.patch.object(pieces_module, "box_map", lambda op, phase: None),
     ):
-        probed = grid_pieces(graph, task, (1, 1, 8, 8))
-    assert probed.pieces() == direct_pieces(graph, task, (1, 1, 8, 8))
+        probed = grid_pieces(graph, task, (1, 1, 8, 8, 1))
+    assert probed.pieces() == direct_pieces(graph, task, (1, 1, 8, 8, 1))
     assert len(calls) < 64 // 2
 
 

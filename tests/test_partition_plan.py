@@ -176,7 +176,7 @@ def test_pieces_of_repeated_layers_are_shared_and_equal(lcn):
 
     graph = load_network("vgg19").lower(batch=4)
     cache = PieceCache(graph)
-    grid = (1, 4, 2, 2)
+    grid = (1, 4, 2, 2, 1)
     first, second = graph.task("conv3_2.conv"), graph.task("conv3_3.conv")
     a, b = cache.get(graph, first, grid), cache.get(graph, second, grid)
     assert b.req_lo[0] is a.req_lo[0]  # computed once

@@ -128,7 +128,8 @@ def test_27_rows_over_4_ranks():
         grids = {}
         for unit in find_units(graph):
             grid = [1] * len(unit.extents)
-            if 2 in unit.splittable and len(unit.extents) == 4 and unit.extents[2] >= nranks:
+            spatial = len(unit.extents) - len(unit.summed) == 4  # (N, C, H, W) outputs
+            if 2 in unit.splittable and spatial and unit.extents[2] >= nranks:
                 grid[2] = nranks
             elif 0 in unit.splittable and unit.extents[0] >= nranks:
                 grid[0] = nranks

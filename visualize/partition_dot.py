@@ -65,12 +65,12 @@ WIDE = 4
 MAX_RECTS = 2
 
 
-def _piece_label(node: PieceNode, rects: str, grid: tuple[int, ...] | None) -> str:
+def _piece_label(node: PieceNode, rects: str, grid: str | None) -> str:
     fill = PHASE_COLOURS.get(node.phase, (TENSOR_FILL, ""))[0]
     if grid is not None:
         what = "forward" if node.phase == "forward" else "backward, update"
         body = [f"{node.tasks} {what} task{'s' if node.tasks > 1 else ''}"]
-        body.append("grid " + "×".join(map(str, grid)) if grid else "on its home")
+        body.append("grid " + grid if grid else "on its home")
     elif node.phase == "tensor":
         body = ["tensor"]
     elif len(node.rects) <= MAX_RECTS:
@@ -237,7 +237,8 @@ def partition_graphviz(
                 penwidth="2",
             )
             for node in by_rank[rank]:
-                _node(cluster, node, rects, plan.unit_grids if collapsed else None)
+                labels = {unit: plan.grid_label(unit) for unit in plan.unit_grids}
+                _node(cluster, node, rects, labels if collapsed else None)
     for node in view.collectives.values():
         dot.node(
             _node_id("piece", node.id),
@@ -269,9 +270,10 @@ def _node(
     cluster: graphviz.Digraph,
     node: PieceNode,
     rects: str,
-    grids: dict[str, tuple[int, ...]] | None,
+    grids: dict[str, str] | None,
 ) -> None:
-    grid = grids.get(node.unit, ()) if grids is not None else None
+    """`grids`: the label of each unit's grid (`Plan.grid_label`), for a collapsed view."""
+    grid = grids.get(node.unit, "") if grids is not None else None
     cluster.node(_node_id("piece", node.id), _piece_label(node, rects, grid))
 
 

@@ -20,8 +20,9 @@ the tensor is split along the dims the panel does not show (a 2×2 spatial split
 region shared by four ranks, while H×W shows four quadrants), or each of them holds a copy
 (a replicated parameter; labelled `copies`).
 
-Owners: an activation is owned by the pieces that write it (owner computes); data and parameters
-by their home (`Plan.homes`: every rank holding a copy). A *halo* is what a rank's pieces read
+Owners: an activation is owned by the ranks holding it after the task that writes it (the pieces
+that write it, owner computes, or where the partial sums of a reduction split land); data and
+parameters by their home (`Plan.homes`: every rank holding a copy). A *halo* is what a rank's pieces read
 (any task, forward or backward) but that rank does not own; it is hatched in the reader's colour
 and shaded, where it falls outside what that rank owns in the panel (a halo across H×W covers
 all of N×C, which says nothing, so it is drawn only in H×W).
@@ -41,7 +42,6 @@ from matplotlib.patches import Patch, Rectangle
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Tensor
-from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner.plan import Plan
 from visualize.palette import rank_colour
@@ -88,7 +88,8 @@ class Panel:
 @dataclass(frozen=True)
 class UnitMap:
     unit: str
-    grid: tuple[int, ...] | None
+    #: its grid's label (`Plan.grid_label`: the reduction dims it cuts after `Σ`), or None
+    grid: str | None
     output: tuple[Panel, ...]
     weights: tuple[Panel, ...]
 
@@ -189,17 +190,11 @@ def _owned(graph: TaskGraph, plan: Plan, tensor: str) -> list[tuple[Rect, tuple[
     if tensor in plan.homes:
         held = plan.homes[tensor].held(graph.tensors[tensor].rect)
         return [(part, holders) for part, holders in held if holders]
-    for task_plan in plan.tasks:
-        written = [
-            (req.write_rect, piece.ranks)
-            for piece in task_plan.pieces
-            for req in piece.requirements
-            if req.tensor == tensor
-            and req.privilege in (Privilege.WRITE, Privilege.READ_WRITE)
-            and req.write_rect is not None
-        ]
-        if written:
-            return written
+    for task_plan in plan.tasks:  # where its first writer left it (a sum: where it landed)
+        layout = task_plan.holdings.get(tensor)
+        if layout is not None:
+            held = layout.held(graph.tensors[tensor].rect)
+            return [(part, holders) for part, holders in held if holders]
     return []
 
 
@@ -238,7 +233,7 @@ def partition_maps(graph: TaskGraph, plan: Plan) -> list[UnitMap]:
         maps.append(
             UnitMap(
                 unit,
-                plan.unit_grids.get(unit),
+                plan.grid_label(unit) if unit in plan.unit_grids else None,
                 _panels(graph, plan, output),
                 _panels(graph, plan, weights) if weights else (),
             )
@@ -357,7 +352,7 @@ def partition_map_figure(maps: list[UnitMap], title: str) -> Figure:
                 continue
             _draw_panel(ax, panel)
             ranks.update(rank for _, owners in panel.regions for rank in owners)
-        grid = "×".join(map(str, unit_map.grid)) if unit_map.grid else "home, no grid"
+        grid = unit_map.grid if unit_map.grid else "home, no grid"
         row[0].annotate(
             f"{unit_map.unit}\ngrid {grid}" if unit_map.grid else f"{unit_map.unit}\n{grid}",
             (-0.45, 0.5),

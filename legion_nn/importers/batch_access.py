@@ -143,6 +143,7 @@ def _record(op: str, flops: Mapping[str, Flops]) -> None:
         packed_role=None,
         owner_role=None,
         passes=None,
+        sums_over=0,
     )
 
 

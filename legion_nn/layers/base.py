@@ -48,6 +48,7 @@ def record_elementwise(op: str, forward: float, backward: float) -> None:
         packed_role=None,
         owner_role=None,
         passes=None,
+        sums_over=0,
     )
 
 

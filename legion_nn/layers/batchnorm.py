@@ -73,6 +73,7 @@ def _record(op: str, flops: dict[str, float], splittable=registry.EVERY_DIM, acc
         packed_role=None,
         owner_role=None,
         passes=None,
+        sums_over=0,
     )
 
 

@@ -59,6 +59,7 @@ registry.register(
     packed_role=None,
     owner_role=None,
     passes=None,
+    sums_over=0,
 )
 registry.register(
     "set_zero",
@@ -75,6 +76,7 @@ registry.register(
     packed_role=None,
     owner_role=None,
     passes=None,
+    sums_over=0,
 )
 registry.register(
     "update",
@@ -86,4 +88,5 @@ registry.register(
     packed_role=None,
     owner_role="params",
     passes=None,
+    sums_over=0,
 )

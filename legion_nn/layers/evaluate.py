@@ -54,6 +54,7 @@ registry.register(
     packed_role=None,
     owner_role=None,
     passes=None,
+    sums_over=0,
 )
 
 # a fraction of four numbers: no FLOPs worth counting
@@ -71,6 +72,7 @@ registry.register(
     packed_role=None,
     owner_role=None,
     passes=None,
+    sums_over=0,
 )
 
 

@@ -6,8 +6,10 @@ P = Q = 1 when tied (an ordinary convolution). Axes 1 and 2 are unit axes in eve
 legion-nn keeps them so weights stay in the seed's shape and reads them as the group axes of a
 grouped filter (output and input channel groups), of which only one group is supported.
 
-Both ops iterate over the output (N, K, P, Q). A piece of rows [p0, p1) reads input rows
-[p0·s − pad_top, (p1−1)·s − pad_top + R) clipped to the input: the halo. It reads the weight sets
+Both ops iterate over the output times the input channels they sum over, (N, K, P, Q, C). A
+piece of input channels [c0, c1) reads those channels of the input and of the weights and writes
+a partial sum of its output (the piece with c0 = 0 adds conv's bias). A piece of rows [p0, p1)
+reads input rows [p0·s − pad_top, (p1−1)·s − pad_top + R) clipped to the input: the halo. It reads the weight sets
 of its own positions when untied (so spatial partitioning keeps untied weights local) and all of
 them when tied. Its backward reduces into the same input halo and weight rect; with
 `update_channels` [lo, hi) the weight gradient and the update cover only those input channels
@@ -19,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from legion_nn import registry
 from legion_nn.access import columns, window_span, window_spans
@@ -40,7 +44,7 @@ R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
 def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    _, c_in, h_in, w_in = dims["input"]
+    _, _, h_in, w_in = dims["input"]
     kernel_r, kernel_s = attrs["kernel"]
     stride = attrs["stride"]
     top, _, left, _ = attrs["pad"]
@@ -49,32 +53,37 @@ def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
         return {
             "input": empty4,
             "filters": empty8,
-            "output": piece,
-            "output.delta": piece,
+            "output": empty4,
+            "output.delta": empty4,
             "input.delta": empty4,
             "filters.delta": empty8,
             "b": empty4,
             "b.delta": empty4,
         }
-    n0, k0, p0, q0 = piece.lo
-    n1, k1, p1, q1 = piece.hi
+    n0, k0, p0, q0, c0 = piece.lo
+    n1, k1, p1, q1, c1 = piece.hi
+    output = Rect(piece.lo[:4], piece.hi[:4])
     rows = window_span(p0, p1, stride, top, kernel_r, h_in)
     cols = window_span(q0, q1, stride, left, kernel_s, w_in)
-    halo = Rect((n0, 0, rows[0], cols[0]), (n1, c_in, rows[1], cols[1]))
+    halo = Rect((n0, c0, rows[0], cols[0]), (n1, c1, rows[1], cols[1]))
     if rows == (0, 0) or cols == (0, 0):
         halo = Rect.empty(4)
     untied = attrs["untied"]
     pos_lo = (p0, q0) if untied else (0, 0)
     pos_hi = (p1, q1) if untied else (1, 1)
-    weights = Rect((k0, 0, 0, 0, 0, 0) + pos_lo, (k1, 1, 1, c_in, kernel_r, kernel_s) + pos_hi)
-    c_lo, c_hi = attrs.get("channels") or (0, c_in)
+    weights = Rect((k0, 0, 0, c0, 0, 0) + pos_lo, (k1, 1, 1, c1, kernel_r, kernel_s) + pos_hi)
+    c_lo, c_hi = attrs.get("channels") or (c0, c1)
+    c_lo, c_hi = max(c_lo, c0), min(c_hi, c1)
     delta = Rect((k0, 0, 0, c_lo, 0, 0) + pos_lo, (k1, 1, 1, c_hi, kernel_r, kernel_s) + pos_hi)
-    bias = Rect((0, k0, 0, 0), (1, k1, 1, 1))
+    if c_hi <= c_lo:
+        delta = Rect.empty(8)
+    # the bias is added once, by the piece starting the sum over input channels
+    bias = Rect((0, k0, 0, 0), (1, k1, 1, 1)) if c0 == 0 else Rect.empty(4)
     return {
         "input": halo,
         "filters": weights,
-        "output": piece,
-        "output.delta": piece,
+        "output": output,
+        "output.delta": output,
         "input.delta": halo,
         "filters.delta": delta,
         "b": bias,
@@ -85,34 +94,38 @@ def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
 def _filter_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
     """`_filter_rects` over arrays of pieces."""
     n = len(lo)
-    _, c_in, h_in, w_in = dims["input"]
+    _, _, h_in, w_in = dims["input"]
     kernel_r, kernel_s = attrs["kernel"]
     stride = attrs["stride"]
     top, _, left, _ = attrs["pad"]
-    n0, k0, p0, q0 = lo.T
-    n1, k1, p1, q1 = hi.T
+    n0, k0, p0, q0, c0 = lo.T
+    n1, k1, p1, q1, c1 = hi.T
     rows = window_spans(p0, p1, stride, top, kernel_r, h_in)
     cols = window_spans(q0, q1, stride, left, kernel_s, w_in)
-    halo = (columns(n, n0, 0, rows[0], cols[0]), columns(n, n1, c_in, rows[1], cols[1]))
+    halo = (columns(n, n0, c0, rows[0], cols[0]), columns(n, n1, c1, rows[1], cols[1]))
     if attrs["untied"]:
         pos_lo, pos_hi = (p0, q0), (p1, q1)
     else:
         pos_lo, pos_hi = (0, 0), (1, 1)
-    c_lo, c_hi = attrs.get("channels") or (0, c_in)
+    c_lo, c_hi = attrs.get("channels") or (c0, c1)
+    c_lo, c_hi = np.maximum(c_lo, c0), np.minimum(c_hi, c1)
     weights = (
-        columns(n, k0, 0, 0, 0, 0, 0, *pos_lo),
-        columns(n, k1, 1, 1, c_in, kernel_r, kernel_s, *pos_hi),
+        columns(n, k0, 0, 0, c0, 0, 0, *pos_lo),
+        columns(n, k1, 1, 1, c1, kernel_r, kernel_s, *pos_hi),
     )
     delta = (
         columns(n, k0, 0, 0, c_lo, 0, 0, *pos_lo),
         columns(n, k1, 1, 1, c_hi, kernel_r, kernel_s, *pos_hi),
     )
     bias = (columns(n, 0, k0, 0, 0), columns(n, 1, k1, 1, 1))
+    for role_lo, role_hi, empty in ((*delta, c_hi <= c_lo), (*bias, c0 != 0)):
+        role_lo[empty] = 0
+        role_hi[empty] = 0
     found = {
         "input": halo,
         "filters": weights,
-        "output": (lo, hi),
-        "output.delta": (lo, hi),
+        "output": (lo[:, :4], hi[:, :4]),
+        "output.delta": (lo[:, :4], hi[:, :4]),
         "input.delta": halo,
         "filters.delta": delta,
         "b": bias,
@@ -122,9 +135,14 @@ def _filter_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -
 
 
 def _window(dims: Mapping[str, tuple]) -> int:
-    """Inputs one output element reads: C·R·S."""
+    """Inputs one output element reads of one input channel: R·S."""
     filters = dims["filters"]
-    return filters[3] * filters[4] * filters[5]
+    return filters[4] * filters[5]
+
+
+def _per_channel(bias_flops: int, dims: Mapping[str, tuple]) -> float:
+    """A bias's FLOPs per output element, spread over the input channels of the space."""
+    return bias_flops / dims["filters"][3]
 
 
 def _passes(attrs: Mapping[str, Any], phase: str) -> tuple[str, tuple[tuple[str, float], ...]]:
@@ -145,13 +163,15 @@ def _record(op: str, bias_flops: int) -> None:
             "forward": {
                 "access": _filter_rects,
                 "box_map": _filter_boxes,
-                "flops": lambda attrs, dims: 2 * _window(dims) + bias_flops,
+                "flops": lambda attrs, dims: 2 * _window(dims) + _per_channel(bias_flops, dims),
                 "adapter": f"{op}.forward",
             },
             "backward": {
                 "access": _filter_rects,
                 "box_map": _filter_boxes,
-                "flops": lambda attrs, dims: backward_factor(attrs) * _window(dims) + bias_flops,
+                "flops": lambda attrs, dims: (
+                    backward_factor(attrs) * _window(dims) + _per_channel(bias_flops, dims)
+                ),
                 "adapter": f"{op}.backward",
             },
         },
@@ -160,6 +180,7 @@ def _record(op: str, bias_flops: int) -> None:
         packed_role="filters",
         owner_role=None,
         passes=_passes,
+        sums_over=1,
     )
 
 
@@ -230,7 +251,8 @@ class Filter(Layer):
         weights = ctx.param(f"{self.name}.W", self.weight_dims(shape), self.init(shape))
         bias = self._bias(ctx)
         y = ctx.tensor(f"{self.stem}.output", (batch, k, rows, cols), "activation")
-        space = Rect.from_dims((batch, k, rows, cols))
+        result = Rect.from_dims((batch, k, rows, cols))
+        space = Rect.from_dims((batch, k, rows, cols, shape[0]))  # × the input channels summed
         attrs = self.attrs()
         inputs = [("input", x, R_), ("filters", weights, R_)]
         if bias:
@@ -244,6 +266,7 @@ class Filter(Layer):
             self.name,
             attrs,
             dist_roles=("input", "filters"),
+            result=result,
         )
 
         def backward() -> None:
@@ -264,6 +287,7 @@ class Filter(Layer):
                 self.name,
                 grad_attrs,
                 dist_roles=("input", "filters"),
+                result=result,
             )
             ctx.update(weights, f"update_{self.name}.W", self.name, self._update_rect(ctx, weights))
             if bias:

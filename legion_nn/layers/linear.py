@@ -1,12 +1,17 @@
 """`linear`: y (N, M, 1, 1) = x (N, C, H, W) contracted with weights (M, C, H, W), plus an
 optional bias (1, M, 1, 1).
 
+Its space is the output times the dims it sums over, (N, M, 1, 1, C, H, W): a piece cut along
+C, H or W (Megatron's row-parallel linear) reads its part of the input and of the weights and
+writes a partial sum of its output, to which only the piece starting the sum adds the bias.
+
 Linear layers are numbered through the network from 1, as in the seed: the first is task
 `<group>.linear1` with weights `<group>.weights1`, updated by `update_W1` (bias `<group>.b1`,
-`update_b1`). A piece of the output (samples × features) reads its samples' whole input and its
-features' weights; its backward reduces into the input gradient of its samples, so splitting the
-features over ranks makes the input gradient a reduction, and splitting the batch makes the weight
-gradient one.
+`update_b1`). A piece whole along (C, H, W) reads its samples' whole input and its features'
+weights; its backward reduces into the input gradient of its samples, so splitting the features
+over ranks makes the input gradient a reduction, and splitting the batch makes the weight
+gradient one; splitting (C, H, W) makes neither one (each piece has its own part of both) and the
+output a reduction instead.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from legion_nn import registry
-from legion_nn.access import batch_rows, columns
+from legion_nn.access import columns
 from legion_nn.layers.base import Layer, Shape, backward_factor, layer_kind, positive
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -25,19 +32,25 @@ R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
 def _linear_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    inputs = batch_rows(piece, dims["input"])
+    """A piece of (N, M, 1, 1) × (C, H, W): its samples' and features' output, the input and
+    weights over its part of (C, H, W), and the bias where that part starts the sum."""
     if piece.is_empty():
-        weights, bias = Rect.empty(4), Rect.empty(4)
+        empty = Rect.empty(4)
+        inputs = output = weights = bias = empty
     else:
-        m0, m1 = piece.lo[1], piece.hi[1]
-        weights = Rect((m0, 0, 0, 0), (m1,) + tuple(dims["weights"][1:]))
-        bias = Rect((0, m0, 0, 0), (1, m1, 1, 1))
+        (n0, m0), (n1, m1) = piece.lo[:2], piece.hi[:2]
+        sum_lo, sum_hi = piece.lo[4:], piece.hi[4:]
+        output = Rect(piece.lo[:4], piece.hi[:4])
+        inputs = Rect((n0,) + sum_lo, (n1,) + sum_hi)
+        weights = Rect((m0,) + sum_lo, (m1,) + sum_hi)
+        starts = not any(sum_lo)  # the bias is added once, by the piece starting the sum
+        bias = Rect((0, m0, 0, 0), (1, m1, 1, 1)) if starts else Rect.empty(4)
     return {
         "input": inputs,
         "weights": weights,
         "b": bias,
-        "output": piece,
-        "output.delta": piece,
+        "output": output,
+        "output.delta": output,
         "input.delta": inputs,
         "weights.delta": weights,
         "b.delta": bias,
@@ -47,28 +60,27 @@ def _linear_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
 def _linear_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
     """`_linear_rects` over arrays of pieces."""
     n = len(lo)
-    rest = dims["input"][1:]
-    inputs = (columns(n, lo[:, 0], *(0 for _ in rest)), columns(n, hi[:, 0], *rest))
-    m0, m1 = lo[:, 1], hi[:, 1]
-    weights = (columns(n, m0, 0, 0, 0), columns(n, m1, *dims["weights"][1:]))
-    bias = (columns(n, 0, m0, 0, 0), columns(n, 1, m1, 1, 1))
+    output = (lo[:, :4], hi[:, :4])
+    inputs = (np.concatenate((lo[:, :1], lo[:, 4:]), 1), np.concatenate((hi[:, :1], hi[:, 4:]), 1))
+    weights = (
+        np.concatenate((lo[:, 1:2], lo[:, 4:]), 1),
+        np.concatenate((hi[:, 1:2], hi[:, 4:]), 1),
+    )
+    starts = ~lo[:, 4:].any(axis=1)
+    bias = (columns(n, 0, lo[:, 1], 0, 0), columns(n, 1, hi[:, 1], 1, 1))
+    bias[0][~starts] = 0
+    bias[1][~starts] = 0
     found = {
         "input": inputs,
         "weights": weights,
         "b": bias,
-        "output": (lo, hi),
-        "output.delta": (lo, hi),
+        "output": output,
+        "output.delta": output,
         "input.delta": inputs,
         "weights.delta": weights,
         "b.delta": bias,
     }
     return {role: found[role] for role in dims}
-
-
-def _fan_in(dims: Mapping[str, tuple]) -> int:
-    """Inputs one output reads: C·H·W of a sample."""
-    _, c, h, w = dims["input"]
-    return c * h * w
 
 
 registry.register(
@@ -77,13 +89,13 @@ registry.register(
         "forward": {
             "access": _linear_rects,
             "box_map": _linear_boxes,
-            "flops": lambda attrs, dims: 2 * _fan_in(dims),
+            "flops": registry.per_element(2),  # a multiply-add per (output, input) pair
             "adapter": "linear.forward",
         },
         "backward": {
             "access": _linear_rects,
             "box_map": _linear_boxes,
-            "flops": lambda attrs, dims: backward_factor(attrs) * _fan_in(dims),
+            "flops": lambda attrs, dims: backward_factor(attrs),
             "adapter": "linear.backward",
         },
     },
@@ -92,6 +104,7 @@ registry.register(
     packed_role=None,
     owner_role=None,
     passes=None,
+    sums_over=3,
 )
 
 
@@ -120,7 +133,8 @@ class Linear(Layer):
         )
         dims = (ctx.batch, self.out, 1, 1)
         y = ctx.tensor(f"{stem}.output", dims, "activation")
-        space = Rect.from_dims(dims)
+        result = Rect.from_dims(dims)
+        space = Rect.from_dims(dims + tuple(shape))  # the output × the dims it sums over
         inputs = [("input", x, R_), ("weights", weights, R_)]
         if bias:
             inputs.append(("b", bias, R_))
@@ -132,6 +146,7 @@ class Linear(Layer):
             inputs + [("output", y, W_)],
             self.name,
             dist_roles=("input",),
+            result=result,
         )
 
         def backward() -> None:
@@ -151,6 +166,7 @@ class Linear(Layer):
                 self.name,
                 {"need_dx": need_dx},
                 dist_roles=("input",),
+                result=result,
             )
             ctx.update(weights, f"update_W{index}", self.name)
             if bias:

@@ -43,6 +43,7 @@ registry.register(
     packed_role=None,
     owner_role=None,
     passes=None,
+    sums_over=0,
 )
 
 

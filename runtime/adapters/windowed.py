@@ -46,10 +46,12 @@ def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
     if task.attrs["need_dx"]:
         dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
         out["input.delta"] = layout.unpack_activations(dxp)
-    channels = task.attrs.get("channels")
+    grad = views.get("filters.delta")
+    if grad is None:  # the sparse update's channels lie outside this piece's
+        return out
+    channels = _piece_channels(task, piece)
     window = tuple(task.attrs["kernel"])
     untied = task.attrs["untied"]
-    grad = views["filters.delta"]
     if filter_packed.accumulates_in_place(grad):  # a reduction done by the kernel, in place
         filter_packed.backward_filter_packed(
             dyp,
@@ -58,15 +60,25 @@ def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
             stride,
             pads,
             untied,
-            channels and tuple(channels),
+            channels,
             out=grad,
             accumulate=True,
         )
     else:  # a sub-block of input channels: reduce through a temporary of its size
         out["filters.delta"] = filter_packed.backward_filter_packed(
-            dyp, xp, window, stride, pads, untied, channels and tuple(channels)
+            dyp, xp, window, stride, pads, untied, channels
         )
     return out
+
+
+def _piece_channels(task, piece: Rect) -> tuple[int, int] | None:
+    """The sparse update's input channels (`channels`) within the piece's, counted from the
+    piece's first: its views hold input channels [piece.lo[4], piece.hi[4])."""
+    channels = task.attrs.get("channels")
+    if channels is None:
+        return None
+    first, last = piece.lo[4], piece.hi[4]
+    return (max(channels[0], first) - first, min(channels[1], last) - first)
 
 
 @adapter("filter.forward")
