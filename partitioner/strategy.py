@@ -25,7 +25,8 @@ The built-in strategies:
   the unit has them, else the batch.
 
 Each uses as many ranks as the extents allow (at most R; a 256-sample batch on 1024 ranks uses 256).
-A user-given grid must cut the unit into exactly R non-empty pieces along splittable dims. It may
+A user-given grid must cut the unit into exactly R non-empty pieces along splittable dims (or as
+many as their extents allow, where that is fewer: evaluate's accuracy is one piece). It may
 name the dims the unit's reducer sums over after its output dims (a linear unit's grid is over
 (N, M, 1, 1, C, H, W), a filter's over (N, K, P, Q, C); see `reduction_split`), or give the output
 dims alone, leaving the sums whole.
@@ -229,12 +230,15 @@ def builtin_grid(unit: Unit, strategy: str, nranks: int) -> Grid:
 
 
 def check_grid(unit: Unit, grid: Grid, nranks: int, given: Grid | None = None) -> None:
-    """A user-given grid must cut `unit` into exactly `nranks` non-empty pieces; errors quote
+    """A user-given grid must cut `unit` into exactly `nranks` non-empty pieces (fewer where its
+    splittable extents allow no more); errors quote
     it as `given` (the output dims alone, when the user left out the reduction dims)."""
     shown = list(given if given is not None else grid)
     if len(grid) != len(unit.extents):
         outputs = len(unit.extents) - len(unit.summed)
-        also = f" (the first {outputs} its output's; give those alone or all)" if unit.summed else ""
+        also = (
+            f" (the first {outputs} its output's; give those alone or all)" if unit.summed else ""
+        )
         raise LegionNNError(
             f"grid {shown} for {unit.name} has {len(grid)} dims; its space "
             f"{list(unit.extents)} has {len(unit.extents)}{also}"
@@ -250,10 +254,12 @@ def check_grid(unit: Unit, grid: Grid, nranks: int, given: Grid | None = None) -
                 f"grid {shown} for {unit.name}: dim {d} cannot be split "
                 f"(splittable dims: {list(unit.splittable)})"
             )
-    if cells(grid) != nranks:
+    most = cells(tuple(unit.extents[d] for d in unit.splittable))
+    if cells(grid) != min(nranks, most):
+        why = "(one per rank)" if most >= nranks else "(as many as its extents allow)"
         raise LegionNNError(
-            f"grid {shown} for {unit.name} makes {cells(grid)} pieces, not {nranks} "
-            f"(one per rank)"
+            f"grid {shown} for {unit.name} makes {cells(grid)} pieces, not "
+            f"{min(nranks, most)} {why}"
         )
 
 

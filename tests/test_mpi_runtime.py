@@ -205,6 +205,52 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(nranks))
 
 
+MLP = str(Path(__file__).parent / "fixtures" / "mlp_small.json")
+
+
+@pytest.fixture(scope="module")
+def mlp_single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mlp")
+    result = subprocess.run(
+        legion_nn("train", MLP, *TRAIN, "--steps", "4", "--log-json", str(out / "log.jsonl")),
+        capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return losses(out / "log.jsonl")
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_a_row_parallel_plan_equals_one_process(mlp_single, tmp_path, launcher, nranks):
+    """Megatron's MLP block, column then row (fc1 split over its outputs, fc2 over its inputs:
+    partial sums reduce-scattered over the batch), from a strategy file naming fc2's summed
+    dims."""
+    grids = tmp_path / "grids.json"
+    grids.write_text(
+        json.dumps(
+            {
+                "grids": {
+                    "fc1": [1, nranks, 1, 1],
+                    "act": [1, nranks, 1, 1],
+                    "fc2.linear2": [1, 1, 1, 1, nranks, 1, 1],
+                    "fc2.softmax": [nranks, 1, 1, 1],
+                    "fc2.evaluate.accuracy": [1],
+                }
+            }
+        )
+    )
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        nranks, "train", MLP, *TRAIN, "--steps", "4", "--strategy", str(grids),
+        "--log-json", str(log), launcher=launcher,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(losses(log), mlp_single, rtol=1e-9)
+    steps = [r for r in records(log) if "step" in r]
+    assert len(steps) == 4 * nranks
+    for record in steps:
+        assert record["bytes_sent"] == record["bytes_planned"] > 0, record
+
+
 def assert_ends_naming(result: subprocess.CompletedProcess, started: float, pattern: str) -> None:
     """The job failed within 30 s, a line of ours matches `pattern`, and a rank's death is named
     only where one was killed (a signal, not an error or a stall)."""
