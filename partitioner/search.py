@@ -18,10 +18,12 @@ different grids are priced dim by dim (`grid_loads.py`, `grid_combine.py`), not 
 the transitions then finds the cheapest assignment of grids under the cost model.
 
 Not every transition is priced. `UnitPricer.bound(i, q)` is a lower bound on unit i's row on
-grid q whatever its predecessor's grid (the row without the messages that depend on that grid).
-The transitions of the three built-in strategies (data, model, spatial) are priced first,
-whatever the time limit; then the DP values each unpriced transition at its bound, the
-transitions of its cheapest assignment are priced, and so on until that assignment needs no
+grid q whatever its predecessor's grid (the row without the messages that depend on that grid),
+and `UnitPricer.compute_bound(i, q)` (its computation alone) a weaker one that costs almost
+nothing. The transitions of the three built-in strategies (data, model, spatial) are priced
+first, whatever the time limit; then the DP values each unpriced transition at its bound (the
+weaker one until the row's bound was needed), the transitions of its cheapest assignment get
+their row's bound or, already having it, their price, and so on until that assignment needs no
 unpriced transition: it is then the cheapest under the exact prices too (every bound is below
 its price), so the DP is exact ("exact DP over all family pairs"). On vgg19 at 1024 ranks it
 prices 269 of the 766 transitions. When the time limit (checked between rounds) runs out first,
@@ -53,6 +55,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise, product
+
+import numpy as np
 
 from legion_nn.graph import TaskGraph
 from partitioner.accounting import fits
@@ -242,10 +246,16 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     constant = pricer.constant().memory
     capacity = pricer.machine.memory_bytes
 
+    predecessors = [[None]] + grids[:-1]
+    lower: list[np.ndarray] = []  # per unit, the lazy DP's values by (predecessor's, own grid)
+
     def price(key: Transition) -> None:
         if key not in table:
             table[key] = found = pricer.transition(*key)
             fits[key] = bool((constant + found.memory).max(initial=0) <= capacity)
+            if lower:
+                i, p, q = key
+                lower[i][predecessors[i].index(p), grids[i].index(q)] = seconds(key)
 
     def family_pair(x: str, y: str) -> None:
         for i in range(len(units)):
@@ -257,24 +267,38 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
             return None
         return table[key].seconds if fits[key] else INF
 
-    def best_path(value) -> list[Grid] | None:
-        """The assignment of grids minimising the sum of `value(transition)`."""
-        layer = {q: (value((0, None, q)), [q]) for q in grids[0]}
-        for i in range(1, len(units)):
-            layer = {
-                q: min(
-                    ((c + value((i, p, q)), path) for p, (c, path) in layer.items()),
-                    key=lambda item: item[0],
-                )
-                for q in grids[i]
-            }
-            layer = {q: (c, path + [q]) for q, (c, path) in layer.items()}
-        c, path = min(layer.values(), key=lambda item: item[0])
-        return None if c == INF else path
+    def values(value) -> list[np.ndarray]:
+        """`value(transition)` of every transition, per unit a (predecessor's, own) matrix."""
+        return [
+            np.array([[value((i, p, q)) for q in grids[i]] for p in predecessors[i]])
+            for i in range(len(units))
+        ]
 
-    def bounded(key: Transition) -> float:
-        found = seconds(key)
-        return pricer.bound(key[0], key[2]) if found is None else found
+    def best_path(matrices: list[np.ndarray]) -> list[Grid] | None:
+        """The assignment of grids minimising the sum of the transitions' values (`values`);
+        on ties the first predecessor's and the first grid, in their families' order."""
+        cost = matrices[0][0]
+        back = []
+        for matrix in matrices[1:]:
+            total = cost[:, None] + matrix
+            best = total.argmin(axis=0)
+            cost = total[best, np.arange(total.shape[1])]
+            back.append(best)
+        chosen = [int(cost.argmin())]
+        if cost[chosen[0]] == INF:
+            return None
+        for best in reversed(back):
+            chosen.append(int(best[chosen[-1]]))
+        return [grids[i][k] for i, k in enumerate(reversed(chosen))]
+
+    refined: set[tuple[int, Grid]] = set()  # (unit, grid) whose `bound` replaced its compute_bound
+
+    def refine(i: int, q: Grid) -> None:
+        refined.add((i, q))
+        k = grids[i].index(q)
+        for row, p in enumerate(predecessors[i]):
+            if (i, p, q) not in table:
+                lower[i][row, k] = pricer.bound(i, q)
 
     def exact(key: Transition) -> float:
         found = seconds(key)
@@ -288,15 +312,23 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     # Price lazily: a transition not yet priced counts at its lower bound; the cheapest
     # assignment under those values has its transitions priced, until it needs none unpriced.
     # It is then the cheapest under the exact values too, as every bound is below its price.
+    lower.extend(
+        values(
+            lambda key: pricer.compute_bound(key[0], key[2]) if key not in table else seconds(key)
+        )
+    )
     proven = False
     while time.monotonic() <= deadline:
-        path = best_path(bounded)
+        path = best_path(lower)
         missing = [] if path is None else [k for k in keys(path) if k not in table]
         if not missing:
             proven = True
             break
-        for key in missing:
-            price(key)
+        for key in missing:  # a bound a step tighter: the row's, then its price
+            if (key[0], key[2]) in refined:
+                price(key)
+            else:
+                refine(key[0], key[2])
 
     def cost(path: list[Grid]) -> tuple[float, bool]:
         rows = [table[key] for key in keys(path)]
@@ -308,7 +340,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         for f in FAMILIES
         if all(k in table for k in keys([grid_of[(i, f)] for i in range(len(units))]))
     ]
-    candidates = [path for path in [best_path(exact)] if path is not None]
+    candidates = [path for path in [best_path(values(exact))] if path is not None]
     if not candidates or not cost(candidates[0])[1]:
         # the fastest assignment does not fit: price what is left, then trade seconds for
         # memory, row by row
@@ -320,7 +352,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         scale = max((r.seconds for r in table.values()), default=1.0) / max(capacity, 1.0)
         for k in range(-8, 40):
             penalty = scale * 2.0**k
-            path = best_path(lambda key, w=penalty: exact(key) + w * peak.get(key, 0.0))
+            path = best_path(values(lambda key, w=penalty: exact(key) + w * peak.get(key, 0.0)))
             if path is not None and cost(path)[1]:
                 candidates.append(path)
                 break
