@@ -264,3 +264,50 @@ def test_the_example_mlp_spec_is_the_issues():
     assert [layer.get("out") for layer in spec["layers"][::2][:2]] == [16384, 4096]
     graph = load_spec(ROOT / "examples" / "megatron-mlp.json").lower(batch=2)
     assert np.prod(graph.tensors["fc1.weights1"].dims) == 4096 * 16384
+
+
+def test_reduction_splits_are_seen_in_the_table_the_render_and_the_maps():
+    from partitioner.report import report_json, table
+    from visualize.partition_dot import partition_graphviz
+    from visualize.partition_map import partition_maps
+
+    graph = mlp().lower(batch=4)
+    grids = {
+        "fc1": (1, 2, 1, 1, 1, 1, 1),
+        "act": (1, 2, 1, 1),
+        "fc2.linear2": (1, 1, 1, 1, 2, 1, 1),
+    }
+    plan = build_plan(graph, strategy(graph, 2, **grids), 2)
+    report = report_json(graph, plan, plan_cost(graph, plan, MACHINE), None)
+    rows = {row["layer"]: row for row in report["layers"]}
+    assert rows["fc2.linear2"]["grid"] == [1, 1, 1, 1, 2, 1, 1]
+    assert rows["fc2.linear2"]["summed_dims"] == 3 and rows["act"]["summed_dims"] == 0
+    assert "fc2.linear2                    1×1×1×1 Σ2×1×1" in table(report)
+    assert "fc1                            1×2×1×1 " in table(report)  # its sums stay whole
+    source = partition_graphviz(graph, plan, collapse="layer").source
+    assert "grid 1×1×1×1 Σ2×1×1" in source and "reduce_scatter" not in source  # 2 ranks: p2p
+    maps = {m.unit: m for m in partition_maps(graph, plan)}
+    assert maps["fc2.linear2"].grid == "1×1×1×1 Σ2×1×1"
+    # the output is owned where its sums land (split over the batch), the weights by input
+    output = maps["fc2.linear2"].output[0]
+    assert sorted(owners for _, owners in output.regions) == [(0,), (1,)]
+
+
+def test_verify_plan_rejects_sums_that_land_twice():
+    from dataclasses import replace
+
+    from partitioner.plan import TaskPlan
+
+    graph = mlp().lower(batch=4)
+    plan = build_plan(graph, strategy(graph, 2, **{"fc2.linear2": (1, 1, 1, 1, 2, 1, 1)}), 2)
+    index = plan.tasks.index(task_plan(plan, "fc2.linear2"))
+    old = plan.tasks[index]
+    (pieces,) = old.piece_sets
+    (j, ranks, lo, hi) = pieces.sums[0]
+    whole = (j, ranks, np.zeros_like(lo), np.tile(hi.max(axis=0), (len(hi), 1)))
+    twice = replace(pieces, sums=(whole,))
+    plan.tasks[index] = TaskPlan(
+        old.task, old.unit, old.grid, [twice], old.transfer_set, old.reductions, old.holdings
+    )
+    with pytest.raises(VerifyError, match=r"the sums of fc2.linear2.output\): two pieces overlap"):
+        verify_plan(graph, plan)
