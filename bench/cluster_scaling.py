@@ -14,6 +14,11 @@ network (at its batch):
    the same cluster, timed as `bench scaling` times its jobs (`best_jobs`: at least a second of
    steps, the best of `repeat` runs taken round-robin, a step being its slowest rank's).
 
+A strategy is a built-in's name (`data`, `model`, `spatial`, `auto`) or a strategy file of grids,
+`{"grids": {unit: [parts, ...]}}` (`--strategies data,rows.json`): the file is read and resolved
+by `partitioner.resolve`, as `partition --strategy FILE` and `train --strategy FILE` resolve it,
+and its rows are labelled by the file's stem (`rows` for `rows.json`).
+
 The rows give both, their error, the bytes a step sends and which plan auto chose; the plot puts
 step time against the link's bandwidth, one colour per strategy, predicted lines and measured
 points, so that it shows where data parallelism stops paying.
@@ -35,8 +40,8 @@ from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine, load_machine
 from partitioner.plan import build_plan
-from partitioner.search import auto
-from partitioner.strategy import STRATEGY_NAMES, builtin
+from partitioner.resolve import check_strategy_name, read_grids, resolve_strategy
+from partitioner.strategy import STRATEGY_NAMES
 from runtime import cluster
 from runtime.step_simulator import step_prediction
 
@@ -46,6 +51,53 @@ STRATEGIES = STRATEGY_NAMES
 ONE_HOST = "one host"
 #: auto's search on the benchmark's machine: the same limit `train` gives it
 SEARCH_SECONDS = 30.0
+
+
+def strategy_label(strategy: str) -> str:
+    """A strategy's name in the rows: a built-in's own, a strategy file's stem."""
+    return strategy if strategy in STRATEGY_NAMES else Path(strategy).stem
+
+
+def parse_strategies(text: str) -> list[str]:
+    """`--strategies data,model,rows.json`: built-ins' names and strategy files, in order, each
+    file as an absolute path (the jobs run `train` from the hosts); a name that is neither, a
+    file that is missing or not a strategy file, or two with one label (`a/rows.json` and
+    `b/rows.json`, or a file `data.json`) is one line."""
+    strategies = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            check_strategy_name(item)
+        except LegionNNError as exc:
+            raise LegionNNError(f"--strategies: {str(exc).removeprefix('--strategy: ')}") from None
+        if item not in STRATEGY_NAMES:
+            read_grids(item)  # a missing or malformed file fails here, before any cluster
+            item = str(Path(item).resolve())
+        strategies.append(item)
+    if not strategies:
+        raise LegionNNError(f"--strategies: no strategy in {text!r}")
+    labels = [strategy_label(s) for s in strategies]
+    for label in labels:
+        if labels.count(label) > 1 or label == ONE_HOST:
+            raise LegionNNError(
+                f"--strategies: two strategies would share the label {label!r} in the table"
+                if label != ONE_HOST
+                else f"--strategies: {label!r} names the one-host row"
+            )
+    return strategies
+
+
+def check_strategies(
+    cases: Sequence[tuple[str, int]], ranks: int, strategies: Sequence[str]
+) -> None:
+    """Each strategy file's grids fit each network on `ranks` ranks (`partition --strategy FILE`
+    would take them): checked before any cluster comes up, not after minutes of measuring."""
+    files = [s for s in strategies if s not in STRATEGY_NAMES]
+    for network, batch in cases if files else ():
+        graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+        for path in files:
+            resolve_strategy(graph, path, ranks, Machine(), SEARCH_SECONDS)
 
 
 def _cli(*args: str) -> list[str]:
@@ -68,15 +120,11 @@ def measure_machine(name: str, ranks: int, network: str, batch: int, path: Path)
 
 def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machine) -> dict:
     """The step `partition --machine` predicts (simulated), its bulk-synchronous sum, and for
-    auto the families it chose."""
+    auto the families it chose; `strategy` is what `partition --strategy` takes (a built-in,
+    auto or a strategy file), resolved as it resolves it."""
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
-    chosen = ""
-    if strategy == "auto":
-        result = auto(graph, ranks, machine, SEARCH_SECONDS)
-        plan_strategy = result.strategy
-        chosen = ",".join(sorted({c.family for c in result.choices}))
-    else:
-        plan_strategy = builtin(graph, strategy, ranks)
+    plan_strategy, why = resolve_strategy(graph, strategy, ranks, machine, SEARCH_SECONDS)
+    chosen = ",".join(sorted({c["family"] for c in why})) if why else ""
     plan = build_plan(graph, plan_strategy, ranks)
     cost = plan_cost(graph, plan, machine)
     step = step_prediction(graph, plan, machine, cost.step_seconds)
@@ -100,6 +148,7 @@ def run_cluster_scaling(
 ) -> dict:
     say = progress or (lambda line: None)
     ranks = ranks or hosts
+    check_strategies(cases, ranks, strategies)
     rates = [(link, cluster.parse_rate(link)) for link in links]
     rows, machines = [], []
     one_host: dict[tuple[str, int], object] = {}
@@ -110,8 +159,9 @@ def run_cluster_scaling(
             made = cluster.up(name, hosts, bits)
             try:
                 launch = _cli("cluster", "run", "--on", name, "-n", str(ranks), "--")
-                for network, batch in cases:
-                    where = Path(tmp) / f"{link}-{network}"
+                for case, (network, batch) in enumerate(cases):
+                    # a network may be a spec file's path
+                    where = Path(tmp) / f"{link}-{case}-{Path(network).stem}"
                     where.mkdir()
                     say(f"{network} batch {batch}: bench machine on {ranks} ranks")
                     machine_file = where / "machine.json"
@@ -129,7 +179,8 @@ def run_cluster_scaling(
                         }
                         for strategy in strategies
                     ]  # fmt: skip
-                    labels = list(strategies)
+                    labels = [strategy_label(s) for s in strategies]
+                    named = dict(zip(labels, strategies))
                     if (network, batch) not in one_host:
                         # no link in it: measured once, on the first cluster
                         labels.append(ONE_HOST)
@@ -146,15 +197,17 @@ def run_cluster_scaling(
                         jobs.append(one_host[network, batch])
                     for label, job in zip(labels, jobs):
                         count = 1 if label == ONE_HOST else ranks
+                        strategy = "data" if label == ONE_HOST else named[label]
                         row = {
                             "link": link, "link_bits": bits, "network": network,
                             "batch": batch, "hosts": hosts, "ranks": count,
                             "strategy": label,
                         }  # fmt: skip
+                        if strategy not in STRATEGY_NAMES:
+                            row["strategy_file"] = strategy
                         if isinstance(job, LegionNNError):
                             rows.append(row | {"failed": str(job).split(": ", 2)[-1]})
                             continue
-                        strategy = "data" if label == ONE_HOST else label
                         predicted = predict(network, batch, count, strategy, machine)
                         rows.append(
                             row
@@ -180,15 +233,21 @@ def run_cluster_scaling(
 
 
 def format_table(report: dict) -> str:
+    # a strategy file's stem, or a network's spec file, may be longer than the built-ins' names
+    width = max([8, *(len(row["strategy"]) for row in report["results"])])
+    wide = max([16, *(len(row["network"]) for row in report["results"])])
     lines = [
         f"{report['hosts']} emulated hosts, {report['ranks']} ranks",
         (
-            f"{'link':>9s} {'network':16s} {'batch':>5s} {'strategy':8s} {'measured':>10s} "
-            f"{'predicted':>10s} {'error':>7s} {'bytes/step':>14s}  auto chose"
+            f"{'link':>9s} {'network':{wide}s} {'batch':>5s} {'strategy':{width}s} "
+            f"{'measured':>10s} {'predicted':>10s} {'error':>7s} {'bytes/step':>14s}  auto chose"
         ),
     ]
     for row in report["results"]:
-        head = f"{row['link']:>9s} {row['network']:16s} {row['batch']:5d} {row['strategy']:8s}"
+        head = (
+            f"{row['link']:>9s} {row['network']:{wide}s} {row['batch']:5d} "
+            f"{row['strategy']:{width}s}"
+        )
         if "failed" in row:
             lines.append(f"{head} failed: {row['failed']}")
             continue

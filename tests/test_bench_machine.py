@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from legion_nn.cli import main
+from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.machine import load_machine
 from partitioner.piece_times import task_piece_times
@@ -90,6 +91,17 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
         (["scaling", "--hosts", "2", "--link", "1gbit", "--batch", "8"], "--network"),
         (["kernels", "--link", "1gbit"], "--link"),
         (["scaling", "--network", "seed-lcn"], "--network"),
+        (["scaling", "--strategies", "data"], "--strategies"),
+        (
+            ["scaling", "--hosts", "2", "--link", "1gbit", "--strategies", "data,diagonal"],
+            "--strategies: unknown strategy 'diagonal'",
+        ),
+        (["scaling", "--hosts", "2", "--link", "1gbit", "--strategies", " , "], "--strategies"),
+        (
+            ["scaling", "--hosts", "2", "--link", "1gbit", "--strategies", "data,missing.json"],
+            "missing.json: No such file",
+        ),
+        (["scaling", "--hosts", "2", "--link", "1gbit", "--strategies", "auto,auto"], "'auto'"),
     ],
 )
 def test_bad_benchmark_arguments_are_one_line(argv, names, capsys):
@@ -143,3 +155,115 @@ def test_the_cluster_table_and_figure_put_auto_against_the_best_and_one_host_apa
     one_host = next(line for line in ax.lines if line.get_label().endswith("measured") and
                     line.get_label().startswith("one rank"))  # fmt: skip
     assert list(one_host.get_ydata()) == [0.009, 0.009]
+
+
+# --- `bench scaling --hosts --strategies`: strategy files beside the built-ins ----------------
+
+MLP = str(ROOT / "examples" / "megatron-mlp.json")
+COLUMN_ROW = ROOT / "examples" / "megatron-col-row-2.json"
+SPATIAL_ROW = ROOT / "examples" / "lcn-spatial-row-2.json"
+#: a hand-written machine file: the four keys
+MACHINE = {"rank_gflops": 50.0, "link_gbytes_per_s": 0.125, "latency_us": 60.0,
+           "rank_memory_gib": 12.0}  # fmt: skip
+
+
+def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monkeypatch):
+    from bench.cluster_scaling import parse_strategies, strategy_label
+
+    monkeypatch.chdir(ROOT)
+    strategies = parse_strategies(" data, examples/megatron-col-row-2.json ,auto")
+    # a file travels as an absolute path: the jobs run `train` from the cluster's hosts
+    assert strategies == ["data", str(COLUMN_ROW), "auto"]
+    assert [strategy_label(s) for s in strategies] == ["data", "megatron-col-row-2", "auto"]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rows.json").write_text(COLUMN_ROW.read_text())
+    with pytest.raises(LegionNNError, match="share the label 'rows'"):
+        parse_strategies(f"{tmp_path / 'a' / 'rows.json'},{tmp_path / 'b' / 'rows.json'}")
+    (tmp_path / "data.json").write_text(COLUMN_ROW.read_text())
+    with pytest.raises(LegionNNError, match="share the label 'data'"):
+        parse_strategies(f"data,{tmp_path / 'data.json'}")
+    (tmp_path / "bad.json").write_text('{"L0": [2, 1, 1, 1]}')
+    with pytest.raises(LegionNNError, match='bad.json: a strategy file is {"grids"'):
+        parse_strategies(str(tmp_path / "bad.json"))
+
+
+def test_a_strategy_file_that_does_not_fit_the_network_fails_before_any_cluster(capsys):
+    """The MLP's units are not seed-lcn-small's: one line naming the file, no cluster brought up
+    (the check comes before `cluster.require`)."""
+    argv = ["bench", "scaling", "--hosts", "2", "--link", "1gbit", "--network", "seed-lcn-small",
+            "--strategies", f"data,{COLUMN_ROW}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "megatron-col-row-2.json: " in err
+
+
+@pytest.mark.parametrize(
+    "network,batch,path",
+    [(MLP, 8, COLUMN_ROW), ("seed-lcn-small", 16, SPATIAL_ROW)],
+    ids=["mlp-column-row", "lcn-spatial-row"],
+)
+def test_a_strategy_file_is_predicted_as_partition_predicts_it(network, batch, path, tmp_path):
+    """`bench scaling --hosts` prices a strategy file as `partition --strategy FILE --machine F`
+    does: the same step, the same bytes."""
+    from bench.cluster_scaling import predict
+    from partitioner.machine import load_machine
+
+    machine_file = tmp_path / "machine.json"
+    machine_file.write_text(json.dumps(MACHINE))
+    report = tmp_path / "partition.json"
+    argv = ["partition", network, "--batch", str(batch), "--ranks", "2", "--strategy", str(path),
+            "--machine", str(machine_file), "--json", str(report)]  # fmt: skip
+    assert main(argv) == 0
+    expected = json.loads(report.read_text())
+    predicted = predict(network, batch, 2, str(path), load_machine(str(machine_file)))
+    assert predicted["predicted_s"] == pytest.approx(expected["predicted_step_seconds"], rel=1e-12)
+    assert predicted["bytes_planned"] == expected["bytes_sent_total"]
+    assert predicted["auto_chose"] == ""
+    # a reduction split, not the built-ins' plans: fewer bytes than model's
+    model = predict(network, batch, 2, "model", load_machine(str(machine_file)))
+    assert predicted["bytes_planned"] < model["bytes_planned"]
+
+
+def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_stem(
+    monkeypatch, tmp_path
+):
+    """`run_cluster_scaling` with the cluster, `bench machine` and the jobs faked: `train` gets
+    the file's path, the rows its stem, and the prediction is `predict`'s for the file."""
+    from bench import cluster_scaling
+    from bench.cluster_scaling import ONE_HOST, format_table, predict
+    from bench.jobs import Job
+    from partitioner.machine import Machine, load_machine
+
+    def fake_up(name, hosts, bits):
+        return type("Made", (), {"name": name})()
+
+    def fake_machine(name, ranks, network, batch, path):
+        path.write_text(json.dumps(MACHINE))
+        return load_machine(str(path))
+
+    ran = []
+
+    def fake_jobs(specs, repeat, work, say):
+        ran.extend(specs)
+        return [Job(s["network"], s["batch"], s["ranks"], s["strategy"], 0.5, 1000, {})
+                for s in specs]  # fmt: skip
+
+    monkeypatch.setattr(cluster_scaling.cluster, "up", fake_up)
+    monkeypatch.setattr(cluster_scaling.cluster, "down", lambda name: [])
+    monkeypatch.setattr(cluster_scaling, "measure_machine", fake_machine)
+    monkeypatch.setattr(cluster_scaling, "best_jobs", fake_jobs)
+    strategies = ["data", str(COLUMN_ROW)]
+    report = cluster_scaling.run_cluster_scaling(2, ["1gbit"], 2, [(MLP, 8)], strategies)
+    assert [s["strategy"] for s in ran] == ["data", str(COLUMN_ROW), "data"]
+    assert [s["ranks"] for s in ran] == [2, 2, 1]
+    rows = report["results"]
+    assert [r["strategy"] for r in rows] == ["data", "megatron-col-row-2", ONE_HOST]
+    assert rows[1]["strategy_file"] == str(COLUMN_ROW) and "strategy_file" not in rows[0]
+    expected = predict(MLP, 8, 2, str(COLUMN_ROW), Machine(**MACHINE))
+    assert rows[1]["predicted_s"] == pytest.approx(expected["predicted_s"], rel=1e-12)
+    assert rows[1]["bytes_planned"] == expected["bytes_planned"]
+    table = format_table(report).splitlines()
+    assert table[3].split()[:4] == ["1gbit", MLP, "8", "megatron-col-row-2"]
+    # the columns line up under the longer label and network
+    assert table[1].index("measured") + len("measured") == table[3].index("0.5000s") + 7

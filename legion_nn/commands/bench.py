@@ -4,7 +4,8 @@
 - `scaling`: training steps under `mpiexec` on 1, 2 and 4 ranks for each strategy, measured
   beside the cost model's calibrated prediction (see `bench.scaling`); with `--hosts H
   --link RATE[,RATE...]`, on an emulated cluster, predicted from the machine file `bench machine`
-  measured there (`bench.cluster_scaling`);
+  measured there (`bench.cluster_scaling`), for the built-in strategies or `--strategies` (names
+  and strategy files of grids);
 - `machine`: run under `mpiexec` or `legion-nn cluster run`, it measures the machine file a plan
   is costed on (`bench.machine`).
 """
@@ -80,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scaling --hosts: ranks across the hosts (default: one per host)",
     )
     parser.add_argument(
+        "--strategies",
+        metavar="S[,S...]",
+        help="scaling --hosts: the strategies to run, built-ins (data, model, spatial, auto) and/or "
+        'strategy files {"grids": {unit: [..]}} as partition --strategy takes them, a file\'s rows '
+        "labelled by its stem (default: data,model,spatial,auto)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="F",
         help="scaling --hosts: write the step time against link bandwidth figure to F (png, svg, pdf)",
@@ -142,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "scaling" and args.hosts is not None:
         return _cluster_scaling(args, say)
     for flag, value in (("--hosts", args.hosts), ("--link", args.link), ("--ranks", args.ranks),
-                        ("--plot", args.plot), ("--network", args.network)):  # fmt: skip
+                        ("--plot", args.plot), ("--network", args.network),
+                        ("--strategies", args.strategies)):  # fmt: skip
         if value is not None:
             needs = "--hosts" if flag != "--hosts" else "scaling"
             raise LegionNNError(f"{flag} is for bench scaling --hosts, not bench {args.suite}"
@@ -225,9 +234,13 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
         if args.batch is not None:
             raise LegionNNError("--batch with scaling --hosts needs --network")
         cases = bench_cluster.DEFAULT_CASES
+    strategies = bench_cluster.STRATEGIES
+    if args.strategies is not None:
+        strategies = bench_cluster.parse_strategies(args.strategies)
+        bench_cluster.check_strategies(cases, args.ranks or args.hosts, strategies)
     cluster.require()
     report = bench_cluster.run_cluster_scaling(
-        args.hosts, links, args.ranks, cases, steps=args.steps, progress=say
+        args.hosts, links, args.ranks, cases, strategies, steps=args.steps, progress=say
     )
     print(bench_cluster.format_table(report), end="")
     if args.json:
