@@ -2,10 +2,11 @@
 
 Each unit is offered the same few *families* of grids: `data`, `model`, `spatial`, the mixtures
 `batch2×model`, `channels4×spatial`, `batch4×spatial`, and the reduction splits (`reduction_split`)
-`row` (the dims the unit's reducer sums over: a linear layer's input features, Megatron's
-row-parallel linear, or a filter's input channels) with its mixtures `batch2×row` and
-`batch4×row` (a family a unit cannot take falls back to its batch split); families giving a unit
-the same grid count once.
+`row` (the first dim the unit's reducer sums over, the input channels: Megatron's row-parallel
+linear, or a filter split over its input channels), `row-spatial` (a linear layer's summed input
+rows and columns, matching a spatially split predecessor) and the mixture `batch4×row` (a family
+a unit cannot take falls back to its batch split); families giving a unit the same grid count
+once.
 
 On a chain (`coupling.is_chain`; the Network API lowers to chains) a unit's table row (its tasks,
 their transfers and reductions, its parameters' updates) costs what it costs because of two grids
@@ -85,7 +86,7 @@ FAMILIES = BUILTIN + (
     "channels4×spatial",
     "batch4×spatial",
     "row",
-    "batch2×row",
+    "row-spatial",
     "batch4×row",
 )
 #: the dims a unit's reducer sums over, in a mixture (see `reduction_split`)
@@ -94,7 +95,6 @@ _MIXTURES = {
     "batch2×model": ((0,), 2, (1,)),
     "channels4×spatial": ((1,), 4, (2, 3)),
     "batch4×spatial": ((0,), 4, (2, 3)),
-    "batch2×row": ((0,), 2, SUMMED),
     "batch4×row": ((0,), 4, SUMMED),
 }
 
@@ -104,6 +104,8 @@ def family_grid(unit: Unit, family: str, nranks: int) -> Grid:
         return builtin_grid(unit, family, nranks)
     if family == "row":
         return _row_grid(unit, nranks) or builtin_grid(unit, "data", nranks)
+    if family == "row-spatial":
+        return _row_spatial_grid(unit, nranks) or builtin_grid(unit, "data", nranks)
     first, parts, rest = _MIXTURES[family]
     if rest == SUMMED:
         rest = tuple(d for d in unit.summed if d in unit.splittable)
@@ -114,6 +116,16 @@ def family_grid(unit: Unit, family: str, nranks: int) -> Grid:
     tail = _row_grid(unit, nranks // parts) if family.endswith("row") else None
     tail = tail or balanced(unit.extents, rest, nranks // parts)
     return tuple(max(a, b) for a, b in zip(head, tail))
+
+
+def _row_spatial_grid(unit: Unit, nranks: int) -> Grid | None:
+    """A reduction split over the input's rows and columns (a linear layer's summed H, W), as
+    square as their extents allow: it keeps a spatially split predecessor's output where it is
+    made, as `row` keeps a channel-split one's. None where the unit sums over no such dims."""
+    dims = tuple(d for d in unit.summed[1:] if d in unit.splittable)
+    if not dims or all(unit.extents[d] == 1 for d in dims):
+        return None
+    return balanced(unit.extents, dims, nranks)
 
 
 def _row_grid(unit: Unit, nranks: int) -> Grid | None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
@@ -95,11 +96,27 @@ def param_of(graph: TaskGraph, tensor: str) -> str | None:
     base = tensor.removesuffix(".grad")
     if base != tensor and base in graph.tensors and graph.tensors[base].kind == "param":
         return base  # `<param>.grad`, in graphs with or without update tasks (imported ones)
-    for task in graph.tasks:
-        owner = record_of(task.op).owner_role
-        if owner is not None and any(r.tensor == tensor for r in task.requirements):
-            return task.requirement(owner).tensor
-    return None
+    return _owners(graph).get(tensor)
+
+
+#: per graph, the parameter owning each tensor an update task touches (`_owners`)
+_OWNERS: WeakKeyDictionary[TaskGraph, dict[str, str]] = WeakKeyDictionary()
+
+
+def _owners(graph: TaskGraph) -> dict[str, str]:
+    """Each tensor of a task with an owner role (an update), mapped to the first such task's
+    owner: made once per graph, as planners ask for hundreds of tensors."""
+    found = _OWNERS.get(graph)
+    if found is None:
+        found = {}
+        for task in graph.tasks:
+            owner = record_of(task.op).owner_role
+            if owner is not None:
+                param = task.requirement(owner).tensor
+                for req in task.requirements:
+                    found.setdefault(req.tensor, param)
+        _OWNERS[graph] = found
+    return found
 
 
 def is_homed(graph: TaskGraph, task: Task) -> bool:

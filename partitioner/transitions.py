@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from math import prod
 
 import numpy as np
 
@@ -305,11 +306,12 @@ class UnitPricer:
                 if self.unit_of[name] not in (i, None):
                     continue
                 task = self.graph.task(name)
-                # FLOPs by the grid's cells alone: no access map, no memory traffic (which
-                # only lengthens a task where the machine prices it)
-                ranks, lo, hi, _, _ = boxes.grid_cells(task.space, self.grid(name, {i: q}))
-                work = flops_per_element(task, self.graph) * boxes.volumes(lo, hi).astype(float)
-                flops = np.bincount(ranks, weights=work, minlength=self.nranks)
+                # the busiest rank's FLOPs from the grid alone, its largest cell (uneven splits
+                # are ceil-sized first): no access map, and no memory traffic (which only
+                # lengthens a task where the machine prices it)
+                grid = self.grid(name, {i: q})
+                largest = prod(-(-extent // parts) for extent, parts in zip(task.space.shape, grid))
+                flops = np.array([flops_per_element(task, self.graph) * float(largest)])
                 total += compute_time(task, flops, None, self.machine)
             return total
 
@@ -456,15 +458,22 @@ class UnitPricer:
         return self.machine.task_overhead  # no FLOPs and no bytes: `compute_time`'s overhead
 
     def _tensor_memory(self, unit: int | None, grids: Mapping[int, Grid]) -> np.ndarray:
-        """Bytes per rank of the layouts whose grids `unit`'s transition sets."""
-        n = self.nranks
-        memory = np.zeros(n, boxes.INDEX)
-        for tensor, writer in self.write_terms.get(unit, []):
-            key = ("write", writer, self.grid(writer, grids), tensor)
-            memory += self.layouts.volume(key, tensor)
-        for tensor in self.home_terms.get(unit, []):
-            memory += self.layouts.volume(self._home_key(tensor, grids), tensor)
-        return memory
+        """Bytes per rank of the layouts whose grids `unit`'s transition sets (kept by the
+        layouts' keys, which transitions sharing the unit's grid mostly share; read-only)."""
+        writes = tuple(
+            (("write", writer, self.grid(writer, grids), tensor), tensor)
+            for tensor, writer in self.write_terms.get(unit, [])
+        )
+        homes = tuple((self._home_key(t, grids), t) for t in self.home_terms.get(unit, []))
+
+        def make() -> np.ndarray:
+            memory = np.zeros(self.nranks, boxes.INDEX)
+            for key, tensor in writes + homes:
+                memory += self.layouts.volume(key, tensor)
+            memory.flags.writeable = False
+            return memory
+
+        return self._bounds.remember(("memory", writes, homes), make)
 
 
 #: a layout `UnitPricer.bound` cannot know (written or read on the predecessor's grid)

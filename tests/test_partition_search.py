@@ -166,13 +166,13 @@ def test_the_chosen_rows_are_what_the_plan_costs_and_fit_in_memory():
 
 
 def test_the_dp_keeps_to_assignments_that_fit_in_memory():
-    graph = load_network("seed-lcn-small").lower(batch=8)
-    fastest = step(graph, auto(graph, 6, MACHINE).strategy, 6)
-    pure = [step(graph, builtin(graph, n, 6), 6) for n in ("data", "model", "spatial")]
+    graph = load_network("seed-lcn-small").lower(batch=4)
+    fastest = step(graph, auto(graph, 8, MACHINE).strategy, 8)
+    pure = [step(graph, builtin(graph, n, 8), 8) for n in ("data", "model", "spatial")]
     fitting = [c for c in pure if c.memory_max < fastest.memory_max]
     assert fitting  # the fastest assignment needs more memory than some pure strategy
     tight = Machine(100, 12.5, 2, (fastest.memory_max - 1) / 2**30)
-    cost = step(graph, auto(graph, 6, tight).strategy, 6, tight)
+    cost = step(graph, auto(graph, 8, tight).strategy, 8, tight)
     assert cost.feasible
     assert fastest.step_seconds <= cost.step_seconds <= min(c.step_seconds for c in fitting)
 
