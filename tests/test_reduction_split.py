@@ -58,6 +58,18 @@ def strategy(graph, nranks: int, **grids) -> Strategy:
     return Strategy("custom", out)
 
 
+def column_then_row(graph, nranks: int) -> Strategy:
+    """Megatron's plan for `mlp`: fc1 (and its nonlinearity) split over its outputs, fc2 over its
+    inputs."""
+    return strategy(
+        graph,
+        nranks,
+        fc1=(1, nranks, 1, 1, 1, 1, 1),
+        act=(1, nranks, 1, 1),
+        **{"fc2.linear2": (1, 1, 1, 1, nranks, 1, 1)},
+    )
+
+
 def task_plan(plan, name: str):
     return next(tp for tp in plan.tasks if tp.task == name)
 
@@ -122,12 +134,7 @@ def test_a_row_parallel_linear_keeps_its_input_gradient_split_and_its_weight_gra
     activation never moves; fc2's backward fetches the output gradient whole (all-gather) and
     reduces into nothing another rank holds."""
     graph = mlp().lower(batch=4)
-    grids = {
-        "fc1": (1, 2, 1, 1, 1, 1, 1),
-        "act": (1, 2, 1, 1),
-        "fc2.linear2": (1, 1, 1, 1, 2, 1, 1),
-    }
-    plan = build_plan(graph, strategy(graph, 2, **grids), 2)
+    plan = build_plan(graph, column_then_row(graph, 2), 2)
     verify_plan(graph, plan)
     backward = task_plan(plan, "fc2.linear2.grad")
     assert not backward.reductions and not [t for t in backward.transfers if t.reduce]
@@ -197,13 +204,7 @@ def test_a_convolution_with_bias_split_over_input_channels_equals_one_process():
 
 def test_column_then_row_with_biases_equals_one_process():
     cfg = config(mlp(bias=True), batch=5)
-    grids = {
-        "fc1": (1, 3, 1, 1, 1, 1, 1),
-        "act": (1, 3, 1, 1),
-        "fc2.linear2": (1, 1, 1, 1, 3, 1, 1),
-    }
-    choose = lambda graph, n: strategy(graph, n, **grids)
-    assert_same(local_run(cfg), ranks_run(cfg, 3, choose))
+    assert_same(local_run(cfg), ranks_run(cfg, 3, column_then_row))
 
 
 def test_a_strategy_file_may_name_the_summed_dims_or_leave_them_out():
@@ -272,12 +273,7 @@ def test_reduction_splits_are_seen_in_the_table_the_render_and_the_maps():
     from visualize.partition_map import partition_maps
 
     graph = mlp().lower(batch=4)
-    grids = {
-        "fc1": (1, 2, 1, 1, 1, 1, 1),
-        "act": (1, 2, 1, 1),
-        "fc2.linear2": (1, 1, 1, 1, 2, 1, 1),
-    }
-    plan = build_plan(graph, strategy(graph, 2, **grids), 2)
+    plan = build_plan(graph, column_then_row(graph, 2), 2)
     report = report_json(graph, plan, plan_cost(graph, plan, MACHINE), None)
     rows = {row["layer"]: row for row in report["layers"]}
     assert rows["fc2.linear2"]["grid"] == [1, 1, 1, 1, 2, 1, 1]
