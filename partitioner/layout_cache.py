@@ -10,7 +10,7 @@ layers of VGG writing alike), so a layout and its `grid_loads.Geometry` are made
 of the rects and ranks they come from, the digest by which the fetches and combines priced
 against them are kept too (`task_prices.py`).
 
-With them: a task's pieces and accesses by (task, grid), as `plan.task_accesses` lists them; the
+With them: a task's pieces and accesses by (task, grid), as `accesses.task_accesses` lists them; the
 bytes a layout holds per rank; and whether a task reads (or reduces into) exactly the rect of a
 tensor each of its ranks wrote, where nothing moves: that compares the rects, a check much
 cheaper than listing the messages.
@@ -26,16 +26,11 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from legion_nn.privilege import Privilege
 from partitioner import boxes
+from partitioner.accesses import TaskAccesses, task_accesses
 from partitioner.grid_loads import Geometry
 from partitioner.layout import Layout
 from partitioner.pieces import PieceCache, PieceSet
-from partitioner.plan import (
-    TaskAccesses,
-    holdings_after,
-    home_layout,
-    resident_reads,
-    task_accesses,
-)
+from partitioner.plan import holdings_after, home_layout, resident_reads
 from partitioner.strategy import Grid
 
 #: what a replay names a layout, a fetch or a combine by (tuples of names, grids and digests)

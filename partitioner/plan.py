@@ -62,13 +62,12 @@ from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
+from partitioner.accesses import Columns, TaskAccesses, task_accesses
 from partitioner.layout import Layout
 from partitioner.messages import Accesses, Copies, combine, fetch
 from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
 from partitioner.strategy import Grid, Strategy, find_units, grid_label, is_homed, param_of
 from partitioner.transfers import Transfer, TransferSet
-
-Columns = tuple[np.ndarray, ...]
 
 __all__ = ["Piece", "Plan", "PlanError", "Reduction", "TaskPlan", "Transfer", "build_plan"]
 
@@ -323,45 +322,6 @@ def task_rows(graph: TaskGraph) -> dict[str, str]:
     return out
 
 
-@dataclass
-class TaskAccesses:
-    """What one partitioned task's pieces touch, by tensor: the (ranks, lo, hi, key) columns of
-    its reads and reductions in order of each tensor's first access, and the (ranks, lo, hi) of
-    its writes."""
-
-    reads: list[tuple[str, Columns]]
-    writes: dict[str, list[Columns]]
-    reduces: list[tuple[str, Columns]]
-
-
-def task_accesses(task: Task, pieces: PieceSet) -> TaskAccesses:
-    """What the pieces touch, with their own privileges: where a grid cuts a reduction dim,
-    the pieces reduce into the output (their partial sums) and the task writes it where the
-    sums land (`PieceSet.sums`)."""
-    nreq = len(task.requirements)
-    key = np.arange(len(pieces), dtype=boxes.INDEX) * nreq
-    owners = pieces.owners
-    reads: dict[str, list[Columns]] = defaultdict(list)
-    writes: dict[str, list[Columns]] = defaultdict(list)
-    reduces: dict[str, list[Columns]] = defaultdict(list)
-    for j, ranks, lo, hi in pieces.sums:
-        writes[pieces.requirements[j].tensor].append((ranks, lo, hi))
-    for j, req in enumerate(pieces.requirements):
-        lo, hi = pieces.req_lo[j], pieces.req_hi[j]
-        used = boxes.nonempty(lo, hi)
-        if used.all():
-            touched = (owners, lo, hi, key + j)
-        else:
-            touched = (owners[used], lo[used], hi[used], key[used] + j)
-        if req.privilege.reads:
-            reads[req.tensor].append(touched)
-        if req.privilege is Privilege.REDUCE:
-            reduces[req.tensor].append(touched)
-        elif req.privilege.writes:
-            writes[req.tensor].append((owners, lo, hi))
-    return TaskAccesses(_by_first_key(reads), dict(writes), _by_first_key(reduces))
-
-
 def written_layout(graph: TaskGraph, task: Task, tensor: str, found: list[Columns]) -> Layout:
     """The layout `task` leaves `tensor` in: one holder per written rect."""
     ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
@@ -487,21 +447,6 @@ def _plan_partitioned(
         blocks.append(block)
         reductions += reductions_of(tensor, itemsize, collectives)
     return TaskPlan(task.name, unit, grid, [pieces], TransferSet(tuple(blocks)), reductions, after)
-
-
-def _by_first_key(
-    accesses: Mapping[str, list[tuple[np.ndarray, ...]]],
-) -> list[tuple[str, tuple[np.ndarray, ...]]]:
-    """(tensor, concatenated (ranks, lo, hi, key)) in order of each tensor's first access."""
-    out = []
-    for tensor, found in accesses.items():
-        if len(found) == 1:
-            columns = found[0]
-        else:
-            columns = tuple(np.concatenate(column) for column in zip(*found))
-        if len(columns[0]):
-            out.append((int(columns[3].min()), tensor, columns))
-    return [(tensor, columns) for _, tensor, columns in sorted(out, key=lambda item: item[0])]
 
 
 def _algorithm(participants: tuple[int, ...], targets: list[tuple[Rect, tuple[int, ...]]]) -> str:

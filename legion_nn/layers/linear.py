@@ -45,6 +45,12 @@ def _linear_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
         weights = Rect((m0,) + sum_lo, (m1,) + sum_hi)
         starts = not any(sum_lo)  # the bias is added once, by the piece starting the sum
         bias = Rect((0, m0, 0, 0), (1, m1, 1, 1)) if starts else Rect.empty(4)
+    return _by_role(inputs, weights, bias, output)
+
+
+def _by_role(inputs, weights, bias, output) -> dict:
+    """Every role's rect (or array of rects) from the four a piece touches: a gradient's is
+    its tensor's."""
     return {
         "input": inputs,
         "weights": weights,
@@ -70,16 +76,7 @@ def _linear_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -
     bias = (columns(n, 0, lo[:, 1], 0, 0), columns(n, 1, hi[:, 1], 1, 1))
     bias[0][~starts] = 0
     bias[1][~starts] = 0
-    found = {
-        "input": inputs,
-        "weights": weights,
-        "b": bias,
-        "output": output,
-        "output.delta": output,
-        "input.delta": inputs,
-        "weights.delta": weights,
-        "b.delta": bias,
-    }
+    found = _by_role(inputs, weights, bias, output)
     return {role: found[role] for role in dims}
 
 
