@@ -49,9 +49,8 @@ from legion_nn.ops import (
     reduction_dims,
     splittable_dims,
 )
-from partitioner.reduction_split import output_grid
+from partitioner.reduction_split import Grid, output_grid
 
-Grid = tuple[int, ...]
 #: the fixed strategies; with `auto`, every name `--strategy` takes besides a grids file
 BUILTIN = ("data", "model", "spatial")
 STRATEGY_NAMES = (*BUILTIN, "auto")
@@ -248,8 +247,8 @@ def builtin_grid(unit: Unit, strategy: str, nranks: int) -> Grid:
 
 def check_grid(unit: Unit, grid: Grid, nranks: int, given: Grid | None = None) -> None:
     """A user-given grid must cut `unit` into exactly `nranks` non-empty pieces (fewer where its
-    splittable extents allow no more); errors quote
-    it as `given` (the output dims alone, when the user left out the reduction dims)."""
+    splittable extents allow no more); errors quote it as `given` (the output dims alone, when
+    the user left out the reduction dims)."""
     shown = list(given if given is not None else grid)
     if len(grid) != len(unit.extents):
         outputs = len(unit.extents) - len(unit.summed)

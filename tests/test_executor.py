@@ -134,7 +134,24 @@ def run_in_pieces(graph, executor, ctx):
                 run_task_piece(task, piece, graph.tensors, executor.view, ctx, partial)
 
 
-@pytest.mark.parametrize("net", [MIXED, load_network("seed-lcn-small")], ids=["mixed", "lcn"])
+#: a sparse weight update (seed 003) of input channels [1, 3) of 4: cut in halves, each piece's
+#: input channels hold one of them
+SPARSE = Network(
+    "sparse",
+    (4, 6, 6),
+    2,
+    [
+        Filter("L0", out_channels=3, kernel=3, untied=True, update_channels=[1, 3]),
+        FilterNL(fn="relu"),
+        Linear("c", out=2),
+        Softmax(),
+    ],
+)
+
+
+@pytest.mark.parametrize(
+    "net", [MIXED, load_network("seed-lcn-small"), SPARSE], ids=["mixed", "lcn", "sparse"]
+)
 def test_pieces_compute_what_the_whole_computes(net):
     graph = net.lower(batch=4, dtype="float64", optimizer="momentum")
     x, y = batch_for(net, 4)
@@ -149,17 +166,7 @@ def test_pieces_compute_what_the_whole_computes(net):
 
 
 def test_sparse_update_changes_only_the_selected_channels():
-    net = Network(
-        "sparse",
-        (4, 6, 6),
-        2,
-        [
-            Filter("L0", out_channels=3, kernel=3, untied=True, update_channels=[1, 3]),
-            FilterNL(fn="relu"),
-            Linear("c", out=2),
-            Softmax(),
-        ],
-    )
+    net = SPARSE
     graph = net.lower(batch=2, dtype="float64", hyperparameters={"lr": 0.5})
     executor = one_process(0)
     x, y = batch_for(net, 2)
