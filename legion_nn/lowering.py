@@ -45,6 +45,7 @@ class Lowering:
         dtype: str = "float32",
         optimizer: str = "sgd",
         hyperparameters: dict[str, float] | None = None,
+        param_names: dict[str, str] | None = None,
     ) -> None:
         if optimizer not in OPTIMIZERS:
             raise LegionNNError(
@@ -55,6 +56,8 @@ class Lowering:
         self.dtype = dtype
         self.optimizer = optimizer
         self.hyperparameters = {**OPTIMIZERS[optimizer], **(hyperparameters or {})}
+        #: parameters to name otherwise than their layers do (`Network.param_names`)
+        self.param_names = dict(param_names or {})
         self.tensors: dict[str, Tensor] = {}
         self.tasks: list[Task] = []
         self._touched: set[str] = set()
@@ -75,7 +78,7 @@ class Lowering:
         return name
 
     def param(self, name: str, dims: tuple[int, ...], init: str) -> str:
-        return self.tensor(name, dims, "param", init=init)
+        return self.tensor(self.param_names.get(name, name), dims, "param", init=init)
 
     def dims(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].dims

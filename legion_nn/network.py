@@ -14,6 +14,7 @@ raises `ShapeError` naming the layer, the shapes and what would fit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from legion_nn.errors import LegionNNError, ShapeError
 from legion_nn.graph import TaskGraph
@@ -31,6 +32,11 @@ class Network:
     input: tuple[int, int, int]
     classes: int
     layers: list[Layer] = field(default_factory=list)
+    #: names for the layers' parameters in place of their own (an imported model's)
+    param_names: dict[str, str] = field(default_factory=dict)
+    #: values parameters and state start from, in their logical layouts, by tensor name (an
+    #: imported model's; the others start from their tensors' `init`)
+    initial: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.input = tuple(self.input)  # type: ignore[assignment]
@@ -94,7 +100,7 @@ class Network:
             raise LegionNNError(f"batch must be a positive int, got {batch!r}")
         if dtype not in DTYPES:
             raise LegionNNError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        ctx = Lowering(self.name, batch, dtype, optimizer, hyperparameters)
+        ctx = Lowering(self.name, batch, dtype, optimizer, hyperparameters, self.param_names)
         dims = (batch,) + tuple(self.input)
         x = ctx.tensor("data.raw_output", dims, "data")
         ctx.labels = ctx.tensor("data.labels_output", (batch, 1, 1, 1), "data", dtype="int32")

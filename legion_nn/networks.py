@@ -93,10 +93,14 @@ BUILTINS: dict[str, Callable[[], Network]] = {
 
 
 def load_network(name_or_path: str) -> Network:
-    """A built-in by name, or a JSON/TOML spec file by path."""
+    """A built-in by name, an ONNX model (`.onnx`) or a JSON/TOML spec file by path."""
     if name_or_path in BUILTINS:
         return BUILTINS[name_or_path]()
     path = Path(name_or_path)
+    if is_onnx(path):
+        from legion_nn.importers.onnx_model import load_onnx
+
+        return load_onnx(path)
     if path.suffix.lower() in (".json", ".toml") or path.exists():
         from legion_nn.spec import load_spec
 
@@ -104,3 +108,7 @@ def load_network(name_or_path: str) -> Network:
     raise LegionNNError(
         f"unknown network {name_or_path!r}: not a built-in ({', '.join(BUILTINS)}) nor a spec file"
     )
+
+
+def is_onnx(path: Path) -> bool:
+    return path.suffix.lower() == ".onnx"

@@ -1,8 +1,9 @@
 """What a command's NETWORK argument can name, and the task graph it stands for.
 
 - a task-graph JSON (`legion-nn/taskgraph-v1`, recognised by its `format` key): read as is;
-- a Chainer graph dump (any other existing file that is not `.json`/`.toml`): imported;
-- a built-in network's name or a JSON/TOML spec file: lowered at the batch asked for.
+- a Chainer graph dump (any other existing file that is not `.json`/`.toml`/`.onnx`): imported;
+- a built-in network's name, an ONNX model or a JSON/TOML spec file: lowered at the batch asked
+  for (an ONNX model's batch dim, fixed or dynamic, is that batch).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def is_graph_json(path: Path) -> bool:
 
 
 def is_dump(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() not in SPEC_SUFFIXES
+    return path.is_file() and path.suffix.lower() not in (*SPEC_SUFFIXES, ".onnx")
 
 
 def load_source_graph(source: str, batch: int | None, default_batch: int) -> TaskGraph:

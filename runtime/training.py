@@ -191,6 +191,8 @@ class Trainer:
                 raise LegionNNError("--resume needs --checkpoint DIR")
             start_step = self._resume()
         self.executor.prepare(self.graph(min(c.batch, len(c.dataset.train))))
+        if start_step == 0 and c.network.initial:  # an imported model's parameters
+            self.executor.load_resident(c.network.initial)
         losses: list[float] = []
         epoch_stats = np.zeros(4)
         started = time.perf_counter()

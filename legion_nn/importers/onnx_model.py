@@ -1,0 +1,340 @@
+"""ONNX models: a chain of supported ops read into a `Network`, its initializers the parameters.
+
+`load_onnx(path)` reads the model with the `onnx` package, checks it (`onnx.checker`), and maps
+each node onto a layer (the per-sample input comes from the declared input; its batch dim, fixed
+or dynamic, is left to the lowering's batch):
+
+| ONNX | layer | parameters |
+|---|---|---|
+| Conv (group 1, dilation 1, equal strides) | `conv` (tied) | W (K, C, R, S) → (K, 1, 1, C, R, S, 1, 1), B (K) → (1, K, 1, 1) |
+| Gemm (alpha = beta = 1, transA 0) | `linear` over the flattened input | B (M, K) or (K, M) with transB 0 → (M, K, 1, 1), C → (1, M, 1, 1) |
+| MatMul, and an Add of a constant after it | `linear` | B (K, M) → (M, K, 1, 1), the Add's constant the bias |
+| Relu, Tanh, Sigmoid | `filterNL` | |
+| MaxPool (ceil_mode 0, dilation 1) | `maxpool` | |
+| BatchNormalization | `batchnorm` (per channel) | scale, B → gamma, beta (1, C, 1, 1); mean and var the running statistics (state) |
+| Dropout | `dropout` (its ratio) | |
+| Flatten (axis 1), Reshape (per sample) | `flatten`, `reshape` | |
+| Identity | nothing | |
+| Softmax, LogSoftmax (the output) | `softmax` with cross-entropy, then `evaluate` | |
+
+A model whose output is logits (no Softmax at the end) gets `softmax` and `evaluate` appended, so
+it trains on the mean cross-entropy over the batch. Parameters keep their initializer names
+(`Network.param_names` renames the layers' own), and `Network.initial` holds their values (and
+BatchNormalization's running statistics) in legion-nn's logical layouts, by those names, which
+training starts from.
+
+Anything else (another op, a grouped or dilated Conv, a graph that is not a chain) is refused in
+one line naming the node, its op type and what is supported.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from legion_nn.errors import LegionNNError
+from legion_nn.layers import (
+    BatchNorm,
+    Conv,
+    Dropout,
+    Evaluate,
+    FilterNL,
+    Flatten,
+    Linear,
+    MaxPool,
+    Reshape,
+    Softmax,
+)
+from legion_nn.layers.base import Layer
+from legion_nn.network import Network
+
+SUPPORTED = (
+    "Conv",
+    "Gemm",
+    "MatMul",
+    "Add (after MatMul)",
+    "Relu",
+    "Tanh",
+    "Sigmoid",
+    "MaxPool",
+    "BatchNormalization",
+    "Dropout",
+    "Flatten",
+    "Reshape",
+    "Identity",
+    "Softmax",
+    "LogSoftmax",
+)
+NONLINEAR = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid"}
+
+
+class OnnxError(LegionNNError):
+    """A model legion-nn cannot read: one line naming the file and the node."""
+
+
+def load_onnx(path: str | Path) -> Network:
+    """The network an ONNX model describes (see the module docstring)."""
+    import onnx
+    from google.protobuf.message import DecodeError
+    from onnx import numpy_helper
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise OnnxError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        model = onnx.load_model_from_string(data)
+    except (DecodeError, ValueError, RuntimeWarning) as exc:
+        raise OnnxError(f"{path}: not an ONNX model ({_first_line(exc)})") from None
+    if not model.graph.node or not model.graph.input:
+        raise OnnxError(f"{path}: not an ONNX model (no graph nodes or inputs)")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise OnnxError(f"{path}: not a valid ONNX model: {_first_line(exc)}") from None
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            value = next((a for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                constants[node.output[0]] = numpy_helper.to_array(value.t)
+    return _Reader(path, model, constants).read()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _layer_name(node, index: int) -> str:
+    """A layer (group) name from the node's: its characters legion-nn's names allow, and its
+    position, so that names stay distinct."""
+    name = re.sub(r"[^A-Za-z0-9_]+", "_", node.name).strip("_")
+    return f"{name or node.op_type.lower()}_{index}"
+
+
+class _Reader:
+    def __init__(self, path: Path, model, constants: dict[str, np.ndarray]) -> None:
+        self.path, self.model, self.constants = path, model, constants
+        self.layers: list[Layer] = []
+        self.shape: tuple[int, int, int] = (1, 1, 1)  # the current layer's per-sample output
+        self.param_names: dict[str, str] = {}
+        self.initial: dict[str, np.ndarray] = {}
+        self.linear_count = 0
+        self.classes = 0
+
+    def fail(self, node, message: str) -> OnnxError:
+        name = node.name or node.output[0]
+        return OnnxError(f"{self.path}: node {name!r} ({node.op_type}): {message}")
+
+    def read(self) -> Network:
+        graph = self.model.graph
+        inputs = [i for i in graph.input if i.name not in self.constants]
+        if len(inputs) != 1:
+            names = ", ".join(i.name for i in inputs)
+            raise OnnxError(f"{self.path}: needs one data input, has {len(inputs)} ({names})")
+        sample = self.shape = self._sample_shape(inputs[0])
+        current = inputs[0].name
+        nodes = [n for n in graph.node if n.op_type != "Constant"]
+        ends_in_softmax = False
+        skip = set()
+        for index, node in enumerate(nodes):
+            if index in skip:
+                continue
+            data = [i for i in node.input if i and i not in self.constants]
+            if data != [current]:
+                raise self.fail(
+                    node,
+                    f"reads {data or 'only constants'}, not the output of the node before it "
+                    "(only chains of ops are supported yet)",
+                )
+            following = nodes[index + 1] if index + 1 < len(nodes) else None
+            if node.op_type == "MatMul" and following is not None and following.op_type == "Add":
+                bias_names = [i for i in following.input if i in self.constants]
+                if following.input[0] == node.output[0] and bias_names:
+                    self._linear(node, self.constants[node.input[1]].T, bias_names[0], index)
+                    skip.add(index + 1)
+                    current = following.output[0]
+                    continue
+            last = following is None
+            self._node(node, index, last)
+            ends_in_softmax = node.op_type in ("Softmax", "LogSoftmax")
+            current = node.output[0]
+        outputs = [o.name for o in graph.output]
+        if outputs != [current]:
+            raise OnnxError(f"{self.path}: its output {outputs} is not the chain's end {current!r}")
+        if not ends_in_softmax:  # logits: cross-entropy and evaluate appended
+            self._add(Softmax("softmax"), Evaluate("softmax"))
+        return Network(
+            re.sub(r"[^A-Za-z0-9_.-]+", "_", self.path.stem) or "onnx",
+            sample,
+            self.classes,
+            self.layers,
+            param_names=self.param_names,
+            initial=self.initial,
+        )
+
+    def _sample_shape(self, value) -> tuple[int, int, int]:
+        dims = value.type.tensor_type.shape.dim
+        known = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+        if len(known) not in (2, 4) or any(v is None or v < 1 for v in known[1:]):
+            shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+            raise OnnxError(
+                f"{self.path}: input {value.name!r} has shape {shown}; legion-nn needs "
+                "[batch, C, H, W] or [batch, features] with every dim but the batch known"
+            )
+        rest = tuple(int(v) for v in known[1:])
+        return rest if len(rest) == 3 else (rest[0], 1, 1)
+
+    def _add(self, *layers: Layer) -> None:
+        for layer in layers:
+            if layer.KIND == "softmax":
+                self.classes = self.shape[0]  # the scores it reads
+            self.shape = layer.out_shape(self.shape)
+            self.layers.append(layer)
+
+    def _param(self, ours: str, theirs: str, value: np.ndarray) -> None:
+        self.param_names[ours] = theirs
+        self.initial[theirs] = value
+
+    def _node(self, node, index: int, last: bool) -> None:
+        op, attrs, name = node.op_type, _attrs(node), _layer_name(node, index)
+        if op == "Conv":
+            self._conv(node, attrs, name)
+        elif op == "Gemm":
+            if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+                raise self.fail(node, "alpha and beta other than 1 are not supported")
+            if attrs.get("transA", 0):
+                raise self.fail(node, "transA is not supported")
+            weights = self.constants[node.input[1]]
+            weights = weights if attrs.get("transB", 0) else weights.T
+            bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+            self._linear(node, weights, bias, index)
+        elif op == "MatMul":
+            self._linear(node, self.constants[node.input[1]].T, None, index)
+        elif op in NONLINEAR:
+            self._add(FilterNL(name, fn=NONLINEAR[op]))
+        elif op == "MaxPool":
+            if attrs.get("ceil_mode", 0) or any(d != 1 for d in attrs.get("dilations", [1, 1])):
+                raise self.fail(node, "ceil_mode and dilations are not supported")
+            if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+                raise self.fail(node, "auto_pad is not supported; give pads")
+            kernel = tuple(attrs["kernel_shape"])
+            self._add(
+                MaxPool(
+                    name,
+                    kernel=kernel,
+                    stride=tuple(attrs.get("strides", kernel)),
+                    pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
+                )
+            )
+        elif op == "BatchNormalization":
+            scale, bias, mean, var = (self.constants[i] for i in node.input[1:5])
+            layer = BatchNorm(
+                name,
+                spatial=True,
+                eps=float(attrs.get("epsilon", 1e-5)),
+                momentum=float(attrs.get("momentum", 0.9)),
+            )
+            self._add(layer)
+            per = (1, len(scale), 1, 1)
+            self._param(f"{name}.gamma", node.input[1], scale.reshape(per))
+            self._param(f"{name}.beta", node.input[2], bias.reshape(per))
+            running = np.stack((mean, var)).reshape((2, len(mean), 1, 1)).astype(np.float64)
+            self.initial[f"{name}.running"] = running
+        elif op == "Dropout":
+            ratio = attrs.get("ratio", 0.5)
+            if len(node.input) > 1 and node.input[1] in self.constants:
+                ratio = float(self.constants[node.input[1]])
+            self._add(Dropout(name, ratio=float(ratio)))
+        elif op == "Flatten":
+            if attrs.get("axis", 1) != 1:
+                raise self.fail(node, "only axis 1 (per sample) is supported")
+            self._add(Flatten(name))
+        elif op == "Reshape":
+            self._add(Reshape(name, shape=self._reshaped(node)))
+        elif op == "Identity":
+            return
+        elif op in ("Softmax", "LogSoftmax"):
+            if not last:
+                raise self.fail(node, "a softmax is supported only as the model's output")
+            self._add(Softmax(name), Evaluate(name))
+        else:
+            raise self.fail(node, f"op not supported; supported: {', '.join(SUPPORTED)}")
+
+    def _conv(self, node, attrs: dict, name: str) -> None:
+        if attrs.get("group", 1) != 1:
+            raise self.fail(node, f"grouped Conv (group {attrs['group']}) is not supported")
+        if any(d != 1 for d in attrs.get("dilations", [1, 1])):
+            raise self.fail(node, "dilated Conv is not supported")
+        if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise self.fail(node, "auto_pad is not supported; give pads")
+        strides = attrs.get("strides", [1, 1])
+        if len(set(strides)) != 1:
+            raise self.fail(node, f"strides {list(strides)} differ; legion-nn needs one stride")
+        weights = self.constants[node.input[1]]
+        if weights.ndim != 4:
+            raise self.fail(node, "only 2-D convolutions are supported")
+        k, c, r, s = weights.shape
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        layer = Conv(
+            name,
+            out_channels=k,
+            kernel=(r, s),
+            stride=int(strides[0]),
+            pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
+            bias=bias is not None,
+        )
+        self._add(layer)
+        self._param(f"{name}.W", node.input[1], weights.reshape(k, 1, 1, c, r, s, 1, 1))
+        if bias is not None:
+            self._param(f"{name}.b", bias, self.constants[bias].reshape(1, k, 1, 1))
+
+    def _linear(self, node, weights: np.ndarray, bias: str | None, index: int) -> None:
+        """A linear layer of `weights` (M, K) over a flat input of K features."""
+        name = _layer_name(node, index)
+        self.linear_count += 1
+        out, features = weights.shape
+        self._add(Linear(name, out=out, bias=bias is not None))
+        self._param(
+            f"{name}.weights{self.linear_count}",
+            node.input[1],
+            np.ascontiguousarray(weights).reshape(out, features, 1, 1),
+        )
+        if bias is not None:
+            value = self.constants[bias].reshape(-1)
+            if value.size != out:
+                raise self.fail(node, f"bias of {value.size} values for {out} outputs")
+            self._param(f"{name}.b{self.linear_count}", bias, value.reshape(1, out, 1, 1))
+
+    def _reshaped(self, node) -> tuple[int, int, int]:
+        target = self.constants.get(node.input[1])
+        if target is None:
+            raise self.fail(node, "its shape must be a constant")
+        sizes = [int(v) for v in target.reshape(-1)]
+        if not sizes or sizes[0] not in (0, -1):
+            raise self.fail(node, f"shape {sizes}: the first dim must keep the batch (0 or -1)")
+        per = sizes[1:]
+        if per.count(-1) > 1 or any(v == 0 for v in per):
+            raise self.fail(node, f"shape {sizes} is not supported")
+        if len(per) > 3:
+            raise self.fail(node, f"shape {sizes}: at most 3 dims per sample")
+        if -1 in per:
+            known = int(np.prod([v for v in per if v != -1]))
+            per[per.index(-1)] = int(np.prod(self.shape)) // max(known, 1)
+        return tuple(per + [1] * (3 - len(per)))  # type: ignore[return-value]
+
+
+def _pads(pads) -> list[int]:
+    """ONNX pads (top, left, bottom, right) as legion-nn's [top, bottom, left, right]."""
+    top, left, bottom, right = (int(p) for p in pads)
+    return [top, bottom, left, right]
