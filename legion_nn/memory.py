@@ -2,24 +2,22 @@
 
 The analysis is generic: a `Schedule` is the functions of one step in execution order, each naming
 the buffers it reads and writes, and the buffers with their byte sizes and lifetimes. Two feeders
-build one: `schedule_from_dump` from a Chainer dump and `schedule_from_graph` from a `TaskGraph`
-(lowered or imported), with the same rules, so that results are comparable (what a function
-*reads* differs between the two; see the last paragraph):
+build one, `schedule_from_dump` from a Chainer dump and `schedule_from_graph` from a `TaskGraph`
+(lowered or imported), under one rule, so their results compare:
 
 - the schedule is the forward functions by ascending rank, then the backward functions by
   descending rank;
 - parameters and step inputs (variables no forward function produces) are live all step;
 - any other buffer (a forward variable or a gradient) is allocated at the first function that
-  touches it and freed after the last. For a forward variable the first is its producer and the last
-  the last function, forward or backward, that lists it as an input in *any* role, as the issue
-  says: a backward record listing v as `input` or `output` reads v's data, and one listing v as
-  `gradient` reads v's gradient *and* keeps v's data alive until after it. So a function's output
-  lives until that function's backward, which lists it for its gradient, even where the backward
-  (a convolution's, say) needs only the gradient. For a gradient the first is the first backward
-  function that outputs it, or reads it where nothing produced it yet (the loss gradient, allocated
-  just before its first reader), and the last is its last reader. Chosen where the rules are open: a
-  buffer that nothing reads is freed after its last writer (a gradient accumulated by two functions
-  lives until the second, a loss nothing reads after its producer);
+  touches it and freed after the last. A forward variable v's data is read by a forward function
+  taking v as input and by a backward record listing v as `input` or `output`; a backward record
+  listing v as `gradient` reads v's gradient only. So a function's output lives until its last
+  reader, not until its own backward, which (a convolution's, say) may need only its gradient;
+  the issue's first wording, "any role", kept it until then, which no framework does. A gradient is
+  allocated by the first backward function that outputs it, or reads it where nothing produced it
+  yet (the loss gradient, just before its first reader). Where the rules are open: a buffer that
+  nothing reads is freed after its last writer (a gradient accumulated by two functions lives
+  until the second, a loss read only for its gradient after its producer);
 - parameter gradients live from their first writer to the end of the step;
 - at each function, live bytes = bytes live before it + its new allocations, i.e. everything whose
   lifetime includes it; the peak is the maximum over functions, the first function reaching it.
@@ -32,17 +30,14 @@ Parameters and their gradients are never scaled.
 A task graph maps onto the same rules: its forward and backward tasks in program order are the
 schedule (lowering and the importer emit them in the order above; set_zero and update tasks are
 not part of it); a requirement with a non-empty read rect reads its tensor, one with a non-empty
-write rect writes it. Resident kinds (data, param, state) are live all step, so optimizer state
-counts; the gradient of a param is `<param>.grad`. A tensor carries the batch when its first dim
-is the graph's batch, unless it is a param, state, a stat or a param's gradient. A loss gradient
-read with an empty rect is never materialised (lowered graphs and imported ones both do this), so
-a graph does not count the 4 bytes a dump counts for it.
-
-A graph is read by what its requirements read, nothing more: a task reading `output.delta` reads
-the gradient tensor `t.grad`, not `t`. A dump's backward record names the variable itself for its
-incoming gradient, and the any-role rule keeps that variable alive; so a graph whose backward
-tasks do not also read `t` frees `t` earlier than the dump's rule does, and peaks lower. Lowered
-networks and imported dumps are such graphs.
+write rect writes it, so `output.delta` reads `<t>.grad` and not `t`, as a dump's `gradient` role
+does. Resident kinds (data, param, state) are live all step, so optimizer state counts; the
+gradient of a param is `<param>.grad`. A tensor carries the batch when its first dim is the
+graph's batch, unless it is a param, state, a stat or a param's gradient. A loss gradient read
+with an empty rect is never materialised, so a graph does not count the 4 bytes a dump counts for
+it; otherwise a dump and the graph imported from it have the same buffers and lifetimes. A lowered
+network and a dump of it differ where their functions touch different buffers: seed 001's
+MaxPooling2D backward reads its output, lowered `maxpool.grad` does not.
 """
 
 from __future__ import annotations
@@ -54,7 +49,7 @@ from typing import Any
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
-from legion_nn.importers.chainer import GRADIENT_ROLE, Dump
+from legion_nn.importers.chainer import BACKWARD_ROLES, GRADIENT_ROLE, Dump
 from legion_nn.importers.chainer_graph import is_batch_carrying, tensor_name
 from legion_nn.rect import Rect
 
@@ -62,6 +57,8 @@ from legion_nn.rect import Rect
 STEP, TO_END, USED = "step", "to_end", "used"
 SCHEDULE_PHASES = ("forward", "backward")
 GRAD_SUFFIX = ".grad"
+#: the backward roles that read a variable's data; `gradient` reads its gradient only
+DATA_ROLES = tuple(r for r in BACKWARD_ROLES if r != GRADIENT_ROLE)
 
 
 @dataclass(frozen=True)
@@ -205,11 +202,11 @@ def schedule_from_dump(dump: Dump, batch: int | None = None) -> Schedule:
         infos[name + GRAD_SUFFIX] = BufferInfo(var.nbytes, TO_END if param else USED, scalable)
     steps = []
     for fn in dump.schedule():
-        # an input in any role keeps the variable's data alive, a backward `gradient` one included
-        reads = {tensor_name(dump, v) for v in fn.ids()}
         if fn.direction == "forward":
+            reads = {tensor_name(dump, v) for v in fn.ids()}
             writes = {tensor_name(dump, v) for v in fn.outputs}
         else:
+            reads = {tensor_name(dump, v) for v in fn.ids(*DATA_ROLES)}
             reads |= {tensor_name(dump, v) + GRAD_SUFFIX for v in fn.ids(GRADIENT_ROLE)}
             writes = {tensor_name(dump, v) + GRAD_SUFFIX for v in fn.outputs}
         steps.append(Step(fn.name, fn.direction, frozenset(reads), frozenset(writes)))

@@ -1,37 +1,39 @@
 """Peak-memory analysis: figures derived by hand for small dumps and graphs, the seed pinned, the CLI.
 
-The hand derivations follow `legion_nn.memory`'s rules. Literal reading: a backward record that
-lists v in any role, `gradient` included, keeps v's data alive until after it; so every function's
-output lives until that function's backward.
+The hand derivations follow `legion_nn.memory`'s rule: v's data lives until the last function that
+reads it as data (a forward function taking it as input, a backward record listing it as `input`
+or `output`); a backward record listing `v gradient` reads v's gradient only. `_any_role` gives the
+issue's first wording, where that listing also kept v's data alive, for comparison.
 
 chainer_chain.txt, batch 4 (label `1` is 16 bytes). Schedule: 0 LinearFunction-0, 1 ReLU-1,
 2 LinearFunction-2, 3 SoftmaxCrossEntropy-3, 4 SoftmaxCrossEntropy-3.grad, 5 LinearFunction-2.grad,
 6 ReLU-1.grad, 7 LinearFunction-0.grad. Always live: parameters 24+12+24+8 = 68, input 32, labels
 16: 116. Lifetimes [first, last] and bytes:
 
-    v4    [0,7] 48   read by ReLU-1, then listed `4 gradient` by LinearFunction-0.grad
-    v5    [1,6] 48   LinearFunction-2.grad (input), ReLU-1.grad (gradient, output)
-    v8    [2,5] 32   SoftmaxCrossEntropy-3.grad (input), LinearFunction-2.grad (gradient)
-    v9    [3,4]  4   the loss, listed `9 gradient` by SoftmaxCrossEntropy-3.grad
+    v4    [0,1] 48   read by ReLU-1; LinearFunction-0.grad lists it only as `4 gradient`
+    v5    [1,6] 48   LinearFunction-2.grad (input), ReLU-1.grad (output)
+    v8    [2,4] 32   SoftmaxCrossEntropy-3.grad (input)
+    v9    [3,3]  4   the loss, listed only as `9 gradient` after its producer
     v9.grad [4,4] 4, v8.grad [4,5] 32, v1_1.grad [4,4] 16 (read by nothing), v5.grad [5,6] 48,
     v4.grad [6,7] 48, v0_0.grad [7,7] 32; fc2 grads [5,7] 24+8, fc1 grads [7,7] 24+12
 
     R=1  fn  resident + data              + gradients                    = live
          0   116 + 48                                                     = 164
          1   116 + 48+48                                                  = 212
-         2   116 + 48+48+32                                               = 244
-         3   116 + 48+48+32+4                                             = 248
-         4   116 + 48+48+32+4             + 4+32+16                       = 300
-         5   116 + 48+48+32               + 32+48+32(fc2)                 = 356  peak
-         6   116 + 48+48                  + 48+32(fc2)+48                 = 340
-         7   116 + 48                     + 48+32(fc2)+32+36(fc1)         = 312
+         2   116 + 48+32                                                  = 196
+         3   116 + 48+32+4                                                = 200
+         4   116 + 48+32                  + 4+32+16                       = 248
+         5   116 + 48                     + 32+48+32(fc2)                 = 276
+         6   116 + 48                     + 48+32(fc2)+48                 = 292  peak
+         7   116                          + 48+32(fc2)+32+36(fc1)         = 264
     R=2  batch-carrying buffers halve; the 4-byte loss and its gradient and all parameter
          gradients do not; resident 68+16+8 = 92:
-         0 92+24 = 116; 1 +24 = 140; 2 +16 = 156; 3 +4 = 160; 4 92+68+4+16+8 = 188;
-         5 92+64+16+24+32 = 228 (peak); 6 92+48+32+24+24 = 220; 7 92+24+24+32+16+36 = 224
+         0 92+24 = 116; 1 +24 = 140; 2 92+24+16 = 132; 3 +4 = 136; 4 92+40+4+16+8 = 160;
+         5 92+24+16+24+32 = 188; 6 92+24+24+32+24 = 196; 7 92+24+32+16+36 = 200 (peak,
+         LinearFunction-0.grad)
     R=4  quarter; resident 68+8+4 = 80:
-         0 92; 1 104; 2 112; 3 116; 4 80+12+12+8+4+4+8+4 = 132; 5 80+32+8+12+32 = 164;
-         6 80+24+12+32+12 = 160; 7 80+12+12+32+8+36 = 180 (peak, LinearFunction-0.grad)
+         0 92; 1 104; 2 80+12+8 = 100; 3 104; 4 80+20+4+8+4 = 116; 5 80+12+8+12+32 = 144;
+         6 80+12+12+32+12 = 148; 7 80+12+32+8+36 = 168 (peak, LinearFunction-0.grad)
 
 chainer_branch.txt: v5 feeds two LinearFunctions of rank 2 (fc2 -> v8, fc3 -> v11) whose outputs
 are added (v12). Schedule: 0 LinearFunction-0, 1 ReLU-1, 2 LinearFunction-2, 3 LinearFunction-2-2,
@@ -40,7 +42,8 @@ first in the file), 9 LinearFunction-2.grad, 10 ReLU-1.grad, 11 LinearFunction-0
 parameters 100, input 32, labels 16: 148. v5's gradient is allocated by the first backward that
 outputs it (8), accumulated by the second (9) and freed after ReLU-1.grad (10).
 
-    v4 [0,11] 48, v5 [1,10] 48, v8 [2,9] 32, v11 [3,8] 32, v12 [4,7] 32, v13 (loss) [5,6] 4;
+    v4 [0,1] 48, v5 [1,10] 48, v8 [2,4] 32 and v11 [3,4] 32 (read by Add-3, then only as
+    gradients), v12 [4,6] 32, v13 (loss) [5,5] 4;
     v13.grad [6,6] 4, v12.grad [6,7] 32, v1_1.grad [6,6] 16, v8.grad [7,9] 32, v11.grad [7,8] 32,
     v5.grad [8,10] 48, v4.grad [10,11] 48, v0_0.grad [11,11] 32; fc3 grads [8,11] 32,
     fc2 grads [9,11] 32, fc1 grads [11,11] 36
@@ -48,24 +51,25 @@ outputs it (8), accumulated by the second (9) and freed after ReLU-1.grad (10).
     R=1  fn  resident + data                   + gradients                  = live
          0   148 + 48                                                       = 196
          1   148 + 48+48                                                    = 244
-         2   148 + 48+48+32                                                 = 276
-         3   148 + 48+48+32+32                                              = 308
-         4   148 + 48+48+32+32+32                                           = 340
-         5   148 + 48+48+32+32+32+4                                         = 344
-         6   148 + 48+48+32+32+32+4           + 4+32+16                     = 396
-         7   148 + 48+48+32+32+32             + 32+32+32                    = 436
-         8   148 + 48+48+32+32                + 32+32+48+32(fc3)            = 452  peak
-         9   148 + 48+48+32                   + 32+48+32(fc3)+32(fc2)       = 420
-         10  148 + 48+48                      + 48+32+32+48                 = 404
-         11  148 + 48                         + 32+32+48+32+36(fc1)         = 376
-    R=2  halved, resident 124: 148, 172, 188, 204, 220, 224, 124+100+28 = 252, 124+96+48 = 268,
-         124+80+88 = 292 (peak, first reached at 8), 124+64+104 = 292, 124+48+112 = 284,
-         124+24+140 = 288
+         2   148 + 48+32                                                    = 228
+         3   148 + 48+32+32                                                 = 260
+         4   148 + 48+32+32+32                                              = 292
+         5   148 + 48+32+4                                                  = 232
+         6   148 + 48+32                      + 4+32+16                     = 280
+         7   148 + 48                         + 32+32+32                    = 292
+         8   148 + 48                         + 32+32+48+32(fc3)            = 340
+         9   148 + 48                         + 32+48+32(fc3)+32(fc2)       = 340
+         10  148 + 48                         + 48+32+32+48                 = 356  peak
+         11  148                              + 32+32+48+32+36(fc1)         = 328
+    R=2  halved, resident 124: 148, 172, 164, 180, 196, 168, 124+40+28 = 192, 124+24+48 = 196,
+         124+24+88 = 236, 124+24+104 = 252, 124+24+112 = 260, 124+140 = 264 (peak,
+         LinearFunction-0.grad)
 """
 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -74,9 +78,10 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.importers import import_dump, parse_dump
+from legion_nn.importers.chainer import GRADIENT_ROLE, Dump
 from legion_nn.importers.chainer_graph import tensor_name
 from legion_nn.ir import Requirement, Task, Tensor
-from legion_nn.memory import schedule_from_dump, schedule_from_graph
+from legion_nn.memory import Schedule, schedule_from_dump, schedule_from_graph
 from legion_nn.rect import Rect
 
 ROOT = Path(__file__).parent.parent
@@ -84,29 +89,46 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SEED = FIXTURES / "chainer_vgg19_b32.txt"
 CHAIN = FIXTURES / "chainer_chain.txt"
 BRANCH = FIXTURES / "chainer_branch.txt"
+CONVNET = FIXTURES / "chainer_convnet.txt"
 
+#: the seed dump at batch 32; lowered vgg19 peaks at the corresponding functions with the same bytes
 SEED_PEAKS = {
+    1: (3_258_544_320, "ReLU-26.grad"),
+    2: (2_182_770_816, "ReLU-26.grad"),
+    4: (1_645_809_760, "ReLU-17.grad"),
+    8: (1_392_922_704, "ReLU-17.grad"),
+}
+#: the same under the issue's first wording, "any role" (`_any_role`)
+ANY_ROLE_SEED_PEAKS = {
     1: (5_109_010_624, "ReLU-35.grad"),
     2: (3_107_614_848, "ReLU-26.grad"),
     4: (2_107_306_080, "ReLU-26.grad"),
     8: (1_610_168_400, "Convolution2DFunction-25.grad"),
 }
-#: lowered vgg19 at batch 32: lower than the dump's (see test_lowered_vgg19_peaks)
-LOWERED_VGG19_PEAKS = {
-    1: (3_258_544_320, "conv4_4.filterNL.grad"),
-    2: (2_182_770_816, "conv4_4.filterNL.grad"),
-    4: (1_645_809_760, "conv3_4.filterNL.grad"),
-    8: (1_392_922_704, "conv3_4.filterNL.grad"),
-}
+#: the dump's function and the lowered graph's task where the seed's peaks are reached
+LOWERED_NAMES = {"ReLU-26.grad": "conv4_4.filterNL.grad", "ReLU-17.grad": "conv3_4.filterNL.grad"}
+
+
+def _any_role(schedule: Schedule, dump: Dump) -> Schedule:
+    """`schedule` under the issue's first wording: a backward record listing `v gradient` also
+    keeps v's data alive until after it."""
+    names = [s.name for s in schedule.steps]
+    kept: dict[str, int] = {}
+    for fn in dump.backward:
+        for v in fn.ids(GRADIENT_ROLE):
+            name = tensor_name(dump, v)
+            kept[name] = max(kept.get(name, -1), names.index(fn.name))
+    buffers = tuple(replace(b, last=max(b.last, kept.get(b.name, -1))) for b in schedule.buffers)
+    return replace(schedule, buffers=buffers)
 
 
 @pytest.mark.parametrize(
     "ranks, live, peak_at",
     [
-        (1, [164, 212, 244, 248, 300, 356, 340, 312], "LinearFunction-2.grad"),
-        (2, [116, 140, 156, 160, 188, 228, 220, 224], "LinearFunction-2.grad"),
-        (4, [92, 104, 112, 116, 132, 164, 160, 180], "LinearFunction-0.grad"),
-        (8, [92, 104, 112, 116, 132, 164, 160, 180], "LinearFunction-0.grad"),  # ceil(4/8) = 1
+        (1, [164, 212, 196, 200, 248, 276, 292, 264], "ReLU-1.grad"),
+        (2, [116, 140, 132, 136, 160, 188, 196, 200], "LinearFunction-0.grad"),
+        (4, [92, 104, 100, 104, 116, 144, 148, 168], "LinearFunction-0.grad"),
+        (8, [92, 104, 100, 104, 116, 144, 148, 168], "LinearFunction-0.grad"),  # ceil(4/8) = 1
     ],
 )
 def test_chain_by_hand(ranks, live, peak_at):
@@ -123,13 +145,13 @@ def test_chain_by_hand(ranks, live, peak_at):
     [
         (
             1,
-            [196, 244, 276, 308, 340, 344, 396, 436, 452, 420, 404, 376],
-            "LinearFunction-2-2.grad",
+            [196, 244, 228, 260, 292, 232, 280, 292, 340, 340, 356, 328],
+            "ReLU-1.grad",
         ),
         (
             2,
-            [148, 172, 188, 204, 220, 224, 252, 268, 292, 292, 284, 288],
-            "LinearFunction-2-2.grad",
+            [148, 172, 164, 180, 196, 168, 192, 196, 236, 252, 260, 264],
+            "LinearFunction-0.grad",
         ),
     ],
 )
@@ -146,16 +168,142 @@ def test_branch_by_hand(ranks, live, peak_at):
         b.name: (names[b.first], names[b.last]) for b in schedule.buffers if b.name.startswith("v")
     }
     assert lifetimes["v5"] == ("ReLU-1", "ReLU-1.grad")
-    # listed only in the gradient role by the backward of their producer, which keeps them alive
-    assert lifetimes["v4"] == ("LinearFunction-0", "LinearFunction-0.grad")
-    assert lifetimes["v8"] == ("LinearFunction-2", "LinearFunction-2.grad")
-    assert lifetimes["v11"] == ("LinearFunction-2-2", "LinearFunction-2-2.grad")
-    assert lifetimes["v13"] == ("SoftmaxCrossEntropy-4", "SoftmaxCrossEntropy-4.grad")
+    assert lifetimes["v12"] == ("Add-3", "SoftmaxCrossEntropy-4.grad")
+    # listed only in the gradient role after their last forward reader, which frees them
+    assert lifetimes["v4"] == ("LinearFunction-0", "ReLU-1")
+    assert lifetimes["v8"] == ("LinearFunction-2", "Add-3")
+    assert lifetimes["v11"] == ("LinearFunction-2-2", "Add-3")
+    assert lifetimes["v13"] == ("SoftmaxCrossEntropy-4", "SoftmaxCrossEntropy-4")
+
+
+@pytest.mark.parametrize(
+    "ranks, live, any_role",
+    [
+        (
+            1,
+            [580, 836, 644, 708, 732, 736, 768, 904, 880, 1072, 1200, 896],
+            [580, 836, 900, 964, 988, 992, 1028, 1184, 1200, 1328, 1456, 1152],
+        ),
+        (
+            2,
+            [384, 512, 416, 448, 460, 464, 480, 600, 588, 684, 748, 636],
+            [384, 512, 544, 576, 588, 592, 612, 740, 748, 812, 876, 764],
+        ),
+        (
+            4,  # ceil(2/4) = 1 row per rank, as at R=2
+            [384, 512, 416, 448, 460, 464, 480, 600, 588, 684, 748, 636],
+            [384, 512, 544, 576, 588, 592, 612, 740, 748, 812, 876, 764],
+        ),
+    ],
+)
+def test_convnet_by_hand(ranks, live, any_role):
+    """chainer_convnet.txt, batch 2 (label `1` is 8 bytes): VGG19's records in small, Convolution
+    (1→2 channels, 3×3, pad 1, on 4×4), ReLU, MaxPooling 2×2, Reshape, Linear (8→3),
+    SoftmaxCrossEntropy, each backward listing what the seed's does. Schedule: 0 Convolution2D-
+    Function-0, 1 ReLU-1, 2 MaxPooling2D-2, 3 Reshape-3, 4 LinearFunction-4,
+    5 SoftmaxCrossEntropy-5, then their backwards 6..11 in reverse (6 SoftmaxCrossEntropy-5.grad,
+    ..., 10 ReLU-1.grad, 11 Convolution2DFunction-0.grad). Always live: parameters 72+8+96+12 = 188,
+    input 128, labels 8: 324. Data [first, last], bytes, and its last reader:
+
+        v4  [0,1]  256  conv output: ReLU-1; Convolution2DFunction-0.grad lists `4 gradient` only
+        v5  [1,10] 256  ReLU output: MaxPooling2D-2.grad `5 input`, ReLU-1.grad `5 output`
+        v6  [2,9]   64  pool output: Reshape-3.grad `6 input`, MaxPooling2D-2.grad `6 output`
+        v7  [3,7]   64  LinearFunction-4.grad `7 input`
+        v10 [4,6]   24  logits: SoftmaxCrossEntropy-5.grad `10 input`
+        v11 [5,5]    4  the loss: only `11 gradient` lists it after its producer
+
+    Gradients: v11.grad [6,6] 4, v10.grad [6,7] 24, v1_1.grad [6,6] 8 (read by nothing),
+    v7.grad [7,8] 64, v6.grad [8,9] 64, v5.grad [9,10] 256, v4.grad [10,11] 256,
+    v0_0.grad [11,11] 128; fc grads [7,11] 96+12 = 108, conv grads [11,11] 72+8 = 80.
+
+        R=1  fn  resident + data            + gradients          = live
+             0   324 + 256                                       = 580
+             1   324 + 256+256                                   = 836
+             2   324 + 256+64                                    = 644
+             3   324 + 256+64+64                                 = 708
+             4   324 + 256+64+64+24                              = 732
+             5   324 + 256+64+64+24+4                            = 736
+             6   324 + 256+64+64+24     + 4+24+8                 = 768
+             7   324 + 256+64+64        + 24+64+108              = 904
+             8   324 + 256+64           + 64+64+108              = 880
+             9   324 + 256+64           + 64+256+108             = 1072
+             10  324 + 256              + 256+256+108            = 1200  peak, ReLU-1.grad
+             11  324                    + 256+128+108+80         = 896
+        R=2  every batch-carrying buffer halves (not the 4-byte loss and its gradient, nor
+             parameters and their gradients); resident 188+64+4 = 256:
+             0 256+128 = 384; 1 +128 = 512; 2 256+128+32 = 416; 3 +32 = 448; 4 +12 = 460;
+             5 +4 = 464; 6 256+204+(4+12+4) = 480; 7 256+192+(12+32+108) = 600;
+             8 256+160+(32+32+108) = 588; 9 256+160+(32+128+108) = 684;
+             10 256+128+(128+128+108) = 748 (peak, ReLU-1.grad); 11 256+(128+64+108+80) = 636
+
+    Any role: v4 [0,11], v7 [3,8], v10 [4,7], v11 [5,6], so R=1 adds 256 from function 2 on, 4
+    at 6, 24 at 7 and 64 at 8: peak 1456, not 1200; R=2 adds 128, 4, 12 and 32: 876, not 748.
+    The graph imported from the dump reads the same, less the 4-byte loss gradient at 6."""
+    dump = parse_dump(CONVNET)
+    schedule = schedule_from_dump(dump)
+    names = [s.name for s in schedule.steps]
+    assert names[:6] == [
+        "Convolution2DFunction-0",
+        "ReLU-1",
+        "MaxPooling2D-2",
+        "Reshape-3",
+        "LinearFunction-4",
+        "SoftmaxCrossEntropy-5",
+    ]
+    assert names[6:] == [n + ".grad" for n in reversed(names[:6])]
+    report = schedule.analyze(ranks)
+    assert list(report.live) == live
+    assert (report.peak_bytes, report.peak_step.name) == (max(live), "ReLU-1.grad")
+    result = report.to_json()
+    assert (result["param_bytes"], result["batch"]) == (188, 2)
+    assert (result["forward_functions"], result["backward_functions"]) == (6, 6)
+    old = _any_role(schedule, dump)
+    assert old.live_bytes(ranks) == any_role
+    assert old.analyze(ranks).peak_bytes > report.peak_bytes
+    graph = schedule_from_graph(import_dump(dump)).live_bytes(ranks)
+    assert graph == [n - 4 * (i == 6) for i, n in enumerate(live)]
+
+
+def test_cli_convnet(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert main(["memory", str(CONVNET), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["peak_bytes"], result["peak_at"]) == (1200, "ReLU-1.grad")
+    assert "peak        1,200 bytes (1.17 KiB) per rank at ReLU-1.grad" in capsys.readouterr().out
+    assert main(["memory", str(CONVNET), "--ranks", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["peak_bytes"] == 748
+
+
+@pytest.mark.parametrize(
+    "path, ranks, any_role",
+    [
+        # the hand derivations of these two fixtures under the first wording, as pinned before
+        (CHAIN, 1, [164, 212, 244, 248, 300, 356, 340, 312]),
+        (CHAIN, 2, [116, 140, 156, 160, 188, 228, 220, 224]),
+        (CHAIN, 4, [92, 104, 112, 116, 132, 164, 160, 180]),
+        (BRANCH, 1, [196, 244, 276, 308, 340, 344, 396, 436, 452, 420, 404, 376]),
+        (BRANCH, 2, [148, 172, 188, 204, 220, 224, 252, 268, 292, 292, 284, 288]),
+    ],
+)
+def test_any_role_by_hand(path, ranks, any_role):
+    """`_any_role` reproduces the figures derived by hand under the first wording, which are never
+    below the rule's, function by function, and above it at the peak."""
+    dump = parse_dump(path)
+    schedule = schedule_from_dump(dump)
+    old = _any_role(schedule, dump)
+    assert old.live_bytes(ranks) == any_role
+    assert all(o >= n for o, n in zip(any_role, schedule.live_bytes(ranks)))
+    assert old.analyze(ranks).peak_bytes > schedule.analyze(ranks).peak_bytes
 
 
 @pytest.fixture(scope="module")
-def seed_schedule():
-    return schedule_from_dump(parse_dump(SEED))
+def seed_dump():
+    return parse_dump(SEED)
+
+
+@pytest.fixture(scope="module")
+def seed_schedule(seed_dump):
+    return schedule_from_dump(seed_dump)
 
 
 @pytest.mark.parametrize("ranks", sorted(SEED_PEAKS))
@@ -167,73 +315,108 @@ def test_seed_peaks(seed_schedule, ranks):
     assert (result["forward_functions"], result["backward_functions"]) == (46, 46)
 
 
-def test_imported_graph_frees_what_only_a_gradient_listing_keeps(seed_schedule):
-    """The imported graph reads `v.grad`, not `v`, where a backward record lists `v gradient`, so
-    under the any-role rule the dump keeps some variables longer. Exactly: every buffer has the same
-    allocation, size and scaling in both; a produced variable's last function in the dump is the
-    later of its last in the graph and its producer's backward; the only other difference is the
-    4-byte loss gradient, counted in a dump and never materialised (an empty-rect read) in a
-    graph."""
-    dump = parse_dump(SEED)
-    graph_schedule = schedule_from_graph(import_dump(dump))
-    names = [s.name for s in seed_schedule.steps]
-    assert [s.name for s in graph_schedule.steps] == names
-    in_graph = {b.name: b for b in graph_schedule.buffers}
+def test_seed_against_any_role(seed_dump, seed_schedule):
+    """Under the first wording every forward output listed as `ID gradient` lived until its
+    producer's backward: the pre-activations (16 convolutions, fc6 and fc7 before their ReLUs), what
+    feeds a LinearFunction (the Reshape and Dropout outputs), the logits and the loss. The rule
+    frees them after their last reader, so no function holds more than before, and at the old
+    R=1 peak, ReLU-35.grad, exactly the 16 convolution outputs less."""
+    dump, schedule = seed_dump, seed_schedule
+    old = _any_role(schedule, dump)
     producer = {tensor_name(dump, v): f for f in dump.forward for v in f.outputs}
-    longer = []
-    for b in seed_schedule.buffers:
-        if b.name == "v62.grad":  # the loss gradient
-            assert b.name not in in_graph and b.nbytes == 4
-            continue
-        g = in_graph.pop(b.name)
-        assert (b.first, b.nbytes, b.scalable, b.param) == (g.first, g.nbytes, g.scalable, g.param)
-        if b.name in producer:
-            assert b.last == max(g.last, names.index(producer[b.name].name + ".grad"))
-            if b.last != g.last:
-                longer.append(producer[b.name].type)
-        else:
-            assert b.last == g.last
-    assert not in_graph
-    # the pre-activations (16 convolutions, fc6 and fc7 before their ReLUs), what feeds a
-    # LinearFunction (the Reshape and Dropout outputs), the logits and the loss
+    longer = [
+        producer[b.name].type for b, o in zip(schedule.buffers, old.buffers) if b.last != o.last
+    ]
     assert sorted(longer) == sorted(
         ["Convolution2DFunction"] * 16
         + ["LinearFunction"] * 3
         + ["Dropout"] * 2
         + ["Reshape", "SoftmaxCrossEntropy"]
     )
-    # at R=1, the dump's peak holds the 16 convolution outputs that the graph has freed
+    for ranks, (peak, at) in ANY_ROLE_SEED_PEAKS.items():
+        report = old.analyze(ranks)
+        assert (report.peak_bytes, report.peak_step.name) == (peak, at)
+        assert all(o >= n for o, n in zip(report.live, schedule.live_bytes(ranks)))
+        assert SEED_PEAKS[ranks][0] < peak
     conv_outputs = sum(
         dump.variables[f.outputs[0]].nbytes
         for f in dump.forward
         if f.type == "Convolution2DFunction"
     )
     assert conv_outputs == 1_901_068_288
-    at = names.index("ReLU-35.grad")
-    assert seed_schedule.live_bytes(1)[at] - graph_schedule.live_bytes(1)[at] == conv_outputs
+    at = [s.name for s in schedule.steps].index("ReLU-35.grad")
+    assert old.live_bytes(1)[at] - schedule.live_bytes(1)[at] == conv_outputs
 
 
-def test_lowered_vgg19_peaks(seed_schedule):
-    """Lowered vgg19 at batch 32 has the seed's parameters but a lower peak than the seed dump.
-    A Chainer backward record names the variable itself for its incoming gradient (`ID gradient`)
-    and the any-role rule keeps that variable alive until then; a lowered graph names the gradient
-    tensor (`output.delta` reads `<t>.grad`), so its pre-activations are freed after their ReLU.
-    The lowered peaks are exactly those of the imported seed graph, which is read the same way,
-    at the corresponding function (conv4_4.filterNL.grad is ReLU-26.grad, conv3_4's ReLU-17.grad);
-    and at R=1 the dump's peak exceeds the lowered graph's live bytes at the same function
-    (conv5_4.filterNL.grad, ReLU-35.grad) by exactly the 16 convolution outputs."""
+def test_imported_graph_follows_the_dump_rule(seed_dump, seed_schedule):
+    """The imported graph reads `v.grad` where a backward record lists `v gradient` and `v` where
+    it lists `v input` or `v output`, the dump's rule: every buffer has the same allocation, last
+    function, size and scaling in both, but the 4-byte loss gradient, counted in a dump and never
+    materialised (an empty-rect read) in a graph; so live bytes agree at every function but the
+    loss's backward, and the peaks agree."""
+    graph_schedule = schedule_from_graph(import_dump(seed_dump))
+    names = [s.name for s in seed_schedule.steps]
+    assert [s.name for s in graph_schedule.steps] == names
+    in_graph = {b.name: b for b in graph_schedule.buffers}
+    for b in seed_schedule.buffers:
+        if b.name == "v62.grad":  # the loss gradient
+            assert b.name not in in_graph and b.nbytes == 4
+            continue
+        assert b == in_graph.pop(b.name)
+    assert not in_graph
+    loss_grad = names.index("SoftmaxCrossEntropy-45.grad")
+    for ranks in SEED_PEAKS:
+        dump_live, graph_live = seed_schedule.live_bytes(ranks), graph_schedule.live_bytes(ranks)
+        assert [d - g for d, g in zip(dump_live, graph_live)] == [
+            4 * (i == loss_grad) for i in range(len(names))
+        ]
+        assert graph_schedule.analyze(ranks).peak_bytes == SEED_PEAKS[ranks][0]
+
+
+def test_lowered_vgg19_agrees_with_the_dump(seed_dump, seed_schedule):
+    """Lowered vgg19 at batch 32 has the seed's parameters and, under the one rule, the seed's
+    peaks at the corresponding functions (ReLU-26.grad is conv4_4.filterNL.grad, ReLU-17.grad
+    conv3_4's). Over the convolutional trunk, conv1_1 to pool5 forward and back (74 functions in
+    each), live bytes agree function by function at every R but at six, where the dump's
+    functions read more: each MaxPooling2D backward lists its output (`ID output`; lowered
+    `maxpool.grad` reads its input and the gradient only), which lives there by the output's
+    bytes, and the first convolution's backward outputs the image's gradient, which a lowered
+    graph never computes."""
     from legion_nn.networks import load_network
 
-    schedule = schedule_from_graph(load_network("vgg19").lower(batch=32))
-    imported = schedule_from_graph(import_dump(SEED))
-    assert schedule.param_bytes == seed_schedule.param_bytes == 574_668_960
-    for ranks, (peak, at) in LOWERED_VGG19_PEAKS.items():
-        report = schedule.analyze(ranks)
-        assert (report.peak_bytes, report.peak_step.name) == (peak, at)
-        assert imported.analyze(ranks).peak_bytes == peak < SEED_PEAKS[ranks][0]
-    at_relu35 = [s.name for s in schedule.steps].index("conv5_4.filterNL.grad")
-    assert SEED_PEAKS[1] == (3_207_942_336 + 1_901_068_288, "ReLU-35.grad")
-    assert schedule.live_bytes(1)[at_relu35] == 3_207_942_336
+    dump = seed_dump
+    lowered = schedule_from_graph(load_network("vgg19").lower(batch=32))
+    assert lowered.param_bytes == seed_schedule.param_bytes == 574_668_960
+    for ranks, (peak, at) in SEED_PEAKS.items():
+        report = lowered.analyze(ranks)
+        assert (report.peak_bytes, report.peak_step.name) == (peak, LOWERED_NAMES[at])
+
+    def trunk(schedule, forward, end, backward):
+        names = [s.name for s in schedule.steps]
+        return names[names.index(forward) : names.index(end)] + names[names.index(backward) :]
+
+    in_dump = trunk(seed_schedule, "Convolution2DFunction-0", "Reshape-37", "MaxPooling2D-36.grad")
+    in_lowered = trunk(lowered, "conv1_1.conv", "fc6.linear1", "pool5.maxpool.grad")
+    assert len(in_dump) == len(in_lowered) == 74
+    kinds = {"Convolution2DFunction": ".conv", "ReLU": ".filterNL", "MaxPooling2D": ".maxpool"}
+    functions = {f.name: f for f in dump.functions}
+    for d, g in zip(in_dump, in_lowered):
+        assert g.removesuffix(".grad").endswith(kinds[functions[d].type])
+        assert d.endswith(".grad") == g.endswith(".grad")
+    buffers = {b.name: b for b in seed_schedule.buffers}
+    image_grad = tensor_name(dump, functions["Convolution2DFunction-0"].ids()[0]) + ".grad"
+    for ranks in SEED_PEAKS:
+        at_dump = dict(zip((s.name for s in seed_schedule.steps), seed_schedule.live_bytes(ranks)))
+        at_lowered = dict(zip((s.name for s in lowered.steps), lowered.live_bytes(ranks)))
+        more = {d: at_dump[d] - at_lowered[g] for d, g in zip(in_dump, in_lowered)}
+        expected = {
+            f.name: buffers[tensor_name(dump, v)].bytes_per_rank(32, ranks)
+            for f in dump.backward
+            if f.type == "MaxPooling2D"
+            for v in f.ids("output")
+        }
+        expected["Convolution2DFunction-0.grad"] = buffers[image_grad].bytes_per_rank(32, ranks)
+        assert {d: n for d, n in more.items() if n} == expected
 
 
 def _hand_graph() -> TaskGraph:
