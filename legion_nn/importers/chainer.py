@@ -25,9 +25,9 @@ record names the *forward* variables and the role says which buffer of that vari
   output and its gradient is accumulated.
 
 So "the gradient of v" is the buffer named by id v in a gradient role or a backward output; it has
-v's byte size. The peak-memory analysis (`legion_nn.memory`) frees v's data only after the last
-function that lists v as an input in any role, as the issue says: a `gradient` listing reads v's
-gradient and also keeps v's data alive.
+v's byte size. A `gradient` listing reads v's gradient only: the peak-memory analysis
+(`legion_nn.memory`) frees v's data after the last function that reads it as data, a forward
+function taking it as input or a backward record listing it as `input` or `output`.
 
 Each backward record is the backward of the forward record with the same type and rank whose
 inputs hold its outputs; the parser pairs them and names both: the forward function
