@@ -102,7 +102,9 @@ def test_an_op_is_recorded_once():
 
 
 @pytest.mark.parametrize(
-    "graph", BUILT + IMPORTED, ids=[g.network for g in BUILT] + [f"chainer-{i}" for i in range(4)]
+    "graph",
+    BUILT + IMPORTED,
+    ids=[g.network for g in BUILT] + [f"chainer-{i}" for i in range(len(IMPORTED))],
 )
 def test_every_lowered_op_has_a_complete_record(graph):
     for task in graph.tasks:
