@@ -9,7 +9,9 @@ per-sample input (C, H, W), as float arrays in [0, 1]-ish scale, with int32 labe
   independent of the training seed, so test accuracies are comparable between runs.
 - `synthetic`: one random prototype image per class plus Gaussian noise, seeded; learnable, so a
   loss curve means something.
-- `F.npz`: arrays `x` (N, C, H, W) or (N, H, W) and `y` (N,); resized like digits.
+- `F.npz`: `x_train`, `y_train` and optionally `x_val`, `y_val`, `x_test`, `y_test`, used as given
+  (a split it lacks is empty); or arrays `x` and `y` (N,), split as digits is. Images are
+  (N, C, H, W) or (N, H, W), resized like digits.
 """
 
 from __future__ import annotations
@@ -113,21 +115,50 @@ def synthetic(
 
 
 def from_npz(path: str, shape: tuple[int, int, int], classes: int, dtype=np.float32) -> Dataset:
+    """`x_train`, `y_train` (and optionally `x_val`, `y_val`, `x_test`, `y_test`) used as given,
+    in their order; or `x` and `y`, split 70/15/15 as digits is."""
     try:
         with np.load(path) as data:
-            if "x" not in data or "y" not in data:
-                raise LegionNNError(f"{path}: needs arrays 'x' and 'y', has {sorted(data.files)}")
-            x, y = data["x"], data["y"]
+            arrays = {name: data[name] for name in data.files}
     except (OSError, ValueError) as exc:
         raise LegionNNError(f"{path}: cannot read as .npz: {exc}") from None
-    y = np.asarray(y).reshape(-1)
-    if len(y) != len(x):
-        raise LegionNNError(f"{path}: x has {len(x)} samples but y has {len(y)}")
+    if "x_train" in arrays or "y_train" in arrays:
+        splits = {}
+        for part in ("train", "val", "test"):
+            x_name, y_name = f"x_{part}", f"y_{part}"
+            if (x_name in arrays) != (y_name in arrays):
+                given, missing = (x_name, y_name) if x_name in arrays else (y_name, x_name)
+                raise LegionNNError(f"{path}: has {given!r} but not {missing!r}")
+            if x_name in arrays:
+                x, y = _checked(path, arrays[x_name], arrays[y_name], classes, part)
+                splits[part] = Split(fit_to_input(x, shape, path).astype(dtype), y)
+            else:
+                splits[part] = Split(np.zeros((0, *shape), dtype), np.zeros(0, np.int32))
+        if not len(splits["train"]):
+            raise LegionNNError(f"{path}: x_train has no samples")
+        return Dataset(Path(path).name, splits["train"], splits["val"], splits["test"])
+    if "x" not in arrays or "y" not in arrays:
+        raise LegionNNError(
+            f"{path}: needs arrays 'x_train' and 'y_train' (and optionally x_val, y_val, x_test, "
+            f"y_test), or 'x' and 'y'; has {sorted(arrays)}"
+        )
+    x, y = _checked(path, arrays["x"], arrays["y"], classes, "")
     if len(y) < 3:
         raise LegionNNError(f"{path}: needs at least 3 samples to split, has {len(y)}")
-    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= classes:
-        raise LegionNNError(f"{path}: labels y must be integers in [0, {classes})")
-    return _split(fit_to_input(np.asarray(x), shape, path), y, Path(path).name, dtype)
+    return _split(fit_to_input(x, shape, path), y, Path(path).name, dtype)
+
+
+def _checked(
+    path: str, x: np.ndarray, y: np.ndarray, classes: int, part: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """`x` and its labels `y` as int32, or one line saying what is wrong with them."""
+    names = (f"x_{part}", f"y_{part}") if part else ("x", "y")
+    y = np.asarray(y).reshape(-1)
+    if len(y) != len(x):
+        raise LegionNNError(f"{path}: {names[0]} has {len(x)} samples but {names[1]} has {len(y)}")
+    if len(y) and (not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= classes):
+        raise LegionNNError(f"{path}: labels {names[1]} must be integers in [0, {classes})")
+    return np.asarray(x), y.astype(np.int32)
 
 
 def load(source: str, shape: tuple[int, int, int], classes: int, seed: int, dtype) -> Dataset:

@@ -45,6 +45,8 @@ class TrainConfig:
     hyperparameters: dict[str, float] = field(default_factory=dict)
     checkpoint_dir: str | None = None
     resume: bool = False
+    #: False: step s takes rows [s·B, (s+1)·B) of the epoch's training set, in order
+    shuffle: bool = True
 
     @property
     def steps_per_epoch(self) -> int:
@@ -114,13 +116,15 @@ class Trainer:
             "batch": c.batch,
             "data": c.dataset.name,
             "seed": c.seed,
-        }
+        } | ({} if c.shuffle else {"shuffle": False})
 
     def batch_indices(self, step: int) -> np.ndarray:
         epoch, index = divmod(step, self.steps_per_epoch)
-        order = np.random.default_rng([self.config.seed, epoch]).permutation(
-            len(self.config.dataset.train)
-        )
+        samples = len(self.config.dataset.train)
+        if self.config.shuffle:
+            order = np.random.default_rng([self.config.seed, epoch]).permutation(samples)
+        else:
+            order = np.arange(samples)
         return order[index * self.config.batch : (index + 1) * self.config.batch]
 
     def _outputs(self, graph: TaskGraph) -> tuple[str, str | None]:
@@ -164,6 +168,10 @@ class Trainer:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.log is not None:
+            # no number (an empty split's accuracy, a diverged loss) is JSON's null, not NaN
+            record = {
+                k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()
+            }
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
 

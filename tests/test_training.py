@@ -135,6 +135,40 @@ def test_npz_data(tmp_path):
         data.load(str(bad), net.input, net.classes, 0, np.float32)
 
 
+def test_npz_splits_are_used_as_given_and_no_shuffle_takes_batches_in_order(tmp_path):
+    rng = np.random.default_rng(1)
+    net = load_network("seed-lcn-small")
+    x_train, x_test = rng.random((9, 1, 20, 20)), rng.random((4, 1, 20, 20))
+    y_train, y_test = np.arange(9) % 10, np.arange(4)
+    path = tmp_path / "given.npz"
+    np.savez(path, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+    dataset = data.load(str(path), net.input, net.classes, 0, np.float64)
+    np.testing.assert_array_equal(dataset.train.x, x_train)  # in order, not split or permuted
+    np.testing.assert_array_equal(dataset.train.y, y_train)
+    np.testing.assert_array_equal(dataset.test.y, y_test)
+    assert len(dataset.val) == 0  # a split the file lacks is empty
+    config = TrainConfig(network=net, dataset=dataset, batch=4, steps=3, shuffle=False)
+    trainer = Trainer(config)
+    assert [trainer.batch_indices(s).tolist() for s in range(4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8],
+        [0, 1, 2, 3],  # the next epoch starts again
+    ]
+    shuffled = Trainer(TrainConfig(network=net, dataset=dataset, batch=4, steps=3))
+    assert shuffled.batch_indices(0).tolist() != [0, 1, 2, 3]
+    assert trainer.identity()["shuffle"] is False and "shuffle" not in shuffled.identity()
+    log = tmp_path / "log.jsonl"
+    args = ["--data", str(path), "--steps", "2", "--batch", "4", "--no-shuffle", "--no-progress"]
+    assert main(["train", *args, "--log-json", str(log)]) == 0
+    done = json.loads(log.read_text().splitlines()[-1])
+    assert done["val_accuracy"] is None and done["test_accuracy"] is not None  # no val split
+    half = tmp_path / "half.npz"
+    np.savez(half, x_train=x_train, y_train=y_train, x_val=x_test)
+    with pytest.raises(LegionNNError, match="half.npz: has 'x_val' but not 'y_val'"):
+        data.load(str(half), net.input, net.classes, 0, np.float64)
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-json", metavar="F", help="write one JSON record per step to F")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="take batches in order: step s is rows [s*B, (s+1)*B) of the training set",
+    )
+    parser.add_argument(
         "--strategy",
         default="data",
         help="under mpiexec: data, model, spatial, auto, or a grids .json file (default data)",
@@ -130,6 +135,7 @@ def _config(args: argparse.Namespace):
         hyperparameters={"lr": args.lr} if args.lr else {},
         checkpoint_dir=args.checkpoint,
         resume=args.resume,
+        shuffle=not args.no_shuffle,
     )
     return config, options
 
