@@ -37,6 +37,8 @@ class Network:
     #: values parameters and state start from, in their logical layouts, by tensor name (an
     #: imported model's; the others start from their tensors' `init`)
     initial: dict[str, Any] = field(default_factory=dict)
+    #: the file it was read from (an ONNX model: `train --save-onnx` writes it back), or ""
+    source: str = ""
 
     def __post_init__(self) -> None:
         self.input = tuple(self.input)  # type: ignore[assignment]

@@ -47,6 +47,8 @@ class TrainConfig:
     resume: bool = False
     #: False: step s takes rows [s·B, (s+1)·B) of the epoch's training set, in order
     shuffle: bool = True
+    #: where to write the trained ONNX model (the network must have been read from one)
+    save_onnx: str | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -231,6 +233,12 @@ class Trainer:
         test_loss, test_accuracy = self.evaluate(c.dataset.test)
         _, train_accuracy = self.evaluate(c.dataset.train)
         seconds = time.perf_counter() - started
+        if c.save_onnx:
+            arrays = self.executor.resident()  # every rank takes part; rank 0 gets the arrays
+            if self.executor.is_root:
+                from legion_nn.importers.onnx_model import save_onnx
+
+                save_onnx(c.network.source, arrays, c.save_onnx)
         self._write(
             {
                 "event": "done",

@@ -250,3 +250,39 @@ def test_every_command_takes_a_model(tmp_path):
             capture_output=True, text=True, check=False, cwd=ROOT,
         )  # fmt: skip
         assert result.returncode == 0, (args[0], result.stderr)
+
+
+@pytest.mark.parametrize(
+    "make", [features, pool_matmul, batchnorm], ids=["features", "pool_matmul", "batchnorm"]
+)
+def test_save_onnx_writes_the_trained_parameters_back(make, tmp_path):
+    from runtime import data
+
+    path = make(tmp_path)
+    network = load(str(path))
+    dataset = data.synthetic(network.input, network.classes, seed=2, samples=24)
+    out = tmp_path / "trained.onnx"
+    config = TrainConfig(network=network, dataset=dataset, batch=4, steps=3, save_onnx=str(out))
+    trainer = Trainer(config)
+    trainer.run()
+    trained = trainer.executor.resident()
+    again = load(str(out))  # onnx.checker passed on the way out, and in again
+    assert set(again.initial) == set(network.initial)
+    for name, value in again.initial.items():
+        # parameters train in float32 as they are stored; running statistics are float64 here
+        np.testing.assert_allclose(value, trained[name], rtol=1e-6, atol=0, err_msg=name)
+        assert not np.array_equal(value, network.initial[name]), name  # training moved it
+    x = RNG.standard_normal((2, *network.input)).astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(probabilities(again, x), reference(out, x), rtol=0, atol=BOUND)
+
+
+def test_save_onnx_needs_a_model(tmp_path):
+    out = tmp_path / "x.onnx"
+    result = subprocess.run(
+        [sys.executable, "-m", "legion_nn.cli", "train", "seed-lcn-small", "--steps", "1",
+         "--no-progress", "--save-onnx", str(out)],
+        capture_output=True, text=True, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--save-onnx needs an ONNX model to train" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()

@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-json", metavar="F", help="write one JSON record per step to F")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--save-onnx",
+        metavar="F",
+        help="an ONNX model's network: write it with the trained parameters to F (atomically)",
+    )
+    parser.add_argument(
         "--no-shuffle",
         action="store_true",
         help="take batches in order: step s is rows [s*B, (s+1)*B) of the training set",
@@ -136,7 +141,10 @@ def _config(args: argparse.Namespace):
         checkpoint_dir=args.checkpoint,
         resume=args.resume,
         shuffle=not args.no_shuffle,
+        save_onnx=args.save_onnx,
     )
+    if args.save_onnx and not network.source.lower().endswith(".onnx"):
+        raise LegionNNError(f"--save-onnx needs an ONNX model to train, not {args.network!r}")
     return config, options
 
 

@@ -24,7 +24,8 @@ BatchNormalization's running statistics) in legion-nn's logical layouts, by thos
 training starts from.
 
 Anything else (another op, a grouped or dilated Conv, a graph that is not a chain) is refused in
-one line naming the node, its op type and what is supported.
+one line naming the node, its op type and what is supported. `save_onnx` writes the same model
+back with trained values.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class _Reader:
             raise OnnxError(f"{self.path}: needs one data input, has {len(inputs)} ({names})")
         sample = self.shape = self._sample_shape(inputs[0])
         current = inputs[0].name
-        nodes = [n for n in graph.node if n.op_type != "Constant"]
+        nodes = _data_nodes(graph)
         ends_in_softmax = False
         skip = set()
         for index, node in enumerate(nodes):
@@ -181,6 +182,7 @@ class _Reader:
             self.layers,
             param_names=self.param_names,
             initial=self.initial,
+            source=str(self.path),
         )
 
     def _sample_shape(self, value) -> tuple[int, int, int]:
@@ -332,6 +334,54 @@ class _Reader:
             known = int(np.prod([v for v in per if v != -1]))
             per[per.index(-1)] = int(np.prod(self.shape)) // max(known, 1)
         return tuple(per + [1] * (3 - len(per)))  # type: ignore[return-value]
+
+
+def _data_nodes(graph) -> list:
+    """The nodes that become layers, in order (a node's index among them names its layer)."""
+    return [n for n in graph.node if n.op_type != "Constant"]
+
+
+def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path) -> None:
+    """The model at `source` with its initializers (and BatchNormalization's running mean and
+    variance) replaced by `arrays`, legion-nn's logical values by tensor name (as training ends
+    with them), written to `out` atomically; it passes `onnx.checker`."""
+    import onnx
+    from onnx import numpy_helper
+
+    from legion_nn.atomic import atomic_write
+
+    model = onnx.load(str(source))
+    graph = model.graph
+    stored = {t.name: t for t in graph.initializer}
+    values: dict[str, np.ndarray] = {}
+
+    def put(name: str, value: np.ndarray, transposed: bool = False) -> None:
+        dims = tuple(stored[name].dims)
+        values[name] = value.reshape(dims[::-1]).T if transposed else value.reshape(dims)
+
+    for index, node in enumerate(_data_nodes(graph)):
+        inputs = [i for i in node.input if i in stored and i in arrays]
+        if node.op_type == "Gemm" and not _attrs(node).get("transB", 0):
+            put(node.input[1], arrays[node.input[1]], transposed=True)
+            inputs = inputs[1:]
+        elif node.op_type == "MatMul":
+            put(node.input[1], arrays[node.input[1]], transposed=True)
+            inputs = []
+        elif node.op_type == "BatchNormalization":
+            running = arrays[f"{_layer_name(node, index)}.running"]
+            put(node.input[3], running[0])
+            put(node.input[4], running[1])
+        for name in inputs:
+            put(name, arrays[name])
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.name in values:
+            dtype = numpy_helper.to_array(tensor).dtype
+            graph.initializer[index].CopyFrom(
+                numpy_helper.from_array(values[tensor.name].astype(dtype), tensor.name)
+            )
+    onnx.checker.check_model(model)
+    with atomic_write(out, "wb") as file:
+        file.write(model.SerializeToString())
 
 
 def _pads(pads) -> list[int]:
