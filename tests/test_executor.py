@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from legion_nn.layers import (
+    AvgPool,
     BatchNorm,
     Conv,
     Dropout,
@@ -149,8 +150,32 @@ SPARSE = Network(
 )
 
 
+#: average pooling, padded, over a convolution's output (ONNX's AveragePool)
+POOLED = Network(
+    "pooled",
+    (2, 7, 7),
+    3,
+    [
+        Conv("c", out_channels=3, kernel=3, pad=1),
+        FilterNL(fn="tanh"),
+        AvgPool("p", kernel=3, stride=2, pad=1),
+        Linear("fc", out=3, bias=True),
+        Softmax(),
+        Evaluate(),
+    ],
+)
+
+
+def test_average_pooling_has_correct_gradients():
+    worst = whole_network_gradient_check(POOLED, batch=2, samples=5)
+    for param, error in worst.items():
+        assert error < 1e-5, (param, error)
+
+
 @pytest.mark.parametrize(
-    "net", [MIXED, load_network("seed-lcn-small"), SPARSE], ids=["mixed", "lcn", "sparse"]
+    "net",
+    [MIXED, load_network("seed-lcn-small"), SPARSE, POOLED],
+    ids=["mixed", "lcn", "sparse", "pooled"],
 )
 def test_pieces_compute_what_the_whole_computes(net):
     graph = net.lower(batch=4, dtype="float64", optimizer="momentum")

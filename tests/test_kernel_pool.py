@@ -2,7 +2,12 @@ import numpy as np
 import pytest
 from numeric_grad import assert_grad, numeric_grad
 
-from runtime.kernels.pool import maxpool_backward, maxpool_forward
+from runtime.kernels.pool import (
+    avgpool_backward,
+    avgpool_forward,
+    maxpool_backward,
+    maxpool_forward,
+)
 
 
 def _reference(x, dy, kernel, stride, pads):
@@ -117,3 +122,51 @@ def test_empty_batch_piece():
     x = np.zeros((0, 2, 4, 6), np.float32)
     assert maxpool_forward(x, 2, 2).shape == (0, 2, 2, 3)
     assert maxpool_backward(np.zeros((0, 2, 2, 3), np.float32), x, 2, 2).shape == x.shape
+
+
+def _average_reference(x, dy, kernel, stride, pads):
+    """Loops: each window's mean over its real cells, and dy shared equally among them."""
+    (kh, kw), (sh, sw), (t, b, l, r) = kernel, stride, pads
+    n, c, h, w = x.shape
+    ho, wo = (h + t + b - kh) // sh + 1, (w + l + r - kw) // sw + 1
+    y = np.empty((n, c, ho, wo))
+    dx = np.zeros(x.shape)
+    for i, j, p, q in np.ndindex(n, c, ho, wo):
+        rows = slice(max(p * sh - t, 0), min(p * sh - t + kh, h))
+        cols = slice(max(q * sw - l, 0), min(q * sw - l + kw, w))
+        window = x[i, j, rows, cols].astype(np.float64)
+        y[i, j, p, q] = window.mean()
+        dx[i, j, rows, cols] += dy[i, j, p, q] / window.size
+    return y, dx
+
+
+@pytest.mark.parametrize(("shape", "kernel", "stride", "pad", "pads"), CASES)
+def test_average_matches_reference(shape, kernel, stride, pad, pads):
+    """In float64: each output sums at most 9 terms of magnitude below 5, so the kernel and the
+    loops differ by at most γ(9)·45 ≈ 5e-14 however the sums are ordered."""
+    kernel2 = (kernel, kernel) if np.isscalar(kernel) else kernel
+    stride2 = (stride, stride) if np.isscalar(stride) else stride
+    x = np.random.default_rng(0).standard_normal(shape)
+    y = avgpool_forward(x, kernel, stride, pad)
+    dy = np.random.default_rng(1).standard_normal(y.shape)
+    ref_y, ref_dx = _average_reference(x, dy, kernel2, stride2, pads)
+    np.testing.assert_allclose(y, ref_y, rtol=0, atol=1e-12)
+    dx = avgpool_backward(dy, x.shape, kernel, stride, pad)
+    np.testing.assert_allclose(dx, ref_dx, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("kernel", "stride", "pad"), [(3, 1, (1, 0, 0, 2)), ((2, 3), (2, 2), 1)])
+def test_average_numerical_gradient(kernel, stride, pad):
+    x = _distinct((2, 2, 5, 6))
+    y = avgpool_forward(x, kernel, stride, pad)
+    r = np.random.default_rng(3).standard_normal(y.shape)
+    dx = avgpool_backward(r, x.shape, kernel, stride, pad)
+    assert_grad(dx, numeric_grad(lambda: avgpool_forward(x, kernel, stride, pad), x, r))
+
+
+def test_average_spatial_pieces_with_halo_match_the_whole():
+    x = np.random.default_rng(5).standard_normal((2, 2, 9, 6))
+    whole = avgpool_forward(x, 3, 2, 1)
+    top = avgpool_forward(x[:, :, 0:4], 3, 2, (1, 0, 1, 1))
+    bottom = avgpool_forward(x[:, :, 3:9], 3, 2, (0, 1, 1, 1))
+    np.testing.assert_allclose(np.concatenate([top, bottom], axis=2), whole, rtol=0, atol=1e-15)

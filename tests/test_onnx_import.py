@@ -118,8 +118,25 @@ def batchnorm(tmp: Path) -> Path:
     return model(tmp / "batchnorm.onnx", nodes, [2, 2, 4, 4], "y", weights)
 
 
+def pooled(tmp: Path) -> Path:
+    """Conv → AveragePool (padded, padding not counted) → Relu → GlobalAveragePool → Flatten
+    → Gemm."""
+    nodes = [
+        helper.make_node("Conv", ["x", "c.w", "c.b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("AveragePool", ["c"], ["a"], name="avg", kernel_shape=[3, 3],
+                         strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["r"], ["g"], name="gap"),
+        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc.w", "fc.b"], ["y"], name="fc", transB=1),
+    ]  # fmt: skip
+    weights = [constant("c.w", (4, 3, 3, 3)), constant("c.b", (4,)), constant("fc.w", (5, 4)),
+               constant("fc.b", (5,))]  # fmt: skip
+    return model(tmp / "pooled.onnx", nodes, ["N", 3, 8, 7], "y", weights)
+
+
 MODELS = {"conv_gemm": conv_gemm, "pool_matmul": pool_matmul, "features": features,
-          "batchnorm": batchnorm}  # fmt: skip
+          "batchnorm": batchnorm, "pooled": pooled}  # fmt: skip
 
 
 def probabilities(network, x: np.ndarray) -> np.ndarray:

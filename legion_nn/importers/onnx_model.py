@@ -11,6 +11,7 @@ or dynamic, is left to the lowering's batch):
 | MatMul, and an Add of a constant after it | `linear` | B (K, M) → (M, K, 1, 1), the Add's constant the bias |
 | Relu, Tanh, Sigmoid | `filterNL` | |
 | MaxPool (ceil_mode 0, dilation 1) | `maxpool` | |
+| AveragePool (padding not counted), GlobalAveragePool | `avgpool` (the whole plane) | |
 | BatchNormalization | `batchnorm` (per channel) | scale, B → gamma, beta (1, C, 1, 1); mean and var the running statistics (state) |
 | Dropout | `dropout` (its ratio) | |
 | Flatten (axis 1), Reshape (per sample) | `flatten`, `reshape` | |
@@ -37,6 +38,7 @@ import numpy as np
 
 from legion_nn.errors import LegionNNError
 from legion_nn.layers import (
+    AvgPool,
     BatchNorm,
     Conv,
     Dropout,
@@ -60,6 +62,8 @@ SUPPORTED = (
     "Tanh",
     "Sigmoid",
     "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
     "BatchNormalization",
     "Dropout",
     "Flatten",
@@ -226,10 +230,7 @@ class _Reader:
         elif op in NONLINEAR:
             self._add(FilterNL(name, fn=NONLINEAR[op]))
         elif op == "MaxPool":
-            if attrs.get("ceil_mode", 0) or any(d != 1 for d in attrs.get("dilations", [1, 1])):
-                raise self.fail(node, "ceil_mode and dilations are not supported")
-            if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-                raise self.fail(node, "auto_pad is not supported; give pads")
+            self._window_checks(node, attrs)
             kernel = tuple(attrs["kernel_shape"])
             self._add(
                 MaxPool(
@@ -239,6 +240,21 @@ class _Reader:
                     pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
                 )
             )
+        elif op == "AveragePool":
+            self._window_checks(node, attrs)
+            if attrs.get("count_include_pad", 0) and any(attrs.get("pads", [0])):
+                raise self.fail(node, "count_include_pad 1 with pads is not supported")
+            kernel = tuple(attrs["kernel_shape"])
+            self._add(
+                AvgPool(
+                    name,
+                    kernel=kernel,
+                    stride=tuple(attrs.get("strides", [1, 1])),
+                    pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
+                )
+            )
+        elif op == "GlobalAveragePool":
+            self._add(AvgPool(name, kernel=self.shape[1:], stride=1))
         elif op == "BatchNormalization":
             scale, bias, mean, var = (self.constants[i] for i in node.input[1:5])
             layer = BatchNorm(
@@ -273,13 +289,21 @@ class _Reader:
         else:
             raise self.fail(node, f"op not supported; supported: {', '.join(SUPPORTED)}")
 
+    def _window_checks(self, node, attrs: dict) -> None:
+        if attrs.get("ceil_mode", 0) or any(d != 1 for d in attrs.get("dilations", [1, 1])):
+            raise self.fail(node, "ceil_mode and dilations are not supported")
+        self._explicit_pads(node, attrs)
+
+    def _explicit_pads(self, node, attrs: dict) -> None:
+        if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise self.fail(node, "auto_pad is not supported; give pads")
+
     def _conv(self, node, attrs: dict, name: str) -> None:
         if attrs.get("group", 1) != 1:
             raise self.fail(node, f"grouped Conv (group {attrs['group']}) is not supported")
         if any(d != 1 for d in attrs.get("dilations", [1, 1])):
             raise self.fail(node, "dilated Conv is not supported")
-        if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-            raise self.fail(node, "auto_pad is not supported; give pads")
+        self._explicit_pads(node, attrs)
         strides = attrs.get("strides", [1, 1])
         if len(set(strides)) != 1:
             raise self.fail(node, f"strides {list(strides)} differ; legion-nn needs one stride")

@@ -21,12 +21,13 @@ from legion_nn.layers.evaluate import Evaluate
 from legion_nn.layers.filter import Conv, Filter
 from legion_nn.layers.linear import Linear
 from legion_nn.layers.nonlinear import FilterNL, Relu
-from legion_nn.layers.pool import MaxPool
+from legion_nn.layers.pool import AvgPool, MaxPool
 from legion_nn.layers.reshape import Flatten, Reshape
 from legion_nn.layers.softmax import Softmax
 
 __all__ = [
     "LAYER_KINDS",
+    "AvgPool",
     "BatchNorm",
     "Conv",
     "Dropout",

@@ -1,14 +1,16 @@
-"""`maxpool`: the maximum over each window; a piece reads the halo of its window rows/columns.
+"""`maxpool` and `avgpool`: the maximum, or the mean over its real cells, of each window; a piece
+reads the halo of its window rows/columns.
 
-The backward routes each output gradient to its window's maximum, reducing into the input halo, so
-overlapping windows (stride < window) and pieces that share halo rows simply add.
+The backward routes each output gradient to its window's maximum (or shares it among the window's
+cells), reducing into the input halo, so overlapping windows (stride < window) and pieces that
+share halo rows simply add. `avgpool`'s backward needs no input values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from legion_nn import registry
 from legion_nn.access import columns, window_span, window_spans
@@ -19,8 +21,13 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
+def _input_dims(dims: Mapping[str, tuple]) -> tuple:
+    """The input's dims: an average's backward reads only its gradient, of the same dims."""
+    return dims["input"] if "input" in dims else dims["input.delta"]
+
+
 def _pool_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    _, _, h_in, w_in = dims["input"]
+    _, _, h_in, w_in = _input_dims(dims)
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
     top, _, left, _ = attrs["pad"]
     halo = Rect.empty(4)
@@ -38,7 +45,7 @@ def _pool_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect
 def _pool_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
     """`_pool_rects` over arrays of pieces."""
     n = len(lo)
-    _, _, h_in, w_in = dims["input"]
+    _, _, h_in, w_in = _input_dims(dims)
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
     top, _, left, _ = attrs["pad"]
     rows = window_spans(lo[:, 2], hi[:, 2], sh, top, kh, h_in)
@@ -56,29 +63,33 @@ def _window(attrs: Mapping[str, Any], dims: Mapping[str, tuple]) -> float:
     return attrs["kernel"][0] * attrs["kernel"][1]
 
 
-registry.register(
-    "maxpool",
-    phases={
-        phase: {
-            "access": _pool_rects,
-            "box_map": _pool_boxes,
-            "flops": _window,
-            "adapter": f"maxpool.{phase}",
-        }
-        for phase in ("forward", "backward")
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=0,
-)
+for _op in ("maxpool", "avgpool"):
+    registry.register(
+        _op,
+        phases={
+            phase: {
+                "access": _pool_rects,
+                "box_map": _pool_boxes,
+                "flops": _window,  # a comparison or an add per window element, each way
+                "adapter": f"{_op}.{phase}",
+            }
+            for phase in ("forward", "backward")
+        },
+        splittable=registry.EVERY_DIM,
+        homing=registry.GRID,
+        packed_role=None,
+        owner_role=None,
+        passes=None,
+        sums_over=0,
+    )
 
 
 @layer_kind("maxpool")
 @dataclass
 class MaxPool(Layer):
+    #: whether its backward reads the input (the argmax) or only the output's gradient
+    BACKWARD_READS_INPUT: ClassVar[bool] = True
+
     kernel: Any = 2
     stride: Any = None
     pad: Any = 0
@@ -99,7 +110,7 @@ class MaxPool(Layer):
         attrs = {"kernel": list(self.kernel), "stride": list(self.stride), "pad": list(self.pad)}
         ctx.task(
             self.stem,
-            "maxpool",
+            self.KIND,
             "forward",
             space,
             [("input", x, R_), ("output", y, W_)],
@@ -111,14 +122,13 @@ class MaxPool(Layer):
         def backward() -> None:
             if not ctx.needs_grad(x):
                 return
-            bindings = [
-                ("output.delta", ctx.grad(y), R_),
-                ("input", x, R_),
-                ("input.delta", ctx.grad(x), RD),
-            ]
+            bindings = [("output.delta", ctx.grad(y), R_)]
+            if self.BACKWARD_READS_INPUT:
+                bindings.append(("input", x, R_))
+            bindings.append(("input.delta", ctx.grad(x), RD))
             ctx.task(
                 f"{self.stem}.grad",
-                "maxpool",
+                self.KIND,
                 "backward",
                 space,
                 bindings,
@@ -129,3 +139,11 @@ class MaxPool(Layer):
 
         ctx.on_backward(backward)
         return y
+
+
+@layer_kind("avgpool")
+@dataclass
+class AvgPool(MaxPool):
+    """The mean of each window over its real cells (padding is not counted)."""
+
+    BACKWARD_READS_INPUT: ClassVar[bool] = False

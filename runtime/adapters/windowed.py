@@ -1,4 +1,4 @@
-"""Adapters of the windowed ops: `filter`, `conv` and `maxpool`.
+"""Adapters of the windowed ops: `filter`, `conv`, `maxpool` and `avgpool`.
 
 Each gets the clipped halo of its piece plus the zero padding of its own border
 (`window_padding`), so an interior piece runs without padding and a border piece with its side of
@@ -18,7 +18,7 @@ from runtime.kernels import filter_packed, layout, pool
 
 def _pads(task, piece: Rect, dims: Dims) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) zero padding of this piece's halo."""
-    _, _, height, width = dims["input"]
+    _, _, height, width = dims["input"] if "input" in dims else dims["input.delta"]
     kernel = task.attrs["kernel"]
     stride = task.attrs["stride"]
     rows_stride, cols_stride = (stride, stride) if isinstance(stride, int) else stride
@@ -123,5 +123,22 @@ def _pool_grad(task, piece, views, dims, ctx):
     pads = _pads(task, piece, dims)
     dx = pool.maxpool_backward(
         views["output.delta"], views["input"], task.attrs["kernel"], task.attrs["stride"], pads
+    )
+    return {"input.delta": dx}
+
+
+@adapter("avgpool.forward")
+def _average(task, piece, views, dims, ctx):
+    pads = _pads(task, piece, dims)
+    y = pool.avgpool_forward(views["input"], task.attrs["kernel"], task.attrs["stride"], pads)
+    return {"output": y}
+
+
+@adapter("avgpool.backward")
+def _average_grad(task, piece, views, dims, ctx):
+    pads = _pads(task, piece, dims)
+    shape = views["input.delta"].shape
+    dx = pool.avgpool_backward(
+        views["output.delta"], shape, task.attrs["kernel"], task.attrs["stride"], pads
     )
     return {"input.delta": dx}
