@@ -11,6 +11,7 @@ of scale 0.5 on unit inputs), so each logit is within γ(54)·10 per layer, abou
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -303,3 +304,35 @@ def test_save_onnx_needs_a_model(tmp_path):
     assert result.returncode == 2
     assert "--save-onnx needs an ONNX model to train" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_pytorch_export_trains_on_digits_and_saves_what_onnxruntime_predicts_alike(tmp_path):
+    """`tests/fixtures/digits_cnn.onnx`, made by `bench/export_digits_cnn.py` (PyTorch's exporter,
+    its default initialisation): trained here from those parameters it reaches 95% on digits'
+    test split, and its `--save-onnx` output predicts in onnxruntime what legion-nn predicts.
+
+    onnxruntime runs the saved model in float32 and legion-nn in float64: four layers of sums of
+    at most 144 float32 products, terms of O(10) after training, each within γ(144)·10·|w| ≈ 1e-4
+    of exact, so probabilities within 1e-3, and a prediction can differ only where the top two
+    probabilities are closer than twice that."""
+    from runtime import data
+
+    model = ROOT / "tests" / "fixtures" / "digits_cnn.onnx"
+    out, log = tmp_path / "trained.onnx", tmp_path / "log.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "legion_nn.cli", "train", str(model), "--data", "digits",
+         "--epochs", "20", "--no-progress", "--save-onnx", str(out), "--log-json", str(log)],
+        capture_output=True, text=True, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    done = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("event") == "done"]
+    assert done[0]["test_accuracy"] >= 0.95
+    trained = load(str(out))
+    test = data.digits(trained.input, trained.classes).test
+    ours = probabilities(trained, test.x.astype(np.float64))
+    theirs = reference(out, test.x)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
+    top2 = np.sort(ours, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2e-3
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(ours[clear].argmax(axis=1), theirs[clear].argmax(axis=1))
