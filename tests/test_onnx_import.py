@@ -336,3 +336,39 @@ def test_a_pytorch_export_trains_on_digits_and_saves_what_onnxruntime_predicts_a
     clear = top2[:, 1] - top2[:, 0] > 2e-3
     assert clear.mean() > 0.9
     np.testing.assert_array_equal(ours[clear].argmax(axis=1), theirs[clear].argmax(axis=1))
+
+
+def test_parameters_an_exporter_merged_train_apart_and_are_saved_apart(tmp_path):
+    """PyTorch's exporter writes one initializer for parameters that start equal (zero biases)
+    and an Identity per use; each use is a parameter of its own, and is saved as one."""
+    zero = numpy_helper.from_array(np.zeros(3, np.float32), "zeros")
+    nodes = [
+        helper.make_node("Identity", ["zeros"], ["b1"], name="share1"),
+        helper.make_node("Identity", ["zeros"], ["b2"], name="share2"),
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("Flatten", ["c2"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc.w"], ["y"], name="fc", transB=1),
+    ]
+    weights = [zero, constant("w1", (3, 1, 3, 3)), constant("w2", (3, 3, 3, 3)),
+               constant("fc.w", (4, 12))]  # fmt: skip
+    path = model(tmp_path / "shared.onnx", nodes, ["N", 1, 4, 4], "y", weights)
+    network = load(str(path))
+    graph = network.lower(batch=2)
+    assert {"b1", "b2"} <= {n for n, t in graph.tensors.items() if t.kind == "param"}
+    np.testing.assert_array_equal(network.initial["b1"], np.zeros((1, 3, 1, 1)))
+    x = RNG.standard_normal((2, *network.input)).astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(probabilities(network, x), reference(path, x), rtol=0, atol=BOUND)
+    from runtime import data
+
+    out = tmp_path / "trained.onnx"
+    dataset = data.synthetic(network.input, network.classes, seed=3, samples=16)
+    trainer = Trainer(TrainConfig(network=network, dataset=dataset, batch=4, steps=3,
+                                  save_onnx=str(out)))  # fmt: skip
+    trainer.run()
+    saved = onnx.load(str(out))
+    stored = {t.name: numpy_helper.to_array(t) for t in saved.graph.initializer}
+    assert "b1" in stored and "b2" in stored and not np.array_equal(stored["b1"], stored["b2"])
+    assert "Identity" not in [n.op_type for n in saved.graph.node]
+    np.testing.assert_allclose(probabilities(load(str(out)), x), reference(out, x), atol=BOUND)

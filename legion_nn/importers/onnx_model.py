@@ -106,7 +106,23 @@ def load_onnx(path: str | Path) -> Network:
             value = next((a for a in node.attribute if a.name == "value"), None)
             if value is not None:
                 constants[node.output[0]] = numpy_helper.to_array(value.t)
+    for alias, source in _aliases(model.graph).items():
+        constants[alias] = constants[source]
     return _Reader(path, model, constants).read()
+
+
+def _aliases(graph) -> dict[str, str]:
+    """Identity nodes of initializers (PyTorch's exporter writes one initializer for parameters
+    that start equal, such as zero biases, and an Identity per use): each output's name, mapped
+    to the initializer it passes on. Each is a parameter of its own, starting from that value."""
+    found: dict[str, str] = {}
+    stored = {t.name for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Identity":
+            source = found.get(node.input[0], node.input[0])
+            if source in stored:
+                found[node.output[0]] = source
+    return found
 
 
 def _first_line(exc: BaseException) -> str:
@@ -130,6 +146,7 @@ def _layer_name(node, index: int) -> str:
 class _Reader:
     def __init__(self, path: Path, model, constants: dict[str, np.ndarray]) -> None:
         self.path, self.model, self.constants = path, model, constants
+        self.aliases = _aliases(model.graph)
         self.layers: list[Layer] = []
         self.shape: tuple[int, int, int] = (1, 1, 1)  # the current layer's per-sample output
         self.param_names: dict[str, str] = {}
@@ -149,7 +166,7 @@ class _Reader:
             raise OnnxError(f"{self.path}: needs one data input, has {len(inputs)} ({names})")
         sample = self.shape = self._sample_shape(inputs[0])
         current = inputs[0].name
-        nodes = _data_nodes(graph)
+        nodes = _data_nodes(graph, self.aliases)
         ends_in_softmax = False
         skip = set()
         for index, node in enumerate(nodes):
@@ -360,9 +377,14 @@ class _Reader:
         return tuple(per + [1] * (3 - len(per)))  # type: ignore[return-value]
 
 
-def _data_nodes(graph) -> list:
-    """The nodes that become layers, in order (a node's index among them names its layer)."""
-    return [n for n in graph.node if n.op_type != "Constant"]
+def _data_nodes(graph, aliases: dict[str, str]) -> list:
+    """The nodes that become layers, in order (a node's index among them names its layer): not
+    constants, nor the Identity nodes of initializers (`_aliases`)."""
+    return [
+        n
+        for n in graph.node
+        if n.op_type != "Constant" and not (n.op_type == "Identity" and n.output[0] in aliases)
+    ]
 
 
 def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path) -> None:
@@ -377,14 +399,15 @@ def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path
     model = onnx.load(str(source))
     graph = model.graph
     stored = {t.name: t for t in graph.initializer}
+    aliases = _aliases(graph)
     values: dict[str, np.ndarray] = {}
 
     def put(name: str, value: np.ndarray, transposed: bool = False) -> None:
-        dims = tuple(stored[name].dims)
+        dims = tuple(stored[aliases.get(name, name)].dims)
         values[name] = value.reshape(dims[::-1]).T if transposed else value.reshape(dims)
 
-    for index, node in enumerate(_data_nodes(graph)):
-        inputs = [i for i in node.input if i in stored and i in arrays]
+    for index, node in enumerate(_data_nodes(graph, aliases)):
+        inputs = [i for i in node.input if aliases.get(i, i) in stored and i in arrays]
         if node.op_type == "Gemm" and not _attrs(node).get("transB", 0):
             put(node.input[1], arrays[node.input[1]], transposed=True)
             inputs = inputs[1:]
@@ -403,6 +426,15 @@ def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path
             graph.initializer[index].CopyFrom(
                 numpy_helper.from_array(values[tensor.name].astype(dtype), tensor.name)
             )
+    # parameters that started as one shared initializer (PyTorch's exporter merges equal ones)
+    # have trained apart: each becomes an initializer of its own, in place of its Identity
+    trained_apart = [name for name in values if name in aliases]
+    for name in trained_apart:
+        dtype = numpy_helper.to_array(stored[aliases[name]]).dtype
+        graph.initializer.append(numpy_helper.from_array(values[name].astype(dtype), name))
+    kept = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in trained_apart)]
+    del graph.node[:]
+    graph.node.extend(kept)
     onnx.checker.check_model(model)
     with atomic_write(out, "wb") as file:
         file.write(model.SerializeToString())
