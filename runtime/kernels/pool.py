@@ -133,6 +133,14 @@ def _window_geometry(
     return (kh, kw), (sh, sw), (top, bottom, left, right), out
 
 
+def _pooled(window_kernel, x: np.ndarray, kernel, stride, pad) -> np.ndarray:
+    """The output of a forward `window_kernel` (`_forward`, `_average`) over x."""
+    (kh, kw), (sh, sw), (top, _, left, _), (ho, wo) = _geometry(x, kernel, stride, pad)
+    y = np.empty((x.shape[0], x.shape[1], ho, wo), x.dtype)
+    window_kernel(x, kh, kw, sh, sw, top, left, y)
+    return y
+
+
 def maxpool_forward(
     x: np.ndarray,
     kernel: int | Sequence[int],
@@ -140,10 +148,7 @@ def maxpool_forward(
     pad: int | Sequence[int] = 0,
 ) -> np.ndarray:
     """y (N, C, Ho, Wo): the maximum of each window over the real (unpadded) cells of x."""
-    (kh, kw), (sh, sw), (top, _, left, _), (ho, wo) = _geometry(x, kernel, stride, pad)
-    y = np.empty((x.shape[0], x.shape[1], ho, wo), x.dtype)
-    _forward(x, kh, kw, sh, sw, top, left, y)
-    return y
+    return _pooled(_forward, x, kernel, stride, pad)
 
 
 def maxpool_backward(
@@ -170,10 +175,7 @@ def avgpool_forward(
     pad: int | Sequence[int] = 0,
 ) -> np.ndarray:
     """y (N, C, Ho, Wo): the mean of each window over the real (unpadded) cells of x."""
-    (kh, kw), (sh, sw), (top, _, left, _), (ho, wo) = _geometry(x, kernel, stride, pad)
-    y = np.empty((x.shape[0], x.shape[1], ho, wo), x.dtype)
-    _average(x, kh, kw, sh, sw, top, left, y)
-    return y
+    return _pooled(_average, x, kernel, stride, pad)
 
 
 def avgpool_backward(
