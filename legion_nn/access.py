@@ -46,6 +46,12 @@ def window_span(lo: int, hi: int, stride: int, pad: int, size: int, extent: int)
     return (first, last) if first < last else (0, 0)
 
 
+def input_dims(dims: Mapping[str, tuple]) -> tuple:
+    """The dims of a windowed op's input: an average pool's backward reads only its gradient,
+    which has the same dims."""
+    return dims["input"] if "input" in dims else dims["input.delta"]
+
+
 def window_padding(
     lo: int, hi: int, stride: int, pad: int, size: int, extent: int
 ) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from legion_nn import registry
-from legion_nn.access import columns, window_span, window_spans
+from legion_nn.access import columns, input_dims, window_span, window_spans
 from legion_nn.layers.base import Layer, Shape, layer_kind, padding, pair, window_out
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -21,13 +21,8 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-def _input_dims(dims: Mapping[str, tuple]) -> tuple:
-    """The input's dims: an average's backward reads only its gradient, of the same dims."""
-    return dims["input"] if "input" in dims else dims["input.delta"]
-
-
 def _pool_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    _, _, h_in, w_in = _input_dims(dims)
+    _, _, h_in, w_in = input_dims(dims)
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
     top, _, left, _ = attrs["pad"]
     halo = Rect.empty(4)
@@ -45,7 +40,7 @@ def _pool_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect
 def _pool_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
     """`_pool_rects` over arrays of pieces."""
     n = len(lo)
-    _, _, h_in, w_in = _input_dims(dims)
+    _, _, h_in, w_in = input_dims(dims)
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
     top, _, left, _ = attrs["pad"]
     rows = window_spans(lo[:, 2], hi[:, 2], sh, top, kh, h_in)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from legion_nn.access import window_padding
+from legion_nn.access import input_dims, window_padding
 from legion_nn.rect import Rect
 from runtime.adapters.registry import Dims, adapter
 from runtime.kernels import filter_packed, layout, pool
@@ -18,7 +18,7 @@ from runtime.kernels import filter_packed, layout, pool
 
 def _pads(task, piece: Rect, dims: Dims) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) zero padding of this piece's halo."""
-    _, _, height, width = dims["input"] if "input" in dims else dims["input.delta"]
+    _, _, height, width = input_dims(dims)
     kernel = task.attrs["kernel"]
     stride = task.attrs["stride"]
     rows_stride, cols_stride = (stride, stride) if isinstance(stride, int) else stride
@@ -111,11 +111,19 @@ def _conv_grad(task, piece, views, dims, ctx):
     return out
 
 
-@adapter("maxpool.forward")
-def _pool(task, piece, views, dims, ctx):
-    pads = _pads(task, piece, dims)
-    y = pool.maxpool_forward(views["input"], task.attrs["kernel"], task.attrs["stride"], pads)
-    return {"output": y}
+def _pooling(forward):
+    """The forward adapter of a pooling kernel (`maxpool_forward`, `avgpool_forward`)."""
+
+    def run(task, piece, views, dims, ctx):
+        pads = _pads(task, piece, dims)
+        y = forward(views["input"], task.attrs["kernel"], task.attrs["stride"], pads)
+        return {"output": y}
+
+    return run
+
+
+adapter("maxpool.forward")(_pooling(pool.maxpool_forward))
+adapter("avgpool.forward")(_pooling(pool.avgpool_forward))
 
 
 @adapter("maxpool.backward")
@@ -125,13 +133,6 @@ def _pool_grad(task, piece, views, dims, ctx):
         views["output.delta"], views["input"], task.attrs["kernel"], task.attrs["stride"], pads
     )
     return {"input.delta": dx}
-
-
-@adapter("avgpool.forward")
-def _average(task, piece, views, dims, ctx):
-    pads = _pads(task, piece, dims)
-    y = pool.avgpool_forward(views["input"], task.attrs["kernel"], task.attrs["stride"], pads)
-    return {"output": y}
 
 
 @adapter("avgpool.backward")
