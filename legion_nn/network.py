@@ -7,6 +7,12 @@ The Python API::
         Linear("classifier", out=10), Softmax(), Evaluate()])
     graph = net.lower(batch=32)
 
+A layer reads the output of the one before it unless its `inputs` names other groups, so a
+residual block is written in line::
+
+    Conv("b1", out_channels=16, kernel=3, pad=1), Relu("b1r"), Conv("b2", out_channels=16,
+    kernel=3, pad=1), Add("res", inputs=["b2", "L0"]), Relu("out")
+
 Shapes are inferred layer by layer when the network is built; a layer that cannot take its input
 raises `ShapeError` naming the layer, the shapes and what would fit.
 """
@@ -24,6 +30,8 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
 DTYPES = ("float32", "float64")
+#: the name `inputs` give the network's input
+INPUT = "data"
 
 
 @dataclass
@@ -52,6 +60,10 @@ class Network:
             raise ShapeError(
                 f"network {self.name}: classes must be a positive int, got {self.classes!r}"
             )
+        for layer in self.layers:
+            if isinstance(layer.inputs, str) or not all(isinstance(n, str) for n in layer.inputs):
+                raise ShapeError(f"{layer.label}: inputs must be a list of layer names")
+            layer.inputs = tuple(layer.inputs)
         self._name_groups()
         self.shapes()
 
@@ -71,19 +83,42 @@ class Network:
                 )
             seen.add(key)
 
-    def shapes(self) -> list[tuple[Layer, Shape, Shape]]:
-        """(layer, input shape, output shape) for every layer, checking each as it goes."""
+    def shapes(self) -> list[tuple[Layer, Any, Shape]]:
+        """(layer, input shape, output shape) for every layer, checking each as it goes; a merge
+        layer's input shape is the tuple of its inputs' shapes."""
+        return [(layer, shape, out) for layer, _, shape, out in self._wired()]
+
+    def _wired(self) -> list[tuple[Layer, tuple[str, ...], Any, Shape]]:
+        """Each layer with the groups whose outputs it reads (`inputs` resolved against the groups
+        made so far; `data` is the network's input), its input shape and its output shape."""
+        made: dict[str, Shape] = {INPUT: self.input}
         out = []
-        shape: Shape = self.input
+        previous = INPUT
         seen_softmax = False
         for layer in self.layers:
+            names = tuple(layer.inputs) or (previous,)
+            if layer.MERGES and len(names) < 2:
+                raise ShapeError(
+                    f"{layer.label}: inputs must name at least two earlier layers, got {list(names)}"
+                )
+            if not layer.MERGES and len(names) > 1:
+                raise ShapeError(f"{layer.label}: reads one input, got inputs {list(names)}")
+            if layer.name == INPUT:
+                raise ShapeError(f"{layer.label}: {INPUT!r} names the network's input")
+            for name in names:
+                if name not in made:
+                    raise ShapeError(
+                        f"{layer.label}: input {name!r} is not an earlier layer; earlier: "
+                        f"{', '.join(made)}"
+                    )
             seen_softmax = seen_softmax or layer.KIND == "softmax"
             if layer.KIND == "evaluate" and not seen_softmax:
                 raise ShapeError(f"{layer.label}: needs a softmax layer before it")
-            next_shape = layer.out_shape(shape)
-            out.append((layer, shape, next_shape))
-            shape = next_shape
-        scores = [s for layer, s, _ in out if layer.KIND == "softmax"]
+            shape = tuple(made[n] for n in names) if layer.MERGES else made[names[0]]
+            made[layer.name] = layer.out_shape(shape)
+            out.append((layer, names, shape, made[layer.name]))
+            previous = layer.name
+        scores = [s for layer, _, s, _ in out if layer.KIND == "softmax"]
         if scores and scores[-1][0] != self.classes:
             raise ShapeError(
                 f"network {self.name}: softmax gets {scores[-1][0]} scores but the network "
@@ -114,8 +149,10 @@ class Network:
             [("raw_data", x, Privilege.WRITE), ("labels", ctx.labels, Privilege.WRITE)],
             "data",
         )
-        for layer, shape, _ in self.shapes():
-            x = layer.lower(ctx, x, shape)
+        made = {INPUT: x}
+        for layer, names, shape, _ in self._wired():
+            reads = tuple(made[name] for name in names)
+            made[layer.name] = layer.lower(ctx, reads if layer.MERGES else reads[0], shape)
         return ctx.finish()
 
     def to_spec(self) -> dict:

@@ -56,6 +56,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise, product
+from math import prod
 
 import numpy as np
 
@@ -207,10 +208,12 @@ def _rank(cost: Priced) -> tuple[bool, float]:
 def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30.0) -> SearchResult:
     units = find_units(graph)
     deadline = time.monotonic() + time_limit
-    if units and is_chain(graph, units, task_rows(graph)):
+    if units:
+        chain = is_chain(graph, units, task_rows(graph))
         try:
             with _no_cycle_collection():
-                return _chain_dp(UnitPricer(graph, units, nranks, machine), deadline)
+                pricer = UnitPricer(graph, units, nranks, machine)
+                return (_chain_dp if chain else _dag_dp)(pricer, deadline)
         except NotAChain:
             pass
     pricer = _Pricer(graph, units, nranks, machine)
@@ -241,16 +244,31 @@ def _no_cycle_collection():
             gc.enable()
 
 
-def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
-    units, nranks = pricer.units, pricer.nranks
+def _grid_options(units: list[Unit], nranks: int):
+    """Each unit's grid under each family, and its distinct grids, each under the first family
+    (in FAMILIES order) giving it."""
     grid_of = {(i, f): family_grid(u, f, nranks) for i, u in enumerate(units) for f in FAMILIES}
-    # each unit's distinct grids, each under the first family (in FAMILIES order) giving it
     options: list[dict[Grid, str]] = []
     for i in range(len(units)):
         found: dict[Grid, str] = {}
         for family in FAMILIES:
             found.setdefault(grid_of[(i, family)], family)
         options.append(found)
+    return grid_of, options
+
+
+def _path_cost(rows: list[RowCost], constant: np.ndarray, capacity: float) -> tuple[float, bool]:
+    """The seconds of an assignment's rows, and whether its memory per rank fits (settled by
+    the rows' memory bounds where they fit)."""
+    seconds = sum(r.seconds for r in rows)
+    if (constant + sum(r.memory_bound for r in rows)).max(initial=0) <= capacity:
+        return seconds, True
+    return seconds, bool((constant + sum(r.memory for r in rows)).max(initial=0) <= capacity)
+
+
+def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
+    units, nranks = pricer.units, pricer.nranks
+    grid_of, options = _grid_options(units, nranks)
     grids = [list(found) for found in options]
     total = len(grids[0]) + sum(len(a) * len(b) for a, b in pairwise(grids))
     table: dict[Transition, RowCost] = {}
@@ -264,7 +282,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     def price(key: Transition) -> None:
         if key not in table:
             table[key] = found = pricer.transition(*key)
-            fits[key] = bool((constant + found.memory).max(initial=0) <= capacity)
+            fits[key] = found.fits(constant, capacity)
             if lower:
                 i, p, q = key
                 lower[i][predecessors[i].index(p), grids[i].index(q)] = seconds(key)
@@ -343,9 +361,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
                 refine(key[0], key[2])
 
     def cost(path: list[Grid]) -> tuple[float, bool]:
-        rows = [table[key] for key in keys(path)]
-        memory = constant + sum(r.memory for r in rows)
-        return sum(r.seconds for r in rows), bool(memory.max(initial=0) <= capacity)
+        return _path_cost([table[key] for key in keys(path)], constant, capacity)
 
     uniform = [
         [grid_of[(i, f)] for i in range(len(units))]
@@ -384,6 +400,191 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         data_p = grid_of[(i - 1, "data")] if i else None
         data = table[(i, data_p, grid_of[(i, "data")])]
         choices.append(Choice(unit.name, options[i][q], q, table[(i, p, q)].seconds, data.seconds))
+    strategy = Strategy("auto", {u.name: q for u, q in zip(units, chosen)})
+    pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
+    object.__setattr__(strategy, "pieces", pieces)
+    return SearchResult(strategy, choices, 0, note, len(table))
+
+
+#: the most assignments of a frontier (and the unit joining it) the DAG's DP tabulates; beyond
+#: it `auto` runs the local search
+FRONTIER_LIMIT = 1 << 18
+
+
+class _FrontierDP:
+    """The DP over units in program order when a row depends on units other than the one before
+    it (`UnitPricer.deps`: a residual block's add on the block's input). Unit i's row is a
+    factor over its *scope*, itself and the units it depends on, added to the table once the
+    last unit of its scope has joined. The table holds, for every assignment of grids to the
+    *frontier* (the units joined that a factor not yet added still names), the least sum of the
+    factors added so far; a unit leaves it, its grid minimised out, when no factor left names
+    it. On ResNet the frontier is a block's input and the unit being chosen: at most a few
+    hundred assignments."""
+
+    def __init__(self, scopes: list[tuple[int, ...]], sizes: list[int]) -> None:
+        self.scopes, self.sizes = scopes, sizes
+        added_at = [max(scope) for scope in scopes]
+        last = {}
+        for i, scope in enumerate(scopes):
+            for j in scope:
+                last[j] = max(last.get(j, j), added_at[i])
+        #: per unit joining: (the table's axes before, those kept, those minimised out, and the
+        #: factors added then with their axes' positions among the joined axes)
+        self.steps = []
+        axes: list[int] = []
+        for k in range(len(scopes)):
+            joined = axes + [k]
+            if prod(sizes[j] for j in joined) > FRONTIER_LIMIT:
+                raise NotAChain(f"unit {k}'s frontier {joined} is too wide to tabulate")
+            factors = [
+                (i, [joined.index(j) for j in scopes[i]])
+                for i in range(len(scopes))
+                if added_at[i] == k
+            ]
+            kept = [j for j in joined if last[j] > k]
+            dropped = [j for j in joined if last[j] <= k]
+            self.steps.append((axes, kept, dropped, factors))
+            axes = kept
+
+    def solve(self, factors: list[np.ndarray]) -> list[int] | None:
+        """Per unit the index of its grid minimising the sum of `factors` (each an array over
+        its scope's grids), or None where every assignment is infinite."""
+        value = np.zeros(())
+        backs = []
+        for k, (axes, kept, dropped, adding) in enumerate(self.steps):
+            joined = axes + [k]
+            total = value[..., None]
+            for i, where in adding:
+                # the factor's axes in the table's order, with the table's other axes added
+                shape = [1] * len(joined)
+                for axis, position in enumerate(where):
+                    shape[position] = factors[i].shape[axis]
+                total = total + factors[i].transpose(np.argsort(where)).reshape(shape)
+            total = np.broadcast_to(total, [self.sizes[j] for j in joined])
+            perm = [joined.index(j) for j in kept + dropped]
+            flat = total.transpose(perm).reshape([self.sizes[j] for j in kept] + [-1])
+            arg = flat.argmin(axis=-1)
+            value = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+            backs.append((kept, dropped, arg))
+        if float(value) == INF:
+            return None
+        chosen: dict[int, int] = {}
+        for kept, dropped, arg in reversed(backs):
+            index = int(arg[tuple(chosen[j] for j in kept)])
+            for j, k in zip(dropped, np.unravel_index(index, [self.sizes[j] for j in dropped])):
+                chosen[j] = int(k)
+        return [chosen[i] for i in range(len(self.scopes))]
+
+
+def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
+    """`auto` on a graph that is not a chain: the lazy DP of `_chain_dp` over each row's
+    dependencies (`_FrontierDP`), its factors priced by `UnitPricer.factor`. A row's price
+    leaves out the copies that readers of units it does not depend on leave a rank, so it may
+    overstate a row's messages; the plan chosen is priced whole against the uniform families
+    it was compared with."""
+    units, nranks = pricer.units, pricer.nranks
+    grid_of, options = _grid_options(units, nranks)
+    grids = [list(found) for found in options]
+    index = [{g: k for k, g in enumerate(found)} for found in grids]
+    scopes = [tuple(sorted((*pricer.deps[i], i))) for i in range(len(units))]
+    dp = _FrontierDP(scopes, [len(found) for found in grids])
+    constant = pricer.constant().memory
+    capacity = pricer.machine.memory_bytes
+    table: dict[tuple, RowCost] = {}
+    fits: dict[tuple, bool] = {}
+    priced = [np.zeros([len(grids[j]) for j in scope], bool) for scope in scopes]
+    lower = [
+        np.broadcast_to(
+            np.array([pricer.compute_bound(i, q) for q in grids[i]]).reshape(
+                [len(grids[i]) if j == i else 1 for j in scope]
+            ),
+            [len(grids[j]) for j in scope],
+        ).copy()
+        for i, scope in enumerate(scopes)
+    ]
+    refined: set[tuple[int, Grid]] = set()
+
+    def key_of(i: int, path: list[Grid]) -> tuple:
+        return (i, tuple(path[j] for j in scopes[i]))
+
+    def cell(key: tuple) -> tuple[int, ...]:
+        _i, assignment = key
+        return tuple(index[j][g] for j, g in zip(scopes[key[0]], assignment))
+
+    def price(key: tuple) -> None:
+        if key in table:
+            return
+        i, assignment = key
+        table[key] = found = pricer.factor(i, dict(zip(scopes[i], assignment)))
+        fits[key] = found.fits(constant, capacity)
+        lower[i][cell(key)] = found.seconds if fits[key] else INF
+        priced[i][cell(key)] = True
+
+    def refine(i: int, q: Grid) -> None:
+        refined.add((i, q))
+        bound = pricer.bound(i, q)
+        mine = [slice(None) if j != i else index[i][q] for j in scopes[i]]
+        on_q = np.zeros(lower[i].shape, bool)
+        on_q[tuple(mine)] = True
+        lower[i][on_q & ~priced[i]] = bound
+
+    def path_of(solution: list[int]) -> list[Grid]:
+        return [grids[i][k] for i, k in enumerate(solution)]
+
+    for family in BUILTIN:  # whatever the time limit
+        uniform = [grid_of[(i, family)] for i in range(len(units))]
+        for i in range(len(units)):
+            price(key_of(i, uniform))
+    proven = False
+    path: list[Grid] | None = None
+    while time.monotonic() <= deadline:
+        solution = dp.solve(lower)
+        path = None if solution is None else path_of(solution)
+        missing = (
+            []
+            if path is None
+            else [key_of(i, path) for i in range(len(units)) if key_of(i, path) not in table]
+        )
+        if not missing:
+            proven = True
+            break
+        for key in missing:
+            q = key[1][scopes[key[0]].index(key[0])]
+            if (key[0], q) in refined:
+                price(key)
+            else:
+                refine(key[0], q)
+
+    def cost(path: list[Grid]) -> tuple[float, bool]:
+        return _path_cost([table[key_of(i, path)] for i in range(len(units))], constant, capacity)
+
+    exact = [np.where(done, value, INF) for done, value in zip(priced, lower)]
+    candidates = []
+    solution = dp.solve(exact)
+    if solution is not None:
+        candidates.append(path_of(solution))
+    for family in FAMILIES:
+        uniform = [grid_of[(i, family)] for i in range(len(units))]
+        if all(key_of(i, uniform) in table for i in range(len(units))):
+            candidates.append(uniform)
+    feasible = [p for p in candidates if cost(p)[1]]
+    chosen = min(feasible or candidates, key=lambda p: cost(p)[0])
+    note = "exact DP over the rows' dependencies"
+    if not proven:
+        note = f"time limit: DP over {len(table)} priced rows"
+    if not feasible:
+        note += "; nothing fits in memory"
+    data = [grid_of[(i, "data")] for i in range(len(units))]
+    choices = [
+        Choice(
+            unit.name,
+            options[i][q],
+            q,
+            table[key_of(i, chosen)].seconds,
+            table[key_of(i, data)].seconds,
+        )
+        for i, (unit, q) in enumerate(zip(units, chosen))
+    ]
     strategy = Strategy("auto", {u.name: q for u, q in zip(units, chosen)})
     pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
     object.__setattr__(strategy, "pieces", pieces)

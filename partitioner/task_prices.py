@@ -302,6 +302,15 @@ class TaskPrices:
 
         return self._memo.remember(("homed", name, home_keys), make)
 
+    def received_bound(self, found: tuple[tuple[bool, Key], ...]) -> np.ndarray:
+        """At least `received`: the parts the row's own fetches bring, each fetch's counted."""
+        out = np.zeros(self.nranks, boxes.INDEX)
+        for mine, key in found:
+            got = self._fetch(key).received
+            if mine and got is not None:
+                out += got
+        return out
+
     def received(self, found: tuple[tuple[bool, Key], ...]) -> np.ndarray:
         """Bytes per rank of the parts of one tensor that the row's fetches bring first."""
 

@@ -45,8 +45,9 @@ not priced this way (`NotAChain`); `search.py` then runs its local search over w
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from math import prod
 
 import numpy as np
@@ -81,8 +82,23 @@ class RowCost:
     """One unit's row under one transition."""
 
     seconds: float
-    #: bytes per rank of the memory terms this transition sets (see the module docstring)
-    memory: np.ndarray
+    #: at least `memory`, each part a rank receives counted once per fetch that brings it
+    #: (cheap: the searches settle most fits with it)
+    memory_bound: np.ndarray | None
+    #: makes `memory`
+    _exact_memory: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+
+    @cached_property
+    def memory(self) -> np.ndarray:
+        """Bytes per rank of the memory terms this transition sets (see the module
+        docstring): each part a rank receives counted once, however many fetches bring it."""
+        return self._exact_memory() if self._exact_memory is not None else self.memory_bound
+
+    def fits(self, base: np.ndarray, capacity: float) -> bool:
+        """Whether `base` plus this row's memory is within `capacity` bytes on every rank."""
+        if (base + self.memory_bound).max(initial=0) <= capacity:
+            return True
+        return bool((base + self.memory).max(initial=0) <= capacity)
 
 
 class UnitPricer:
@@ -105,8 +121,8 @@ class UnitPricer:
         self._grids: dict[tuple, Grid] = {}
         self._rules()
         self._homes()
-        self._windows()
         self._memory_terms()
+        self._windows()
         self._bounds = Memo()
         self.priced = 0
 
@@ -192,15 +208,14 @@ class UnitPricer:
             ):
                 self.readers[tensor].append(task.name)
 
+    def _reader_units(self, source: str) -> set[int]:
+        """The units whose grids make the home of `source`."""
+        return {self.unit_of[r] for r in self.readers.get(source, [])} - {None}
+
     def _home_units(self, source: str) -> int | None:
-        """The unit whose transition sets the home of `source` (None: no unit's grid does)."""
-        found = {self.unit_of[r] for r in self.readers.get(source, [])} - {None}
-        if not found:
-            return None
-        last = max(found)
-        if not found <= {last - 1, last}:
-            raise NotAChain(f"{source} is read by units that are not consecutive")
-        return last
+        """The unit whose row sets the home of `source`, its last reader's (None: no unit's
+        grid does). On a chain its readers are that unit and the one before it."""
+        return max(self._reader_units(source), default=None)
 
     def _windows(self) -> None:
         graph = self.graph
@@ -209,13 +224,63 @@ class UnitPricer:
         self.window: list[list[str]] = []
         self.costed: list[set[str]] = []
         self.touched: list[set[str]] = []
+        #: per unit, the other units whose grids its row's cost depends on (on a chain, the one
+        #: before it)
+        self.deps: list[tuple[int, ...]] = []
         for i, unit in enumerate(self.units):
             costed = {t.name for t in graph.tasks if self.rows[t.name] == unit.name}
-            self.window.append(self._window(costed, {i - 1, i, None}))
+            self.deps.append(self._dependencies(i, costed))
+            self.window.append(self._window(costed, {*self.deps[i], i, None}))
             self.costed.append(costed)
             self.touched.append(set(self._touched(costed)))
         self.constant_window = self._window(set(self.constant_tasks), {None})
         self.constant_touched = set(self._touched(set(self.constant_tasks)))
+
+    def _dependencies(self, i: int, costed: set[str]) -> tuple[int, ...]:
+        """The units other than i whose grids unit i's row depends on: the unit before it (whose
+        reads of the row's tensors give copies), the units of the tasks that write what the row
+        later reads or reduces into (its layouts) or read what the row's forward tasks later
+        read (copies: a branch reading the tensor its sibling read), of the row's own tasks run
+        on another unit's grid (the zeroing of a gradient, on its producer's), and of every
+        reader of a home the row touches or whose memory it counts. A backward task's read is
+        not followed: its forward task read the same rect on the same grid before it, unless a
+        unit before that did, which the forward's row depends on (see the module docstring)."""
+        graph = self.graph
+        touched = self._touched(costed)
+        found = {i - 1} if i else set()
+        homes = {self.home_source[t] for t in self.home_terms.get(i, [])}
+        first_read: dict[str, int] = {}  # by the row's forward tasks
+        for position, task in enumerate(graph.tasks):
+            if task.name in costed and task.phase == "forward" and task.name not in self.homed:
+                for r in task.requirements:
+                    if r.privilege.reads and not graph.tensors[r.tensor].resident:
+                        first_read.setdefault(r.tensor, position)
+        for position, task in enumerate(graph.tasks):
+            if task.name in costed:
+                if task.name not in self.homed:
+                    found.add(self.unit_of[task.name])
+                homes |= {
+                    self.home_source[r.tensor]
+                    for r in task.requirements
+                    if r.tensor in self.home_source
+                }
+                continue
+            if task.name in self.homed:
+                continue
+            if any(
+                r.tensor in touched
+                and r.privilege.writes
+                and r.privilege is not Privilege.REDUCE
+                and touched[r.tensor] > position
+                for r in task.requirements
+            ) or any(
+                r.privilege.reads and first_read.get(r.tensor, -1) > position
+                for r in task.requirements
+            ):
+                found.add(self.unit_of[task.name])
+        for source in homes:
+            found |= self._reader_units(source)
+        return tuple(sorted(found - {i, None}))
 
     def _touched(self, costed: set[str]) -> dict[str, int]:
         """The tensors the non-homed tasks in `costed` read or reduce into, each with the
@@ -282,15 +347,19 @@ class UnitPricer:
 
     def transition(self, i: int, p: Grid | None, q: Grid) -> RowCost:
         """Unit i's row on grid `q` after unit i − 1 on grid `p` (None for the first unit)."""
-        grids = {i: q} if p is None else {i - 1: p, i: q}
+        return self.factor(i, {i: q} if p is None else {i - 1: p, i: q})
+
+    def factor(self, i: int, grids: Mapping[int, Grid]) -> RowCost:
+        """Unit i's row when each unit of `self.deps[i]`, and unit i, run on `grids`."""
         self.priced += 1
-        return RowCost(*self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, None))
+        return RowCost(*self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, ()))
 
     def bound(self, i: int, q: Grid) -> float:
-        """A lower bound on unit i's row seconds on grid `q` whatever the grid of unit i − 1:
-        the row's tasks without the messages and collectives whose layouts or copies come from
-        the predecessor's grid (a task's seconds only grow with what it moves), tasks run on the
-        predecessor's grid counted as 0. What it keeps is priced exactly as in `transition`."""
+        """A lower bound on unit i's row seconds on grid `q` whatever the grids of the units it
+        depends on (`deps`, on a chain unit i − 1): the row's tasks without the messages and
+        collectives whose layouts or copies come from their grids (a task's seconds only grow
+        with what it moves), tasks run on their grids counted as 0. What it keeps is priced
+        exactly as in `transition`."""
         return self._bounds.remember((i, q), lambda: self._bound(i, q))
 
     def compute_bound(self, i: int, q: Grid) -> float:
@@ -318,8 +387,8 @@ class UnitPricer:
         return self._bounds.remember(("compute", i, q), make)
 
     def _bound(self, i: int, q: Grid) -> float:
-        seconds, _ = self._walk(self.window[i], self.costed[i], self.touched[i], {i: q}, i, i - 1)
-        return seconds
+        hidden = self.deps[i]
+        return self._walk(self.window[i], self.costed[i], self.touched[i], {i: q}, i, hidden)[0]
 
     def constant(self) -> RowCost:
         """The rows of no unit (data loading) and the memory no unit's grid sets."""
@@ -330,7 +399,7 @@ class UnitPricer:
                 self.constant_touched,
                 {},
                 None,
-                None,
+                (),
             )
         )
 
@@ -341,16 +410,17 @@ class UnitPricer:
         touched: set[str],
         grids: Mapping[int, Grid],
         unit: int | None,
-        hidden: int | None,
-    ) -> tuple[float, np.ndarray | None]:
+        hidden: tuple[int, ...],
+    ) -> tuple[float, np.ndarray | None, Callable[[], np.ndarray] | None]:
         """The seconds of the `costed` tasks of `window`, replayed in program order, and the
-        memory terms `unit`'s transition sets.
+        memory terms `unit`'s transition sets: a bound counting each fetch's parts, and how to
+        count each part once (`RowCost`).
 
-        `hidden` is the unit whose grid is unknown, for `bound` (None: `transition`, every grid
-        known): its tasks are left out, the tensors they write have unknown layouts and those
+        `hidden` are the units whose grids are unknown, for `bound` (none: `transition`, every
+        grid known): their tasks are left out, the tensors they write have unknown layouts and those
         they read unknown copies, and the messages and collectives that would need either are
         dropped; a home read on its grid is unknown too. No memory is counted then."""
-        bounding = hidden is not None
+        bounding = bool(hidden)
         layouts: dict[str, Key] = {}
         copies: dict[str, tuple[tuple[str, Grid], ...]] = {}
         fetched: dict[str, list[tuple[bool, Key]]] = defaultdict(list)
@@ -361,7 +431,7 @@ class UnitPricer:
             if name in self.homed:
                 seconds += self._homed_seconds(name, grids, bounding)
                 continue
-            if bounding and self.unit_of[name] == hidden:
+            if bounding and self.unit_of[name] in hidden:
                 for req in self.graph.task(name).requirements:
                     if req.privilege.reads:
                         tainted.add(req.tensor)
@@ -413,11 +483,17 @@ class UnitPricer:
             seconds += task_seconds
             if memory is not None and held is not None:
                 memory = memory + held
-        if memory is not None:
-            for found in fetched.values():
-                if any(mine for mine, _ in found):
-                    memory = memory + self.prices.received(tuple(found))
-        return seconds, memory
+        if memory is None:
+            return seconds, None, None
+        found = [tuple(f) for f in fetched.values() if any(mine for mine, _ in f)]
+        bound = memory
+        for each in found:
+            bound = bound + self.prices.received_bound(each)
+
+        def exact() -> np.ndarray:
+            return sum((self.prices.received(each) for each in found), memory)
+
+        return seconds, bound, exact
 
     def _first_layout(
         self, name: str, tensor: str, grids: Mapping[int, Grid], bounding: bool, reduce: bool

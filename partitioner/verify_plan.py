@@ -9,10 +9,11 @@ than restate it:
    of the latest earlier task that writes the tensor (a homed task's piece, such as the zeroing
    of a parameter's gradient, is run by every holder of its cell, and each holds it);
 3. messages: what reaches a rank for one task and tensor is disjoint from what it holds and from
-   every other part sent to it, lies in a rect the rank reads, is not wholly a copy it received
-   since the tensor was last written, and together with what it holds and those copies covers
-   what its pieces read. (A part may overlap such a copy: the planner keeps copies by read rect,
-   so a task reading a wider rect than an earlier reader fetches each cell's part whole.)
+   every other part sent to it, lies in a rect the rank reads afresh (one it has not read since
+   the tensor was last written: the planner keeps copies by read rect, so a second read of the
+   same rect is free, and a read of another rect fetches each cell's part whole, even where it
+   overlaps a copy), and together with what it holds and the copies it received since then
+   covers what its pieces read.
 4. sums: the partial sums of a task whose grid cuts a dim it sums over land in rects that cut
    its output into disjoint parts covering it (one sum per element), and where a partitioned
    task later reads a tensor that tasks reduce into, every part of
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,11 +57,19 @@ RANK_CELLS = 2048
 BATCH_CELLS = 1 << 21
 
 
+@dataclass
+class _Copies:
+    """What a rank received of a tensor since the tensor was last written, and what it read."""
+
+    parts: list[Rect] = field(default_factory=list)
+    reads: set[Rect] = field(default_factory=set)
+
+
 def verify_plan(graph: TaskGraph, plan: Plan) -> None:
     """Raise `VerifyError` naming the first broken invariant."""
     #: per tensor, the rects of the pieces of its latest writer, and per rank those it holds
     writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]] = {}
-    copies: dict[tuple[str, int], list[Rect]] = defaultdict(list)
+    copies: dict[tuple[str, int], _Copies] = defaultdict(_Copies)
     read = _read_by_partitioned_tasks(graph, plan)
     for task, task_plan in zip(graph.tasks, plan.tasks):
         if task_plan.grid is None:
@@ -91,7 +101,8 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
         many: dict[str, list[_RankBoxes]] = defaultdict(list)
         for key in set(needed) | set(received):
             held = writers[key[0]][1].get(key[1], []) if key[0] in writers else []
-            boxes_of = (needed.get(key, []), held, copies[key], received.get(key, []))
+            _check_not_again(task.name, key, needed.get(key, []), copies[key].reads, received)
+            boxes_of = (needed.get(key, []), held, copies[key].parts, received.get(key, []))
             if sum(len(b) for b in boxes_of[1:]) > PAIRWISE:
                 many[key[0]].append((key[1], *boxes_of))
             else:
@@ -99,7 +110,9 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
         for tensor, ranks in many.items():
             _count_messages(task.name, tensor, ranks)
         for key, parts in received.items():
-            copies[key].extend(parts)
+            copies[key].parts.extend(parts)
+        for key, rects in needed.items():
+            copies[key].reads.update(rects)
         opened = _sum_targets(task, task_plan)
         reduced = {
             r.tensor
@@ -135,7 +148,7 @@ def _record_writes(
     task: Task,
     pieces: Sequence[Piece],
     writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]],
-    copies: dict[tuple[str, int], list[Rect]],
+    copies: dict[tuple[str, int], _Copies],
     summed: frozenset[int] = frozenset(),
 ) -> None:
     """A task's writes replace what is held of each tensor it writes: every rank of a piece
@@ -305,6 +318,22 @@ def _check_producers(task: str, tensor: str, reads: list[Rect], sources: list[Re
         )
 
 
+def _check_not_again(
+    task: str,
+    key: tuple[str, int],
+    reads: list[Rect],
+    read_before: set[Rect],
+    received: dict[tuple[str, int], list[Rect]],
+) -> None:
+    """No part reaches a rank for a rect it read before, since the tensor was last written."""
+    if not read_before or not received.get(key) or not any(r in read_before for r in reads):
+        return
+    fresh = [r for r in reads if r not in read_before]
+    for part in received[key]:
+        if not any(_inside(part, r) for r in fresh):
+            raise VerifyError(f"{task}: rank {key[1]} is sent {part!r} of {key[0]} again")
+
+
 def _check_messages(
     task: str,
     key: tuple[str, int],
@@ -322,8 +351,6 @@ def _check_messages(
     for part in got:
         if any(part.overlaps(h) for h in held):
             raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds")
-        if part.covered_by(cached):
-            raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor} again")
     have = held + cached + got
     for read in reads:
         if not read.covered_by(have):
@@ -379,14 +406,11 @@ def _check_counts(
     twice = np.flatnonzero(arrived.reshape(len(ranks), -1).max(axis=1, initial=0) > 1)
     if len(twice):
         raise VerifyError(f"{task}: rank {ranks[twice[0]]} receives part of {tensor} twice")
-    inside, copied_volume = grid.volumes_where(np.stack((holds > 0, copied > 0)), 3)
-    again = copied_volume == grid.volumes(3)
-    bad = np.flatnonzero((inside > 0) | again)
+    inside = grid.volume_where(holds > 0, 3)
+    bad = np.flatnonzero(inside > 0)
     if len(bad):
         rank, part = rank_of(3, bad[0]), got[grid.rows[3][bad[0]]]
-        if inside[bad[0]]:
-            raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds")
-        raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor} again")
+        raise VerifyError(f"{task}: rank {rank} is sent {part!r} of {tensor}, which it holds")
     covered = grid.volume_where((arrived + holds + copied) > 0, 0)
     lacking = np.flatnonzero(covered != grid.volumes(0))
     if len(lacking):

@@ -1,4 +1,5 @@
-"""Networks for partitioner tests: random small chains (hypothesis strategies) and a branching one."""
+"""Networks for partitioner tests: random small networks (hypothesis strategies), some with a
+branch merged by an add or a concat, and one with two heads."""
 
 from __future__ import annotations
 
@@ -7,16 +8,25 @@ from hypothesis import strategies as st
 
 from legion_nn.errors import ShapeError
 from legion_nn.graph import TaskGraph
-from legion_nn.layers import Evaluate, Filter, FilterA, FilterNL, Linear, MaxPool, Softmax
-from legion_nn.lowering import Lowering
+from legion_nn.layers import (
+    Add,
+    Concat,
+    Evaluate,
+    Filter,
+    FilterA,
+    FilterNL,
+    Linear,
+    MaxPool,
+    Softmax,
+)
 from legion_nn.network import Network
-from legion_nn.privilege import Privilege
-from legion_nn.rect import Rect
 from partitioner.strategy import Strategy, factorizations, find_units
 
 
 @st.composite
-def networks(draw):
+def networks(draw, merges: bool = True):
+    """A random network of one or two filter blocks and a classifier; with `merges`, perhaps a
+    1x1 filter beside the last block, merged with it by an add or a concat (not a chain)."""
     size = draw(st.integers(6, 11))
     layers = []
     for index in range(draw(st.integers(1, 2))):
@@ -34,6 +44,14 @@ def networks(draw):
         layers += [FilterA(), FilterNL(fn="relu")]
         if draw(st.booleans()):
             layers.append(MaxPool(f"P{index}", kernel=2, stride=draw(st.integers(1, 2))))
+    merge = draw(st.sampled_from([None, "add", "concat"])) if merges else None
+    if merge is not None:  # a 1x1 filter beside the identity, merged with it
+        trunk = layers[-1].name
+        channels = [layer.out_channels for layer in layers if layer.KIND == "filter"][-1]
+        width = channels if merge == "add" else draw(st.integers(1, 3))
+        branch = Filter("B", out_channels=width, kernel=1, untied=draw(st.booleans()))
+        branch.inputs = (trunk,)
+        layers += [branch, (Add if merge == "add" else Concat)("M", inputs=[trunk, "B"])]
     layers += [Linear("classifier", out=draw(st.integers(2, 5))), Softmax(), Evaluate()]
     try:
         net = Network("random", (draw(st.integers(1, 2)), size, size), layers[-3].out, layers)
@@ -54,28 +72,14 @@ def strategies(draw, graph, nranks: int) -> Strategy:
 
 
 def two_headed(batch: int = 4) -> TaskGraph:
-    """A trunk feeding two heads, a classifier and an auxiliary one (as in GoogLeNet): not a chain.
+    """A trunk feeding two heads, a classifier and an auxiliary one (as in GoogLeNet): not a
+    chain. The trunk's output gradient gathers both heads' contributions."""
 
-    The Network API is sequential, so this drives the lowering by hand, each layer lowering onto
-    the tensor it is given; the trunk's output gradient gathers both heads' contributions."""
-    ctx = Lowering("two-headed", batch)
-    dims = (batch, 1, 12, 12)
-    x = ctx.tensor("data.raw_output", dims, "data")
-    ctx.labels = ctx.tensor("data.labels_output", (batch, 1, 1, 1), "data", dtype="int32")
-    bindings = [("raw_data", x, Privilege.WRITE), ("labels", ctx.labels, Privilege.WRITE)]
-    ctx.task("data", "data", "forward", Rect.from_dims(dims), bindings, "data")
-
-    def stack(layers, x, shape):
-        for layer in layers:
-            x, shape = layer.lower(ctx, x, shape), layer.out_shape(shape)
-        return x, shape
-
-    def block(name: str) -> list:
-        conv = Filter(name, out_channels=4, kernel=3, untied=False, stride=1, pad=1)
+    def block(name: str, **wiring) -> list:
+        conv = Filter(name, out_channels=4, kernel=3, untied=False, stride=1, pad=1, **wiring)
         return [conv, FilterA(name), FilterNL(name, fn="relu")]
 
-    trunk, shape = stack(block("L0"), x, (1, 12, 12))
     head = [Linear("classifier", out=5), Softmax("classifier"), Evaluate("classifier")]
-    stack(block("L1") + head, trunk, shape)
-    stack(block("L2") + [Linear("aux", out=5), Softmax("aux")], trunk, shape)
-    return ctx.finish()
+    aux = block("L2", inputs=["L0"]) + [Linear("aux", out=5), Softmax("aux")]
+    layers = block("L0") + block("L1") + head + aux
+    return Network("two-headed", (1, 12, 12), 5, layers).lower(batch)

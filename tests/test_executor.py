@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from legion_nn.layers import (
+    Add,
     AvgPool,
     BatchNorm,
+    Concat,
     Conv,
     Dropout,
     Evaluate,
@@ -71,6 +73,32 @@ MIXED = Network(
 )
 
 
+#: branches: a residual block (its shortcut the block's input), a side branch from inside the
+#: block, and a concat of three groups, one of them the network's input (which needs no gradient)
+RESIDUAL = Network(
+    "residual",
+    (2, 6, 6),
+    3,
+    [
+        Conv("c0", out_channels=4, kernel=3, pad=1),
+        FilterNL("r0", fn="tanh"),
+        Conv("c1", out_channels=4, kernel=3, pad=1, bias=False),  # batchnorm follows
+        BatchNorm("bn1"),
+        FilterNL("r1", fn="tanh"),
+        Conv("c2", out_channels=4, kernel=3, pad=1),
+        Add("res", inputs=["c2", "r0"]),
+        FilterNL("r2", fn="sigmoid"),
+        Conv("side", out_channels=2, kernel=1, inputs=["r0"]),
+        Concat("cat", inputs=["r2", "side", "data"]),
+        MaxPool("p", kernel=2, stride=2),
+        Flatten("f"),
+        Linear("fc", out=3, bias=True),
+        Softmax(),
+        Evaluate(),
+    ],
+)
+
+
 def whole_network_gradient_check(net, batch, samples, seed=0):
     graph = net.lower(batch=batch, dtype="float64", **FROZEN)
     executor = one_process(seed)
@@ -111,6 +139,15 @@ def test_whole_network_gradients(name):
 
 def test_every_op_in_one_network_has_correct_gradients():
     worst = whole_network_gradient_check(MIXED, batch=3, samples=5)
+    for param, error in worst.items():
+        assert error < 1e-5, (param, error)
+
+
+def test_a_residual_network_with_a_concat_has_correct_gradients():
+    """Both inputs of an add and every input of a concat get their gradients, and a tensor read
+    by two layers (the block's input) gets the sum of both."""
+    worst = whole_network_gradient_check(RESIDUAL, batch=3, samples=6)
+    assert set(worst) >= {"c0.W", "c1.W", "c2.W", "side.W", "fc.weights1"}
     for param, error in worst.items():
         assert error < 1e-5, (param, error)
 
@@ -174,8 +211,8 @@ def test_average_pooling_has_correct_gradients():
 
 @pytest.mark.parametrize(
     "net",
-    [MIXED, load_network("seed-lcn-small"), SPARSE, POOLED],
-    ids=["mixed", "lcn", "sparse", "pooled"],
+    [MIXED, load_network("seed-lcn-small"), SPARSE, POOLED, RESIDUAL],
+    ids=["mixed", "lcn", "sparse", "pooled", "residual"],
 )
 def test_pieces_compute_what_the_whole_computes(net):
     graph = net.lower(batch=4, dtype="float64", optimizer="momentum")

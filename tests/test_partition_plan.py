@@ -12,6 +12,8 @@ from plan_cases import networks
 
 import partitioner.verify_plan as verify_module
 from legion_nn.errors import LegionNNError, VerifyError
+from legion_nn.layers import Add, Evaluate, Filter, Linear, Softmax
+from legion_nn.network import Network
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.cost import plan_cost
@@ -329,3 +331,40 @@ def test_verify_plan_finds_a_sum_whose_collective_leaves_out_a_holder():
     )
     with pytest.raises(VerifyError, match=f"of {tensor} never reaches rank {left_out},"):
         verify_plan(graph, plan)
+
+
+def test_a_halo_sent_again_for_the_read_that_fetched_it_is_caught(lcn):
+    """L1's backward reads the halo its forward fetched: sending it again is redundant."""
+    plan = build_plan(lcn, builtin(lcn, "spatial", 4), 4)
+    halo = next(t for t in task_plan(plan, "L1.filter").transfers if t.dsts == (0,))
+    verify_plan(lcn, plan)
+    grad = task_plan(plan, "L1.filter.grad")
+    edit_transfers(plan, grad.task, [*grad.transfers, halo])
+    with pytest.raises(VerifyError, match=f"rank 0 is sent .* of {halo.tensor} again"):
+        verify_plan(lcn, plan)
+
+
+def test_a_narrower_read_of_a_fetched_tensor_is_fetched_anew():
+    """Copies are kept by read rect: the concat reads a branch input of the trunk's output that
+    a 1x1 filter on other ranks already fetched whole, and gets its part sent again (the
+    planner's rule, which the verifier follows)."""
+    net = Network(
+        "branch",
+        (1, 6, 6),
+        2,
+        [
+            Filter("L0", out_channels=2, kernel=1),
+            Filter("B", out_channels=2, kernel=1, inputs=["L0"]),
+            Add("M", inputs=["L0", "B"]),
+            Linear("classifier", out=2),
+            Softmax(),
+            Evaluate(),
+        ],
+    )
+    graph = net.lower(batch=1)
+    grids = {unit.name: (1,) * len(unit.extents) for unit in find_units(graph)}
+    grids.update(B=(1, 2, 1, 1, 1), M=(1, 2, 1, 1))
+    plan = build_plan(graph, Strategy("branch", grids), 2)
+    verify_plan(graph, plan)
+    fetched = [t for t in task_plan(plan, "M.add").transfers if t.dsts == (1,)]
+    assert [t.rect for t in fetched] == [Rect((0, 1, 0, 0), (1, 2, 6, 6))]

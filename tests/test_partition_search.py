@@ -11,12 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_cases import networks, strategies, two_headed
 
+import partitioner.search as search_module
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.coupling import is_chain
 from partitioner.machine import Machine
 from partitioner.plan import build_plan, task_rows
-from partitioner.search import FAMILIES, auto, family_grid
+from partitioner.search import FAMILIES, _FrontierDP, auto, family_grid
 from partitioner.strategy import Strategy, builtin, find_units
 from partitioner.transitions import UnitPricer
 from partitioner.verify_plan import verify_plan
@@ -60,7 +61,20 @@ def test_dp_on_a_chain_finds_the_best_assignment_of_families():
     assert step(graph, result.strategy, 4).step_seconds == pytest.approx(brute, rel=1e-9)
 
 
-def test_local_search_on_a_branching_network_beats_every_pure_strategy():
+def test_dp_on_a_branching_network_prices_its_choice_exactly_and_beats_every_pure_strategy():
+    graph = two_headed(batch=8)
+    result = auto(graph, 8, MACHINE)
+    assert result.note == "exact DP over the rows' dependencies"
+    cost = step(graph, result.strategy, 8)
+    assert cost.step_seconds <= best_pure(graph, 8) + 1e-12
+    whole = cost.unit_seconds()
+    assert [c.seconds for c in result.choices] == [whole.get(c.unit, 0.0) for c in result.choices]
+    verify_plan(graph, build_plan(graph, result.strategy, 8))
+
+
+def test_local_search_on_a_branching_network_beats_every_pure_strategy(monkeypatch):
+    """Where the DP's table would be too wide, `auto` searches over whole plans instead."""
+    monkeypatch.setattr(search_module, "FRONTIER_LIMIT", 1)
     graph = two_headed(batch=8)
     result = auto(graph, 8, MACHINE)
     assert result.note.startswith("not a chain: local search converged")
@@ -85,8 +99,8 @@ def test_a_spent_time_limit_still_prices_the_builtins_and_returns_the_best(graph
             for i, u in enumerate(units)
         }
         assert result.transitions_priced == len(builtins)
-    else:
-        assert result.plans_priced == 3  # data, model and spatial, then it stops
+    else:  # the DP prices the builtins' rows, then it stops
+        assert result.transitions_priced > 0 and result.plans_priced == 0
     assert step(graph, result.strategy, 8).step_seconds == pytest.approx(best_pure(graph, 8))
 
 
@@ -114,7 +128,7 @@ def rows_by_transitions(graph, strategy, nranks: int, machine: Machine = MACHINE
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    graph=networks(),
+    graph=networks(merges=False),  # the transitions are a chain's
     nranks=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 11, 13]),
     machine=st.sampled_from([MACHINE, ROOFLINE]),
     data=st.data(),
@@ -220,7 +234,7 @@ def test_busy_seconds_of_disjoint_groups_equal_one_collective_at_a_time():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    graph=networks(),
+    graph=networks(merges=False),  # the transitions are a chain's
     nranks=st.sampled_from([2, 3, 4, 6, 7, 8, 13]),
     machine=st.sampled_from([MACHINE, ROOFLINE]),
 )
@@ -241,3 +255,68 @@ def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nrank
     result = auto(graph, nranks, machine)
     assert result.note == "exact DP over all family pairs"
     assert sum(c.seconds for c in result.choices) == pytest.approx(min(best.values()), rel=1e-12)
+
+
+def rows_by_factors(graph, strategy, nranks: int, machine: Machine = MACHINE):
+    """(seconds per unit, memory per rank) of `strategy` from `UnitPricer.factor`, each row
+    given the grids of the units it depends on."""
+    units = find_units(graph)
+    pricer = UnitPricer(graph, units, nranks, machine)
+    grids = [strategy.unit_grids[u.name] for u in units]
+    memory = pricer.constant().memory.copy()
+    seconds = {}
+    for i, unit in enumerate(units):
+        row = pricer.factor(i, {j: grids[j] for j in (*pricer.deps[i], i)})
+        seconds[unit.name] = row.seconds
+        memory += row.memory
+    return seconds, memory
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    graph=networks(),
+    nranks=st.sampled_from([1, 2, 3, 4, 6, 8]),
+    machine=st.sampled_from([MACHINE, ROOFLINE]),
+    data=st.data(),
+)
+def test_factors_price_each_row_of_a_branching_network_as_the_whole_plan(
+    graph, nranks, machine, data
+):
+    """With an add or a concat merging a branch, each row given the grids of the units it
+    depends on costs what the whole plan says, float for float, and the memory terms add up."""
+    strategy = data.draw(strategies(graph, nranks))
+    cost = plan_cost(graph, build_plan(graph, strategy, nranks), machine)
+    seconds, memory = rows_by_factors(graph, strategy, nranks, machine)
+    whole = cost.unit_seconds()
+    assert seconds == {name: whole.get(name, 0.0) for name in seconds}
+    assert memory.tolist() == list(cost.memory.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_frontier_dp_finds_the_least_sum_of_its_factors(data):
+    """Against every assignment: random scopes (a unit depending on earlier or later ones) and
+    random factor values, some infinite."""
+    n = data.draw(st.integers(1, 5))
+    sizes = [data.draw(st.integers(1, 3)) for _ in range(n)]
+    scopes = []
+    for i in range(n):
+        others = data.draw(st.sets(st.integers(0, n - 1), max_size=2))
+        scopes.append(tuple(sorted(others | {i})))
+    values = st.one_of(st.floats(0, 10), st.just(float("inf")))
+    factors = [
+        np.array(
+            data.draw(st.lists(values, min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+        ).reshape(shape)
+        for shape in ([sizes[j] for j in scope] for scope in scopes)
+    ]
+
+    def total(assignment):
+        return sum(f[tuple(assignment[j] for j in scope)] for f, scope in zip(factors, scopes))
+
+    best = min(total(a) for a in product(*(range(k) for k in sizes)))
+    found = _FrontierDP(scopes, sizes).solve(factors)
+    if best == float("inf"):
+        assert found is None
+    else:
+        assert total(found) == best

@@ -375,3 +375,18 @@ def test_batchnorm_dropout_and_every_op_equal_the_local_run(strategy, nranks):
 
     cfg = config(MIXED, batch=6)
     assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial", "auto"])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_residual_network_with_a_concat_equals_the_local_run(strategy, nranks):
+    """An add and a concat split over the batch, their channels or their rows: a concat's piece
+    fetches only the channels of its inputs it covers; the block input's gradient is the sum of
+    the shortcut's and the block's contributions, wherever each is made."""
+    from partitioner.search import auto
+    from tests.test_executor import RESIDUAL
+
+    cfg = config(RESIDUAL, batch=6)
+    if strategy == "auto":
+        strategy = lambda graph, nranks: auto(graph, nranks, Machine(), 10.0).strategy
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))

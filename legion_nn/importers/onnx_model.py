@@ -1,4 +1,4 @@
-"""ONNX models: a chain of supported ops read into a `Network`, its initializers the parameters.
+"""ONNX models: a graph of supported ops read into a `Network`, its initializers the parameters.
 
 `load_onnx(path)` reads the model with the `onnx` package, checks it (`onnx.checker`), and maps
 each node onto a layer (the per-sample input comes from the declared input; its batch dim, fixed
@@ -13,6 +13,8 @@ or dynamic, is left to the lowering's batch):
 | MaxPool (ceil_mode 0, dilation 1) | `maxpool` | |
 | AveragePool (padding not counted), GlobalAveragePool | `avgpool` (the whole plane) | |
 | BatchNormalization | `batchnorm` (per channel) | scale, B → gamma, beta (1, C, 1, 1); mean and var the running statistics (state) |
+| Add of two data tensors of one shape | `add` (a residual connection) | |
+| Concat (axis 1) | `concat` | |
 | Dropout | `dropout` (its ratio) | |
 | Flatten (axis 1), Reshape (per sample) | `flatten`, `reshape` | |
 | Identity | nothing | |
@@ -24,8 +26,10 @@ it trains on the mean cross-entropy over the batch. Parameters keep their initia
 BatchNormalization's running statistics) in legion-nn's logical layouts, by those names, which
 training starts from.
 
-Anything else (another op, a grouped or dilated Conv, a graph that is not a chain) is refused in
-one line naming the node, its op type and what is supported. `save_onnx` writes the same model
+The graph need not be a chain: each node's layer reads the groups that made its inputs
+(`Layer.inputs`), so ResNet's shortcuts and Inception's branches are kept as they are. Anything
+else (another op, a grouped or dilated Conv, an Add broadcasting a tensor, a second output) is
+refused in one line naming the node, its op type and what is supported. `save_onnx` writes the same model
 back with trained values.
 """
 
@@ -36,10 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
-from legion_nn.errors import LegionNNError
+from legion_nn.errors import LegionNNError, ShapeError
 from legion_nn.layers import (
+    Add,
     AvgPool,
     BatchNorm,
+    Concat,
     Conv,
     Dropout,
     Evaluate,
@@ -51,13 +57,14 @@ from legion_nn.layers import (
     Softmax,
 )
 from legion_nn.layers.base import Layer
-from legion_nn.network import Network
+from legion_nn.network import INPUT, Network
 
 SUPPORTED = (
     "Conv",
     "Gemm",
     "MatMul",
-    "Add (after MatMul)",
+    "Add (two tensors of one shape, or a constant after MatMul)",
+    "Concat (axis 1)",
     "Relu",
     "Tanh",
     "Sigmoid",
@@ -149,6 +156,10 @@ class _Reader:
         self.aliases = _aliases(model.graph)
         self.layers: list[Layer] = []
         self.shape: tuple[int, int, int] = (1, 1, 1)  # the current layer's per-sample output
+        #: per ONNX value, the group whose output it is and its per-sample shape
+        self.values: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        #: the groups the next layer added reads, where not the layer before it
+        self.reads: tuple[str, ...] = ()
         self.param_names: dict[str, str] = {}
         self.initial: dict[str, np.ndarray] = {}
         self.linear_count = 0
@@ -164,8 +175,8 @@ class _Reader:
         if len(inputs) != 1:
             names = ", ".join(i.name for i in inputs)
             raise OnnxError(f"{self.path}: needs one data input, has {len(inputs)} ({names})")
-        sample = self.shape = self._sample_shape(inputs[0])
-        current = inputs[0].name
+        sample = self._sample_shape(inputs[0])
+        self.values[inputs[0].name] = (INPUT, sample)
         nodes = _data_nodes(graph, self.aliases)
         ends_in_softmax = False
         skip = set()
@@ -173,27 +184,42 @@ class _Reader:
             if index in skip:
                 continue
             data = [i for i in node.input if i and i not in self.constants]
-            if data != [current]:
+            unknown = [i for i in data if i not in self.values]
+            if unknown or not data:
                 raise self.fail(
                     node,
-                    f"reads {data or 'only constants'}, not the output of the node before it "
-                    "(only chains of ops are supported yet)",
+                    f"reads {unknown[0]!r}, which no node before it makes"
+                    if unknown
+                    else "reads only constants",
                 )
+            made = len(self.layers)
             following = nodes[index + 1] if index + 1 < len(nodes) else None
-            if node.op_type == "MatMul" and following is not None and following.op_type == "Add":
-                bias_names = [i for i in following.input if i in self.constants]
-                if following.input[0] == node.output[0] and bias_names:
-                    self._linear(node, self.constants[node.input[1]].T, bias_names[0], index)
-                    skip.add(index + 1)
-                    current = following.output[0]
-                    continue
-            last = following is None
-            self._node(node, index, last)
+            try:
+                if node.op_type in ("Add", "Concat") and len(data) > 1:
+                    self._merge(node, data, index)
+                else:
+                    if len(data) > 1:
+                        raise self.fail(node, f"reads {len(data)} tensors; supported: one")
+                    self._read(data[0])
+                    fused = following is not None and self._matmul_add(node, following, index)
+                    if fused:
+                        skip.add(index + 1)
+                        node = following
+                    else:
+                        self._node(node, index, following is None)
+            except ShapeError as exc:
+                raise self.fail(node, str(exc)) from None
             ends_in_softmax = node.op_type in ("Softmax", "LogSoftmax")
-            current = node.output[0]
+            made_here = self.layers[made:]
+            self.values[node.output[0]] = (
+                (made_here[-1].name, self.shape) if made_here else self.values[data[0]]
+            )
         outputs = [o.name for o in graph.output]
-        if outputs != [current]:
-            raise OnnxError(f"{self.path}: its output {outputs} is not the chain's end {current!r}")
+        last = self.layers[-1].name if self.layers else INPUT
+        if len(outputs) != 1 or self.values.get(outputs[0], ("",))[0] != last:
+            raise OnnxError(
+                f"{self.path}: its outputs {outputs} are not the one output of its last node"
+            )
         if not ends_in_softmax:  # logits: cross-entropy and evaluate appended
             self._add(Softmax("softmax"), Evaluate("softmax"))
         return Network(
@@ -205,6 +231,42 @@ class _Reader:
             initial=self.initial,
             source=str(self.path),
         )
+
+    def _read(self, value: str) -> None:
+        """Make `value` the next layer's input."""
+        group, self.shape = self.values[value]
+        previous = self.layers[-1].name if self.layers else INPUT
+        self.reads = () if group == previous else (group,)
+
+    def _matmul_add(self, node, following, index: int) -> bool:
+        """A MatMul and the Add of a constant to its output after it, as one linear layer."""
+        if node.op_type != "MatMul" or following.op_type != "Add":
+            return False
+        bias_names = [i for i in following.input if i in self.constants]
+        if following.input[0] != node.output[0] or not bias_names:
+            return False
+        self._linear(node, self.constants[node.input[1]].T, bias_names[0], index)
+        return True
+
+    def _merge(self, node, data: list[str], index: int) -> None:
+        """An Add of two data tensors, or a Concat of several along the channels."""
+        if len(set(data)) != len(data):
+            raise self.fail(node, "reads one tensor twice; supported: distinct inputs")
+        groups = [self.values[v][0] for v in data]
+        shapes = [self.values[v][1] for v in data]
+        name = _layer_name(node, index)
+        if node.op_type == "Add":
+            if len(set(shapes)) != 1:
+                raise self.fail(
+                    node, f"adds shapes {[list(s) for s in shapes]}; broadcasting is not supported"
+                )
+            layer = Add(name, inputs=groups)
+        else:
+            if _attrs(node).get("axis") != 1:
+                raise self.fail(node, f"axis {_attrs(node).get('axis')}; only axis 1 is supported")
+            layer = Concat(name, inputs=groups)
+        self.shape = layer.out_shape(tuple(shapes))
+        self.layers.append(layer)
 
     def _sample_shape(self, value) -> tuple[int, int, int]:
         dims = value.type.tensor_type.shape.dim
@@ -220,6 +282,8 @@ class _Reader:
 
     def _add(self, *layers: Layer) -> None:
         for layer in layers:
+            if self.reads:
+                layer.inputs, self.reads = self.reads, ()
             if layer.KIND == "softmax":
                 self.classes = self.shape[0]  # the scores it reads
             self.shape = layer.out_shape(self.shape)

@@ -8,6 +8,7 @@ from legion_nn.layers import (  # noqa: F401  (registration side effects)
     evaluate,
     filter,
     linear,
+    merge,
     nonlinear,
     pool,
     reshape,
@@ -20,6 +21,7 @@ from legion_nn.layers.dropout import Dropout
 from legion_nn.layers.evaluate import Evaluate
 from legion_nn.layers.filter import Conv, Filter
 from legion_nn.layers.linear import Linear
+from legion_nn.layers.merge import Add, Concat
 from legion_nn.layers.nonlinear import FilterNL, Relu
 from legion_nn.layers.pool import AvgPool, MaxPool
 from legion_nn.layers.reshape import Flatten, Reshape
@@ -27,8 +29,10 @@ from legion_nn.layers.softmax import Softmax
 
 __all__ = [
     "LAYER_KINDS",
+    "Add",
     "AvgPool",
     "BatchNorm",
+    "Concat",
     "Conv",
     "Dropout",
     "Evaluate",

@@ -8,12 +8,17 @@ Naming follows the seed. A layer's `name` is a group (`L0`, `classifier`); a lay
 joins the group of the layer before it, so `filter`, `filterA`, `filterNL` named `L0` lower to tasks
 `L0.filter`, `L0.filterA`, `L0.filterNL` with outputs `L0.filter.output`, ... and backward tasks
 `L0.filter.grad`, ... . Parameters are `<group>.<param>` and update tasks `update_<group>.<param>`.
+
+A layer reads the output of the layer before it, unless its `inputs` names other groups (the
+latest output of each, at that point of the list; `data` is the network's input). That makes
+branches: a ResNet block's shortcut is a layer reading the block's input, and a merge layer
+(`MERGES`: `add`, `concat`) reads two or more groups' outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from legion_nn import registry
@@ -74,8 +79,13 @@ class Layer:
     KIND: ClassVar[str] = ""
     #: the task-name stem, `<group>.<OP_NAME>`; defaults to the kind
     OP_NAME: ClassVar[str] = ""
+    #: whether the layer reads several inputs (`inputs`): `out_shape` and `lower` then take a
+    #: tuple of shapes and of tensors
+    MERGES: ClassVar[bool] = False
 
     name: str = ""
+    #: the groups whose outputs the layer reads; empty: the output of the layer before it
+    inputs: tuple[str, ...] = field(default=(), kw_only=True)
 
     @property
     def label(self) -> str:
@@ -94,9 +104,11 @@ class Layer:
 
     def to_spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {"kind": self.KIND}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            spec[field.name] = list(value) if isinstance(value, tuple) else value
+        for option in dataclasses.fields(self):
+            value = getattr(self, option.name)
+            if option.name == "inputs" and not value:
+                continue
+            spec[option.name] = list(value) if isinstance(value, tuple) else value
         return spec
 
 

@@ -12,7 +12,13 @@ interior piece is computed without padding and a border piece with its side of i
 """
 
 from legion_nn.ops import records
-from runtime.adapters import classifier, elementwise, normalization, windowed  # noqa: F401
+from runtime.adapters import (  # noqa: F401
+    classifier,
+    elementwise,
+    merge,
+    normalization,
+    windowed,
+)
 from runtime.adapters.registry import (
     ADAPTERS,
     BY_OP,
