@@ -136,8 +136,34 @@ def pooled(tmp: Path) -> Path:
     return model(tmp / "pooled.onnx", nodes, ["N", 3, 8, 7], "y", weights)
 
 
+def residual(tmp: Path) -> Path:
+    """A residual block and a side branch, merged by Add and Concat: Conv → Tanh (the block's
+    input) → Conv → Tanh → Conv → Add (with the block's input) → Sigmoid; a 1x1 Conv of the
+    block's input beside it; Concat of the two on channels → GlobalAveragePool → Flatten →
+    Gemm."""
+    nodes = [
+        helper.make_node("Conv", ["x", "c0.w", "c0.b"], ["c0"], name="c0", pads=[1, 1, 1, 1]),
+        helper.make_node("Tanh", ["c0"], ["t0"], name="t0"),
+        helper.make_node("Conv", ["t0", "c1.w"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
+        helper.make_node("Tanh", ["c1"], ["t1"], name="t1"),
+        helper.make_node("Conv", ["t1", "c2.w", "c2.b"], ["c2"], name="c2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "t0"], ["sum"], name="res"),
+        helper.make_node("Sigmoid", ["sum"], ["s"], name="s"),
+        helper.make_node("Conv", ["t0", "side.w"], ["side"], name="side"),
+        helper.make_node("Concat", ["s", "side"], ["cat"], name="cat", axis=1),
+        helper.make_node("GlobalAveragePool", ["cat"], ["g"], name="gap"),
+        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc.w", "fc.b"], ["y"], name="fc", transB=1),
+    ]  # fmt: skip
+    weights = [constant("c0.w", (4, 2, 3, 3)), constant("c0.b", (4,)),
+               constant("c1.w", (4, 4, 3, 3)), constant("c2.w", (4, 4, 3, 3)),
+               constant("c2.b", (4,)), constant("side.w", (3, 4, 1, 1)),
+               constant("fc.w", (5, 7)), constant("fc.b", (5,))]  # fmt: skip
+    return model(tmp / "residual.onnx", nodes, ["N", 2, 6, 5], "y", weights)
+
+
 MODELS = {"conv_gemm": conv_gemm, "pool_matmul": pool_matmul, "features": features,
-          "batchnorm": batchnorm, "pooled": pooled}  # fmt: skip
+          "batchnorm": batchnorm, "pooled": pooled, "residual": residual}  # fmt: skip
 
 
 def probabilities(network, x: np.ndarray) -> np.ndarray:
@@ -220,6 +246,10 @@ def refused(tmp: Path) -> dict[str, tuple[Path, str]]:
     elu = bad(tmp, "elu", [helper.make_node("Elu", ["x"], ["y"], name="e")], ["N", 3], [])
     unknown = bad(tmp, "unknown", [helper.make_node("Relu", ["x"], ["y"], name="r")],
                   ["N", "C", 4, 4], [])  # fmt: skip
+    broadcast = bad(tmp, "broadcast", [helper.make_node("Relu", ["x"], ["r"], name="r"),
+                                       helper.make_node("Conv", ["x", "w1"], ["c"], name="c"),
+                                       helper.make_node("Add", ["r", "c"], ["y"], name="a")],
+                    ["N", 3, 4, 4], [constant("w1", (1, 3, 1, 1))])  # fmt: skip
     garbage = tmp / "garbage.onnx"
     garbage.write_text("this is not a model\n")
     truncated = tmp / "truncated.onnx"
@@ -229,6 +259,10 @@ def refused(tmp: Path) -> dict[str, tuple[Path, str]]:
         "dilated Conv": (dilated, "node 'd' (Conv): dilated Conv is not supported"),
         "unsupported op": (elu, "node 'e' (Elu): op not supported; supported: Conv, Gemm"),
         "unknown shape": (unknown, "input 'x' has shape ['N', 'C', 4, 4]"),
+        "broadcast Add": (
+            broadcast,
+            "node 'a' (Add): adds shapes [[3, 4, 4], [1, 4, 4]]; broadcasting is not supported",
+        ),
         "not ONNX": (garbage, "garbage.onnx: not an ONNX model"),
         "truncated": (truncated, "truncated.onnx: not an ONNX model"),
     }
@@ -236,7 +270,7 @@ def refused(tmp: Path) -> dict[str, tuple[Path, str]]:
 
 @pytest.mark.parametrize(
     "case", ["grouped Conv", "dilated Conv", "unsupported op", "unknown shape", "not ONNX",
-             "truncated"]
+             "truncated", "broadcast Add"]
 )  # fmt: skip
 def test_bad_models_get_one_line_and_nothing_is_written(case, tmp_path):
     path, message = refused(tmp_path)[case]
@@ -372,3 +406,17 @@ def test_parameters_an_exporter_merged_train_apart_and_are_saved_apart(tmp_path)
     assert "b1" in stored and "b2" in stored and not np.array_equal(stored["b1"], stored["b2"])
     assert "Identity" not in [n.op_type for n in saved.graph.node]
     np.testing.assert_allclose(probabilities(load(str(out)), x), reference(out, x), atol=BOUND)
+
+
+def test_a_residual_models_gradients_match_finite_differences(tmp_path):
+    """Through the executor in float64: the add's gradient reaches both its inputs, the concat's
+    each of its own, and the block's input gets the sum of the three readers' gradients."""
+    from tests.test_executor import whole_network_gradient_check
+
+    network = load(str(residual(tmp_path)))
+    kinds = [layer.KIND for layer in network.layers]
+    assert "add" in kinds and "concat" in kinds
+    worst = whole_network_gradient_check(network, batch=3, samples=6)
+    assert set(worst) == {"c0.w", "c0.b", "c1.w", "c2.w", "c2.b", "side.w", "fc.w", "fc.b"}
+    for param, error in worst.items():
+        assert error < 1e-5, (param, error)
