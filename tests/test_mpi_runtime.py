@@ -251,6 +251,41 @@ def test_a_row_parallel_plan_equals_one_process(mlp_single, tmp_path, launcher, 
         assert record["bytes_sent"] == record["bytes_planned"] > 0, record
 
 
+RESIDUAL = str(Path(__file__).parent / "fixtures" / "residual_small.json")
+
+
+@pytest.fixture(scope="module")
+def residual_single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("residual")
+    result = subprocess.run(
+        legion_nn("train", RESIDUAL, *TRAIN, "--steps", "3", "--log-json", str(out / "log.jsonl")),
+        capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return losses(out / "log.jsonl")
+
+
+@pytest.mark.parametrize("nranks,strategy", [(2, "spatial"), (3, "model")])
+def test_a_residual_network_with_a_concat_equals_one_process(
+    residual_single, tmp_path, launcher, nranks, strategy
+):
+    """A residual add, a side branch and a concat (`tests/test_executor.py`'s RESIDUAL as a
+    spec file), split over rows or channels, under mpiexec."""
+    if launcher != "local" and nranks < int(launcher.split()[0]):
+        pytest.skip("fewer ranks than hosts")
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        nranks, "train", RESIDUAL, *TRAIN, "--steps", "3", "--strategy", strategy,
+        "--log-json", str(log), launcher=launcher,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(losses(log), residual_single, rtol=1e-9)
+    steps = [r for r in records(log) if "step" in r]
+    assert len(steps) == 3 * nranks
+    for record in steps:
+        assert record["bytes_sent"] == record["bytes_planned"] > 0, record
+
+
 def assert_ends_naming(result: subprocess.CompletedProcess, started: float, pattern: str) -> None:
     """The job failed within 30 s, a line of ours matches `pattern`, and a rank's death is named
     only where one was killed (a signal, not an error or a stall)."""
