@@ -243,11 +243,16 @@ def test_a_row_parallel_plan_equals_one_process(mlp_single, tmp_path, launcher, 
         nranks, "train", MLP, *TRAIN, "--steps", "4", "--strategy", str(grids),
         "--log-json", str(log), launcher=launcher,
     )  # fmt: skip
+    assert_equals_one_process(result, log, mlp_single, nranks, 4)
+
+
+def assert_equals_one_process(result, log: Path, expected: list[float], nranks: int, steps: int):
+    """The job's losses are one process's, and every rank of every step sent what it planned."""
     assert result.returncode == 0, result.stderr
-    np.testing.assert_allclose(losses(log), mlp_single, rtol=1e-9)
-    steps = [r for r in records(log) if "step" in r]
-    assert len(steps) == 4 * nranks
-    for record in steps:
+    np.testing.assert_allclose(losses(log), expected, rtol=1e-9)
+    found = [r for r in records(log) if "step" in r]
+    assert len(found) == steps * nranks
+    for record in found:
         assert record["bytes_sent"] == record["bytes_planned"] > 0, record
 
 
@@ -278,12 +283,7 @@ def test_a_residual_network_with_a_concat_equals_one_process(
         nranks, "train", RESIDUAL, *TRAIN, "--steps", "3", "--strategy", strategy,
         "--log-json", str(log), launcher=launcher,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    np.testing.assert_allclose(losses(log), residual_single, rtol=1e-9)
-    steps = [r for r in records(log) if "step" in r]
-    assert len(steps) == 3 * nranks
-    for record in steps:
-        assert record["bytes_sent"] == record["bytes_planned"] > 0, record
+    assert_equals_one_process(result, log, residual_single, nranks, 3)
 
 
 def assert_ends_naming(result: subprocess.CompletedProcess, started: float, pattern: str) -> None:

@@ -49,24 +49,29 @@ def _per_output(scale: str):
     return flops
 
 
-registry.register(
-    "add",
-    phases={
-        phase: {
-            "access": _add_rects,
-            "box_map": elementwise_boxes,
-            "flops": _per_output(phase),
-            "adapter": f"add.{phase}",
-        }
-        for phase in ("forward", "backward")
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=0,
-)
+def _register(op: str, access, box_map, flops) -> None:
+    """A merge op's record: `flops(phase)` gives each phase's FLOPs function."""
+    registry.register(
+        op,
+        phases={
+            phase: {
+                "access": access,
+                "box_map": box_map,
+                "flops": flops(phase),
+                "adapter": f"{op}.{phase}",
+            }
+            for phase in ("forward", "backward")
+        },
+        splittable=registry.EVERY_DIM,
+        homing=registry.GRID,
+        packed_role=None,
+        owner_role=None,
+        passes=None,
+        sums_over=0,
+    )
+
+
+_register("add", _add_rects, elementwise_boxes, _per_output)
 
 
 def channel_offsets(attrs: Mapping[str, Any]) -> list[int]:
@@ -105,24 +110,8 @@ def _concat_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -
     return {role: out[role] for role in dims}
 
 
-registry.register(
-    "concat",
-    phases={
-        phase: {
-            "access": _concat_rects,
-            "box_map": _concat_boxes,
-            "flops": registry.per_element(1),  # a copy: one move per element
-            "adapter": f"concat.{phase}",
-        }
-        for phase in ("forward", "backward")
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=0,
-)
+# a copy: one move per element
+_register("concat", _concat_rects, _concat_boxes, lambda phase: registry.per_element(1))
 
 
 @dataclass
