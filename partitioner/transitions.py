@@ -193,10 +193,12 @@ class UnitPricer:
         for name, tensor in graph.tensors.items():
             if tensor.kind in ("data", "param"):
                 self.home_source[name] = name
-        for name in graph.tensors:
+        for name, tensor in graph.tensors.items():
             owner = param_of(graph, name)
             if owner is not None and name not in self.home_source:
                 self.home_source[name] = owner
+            elif tensor.resident and name not in self.home_source:
+                self.home_source[name] = name  # state of its own (BatchNorm's running statistics)
         self.readers: dict[str, list[str]] = defaultdict(list)
         for task in graph.tasks:
             if task.name in self.homed:
@@ -513,8 +515,10 @@ class UnitPricer:
 
     def _homed_cost(self, name: str, grids: Mapping[int, Grid]) -> float:
         task = self.graph.task(name)
-        tensors = [r.tensor for r in task.requirements] if task.op == "data" else []
-        tensors = tensors or [task.requirements[0].tensor]
+        if task.op == "data":
+            tensors = [r.tensor for r in task.requirements]
+        else:  # the home of its first resident tensor, as `pieces.homed_pieces` runs it
+            tensors = [next(r.tensor for r in task.requirements if r.tensor in self.home_source)]
         home_keys = tuple((t, self._home_key(t, grids)) for t in tensors)
         return self.prices.homed_cost(name, home_keys)
 
