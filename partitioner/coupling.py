@@ -11,8 +11,9 @@ A task's cost (see `cost.py`) depends on
 
 Units form a *chain* when every task's cost depends only on the grid of its table row's unit and
 of the unit before it. Then a unit's cost is a function of two grids, and `search.py` finds the
-best assignment exactly by dynamic programming. The Network API lowers to chains; a graph where a
-tensor feeds two units (an auxiliary head, a skip connection) or a parameter is shared is not one.
+best assignment exactly by dynamic programming. Networks without branches lower to chains; a
+graph where a tensor feeds two units (an auxiliary head, a skip connection) or a parameter is
+shared is not one, and `search.py` runs its DP over each row's dependencies instead.
 
 One coupling is left out: a rect received by one task is not sent again to a later reader on the
 same rank, so a unit's backward task that re-read a remote part of its own output could ride on

@@ -8,7 +8,7 @@ rows and columns, matching a spatially split predecessor) and the mixture `batch
 a unit cannot take falls back to its batch split); families giving a unit the same grid count
 once.
 
-On a chain (`coupling.is_chain`; the Network API lowers to chains) a unit's table row (its tasks,
+On a chain (`coupling.is_chain`; networks without branches lower to chains) a unit's table row (its tasks,
 their transfers and reductions, its parameters' updates) costs what it costs because of two grids
 only, its own and its predecessor's: a unit reads only its predecessor's output and reduces only
 into its predecessor's gradient. The search prices *transitions*, (unit i, grid p of unit i − 1,
@@ -35,13 +35,18 @@ transition is priced and the DP trades seconds for each row's peak memory, with 
 until an assignment fits, and the cheapest fitting one of that and the uniform families is
 taken. So `auto` is never worse than the best of data, model and spatial that fits.
 
-On other graphs (a tensor feeding two units, a shared parameter) a unit's cost may depend on any
-unit's grid, so `auto` runs a bounded local search instead: it starts from the best uniform family
-(the three built-ins first, whatever the limit), then visits the units, costliest first, trying
-each other family for that unit alone and keeping a change when the whole plan predicts a faster
-step that fits in memory; it repeats until a pass changes nothing or the time limit passes, and
-returns the best plan found so far. Plans are priced whole, so this is exact for what it visits,
-but it can stop at a local optimum.
+On other graphs (a residual block's add reading the block's input, a second head, BatchNorm's
+statistics) a unit's row depends on the grids of the units in `UnitPricer.deps` (its
+predecessor, the writers of what it reads, siblings that read the same tensor before it, the
+readers of its homes), and `UnitPricer.factor` prices it given those, exactly as the whole plan
+does. `_FrontierDP` then runs the same lazy DP over the *frontier*, the units some later row
+still depends on (on ResNet a block's input and the unit being chosen), so it is exact too. Only
+where the frontier would be too wide to tabulate (`FRONTIER_LIMIT`) does `auto` fall back to a
+bounded local search over whole plans: it starts from the best uniform family (the three
+built-ins first, whatever the limit), then visits the units, costliest first, trying each other
+family for that unit alone and keeping a change when the whole plan predicts a faster step that
+fits in memory, until a pass changes nothing or the time limit passes. That search can stop at a
+local optimum.
 
 The strategy `auto` returns carries the pieces of the grids it chose (`Strategy.pieces`), which
 `build_plan` reuses. Planning at 1024 ranks (batch 256; `bench/planning.py`, CPU seconds on the

@@ -37,9 +37,14 @@ memory of any assignment of grids is their sum, exactly `memory_per_rank` of its
 
 The replay leaves out one coupling, the one `coupling.py` leaves out: a task of a third unit
 reading a tensor of the row (the next unit's forward reading this unit's output) could give a
-rank a copy that a later read of the row then finds. A graph where a task outside the two units
-*writes* what the row reads, or where a parameter has readers beyond two consecutive units, is
-not priced this way (`NotAChain`); `search.py` then runs its local search over whole plans.
+rank a copy that a later read of the row's backward then finds.
+
+Graphs that are not chains. A row may depend on units other than its predecessor: the writer
+of a residual add's second input, a sibling branch that read the same tensor first, the readers
+of a home. `UnitPricer.deps[i]` lists them (on a chain, the predecessor alone), the row's window
+admits their tasks, and `UnitPricer.factor(i, grids)` prices the row given their grids, float
+for float as in any whole plan with those grids (`tests/test_partition_search.py` checks it on
+random networks with an add or a concat); `bound` hides all of them.
 """
 
 from __future__ import annotations
