@@ -32,8 +32,15 @@ def is_dump(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() not in (*SPEC_SUFFIXES, ".onnx")
 
 
-def load_source_graph(source: str, batch: int | None, default_batch: int) -> TaskGraph:
-    """The graph `source` names; `batch` overrides a dump's batch and sets a network's."""
+def load_source_graph(
+    source: str,
+    batch: int | None,
+    default_batch: int,
+    dtype: str = "float32",
+    optimizer: str = "adam",
+) -> TaskGraph:
+    """The graph `source` names; `batch` overrides a dump's batch and sets a network's, which
+    lowers to a step of `optimizer` over `dtype` (an imported graph or a dump has its own)."""
     if batch is not None and batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {batch}")
     path = Path(source)
@@ -49,4 +56,6 @@ def load_source_graph(source: str, batch: int | None, default_batch: int) -> Tas
         return import_dump(path, batch=batch, network=path.stem)
     from legion_nn.networks import load_network
 
-    return load_network(source).lower(batch=default_batch if batch is None else batch)
+    return load_network(source).lower(
+        batch=default_batch if batch is None else batch, dtype=dtype, optimizer=optimizer
+    )

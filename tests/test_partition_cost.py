@@ -329,3 +329,27 @@ def test_partition_verify_runs_verify_plan(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pieces overlap" in err
     assert main(argv[:-1]) == 0  # without --verify the check does not run
+
+
+def test_partition_predicts_trains_optimizer_and_dtype_by_default(tmp_path):
+    """`partition` lowers the step `train` runs: Adam unless told otherwise, whose two moments
+    per parameter are memory; float64 doubles every tensor's bytes."""
+    from legion_nn.cli import main
+    from legion_nn.networks import load_network
+
+    def memory(*extra: str) -> int:
+        out = tmp_path / "plan.json"
+        args = ["partition", "seed-lcn-small", "--batch", "4", "--ranks", "1", "--json", str(out)]
+        assert main([*args, "--strategy", "data", *extra]) == 0
+        return json.loads(out.read_text())["memory_per_rank_max"]
+
+    graph = load_network("seed-lcn-small").lower(batch=4)
+    params = sum(t.nbytes for t in graph.tensors.values() if t.kind == "param")
+    assert memory() == memory("--optimizer", "adam")
+    assert memory() - memory("--optimizer", "sgd") == 2 * params
+    # on one rank each tensor is held once; the labels (int32) and evaluate's sums (float64)
+    # keep their types
+    kept = sum(t.nbytes for t in graph.tensors.values() if t.dtype != "float32")
+    assert kept > 0
+    wide = memory("--optimizer", "sgd", "--dtype", "float64")
+    assert wide == 2 * memory("--optimizer", "sgd") - kept

@@ -46,7 +46,8 @@ def seed_graph():
 @pytest.fixture(scope="module")
 def seed_svg(tmp_path_factory):
     out = tmp_path_factory.mktemp("seed") / "seed.svg"
-    assert main(["render", "seed-lcn", "--batch", "256", "-o", str(out)]) == 0
+    # the seed is a plain SGD step: no optimizer state
+    assert main(["render", "seed-lcn", "--batch", "256", "--optimizer", "sgd", "-o", str(out)]) == 0
     return svg_parts(out)
 
 
@@ -128,7 +129,7 @@ def test_vgg19_full_view_still_lays_out(tmp_path):
     # Unbounded, dot spent over ten minutes on this layout.
     status, out = render(tmp_path, "vgg19", "--batch", "32", "--collapse", "none")
     assert status == 0
-    assert len(svg_parts(out)[0]) == 216 + 170
+    assert len(svg_parts(out)[0]) == 216 + 170 + 2 * 38  # Adam's two moments of 38 parameters
 
 
 def test_max_nodes_picks_the_layer_view(tmp_path, capsys):
@@ -138,7 +139,7 @@ def test_max_nodes_picks_the_layer_view(tmp_path, capsys):
     assert sorted(nodes) == ["layer/L0", "layer/L1", "layer/classifier", "layer/data"]
     assert "more than --max-nodes 50" in capsys.readouterr().err
     status, out = render(tmp_path, "seed-lcn", "--max-nodes", "50", "--collapse", "none")
-    assert len(svg_parts(out)[0]) == 77
+    assert len(svg_parts(out)[0]) == 77 + 2 * 7  # the seed's, and Adam's moments of 7 parameters
 
 
 def test_layer_flows_run_down_forward_and_up_backward(seed_graph):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from legion_nn.commands import add_step_arguments
 
 NAME = "graph"
 DEFAULT_BATCH = 256
@@ -24,13 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="batch size (networks: default 256; dumps: override)",
     )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument(
-        "--optimizer",
-        default="sgd",
-        choices=("sgd", "momentum", "adam"),
-        help="the optimizer whose update tasks and state are lowered",
-    )
+    add_step_arguments(parser, optimizer="sgd")  # the seed's graph: plain SGD, no state
     parser.add_argument("--json", metavar="F", help="write the task-graph JSON to F")
     parser.add_argument(
         "--text",
@@ -41,22 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
-    from legion_nn.errors import LegionNNError
     from legion_nn.graphjson import dumps
-    from legion_nn.networks import load_network
-    from legion_nn.sources import is_dump, is_graph_json, load_source_graph
+    from legion_nn.sources import load_source_graph
     from legion_nn.textform import graph_text
     from legion_nn.verify import verify
 
-    if args.batch is not None and args.batch < 1:
-        raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
-    path = Path(args.network)
-    if is_dump(path) or is_graph_json(path):
-        graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH)
-    else:
-        graph = load_network(args.network).lower(
-            batch=args.batch or DEFAULT_BATCH, dtype=args.dtype, optimizer=args.optimizer
-        )
+    graph = load_source_graph(
+        args.network, args.batch, DEFAULT_BATCH, dtype=args.dtype, optimizer=args.optimizer
+    )
     verify(graph)
     if args.json:
         write_text(args.json, dumps(graph))

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from legion_nn.commands import add_step_arguments
+
 NAME = "memory"
 HELP = "peak memory of one training step of a Chainer dump or a network, per data-parallel rank"
 NETWORK_BATCH = 256
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks", type=int, default=1, metavar="R", help="data-parallel ranks (default 1)"
     )
+    add_step_arguments(parser)
     parser.add_argument(
         "--batch",
         type=int,
@@ -53,7 +56,9 @@ def _schedule(args: argparse.Namespace):
         return schedule_from_dump(parse_dump(path), args.batch)
     from legion_nn.networks import load_network
 
-    graph = load_network(args.source).lower(batch=args.batch or NETWORK_BATCH)
+    graph = load_network(args.source).lower(
+        batch=args.batch or NETWORK_BATCH, dtype=args.dtype, optimizer=args.optimizer
+    )
     return schedule_from_graph(graph)
 
 

@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from legion_nn.commands import add_step_arguments
+
 NAME = "partition"
 DEFAULT_BATCH = 256
 HELP = "partition a network over R ranks (data, model, spatial, auto) and predict its step"
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help='data, model, spatial, auto, or a JSON file {"grids": {unit: [..]}} (default auto)',
     )
+    add_step_arguments(parser)
     parser.add_argument(
         "--batch",
         type=int,
@@ -107,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine)
     if args.calibrate:
         machine = load_calibrated(machine, args.calibrate)
-    graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH)
+    graph = load_source_graph(
+        args.network, args.batch, DEFAULT_BATCH, dtype=args.dtype, optimizer=args.optimizer
+    )
     verify(graph)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     reports = []

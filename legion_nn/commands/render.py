@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from legion_nn.commands import add_step_arguments
+
 NAME = "render"
 HELP = "draw a network's task graph, or a task-graph JSON, with Graphviz"
 NETWORK_BATCH = 256
@@ -40,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="output file; its suffix picks the format: .svg, .png, .pdf or .dot",
     )
+    add_step_arguments(parser)
     parser.add_argument(
         "--batch",
         type=int,
@@ -101,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     from legion_nn.sources import load_source_graph
 
-    return load_source_graph(args.source, args.batch, NETWORK_BATCH)
+    return load_source_graph(
+        args.source, args.batch, NETWORK_BATCH, dtype=args.dtype, optimizer=args.optimizer
+    )
 
 
 def _plan(args: argparse.Namespace, graph):

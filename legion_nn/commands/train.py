@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from legion_nn.commands import add_step_arguments
+
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
 DEFAULT_NETWORK = "seed-lcn-small"
@@ -38,11 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", type=int, default=None, help="epochs to train (default 10)")
     length.add_argument("--steps", type=int, default=None, help="train for exactly S steps")
     parser.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument(
         "--seed", type=int, default=0, help="initialisation, order and dropout seed"
     )
-    parser.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam"))
+    add_step_arguments(parser)
     parser.add_argument(
         "--lr", type=float, default=None, help="learning rate (default: the optimizer's)"
     )
