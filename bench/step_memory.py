@@ -10,26 +10,14 @@ the total bytes of the graph's tensors. The issue's goal: seed-lcn at batch 64 u
 from __future__ import annotations
 
 import argparse
-import resource
 
 import numpy as np
 
 from legion_nn.networks import load_network
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES
+from runtime.process_memory import peak_rss_bytes, rss_bytes
 from runtime.rank_executor import one_process
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main() -> None:
@@ -52,7 +40,7 @@ def main() -> None:
     tensor_bytes = sum(t.nbytes for t in graph.tensors.values())
     baseline = rss_bytes()
     one_process().run(graph, StepContext(0, inputs=x, labels=y))
-    step_peak = peak_bytes() - baseline
+    step_peak = peak_rss_bytes() - baseline
     print(
         f"{args.network} batch {args.batch} {args.dtype}: tensors {tensor_bytes / 2**30:.3f} GiB, "
         f"step peak above baseline {step_peak / 2**30:.3f} GiB, ratio {step_peak / tensor_bytes:.3f}"

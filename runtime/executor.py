@@ -55,7 +55,8 @@ class Executor(Protocol):
         """Every rank's `value`, in rank order, on rank 0."""
 
     def step_extras(self) -> dict[str, Any]:
-        """What the last step's log record adds (bytes sent and planned)."""
+        """What the last step's log record adds: bytes sent and planned, the runtime's buffer
+        peak (`buffer_peak_bytes`) and the process's peak resident set (`rss_peak_bytes`)."""
 
     def resident(self) -> dict[str, np.ndarray] | None:
         """Parameters and state, whole and logical, on rank 0: what a checkpoint holds."""

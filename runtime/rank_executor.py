@@ -43,6 +43,7 @@ from runtime.buffer_pool import BufferPool
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.instances import Layout, choose_layouts
 from runtime.kernels.blas import kernel_threading
+from runtime.process_memory import peak_rss_bytes
 from runtime.rank_program import RankProgram, build_programs
 from runtime.rank_step import StepRun, fault_from_env
 from runtime.tracing import Recorder
@@ -111,6 +112,7 @@ class RankExecutor:
         #: programs run so far: every rank runs the same sequence, so (run, seq) names a message
         self.runs = 0
         self.buffers = BufferPool()
+        self._buffer_peak = 0
 
     @property
     def is_root(self) -> bool:
@@ -249,7 +251,18 @@ class RankExecutor:
         return out
 
     def step_extras(self) -> dict[str, Any]:
-        return {"bytes_sent": self.last_bytes_sent, "bytes_planned": self.last_bytes_planned}
+        """Bytes sent and planned in the last step; the most the runtime's buffers have held
+        (its tensors' arrays on this rank and its scratch pool: everything is allocated before
+        it is first used and kept, so the peak is what is held after the step); the process's
+        peak resident set."""
+        held = sum(a.nbytes for a in self.arrays.values()) + self.buffers.nbytes
+        self._buffer_peak = max(self._buffer_peak, held)
+        return {
+            "bytes_sent": self.last_bytes_sent,
+            "bytes_planned": self.last_bytes_planned,
+            "buffer_peak_bytes": self._buffer_peak,
+            "rss_peak_bytes": peak_rss_bytes(),
+        }
 
     def resident(self) -> dict[str, np.ndarray] | None:
         """Parameters and state, whole and logical, on rank 0 (None elsewhere).

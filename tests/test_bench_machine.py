@@ -212,8 +212,10 @@ def test_a_strategy_file_is_predicted_as_partition_predicts_it(network, batch, p
     machine_file = tmp_path / "machine.json"
     machine_file.write_text(json.dumps(MACHINE))
     report = tmp_path / "partition.json"
+    from bench.jobs import OPTIMIZER  # the step the benchmark's jobs train
+
     argv = ["partition", network, "--batch", str(batch), "--ranks", "2", "--strategy", str(path),
-            "--machine", str(machine_file), "--json", str(report)]  # fmt: skip
+            "--optimizer", OPTIMIZER, "--machine", str(machine_file), "--json", str(report)]  # fmt: skip
     assert main(argv) == 0
     expected = json.loads(report.read_text())
     predicted = predict(network, batch, 2, str(path), load_machine(str(machine_file)))

@@ -391,3 +391,37 @@ def test_a_residual_network_with_a_concat_equals_the_local_run(strategy, nranks)
     if strategy == "auto":
         strategy = lambda graph, nranks: auto(graph, nranks, Machine(), 10.0).strategy
     assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_the_step_records_the_buffer_peak_against_the_predicted_memory(strategy, nranks):
+    """`buffer_peak_bytes` is what the runtime holds on each rank: on one rank exactly the
+    plan's memory (every tensor, its gradient and Adam's moments), on more at least what the
+    plan says a rank must hold; `rss_peak_bytes` is the process's high-water mark."""
+    from partitioner.accounting import memory_per_rank
+
+    cfg = config(small_network(), batch=8)
+
+    def body(transport):
+        executor = RankExecutor(transport, strategy, seed=cfg.seed, stall_timeout=30)
+        trainer = Trainer(cfg, executor=executor)
+        graph = trainer.graph(cfg.batch)
+        executor.prepare(graph)
+        records = []
+        for step in range(2):
+            trainer.step(step)
+            records.append(executor.step_extras())
+        return records, graph
+
+    out = run_threads(nranks, body)
+    graph = out[0][1]
+    predicted = memory_per_rank(graph, build_plan(graph, builtin(graph, strategy, nranks), nranks))
+    for rank, (records, _) in enumerate(out):
+        first, second = records
+        assert first["buffer_peak_bytes"] <= second["buffer_peak_bytes"]
+        assert first["rss_peak_bytes"] <= second["rss_peak_bytes"]
+        if nranks == 1:
+            assert second["buffer_peak_bytes"] == predicted[rank]
+        else:
+            assert second["buffer_peak_bytes"] >= predicted[rank]
