@@ -208,15 +208,19 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
 MLP = str(Path(__file__).parent / "fixtures" / "mlp_small.json")
 
 
-@pytest.fixture(scope="module")
-def mlp_single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mlp")
+def one_process_losses(out: Path, network: str, steps: int) -> list[float]:
+    """The losses of `steps` steps of `network` trained in one process."""
     result = subprocess.run(
-        legion_nn("train", MLP, *TRAIN, "--steps", "4", "--log-json", str(out / "log.jsonl")),
+        legion_nn("train", network, *TRAIN, "--steps", str(steps), "--log-json", str(out / "log.jsonl")),
         capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return losses(out / "log.jsonl")
+
+
+@pytest.fixture(scope="module")
+def mlp_single(tmp_path_factory):
+    return one_process_losses(tmp_path_factory.mktemp("mlp"), MLP, 4)
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
@@ -261,13 +265,7 @@ RESIDUAL = str(Path(__file__).parent / "fixtures" / "residual_small.json")
 
 @pytest.fixture(scope="module")
 def residual_single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("residual")
-    result = subprocess.run(
-        legion_nn("train", RESIDUAL, *TRAIN, "--steps", "3", "--log-json", str(out / "log.jsonl")),
-        capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return losses(out / "log.jsonl")
+    return one_process_losses(tmp_path_factory.mktemp("residual"), RESIDUAL, 3)
 
 
 @pytest.mark.parametrize("nranks,strategy", [(2, "spatial"), (3, "model")])

@@ -113,14 +113,18 @@ def test_local_search_keeps_plans_that_fit_in_memory():
 
 
 def rows_by_transitions(graph, strategy, nranks: int, machine: Machine = MACHINE):
-    """(seconds per unit, memory per rank) of `strategy` from `UnitPricer`'s transitions."""
+    """(seconds per unit, memory per rank) of `strategy` from `UnitPricer`'s rows: on a chain
+    its transitions, elsewhere each row given the grids of the units it depends on."""
     units = find_units(graph)
     pricer = UnitPricer(graph, units, nranks, machine)
     grids = [strategy.unit_grids[u.name] for u in units]
     memory = pricer.constant().memory.copy()
     seconds = {}
     for i, unit in enumerate(units):
-        row = pricer.transition(i, grids[i - 1] if i else None, grids[i])
+        if pricer.deps[i] == ((i - 1,) if i else ()):
+            row = pricer.transition(i, grids[i - 1] if i else None, grids[i])
+        else:
+            row = pricer.factor(i, {j: grids[j] for j in (*pricer.deps[i], i)})
         seconds[unit.name] = row.seconds
         memory += row.memory
     return seconds, memory
@@ -257,21 +261,6 @@ def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nrank
     assert sum(c.seconds for c in result.choices) == pytest.approx(min(best.values()), rel=1e-12)
 
 
-def rows_by_factors(graph, strategy, nranks: int, machine: Machine = MACHINE):
-    """(seconds per unit, memory per rank) of `strategy` from `UnitPricer.factor`, each row
-    given the grids of the units it depends on."""
-    units = find_units(graph)
-    pricer = UnitPricer(graph, units, nranks, machine)
-    grids = [strategy.unit_grids[u.name] for u in units]
-    memory = pricer.constant().memory.copy()
-    seconds = {}
-    for i, unit in enumerate(units):
-        row = pricer.factor(i, {j: grids[j] for j in (*pricer.deps[i], i)})
-        seconds[unit.name] = row.seconds
-        memory += row.memory
-    return seconds, memory
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     graph=networks(),
@@ -286,7 +275,7 @@ def test_factors_price_each_row_of_a_branching_network_as_the_whole_plan(
     depends on costs what the whole plan says, float for float, and the memory terms add up."""
     strategy = data.draw(strategies(graph, nranks))
     cost = plan_cost(graph, build_plan(graph, strategy, nranks), machine)
-    seconds, memory = rows_by_factors(graph, strategy, nranks, machine)
+    seconds, memory = rows_by_transitions(graph, strategy, nranks, machine)
     whole = cost.unit_seconds()
     assert seconds == {name: whole.get(name, 0.0) for name in seconds}
     assert memory.tolist() == list(cost.memory.values())
