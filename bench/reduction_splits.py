@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from legion_nn.networks import load_network
 from legion_nn.spec import load_spec
-from partitioner import search
+from partitioner import families, search
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
@@ -60,7 +60,7 @@ def priced(graph, strategy: Strategy, nranks: int, machine: Machine) -> dict:
 
 def without_rows():
     return mock.patch.object(
-        search, "FAMILIES", tuple(f for f in search.FAMILIES if "row" not in f)
+        families, "FAMILIES", tuple(f for f in families.FAMILIES if "row" not in f)
     )
 
 

@@ -1,12 +1,7 @@
-"""`auto`: per-unit grids, by dynamic programming on a chain of units and local search elsewhere.
+"""`auto`: per-unit grids, by dynamic programming over the units' rows.
 
-Each unit is offered the same few *families* of grids: `data`, `model`, `spatial`, the mixtures
-`batch2×model`, `channels4×spatial`, `batch4×spatial`, and the reduction splits (`reduction_split`)
-`row` (the first dim the unit's reducer sums over, the input channels: Megatron's row-parallel
-linear, or a filter split over its input channels), `row-spatial` (a linear layer's summed input
-rows and columns, matching a spatially split predecessor) and the mixture `batch4×row` (a family
-a unit cannot take falls back to its batch split); families giving a unit the same grid count
-once.
+Each unit is offered the same few *families* of grids (`families.py`: data, model, spatial,
+their mixtures and the reduction splits); families giving a unit the same grid count once.
 
 On a chain (`coupling.is_chain`; networks without branches lower to chains) a unit's table row (its tasks,
 their transfers and reductions, its parameters' updates) costs what it costs because of two grids
@@ -39,7 +34,7 @@ On other graphs (a residual block's add reading the block's input, a second head
 statistics) a unit's row depends on the grids of the units in `UnitPricer.deps` (its
 predecessor, the writers of what it reads, siblings that read the same tensor before it, the
 readers of its homes), and `UnitPricer.factor` prices it given those, exactly as the whole plan
-does. `_FrontierDP` then runs the same lazy DP over the *frontier*, the units some later row
+does. `frontier_dp.FrontierDP` then runs the same lazy DP over the *frontier*, the units some later row
 still depends on (on ResNet a block's input and the unit being chosen), so it is exact too. Only
 where the frontier would be too wide to tabulate (`FRONTIER_LIMIT`) does `auto` fall back to a
 bounded local search over whole plans: it starts from the best uniform family (the three
@@ -61,14 +56,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise, product
-from math import prod
 
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from partitioner import families
 from partitioner.accounting import fits
 from partitioner.cost import step_seconds, task_costs, unit_seconds
 from partitioner.coupling import is_chain
+from partitioner.frontier_dp import INF, FrontierDP
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache, chosen_pieces
 from partitioner.plan import build_plan, task_rows
@@ -77,73 +73,12 @@ from partitioner.strategy import (
     Grid,
     Strategy,
     Unit,
-    balanced,
-    builtin_grid,
-    cells,
     find_units,
 )
 from partitioner.transitions import NotAChain, RowCost, UnitPricer
 
-INF = float("inf")
 #: (unit index, predecessor's grid or None, the unit's grid)
 Transition = tuple
-FAMILIES = BUILTIN + (
-    "batch2×model",
-    "channels4×spatial",
-    "batch4×spatial",
-    "row",
-    "row-spatial",
-    "batch4×row",
-)
-#: the dims a unit's reducer sums over, in a mixture (see `reduction_split`)
-SUMMED = "summed"
-_MIXTURES = {
-    "batch2×model": ((0,), 2, (1,)),
-    "channels4×spatial": ((1,), 4, (2, 3)),
-    "batch4×spatial": ((0,), 4, (2, 3)),
-    "batch4×row": ((0,), 4, SUMMED),
-}
-
-
-def family_grid(unit: Unit, family: str, nranks: int) -> Grid:
-    if family in BUILTIN:
-        return builtin_grid(unit, family, nranks)
-    if family == "row":
-        return _row_grid(unit, nranks) or builtin_grid(unit, "data", nranks)
-    if family == "row-spatial":
-        return _row_spatial_grid(unit, nranks) or builtin_grid(unit, "data", nranks)
-    first, parts, rest = _MIXTURES[family]
-    if rest == SUMMED:
-        rest = tuple(d for d in unit.summed if d in unit.splittable)
-    usable = bool(rest) and all(d in unit.splittable for d in first + rest)
-    if not usable or nranks % parts or all(unit.extents[d] == 1 for d in rest):
-        return builtin_grid(unit, "data", nranks)
-    head = balanced(unit.extents, first, parts)
-    tail = _row_grid(unit, nranks // parts) if family.endswith("row") else None
-    tail = tail or balanced(unit.extents, rest, nranks // parts)
-    return tuple(max(a, b) for a, b in zip(head, tail))
-
-
-def _row_spatial_grid(unit: Unit, nranks: int) -> Grid | None:
-    """A reduction split over the input's rows and columns (a linear layer's summed H, W), as
-    square as their extents allow: it keeps a spatially split predecessor's output where it is
-    made, as `row` keeps a channel-split one's. None where the unit sums over no such dims."""
-    dims = tuple(d for d in unit.summed[1:] if d in unit.splittable)
-    if not dims or all(unit.extents[d] == 1 for d in dims):
-        return None
-    return balanced(unit.extents, dims, nranks)
-
-
-def _row_grid(unit: Unit, nranks: int) -> Grid | None:
-    """A reduction split of `unit` (Megatron's row-parallel linear, a filter split over its
-    input channels): over the first dim its reducer sums over (the input channels) where that
-    takes as many ranks as all of them would, else over all of them; None where it has none."""
-    dims = tuple(d for d in unit.summed if d in unit.splittable)
-    if not dims or all(unit.extents[d] == 1 for d in dims):
-        return None
-    alone = balanced(unit.extents, dims[:1], nranks)
-    every = balanced(unit.extents, dims, nranks)
-    return alone if cells(alone) >= cells(every) else every
 
 
 @dataclass
@@ -183,12 +118,15 @@ class _Pricer:
         self.cache = PieceCache(graph)
         self._found: dict[tuple[Grid, ...], Priced] = {}
 
-    def strategy(self, families: list[str]) -> Strategy:
-        grids = {u.name: family_grid(u, f, self.nranks) for u, f in zip(self.units, families)}
+    def strategy(self, chosen: list[str]) -> Strategy:
+        """The strategy giving each unit the grid of its family in `chosen`."""
+        grids = {
+            u.name: families.family_grid(u, f, self.nranks) for u, f in zip(self.units, chosen)
+        }
         return Strategy("auto", grids)
 
-    def price(self, families: list[str]) -> Priced:
-        strategy = self.strategy(families)
+    def price(self, chosen: list[str]) -> Priced:
+        strategy = self.strategy(chosen)
         key = tuple(strategy.unit_grids[u.name] for u in self.units)
         if key not in self._found:
             plan = build_plan(self.graph, strategy, self.nranks, cache=self.cache)
@@ -222,15 +160,15 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
         except NotAChain:
             pass
     pricer = _Pricer(graph, units, nranks, machine)
-    families, note = _local_search(pricer, deadline)
-    strategy = pricer.strategy(families)
-    final = pricer.price(families).unit_seconds
+    chosen, note = _local_search(pricer, deadline)
+    strategy = pricer.strategy(chosen)
+    final = pricer.price(chosen).unit_seconds
     data = pricer.price(["data"] * len(units)).unit_seconds
     choices = [
         Choice(
             u.name, f, strategy.unit_grids[u.name], final.get(u.name, 0.0), data.get(u.name, 0.0)
         )
-        for u, f in zip(units, families)
+        for u, f in zip(units, chosen)
     ]
     return SearchResult(strategy, choices, pricer.priced, note)
 
@@ -249,19 +187,6 @@ def _no_cycle_collection():
             gc.enable()
 
 
-def _grid_options(units: list[Unit], nranks: int):
-    """Each unit's grid under each family, and its distinct grids, each under the first family
-    (in FAMILIES order) giving it."""
-    grid_of = {(i, f): family_grid(u, f, nranks) for i, u in enumerate(units) for f in FAMILIES}
-    options: list[dict[Grid, str]] = []
-    for i in range(len(units)):
-        found: dict[Grid, str] = {}
-        for family in FAMILIES:
-            found.setdefault(grid_of[(i, family)], family)
-        options.append(found)
-    return grid_of, options
-
-
 def _path_cost(rows: list[RowCost], constant: np.ndarray, capacity: float) -> tuple[float, bool]:
     """The seconds of an assignment's rows, and whether its memory per rank fits (settled by
     the rows' memory bounds where they fit)."""
@@ -273,7 +198,7 @@ def _path_cost(rows: list[RowCost], constant: np.ndarray, capacity: float) -> tu
 
 def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     units, nranks = pricer.units, pricer.nranks
-    grid_of, options = _grid_options(units, nranks)
+    grid_of, options = families.grid_options(units, nranks)
     grids = [list(found) for found in options]
     total = len(grids[0]) + sum(len(a) * len(b) for a, b in pairwise(grids))
     table: dict[Transition, RowCost] = {}
@@ -370,14 +295,14 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
 
     uniform = [
         [grid_of[(i, f)] for i in range(len(units))]
-        for f in FAMILIES
+        for f in families.FAMILIES
         if all(k in table for k in keys([grid_of[(i, f)] for i in range(len(units))]))
     ]
     candidates = [path for path in [best_path(values(exact))] if path is not None]
     if not candidates or not cost(candidates[0])[1]:
         # the fastest assignment does not fit: price what is left, then trade seconds for
         # memory, row by row
-        for x, y in product(FAMILIES, FAMILIES):
+        for x, y in product(families.FAMILIES, families.FAMILIES):
             if time.monotonic() > deadline:
                 break
             family_pair(x, y)
@@ -411,88 +336,18 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     return SearchResult(strategy, choices, 0, note, len(table))
 
 
-#: the most assignments of a frontier (and the unit joining it) the DAG's DP tabulates; beyond
-#: it `auto` runs the local search
-FRONTIER_LIMIT = 1 << 18
-
-
-class _FrontierDP:
-    """The DP over units in program order when a row depends on units other than the one before
-    it (`UnitPricer.deps`: a residual block's add on the block's input). Unit i's row is a
-    factor over its *scope*, itself and the units it depends on, added to the table once the
-    last unit of its scope has joined. The table holds, for every assignment of grids to the
-    *frontier* (the units joined that a factor not yet added still names), the least sum of the
-    factors added so far; a unit leaves it, its grid minimised out, when no factor left names
-    it. On ResNet the frontier is a block's input and the unit being chosen: at most a few
-    hundred assignments."""
-
-    def __init__(self, scopes: list[tuple[int, ...]], sizes: list[int]) -> None:
-        self.scopes, self.sizes = scopes, sizes
-        added_at = [max(scope) for scope in scopes]
-        last = {}
-        for i, scope in enumerate(scopes):
-            for j in scope:
-                last[j] = max(last.get(j, j), added_at[i])
-        #: per unit joining: (the table's axes before, those kept, those minimised out, and the
-        #: factors added then with their axes' positions among the joined axes)
-        self.steps = []
-        axes: list[int] = []
-        for k in range(len(scopes)):
-            joined = axes + [k]
-            if prod(sizes[j] for j in joined) > FRONTIER_LIMIT:
-                raise NotAChain(f"unit {k}'s frontier {joined} is too wide to tabulate")
-            factors = [
-                (i, [joined.index(j) for j in scopes[i]])
-                for i in range(len(scopes))
-                if added_at[i] == k
-            ]
-            kept = [j for j in joined if last[j] > k]
-            dropped = [j for j in joined if last[j] <= k]
-            self.steps.append((axes, kept, dropped, factors))
-            axes = kept
-
-    def solve(self, factors: list[np.ndarray]) -> list[int] | None:
-        """Per unit the index of its grid minimising the sum of `factors` (each an array over
-        its scope's grids), or None where every assignment is infinite."""
-        value = np.zeros(())
-        backs = []
-        for k, (axes, kept, dropped, adding) in enumerate(self.steps):
-            joined = axes + [k]
-            total = value[..., None]
-            for i, where in adding:
-                # the factor's axes in the table's order, with the table's other axes added
-                shape = [1] * len(joined)
-                for axis, position in enumerate(where):
-                    shape[position] = factors[i].shape[axis]
-                total = total + factors[i].transpose(np.argsort(where)).reshape(shape)
-            total = np.broadcast_to(total, [self.sizes[j] for j in joined])
-            perm = [joined.index(j) for j in kept + dropped]
-            flat = total.transpose(perm).reshape([self.sizes[j] for j in kept] + [-1])
-            arg = flat.argmin(axis=-1)
-            value = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
-            backs.append((kept, dropped, arg))
-        if float(value) == INF:
-            return None
-        chosen: dict[int, int] = {}
-        for kept, dropped, arg in reversed(backs):
-            index = int(arg[tuple(chosen[j] for j in kept)])
-            for j, k in zip(dropped, np.unravel_index(index, [self.sizes[j] for j in dropped])):
-                chosen[j] = int(k)
-        return [chosen[i] for i in range(len(self.scopes))]
-
-
 def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     """`auto` on a graph that is not a chain: the lazy DP of `_chain_dp` over each row's
-    dependencies (`_FrontierDP`), its factors priced by `UnitPricer.factor`. A row's price
+    dependencies (`frontier_dp.FrontierDP`), its factors priced by `UnitPricer.factor`. A row's price
     leaves out the copies that readers of units it does not depend on leave a rank, so it may
     overstate a row's messages; the plan chosen is priced whole against the uniform families
     it was compared with."""
     units, nranks = pricer.units, pricer.nranks
-    grid_of, options = _grid_options(units, nranks)
+    grid_of, options = families.grid_options(units, nranks)
     grids = [list(found) for found in options]
     index = [{g: k for k, g in enumerate(found)} for found in grids]
     scopes = [tuple(sorted((*pricer.deps[i], i))) for i in range(len(units))]
-    dp = _FrontierDP(scopes, [len(found) for found in grids])
+    dp = FrontierDP(scopes, [len(found) for found in grids])
     constant = pricer.constant().memory
     capacity = pricer.machine.memory_bytes
     table: dict[tuple, RowCost] = {}
@@ -568,7 +423,7 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     solution = dp.solve(exact)
     if solution is not None:
         candidates.append(path_of(solution))
-    for family in FAMILIES:
+    for family in families.FAMILIES:
         uniform = [grid_of[(i, family)] for i in range(len(units))]
         if all(key_of(i, uniform) in table for i in range(len(units))):
             candidates.append(uniform)
@@ -599,7 +454,7 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
 def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
     n = len(pricer.units)
     pure = []
-    for index, family in enumerate(FAMILIES):
+    for index, family in enumerate(families.FAMILIES):
         if index >= len(BUILTIN) and time.monotonic() > deadline:
             break
         pure.append([family] * n)
@@ -611,17 +466,17 @@ def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
         changed = False
         seconds = best.unit_seconds
         for i in sorted(range(n), key=lambda i: -seconds.get(pricer.units[i].name, 0.0)):
-            grid = family_grid(pricer.units[i], current[i], pricer.nranks)
-            for family in FAMILIES:
+            grid = families.family_grid(pricer.units[i], current[i], pricer.nranks)
+            for family in families.FAMILIES:
                 if time.monotonic() > deadline:
                     return current, f"time limit: local search, {pricer.priced} plans priced"
-                if family_grid(pricer.units[i], family, pricer.nranks) == grid:
+                if families.family_grid(pricer.units[i], family, pricer.nranks) == grid:
                     continue
                 trial = current[:i] + [family] + current[i + 1 :]
                 cost = pricer.price(trial)
                 if _rank(cost) < _rank(best):
                     current, best, changed = trial, cost, True
-                    grid = family_grid(pricer.units[i], family, pricer.nranks)
+                    grid = families.family_grid(pricer.units[i], family, pricer.nranks)
         if not changed:
             return current, (
                 f"not a chain: local search converged after {passes} passes, "

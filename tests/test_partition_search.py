@@ -11,13 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_cases import networks, strategies, two_headed
 
-import partitioner.search as search_module
 from legion_nn.networks import load_network
+from partitioner import frontier_dp
 from partitioner.cost import plan_cost
 from partitioner.coupling import is_chain
+from partitioner.families import FAMILIES, family_grid
+from partitioner.frontier_dp import FrontierDP
 from partitioner.machine import Machine
 from partitioner.plan import build_plan, task_rows
-from partitioner.search import FAMILIES, _FrontierDP, auto, family_grid
+from partitioner.search import auto
 from partitioner.strategy import Strategy, builtin, find_units
 from partitioner.transitions import UnitPricer
 from partitioner.verify_plan import verify_plan
@@ -74,7 +76,7 @@ def test_dp_on_a_branching_network_prices_its_choice_exactly_and_beats_every_pur
 
 def test_local_search_on_a_branching_network_beats_every_pure_strategy(monkeypatch):
     """Where the DP's table would be too wide, `auto` searches over whole plans instead."""
-    monkeypatch.setattr(search_module, "FRONTIER_LIMIT", 1)
+    monkeypatch.setattr(frontier_dp, "FRONTIER_LIMIT", 1)
     graph = two_headed(batch=8)
     result = auto(graph, 8, MACHINE)
     assert result.note.startswith("not a chain: local search converged")
@@ -304,7 +306,7 @@ def test_the_frontier_dp_finds_the_least_sum_of_its_factors(data):
         return sum(f[tuple(assignment[j] for j in scope)] for f, scope in zip(factors, scopes))
 
     best = min(total(a) for a in product(*(range(k) for k in sizes)))
-    found = _FrontierDP(scopes, sizes).solve(factors)
+    found = FrontierDP(scopes, sizes).solve(factors)
     if best == float("inf"):
         assert found is None
     else:

@@ -21,7 +21,7 @@ from legion_nn.layers import Conv, Evaluate, FilterNL, Linear, Softmax
 from legion_nn.network import Network
 from legion_nn.networks import load_network
 from legion_nn.spec import load_spec
-from partitioner import search
+from partitioner import families, search
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
@@ -249,8 +249,8 @@ def test_auto_finds_column_then_row_on_megatrons_mlp_at_half_the_bytes_of_model_
 def test_auto_with_reduction_splits_is_never_worse_on_the_seed_network_at_64_ranks():
     graph = load_network("seed-lcn").lower(batch=256)
     data = plan_cost(graph, build_plan(graph, builtin(graph, "data", 64), 64), MACHINE)
-    old = [f for f in search.FAMILIES if "row" not in f]
-    with mock.patch.object(search, "FAMILIES", tuple(old)):
+    old = [f for f in families.FAMILIES if "row" not in f]
+    with mock.patch.object(families, "FAMILIES", tuple(old)):
         without = search.auto(graph, 64, MACHINE)
     with_rows = search.auto(graph, 64, MACHINE)
     before = plan_cost(graph, build_plan(graph, without.strategy, 64), MACHINE)

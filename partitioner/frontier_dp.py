@@ -1,0 +1,85 @@
+"""The DP over units in program order when a row depends on units other than the one before it.
+
+`search.py` prices each unit's row given the grids of the units it depends on
+(`transitions.UnitPricer.deps`); this module finds the assignment of grids minimising the sum of
+those rows, over arrays of their values, knowing nothing of grids or plans.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from partitioner.transitions import NotAChain
+
+INF = float("inf")
+
+#: the most assignments of a frontier (and the unit joining it) the DAG's DP tabulates; beyond
+#: it `auto` runs the local search
+FRONTIER_LIMIT = 1 << 18
+
+
+class FrontierDP:
+    """The DP over units in program order when a row depends on units other than the one before
+    it (`UnitPricer.deps`: a residual block's add on the block's input). Unit i's row is a
+    factor over its *scope*, itself and the units it depends on, added to the table once the
+    last unit of its scope has joined. The table holds, for every assignment of grids to the
+    *frontier* (the units joined that a factor not yet added still names), the least sum of the
+    factors added so far; a unit leaves it, its grid minimised out, when no factor left names
+    it. On ResNet the frontier is a block's input and the unit being chosen: at most a few
+    hundred assignments."""
+
+    def __init__(self, scopes: list[tuple[int, ...]], sizes: list[int]) -> None:
+        self.scopes, self.sizes = scopes, sizes
+        added_at = [max(scope) for scope in scopes]
+        last = {}
+        for i, scope in enumerate(scopes):
+            for j in scope:
+                last[j] = max(last.get(j, j), added_at[i])
+        #: per unit joining: (the table's axes before, those kept, those minimised out, and the
+        #: factors added then with their axes' positions among the joined axes)
+        self.steps = []
+        axes: list[int] = []
+        for k in range(len(scopes)):
+            joined = axes + [k]
+            if prod(sizes[j] for j in joined) > FRONTIER_LIMIT:
+                raise NotAChain(f"unit {k}'s frontier {joined} is too wide to tabulate")
+            factors = [
+                (i, [joined.index(j) for j in scopes[i]])
+                for i in range(len(scopes))
+                if added_at[i] == k
+            ]
+            kept = [j for j in joined if last[j] > k]
+            dropped = [j for j in joined if last[j] <= k]
+            self.steps.append((axes, kept, dropped, factors))
+            axes = kept
+
+    def solve(self, factors: list[np.ndarray]) -> list[int] | None:
+        """Per unit the index of its grid minimising the sum of `factors` (each an array over
+        its scope's grids), or None where every assignment is infinite."""
+        value = np.zeros(())
+        backs = []
+        for k, (axes, kept, dropped, adding) in enumerate(self.steps):
+            joined = axes + [k]
+            total = value[..., None]
+            for i, where in adding:
+                # the factor's axes in the table's order, with the table's other axes added
+                shape = [1] * len(joined)
+                for axis, position in enumerate(where):
+                    shape[position] = factors[i].shape[axis]
+                total = total + factors[i].transpose(np.argsort(where)).reshape(shape)
+            total = np.broadcast_to(total, [self.sizes[j] for j in joined])
+            perm = [joined.index(j) for j in kept + dropped]
+            flat = total.transpose(perm).reshape([self.sizes[j] for j in kept] + [-1])
+            arg = flat.argmin(axis=-1)
+            value = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+            backs.append((kept, dropped, arg))
+        if float(value) == INF:
+            return None
+        chosen: dict[int, int] = {}
+        for kept, dropped, arg in reversed(backs):
+            index = int(arg[tuple(chosen[j] for j in kept)])
+            for j, k in zip(dropped, np.unravel_index(index, [self.sizes[j] for j in dropped])):
+                chosen[j] = int(k)
+        return [chosen[i] for i in range(len(self.scopes))]
