@@ -236,7 +236,7 @@ class Trainer:
         if c.save_onnx:
             arrays = self.executor.resident()  # every rank takes part; rank 0 gets the arrays
             if self.executor.is_root:
-                from legion_nn.importers.onnx_model import save_onnx
+                from legion_nn.importers.onnx_export import save_onnx
 
                 save_onnx(c.network.source, arrays, c.save_onnx)
         self._write(

@@ -29,7 +29,7 @@ training starts from.
 The graph need not be a chain: each node's layer reads the groups that made its inputs
 (`Layer.inputs`), so ResNet's shortcuts and Inception's branches are kept as they are. Anything
 else (another op, a grouped or dilated Conv, an Add broadcasting a tensor, a second output) is
-refused in one line naming the node, its op type and what is supported. `save_onnx` writes the same model
+refused in one line naming the node, its op type and what is supported. `onnx_export.save_onnx` writes the same model
 back with trained values.
 """
 
@@ -113,12 +113,12 @@ def load_onnx(path: str | Path) -> Network:
             value = next((a for a in node.attribute if a.name == "value"), None)
             if value is not None:
                 constants[node.output[0]] = numpy_helper.to_array(value.t)
-    for alias, source in _aliases(model.graph).items():
+    for alias, source in initializer_aliases(model.graph).items():
         constants[alias] = constants[source]
     return _Reader(path, model, constants).read()
 
 
-def _aliases(graph) -> dict[str, str]:
+def initializer_aliases(graph) -> dict[str, str]:
     """Identity nodes of initializers (PyTorch's exporter writes one initializer for parameters
     that start equal, such as zero biases, and an Identity per use): each output's name, mapped
     to the initializer it passes on. Each is a parameter of its own, starting from that value."""
@@ -137,13 +137,13 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _attrs(node) -> dict:
+def node_attributes(node) -> dict:
     from onnx import helper
 
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _layer_name(node, index: int) -> str:
+def layer_name(node, index: int) -> str:
     """A layer (group) name from the node's: its characters legion-nn's names allow, and its
     position, so that names stay distinct."""
     name = re.sub(r"[^A-Za-z0-9_]+", "_", node.name).strip("_")
@@ -153,7 +153,7 @@ def _layer_name(node, index: int) -> str:
 class _Reader:
     def __init__(self, path: Path, model, constants: dict[str, np.ndarray]) -> None:
         self.path, self.model, self.constants = path, model, constants
-        self.aliases = _aliases(model.graph)
+        self.aliases = initializer_aliases(model.graph)
         self.layers: list[Layer] = []
         self.shape: tuple[int, int, int] = (1, 1, 1)  # the current layer's per-sample output
         #: per ONNX value, the group whose output it is and its per-sample shape
@@ -177,7 +177,7 @@ class _Reader:
             raise OnnxError(f"{self.path}: needs one data input, has {len(inputs)} ({names})")
         sample = self._sample_shape(inputs[0])
         self.values[inputs[0].name] = (INPUT, sample)
-        nodes = _data_nodes(graph, self.aliases)
+        nodes = layer_nodes(graph, self.aliases)
         ends_in_softmax = False
         skip = set()
         for index, node in enumerate(nodes):
@@ -254,7 +254,7 @@ class _Reader:
             raise self.fail(node, "reads one tensor twice; supported: distinct inputs")
         groups = [self.values[v][0] for v in data]
         shapes = [self.values[v][1] for v in data]
-        name = _layer_name(node, index)
+        name = layer_name(node, index)
         if node.op_type == "Add":
             if len(set(shapes)) != 1:
                 raise self.fail(
@@ -262,8 +262,10 @@ class _Reader:
                 )
             layer = Add(name, inputs=groups)
         else:
-            if _attrs(node).get("axis") != 1:
-                raise self.fail(node, f"axis {_attrs(node).get('axis')}; only axis 1 is supported")
+            if node_attributes(node).get("axis") != 1:
+                raise self.fail(
+                    node, f"axis {node_attributes(node).get('axis')}; only axis 1 is supported"
+                )
             layer = Concat(name, inputs=groups)
         self.shape = layer.out_shape(tuple(shapes))
         self.layers.append(layer)
@@ -294,7 +296,7 @@ class _Reader:
         self.initial[theirs] = value
 
     def _node(self, node, index: int, last: bool) -> None:
-        op, attrs, name = node.op_type, _attrs(node), _layer_name(node, index)
+        op, attrs, name = node.op_type, node_attributes(node), layer_name(node, index)
         if op == "Conv":
             self._conv(node, attrs, name)
         elif op == "Gemm":
@@ -408,7 +410,7 @@ class _Reader:
 
     def _linear(self, node, weights: np.ndarray, bias: str | None, index: int) -> None:
         """A linear layer of `weights` (M, K) over a flat input of K features."""
-        name = _layer_name(node, index)
+        name = layer_name(node, index)
         self.linear_count += 1
         out, features = weights.shape
         self._add(Linear(name, out=out, bias=bias is not None))
@@ -441,67 +443,14 @@ class _Reader:
         return tuple(per + [1] * (3 - len(per)))  # type: ignore[return-value]
 
 
-def _data_nodes(graph, aliases: dict[str, str]) -> list:
+def layer_nodes(graph, aliases: dict[str, str]) -> list:
     """The nodes that become layers, in order (a node's index among them names its layer): not
-    constants, nor the Identity nodes of initializers (`_aliases`)."""
+    constants, nor the Identity nodes of initializers (`initializer_aliases`)."""
     return [
         n
         for n in graph.node
         if n.op_type != "Constant" and not (n.op_type == "Identity" and n.output[0] in aliases)
     ]
-
-
-def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path) -> None:
-    """The model at `source` with its initializers (and BatchNormalization's running mean and
-    variance) replaced by `arrays`, legion-nn's logical values by tensor name (as training ends
-    with them), written to `out` atomically; it passes `onnx.checker`."""
-    import onnx
-    from onnx import numpy_helper
-
-    from legion_nn.atomic import atomic_write
-
-    model = onnx.load(str(source))
-    graph = model.graph
-    stored = {t.name: t for t in graph.initializer}
-    aliases = _aliases(graph)
-    values: dict[str, np.ndarray] = {}
-
-    def put(name: str, value: np.ndarray, transposed: bool = False) -> None:
-        dims = tuple(stored[aliases.get(name, name)].dims)
-        values[name] = value.reshape(dims[::-1]).T if transposed else value.reshape(dims)
-
-    for index, node in enumerate(_data_nodes(graph, aliases)):
-        inputs = [i for i in node.input if aliases.get(i, i) in stored and i in arrays]
-        if node.op_type == "Gemm" and not _attrs(node).get("transB", 0):
-            put(node.input[1], arrays[node.input[1]], transposed=True)
-            inputs = inputs[1:]
-        elif node.op_type == "MatMul":
-            put(node.input[1], arrays[node.input[1]], transposed=True)
-            inputs = []
-        elif node.op_type == "BatchNormalization":
-            running = arrays[f"{_layer_name(node, index)}.running"]
-            put(node.input[3], running[0])
-            put(node.input[4], running[1])
-        for name in inputs:
-            put(name, arrays[name])
-    for index, tensor in enumerate(graph.initializer):
-        if tensor.name in values:
-            dtype = numpy_helper.to_array(tensor).dtype
-            graph.initializer[index].CopyFrom(
-                numpy_helper.from_array(values[tensor.name].astype(dtype), tensor.name)
-            )
-    # parameters that started as one shared initializer (PyTorch's exporter merges equal ones)
-    # have trained apart: each becomes an initializer of its own, in place of its Identity
-    trained_apart = [name for name in values if name in aliases]
-    for name in trained_apart:
-        dtype = numpy_helper.to_array(stored[aliases[name]]).dtype
-        graph.initializer.append(numpy_helper.from_array(values[name].astype(dtype), name))
-    kept = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in trained_apart)]
-    del graph.node[:]
-    graph.node.extend(kept)
-    onnx.checker.check_model(model)
-    with atomic_write(out, "wb") as file:
-        file.write(model.SerializeToString())
 
 
 def _pads(pads) -> list[int]:
