@@ -1,5 +1,9 @@
 """The one exception type users see: its message is a single line naming the culprit."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 
 class LegionNNError(Exception):
     """Bad input or a broken invariant; the CLI prints `legion-nn: <message>` and exits non-zero."""
@@ -11,3 +15,12 @@ class ShapeError(LegionNNError):
 
 class VerifyError(LegionNNError):
     """A task graph breaks one of the invariants checked by `verify`."""
+
+
+def read_input(path: str | Path, binary: bool = False) -> str | bytes:
+    """The contents of an input file, or a one-line error naming it and why it cannot be read."""
+    path = Path(path)
+    try:
+        return path.read_bytes() if binary else path.read_text()
+    except OSError as exc:
+        raise LegionNNError(f"{path}: cannot read: {exc.strerror or exc}") from None

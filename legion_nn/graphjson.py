@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import legion_nn.ops  # noqa: F401  (a loaded graph's ops have their records for `verify`)
-from legion_nn.errors import LegionNNError, VerifyError
+from legion_nn.errors import LegionNNError, VerifyError, read_input
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task, Tensor
 from legion_nn.privilege import Privilege
@@ -169,10 +169,7 @@ def graph_from_json(data: Any, source: str = "<graph>") -> TaskGraph:
 
 def load_graph(path: str | Path) -> TaskGraph:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise LegionNNError(f"{path}: cannot read: {exc.strerror}") from None
+    text = read_input(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

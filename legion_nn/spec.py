@@ -12,7 +12,7 @@ from typing import Any
 
 import tomllib
 
-from legion_nn.errors import LegionNNError
+from legion_nn.errors import LegionNNError, read_input
 from legion_nn.layers.base import layer_from_spec
 from legion_nn.network import Network
 
@@ -67,9 +67,6 @@ def network_from_dict(data: dict[str, Any], source: str) -> Network:
 
 def load_spec(path: str | Path) -> Network:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise LegionNNError(f"{path}: cannot read: {exc.strerror}") from None
+    text = read_input(path)
     data = parse_text(text, str(path), toml=path.suffix.lower() == ".toml")
     return network_from_dict(data, str(path))

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from legion_nn.errors import LegionNNError, ShapeError
+from legion_nn.errors import LegionNNError, ShapeError, read_input
 from legion_nn.layers import (
     Add,
     AvgPool,
@@ -93,10 +93,7 @@ def load_onnx(path: str | Path) -> Network:
     from onnx import numpy_helper
 
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise OnnxError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    data = read_input(path, binary=True)
     try:
         model = onnx.load_model_from_string(data)
     except (DecodeError, ValueError, RuntimeWarning) as exc:
