@@ -184,13 +184,7 @@ class RowWindows:
                 continue
             if task.name in self.homed:
                 continue
-            if any(
-                r.tensor in touched
-                and r.privilege.writes
-                and r.privilege is not Privilege.REDUCE
-                and touched[r.tensor] > position
-                for r in task.requirements
-            ) or any(
+            if _lays_out_for(task, position, touched) or any(
                 r.privilege.reads and first_read.get(r.tensor, -1) > position
                 for r in task.requirements
             ):
@@ -227,12 +221,7 @@ class RowWindows:
                 continue
             if self.unit_of[task.name] in allowed:
                 window.append(task.name)
-            elif any(
-                r.privilege.writes
-                and r.privilege is not Privilege.REDUCE
-                and touched[r.tensor] > position
-                for r in mine
-            ):
+            elif _lays_out_for(task, position, touched):
                 raise NotAChain(f"task {task.name} writes what another unit's row reads")
         return window
 
@@ -254,3 +243,15 @@ class RowWindows:
                 self.write_terms[self.unit_of[writer]].append((name, writer))
             if name in self.home_source:
                 self.home_terms[self._home_units(self.home_source[name])].append(name)
+
+
+def _lays_out_for(task, position: int, touched: dict[str, int]) -> bool:
+    """Whether `task`, at `position` in program order, writes a tensor a row later reads or
+    reduces into (`touched`: each tensor with the row's last access): it sets that layout."""
+    return any(
+        r.tensor in touched
+        and r.privilege.writes
+        and r.privilege is not Privilege.REDUCE
+        and touched[r.tensor] > position
+        for r in task.requirements
+    )

@@ -187,6 +187,16 @@ def _no_cycle_collection():
             gc.enable()
 
 
+def _dp_result(
+    pricer: UnitPricer, chosen: list[Grid], choices: list[Choice], note: str, priced: int
+) -> SearchResult:
+    """A DP's result: the strategy of the grids `chosen`, carrying their pieces."""
+    strategy = Strategy("auto", {u.name: q for u, q in zip(pricer.units, chosen)})
+    pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
+    object.__setattr__(strategy, "pieces", pieces)
+    return SearchResult(strategy, choices, 0, note, priced)
+
+
 def _path_cost(rows: list[RowCost], constant: np.ndarray, capacity: float) -> tuple[float, bool]:
     """The seconds of an assignment's rows, and whether its memory per rank fits (settled by
     the rows' memory bounds where they fit)."""
@@ -330,18 +340,13 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         data_p = grid_of[(i - 1, "data")] if i else None
         data = table[(i, data_p, grid_of[(i, "data")])]
         choices.append(Choice(unit.name, options[i][q], q, table[(i, p, q)].seconds, data.seconds))
-    strategy = Strategy("auto", {u.name: q for u, q in zip(units, chosen)})
-    pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
-    object.__setattr__(strategy, "pieces", pieces)
-    return SearchResult(strategy, choices, 0, note, len(table))
+    return _dp_result(pricer, chosen, choices, note, len(table))
 
 
 def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     """`auto` on a graph that is not a chain: the lazy DP of `_chain_dp` over each row's
-    dependencies (`frontier_dp.FrontierDP`), its factors priced by `UnitPricer.factor`. A row's price
-    leaves out the copies that readers of units it does not depend on leave a rank, so it may
-    overstate a row's messages; the plan chosen is priced whole against the uniform families
-    it was compared with."""
+    dependencies (`frontier_dp.FrontierDP`), each row priced by `UnitPricer.factor` given the
+    grids of the units it depends on, as the whole plan prices it."""
     units, nranks = pricer.units, pricer.nranks
     grid_of, options = families.grid_options(units, nranks)
     grids = [list(found) for found in options]
@@ -351,7 +356,6 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     constant = pricer.constant().memory
     capacity = pricer.machine.memory_bytes
     table: dict[tuple, RowCost] = {}
-    fits: dict[tuple, bool] = {}
     priced = [np.zeros([len(grids[j]) for j in scope], bool) for scope in scopes]
     lower = [
         np.broadcast_to(
@@ -368,16 +372,15 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         return (i, tuple(path[j] for j in scopes[i]))
 
     def cell(key: tuple) -> tuple[int, ...]:
-        _i, assignment = key
-        return tuple(index[j][g] for j, g in zip(scopes[key[0]], assignment))
+        i, assignment = key
+        return tuple(index[j][g] for j, g in zip(scopes[i], assignment))
 
     def price(key: tuple) -> None:
         if key in table:
             return
         i, assignment = key
         table[key] = found = pricer.factor(i, dict(zip(scopes[i], assignment)))
-        fits[key] = found.fits(constant, capacity)
-        lower[i][cell(key)] = found.seconds if fits[key] else INF
+        lower[i][cell(key)] = found.seconds if found.fits(constant, capacity) else INF
         priced[i][cell(key)] = True
 
     def refine(i: int, q: Grid) -> None:
@@ -396,7 +399,6 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         for i in range(len(units)):
             price(key_of(i, uniform))
     proven = False
-    path: list[Grid] | None = None
     while time.monotonic() <= deadline:
         solution = dp.solve(lower)
         path = None if solution is None else path_of(solution)
@@ -445,10 +447,7 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         )
         for i, (unit, q) in enumerate(zip(units, chosen))
     ]
-    strategy = Strategy("auto", {u.name: q for u, q in zip(units, chosen)})
-    pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
-    object.__setattr__(strategy, "pieces", pieces)
-    return SearchResult(strategy, choices, 0, note, len(table))
+    return _dp_result(pricer, chosen, choices, note, len(table))
 
 
 def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
