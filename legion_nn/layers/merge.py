@@ -124,8 +124,9 @@ class MergeLayer(Layer):
         raise NotImplementedError
 
     def lower(self, ctx, x: tuple[str, ...], shape: tuple[Shape, ...]) -> str:
-        if len(set(x)) != len(x):
-            raise ShapeError(f"{self.label}: reads {x[0]} twice; inputs must be distinct")
+        twice = [t for i, t in enumerate(x) if t in x[:i]]
+        if twice:
+            raise ShapeError(f"{self.label}: reads {twice[0]} twice; inputs must be distinct")
         op = self.OP_NAME or self.KIND
         dims = (ctx.batch,) + tuple(self.out_shape(shape))
         y = ctx.tensor(f"{self.stem}.output", dims, "activation")
