@@ -25,6 +25,11 @@ Two optional keys price what FLOPs do not (`legion-nn bench scaling` measures bo
 - `"task_overhead_us"`: a runtime's fixed cost per task and rank (dispatch, views, bookkeeping),
   added to every task. Default 0.
 
+`"process_baseline_mib"` is what a rank's process holds before its buffers (the interpreter,
+NumPy, Numba's compiled kernels, MPI), which the memory prediction adds to the buffers
+(`runtime.step_memory`). `bench machine` measures it; the default, `DEFAULT_BASELINE_MIB`, is what
+a rank of `train` measured on the development machine.
+
 The default machine is the one above: 100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs
 latency, 16 GiB per rank, memory traffic not priced and no per-task overhead.
 
@@ -53,7 +58,9 @@ from pathlib import Path
 from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
-OPTIONAL_KEYS = ("memory_gbytes_per_s", "task_overhead_us")
+OPTIONAL_KEYS = ("memory_gbytes_per_s", "task_overhead_us", "process_baseline_mib")
+#: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
+DEFAULT_BASELINE_MIB = 200.0
 #: measured by `bench machine`, priced by the cost model and the step simulator
 MEASURED_KEYS = ("ranks_per_host", "intra_host", "pieces", "compute_factor", "loop_us")
 #: measured by `bench machine` and kept for the record
@@ -72,6 +79,7 @@ class Machine:
     #: None: memory traffic is not priced
     memory_gbytes_per_s: float | None = None
     task_overhead_us: float = 0.0
+    process_baseline_mib: float = DEFAULT_BASELINE_MIB
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -107,6 +115,10 @@ class Machine:
         return self.task_overhead_us * 1e-6
 
     @property
+    def process_baseline_bytes(self) -> int:
+        return int(self.process_baseline_mib * 2**20)
+
+    @property
     def memory_bytes(self) -> float:
         return self.rank_memory_gib * 2**30
 
@@ -138,6 +150,8 @@ class Machine:
             out["memory_gbytes_per_s"] = self.memory_gbytes_per_s
         if self.task_overhead_us:
             out["task_overhead_us"] = self.task_overhead_us
+        if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
+            out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:
             out["op_gflops"] = dict(self.op_gflops)
         if self.ranks_per_host is not None:
@@ -185,6 +199,11 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
             _positive(data, "memory_gbytes_per_s", where) if "memory_gbytes_per_s" in data else None
         ),
         task_overhead_us=float(overhead),
+        process_baseline_mib=(
+            _positive(data, "process_baseline_mib", where)
+            if "process_baseline_mib" in data
+            else DEFAULT_BASELINE_MIB
+        ),
         **_measured(data, where),
         record={key: data[key] for key in RECORD_KEYS if key in data},
     )

@@ -39,13 +39,13 @@ from partitioner.strategy import Strategy, builtin
 from partitioner.verify_plan import verify_plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy, aligned_zeros
-from runtime.buffer_pool import BufferPool
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.instances import Layout, choose_layouts
 from runtime.kernels.blas import kernel_threading
 from runtime.process_memory import peak_rss_bytes
 from runtime.rank_program import RankProgram, build_programs
 from runtime.rank_step import StepRun, fault_from_env
+from runtime.step_buffers import Arena, StepBuffers, step_buffers
 from runtime.tracing import Recorder
 from runtime.transport import (
     GroupAborted,
@@ -72,6 +72,8 @@ class _Prepared:
     plan: Plan
     step: RankProgram
     inference: RankProgram
+    #: where each program's step buffers live in the arena
+    buffers: dict[int, StepBuffers]
 
 
 class RankExecutor:
@@ -85,10 +87,14 @@ class RankExecutor:
         recorder: Recorder | None = None,
         on_task: Callable[[int, str], None] | None = None,
         verify_plans: bool = False,
+        keep_step_tensors: bool = False,
     ) -> None:
         self.transport = transport
         #: check every plan with `verify_plan` before running it (`train --verify`)
         self.verify_plans = verify_plans
+        #: keep every step tensor until the step ends, unshared, to read them after it (tests
+        #: and debugging); otherwise each lives from its first use to its last
+        self.keep_step_tensors = keep_step_tensors
         self.rank, self.nranks = transport.rank, transport.size
         self.strategy_spec = strategy
         self.machine = machine or Machine()
@@ -111,7 +117,8 @@ class RankExecutor:
         self.last_bytes_sent = 0
         #: programs run so far: every rank runs the same sequence, so (run, seq) names a message
         self.runs = 0
-        self.buffers = BufferPool()
+        #: the step buffers of every program (`runtime.step_buffers`)
+        self.arena = Arena()
         self._buffer_peak = 0
 
     @property
@@ -157,22 +164,29 @@ class RankExecutor:
             inference = {task.name for task in inference_tasks(graph)}
             step = build_programs(graph, plan, self.machine, [self.rank])[self.rank]
             infer = build_programs(graph, plan, self.machine, [self.rank], inference)[self.rank]
-            prepared = self._prepared[key] = _Prepared(graph, plan, step, infer)
+            layouts = choose_layouts(graph)
+            keep = self.keep_step_tensors
+            placed = {id(p): step_buffers(graph, p, layouts, keep) for p in (step, infer)}
+            prepared = self._prepared[key] = _Prepared(graph, plan, step, infer, placed)
+            self.arena.reserve(max(b.size for b in placed.values()))
         self._allocate(graph, prepared.step)
+        self._bind(graph, prepared.step, prepared.buffers[id(prepared.step)])
         return prepared
 
     def _allocate(self, graph: TaskGraph, program: RankProgram) -> None:
+        """The resident tensors' buffers: kept across steps (every other tensor lives in the
+        arena, bound to a program's buffers when it runs)."""
         self._known.update(graph.tensors)
         layouts = choose_layouts(graph)
         for name in sorted(graph.tensors):
             tensor = graph.tensors[name]
+            self.layouts.setdefault(name, layouts[name])
             box = program.boxes.get(name)
-            if box is None:
-                if tensor.kind not in ("param", "state"):
-                    self.arrays.pop(name, None)
-                    self.boxes.pop(name, None)
+            if not tensor.resident or box is None:
+                if tensor.kind == "data":
+                    self._drop(name)
                 continue
-            layout = self.layouts.setdefault(name, layouts[name])
+            layout = self.layouts[name]
             if name in self.arrays and self.boxes[name] == box:
                 continue
             if tensor.kind in ("param", "state"):
@@ -184,6 +198,25 @@ class RankExecutor:
             else:
                 shape = layout.shape(box.shape)
                 self.arrays[name] = aligned_zeros(shape, NUMPY_DTYPES[tensor.dtype])
+            self.boxes[name] = box
+            self._tensors[name] = tensor
+
+    def _drop(self, name: str) -> None:
+        self.arrays.pop(name, None)
+        self.boxes.pop(name, None)
+
+    def _bind(self, graph: TaskGraph, program: RankProgram, buffers: StepBuffers) -> None:
+        """Point every step tensor of `program` at its place in the arena."""
+        for name, tensor in graph.tensors.items():
+            if tensor.resident:
+                continue
+            box = program.boxes.get(name)
+            if ("tensor", name) not in buffers.slots:
+                self._drop(name)
+                continue
+            shape = self.layouts[name].shape(box.shape)
+            dtype = NUMPY_DTYPES[tensor.dtype]
+            self.arrays[name] = self.arena.view(buffers, ("tensor", name), shape, dtype)
             self.boxes[name] = box
             self._tensors[name] = tensor
 
@@ -200,17 +233,19 @@ class RankExecutor:
 
     def run(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
         prepared = self.prepare(graph)
-        self._execute(graph, prepared.step, ctx)
+        self._execute(prepared, prepared.step, ctx)
         return ctx
 
     def run_inference(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
         prepared = self.prepare(graph)
-        self._execute(graph, prepared.inference, ctx)
+        self._execute(prepared, prepared.inference, ctx)
         return ctx
 
-    def _execute(self, graph: TaskGraph, program: RankProgram, ctx: StepContext) -> None:
+    def _execute(self, prepared: _Prepared, program: RankProgram, ctx: StepContext) -> None:
         self.runs += 1
-        run = StepRun(self, graph, program, ctx, self.runs)
+        graph, buffers = prepared.graph, prepared.buffers[id(program)]
+        self._bind(graph, program, buffers)
+        run = StepRun(self, graph, program, buffers, ctx, self.runs)
         sent_before = self.transport.bytes_sent
         run.post(program.post_at_start)
         with kernel_threading():  # once per step, not once per kernel
@@ -252,10 +287,10 @@ class RankExecutor:
 
     def step_extras(self) -> dict[str, Any]:
         """Bytes sent and planned in the last step; the most the runtime's buffers have held
-        (its tensors' arrays on this rank and its scratch pool: everything is allocated before
-        it is first used and kept, so the peak is what is held after the step); the process's
-        peak resident set."""
-        held = sum(a.nbytes for a in self.arrays.values()) + self.buffers.nbytes
+        (the resident tensors' arrays on this rank and the arena of its step buffers: both are
+        allocated before their first use and kept, so the peak is what is held after the step);
+        the process's peak resident set."""
+        held = self.resident_bytes() + self.arena.nbytes
         self._buffer_peak = max(self._buffer_peak, held)
         return {
             "bytes_sent": self.last_bytes_sent,
@@ -263,6 +298,10 @@ class RankExecutor:
             "buffer_peak_bytes": self._buffer_peak,
             "rss_peak_bytes": peak_rss_bytes(),
         }
+
+    def resident_bytes(self) -> int:
+        """Bytes of the resident tensors' buffers on this rank."""
+        return sum(a.nbytes for n, a in self.arrays.items() if self._tensors[n].resident)
 
     def resident(self) -> dict[str, np.ndarray] | None:
         """Parameters and state, whole and logical, on rank 0 (None elsewhere).

@@ -108,6 +108,10 @@ class RankTask:
     #: the rects this rank holds of outputs whose partial sums the task adds up (a grid cutting
     #: a reduction dim, `partitioner.reduction_split`): zeroed before its pieces run
     zero_first: list[tuple[str, Rect]] = field(default_factory=list)
+    #: how many of the collectives this rank started (in start order) must be complete before
+    #: the task runs, and before the copies due after it are posted (`RankProgram.completion`)
+    complete_before: int = 0
+    complete_after: int = 0
 
     @cached_property
     def tensors(self) -> frozenset[str]:
@@ -133,6 +137,21 @@ class RankProgram:
     bytes_planned: int
     #: every message of the step, for diagnostics (who waits for whom)
     messages: int
+
+    @cached_property
+    def collectives(self) -> list[tuple[int, Collective]]:
+        """(position of the task that starts it, collective), in the order they start."""
+        return [(rt.index, c) for rt in self.tasks for c in rt.collectives]
+
+    def completion(self, ordinal: int) -> int:
+        """The position of the task at which the collective started `ordinal`-th is complete at
+        the latest: the first that touches its tensor or a later collective's, or the step's last
+        task (the step completes what is left at its end)."""
+        start = self.collectives[ordinal][0]
+        for rt in self.tasks[start:]:
+            if rt.complete_after > ordinal or (rt.index > start and rt.complete_before > ordinal):
+                return rt.index
+        return len(self.tasks) - 1
 
 
 def build_programs(
@@ -368,7 +387,24 @@ class _Builder:
             and target.covered_by(self.zeroed.get(tensor, []))
         )
 
+    def _completion_points(self) -> None:
+        """Set each task's `complete_before` and `complete_after`. Collectives complete in the
+        order they started, each before the first task that touches its tensor and before a copy
+        of its tensor is sent (the copy carries the sum): the rule every rank follows, so that
+        no rank blocks in a collective another rank has not reached. Fixed here, the same on
+        every run, so that the buffers a collective holds have a known last use."""
+        order: list[str] = []
+        done = 0
+        for rt in self.tasks:
+            touched = [o for o, tensor in enumerate(order) if tensor in rt.tensors]
+            done = rt.complete_before = max(done, max(touched, default=-1) + 1)
+            order += [c.reduction.tensor for c in rt.collectives]
+            sending = {m.tensor for m in rt.post if m.src == self.rank}
+            touched = [o for o, tensor in enumerate(order) if tensor in sending]
+            done = rt.complete_after = max(done, max(touched, default=-1) + 1)
+
     def program(self, messages: int) -> RankProgram:
+        self._completion_points()
         boxes = {}
         for tensor, rects in self.touched.items():
             rects = [r for r in rects if not r.is_empty()]

@@ -28,12 +28,13 @@ from legion_nn.rect import Rect
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
+from runtime.step_buffers import in_place, scratch_rects
 from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 
 if TYPE_CHECKING:
-    from runtime.buffer_pool import BufferPool
     from runtime.instances import Layout
+    from runtime.step_buffers import Arena, StepBuffers
     from runtime.tracing import Recorder
     from runtime.transport import Transport
 
@@ -46,7 +47,7 @@ class StepHost(Protocol):
     rank: int
     transport: Transport
     recorder: Recorder | None
-    buffers: BufferPool
+    arena: Arena
     layouts: dict[str, Layout]
     stall_timeout: float
     fault: tuple[str, int, str] | None
@@ -80,17 +81,18 @@ class StepRun:
         executor: StepHost,
         graph: TaskGraph,
         program: RankProgram,
+        buffers: StepBuffers,
         ctx: StepContext,
         run_index: int,
     ) -> None:
         self.ex = executor
+        #: where in the arena each of the step's buffers lives (`runtime.step_buffers`)
+        self.buffers = buffers
         self.run_index = run_index
         #: what trace events call the step: its number, or "eval" for an evaluation pass
         self.step_label: int | str = ctx.step if ctx.training else "eval"
         self.graph = graph
         self.program = program
-        #: the programs (training, inference) keep separate buffers
-        self.program_key = id(program)
         self.ctx = ctx
         self.rank = executor.rank
         self.transport = executor.transport
@@ -101,6 +103,8 @@ class StepRun:
         self.sends: list[tuple[Any, int, np.ndarray, Message | None, float]] = []
         #: collectives started and not yet complete, in the order they started
         self.collectives: list[_RunningCollective] = []
+        #: how many collectives have completed
+        self.completed = 0
 
     def _dtype(self, tensor: str):
         return NUMPY_DTYPES[self.graph.tensors[tensor].dtype]
@@ -112,28 +116,28 @@ class StepRun:
         if self.recorder is not None:
             self.recorder.add(cat, name, tid, start, self.recorder.now(), args)
 
-    def _buffer(self, kind: str, seq: int, shape, dtype, zero: bool = False) -> np.ndarray:
-        """This step's buffer for message or collective `seq`: the same memory every step."""
-        return self.ex.buffers.get((self.program_key, kind, seq), shape, dtype, zero)
+    def _buffer(self, key: tuple, shape, dtype, zero: bool = False) -> np.ndarray:
+        """The step's buffer `key` (`runtime.step_buffers`): the same memory every step."""
+        array = self.ex.arena.view(self.buffers, key, shape, dtype)
+        if zero:
+            array.fill(0)
+        return array
 
     def _now(self) -> float:
         return self.recorder.now() if self.recorder is not None else 0.0
 
     def post(self, messages: list[Message]) -> None:
-        sending = {m.tensor for m in messages if m.src == self.rank}
-        if sending:  # a copy of a tensor being reduced carries the sum, not this rank's part
-            self._complete_collectives(sending)
         for m in messages:
             tag = self.transport.data_tag(m.seq)
             if m.src == self.rank:
                 view = self.ex.view(m.tensor, m.rect)
-                data = self._buffer("send", m.seq, view.shape, view.dtype)
+                data = self._buffer(("send", m.seq), view.shape, view.dtype)
                 data[...] = view
                 request = self.transport.isend(data, m.dst, tag)
                 self.sends.append((request, m.dst, data, m, self._now()))
             if m.dst == self.rank:
                 shape = self._shape(m.tensor, m.rect)
-                buffer = self._buffer("recv", m.seq, shape, self._dtype(m.tensor))
+                buffer = self._buffer(("recv", m.seq), shape, self._dtype(m.tensor))
                 request = self.transport.irecv(buffer, m.src, tag)
                 self.inbox[m.seq] = (request, buffer, m, self._now())
 
@@ -175,7 +179,7 @@ class StepRun:
 
     def task(self, rt: RankTask) -> None:
         task = rt.task
-        self._complete_collectives(rt)
+        self._complete_through(rt.complete_before)
         self.post(rt.partial_in)
         self._wait_messages(rt.copies_in, task, "halo and copies")
         for m in rt.copies_in:
@@ -184,6 +188,17 @@ class StepRun:
         for tensor, rect in rt.zero_first:
             self.ex.view(tensor, rect)[...] = 0
         scratch: dict[str, tuple[Rect, np.ndarray]] = {}
+        boxes, layouts = self.program.boxes, self.ex.layouts
+        for tensor, rect in scratch_rects(rt, boxes, layouts).items():
+            shape = layouts[tensor].shape(rect.shape)
+            array = self._buffer(("scratch", rt.index, tensor), shape, self._dtype(tensor), True)
+            scratch[tensor] = (rect, array)
+        for tensor in rt.in_place:
+            if in_place(rt, tensor, boxes, layouts):
+                (target, _), *_ = (
+                    c.targets[0] for c in rt.collectives if c.reduction.tensor == tensor
+                )
+                scratch[tensor] = (target, self.ex.view(tensor, target))
         start = self._now()
         with self.transport.computing():
             for piece in rt.pieces:
@@ -199,7 +214,7 @@ class StepRun:
         for m in rt.partial_out:
             rect, contribution = scratch[m.tensor]
             part = self._part(m.tensor, contribution, rect, m.rect)
-            data = self._buffer("send", m.seq, part.shape, part.dtype)
+            data = self._buffer(("send", m.seq), part.shape, part.dtype)
             data[...] = part
             request = self.transport.isend(data, m.dst, self.transport.data_tag(m.seq))
             self.sends.append((request, m.dst, data, m, self._now()))
@@ -213,8 +228,23 @@ class StepRun:
             self.ex.view(m.tensor, m.rect)[...] += buffer
         for collective in rt.collectives:
             self._collective(rt, collective, scratch)
+        self._complete_through(rt.complete_after)  # a copy of a sum carries the whole sum
         self.post(rt.post)
+        self._wait_sends(rt)
         self._progress()
+
+    def _wait_sends(self, rt: RankTask) -> None:
+        """Wait for the sends whose consumer is `rt` (or earlier): their buffers' lifetimes end
+        here (`runtime.step_buffers`), and by now their receivers have posted them."""
+        due = [(request, peer) for request, peer, _, m, _ in self.sends if m and m.task <= rt.index]
+        if due:
+            wait(
+                due,
+                f"step {self.ctx.step}, task {rt.task.name} (sends still in flight)",
+                self.rank,
+                self.ex.stall_timeout,
+                self._advance_collectives if self.collectives else None,
+            )
 
     def _part(self, tensor: str, array: np.ndarray, rect: Rect, part: Rect) -> np.ndarray:
         return array[self.ex.layouts[tensor].slices(part.relative_to(rect))]
@@ -228,29 +258,8 @@ class StepRun:
             raise InjectedFault(f"fault injected by LEGION_NN_FAULT into {task.name}")
         views = {}
         for req in piece.requirements:
-            in_place = None
-            if req.tensor in rt.in_place:
-                in_place = self.ex.view(req.tensor, req.write_rect)
-                if not in_place.flags.c_contiguous:  # a collective needs one flat vector
-                    in_place = None
-            if in_place is not None:
-                scratch[req.tensor] = (req.write_rect, in_place)
-                views[req.role] = in_place
-            elif req.privilege is Privilege.REDUCE and (
-                req.tensor in rt.local_parts
-                or any(c.reduction.tensor == req.tensor for c in rt.collectives)
-            ):
-                rect = req.write_rect
-                if req.tensor in scratch:
-                    raise AssertionError(f"{task.name}: two pieces reduce {req.tensor} here")
-                array = self.ex.buffers.get(
-                    (self.program_key, "scratch", req.tensor, rect),
-                    self._shape(req.tensor, rect),
-                    self._dtype(req.tensor),
-                    zero=True,
-                )
-                scratch[req.tensor] = (rect, array)
-                views[req.role] = array
+            if req.tensor in scratch and req.privilege is Privilege.REDUCE:
+                views[req.role] = scratch[req.tensor][1]
             elif req.rect is None:
                 views[req.role] = np.zeros((0,) * len(self.graph.tensors[req.tensor].dims))
             else:
@@ -268,7 +277,7 @@ class StepRun:
             vector = mine[1].reshape(-1)
         else:
             vector = self._buffer(
-                "vector", collective.seq, (sum(sizes),), self._dtype(tensor), zero=True
+                ("vector", collective.seq), (sum(sizes),), self._dtype(tensor), zero=True
             )
             offset = 0
             for (rect, _), size in zip(collective.targets, sizes):
@@ -280,23 +289,14 @@ class StepRun:
         running.post_round()
         self.collectives.append(running)
 
-    def _complete_collectives(self, touching: RankTask | set[str] | None) -> None:
-        """Finish the collectives in flight up to the last one whose tensor `touching` (a task,
-        or tensor names) touches (all when None), in the order they started.
-
-        Every rank starts the collectives in the same order and completes them in that order
-        too, so the oldest collective anyone is blocked in never waits on a rank blocked in a
-        younger one: a rank blocks in a collective only once every older one is done."""
-        if not self.collectives:
-            return
-        touched = touching.tensors if isinstance(touching, RankTask) else touching
-        last = max(
-            (i for i, c in enumerate(self.collectives) if touched is None or c.tensor in touched),
-            default=-1,
-        )
-        for running in self.collectives[: last + 1]:
-            running.complete()
-        del self.collectives[: last + 1]
+    def _complete_through(self, count: int) -> None:
+        """Complete the oldest collectives in flight until `count` have completed since the step
+        began (the program's completion points, `RankProgram.completion`), in the order they
+        started: every rank does the same, so the oldest collective anyone is blocked in never
+        waits on a rank blocked in a younger one."""
+        while self.completed < count:
+            self.collectives.pop(0).complete()
+            self.completed += 1
 
     def _advance_collectives(self, skip: _RunningCollective | None = None) -> None:
         for running in self.collectives:
@@ -323,7 +323,7 @@ class StepRun:
         self.sends = still
 
     def finish(self) -> None:
-        self._complete_collectives(None)
+        self._complete_through(self.completed + len(self.collectives))
         if self.inbox:
             seqs = sorted(self.inbox)
             raise AssertionError(f"rank {self.rank}: messages {seqs[:5]} were never consumed")
@@ -382,7 +382,7 @@ class _RunningCollective:
             if hop.dst == run.rank:
                 if hop.add:  # one buffer per add of a round serves every round
                     key = ("hop", self.collective.seq, len(self.adds))
-                    buffer = run.ex.buffers.get(key, (hop.hi - hop.lo,), vector.dtype)
+                    buffer = run._buffer(key, (hop.hi - hop.lo,), vector.dtype)
                     self.adds.append((hop, buffer))
                 else:
                     buffer = vector[hop.lo : hop.hi]

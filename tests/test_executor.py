@@ -217,7 +217,7 @@ def test_average_pooling_has_correct_gradients():
 def test_pieces_compute_what_the_whole_computes(net):
     graph = net.lower(batch=4, dtype="float64", optimizer="momentum")
     x, y = batch_for(net, 4)
-    whole, pieces = one_process(3), one_process(3)
+    whole, pieces = (one_process(3, keep_step_tensors=True) for _ in range(2))
     for step in range(2):
         whole.run(graph, StepContext(step, inputs=x, labels=y))
         run_in_pieces(graph, pieces, StepContext(step, inputs=x, labels=y))

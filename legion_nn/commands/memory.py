@@ -1,8 +1,15 @@
-"""`legion-nn memory DUMP|NETWORK [--ranks R] [--batch B] [--json F] [--plot F]`: peak memory.
+"""`legion-nn memory SOURCE [--ranks R] [--strategy S] [--batch B] [--json F] [--plot F]`.
 
-SOURCE is a Chainer graph dump when it names an existing file that is not a spec file (.json,
-.toml); otherwise a built-in network or a spec file, lowered at `--batch` (default 256). The
-analysis and its rules are `legion_nn.memory`'s. Every output is checked before any is written,
+Without `--strategy`: the peak memory of one step of a Chainer graph dump or a network, per
+data-parallel rank, by the framework-neutral schedule analysis of `legion_nn.memory`. SOURCE is a
+dump when it names an existing file that is not a spec file (.json, .toml); otherwise a built-in
+network or a spec file, lowered at `--batch` (default 256).
+
+With `--strategy` (data, model, spatial, auto or a grids file): what legion-nn's runtime holds on
+each rank when it runs that plan (`runtime.step_memory`): each rank's peak, its parts (parameters,
+optimizer state, data, the activations, gradients, messages and scratch live at the peak, the
+arena's unused space, the process baseline) and, with `--plot`, the bytes held over the step.
+SOURCE is then anything `legion_nn.sources` reads. Every output is checked before any is written,
 and written atomically.
 """
 
@@ -38,6 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B",
         help="the global batch: overrides a dump's (the size of its label input `1`); "
         f"a network's defaults to {NETWORK_BATCH}",
+    )
+    parser.add_argument(
+        "--strategy",
+        metavar="S",
+        help="predict legion-nn's runtime on this plan: data, model, spatial, auto or a grids "
+        "JSON file (see `partition`)",
+    )
+    parser.add_argument(
+        "--machine", metavar="F", help="machine JSON, for auto and the process baseline"
     )
     parser.add_argument("--json", metavar="F", help="write the result as JSON to F")
     parser.add_argument(
@@ -81,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot(args.plot)
 
+    if args.strategy is not None:
+        return _run_plan(args)
+    if args.machine is not None:
+        raise LegionNNError("--machine needs --strategy")
     report = _schedule(args).analyze(args.ranks)
     result = report.to_json()
     outputs: list[tuple[str, bytes]] = []
@@ -106,3 +126,87 @@ def run(args: argparse.Namespace) -> int:
         f"({result['peak_phase']}, function {result['peak_index'] + 1} of {total})\n"
     )
     return 0
+
+
+def _note(message: str) -> None:
+    print(f"legion-nn memory: {message}", file=sys.stderr)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from legion_nn.atomic import write_bytes
+    from legion_nn.sources import load_source_graph
+    from legion_nn.verify import verify
+    from partitioner.machine import load_machine
+    from partitioner.plan import build_plan
+    from partitioner.resolve import resolve_strategy
+    from partitioner.strategy import check_ranks
+    from runtime.step_memory import predict
+    from visualize.render_file import check_plot
+
+    check_ranks(args.ranks)
+    machine = load_machine(args.machine)
+    graph = load_source_graph(
+        args.source, args.batch, NETWORK_BATCH, dtype=args.dtype, optimizer=args.optimizer
+    )
+    verify(graph)
+    strategy, _ = resolve_strategy(graph, args.strategy, args.ranks, machine, 30.0, note=_note)
+    plan = build_plan(graph, strategy, args.ranks)
+    memories = predict(graph, plan, machine)
+    result = {
+        "network": graph.network,
+        "batch": graph.batch,
+        "ranks": args.ranks,
+        "strategy": plan.strategy,
+        "dtype": args.dtype,
+        "optimizer": args.optimizer,
+        "peak_bytes": max(m.peak for m in memories.values()),
+        "tasks": list(memories[0].tasks),
+        "per_rank": [
+            {
+                "rank": rank,
+                "peak_bytes": m.peak,
+                "buffer_bytes": m.buffer_bytes,
+                "peak_at": m.peak_task,
+                "breakdown": m.breakdown(),
+                "live_bytes": m.live().tolist(),
+            }
+            for rank, m in memories.items()
+        ],
+    }
+    outputs: list[tuple[str, bytes]] = []
+    if args.json:
+        outputs.append((args.json, (json.dumps(result, indent=1) + "\n").encode()))
+    if args.plot:
+        from visualize.memory import rank_live_figure
+
+        buffer = io.BytesIO()
+        figure = rank_live_figure(
+            {rank: m.live() - m.baseline for rank, m in memories.items()},
+            max(m.buffer_bytes for m in memories.values()),
+            machine.process_baseline_bytes,
+            f"{graph.network}: batch {graph.batch}, {plan.strategy}",
+        )
+        figure.savefig(buffer, format=check_plot(args.plot))
+        outputs.append((args.plot, buffer.getvalue()))
+    for path, data in outputs:
+        write_bytes(path, data)
+    sys.stdout.write(_plan_table(result))
+    return 0
+
+
+def _plan_table(result: dict) -> str:
+    parts = list(result["per_rank"][0]["breakdown"])
+    lines = [
+        (
+            f"{result['network']}: batch {result['batch']}, {result['ranks']} ranks, "
+            f"{result['strategy']}, {result['optimizer']} {result['dtype']}; "
+            f"peak {_size(result['peak_bytes'])} per rank"
+        ),
+        f"  {'rank':>4} {'peak':>9} " + " ".join(f"{p[:9]:>9}" for p in parts) + "  peak at",
+    ]
+    for row in result["per_rank"]:
+        cells = " ".join(f"{row['breakdown'][p] / 2**20:9.2f}" for p in parts)
+        lines.append(
+            f"  {row['rank']:>4} {row['peak_bytes'] / 2**20:9.2f} {cells}  {row['peak_at']}"
+        )
+    return "\n".join(lines) + "\n"

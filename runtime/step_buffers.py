@@ -1,0 +1,283 @@
+"""A rank's buffers for one step: what lives when, and where in one arena it lives.
+
+Resident tensors (data, parameters, optimizer state) keep their home cells for the whole run. Every
+other buffer of a step lives only from the first task that uses it to the last, on this rank, in
+its program (`runtime.rank_program`):
+
+- a step tensor (an activation, a gradient, a statistic) over its box, from its first touch to its
+  last, or to the completion of the last collective that sums into it; the statistics the training
+  loop reads after the step (the loss, evaluate's sums) to the step's end;
+- a copy's receive buffer from the point both sides post it to its consumer, and its send buffer
+  from that point to the consumer too (the step waits for the send there);
+- a partial sum's send and receive buffers, within their task;
+- a reduction's scratch within its task, or until its collective completes when the collective
+  reduces it in place; a collective's flat vector and the buffers its adding hops receive into,
+  from its task until it completes (`RankProgram.completion`).
+
+The buffers are placed once per program in one arena, greedily by size (largest first, each at the
+lowest offset clear of every placed buffer whose lifetime overlaps its own), as XLA's and TFLite's
+arena planners do. Every step reuses the same offsets, so the arena's pages fault once, the memory
+freed at a buffer's last use serves the next, and the runtime's bytes are known before it runs: the
+prediction (`step_memory`) and the executor use this one placement. Large buffers start at
+successive cache-line colours within a page, for the reason `runtime.aligned` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from legion_nn.graph import TaskGraph
+from legion_nn.privilege import Privilege
+from legion_nn.rect import Rect
+from runtime.aligned import LINE, PAGE, aligned_empty
+from runtime.instances import Layout, choose_layouts
+from runtime.rank_program import Collective, RankProgram, RankTask
+
+#: buffers from this size start at a colour of their page (`runtime.aligned`)
+COLOURED = 64 * 1024
+_COLOUR_STEP = 17
+
+#: what a buffer holds, for the breakdown of a rank's memory
+ACTIVATIONS, GRADIENTS, MESSAGES, SCRATCH = "activations", "gradients", "messages", "scratch"
+
+
+@dataclass(frozen=True)
+class Slot:
+    key: Hashable
+    nbytes: int
+    #: the positions of the program's first and last tasks that use it (inclusive)
+    first: int
+    last: int
+    what: str
+
+
+@dataclass
+class StepBuffers:
+    """The placed buffers of one rank program."""
+
+    slots: dict[Hashable, Slot]
+    #: slot key -> byte offset of its start in the arena
+    offsets: dict[Hashable, int]
+    #: bytes of the arena this program needs
+    size: int
+    #: tasks in the program
+    length: int
+
+    def live(self) -> np.ndarray:
+        """Bytes of this program's buffers in use at each task."""
+        delta = np.zeros(self.length + 1, np.int64)
+        for slot in self.slots.values():
+            delta[slot.first] += slot.nbytes
+            delta[slot.last + 1] -= slot.nbytes
+        return np.cumsum(delta[:-1])
+
+    @cached_property
+    def peak(self) -> int:
+        """The most bytes in use at once: a lower bound on `size`."""
+        return int(self.live().max(initial=0))
+
+    def by_kind(self, position: int) -> dict[str, int]:
+        """Bytes in use at task `position`, by what they hold."""
+        out: dict[str, int] = {}
+        for slot in self.slots.values():
+            if slot.first <= position <= slot.last:
+                out[slot.what] = out.get(slot.what, 0) + slot.nbytes
+        return out
+
+
+def step_slots(
+    graph: TaskGraph, program: RankProgram, layouts: Mapping[str, Layout], keep: bool = False
+) -> list[Slot]:
+    """Every buffer of `program` that is not a resident tensor's, with its lifetime; with
+    `keep`, the step tensors live all step, so that all of them can be read after it."""
+    tensors = graph.tensors
+    end = len(program.tasks) - 1
+    touched: dict[str, list[int]] = {}
+    for rt in program.tasks:
+        for name in rt.tensors:
+            touched.setdefault(name, []).append(rt.index)
+    completion = [program.completion(o) for o in range(len(program.collectives))]
+    summed_until: dict[str, int] = {}
+    for (_, collective), done in zip(program.collectives, completion):
+        tensor = collective.reduction.tensor
+        summed_until[tensor] = max(summed_until.get(tensor, -1), done)
+
+    slots: list[Slot] = []
+    for name, box in program.boxes.items():
+        tensor = tensors[name]
+        if tensor.resident or name not in touched:
+            continue
+        first, last = touched[name][0], max(touched[name][-1], summed_until.get(name, -1))
+        if tensor.kind == "stat" or keep:  # the loss and sums are read after the step
+            first, last = (0 if keep else first), end
+        what = GRADIENTS if tensor.kind == "grad" else ACTIVATIONS
+        slots.append(Slot(("tensor", name), box.volume * tensor.itemsize, first, last, what))
+
+    posted = [(0, m) for m in program.post_at_start]
+    posted += [(rt.index, m) for rt in program.tasks for m in rt.post]
+    for start, m in posted:
+        key = ("send" if m.src == program.rank else "recv", m.seq)
+        slots.append(Slot(key, m.nbytes, start, m.task, MESSAGES))
+    rects = {rt.index: scratch_rects(rt, program.boxes, layouts) for rt in program.tasks}
+    scratch: dict[tuple[int, str], Slot] = {}
+    for rt in program.tasks:
+        for m in (*rt.partial_in, *rt.partial_out):
+            key = ("recv" if m.dst == program.rank else "send", m.seq)
+            slots.append(Slot(key, m.nbytes, rt.index, rt.index, MESSAGES))
+        for name, rect in rects[rt.index].items():
+            nbytes = rect.volume * tensors[name].itemsize
+            key = ("scratch", rt.index, name)
+            scratch[rt.index, name] = Slot(key, nbytes, rt.index, rt.index, SCRATCH)
+    for ordinal, (index, collective) in enumerate(program.collectives):
+        done = completion[ordinal]
+        itemsize = collective.reduction.itemsize
+        tensor = collective.reduction.tensor
+        if not in_place(program.tasks[index], tensor, program.boxes, layouts):
+            mine = rects[index].get(tensor)
+            if mine is not None and reduces_scratch(collective, mine):
+                kept = scratch[index, tensor]
+                scratch[index, tensor] = Slot(kept.key, kept.nbytes, index, done, SCRATCH)
+            else:
+                size = sum(rect.volume for rect, _ in collective.targets) * itemsize
+                slots.append(Slot(("vector", collective.seq), size, index, done, SCRATCH))
+        for k, size in enumerate(_adding_hops(collective, program.rank)):
+            slots.append(Slot(("hop", collective.seq, k), size * itemsize, index, done, MESSAGES))
+    return slots + list(scratch.values())
+
+
+def in_place(rt: RankTask, tensor: str, boxes: Mapping[str, Rect], layouts) -> bool:
+    """Whether `rt`'s pieces reduce `tensor` straight into this rank's buffer of it
+    (`RankTask.in_place`): a collective needs its target as one flat vector, so only where the
+    target is a contiguous block of the buffer."""
+    if tensor not in rt.in_place:
+        return False
+    (target, _), *_ = (c.targets[0] for c in rt.collectives if c.reduction.tensor == tensor)
+    return contiguous(
+        layouts[tensor].shape(target.shape), layouts[tensor].shape(boxes[tensor].shape)
+    )
+
+
+def contiguous(block: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+    """Whether a block of shape `block` in a C-ordered array of shape `whole` is contiguous: every
+    axis after its first longer than one spans the whole array."""
+    axes = [i for i, n in enumerate(block) if n > 1]
+    return not axes or all(block[i] == whole[i] for i in range(axes[0] + 1, len(block)))
+
+
+def scratch_rects(rt: RankTask, boxes: Mapping[str, Rect], layouts) -> dict[str, Rect]:
+    """Per tensor, the rect of the scratch this rank's pieces of `rt` reduce into: a reduction
+    that is not wholly this rank's (it has local parts or a collective), and not in place."""
+    out = {}
+    summed = {c.reduction.tensor for c in rt.collectives}
+    for piece in rt.pieces:
+        for req in piece.requirements:
+            if req.privilege is not Privilege.REDUCE or in_place(rt, req.tensor, boxes, layouts):
+                continue
+            if req.tensor in rt.local_parts or req.tensor in summed:
+                if req.tensor in out:
+                    raise AssertionError(f"{rt.task.name}: two pieces reduce {req.tensor} here")
+                out[req.tensor] = req.write_rect
+    return out
+
+
+def reduces_scratch(collective: Collective, rect: Rect) -> bool:
+    """Whether the collective sums this rank's contribution (over `rect`) where it lies: the
+    whole contribution is its one target (a replicated gradient), so it is the vector."""
+    return len(collective.targets) == 1 and collective.targets[0][0] == rect
+
+
+def _adding_hops(collective, rank: int) -> list[int]:
+    """The elements of each buffer this rank's adding hops receive into: a round's k-th adding
+    hop uses buffer k, in every round."""
+    sizes: list[int] = []
+    for hops in collective.rounds:
+        k = 0
+        for hop in hops:
+            if hop.dst == rank and hop.add:
+                if k == len(sizes):
+                    sizes.append(0)
+                sizes[k] = max(sizes[k], hop.hi - hop.lo)
+                k += 1
+    return sizes
+
+
+def _reserved(slot: Slot) -> int:
+    size = -(-slot.nbytes // LINE) * LINE
+    return size + PAGE if slot.nbytes >= COLOURED else size
+
+
+def place(slots: list[Slot], length: int) -> StepBuffers:
+    """Offsets for `slots` in one arena: largest first, each at the lowest offset clear of the
+    placed slots whose lifetimes overlap its own."""
+    order = sorted(slots, key=lambda s: (-s.nbytes, s.first, repr(s.key)))
+    placed: list[tuple[int, int, Slot]] = []  # (offset, end, slot)
+    offsets: dict[Hashable, int] = {}
+    size = 0
+    colour = 0
+    for slot in order:
+        need = _reserved(slot)
+        busy = sorted((o, e) for o, e, s in placed if s.first <= slot.last and slot.first <= s.last)
+        offset = 0
+        for lo, hi in busy:
+            if offset + need <= lo:
+                break
+            offset = max(offset, hi)
+        if slot.nbytes >= COLOURED:
+            offset = -(-offset // PAGE) * PAGE
+            need_start = offset + colour * _COLOUR_STEP * LINE % PAGE
+            colour += 1
+        else:
+            need_start = offset
+        placed.append((offset, offset + need, slot))
+        offsets[slot.key] = need_start
+        size = max(size, offset + need)
+    return StepBuffers({s.key: s for s in slots}, offsets, size, length)
+
+
+def step_buffers(
+    graph: TaskGraph,
+    program: RankProgram,
+    layouts: Mapping[str, Layout] | None = None,
+    keep: bool = False,
+) -> StepBuffers:
+    """The placed buffers of `program` on its rank (`keep`: see `step_slots`)."""
+    layouts = layouts or choose_layouts(graph)
+    return place(step_slots(graph, program, layouts, keep), len(program.tasks))
+
+
+class Arena:
+    """The memory a rank's step buffers live in: grown to the largest program it has served, and
+    kept, so that its pages are faulted once."""
+
+    def __init__(self) -> None:
+        self._bytes = np.empty(0, np.uint8)
+
+    def reserve(self, size: int) -> None:
+        if size > self._bytes.size:
+            self._bytes = aligned_empty((size,), np.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._bytes.size)
+
+    def view(self, buffers: StepBuffers, key: Hashable, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        offset = buffers.offsets[key]
+        nbytes = count * dtype.itemsize
+        if nbytes > buffers.slots[key].nbytes:
+            raise AssertionError(f"buffer {key} of {nbytes} bytes exceeds its slot")
+        return self._bytes[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def resident_bytes(graph: TaskGraph, boxes: Mapping[str, object]) -> int:
+    """Bytes of the resident tensors' buffers over `boxes` (a program's, per tensor)."""
+    return sum(
+        box.volume * graph.tensors[name].itemsize
+        for name, box in boxes.items()
+        if graph.tensors[name].resident
+    )

@@ -1,0 +1,99 @@
+"""What each rank holds in a training step of a plan, predicted from the programs the runtime runs.
+
+A rank holds three things: its resident tensors' home cells (parameters, optimizer state, the
+loaded data; kept across steps), the arena of its step buffers (`runtime.step_buffers`: every
+activation, gradient, message, collective and scratch buffer, each live from its first use to its
+last and placed once), and the process's own baseline (the interpreter, NumPy, Numba's compiled
+kernels, MPI: `Machine.process_baseline_bytes`). The first two are exactly the runtime's buffer
+bytes (`train --log-json`'s `buffer_peak_bytes`), since the runtime allocates by this very
+placement; the three together predict its peak resident set.
+
+The prediction builds every rank's program, so it costs about what planning all the ranks does;
+`partitioner.accounting` gives the quicker bound the search prices (every buffer held all step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from legion_nn.graph import TaskGraph
+from partitioner.machine import Machine
+from partitioner.plan import Plan
+from runtime.instances import choose_layouts
+from runtime.rank_program import build_programs
+from runtime.step_buffers import StepBuffers, step_buffers
+
+#: what a rank's resident tensors hold, by their kind
+RESIDENT_PARTS = {"param": "parameters", "state": "optimizer state", "data": "data"}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    #: bytes of resident tensors, by `RESIDENT_PARTS`
+    resident: dict[str, int]
+    buffers: StepBuffers
+    baseline: int
+    #: names of the program's tasks, in the order it runs them
+    tasks: tuple[str, ...]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """What the runtime's buffers hold: the resident tensors and the arena."""
+        return sum(self.resident.values()) + self.buffers.size
+
+    @property
+    def peak(self) -> int:
+        """The predicted peak resident set: the buffers and the baseline."""
+        return self.buffer_bytes + self.baseline
+
+    def live(self) -> np.ndarray:
+        """Bytes held at each task: the resident tensors, the step buffers in use, the
+        baseline (the arena's unused space is not counted: it is where the curve peaks)."""
+        return self.buffers.live() + sum(self.resident.values()) + self.baseline
+
+    def breakdown(self) -> dict[str, int]:
+        """The peak, by part: resident tensors, the step buffers in use where they peak (by what
+        they hold), the arena's space unused there (placement's cost), and the baseline."""
+        live = self.buffers.live()
+        at = int(np.argmax(live)) if len(live) else 0
+        out = dict(self.resident)
+        out.update(self.buffers.by_kind(at))
+        out["arena unused at its peak"] = self.buffers.size - self.buffers.peak
+        out["baseline"] = self.baseline
+        return out
+
+    @property
+    def peak_task(self) -> str:
+        live = self.buffers.live()
+        return self.tasks[int(np.argmax(live))] if len(live) else ""
+
+
+def predict(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine | None = None,
+    ranks: Iterable[int] | None = None,
+) -> dict[int, RankMemory]:
+    """Each rank's memory in a training step of `plan` (all ranks unless `ranks`)."""
+    machine = machine or Machine()
+    ranks = list(range(plan.nranks)) if ranks is None else list(ranks)
+    layouts = choose_layouts(graph)
+    out = {}
+    for rank, program in build_programs(graph, plan, machine, ranks).items():
+        resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
+        for name, box in program.boxes.items():
+            tensor = graph.tensors[name]
+            if tensor.resident:
+                resident[RESIDENT_PARTS[tensor.kind]] += box.volume * tensor.itemsize
+        out[rank] = RankMemory(
+            rank,
+            resident,
+            step_buffers(graph, program, layouts),
+            machine.process_baseline_bytes,
+            tuple(rt.task.name for rt in program.tasks),
+        )
+    return out

@@ -1,0 +1,62 @@
+"""The step buffers' placement (`runtime.step_buffers`): live buffers never share bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.step_buffers import Arena, Slot, contiguous, place
+
+
+@st.composite
+def slot_sets(draw):
+    length = draw(st.integers(1, 12))
+    count = draw(st.integers(1, 25))
+    slots = []
+    for k in range(count):
+        first = draw(st.integers(0, length - 1))
+        last = draw(st.integers(first, length - 1))
+        nbytes = draw(st.one_of(st.integers(1, 5000), st.integers(60_000, 300_000)))
+        slots.append(Slot(("s", k), nbytes, first, last, "activations"))
+    return slots, length
+
+
+@settings(max_examples=300, deadline=None)
+@given(slot_sets())
+def test_buffers_live_at_once_never_overlap(case):
+    slots, length = case
+    placed = place(slots, length)
+    for a in slots:
+        start = placed.offsets[a.key]
+        assert start + a.nbytes <= placed.size
+        for b in slots:
+            if a.key == b.key or a.last < b.first or b.last < a.first:
+                continue
+            other = placed.offsets[b.key]
+            assert start + a.nbytes <= other or other + b.nbytes <= start, (a, b)
+    live = [sum(s.nbytes for s in slots if s.first <= t <= s.last) for t in range(length)]
+    assert list(placed.live()) == live
+    assert placed.peak == max(live) <= placed.size
+
+
+def test_an_arena_view_writes_only_its_slot():
+    slots = [Slot("a", 800, 0, 1, "activations"), Slot("b", 80_000, 1, 2, "gradients")]
+    placed = place(slots, 3)
+    arena = Arena()
+    arena.reserve(placed.size)
+    a = arena.view(placed, "a", (100,), np.float64)
+    b = arena.view(placed, "b", (100, 100), np.float64)
+    a[...] = 1.0
+    b[...] = 2.0
+    assert (a == 1.0).all() and (b == 2.0).all()
+    assert b.ctypes.data % 64 == 0 and a.ctypes.data % 64 == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 3)), min_size=1, max_size=4))
+def test_contiguity_matches_numpy(axes):
+    whole = tuple(n for n, _ in axes)
+    block = tuple(max(1, min(n, n - cut)) for n, cut in axes)
+    view = np.empty(whole)[tuple(slice(0, b) for b in block)]
+    assert contiguous(block, whole) == view.flags.c_contiguous
