@@ -18,7 +18,8 @@ and for the op as a whole:
   of the task's attrs);
 - `homing`: where its pieces run: `GRID` (on a grid of their own), `HOME` (where the tensors it
   writes live: data, updates), or `WITH_TENSOR` (homed when the tensor it zeroes is resident);
-- `packed_role`: the role whose weights the kernels want in the packed filter layout, or None;
+- `packed_role`: the role whose weights the kernels want in the packed filter layout, or None
+  (`packed_tensors`; the layout stores the logical axes in `PACKED_AXES` order);
 - `owner_role`: the role whose tensor owns the task's other tensors (an update's parameter owns
   its gradient and optimizer state), or None;
 - `passes`: how the machine model rates its phases, `fn(attrs, phase) -> (variant, ((pass,
@@ -41,7 +42,7 @@ An op may be namespaced, `ns.Name`: without a record of its own it uses the reco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,10 @@ Splittable = str | tuple[int, ...] | Callable[[Mapping[str, Any]], tuple[int, ..
 EVERY_DIM = "every dim"
 GRID, HOME, WITH_TENSOR = "grid", "home", "with tensor"
 HOMINGS = (GRID, HOME, WITH_TENSOR)
+
+#: the packed filter layout stores 8-D filter weights' logical (K, 1, 1, C, R, S, P, Q) axes
+#: outermost first in this order: (P, R, Q, K, S, C), the kernels' `WEIGHT_AXES`, then the unit axes
+PACKED_AXES = (6, 4, 7, 0, 5, 3, 1, 2)
 
 PHASE_FIELDS = ("access", "flops", "adapter")
 OP_FIELDS = ("phases", "splittable", "homing", "packed_role", "owner_role", "passes", "sums_over")
@@ -234,3 +239,26 @@ def per_element(flops: float) -> FlopsFn:
         return flops
 
     return count
+
+
+def packed_tensors(tasks: Iterable[Task]) -> set[str]:
+    """The tensors stored in the packed filter layout: the weights whose op's record asks for it
+    (`packed_role`), and the tensors their owner task updates alongside them (`owner_role`: a
+    filter's gradient and optimizer state), since the update combines them elementwise."""
+    tasks = list(tasks)
+    packed: set[str] = set()
+    for task in tasks:
+        role = record_of(task.op).packed_role
+        if role is not None:
+            packed.add(task.requirement(role).tensor)
+    for task in tasks:
+        owner = record_of(task.op).owner_role
+        if owner is not None and task.requirement(owner).tensor in packed:
+            packed.update(req.tensor for req in task.requirements)
+    return packed
+
+
+def storage_order(ndim: int, packed: bool) -> tuple[int, ...]:
+    """A tensor's logical axes in the order its instance stores them, outermost first: a block
+    cut along the first axis whose extent exceeds one is contiguous."""
+    return PACKED_AXES if packed else tuple(range(ndim))

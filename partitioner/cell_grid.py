@@ -50,14 +50,20 @@ class CellGrid:
         nlayers: int = 1,
     ) -> None:
         self.lo, self.hi = lo, hi
-        self.ndim = self.lo.shape[1]
         self.nlayers = nlayers
-        self.cuts = [
-            np.unique(np.concatenate((self.lo[:, d], self.hi[:, d]))) for d in range(self.ndim)
-        ]
+        # dims every box spans alike are left out of the grid, their extent a factor of every
+        # cell's volume: a weight's shards cut one dim of eight, and 2^7 corners would cost more
+        # than the boxes
+        same = np.all((lo == lo[:1]) & (hi == hi[:1]), axis=0) & (len(lo) > 0)
+        same[: 1 if same.all() else 0] = False  # a grid keeps one dim
+        varied = np.flatnonzero(~same)
+        factor = int(np.prod(np.maximum(hi[0] - lo[0], 0)[same])) if same.any() else 1
+        lo, hi = lo[:, varied], hi[:, varied]
+        self.ndim = lo.shape[1]
+        self.cuts = [np.unique(np.concatenate((lo[:, d], hi[:, d]))) for d in range(self.ndim)]
         self.shape = tuple(len(c) for c in self.cuts)
         self.size = nlayers * int(np.prod(self.shape))
-        self.volume = np.ones(self.shape, np.int64)
+        self.volume = np.full(self.shape, factor, np.int64)
         for d, c in enumerate(self.cuts):
             size = np.append(np.diff(c), 0)
             self.volume = self.volume * size.reshape(
@@ -68,8 +74,8 @@ class CellGrid:
         self._layer = layer if layer is not None else np.zeros(ends[-1], np.int64)
         #: per group, the index of each of its boxes in the caller's list of the group
         self.rows = [np.arange(size) for size in sizes]
-        self._first = np.stack([np.searchsorted(c, self.lo[:, d]) for d, c in enumerate(self.cuts)])
-        self._last = np.stack([np.searchsorted(c, self.hi[:, d]) for d, c in enumerate(self.cuts)])
+        self._first = np.stack([np.searchsorted(c, lo[:, d]) for d, c in enumerate(self.cuts)])
+        self._last = np.stack([np.searchsorted(c, hi[:, d]) for d, c in enumerate(self.cuts)])
         self._nonempty = np.all(self.hi > self.lo, axis=1)
         #: per corner, whether it takes each dim's upper bound, and its inclusion-exclusion sign
         self._upper = np.array(list(product((False, True), repeat=self.ndim))).reshape(

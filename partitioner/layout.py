@@ -15,12 +15,12 @@ at once; `holders` is the same as a dict of tuples, built when first asked for.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import product
 
 import numpy as np
 
-from legion_nn.rect import Rect
+from legion_nn.rect import Rect, split_sizes
 from partitioner import boxes
 
 
@@ -157,3 +157,37 @@ class Layout:
         per_rank = self.volume_per_rank(int(self.holder_ranks.max()) + 1)
         held = np.unique(self.holder_ranks)
         return dict(zip(held.tolist(), per_rank[held].tolist()))
+
+    def sharded(self, order: Iterable[int]) -> Layout:
+        """This layout with every cell held by several ranks cut among its holders, so that every
+        element has one holder (a ZeRO-style home), each part one contiguous block of an
+        instance storing the dims in `order`, outermost first (`shard_cell`): a message can carry
+        it, and a collective sum it, as it lies."""
+        order = list(order)
+        grid_shape = boxes.grid_shape(self.cut_arrays)
+        pieces: list[tuple[int, Rect]] = []
+        for index, holders in self.holders.items():
+            rect = self.cell_rect(tuple(int(i) for i in np.unravel_index(index, grid_shape)))
+            pieces.extend(shard_cell(rect, holders, order))
+        return Layout.from_pieces(len(self.cuts), pieces)
+
+
+def shard_cell(rect: Rect, holders: Sequence[int], order: Sequence[int]) -> list[tuple[int, Rect]]:
+    """`rect` cut into one part per holder (fewer where it has fewer elements), each contiguous
+    in an instance storing the dims in `order`, outermost first, the parts in holder order along
+    the storage. The first dim of `order` longer than one is cut into a part per holder where it
+    is long enough; else into its single indices, the holders shared among them as evenly as
+    they go and each index cut further along the dims after it. A part is then some single
+    indices, one range, and whole dims after it: contiguous."""
+    dims = [d for d in order if rect.shape[d] > 1]
+    if len(holders) == 1 or not dims:
+        return [(holders[0], rect)]
+    dim, extent = dims[0], rect.shape[dims[0]]
+    if extent >= len(holders):
+        return list(zip(holders, rect.split_dims({dim: len(holders)})))
+    out: list[tuple[int, Rect]] = []
+    start = 0
+    for part, count in zip(rect.split_dims({dim: extent}), split_sizes(len(holders), extent)):
+        out += shard_cell(part, holders[start : start + count], dims[1:])
+        start += count
+    return out

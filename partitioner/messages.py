@@ -47,13 +47,19 @@ class Copies:
     """Per tensor, the (rect, rank) pairs received since the tensor's layout was last replaced.
 
     A copy stays valid until the tensor is written again (a new layout), so a second read of the
-    same rect by the same rank is free."""
+    same rect by the same rank is free. Copies of a resident tensor (the parts of a sharded home
+    its readers fetch) are not kept: each reading task fetches them anew, just before it runs,
+    and drops them after, so that a rank never holds more of a sharded parameter than its shard
+    and the parameter one task reads."""
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[Layout, np.ndarray]] = {}
 
-    def fresh(self, tensor: str, layout: Layout, reads: Accesses) -> np.ndarray:
-        """Mask over `reads.ranks`: the readers that get the rect now; they hold a copy after."""
+    def fresh(self, tensor: str, layout: Layout, reads: Accesses, keep: bool = True) -> np.ndarray:
+        """Mask over `reads.ranks`: the readers that get the rect now; they hold a copy after
+        unless `keep` is false."""
+        if not keep:
+            return np.ones(len(reads.ranks), bool)
         counts = np.diff(reads.ptr)
         rects = np.concatenate((reads.rect_lo, reads.rect_hi), axis=1)
         rows = np.concatenate((np.repeat(rects, counts, axis=0), reads.ranks[:, None]), axis=1)

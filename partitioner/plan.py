@@ -59,6 +59,7 @@ import numpy as np
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
+from legion_nn.ops import packed_tensors, storage_order
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
@@ -158,6 +159,8 @@ class Plan:
     homes: dict[str, Layout]
     #: per unit whose reducer sums over some dims, how many of its grid's last dims those are
     summed: dict[str, int] = field(default_factory=dict)
+    #: the parameters whose homes are sharded (`Strategy.sharded`)
+    sharded: frozenset[str] = frozenset()
 
     def grid_label(self, unit: str) -> str:
         """`strategy.grid_label` of the unit's grid (its reduction dims after `Σ`)."""
@@ -215,7 +218,7 @@ def build_plan(
         for task in graph.tasks
         if task.name not in homed
     }
-    homes = _homes(graph, pieces)
+    homes = _homes(graph, pieces, strategy.sharded)
     if resident_homes:
         homes.update((name, home) for name, home in resident_homes.items() if name in homes)
     units = task_rows(graph)
@@ -247,10 +250,13 @@ def build_plan(
         plans,
         homes,
         {u.name: len(u.summed) for u in find_units(graph) if u.summed},
+        strategy.sharded,
     )
 
 
-def _homes(graph: TaskGraph, pieces: Mapping[str, PieceSet]) -> dict[str, Layout]:
+def _homes(
+    graph: TaskGraph, pieces: Mapping[str, PieceSet], sharded: frozenset[str] = frozenset()
+) -> dict[str, Layout]:
     readers: dict[str, list[Columns]] = defaultdict(list)
     for task in graph.tasks:
         found = pieces.get(task.name)
@@ -261,7 +267,7 @@ def _homes(graph: TaskGraph, pieces: Mapping[str, PieceSet]) -> dict[str, Layout
     for name, tensor in graph.tensors.items():
         owned = param_of(graph, name) is not None  # optimizer state lives with its parameter
         if tensor.kind in ("data", "param") or (tensor.kind == "state" and not owned):
-            homes[name] = home_layout(graph, name, readers.get(name, []))
+            homes[name] = home_layout(graph, name, readers.get(name, []), name in sharded)
     for name in graph.tensors:
         owner = param_of(graph, name)
         if owner is not None and name not in homes:
@@ -278,16 +284,23 @@ def resident_reads(graph: TaskGraph, task: Task, pieces: PieceSet) -> list[tuple
     ]
 
 
-def home_layout(graph: TaskGraph, name: str, found: Sequence[Columns]) -> Layout:
+def home_layout(
+    graph: TaskGraph, name: str, found: Sequence[Columns], sharded: bool = False
+) -> Layout:
     """The home of data or a parameter: each rank holds what its readers' pieces read (`found`,
-    from `resident_reads`); a tensor nobody reads lives whole on rank 0."""
+    from `resident_reads`); a tensor nobody reads lives whole on rank 0. A `sharded` home cuts
+    every part several ranks read among them (`Layout.sharded`, along the tensor's storage
+    order)."""
     ndim = len(graph.tensors[name].dims)
     if found:
         ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
     else:
         ranks = np.zeros(1, boxes.INDEX)
         lo, hi = boxes.from_rects([graph.tensors[name].rect], ndim)
-    return Layout.from_arrays(ndim, ranks, lo, hi)
+    layout = Layout.from_arrays(ndim, ranks, lo, hi)
+    if sharded:
+        layout = layout.sharded(storage_order(ndim, name in packed_tensors(graph.tasks)))
+    return layout
 
 
 def task_rows(graph: TaskGraph) -> dict[str, str]:
@@ -432,7 +445,7 @@ def _plan_partitioned(
         if layout is None:
             raise fail(f"reads {tensor}, which no earlier task wrote")
         accesses = Accesses(*found)
-        fresh = copies.fresh(tensor, layout, accesses)
+        fresh = copies.fresh(tensor, layout, accesses, keep=not graph.tensors[tensor].resident)
         blocks.append(fetch(tensor, graph.tensors[tensor].itemsize, layout, accesses, fresh, fail))
     after = holdings_after(graph, task, touched, layouts)
     reductions = []

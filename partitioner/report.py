@@ -51,28 +51,43 @@ def report_json(
     cost: PlanCost,
     why: list[dict] | None,
     step: dict | None = None,
+    memory: dict | None = None,
 ) -> dict:
     """The `--json` object; `step` overrides `predicted_step_seconds` with the simulated step
     (`runtime.step_simulator.step_prediction`: `predicted_step_seconds`, `step_model`,
-    `bulk_synchronous_seconds`)."""
-    memory = list(cost.memory.values())
+    `bulk_synchronous_seconds`), and `memory` the memory per rank with the runtime's
+    (`runtime.step_memory.memory_prediction`). Without it, memory per rank is what the rows
+    count (every tensor held all step); with it, that count stays as `memory_held_*`."""
+    held = list(cost.memory.values())
     out = {
         "network": graph.network,
         "batch": graph.batch,
         "ranks": plan.nranks,
         "strategy": plan.strategy,
+        "param_homes": _homes(graph, plan),
         "predicted_step_seconds": cost.step_seconds,
         "bytes_sent_total": cost.bytes_sent,
         "memory_per_rank_max": cost.memory_max,
-        "memory_per_rank_mean": sum(memory) / len(memory),
+        "memory_per_rank_mean": sum(held) / len(held),
+        "memory_held_per_rank_max": cost.memory_max,
+        "memory_held_per_rank_mean": sum(held) / len(held),
         "feasible": cost.feasible,
         "machine": cost.machine.to_json(),
         "layers": unit_rows(plan, cost),
     }
     out |= step or {}
+    out |= memory or {}
     if why is not None:
         out["why"] = why
     return out
+
+
+def _homes(graph: TaskGraph, plan: Plan) -> str | list[str]:
+    """`replicated`, `sharded` (every parameter), or the sharded parameters' names."""
+    params = {n for n, t in graph.tensors.items() if t.kind == "param"}
+    if not plan.sharded:
+        return "replicated"
+    return "sharded" if plan.sharded >= params else sorted(plan.sharded)
 
 
 def _size(n: float) -> str:
@@ -84,10 +99,16 @@ def _size(n: float) -> str:
 
 def table(report: dict) -> str:
     head = (
-        f"{'layer':<30} {'grid':<16} {'GFLOP/rank':>11} {'sent':>10} {'mem max':>10} "
-        f"{'mem mean':>10} {'seconds':>10}"
+        f"{'layer':<30} {'grid':<16} {'GFLOP/rank':>11} {'sent':>10} {'held max':>10} "
+        f"{'held mean':>10} {'seconds':>10}"
     )
-    lines = [head, "-" * len(head)]
+    homes = report["param_homes"]
+    homes = homes if isinstance(homes, str) else f"sharded: {', '.join(homes)}"
+    title = (
+        f"{report['network']}, batch {report['batch']}: {report['strategy']} on "
+        f"{report['ranks']} ranks, {homes} homes"
+    )
+    lines = [title, head, "-" * len(head)]
     for row in report["layers"]:
         grid = row["grid_label"]
         lines.append(
@@ -99,9 +120,18 @@ def table(report: dict) -> str:
     flops = sum(r["flops_per_rank"] for r in report["layers"])
     lines.append(
         f"{'total':<30} {'':<16} {flops / 1e9:>11.3f} {_size(report['bytes_sent_total']):>10} "
-        f"{_size(report['memory_per_rank_max']):>10} {_size(report['memory_per_rank_mean']):>10} "
+        f"{_size(report['memory_held_per_rank_max']):>10} "
+        f"{_size(report['memory_held_per_rank_mean']):>10} "
         f"{report['predicted_step_seconds']:>10.5f}"
     )
+    if "memory_model" in report:
+        lines.append(
+            f"memory per rank {_size(report['memory_per_rank_max'])} at most "
+            f"(rank {report['memory_peak_rank']}, at {report['memory_peak_at']}), "
+            f"{_size(report['memory_per_rank_mean'])} on average: the runtime's buffers, each "
+            f"live from first use to last ({report['memory_model']}), and a process baseline of "
+            f"{_size(report['process_baseline_bytes'])}; 'held' counts every tensor all step"
+        )
     if report.get("step_model") == "simulated":
         lines.append(
             f"step {report['predicted_step_seconds']:.5f} s, simulated (every rank's program on "
@@ -111,9 +141,10 @@ def table(report: dict) -> str:
     if not report["feasible"]:
         lines.append("INFEASIBLE: some rank needs more memory than it has")
     for item in report.get("why", []):
+        sharded = f", {', '.join(item['sharded'])} sharded" if item.get("sharded") else ""
         lines.append(
-            f"  {item['layer']}: {item['family']} {item['grid']} predicts {item['seconds']:.5f} s "
-            f"against {item['data_seconds']:.5f} s under data parallelism"
+            f"  {item['layer']}: {item['family']} {item['grid']}{sharded} predicts "
+            f"{item['seconds']:.5f} s against {item['data_seconds']:.5f} s under data parallelism"
         )
     return "\n".join(lines) + "\n"
 

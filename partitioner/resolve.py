@@ -14,14 +14,29 @@ refused with one line rather than quietly planned as `data`.
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ops import has_access_map
+from partitioner.cost import task_costs, unit_seconds
 from partitioner.machine import Machine
+from partitioner.memory_fit import PeakFn, fit
+from partitioner.plan import build_plan
 from partitioner.search import auto
-from partitioner.strategy import BUILTIN, STRATEGY_NAMES, Strategy, builtin, find_units, from_grids
+from partitioner.strategy import (
+    BUILTIN,
+    STRATEGY_NAMES,
+    Strategy,
+    builtin,
+    check_param_homes,
+    find_units,
+    from_grids,
+    with_homes,
+)
 
 
 def check_plannable(graph: TaskGraph) -> None:
@@ -46,9 +61,62 @@ def resolve_strategy(
     machine: Machine,
     time_limit: float,
     note: Callable[[str], None] | None = None,
+    param_homes: str | None = None,
+    peak: PeakFn | None = None,
 ) -> tuple[Strategy, list[dict] | None]:
-    """The strategy `name` stands for on `nranks` ranks, and auto's reasons (None otherwise);
-    `note` hears why `auto` settled for `data` on a batch-only graph."""
+    """The strategy `name` stands for on `nranks` ranks with `--param-homes` (None: replicated),
+    and auto's reasons (None otherwise); `note` hears why `auto` settled for `data` on a
+    batch-only graph.
+
+    With `peak` (a plan's most bytes on any rank, as the runtime holds them: the commands pass
+    `runtime.step_memory`'s) and no `param_homes`, `auto` also chooses each parameter's home
+    and fits the step in the machine's memory (`memory_fit.fit`): one line (`NoFit`) where
+    nothing it tries fits."""
+    deadline = time.monotonic() + time_limit
+    strategy, why = _resolve(graph, name, nranks, machine, time_limit, note)
+    if name != "auto" or peak is None or param_homes is not None or why is None:
+        return with_homes(graph, strategy, param_homes or "replicated"), why
+    fastest = auto(graph, nranks, replace(machine, rank_memory_gib=math.inf), time_limit).strategy
+    uniform = [builtin(graph, family, nranks) for family in BUILTIN]
+    fitted = fit(graph, nranks, machine, [strategy, fastest, *uniform], peak, deadline)
+    return fitted.strategy, _reasons(graph, fitted.strategy, nranks, machine, why)
+
+
+def _reasons(
+    graph: TaskGraph, strategy: Strategy, nranks: int, machine: Machine, why: list[dict]
+) -> list[dict]:
+    """`why` for the grids `fit` chose: auto's reasons where it kept auto's grid for a layer,
+    else the family's name and the cost model's seconds; each with the parameters it reads
+    whose homes are sharded."""
+    by_layer = {row["layer"]: row for row in why}
+    costs = task_costs(graph, build_plan(graph, strategy, nranks), machine)
+    data = task_costs(graph, build_plan(graph, builtin(graph, "data", nranks), nranks), machine)
+    seconds, data_seconds = unit_seconds(costs), unit_seconds(data)
+    rows = []
+    for unit in find_units(graph):
+        grid = list(strategy.unit_grids[unit.name])
+        row = by_layer.get(unit.name)
+        if row is None or row["grid"] != grid:
+            row = {
+                "layer": unit.name,
+                "family": strategy.name,
+                "grid": grid,
+                "seconds": seconds.get(unit.name, 0.0),
+                "data_seconds": data_seconds.get(unit.name, 0.0),
+            }
+        reads = {r.tensor for t in unit.forward for r in graph.task(t).requirements}
+        rows.append(row | {"sharded": sorted(reads & strategy.sharded)})
+    return rows
+
+
+def _resolve(
+    graph: TaskGraph,
+    name: str,
+    nranks: int,
+    machine: Machine,
+    time_limit: float,
+    note: Callable[[str], None] | None,
+) -> tuple[Strategy, list[dict] | None]:
     check_plannable(graph)
     if name in ("auto", "model", "spatial") and batch_only(graph):
         what = graph.network or "this graph"
@@ -84,19 +152,28 @@ def resolve_strategy(
 
 
 def strategy_chooser(
-    name: str, machine: Machine, time_limit: float
+    name: str,
+    machine: Machine,
+    time_limit: float,
+    param_homes: str | None = None,
+    peak: PeakFn | None = None,
 ) -> str | Callable[[TaskGraph, int], Strategy]:
-    """A built-in's name, or how to choose the strategy `name` stands for once the graph is
-    known (`resolve_strategy`); a bad name or strategy file fails here, before any graph."""
+    """A built-in's name, or how to choose the strategy `name` stands for with `param_homes`
+    once the graph is known (`resolve_strategy`); a bad name, strategy file or `param_homes`
+    fails here, before any graph."""
     check_strategy_name(name)
-    if name in BUILTIN:
+    check_param_homes(param_homes)
+    if name in BUILTIN and param_homes in (None, "replicated"):
         return name
-    grids = read_grids(name) if name != "auto" else None
+    grids = read_grids(name) if name.endswith(".json") else None
 
     def choose(graph: TaskGraph, nranks: int) -> Strategy:
         if grids is not None:
-            return grids_strategy(graph, name, grids, nranks)
-        return resolve_strategy(graph, name, nranks, machine, time_limit)[0]
+            strategy = grids_strategy(graph, name, grids, nranks)
+            return with_homes(graph, strategy, param_homes or "replicated")
+        return resolve_strategy(graph, name, nranks, machine, time_limit, None, param_homes, peak)[
+            0
+        ]
 
     return choose
 

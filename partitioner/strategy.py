@@ -35,7 +35,7 @@ dims alone, leaving the sums whole.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from weakref import WeakKeyDictionary
 
 from legion_nn.errors import LegionNNError
@@ -328,7 +328,14 @@ def _aligned(grid: Grid, source: tuple[int, ...], target: tuple[int, ...]) -> Gr
 
 @dataclass(frozen=True)
 class Strategy:
-    """A named choice of one grid per unit.
+    """A named choice of one grid per unit, and of the parameters whose homes are sharded.
+
+    A parameter's home holds, on each rank, what that rank's pieces read of it (`plan.py`): a
+    parameter every batch piece reads whole is replicated. Where `sharded` names it, every part
+    held by several ranks is cut among them instead (`Layout.sharded`), and its gradient and
+    optimizer state with it: each rank keeps one shard, its readers fetch the rest just before
+    they use it and drop it after (an all-gather), its gradient's partial sums reduce onto the
+    shards (a reduce-scatter), and the update runs on each shard, as in ZeRO-3 and FSDP.
 
     A strategy `search.auto` chose also carries, as `pieces`, the `pieces.PieceCache` of its
     grids on the graph it searched (the search computed them), which `plan.build_plan` reuses
@@ -336,6 +343,12 @@ class Strategy:
 
     name: str
     unit_grids: dict[str, Grid]
+    sharded: frozenset[str] = frozenset()
+
+    @property
+    def label(self) -> str:
+        """The name, and the homes where any are sharded: `data, sharded homes`."""
+        return f"{self.name}, sharded homes" if self.sharded else self.name
 
     def task_grids(self, graph: TaskGraph) -> dict[str, Grid]:
         return task_grids(graph, self.unit_grids)
@@ -382,3 +395,21 @@ def from_grids(graph: TaskGraph, grids: Mapping[str, list[int]], nranks: int) ->
 def check_ranks(nranks: int) -> None:
     if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
         raise LegionNNError(f"the number of ranks must be a positive int, got {nranks!r}")
+
+
+#: `--param-homes`: every parameter's home replicated where its readers read it whole, or sharded
+PARAM_HOMES = ("replicated", "sharded")
+
+
+def check_param_homes(homes: str | None) -> None:
+    if homes is not None and homes not in PARAM_HOMES:
+        raise LegionNNError(
+            f"--param-homes: unknown choice {homes!r}; choose one of {', '.join(PARAM_HOMES)}"
+        )
+
+
+def with_homes(graph: TaskGraph, strategy: Strategy, homes: str) -> Strategy:
+    """`strategy` with every parameter's home `homes` (one of `PARAM_HOMES`)."""
+    check_param_homes(homes)
+    params = frozenset(n for n, t in graph.tensors.items() if t.kind == "param")
+    return replace(strategy, sharded=params if homes == "sharded" else frozenset())

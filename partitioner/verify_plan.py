@@ -5,15 +5,17 @@ arrays the objects view), without the layouts the planner used, so they test the
 than restate it:
 
 1. coverage: the pieces of every partitioned task lie in its space, are disjoint and cover it;
-2. producers: every element a piece reads of a non-resident tensor was written by exactly one piece
-   of the latest earlier task that writes the tensor (a homed task's piece, such as the zeroing
-   of a parameter's gradient, is run by every holder of its cell, and each holds it);
+2. producers: every element a piece reads was written by exactly one piece of the latest earlier
+   task that writes the tensor (a homed task's piece, such as the zeroing of a parameter's
+   gradient, is run by every holder of its cell, and each holds it), or, for a resident tensor,
+   lies in exactly one cell of its home;
 3. messages: what reaches a rank for one task and tensor is disjoint from what it holds and from
    every other part sent to it, lies in a rect the rank reads afresh (one it has not read since
    the tensor was last written: the planner keeps copies by read rect, so a second read of the
    same rect is free, and a read of another rect fetches each cell's part whole, even where it
    overlaps a copy), and together with what it holds and the copies it received since then
-   covers what its pieces read.
+   covers what its pieces read. Copies of a resident tensor (the parts of a sharded home) are
+   dropped after the task that fetched them: the next reader fetches them anew.
 4. sums: the partial sums of a task whose grid cuts a dim it sums over land in rects that cut
    its output into disjoint parts covering it (one sum per element), and where a partitioned
    task later reads a tensor that tasks reduce into, every part of
@@ -68,7 +70,11 @@ class _Copies:
 def verify_plan(graph: TaskGraph, plan: Plan) -> None:
     """Raise `VerifyError` naming the first broken invariant."""
     #: per tensor, the rects of the pieces of its latest writer, and per rank those it holds
-    writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]] = {}
+    writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]] = {
+        name: _home_holdings(home, plan.nranks)
+        for name, home in plan.homes.items()
+        if graph.tensors[name].resident
+    }
     copies: dict[tuple[str, int], _Copies] = defaultdict(_Copies)
     read = _read_by_partitioned_tasks(graph, plan)
     for task, task_plan in zip(graph.tasks, plan.tasks):
@@ -81,8 +87,6 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
         for piece in pieces:
             for req in piece.requirements:
                 if not req.privilege.reads or req.read_rect is None or req.read_rect.is_empty():
-                    continue
-                if graph.tensors[req.tensor].resident:
                     continue
                 needed[(req.tensor, piece.ranks[0])].append(req.read_rect)
         by_tensor: dict[str, list[Rect]] = defaultdict(list)
@@ -113,6 +117,8 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
             copies[key].parts.extend(parts)
         for key, rects in needed.items():
             copies[key].reads.update(rects)
+        for key in [k for k in copies if graph.tensors[k[0]].resident]:
+            del copies[key]  # a sharded home's parts are fetched anew by each reader
         opened = _sum_targets(task, task_plan)
         reduced = {
             r.tensor
@@ -130,6 +136,18 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
             writers[tensor] = written
             for key in [k for k in copies if k[0] == tensor]:
                 del copies[key]
+
+
+def _home_holdings(home, nranks: int) -> tuple[list[Rect], dict[int, list[Rect]]]:
+    """A resident tensor's home as `verify_plan` records writers: its cells, and per rank the
+    cells it holds."""
+    held = {rank: home.held_by(rank) for rank in np.unique(home.holder_ranks).tolist()}
+    shape = boxes.grid_shape(home.cut_arrays)
+    cells = [
+        home.cell_rect(tuple(int(i) for i in np.unravel_index(index, shape)))
+        for index in home.holders
+    ]
+    return cells, held
 
 
 def _read_by_partitioned_tasks(graph: TaskGraph, plan: Plan) -> set[str]:

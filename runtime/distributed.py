@@ -27,6 +27,7 @@ from partitioner.machine import Machine
 from partitioner.resolve import strategy_chooser
 from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
+from runtime.step_memory import peak_function
 from runtime.supervisor import Status
 from runtime.tracing import Recorder, TraceFile
 from runtime.training import TrainConfig, Trainer, TrainResult
@@ -38,6 +39,8 @@ TAG_CLOCK, TAG_TRACE = 10, 11
 @dataclass
 class RunOptions:
     strategy: str = "data"
+    #: `--param-homes` (None: replicated, or auto's choice)
+    param_homes: str | None = None
     machine: Machine | None = None
     stall_timeout: float = 60.0
     trace: str | None = None
@@ -45,11 +48,24 @@ class RunOptions:
     #: check every plan with `verify_plan` before it runs
     verify: bool = False
 
+    @property
+    def label(self) -> str:
+        """The strategy as the console names it: `data, sharded homes`."""
+        homes = f", {self.param_homes} homes" if self.param_homes else ""
+        return f"{self.strategy}{homes}"
+
 
 def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strategy]:
     """A built-in name, or how rank 0 chooses (`auto`, a grids file) for the first graph
     (`partitioner.resolve.strategy_chooser`); a bad one fails on every rank alike, before MPI."""
-    return strategy_chooser(options.strategy, options.machine or Machine(), options.search_seconds)
+    machine = options.machine or Machine()
+    return strategy_chooser(
+        options.strategy,
+        machine,
+        options.search_seconds,
+        options.param_homes,
+        peak_function(machine),
+    )
 
 
 class Timeline:

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from legion_nn.graph import TaskGraph
-from legion_nn.ops import record_of
+from legion_nn.ops import PACKED_AXES, packed_tensors
 from legion_nn.rect import Rect
 from runtime.kernels.layout import WEIGHT_AXES, pack_weights, unpack_weights
 
 #: packed axis i holds logical axis PACKED_FROM_LOGICAL[i]; logical axes 1 and 2 are unit axes
 PACKED_FROM_LOGICAL = WEIGHT_AXES
+if PACKED_AXES[: len(WEIGHT_AXES)] != WEIGHT_AXES:
+    raise AssertionError("legion_nn.ops.PACKED_AXES must list the kernels' WEIGHT_AXES first")
 
 
 @dataclass(frozen=True)
@@ -62,15 +64,6 @@ FILTER_PACKED = Layout("filter_packed")
 
 
 def choose_layouts(graph: TaskGraph) -> dict[str, Layout]:
-    """The packed layout for the weights whose op's record asks for it (`packed_role`) and for
-    the tensors their owner task updates alongside them (`owner_role`)."""
-    packed: set[str] = set()
-    for task in graph.tasks:
-        role = record_of(task.op).packed_role
-        if role is not None:
-            packed.add(task.requirement(role).tensor)
-    for task in graph.tasks:
-        owner = record_of(task.op).owner_role
-        if owner is not None and task.requirement(owner).tensor in packed:
-            packed.update(req.tensor for req in task.requirements)
+    """The packed layout for `legion_nn.ops.packed_tensors`, the logical one elsewhere."""
+    packed = packed_tensors(graph.tasks)
     return {name: FILTER_PACKED if name in packed else LOGICAL for name in graph.tensors}

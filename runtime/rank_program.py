@@ -78,6 +78,8 @@ class Collective:
     rounds: list[list[Hop]]
     #: the tag of hop j of the flattened rounds is seq + j
     seq: int
+    #: whether it sums a parameter's gradient whose home is sharded
+    sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,12 @@ class RankTask:
     #: the task runs, and before the copies due after it are posted (`RankProgram.completion`)
     complete_before: int = 0
     complete_after: int = 0
+    #: per resident tensor the task reads beyond this rank's home (a sharded parameter), the
+    #: bounding box of those reads: a buffer of the step, filled from the home and the copies
+    #: fetched for this task, and dropped after it
+    windows: dict[str, Rect] = field(default_factory=dict)
+    #: per window, the parts of it this rank holds at home, copied in before the task runs
+    window_home: dict[str, list[Rect]] = field(default_factory=dict)
 
     @cached_property
     def tensors(self) -> frozenset[str]:
@@ -123,6 +131,13 @@ class RankTask:
         names.update(self.local_parts)
         names.update(tensor for tensor, _ in self.zero_first)
         return frozenset(names)
+
+    @cached_property
+    def collects(self) -> bool:
+        """Whether a collective the task starts sums a parameter's gradient onto shards of it
+        (a sharded home's reduce-scatter): it completes before the next task, since its
+        buffers are the size of the whole gradient, which a sharded home exists not to hold."""
+        return any(c.sharded for c in self.collectives)
 
 
 @dataclass
@@ -174,6 +189,11 @@ def build_programs(
     #: per tensor written this step, its layout now and the task that last wrote each cell (the
     #: plan's record); a tensor not written yet holds what the step started with
     written: dict[str, tuple[Layout, np.ndarray]] = {}
+    sharded_grads = {
+        name
+        for name, tensor in graph.tensors.items()
+        if tensor.kind == "grad" and name.removesuffix(".grad") in plan.sharded
+    }
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         for builder in programs.values():
@@ -181,6 +201,9 @@ def build_programs(
         for transfer in task_plan.transfers:
             if transfer.reduce:
                 post_after = position
+            elif graph.tensors[transfer.tensor].resident:
+                # a sharded home's part, fetched just before its reader and dropped after it
+                post_after = max(position - 1, STEP_START)
             else:
                 post_after = _last_write(written.get(transfer.tensor), transfer.rect, position_of)
             for dst in transfer.dsts:
@@ -203,7 +226,11 @@ def build_programs(
             order = target_order(reduction)
             rounds = schedule(reduction, machine)
             collective = Collective(
-                reduction, tuple(reduction.targets[t] for t in order), rounds, seq
+                reduction,
+                tuple(reduction.targets[t] for t in order),
+                rounds,
+                seq,
+                reduction.tensor in sharded_grads,
             )
             seq += sum(len(hops) for hops in rounds)
             for rank in reduction.participants:
@@ -290,19 +317,37 @@ class _Builder:
         return found[1]
 
     def begin(self, position: int, task: Task, pieces: Iterable[Piece]) -> None:
+        """Start the task at `position`: its pieces on this rank, and the rects they touch. A
+        reduction's rects are not yet touched: `end` adds what lands in the tensor itself (the
+        rest is scratch), and a resident tensor's read beyond the home goes to a window."""
         current = RankTask(position, task)
         for piece in pieces:
             if self.rank in piece.ranks:
                 current.pieces.append(PieceWork(piece.rect, piece.requirements))
                 for req in piece.requirements:
-                    for rect in (req.read_rect, req.write_rect):
-                        if rect is not None and not rect.is_empty():
-                            self.touched[req.tensor].append(rect)
+                    read, write = req.read_rect, req.write_rect
+                    if read is not None and not read.is_empty():
+                        if self.graph.tensors[req.tensor].resident and not read.covered_by(
+                            self.held(req.tensor)
+                        ):
+                            window = current.windows.get(req.tensor, read)
+                            current.windows[req.tensor] = window.union_bounds(read)
+                        else:
+                            self.touched[req.tensor].append(read)
+                    reduces = req.privilege is Privilege.REDUCE
+                    if write is not None and not write.is_empty() and not reduces:
+                        self.touched[req.tensor].append(write)
+        for tensor, window in current.windows.items():
+            parts = (window.intersect(h) for h in self.held(tensor))
+            current.window_home[tensor] = [p for p in parts if not p.is_empty()]
         self.current = current
 
     def message(self, message: Message) -> None:
         current = self.current
-        self.touched[message.tensor].append(message.rect)
+        if message.dst == self.rank and not (
+            message.tensor in current.windows and not message.reduce
+        ):
+            self.touched[message.tensor].append(message.rect)  # sends read what is held
         if message.src == self.rank:
             self.bytes_planned += message.nbytes
         if message.reduce:
@@ -357,6 +402,7 @@ class _Builder:
             sends = [m for m in current.partial_out if m.tensor == tensor]
             held = self.held(tensor)
             if not collective_rects and not sends and all(r.covered_by(held) for r in rects):
+                self.touched[tensor].extend(rects)  # the kernel adds into the tensor itself
                 continue
             parts = []
             for rect in rects:
@@ -365,8 +411,10 @@ class _Builder:
                     if not part.is_empty():
                         parts.extend(part.minus(collective_rects))
             current.local_parts[tensor] = parts
+            self.touched[tensor].extend(parts)
             if self._reduces_in_place(tensor, rects):
                 current.in_place.add(tensor)
+                self.touched[tensor].extend(rects)
         for tensor in set(reduced) | set(written):
             if current.task.op == "set_zero":
                 self.zeroed[tensor].extend(written.get(tensor, []))
@@ -395,10 +443,13 @@ class _Builder:
         every run, so that the buffers a collective holds have a known last use."""
         order: list[str] = []
         done = 0
+        prompt = 0  # collectives started so far that complete before the next task
         for rt in self.tasks:
             touched = [o for o, tensor in enumerate(order) if tensor in rt.tensors]
-            done = rt.complete_before = max(done, max(touched, default=-1) + 1)
+            done = rt.complete_before = max(done, max(touched, default=-1) + 1, prompt)
             order += [c.reduction.tensor for c in rt.collectives]
+            if rt.collects:
+                prompt = len(order)
             sending = {m.tensor for m in rt.post if m.src == self.rank}
             touched = [o for o, tensor in enumerate(order) if tensor in sending]
             done = rt.complete_after = max(done, max(touched, default=-1) + 1)

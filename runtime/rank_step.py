@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -28,7 +29,7 @@ from legion_nn.rect import Rect
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
-from runtime.step_buffers import in_place, scratch_rects
+from runtime.step_buffers import direct, hop_segment, in_place, scratch_is_vector, scratch_rects
 from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 
@@ -129,17 +130,31 @@ class StepRun:
     def post(self, messages: list[Message]) -> None:
         for m in messages:
             tag = self.transport.data_tag(m.seq)
+            staged = not direct(self.graph, self.program, m, self.ex.layouts)
             if m.src == self.rank:
-                view = self.ex.view(m.tensor, m.rect)
-                data = self._buffer(("send", m.seq), view.shape, view.dtype)
-                data[...] = view
+                data = view = self.ex.view(m.tensor, m.rect)
+                if staged:
+                    data = self._buffer(("send", m.seq), view.shape, view.dtype)
+                    data[...] = view
                 request = self.transport.isend(data, m.dst, tag)
                 self.sends.append((request, m.dst, data, m, self._now()))
             if m.dst == self.rank:
-                shape = self._shape(m.tensor, m.rect)
-                buffer = self._buffer(("recv", m.seq), shape, self._dtype(m.tensor))
+                if staged:
+                    shape = self._shape(m.tensor, m.rect)
+                    buffer = self._buffer(("recv", m.seq), shape, self._dtype(m.tensor))
+                else:
+                    buffer = self._window_view(self.program.tasks[m.task], m.tensor, m.rect)
                 request = self.transport.irecv(buffer, m.src, tag)
                 self.inbox[m.seq] = (request, buffer, m, self._now())
+
+    def _window(self, rt: RankTask, tensor: str) -> np.ndarray:
+        """The window of `tensor` for task `rt` (`RankTask.windows`): the same memory every
+        step, from where its first copy is posted to `rt`."""
+        shape = self._shape(tensor, rt.windows[tensor])
+        return self._buffer(("window", rt.index, tensor), shape, self._dtype(tensor))
+
+    def _window_view(self, rt: RankTask, tensor: str, rect: Rect) -> np.ndarray:
+        return self._part(tensor, self._window(rt, tensor), rt.windows[tensor], rect)
 
     def _wait_messages(self, messages: list[Message], task: Task, why: str) -> None:
         if not messages:
@@ -184,7 +199,13 @@ class StepRun:
         self._wait_messages(rt.copies_in, task, "halo and copies")
         for m in rt.copies_in:
             _, buffer, _, _ = self.inbox.pop(m.seq)
-            self.ex.view(m.tensor, m.rect)[...] = buffer
+            if m.tensor not in rt.windows:
+                self.ex.view(m.tensor, m.rect)[...] = buffer
+            elif not direct(self.graph, self.program, m, self.ex.layouts):
+                self._window_view(rt, m.tensor, m.rect)[...] = buffer
+        for tensor, parts in rt.window_home.items():
+            for part in parts:
+                self._window_view(rt, tensor, part)[...] = self.ex.view(tensor, part)
         for tensor, rect in rt.zero_first:
             self.ex.view(tensor, rect)[...] = 0
         scratch: dict[str, tuple[Rect, np.ndarray]] = {}
@@ -260,6 +281,8 @@ class StepRun:
         for req in piece.requirements:
             if req.tensor in scratch and req.privilege is Privilege.REDUCE:
                 views[req.role] = scratch[req.tensor][1]
+            elif req.tensor in rt.windows and req.privilege is Privilege.READ:
+                views[req.role] = self._window_view(rt, req.tensor, req.rect)
             elif req.rect is None:
                 views[req.role] = np.zeros((0,) * len(self.graph.tensors[req.tensor].dims))
             else:
@@ -271,9 +294,9 @@ class StepRun:
         tensor = collective.reduction.tensor
         sizes = [rect.volume for rect, _ in collective.targets]
         mine = scratch.get(tensor)
-        if mine is not None and len(sizes) == 1 and mine[0] == collective.targets[0][0]:
-            # The whole contribution is the vector (a replicated gradient): reduce it in place
-            # rather than copy a weight-sized array.
+        if mine is not None and scratch_is_vector(collective, mine[0], self.ex.layouts[tensor]):
+            # The contribution is the vector (a replicated gradient, or a sharded one cut along
+            # its outermost axis): reduce it in place rather than copy a weight-sized array.
             vector = mine[1].reshape(-1)
         else:
             vector = self._buffer(
@@ -374,41 +397,49 @@ class _RunningCollective:
     def post_round(self) -> None:
         run, vector = self.run, self.vector
         self.pending, self.adds = [], []
+        segment = hop_segment(vector.itemsize)
         for hop in self.collective.rounds[self.round]:
             tag = run.transport.data_tag(self.seq)
             if hop.src == run.rank:
-                request = run.transport.isend(vector[hop.lo : hop.hi], hop.dst, tag)
-                self.pending.append((request, hop.dst))
+                # an adding hop goes in segments, in order under one tag (`_Adding`)
+                step = segment if hop.add else hop.hi - hop.lo
+                for lo in range(hop.lo, hop.hi, max(step, 1)):
+                    hi = min(lo + step, hop.hi)
+                    self.pending.append((run.transport.isend(vector[lo:hi], hop.dst, tag), hop.dst))
             if hop.dst == run.rank:
                 if hop.add:  # one buffer per add of a round serves every round
                     key = ("hop", self.collective.seq, len(self.adds))
-                    buffer = run._buffer(key, (hop.hi - hop.lo,), vector.dtype)
-                    self.adds.append((hop, buffer))
+                    size = min(hop.hi - hop.lo, segment)
+                    buffer = run._buffer(key, (size,), vector.dtype)
+                    self.adds.append(_Adding(run, hop, tag, vector, buffer, self.what))
                 else:
-                    buffer = vector[hop.lo : hop.hi]
-                self.pending.append((run.transport.irecv(buffer, hop.src, tag), hop.src))
+                    request = run.transport.irecv(vector[hop.lo : hop.hi], hop.src, tag)
+                    self.pending.append((request, hop.src))
             self.seq += 1
 
     def _end_round(self) -> None:
-        for hop, buffer in self.adds:
-            self.vector[hop.lo : hop.hi] += buffer
         self.round += 1
         if self.round < len(self.collective.rounds):
             self.post_round()
         else:
             self.finished = self.run._now()
 
-    def advance(self) -> None:
+    def _round_done(self) -> bool:
         rank, what = self.run.rank, self.what
-        while self.round < len(self.collective.rounds) and all(
-            done(request, peer, what, rank) for request, peer in self.pending
-        ):
+        added = [adding.advance() for adding in self.adds]
+        return all(added) and all(done(request, peer, what, rank) for request, peer in self.pending)
+
+    def advance(self) -> None:
+        while self.round < len(self.collective.rounds) and self._round_done():
             self._end_round()
 
     def complete(self) -> None:
         run = self.run
         reduction = self.collective.reduction
         while self.round < len(self.collective.rounds):
+            for adding in self.adds:
+                while not adding.advance():
+                    adding.wait(lambda: run._advance_collectives(skip=self))
             wait(
                 self.pending,
                 self.what,
@@ -442,3 +473,37 @@ class _RunningCollective:
                 "participants": list(reduction.participants),
             },
         )
+
+
+class _Adding:
+    """An adding hop received into one buffer of at most `hop_segment` elements, a segment at a
+    time, each added into the vector as it arrives: the sender sends the segments in order under
+    one tag, which both transports deliver in order. So a collective's receive buffers stay a
+    segment long however long its hops are."""
+
+    def __init__(
+        self, run: StepRun, hop, tag: int, vector: np.ndarray, buffer: np.ndarray, what: str
+    ) -> None:
+        self.run, self.hop, self.tag, self.what = run, hop, tag, what
+        self.vector, self.buffer = vector, buffer
+        self.lo = hop.lo
+        self._post()
+
+    def _post(self) -> None:
+        size = min(len(self.buffer), self.hop.hi - self.lo)
+        self.request = self.run.transport.irecv(self.buffer[:size], self.hop.src, self.tag)
+
+    def advance(self) -> bool:
+        """Add in every segment that has arrived; whether the hop is complete."""
+        run = self.run
+        while self.lo < self.hop.hi and done(self.request, self.hop.src, self.what, run.rank):
+            size = min(len(self.buffer), self.hop.hi - self.lo)
+            self.vector[self.lo : self.lo + size] += self.buffer[:size]
+            self.lo += size
+            if self.lo < self.hop.hi:
+                self._post()
+        return self.lo >= self.hop.hi
+
+    def wait(self, on_idle: Callable[[], None]) -> None:
+        run = self.run
+        wait([(self.request, self.hop.src)], self.what, run.rank, run.ex.stall_timeout, on_idle)

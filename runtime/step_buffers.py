@@ -9,6 +9,9 @@ its program (`runtime.rank_program`):
   loop reads after the step (the loss, evaluate's sums) to the step's end;
 - a copy's receive buffer from the point both sides post it to its consumer, and its send buffer
   from that point to the consumer too (the step waits for the send there);
+- a window of a sharded parameter (`RankTask.windows`), for its reading task, and from the point
+  the copies it receives straight into are posted; a part of a sharded home that is one
+  contiguous block moves with no send or receive buffer (`direct`);
 - a partial sum's send and receive buffers, within their task;
 - a reduction's scratch within its task, or until its collective completes when the collective
   reduces it in place; a collective's flat vector and the buffers its adding hops receive into,
@@ -35,14 +38,16 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.aligned import LINE, PAGE, aligned_empty
 from runtime.instances import Layout, choose_layouts
-from runtime.rank_program import Collective, RankProgram, RankTask
+from runtime.rank_program import Collective, Message, RankProgram, RankTask
 
 #: buffers from this size start at a colour of their page (`runtime.aligned`)
 COLOURED = 64 * 1024
 _COLOUR_STEP = 17
 
-#: what a buffer holds, for the breakdown of a rank's memory
+#: what a buffer holds, for the breakdown of a rank's memory (`PARAMETERS`: the windows of
+#: sharded parameters, fetched for one task)
 ACTIVATIONS, GRADIENTS, MESSAGES, SCRATCH = "activations", "gradients", "messages", "scratch"
+PARAMETERS = "fetched parameters"
 
 
 @dataclass(frozen=True)
@@ -117,11 +122,22 @@ def step_slots(
         what = GRADIENTS if tensor.kind == "grad" else ACTIVATIONS
         slots.append(Slot(("tensor", name), box.volume * tensor.itemsize, first, last, what))
 
+    windows: dict[tuple[int, str], int] = {}
+    for rt in program.tasks:
+        for name in rt.windows:
+            windows[rt.index, name] = rt.index
     posted = [(0, m) for m in program.post_at_start]
     posted += [(rt.index, m) for rt in program.tasks for m in rt.post]
     for start, m in posted:
+        if direct(graph, program, m, layouts):
+            if m.dst == program.rank:  # received into its reader's window: open from here
+                windows[m.task, m.tensor] = min(windows[m.task, m.tensor], start)
+            continue
         key = ("send" if m.src == program.rank else "recv", m.seq)
         slots.append(Slot(key, m.nbytes, start, m.task, MESSAGES))
+    for (index, name), first in windows.items():
+        nbytes = program.tasks[index].windows[name].volume * tensors[name].itemsize
+        slots.append(Slot(("window", index, name), nbytes, first, index, PARAMETERS))
     rects = {rt.index: scratch_rects(rt, program.boxes, layouts) for rt in program.tasks}
     scratch: dict[tuple[int, str], Slot] = {}
     for rt in program.tasks:
@@ -138,15 +154,30 @@ def step_slots(
         tensor = collective.reduction.tensor
         if not in_place(program.tasks[index], tensor, program.boxes, layouts):
             mine = rects[index].get(tensor)
-            if mine is not None and reduces_scratch(collective, mine):
+            if mine is not None and scratch_is_vector(collective, mine, layouts[tensor]):
                 kept = scratch[index, tensor]
                 scratch[index, tensor] = Slot(kept.key, kept.nbytes, index, done, SCRATCH)
             else:
                 size = sum(rect.volume for rect, _ in collective.targets) * itemsize
                 slots.append(Slot(("vector", collective.seq), size, index, done, SCRATCH))
         for k, size in enumerate(_adding_hops(collective, program.rank)):
+            size = min(size, hop_segment(itemsize))
             slots.append(Slot(("hop", collective.seq, k), size * itemsize, index, done, MESSAGES))
     return slots + list(scratch.values())
+
+
+def direct(graph: TaskGraph, program: RankProgram, m: Message, layouts) -> bool:
+    """Whether copy `m` of a resident tensor (a sharded home's part) moves with no staging
+    buffer on this rank: sent from the home, or received into its reader's window, where its
+    rect is one contiguous block of that array (a shard cut along its outermost axis is)."""
+    if m.reduce or not graph.tensors[m.tensor].resident:
+        return False
+    if m.src == program.rank:
+        box = program.boxes[m.tensor]
+    else:
+        box = program.tasks[m.task].windows[m.tensor]
+    layout = layouts[m.tensor]
+    return contiguous(layout.shape(m.rect.shape), layout.shape(box.shape))
 
 
 def in_place(rt: RankTask, tensor: str, boxes: Mapping[str, Rect], layouts) -> bool:
@@ -184,10 +215,30 @@ def scratch_rects(rt: RankTask, boxes: Mapping[str, Rect], layouts) -> dict[str,
     return out
 
 
-def reduces_scratch(collective: Collective, rect: Rect) -> bool:
-    """Whether the collective sums this rank's contribution (over `rect`) where it lies: the
-    whole contribution is its one target (a replicated gradient), so it is the vector."""
-    return len(collective.targets) == 1 and collective.targets[0][0] == rect
+def scratch_is_vector(collective: Collective, rect: Rect, layout: Layout) -> bool:
+    """Whether this rank's contribution (its scratch over `rect`) is the collective's flat
+    vector as it lies: the targets, in the vector's order, are consecutive contiguous blocks of
+    it that cover it (a replicated gradient's one target; a sharded one's shards, cut along its
+    outermost axis)."""
+    whole = layout.shape(rect.shape)
+    offset = 0
+    for target, _ in collective.targets:
+        if not rect.contains(target) or not contiguous(layout.shape(target.shape), whole):
+            return False
+        start = layout.shape(target.relative_to(rect).lo)
+        if target.volume and int(np.ravel_multi_index(start, whole)) != offset:
+            return False
+        offset += target.volume
+    return offset == rect.volume
+
+
+#: the most bytes an adding hop of a collective receives at once (`rank_step._Adding`)
+HOP_SEGMENT_BYTES = 8 * 2**20
+
+
+def hop_segment(itemsize: int) -> int:
+    """Elements of an adding hop received at once."""
+    return max(HOP_SEGMENT_BYTES // itemsize, 1)
 
 
 def _adding_hops(collective, rank: int) -> list[int]:

@@ -9,22 +9,27 @@ bytes (`train --log-json`'s `buffer_peak_bytes`), since the runtime allocates by
 placement; the three together predict its peak resident set.
 
 The prediction builds every rank's program, so it costs about what planning all the ranks does;
-`partitioner.accounting` gives the quicker bound the search prices (every buffer held all step).
+`partitioner.accounting` gives the quicker count the search prices, by layer (every tensor held
+all step, no staging buffers). `memory_prediction` is what `partition` reports: every rank placed
+up to `SIMULATE_MAX_RANKS` ranks, as the step simulator does, and beyond that the ranks the count
+finds fullest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from partitioner.accounting import memory_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_layouts
 from runtime.rank_program import build_programs
 from runtime.step_buffers import StepBuffers, step_buffers
+from runtime.step_simulator import SIMULATE_MAX_RANKS
 
 #: what a rank's resident tensors hold, by their kind
 RESIDENT_PARTS = {"param": "parameters", "state": "optimizer state", "data": "data"}
@@ -97,3 +102,51 @@ def predict(
             tuple(rt.task.name for rt in program.tasks),
         )
     return out
+
+
+#: beyond `SIMULATE_MAX_RANKS`, and in `auto`'s fitting, how many ranks (the fullest by
+#: `accounting.memory_per_rank`) are placed, besides rank 0 (which holds the step's statistics)
+SAMPLED_RANKS = 4
+
+
+def sampled_ranks(held: dict[int, int]) -> list[int]:
+    """Rank 0 and the `SAMPLED_RANKS` ranks fullest by the held-all-step count `held`: a plan's
+    ranks run alike but for the cells they get, so its fullest rank is among them."""
+    return sorted({0, *sorted(held, key=lambda r: -held[r])[:SAMPLED_RANKS]})
+
+
+def peak_function(machine: Machine) -> Callable[[TaskGraph, Plan], int]:
+    """The most bytes a rank of a plan holds, its buffers placed and its baseline (on the ranks
+    `sampled_ranks` picks): what `auto` fits in memory (`partitioner.memory_fit`)."""
+
+    def peak(graph: TaskGraph, plan: Plan) -> int:
+        ranks = sampled_ranks(memory_per_rank(graph, plan))
+        return max(m.peak for m in predict(graph, plan, machine, ranks).values())
+
+    return peak
+
+
+def memory_prediction(graph: TaskGraph, plan: Plan, machine: Machine) -> dict:
+    """What `partition` reports of a rank's memory: the peak over ranks of the runtime's buffers
+    and baseline (`predict`), its mean, the fullest rank's parts, and how it was found."""
+    held = memory_per_rank(graph, plan)
+    if plan.nranks <= SIMULATE_MAX_RANKS:
+        ranks, model = range(plan.nranks), "placed"
+    else:
+        ranks = sampled_ranks(held)
+        model = f"placed on rank 0 and the {SAMPLED_RANKS} ranks fullest held all step"
+    memories = predict(graph, plan, machine, ranks)
+    fullest = max(memories.values(), key=lambda m: m.peak)
+    peaks = [m.peak for m in memories.values()]
+    return {
+        "memory_per_rank_max": fullest.peak,
+        "memory_per_rank_mean": sum(peaks) / len(peaks),
+        "memory_model": model,
+        "memory_peak_rank": fullest.rank,
+        "memory_peak_at": fullest.peak_task,
+        "memory_breakdown": fullest.breakdown(),
+        "memory_held_per_rank_max": max(held.values(), default=0),
+        "memory_held_per_rank_mean": sum(held.values()) / max(len(held), 1),
+        "process_baseline_bytes": machine.process_baseline_bytes,
+        "feasible": fullest.peak <= machine.memory_bytes,
+    }

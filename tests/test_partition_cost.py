@@ -17,6 +17,7 @@ from partitioner.machine import Machine, calibrate, load_machine, machine_from_j
 from partitioner.plan import Reduction, build_plan
 from partitioner.search import auto
 from partitioner.strategy import builtin
+from runtime.step_memory import predict
 
 MACHINE = Machine(100, 12.5, 2, 16)
 
@@ -202,16 +203,23 @@ def _report(tmp_path, strategy: str, *extra: str) -> dict:
 
 def test_memory_per_layer_adds_up_to_the_step(tmp_path, capsys):
     data = _report(tmp_path, "data")
-    assert "mem max" in capsys.readouterr().out
+    assert "held max" in capsys.readouterr().out
     rows = {row["layer"]: row for row in data["layers"]}
     for report in (data, _report(tmp_path, "spatial")):
         layers = report["layers"]
-        # every byte a rank holds is in exactly one row: the rows' means add up to the step's
+        # every byte a rank holds all step is in exactly one row: the rows' means add up to the
+        # step's count
         assert sum(r["memory_per_rank_mean"] for r in layers) == pytest.approx(
-            report["memory_per_rank_mean"]
+            report["memory_held_per_rank_mean"]
         )
-        assert max(r["memory_per_rank_max"] for r in layers) <= report["memory_per_rank_max"]
+        assert max(r["memory_per_rank_max"] for r in layers) <= report["memory_held_per_rank_max"]
         assert all(r["memory_per_rank_mean"] <= r["memory_per_rank_max"] for r in layers)
+        # the memory per rank is the runtime's: its buffers as placed, and the baseline
+        graph = load_network("seed-lcn-small").lower(batch=8, optimizer="adam")
+        plan = build_plan(graph, builtin(graph, report["strategy"], 4), 4)
+        peaks = [m.peak for m in predict(graph, plan).values()]
+        assert report["memory_per_rank_max"] == max(peaks)
+        assert report["process_baseline_bytes"] == Machine().process_baseline_bytes
     # data parallel: every rank holds all of L0's untied weights and their gradient, and a
     # quarter of the batch of its three activations
     weights = 2 * (204800 + 4 + 8192)
@@ -341,7 +349,7 @@ def test_partition_predicts_trains_optimizer_and_dtype_by_default(tmp_path):
         out = tmp_path / "plan.json"
         args = ["partition", "seed-lcn-small", "--batch", "4", "--ranks", "1", "--json", str(out)]
         assert main([*args, "--strategy", "data", *extra]) == 0
-        return json.loads(out.read_text())["memory_per_rank_max"]
+        return json.loads(out.read_text())["memory_held_per_rank_max"]
 
     graph = load_network("seed-lcn-small").lower(batch=4)
     params = sum(t.nbytes for t in graph.tensors.values() if t.kind == "param")

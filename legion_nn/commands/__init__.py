@@ -20,3 +20,18 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
         choices=OPTIMIZERS,
         help=f"the optimizer whose update tasks and state are lowered (default {optimizer})",
     )
+
+
+#: what `--param-homes` takes (`partitioner.strategy.PARAM_HOMES`)
+PARAM_HOMES = ("replicated", "sharded")
+
+
+def add_homes_argument(parser: argparse.ArgumentParser) -> None:
+    """`--param-homes`: where parameters, their gradients and optimizer state live."""
+    parser.add_argument(
+        "--param-homes",
+        choices=PARAM_HOMES,
+        help="replicated: each rank keeps whole what its pieces read (default); sharded: every "
+        "part several ranks read is cut among them, gathered just before each use and its "
+        "gradient reduce-scattered (ZeRO-3)",
+    )

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from legion_nn.commands import add_step_arguments
+from legion_nn.commands import add_homes_argument, add_step_arguments
 
 NAME = "memory"
 HELP = "peak memory of one training step of a Chainer dump or a network, per data-parallel rank"
@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ranks", type=int, default=1, metavar="R", help="data-parallel ranks (default 1)"
     )
     add_step_arguments(parser)
+    add_homes_argument(parser)
     parser.add_argument(
         "--batch",
         type=int,
@@ -99,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.strategy is not None:
         return _run_plan(args)
-    if args.machine is not None:
-        raise LegionNNError("--machine needs --strategy")
+    for flag, value in (("--machine", args.machine), ("--param-homes", args.param_homes)):
+        if value is not None:
+            raise LegionNNError(f"{flag} needs --strategy")
     report = _schedule(args).analyze(args.ranks)
     result = report.to_json()
     outputs: list[tuple[str, bytes]] = []
@@ -140,7 +142,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from partitioner.plan import build_plan
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
-    from runtime.step_memory import predict
+    from runtime.step_memory import peak_function, predict
     from visualize.render_file import check_plot
 
     check_ranks(args.ranks)
@@ -149,7 +151,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.source, args.batch, NETWORK_BATCH, dtype=args.dtype, optimizer=args.optimizer
     )
     verify(graph)
-    strategy, _ = resolve_strategy(graph, args.strategy, args.ranks, machine, 30.0, note=_note)
+    strategy, _ = resolve_strategy(
+        graph,
+        args.strategy,
+        args.ranks,
+        machine,
+        30.0,
+        _note,
+        args.param_homes,
+        peak_function(machine),
+    )
     plan = build_plan(graph, strategy, args.ranks)
     memories = predict(graph, plan, machine)
     result = {
@@ -157,6 +168,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         "batch": graph.batch,
         "ranks": args.ranks,
         "strategy": plan.strategy,
+        "param_homes": "sharded" if plan.sharded else "replicated",
         "dtype": args.dtype,
         "optimizer": args.optimizer,
         "peak_bytes": max(m.peak for m in memories.values()),
@@ -184,7 +196,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             {rank: m.live() - m.baseline for rank, m in memories.items()},
             max(m.buffer_bytes for m in memories.values()),
             machine.process_baseline_bytes,
-            f"{graph.network}: batch {graph.batch}, {plan.strategy}",
+            f"{graph.network}: batch {graph.batch}, {strategy.label}",
         )
         figure.savefig(buffer, format=check_plot(args.plot))
         outputs.append((args.plot, buffer.getvalue()))
@@ -199,7 +211,8 @@ def _plan_table(result: dict) -> str:
     lines = [
         (
             f"{result['network']}: batch {result['batch']}, {result['ranks']} ranks, "
-            f"{result['strategy']}, {result['optimizer']} {result['dtype']}; "
+            f"{result['strategy']}, {result['param_homes']} homes, "
+            f"{result['optimizer']} {result['dtype']}; "
             f"peak {_size(result['peak_bytes'])} per rank"
         ),
         f"  {'rank':>4} {'peak':>9} " + " ".join(f"{p[:9]:>9}" for p in parts) + "  peak at",

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from legion_nn.commands import add_step_arguments
+from legion_nn.commands import add_homes_argument, add_step_arguments
 
 NAME = "partition"
 DEFAULT_BATCH = 256
@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='data, model, spatial, auto, or a JSON file {"grids": {unit: [..]}} (default auto)',
     )
     add_step_arguments(parser)
+    add_homes_argument(parser)
     parser.add_argument(
         "--batch",
         type=int,
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan
+    from runtime.step_memory import memory_prediction, peak_function
     from runtime.step_simulator import step_prediction
     from visualize.render_file import check_plot, write_figure
 
@@ -119,14 +121,22 @@ def run(args: argparse.Namespace) -> int:
     for nranks in counts:
         check_ranks(nranks)
         strategy, why = resolve_strategy(
-            graph, args.strategy, nranks, machine, args.time_limit, note=_note
+            graph,
+            args.strategy,
+            nranks,
+            machine,
+            args.time_limit,
+            _note,
+            args.param_homes,
+            peak_function(machine),
         )
         plan = build_plan(graph, strategy, nranks)
         if args.verify:
             verify_plan(graph, plan)
         cost = plan_cost(graph, plan, machine)
         step = step_prediction(graph, plan, machine, cost.step_seconds)
-        reports.append(report_json(graph, plan, cost, why, step))
+        memory = memory_prediction(graph, plan, machine)
+        reports.append(report_json(graph, plan, cost, why, step, memory))
     if args.sweep:
         sys.stdout.write(sweep_table(reports))
         payload = {"sweep": reports}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_step_arguments
+from legion_nn.commands import add_homes_argument, add_step_arguments
 
 NAME = "render"
 HELP = "draw a network's task graph, or a task-graph JSON, with Graphviz"
@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output file; its suffix picks the format: .svg, .png, .pdf or .dot",
     )
     add_step_arguments(parser)
+    add_homes_argument(parser)
     parser.add_argument(
         "--batch",
         type=int,
@@ -114,6 +115,7 @@ def _plan(args: argparse.Namespace, graph):
     from partitioner.machine import load_machine
     from partitioner.plan import build_plan
     from partitioner.resolve import resolve_strategy
+    from runtime.step_memory import peak_function
 
     if args.ranks < 1:
         raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
@@ -123,7 +125,14 @@ def _plan(args: argparse.Namespace, graph):
         print(f"legion-nn render: {message}", file=sys.stderr)
 
     strategy, _ = resolve_strategy(
-        graph, args.strategy or "auto", args.ranks, machine, args.time_limit, note=note
+        graph,
+        args.strategy or "auto",
+        args.ranks,
+        machine,
+        args.time_limit,
+        note,
+        args.param_homes,
+        peak_function(machine),
     )
     return build_plan(graph, strategy, args.ranks)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_step_arguments
+from legion_nn.commands import add_homes_argument, add_step_arguments
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="data",
         help="under mpiexec: data, model, spatial, auto, or a grids .json file (default data)",
     )
+    add_homes_argument(parser)
     parser.add_argument(
         "--machine", metavar="F", help="machine JSON for auto's cost model (see partition)"
     )
@@ -119,6 +120,7 @@ def _config(args: argparse.Namespace):
         raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
     options = RunOptions(
         strategy=args.strategy,
+        param_homes=args.param_homes,
         machine=load_machine(args.machine),
         stall_timeout=args.stall_timeout,
         trace=args.trace,
@@ -192,7 +194,7 @@ def _run_single(args: argparse.Namespace) -> int:
     log = open(args.log_json, "w") if args.log_json else None  # noqa: SIM115  (closed below)
     try:
         console = _Console(args.no_progress)
-        console.start(config, config.total_steps, 1, options.strategy)
+        console.start(config, config.total_steps, 1, options.label)
         (transport,) = ThreadTransport.group(1)
         result = train_rank(
             config, transport, options, None, log, console.on_step, console.on_epoch
@@ -237,7 +239,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
             log = open(args.log_json, "w")  # noqa: SIM115  (closed below)
         console = _Console(args.no_progress or not root)
         if root:
-            console.start(config, config.total_steps, transport.size, options.strategy)
+            console.start(config, config.total_steps, transport.size, options.label)
         result = train_rank(
             config, transport, options, status, log, console.on_step, console.on_epoch
         )

@@ -1,0 +1,120 @@
+"""Fitting a step in a rank's memory: `auto`'s grids and each parameter's home.
+
+`search.auto` chooses grids by the cost model's seconds, and prices memory by the count its rows
+add up, every tensor held all step (`accounting.memory_by_unit`). The runtime holds less: each
+buffer lives from its first use to its last, and a parameter with a sharded home is whole only
+while a task reads it. So `fit` takes the memory per rank of a plan from the caller (the
+runtime's placement, `runtime.step_memory`, with the process baseline) and searches what the
+rows cannot express:
+
+- grids: auto's choice under the machine's memory, auto's choice with memory unlimited (the
+  fastest), and the uniform families (`data`, `model`, `spatial`), each priced by the cost model;
+- homes: for each of those, every parameter replicated, then the largest parameter held whole by
+  several ranks sharded, then the next largest as well, and so on, until the plan fits.
+
+The fastest (grids, homes) that fits is returned. Sharding only adds messages (two gathers and a
+reduce-scatter where an all-reduce was), so grids no faster than the best fit so far are not
+sharded further, and the largest parameters go first because they save the most per gather. Where
+nothing fits, `NoFit` names the least memory per rank among every pair it tried; each grid tried
+with every parameter sharded is among them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from legion_nn.errors import LegionNNError
+from legion_nn.graph import TaskGraph
+from partitioner.cost import plan_cost
+from partitioner.machine import Machine
+from partitioner.pieces import PieceCache
+from partitioner.plan import Plan, build_plan
+from partitioner.strategy import Strategy
+
+#: the most bytes any rank of a plan holds at once
+PeakFn = Callable[[TaskGraph, Plan], int]
+
+
+class NoFit(LegionNNError):
+    """No plan tried fits in a rank's memory."""
+
+
+@dataclass(frozen=True)
+class Fitted:
+    strategy: Strategy
+    seconds: float
+    #: bytes per rank at most (the caller's `PeakFn`)
+    peak: int
+
+
+def fit(
+    graph: TaskGraph,
+    nranks: int,
+    machine: Machine,
+    candidates: list[Strategy],
+    peak: PeakFn,
+    deadline: float,
+) -> Fitted:
+    """The fastest of `candidates` (grids), each with the fewest parameters sharded that make it
+    fit in `machine.memory_bytes`; raises `NoFit` where none does."""
+    cache = PieceCache(graph)
+    found: dict[tuple, Fitted] = {}
+
+    def evaluate(strategy: Strategy) -> tuple[Fitted, Plan]:
+        plan = build_plan(graph, strategy, nranks, cache=cache)
+        fitted = Fitted(strategy, plan_cost(graph, plan, machine).step_seconds, peak(graph, plan))
+        found[_key(strategy)] = fitted
+        return fitted, plan
+
+    first = {_key(s): evaluate(s) for s in candidates}
+    capacity = machine.memory_bytes
+    best: Fitted | None = None
+    for key in sorted(first, key=lambda k: first[k][0].seconds):
+        fitted, plan = first[key]
+        every = _shardable(graph, plan)
+        queue = list(every)
+        while fitted.peak > capacity and queue:
+            if best is not None and (fitted.seconds >= best.seconds or time.monotonic() > deadline):
+                break
+            sharded = fitted.strategy.sharded | {queue.pop(0)}
+            fitted, _ = evaluate(replace(fitted.strategy, sharded=sharded))
+        if fitted.peak <= capacity:
+            if best is None or fitted.seconds < best.seconds:
+                best = fitted
+        elif best is None and every:
+            everything = replace(fitted.strategy, sharded=frozenset(every))
+            if _key(everything) not in found:
+                evaluate(everything)
+    if best is None:
+        least = min(found.values(), key=lambda f: f.peak)
+        homes = (
+            f", {len(least.strategy.sharded)} parameters sharded" if least.strategy.sharded else ""
+        )
+        raise NoFit(
+            f"no plan of {graph.network or 'the network'} at batch {graph.batch} on {nranks} "
+            f"ranks fits in {machine.rank_memory_gib:g} GiB per rank: the smallest tried needs "
+            f"{least.peak / 2**30:.2f} GiB per rank ({_grids(least.strategy)}{homes})"
+        )
+    return best
+
+
+def _key(strategy: Strategy) -> tuple:
+    return tuple(sorted(strategy.unit_grids.items())), strategy.sharded
+
+
+def _shardable(graph: TaskGraph, plan: Plan) -> list[str]:
+    """The parameters some part of whose home several ranks hold, largest first."""
+    names = [
+        name
+        for name, tensor in graph.tensors.items()
+        if tensor.kind == "param"
+        and name not in plan.sharded
+        and plan.homes[name].holder_count.max(initial=0) > 1
+    ]
+    return sorted(names, key=lambda n: (-graph.tensors[n].nbytes, n))
+
+
+def _grids(strategy: Strategy) -> str:
+    return strategy.name if strategy.name != "auto" else "auto's grids"
