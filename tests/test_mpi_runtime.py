@@ -175,16 +175,26 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "nranks,strategy",
-    [(1, "data"), (2, "model"), (3, "spatial"), (4, "auto"), (3, "data")],
+    "nranks,strategy,homes",
+    [
+        (1, "data", "replicated"),
+        (2, "model", "replicated"),
+        (3, "spatial", "replicated"),
+        (4, "auto", "replicated"),
+        (3, "data", "replicated"),
+        (3, "data", "sharded"),
+        (2, "spatial", "sharded"),
+    ],
 )
-def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy):
+def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy, homes):
+    """Every strategy, and parameters sharded (gathered before each use, their gradients
+    reduce-scattered): the checkpoint holds whole tensors either way."""
     if launcher != "local" and nranks < int(launcher.split()[0]):
         pytest.skip("fewer ranks than hosts")
     log = tmp_path / "log.jsonl"
     result = mpiexec(
         nranks, "train", *TRAIN, "--steps", "4", "--strategy", strategy,
-        "--log-json", str(log), "--checkpoint", str(tmp_path / "ckpt"),
+        "--param-homes", homes, "--log-json", str(log), "--checkpoint", str(tmp_path / "ckpt"),
         "--trace", str(tmp_path / "trace.json"), launcher=launcher,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
