@@ -17,7 +17,8 @@ network (at its batch):
 A strategy is a built-in's name (`data`, `model`, `spatial`, `auto`) or a strategy file of grids,
 `{"grids": {unit: [parts, ...]}}` (`--strategies data,rows.json`): the file is read and resolved
 by `partitioner.resolve`, as `partition --strategy FILE` and `train --strategy FILE` resolve it,
-and its rows are labelled by the file's stem (`rows` for `rows.json`).
+and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+sharded` after either
+(`data+sharded`) runs and predicts it with `--param-homes sharded`.
 
 The rows give both, their error, the bytes a step sends and which plan auto chose; the plot puts
 step time against the link's bandwidth, one colour per strategy, predicted lines and measured
@@ -53,9 +54,28 @@ ONE_HOST = "one host"
 SEARCH_SECONDS = 30.0
 
 
+#: after a strategy, `--param-homes sharded`
+SHARDED = "+sharded"
+
+
+def split_homes(strategy: str) -> tuple[str, str | None]:
+    """(`--strategy`, `--param-homes` or None) of a strategy as `--strategies` gives it."""
+    if strategy.endswith(SHARDED):
+        return strategy.removesuffix(SHARDED), "sharded"
+    return strategy, None
+
+
 def strategy_label(strategy: str) -> str:
-    """A strategy's name in the rows: a built-in's own, a strategy file's stem."""
-    return strategy if strategy in STRATEGY_NAMES else Path(strategy).stem
+    """A strategy's name in the rows: a built-in's own, a strategy file's stem; `+sharded`
+    after either."""
+    name, homes = split_homes(strategy)
+    label = name if name in STRATEGY_NAMES else Path(name).stem
+    return label + (SHARDED if homes else "")
+
+
+def _train_arguments(strategy: str) -> list[str]:
+    homes = split_homes(strategy)[1]
+    return ["--param-homes", homes] if homes else []
 
 
 def parse_strategies(text: str) -> list[str]:
@@ -67,14 +87,15 @@ def parse_strategies(text: str) -> list[str]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
+        name, homes = split_homes(item)
         try:
-            check_strategy_name(item)
+            check_strategy_name(name)
         except LegionNNError as exc:
             raise LegionNNError(f"--strategies: {str(exc).removeprefix('--strategy: ')}") from None
-        if item not in STRATEGY_NAMES:
-            read_grids(item)  # a missing or malformed file fails here, before any cluster
-            item = str(Path(item).resolve())
-        strategies.append(item)
+        if name not in STRATEGY_NAMES:
+            read_grids(name)  # a missing or malformed file fails here, before any cluster
+            name = str(Path(name).resolve())
+        strategies.append(name + (SHARDED if homes else ""))
     if not strategies:
         raise LegionNNError(f"--strategies: no strategy in {text!r}")
     labels = [strategy_label(s) for s in strategies]
@@ -93,7 +114,7 @@ def check_strategies(
 ) -> None:
     """Each strategy file's grids fit each network on `ranks` ranks (`partition --strategy FILE`
     would take them): checked before any cluster comes up, not after minutes of measuring."""
-    files = [s for s in strategies if s not in STRATEGY_NAMES]
+    files = [split_homes(s)[0] for s in strategies if split_homes(s)[0] not in STRATEGY_NAMES]
     for network, batch in cases if files else ():
         graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
         for path in files:
@@ -123,7 +144,10 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     auto the families it chose; `strategy` is what `partition --strategy` takes (a built-in,
     auto or a strategy file), resolved as it resolves it."""
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
-    plan_strategy, why = resolve_strategy(graph, strategy, ranks, machine, SEARCH_SECONDS)
+    name, homes = split_homes(strategy)
+    plan_strategy, why = resolve_strategy(
+        graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes
+    )
     chosen = ",".join(sorted({c["family"] for c in why})) if why else ""
     plan = build_plan(graph, plan_strategy, ranks)
     cost = plan_cost(graph, plan, machine)
@@ -173,9 +197,11 @@ def run_cluster_scaling(
                     specs = [
                         {
                             "network": network, "batch": batch, "ranks": ranks,
-                            "strategy": strategy, "steps": steps, "launch": launch,
-                            "extra": ["--machine", str(machine_file)] if strategy == "auto"
-                            else [],
+                            "strategy": split_homes(strategy)[0], "steps": steps,
+                            "launch": launch,
+                            "extra": (["--machine", str(machine_file)]
+                                      if split_homes(strategy)[0] == "auto" else [])
+                            + _train_arguments(strategy),
                         }
                         for strategy in strategies
                     ]  # fmt: skip
@@ -203,8 +229,8 @@ def run_cluster_scaling(
                             "batch": batch, "hosts": hosts, "ranks": count,
                             "strategy": label,
                         }  # fmt: skip
-                        if strategy not in STRATEGY_NAMES:
-                            row["strategy_file"] = strategy
+                        if split_homes(strategy)[0] not in STRATEGY_NAMES:
+                            row["strategy_file"] = split_homes(strategy)[0]
                         if isinstance(job, LegionNNError):
                             rows.append(row | {"failed": str(job).split(": ", 2)[-1]})
                             continue

@@ -18,7 +18,10 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
-  memory-bound tasks reach, and each op's rate for pieces the table lacks (`op_gflops`).
+  memory-bound tasks reach, and each op's rate for pieces the table lacks (`op_gflops`);
+- what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
+  NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
+  the network: its peak resident set less its buffers' peak, as `train --log-json` records them.
 
 `partition --machine F`, `render --machine F` and `train --strategy auto --machine F` read it
 (`partitioner.machine`).
@@ -32,6 +35,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -115,6 +120,35 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         "compute_factor": fitted.compute_factor,
         "loop_us": fitted.loop_seconds * 1e6,
     }
+
+
+#: steps of the fresh training whose resident set gives the process baseline
+BASELINE_STEPS = 2
+
+
+def process_baseline_mib(network: str, batch: int) -> float:
+    """A rank's resident set beyond its buffers, in MiB: `legion-nn train` of the network for
+    `BASELINE_STEPS` steps in a fresh process (no launcher: MPI's libraries add a few MiB under
+    `mpiexec`), the most its peak resident set exceeded its buffers' peak at a step's end."""
+    from runtime.launch import LAUNCHER_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    with tempfile.TemporaryDirectory(prefix="legion-nn-baseline-") as tmp:
+        log = Path(tmp) / "log.jsonl"
+        command = [
+            sys.executable, "-m", "legion_nn.cli", "train", network, "--data", "synthetic",
+            "--batch", str(batch), "--steps", str(BASELINE_STEPS), "--optimizer", OPTIMIZER,
+            "--no-progress", "--log-json", str(log),
+        ]  # fmt: skip
+        result = subprocess.run(
+            command, capture_output=True, text=True, check=False, timeout=1800, env=env
+        )
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise LegionNNError(f"bench machine: the baseline's training failed: {last}")
+        steps = [json.loads(line) for line in log.read_text().splitlines()]
+    excess = [r["rss_peak_bytes"] - r["buffer_peak_bytes"] for r in steps if "step" in r]
+    return max(excess) / 2**20
 
 
 def piece_rows(cache: dict) -> list[dict]:
@@ -205,6 +239,8 @@ def measure(
     if rank == 0:
         say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
         pieces, fitted = measure_compute(network, batch, size, strategies, threads)
+        say(f"{network} batch {batch}: a process's baseline memory")
+        baseline = process_baseline_mib(network, batch)
     if distributed:
         mpi.idle_barrier()
     if rank != 0:
@@ -221,6 +257,7 @@ def measure(
         "rank_memory_gib": _host_memory_gib() / per_host,
         "memory_gbytes_per_s": fitted["memory_gbytes_per_s"],
         "task_overhead_us": fitted["task_overhead_us"],
+        "process_baseline_mib": baseline,
         "op_gflops": rates,
         "ranks_per_host": per_host,
         "compute_factor": fitted["compute_factor"],
@@ -280,4 +317,8 @@ def format_summary(machine: dict) -> str:
         f"{machine['loop_us']:.0f} us a step outside tasks, memory "
         f"{machine['memory_gbytes_per_s']:.1f} GB/s"
     )
+    if "process_baseline_mib" in machine:
+        lines.append(
+            f"a rank's process holds {machine['process_baseline_mib']:.0f} MiB besides its buffers"
+        )
     return "\n".join(lines) + "\n"

@@ -67,7 +67,15 @@ from partitioner.accesses import Columns, TaskAccesses, task_accesses
 from partitioner.layout import Layout
 from partitioner.messages import Accesses, Copies, combine, fetch
 from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
-from partitioner.strategy import Grid, Strategy, find_units, grid_label, is_homed, param_of
+from partitioner.strategy import (
+    Grid,
+    Strategy,
+    find_units,
+    grid_label,
+    is_homed,
+    param_of,
+    strategy_label,
+)
 from partitioner.transfers import Transfer, TransferSet
 
 __all__ = ["Piece", "Plan", "PlanError", "Reduction", "TaskPlan", "Transfer", "build_plan"]
@@ -161,6 +169,11 @@ class Plan:
     summed: dict[str, int] = field(default_factory=dict)
     #: the parameters whose homes are sharded (`Strategy.sharded`)
     sharded: frozenset[str] = frozenset()
+
+    @property
+    def label(self) -> str:
+        """`strategy.strategy_label` of the plan's strategy."""
+        return strategy_label(self.strategy, self.sharded)
 
     def grid_label(self, unit: str) -> str:
         """`strategy.grid_label` of the unit's grid (its reduction dims after `Σ`)."""

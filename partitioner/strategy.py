@@ -73,6 +73,12 @@ class Unit:
     reducer: str | None = None
 
 
+def strategy_label(name: str, sharded: frozenset[str]) -> str:
+    """A strategy as people read it: its name, and the homes where any are sharded
+    (`data, sharded homes`)."""
+    return f"{name}, sharded homes" if sharded else name
+
+
 def grid_label(grid: Grid, summed: int = 0) -> str:
     """A grid as people read it, `2×4×1×1`; where it cuts the last `summed` dims (those its
     reducer sums over) they follow a `Σ`, `1×1×1×1 Σ8×1×1`, and are left out otherwise."""
@@ -347,8 +353,7 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        """The name, and the homes where any are sharded: `data, sharded homes`."""
-        return f"{self.name}, sharded homes" if self.sharded else self.name
+        return strategy_label(self.name, self.sharded)
 
     def task_grids(self, graph: TaskGraph) -> dict[str, Grid]:
         return task_grids(graph, self.unit_grids)

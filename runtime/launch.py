@@ -12,6 +12,10 @@ import os
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 _LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+#: every variable above: without them a child process is no rank of the job
+LAUNCHER_VARIABLES = frozenset(
+    (*_SIZE_VARIABLES, *_RANK_VARIABLES, *_LOCAL_RANK_VARIABLES, "OMPI_COMM_WORLD_LOCAL_SIZE")
+)
 
 
 def host_cores() -> int:

@@ -1,8 +1,11 @@
 """The rank executor: one rank's share of every step, over any transport.
 
 Given the partitioner's plan, each rank runs its `RankProgram` (see `runtime.rank_program`): it
-allocates one buffer per tensor covering only the rects its pieces, halos, messages and home cells
-touch (`RankProgram.boxes`), posts the step's copies as soon as their data exists, runs its pieces
+keeps one buffer per resident tensor (data, parameters, optimizer state) over the cells of its home
+it holds, and places every other buffer of the step (activations and gradients over the rects its
+pieces, halos and messages touch, `RankProgram.boxes`; windows of sharded parameters; message,
+collective and scratch buffers) in one arena, each from its first use to its last
+(`runtime.step_buffers`); it posts the step's copies as soon as their data exists, runs its pieces
 with the kernel adapters (`run_on_views`), sends and adds partial
 sums, and runs the plan's collectives hop by hop (`partitioner.collectives`). One rank needs no
 special path: its program has no messages.

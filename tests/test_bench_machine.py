@@ -51,6 +51,8 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
     assert {p["pair"] for p in data["pingpong"]} == {"intra_host"}
     assert data["rank_memory_gib"] > 0 and data["rank_cores"] >= 1
     assert data["compute_factor"] > 0 and data["task_overhead_us"] >= 0 and data["loop_us"] > 0
+    # a fresh process of seed-lcn-small's training holds 100-400 MiB beside its buffers
+    assert 100 < data["process_baseline_mib"] < 400
 
     machine = load_machine(str(path))
     assert machine.to_json() == data
@@ -171,10 +173,12 @@ def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monke
     from bench.cluster_scaling import parse_strategies, strategy_label
 
     monkeypatch.chdir(ROOT)
-    strategies = parse_strategies(" data, examples/megatron-col-row-2.json ,auto")
+    strategies = parse_strategies(" data, examples/megatron-col-row-2.json ,auto,data+sharded")
     # a file travels as an absolute path: the jobs run `train` from the cluster's hosts
-    assert strategies == ["data", str(COLUMN_ROW), "auto"]
-    assert [strategy_label(s) for s in strategies] == ["data", "megatron-col-row-2", "auto"]
+    assert strategies == ["data", str(COLUMN_ROW), "auto", "data+sharded"]
+    labels = ["data", "megatron-col-row-2", "auto", "data+sharded"]
+    assert [strategy_label(s) for s in strategies] == labels
+    assert parse_strategies("examples/megatron-col-row-2.json+sharded") == [f"{COLUMN_ROW}+sharded"]
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rows.json").write_text(COLUMN_ROW.read_text())

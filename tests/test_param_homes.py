@@ -10,14 +10,13 @@ each rank sends exactly what its program plans.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plan_cases import networks
+from test_fail_inputs import run_cli
 from test_rank_executor import assert_same, config, local_run, ranks_run, small_network
 
 from legion_nn.networks import load_network
@@ -258,28 +257,18 @@ def test_a_sharded_checkpoint_resumes_replicated_on_another_rank_count(tmp_path)
     np.testing.assert_allclose(again.losses, resumed.losses, rtol=1e-9)
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_the_commands_take_param_homes_and_refuse_a_bad_one(tmp_path):
     out = tmp_path / "plan.json"
-    result = cli(
+    result = run_cli(
         "partition", "seed-lcn-small", "--batch", "8", "--ranks", "4", "--strategy", "data",
         "--param-homes", "sharded", "--json", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "sharded homes" in result.stdout
-    bad = cli("partition", "seed-lcn-small", "--ranks", "2", "--param-homes", "half")
+    bad = run_cli("partition", "seed-lcn-small", "--ranks", "2", "--param-homes", "half")
     assert bad.returncode == 2 and "--param-homes" in bad.stderr
     assert "Traceback" not in bad.stderr
-    lonely = cli("memory", "seed-lcn-small", "--param-homes", "sharded")
+    lonely = run_cli("memory", "seed-lcn-small", "--param-homes", "sharded")
     assert lonely.returncode != 0 and "--param-homes needs --strategy" in lonely.stderr
 
 

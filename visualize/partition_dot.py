@@ -195,7 +195,7 @@ def partition_graphviz(
         view = collapse_by_unit(view)
     if title is None:
         title = (
-            f"{graph.network or 'task graph'}, batch {graph.batch}: strategy {plan.strategy} "
+            f"{graph.network or 'task graph'}, batch {graph.batch}: strategy {plan.label} "
             f"on {plan.nranks} ranks"
         )
     dot = _new_digraph(f"{graph.network or 'taskgraph'}-partitioned")

@@ -196,7 +196,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             {rank: m.live() - m.baseline for rank, m in memories.items()},
             max(m.buffer_bytes for m in memories.values()),
             machine.process_baseline_bytes,
-            f"{graph.network}: batch {graph.batch}, {strategy.label}",
+            f"{graph.network}: batch {graph.batch}, {plan.label}",
         )
         figure.savefig(buffer, format=check_plot(args.plot))
         outputs.append((args.plot, buffer.getvalue()))

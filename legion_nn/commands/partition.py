@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             from visualize.partition_map import partition_map_figure, partition_maps
 
             title = (
-                f"{graph.network}, batch {graph.batch}: strategy {plan.strategy} on "
+                f"{graph.network}, batch {graph.batch}: strategy {plan.label} on "
                 f"{plan.nranks} ranks"
             )
             write_figure(partition_map_figure(partition_maps(graph, plan), title), args.plot)

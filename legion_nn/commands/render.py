@@ -205,7 +205,7 @@ def _run_partitioned(args: argparse.Namespace, graph) -> int:
     title = (
         f"{graph.network or 'task graph'}, batch {graph.batch}"
         + (", forward only" if args.forward_only else "")
-        + f": strategy {plan.strategy} on {plan.nranks} ranks"
+        + f": strategy {plan.label} on {plan.nranks} ranks"
     )
     digraph = partition_graphviz(
         graph,
@@ -218,5 +218,5 @@ def _run_partitioned(args: argparse.Namespace, graph) -> int:
     )
     written = write_rendering(digraph, args.output)
     unit = "units" if collapse == "layer" else "tasks"
-    print(f"wrote {written} ({args.ranks} ranks, {plan.strategy}, {unit} per rank)")
+    print(f"wrote {written} ({args.ranks} ranks, {plan.label}, {unit} per rank)")
     return 0
