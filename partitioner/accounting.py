@@ -15,7 +15,11 @@ every tensor's layouts (activations, gradients, the homes of data, parameters, t
 optimizer state, replicated or not; read from the plan's record of who holds what, `Plan.homes`
 and `Plan.layouts`) plus the parts it receives for a read (once per tensor, rect
 and rank over the step) and the partial sums it holds for a reduction into a rect it does not own.
-This bounds the peak from above.
+It adds up by layer, which the search needs to price rows apart, but it is not the runtime's
+peak: the runtime frees each buffer after its last use, and holds staging buffers this count
+leaves out (send and receive copies, collective vectors and hop buffers). What a rank of the
+runtime holds is `runtime.step_memory`'s placement, which `partition` reports and `auto` fits
+(`memory_fit.py`).
 
 Memory per layer splits that sum by table row (`memory_by_unit`), so the rows of a rank add up to
 its total: a tensor's cells count in the row of the first task that touches it (an activation in

@@ -38,7 +38,11 @@ PeakFn = Callable[[TaskGraph, Plan], int]
 
 
 class NoFit(LegionNNError):
-    """No plan tried fits in a rank's memory."""
+    """No plan tried fits in a rank's memory; `least` is the fewest bytes per rank any needs."""
+
+    def __init__(self, message: str, least: int) -> None:
+        super().__init__(message)
+        self.least = least
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def fit(
         raise NoFit(
             f"no plan of {graph.network or 'the network'} at batch {graph.batch} on {nranks} "
             f"ranks fits in {machine.rank_memory_gib:g} GiB per rank: the smallest tried needs "
-            f"{least.peak / 2**30:.2f} GiB per rank ({_grids(least.strategy)}{homes})"
+            f"{least.peak / 2**30:.2f} GiB per rank ({_grids(least.strategy)}{homes})",
+            least.peak,
         )
     return best
 

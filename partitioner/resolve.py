@@ -24,9 +24,9 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ops import has_access_map
 from partitioner.cost import task_costs, unit_seconds
 from partitioner.machine import Machine
-from partitioner.memory_fit import PeakFn, fit
+from partitioner.memory_fit import NoFit, PeakFn, fit
 from partitioner.plan import build_plan
-from partitioner.search import auto
+from partitioner.search import SearchResult, auto
 from partitioner.strategy import (
     BUILTIN,
     STRATEGY_NAMES,
@@ -76,27 +76,49 @@ def resolve_strategy(
     strategy, why = _resolve(graph, name, nranks, machine, time_limit, note)
     if name != "auto" or peak is None or param_homes is not None or why is None:
         return with_homes(graph, strategy, param_homes or "replicated"), why
-    fastest = auto(graph, nranks, replace(machine, rank_memory_gib=math.inf), time_limit).strategy
-    uniform = [builtin(graph, family, nranks) for family in BUILTIN]
-    fitted = fit(graph, nranks, machine, [strategy, fastest, *uniform], peak, deadline)
-    return fitted.strategy, _reasons(graph, fitted.strategy, nranks, machine, why)
+    fastest = auto(graph, nranks, replace(machine, rank_memory_gib=math.inf), time_limit)
+    reasons = why + _choice_rows(fastest)
+    candidates = [strategy, fastest.strategy, *(builtin(graph, f, nranks) for f in BUILTIN)]
+    baseline = machine.process_baseline_bytes
+    budget = max(machine.memory_bytes - baseline, 1)  # for the buffers, which the DP counts
+    for attempt in range(TIGHTER_SEARCHES + 1):
+        try:
+            fitted = fit(graph, nranks, machine, candidates, peak, deadline)
+            break
+        except NoFit as exc:
+            if attempt == TIGHTER_SEARCHES or time.monotonic() > deadline:
+                raise
+            # the DP trades seconds for the memory it counts (every tensor held all step): ask
+            # it for less, by as much as the runtime's least buffers overshot the room for them
+            budget *= (machine.memory_bytes - baseline) / max(exc.least - baseline, 1)
+            room = replace(machine, rank_memory_gib=budget / 2**30)
+            tighter = auto(graph, nranks, room, max(deadline - time.monotonic(), 1.0))
+            candidates.append(tighter.strategy)
+            reasons += _choice_rows(tighter)
+    return fitted.strategy, _reasons(graph, fitted.strategy, nranks, machine, reasons)
+
+
+#: where nothing fits, how many more times auto's DP is asked for grids within a smaller memory
+TIGHTER_SEARCHES = 3
 
 
 def _reasons(
     graph: TaskGraph, strategy: Strategy, nranks: int, machine: Machine, why: list[dict]
 ) -> list[dict]:
-    """`why` for the grids `fit` chose: auto's reasons where it kept auto's grid for a layer,
-    else the family's name and the cost model's seconds; each with the parameters it reads
-    whose homes are sharded."""
-    by_layer = {row["layer"]: row for row in why}
+    """`why` for the grids `fit` chose: the reasons of a search (`why`, rows of every search
+    made) that chose the same grid for a layer, else the family's name and the cost model's
+    seconds; each with the parameters the layer reads whose homes are sharded."""
+    by_layer: dict[tuple[str, tuple[int, ...]], dict] = {}
+    for row in why:
+        by_layer.setdefault((row["layer"], tuple(row["grid"])), row)
     costs = task_costs(graph, build_plan(graph, strategy, nranks), machine)
     data = task_costs(graph, build_plan(graph, builtin(graph, "data", nranks), nranks), machine)
     seconds, data_seconds = unit_seconds(costs), unit_seconds(data)
     rows = []
     for unit in find_units(graph):
         grid = list(strategy.unit_grids[unit.name])
-        row = by_layer.get(unit.name)
-        if row is None or row["grid"] != grid:
+        row = by_layer.get((unit.name, tuple(grid)))
+        if row is None:
             row = {
                 "layer": unit.name,
                 "family": strategy.name,
@@ -107,6 +129,20 @@ def _reasons(
         reads = {r.tensor for t in unit.forward for r in graph.task(t).requirements}
         rows.append(row | {"sharded": sorted(reads & strategy.sharded)})
     return rows
+
+
+def _choice_rows(result: SearchResult) -> list[dict]:
+    """Why auto chose each layer's grid: the rows of `why`."""
+    return [
+        {
+            "layer": c.unit,
+            "family": c.family,
+            "grid": list(c.grid),
+            "seconds": c.seconds,
+            "data_seconds": c.data_seconds,
+        }
+        for c in result.choices
+    ]
 
 
 def _resolve(
@@ -134,17 +170,7 @@ def _resolve(
         )
     if name == "auto":
         result = auto(graph, nranks, machine, time_limit)
-        why = [
-            {
-                "layer": c.unit,
-                "family": c.family,
-                "grid": list(c.grid),
-                "seconds": c.seconds,
-                "data_seconds": c.data_seconds,
-            }
-            for c in result.choices
-        ]
-        return result.strategy, why
+        return result.strategy, _choice_rows(result)
     if name in BUILTIN:
         return builtin(graph, name, nranks), None
     check_strategy_name(name)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -29,7 +28,8 @@ from legion_nn.rect import Rect
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
-from runtime.step_buffers import direct, hop_segment, in_place, scratch_is_vector, scratch_rects
+from runtime.running_collective import RunningCollective
+from runtime.step_buffers import direct, in_place, scratch_is_vector, scratch_rects
 from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 
@@ -103,9 +103,10 @@ class StepRun:
         #: (request, peer, buffer kept alive, message, posted at)
         self.sends: list[tuple[Any, int, np.ndarray, Message | None, float]] = []
         #: collectives started and not yet complete, in the order they started
-        self.collectives: list[_RunningCollective] = []
+        self.collectives: list[RunningCollective] = []
         #: how many collectives have completed
         self.completed = 0
+        self.stall_timeout = executor.stall_timeout
 
     def _dtype(self, tensor: str):
         return NUMPY_DTYPES[self.graph.tensors[tensor].dtype]
@@ -117,14 +118,18 @@ class StepRun:
         if self.recorder is not None:
             self.recorder.add(cat, name, tid, start, self.recorder.now(), args)
 
-    def _buffer(self, key: tuple, shape, dtype, zero: bool = False) -> np.ndarray:
+    def buffer(self, key: tuple, shape, dtype, zero: bool = False) -> np.ndarray:
         """The step's buffer `key` (`runtime.step_buffers`): the same memory every step."""
         array = self.ex.arena.view(self.buffers, key, shape, dtype)
         if zero:
             array.fill(0)
         return array
 
-    def _now(self) -> float:
+    def view(self, tensor: str, rect: Rect) -> np.ndarray:
+        """This rank's buffer of `tensor` over `rect` (`RankExecutor.view`)."""
+        return self.ex.view(tensor, rect)
+
+    def now(self) -> float:
         return self.recorder.now() if self.recorder is not None else 0.0
 
     def post(self, messages: list[Message]) -> None:
@@ -134,24 +139,24 @@ class StepRun:
             if m.src == self.rank:
                 data = view = self.ex.view(m.tensor, m.rect)
                 if staged:
-                    data = self._buffer(("send", m.seq), view.shape, view.dtype)
+                    data = self.buffer(("send", m.seq), view.shape, view.dtype)
                     data[...] = view
                 request = self.transport.isend(data, m.dst, tag)
-                self.sends.append((request, m.dst, data, m, self._now()))
+                self.sends.append((request, m.dst, data, m, self.now()))
             if m.dst == self.rank:
                 if staged:
                     shape = self._shape(m.tensor, m.rect)
-                    buffer = self._buffer(("recv", m.seq), shape, self._dtype(m.tensor))
+                    buffer = self.buffer(("recv", m.seq), shape, self._dtype(m.tensor))
                 else:
                     buffer = self._window_view(self.program.tasks[m.task], m.tensor, m.rect)
                 request = self.transport.irecv(buffer, m.src, tag)
-                self.inbox[m.seq] = (request, buffer, m, self._now())
+                self.inbox[m.seq] = (request, buffer, m, self.now())
 
     def _window(self, rt: RankTask, tensor: str) -> np.ndarray:
         """The window of `tensor` for task `rt` (`RankTask.windows`): the same memory every
         step, from where its first copy is posted to `rt`."""
         shape = self._shape(tensor, rt.windows[tensor])
-        return self._buffer(("window", rt.index, tensor), shape, self._dtype(tensor))
+        return self.buffer(("window", rt.index, tensor), shape, self._dtype(tensor))
 
     def _window_view(self, rt: RankTask, tensor: str, rect: Rect) -> np.ndarray:
         return self._part(tensor, self._window(rt, tensor), rt.windows[tensor], rect)
@@ -159,14 +164,14 @@ class StepRun:
     def _wait_messages(self, messages: list[Message], task: Task, why: str) -> None:
         if not messages:
             return
-        start = self._now()
+        start = self.now()
         pending = [(self.inbox[m.seq][0], m.src) for m in messages]
         wait(
             pending,
             f"step {self.ctx.step}, task {task.name} ({why})",
             self.rank,
-            self.ex.stall_timeout,
-            self._advance_collectives if self.collectives else None,
+            self.stall_timeout,
+            self.advance_collectives if self.collectives else None,
         )
         if self.recorder is not None:
             end = self.recorder.now()
@@ -212,7 +217,7 @@ class StepRun:
         boxes, layouts = self.program.boxes, self.ex.layouts
         for tensor, rect in scratch_rects(rt, boxes, layouts).items():
             shape = layouts[tensor].shape(rect.shape)
-            array = self._buffer(("scratch", rt.index, tensor), shape, self._dtype(tensor), True)
+            array = self.buffer(("scratch", rt.index, tensor), shape, self._dtype(tensor), True)
             scratch[tensor] = (rect, array)
         for tensor in rt.in_place:
             if in_place(rt, tensor, boxes, layouts):
@@ -220,7 +225,7 @@ class StepRun:
                     c.targets[0] for c in rt.collectives if c.reduction.tensor == tensor
                 )
                 scratch[tensor] = (target, self.ex.view(tensor, target))
-        start = self._now()
+        start = self.now()
         with self.transport.computing():
             for piece in rt.pieces:
                 self._compute(rt, piece, scratch)
@@ -235,10 +240,10 @@ class StepRun:
         for m in rt.partial_out:
             rect, contribution = scratch[m.tensor]
             part = self._part(m.tensor, contribution, rect, m.rect)
-            data = self._buffer(("send", m.seq), part.shape, part.dtype)
+            data = self.buffer(("send", m.seq), part.shape, part.dtype)
             data[...] = part
             request = self.transport.isend(data, m.dst, self.transport.data_tag(m.seq))
-            self.sends.append((request, m.dst, data, m, self._now()))
+            self.sends.append((request, m.dst, data, m, self.now()))
         for tensor, parts in rt.local_parts.items():
             rect, contribution = scratch[tensor]
             for part in parts:
@@ -263,8 +268,8 @@ class StepRun:
                 due,
                 f"step {self.ctx.step}, task {rt.task.name} (sends still in flight)",
                 self.rank,
-                self.ex.stall_timeout,
-                self._advance_collectives if self.collectives else None,
+                self.stall_timeout,
+                self.advance_collectives if self.collectives else None,
             )
 
     def _part(self, tensor: str, array: np.ndarray, rect: Rect, part: Rect) -> np.ndarray:
@@ -299,7 +304,7 @@ class StepRun:
             # its outermost axis): reduce it in place rather than copy a weight-sized array.
             vector = mine[1].reshape(-1)
         else:
-            vector = self._buffer(
+            vector = self.buffer(
                 ("vector", collective.seq), (sum(sizes),), self._dtype(tensor), zero=True
             )
             offset = 0
@@ -308,7 +313,7 @@ class StepRun:
                     part = self._part(tensor, mine[1], mine[0], rect)
                     vector[offset : offset + size] = part.ravel()
                 offset += size
-        running = _RunningCollective(self, rt, collective, vector)
+        running = RunningCollective(self, rt, collective, vector)
         running.post_round()
         self.collectives.append(running)
 
@@ -321,13 +326,13 @@ class StepRun:
             self.collectives.pop(0).complete()
             self.completed += 1
 
-    def _advance_collectives(self, skip: _RunningCollective | None = None) -> None:
+    def advance_collectives(self, skip: RunningCollective | None = None) -> None:
         for running in self.collectives:
             if running is not skip:
                 running.advance()
 
     def _progress(self) -> None:
-        self._advance_collectives()
+        self.advance_collectives()
         still = []
         for entry in self.sends:
             request, peer, _, message, posted = entry
@@ -355,155 +360,6 @@ class StepRun:
             [(request, peer) for request, peer, *_ in self.sends],
             f"step {self.ctx.step}, end of step (sends still in flight)",
             self.rank,
-            self.ex.stall_timeout,
+            self.stall_timeout,
         )
         self._progress()
-
-
-class _RunningCollective:
-    """A collective in flight: its rounds of hops, posted one after another as each completes.
-
-    Hops send straight from the vector and a round waits for its sends as well as its receives,
-    since a later round (or an add in this one) may overwrite what was sent. A hop that only
-    copies receives straight into the vector. Between the step's tasks, `advance` moves it on
-    without blocking; `complete` blocks until the last round is in, then adds the result into
-    the tensor (unless it was reduced in place). Until then no task touches the tensor: the
-    step completes a collective before any task that does."""
-
-    def __init__(
-        self, run: StepRun, rt: RankTask, collective: Collective, vector: np.ndarray
-    ) -> None:
-        self.run = run
-        self.rt = rt
-        self.collective = collective
-        self.tensor = collective.reduction.tensor
-        self.vector = vector
-        self.round = 0
-        self.seq = collective.seq
-        self.pending: list[tuple[Any, int]] = []
-        self.adds: list[tuple[Any, np.ndarray]] = []
-        self.started = run._now()
-        #: when the last round came in, for the trace (the step may complete it much later)
-        self.finished = self.started
-
-    @property
-    def what(self) -> str:
-        reduction = self.collective.reduction
-        return (
-            f"step {self.run.ctx.step}, task {self.rt.task.name} ({reduction.algorithm} of "
-            f"{self.tensor} over ranks {list(reduction.participants)})"
-        )
-
-    def post_round(self) -> None:
-        run, vector = self.run, self.vector
-        self.pending, self.adds = [], []
-        segment = hop_segment(vector.itemsize)
-        for hop in self.collective.rounds[self.round]:
-            tag = run.transport.data_tag(self.seq)
-            if hop.src == run.rank:
-                # an adding hop goes in segments, in order under one tag (`_Adding`)
-                step = segment if hop.add else hop.hi - hop.lo
-                for lo in range(hop.lo, hop.hi, max(step, 1)):
-                    hi = min(lo + step, hop.hi)
-                    self.pending.append((run.transport.isend(vector[lo:hi], hop.dst, tag), hop.dst))
-            if hop.dst == run.rank:
-                if hop.add:  # one buffer per add of a round serves every round
-                    key = ("hop", self.collective.seq, len(self.adds))
-                    size = min(hop.hi - hop.lo, segment)
-                    buffer = run._buffer(key, (size,), vector.dtype)
-                    self.adds.append(_Adding(run, hop, tag, vector, buffer, self.what))
-                else:
-                    request = run.transport.irecv(vector[hop.lo : hop.hi], hop.src, tag)
-                    self.pending.append((request, hop.src))
-            self.seq += 1
-
-    def _end_round(self) -> None:
-        self.round += 1
-        if self.round < len(self.collective.rounds):
-            self.post_round()
-        else:
-            self.finished = self.run._now()
-
-    def _round_done(self) -> bool:
-        rank, what = self.run.rank, self.what
-        added = [adding.advance() for adding in self.adds]
-        return all(added) and all(done(request, peer, what, rank) for request, peer in self.pending)
-
-    def advance(self) -> None:
-        while self.round < len(self.collective.rounds) and self._round_done():
-            self._end_round()
-
-    def complete(self) -> None:
-        run = self.run
-        reduction = self.collective.reduction
-        while self.round < len(self.collective.rounds):
-            for adding in self.adds:
-                while not adding.advance():
-                    adding.wait(lambda: run._advance_collectives(skip=self))
-            wait(
-                self.pending,
-                self.what,
-                run.rank,
-                run.ex.stall_timeout,
-                lambda: run._advance_collectives(skip=self),
-            )
-            self._end_round()
-        offset = 0
-        for rect, holders in self.collective.targets:
-            size = rect.volume
-            if run.rank in holders:
-                target = run.ex.view(self.tensor, rect)
-                if not np.may_share_memory(target, self.vector):  # else it was reduced in place
-                    target += self.vector[offset : offset + size].reshape(target.shape)
-            offset += size
-        if run.recorder is None:
-            return
-        run.recorder.add(
-            "collective",
-            f"{reduction.algorithm} {self.tensor}",
-            COMMUNICATION,
-            self.started,
-            self.finished,
-            {
-                "step": run.step_label,
-                "task": self.rt.task.name,
-                "tensor": self.tensor,
-                "bytes": reduction.nbytes,
-                "algorithm": reduction.algorithm,
-                "participants": list(reduction.participants),
-            },
-        )
-
-
-class _Adding:
-    """An adding hop received into one buffer of at most `hop_segment` elements, a segment at a
-    time, each added into the vector as it arrives: the sender sends the segments in order under
-    one tag, which both transports deliver in order. So a collective's receive buffers stay a
-    segment long however long its hops are."""
-
-    def __init__(
-        self, run: StepRun, hop, tag: int, vector: np.ndarray, buffer: np.ndarray, what: str
-    ) -> None:
-        self.run, self.hop, self.tag, self.what = run, hop, tag, what
-        self.vector, self.buffer = vector, buffer
-        self.lo = hop.lo
-        self._post()
-
-    def _post(self) -> None:
-        size = min(len(self.buffer), self.hop.hi - self.lo)
-        self.request = self.run.transport.irecv(self.buffer[:size], self.hop.src, self.tag)
-
-    def advance(self) -> bool:
-        """Add in every segment that has arrived; whether the hop is complete."""
-        run = self.run
-        while self.lo < self.hop.hi and done(self.request, self.hop.src, self.what, run.rank):
-            size = min(len(self.buffer), self.hop.hi - self.lo)
-            self.vector[self.lo : self.lo + size] += self.buffer[:size]
-            self.lo += size
-            if self.lo < self.hop.hi:
-                self._post()
-        return self.lo >= self.hop.hi
-
-    def wait(self, on_idle: Callable[[], None]) -> None:
-        run = self.run
-        wait([(self.request, self.hop.src)], self.what, run.rank, run.ex.stall_timeout, on_idle)

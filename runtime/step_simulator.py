@@ -9,9 +9,10 @@ it (`runtime.rank_step`). FlexFlow's answer is a simulator over measured task ti
 for legion-nn's own rank programs (`runtime.rank_program`), so it follows exactly the order,
 post points and collective schedules the runtime runs:
 
-- each rank runs its program's tasks in order: complete the collectives the task touches, post
-  its partial-sum receives, wait for its copies, compute (the given seconds), send its partial
-  sums, wait for those it holds, start its collectives, post the copies due after it;
+- each rank runs its program's tasks in order: complete the collectives due before it (the
+  program's completion points, `RankTask.complete_before`), post its partial-sum receives, wait
+  for its copies, compute (the given seconds), send its partial sums, wait for those it holds,
+  start its collectives, complete those due after it, post the copies due after it;
 - a message moves once both ends have posted it: on a link between hosts it takes the sending
   host's egress and the receiving host's ingress (full duplex per host, a non-blocking switch),
   one message after another in the order they became ready, for latency + bytes / bandwidth;
@@ -85,7 +86,6 @@ class _Running:
     """A rank's collective in flight: the keys of each round that concern this rank."""
 
     rounds: list[list[Key]]
-    tensor: str
     adds: list[int]  # bytes added at the end of each round
     round: int = 0
     #: time the current round's last transfer ends, once all of them are scheduled
@@ -197,7 +197,7 @@ class _Simulator:
                     added += (hop.hi - hop.lo) * itemsize
             rounds.append(mine)
             adds.append(added)
-        running = _Running(rounds, collective.reduction.tensor, adds)
+        running = _Running(rounds, adds)
         self.running[rank].append(running)
         self._post_round(rank, running)
 
@@ -249,15 +249,10 @@ class _Simulator:
         self.clock[rank] += self._pack(program.post_at_start, rank)
         yield _SYNC
         self._messages(rank, program.post_at_start)
+        completed = 0
         for position, rt in enumerate(program.tasks):
-            touched = rt.tensors
-            last = max(
-                (i for i, r in enumerate(self.running[rank]) if r.tensor in touched), default=-1
-            )
-            for running in self.running[rank][: last + 1]:
-                while running.round < len(running.rounds):
-                    yield list(running.rounds[running.round])
-            del self.running[rank][: last + 1]
+            yield from self._complete(rank, rt.complete_before - completed)
+            completed = max(completed, rt.complete_before)
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
             self.clock[rank] += sum(2 * m.nbytes * self.memory for m in rt.copies_in)
@@ -269,13 +264,21 @@ class _Simulator:
             self.clock[rank] += sum(3 * m.nbytes * self.memory for m in rt.partial_in)
             for collective in rt.collectives:
                 self._start_collective(rank, collective)
+            yield from self._complete(rank, rt.complete_after - completed)
+            completed = max(completed, rt.complete_after)
             self._messages(rank, rt.post)
             yield _PROGRESS
-        for running in self.running[rank]:
+        yield from self._complete(rank, len(self.running[rank]))
+        yield list(self.sends[rank])
+
+    def _complete(self, rank: int, count: int) -> Generator[object, None, None]:
+        """Complete the rank's `count` oldest collectives in flight, in the order they started:
+        the program's completion points (`RankTask.complete_before`), as the runtime does."""
+        for _ in range(max(count, 0)):
+            running = self.running[rank][0]  # still in the list, which `_advance` moves on
             while running.round < len(running.rounds):
                 yield list(running.rounds[running.round])
-        self.running[rank] = []
-        yield list(self.sends[rank])
+            self.running[rank].pop(0)
 
     def _run(self, rank: int) -> None:
         """Go on with `rank` at its clock until it waits, syncs or ends."""

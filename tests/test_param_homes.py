@@ -277,3 +277,30 @@ def test_sharded_homes_of_a_large_plan_verify_quickly():
     graph = load_network("vgg19").lower(batch=256, optimizer="adam")
     plan = build_plan(graph, sharded(graph, "data", 1024), 1024)
     verify_plan(graph, plan)
+
+
+def test_memory_of_a_plan_gives_each_ranks_peak_its_parts_and_a_plot(tmp_path):
+    """`legion-nn memory --strategy`: the runtime's prediction per rank, whose parts add up to
+    its peak, and the live bytes over the step, the same as `runtime.step_memory` places them."""
+    import json
+
+    from runtime.step_memory import predict
+
+    out, plot = tmp_path / "memory.json", tmp_path / "live.png"
+    result = run_cli(
+        "memory", "seed-lcn-small", "--batch", "8", "--ranks", "4", "--strategy", "data",
+        "--param-homes", "sharded", "--json", str(out), "--plot", str(plot),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "sharded homes" in result.stdout
+    report = json.loads(out.read_text())
+    graph = small_network().lower(batch=8, optimizer="adam")
+    plan = build_plan(graph, sharded(graph, "data", 4), 4)
+    predicted = predict(graph, plan)
+    assert report["peak_bytes"] == max(m.peak for m in predicted.values())
+    for row in report["per_rank"]:
+        memory = predicted[row["rank"]]
+        assert row["peak_bytes"] == memory.peak == sum(row["breakdown"].values())
+        assert row["live_bytes"] == memory.live().tolist()
+        assert row["breakdown"]["fetched parameters"] > 0  # the windows of sharded weights
+    assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -163,6 +163,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     )
     plan = build_plan(graph, strategy, args.ranks)
     memories = predict(graph, plan, machine)
+    fullest = max(memories.values(), key=lambda m: m.peak)
     result = {
         "network": graph.network,
         "batch": graph.batch,
@@ -171,7 +172,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         "param_homes": "sharded" if plan.sharded else "replicated",
         "dtype": args.dtype,
         "optimizer": args.optimizer,
-        "peak_bytes": max(m.peak for m in memories.values()),
+        # DESIGN's keys, of the fullest rank: its peak, where, the parameters' bytes
+        # (whole), and the step's forward and backward tasks
+        "peak_bytes": fullest.peak,
+        "peak_at": fullest.peak_task,
+        "param_bytes": sum(t.nbytes for t in graph.tensors.values() if t.kind == "param"),
+        "forward_functions": sum(t.phase == "forward" for t in graph.tasks),
+        "backward_functions": sum(t.phase == "backward" for t in graph.tasks),
         "tasks": list(memories[0].tasks),
         "per_rank": [
             {
