@@ -127,10 +127,12 @@ def table(report: dict) -> str:
     if "memory_model" in report:
         lines.append(
             f"memory per rank {_size(report['memory_per_rank_max'])} at most "
-            f"(rank {report['memory_peak_rank']}, at {report['memory_peak_at']}), "
-            f"{_size(report['memory_per_rank_mean'])} on average: the runtime's buffers, each "
-            f"live from first use to last ({report['memory_model']}), and a process baseline of "
-            f"{_size(report['process_baseline_bytes'])}; 'held' counts every tensor all step"
+            f"(rank {report['memory_peak_rank']}"
+            + (f", at {report['memory_peak_at']}" if "memory_peak_at" in report else "")
+            + "), "
+            f"{_size(report['memory_per_rank_mean'])} on average: the runtime's buffers "
+            f"({report['memory_model']}) and a process baseline of "
+            f"{_size(report['process_baseline_bytes'])}"
         )
     if report.get("step_model") == "simulated":
         lines.append(

@@ -73,12 +73,20 @@ def resolve_strategy(
     and fits the step in the machine's memory (`memory_fit.fit`): one line (`NoFit`) where
     nothing it tries fits."""
     deadline = time.monotonic() + time_limit
-    strategy, why = _resolve(graph, name, nranks, machine, time_limit, note)
-    if name != "auto" or peak is None or param_homes is not None or why is None:
+    strategy, why, searched = _resolve(graph, name, nranks, machine, time_limit, note)
+    if searched is None or peak is None or param_homes is not None:
         return with_homes(graph, strategy, param_homes or "replicated"), why
-    fastest = auto(graph, nranks, replace(machine, rank_memory_gib=math.inf), time_limit)
-    reasons = why + _choice_rows(fastest)
-    candidates = [strategy, fastest.strategy, *(builtin(graph, f, nranks) for f in BUILTIN)]
+    if (
+        searched.fastest
+        and peak(graph, build_plan(graph, strategy, nranks)) <= machine.memory_bytes
+    ):
+        return strategy, _reasons(graph, strategy, nranks, machine, why)  # nothing is faster
+    if searched.fastest:
+        fastest, reasons = strategy, list(why)
+    else:
+        unlimited = auto(graph, nranks, replace(machine, rank_memory_gib=math.inf), time_limit)
+        fastest, reasons = unlimited.strategy, why + _choice_rows(unlimited)
+    candidates = [strategy, fastest, *(builtin(graph, f, nranks) for f in BUILTIN)]
     baseline = machine.process_baseline_bytes
     budget = max(machine.memory_bytes - baseline, 1)  # for the buffers, which the DP counts
     for attempt in range(TIGHTER_SEARCHES + 1):
@@ -111,11 +119,16 @@ def _reasons(
     by_layer: dict[tuple[str, tuple[int, ...]], dict] = {}
     for row in why:
         by_layer.setdefault((row["layer"], tuple(row["grid"])), row)
-    costs = task_costs(graph, build_plan(graph, strategy, nranks), machine)
-    data = task_costs(graph, build_plan(graph, builtin(graph, "data", nranks), nranks), machine)
-    seconds, data_seconds = unit_seconds(costs), unit_seconds(data)
+    units = find_units(graph)
+    seconds: dict[str, float] = {}
+    data_seconds: dict[str, float] = {}
+    if any((u.name, tuple(strategy.unit_grids[u.name])) not in by_layer for u in units):
+        costs = task_costs(graph, build_plan(graph, strategy, nranks), machine)
+        data = builtin(graph, "data", nranks)
+        seconds = unit_seconds(costs)
+        data_seconds = unit_seconds(task_costs(graph, build_plan(graph, data, nranks), machine))
     rows = []
-    for unit in find_units(graph):
+    for unit in units:
         grid = list(strategy.unit_grids[unit.name])
         row = by_layer.get((unit.name, tuple(grid)))
         if row is None:
@@ -152,7 +165,8 @@ def _resolve(
     machine: Machine,
     time_limit: float,
     note: Callable[[str], None] | None,
-) -> tuple[Strategy, list[dict] | None]:
+) -> tuple[Strategy, list[dict] | None, SearchResult | None]:
+    """The strategy `name` stands for, auto's reasons and its search's result."""
     check_plannable(graph)
     if name in ("auto", "model", "spatial") and batch_only(graph):
         what = graph.network or "this graph"
@@ -162,7 +176,7 @@ def _resolve(
                     f"auto: the tasks of {what} can be cut over the batch only: planning data "
                     "parallelism"
                 )
-            return builtin(graph, "data", nranks), None
+            return builtin(graph, "data", nranks), None, None
         raise LegionNNError(
             f"--strategy {name}: the tasks of {what} can be cut over the batch only (imported "
             "graphs support data parallelism: their functions have batch-parallel access maps, "
@@ -170,11 +184,11 @@ def _resolve(
         )
     if name == "auto":
         result = auto(graph, nranks, machine, time_limit)
-        return result.strategy, _choice_rows(result)
+        return result.strategy, _choice_rows(result), result
     if name in BUILTIN:
-        return builtin(graph, name, nranks), None
+        return builtin(graph, name, nranks), None, None
     check_strategy_name(name)
-    return grids_strategy(graph, name, read_grids(name), nranks), None
+    return grids_strategy(graph, name, read_grids(name), nranks), None, None
 
 
 def strategy_chooser(

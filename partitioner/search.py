@@ -99,6 +99,8 @@ class SearchResult:
     note: str
     #: unit transitions priced (the DP on chains; see `transitions.py`)
     transitions_priced: int = 0
+    #: the DP proved this the cheapest assignment under the cost model, memory aside
+    fastest: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,13 +190,19 @@ def _no_cycle_collection():
 
 
 def _dp_result(
-    pricer: UnitPricer, chosen: list[Grid], choices: list[Choice], note: str, priced: int
+    pricer: UnitPricer,
+    chosen: list[Grid],
+    choices: list[Choice],
+    note: str,
+    priced: int,
+    fastest: bool,
 ) -> SearchResult:
-    """A DP's result: the strategy of the grids `chosen`, carrying their pieces."""
+    """A DP's result: the strategy of the grids `chosen`, carrying their pieces; `fastest`:
+    the DP proved them the cheapest assignment, memory aside."""
     strategy = Strategy("auto", {u.name: q for u, q in zip(pricer.units, chosen)})
     pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
     object.__setattr__(strategy, "pieces", pieces)
-    return SearchResult(strategy, choices, 0, note, priced)
+    return SearchResult(strategy, choices, 0, note, priced, fastest)
 
 
 def _path_cost(rows: list[RowCost], constant: np.ndarray, capacity: float) -> tuple[float, bool]:
@@ -309,7 +317,8 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         if all(k in table for k in keys([grid_of[(i, f)] for i in range(len(units))]))
     ]
     candidates = [path for path in [best_path(values(exact))] if path is not None]
-    if not candidates or not cost(candidates[0])[1]:
+    fits_cheapest = bool(candidates) and cost(candidates[0])[1]
+    if not fits_cheapest:
         # the fastest assignment does not fit: price what is left, then trade seconds for
         # memory, row by row
         for x, y in product(families.FAMILIES, families.FAMILIES):
@@ -340,7 +349,7 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         data_p = grid_of[(i - 1, "data")] if i else None
         data = table[(i, data_p, grid_of[(i, "data")])]
         choices.append(Choice(unit.name, options[i][q], q, table[(i, p, q)].seconds, data.seconds))
-    return _dp_result(pricer, chosen, choices, note, len(table))
+    return _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
 
 
 def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
@@ -425,6 +434,7 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     solution = dp.solve(exact)
     if solution is not None:
         candidates.append(path_of(solution))
+    fits_cheapest = bool(candidates) and cost(candidates[0])[1]
     for family in families.FAMILIES:
         uniform = [grid_of[(i, family)] for i in range(len(units))]
         if all(key_of(i, uniform) in table for i in range(len(units))):
@@ -447,7 +457,7 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         )
         for i, (unit, q) in enumerate(zip(units, chosen))
     ]
-    return _dp_result(pricer, chosen, choices, note, len(table))
+    return _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
 
 
 def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:

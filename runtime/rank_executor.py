@@ -122,6 +122,12 @@ class RankExecutor:
         self.runs = 0
         #: the step buffers of every program (`runtime.step_buffers`)
         self.arena = Arena()
+        #: per program, its step tensors' views of the arena (and the arena's generation)
+        self._views: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        #: the program, and the arena's generation, whose views `arrays` holds now
+        self._bound: tuple[int, int] | None = None
+        #: the graph whose resident tensors `arrays` holds now
+        self._allocated: TaskGraph | None = None
         self._buffer_peak = 0
 
     @property
@@ -179,6 +185,10 @@ class RankExecutor:
     def _allocate(self, graph: TaskGraph, program: RankProgram) -> None:
         """The resident tensors' buffers: kept across steps (every other tensor lives in the
         arena, bound to a program's buffers when it runs)."""
+        if self._allocated is graph:
+            return
+        self._allocated = graph
+        self._bound = None  # data tensors may have been dropped or replaced
         self._known.update(graph.tensors)
         layouts = choose_layouts(graph)
         for name in sorted(graph.tensors):
@@ -209,19 +219,30 @@ class RankExecutor:
         self.boxes.pop(name, None)
 
     def _bind(self, graph: TaskGraph, program: RankProgram, buffers: StepBuffers) -> None:
-        """Point every step tensor of `program` at its place in the arena."""
+        """Point every step tensor of `program` at its place in the arena. The views are made
+        once per program and arena (`_views`); binding the program bound last is free."""
+        bound = (id(program), self.arena.generation)
+        if self._bound == bound:
+            return
+        views = self._views.get(id(program))
+        if views is None or views[0] != self.arena.generation:
+            views = self._views[id(program)] = (self.arena.generation, {})
+            for name, tensor in graph.tensors.items():
+                if ("tensor", name) in buffers.slots:
+                    shape = self.layouts[name].shape(program.boxes[name].shape)
+                    dtype = NUMPY_DTYPES[tensor.dtype]
+                    view = self.arena.view(buffers, ("tensor", name), shape, dtype)
+                    views[1][name] = view
         for name, tensor in graph.tensors.items():
             if tensor.resident:
                 continue
-            box = program.boxes.get(name)
-            if ("tensor", name) not in buffers.slots:
+            if name not in views[1]:
                 self._drop(name)
                 continue
-            shape = self.layouts[name].shape(box.shape)
-            dtype = NUMPY_DTYPES[tensor.dtype]
-            self.arrays[name] = self.arena.view(buffers, ("tensor", name), shape, dtype)
-            self.boxes[name] = box
+            self.arrays[name] = views[1][name]
+            self.boxes[name] = program.boxes[name]
             self._tensors[name] = tensor
+        self._bound = bound
 
     def view(self, name: str, rect: Rect) -> np.ndarray:
         if rect.is_empty():  # e.g. softmax.grad's empty read of the loss gradient

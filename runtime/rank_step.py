@@ -29,7 +29,6 @@ from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.running_collective import RunningCollective
-from runtime.step_buffers import direct, in_place, scratch_is_vector, scratch_rects
 from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 
@@ -135,7 +134,7 @@ class StepRun:
     def post(self, messages: list[Message]) -> None:
         for m in messages:
             tag = self.transport.data_tag(m.seq)
-            staged = not direct(self.graph, self.program, m, self.ex.layouts)
+            staged = m.seq not in self.buffers.staging.direct
             if m.src == self.rank:
                 data = view = self.ex.view(m.tensor, m.rect)
                 if staged:
@@ -206,7 +205,7 @@ class StepRun:
             _, buffer, _, _ = self.inbox.pop(m.seq)
             if m.tensor not in rt.windows:
                 self.ex.view(m.tensor, m.rect)[...] = buffer
-            elif not direct(self.graph, self.program, m, self.ex.layouts):
+            elif m.seq not in self.buffers.staging.direct:
                 self._window_view(rt, m.tensor, m.rect)[...] = buffer
         for tensor, parts in rt.window_home.items():
             for part in parts:
@@ -214,17 +213,13 @@ class StepRun:
         for tensor, rect in rt.zero_first:
             self.ex.view(tensor, rect)[...] = 0
         scratch: dict[str, tuple[Rect, np.ndarray]] = {}
-        boxes, layouts = self.program.boxes, self.ex.layouts
-        for tensor, rect in scratch_rects(rt, boxes, layouts).items():
-            shape = layouts[tensor].shape(rect.shape)
+        staging = self.buffers.staging
+        for tensor, rect in staging.scratch[rt.index].items():
+            shape = self._shape(tensor, rect)
             array = self.buffer(("scratch", rt.index, tensor), shape, self._dtype(tensor), True)
             scratch[tensor] = (rect, array)
-        for tensor in rt.in_place:
-            if in_place(rt, tensor, boxes, layouts):
-                (target, _), *_ = (
-                    c.targets[0] for c in rt.collectives if c.reduction.tensor == tensor
-                )
-                scratch[tensor] = (target, self.ex.view(tensor, target))
+        for tensor, target in staging.in_place.get(rt.index, {}).items():
+            scratch[tensor] = (target, self.ex.view(tensor, target))
         start = self.now()
         with self.transport.computing():
             for piece in rt.pieces:
@@ -299,7 +294,10 @@ class StepRun:
         tensor = collective.reduction.tensor
         sizes = [rect.volume for rect, _ in collective.targets]
         mine = scratch.get(tensor)
-        if mine is not None and scratch_is_vector(collective, mine[0], self.ex.layouts[tensor]):
+        staging = self.buffers.staging
+        if collective.seq in staging.vector_in_scratch or tensor in staging.in_place.get(
+            rt.index, {}
+        ):
             # The contribution is the vector (a replicated gradient, or a sharded one cut along
             # its outermost axis): reduce it in place rather than copy a weight-sized array.
             vector = mine[1].reshape(-1)

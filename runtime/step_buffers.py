@@ -28,7 +28,7 @@ successive cache-line colours within a page, for the reason `runtime.aligned` gi
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -60,6 +60,45 @@ class Slot:
     what: str
 
 
+@dataclass(frozen=True)
+class Staging:
+    """Where one rank's reductions and copies go, decided once per program, which the slots and
+    the step both read: per task position, the scratch rect of each tensor its pieces reduce
+    into (`scratch_rects`) and the target of each they reduce into in place (`in_place`); the
+    copies that move with no staging buffer (`direct`) and the collectives that sum their
+    scratch as it lies (`scratch_is_vector`), by sequence number."""
+
+    scratch: dict[int, dict[str, Rect]] = field(default_factory=dict)
+    in_place: dict[int, dict[str, Rect]] = field(default_factory=dict)
+    direct: frozenset[int] = frozenset()
+    vector_in_scratch: frozenset[int] = frozenset()
+
+
+def staging(graph: TaskGraph, program: RankProgram, layouts: Mapping[str, Layout]) -> Staging:
+    scratch = {rt.index: scratch_rects(rt, program.boxes, layouts) for rt in program.tasks}
+    placed: dict[int, dict[str, Rect]] = {}
+    for rt in program.tasks:
+        for tensor in rt.in_place:
+            if in_place(rt, tensor, program.boxes, layouts):
+                (target, _), *_ = (
+                    c.targets[0] for c in rt.collectives if c.reduction.tensor == tensor
+                )
+                placed.setdefault(rt.index, {})[tensor] = target
+    messages = [*program.post_at_start, *(m for rt in program.tasks for m in rt.post)]
+    summed = set()
+    for index, collective in program.collectives:
+        mine = scratch[index].get(collective.reduction.tensor)
+        layout = layouts[collective.reduction.tensor]
+        if mine is not None and scratch_is_vector(collective, mine, layout):
+            summed.add(collective.seq)
+    return Staging(
+        scratch,
+        placed,
+        frozenset(m.seq for m in messages if direct(graph, program, m, layouts)),
+        frozenset(summed),
+    )
+
+
 @dataclass
 class StepBuffers:
     """The placed buffers of one rank program."""
@@ -71,6 +110,7 @@ class StepBuffers:
     size: int
     #: tasks in the program
     length: int
+    staging: Staging = field(default_factory=Staging)
 
     def live(self) -> np.ndarray:
         """Bytes of this program's buffers in use at each task."""
@@ -95,10 +135,11 @@ class StepBuffers:
 
 
 def step_slots(
-    graph: TaskGraph, program: RankProgram, layouts: Mapping[str, Layout], keep: bool = False
+    graph: TaskGraph, program: RankProgram, staged: Staging, keep: bool = False
 ) -> list[Slot]:
-    """Every buffer of `program` that is not a resident tensor's, with its lifetime; with
-    `keep`, the step tensors live all step, so that all of them can be read after it."""
+    """Every buffer of `program` that is not a resident tensor's, with its lifetime, as
+    `staged` stages its reductions and copies; with `keep`, the step tensors live all step, so
+    that all of them can be read after it."""
     tensors = graph.tensors
     end = len(program.tasks) - 1
     touched: dict[str, list[int]] = {}
@@ -129,7 +170,7 @@ def step_slots(
     posted = [(0, m) for m in program.post_at_start]
     posted += [(rt.index, m) for rt in program.tasks for m in rt.post]
     for start, m in posted:
-        if direct(graph, program, m, layouts):
+        if m.seq in staged.direct:
             if m.dst == program.rank:  # received into its reader's window: open from here
                 windows[m.task, m.tensor] = min(windows[m.task, m.tensor], start)
             continue
@@ -138,7 +179,7 @@ def step_slots(
     for (index, name), first in windows.items():
         nbytes = program.tasks[index].windows[name].volume * tensors[name].itemsize
         slots.append(Slot(("window", index, name), nbytes, first, index, PARAMETERS))
-    rects = {rt.index: scratch_rects(rt, program.boxes, layouts) for rt in program.tasks}
+    rects = staged.scratch
     scratch: dict[tuple[int, str], Slot] = {}
     for rt in program.tasks:
         for m in (*rt.partial_in, *rt.partial_out):
@@ -152,9 +193,8 @@ def step_slots(
         done = completion[ordinal]
         itemsize = collective.reduction.itemsize
         tensor = collective.reduction.tensor
-        if not in_place(program.tasks[index], tensor, program.boxes, layouts):
-            mine = rects[index].get(tensor)
-            if mine is not None and scratch_is_vector(collective, mine, layouts[tensor]):
+        if tensor not in staged.in_place.get(index, {}):
+            if collective.seq in staged.vector_in_scratch:
                 kept = scratch[index, tensor]
                 scratch[index, tensor] = Slot(kept.key, kept.nbytes, index, done, SCRATCH)
             else:
@@ -296,8 +336,9 @@ def step_buffers(
     keep: bool = False,
 ) -> StepBuffers:
     """The placed buffers of `program` on its rank (`keep`: see `step_slots`)."""
-    layouts = layouts or choose_layouts(graph)
-    return place(step_slots(graph, program, layouts, keep), len(program.tasks))
+    staged = staging(graph, program, layouts or choose_layouts(graph))
+    placed = place(step_slots(graph, program, staged, keep), len(program.tasks))
+    return replace(placed, staging=staged)
 
 
 class Arena:
@@ -306,10 +347,13 @@ class Arena:
 
     def __init__(self) -> None:
         self._bytes = np.empty(0, np.uint8)
+        #: grows by one each time the memory is replaced: views made before are stale
+        self.generation = 0
 
     def reserve(self, size: int) -> None:
         if size > self._bytes.size:
             self._bytes = aligned_empty((size,), np.uint8)
+            self.generation += 1
 
     @property
     def nbytes(self) -> int:

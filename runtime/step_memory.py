@@ -11,8 +11,7 @@ placement; the three together predict its peak resident set.
 The prediction builds every rank's program, so it costs about what planning all the ranks does;
 `partitioner.accounting` gives the quicker count the search prices, by layer (every tensor held
 all step, no staging buffers). `memory_prediction` is what `partition` reports: every rank placed
-up to `SIMULATE_MAX_RANKS` ranks, as the step simulator does, and beyond that the ranks the count
-finds fullest.
+up to `SIMULATE_MAX_RANKS` ranks, as the step simulator does, and beyond that the held count.
 """
 
 from __future__ import annotations
@@ -104,9 +103,13 @@ def predict(
     return out
 
 
-#: beyond `SIMULATE_MAX_RANKS`, and in `auto`'s fitting, how many ranks (the fullest by
-#: `accounting.memory_per_rank`) are placed, besides rank 0 (which holds the step's statistics)
+#: in `auto`'s fitting, how many ranks (the fullest by `accounting.memory_per_rank`) are placed,
+#: besides rank 0 (which holds the step's statistics)
 SAMPLED_RANKS = 4
+#: what a rank holds on more ranks than `SIMULATE_MAX_RANKS`: placing even a few ranks' programs
+#: walks every message of the plan (a minute for vgg19 at 1024 ranks), so the count of every
+#: tensor held all step stands in, as the bulk-synchronous sum stands in for the simulated step
+HELD = "held all step (every tensor, no staging buffers), beyond 64 ranks"
 
 
 def sampled_ranks(held: dict[int, int]) -> list[int]:
@@ -116,37 +119,48 @@ def sampled_ranks(held: dict[int, int]) -> list[int]:
 
 
 def peak_function(machine: Machine) -> Callable[[TaskGraph, Plan], int]:
-    """The most bytes a rank of a plan holds, its buffers placed and its baseline (on the ranks
-    `sampled_ranks` picks): what `auto` fits in memory (`partitioner.memory_fit`)."""
+    """The most bytes a rank of a plan holds with its baseline: its buffers placed on the ranks
+    `sampled_ranks` picks, or beyond `SIMULATE_MAX_RANKS` the held count (`HELD`). What `auto`
+    fits in memory (`partitioner.memory_fit`)."""
 
     def peak(graph: TaskGraph, plan: Plan) -> int:
-        ranks = sampled_ranks(memory_per_rank(graph, plan))
-        return max(m.peak for m in predict(graph, plan, machine, ranks).values())
+        held = memory_per_rank(graph, plan)
+        if plan.nranks > SIMULATE_MAX_RANKS:
+            return max(held.values(), default=0) + machine.process_baseline_bytes
+        memories = predict(graph, plan, machine, sampled_ranks(held))
+        return max(m.peak for m in memories.values())
 
     return peak
 
 
 def memory_prediction(graph: TaskGraph, plan: Plan, machine: Machine) -> dict:
     """What `partition` reports of a rank's memory: the peak over ranks of the runtime's buffers
-    and baseline (`predict`), its mean, the fullest rank's parts, and how it was found."""
+    and baseline (`predict`, every rank's program placed), its mean, the fullest rank's parts;
+    beyond `SIMULATE_MAX_RANKS` ranks the held count with the baseline (`HELD`)."""
     held = memory_per_rank(graph, plan)
-    if plan.nranks <= SIMULATE_MAX_RANKS:
-        ranks, model = range(plan.nranks), "placed"
-    else:
-        ranks = sampled_ranks(held)
-        model = f"placed on rank 0 and the {SAMPLED_RANKS} ranks fullest held all step"
-    memories = predict(graph, plan, machine, ranks)
-    fullest = max(memories.values(), key=lambda m: m.peak)
-    peaks = [m.peak for m in memories.values()]
-    return {
-        "memory_per_rank_max": fullest.peak,
-        "memory_per_rank_mean": sum(peaks) / len(peaks),
-        "memory_model": model,
-        "memory_peak_rank": fullest.rank,
-        "memory_peak_at": fullest.peak_task,
-        "memory_breakdown": fullest.breakdown(),
+    baseline = machine.process_baseline_bytes
+    out = {
         "memory_held_per_rank_max": max(held.values(), default=0),
         "memory_held_per_rank_mean": sum(held.values()) / max(len(held), 1),
-        "process_baseline_bytes": machine.process_baseline_bytes,
-        "feasible": fullest.peak <= machine.memory_bytes,
+        "process_baseline_bytes": baseline,
     }
+    if plan.nranks > SIMULATE_MAX_RANKS:
+        fullest = max(held, key=lambda r: held[r])
+        out |= {
+            "memory_per_rank_max": held[fullest] + baseline,
+            "memory_per_rank_mean": out["memory_held_per_rank_mean"] + baseline,
+            "memory_model": HELD,
+            "memory_peak_rank": fullest,
+        }
+    else:
+        memories = predict(graph, plan, machine)
+        top = max(memories.values(), key=lambda m: m.peak)
+        out |= {
+            "memory_per_rank_max": top.peak,
+            "memory_per_rank_mean": sum(m.peak for m in memories.values()) / len(memories),
+            "memory_model": "placed, each live from its first use to its last",
+            "memory_peak_rank": top.rank,
+            "memory_peak_at": top.peak_task,
+            "memory_breakdown": top.breakdown(),
+        }
+    return out | {"feasible": out["memory_per_rank_max"] <= machine.memory_bytes}
