@@ -133,7 +133,7 @@ class RankTask:
         return frozenset(names)
 
     @cached_property
-    def collects(self) -> bool:
+    def sums_shards(self) -> bool:
         """Whether a collective the task starts sums a parameter's gradient onto shards of it
         (a sharded home's reduce-scatter): it completes before the next task, since its
         buffers are the size of the whole gradient, which a sharded home exists not to hold."""
@@ -344,10 +344,9 @@ class _Builder:
 
     def message(self, message: Message) -> None:
         current = self.current
-        if message.dst == self.rank and not (
-            message.tensor in current.windows and not message.reduce
-        ):
-            self.touched[message.tensor].append(message.rect)  # sends read what is held
+        into_window = not message.reduce and message.tensor in current.windows
+        if message.dst == self.rank and not into_window:  # a send reads what its source holds
+            self.touched[message.tensor].append(message.rect)
         if message.src == self.rank:
             self.bytes_planned += message.nbytes
         if message.reduce:
@@ -448,7 +447,7 @@ class _Builder:
             touched = [o for o, tensor in enumerate(order) if tensor in rt.tensors]
             done = rt.complete_before = max(done, max(touched, default=-1) + 1, prompt)
             order += [c.reduction.tensor for c in rt.collectives]
-            if rt.collects:
+            if rt.sums_shards:
                 prompt = len(order)
             sending = {m.tensor for m in rt.post if m.src == self.rank}
             touched = [o for o, tensor in enumerate(order) if tensor in sending]

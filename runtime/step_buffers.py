@@ -367,12 +367,3 @@ class Arena:
         if nbytes > buffers.slots[key].nbytes:
             raise AssertionError(f"buffer {key} of {nbytes} bytes exceeds its slot")
         return self._bytes[offset : offset + nbytes].view(dtype).reshape(shape)
-
-
-def resident_bytes(graph: TaskGraph, boxes: Mapping[str, object]) -> int:
-    """Bytes of the resident tensors' buffers over `boxes` (a program's, per tensor)."""
-    return sum(
-        box.volume * graph.tensors[name].itemsize
-        for name, box in boxes.items()
-        if graph.tensors[name].resident
-    )
