@@ -152,22 +152,21 @@ def _config(args: argparse.Namespace):
 
 
 class _Console:
-    """The progress bar and per-epoch lines (rank 0 only)."""
+    """Progress (`legion_nn.commands.progress`) and the per-epoch lines (rank 0 only)."""
 
     def __init__(self, disable: bool) -> None:
-        from tqdm import tqdm
+        from legion_nn.commands.progress import Progress
 
-        self.bar = tqdm(total=None, disable=disable, unit="step", file=sys.stderr)
+        self.progress = Progress(disable)
 
     def on_step(self, step: int, loss: float) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}")
+        self.progress.step(loss)
 
     def on_epoch(self, line: str) -> None:
-        self.bar.write(line, file=sys.stdout)
+        self.progress.write(line)
 
     def start(self, config, total_steps: int, ranks: int, strategy: str) -> None:
-        self.bar.total = total_steps
+        self.progress.start(total_steps)
         where = f", {ranks} ranks, strategy {strategy}" if ranks > 1 else ""
         print(
             f"training {config.network.name} on {config.dataset.name}: "
@@ -178,7 +177,7 @@ class _Console:
         )
 
     def done(self, result) -> None:
-        self.bar.close()
+        self.progress.close()
         print(
             f"done in {result.seconds:.1f} s: test accuracy {result.test_accuracy:.4f}, "
             f"val accuracy {result.val_accuracy:.4f}, train accuracy {result.train_accuracy:.4f}"
