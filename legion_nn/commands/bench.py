@@ -1,6 +1,8 @@
-"""`legion-nn bench kernels|scaling|machine`: benchmarks, not tests.
+"""`legion-nn bench kernels|step|scaling|machine`: benchmarks, not tests.
 
 - `kernels`: filter kernel throughput beside the machine's SGEMM, NumPy and PyTorch;
+- `step [NETWORK] [--batch B]`: one training step of NETWORK (default seed-lcn, batch 64) against
+  its roofline, task by task, beside its PyTorch peer (`bench.step`);
 - `scaling`: training steps under `mpiexec` on 1, 2 and 4 ranks for each strategy, measured
   beside the cost model's calibrated prediction (see `bench.scaling`); with `--hosts H
   --link RATE[,RATE...]`, on an emulated cluster, predicted from the machine file `bench machine`
@@ -25,7 +27,7 @@ HELP = (
     "benchmarks: kernel GFLOP/s beside SGEMM and peers; distributed step time vs the model; "
     "the machine file"
 )
-SUITES = ("kernels", "scaling", "machine")
+SUITES = ("kernels", "step", "scaling", "machine")
 KERNEL_BATCHES = [64, 256]
 IMPLS = ("legion-nn", "numpy", "torch")
 
@@ -42,6 +44,12 @@ def _positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", choices=SUITES, help="what to measure")
+    parser.add_argument(
+        "step_network",
+        nargs="?",
+        metavar="NETWORK",
+        help="step: the network whose training step is measured (default: seed-lcn)",
+    )
     parser.add_argument("--json", metavar="F", help="also write the results as JSON to F")
     parser.add_argument(
         "--batch",
@@ -145,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     say = None if args.quiet else progress
+    if args.step_network is not None and args.suite != "step":
+        raise LegionNNError(f"a NETWORK after the suite is for bench step, not bench {args.suite}")
+    if args.suite == "step":
+        return _step(args, say)
     if args.suite == "machine":
         return _machine(args, say)
     if args.suite == "scaling" and args.hosts is not None:
@@ -192,6 +204,20 @@ def _single_batch(args: argparse.Namespace, default: int) -> int:
             f"--batch: bench {args.suite} takes one batch size, got {len(args.batch)}"
         )
     return args.batch[0]
+
+
+def _step(args: argparse.Namespace, say) -> int:
+    from bench import step as bench_step
+    from legion_nn.atomic import write_text
+    from legion_nn.networks import load_network
+
+    network = args.step_network or "seed-lcn"
+    load_network(network)  # a bad name fails before the ceilings are measured
+    report = bench_step.run_step_benchmark(network, _single_batch(args, 64), say)
+    print(bench_step.format_table(report), end="")
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=1) + "\n")
+    return 0
 
 
 def _machine(args: argparse.Namespace, say) -> int:
