@@ -19,7 +19,7 @@ LINE_SECONDS = 10.0
 
 
 def _duration(seconds: float) -> str:
-    seconds = max(int(round(seconds)), 0)
+    seconds = max(round(seconds), 0)
     hours, rest = divmod(seconds, 3600)
     minutes, seconds = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
