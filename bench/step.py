@@ -7,7 +7,8 @@ Side by side, in one run on this machine:
   without a core-type pin) and the bytes its pieces must read and write
   (`partitioner.accounting.bytes_per_rank`: each rect once, twice for an update in place) at the
   machine's copy bandwidth (`bench.calibration.memory_bandwidth`); the step's roofline is their
-  sum;
+  sum, less the zeroings the runtime elides (nothing must be moved to zero a gradient whose
+  first contribution writes it);
 - the measured step: the executor `train` runs, in one process, on seeded random data, Adam
   (`train`'s default), the median of `STEPS` steps after `WARMUP`, and each task's median time
   from the step's trace;
@@ -66,8 +67,9 @@ def _inputs(graph: TaskGraph, network, batch: int) -> tuple[np.ndarray, np.ndarr
     return x, rng.integers(0, network.classes, batch).astype(np.int32)
 
 
-def measure(graph: TaskGraph, network, batch: int) -> tuple[float, dict[str, float]]:
-    """The median step in seconds, and each task's median seconds in it."""
+def measure(graph: TaskGraph, network, batch: int) -> tuple[float, dict[str, float], set[str]]:
+    """The median step in seconds, each task's median seconds in it, and the zeroings the
+    runtime elides (their first contribution writes: `RankTask.elided`)."""
     x, y = _inputs(graph, network, batch)
     recorder = Recorder(0)
     executor = one_process(recorder=recorder)
@@ -81,7 +83,12 @@ def measure(graph: TaskGraph, network, batch: int) -> tuple[float, dict[str, flo
             for event in recorder.events:
                 if event["cat"] == "compute":
                     per_task[event["name"]].append(event["dur"] * 1e-6)
-    return statistics.median(steps), {k: statistics.median(v) for k, v in per_task.items()}
+    elided = {rt.task.name for rt in executor.prepare(graph).step.tasks if rt.elided}
+    return (
+        statistics.median(steps),
+        {k: statistics.median(v) for k, v in per_task.items()},
+        elided,
+    )
 
 
 def run_step_benchmark(
@@ -95,9 +102,11 @@ def run_step_benchmark(
     bandwidth = memory_bandwidth()
     rows = roofline(graph, gflops, bandwidth)
     say(f"{network_name} at batch {batch}: {WARMUP} + {STEPS} steps")
-    step, per_task = measure(graph, network, batch)
+    step, per_task, elided = measure(graph, network, batch)
     for row in rows:
         row["measured_s"] = per_task.get(row["task"], 0.0)
+        if row["task"] in elided:  # no bytes must move: the first contribution writes
+            row["bound_s"], row["bound_by"] = 0.0, "elided"
     out = {
         "network": network_name,
         "batch": batch,
@@ -132,7 +141,7 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{row['task']:40s} {row['flops'] / 1e9:8.3f} {row['bytes'] / 1e6:9.1f} "
             f"{row['bound_s'] * 1e3:9.3f} {row['measured_s'] * 1e3:9.3f} {ratio:9.3g}"
-            + ("" if row["bound_by"] == "compute" else "  memory-bound")
+            + {"compute": "", "memory": "  memory-bound", "elided": "  elided"}[row["bound_by"]]
         )
     step, bound = report["measured_s"], report["roofline_s"]
     lines.append(

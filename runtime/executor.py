@@ -137,7 +137,8 @@ def run_on_views(
     tensors: dict[str, Tensor],
     ctx: StepContext,
 ) -> None:
-    """The kernel of a piece on given views; a `write` view is overwritten, a `reduce` one added to.
+    """The kernel of a piece on given views; a `write` view is overwritten, a `reduce` one added to
+    (or overwritten, where `ctx.fresh` names it: the first contribution since an elided zeroing).
 
     The rank executor hands a piece's reductions zeroed scratch views where the sums must be split
     between ranks, so what accumulates there is exactly the piece's contribution. A role whose
@@ -153,9 +154,9 @@ def run_on_views(
         if req.role not in views:
             raise AssertionError(f"{task.name}: adapter returned role {req.role} it has no view of")
         target = views[req.role]
-        if req.privilege is Privilege.REDUCE:
+        if req.privilege is Privilege.REDUCE and req.role not in ctx.fresh:
             target += results[req.role]
-        elif req.privilege is Privilege.WRITE:
+        elif req.privilege is Privilege.REDUCE or req.privilege is Privilege.WRITE:
             target[...] = results[req.role]
         else:
             raise AssertionError(f"{task.name}: adapter returned a {req.privilege} role {req.role}")

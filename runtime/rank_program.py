@@ -120,6 +120,11 @@ class RankTask:
     windows: dict[str, Rect] = field(default_factory=dict)
     #: per window, the parts of it this rank holds at home, copied in before the task runs
     window_home: dict[str, list[Rect]] = field(default_factory=dict)
+    #: tensors whose first contribution since their zeroing this task's one piece here makes
+    #: over all of the zeroed rect: it writes them rather than adds, and the zeroing is elided
+    fresh: set[str] = field(default_factory=set)
+    #: a zeroing whose every rect the first contribution overwrites (`fresh`): not run
+    elided: bool = False
 
     @cached_property
     def tensors(self) -> frozenset[str]:
@@ -303,6 +308,9 @@ class _Builder:
         self._held: dict[str, tuple[Layout, list[Rect]]] = {}
         #: per tensor, the rects this rank zeroed and has not added to or written since
         self.zeroed: dict[str, list[Rect]] = defaultdict(list)
+        #: per tensor zeroed by a `set_zero` task and not read, written or added to since, the
+        #: position of that task (whose zeroing a first contribution may make needless)
+        self.zeroed_at: dict[str, int] = {}
         for name in plan.homes:
             self.touched[name].extend(self.held(name))
 
@@ -326,6 +334,8 @@ class _Builder:
                 current.pieces.append(PieceWork(piece.rect, piece.requirements))
                 for req in piece.requirements:
                     read, write = req.read_rect, req.write_rect
+                    if req.privilege.reads:  # a read sees the zeros: they must be written
+                        self.zeroed_at.pop(req.tensor, None)
                     if read is not None and not read.is_empty():
                         if self.graph.tensors[req.tensor].resident and not read.covered_by(
                             self.held(req.tensor)
@@ -402,6 +412,7 @@ class _Builder:
             held = self.held(tensor)
             if not collective_rects and not sends and all(r.covered_by(held) for r in rects):
                 self.touched[tensor].extend(rects)  # the kernel adds into the tensor itself
+                self._first_contribution(tensor, rects)
                 continue
             parts = []
             for rect in rects:
@@ -414,11 +425,41 @@ class _Builder:
             if self._reduces_in_place(tensor, rects):
                 current.in_place.add(tensor)
                 self.touched[tensor].extend(rects)
-        for tensor in set(reduced) | set(written):
+                self._first_contribution(tensor, rects)
+        # what other ranks add here (partial sums, a collective's result) is a contribution too
+        landed = {m.tensor for m in current.partial_in}
+        landed |= {
+            c.reduction.tensor
+            for c in current.collectives
+            if any(self.rank in holders for _, holders in c.targets)
+        }
+        for tensor in set(reduced) | set(written) | landed:
             if current.task.op == "set_zero":
                 self.zeroed[tensor].extend(written.get(tensor, []))
+                self.zeroed_at[tensor] = current.index
             else:
                 self.zeroed[tensor] = []
+                self.zeroed_at.pop(tensor, None)
+
+    def _first_contribution(self, tensor: str, rects: list[Rect]) -> None:
+        """Where this task's one piece adds the first contribution to `tensor` since a
+        `set_zero` task zeroed it, over exactly the one rect zeroed, the piece writes it and the
+        zeroing is elided: no pass over a weight-sized gradient to zero it. A sparse update,
+        which adds to some of its weights' channels, keeps its zeroing."""
+        current = self.current
+        zeroing = self.zeroed_at.get(tensor)
+        if (
+            zeroing is None
+            or len(rects) != 1
+            or self.zeroed.get(tensor) != rects
+            or current.task.attrs.get("channels") is not None
+        ):
+            return
+        zeroer = self.tasks[zeroing]
+        if {req.tensor for piece in zeroer.pieces for req in piece.requirements} != {tensor}:
+            return
+        current.fresh.add(tensor)
+        zeroer.elided = True
 
     def _reduces_in_place(self, tensor: str, rects: list[Rect]) -> bool:
         current = self.current

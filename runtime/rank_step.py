@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -222,9 +223,9 @@ class StepRun:
             scratch[tensor] = (target, self.ex.view(tensor, target))
         start = self.now()
         with self.transport.computing():
-            for piece in rt.pieces:
+            for piece in [] if rt.elided else rt.pieces:
                 self._compute(rt, piece, scratch)
-        if rt.pieces:
+        if rt.pieces and not rt.elided:
             self._event(
                 "compute",
                 task.name,
@@ -287,7 +288,15 @@ class StepRun:
                 views[req.role] = np.zeros((0,) * len(self.graph.tensors[req.tensor].dims))
             else:
                 views[req.role] = self.ex.view(req.tensor, req.rect)
-        run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, self.ctx)
+        ctx = self.ctx
+        fresh = {
+            req.role
+            for req in piece.requirements
+            if req.privilege is Privilege.REDUCE and req.tensor in rt.fresh
+        }
+        if fresh:  # the first contribution since a zeroing that was elided: it writes
+            ctx = replace(ctx, fresh=frozenset(fresh))
+        run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, ctx)
 
     def _collective(self, rt: RankTask, collective: Collective, scratch) -> None:
         """Start `collective` on the contribution in `scratch`; it runs in the background."""

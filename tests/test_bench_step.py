@@ -35,8 +35,9 @@ def test_every_task_is_bounded_by_its_flops_or_its_bytes():
 def test_the_measured_step_times_every_task_that_runs():
     network = load_network("seed-lcn-small")
     graph = network.lower(batch=4, optimizer="adam")
-    step, per_task = measure(graph, network, 4)
-    assert set(per_task) == {t.name for t in graph.tasks}
+    step, per_task, elided = measure(graph, network, 4)
+    assert set(per_task) == {t.name for t in graph.tasks} - elided
+    assert "L1.W.grad.set_zero" in elided
     assert 0 < sum(per_task.values()) <= step
 
 

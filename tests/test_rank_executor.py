@@ -427,3 +427,31 @@ def test_the_step_records_the_buffer_peak_against_the_predicted_memory(strategy,
         assert first["rss_peak_bytes"] <= second["rss_peak_bytes"]
         assert second["buffer_peak_bytes"] == predicted[rank].buffer_bytes
         assert second["buffer_peak_bytes"] < kept[rank][0][1]["buffer_peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    "strategy,nranks", [("data", 1), ("data", 2), ("spatial", 3), ("model", 2)]
+)
+def test_the_first_contribution_writes_and_its_zeroing_is_elided(strategy, nranks, monkeypatch):
+    """Where a task's one piece makes the first contribution to a gradient over exactly what a
+    `set_zero` task zeroed, it writes and the zeroing is not run: no pass over a weight-sized
+    gradient. Adding to zeros and writing give the same bits, so the run equals one in which
+    every zeroing runs, exactly."""
+    from runtime import rank_program
+
+    graph = small_network().lower(batch=7, dtype="float64", optimizer="adam")
+    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
+    program = build_programs(graph, plan, Machine(), [0])[0]
+    elided = {rt.task.name for rt in program.tasks if rt.elided}
+    fresh = {tensor for rt in program.tasks for tensor in rt.fresh}
+    assert "L1.W.grad.set_zero" in elided and "L1.W.grad" in fresh
+    for rt in program.tasks:
+        for tensor in rt.fresh:  # what the task writes is what was zeroed, on this rank
+            assert f"{tensor}.set_zero" in elided
+    cfg = config(small_network())
+    written = ranks_run(cfg, nranks, strategy)
+    monkeypatch.setattr(rank_program._Builder, "_first_contribution", lambda *args: None)
+    added = ranks_run(cfg, nranks, strategy)
+    assert written[0][0] == added[0][0]
+    for name, value in added[0][1].items():
+        assert np.array_equal(written[0][1][name], value), name

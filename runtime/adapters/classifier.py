@@ -23,7 +23,7 @@ def _linear_grad(task, piece, views, dims, ctx):
     dy, x, weights = views["output.delta"], views["input"], views["weights"]
     out = {}
     if grad.flags.c_contiguous:  # reduce straight into the gradient: no weight-sized temporary
-        linear.linear_weight_grad_accumulate(dy, x, grad)
+        linear.linear_weight_grad_accumulate(dy, x, grad, "weights.delta" not in ctx.fresh)
         m = dy.shape[1]
         if need_dx:
             out["input.delta"] = linear.linear_input_grad(dy, weights, x.shape)

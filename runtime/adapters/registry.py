@@ -31,6 +31,10 @@ class StepContext:
     inputs: np.ndarray | None = None
     labels: np.ndarray | None = None
     futures: dict[str, Any] = field(default_factory=dict)
+    #: roles of the piece at hand whose `reduce` view holds no sum yet, not even zeros (its
+    #: zeroing was elided, `RankTask.fresh`): the adapter writes every element of them, by
+    #: returning them or by writing them in place, rather than adding
+    fresh: frozenset[str] = frozenset()
 
 
 Views = Mapping[str, np.ndarray]

@@ -37,8 +37,9 @@ def _packed_filter_forward(task, piece, views, dims) -> np.ndarray:
     return layout.unpack_activations(yp)
 
 
-def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
-    """dx and dw of a piece; dw accumulates straight into the packed gradient when it can."""
+def _packed_filter_backward(task, piece, views, dims, ctx) -> dict[str, np.ndarray]:
+    """dx and dw of a piece; dw accumulates straight into the packed gradient when it can, or
+    is written there where it is the first contribution (`StepContext.fresh`)."""
     pads, stride = _pads(task, piece, dims), task.attrs["stride"]
     x, weights = views["input"], views["filters"]
     dyp, xp = layout.pack_activations(views["output.delta"]), layout.pack_activations(x)
@@ -62,7 +63,7 @@ def _packed_filter_backward(task, piece, views, dims) -> dict[str, np.ndarray]:
             untied,
             channels,
             out=grad,
-            accumulate=True,
+            accumulate="filters.delta" not in ctx.fresh,
         )
     else:  # a sub-block of input channels: reduce through a temporary of its size
         out["filters.delta"] = filter_packed.backward_filter_packed(
@@ -89,7 +90,7 @@ def _filter(task, piece, views, dims, ctx):
 
 @adapter("filter.backward")
 def _filter_grad(task, piece, views, dims, ctx):
-    return _packed_filter_backward(task, piece, views, dims)
+    return _packed_filter_backward(task, piece, views, dims, ctx)
 
 
 @adapter("conv.forward")

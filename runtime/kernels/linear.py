@@ -165,11 +165,14 @@ def linear_backward(
     return dx, dw, db
 
 
-def linear_weight_grad_accumulate(dy: np.ndarray, x: np.ndarray, dw: np.ndarray) -> None:
-    """dw += dyᵀ·x in place, for a C-contiguous dw (M, C, H, W), with no dw-sized temporary.
+def linear_weight_grad_accumulate(
+    dy: np.ndarray, x: np.ndarray, dw: np.ndarray, accumulate: bool = True
+) -> None:
+    """dw += dyᵀ·x in place (dw = dyᵀ·x without `accumulate`), for a C-contiguous dw
+    (M, C, H, W), with no dw-sized temporary.
 
     A classifier's weight gradient is as large as its weights (the seed's is 0.6 GB), so the
-    reduction is one GEMM with beta = 1 writing into dw itself.
+    reduction is one GEMM with beta = 1 (0) writing into dw itself.
     """
     _checks.floating("dy", dy, 4)
     _check(x, dw)
@@ -185,5 +188,5 @@ def linear_weight_grad_accumulate(dy: np.ndarray, x: np.ndarray, dw: np.ndarray)
         _matrix(x, n),
         NO_TRANS,
         dw.reshape(m, math.prod(dw.shape[1:])),
-        accumulate=True,
+        accumulate=accumulate,
     )
