@@ -16,10 +16,10 @@ the task order after which both sides post it.
   Where a reduction is entirely local the kernel accumulates into the tensor itself; otherwise it
   accumulates into a zeroed scratch, whose parts then go their separate ways.
 
-The program runs the step's tasks in `step_order`: the graph's order with the optimizer's updates
-moved as late as their dependences allow, so that a gradient's collective, which runs in the
-background (see `rank_step`), overlaps the backward pass of the layers below it rather than
-holding up the update that reads its result.
+The program runs the step's tasks in `runtime.step_order`: the graph's order with the
+optimizer's updates moved as late as their dependences allow, so that a gradient's collective,
+which runs in the background (see `rank_step`), overlaps the backward pass of the layers below
+it rather than holding up the update that reads its result.
 
 Which rects a rank holds, and which task last wrote each part (after which a copy of it is
 posted), are read from the plan's record: the homes before the first task, then each task's
@@ -33,7 +33,6 @@ and the two must agree.
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.pieces import Piece
 from partitioner.plan import Plan, Reduction
+from runtime.step_order import step_order
 
 #: copies posted at the start of the step, before any task
 STEP_START = -1
@@ -246,38 +246,6 @@ def build_programs(
         for tensor, layout in task_plan.holdings.items():
             written[tensor] = (layout, plan.written_by[index][tensor])
     return {rank: builder.program(seq) for rank, builder in programs.items()}
-
-
-def step_order(graph: TaskGraph) -> list[int]:
-    """Task indices in the order a rank runs them: every `update` task as late as it may go.
-
-    A topological order of the graph's dependences that takes the other tasks first, each in
-    its graph order; updates go when nothing else can. Should deferring the updates ever
-    reorder two other tasks (one waiting on an update), the graph's own order is kept instead,
-    so that reductions into one tensor always add up in the same order on every rank count.
-    """
-    tasks = graph.tasks
-    position = {task.name: i for i, task in enumerate(tasks)}
-    successors: dict[int, list[int]] = defaultdict(list)
-    waiting = [0] * len(tasks)
-    for dep in graph.dependences:
-        src, dst = position[dep.src], position[dep.dst]
-        successors[src].append(dst)
-        waiting[dst] += 1
-    ready = [(tasks[i].phase == "update", i) for i in range(len(tasks)) if waiting[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, i = heapq.heappop(ready)
-        order.append(i)
-        for j in successors[i]:
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(ready, (tasks[j].phase == "update", j))
-    others = [i for i in order if tasks[i].phase != "update"]
-    if len(order) != len(tasks) or others != sorted(others):
-        return list(range(len(tasks)))
-    return order
 
 
 def _last_write(
