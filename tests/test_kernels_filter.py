@@ -188,6 +188,26 @@ def test_packed_spatial_piece_with_one_sided_padding():
     close(unpack_activations(bottom), y[:, :, 5:], np.float64)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 2, 4, 1, 5, 2), (1, 1, 1, 1, 1, 1), (4, 5, 2, 3, 1, 6)])
+def test_large_weights_convert_by_the_compiled_transposes_exactly(monkeypatch, shape, dtype):
+    """Weights from `LARGE_WEIGHTS` elements take the compiled transposes: the same bits as
+    NumPy's copy of the transposed view, both ways, from logical views that are not contiguous."""
+    from runtime.kernels import layout
+
+    k, c, r, s, p, q = shape
+    whole = np.random.default_rng(1).standard_normal((k, 1, 1, c + 1, r, s, p, q)).astype(dtype)
+    w = whole[:, :, :, 1:]  # not contiguous
+    expected = np.ascontiguousarray(w.transpose(6, 4, 7, 0, 5, 3, 1, 2)[..., 0, 0])
+    monkeypatch.setattr(layout, "LARGE_WEIGHTS", 0)
+    wp = pack_weights(w)
+    np.testing.assert_array_equal(wp, expected)
+    assert wp.flags.c_contiguous and wp.dtype == dtype
+    back = unpack_weights(wp)
+    np.testing.assert_array_equal(back, w)
+    assert back.flags.c_contiguous
+
+
 def test_layout_round_trips():
     x, w, _, _, _ = make(CASES["untied-stride2-asym"], np.float32)
     assert pack_activations(x).shape == (9, 7, 3, 2)
