@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from runtime.kernels.microkernel import (
     MAX_ROWS,
     MAX_VECTORS,
+    kernels,
     lanes,
     tiled_gemm,
     tiled_gemm_prefetching,
@@ -29,7 +30,23 @@ def run(m, n, k, dtype, a_transposed, accumulate, seed=0, margin=3):
     a_rs, a_cs = (1, ld_a) if a_transposed else (ld_a, 1)
     a_view = a[:, margin : margin + m].T if a_transposed else a[:, margin : margin + k]
     ldb, ldc = b.shape[1], c.shape[1]
-    tiled_gemm(m, n, k, a, margin, a_rs, a_cs, b, margin, ldb, accumulate, c, ldc + margin, ldc)
+    tiled_gemm(
+        kernels(dtype),
+        m,
+        n,
+        k,
+        a,
+        margin,
+        a_rs,
+        a_cs,
+        b,
+        margin,
+        ldb,
+        accumulate,
+        c,
+        ldc + margin,
+        ldc,
+    )
     expected = a_view.astype(np.float64) @ b[:, margin : margin + n].astype(np.float64)
     if accumulate:
         expected += before[1:, margin : margin + n]
@@ -78,7 +95,7 @@ def test_nan_in_c_does_not_survive_an_overwrite():
     a = rng.standard_normal((13, 9)).astype(np.float32)
     b = rng.standard_normal((9, 37)).astype(np.float32)
     c = np.full((13, 37), np.nan, np.float32)
-    tiled_gemm(13, 37, 9, a, 0, 9, 1, b, 0, 37, False, c, 0, 37)
+    tiled_gemm(kernels(np.float32), 13, 37, 9, a, 0, 9, 1, b, 0, 37, False, c, 0, 37)
     np.testing.assert_allclose(c, a @ b, rtol=1e-5, atol=1e-5)
 
 
@@ -101,7 +118,7 @@ def test_rejects_mixed_dtypes():
     a = np.ones((2, 2), np.float32)
     b = np.ones((2, 2), np.float64)
     with pytest.raises(Exception, match="(?i)typing|resolution|No implementation"):
-        tiled_gemm(2, 2, 2, a, 0, 2, 1, b, 0, 2, False, a, 0, 2)
+        tiled_gemm(kernels(np.float32), 2, 2, 2, a, 0, 2, 1, b, 0, 2, False, a, 0, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,7 +127,9 @@ def test_prefetching_the_next_operand_changes_nothing(dtype):
     a = rng.standard_normal((2, 13, 11)).astype(dtype)  # this product's A, then the next one
     b = rng.standard_normal((11, 70)).astype(dtype)
     c = np.full((13, 70), np.nan, dtype)
-    tiled_gemm_prefetching(13, 70, 11, a, 0, 11, 1, b, 0, 70, False, c, 0, 70, 13 * 11, 13, 11, 11)
+    tiled_gemm_prefetching(
+        kernels(dtype), 13, 70, 11, a, 0, 11, 1, b, 0, 70, False, c, 0, 70, 13 * 11, 13, 11, 11
+    )
     np.testing.assert_allclose(c, a[0] @ b, rtol=0, atol=TOL[dtype] * 10)
 
 
@@ -124,3 +143,11 @@ def test_vector_width_follows_numbas_target(monkeypatch):
     monkeypatch.setattr(microkernel.numba.config, "CPU_FEATURES", "")
     monkeypatch.setattr(microkernel.numba.config, "CPU_NAME", "generic")
     assert microkernel._target_vector_bytes() == 16
+
+
+def test_a_dtype_without_its_compiled_gemm_is_refused():
+    a = np.ones((2, 2), np.float64)
+    with pytest.raises(ValueError, match="no GEMM compiled"):
+        tiled_gemm(np.zeros(2, np.intp), 2, 2, 2, a, 0, 2, 1, a, 0, 2, False, a, 0, 2)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        kernels(np.int32)

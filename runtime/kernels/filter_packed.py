@@ -42,7 +42,7 @@ from numba import njit, prange
 
 from runtime.aligned import aligned_empty
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
-from runtime.kernels.microkernel import tiled_gemm, tiled_gemm_prefetching
+from runtime.kernels.microkernel import kernels, tiled_gemm, tiled_gemm_prefetching
 
 
 @njit(cache=True, inline="always")
@@ -52,7 +52,7 @@ def _clip(start, size, extent):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _forward(x, w, y, stride, pad_top, pad_left, untied):
+def _forward(x, w, y, stride, pad_top, pad_left, untied, kernels):
     h, wd, c, n = x.shape
     p_out, q_out, k, _ = y.shape
     r_size, s_size = w.shape[2], w.shape[4]
@@ -70,7 +70,7 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied):
             r_hi = r_lo
         w_at = p * ws0 + q * ws1 if untied else 0
         for r in range(r_lo, r_hi):
-            tiled_gemm(k, n, (s_hi - s_lo) * c,
+            tiled_gemm(kernels, k, n, (s_hi - s_lo) * c,
                        w, w_at + r * ws2 + s_lo * ws4, ws3, 1,
                        x, (h0 + r) * xs0 + (w0 + s_lo) * xs1, xs2,
                        r > r_lo, y, p * ys0 + q * ys1, ys2)  # fmt: skip
@@ -79,7 +79,7 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
+def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied, kernels):
     h, wd, c, n = dx.shape
     p_out, q_out, k, _ = dy.shape
     r_size, s_size = w.shape[2], w.shape[4]
@@ -103,7 +103,7 @@ def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied):
                 w_at = p * ws0 + q * ws1 if untied else 0
                 # the next block (position q + 1) is the one after this in memory
                 ahead = k if untied and q + 1 < q_out else 0
-                tiled_gemm_prefetching((s_hi - s_lo) * c, n, k,
+                tiled_gemm_prefetching(kernels, (s_hi - s_lo) * c, n, k,
                                        w, w_at + r * ws2 + s_lo * ws4, 1, ws3,
                                        dy, p * gs0 + q * gs1, gs2,
                                        True, dx, row * xs0 + (w0 + s_lo) * xs1, xs2,
@@ -124,7 +124,7 @@ def _batch_major(x, xt, c_lo):
 
 
 @njit(cache=True, nogil=True)
-def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate):
+def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate, kernels):
     """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), whose window
     row r is the K×(S·Cs) matrix dw[i, j, r], addressed through dw's strides; `xt` holds the
     input's Cs channels in (H, N, W, Cs) (see `_batch_major`)."""
@@ -145,29 +145,31 @@ def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accum
     if s_hi <= s_lo:
         return
     for r in range(r_lo, r_hi):
-        tiled_gemm(k, (s_hi - s_lo) * cs, n,
+        tiled_gemm(kernels, k, (s_hi - s_lo) * cs, n,
                    dy, p * gs0 + q * gs1, gs2, 1,
                    xt, (h0 + r) * ts0 + (w0 + s_lo) * ts2, ts1,
                    add, dw, at + r * ds2 + s_lo * ds4, ds3)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate):
+def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, kernels):
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
         p, q = pq // q_out, pq % q_out
-        _filter_gradient_at(dy, xt, dw, p, q, p, q, stride, pad_top, pad_left, accumulate)
+        _filter_gradient_at(dy, xt, dw, p, q, p, q, stride, pad_top, pad_left, accumulate, kernels)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, threads):
+def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, threads, kernels):
     q_out = dy.shape[1]
     r_size, k, s_size, cs = dw.shape[2:]
     partial = np.zeros((threads, 1, r_size, k, s_size, cs), dw.dtype)
     for pq in prange(dy.shape[0] * q_out):
         p, q = pq // q_out, pq % q_out
         thread = numba.get_thread_id()
-        _filter_gradient_at(dy, xt, partial, thread, 0, p, q, stride, pad_top, pad_left, True)
+        _filter_gradient_at(
+            dy, xt, partial, thread, 0, p, q, stride, pad_top, pad_left, True, kernels
+        )
     total = partial.sum(axis=0)
     if accumulate:
         dw[0] += total
@@ -275,7 +277,7 @@ def forward_packed(
         y[...] = 0
         return y
     w = _by_position(_weights(wp))
-    _forward(_operand(xp), w, y, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
+    _forward(_operand(xp), w, y, geo.stride, geo.pad[0], geo.pad[2], geo.untied, kernels(dtype))
     return y
 
 
@@ -299,7 +301,8 @@ def backward_data_packed(
         dx[...] = 0
         return dx
     w = _by_position(_weights(wp))
-    _backward_data(_operand(dyp), w, dx, geo.stride, geo.pad[0], geo.pad[2], geo.untied)
+    args = (geo.stride, geo.pad[0], geo.pad[2], geo.untied, kernels(dtype))
+    _backward_data(_operand(dyp), w, dx, *args)
     return dx
 
 
@@ -339,10 +342,10 @@ def backward_filter_packed(
     _batch_major(xp, xt, lo)
     args = (_operand(dyp), xt, _by_position(dw), geo.stride, geo.pad[0], geo.pad[2], accumulate)
     if geo.untied:
-        _backward_filter_untied(*args)
+        _backward_filter_untied(*args, kernels(dtype))
     else:
         # one partial per thread of the pool, since thread ids range over all of it
-        _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS)
+        _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS, kernels(dtype))
     return dw
 
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import llvmlite.binding as llvm_binding
 import numba
+import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -157,8 +158,11 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
             store(builder.load(accs[i][v]), c_rows[i], v)
 
 
-def _element_pointer(context, builder, array_type, array, offset):
-    data = context.make_array(array_type)(context, builder, array).data
+def _element_pointer(context, builder, operand_type, operand, offset):
+    """The address of element `offset` of an array or a typed pointer."""
+    if isinstance(operand_type, types.CPointer):
+        return builder.gep(operand, [offset])
+    data = context.make_array(operand_type)(context, builder, operand).data
     return builder.gep(data, [offset])
 
 
@@ -221,11 +225,11 @@ def _tile(
             depth_,
             acc_,
         ) = args
-        array_types = signature.args
-        c_ptr = _element_pointer(context, builder, array_types[3], c_, c_off_)
-        a_ptr = _element_pointer(context, builder, array_types[6], a_, a_off_)
-        b_ptr = _element_pointer(context, builder, array_types[10], b_, b_off_)
-        dtype = array_types[3].dtype
+        operand_types = signature.args
+        c_ptr = _element_pointer(context, builder, operand_types[3], c_, c_off_)
+        a_ptr = _element_pointer(context, builder, operand_types[6], a_, a_off_)
+        b_ptr = _element_pointer(context, builder, operand_types[10], b_, b_off_)
+        dtype = operand_types[3].dtype
         vty = ir.VectorType(context.get_value_type(dtype), lanes(dtype.bitwidth // 8))
         function = builder.function
         done = function.append_basic_block("tile.done")
@@ -251,32 +255,15 @@ def _tile(
     return sig, codegen
 
 
-@njit(cache=True, nogil=True)
-def tiled_gemm(m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc):
-    """C[c_off:] (m×n, row stride ldc) = A·B (+ C if `accumulate`), offsets and strides in
-    elements: A (m×k) has element (i, l) at a_off + i·a_rs + l·a_cs, B (k×n) is row-major with
-    unit-stride rows. With k = 0 it writes zeros (or leaves C as it is)."""
-    tiled_gemm_prefetching(m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
-                           ldc, 0, 0, 0, 0)  # fmt: skip
-
-
-@njit(cache=True, nogil=True)
-def tiled_gemm_prefetching(
-    m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
-    next_off, next_rows, next_ld, next_columns,
-):  # fmt: skip
-    """`tiled_gemm`, which also prefetches the next product's A operand, a[next_off:] as
-    `next_rows` rows of `next_columns` elements `next_ld` apart, a slice before each tile.
-
-    The filter passes stream each weight block from memory once. Read in a product's own
-    order they arrive late: backward-data reads a block down its columns (64 rows at a time,
-    one cache line each), which the hardware prefetchers do not follow, and it ran at 65–70%
-    of SGEMM against 90% with the block hinted in ahead, spread over the tiles so that the
-    hints do not overflow the core's queue of outstanding misses."""
-    width = VECTOR_BYTES // a.itemsize
+def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_rows, next_ld,
+          next_columns):  # fmt: skip
+    """The body of the compiled GEMM (see `tiled_gemm_prefetching`), on typed pointers to the
+    first element of each operand; `next_off` is relative to `a`."""
+    width = VECTOR_BYTES // (4 if _is_single(a) else 8)
     block = MAX_VECTORS * width
     tiles = -(-m // MAX_ROWS) * -(-n // block)
     tile = 0
+    add = accumulate != 0
     # row tiles outermost: a tile's A rows (the weights, in the forward) are read once, while
     # B's rows, shared by every row tile, stay in cache
     for i0 in range(0, m, MAX_ROWS):
@@ -286,17 +273,28 @@ def tiled_gemm_prefetching(
             vectors, tail = (min(MAX_VECTORS, left // width), width) if left >= width else (1, left)
             if next_rows > 0 and tile < tiles:
                 lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
-                prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
+                _prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
                 tile += 1
-            _tile(min(MAX_ROWS, m - i0), vectors, tail, c, c_off + i0 * ldc + n0, ldc, a,
-                  a_off + i0 * a_rs, a_rs, a_cs, b, b_off + n0, ldb, k, accumulate)  # fmt: skip
+            _tile(min(MAX_ROWS, m - i0), vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs,
+                  a_rs, a_cs, b, n0, ldb, k, add)  # fmt: skip
             n0 += vectors * width if tail == width else tail
 
 
 @intrinsic
+def _is_single(typingctx, pointer):
+    """Whether a typed pointer points at float32 (a constant of the compiled function)."""
+    single = pointer.dtype == types.float32
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(1), int(single))
+
+    return types.boolean(pointer), codegen
+
+
+@intrinsic
 def _prefetch(typingctx, a, offset):
-    """A hint to bring the cache line of a[offset] (flat, in elements) into the caches."""
-    if not isinstance(a, types.Array):
+    """A hint to bring the cache line of a[offset] (in elements) into the caches."""
+    if not isinstance(a, types.CPointer):
         return None
 
     def codegen(context, builder, signature, args):
@@ -316,12 +314,111 @@ def _prefetch(typingctx, a, offset):
     return types.void(a, types.intp), codegen
 
 
-@njit(cache=True, nogil=True)
-def prefetch_rows(a, a_off, rows, ld, columns):
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_rows(a, a_off, rows, ld, columns):
     """Prefetch `rows` rows of `columns` elements, `ld` apart, from a[a_off:]: one hint per
     cache line."""
-    step = 64 // a.itemsize
+    step = 64 // (4 if _is_single(a) else 8)
     for i in range(rows):
         at = a_off + i * ld
         for j in range(0, columns, step):
             _prefetch(a, at + j)
+
+
+def _signature(dtype):
+    pointer = types.CPointer(dtype)
+    i = types.intp
+    return types.void(i, i, i, pointer, i, i, pointer, i, i, pointer, i, i, i, i, i)
+
+
+#: the compiled GEMM's address per element size, 0 until `kernels` compiles it
+_ADDRESSES = np.zeros(2, np.intp)
+_COMPILED: dict[int, object] = {}
+
+
+def kernels(dtype) -> np.ndarray:
+    """The table of compiled GEMMs that `tiled_gemm` takes, with the one for `dtype` in it.
+
+    The GEMM is one C-callable function per element type, compiled (or loaded from Numba's
+    cache) the first time a run asks for that type, and called through its address. Inlined
+    into each filter kernel, as it was, its 30 unrolled tile bodies were optimised by LLVM once
+    per caller and per array layout, which made most of a cold start's 30 s of compiling."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"tiled_gemm: float32 or float64, got {dtype}")
+    slot = _slot(dtype.itemsize)
+    if slot not in _COMPILED:
+        compiled = cfunc(_signature(numba.from_dtype(dtype)), cache=True)(_gemm)
+        _COMPILED[slot] = compiled
+        _ADDRESSES[slot] = compiled.address
+    return _ADDRESSES
+
+
+def _slot(itemsize: int) -> int:
+    return 0 if itemsize == 4 else 1
+
+
+@intrinsic
+def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
+          c_off, ldc, next_off, next_rows, next_ld, next_columns):  # fmt: skip
+    """Call the compiled GEMM at `address` on pointers into a, b and c."""
+    if not (c.dtype == a.dtype == b.dtype and c.dtype in (types.float32, types.float64)):
+        return None
+    i = types.intp
+    sig = types.void(i, i, i, i, a, i, i, i, b, i, i, types.boolean, c, i, i, i, i, i, i)
+
+    def codegen(context, builder, signature, args):
+        (address_, m_, n_, k_, a_, a_off_, a_rs_, a_cs_, b_, b_off_, ldb_, acc_, c_, c_off_,
+         ldc_, next_off_, next_rows_, next_ld_, next_columns_) = args  # fmt: skip
+        operand_types = signature.args
+        a_ptr = _element_pointer(context, builder, operand_types[4], a_, a_off_)
+        b_ptr = _element_pointer(context, builder, operand_types[8], b_, b_off_)
+        c_ptr = _element_pointer(context, builder, operand_types[12], c_, c_off_)
+        index = m_.type
+        pointer = a_ptr.type
+        function_type = ir.FunctionType(
+            ir.VoidType(),
+            [index, index, index, pointer, index, index, pointer, index, index, pointer, index,
+             index, index, index, index],
+        )  # fmt: skip
+        target = builder.inttoptr(address_, function_type.as_pointer())
+        builder.call(
+            target,
+            [m_, n_, k_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, builder.zext(acc_, index), c_ptr, ldc_,
+             next_off_, next_rows_, next_ld_, next_columns_],
+        )  # fmt: skip
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def tiled_gemm(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc):
+    """C[c_off:] (m×n, row stride ldc) = A·B (+ C if `accumulate`), offsets and strides in
+    elements: A (m×k) has element (i, l) at a_off + i·a_rs + l·a_cs, B (k×n) is row-major with
+    unit-stride rows. With k = 0 it writes zeros (or leaves C as it is). `kernels` is
+    `kernels(dtype)` for the operands' dtype."""
+    tiled_gemm_prefetching(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
+                           c_off, ldc, 0, 0, 0, 0)  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def tiled_gemm_prefetching(
+    kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
+    next_off, next_rows, next_ld, next_columns,
+):  # fmt: skip
+    """`tiled_gemm`, which also prefetches the next product's A operand, a[next_off:] as
+    `next_rows` rows of `next_columns` elements `next_ld` apart, a slice before each tile.
+
+    The filter passes stream each weight block from memory once. Read in a product's own
+    order they arrive late: backward-data reads a block down its columns (64 rows at a time,
+    one cache line each), which the hardware prefetchers do not follow, and it ran at 65–70%
+    of SGEMM against 90% with the block hinted in ahead, spread over the tiles so that the
+    hints do not overflow the core's queue of outstanding misses."""
+    address = kernels[0 if a.itemsize == 4 else 1]
+    if address == 0:
+        raise ValueError("tiled_gemm: no GEMM compiled for this dtype; pass kernels(dtype)")
+    if m <= 0 or n <= 0:
+        return
+    _call(address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
+          next_off - a_off, next_rows, next_ld, next_columns)  # fmt: skip
