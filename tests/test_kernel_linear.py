@@ -119,11 +119,13 @@ def test_weight_grad_accumulates_in_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("n", [1, 3, STREAMING_BATCH, STREAMING_BATCH + 1])
-def test_small_and_large_batches_agree_with_einsum_across_chunks(n, dtype, monkeypatch):
-    """Batches up to STREAMING_BATCH take the streaming loops, larger ones BLAS; a feature count
-    of 2.4 chunks puts a chunk boundary inside every row."""
+@pytest.mark.parametrize("n", [1, 3, STREAMING_BATCH])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_both_paths_agree_with_einsum_across_chunks(n, dtype, streaming, monkeypatch):
+    """The streaming loops and BLAS; a feature count of 2.4 chunks puts a chunk boundary inside
+    every row."""
     monkeypatch.setattr(linear, "STREAMING_CHUNK", 25)
+    monkeypatch.setattr(linear, "streams", lambda rows, w: streaming)
     x, w, _ = _inputs(n, 3, (2, 5, 6), dtype, seed=n)  # 60 features: chunks of 25, 25, 10
     dy = np.random.default_rng(7).standard_normal((n, 3, 1, 1)).astype(dtype)
     x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy[:, :, 0, 0]))
@@ -136,8 +138,19 @@ def test_small_and_large_batches_agree_with_einsum_across_chunks(n, dtype, monke
     np.testing.assert_allclose(dx, np.einsum("nm,mchw->nchw", dy64, w64), **tol)
 
 
+def test_the_loops_stream_only_large_weights_that_blas_cannot_split():
+    big = np.empty((10, linear.STREAMING_WEIGHT_BYTES // 40 + 1), np.float32)
+    small = np.empty((10, 100, 1, 1), np.float32)
+    several_threads = numba.get_num_threads() > 1
+    assert linear.streams(2, big) == several_threads
+    assert not linear.streams(2, small)
+    assert not linear.streams(STREAMING_BATCH + 1, big)
+    assert not linear.streams(0, big)
+
+
 def test_the_streaming_forward_does_not_depend_on_the_thread_count(monkeypatch):
     monkeypatch.setattr(linear, "STREAMING_CHUNK", 1000)
+    monkeypatch.setattr(linear, "streams", lambda rows, w: True)
     x, w, _ = _inputs(2, 4, (3, 50, 40), np.float32)  # 6 chunks
     threads = numba.get_num_threads()
     try:

@@ -95,6 +95,14 @@ _MIN_BLOCK = 8
 _MIN_BLOCK_MULADDS = 1 << 18
 
 
+@njit(cache=True, nogil=True)
+def gemm_blocks(m, n, k, threads):
+    """How many blocks `parallel_gemm` cuts an m×n×k product into: one per thread, fewer when
+    C is too narrow or the product too small for a block to be worth a thread."""
+    worth = (m * n * k) // _MIN_BLOCK_MULADDS
+    return max(1, min(threads, max(m, n) // _MIN_BLOCK, worth))
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def parallel_gemm(
     trans_a, trans_b, m, n, k, a, a_off, lda, b, b_off, ldb, accumulate, c, c_off, ldc, threads
@@ -106,8 +114,7 @@ def parallel_gemm(
     """
     by_rows = m >= n
     extent = m if by_rows else n
-    worth = (m * n * k) // _MIN_BLOCK_MULADDS
-    blocks = max(1, min(threads, extent // _MIN_BLOCK, worth))
+    blocks = gemm_blocks(m, n, k, threads)
     for block in prange(blocks):
         lo = extent * block // blocks
         hi = extent * (block + 1) // blocks

@@ -15,6 +15,13 @@ dimension into short panels; the seed classifier's forward read its 0.57 GB of w
 7 GB/s). There they are Numba loops over fixed chunks of the features instead, reading the
 weights once at the machine's streaming rate. The forward sums each chunk in float64 and adds the
 chunks in order, so the result does not depend on the thread count.
+
+They run only where they win (`streams`): where `parallel_gemm` cannot give every thread a block
+of C and the weights are larger than the caches. Measured on 2 cores against `parallel_gemm`,
+ten weight rows (`bench/linear_streaming.py`): at batch 2 the loops took 0.22–0.56× BLAS's time
+for 5–40 MiB of weights but 1.09–1.32× for 1.25 MiB; at batch 16, where BLAS has a block per
+thread, 0.98–1.27×. Where they do not run they are not compiled either, which keeps 3.5 s off a
+cold start of the default job.
 """
 
 from __future__ import annotations
@@ -26,13 +33,15 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
-from runtime.kernels.blas import NO_TRANS, TRANS, kernel_threading, parallel_gemm
+from runtime.kernels.blas import NO_TRANS, TRANS, gemm_blocks, kernel_threading, parallel_gemm
 
 #: at or below this many rows the streaming kernels replace the forward and input-gradient GEMMs
 STREAMING_BATCH = 16
 #: features per chunk of the streaming kernels: a chunk of every row stays in the core's cache
 #: while the chunk of each weight row streams past it
 STREAMING_CHUNK = 16384
+#: weights below this fit the caches, and BLAS reads them as fast as the streaming loops
+STREAMING_WEIGHT_BYTES = 4 << 20
 _FAST = {"reassoc", "contract"}  # vectorised sums; no change to infinities or NaNs
 
 
@@ -80,6 +89,17 @@ def _streaming_input_grad(dy, w, dx, chunk):
                     out[j] += g * row[j]
 
 
+def streams(n: int, w: np.ndarray) -> bool:
+    """Whether a product of n rows with the weights w runs on the streaming loops."""
+    m = w.shape[0]
+    features = w.size // m if m else 0
+    return (
+        0 < n <= STREAMING_BATCH
+        and w.nbytes >= STREAMING_WEIGHT_BYTES
+        and gemm_blocks(n, m, features, numba.get_num_threads()) < numba.get_num_threads()
+    )
+
+
 def _check(x: np.ndarray, w: np.ndarray) -> None:
     _checks.floating("x", x, 4)
     _checks.floating("w", w, 4)
@@ -115,7 +135,7 @@ def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) ->
     _check(x, w)
     n, m = x.shape[0], w.shape[0]
     y = np.empty((n, m, 1, 1), x.dtype)
-    if 0 < n <= STREAMING_BATCH and m > 0:
+    if streams(n, w):
         with kernel_threading():
             y[:, :, 0, 0] = _streaming_forward(_matrix(x, n), _matrix(w, m), STREAMING_CHUNK)
     else:
@@ -138,7 +158,7 @@ def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...
     n, m = dy.shape[0], w.shape[0]
     dx = np.empty(input_shape, w.dtype)
     flat = dx.reshape(n, math.prod(input_shape[1:]))
-    if 0 < n <= STREAMING_BATCH and m > 0:
+    if streams(n, w):
         with kernel_threading():
             _streaming_input_grad(_matrix(dy, n), _matrix(w, m), flat, STREAMING_CHUNK)
     else:
