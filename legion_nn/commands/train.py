@@ -184,6 +184,20 @@ class _Console:
         )
 
 
+def _compile_ahead(dtype: str, local_rank: int, local_size: int, barrier, helpers: bool = True):
+    """What a rank does before its first step: compile the run's kernels, its host's share of
+    them among its `local_size` ranks, or alone with a helper process per spare core."""
+
+    def run(graph) -> None:
+        from runtime.compile_ahead import compile_ahead, units_of
+        from runtime.launch import host_cores
+
+        spare = host_cores() - 1 if helpers and local_size == 1 else 0
+        compile_ahead(units_of(graph), dtype, local_rank, local_size, barrier, spare)
+
+    return run
+
+
 def _run_single(args: argparse.Namespace) -> int:
     """One process: a one-rank run of the distributed runtime over an in-process transport."""
     from runtime.distributed import train_rank
@@ -196,7 +210,14 @@ def _run_single(args: argparse.Namespace) -> int:
         console.start(config, config.total_steps, 1, options.label)
         (transport,) = ThreadTransport.group(1)
         result = train_rank(
-            config, transport, options, None, log, console.on_step, console.on_epoch
+            config,
+            transport,
+            options,
+            None,
+            log,
+            console.on_step,
+            console.on_epoch,
+            _compile_ahead(config.dtype, 0, 1, None),
         )
         console.done(result)
     finally:
@@ -222,7 +243,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
             )
             print(f"legion-nn train: {text}", file=sys.stderr, flush=True)
         return 2
-    from runtime.launch import ranks_on_this_host, share_cores
+    from runtime.launch import local_rank_from_env, ranks_on_this_host, share_cores
     from runtime.mpi_transport import MPITransport, idle_barrier
     from runtime.supervisor import release_segments
 
@@ -239,8 +260,14 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         console = _Console(args.no_progress or not root)
         if root:
             console.start(config, config.total_steps, transport.size, options.label)
+        local_rank = local_rank_from_env()
+        ahead = (
+            _compile_ahead(config.dtype, local_rank, ranks_on_this_host(), idle_barrier)
+            if local_rank is not None
+            else _compile_ahead(config.dtype, 0, 1, None, helpers=False)
+        )
         result = train_rank(
-            config, transport, options, status, log, console.on_step, console.on_epoch
+            config, transport, options, status, log, console.on_step, console.on_epoch, ahead
         )
         if root:
             console.done(result)

@@ -1,0 +1,269 @@
+"""Compile a run's kernels before its first step, shared among the processes of a host.
+
+Numba compiles a kernel the first time it is called with new argument types, in the calling
+process and one at a time (a process-wide lock), and then keeps it in its on-disk cache. On a
+cold cache the default job spent 10 of its 12.6 s so, on one core of two. What a run will call
+is known before its first step, from the ops of its task graph, its dtype and its optimizer.
+
+Each *unit* compiles one op's kernels by calling them, through the same wrappers the adapters
+use, on arrays of a few elements laid out as a whole-tensor or batch piece is: the same argument
+types, hence the same compiled code, which the run then loads from the cache. The units are cut
+among the processes of the host by longest-first greedy assignment; units that share compiled
+code (the filter passes and their GEMM) stay together. Under `mpiexec` the ranks of a host take
+a share each and wait for one another; a run in one process starts helper processes
+(`python -m runtime.compile_ahead DTYPE UNIT...`) for the others' shares whose kernels are not
+in Numba's cache yet, and waits for them where its own share was not cached either.
+
+A piece laid out otherwise (a spatial piece, a non-contiguous view) gets its own specialisation,
+compiled when first called, as without this module.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from legion_nn.graph import TaskGraph
+from runtime.kernels import (
+    affine,
+    batchnorm,
+    blas,
+    dropout,
+    filter_packed,
+    layout,
+    linear,
+    microkernel,
+    nonlinear,
+    pool,
+    softmax,
+    update,
+)
+
+
+def _filter(dtype: np.dtype, untied: bool) -> None:
+    n, c, h, k, r = 2, 2, 4, 2, 3
+    x = np.zeros((n, c, h, h), dtype)
+    p = h if untied else 1
+    wp = np.zeros((p, r, p, k, r, c), dtype)
+    pads = (1, 1, 1, 1)
+    xp = layout.pack_activations(x)
+    yp = filter_packed.forward_packed(xp, wp, 1, pads)
+    layout.unpack_activations(yp)
+    filter_packed.backward_data_packed(yp, wp, (h, h), 1, pads)
+    grad = np.zeros_like(wp)
+    filter_packed.backward_filter_packed(yp, xp, (r, r), 1, pads, untied, None, grad, True)
+
+
+def _affine(dtype: np.dtype) -> None:
+    x = np.zeros((2, 2, 3, 3), dtype)
+    a = np.ones(1, dtype)
+    y = affine.filterA_forward(x, a, np.zeros((1, 2, 3, 3), dtype))
+    affine.filterA_backward(y, x, a, need_dx=True)
+
+
+def _nonlinear(dtype: np.dtype) -> None:
+    x = np.zeros((2, 2, 3, 3), dtype)
+    y = nonlinear.filterNL_forward(x, "tanh")
+    nonlinear.filterNL_backward(x, y, "tanh")
+
+
+def _linear(dtype: np.dtype) -> None:
+    x = np.zeros((2, 2, 3, 3), dtype)
+    w = np.zeros((3, 2, 3, 3), dtype)
+    dy = linear.linear_forward(x, w)
+    linear.linear_weight_grad_accumulate(dy, x, np.zeros_like(w))
+    linear.linear_input_grad(dy, w, x.shape)
+
+
+def _softmax(dtype: np.dtype) -> None:
+    x = np.zeros((2, 3, 1, 1), dtype)
+    labels = np.zeros((2, 1, 1, 1), np.int32)
+    prob, _ = softmax.softmax_forward(x, labels, 2)
+    softmax.softmax_backward(prob, labels, 2)
+    softmax.evaluate_forward(prob, labels)
+
+
+def _maxpool(dtype: np.dtype) -> None:
+    x = np.zeros((2, 2, 4, 4), dtype)
+    y = pool.maxpool_forward(x, (2, 2), 2, (0, 0, 0, 0))
+    pool.maxpool_backward(y, x, (2, 2), 2, (0, 0, 0, 0))
+
+
+def _avgpool(dtype: np.dtype) -> None:
+    x = np.zeros((2, 2, 4, 4), dtype)
+    y = pool.avgpool_forward(x, (2, 2), 2, (0, 0, 0, 0))
+    pool.avgpool_backward(y, x.shape, (2, 2), 2, (0, 0, 0, 0))
+
+
+def _dropout(dtype: np.dtype) -> None:
+    x = np.zeros((2, 2, 3, 3), dtype)
+    dropout.dropout_forward(x, 0.5, 1, 0, (0, 0, 0, 0), x.shape)
+    dropout.dropout_backward(x, 0.5, 1, 0, (0, 0, 0, 0), x.shape)
+
+
+def _batchnorm(dtype: np.dtype) -> None:
+    x = np.ones((2, 2, 3, 3), dtype)
+    gamma, beta = np.ones((1, 2, 1, 1), dtype), np.zeros((1, 2, 1, 1), dtype)
+    stats = batchnorm.batchnorm_stats(x).astype(dtype)
+    count = 18.0
+    batchnorm.batchnorm_forward(x, stats, count, gamma, beta, 1e-5)
+    dgamma, dbeta = batchnorm.batchnorm_param_backward(x, x, stats, count, 1e-5)
+    batchnorm.batchnorm_input_backward(x, x, stats, count, gamma, dgamma, dbeta, 1e-5)
+    batchnorm.batchnorm_inference(x, stats, gamma, beta, 1e-5)
+
+
+def _optimizer(name: str) -> Callable[[np.dtype], None]:
+    def run(dtype: np.dtype) -> None:
+        p, g, s1, s2 = (np.zeros((2, 3), dtype) for _ in range(4))
+        if name == "sgd":
+            update.sgd_update(p, g, 0.1)
+        elif name == "momentum":
+            update.momentum_update(p, g, s1, 0.1, 0.9)
+        else:
+            update.adam_update(p, g, s1, s2, 0.1, 0.9, 0.999, 1e-8, 1)
+
+    return run
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One op's kernels: `warm(dtype)` compiles them; `seconds` is their compile time on a
+    cold cache on the development machine, the weight of the assignment; units of one `group`
+    go to one process; `probe` is one of the kernels, whose cache entry stands for the unit's."""
+
+    warm: Callable[[np.dtype], None]
+    seconds: float
+    group: str
+    probe: object
+
+
+UNITS: dict[str, Unit] = {
+    "filter.untied": Unit(lambda d: _filter(d, True), 4.6, "gemm", filter_packed._forward),
+    "filter.tied": Unit(lambda d: _filter(d, False), 4.6, "gemm", filter_packed._forward),
+    "filterA": Unit(_affine, 1.5, "filterA", affine._forward),
+    "filterNL": Unit(_nonlinear, 1.3, "filterNL", nonlinear._forward),
+    "linear": Unit(_linear, 0.7, "linear", blas.parallel_gemm),
+    "softmax": Unit(_softmax, 0.6, "softmax", softmax._forward),
+    "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
+    "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),
+    "dropout": Unit(_dropout, 1.0, "dropout", dropout._apply),
+    "batchnorm": Unit(_batchnorm, 3.0, "batchnorm", batchnorm._stats),
+    "sgd": Unit(_optimizer("sgd"), 0.3, "sgd", update._sgd),
+    "momentum": Unit(_optimizer("momentum"), 0.3, "momentum", update._momentum),
+    "adam": Unit(_optimizer("adam"), 0.3, "adam", update._adam),
+}
+#: the GEMM of the filter kernels, compiled first by the process that runs them
+_SHARED = {"gemm": microkernel.kernels}
+
+
+def units_of(graph: TaskGraph) -> list[str]:
+    """The units a run of `graph` calls, in the order of UNITS."""
+    used = set()
+    for task in graph.tasks:
+        if task.op in ("filter", "conv"):
+            used.add("filter.untied" if task.attrs.get("untied") else "filter.tied")
+        elif task.op == "update":
+            used.add(task.attrs["optimizer"])
+        elif task.op == "evaluate":
+            used.add("softmax")
+        elif task.op.startswith("batchnorm"):
+            used.add("batchnorm")
+        elif task.op in UNITS:
+            used.add(task.op)
+    return [name for name in UNITS if name in used]
+
+
+def assign(units: list[str], processes: int) -> list[list[str]]:
+    """The units of each process: groups, longest first, each to the least loaded process."""
+    groups: dict[str, list[str]] = {}
+    for name in units:
+        groups.setdefault(UNITS[name].group, []).append(name)
+    load = [0.0] * processes
+    shares: list[list[str]] = [[] for _ in range(processes)]
+    weight = {key: sum(UNITS[n].seconds for n in names) for key, names in groups.items()}
+    for key in sorted(groups, key=lambda key: -weight[key]):
+        target = load.index(min(load))
+        shares[target] += groups[key]
+        load[target] += weight[key]
+    return shares
+
+
+def cached(units: list[str], dtype) -> bool:
+    """Whether Numba's cache holds each unit's probe kernel for `dtype`, for the current
+    source (Numba's index is stamped with it)."""
+    name = np.dtype(dtype).name
+    for unit in units:
+        try:
+            index = UNITS[unit].probe._cache._cache_file._load_index()
+        except (AttributeError, OSError):  # no cache, or a Numba without this layout
+            return False
+        if not any(name in str(key[0]) for key in index):
+            return False
+    return True
+
+
+def warm(units: list[str], dtype) -> int:
+    """Compile (or load) the units' kernels in this process; the number Numba compiled."""
+    from numba.core import event
+
+    dtype = np.dtype(dtype)
+    with event.install_recorder("numba:compile") as compiled:
+        for name in units:
+            if UNITS[name].group in _SHARED:
+                _SHARED[UNITS[name].group](dtype)
+            UNITS[name].warm(dtype)
+    return sum(1 for _, e in compiled.buffer if e.is_start)
+
+
+def compile_ahead(
+    units: list[str],
+    dtype,
+    local_rank: int = 0,
+    local_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    helpers: int = 0,
+) -> None:
+    """Compile `units` among the `local_size` ranks of this host (this one is `local_rank`),
+    then wait at `barrier` (every rank of the job calls it, whatever its host's rank count), or,
+    alone, with `helpers` helper processes."""
+    if barrier is not None:
+        warm(assign(units, local_size)[local_rank], dtype)
+        barrier()
+        return
+    shares = assign(units, 1 + helpers)
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "runtime.compile_ahead", np.dtype(dtype).name, *share],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for share in shares[1:]
+        if share and not cached(share, dtype)
+    ]
+    try:
+        cold = warm(shares[0], dtype) > 0
+        for process in started:
+            if cold:
+                process.wait()
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 1 or any(name not in UNITS for name in argv[1:]):
+        print(f"usage: python -m runtime.compile_ahead DTYPE [{'|'.join(UNITS)}]...")
+        return 2
+    warm(argv[1:], argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

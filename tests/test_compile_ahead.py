@@ -1,0 +1,98 @@
+"""Compiling a run's kernels ahead: which units a graph needs, how they are shared among
+processes, and that a run after them compiles nothing (on an empty Numba cache)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from legion_nn.networks import load_network
+from runtime.compile_ahead import UNITS, assign, cached, units_of, warm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def graph_of(name: str, optimizer: str = "adam"):
+    return load_network(name).lower(batch=4, dtype="float32", optimizer=optimizer)
+
+
+def test_a_graph_needs_the_units_of_its_ops_and_optimizer():
+    assert units_of(graph_of("seed-lcn-small")) == [
+        "filter.untied",
+        "filterA",
+        "filterNL",
+        "linear",
+        "softmax",
+        "adam",
+    ]
+    assert units_of(graph_of("three-layer-convnet", "sgd")) == [
+        "filter.tied",
+        "filterNL",
+        "linear",
+        "softmax",
+        "maxpool",
+        "sgd",
+    ]
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3, 5])
+def test_every_unit_goes_to_one_process_and_a_group_stays_together(processes):
+    units = list(UNITS)
+    shares = assign(units, processes)
+    assert len(shares) == processes
+    assert sorted(u for share in shares for u in share) == sorted(units)
+    owner = {u: i for i, share in enumerate(shares) for u in share}
+    assert owner["filter.untied"] == owner["filter.tied"] == 0  # the heaviest group, first
+    loads = [sum(UNITS[u].seconds for u in share) for share in shares]
+    # longest-first greedy: no process is more than its heaviest unit above the lightest
+    heaviest = max(UNITS[u].seconds * (2 if UNITS[u].group == "gemm" else 1) for u in units)
+    assert max(loads) - min(loads) <= heaviest
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_unit_runs_its_kernels(dtype):
+    warm(list(UNITS), dtype)
+    assert cached(list(UNITS), dtype)
+
+
+def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path):
+    """On an empty cache: the main process and one helper compile the default network's units
+    between them; training then compiles no kernel, and no helper is left running."""
+    script = textwrap.dedent(
+        """
+        import os
+        from numba.core import event
+        from legion_nn.cli import main
+        from legion_nn.networks import load_network
+        from runtime.compile_ahead import cached, compile_ahead, units_of
+
+        graph = load_network("seed-lcn-small").lower(batch=8, dtype="float32", optimizer="adam")
+        units = units_of(graph)
+        assert not cached(units, "float32")
+        compile_ahead(units, "float32", helpers=1)
+        assert cached(units, "float32")
+        children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+        assert not children, children
+        with event.install_recorder("numba:compile") as compiled:
+            main(["train", "--steps", "2", "--batch", "8", "--no-progress"])
+        names = [e.data["dispatcher"].py_func.__qualname__ for _, e in compiled.buffer if e.is_start]
+        assert not names, names
+        print("compiled nothing")
+        """
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled nothing" in result.stdout
