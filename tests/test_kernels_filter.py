@@ -208,6 +208,24 @@ def test_large_weights_convert_by_the_compiled_transposes_exactly(monkeypatch, s
     assert back.flags.c_contiguous
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_large_activations_convert_by_the_compiled_transposes_exactly(monkeypatch, dtype):
+    """Activations from `LARGE_ACTIVATIONS` elements take the compiled transposes: NumPy's
+    transposed copy, both ways, from a view that is not contiguous (a batch piece of a larger
+    array with a channel left out)."""
+    from runtime.kernels import layout
+
+    whole = np.random.default_rng(2).standard_normal((7, 4, 5, 6)).astype(dtype)
+    x = whole[1:6, 1:]
+    monkeypatch.setattr(layout, "LARGE_ACTIVATIONS", 0)
+    xp = pack_activations(x)
+    np.testing.assert_array_equal(xp, x.transpose(2, 3, 1, 0))
+    assert xp.flags.c_contiguous and xp.dtype == dtype
+    back = layout.unpack_activations(xp[:, :, 1:])  # a channel piece of a packed tensor
+    np.testing.assert_array_equal(back, x[:, 1:])
+    assert back.flags.c_contiguous
+
+
 def test_layout_round_trips():
     x, w, _, _, _ = make(CASES["untied-stride2-asym"], np.float32)
     assert pack_activations(x).shape == (9, 7, 3, 2)

@@ -12,6 +12,7 @@ from runtime.kernels.microkernel import (
     lanes,
     tiled_gemm,
     tiled_gemm_prefetching,
+    tiled_gemm_sum,
 )
 
 DTYPES = [np.float32, np.float64]
@@ -151,3 +152,29 @@ def test_a_dtype_without_its_compiled_gemm_is_refused():
         tiled_gemm(np.zeros(2, np.intp), 2, 2, 2, a, 0, 2, 1, a, 0, 2, False, a, 0, 2)
     with pytest.raises(TypeError, match="float32 or float64"):
         kernels(np.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocks", [0, 1, 3])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_sum_over_blocks_is_the_sum_of_the_products(dtype, blocks, accumulate):
+    """Σ_j A_j·B_j with A_j and B_j further along their arrays by fixed strides (B's backwards),
+    as one product; no blocks writes zeros (or keeps C)."""
+    rng = np.random.default_rng(blocks)
+    m, n, k = 13, 37, 5
+    a = rng.standard_normal((4, m, k + 2)).astype(dtype)  # block j is a[j, :, 1:k + 1]
+    b = rng.standard_normal((4, k, n + 1)).astype(dtype)  # block j is b[3 - j, :, :n]
+    c = rng.standard_normal((m, n + 3)).astype(dtype)
+    before = c.copy()
+    a_block, b_block = m * (k + 2), -k * (n + 1)
+    tiled_gemm_sum(kernels(dtype), m, n, k, blocks, a, 1, k + 2, 1, a_block,
+                   b, 3 * k * (n + 1), n + 1, b_block, accumulate, c, 0, n + 3)  # fmt: skip
+    expected = sum(
+        (a[j, :, 1 : k + 1].astype(np.float64) @ b[3 - j, :, :n] for j in range(blocks)),
+        np.zeros((m, n)),
+    )
+    if accumulate:
+        expected += before[:, :n]
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(c[:, :n], expected, rtol=0, atol=TOL[dtype] * scale * 4)
+    np.testing.assert_array_equal(c[:, n:], before[:, n:])

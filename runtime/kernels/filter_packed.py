@@ -42,7 +42,12 @@ from numba import njit, prange
 
 from runtime.aligned import aligned_empty
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
-from runtime.kernels.microkernel import kernels, tiled_gemm, tiled_gemm_prefetching
+from runtime.kernels.microkernel import (
+    kernels,
+    tiled_gemm,
+    tiled_gemm_prefetching,
+    tiled_gemm_sum,
+)
 
 
 @njit(cache=True, inline="always")
@@ -69,13 +74,11 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied, kernels):
         if s_hi <= s_lo:
             r_hi = r_lo
         w_at = p * ws0 + q * ws1 if untied else 0
-        for r in range(r_lo, r_hi):
-            tiled_gemm(kernels, k, n, (s_hi - s_lo) * c,
-                       w, w_at + r * ws2 + s_lo * ws4, ws3, 1,
-                       x, (h0 + r) * xs0 + (w0 + s_lo) * xs1, xs2,
-                       r > r_lo, y, p * ys0 + q * ys1, ys2)  # fmt: skip
-        if r_hi <= r_lo:
-            y[p, q] = 0
+        # one product over the window's rows: the tile stays in registers from row to row
+        tiled_gemm_sum(kernels, k, n, (s_hi - s_lo) * c, r_hi - r_lo,
+                       w, w_at + r_lo * ws2 + s_lo * ws4, ws3, 1, ws2,
+                       x, (h0 + r_lo) * xs0 + (w0 + s_lo) * xs1, xs2, xs0,
+                       False, y, p * ys0 + q * ys1, ys2)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -44,13 +44,53 @@ _UNPACK = tuple(int(i) for i in np.argsort(_PACK))
 def pack_activations(x: np.ndarray) -> np.ndarray:
     """(N, C, H, W) -> a C-contiguous (H, W, C, N) copy."""
     check_ndim("x", x, 4, "(N, C, H, W)")
-    return np.ascontiguousarray(x.transpose(2, 3, 1, 0))
+    if x.size < LARGE_ACTIVATIONS:
+        return np.ascontiguousarray(x.transpose(2, 3, 1, 0))
+    n, c, h, w = x.shape
+    xp = np.empty((h, w, c, n), x.dtype)
+    _to_hwcn(x, xp)
+    return xp
 
 
 def unpack_activations(xp: np.ndarray) -> np.ndarray:
     """(H, W, C, N) -> a C-contiguous (N, C, H, W) copy."""
     check_ndim("xp", xp, 4, "(H, W, C, N)")
-    return np.ascontiguousarray(xp.transpose(3, 2, 0, 1))
+    if xp.size < LARGE_ACTIVATIONS:
+        return np.ascontiguousarray(xp.transpose(3, 2, 0, 1))
+    h, w, c, n = xp.shape
+    x = np.empty((n, c, h, w), xp.dtype)
+    _to_nchw(xp, x)
+    return x
+
+
+#: activations of at least this many elements are converted by `_to_hwcn` and `_to_nchw`:
+#: NumPy's copy of the transposed view ran at 1.3 GB/s on the seed's first layer output (17.8 MB
+#: in 13.9 ms one way, 22.9 ms the other, against 0.8 ms for a plain copy), and the filter
+#: tasks convert five such tensors a step; small ones convert in microseconds either way
+LARGE_ACTIVATIONS = 1 << 20
+
+
+# One input row per task: the row's block of the (H, W, C, N) side, W·C·N elements (540 KB at
+# the seed's first layer), stays in the core's cache while the other side's N·C rows of W
+# elements are read or written whole.
+@njit(cache=True, nogil=True, parallel=True)
+def _to_hwcn(x, xp):
+    n_n, c_n, h_n, w_n = x.shape
+    for h in prange(h_n):
+        for n in range(n_n):
+            for c in range(c_n):
+                for w in range(w_n):
+                    xp[h, w, c, n] = x[n, c, h, w]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _to_nchw(xp, x):
+    n_n, c_n, h_n, w_n = x.shape
+    for h in prange(h_n):
+        for n in range(n_n):
+            for c in range(c_n):
+                for w in range(w_n):
+                    x[n, c, h, w] = xp[h, w, c, n]
 
 
 #: weights of at least this many elements are converted by `_pack` and `_unpack`: NumPy's copy

@@ -71,7 +71,8 @@ def lanes(itemsize: int) -> int:
 _I32 = ir.IntType(32)
 
 
-def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth, accumulate, tail):
+def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth, accumulate,
+               blocks, a_block, b_block, tail):  # fmt: skip
     """One tile: C (rows × vectors, the last vector's first `tail` lanes when `tail` is an IR
     value) (+)= A · B over `depth` steps, accumulators in SSA registers (allocas that LLVM's
     mem2reg promotes)."""
@@ -139,23 +140,34 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
                 for v in range(vectors):
                     builder.store(zero, accs[i][v])
     broadcast = ir.Constant(ir.VectorType(_I32, width), [0] * width)
-    with cgutils.for_range(builder, depth) as loop:
-        step = loop.index
-        b_row = builder.gep(b, [builder.mul(step, ldb)])
-        b_vectors = [load(b_row, v) for v in range(vectors)]
-        a_step = builder.mul(step, a_cs)
-        for i in range(rows):
-            element = builder.load(builder.gep(a_rows[i], [a_step]))
-            lane0 = builder.insert_element(
-                ir.Constant(vty, ir.Undefined), element, ir.Constant(_I32, 0)
-            )
-            splat = builder.shuffle_vector(lane0, ir.Constant(vty, ir.Undefined), broadcast)
-            for v in range(vectors):
-                total = builder.call(fma, [splat, b_vectors[v], builder.load(accs[i][v])])
-                builder.store(total, accs[i][v])
+    # the products of `blocks` pairs (A, B), each `a_block` and `b_block` after the last, summed
+    # in the same accumulators
+    with cgutils.for_range(builder, blocks) as outer:
+        b_first = builder.gep(b, [builder.mul(outer.index, b_block)])
+        a_first = builder.mul(outer.index, a_block)
+        with cgutils.for_range(builder, depth) as loop:
+            _tile_step(builder, vty, fma, load, accs, rows, vectors, broadcast, a_rows, a_cs,
+                       b_first, ldb, a_first, loop.index)  # fmt: skip
     for i in range(rows):
         for v in range(vectors):
             store(builder.load(accs[i][v]), c_rows[i], v)
+
+
+def _tile_step(builder, vty, fma, load, accs, rows, vectors, broadcast, a_rows, a_cs, b, ldb,
+               a_first, step):  # fmt: skip
+    """One step of the reduction: B's row `step` times column `step` of A, into the tile."""
+    b_row = builder.gep(b, [builder.mul(step, ldb)])
+    b_vectors = [load(b_row, v) for v in range(vectors)]
+    a_step = builder.add(a_first, builder.mul(step, a_cs))
+    for i in range(rows):
+        element = builder.load(builder.gep(a_rows[i], [a_step]))
+        lane0 = builder.insert_element(
+            ir.Constant(vty, ir.Undefined), element, ir.Constant(_I32, 0)
+        )
+        splat = builder.shuffle_vector(lane0, ir.Constant(vty, ir.Undefined), broadcast)
+        for v in range(vectors):
+            total = builder.call(fma, [splat, b_vectors[v], builder.load(accs[i][v])])
+            builder.store(total, accs[i][v])
 
 
 def _element_pointer(context, builder, operand_type, operand, offset):
@@ -184,8 +196,12 @@ def _tile(
     ldb,
     depth,
     accumulate,
+    blocks,
+    a_block,
+    b_block,
 ):
-    """C[c_off:] (rows × vectors·lanes, row stride ldc) (+)= A · B, dispatched on (rows,
+    """C[c_off:] (rows × vectors·lanes, row stride ldc) (+)= Σ A · B over `blocks` pairs of
+    blocks (see `tiled_gemm_sum`), dispatched on (rows,
     vectors) to a fully unrolled body; `tail` < lanes makes the (single) vector masked."""
     if not (c.dtype == a.dtype == b.dtype and c.dtype in (types.float32, types.float64)):
         return None
@@ -205,6 +221,9 @@ def _tile(
         types.intp,
         types.intp,
         types.boolean,
+        types.intp,
+        types.intp,
+        types.intp,
     )
 
     def codegen(context, builder, signature, args):
@@ -224,6 +243,9 @@ def _tile(
             ldb_,
             depth_,
             acc_,
+            blocks_,
+            a_block_,
+            b_block_,
         ) = args
         operand_types = signature.args
         c_ptr = _element_pointer(context, builder, operand_types[3], c_, c_off_)
@@ -238,7 +260,8 @@ def _tile(
         key = builder.add(builder.mul(rows_, ir.Constant(rows_.type, 16)), vectors_)
         key = builder.select(masked, builder.add(key, ir.Constant(key.type, 8)), key)
         switch = builder.switch(key, done)
-        operands = (c_ptr, ldc_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, depth_, acc_)
+        operands = (c_ptr, ldc_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, depth_, acc_, blocks_, a_block_,
+                    b_block_)  # fmt: skip
         for r in range(1, MAX_ROWS + 1):
             # whole vectors (1..MAX_VECTORS of them), then one masked vector (key + 8)
             variants = [(v, None, f"{r}x{v}", r * 16 + v) for v in range(1, MAX_VECTORS + 1)]
@@ -256,9 +279,9 @@ def _tile(
 
 
 def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_rows, next_ld,
-          next_columns):  # fmt: skip
-    """The body of the compiled GEMM (see `tiled_gemm_prefetching`), on typed pointers to the
-    first element of each operand; `next_off` is relative to `a`."""
+          next_columns, blocks, a_block, b_block):  # fmt: skip
+    """The body of the compiled GEMM (see `tiled_gemm_prefetching` and `tiled_gemm_sum`), on
+    typed pointers to the first element of each operand; `next_off` is relative to `a`."""
     width = VECTOR_BYTES // (4 if _is_single(a) else 8)
     block = MAX_VECTORS * width
     tiles = -(-m // MAX_ROWS) * -(-n // block)
@@ -276,7 +299,7 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
                 _prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
                 tile += 1
             _tile(min(MAX_ROWS, m - i0), vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs,
-                  a_rs, a_cs, b, n0, ldb, k, add)  # fmt: skip
+                  a_rs, a_cs, b, n0, ldb, k, add, blocks, a_block, b_block)  # fmt: skip
             n0 += vectors * width if tail == width else tail
 
 
@@ -328,7 +351,7 @@ def _prefetch_rows(a, a_off, rows, ld, columns):
 def _signature(dtype):
     pointer = types.CPointer(dtype)
     i = types.intp
-    return types.void(i, i, i, pointer, i, i, pointer, i, i, pointer, i, i, i, i, i)
+    return types.void(i, i, i, pointer, i, i, pointer, i, i, pointer, i, i, i, i, i, i, i, i)
 
 
 #: the compiled GEMM's address per element size, 0 until `kernels` compiles it
@@ -360,16 +383,18 @@ def _slot(itemsize: int) -> int:
 
 @intrinsic
 def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
-          c_off, ldc, next_off, next_rows, next_ld, next_columns):  # fmt: skip
+          c_off, ldc, next_off, next_rows, next_ld, next_columns, blocks, a_block,
+          b_block):  # fmt: skip
     """Call the compiled GEMM at `address` on pointers into a, b and c."""
     if not (c.dtype == a.dtype == b.dtype and c.dtype in (types.float32, types.float64)):
         return None
     i = types.intp
-    sig = types.void(i, i, i, i, a, i, i, i, b, i, i, types.boolean, c, i, i, i, i, i, i)
+    sig = types.void(i, i, i, i, a, i, i, i, b, i, i, types.boolean, c, i, i, i, i, i, i, i, i, i)
 
     def codegen(context, builder, signature, args):
         (address_, m_, n_, k_, a_, a_off_, a_rs_, a_cs_, b_, b_off_, ldb_, acc_, c_, c_off_,
-         ldc_, next_off_, next_rows_, next_ld_, next_columns_) = args  # fmt: skip
+         ldc_, next_off_, next_rows_, next_ld_, next_columns_, blocks_, a_block_,
+         b_block_) = args  # fmt: skip
         operand_types = signature.args
         a_ptr = _element_pointer(context, builder, operand_types[4], a_, a_off_)
         b_ptr = _element_pointer(context, builder, operand_types[8], b_, b_off_)
@@ -379,13 +404,13 @@ def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accu
         function_type = ir.FunctionType(
             ir.VoidType(),
             [index, index, index, pointer, index, index, pointer, index, index, pointer, index,
-             index, index, index, index],
+             index, index, index, index, index, index, index],
         )  # fmt: skip
         target = builder.inttoptr(address_, function_type.as_pointer())
         builder.call(
             target,
             [m_, n_, k_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, builder.zext(acc_, index), c_ptr, ldc_,
-             next_off_, next_rows_, next_ld_, next_columns_],
+             next_off_, next_rows_, next_ld_, next_columns_, blocks_, a_block_, b_block_],
         )  # fmt: skip
         return context.get_dummy_value()
 
@@ -415,10 +440,29 @@ def tiled_gemm_prefetching(
     one cache line each), which the hardware prefetchers do not follow, and it ran at 65–70%
     of SGEMM against 90% with the block hinted in ahead, spread over the tiles so that the
     hints do not overflow the core's queue of outstanding misses."""
+    if m <= 0 or n <= 0:
+        return
+    _call(_address(kernels, a), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
+          c_off, ldc, next_off - a_off, next_rows, next_ld, next_columns, 1, 0, 0)  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def tiled_gemm_sum(kernels, m, n, k, blocks, a, a_off, a_rs, a_cs, a_block, b, b_off, ldb,
+                   b_block, accumulate, c, c_off, ldc):  # fmt: skip
+    """C[c_off:] = Σ_j A_j·B_j (+ C if `accumulate`) over j < `blocks`, where A_j and B_j are
+    `tiled_gemm`'s A and B moved on by j·a_block and j·b_block elements: one product of depth
+    blocks·k whose tiles stay in registers throughout. A filter's forward sums its window rows
+    so, which with the seed's one-channel first layer (k = 9) stores each tile once instead of
+    nine times."""
+    if m <= 0 or n <= 0:
+        return
+    _call(_address(kernels, a), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
+          c_off, ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _address(kernels, a):
     address = kernels[0 if a.itemsize == 4 else 1]
     if address == 0:
         raise ValueError("tiled_gemm: no GEMM compiled for this dtype; pass kernels(dtype)")
-    if m <= 0 or n <= 0:
-        return
-    _call(address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
-          next_off - a_off, next_rows, next_ld, next_columns)  # fmt: skip
+    return address
