@@ -36,7 +36,6 @@ from runtime.kernels import (
     filter_packed,
     layout,
     linear,
-    microkernel,
     nonlinear,
     pool,
     softmax,
@@ -156,8 +155,6 @@ UNITS: dict[str, Unit] = {
     "momentum": Unit(_optimizer("momentum"), 0.3, "momentum", update._momentum),
     "adam": Unit(_optimizer("adam"), 0.3, "adam", update._adam),
 }
-#: the GEMM of the filter kernels, compiled first by the process that runs them
-_SHARED = {"gemm": microkernel.kernels}
 
 
 def units_of(graph: TaskGraph) -> list[str]:
@@ -213,8 +210,6 @@ def warm(units: list[str], dtype) -> int:
     dtype = np.dtype(dtype)
     with event.install_recorder("numba:compile") as compiled:
         for name in units:
-            if UNITS[name].group in _SHARED:
-                _SHARED[UNITS[name].group](dtype)
             UNITS[name].warm(dtype)
     return sum(1 for _, e in compiled.buffer if e.is_start)
 
