@@ -12,7 +12,7 @@ among the processes of the host by longest-first greedy assignment; units that s
 code (the filter passes and their GEMM) stay together. Under `mpiexec` the ranks of a host take
 a share each and wait for one another; a run in one process starts helper processes
 (`python -m runtime.compile_ahead DTYPE UNIT...`) for the others' shares whose kernels are not
-in Numba's cache yet, and waits for them where its own share was not cached either.
+in Numba's cache yet, and waits for them: they compile what it would otherwise compile itself.
 
 A piece laid out otherwise (a spatial piece, a non-contiguous view) gets its own specialisation,
 compiled when first called, as without this module.
@@ -203,15 +203,15 @@ def cached(units: list[str], dtype) -> bool:
     return True
 
 
-def warm(units: list[str], dtype) -> int:
-    """Compile (or load) the units' kernels in this process; the number Numba compiled."""
-    from numba.core import event
-
+def warm(units: list[str], dtype) -> None:
+    """Compile (or load) the units' kernels in this process."""
     dtype = np.dtype(dtype)
-    with event.install_recorder("numba:compile") as compiled:
-        for name in units:
-            UNITS[name].warm(dtype)
-    return sum(1 for _, e in compiled.buffer if e.is_start)
+    for name in units:
+        UNITS[name].warm(dtype)
+
+
+#: how long a run waits for a helper before it goes on and compiles what is left itself
+HELPER_TIMEOUT_S = 300.0
 
 
 def compile_ahead(
@@ -241,10 +241,12 @@ def compile_ahead(
         if share and not cached(share, dtype)
     ]
     try:
-        cold = warm(shares[0], dtype) > 0
+        warm(shares[0], dtype)
         for process in started:
-            if cold:
-                process.wait()
+            try:
+                process.wait(timeout=HELPER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # the run compiles what is left itself
+                pass
     finally:
         for process in started:
             if process.poll() is None:

@@ -59,23 +59,26 @@ def test_every_unit_runs_its_kernels(dtype):
     assert cached(list(UNITS), dtype)
 
 
-def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path):
-    """On an empty cache: the main process and one helper compile the default network's units
-    between them; training then compiles no kernel, and no helper is left running."""
+@pytest.mark.parametrize("before", [[], ["filter.untied"]])
+def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, before):
+    """On an empty cache, or one holding the main process's share (`before`): the main process
+    and one helper compile the default network's units between them; training then compiles no
+    kernel, and no helper is left running."""
     script = textwrap.dedent(
-        """
+        f"""
         import os
         from numba.core import event
         from legion_nn.cli import main
         from legion_nn.networks import load_network
-        from runtime.compile_ahead import cached, compile_ahead, units_of
+        from runtime.compile_ahead import cached, compile_ahead, units_of, warm
 
         graph = load_network("seed-lcn-small").lower(batch=8, dtype="float32", optimizer="adam")
         units = units_of(graph)
+        warm({before!r}, "float32")
         assert not cached(units, "float32")
         compile_ahead(units, "float32", helpers=1)
         assert cached(units, "float32")
-        children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+        children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
         assert not children, children
         with event.install_recorder("numba:compile") as compiled:
             main(["train", "--steps", "2", "--batch", "8", "--no-progress"])
