@@ -312,12 +312,15 @@ def place(slots: list[Slot], length: int) -> StepBuffers:
     for slot in order:
         need = _reserved(slot)
         busy = sorted((o, e) for o, e, s in placed if s.first <= slot.last and slot.first <= s.last)
+        coloured = slot.nbytes >= COLOURED
         offset = 0
         for lo, hi in busy:
+            if coloured:  # aligned before the fit is checked: the page may not fit the gap
+                offset = -(-offset // PAGE) * PAGE
             if offset + need <= lo:
                 break
             offset = max(offset, hi)
-        if slot.nbytes >= COLOURED:
+        if coloured:
             offset = -(-offset // PAGE) * PAGE
             need_start = offset + colour * _COLOUR_STEP * LINE % PAGE
             colour += 1
