@@ -1,11 +1,11 @@
-"""Benchmark: the linear kernels' streaming loops against `parallel_gemm` (BLAS blocks on Numba's
-threads), at small batches, for weights from cache-sized to far larger than the caches.
+"""Benchmark: the linear forward's streaming loop against its tiled product, at small batches,
+for weights from cache-sized to far larger than the caches.
 
     python bench/linear_streaming.py [--batches 2,16] [--classes 10] [--repeat 7]
 
-Each line is one shape: the forward product x·wᵀ and the input gradient dy·w, each the best of
-`--repeat` calls, as BLAS's time over the loops' time (above 1: the loops win) and the loops'
-own time. `runtime.kernels.linear.streams` picks the loops where this measured in their favour.
+Each line is one shape: the forward product x·wᵀ, the best of `--repeat` calls, as the tiled
+product's time over the loop's (above 1: the loop wins) and the loop's own time.
+`runtime.kernels.linear.streams` picks the loop where this measured in its favour.
 """
 
 from __future__ import annotations
@@ -32,18 +32,15 @@ def best_seconds(call, repeat: int) -> float:
 
 
 def measure(n: int, m: int, features: int, repeat: int) -> dict[str, float]:
-    """Best seconds of each pass on each path for n rows, m weight rows of `features`."""
+    """Best seconds of the forward on each path for n rows, m weight rows of `features`."""
     rng = np.random.default_rng(0)
     x = rng.random((n, features), np.float32)
     w = rng.random((m, features), np.float32)
-    dy = rng.random((n, m), np.float32)
-    y, dx = np.empty((n, m), np.float32), np.empty_like(x)
+    y = np.empty((n, m), np.float32)
     chunk = linear.STREAMING_CHUNK
     calls = {
-        "forward loops": lambda: linear._streaming_forward(x, w, chunk),
-        "forward blas": lambda: linear._product(x, NO_TRANS, w, TRANS, y),
-        "input grad loops": lambda: linear._streaming_input_grad(dy, w, dx, chunk),
-        "input grad blas": lambda: linear._product(dy, NO_TRANS, w, NO_TRANS, dx),
+        "loop": lambda: linear._streaming_forward(x, w, chunk),
+        "tiled": lambda: linear._product(x, NO_TRANS, w, TRANS, y),
     }
     return {name: best_seconds(call, repeat) for name, call in calls.items()}
 
@@ -57,13 +54,11 @@ def main() -> None:
     for n in (int(v) for v in args.batches.split(",")):
         for features in FEATURES:
             timed = measure(n, args.classes, features, args.repeat)
-            cells = [
-                f"{pass_} blas/loops {timed[pass_ + ' blas'] / timed[pass_ + ' loops']:5.2f}"
-                f" ({timed[pass_ + ' loops'] * 1e6:8.1f} us)"
-                for pass_ in ("forward", "input grad")
-            ]
             weights = args.classes * features * 4 / 2**20
-            print(f"batch {n:3d}, weights {weights:6.2f} MiB: " + ", ".join(cells))
+            print(
+                f"batch {n:3d}, weights {weights:6.2f} MiB: forward tiled/loop "
+                f"{timed['tiled'] / timed['loop']:5.2f} (loop {timed['loop'] * 1e6:8.1f} us)"
+            )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from legion_nn.graph import TaskGraph
 from runtime.kernels import (
     affine,
     batchnorm,
-    blas,
     dropout,
     filter_packed,
     layout,
@@ -145,7 +144,7 @@ UNITS: dict[str, Unit] = {
     "filter.tied": Unit(lambda d: _filter(d, False), 4.6, "gemm", filter_packed._forward),
     "filterA": Unit(_affine, 1.5, "filterA", affine._forward),
     "filterNL": Unit(_nonlinear, 1.3, "filterNL", nonlinear._forward),
-    "linear": Unit(_linear, 0.7, "linear", blas.parallel_gemm),
+    "linear": Unit(_linear, 0.7, "linear", linear._tiled_product),
     "softmax": Unit(_softmax, 0.6, "softmax", softmax._forward),
     "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),

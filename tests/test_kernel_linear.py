@@ -1,7 +1,7 @@
 import numba
 import numpy as np
 import pytest
-from error_bounds import assert_close_to
+from error_bounds import assert_close_to, assert_product_close
 from numeric_grad import assert_grad, numeric_grad
 
 from runtime.kernels import linear
@@ -160,3 +160,20 @@ def test_the_streaming_forward_does_not_depend_on_the_thread_count(monkeypatch):
         assert np.array_equal(linear_forward(x, w), one)
     finally:
         numba.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_tiled_products_agree_across_blocks_and_slices(dtype, monkeypatch):
+    """Blocks of rows and columns and slices of the reduction small enough that every product
+    has several of each, with ragged last ones, and accumulation into the weight gradient."""
+    monkeypatch.setattr(linear, "TILED_DEPTH", 7)
+    monkeypatch.setattr(linear, "TILED_BLOCK_BYTES", 7 * 64 * np.dtype(dtype).itemsize)
+    x, w, _ = _inputs(21, 130, (3, 5, 6), dtype, seed=5)  # 90 features: slices of 7
+    dy = np.random.default_rng(8).standard_normal((21, 130, 1, 1)).astype(dtype)
+    xm, wm, dym = x.reshape(21, 90), w.reshape(130, 90), dy.reshape(21, 130)
+    assert_product_close(linear_forward(x, w).reshape(21, 130), xm, wm.T, dtype=dtype)
+    dx = linear.linear_input_grad(dy, w, x.shape)
+    assert_product_close(dx.reshape(21, 90), dym, wm, dtype=dtype)
+    dw = np.ones_like(w)
+    linear.linear_weight_grad_accumulate(dy, x, dw)
+    assert_product_close(dw.reshape(130, 90), dym.T, xm, offset=1.0, dtype=dtype)

@@ -2,46 +2,49 @@
 
 x is (N, C, H, W) and w is (M, C, H, W), so a fully connected layer keeps the logical layout of
 the activation it reads and the partitioner can split w along M (model parallel) or x along N
-(data parallel) with plain rects. The work is three GEMMs on the flattened 2-D views, each run by
-`blas.parallel_gemm`, so that the layer uses Numba's threads like every other kernel rather than
-a second, competing BLAS thread pool. Flattening only copies when a piece is a non-contiguous
-slice. On a batch piece dw and db are that piece's contributions (the runtime adds them); on an M
-piece dx is the piece's contribution to the input gradient.
+(data parallel) with plain rects. The work is three GEMMs on the flattened 2-D views, run on the
+filter kernels' GEMM (`microkernel.tiled_gemm`) in blocks of the result on Numba's threads
+(`_tiled_product`), like every other kernel, rather than on a second, competing BLAS thread
+pool. The weight and input gradients' right operands (x and w) have unit-stride rows as they
+are; the forward computes yᵀ = w·xᵀ, with xᵀ copied (activation-sized, against the weights it
+streams). Each element of a result is summed by one thread in one order, whatever the thread
+count. At the seed classifier's shape (batch 64, 3034 × 46656 weights, 2 cores) the forward,
+weight and input gradients ran at 216, 181 and 190 GFLOP/s, where `parallel_gemm` blocks of
+SciPy's OpenBLAS 0.3.30 had run at 161, 151 and 117. Flattening only copies when a piece is a
+non-contiguous slice. On a batch piece dw and db are that piece's contributions (the runtime
+adds them); on an M piece dx is the piece's contribution to the input gradient.
 
-At a small batch (`STREAMING_BATCH` rows or fewer) the forward product and the input gradient
-read each weight for two or three multiply-adds per row: they are bound by streaming the weights
-from memory, and BLAS runs them far from that bound (its GEMM blocks a 14-million-long inner
-dimension into short panels; the seed classifier's forward read its 0.57 GB of weights at about
-7 GB/s). There they are Numba loops over fixed chunks of the features instead, reading the
-weights once at the machine's streaming rate. The forward sums each chunk in float64 and adds the
-chunks in order, so the result does not depend on the thread count.
-
-They run only where they win (`streams`): where `parallel_gemm` cannot give every thread a block
-of C and the weights are larger than the caches. Measured on 2 cores against `parallel_gemm`,
-ten weight rows (`bench/linear_streaming.py`): at batch 2 the loops took 0.22–0.56× BLAS's time
-for 5–40 MiB of weights but 1.09–1.32× for 1.25 MiB; at batch 16, where BLAS has a block per
-thread, 0.98–1.27×. Where they do not run they are not compiled either, which keeps 3.5 s off a
-cold start of the default job.
+At a small batch the forward reads each weight for two or three multiply-adds per row: it is
+bound by streaming the weights from memory, and a GEMM's tiles, as wide as the batch, run far
+from that bound. There it is a Numba loop over fixed chunks of the features instead, reading the
+weights once at the machine's streaming rate; it sums each chunk in float64 and adds the chunks
+in order, so the result does not depend on the thread count. It runs only where it wins
+(`streams`: `STREAMING_BATCH` rows or fewer, weights beyond the caches). Measured on 2 cores,
+ten weight rows (`bench/linear_streaming.py`): the tiled forward took 1.9–5.6× the loop's time
+at batches 2 and 16 for 1.25–40 MiB of weights, and 1.0–2.2× for 0.12 MiB, where both take
+15–72 us. Below the threshold the loop is not compiled either, which keeps 3.5 s off a cold
+start of the default job. (The input gradient had a streaming loop of its own too; the tiled
+product ran it in 0.3–0.8× that loop's time at every one of these shapes.)
 """
 
 from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
-from runtime.kernels.blas import NO_TRANS, TRANS, gemm_blocks, kernel_threading, parallel_gemm
+from runtime.kernels.blas import NO_TRANS, TRANS, kernel_threading
+from runtime.kernels.microkernel import kernels, tiled_gemm
 
-#: at or below this many rows the streaming kernels replace the forward and input-gradient GEMMs
+#: at or below this many rows the streaming loop replaces the forward's GEMM
 STREAMING_BATCH = 16
 #: features per chunk of the streaming kernels: a chunk of every row stays in the core's cache
 #: while the chunk of each weight row streams past it
 STREAMING_CHUNK = 16384
-#: weights below this fit the caches, and BLAS reads them as fast as the streaming loops
-STREAMING_WEIGHT_BYTES = 4 << 20
+#: weights below this fit the caches, where the loop's gain is microseconds
+STREAMING_WEIGHT_BYTES = 1 << 20
 _FAST = {"reassoc", "contract"}  # vectorised sums; no change to infinities or NaNs
 
 
@@ -69,35 +72,9 @@ def _streaming_forward(x, w, chunk):
     return y
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _streaming_input_grad(dy, w, dx, chunk):
-    """dx (N, F) = dy (N, M) · w (M, F), a chunk of F per task."""
-    n, features = dx.shape
-    m = w.shape[0]
-    chunks = (features + chunk - 1) // chunk
-    for c in prange(chunks):
-        lo = c * chunk
-        hi = min(features, lo + chunk)
-        for r in range(n):
-            dx[r, lo:hi] = 0
-        for i in range(m):
-            row = w[i, lo:hi]
-            for r in range(n):
-                g = dy[r, i]
-                out = dx[r, lo:hi]
-                for j in range(hi - lo):
-                    out[j] += g * row[j]
-
-
 def streams(n: int, w: np.ndarray) -> bool:
-    """Whether a product of n rows with the weights w runs on the streaming loops."""
-    m = w.shape[0]
-    features = w.size // m if m else 0
-    return (
-        0 < n <= STREAMING_BATCH
-        and w.nbytes >= STREAMING_WEIGHT_BYTES
-        and gemm_blocks(n, m, features, numba.get_num_threads()) < numba.get_num_threads()
-    )
+    """Whether the forward of n rows with the weights w runs on the streaming loop."""
+    return 0 < n <= STREAMING_BATCH and w.nbytes >= STREAMING_WEIGHT_BYTES
 
 
 def _check(x: np.ndarray, w: np.ndarray) -> None:
@@ -125,9 +102,55 @@ def _product(
         if not accumulate:
             c[...] = 0
         return
-    with kernel_threading():
-        parallel_gemm(trans_a, trans_b, m, n, k, a, 0, a.shape[1], b, 0, b.shape[1],
-                      accumulate, c, 0, n, numba.get_num_threads())  # fmt: skip
+    if trans_b == TRANS:  # as cᵀ = b·op(a)ᵀ, whose right operand op(a)ᵀ is made unit-stride
+        right = a if trans_a == TRANS else np.ascontiguousarray(a.T)
+        transposed = np.empty((n, m), c.dtype)
+        _tiled(b, NO_TRANS, right, transposed, False)
+        if accumulate:
+            c += transposed.T
+        else:
+            c[...] = transposed.T
+        return
+    _tiled(a, trans_a, b, c, accumulate)
+
+
+def _tiled(a: np.ndarray, trans_a, b: np.ndarray, c: np.ndarray, accumulate: bool) -> None:
+    """c (+)= op(a)·b on the tiled GEMM, for C-contiguous a, b (k×n) and c (m×n)."""
+    m, n = c.shape
+    k = b.shape[0]
+    a_rs, a_cs = (1, m) if trans_a == TRANS else (k, 1)
+    depth = min(k, TILED_DEPTH)
+    columns = max(64, TILED_BLOCK_BYTES // (depth * c.itemsize) // 64 * 64)
+    # enough row blocks for every thread where c is too narrow for a column block each
+    column_blocks = -(-n // columns)
+    row_blocks = max(1, min(-(-m // 6), -(-TILED_TASKS // column_blocks)))
+    rows = -(-m // row_blocks)
+    _tiled_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns,
+                   rows)  # fmt: skip
+
+
+#: the tiled products' slices of the reduction, and the bytes of b's block of columns that one
+#: slice reads: the block stays in the core's cache while every row tile of A passes it
+TILED_DEPTH = 1024
+TILED_BLOCK_BYTES = 256 << 10
+#: at least this many blocks of c where it has the rows for them, for threads to share
+TILED_TASKS = 16
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns, rows):
+    """c (m×n) (+)= A·b on `microkernel.tiled_gemm`, for C-contiguous b (k×n) and c, A (m×k)
+    read through the strides (a_rs, a_cs): a block of `rows` × `columns` of c per task (each
+    element summed by one thread, in one order whatever the thread count), its reduction in
+    slices of `depth`."""
+    column_blocks = (n + columns - 1) // columns
+    for block in prange(((m + rows - 1) // rows) * column_blocks):
+        i0, j0 = (block // column_blocks) * rows, (block % column_blocks) * columns
+        height, width = min(rows, m - i0), min(columns, n - j0)
+        for k0 in range(0, k, depth):
+            tiled_gemm(kernels, height, width, min(depth, k - k0), a, i0 * a_rs + k0 * a_cs,
+                       a_rs, a_cs, b, k0 * n + j0, n, accumulate or k0 > 0, c,
+                       i0 * n + j0, n)  # fmt: skip
 
 
 def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
@@ -158,11 +181,7 @@ def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...
     n, m = dy.shape[0], w.shape[0]
     dx = np.empty(input_shape, w.dtype)
     flat = dx.reshape(n, math.prod(input_shape[1:]))
-    if streams(n, w):
-        with kernel_threading():
-            _streaming_input_grad(_matrix(dy, n), _matrix(w, m), flat, STREAMING_CHUNK)
-    else:
-        _product(_matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat)
+    _product(_matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat)
     return dx
 
 
