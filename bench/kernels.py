@@ -103,8 +103,8 @@ def torch_sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
 
 def blas_in_use() -> dict[str, str]:
     """The BLAS libraries in the process, each with the core type its kernels were chosen for:
-    "kernels", SciPy's, which Numba's BLAS calls reach (the `linear` kernels; the filter kernels
-    measured here call none, see `runtime.kernels.microkernel`), and "ceiling", NumPy's.
+    "kernels", SciPy's, which Numba's BLAS calls would reach (no kernel makes one: the filter and
+    linear products run on `runtime.kernels.microkernel`), and "ceiling", NumPy's.
 
     OpenBLAS picks its kernels by CPU, or as `OPENBLAS_CORETYPE` says: AVX2 ("Haswell") kernels
     on an AVX-512 machine run the in-process ceiling below what the machine can do."""
