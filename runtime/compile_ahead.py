@@ -221,13 +221,18 @@ def compile_ahead(
     barrier: Callable[[], None] | None = None,
     helpers: int = 0,
 ) -> None:
-    """Compile `units` among the `local_size` ranks of this host (this one is `local_rank`),
-    then wait at `barrier` (every rank of the job calls it, whatever its host's rank count), or,
-    alone, with `helpers` helper processes."""
-    if barrier is not None:
+    """Compile `units` among the `local_size` ranks of this host (this one is `local_rank`), or,
+    alone on it, with `helpers` helper processes; then wait at `barrier` (every rank of a job
+    calls it, whatever its host's rank count)."""
+    if local_size > 1:
         warm(assign(units, local_size)[local_rank], dtype)
+    else:
+        _with_helpers(units, dtype, helpers)
+    if barrier is not None:
         barrier()
-        return
+
+
+def _with_helpers(units: list[str], dtype, helpers: int) -> None:
     shares = assign(units, 1 + helpers)
     started = [
         subprocess.Popen(

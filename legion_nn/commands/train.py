@@ -186,13 +186,14 @@ class _Console:
 
 def _compile_ahead(dtype: str, local_rank: int, local_size: int, barrier, helpers: bool = True):
     """What a rank does before its first step: compile the run's kernels, its host's share of
-    them among its `local_size` ranks, or alone with a helper process per spare core."""
+    them among its `local_size` ranks, or alone on its host with a helper process per spare
+    core."""
 
     def run(graph) -> None:
         from runtime.compile_ahead import compile_ahead, units_of
         from runtime.launch import host_cores
 
-        spare = host_cores() - 1 if helpers and local_size == 1 else 0
+        spare = max(0, host_cores() - 1) if helpers and local_size == 1 else 0
         compile_ahead(units_of(graph), dtype, local_rank, local_size, barrier, spare)
 
     return run
