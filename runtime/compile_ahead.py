@@ -259,8 +259,11 @@ def _with_helpers(units: list[str], dtype, helpers: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 1 or any(name not in UNITS for name in argv[1:]):
-        print(f"usage: python -m runtime.compile_ahead DTYPE [{'|'.join(UNITS)}]...")
+    if not argv or argv[0] not in ("float32", "float64") or any(n not in UNITS for n in argv[1:]):
+        print(
+            f"usage: python -m runtime.compile_ahead float32|float64 [{'|'.join(UNITS)}]...",
+            file=sys.stderr,
+        )
         return 2
     warm(argv[1:], argv[0])
     return 0

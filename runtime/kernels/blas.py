@@ -1,10 +1,10 @@
 """The BLAS thread policy of the kernels, and the transpose flags of the linear products.
 
 No kernel calls BLAS: the filter and linear products run on `microkernel`'s GEMM on Numba's
-threads. NumPy's BLAS still runs a few small products outside the kernels, and with BLAS's own
-threads in the mix each pool's workers spin-wait for a while after their work and starve the
-other's: on 2 cores, alternating a NumPy matmul with a Numba parallel loop measured 8.8 ms a
-round against 0.06 ms for the same work on one pool.
+threads. A process that also calls NumPy's BLAS around the steps (a caller's own code, the
+benchmarks' ceilings) has BLAS's threads in the mix, and each pool's workers spin-wait for a
+while after their work and starve the other's: on 2 cores, alternating a NumPy matmul with a
+Numba parallel loop measured 8.8 ms a round against 0.06 ms for the same work on one pool.
 
 `kernel_threading()` pins every BLAS library in the process to one thread while a kernel runs
 (about 12 µs to enter) and restores the previous setting when the outermost one exits. It is

@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
-from runtime.kernels.blas import NO_TRANS, TRANS, kernel_threading
+from runtime.kernels.blas import NO_TRANS, TRANS
 from runtime.kernels.microkernel import kernels, tiled_gemm
 
 #: at or below this many rows the streaming loop replaces the forward's GEMM
@@ -159,8 +159,7 @@ def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) ->
     n, m = x.shape[0], w.shape[0]
     y = np.empty((n, m, 1, 1), x.dtype)
     if streams(n, w):
-        with kernel_threading():
-            y[:, :, 0, 0] = _streaming_forward(_matrix(x, n), _matrix(w, m), STREAMING_CHUNK)
+        y[:, :, 0, 0] = _streaming_forward(_matrix(x, n), _matrix(w, m), STREAMING_CHUNK)
     else:
         _product(_matrix(x, n), NO_TRANS, _matrix(w, m), TRANS, y.reshape(n, m))
     if b is not None:
