@@ -6,9 +6,9 @@ Side by side, in one run on this machine:
   at the machine's SGEMM rate (`bench.kernels.sgemm_gflops`, the best of its own and of BLAS
   without a core-type pin) and the bytes its pieces must read and write
   (`partitioner.accounting.bytes_per_rank`: each rect once, twice for an update in place) at the
-  machine's copy bandwidth (`bench.calibration.memory_bandwidth`); the step's roofline is their
-  sum, less the zeroings the runtime elides (nothing must be moved to zero a gradient whose
-  first contribution writes it);
+  machine's streaming bandwidth on all its threads (`bench.calibration.memory_bandwidth`); the
+  step's roofline is their sum, less the zeroings the runtime elides (nothing must be moved to
+  zero a gradient whose first contribution writes it);
 - the measured step: the executor `train` runs, in one process, on seeded random data, Adam
   (`train`'s default), the median of `STEPS` steps after `WARMUP`, and each task's median time
   from the step's trace;
@@ -97,7 +97,7 @@ def run_step_benchmark(
     say = progress or (lambda line: None)
     network = load_network(network_name)
     graph = network.lower(batch=batch, optimizer=OPTIMIZER)
-    say("the machine's ceilings: SGEMM and copy bandwidth")
+    say("the machine's ceilings: SGEMM and memory bandwidth")
     gflops = sgemm_ceiling()
     bandwidth = memory_bandwidth()
     rows = roofline(graph, gflops, bandwidth)
@@ -112,7 +112,7 @@ def run_step_benchmark(
         "batch": batch,
         "optimizer": OPTIMIZER,
         "sgemm_gflops": gflops,
-        "copy_gbytes_per_s": bandwidth,
+        "memory_gbytes_per_s": bandwidth,
         "roofline_s": sum(r["bound_s"] for r in rows),
         "measured_s": step,
         "tasks_s": sum(per_task.values()),
@@ -132,7 +132,7 @@ def format_table(report: dict) -> str:
     lines = [
         (
             f"{report['network']} at batch {report['batch']}, {report['optimizer']}: SGEMM "
-            f"{report['sgemm_gflops']:.1f} GFLOP/s, copy {report['copy_gbytes_per_s']:.1f} GB/s"
+            f"{report['sgemm_gflops']:.1f} GFLOP/s, memory {report['memory_gbytes_per_s']:.1f} GB/s"
         ),
         f"{'task':40s} {'GFLOP':>8s} {'MB':>9s} {'bound ms':>9s} {'ms':>9s} {'x bound':>9s}",
     ]

@@ -98,3 +98,22 @@ def test_set_zero_in_place():
     assert a[:, 1:3].sum() == 0 and a.sum() == 3 * 2 * 4
     with pytest.raises(ValueError, match="read-only"):
         set_zero(np.broadcast_to(np.ones(2), (3, 2)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adam_over_several_parallel_chunks_and_a_ragged_end(dtype):
+    from runtime.kernels.update import CHUNK
+
+    n = 2 * CHUNK + 7
+    rng = np.random.default_rng(3)
+    param, grad = (rng.standard_normal(n).astype(dtype) for _ in range(2))
+    m, v = (rng.random(n).astype(dtype) for _ in range(2))
+    p64, g64, m64, v64 = (a.astype(np.float64) for a in (param, grad, m, v))
+    lr, b1, b2, eps, t = 1e-2, 0.9, 0.999, 1e-8, 3
+    m64 = b1 * m64 + (1 - b1) * g64
+    v64 = b2 * v64 + (1 - b2) * g64 * g64
+    p64 = p64 - lr * (m64 / (1 - b1**t)) / (np.sqrt(v64 / (1 - b2**t)) + eps)
+    adam_update(param, grad, m, v, lr, b1, b2, eps, t)
+    np.testing.assert_allclose(m, m64, **_tol(dtype))
+    np.testing.assert_allclose(v, v64, **_tol(dtype))
+    np.testing.assert_allclose(param, p64, **_tol(dtype))

@@ -96,21 +96,5 @@ def _set_zero(task, piece, views, dims, ctx):
 
 @adapter("update.update")
 def _update(task, piece, views, dims, ctx):
-    attrs, params, grad = task.attrs, views["params"], views["gradient"]
-    if attrs["optimizer"] == "sgd":
-        update.sgd_update(params, grad, attrs["lr"])
-    elif attrs["optimizer"] == "momentum":
-        update.momentum_update(params, grad, views["velocity"], attrs["lr"], attrs["momentum"])
-    else:
-        update.adam_update(
-            params,
-            grad,
-            views["m"],
-            views["v"],
-            attrs["lr"],
-            attrs["beta1"],
-            attrs["beta2"],
-            attrs["eps"],
-            ctx.step + 1,
-        )
+    update.optimizer_step(task.attrs, views, ctx.step).apply(views["gradient"])
     return {}

@@ -1,44 +1,206 @@
-"""Optimizer update kernels: SGD, momentum and Adam, applied in place.
+"""Optimizer updates: SGD, momentum and Adam, applied in place.
 
-Each `update_<layer>.<param>` task owns a piece of a parameter and the matching pieces of its
-gradient and optimizer state, of any shape and either float dtype. The updates are elementwise, so
-the Numba loops run over one flat index; a contiguous piece is flattened as a view (no copy, the
-update lands in the caller's array), and a strided piece, such as a channel slice of a weight, is
-walked one last-axis row at a time so that it is still updated in place. Scalars are float64 and
-the arithmetic is done in float64, rounded once on store.
+An `OptimizerStep` is one step of one rule over a parameter (or a piece of it) and its optimizer
+state. It runs in one of two ways, with the same arithmetic:
+
+- `apply(grad)`: the `update_<layer>.<param>` task, over a gradient held in memory. The rule is
+  elementwise, so a contiguous piece is flattened as a view and split into chunks among Numba's
+  threads; a strided piece, such as a channel slice of a weight, is walked one last-axis row at a
+  time, still in place.
+- fused into the kernel that computes the gradient (`filter_packed.backward_filter_packed` and
+  `linear.linear_weight_grad_accumulate` take a `step`): each block of the gradient is stepped
+  while it is still in the core's cache (`step_run`), and the gradient is never stored. At the
+  seed's L1 (585 MB of weights, batch 64, Adam) the gradient and the update took 103 + 110 ms as
+  two passes and 129 ms fused: the gradient's write and read are gone, and the update's traffic
+  overlaps the products.
+
+The arithmetic is in the parameter's dtype, as PyTorch's Adam does it: with float32 weights the
+square root and the division run on twice the lanes of float64, which at the seed's L1 took the
+fused step from 160 to 129 ms. Adam is written p −= (lr/c1)·m / (√v·(1/√c2) + eps) with the
+bias corrections c1 = 1 − β1ᵗ and c2 = 1 − β2ᵗ folded into two coefficients, the same value as
+lr·(m/c1)/(√(v/c2) + eps) up to a few roundings.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
 
 from runtime.kernels import _checks
 
+#: the rules, as the compiled kernels take them (`NO_STEP`: the kernel stores the gradient)
+NO_STEP, SGD, MOMENTUM, ADAM = -1, 0, 1, 2
+#: elements per parallel chunk of `apply`
+CHUNK = 1 << 16
+
+
+@intrinsic
+def _run(typingctx, array, offset, count):
+    """Elements offset .. offset + count of `array`'s memory as a unit-stride 1-d view: a row
+    of a strided piece, which the element loops then vectorise as they would a whole array."""
+    if not isinstance(array, types.Array):
+        return None
+    result = types.Array(array.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        source = make_array(signature.args[0])(context, builder, args[0])
+        view = make_array(result)(context, builder)
+        itemsize = context.get_constant(
+            types.intp, context.get_abi_sizeof(context.get_data_type(result.dtype))
+        )
+        populate_array(
+            view,
+            data=builder.gep(source.data, [args[1]]),
+            shape=[args[2]],
+            strides=[itemsize],
+            itemsize=itemsize,
+            meminfo=source.meminfo,
+            parent=source.parent,
+        )
+        return impl_ret_borrowed(context, builder, result, view._getvalue())
+
+    return result(array, types.intp, types.intp), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _step_elements(rule, co, g, p, s1, s2):
+    """One step of `rule` over 1-d unit-stride arrays of one length; `co` holds the rule's
+    coefficients in p's dtype, and s1, s2 its state (unused ones may be any array)."""
+    if rule == ADAM:
+        b1, a1, b2, a2, scale, root, eps = co[0], co[1], co[2], co[3], co[4], co[5], co[6]
+        for i in range(p.shape[0]):
+            gi = g[i]
+            mi = b1 * s1[i] + a1 * gi
+            vi = b2 * s2[i] + a2 * gi * gi
+            s1[i] = mi
+            s2[i] = vi
+            p[i] -= scale * mi / (np.sqrt(vi) * root + eps)
+    elif rule == MOMENTUM:
+        lr, mu = co[0], co[1]
+        for i in range(p.shape[0]):
+            v = mu * s1[i] - lr * g[i]
+            s1[i] = v
+            p[i] += v
+    else:
+        lr = co[0]
+        for i in range(p.shape[0]):
+            p[i] -= lr * g[i]
+
+
+@njit(cache=True, nogil=True)
+def step_run(rule, co, g, g_at, p, s1, s2, at, count):
+    """Step `count` consecutive elements: the gradient's from g[g_at] (flat, in elements), the
+    parameter's and its state's from element `at` of p, s1 and s2, which share their strides.
+    The fused kernels call it on each block of the gradient they compute."""
+    _step_elements(
+        rule,
+        co,
+        _run(g, g_at, count),
+        _run(p, at, count),
+        _run(s1, at if s1.size else 0, count if s1.size else 0),
+        _run(s2, at if s2.size else 0, count if s2.size else 0),
+    )
+
 
 @njit(cache=True, nogil=True, parallel=True)
-def _sgd(p, g, lr):
-    for k in prange(p.shape[0]):
-        p[k] -= lr * g[k]
+def _apply(rule, co, g, p, s1, s2):
+    n = p.shape[0]
+    for chunk in prange((n + CHUNK - 1) // CHUNK):
+        lo, hi = chunk * CHUNK, min(n, (chunk + 1) * CHUNK)
+        _step_elements(
+            rule, co, g[lo:hi], p[lo:hi], s1[lo:hi] if s1.size else s1, s2[lo:hi] if s2.size else s2
+        )
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _momentum(p, g, vel, lr, mu):
-    for k in prange(p.shape[0]):
-        v = mu * vel[k] - lr * g[k]
-        vel[k] = v
-        p[k] += v
+@dataclass(frozen=True)
+class OptimizerStep:
+    """One step of `rule` over `params` and its `state` (momentum: the velocity; Adam: m, v),
+    all of one shape, dtype and layout; `coefficients` in the parameter's dtype."""
+
+    rule: int
+    params: np.ndarray
+    state: tuple[np.ndarray, ...]
+    coefficients: np.ndarray
+
+    @property
+    def operands(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(params, s1, s2) as the compiled kernels take them: an empty array for unused state."""
+        empty = np.empty(0, self.params.dtype)
+        s1, s2 = (*self.state, empty, empty)[:2]
+        return self.params, s1, s2
+
+    def shares_strides(self, shape: tuple[int, ...] | None = None) -> bool:
+        """Whether params and state share their strides (and `shape`, when given): then one
+        offset addresses an element in each, as the fused kernels require."""
+        arrays = (self.params, *self.state)
+        return all(a.strides == self.params.strides for a in arrays) and (
+            shape is None or self.params.shape == tuple(shape)
+        )
+
+    def apply(self, grad: np.ndarray) -> None:
+        """The step, with `grad` in memory, in place on params and state."""
+        names = ("velocity",) if self.rule == MOMENTUM else ("m", "v")
+        others = {"grad": grad, **dict(zip(names, self.state))}
+        for p, g, *state in _rows(self.params, others):
+            s1, s2 = (*state, np.empty(0, p.dtype), np.empty(0, p.dtype))[:2]
+            _apply(self.rule, self.coefficients, g, p, s1, s2)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _adam(p, g, m, v, lr, beta1, beta2, eps, c1, c2):
-    for k in prange(p.shape[0]):
-        gk = np.float64(g[k])
-        mk = beta1 * m[k] + (1.0 - beta1) * gk
-        vk = beta2 * v[k] + (1.0 - beta2) * gk * gk
-        m[k] = mk
-        v[k] = vk
-        p[k] -= lr * (mk / c1) / (np.sqrt(vk / c2) + eps)
+def _coefficients(params: np.ndarray, *values: float) -> np.ndarray:
+    _checks.floating("param", params)
+    return np.array(values, dtype=params.dtype)
+
+
+def sgd_step(params: np.ndarray, lr: float) -> OptimizerStep:
+    """param −= lr·grad."""
+    return OptimizerStep(SGD, params, (), _coefficients(params, lr))
+
+
+def momentum_step(params: np.ndarray, velocity: np.ndarray, lr: float, mu: float) -> OptimizerStep:
+    """velocity = mu·velocity − lr·grad; param += velocity."""
+    return OptimizerStep(MOMENTUM, params, (velocity,), _coefficients(params, lr, mu))
+
+
+def adam_step(
+    params: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+) -> OptimizerStep:
+    """Adam with bias correction; `step` counts from 1."""
+    if int(step) != step or step < 1:
+        raise ValueError(f"step must be an int >= 1, got {step}")
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"beta1 {beta1} and beta2 {beta2} must be in [0, 1)")
+    c1 = 1.0 - float(beta1) ** int(step)
+    c2 = 1.0 - float(beta2) ** int(step)
+    co = _coefficients(
+        params, beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr / c1, 1.0 / np.sqrt(c2), eps
+    )
+    return OptimizerStep(ADAM, params, (m, v), co)
+
+
+def optimizer_step(attrs, views, step: int) -> OptimizerStep:
+    """The step of an `update` task: its attrs (optimizer and hyper-parameters), its views
+    (params and state, by role) and the training step it runs in (counting from 0)."""
+    params = views["params"]
+    if attrs["optimizer"] == "sgd":
+        return sgd_step(params, attrs["lr"])
+    if attrs["optimizer"] == "momentum":
+        return momentum_step(params, views["velocity"], attrs["lr"], attrs["momentum"])
+    return adam_step(
+        params, views["m"], views["v"], attrs["lr"], attrs["beta1"], attrs["beta2"],
+        attrs["eps"], step + 1,
+    )  # fmt: skip
 
 
 def _rows(param: np.ndarray, others: dict[str, np.ndarray]) -> list[tuple[np.ndarray, ...]]:
@@ -58,16 +220,14 @@ def _rows(param: np.ndarray, others: dict[str, np.ndarray]) -> list[tuple[np.nda
 
 def sgd_update(param: np.ndarray, grad: np.ndarray, lr: float) -> None:
     """param −= lr·grad, in place."""
-    for p, g in _rows(param, {"grad": grad}):
-        _sgd(p, g, float(lr))
+    sgd_step(param, lr).apply(grad)
 
 
 def momentum_update(
     param: np.ndarray, grad: np.ndarray, velocity: np.ndarray, lr: float, momentum: float
 ) -> None:
     """velocity = momentum·velocity − lr·grad; param += velocity; both in place."""
-    for p, g, vel in _rows(param, {"grad": grad, "velocity": velocity}):
-        _momentum(p, g, vel, float(lr), float(momentum))
+    momentum_step(param, velocity, lr, momentum).apply(grad)
 
 
 def adam_update(
@@ -82,11 +242,4 @@ def adam_update(
     step: int,
 ) -> None:
     """Adam with bias correction, in place on param, m and v; step counts from 1."""
-    if int(step) != step or step < 1:
-        raise ValueError(f"step must be an int >= 1, got {step}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"beta1 {beta1} and beta2 {beta2} must be in [0, 1)")
-    c1 = 1.0 - float(beta1) ** int(step)
-    c2 = 1.0 - float(beta2) ** int(step)
-    for p, g, mm, vv in _rows(param, {"grad": grad, "m": m, "v": v}):
-        _adam(p, g, mm, vv, float(lr), float(beta1), float(beta2), float(eps), c1, c2)
+    adam_step(param, m, v, lr, beta1, beta2, eps, step).apply(grad)
