@@ -8,7 +8,10 @@ Side by side, in one run on this machine:
   (`partitioner.accounting.bytes_per_rank`: each rect once, twice for an update in place) at the
   machine's streaming bandwidth on all its threads (`bench.calibration.memory_bandwidth`); the
   step's roofline is their sum, less the zeroings the runtime elides (nothing must be moved to
-  zero a gradient whose first contribution writes it);
+  zero a gradient whose first contribution writes it). An update the runtime fuses into the
+  kernel that computes its gradient (`RankTask.fused_into`) is bounded with that task: its
+  parameter and state at the bandwidth, added to the task's own bound, with no gradient
+  written or read (`_fuse_row`);
 - the measured step: the executor `train` runs, in one process, on seeded random data, Adam
   (`train`'s default), the median of `STEPS` steps after `WARMUP`, and each task's median time
   from the step's trace;
@@ -67,9 +70,12 @@ def _inputs(graph: TaskGraph, network, batch: int) -> tuple[np.ndarray, np.ndarr
     return x, rng.integers(0, network.classes, batch).astype(np.int32)
 
 
-def measure(graph: TaskGraph, network, batch: int) -> tuple[float, dict[str, float], set[str]]:
-    """The median step in seconds, each task's median seconds in it, and the zeroings the
-    runtime elides (their first contribution writes: `RankTask.elided`)."""
+def measure(
+    graph: TaskGraph, network, batch: int
+) -> tuple[float, dict[str, float], set[str], dict[str, str]]:
+    """The median step in seconds, each task's median seconds in it, the zeroings the runtime
+    elides (their first contribution writes: `RankTask.elided`), and the updates it fuses into
+    the task that computes their gradient (`RankTask.fused_into`), by name, with that task's."""
     x, y = _inputs(graph, network, batch)
     recorder = Recorder(0)
     executor = one_process(recorder=recorder)
@@ -83,11 +89,18 @@ def measure(graph: TaskGraph, network, batch: int) -> tuple[float, dict[str, flo
             for event in recorder.events:
                 if event["cat"] == "compute":
                     per_task[event["name"]].append(event["dur"] * 1e-6)
-    elided = {rt.task.name for rt in executor.prepare(graph).step.tasks if rt.elided}
+    program = executor.prepare(graph).step
+    elided = {rt.task.name for rt in program.tasks if rt.elided}
+    fused = {
+        rt.task.name: program.tasks[rt.fused_into].task.name
+        for rt in program.tasks
+        if rt.fused_into is not None
+    }
     return (
         statistics.median(steps),
         {k: statistics.median(v) for k, v in per_task.items()},
         elided,
+        fused,
     )
 
 
@@ -102,11 +115,14 @@ def run_step_benchmark(
     bandwidth = memory_bandwidth()
     rows = roofline(graph, gflops, bandwidth)
     say(f"{network_name} at batch {batch}: {WARMUP} + {STEPS} steps")
-    step, per_task, elided = measure(graph, network, batch)
+    step, per_task, elided, fused = measure(graph, network, batch)
+    by_name = {row["task"]: row for row in rows}
     for row in rows:
         row["measured_s"] = per_task.get(row["task"], 0.0)
         if row["task"] in elided:  # no bytes must move: the first contribution writes
             row["bound_s"], row["bound_by"] = 0.0, "elided"
+    for update, into in fused.items():
+        _fuse_row(graph, by_name[update], by_name[into], gflops, bandwidth)
     out = {
         "network": network_name,
         "batch": batch,
@@ -128,6 +144,30 @@ def run_step_benchmark(
     return out
 
 
+def _fuse_row(graph: TaskGraph, update: dict, into: dict, gflops: float, gbytes_per_s: float):
+    """Move a fused update's bound into the row of the task that runs it. The gradient is
+    neither written nor read: that task's own bound is taken without its write, and the
+    update's part is the parameter and its state, read and written, at the memory bandwidth,
+    added to it. The roofline stays a sum of each part's bound; that the kernel overlaps the
+    two is what it gains."""
+    task = graph.task(update["task"])
+    gradient = graph.tensors[task.requirement("gradient").tensor].nbytes
+    own_bytes, step_bytes = into["bytes"] - gradient, update["bytes"] - gradient
+    own = max(into["flops"] / (gflops * 1e9), own_bytes / (gbytes_per_s * 1e9))
+    into["bound_s"] = own + step_bytes / (gbytes_per_s * 1e9)
+    into["bytes"] = own_bytes + step_bytes
+    into["flops"] += update["flops"]
+    into["fused"] = update["task"]
+    update.update(bytes=0.0, flops=0.0, bound_s=0.0, bound_by="fused", fused_into=into["task"])
+
+
+def _note(row: dict) -> str:
+    if row["bound_by"] == "fused":
+        return f"  fused into {row['fused_into']}"
+    note = {"compute": "", "memory": "  memory-bound", "elided": "  elided"}[row["bound_by"]]
+    return note + (f"  with {row['fused']}" if "fused" in row else "")
+
+
 def format_table(report: dict) -> str:
     lines = [
         (
@@ -140,8 +180,7 @@ def format_table(report: dict) -> str:
         ratio = row["measured_s"] / row["bound_s"] if row["bound_s"] else float("nan")
         lines.append(
             f"{row['task']:40s} {row['flops'] / 1e9:8.3f} {row['bytes'] / 1e6:9.1f} "
-            f"{row['bound_s'] * 1e3:9.3f} {row['measured_s'] * 1e3:9.3f} {ratio:9.3g}"
-            + {"compute": "", "memory": "  memory-bound", "elided": "  elided"}[row["bound_by"]]
+            f"{row['bound_s'] * 1e3:9.3f} {row['measured_s'] * 1e3:9.3f} {ratio:9.3g}" + _note(row)
         )
     step, bound = report["measured_s"], report["roofline_s"]
     lines.append(

@@ -57,7 +57,7 @@ def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepCont
         if req.role == "input"
     )
     labels = rng.integers(0, classes, size=dims["raw_data"][0])
-    executor = one_process(seed)
+    executor = one_process(seed, keep_step_tensors=True)  # gradients too: updates read them
     ctx = StepContext(0, training=True, inputs=inputs, labels=labels)
     executor.run(graph, ctx)
     return executor, StepContext(1, training=True, inputs=inputs, labels=labels)

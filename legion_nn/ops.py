@@ -31,6 +31,7 @@ from legion_nn.registry import (
     records,
     reduction_dims,
     splittable_dims,
+    stepped_role,
     storage_order,
 )
 
@@ -57,5 +58,6 @@ __all__ = [
     "records",
     "reduction_dims",
     "splittable_dims",
+    "stepped_role",
     "storage_order",
 ]

@@ -11,6 +11,10 @@ A record says, for each phase the op runs in:
 - `adapter`: the name of the kernel adapter that runs a piece, which the runtime resolves (it
   checks when `runtime.adapters` is imported that every name resolves and that every adapter
   has a record); None says the op has no kernel: it is planned and costed, not run;
+- `steps`: optionally, the role of a parameter's gradient that the adapter can, instead of
+  storing it, turn straight into the optimizer's step of the parameter (`StepContext.steps`):
+  where nothing else reads the gradient, the runtime fuses the update task into this one
+  (`runtime.rank_program`);
 
 and for the op as a whole:
 
@@ -83,6 +87,7 @@ class PhaseRecord:
     flops: FlopsFn
     adapter: str | None
     box_map: BoxMap | None = None
+    steps: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ def _phase_record(op: str, phase: str, fields: Mapping[str, Any]) -> PhaseRecord
     for name in PHASE_FIELDS:
         if name not in fields:
             raise RegistryError(f"op {op!r} phase {phase!r}: the record has no {name!r}")
-    unknown = set(fields) - set(PHASE_FIELDS) - {"box_map"}
+    unknown = set(fields) - set(PHASE_FIELDS) - {"box_map", "steps"}
     if unknown:
         raise RegistryError(f"op {op!r} phase {phase!r}: unknown fields {sorted(unknown)}")
     for name in ("access", "flops"):
@@ -163,6 +168,13 @@ def record_of(op: str) -> OpRecord:
     if record is None:
         raise KeyError(f"no record for op {op!r}")
     return record
+
+
+def stepped_role(task: Task) -> str | None:
+    """The gradient role whose optimizer step `task`'s kernel can take (`steps`), or None."""
+    record = find_record(task.op)
+    entry = record.phases.get(task.phase) if record is not None else None
+    return entry.steps if entry is not None else None
 
 
 def has_access_map(op: str, phase: str) -> bool:

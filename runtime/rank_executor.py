@@ -96,7 +96,8 @@ class RankExecutor:
         #: check every plan with `verify_plan` before running it (`train --verify`)
         self.verify_plans = verify_plans
         #: keep every step tensor until the step ends, unshared, to read them after it (tests
-        #: and debugging); otherwise each lives from its first use to its last
+        #: and debugging), gradients included (no update is fused into the kernel that computes
+        #: its gradient); otherwise each lives from its first use to its last
         self.keep_step_tensors = keep_step_tensors
         self.rank, self.nranks = transport.rank, transport.size
         self.strategy_spec = strategy
@@ -171,7 +172,11 @@ class RankExecutor:
                     if graph.tensors[name].kind != "data"
                 }
             inference = {task.name for task in inference_tasks(graph)}
-            step = build_programs(graph, plan, self.machine, [self.rank])[self.rank]
+            # keeping step tensors to read is keeping gradients: no update fused into a kernel
+            fuse = not self.keep_step_tensors
+            step = build_programs(graph, plan, self.machine, [self.rank], fuse_updates=fuse)[
+                self.rank
+            ]
             infer = build_programs(graph, plan, self.machine, [self.rank], inference)[self.rank]
             layouts = choose_layouts(graph)
             keep = self.keep_step_tensors

@@ -28,6 +28,7 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
+from runtime.kernels.update import OptimizerStep, optimizer_step
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.running_collective import RunningCollective
 from runtime.tracing import COMMUNICATION, COMPUTE
@@ -223,9 +224,9 @@ class StepRun:
             scratch[tensor] = (target, self.ex.view(tensor, target))
         start = self.now()
         with self.transport.computing():
-            for piece in [] if rt.elided else rt.pieces:
+            for piece in rt.pieces if rt.runs else []:
                 self._compute(rt, piece, scratch)
-        if rt.pieces and not rt.elided:
+        if rt.runs:
             self._event(
                 "compute",
                 task.name,
@@ -280,6 +281,8 @@ class StepRun:
             raise InjectedFault(f"fault injected by LEGION_NN_FAULT into {task.name}")
         views = {}
         for req in piece.requirements:
+            if req.role in rt.steps:  # stepped from, never stored: it has no buffer
+                continue
             if req.tensor in scratch and req.privilege is Privilege.REDUCE:
                 views[req.role] = scratch[req.tensor][1]
             elif req.tensor in rt.windows and req.privilege is Privilege.READ:
@@ -296,7 +299,24 @@ class StepRun:
         }
         if fresh:  # the first contribution since a zeroing that was elided: it writes
             ctx = replace(ctx, fresh=frozenset(fresh))
+        if rt.steps:
+            ctx = replace(ctx, steps=self._fused_steps(rt))
         run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, ctx)
+
+    def _fused_steps(self, rt: RankTask) -> dict[str, OptimizerStep]:
+        """Per gradient role of `rt`, the optimizer's step of the update fused into it
+        (`RankTask.steps`), over the update's views of the parameter and its state."""
+        steps = {}
+        for role, position in rt.steps.items():
+            update = self.program.tasks[position]
+            (piece,) = update.pieces
+            views = {
+                req.role: self.ex.view(req.tensor, req.rect)
+                for req in piece.requirements
+                if req.role != "gradient"
+            }
+            steps[role] = optimizer_step(update.task.attrs, views, self.ctx.step)
+        return steps
 
     def _collective(self, rt: RankTask, collective: Collective, scratch) -> None:
         """Start `collective` on the contribution in `scratch`; it runs in the background."""

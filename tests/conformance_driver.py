@@ -158,6 +158,7 @@ def gradient_check(executor: RankExecutor) -> dict[str, Any] | None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((GRADIENT_BATCH, *NETWORK.input))
     y = rng.integers(0, NETWORK.classes, GRADIENT_BATCH).astype(np.int32)
+    executor.keep_step_tensors = True  # it reads the gradients: no update fused into a kernel
     executor.prepare(graph)
     initial = broadcast(executor.transport, executor.resident())
     loss_name = loss_tensor(graph)

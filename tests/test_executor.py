@@ -101,7 +101,7 @@ RESIDUAL = Network(
 
 def whole_network_gradient_check(net, batch, samples, seed=0):
     graph = net.lower(batch=batch, dtype="float64", **FROZEN)
-    executor = one_process(seed)
+    executor = one_process(seed, keep_step_tensors=True)  # it reads the gradients
     x, y = batch_for(net, batch)
     loss_and_grads(executor, graph, x, y)
     rng = np.random.default_rng(2)

@@ -173,6 +173,7 @@ def _record(op: str, bias_flops: int) -> None:
                     backward_factor(attrs) * _window(dims) + _per_channel(bias_flops, dims)
                 ),
                 "adapter": f"{op}.backward",
+                "steps": "filters.delta",
             },
         },
         splittable=registry.EVERY_DIM,

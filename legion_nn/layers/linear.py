@@ -94,6 +94,7 @@ registry.register(
             "box_map": _linear_boxes,
             "flops": lambda attrs, dims: backward_factor(attrs),
             "adapter": "linear.backward",
+            "steps": "weights.delta",
         },
     },
     splittable=registry.EVERY_DIM,

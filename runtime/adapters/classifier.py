@@ -1,7 +1,8 @@
 """Adapters of the classifier ops: `linear`, `softmax`, `evaluate` and `accuracy`.
 
 The linear weight gradient is as large as the weights, so when its view is contiguous it is
-accumulated in place by one GEMM rather than returned and added.
+accumulated in place by one GEMM rather than returned and added, or, where the update is fused
+into the task, never stored: its blocks step the weights (`StepContext.steps`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ def _linear(task, piece, views, dims, ctx):
 
 @adapter("linear.backward")
 def _linear_grad(task, piece, views, dims, ctx):
-    need_dx, grad = task.attrs["need_dx"], views["weights.delta"]
+    need_dx, grad = task.attrs["need_dx"], views.get("weights.delta")
     dy, x, weights = views["output.delta"], views["input"], views["weights"]
+    step = ctx.steps.get("weights.delta")
     out = {}
-    if grad.flags.c_contiguous:  # reduce straight into the gradient: no weight-sized temporary
-        linear.linear_weight_grad_accumulate(dy, x, grad, "weights.delta" not in ctx.fresh)
+    if step is not None or grad.flags.c_contiguous:
         m = dy.shape[1]
-        if need_dx:
+        if need_dx:  # first: a fused step changes the weights it reads
             out["input.delta"] = linear.linear_input_grad(dy, weights, x.shape)
         if "b.delta" in views:
             out["b.delta"] = dy.sum(axis=0, dtype=np.float64).astype(dy.dtype).reshape(1, m, 1, 1)
+        if step is not None:  # the update fused into this task: the gradient is not stored
+            linear.linear_weight_grad_step(dy, x, step)
+        else:  # reduce straight into the gradient: no weight-sized temporary
+            linear.linear_weight_grad_accumulate(dy, x, grad, "weights.delta" not in ctx.fresh)
         return out
     dx, dw, db = linear.linear_backward(dy, x, weights, need_dx=need_dx, need_db="b.delta" in views)
     out["weights.delta"] = dw

@@ -19,6 +19,7 @@ import numpy as np
 from legion_nn.ir import Task
 from legion_nn.ops import OpRecord, RegistryError
 from legion_nn.rect import Rect
+from runtime.kernels.update import OptimizerStep
 
 
 @dataclass
@@ -35,6 +36,10 @@ class StepContext:
     #: zeroing was elided, `RankTask.fresh`): the adapter writes every element of them, by
     #: returning them or by writing them in place, rather than adding
     fresh: frozenset[str] = frozenset()
+    #: roles of the piece at hand (a gradient, its op's `stepped_role`) that get no view: the
+    #: adapter takes the optimizer's step of their parameter from them, block by block, in
+    #: place of storing them (an update fused into the task, `RankTask.steps`)
+    steps: Mapping[str, OptimizerStep] = field(default_factory=dict)
 
 
 Views = Mapping[str, np.ndarray]

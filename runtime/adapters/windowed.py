@@ -39,20 +39,27 @@ def _packed_filter_forward(task, piece, views, dims) -> np.ndarray:
 
 def _packed_filter_backward(task, piece, views, dims, ctx) -> dict[str, np.ndarray]:
     """dx and dw of a piece; dw accumulates straight into the packed gradient when it can, or
-    is written there where it is the first contribution (`StepContext.fresh`)."""
+    is written there where it is the first contribution (`StepContext.fresh`), or steps the
+    weights where the update is fused into the task (`StepContext.steps`)."""
     pads, stride = _pads(task, piece, dims), task.attrs["stride"]
     x, weights = views["input"], views["filters"]
     dyp, xp = layout.pack_activations(views["output.delta"]), layout.pack_activations(x)
     out: dict[str, np.ndarray] = {}
-    if task.attrs["need_dx"]:
+    if task.attrs["need_dx"]:  # first: a fused step (below) changes the weights it reads
         dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
         out["input.delta"] = layout.unpack_activations(dxp)
-    grad = views.get("filters.delta")
-    if grad is None:  # the sparse update's channels lie outside this piece's
-        return out
     channels = _piece_channels(task, piece)
     window = tuple(task.attrs["kernel"])
     untied = task.attrs["untied"]
+    step = ctx.steps.get("filters.delta")
+    if step is not None:  # the update fused into this task: the gradient is not stored
+        filter_packed.backward_filter_packed(
+            dyp, xp, window, stride, pads, untied, channels, step=step
+        )
+        return out
+    grad = views.get("filters.delta")
+    if grad is None:  # the sparse update's channels lie outside this piece's
+        return out
     if filter_packed.accumulates_in_place(grad):  # a reduction done by the kernel, in place
         filter_packed.backward_filter_packed(
             dyp,

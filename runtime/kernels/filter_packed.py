@@ -48,6 +48,7 @@ from runtime.kernels.microkernel import (
     tiled_gemm_prefetching,
     tiled_gemm_sum,
 )
+from runtime.kernels.update import NO_STEP, OptimizerStep, step_run
 
 
 @njit(cache=True, inline="always")
@@ -128,38 +129,79 @@ def _batch_major(x, xt, c_lo):
 
 @njit(cache=True, nogil=True)
 def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate, kernels):
-    """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), whose window
-    row r is the K×(S·Cs) matrix dw[i, j, r], addressed through dw's strides; `xt` holds the
-    input's Cs channels in (H, N, W, Cs) (see `_batch_major`)."""
+    """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), one window
+    row at a time (`_gradient_block`)."""
+    for r in range(dw.shape[2]):
+        _gradient_block(dy, xt, dw, i, j, r, p, q, r, stride, pad_top, pad_left, accumulate,
+                        kernels)  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def _gradient_block(dy, xt, dw, i, j, rr, p, q, r, stride, pad_top, pad_left, accumulate,
+                    kernels):  # fmt: skip
+    """Window row r of output position (p, q)'s dW into dw[i, j, rr] (dw indexed (P, Q, R, K,
+    S, Cs)), the K×(S·Cs) matrix addressed through dw's strides; `xt` holds the input's Cs
+    channels in (H, N, W, Cs) (see `_batch_major`). A row or columns outside the input give
+    zeros (or add nothing)."""
     h, n, wd, cs = xt.shape
-    r_size, k, s_size = dw.shape[2:5]
+    k, s_size = dw.shape[3], dw.shape[4]
     size = xt.itemsize
     gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
     ts0, ts1, ts2 = xt.strides[0] // size, xt.strides[1] // size, xt.strides[2] // size
-    ds2, ds3, ds4 = dw.strides[2] // size, dw.strides[3] // size, dw.strides[4] // size
-    at = i * (dw.strides[0] // size) + j * (dw.strides[1] // size)
-    h0, w0 = p * stride - pad_top, q * stride - pad_left
-    r_lo, r_hi = _clip(h0, r_size, h)
+    ds3, ds4 = dw.strides[3] // size, dw.strides[4] // size
+    at = i * (dw.strides[0] // size) + j * (dw.strides[1] // size) + rr * (dw.strides[2] // size)
+    row, w0 = p * stride - pad_top + r, q * stride - pad_left
     s_lo, s_hi = _clip(w0, s_size, wd)
+    inside = 0 <= row < h and s_lo < s_hi
     add = accumulate
-    if not accumulate and (r_lo > 0 or r_hi < r_size or s_lo > 0 or s_hi < s_size):
-        dw[i, j] = 0
+    if not accumulate and (not inside or s_lo > 0 or s_hi < s_size):
+        dw[i, j, rr] = 0
         add = True
-    if s_hi <= s_lo:
-        return
-    for r in range(r_lo, r_hi):
+    if inside:
         tiled_gemm(kernels, k, (s_hi - s_lo) * cs, n,
                    dy, p * gs0 + q * gs1, gs2, 1,
-                   xt, (h0 + r) * ts0 + (w0 + s_lo) * ts2, ts1,
-                   add, dw, at + r * ds2 + s_lo * ds4, ds3)  # fmt: skip
+                   xt, row * ts0 + (w0 + s_lo) * ts2, ts1,
+                   add, dw, at + s_lo * ds4, ds3)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, kernels):
-    q_out = dy.shape[1]
-    for pq in prange(dy.shape[0] * q_out):
-        p, q = pq // q_out, pq % q_out
-        _filter_gradient_at(dy, xt, dw, p, q, p, q, stride, pad_top, pad_left, accumulate, kernels)
+def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, kernels, rule,
+                            co, p, s1, s2, scratch):  # fmt: skip
+    """dW of every position into dw, or, with an optimizer's `rule` (not `update.NO_STEP`),
+    each block of it (a position's window row) into the thread's block of `scratch` and from
+    there into the step of the parameter p and its state s1, s2 (indexed (P, Q, R, K, S, C)
+    like dw). The step walks the blocks in the packed arrays' order (P, R, Q), so that each
+    thread streams one run of p, s1 and s2 from memory; by position, it crossed R runs of
+    each at once and the step ran at a third of its streaming rate."""
+    p_out, q_out = dy.shape[0], dy.shape[1]
+    if rule == NO_STEP:
+        for pq in prange(p_out * q_out):
+            i, j = pq // q_out, pq % q_out
+            _filter_gradient_at(dy, xt, dw, i, j, i, j, stride, pad_top, pad_left, accumulate,
+                                kernels)  # fmt: skip
+        return
+    r_size = p.shape[2]
+    for block in prange(p_out * r_size * q_out):
+        i, r, j = block // (r_size * q_out), (block // q_out) % r_size, block % q_out
+        thread = numba.get_thread_id()
+        _gradient_block(dy, xt, scratch, thread, 0, 0, i, j, r, stride, pad_top, pad_left,
+                        False, kernels)  # fmt: skip
+        _step_block(rule, co, scratch, thread, p, s1, s2, i, j, r)
+
+
+@njit(cache=True, nogil=True)
+def _step_block(rule, co, g, thread, p, s1, s2, i, j, r):
+    """The step of weights p[i, j, r] from their gradient, block `thread` of g: one run of
+    K·S·C elements where the rows of the output channels are contiguous, as in the packed
+    arrays, else one of S·C per output channel."""
+    k, s_size, c = p.shape[3:]
+    size = p.itemsize
+    at = i * (p.strides[0] // size) + j * (p.strides[1] // size) + r * (p.strides[2] // size)
+    ps3, gs0, gs3 = p.strides[3] // size, g.strides[0] // size, g.strides[3] // size
+    row = s_size * c
+    channels, run = (1, k * row) if ps3 == row and gs3 == row else (k, row)
+    for kk in range(channels):
+        step_run(rule, co, g, thread * gs0 + kk * gs3, p, s1, s2, at + kk * ps3, run)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -319,37 +361,71 @@ def backward_filter_packed(
     channels: tuple[int, int] | None = None,
     out: np.ndarray | None = None,
     accumulate: bool = False,
-) -> np.ndarray:
+    step: OptimizerStep | None = None,
+) -> np.ndarray | None:
     """dw (P|1, R, Q|1, K, S, hi−lo) from dy (P, Q, K, N) and x (H, W, C, N).
 
     `channels` (lo, hi) restricts the gradient to input channels lo:hi, skipping the others'
     work; `accumulate` adds into `out` (a reduction over batch pieces) instead of overwriting.
+    With a `step` (an optimizer's step over weights of dw's shape, `runtime.kernels.update`),
+    dw is not kept: each position's block steps the weights while it is in cache, and the call
+    returns None.
     """
     check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
     check_ndim("xp", xp, 4, "(H, W, C, N)")
     dtype = check_dtypes(dyp=dyp, xp=xp)
     if len(window) != 2:
         raise ValueError(f"window: expected (R, S), got {window!r}")
+    if step is not None and (out is not None or accumulate):
+        raise ValueError("step: the gradient is not kept, so there is no out to write or add to")
     r, s = (int(v) for v in window)
     c = xp.shape[2]
     p, q = (dyp.shape[0], dyp.shape[1]) if untied else (1, 1)
     geo = packed_geometry(xp.shape, (p, r, q, dyp.shape[2], s, c), stride, pad)
     _check_dy(dyp, geo)
     lo, hi = check_channels(channels, c)
-    dw = _output("out", out, (p, r, q, geo.k, s, hi - lo), dtype)
+    shape = (p, r, q, geo.k, s, hi - lo)
+    if step is not None and not _steps_in_kernel(step, shape, geo.untied, dtype):
+        dw = backward_filter_packed(dyp, xp, window, stride, pad, untied, channels)
+        step.apply(dw)
+        return None
+    dw = _output("out", out, shape, dtype) if step is None else step.params
     if min(geo.n, geo.k, hi - lo) == 0:
-        if not accumulate:
+        if step is not None:
+            step.apply(np.zeros(shape, dtype))
+        elif not accumulate:
             dw[...] = 0
-        return dw
+        return None if step is not None else dw
     xt = aligned_empty((geo.h, geo.n, geo.w, hi - lo), dtype)
     _batch_major(xp, xt, lo)
     args = (_operand(dyp), xt, _by_position(dw), geo.stride, geo.pad[0], geo.pad[2], accumulate)
     if geo.untied:
-        _backward_filter_untied(*args, kernels(dtype))
+        if step is None:
+            rule, co, operands = NO_STEP, np.zeros(1, dtype), (dw, dw, dw)
+            scratch = np.empty((1,) * 6, dtype)
+        else:
+            rule, co, operands = step.rule, step.coefficients, step.operands
+            threads = numba.config.NUMBA_NUM_THREADS
+            scratch = aligned_empty((threads, 1, 1, geo.k, s, hi - lo), dtype)
+        by_position = tuple(_by_position(a) for a in operands)
+        _backward_filter_untied(*args, kernels(dtype), rule, co, *by_position, scratch)
     else:
         # one partial per thread of the pool, since thread ids range over all of it
         _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS, kernels(dtype))
-    return dw
+    return None if step is not None else dw
+
+
+def _steps_in_kernel(step: OptimizerStep, shape: tuple, untied: bool, dtype) -> bool:
+    """Whether the untied kernel can step `step`'s weights itself: they are dw's shape and
+    dtype, share their strides with their state, and each block reads as a matrix."""
+    return (
+        untied
+        and step.params.dtype == dtype
+        and step.shares_strides(shape)
+        and all(a.ndim == 6 and a.flags.writeable for a in step.operands)
+        and _blocks_addressable(_canonical_unit_strides(step.params))
+        and _canonical_unit_strides(step.params) is step.params
+    )
 
 
 def check_channels(channels: tuple[int, int] | None, c: int) -> tuple[int, int]:
