@@ -40,20 +40,37 @@ from runtime.kernels import (
     softmax,
     update,
 )
+from runtime.rank_program import RankProgram
+
+
+def _filter_operands(dtype: np.dtype, untied: bool):
+    """x (H, W, C, N), weights, the output's gradient (P, Q, K, N), the window and padding."""
+    n, c, h, k, r = 2, 2, 4, 2, 3
+    xp = layout.pack_activations(np.zeros((n, c, h, h), dtype))
+    p = h if untied else 1
+    wp = np.zeros((p, r, p, k, r, c), dtype)
+    return xp, wp, np.zeros((h, h, k, n), dtype), (r, r), (1, 1, 1, 1)
 
 
 def _filter(dtype: np.dtype, untied: bool) -> None:
-    n, c, h, k, r = 2, 2, 4, 2, 3
-    x = np.zeros((n, c, h, h), dtype)
-    p = h if untied else 1
-    wp = np.zeros((p, r, p, k, r, c), dtype)
-    pads = (1, 1, 1, 1)
-    xp = layout.pack_activations(x)
+    xp, wp, _, _, pads = _filter_operands(dtype, untied)
     yp = filter_packed.forward_packed(xp, wp, 1, pads)
     layout.unpack_activations(yp)
-    filter_packed.backward_data_packed(yp, wp, (h, h), 1, pads)
+    filter_packed.backward_data_packed(yp, wp, xp.shape[:2], 1, pads)
+
+
+def _filter_gradient(dtype: np.dtype, untied: bool) -> None:
+    """The weight gradient stored (a data-parallel run sums it across ranks)."""
+    xp, wp, dyp, window, pads = _filter_operands(dtype, untied)
     grad = np.zeros_like(wp)
-    filter_packed.backward_filter_packed(yp, xp, (r, r), 1, pads, untied, None, grad, True)
+    filter_packed.backward_filter_packed(dyp, xp, window, 1, pads, untied, None, grad, True)
+
+
+def _filter_step(dtype: np.dtype) -> None:
+    """The weight gradient stepped by the optimizer in the kernel (an update fused in)."""
+    xp, wp, dyp, window, pads = _filter_operands(dtype, True)
+    step = update.sgd_step(wp, 0.1)
+    filter_packed.backward_filter_packed(dyp, xp, window, 1, pads, True, step=step)
 
 
 def _affine(dtype: np.dtype) -> None:
@@ -75,6 +92,12 @@ def _linear(dtype: np.dtype) -> None:
     dy = linear.linear_forward(x, w)
     linear.linear_weight_grad_accumulate(dy, x, np.zeros_like(w))
     linear.linear_input_grad(dy, w, x.shape)
+
+
+def _linear_step(dtype: np.dtype) -> None:
+    x = np.zeros((2, 2, 3, 3), dtype)
+    w = np.zeros((3, 2, 3, 3), dtype)
+    linear.linear_weight_grad_step(np.zeros((2, 3, 1, 1), dtype), x, update.sgd_step(w, 0.1))
 
 
 def _softmax(dtype: np.dtype) -> None:
@@ -114,11 +137,11 @@ def _batchnorm(dtype: np.dtype) -> None:
     batchnorm.batchnorm_inference(x, stats, gamma, beta, 1e-5)
 
 
-def _update(dtype: np.dtype) -> None:
-    """Every optimizer's update: one kernel, which takes the rule as an argument."""
-    p, g, s1, s2 = (np.zeros((2, 3), dtype) for _ in range(4))
+def _update(dtype: np.dtype, elements: int) -> None:
+    """Every optimizer's update of `elements`: one kernel, which takes the rule as an
+    argument; past `update.CHUNK` elements, its parallel loop."""
+    p, g, s1, s2 = (np.zeros(elements, dtype) for _ in range(4))
     update.adam_update(p, g, s1, s2, 0.1, 0.9, 0.999, 1e-8, 1)
-    update.sgd_update(p, g, 0.1)
 
 
 @dataclass(frozen=True)
@@ -134,28 +157,60 @@ class Unit:
 
 
 UNITS: dict[str, Unit] = {
-    "filter.untied": Unit(lambda d: _filter(d, True), 4.6, "gemm", filter_packed._forward),
-    "filter.tied": Unit(lambda d: _filter(d, False), 4.6, "gemm", filter_packed._forward),
+    "filter.untied": Unit(lambda d: _filter(d, True), 3.1, "gemm", filter_packed._forward),
+    "filter.tied": Unit(lambda d: _filter(d, False), 3.1, "gemm", filter_packed._forward),
+    "filter.untied.gradient": Unit(
+        lambda d: _filter_gradient(d, True), 1.8, "gemm", filter_packed._backward_filter_untied
+    ),
+    "filter.tied.gradient": Unit(
+        lambda d: _filter_gradient(d, False), 1.8, "gemm", filter_packed._backward_filter_tied
+    ),
+    "filter.step": Unit(_filter_step, 4.2, "step", filter_packed._step_untied),
     "filterA": Unit(_affine, 1.5, "filterA", affine._forward),
     "filterNL": Unit(_nonlinear, 1.3, "filterNL", nonlinear._forward),
-    "linear": Unit(_linear, 0.7, "linear", linear._tiled_product),
+    "linear": Unit(_linear, 0.9, "step", linear._tiled_product),
+    "linear.step": Unit(_linear_step, 1.0, "step", linear._stepped_product),
     "softmax": Unit(_softmax, 0.6, "softmax", softmax._forward),
     "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),
     "dropout": Unit(_dropout, 1.0, "dropout", dropout._apply),
     "batchnorm": Unit(_batchnorm, 3.0, "batchnorm", batchnorm._stats),
-    "update": Unit(_update, 0.5, "update", update._apply),
+    "update": Unit(lambda d: _update(d, 6), 0.4, "update", update.step_elements),
+    "update.parallel": Unit(lambda d: _update(d, update.CHUNK + 1), 0.6, "update", update._apply),
 }
 
 
-def units_of(graph: TaskGraph) -> list[str]:
-    """The units a run of `graph` calls, in the order of UNITS."""
+def units_of(graph: TaskGraph, program: RankProgram | None = None) -> list[str]:
+    """The units a run of `graph` calls, in the order of UNITS. Given the rank's `program`,
+    a weight gradient's kernel is the one that steps the weights where the program fuses the
+    update into it (`RankTask.steps`), and the one that stores the gradient elsewhere; without
+    it, both."""
+    stepping = {rt.task.name for rt in program.tasks if rt.steps} if program else None
+    fused = {rt.task.name for rt in program.tasks if rt.fused_into is not None} if program else ()
+
+    def steps(task) -> bool:
+        return stepping is None or task.name in stepping
+
     used = set()
     for task in graph.tasks:
         if task.op in ("filter", "conv"):
-            used.add("filter.untied" if task.attrs.get("untied") else "filter.tied")
+            untied = bool(task.attrs.get("untied"))
+            kind = "filter.untied" if untied else "filter.tied"
+            used.add(kind)
+            if task.phase == "backward":
+                if untied and steps(task):
+                    used.add("filter.step")
+                if not untied or stepping is None or not steps(task):
+                    used.add(f"{kind}.gradient")  # a tied filter's step takes it whole
+        elif task.op == "linear":
+            used.add("linear")
+            if task.phase == "backward" and steps(task):
+                used.add("linear.step")
         elif task.op == "update":
             used.add("update")
+            large = graph.tensors[task.requirement("params").tensor].volume > update.CHUNK
+            if large and (stepping is None or task.name not in fused):
+                used.add("update.parallel")
         elif task.op == "evaluate":
             used.add("softmax")
         elif task.op.startswith("batchnorm"):
@@ -165,19 +220,30 @@ def units_of(graph: TaskGraph) -> list[str]:
     return [name for name in UNITS if name in used]
 
 
-def assign(units: list[str], processes: int) -> list[list[str]]:
-    """The units of each process: groups, longest first, each to the least loaded process."""
+#: seconds a helper process takes to start and import the kernels' modules before it compiles
+HELPER_START_S = 1.0
+
+
+def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str]]:
+    """The units of each process: groups, longest first, each to the least loaded process;
+    every process but the first starts `late` seconds behind it (a helper's start)."""
     groups: dict[str, list[str]] = {}
     for name in units:
         groups.setdefault(UNITS[name].group, []).append(name)
-    load = [0.0] * processes
+    load = [0.0] + [late] * (processes - 1)
     shares: list[list[str]] = [[] for _ in range(processes)]
     weight = {key: sum(UNITS[n].seconds for n in names) for key, names in groups.items()}
     for key in sorted(groups, key=lambda key: -weight[key]):
         target = load.index(min(load))
         shares[target] += groups[key]
         load[target] += weight[key]
-    return shares
+    # the GEMM's units last in each share: the process that reaches the GEMM first compiles
+    # it and the others may find it in the cache by the time they get there (1.5 s each)
+    return [sorted(share, key=lambda name: UNITS[name].group in GEMM_GROUPS) for share in shares]
+
+
+#: the groups whose kernels call the compiled GEMM (`microkernel.kernels`)
+GEMM_GROUPS = ("gemm", "step")
 
 
 def cached(units: list[str], dtype) -> bool:
@@ -225,7 +291,7 @@ def compile_ahead(
 
 
 def _with_helpers(units: list[str], dtype, helpers: int) -> None:
-    shares = assign(units, 1 + helpers)
+    shares = assign(units, 1 + helpers, HELPER_START_S)
     started = [
         subprocess.Popen(
             [sys.executable, "-m", "runtime.compile_ahead", np.dtype(dtype).name, *share],

@@ -116,7 +116,7 @@ def train_rank(
     log: IO[str] | None = None,
     on_step: Callable[[int, float], None] | None = None,
     on_epoch: Callable[[str], None] | None = None,
-    before_first_step: Callable[[TaskGraph], None] | None = None,
+    before_first_step: Callable[[TaskGraph, object], None] | None = None,
 ) -> TrainResult:
     """This rank's part of training `config`; rank 0's result carries the accuracies."""
     info: dict[str, Any] = {"network": config.network.name, "strategy": options.strategy}

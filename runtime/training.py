@@ -82,7 +82,7 @@ class Trainer:
         on_epoch: Callable[[str], None] | None = None,
         executor: Executor | None = None,
         after_step: Callable[[int], None] | None = None,
-        before_first_step: Callable[[TaskGraph], None] | None = None,
+        before_first_step: Callable[[TaskGraph, object], None] | None = None,
     ) -> None:
         self.config = config
         self.log = log
@@ -90,8 +90,9 @@ class Trainer:
         self.on_epoch = on_epoch
         #: called on every rank after every step (the trace collection of distributed runs)
         self.after_step = after_step
-        #: called on every rank with the step's graph once the executor is prepared (the
-        #: compiling of the kernels ahead, see `runtime.compile_ahead`)
+        #: called on every rank with the step's graph and what the executor's `prepare` gave
+        #: for it, once it is prepared (the compiling of the kernels ahead, see
+        #: `runtime.compile_ahead`)
         self.before_first_step = before_first_step
         #: a rank's executor; a one-process run's unless given one
         self.executor: Executor = executor if executor is not None else one_process(config.seed)
@@ -205,9 +206,9 @@ class Trainer:
                 raise LegionNNError("--resume needs --checkpoint DIR")
             start_step = self._resume()
         graph = self.graph(min(c.batch, len(c.dataset.train)))
-        self.executor.prepare(graph)
+        prepared = self.executor.prepare(graph)
         if self.before_first_step:
-            self.before_first_step(graph)
+            self.before_first_step(graph, prepared)
         if start_step == 0 and c.network.initial:  # an imported model's parameters
             self.executor.load_resident(c.network.initial)
         losses: list[float] = []

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 
 from legion_nn.networks import load_network
+from partitioner.machine import Machine
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
 from runtime.compile_ahead import UNITS, assign, cached, units_of, warm
+from runtime.rank_program import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,20 +27,50 @@ def graph_of(name: str, optimizer: str = "adam"):
 def test_a_graph_needs_the_units_of_its_ops_and_optimizer():
     assert units_of(graph_of("seed-lcn-small")) == [
         "filter.untied",
+        "filter.untied.gradient",
+        "filter.step",
         "filterA",
         "filterNL",
         "linear",
+        "linear.step",
         "softmax",
         "update",
+        "update.parallel",
     ]
     assert units_of(graph_of("three-layer-convnet", "sgd")) == [
         "filter.tied",
+        "filter.tied.gradient",
         "filterNL",
         "linear",
+        "linear.step",
         "softmax",
         "maxpool",
         "update",
+        "update.parallel",
     ]
+
+
+@pytest.mark.parametrize(
+    "strategy, nranks, stepped",
+    [("data", 1, True), ("data", 2, False)],
+)
+def test_a_rank_compiles_the_weight_gradient_kernels_its_program_calls(strategy, nranks, stepped):
+    """Where the program fuses the updates into the gradients' kernels, those kernels step the
+    weights and none stores a weight gradient; where the gradients are summed across ranks
+    (data parallel), they are stored and updated after."""
+    graph = graph_of("seed-lcn-small")
+    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
+    program = build_programs(graph, plan, Machine(), [0])[0]
+    units = set(units_of(graph, program))
+    assert (
+        {"filter.step", "linear.step"} <= units
+        if stepped
+        else not units & {"filter.step", "linear.step"}
+    )
+    assert ("filter.untied.gradient" in units) is not stepped
+    # L1.W's update runs as a task of its own, on a parallel loop, only where it is not fused
+    assert ("update.parallel" in units) is not stepped
+    assert {"filter.untied", "linear", "update"} <= units
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 5])
@@ -49,7 +83,8 @@ def test_every_unit_goes_to_one_process_and_a_group_stays_together(processes):
     assert owner["filter.untied"] == owner["filter.tied"] == 0  # the heaviest group, first
     loads = [sum(UNITS[u].seconds for u in share) for share in shares]
     # longest-first greedy: no process is more than its heaviest unit above the lightest
-    heaviest = max(UNITS[u].seconds * (2 if UNITS[u].group == "gemm" else 1) for u in units)
+    groups = {UNITS[u].group for u in units}
+    heaviest = max(sum(UNITS[u].seconds for u in units if UNITS[u].group == g) for g in groups)
     assert max(loads) - min(loads) <= heaviest
 
 

@@ -189,12 +189,13 @@ def _compile_ahead(dtype: str, local_rank: int, local_size: int, barrier, helper
     them among its `local_size` ranks, or alone on its host with a helper process per spare
     core."""
 
-    def run(graph) -> None:
+    def run(graph, prepared) -> None:
         from runtime.compile_ahead import compile_ahead, units_of
         from runtime.launch import host_cores
 
         spare = max(0, host_cores() - 1) if helpers and local_size == 1 else 0
-        compile_ahead(units_of(graph), dtype, local_rank, local_size, barrier, spare)
+        units = units_of(graph, getattr(prepared, "step", None))  # this rank's program
+        compile_ahead(units, dtype, local_rank, local_size, barrier, spare)
 
     return run
 

@@ -48,7 +48,7 @@ from runtime.kernels.microkernel import (
     tiled_gemm_prefetching,
     tiled_gemm_sum,
 )
-from runtime.kernels.update import NO_STEP, OptimizerStep, step_run
+from runtime.kernels.update import OptimizerStep, run_view, step_elements
 
 
 @njit(cache=True, inline="always")
@@ -165,22 +165,24 @@ def _gradient_block(dy, xt, dw, i, j, rr, p, q, r, stride, pad_top, pad_left, ac
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, kernels, rule,
-                            co, p, s1, s2, scratch):  # fmt: skip
-    """dW of every position into dw, or, with an optimizer's `rule` (not `update.NO_STEP`),
-    each block of it (a position's window row) into the thread's block of `scratch` and from
-    there into the step of the parameter p and its state s1, s2 (indexed (P, Q, R, K, S, C)
-    like dw). The step walks the blocks in the packed arrays' order (P, R, Q), so that each
-    thread streams one run of p, s1 and s2 from memory; by position, it crossed R runs of
-    each at once and the step ran at a third of its streaming rate."""
-    p_out, q_out = dy.shape[0], dy.shape[1]
-    if rule == NO_STEP:
-        for pq in prange(p_out * q_out):
-            i, j = pq // q_out, pq % q_out
-            _filter_gradient_at(dy, xt, dw, i, j, i, j, stride, pad_top, pad_left, accumulate,
-                                kernels)  # fmt: skip
-        return
-    r_size = p.shape[2]
+def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, kernels):
+    q_out = dy.shape[1]
+    for pq in prange(dy.shape[0] * q_out):
+        i, j = pq // q_out, pq % q_out
+        _filter_gradient_at(dy, xt, dw, i, j, i, j, stride, pad_top, pad_left, accumulate, kernels)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _step_untied(dy, xt, stride, pad_top, pad_left, kernels, rule, co, p, s1, s2, scratch):
+    """The optimizer's `rule` steps the weights p (and their state s1, s2, all indexed (P, Q,
+    R, K, S, C)) by their gradient, which is not stored: each block of it (a position's window
+    row) goes into the thread's block of `scratch` and from there into the step. The blocks
+    are walked in the packed arrays' order (P, R, Q), so that each thread streams one run of
+    p, s1 and s2 from memory; by position, it crossed R runs of each at once and the step ran
+    at a third of its streaming rate. A kernel of its own, not a branch of the one that stores
+    the gradient: a run compiles only what it calls (a parallel loop is about a second of
+    compiling on a cold cache)."""
+    p_out, q_out, r_size = dy.shape[0], dy.shape[1], p.shape[2]
     for block in prange(p_out * r_size * q_out):
         i, r, j = block // (r_size * q_out), (block // q_out) % r_size, block % q_out
         thread = numba.get_thread_id()
@@ -201,7 +203,9 @@ def _step_block(rule, co, g, thread, p, s1, s2, i, j, r):
     row = s_size * c
     channels, run = (1, k * row) if ps3 == row and gs3 == row else (k, row)
     for kk in range(channels):
-        step_run(rule, co, g, thread * gs0 + kk * gs3, p, s1, s2, at + kk * ps3, run)
+        g_at, p_at = thread * gs0 + kk * gs3, at + kk * ps3
+        step_elements(rule, co, run_view(g, g_at, run), run_view(p, p_at, run),
+                      run_view(s1, p_at, run), run_view(s2, p_at, run))  # fmt: skip
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -393,26 +397,26 @@ def backward_filter_packed(
     if min(geo.n, geo.k, hi - lo) == 0:
         if step is not None:
             step.apply(np.zeros(shape, dtype))
-        elif not accumulate:
+            return None
+        if not accumulate:
             dw[...] = 0
-        return None if step is not None else dw
+        return dw
     xt = aligned_empty((geo.h, geo.n, geo.w, hi - lo), dtype)
     _batch_major(xp, xt, lo)
+    if step is not None:
+        threads = numba.config.NUMBA_NUM_THREADS
+        scratch = aligned_empty((threads, 1, 1, geo.k, s, hi - lo), dtype)
+        operands = tuple(_by_position(a) for a in step.operands)
+        _step_untied(_operand(dyp), xt, geo.stride, geo.pad[0], geo.pad[2], kernels(dtype),
+                     step.rule, step.coefficients, *operands, scratch)  # fmt: skip
+        return None
     args = (_operand(dyp), xt, _by_position(dw), geo.stride, geo.pad[0], geo.pad[2], accumulate)
     if geo.untied:
-        if step is None:
-            rule, co, operands = NO_STEP, np.zeros(1, dtype), (dw, dw, dw)
-            scratch = np.empty((1,) * 6, dtype)
-        else:
-            rule, co, operands = step.rule, step.coefficients, step.operands
-            threads = numba.config.NUMBA_NUM_THREADS
-            scratch = aligned_empty((threads, 1, 1, geo.k, s, hi - lo), dtype)
-        by_position = tuple(_by_position(a) for a in operands)
-        _backward_filter_untied(*args, kernels(dtype), rule, co, *by_position, scratch)
+        _backward_filter_untied(*args, kernels(dtype))
     else:
         # one partial per thread of the pool, since thread ids range over all of it
         _backward_filter_tied(*args, numba.config.NUMBA_NUM_THREADS, kernels(dtype))
-    return None if step is not None else dw
+    return dw
 
 
 def _steps_in_kernel(step: OptimizerStep, shape: tuple, untied: bool, dtype) -> bool:

@@ -39,7 +39,7 @@ from runtime.aligned import aligned_empty
 from runtime.kernels import _checks
 from runtime.kernels.blas import NO_TRANS, TRANS
 from runtime.kernels.microkernel import kernels, tiled_gemm
-from runtime.kernels.update import NO_STEP, OptimizerStep, step_run
+from runtime.kernels.update import OptimizerStep, run_view, step_elements
 
 #: at or below this many rows the streaming loop replaces the forward's GEMM
 STREAMING_BATCH = 16
@@ -139,15 +139,14 @@ def _tiled(
     row_blocks = max(1, min(-(-m // 6), -(-TILED_TASKS // column_blocks)))
     rows = -(-m // row_blocks)
     if step is None:
-        rule, co, operands = NO_STEP, np.zeros(1, c.dtype), (c, c, c)
-        scratch = np.empty((1, 1), c.dtype)
-    else:
-        rule, co = step.rule, step.coefficients
-        operands = tuple(o.reshape(m, n) for o in step.operands)
-        threads = numba.config.NUMBA_NUM_THREADS
-        scratch = aligned_empty((threads, STEP_ROWS * min(columns, n)), c.dtype)
-    _tiled_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns,
-                   rows, rule, co, *operands, scratch)  # fmt: skip
+        _tiled_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth,
+                       columns, rows)  # fmt: skip
+        return
+    operands = tuple(o.reshape(m, n) for o in step.operands)
+    threads = numba.config.NUMBA_NUM_THREADS
+    scratch = aligned_empty((threads, STEP_ROWS * min(columns, n)), c.dtype)
+    _stepped_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, depth, columns, rows,
+                     step.rule, step.coefficients, *operands, scratch)  # fmt: skip
 
 
 #: the tiled products' slices of the reduction, and the bytes of b's block of columns that one
@@ -159,29 +158,34 @@ TILED_TASKS = 16
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns, rows,
-                   rule, co, p, s1, s2, scratch):  # fmt: skip
+def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns, rows):
     """c (m×n) (+)= A·b on `microkernel.tiled_gemm`, for C-contiguous b (k×n) and c, A (m×k)
     read through the strides (a_rs, a_cs): a block of `rows` × `columns` of c per task (each
     element summed by one thread, in one order whatever the thread count), its reduction in
-    slices of `depth`.
-
-    With an optimizer's `rule` (not `update.NO_STEP`) the product is the gradient of the
-    parameter p (m×n, with its state s1, s2), and c is not written: each block is computed
-    as many rows at a time as fill the thread's row of `scratch`, and stepped from there."""
+    slices of `depth`."""
     column_blocks = (n + columns - 1) // columns
     for block in prange(((m + rows - 1) // rows) * column_blocks):
         i0, j0 = (block // column_blocks) * rows, (block % column_blocks) * columns
         height, width = min(rows, m - i0), min(columns, n - j0)
-        if rule == NO_STEP:
-            for k0 in range(0, k, depth):
-                tiled_gemm(kernels, height, width, min(depth, k - k0), a, i0 * a_rs + k0 * a_cs,
-                           a_rs, a_cs, b, k0 * n + j0, n, accumulate or k0 > 0, c,
-                           i0 * n + j0, n)  # fmt: skip
-            continue
-        thread = numba.get_thread_id()
-        at = thread * scratch.shape[1]
-        ld = p.strides[0] // p.itemsize
+        for k0 in range(0, k, depth):
+            tiled_gemm(kernels, height, width, min(depth, k - k0), a, i0 * a_rs + k0 * a_cs,
+                       a_rs, a_cs, b, k0 * n + j0, n, accumulate or k0 > 0, c,
+                       i0 * n + j0, n)  # fmt: skip
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _stepped_product(kernels, m, n, k, a, a_rs, a_cs, b, depth, columns, rows, rule, co, p,
+                     s1, s2, scratch):  # fmt: skip
+    """`_tiled_product`'s A·b as the gradient of the parameter p (m×n, with its state s1,
+    s2), which the optimizer's `rule` steps: each block is computed as many rows at a time as
+    fill the thread's row of `scratch`, and stepped from there; the product is not stored. A
+    kernel of its own, so that a run compiles only the one it calls."""
+    column_blocks = (n + columns - 1) // columns
+    ld = p.strides[0] // p.itemsize
+    for block in prange(((m + rows - 1) // rows) * column_blocks):
+        i0, j0 = (block // column_blocks) * rows, (block % column_blocks) * columns
+        height, width = min(rows, m - i0), min(columns, n - j0)
+        at = numba.get_thread_id() * scratch.shape[1]
         strip_rows = scratch.shape[1] // width
         for top in range(i0, i0 + height, strip_rows):
             strip = min(strip_rows, i0 + height - top)
@@ -190,8 +194,9 @@ def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, col
                            a_rs, a_cs, b, k0 * n + j0, n, k0 > 0, scratch, at,
                            width)  # fmt: skip
             for row in range(strip):
-                step_run(rule, co, scratch, at + row * width, p, s1, s2, (top + row) * ld + j0,
-                         width)  # fmt: skip
+                g_at, p_at = at + row * width, (top + row) * ld + j0
+                step_elements(rule, co, run_view(scratch, g_at, width), run_view(p, p_at, width),
+                              run_view(s1, p_at, width), run_view(s2, p_at, width))  # fmt: skip
 
 
 #: with a step: the bytes of b's block of columns, wider than the product's so that each row

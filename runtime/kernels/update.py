@@ -9,7 +9,7 @@ state. It runs in one of two ways, with the same arithmetic:
   time, still in place.
 - fused into the kernel that computes the gradient (`filter_packed.backward_filter_packed` and
   `linear.linear_weight_grad_accumulate` take a `step`): each block of the gradient is stepped
-  while it is still in the core's cache (`step_run`), and the gradient is never stored. At the
+  while it is still in the core's cache (`step_elements`), and the gradient is never stored. At the
   seed's L1 (585 MB of weights, batch 64, Adam) the gradient and the update took 103 + 110 ms as
   two passes and 129 ms fused: the gradient's write and read are gone, and the update's traffic
   overlaps the products.
@@ -34,16 +34,17 @@ from numba.np.arrayobj import make_array, populate_array
 from runtime.kernels._checks import floating, same_dtype
 from runtime.kernels._checks import shape as check_shape
 
-#: the rules, as the compiled kernels take them (`NO_STEP`: the kernel stores the gradient)
-NO_STEP, SGD, MOMENTUM, ADAM = -1, 0, 1, 2
+#: the rules, as the compiled kernels take them
+SGD, MOMENTUM, ADAM = 0, 1, 2
 #: elements per parallel chunk of `apply`
 CHUNK = 1 << 16
 
 
 @intrinsic
-def _run(typingctx, array, offset, count):
-    """Elements offset .. offset + count of `array`'s memory as a unit-stride 1-d view: a row
-    of a strided piece, which the element loops then vectorise as they would a whole array."""
+def run_view(typingctx, array, offset, count):
+    """Elements offset .. offset + count of `array`'s memory as a unit-stride 1-d view, in
+    compiled code: a run of a strided piece, or of a block of a gradient in a kernel's scratch,
+    which `step_elements` then steps as it would a whole array."""
     if not isinstance(array, types.Array):
         return None
     result = types.Array(array.dtype, 1, "C")
@@ -68,14 +69,16 @@ def _run(typingctx, array, offset, count):
     return result(array, types.intp, types.intp), codegen
 
 
-@njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _step_elements(rule, co, g, p, s1, s2):
-    """One step of `rule` over 1-d unit-stride arrays of one length; `co` holds the rule's
-    coefficients in p's dtype, and s1, s2 its state (where the rule has less, p stands in).
+@njit(cache=True, nogil=True, error_model="numpy")
+def step_elements(rule, co, g, p, s1, s2):
+    """One step of `rule` over 1-d unit-stride arrays of one length (`run_view` makes them
+    from any array); `co` holds the rule's coefficients in p's dtype, and s1, s2 its state
+    (where the rule has less, p stands in).
 
-    Inlined into its callers, which compile it with NumPy's error model: Python's, which checks
-    every division for a zero divisor to raise, keeps the loop from vectorising (4.5× slower).
-    A zero divisor (eps = 0 and v = 0) gives inf or NaN, as NumPy and PyTorch do."""
+    One compiled function, called by the update task's kernel and by every fused one, so a
+    run compiles the rules' loops once. NumPy's error model: Python's checks every division
+    for a zero divisor, which keeps the loops from vectorising (4.5× slower); a zero divisor
+    (eps = 0 and v = 0) gives inf or NaN, as in NumPy and PyTorch."""
     if rule == ADAM:
         b1, a1, b2, a2, scale, root, eps = co[0], co[1], co[2], co[3], co[4], co[5], co[6]
         for i in range(p.shape[0]):
@@ -97,23 +100,12 @@ def _step_elements(rule, co, g, p, s1, s2):
             p[i] -= lr * g[i]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def step_run(rule, co, g, g_at, p, s1, s2, at, count):
-    """Step `count` consecutive elements: the gradient's from g[g_at] (flat, in elements), the
-    parameter's and its state's from element `at` of p, s1 and s2, which share their strides.
-    The fused kernels call it on each block of the gradient they compute."""
-    _step_elements(
-        rule, co, _run(g, g_at, count), _run(p, at, count), _run(s1, at, count),
-        _run(s2, at, count),
-    )  # fmt: skip
-
-
-@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+@njit(cache=True, nogil=True, parallel=True)
 def _apply(rule, co, g, p, s1, s2):
     n = p.shape[0]
     for chunk in prange((n + CHUNK - 1) // CHUNK):
         lo, hi = chunk * CHUNK, min(n, (chunk + 1) * CHUNK)
-        _step_elements(rule, co, g[lo:hi], p[lo:hi], s1[lo:hi], s2[lo:hi])
+        step_elements(rule, co, g[lo:hi], p[lo:hi], s1[lo:hi], s2[lo:hi])
 
 
 @dataclass(frozen=True)
@@ -147,7 +139,10 @@ class OptimizerStep:
         others = {"grad": grad, **dict(zip(names, self.state))}
         for p, g, *state in _rows(self.params, others):
             s1, s2 = (*state, p, p)[:2]
-            _apply(self.rule, self.coefficients, g, p, s1, s2)
+            if p.size <= CHUNK:  # a bias, a row: no parallel loop to start (or to compile)
+                step_elements(self.rule, self.coefficients, g, p, s1, s2)
+            else:
+                _apply(self.rule, self.coefficients, g, p, s1, s2)
 
 
 def _coefficients(params: np.ndarray, *values: float) -> np.ndarray:
