@@ -26,8 +26,10 @@ ops (`set_zero`, elementwise) are free or nearly unless the machine gives a memo
 loading always is, and the roofline counts each rect once (a kernel that
 re-reads from memory is underpriced); an all-reduce is priced as run in place (the runtime's case
 for a just-zeroed gradient, not for a second reduction into it); no network contention or
-topology beyond per-rank link load; data re-fetched by a later task is paid again; memory is a
-no-reuse upper bound on the peak.
+topology beyond per-rank link load; data re-fetched by a later task is paid again; an update
+fused into the kernel of its gradient (`runtime.rank_program`) is priced as the two tasks it was,
+though the kernel overlaps them and moves no gradient; memory is a no-reuse upper bound on the
+peak.
 """
 
 from __future__ import annotations

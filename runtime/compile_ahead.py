@@ -141,7 +141,7 @@ def _update(dtype: np.dtype, elements: int) -> None:
     """Every optimizer's update of `elements`: one kernel, which takes the rule as an
     argument; past `update.CHUNK` elements, its parallel loop."""
     p, g, s1, s2 = (np.zeros(elements, dtype) for _ in range(4))
-    update.adam_update(p, g, s1, s2, 0.1, 0.9, 0.999, 1e-8, 1)
+    update.adam_step(p, s1, s2, 0.1, 0.9, 0.999, 1e-8, 1).apply(g)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
-from legion_nn.ops import stepped_role
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner.collectives import Hop, schedule, target_order
@@ -51,6 +50,7 @@ from partitioner.machine import Machine
 from partitioner.pieces import Piece
 from partitioner.plan import Plan, Reduction
 from runtime.step_order import step_order
+from runtime.update_fusion import fuse_into_gradients
 
 #: copies posted at the start of the step, before any task
 STEP_START = -1
@@ -127,7 +127,7 @@ class RankTask:
     #: a zeroing whose every rect the first contribution overwrites (`fresh`): not run
     elided: bool = False
     #: per gradient role, the position of the update task whose optimizer step this task's
-    #: kernel takes in place of storing the gradient (`_Builder._fuse_update`)
+    #: kernel takes in place of storing the gradient (`runtime.update_fusion`)
     steps: dict[str, int] = field(default_factory=dict)
     #: an update fused into the task at this position, which runs its step: not run itself
     fused_into: int | None = None
@@ -195,8 +195,8 @@ def build_programs(
 ) -> dict[int, RankProgram]:
     """The programs of `ranks` for the tasks named in `include` (default: the whole step);
     `fuse_updates` lets a kernel that computes a gradient take the optimizer's step itself
-    where nothing else reads the gradient (`_Builder._fuse_update`); without it every
-    gradient is stored, to read after the step."""
+    where nothing else reads the gradient (`runtime.update_fusion`); without it every gradient
+    is stored, to read after the step."""
     wanted = set(include) if include is not None else None
     ranks = list(ranks)
     indexed = [
@@ -204,7 +204,7 @@ def build_programs(
         for i in step_order(graph)
         if wanted is None or graph.tasks[i].name in wanted
     ]
-    programs = {rank: _Builder(graph, plan, rank, fuse_updates) for rank in ranks}
+    programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
     position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
     #: per tensor written this step, its layout now and the task that last wrote each cell (the
     #: plan's record); a tensor not written yet holds what the step started with
@@ -260,7 +260,11 @@ def build_programs(
             builder.end(task_plan.holdings)
         for tensor, layout in task_plan.holdings.items():
             written[tensor] = (layout, plan.written_by[index][tensor])
-    return {rank: builder.program(seq) for rank, builder in programs.items()}
+    built = {rank: builder.program(seq) for rank, builder in programs.items()}
+    if fuse_updates:
+        for program in built.values():
+            fuse_into_gradients(graph, program)
+    return built
 
 
 def _last_write(
@@ -278,12 +282,8 @@ def _last_write(
 
 
 class _Builder:
-    def __init__(self, graph: TaskGraph, plan: Plan, rank: int, fuse_updates: bool) -> None:
+    def __init__(self, graph: TaskGraph, plan: Plan, rank: int) -> None:
         self.graph = graph
-        self.fuse_updates = fuse_updates
-        #: per gradient written whole by one task's kernel, with nothing added or sent (a
-        #: `stepped_role` of its op): the position of that task and the role it writes from
-        self.steppable: dict[str, tuple[int, str]] = {}
         self.rank = rank
         self.nranks = plan.nranks
         self.tasks: list[RankTask] = []
@@ -400,7 +400,6 @@ class _Builder:
             if not collective_rects and not sends and all(r.covered_by(held) for r in rects):
                 self.touched[tensor].extend(rects)  # the kernel adds into the tensor itself
                 self._first_contribution(tensor, rects)
-                self._note_steppable(tensor)
                 continue
             parts = []
             for rect in rects:
@@ -421,8 +420,6 @@ class _Builder:
             for c in current.collectives
             if any(self.rank in holders for _, holders in c.targets)
         }
-        if current.task.op == "update":
-            self._fuse_update()
         for tensor in set(reduced) | set(written) | landed:
             if current.task.op == "set_zero":
                 self.zeroed[tensor].extend(written.get(tensor, []))
@@ -450,57 +447,6 @@ class _Builder:
             return
         current.fresh.add(tensor)
         zeroer.elided = True
-
-    def _note_steppable(self, tensor: str) -> None:
-        """Note `tensor` as a gradient the current task's kernel could step from, when its one
-        piece here writes it whole (`fresh`) from the op's `stepped_role`."""
-        current = self.current
-        role = stepped_role(current.task)
-        if role is None or tensor not in current.fresh or len(current.pieces) != 1:
-            return
-        if any(req.role == role and req.tensor == tensor for req in current.pieces[0].requirements):
-            self.steppable[tensor] = (current.index, role)
-
-    def _fuse_update(self) -> None:
-        """Fuse the current update task into the task that wrote its gradient, where that one
-        kernel can take the step (`_note_steppable`): the gradient is then never stored (it
-        gets no buffer), and its write and read, two weight-sized passes, are gone.
-
-        Only where nothing can tell: this rank runs the update's one piece over exactly the
-        gradient's rect; no task between the two touches the gradient, the parameter or its
-        state, or sends or receives them (so no rank reads the parameter early), and neither
-        task moves them; the update takes nothing from other ranks. The writing task reads
-        the parameter too (a backward's input gradient), before its kernel steps it."""
-        current = self.current
-        if not self.fuse_updates or len(current.pieces) != 1 or current.windows:
-            return
-        piece = current.pieces[0]
-        by_role = {req.role: req for req in piece.requirements}
-        gradient = by_role.get("gradient")
-        found = self.steppable.pop(gradient.tensor, None) if gradient else None
-        if found is None:
-            return
-        position, role = found
-        producer = self.tasks[position]
-        (written,) = [r for r in producer.pieces[0].requirements if r.role == role]
-        if written.write_rect != gradient.read_rect or by_role["params"].rect != gradient.rect:
-            return
-        names = {req.tensor for req in piece.requirements}
-        between = self.tasks[position + 1 : current.index]
-        if any(names & rt.tensors for rt in between) or current.collectives:
-            return
-        for rt in (producer, current):
-            moved = (*rt.copies_in, *rt.partial_in, *rt.partial_out, *rt.post)
-            summed = (c.reduction.tensor for c in rt.collectives)
-            if names & {*(m.tensor for m in moved), *summed}:
-                return
-        users = self.graph.producers(gradient.tensor) + self.graph.consumers(gradient.tensor)
-        others = {t.name for t in users if t.op != "set_zero"}
-        if others != {producer.task.name, current.task.name}:
-            return  # another task of the step reads the gradient, here or on another rank
-        producer.steps[role] = current.index
-        current.fused_into = position
-        self.touched.pop(gradient.tensor, None)
 
     def _reduces_in_place(self, tensor: str, rects: list[Rect]) -> bool:
         current = self.current

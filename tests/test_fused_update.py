@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from error_bounds import assert_close_to
+from test_kernels_filter import make
 
 from legion_nn.networks import load_network
 from partitioner.machine import Machine
@@ -57,16 +58,10 @@ def _agree(fused, stored, dtype):
         np.testing.assert_allclose(got, expected, rtol=0, atol=8 * eps * scale)
 
 
-def _filter_arrays(case, dtype, seed=0):
-    n, c, h, w, k, r, s, stride, pad, untied = case
-    top, bottom, left, right = (pad,) * 4 if isinstance(pad, int) else pad
-    p = (h + top + bottom - r) // stride + 1
-    q = (w + left + right - s) // stride + 1
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, c, h, w)).astype(dtype)
-    dy = rng.standard_normal((n, k, p, q)).astype(dtype)
-    logical = (k, 1, 1, c, r, s, p if untied else 1, q if untied else 1)
-    return x, dy, logical, stride, pad, untied, rng
+def _filter_arrays(case, dtype):
+    """x, dy, the weights' logical shape, stride, padding, untied, and a generator for state."""
+    x, w, dy, stride, pad = make(case, dtype)
+    return x, dy, w.shape, stride, pad, case[-1], np.random.default_rng(1)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -3,7 +3,7 @@ import pytest
 from error_bounds import assert_close_to
 
 from runtime.kernels.fill import set_zero
-from runtime.kernels.update import adam_update, momentum_update, sgd_update
+from runtime.kernels.update import adam_step, momentum_step, sgd_step
 
 
 def _arrays(shape, dtype, count, seed=0):
@@ -20,7 +20,7 @@ def _tol(dtype):
 def test_sgd(shape, dtype):
     param, grad = _arrays(shape, dtype, 2)
     expected = param.astype(np.float64) - 0.1 * grad
-    sgd_update(param, grad, 0.1)
+    sgd_step(param, 0.1).apply(grad)
     assert param.dtype == dtype
     np.testing.assert_allclose(param, expected, **_tol(dtype))
 
@@ -34,7 +34,7 @@ def test_momentum_over_steps(dtype):
         g = grad * (step + 1)
         v = 0.9 * v - 0.05 * g
         p = p + v
-        momentum_update(param, g, velocity, 0.05, 0.9)
+        momentum_step(param, velocity, 0.05, 0.9).apply(g)
     np.testing.assert_allclose(velocity, v, **_tol(dtype))
     np.testing.assert_allclose(param, p, **_tol(dtype))
 
@@ -50,7 +50,7 @@ def test_adam_over_steps(dtype):
         mm = b1 * mm + (1 - b1) * g
         vv = b2 * vv + (1 - b2) * g * g
         p = p - lr * (mm / (1 - b1**t)) / (np.sqrt(vv / (1 - b2**t)) + eps)
-        adam_update(param, (grad * t).astype(dtype), m, v, lr, b1, b2, eps, t)
+        adam_step(param, m, v, lr, b1, b2, eps, t).apply((grad * t).astype(dtype))
     np.testing.assert_allclose(m, mm, **_tol(dtype))
     np.testing.assert_allclose(v, vv, **_tol(dtype))
     np.testing.assert_allclose(param, p, **_tol(dtype))
@@ -58,7 +58,9 @@ def test_adam_over_steps(dtype):
 
 def test_adam_first_step_moves_by_lr():
     param = np.zeros((3,))
-    adam_update(param, np.array([2.0, -0.5, 1e-3]), np.zeros(3), np.zeros(3), 0.1, 0.9, 0.99, 0, 1)
+    adam_step(param, np.zeros(3), np.zeros(3), 0.1, 0.9, 0.99, 0, 1).apply(
+        np.array([2.0, -0.5, 1e-3])
+    )
     np.testing.assert_allclose(param, [-0.1, 0.1, -0.1])
 
 
@@ -69,7 +71,7 @@ def test_strided_and_fortran_pieces_update_in_place():
     expected[:, 1:4] += -0.5 * grad[:, 1:4]
     size = np.abs(whole)
     size[:, 1:4] += np.abs(0.5 * grad[:, 1:4])
-    momentum_update(whole[:, 1:4], grad[:, 1:4], velocity[:, 1:4], 0.5, 0.0)
+    momentum_step(whole[:, 1:4], velocity[:, 1:4], 0.5, 0.0).apply(grad[:, 1:4])
     # p - lr·g in one rounding or two (fused or not): within the bound of a two-term sum
     assert_close_to(whole, expected, size, 2)
     np.testing.assert_array_equal(whole[:, [0, 4, 5]], expected[:, [0, 4, 5]])  # untouched
@@ -78,18 +80,18 @@ def test_strided_and_fortran_pieces_update_in_place():
     param_f, grad_f = (np.asfortranarray(a) for a in _arrays((3, 5), np.float64, 2))
     expected = param_f - 2.0 * grad_f
     size = np.abs(param_f) + np.abs(2.0 * grad_f)
-    sgd_update(param_f, grad_f, 2.0)
+    sgd_step(param_f, 2.0).apply(grad_f)
     assert_close_to(param_f, expected, size, 2)
 
 
 def test_bad_arguments():
     param, grad = _arrays((3, 2), np.float64, 2)
     with pytest.raises(ValueError, match=r"grad must have shape \(3, 2\)"):
-        sgd_update(param, grad.T, 0.1)
+        sgd_step(param, 0.1).apply(grad.T)
     with pytest.raises(ValueError, match="grad dtype float32"):
-        sgd_update(param, grad.astype(np.float32), 0.1)
+        sgd_step(param, 0.1).apply(grad.astype(np.float32))
     with pytest.raises(ValueError, match="step must be an int >= 1"):
-        adam_update(param, grad, grad.copy(), grad.copy(), 0.1, 0.9, 0.99, 1e-8, 0)
+        adam_step(param, grad.copy(), grad.copy(), 0.1, 0.9, 0.99, 1e-8, 0)
 
 
 def test_set_zero_in_place():
@@ -113,7 +115,7 @@ def test_adam_over_several_parallel_chunks_and_a_ragged_end(dtype):
     m64 = b1 * m64 + (1 - b1) * g64
     v64 = b2 * v64 + (1 - b2) * g64 * g64
     p64 = p64 - lr * (m64 / (1 - b1**t)) / (np.sqrt(v64 / (1 - b2**t)) + eps)
-    adam_update(param, grad, m, v, lr, b1, b2, eps, t)
+    adam_step(param, m, v, lr, b1, b2, eps, t).apply(grad)
     np.testing.assert_allclose(m, m64, **_tol(dtype))
     np.testing.assert_allclose(v, v64, **_tol(dtype))
     np.testing.assert_allclose(param, p64, **_tol(dtype))

@@ -210,30 +210,3 @@ def _rows(param: np.ndarray, others: dict[str, np.ndarray]) -> list[tuple[np.nda
     if all(a.flags.f_contiguous for a in arrays):
         return [tuple(a.reshape(-1, order="F") for a in arrays)]
     return [tuple(a[idx] for a in arrays) for idx in np.ndindex(param.shape[:-1])]
-
-
-def sgd_update(param: np.ndarray, grad: np.ndarray, lr: float) -> None:
-    """param −= lr·grad, in place."""
-    sgd_step(param, lr).apply(grad)
-
-
-def momentum_update(
-    param: np.ndarray, grad: np.ndarray, velocity: np.ndarray, lr: float, momentum: float
-) -> None:
-    """velocity = momentum·velocity − lr·grad; param += velocity; both in place."""
-    momentum_step(param, velocity, lr, momentum).apply(grad)
-
-
-def adam_update(
-    param: np.ndarray,
-    grad: np.ndarray,
-    m: np.ndarray,
-    v: np.ndarray,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    step: int,
-) -> None:
-    """Adam with bias correction, in place on param, m and v; step counts from 1."""
-    adam_step(param, m, v, lr, beta1, beta2, eps, step).apply(grad)

@@ -1,0 +1,97 @@
+"""Updates fused into the kernels that compute their gradients, on one rank's program.
+
+An optimizer's update reads a weight-sized gradient that the backward task wrote just before:
+two passes over it through memory, and a buffer the size of the weights. Where the task's
+kernel can take the step itself (its op's `stepped_role`, `legion_nn.registry`), the update is
+fused into it: the kernel steps the weights block by block while each block of the gradient is
+in cache (`runtime.kernels.update`), and the gradient is never stored, so it gets no buffer.
+
+Only where nothing can tell the difference, on this rank's program as built:
+
+- the task's one piece here writes the whole gradient (`RankTask.fresh`, its zeroing elided)
+  from its stepped role, and adds none of it elsewhere: no collective, partial sum or scratch
+  (a data-parallel gradient, which an all-reduce sums first, stays stored);
+- this rank runs the update's one piece over exactly that rect, taking nothing from other ranks;
+- no task between the two touches the gradient, the parameter or its state, and neither task
+  nor any between sends or receives them (so no rank reads the parameter early);
+- no other task of the graph, here or on another rank, reads the gradient.
+
+The task that writes the gradient reads the parameter too (a backward's input gradient); its
+adapter computes that before its kernel steps the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from legion_nn.graph import TaskGraph
+from legion_nn.ops import stepped_role
+
+# `runtime.rank_program.RankProgram` and its `RankTask`s, which `build_programs` hands here as
+# its last step: named, not imported, since that module imports this one
+RankProgram = RankTask = Any
+
+
+def fuse_into_gradients(graph: TaskGraph, program: RankProgram) -> None:
+    """Fuse each update of `program` that can be into the task that writes its gradient:
+    `RankTask.steps` on that task, `RankTask.fused_into` on the update, and the gradient's
+    buffer dropped from `program.boxes`."""
+    for update in program.tasks:
+        if update.task.op != "update" or len(update.pieces) != 1 or update.windows:
+            continue
+        by_role = {req.role: req for req in update.pieces[0].requirements}
+        gradient = by_role.get("gradient")
+        if gradient is None or by_role["params"].rect != gradient.rect:
+            continue
+        found = _writer(program, gradient.tensor, update.index)
+        if found is None:
+            continue
+        producer, role = found
+        written = next(r for r in producer.pieces[0].requirements if r.role == role)
+        if written.write_rect != gradient.read_rect:
+            continue
+        if _untouched_between(program, producer, update) and _read_only_by(
+            graph, gradient.tensor, {producer.task.name, update.task.name}
+        ):
+            producer.steps[role] = update.index
+            update.fused_into = producer.index
+            program.boxes.pop(gradient.tensor, None)
+
+
+def _writer(program: RankProgram, gradient: str, before: int) -> tuple[RankTask, str] | None:
+    """The task before position `before` whose one piece wrote all of `gradient` here from its
+    op's stepped role, adding none of it elsewhere, and that role; None if the last task to
+    touch the gradient is not one."""
+    for rt in reversed(program.tasks[:before]):
+        if gradient not in rt.tensors or rt.task.op == "set_zero":
+            continue
+        role = stepped_role(rt.task)
+        if role is None or gradient not in rt.fresh or len(rt.pieces) != 1:
+            return None
+        if not any(r.role == role and r.tensor == gradient for r in rt.pieces[0].requirements):
+            return None
+        summed = {c.reduction.tensor for c in rt.collectives}
+        sent = {m.tensor for m in rt.partial_out}
+        if gradient in summed | sent | rt.in_place or gradient in rt.local_parts:
+            return None
+        return rt, role
+    return None
+
+
+def _untouched_between(program: RankProgram, producer: RankTask, update: RankTask) -> bool:
+    names = {req.tensor for req in update.pieces[0].requirements}
+    between = program.tasks[producer.index + 1 : update.index]
+    if any(names & rt.tensors for rt in between) or update.collectives:
+        return False
+    for rt in (producer, *between, update):
+        moved = (*rt.copies_in, *rt.partial_in, *rt.partial_out, *rt.post)
+        summed = {c.reduction.tensor for c in rt.collectives}
+        if names & ({m.tensor for m in moved} | summed):
+            return False
+    return True
+
+
+def _read_only_by(graph: TaskGraph, gradient: str, tasks: set[str]) -> bool:
+    """Whether `tasks` are the only tasks of the graph, zeroings aside, that touch `gradient`."""
+    users = graph.producers(gradient) + graph.consumers(gradient)
+    return {t.name for t in users if t.op != "set_zero"} == tasks
