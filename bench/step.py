@@ -152,7 +152,8 @@ def _fuse_row(graph: TaskGraph, update: dict, into: dict, gflops: float, gbytes_
     two is what it gains."""
     task = graph.task(update["task"])
     gradient = graph.tensors[task.requirement("gradient").tensor].nbytes
-    own_bytes, step_bytes = into["bytes"] - gradient, update["bytes"] - gradient
+    # the task reduced into the gradient (read and written, `bytes_per_rank`); the update read it
+    own_bytes, step_bytes = into["bytes"] - 2 * gradient, update["bytes"] - gradient
     own = max(into["flops"] / (gflops * 1e9), own_bytes / (gbytes_per_s * 1e9))
     into["bound_s"] = own + step_bytes / (gbytes_per_s * 1e9)
     into["bytes"] = own_bytes + step_bytes

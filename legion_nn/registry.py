@@ -12,9 +12,9 @@ A record says, for each phase the op runs in:
   checks when `runtime.adapters` is imported that every name resolves and that every adapter
   has a record); None says the op has no kernel: it is planned and costed, not run;
 - `steps`: optionally, the role of a parameter's gradient that the adapter can, instead of
-  storing it, turn straight into the optimizer's step of the parameter (`StepContext.steps`):
-  where nothing else reads the gradient, the runtime fuses the update task into this one
-  (`runtime.rank_program`);
+  storing it, turn straight into the optimizer's step of the parameter (`StepContext.steps`),
+  or a function of the task's attrs giving it or None: where nothing else reads the gradient,
+  the runtime fuses the update task into this one (`runtime.update_fusion`);
 
 and for the op as a whole:
 
@@ -87,7 +87,7 @@ class PhaseRecord:
     flops: FlopsFn
     adapter: str | None
     box_map: BoxMap | None = None
-    steps: str | None = None
+    steps: str | Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,8 @@ def stepped_role(task: Task) -> str | None:
     """The gradient role whose optimizer step `task`'s kernel can take (`steps`), or None."""
     record = find_record(task.op)
     entry = record.phases.get(task.phase) if record is not None else None
-    return entry.steps if entry is not None else None
+    steps = entry.steps if entry is not None else None
+    return steps(task.attrs) if callable(steps) else steps
 
 
 def has_access_map(op: str, phase: str) -> bool:

@@ -79,16 +79,22 @@ def _writer(program: RankProgram, gradient: str, before: int) -> tuple[RankTask,
 
 
 def _untouched_between(program: RankProgram, producer: RankTask, update: RankTask) -> bool:
+    """Whether nothing touches the update's tensors from the producer to the update: no task
+    between them, no collective of theirs, and no message of theirs posted then or consumed
+    then (a copy of the weights posted earlier, for a reader on another rank at the producer's
+    position, would send them stepped)."""
     names = {req.tensor for req in update.pieces[0].requirements}
     between = program.tasks[producer.index + 1 : update.index]
     if any(names & rt.tensors for rt in between) or update.collectives:
         return False
+    window = range(producer.index, update.index + 1)
     for rt in (producer, *between, update):
         moved = (*rt.copies_in, *rt.partial_in, *rt.partial_out, *rt.post)
         summed = {c.reduction.tensor for c in rt.collectives}
         if names & ({m.tensor for m in moved} | summed):
             return False
-    return True
+    posted = (*program.post_at_start, *(m for rt in program.tasks for m in rt.post))
+    return not any(m.tensor in names and m.task in window for m in posted)
 
 
 def _read_only_by(graph: TaskGraph, gradient: str, tasks: set[str]) -> bool:

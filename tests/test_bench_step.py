@@ -93,3 +93,28 @@ def test_the_peers_untied_filter_is_a_locally_connected_layer():
             window = padded[:, :, i : i + r, j : j + s]
             want[:, :, i, j] = np.einsum("ncrs,kcrs->nk", window, weights[i, j])
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_a_fused_update_is_bounded_with_the_task_that_runs_it():
+    from bench.step import _fuse_row
+
+    graph = load_network("seed-lcn-small").lower(batch=4, optimizer="adam")
+    rows = {r["task"]: r for r in roofline(graph, gflops=100.0, gbytes_per_s=10.0)}
+    into, update = dict(rows["L1.filter.grad"]), dict(rows["update_L1.W"])
+    weight = graph.tensors["L1.W"].nbytes
+    _fuse_row(graph, update, into, 100.0, 10.0)
+    # the task no longer reduces into the gradient (read and written), the update no longer
+    # reads it: its weights and moments, read and written, are what the update adds
+    assert into["bytes"] == rows["L1.filter.grad"]["bytes"] - 2 * weight + 6 * weight
+    assert into["flops"] == rows["L1.filter.grad"]["flops"] + rows["update_L1.W"]["flops"]
+    expected_own = max(
+        rows["L1.filter.grad"]["flops"] / 100e9,
+        (rows["L1.filter.grad"]["bytes"] - 2 * weight) / 10e9,
+    )
+    assert into["bound_s"] == pytest.approx(expected_own + 6 * weight / 10e9)
+    assert into["fused"] == "update_L1.W"
+    assert (update["bound_s"], update["bound_by"], update["fused_into"]) == (
+        0.0,
+        "fused",
+        "L1.filter.grad",
+    )

@@ -21,8 +21,9 @@ from runtime.adapters import StepContext
 from runtime.kernels import linear, reference, update
 from runtime.kernels.filter_packed import backward_filter_packed
 from runtime.kernels.layout import pack_activations, pack_weights
-from runtime.rank_executor import one_process
+from runtime.rank_executor import RankExecutor, one_process
 from runtime.rank_program import build_programs
+from runtime.transport import run_threads
 
 RULES = ("sgd", "momentum", "adam")
 # (N, C, H, W, K, R, S, stride, pad, untied): clipped windows, strides, a tied filter
@@ -229,3 +230,39 @@ def test_training_with_fused_updates_equals_training_with_stored_gradients(optim
     initial = one_process(5)
     initial.prepare(graph)
     assert not np.array_equal(got["L1.W"], initial.resident()["L1.W"])  # the steps ran
+
+
+def test_a_tied_filter_keeps_its_gradient_a_linear_layer_beside_it_does_not():
+    """A tied filter's gradient is summed over every position before any of it is final: its
+    kernel cannot step the weights block by block, so its update stays a task of its own."""
+    graph = load_network("three-layer-convnet").lower(batch=4, optimizer="adam")
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    (program,) = build_programs(graph, plan, Machine(), [0]).values()
+    assert _fused(program) == {"update_W2": "fc3.linear2.grad", "update_W1": "fc2.linear1.grad"}
+    assert "conv1.W.grad" in program.boxes
+
+
+def test_model_parallel_training_with_fused_updates_equals_training_with_stored_gradients():
+    """Two ranks, each updating its output channels of every weight inside the kernel of its
+    gradient, against the same two ranks storing the gradients and updating after."""
+    cfg_graph = load_network("seed-lcn-small").lower(batch=8, optimizer="adam")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((8, 1, 20, 20)).astype(np.float32)
+    y = rng.integers(0, 10, 8).astype(np.int32)
+
+    def body(keep):
+        def run(transport):
+            executor = RankExecutor(transport, "model", seed=5, keep_step_tensors=keep)
+            for step in range(3):
+                executor.run(cfg_graph, StepContext(step, inputs=x, labels=y))
+            return _fused(executor.prepare(cfg_graph).step), executor.resident()
+
+        return run_threads(2, run)
+
+    fused, stored = body(False), body(True)
+    assert [f for f, _ in fused] == [WEIGHT_UPDATES] * 2
+    assert [f for f, _ in stored] == [{}] * 2
+    got, expected = fused[0][1], stored[0][1]
+    assert set(got) == set(expected)
+    for name in expected:
+        _agree((got[name],), (expected[name],), np.float32)

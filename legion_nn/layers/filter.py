@@ -173,7 +173,9 @@ def _record(op: str, bias_flops: int) -> None:
                     backward_factor(attrs) * _window(dims) + _per_channel(bias_flops, dims)
                 ),
                 "adapter": f"{op}.backward",
-                "steps": "filters.delta",
+                # untied weights: the kernel steps them block by block; a tied filter's
+                # gradient is summed over every position before any of it is final
+                "steps": lambda attrs: "filters.delta" if attrs.get("untied") else None,
             },
         },
         splittable=registry.EVERY_DIM,

@@ -302,6 +302,8 @@ def linear_weight_grad_step(dy: np.ndarray, x: np.ndarray, step: OptimizerStep) 
         linear_weight_grad_accumulate(dy, x, dw, accumulate=False)
         step.apply(dw)
         return
+    if m == 0 or features == 0:
+        return
     if n == 0:
         step.apply(np.zeros_like(weights))
         return
