@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from runtime.aligned import aligned_empty
 from runtime.kernels.geometry import check_ndim
 
 #: packed weight axis i holds axis WEIGHT_AXES[i] of the logical (K, 1, 1, C, R, S, P, Q)
@@ -44,22 +45,24 @@ _UNPACK = tuple(int(i) for i in np.argsort(_PACK))
 def pack_activations(x: np.ndarray) -> np.ndarray:
     """(N, C, H, W) -> a C-contiguous (H, W, C, N) copy."""
     check_ndim("x", x, 4, "(N, C, H, W)")
-    if x.size < LARGE_ACTIVATIONS:
-        return np.ascontiguousarray(x.transpose(2, 3, 1, 0))
     n, c, h, w = x.shape
-    xp = np.empty((h, w, c, n), x.dtype)
-    _to_hwcn(x, xp)
+    xp = aligned_empty((h, w, c, n), x.dtype)
+    if x.size < LARGE_ACTIVATIONS:
+        xp[...] = x.transpose(2, 3, 1, 0)
+    else:
+        _to_hwcn(x, xp)
     return xp
 
 
 def unpack_activations(xp: np.ndarray) -> np.ndarray:
     """(H, W, C, N) -> a C-contiguous (N, C, H, W) copy."""
     check_ndim("xp", xp, 4, "(H, W, C, N)")
-    if xp.size < LARGE_ACTIVATIONS:
-        return np.ascontiguousarray(xp.transpose(3, 2, 0, 1))
     h, w, c, n = xp.shape
-    x = np.empty((n, c, h, w), xp.dtype)
-    _to_nchw(xp, x)
+    x = aligned_empty((n, c, h, w), xp.dtype)
+    if xp.size < LARGE_ACTIVATIONS:
+        x[...] = xp.transpose(3, 2, 0, 1)
+    else:
+        _to_nchw(xp, x)
     return x
 
 
@@ -105,22 +108,24 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     check_ndim("w", w, 8, "(K, 1, 1, C, R, S, P, Q)")
     if w.shape[1:3] != (1, 1):
         raise ValueError(f"w: axes 1 and 2 must be unit axes, got shape {w.shape}")
-    if w.size < LARGE_WEIGHTS:
-        return np.ascontiguousarray(w.transpose(_PACK)[..., 0, 0])
     k, _, _, c, r, s, p, q = w.shape
-    wp = np.empty((p, r, q, k, s, c), w.dtype)
-    _pack(w[:, 0, 0], wp)
+    wp = aligned_empty((p, r, q, k, s, c), w.dtype)
+    if w.size < LARGE_WEIGHTS:
+        wp[...] = w.transpose(_PACK)[..., 0, 0]
+    else:
+        _pack(w[:, 0, 0], wp)
     return wp
 
 
 def unpack_weights(wp: np.ndarray) -> np.ndarray:
     """(P, R, Q, K, S, C) -> a C-contiguous (K, 1, 1, C, R, S, P, Q) copy."""
     check_ndim("wp", wp, 6, "(P, R, Q, K, S, C)")
-    if wp.size < LARGE_WEIGHTS:
-        return np.ascontiguousarray(wp[..., None, None].transpose(_UNPACK))
     p, r, q, k, s, c = wp.shape
-    w = np.empty((k, 1, 1, c, r, s, p, q), wp.dtype)
-    _unpack(wp, w[:, 0, 0])
+    w = aligned_empty((k, 1, 1, c, r, s, p, q), wp.dtype)
+    if wp.size < LARGE_WEIGHTS:
+        w[...] = wp[..., None, None].transpose(_UNPACK)
+    else:
+        _unpack(wp, w[:, 0, 0])
     return w
 
 
