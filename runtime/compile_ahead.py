@@ -157,25 +157,25 @@ class Unit:
 
 
 UNITS: dict[str, Unit] = {
-    "filter.untied": Unit(lambda d: _filter(d, True), 3.1, "gemm", filter_packed._forward),
-    "filter.tied": Unit(lambda d: _filter(d, False), 3.1, "gemm", filter_packed._forward),
+    "filter.untied": Unit(lambda d: _filter(d, True), 2.0, "gemm", filter_packed._forward),
+    "filter.tied": Unit(lambda d: _filter(d, False), 2.0, "gemm", filter_packed._forward),
     "filter.untied.gradient": Unit(
         lambda d: _filter_gradient(d, True), 1.8, "gemm", filter_packed._backward_filter_untied
     ),
     "filter.tied.gradient": Unit(
         lambda d: _filter_gradient(d, False), 1.8, "gemm", filter_packed._backward_filter_tied
     ),
-    "filter.step": Unit(_filter_step, 4.2, "step", filter_packed._step_untied),
+    "filter.step": Unit(_filter_step, 4.0, "step", filter_packed._step_untied),
     "filterA": Unit(_affine, 1.5, "filterA", affine._forward),
     "filterNL": Unit(_nonlinear, 1.3, "filterNL", nonlinear._forward),
     "linear": Unit(_linear, 0.9, "step", linear._tiled_product),
-    "linear.step": Unit(_linear_step, 1.0, "step", linear._stepped_product),
-    "softmax": Unit(_softmax, 0.6, "softmax", softmax._forward),
+    "linear.step": Unit(_linear_step, 0.9, "step", linear._stepped_product),
+    "softmax": Unit(_softmax, 0.5, "softmax", softmax._forward),
     "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),
     "dropout": Unit(_dropout, 1.0, "dropout", dropout._apply),
     "batchnorm": Unit(_batchnorm, 3.0, "batchnorm", batchnorm._stats),
-    "update": Unit(lambda d: _update(d, 6), 0.4, "update", update.step_elements),
+    "update": Unit(lambda d: _update(d, 6), 0.3, "update", update.step_elements),
     "update.parallel": Unit(lambda d: _update(d, update.CHUNK + 1), 0.6, "update", update._apply),
 }
 
