@@ -29,6 +29,8 @@ classifier, if at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numba import njit, prange
 
@@ -42,28 +44,30 @@ _PACK = (*WEIGHT_AXES, 1, 2)
 _UNPACK = tuple(int(i) for i in np.argsort(_PACK))
 
 
+def _placed_copy(view: np.ndarray, large: bool, compiled: Callable[[np.ndarray], None]):
+    """A C-contiguous copy of the transposed `view`, placed on a cache line (`runtime.aligned`:
+    NumPy starts a large array 16 bytes into one, which splits every vector access of a row):
+    by NumPy for small arrays, by `compiled(out)` for `large` ones."""
+    out = aligned_empty(view.shape, view.dtype)
+    if large:
+        compiled(out)
+    else:
+        out[...] = view
+    return out
+
+
 def pack_activations(x: np.ndarray) -> np.ndarray:
     """(N, C, H, W) -> a C-contiguous (H, W, C, N) copy."""
     check_ndim("x", x, 4, "(N, C, H, W)")
-    n, c, h, w = x.shape
-    xp = aligned_empty((h, w, c, n), x.dtype)
-    if x.size < LARGE_ACTIVATIONS:
-        xp[...] = x.transpose(2, 3, 1, 0)
-    else:
-        _to_hwcn(x, xp)
-    return xp
+    large = x.size >= LARGE_ACTIVATIONS
+    return _placed_copy(x.transpose(2, 3, 1, 0), large, lambda xp: _to_hwcn(x, xp))
 
 
 def unpack_activations(xp: np.ndarray) -> np.ndarray:
     """(H, W, C, N) -> a C-contiguous (N, C, H, W) copy."""
     check_ndim("xp", xp, 4, "(H, W, C, N)")
-    h, w, c, n = xp.shape
-    x = aligned_empty((n, c, h, w), xp.dtype)
-    if xp.size < LARGE_ACTIVATIONS:
-        x[...] = xp.transpose(3, 2, 0, 1)
-    else:
-        _to_nchw(xp, x)
-    return x
+    large = xp.size >= LARGE_ACTIVATIONS
+    return _placed_copy(xp.transpose(3, 2, 0, 1), large, lambda x: _to_nchw(xp, x))
 
 
 #: activations of at least this many elements are converted by `_to_hwcn` and `_to_nchw`:
@@ -108,25 +112,16 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     check_ndim("w", w, 8, "(K, 1, 1, C, R, S, P, Q)")
     if w.shape[1:3] != (1, 1):
         raise ValueError(f"w: axes 1 and 2 must be unit axes, got shape {w.shape}")
-    k, _, _, c, r, s, p, q = w.shape
-    wp = aligned_empty((p, r, q, k, s, c), w.dtype)
-    if w.size < LARGE_WEIGHTS:
-        wp[...] = w.transpose(_PACK)[..., 0, 0]
-    else:
-        _pack(w[:, 0, 0], wp)
-    return wp
+    large = w.size >= LARGE_WEIGHTS
+    return _placed_copy(w.transpose(_PACK)[..., 0, 0], large, lambda wp: _pack(w[:, 0, 0], wp))
 
 
 def unpack_weights(wp: np.ndarray) -> np.ndarray:
     """(P, R, Q, K, S, C) -> a C-contiguous (K, 1, 1, C, R, S, P, Q) copy."""
     check_ndim("wp", wp, 6, "(P, R, Q, K, S, C)")
-    p, r, q, k, s, c = wp.shape
-    w = aligned_empty((k, 1, 1, c, r, s, p, q), wp.dtype)
-    if wp.size < LARGE_WEIGHTS:
-        w[...] = wp[..., None, None].transpose(_UNPACK)
-    else:
-        _unpack(wp, w[:, 0, 0])
-    return w
+    large = wp.size >= LARGE_WEIGHTS
+    view = wp[..., None, None].transpose(_UNPACK)
+    return _placed_copy(view, large, lambda w: _unpack(wp, w[:, 0, 0]))
 
 
 # Both transposes walk one (k, r, s) at a time, and within it every (p, q) over all c: the c
