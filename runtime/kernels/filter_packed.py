@@ -372,7 +372,7 @@ def backward_filter_packed(
     `channels` (lo, hi) restricts the gradient to input channels lo:hi, skipping the others'
     work; `accumulate` adds into `out` (a reduction over batch pieces) instead of overwriting.
     With a `step` (an optimizer's step over weights of dw's shape, `runtime.kernels.update`),
-    dw is not kept: each position's block steps the weights while it is in cache, and the call
+    dw is not kept: each block of it steps the weights while it is in cache, and the call
     returns None.
     """
     check_ndim("dyp", dyp, 4, "(P, Q, K, N)")
@@ -393,11 +393,12 @@ def backward_filter_packed(
         dw = backward_filter_packed(dyp, xp, window, stride, pad, untied, channels)
         step.apply(dw)
         return None
-    dw = _output("out", out, shape, dtype) if step is None else step.params
-    if min(geo.n, geo.k, hi - lo) == 0:
-        if step is not None:
-            step.apply(np.zeros(shape, dtype))
-            return None
+    empty = min(geo.n, geo.k, hi - lo) == 0
+    if step is not None and empty:  # a zero gradient still moves the weights (momentum, Adam)
+        step.apply(np.zeros(shape, dtype))
+        return None
+    dw = None if step is not None else _output("out", out, shape, dtype)
+    if empty:
         if not accumulate:
             dw[...] = 0
         return dw

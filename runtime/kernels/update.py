@@ -7,12 +7,12 @@ state. It runs in one of two ways, with the same arithmetic:
   elementwise, so a contiguous piece is flattened as a view and split into chunks among Numba's
   threads; a strided piece, such as a channel slice of a weight, is walked one last-axis row at a
   time, still in place.
-- fused into the kernel that computes the gradient (`filter_packed.backward_filter_packed` and
-  `linear.linear_weight_grad_accumulate` take a `step`): each block of the gradient is stepped
-  while it is still in the core's cache (`step_elements`), and the gradient is never stored. At the
-  seed's L1 (585 MB of weights, batch 64, Adam) the gradient and the update took 103 + 110 ms as
-  two passes and 129 ms fused: the gradient's write and read are gone, and the update's traffic
-  overlaps the products.
+- fused into the kernel that computes the gradient (`filter_packed.backward_filter_packed`
+  with a `step`, `linear.linear_weight_grad_step`): each block of the gradient is stepped while
+  it is still in the core's cache (`step_elements`), and the gradient is never stored. At the
+  seed's L1 (585 MB of weights, batch 64, Adam) the gradient and the update took 103–114 +
+  41–65 ms as two passes and 128 ms fused: the gradient's write and read are gone, and the
+  update's traffic overlaps the products.
 
 The arithmetic is in the parameter's dtype, as PyTorch's Adam does it: with float32 weights the
 square root and the division run on twice the lanes of float64, which at the seed's L1 took the
