@@ -43,6 +43,10 @@ class Calibration:
     threads: int
     #: GFLOP/s by the cost model's keys (op, pass, tied or untied), for the FLOP model's column
     op_gflops: dict[str, float]
+    #: the rate at which this network's median FLOP runs: the median of `op_gflops` weighted by
+    #: each key's FLOPs, so the GEMMs that carry them set it, not the memory-bound ops (whose
+    #: "rates" are their few FLOPs over a time spent moving bytes)
+    compute_gflops: float
     #: the bandwidth the runtime's memory-bound tasks reach (else `memory_bandwidth`)
     memory_gbytes_per_s: float
     #: the runtime's fixed cost per task
@@ -127,7 +131,8 @@ def calibrate(
     runtime's passes over a weight reach less than a streaming add does, and messages and
     collectives of weight-sized gradients must be priced at the rate the runtime gets. Each
     FLOP-priced op's rate, for the FLOP model, is its FLOPs over its time less the overhead,
-    summed over its tasks."""
+    summed over its tasks; `compute_gflops`, the rate of an op no key prices, their median
+    weighted by FLOPs."""
     graph = load_network(job.network).lower(batch=job.batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
@@ -155,8 +160,20 @@ def calibrate(
                 seconds[key] += max(t - overhead, 1e-9)
                 work[key] += flops[name]
     rates = {key: work[key] / seconds[key] / 1e9 for key in work}
+    compute = _weighted_median(rates, work) if work else 1.0
     loop = max(job.step_seconds - sum(spent.values()), 0.0)
-    return Calibration(threads, rates, memory_gbytes_per_s, overhead * 1e6, factor, loop)
+    return Calibration(threads, rates, compute, memory_gbytes_per_s, overhead * 1e6, factor, loop)
+
+
+def _weighted_median(values: dict[str, float], weights: dict[str, float]) -> float:
+    """The value below and above which lie at most half of the weight."""
+    ordered = sorted(values, key=values.__getitem__)
+    half, seen = sum(weights[key] for key in ordered) / 2, 0.0
+    for key in ordered:
+        seen += weights[key]
+        if seen >= half:
+            return values[key]
+    return values[ordered[-1]]
 
 
 def _fit_task_times(profiled: list[float], spent: list[float]) -> tuple[float, float]:

@@ -13,7 +13,7 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - the layout: hosts, ranks per host (ranks are placed in blocks), the cores a rank has and its
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
-  plans, on 1 rank and on R, timed with the runtime's kernels on the rank's thread count
+  plans, on 1 rank and on R, under every optimizer (their update tasks differ), timed with the runtime's kernels on the rank's thread count
   (`bench.task_profile`, FlexFlow's per-configuration measurement) into the `pieces` table;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
@@ -49,6 +49,7 @@ from bench.calibration import calibrate, memory_bandwidth
 from bench.jobs import OPTIMIZER, WARMUP, Job
 from bench.task_profile import profile_plan, sample_step
 from legion_nn.errors import LegionNNError
+from legion_nn.lowering import OPTIMIZERS
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import BUILTIN, builtin
@@ -114,6 +115,7 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
     job = Job(network, batch, 1, "data", statistics.median(steps), 0, trace)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
+        "compute_gflops": fitted.compute_gflops,
         "op_gflops": fitted.op_gflops,
         "memory_gbytes_per_s": fitted.memory_gbytes_per_s,
         "task_overhead_us": fitted.task_overhead_us,
@@ -173,17 +175,25 @@ def piece_rows(cache: dict) -> list[dict]:
 def measure_compute(
     network: str, batch: int, ranks: int, strategies: Sequence[str], threads: int
 ) -> tuple[list[dict], dict]:
-    """The pieces table of the network's plans on 1 and `ranks` ranks, and the calibration."""
-    graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
-    sample = sample_step(graph)
+    """The pieces table of the network's plans on 1 and `ranks` ranks, and the calibration.
+
+    The plans are profiled once per optimizer: a job may train with any of them, and only the
+    update tasks differ (the other pieces are found in the table), so each optimizer adds its
+    updates' pieces and no more."""
     cache: dict = {}
-    profiled_one = profile_plan(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
-                                sample, cache)  # fmt: skip
-    for count in sorted({ranks} - {1}):
-        for strategy in strategies:
-            plan = build_plan(graph, builtin(graph, strategy, count), count)
-            profile_plan(graph, plan, threads, sample, cache)
-    del sample, graph
+    profiled_one: dict = {}
+    for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
+        graph = load_network(network).lower(batch=batch, optimizer=optimizer)
+        sample = sample_step(graph)
+        one = profile_plan(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
+                           sample, cache)  # fmt: skip
+        if optimizer == OPTIMIZER:
+            profiled_one = one
+        for count in sorted({ranks} - {1}):
+            for strategy in strategies:
+                plan = build_plan(graph, builtin(graph, strategy, count), count)
+                profile_plan(graph, plan, threads, sample, cache)
+        del sample, graph
     return piece_rows(cache), calibrate_in_process(network, batch, threads, profiled_one)
 
 
@@ -249,7 +259,7 @@ def measure(
     latency, per_byte = main if main else (0.0, 0.0)
     rates = fitted["op_gflops"]
     out |= {
-        "rank_gflops": statistics.median(rates.values()) if rates else 1.0,
+        "rank_gflops": fitted["compute_gflops"],
         # one process has no link: a machine file needs one, so it says what the cost model
         # then assumes (the default machine's) and measured_on says there was none
         "link_gbytes_per_s": _gbytes(per_byte) if main else 12.5,

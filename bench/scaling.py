@@ -111,7 +111,7 @@ class Predictor:
         latency, per_byte = self.link
         rates = calibration.op_gflops
         machine = Machine(
-            rank_gflops=min(rates.values()) * share,
+            rank_gflops=calibration.compute_gflops * share,
             link_gbytes_per_s=1.0 / per_byte / 1e9,
             latency_us=latency * 1e6,
             rank_memory_gib=1e6,

@@ -17,6 +17,7 @@ import pytest
 
 from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
+from legion_nn.lowering import OPTIMIZERS
 from legion_nn.networks import load_network
 from partitioner.machine import load_machine
 from partitioner.piece_times import task_piece_times
@@ -56,13 +57,19 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
 
     machine = load_machine(str(path))
     assert machine.to_json() == data
-    # every piece of the network's fixed plans on 1 and 2 ranks was timed
-    graph = load_network("seed-lcn-small").lower(batch=BATCH, optimizer="sgd")
-    for strategy, ranks in (("data", 1), ("data", 2), ("model", 2), ("spatial", 2)):
-        plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
-        times = task_piece_times(graph, plan, machine.pieces)
-        missing = [t.name for t, s in zip(graph.tasks, times) if s is None]
-        assert not missing, (strategy, ranks, missing)
+    # every piece of the network's fixed plans on 1 and 2 ranks was timed, under every
+    # optimizer (a job trains with any of them, and only their updates differ)
+    for optimizer in OPTIMIZERS:
+        graph = load_network("seed-lcn-small").lower(batch=BATCH, optimizer=optimizer)
+        for strategy, ranks in (("data", 1), ("data", 2), ("model", 2), ("spatial", 2)):
+            plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
+            times = task_piece_times(graph, plan, machine.pieces)
+            missing = [t.name for t, s in zip(graph.tasks, times) if s is None]
+            assert not missing, (optimizer, strategy, ranks, missing)
+    # an op no key prices runs at the rate of the network's FLOPs, which its filters carry, not
+    # at a memory-bound op's
+    filters = {rate for key, rate in machine.op_gflops.items() if key.startswith("filter.")}
+    assert machine.rank_gflops in filters
 
     out = tmp_path / "p.json"
     argv = ["partition", "seed-lcn-small", "--batch", str(BATCH), "--ranks", "2"]

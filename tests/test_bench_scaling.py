@@ -51,6 +51,23 @@ def test_weight_sized_zeroing_calibrates_the_memory_bandwidth():
         assert rate == pytest.approx(RATE / 1e9, rel=0.02)
 
 
+def test_the_rate_of_unpriced_ops_is_that_of_the_networks_flops():
+    """Memory-bound tasks have few FLOPs and long times: their "rates" are tiny, and a rate for
+    ops no key prices must not be read off them (a median of the rates was 0.09 GFLOP/s on a
+    deep MLP, and priced its Adam updates at seconds)."""
+    job, profiled = synthetic_job("seed-lcn-small", 8)
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer=OPTIMIZER)
+    light = {t.name for t in graph.tasks if t.op not in ("filter", "linear")}
+    for event in job.trace["traceEvents"]:
+        if event["name"] in light:  # their kernels 100 times slower, alone and in the step
+            event["dur"] = OVERHEAD_S * 1e6 + (event["dur"] - OVERHEAD_S * 1e6) * 100
+    profiled = {name: t * 100 if name in light else t for name, t in profiled.items()}
+    calibration = calibrate(job, 1, STREAMING, profiled)
+    rates = sorted(calibration.op_gflops.values())
+    assert rates[len(rates) // 2] < RATE / 1e9 / 10  # the median is a memory-bound op's
+    assert calibration.compute_gflops == pytest.approx(RATE / 1e9, rel=0.1)
+
+
 def test_without_large_zeroing_the_streaming_bandwidth_stands():
     """seed-lcn-small zeroes nothing weight-sized: its small tasks say nothing of bandwidth."""
     job, profiled = synthetic_job("seed-lcn-small", 8)
