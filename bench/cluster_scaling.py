@@ -1,7 +1,9 @@
-"""`legion-nn bench scaling --hosts H --link RATE[,RATE...]`: the cost model on an emulated cluster.
+"""`legion-nn bench scaling --hosts H --link RATE[,RATE...] | --matrix F|default`: the cost model
+on emulated clusters.
 
-For each link rate an emulated cluster of H hosts is brought up (`runtime.cluster`), and for each
-network (at its batch):
+For each variant of the cluster (each link rate of `--link`; or each variant of a matrix: its
+shaping, burst, offloads, cores and ranks per host, `read_matrix`) an emulated cluster of H hosts
+is brought up (`runtime.cluster`), and for each network (at its batch, on its link):
 
 1. `legion-nn bench machine` runs on the cluster (one `mpiexec` job, R ranks across the hosts) and
    writes the machine file: the link between hosts and within one, the runtime's kernels on the
@@ -20,7 +22,9 @@ by `partitioner.resolve`, as `partition --strategy FILE` and `train --strategy F
 and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+sharded` after either
 (`data+sharded`) runs and predicts it with `--param-homes sharded`.
 
-The rows give both, their error, the bytes a step sends and which plan auto chose; the plot puts
+The rows give both, their error, the bytes a step sends and which plan auto chose; the summary
+(`summarize`) the mean and largest absolute error, and per case whether the measured order of the
+strategies was predicted and how far auto's measured step is from the best; the plot puts
 step time against the link's bandwidth, one colour per strategy, predicted lines and measured
 points, so that it shows where data parallelism stops paying.
 """
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.jobs import OPTIMIZER, WARMUP, best_jobs
@@ -160,119 +165,318 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     }
 
 
+@dataclass(frozen=True)
+class Case:
+    """A network at a batch; on `link` unless the variant gives every case its own."""
+
+    network: str
+    batch: int
+    link: str | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of building the cluster: its links and cores (`cluster.LinkOptions`), ranks
+    per host, and a link for every case (None: each case's own)."""
+
+    name: str
+    options: cluster.LinkOptions = cluster.LinkOptions()
+    ranks_per_host: int = 1
+    link: str | None = None
+
+
+#: the cases and variants of `--matrix default`: the three networks the cost model is held to
+#: (a small and a large locally connected network, and a deep MLP of few large GEMMs), each on
+#: the link it was held to, on clusters built the ways real ones differ
+DEFAULT_MATRIX_CASES = (
+    Case("seed-lcn-small", 64, "1gbit"),
+    Case("seed-lcn", 16, "unlimited"),
+    Case("deep-mlp", 128, "1gbit"),
+)
+DEFAULT_MATRIX_VARIANTS = (
+    Variant("tbf-both"),
+    Variant("nic-egress", cluster.LinkOptions("egress", 256 * 1024, True)),
+    Variant("unshaped", link="unlimited"),
+    Variant("2-per-host", ranks_per_host=2),
+)
+DEFAULT_MATRIX_STRATEGIES = ("data", "model", "spatial", "auto", "data+sharded")
+_VARIANT_KEYS = {"name", "shaping", "burst", "offload", "cores_per_host", "ranks_per_host", "link"}
+_CASE_KEYS = {"network", "batch", "link"}
+
+
+def link_sweep(links: Sequence[str], cases: Sequence[tuple[str, int]]) -> tuple[list, list]:
+    """(variants, cases) of `--link R1,R2,...`: the default cluster at each rate."""
+    return [Variant(link, link=link) for link in links], [Case(n, b) for n, b in cases]
+
+
+def read_matrix(path: str) -> tuple[list[Variant], list[Case], list[str] | None]:
+    """(variants, cases, strategies or None) of a matrix file, or of `default`:
+
+        {"variants": [{"name": "nic", "shaping": "egress", "burst": "256k", "offload": "on",
+                       "cores_per_host": 1, "ranks_per_host": 2, "link": "unlimited"}, ...],
+         "cases": [{"network": "seed-lcn", "batch": 16, "link": "3gbit"}, ...],
+         "strategies": ["data", "model", "auto"]}
+
+    Every variant runs every case; a variant's `link` replaces each case's, and its shaping
+    and burst apply where a link is limited (its offloads and cores everywhere). A key that is
+    unknown, a value that is wrong or options that contradict each other are one line naming
+    the file and the entry."""
+    if path == "default":
+        return list(DEFAULT_MATRIX_VARIANTS), list(DEFAULT_MATRIX_CASES), list(
+            DEFAULT_MATRIX_STRATEGIES
+        )
+    where = f"--matrix {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise LegionNNError(f"{where}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise LegionNNError(f"{where}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or not data.get("variants") or not data.get("cases"):
+        raise LegionNNError(f'{where}: a matrix is {{"variants": [...], "cases": [...]}}')
+    variants, cases = [], []
+    for index, entry in enumerate(data["variants"]):
+        at = f"{where}: variants[{index}]"
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise LegionNNError(f"{at}: an object with a name")
+        unknown = sorted(set(entry) - _VARIANT_KEYS)
+        if unknown:
+            raise LegionNNError(f"{at}: unknown key {unknown[0]!r}; keys: "
+                                f"{', '.join(sorted(_VARIANT_KEYS))}")  # fmt: skip
+        link = entry.get("link")
+        bits = cluster.parse_rate(str(link)) if link is not None else 1.0
+        per_host = entry.get("ranks_per_host", 1)
+        if isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1:
+            raise LegionNNError(f"{at}: ranks_per_host must be a positive integer")
+        try:
+            options = cluster.link_options(
+                bits, entry.get("shaping"),
+                None if entry.get("burst") is None else str(entry["burst"]),
+                entry.get("offload"), entry.get("cores_per_host"),
+            )  # fmt: skip
+        except LegionNNError as exc:
+            raise LegionNNError(f"{at}: {exc}") from None
+        variants.append(Variant(str(entry["name"]), options, per_host, link))
+    for index, entry in enumerate(data["cases"]):
+        at = f"{where}: cases[{index}]"
+        if not isinstance(entry, dict) or not {"network", "batch"} <= set(entry):
+            raise LegionNNError(f"{at}: an object with a network and a batch")
+        unknown = sorted(set(entry) - _CASE_KEYS)
+        if unknown:
+            raise LegionNNError(f"{at}: unknown key {unknown[0]!r}")
+        batch = entry["batch"]
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise LegionNNError(f"{at}: batch must be a positive integer")
+        try:
+            load_network(str(entry["network"]))
+            if entry.get("link") is not None:
+                cluster.parse_rate(str(entry["link"]))
+        except LegionNNError as exc:
+            raise LegionNNError(f"{at}: {exc}") from None
+        cases.append(Case(str(entry["network"]), batch, entry.get("link")))
+    for variant in variants:
+        for case in cases:
+            if (variant.link or case.link) is None:
+                raise LegionNNError(f"{where}: {case.network} has no link in variant {variant.name}")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise LegionNNError(f"{where}: two variants are named alike")
+    strategies = data.get("strategies")
+    if strategies is not None and (
+        not isinstance(strategies, list) or not all(isinstance(s, str) for s in strategies)
+    ):
+        raise LegionNNError(f"{where}: strategies must be a list of names and files")
+    return variants, cases, strategies
+
+
 def run_cluster_scaling(
     hosts: int,
-    links: Sequence[str],
-    ranks: int | None = None,
-    cases: Sequence[tuple[str, int]] = DEFAULT_CASES,
+    variants: Sequence[Variant],
+    cases: Sequence[Case],
     strategies: Sequence[str] = STRATEGIES,
+    ranks: int | None = None,
     steps: int = 8,
     repeat: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
+    """Every case on every variant of the cluster: `ranks` ranks (default: the variant's ranks
+    per host on each host), the machine measured there, each strategy predicted and run."""
     say = progress or (lambda line: None)
-    ranks = ranks or hosts
-    check_strategies(cases, ranks, strategies)
-    rates = [(link, cluster.parse_rate(link)) for link in links]
+    check_strategies([(c.network, c.batch) for c in cases], ranks or hosts, strategies)
     rows, machines = [], []
-    one_host: dict[tuple[str, int], object] = {}
+    one_host: dict[tuple, object] = {}
     name = f"s{os.getpid() % 10_000_000}"
     with tempfile.TemporaryDirectory(prefix="legion-nn-cluster-scaling-") as tmp:
-        for link, bits in rates:
-            say(f"cluster {name}: {hosts} hosts, link {link}")
-            made = cluster.up(name, hosts, bits)
-            try:
-                launch = _cli("cluster", "run", "--on", name, "-n", str(ranks), "--")
-                for case, (network, batch) in enumerate(cases):
-                    # a network may be a spec file's path
-                    where = Path(tmp) / f"{link}-{case}-{Path(network).stem}"
-                    where.mkdir()
-                    say(f"{network} batch {batch}: bench machine on {ranks} ranks")
-                    machine_file = where / "machine.json"
-                    machine = measure_machine(made.name, ranks, network, batch, machine_file)
-                    machines.append(
-                        {"link": link, "network": network, "batch": batch}
-                        | json.loads(machine_file.read_text())
-                    )
-                    specs = [
-                        {
-                            "network": network, "batch": batch, "ranks": ranks,
-                            "strategy": split_homes(strategy)[0], "steps": steps,
-                            "launch": launch,
-                            "extra": (["--machine", str(machine_file)]
-                                      if split_homes(strategy)[0] == "auto" else [])
-                            + _train_arguments(strategy),
-                        }
-                        for strategy in strategies
-                    ]  # fmt: skip
-                    labels = [strategy_label(s) for s in strategies]
-                    named = dict(zip(labels, strategies))
-                    if (network, batch) not in one_host:
-                        # no link in it: measured once, on the first cluster
-                        labels.append(ONE_HOST)
-                        specs.append(
-                            {"network": network, "batch": batch, "ranks": 1, "strategy": "data",
-                             "steps": steps, "launch": _cli("cluster", "run", "--on", name,
-                                                            "-n", "1", "--")}
-                        )  # fmt: skip
-                    jobs = best_jobs(specs, repeat, where / "jobs", say)
-                    if ONE_HOST in labels:
-                        one_host[network, batch] = jobs[-1]
-                    else:
-                        labels.append(ONE_HOST)
-                        jobs.append(one_host[network, batch])
-                    for label, job in zip(labels, jobs):
-                        count = 1 if label == ONE_HOST else ranks
-                        strategy = "data" if label == ONE_HOST else named[label]
-                        row = {
-                            "link": link, "link_bits": bits, "network": network,
-                            "batch": batch, "hosts": hosts, "ranks": count,
-                            "strategy": label,
-                        }  # fmt: skip
-                        if split_homes(strategy)[0] not in STRATEGY_NAMES:
-                            row["strategy_file"] = split_homes(strategy)[0]
-                        if isinstance(job, LegionNNError):
-                            rows.append(row | {"failed": str(job).split(": ", 2)[-1]})
-                            continue
-                        predicted = predict(network, batch, count, strategy, machine)
-                        rows.append(
-                            row
-                            | predicted
-                            | {
-                                "measured_s": job.step_seconds,
-                                "error": predicted["predicted_s"] / job.step_seconds - 1.0,
-                                "bytes_per_step": job.bytes_per_step,
-                            }
-                        )
-            finally:
-                cluster.down(name)
-    return {
+        for variant in variants:
+            count = ranks or hosts * variant.ranks_per_host
+            by_link: dict[str, list[Case]] = {}
+            for case in cases:
+                by_link.setdefault(variant.link or case.link, []).append(case)
+            for link, group in by_link.items():
+                bits = cluster.parse_rate(link)
+                say(f"cluster {name} ({variant.name}): {hosts} hosts, link {link}, "
+                    f"{variant.options.describe()}, {count} ranks")  # fmt: skip
+                made = cluster.up(name, hosts, bits, variant.options)
+                try:
+                    rows += _run_cases(
+                        made.name, variant, link, bits, hosts, count, group, strategies, steps,
+                        repeat, Path(tmp), one_host, machines, say,
+                    )  # fmt: skip
+                finally:
+                    cluster.down(name)
+    report = {
         "hosts": hosts,
-        "ranks": ranks,
-        "links": list(links),
+        "ranks": ranks or hosts,
+        "links": list(dict.fromkeys(r["link"] for r in rows)),
+        "variants": [
+            {"name": v.name, "ranks_per_host": v.ranks_per_host, "link": v.link}
+            | asdict(v.options)
+            for v in variants
+        ],
         "min_steps": steps,
         "warmup": WARMUP,
         "repeat": repeat,
         "machines": machines,
         "results": rows,
     }
+    report["summary"] = summarize(rows)
+    return report
+
+
+def _run_cases(
+    name: str, variant: Variant, link: str, bits: float | None, hosts: int, ranks: int,
+    cases: Sequence[Case], strategies: Sequence[str], steps: int, repeat: int, tmp: Path,
+    one_host: dict, machines: list, say: Callable[[str], None],
+) -> list[dict]:  # fmt: skip
+    rows = []
+    launch = _cli("cluster", "run", "--on", name, "-n", str(ranks), "--")
+    for case in cases:
+        network, batch = case.network, case.batch
+        # a network may be a spec file's path
+        where = tmp / f"{variant.name}-{link}-{Path(network).stem}-{batch}"
+        where.mkdir(parents=True)
+        say(f"{network} batch {batch}: bench machine on {ranks} ranks")
+        machine_file = where / "machine.json"
+        machine = measure_machine(name, ranks, network, batch, machine_file)
+        machines.append(
+            {"variant": variant.name, "link": link, "network": network, "batch": batch}
+            | json.loads(machine_file.read_text())
+        )
+        specs = [
+            {
+                "network": network, "batch": batch, "ranks": ranks,
+                "strategy": split_homes(strategy)[0], "steps": steps, "launch": launch,
+                "extra": (["--machine", str(machine_file)]
+                          if split_homes(strategy)[0] == "auto" else [])
+                + _train_arguments(strategy),
+            }
+            for strategy in strategies
+        ]  # fmt: skip
+        labels = [strategy_label(s) for s in strategies]
+        named = dict(zip(labels, strategies))
+        # no link in it: measured once per network and cores of a host
+        alone_key = (network, batch, variant.options.cores_per_host)
+        if alone_key not in one_host:
+            labels.append(ONE_HOST)
+            specs.append(
+                {"network": network, "batch": batch, "ranks": 1, "strategy": "data",
+                 "steps": steps, "launch": _cli("cluster", "run", "--on", name, "-n", "1", "--")}
+            )  # fmt: skip
+        jobs = best_jobs(specs, repeat, where / "jobs", say)
+        if ONE_HOST in labels:
+            one_host[alone_key] = jobs[-1]
+        else:
+            labels.append(ONE_HOST)
+            jobs.append(one_host[alone_key])
+        for label, job in zip(labels, jobs):
+            count = 1 if label == ONE_HOST else ranks
+            strategy = "data" if label == ONE_HOST else named[label]
+            row = {
+                "variant": variant.name, "link": link, "link_bits": bits, "network": network,
+                "batch": batch, "hosts": hosts, "ranks": count, "strategy": label,
+            }  # fmt: skip
+            if split_homes(strategy)[0] not in STRATEGY_NAMES:
+                row["strategy_file"] = split_homes(strategy)[0]
+            if isinstance(job, LegionNNError):
+                rows.append(row | {"failed": str(job).split(": ", 2)[-1]})
+                continue
+            predicted = predict(network, batch, count, strategy, machine)
+            rows.append(
+                row
+                | predicted
+                | {
+                    "measured_s": job.step_seconds,
+                    "error": predicted["predicted_s"] / job.step_seconds - 1.0,
+                    "bytes_per_step": job.bytes_per_step,
+                }
+            )
+    return rows
+
+
+def _groups(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row.get("variant", row["link"]), row["network"], row["batch"], row["link"])
+        groups.setdefault(key, []).append(row)
+    return groups
+
+
+def summarize(rows: Sequence[dict]) -> dict:
+    """The matrix's verdicts: each prediction's error (mean and largest absolute, how many
+    within 15%), and per case whether the measured order of the strategies was predicted
+    (the one-host row and auto, which is one of the others, left out) and how far auto's
+    measured step is from the best measured."""
+    done = [r for r in rows if "measured_s" in r]
+    errors = [abs(r["error"]) for r in done]
+    cases = []
+    for (variant, network, batch, link), group in _groups(done).items():
+        fixed = [r for r in group if r["strategy"] not in ("auto", ONE_HOST)]
+        measured = [r["strategy"] for r in sorted(fixed, key=lambda r: r["measured_s"])]
+        predicted = [r["strategy"] for r in sorted(fixed, key=lambda r: r["predicted_s"])]
+        pairs = [(a, b) for i, a in enumerate(fixed) for b in fixed[i + 1 :]]
+        agree = sum(
+            (a["measured_s"] < b["measured_s"]) == (a["predicted_s"] < b["predicted_s"])
+            for a, b in pairs
+        )
+        entry = {
+            "variant": variant, "network": network, "batch": batch, "link": link,
+            "measured_order": measured, "predicted_order": predicted,
+            "order_predicted": measured == predicted,
+            "pairs_ordered": f"{agree}/{len(pairs)}",
+        }  # fmt: skip
+        chosen = [r for r in group if r["strategy"] == "auto"]
+        if fixed and chosen:
+            best = min(fixed, key=lambda r: r["measured_s"])
+            entry["auto_against_best"] = chosen[0]["measured_s"] / best["measured_s"] - 1.0
+            entry["best"] = best["strategy"]
+        cases.append(entry)
+    return {
+        "predictions": len(errors),
+        "mean_abs_error": sum(errors) / len(errors) if errors else None,
+        "max_abs_error": max(errors, default=None),
+        "within_15_percent": sum(e <= 0.15 for e in errors),
+        "cases": cases,
+    }
 
 
 def format_table(report: dict) -> str:
     # a strategy file's stem, or a network's spec file, may be longer than the built-ins' names
-    width = max([8, *(len(row["strategy"]) for row in report["results"])])
-    wide = max([16, *(len(row["network"]) for row in report["results"])])
+    rows = report["results"]
+    width = max([8, *(len(row["strategy"]) for row in rows)])
+    wide = max([16, *(len(row["network"]) for row in rows)])
+    vary = max([7, *(len(row.get("variant", "")) for row in rows)])
     lines = [
         f"{report['hosts']} emulated hosts, {report['ranks']} ranks",
         (
-            f"{'link':>9s} {'network':{wide}s} {'batch':>5s} {'strategy':{width}s} "
-            f"{'measured':>10s} {'predicted':>10s} {'error':>7s} {'bytes/step':>14s}  auto chose"
+            f"{'variant':{vary}s} {'link':>9s} {'network':{wide}s} {'batch':>5s} "
+            f"{'strategy':{width}s} {'measured':>10s} {'predicted':>10s} {'error':>7s} "
+            f"{'bytes/step':>14s}  auto chose"
         ),
     ]
-    for row in report["results"]:
+    for row in rows:
         head = (
-            f"{row['link']:>9s} {row['network']:{wide}s} {row['batch']:5d} "
-            f"{row['strategy']:{width}s}"
+            f"{row.get('variant', row['link']):{vary}s} {row['link']:>9s} "
+            f"{row['network']:{wide}s} {row['batch']:5d} {row['strategy']:{width}s}"
         )
         if "failed" in row:
             lines.append(f"{head} failed: {row['failed']}")
@@ -281,20 +485,23 @@ def format_table(report: dict) -> str:
             f"{head} {row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "
             f"{row['bytes_per_step']:14,d}  {row['auto_chose']}"
         )
-    for network in dict.fromkeys(r["network"] for r in report["results"]):
-        for link in report["links"]:
-            done = [
-                r
-                for r in report["results"]
-                if r["network"] == network and r["link"] == link and "measured_s" in r
-            ]
-            fixed = [r for r in done if r["strategy"] not in ("auto", ONE_HOST)]
-            chosen = [r for r in done if r["strategy"] == "auto"]
-            if fixed and chosen:
-                best = min(fixed, key=lambda r: r["measured_s"])
-                ratio = chosen[0]["measured_s"] / best["measured_s"] - 1.0
-                lines.append(
-                    f"{network} at {link}: auto {ratio:+.1%} against the best measured "
-                    f"({best['strategy']})"
-                )
+    summary = report.get("summary") or summarize(rows)
+    for case in summary["cases"]:
+        where = f"{case['network']} at {case['link']}" + (
+            f" ({case['variant']})" if case["variant"] != case["link"] else ""
+        )
+        order = "predicted" if case["order_predicted"] else "not predicted"
+        line = (
+            f"{where}: order {order} ({case['pairs_ordered']} pairs; measured "
+            f"{' < '.join(case['measured_order'])})"
+        )
+        if "auto_against_best" in case:
+            line += f"; auto {case['auto_against_best']:+.1%} against the best measured ({case['best']})"
+        lines.append(line)
+    if summary["predictions"]:
+        lines.append(
+            f"{summary['predictions']} predictions: mean absolute error "
+            f"{summary['mean_abs_error']:.1%}, largest {summary['max_abs_error']:.1%}, "
+            f"{summary['within_15_percent']} within 15%"
+        )
     return "\n".join(lines) + "\n"

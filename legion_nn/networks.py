@@ -6,6 +6,9 @@
 - `three-layer-convnet`: seed 002's conv - relu - 2×2 max pool - affine - relu - affine - softmax
   on 3×32×32 (32 filters 7×7, 100 hidden units, 10 classes).
 - `vgg19`: VGG19 at 3×224×224 with 1000 classes (the network of seed 001's Chainer dump).
+- `deep-mlp`: eight linear layers of 2048 with ReLU on a 2048-wide input, then a 10-way
+  classifier: few large tasks, all GEMMs, the opposite of the locally connected networks (the
+  cost model's benchmarks run it beside them).
 """
 
 from __future__ import annotations
@@ -84,11 +87,23 @@ def vgg19() -> Network:
     return Network("vgg19", (3, 224, 224), 1000, layers)
 
 
+DEEP_MLP_WIDTH, DEEP_MLP_DEPTH = 2048, 8
+
+
+def deep_mlp() -> Network:
+    layers = []
+    for index in range(1, DEEP_MLP_DEPTH + 1):
+        layers += [Linear(f"fc{index}", out=DEEP_MLP_WIDTH), FilterNL(fn="relu")]
+    layers += [Linear("classifier", out=10), Softmax(), Evaluate()]
+    return Network("deep-mlp", (DEEP_MLP_WIDTH, 1, 1), 10, layers)
+
+
 BUILTINS: dict[str, Callable[[], Network]] = {
     "seed-lcn": seed_lcn,
     "seed-lcn-small": seed_lcn_small,
     "three-layer-convnet": three_layer_convnet,
     "vgg19": vgg19,
+    "deep-mlp": deep_mlp,
 }
 
 

@@ -55,8 +55,104 @@ _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _RATE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps)$", re.IGNORECASE)
 _UNIT = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 MAX_HOSTS = 64
-BURST_S, BURST_MIN = 50e-6, 32 * 1024
-GSO_MAX = 16 * 1024
+BURST_S = 50e-6
+#: the largest segment a host's device hands its queue: capped with offloads off (the default),
+#: the kernel's own (64 KiB TSO/GSO super-packets) with them on
+GSO_MAX, GSO_OFFLOAD = 16 * 1024, 64 * 1024
+SHAPINGS = ("both", "egress")
+_SIZE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([kmg]?)(i?b?)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class LinkOptions:
+    """How a cluster's links and hosts are built, the ways real clusters differ:
+
+    - `shaping`: `both` limits each host's link at both ends of its cable (the host's egress and
+      the switch port's, so a host also receives at most the rate: full duplex behind a
+      non-blocking switch); `egress` only where the host sends, as a NIC's own rate limit does;
+    - `burst_bytes`: what the token bucket lets through faster than the rate (None: 50 us of
+      the rate, and at least two of the largest segments);
+    - `offload`: off caps the segments a host's device hands its queue at 16 KiB; on leaves
+      the kernel's 64 KiB TSO/GSO super-packets, as a real NIC's segmentation offload does;
+    - `cores_per_host`: the cores each host's processes run on (None: an even share of this
+      machine's, each host its own); more than an even share makes hosts share cores.
+    """
+
+    shaping: str = "both"
+    burst_bytes: int | None = None
+    offload: bool = False
+    cores_per_host: int | None = None
+
+    @property
+    def segment_bytes(self) -> int:
+        return GSO_OFFLOAD if self.offload else GSO_MAX
+
+    def burst_for(self, rate_bits: float) -> int:
+        if self.burst_bytes is not None:
+            return self.burst_bytes
+        return max(int(rate_bits / 8 * BURST_S), 2 * self.segment_bytes)
+
+    def describe(self) -> str:
+        burst = "default" if self.burst_bytes is None else format_size(self.burst_bytes)
+        cores = "even share" if self.cores_per_host is None else str(self.cores_per_host)
+        return (
+            f"shaping {self.shaping}, burst {burst}, offload {'on' if self.offload else 'off'}, "
+            f"cores per host {cores}"
+        )
+
+
+def parse_size(text: str, flag: str = "--burst") -> int:
+    """Bytes of `256k`, `64KiB`, `1m`, `32768`."""
+    match = _SIZE.match(text.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise LegionNNError(f"{flag}: expected a size such as 32k, 256KiB or 65536, got {text!r}")
+    return int(float(match.group(1)) * {"": 1, "k": 1024, "m": 2**20, "g": 2**30}[
+        match.group(2).lower()])  # fmt: skip
+
+
+def format_size(size: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 1024)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return f"{size}B"
+
+
+def link_options(
+    link_bits: float | None,
+    shaping: str | None = None,
+    burst: str | None = None,
+    offload: str | None = None,
+    cores_per_host: int | None = None,
+    cores: int | None = None,
+) -> LinkOptions:
+    """The options as `cluster up|run` take them, checked against each other: a contradiction
+    (a burst or an egress-only shaping on an unlimited link, a burst smaller than the segments
+    the hosts send, more cores per host than the machine has) is one line."""
+    if shaping is not None and shaping not in SHAPINGS:
+        raise LegionNNError(f"--shaping: expected egress or both, got {shaping!r}")
+    if offload is not None and offload not in ("on", "off"):
+        raise LegionNNError(f"--offload: expected on or off, got {offload!r}")
+    options = LinkOptions(
+        shaping or "both",
+        parse_size(burst) if burst is not None else None,
+        offload == "on",
+        cores_per_host,
+    )
+    if link_bits is None and (shaping is not None or burst is not None):
+        flag = "--shaping" if shaping is not None else "--burst"
+        raise LegionNNError(f"{flag} shapes a limited link; --link unlimited has none to shape")
+    if options.burst_bytes is not None and options.burst_bytes < options.segment_bytes:
+        raise LegionNNError(
+            f"--burst {burst}: below the {format_size(options.segment_bytes)} segments the hosts "
+            f"send with --offload {'on' if options.offload else 'off'}; the link would stall"
+        )
+    available = cores if cores is not None else len(os.sched_getaffinity(0))
+    if cores_per_host is not None and not 1 <= cores_per_host <= available:
+        raise LegionNNError(
+            f"--cores-per-host: expected 1 to {available} (this machine's cores), "
+            f"got {cores_per_host}"
+        )
+    return options
 
 
 @dataclass(frozen=True)
@@ -67,6 +163,7 @@ class Cluster:
     link_bits: float | None
     #: per host, the cores its processes run on
     cores: tuple[tuple[int, ...], ...]
+    options: LinkOptions = LinkOptions()
 
     @property
     def switch(self) -> str:
@@ -103,6 +200,9 @@ class Cluster:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def describe(self) -> str:
+        return f"{self.hosts} hosts, link {format_rate(self.link_bits)}, {self.options.describe()}"
 
 
 def parse_rate(text: str) -> float | None:
@@ -160,10 +260,18 @@ def _tool(command: Sequence[str], check: bool = True) -> str:
     return result.stdout
 
 
-def host_cores(hosts: int, allowed: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
+def host_cores(
+    hosts: int, allowed: Sequence[int] | None = None, per_host: int | None = None
+) -> tuple[tuple[int, ...], ...]:
     """Each host's cores: this process's allowed cores in contiguous shares; with more hosts
-    than cores, hosts share cores round-robin."""
+    than cores, hosts share cores round-robin. `per_host` cores each instead: host h takes the
+    `per_host` cores from h·per_host on, wrapping around, so hosts share cores where they must."""
     cores = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    if per_host is not None:
+        return tuple(
+            tuple(sorted({cores[(h * per_host + i) % len(cores)] for i in range(per_host)}))
+            for h in range(hosts)
+        )
     if hosts <= len(cores):
         out, start = [], 0
         for size in split_sizes(len(cores), hosts):
@@ -173,14 +281,15 @@ def host_cores(hosts: int, allowed: Sequence[int] | None = None) -> tuple[tuple[
     return tuple((cores[h % len(cores)],) for h in range(hosts))
 
 
-def _tbf(rate_bits: float) -> list[str]:
-    """A token bucket at `rate_bits`, its burst (what a message gets through faster than the
-    rate) 50 us of the rate and at least 32 KiB. veth would hand tbf TSO super-packets of
-    64 KiB, which need that large a burst: the hosts' devices are capped at `GSO_MAX` instead.
-    With a 125 KiB burst a 128 KiB message crossed a 1 Gbit/s link in 0.41 ms, not the 1.05 ms
-    of the rate; with these settings in 1.01 ms. The price is the fastest link this emulates,
-    about 3.5 Gbit/s on the 2-core development machine (8 Gbit/s with TSO)."""
-    burst = max(int(rate_bits / 8 * BURST_S), BURST_MIN)
+def _tbf(rate_bits: float, options: LinkOptions) -> list[str]:
+    """A token bucket at `rate_bits` with the options' burst (what a message gets through
+    faster than the rate). By default 50 us of the rate and at least two segments, with the
+    segments capped at `GSO_MAX`: veth would hand tbf TSO super-packets of 64 KiB, which need a
+    burst that large. With a 125 KiB burst a 128 KiB message crossed a 1 Gbit/s link in
+    0.41 ms, not the 1.05 ms of the rate; with the defaults in 1.01 ms. The price is the
+    fastest link this emulates, about 3.5 Gbit/s on the 2-core development machine (8 Gbit/s
+    with TSO): `--offload on --burst 256k` builds the other kind of cluster."""
+    burst = options.burst_for(rate_bits)
     return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "100ms"]
 
 
@@ -195,13 +304,16 @@ def cluster_of(namespace: str) -> str:
     return namespace[len(PREFIX) :].rsplit("-", 1)[0]
 
 
-def up(name: str, hosts: int, link_bits: float | None) -> Cluster:
+def up(
+    name: str, hosts: int, link_bits: float | None, options: LinkOptions = LinkOptions()
+) -> Cluster:
     """Create the cluster `name`; on any failure, remove what was made and raise."""
     require()
     check_name(name)
     if not 1 <= hosts <= MAX_HOSTS:
         raise LegionNNError(f"--hosts: expected 1 to {MAX_HOSTS}, got {hosts}")
-    cluster = Cluster(name, hosts, link_bits, host_cores(hosts))
+    cores = host_cores(hosts, per_host=options.cores_per_host)
+    cluster = Cluster(name, hosts, link_bits, cores, options)
     if cluster.directory.exists() or any(cluster_of(n) == name for n in existing_namespaces()):
         raise LegionNNError(
             f"cluster {name} exists (`legion-nn cluster status`); take it down first "
@@ -241,14 +353,16 @@ def _build_network(cluster: Cluster) -> None:
             namespace=switch)  # fmt: skip
         _ip("link", "set", port, "master", "br0", "up", namespace=switch)
         _ip("addr", "add", f"{cluster.address(host)}/24", "dev", "eth0", namespace=namespace)
-        for device, where in (("eth0", namespace), (port, switch)):
-            _ip("link", "set", device, "gso_max_size", str(GSO_MAX), namespace=where)
+        if not cluster.options.offload:
+            for device, where in (("eth0", namespace), (port, switch)):
+                _ip("link", "set", device, "gso_max_size", str(GSO_MAX), namespace=where)
         _ip("link", "set", "eth0", "up", namespace=namespace)
         _ip("link", "set", "lo", "up", namespace=namespace)
         if cluster.link_bits is not None:
-            shape = _tbf(cluster.link_bits)
+            shape = _tbf(cluster.link_bits, cluster.options)
             _tool(["tc", "-n", namespace, "qdisc", "add", "dev", "eth0", "root", *shape])
-            _tool(["tc", "-n", switch, "qdisc", "add", "dev", port, "root", *shape])
+            if cluster.options.shaping == "both":
+                _tool(["tc", "-n", switch, "qdisc", "add", "dev", port, "root", *shape])
 
 
 def load(name: str) -> Cluster:
@@ -260,7 +374,11 @@ def load(name: str) -> Cluster:
             f"cluster {name}: not found or incomplete (`legion-nn cluster status`)"
         ) from None
     return Cluster(
-        data["name"], data["hosts"], data["link_bits"], tuple(tuple(c) for c in data["cores"])
+        data["name"],
+        data["hosts"],
+        data["link_bits"],
+        tuple(tuple(c) for c in data["cores"]),
+        LinkOptions(**data.get("options", {})),
     )
 
 
@@ -303,6 +421,10 @@ def status() -> list[dict]:
                     "name": cluster.name,
                     "hosts": cluster.hosts,
                     "link": format_rate(cluster.link_bits),
+                    "shaping": cluster.options.shaping,
+                    "burst": cluster.options.burst_bytes or "default",
+                    "offload": "on" if cluster.options.offload else "off",
+                    "cores": [list(c) for c in cluster.cores],
                 }
             except LegionNNError:
                 found[directory.name] = {"name": directory.name, "state": "incomplete"}
@@ -371,6 +493,7 @@ def run(
     ranks: int,
     command: Sequence[str],
     name: str | None = None,
+    options: LinkOptions = LinkOptions(),
 ) -> int:
     """Bring a cluster up (`name`, default r<pid>), run one job on it, take it down on every
     exit path; the job's status."""
@@ -380,7 +503,7 @@ def run(
     name = name or f"r{os.getpid() % 10_000_000}"
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        cluster = up(name, hosts, link_bits)
+        cluster = up(name, hosts, link_bits, options)
         try:
             return execute(cluster, ranks, command)
         finally:

@@ -146,8 +146,13 @@ def test_the_cluster_table_and_figure_put_auto_against_the_best_and_one_host_apa
     report = {"hosts": 2, "ranks": 2, "links": ["250mbit", "1gbit"], "results": rows}
     table = format_table(report)
     # the one-host row (faster than spatial here) is not a strategy auto is held to
-    assert "seed-lcn-small at 250mbit: auto +5.0% against the best measured (spatial)" in table
-    assert "seed-lcn-small at 1gbit: auto +31.2% against the best measured (data)" in table
+    lines = {line.split(":")[0]: line for line in table.splitlines()}
+    assert "auto +5.0% against the best measured (spatial)" in lines["seed-lcn-small at 250mbit"]
+    assert "auto +31.2% against the best measured (data)" in lines["seed-lcn-small at 1gbit"]
+    # measured data < spatial at 1 Gbit/s, and so predicted
+    assert "order predicted (1/1 pairs; measured data < spatial)" in lines[
+        "seed-lcn-small at 1gbit"
+    ]
     assert "failed: rank 1 died" in table and "+10.0%" in table
 
     figure = link_sweep_figure(report)
@@ -248,7 +253,7 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     from bench.jobs import Job
     from partitioner.machine import Machine, load_machine
 
-    def fake_up(name, hosts, bits):
+    def fake_up(name, hosts, bits, options):
         return type("Made", (), {"name": name})()
 
     def fake_machine(name, ranks, network, batch, path):
@@ -267,7 +272,8 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     monkeypatch.setattr(cluster_scaling, "measure_machine", fake_machine)
     monkeypatch.setattr(cluster_scaling, "best_jobs", fake_jobs)
     strategies = ["data", str(COLUMN_ROW)]
-    report = cluster_scaling.run_cluster_scaling(2, ["1gbit"], 2, [(MLP, 8)], strategies)
+    variants, cases = cluster_scaling.link_sweep(["1gbit"], [(MLP, 8)])
+    report = cluster_scaling.run_cluster_scaling(2, variants, cases, strategies, 2)
     assert [s["strategy"] for s in ran] == ["data", str(COLUMN_ROW), "data"]
     assert [s["ranks"] for s in ran] == [2, 2, 1]
     rows = report["results"]
@@ -277,6 +283,95 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     assert rows[1]["predicted_s"] == pytest.approx(expected["predicted_s"], rel=1e-12)
     assert rows[1]["bytes_planned"] == expected["bytes_planned"]
     table = format_table(report).splitlines()
-    assert table[3].split()[:4] == ["1gbit", MLP, "8", "megatron-col-row-2"]
+    assert table[3].split()[:5] == ["1gbit", "1gbit", MLP, "8", "megatron-col-row-2"]
     # the columns line up under the longer label and network
     assert table[1].index("measured") + len("measured") == table[3].index("0.5000s") + 7
+
+
+def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkeypatch, tmp_path):
+    """Each variant builds its cluster with its options, once per link its cases need; the
+    ranks follow its ranks per host; the summary gives the mean absolute error and, per case,
+    whether the measured order of the strategies was predicted."""
+    from bench import cluster_scaling
+    from bench.jobs import Job
+    from partitioner.machine import load_machine
+    from runtime.cluster import LinkOptions
+
+    built = []
+
+    def fake_up(name, hosts, bits, options):
+        built.append((bits, options))
+        return type("Made", (), {"name": name})()
+
+    def fake_machine(name, ranks, network, batch, path):
+        path.write_text(json.dumps(MACHINE))
+        return load_machine(str(path))
+
+    ran = []
+    measured = {"data": 0.5, "model": 0.4, "auto": 0.41}
+
+    def fake_jobs(specs, repeat, work, say):
+        ran.extend(specs)
+        return [Job(s["network"], s["batch"], s["ranks"], s["strategy"],
+                    measured[s["strategy"]] if s["ranks"] > 1 else 0.3, 1000, {})
+                for s in specs]  # fmt: skip
+
+    monkeypatch.setattr(cluster_scaling.cluster, "up", fake_up)
+    monkeypatch.setattr(cluster_scaling.cluster, "down", lambda name: [])
+    monkeypatch.setattr(cluster_scaling, "measure_machine", fake_machine)
+    monkeypatch.setattr(cluster_scaling, "best_jobs", fake_jobs)
+    matrix = tmp_path / "matrix.json"
+    matrix.write_text(json.dumps({
+        "variants": [{"name": "nic", "shaping": "egress", "burst": "256k", "offload": "on"},
+                     {"name": "two", "ranks_per_host": 2, "link": "unlimited"}],
+        "cases": [{"network": MLP, "batch": 8, "link": "1gbit"},
+                  {"network": MLP, "batch": 16, "link": "500mbit"}],
+        "strategies": ["data", "model", "auto"],
+    }))  # fmt: skip
+    variants, cases, strategies = cluster_scaling.read_matrix(str(matrix))
+    report = cluster_scaling.run_cluster_scaling(2, variants, cases, strategies)
+    nic = LinkOptions("egress", 256 * 1024, True)
+    # nic at each case's link, then `two` once, its link replacing both cases'
+    assert built == [(1e9, nic), (5e8, nic), (None, LinkOptions())]
+    assert {s["ranks"] for s in ran if s["strategy"] != "data" or s["ranks"] > 1} == {2, 4}
+    rows = [r for r in report["results"] if r["strategy"] != cluster_scaling.ONE_HOST]
+    assert len(rows) == 2 * 2 * 3 and {r["variant"] for r in rows} == {"nic", "two"}
+    summary = report["summary"]
+    errors = [abs(r["error"]) for r in report["results"]]
+    assert summary["predictions"] == len(errors)
+    assert summary["mean_abs_error"] == pytest.approx(sum(errors) / len(errors))
+    assert summary["max_abs_error"] == pytest.approx(max(errors))
+    for case in summary["cases"]:
+        assert case["measured_order"] == ["model", "data"]
+        predicted = {r["strategy"]: r["predicted_s"] for r in rows
+                     if (r["variant"], r["batch"]) == (case["variant"], case["batch"])}
+        assert case["order_predicted"] == (predicted["model"] < predicted["data"])
+        assert case["auto_against_best"] == pytest.approx(0.41 / 0.4 - 1)
+    table = cluster_scaling.format_table(report)
+    assert "mean absolute error" in table and "order " in table
+
+
+@pytest.mark.parametrize(
+    "matrix,names",
+    [
+        ({"variants": [{"name": "a", "colour": "red"}], "cases": [{"network": MLP, "batch": 8,
+          "link": "1gbit"}]}, "variants[0]: unknown key 'colour'"),
+        ({"variants": [{"name": "a", "burst": "8k"}], "cases": [{"network": MLP, "batch": 8,
+          "link": "1gbit"}]}, "variants[0]: --burst 8k: below the 16KiB segments"),
+        ({"variants": [{"name": "a", "ranks_per_host": 0}], "cases": [{"network": MLP,
+          "batch": 8, "link": "1gbit"}]}, "variants[0]: ranks_per_host"),
+        ({"variants": [{"name": "a"}], "cases": [{"network": "nope", "batch": 8,
+          "link": "1gbit"}]}, "cases[0]: unknown network 'nope'"),
+        ({"variants": [{"name": "a"}], "cases": [{"network": MLP, "batch": 8}]},
+         "has no link in variant a"),
+        ({"variants": [{"name": "a"}, {"name": "a"}], "cases": [{"network": MLP, "batch": 8,
+          "link": "1gbit"}]}, "two variants are named alike"),
+        ({"cases": []}, 'a matrix is {"variants"'),
+    ],
+)
+def test_a_bad_matrix_is_one_line_naming_the_file_and_entry(matrix, names, tmp_path, capsys):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(matrix))
+    assert main(["bench", "scaling", "--hosts", "2", "--matrix", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and names in err and f"--matrix {path}" in err

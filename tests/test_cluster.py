@@ -183,6 +183,93 @@ def test_the_link_is_limited_to_its_rate_between_hosts(clean, tmp_path):
     assert 0.1 < gbits < 0.4 * 1.1, gbits
 
 
+def test_hosts_may_be_given_cores_each_and_then_share_them():
+    assert cluster.host_cores(2, [0, 1], per_host=1) == ((0,), (1,))
+    assert cluster.host_cores(2, [0, 1], per_host=2) == ((0, 1), (0, 1))
+    assert cluster.host_cores(3, [4, 5, 6, 7], per_host=2) == ((4, 5), (6, 7), (4, 5))
+
+
+@pytest.mark.parametrize(
+    "argv,names",
+    [
+        (["--shaping", "ingress"], "--shaping: expected egress or both"),
+        (["--offload", "yes"], "--offload: expected on or off"),
+        (["--burst", "lots"], "--burst: expected a size"),
+        (["--burst", "8k"], "--burst 8k: below the 16KiB segments"),
+        (["--offload", "on", "--burst", "32k"], "--burst 32k: below the 64KiB segments"),
+        (["--link", "unlimited", "--burst", "256k"], "--burst shapes a limited link"),
+        (["--link", "unlimited", "--shaping", "egress"], "--shaping shapes a limited link"),
+        (["--cores-per-host", "0"], "--cores-per-host: expected 1 to"),
+        (["--cores-per-host", "999"], "--cores-per-host: expected 1 to"),
+    ],
+)
+def test_unknown_or_contradictory_cluster_options_are_one_line(argv, names, capsys):
+    """Checked before anything is built (and before root is asked for)."""
+    for command in (["cluster", "run", *argv, "--", "true"], ["cluster", "up", "x", *argv]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and names in err and err.startswith("legion-nn cluster:")
+
+
+def test_run_on_a_cluster_refuses_the_options_that_build_one(monkeypatch, capsys):
+    assert main(["cluster", "run", "--on", "lab", "--offload", "on", "--", "true"]) == 2
+    assert "--offload builds a cluster" in capsys.readouterr().err
+
+
+def test_the_burst_defaults_to_fifty_microseconds_of_the_rate_and_two_segments():
+    plain, offload = cluster.LinkOptions(), cluster.LinkOptions(offload=True)
+    assert plain.burst_for(1e9) == 32 * 1024 and offload.burst_for(1e9) == 128 * 1024
+    assert plain.burst_for(40e9) == int(40e9 / 8 * 50e-6)
+    assert cluster.LinkOptions(burst_bytes=300_000).burst_for(1e9) == 300_000
+    assert cluster.parse_size("256k") == cluster.parse_size("256KiB") == 262144
+
+
+def _qdiscs(namespace: str, device: str) -> str:
+    return subprocess.run(
+        ["tc", "-n", namespace, "qdisc", "show", "dev", device],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+
+def _gso(namespace: str, device: str) -> int:
+    out = subprocess.run(
+        ["ip", "-n", namespace, "-d", "-json", "link", "show", device],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return json.loads(out)[0]["gso_max_size"]
+
+
+@needs_root
+def test_a_cluster_is_built_as_its_options_say(clean):
+    """Egress-only shaping with a large burst and offloads on (a NIC's rate limit on a host
+    with TSO), hosts sharing every core; against the default build."""
+    cores = len(os.sched_getaffinity(0))
+    argv = ["--hosts", "2", "--link", "1gbit"]
+    made = run("cluster", "up", clean, *argv, "--shaping", "egress", "--burst", "256k",
+               "--offload", "on", "--cores-per-host", str(cores))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    try:
+        assert "shaping egress, burst 256KiB, offload on" in made.stdout
+        built = cluster.load(clean)
+        assert built.cores[0] == built.cores[1] == tuple(sorted(os.sched_getaffinity(0)))
+        host, switch = built.namespace(1), built.switch
+        assert "tbf" in _qdiscs(host, "eth0") and "burst 256Kb" in _qdiscs(host, "eth0")
+        assert "tbf" not in _qdiscs(switch, "h1")  # the switch port does not shape
+        assert _gso(host, "eth0") == 65536
+    finally:
+        run("cluster", "down", clean)
+    other = f"{clean}b"[:8]
+    made = run("cluster", "up", other, *argv)
+    assert made.returncode == 0, made.stderr
+    try:
+        built = cluster.load(other)
+        host, switch = built.namespace(1), built.switch
+        assert "burst 32Kb" in _qdiscs(host, "eth0") and "tbf" in _qdiscs(switch, "h1")
+        assert _gso(host, "eth0") == 16384
+    finally:
+        run("cluster", "down", other)
+
+
 @needs_root
 def test_the_job_status_is_the_exit_status_and_failures_clean_up(clean):
     exits = run(

@@ -7,7 +7,8 @@
   beside the cost model's calibrated prediction (see `bench.scaling`); with `--hosts H
   --link RATE[,RATE...]`, on an emulated cluster, predicted from the machine file `bench machine`
   measured there (`bench.cluster_scaling`), for the built-in strategies or `--strategies` (names
-  and strategy files of grids);
+  and strategy files of grids); with `--matrix F|default`, on every variant of the cluster a
+  matrix names, with each case's error, their mean and whether the strategies' order held;
 - `machine`: run under `mpiexec` or `legion-nn cluster run`, it measures the machine file a plan
   is costed on (`bench.machine`).
 """
@@ -81,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link",
         metavar="RATE[,RATE...]",
         help="scaling --hosts: each host's link, e.g. 1gbit or 250mbit,1gbit,3gbit for a sweep",
+    )
+    parser.add_argument(
+        "--matrix",
+        metavar="F|default",
+        help="scaling --hosts: a matrix of cluster variants and cases, a JSON file "
+        '{"variants": [{"name", "shaping", "burst", "offload", "cores_per_host", '
+        '"ranks_per_host", "link"}], "cases": [{"network", "batch", "link"}], "strategies"}, '
+        "or default: 4 variants (tbf at both ends; egress-only with 256 KiB bursts and "
+        "offloads; unshaped; 2 ranks per host) of seed-lcn-small, seed-lcn and deep-mlp",
     )
     parser.add_argument(
         "--ranks",
@@ -162,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "scaling" and args.hosts is not None:
         return _cluster_scaling(args, say)
     for flag, value in (("--hosts", args.hosts), ("--link", args.link), ("--ranks", args.ranks),
+                        ("--matrix", args.matrix),
                         ("--plot", args.plot), ("--network", args.network),
                         ("--strategies", args.strategies)):  # fmt: skip
         if value is not None:
@@ -244,29 +255,40 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
     from runtime import cluster
     from visualize.render_file import check_plot, write_figure
 
-    if args.link is None:
-        raise LegionNNError("bench scaling --hosts needs --link RATE[,RATE...]")
-    links = [link.strip() for link in args.link.split(",") if link.strip()]
-    for link in links:
-        cluster.parse_rate(link)
+    if (args.link is None) == (args.matrix is None):
+        raise LegionNNError("bench scaling --hosts needs --link RATE[,RATE...] or --matrix F")
     if args.plot is not None:
         check_plot(args.plot)
-    if args.network is not None:
-        from legion_nn.networks import load_network
-
-        load_network(args.network)
-        cases = ((args.network, _single_batch(args, 64)),)
-    else:
-        if args.batch is not None:
-            raise LegionNNError("--batch with scaling --hosts needs --network")
-        cases = bench_cluster.DEFAULT_CASES
     strategies = bench_cluster.STRATEGIES
+    if args.matrix is not None:
+        for flag, value in (("--network", args.network), ("--batch", args.batch)):
+            if value is not None:
+                raise LegionNNError(f"{flag}: a matrix names its cases (--matrix)")
+        variants, cases, listed = bench_cluster.read_matrix(args.matrix)
+        if listed is not None and args.strategies is None:
+            strategies = bench_cluster.parse_strategies(",".join(listed))
+    else:
+        links = [link.strip() for link in args.link.split(",") if link.strip()]
+        for link in links:
+            cluster.parse_rate(link)
+        if args.network is not None:
+            from legion_nn.networks import load_network
+
+            load_network(args.network)
+            pairs = ((args.network, _single_batch(args, 64)),)
+        else:
+            if args.batch is not None:
+                raise LegionNNError("--batch with scaling --hosts needs --network")
+            pairs = bench_cluster.DEFAULT_CASES
+        variants, cases = bench_cluster.link_sweep(links, pairs)
     if args.strategies is not None:
         strategies = bench_cluster.parse_strategies(args.strategies)
-        bench_cluster.check_strategies(cases, args.ranks or args.hosts, strategies)
+        bench_cluster.check_strategies(
+            [(c.network, c.batch) for c in cases], args.ranks or args.hosts, strategies
+        )
     cluster.require()
     report = bench_cluster.run_cluster_scaling(
-        args.hosts, links, args.ranks, cases, strategies, steps=args.steps, progress=say
+        args.hosts, variants, cases, strategies, args.ranks, steps=args.steps, progress=say
     )
     print(bench_cluster.format_table(report), end="")
     if args.json:

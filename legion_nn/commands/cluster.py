@@ -27,6 +27,44 @@ def _hosts(parser: argparse.ArgumentParser) -> None:
         metavar="RATE",
         help="each host's link, each way: 1gbit, 500mbit, 10gbit, unlimited (default 1gbit)",
     )
+    parser.add_argument(
+        "--shaping",
+        metavar="egress|both",
+        help="limit each link where the host sends only, or at both ends (default both: a host "
+        "also receives at most the rate)",
+    )
+    parser.add_argument(
+        "--burst",
+        metavar="B",
+        help="the token bucket's burst, e.g. 32k or 256KiB (default: 50 us of the rate, at "
+        "least two segments)",
+    )
+    parser.add_argument(
+        "--offload",
+        metavar="on|off",
+        help="segmentation offloads: on hands the link the kernel's 64 KiB super-packets, off "
+        "caps segments at 16 KiB (default off)",
+    )
+    parser.add_argument(
+        "--cores-per-host",
+        type=int,
+        metavar="C",
+        help="cores each host runs on (default: an even share, each host its own); more than "
+        "an even share makes hosts share cores",
+    )
+
+
+#: the options that build a cluster, which `run --on` cannot change
+_BUILD_FLAGS = (("--shaping", "shaping"), ("--burst", "burst"), ("--offload", "offload"),
+                ("--cores-per-host", "cores_per_host"))  # fmt: skip
+
+
+def _options(args: argparse.Namespace, link: float | None):
+    from runtime import cluster
+
+    return cluster.link_options(
+        link, args.shaping, args.burst, args.offload, args.cores_per_host
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--on", metavar="NAME", help="run on the cluster NAME (from `up`) instead")
     run.add_argument("--name", help="name the run's cluster (default r<pid>)")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND... run on every rank")
+    # not `command`: the top-level parser names the subcommand so, for its error lines
+    run.add_argument(
+        "job", nargs=argparse.REMAINDER, metavar="command", help="-- COMMAND... run on every rank"
+    )
     up = sub.add_parser("up", help="bring up a cluster and keep it", description=up_help())
     up.add_argument("name", help="1-8 lower-case letters and digits")
     _hosts(up)
@@ -86,16 +127,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     link = cluster.parse_rate(args.link)
     if command == "up":
-        made = cluster.up(args.name, args.hosts, link)
-        print(f"{made.name}: {made.hosts} hosts, link {cluster.format_rate(link)}")
+        made = cluster.up(args.name, args.hosts, link, _options(args, link))
+        print(f"{made.name}: {made.describe()}")
         return 0
-    words = args.command[1:] if args.command[:1] == ["--"] else args.command
+    words = args.job[1:] if args.job[:1] == ["--"] else args.job
     if not words:
         raise LegionNNError("run: no command (legion-nn cluster run ... -- COMMAND...)")
     if args.on:
+        given = [flag for flag, key in _BUILD_FLAGS if getattr(args, key) is not None]
+        if given:
+            raise LegionNNError(
+                f"run --on {args.on}: {given[0]} builds a cluster; {args.on} was built by `up`"
+            )
         on = cluster.load(args.on)
         code = cluster.execute(on, args.n or on.hosts, words)
     else:
-        code = cluster.run(args.hosts, link, args.n or args.hosts, words, args.name)
+        options = _options(args, link)
+        code = cluster.run(args.hosts, link, args.n or args.hosts, words, args.name, options)
     sys.stdout.flush()
     return code
