@@ -19,6 +19,10 @@ that the cores of a host stay with the rank measuring), and writes the file:
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
   memory-bound tasks reach, and each op's rate for pieces the table lacks (`op_gflops`);
+- the runtime's cost per message (`message_overhead_us`): every rank runs a job that is mostly
+  messages, `MESSAGE_JOB` (a small network cut by channels over all ranks, its pieces timed
+  first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
+  measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency;
 - what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
   NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.
@@ -40,6 +44,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -122,6 +127,62 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         "compute_factor": fitted.compute_factor,
         "loop_us": fitted.loop_seconds * 1e6,
     }
+
+
+#: the job that prices a message: (network, batch, strategy). Small pieces and many messages,
+#: so that its step is mostly the runtime's costs per task and per message
+MESSAGE_JOB = ("seed-lcn-small", 4, "model")
+MESSAGE_STEPS = 40
+
+
+def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
+    """Run `MESSAGE_JOB` on every rank of `transport` and, on rank 0, the runtime's cost per
+    message endpoint, in us: the cost at which the simulated step of the job's plan equals its
+    measured step (the median over its steps of the slowest rank's), found by bisection (the
+    simulated step grows with it). The job's pieces are timed on rank 0 first, so that its
+    compute is measured, not modelled; the per-task terms are the calibration's (`fitted`)."""
+    from partitioner.machine import Machine
+    from runtime.step_simulator import predict_step
+
+    name, batch, strategy = MESSAGE_JOB
+    network = load_network(name)
+    dataset = data.load("synthetic", network.input, network.classes, 0, np.float32)
+    config = TrainConfig(network=network, dataset=dataset, batch=batch, steps=MESSAGE_STEPS,
+                         optimizer=OPTIMIZER)  # fmt: skip
+    log = io.StringIO()
+    train_rank(config, transport, RunOptions(strategy=strategy), log=log)
+    if transport.rank != 0:
+        return None
+    slowest: dict[int, float] = defaultdict(float)
+    for line in log.getvalue().splitlines():
+        record = json.loads(line)
+        if "step" in record and record["step"] >= WARMUP:
+            slowest[record["step"]] = max(slowest[record["step"]], record["seconds"])
+    measured = statistics.median(slowest.values())
+    graph = network.lower(batch=batch, optimizer=OPTIMIZER)
+    plan = build_plan(graph, builtin(graph, strategy, transport.size), transport.size)
+    cache: dict = {}
+    profile_plan(graph, plan, threads, sample_step(graph), cache)
+    base = Machine(
+        task_overhead_us=fitted["task_overhead_us"], compute_factor=fitted["compute_factor"],
+        memory_gbytes_per_s=fitted["memory_gbytes_per_s"],
+        pieces={key: seconds for (_, key), seconds in cache.items()},
+        **fitted["links"],
+    )  # fmt: skip
+
+    def simulated(overhead_us: float) -> float:
+        machine = replace(base, message_overhead_us=overhead_us)
+        return predict_step(graph, plan, machine).seconds + fitted["loop_us"] * 1e-6
+
+    low, high = 0.0, 1000.0
+    if simulated(low) >= measured:
+        return 0.0
+    while simulated(high) < measured and high < 1e6:
+        high *= 4
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < measured else (low, middle)
+    return (low + high) / 2
 
 
 #: steps of the fresh training whose resident set gives the process baseline
@@ -251,12 +312,31 @@ def measure(
         pieces, fitted = measure_compute(network, batch, size, strategies, threads)
         say(f"{network} batch {batch}: a process's baseline memory")
         baseline = process_baseline_mib(network, batch)
+    main = links.get("inter_host") or links.get("intra_host")
+    latency, per_byte = main if main else (0.0, 0.0)
+    per_message = None
+    if distributed and size > 1:
+        mpi.idle_barrier()
+        if rank == 0:
+            say(f"the runtime's cost per message: {MESSAGE_JOB[0]} batch {MESSAGE_JOB[1]}, "
+                f"{MESSAGE_JOB[2]}, on {size} ranks")  # fmt: skip
+            fitted["links"] = {
+                "link_gbytes_per_s": _gbytes(per_byte), "latency_us": latency * 1e6,
+                "ranks_per_host": per_host,
+                "intra_host": (
+                    (links["intra_host"][0] * 1e6, _gbytes(links["intra_host"][1]))
+                    if "intra_host" in links and "inter_host" in links else None
+                ),
+            }  # fmt: skip
+        transport = mpi.MPITransport()
+        try:
+            per_message = message_overhead_us(transport, fitted if rank == 0 else {}, threads)
+        finally:
+            transport.stop_progress()
     if distributed:
         mpi.idle_barrier()
     if rank != 0:
         return None
-    main = links.get("inter_host") or links.get("intra_host")
-    latency, per_byte = main if main else (0.0, 0.0)
     rates = fitted["op_gflops"]
     out |= {
         "rank_gflops": fitted["compute_gflops"],
@@ -267,6 +347,7 @@ def measure(
         "rank_memory_gib": _host_memory_gib() / per_host,
         "memory_gbytes_per_s": fitted["memory_gbytes_per_s"],
         "task_overhead_us": fitted["task_overhead_us"],
+        **({"message_overhead_us": per_message} if per_message is not None else {}),
         "process_baseline_mib": baseline,
         "op_gflops": rates,
         "ranks_per_host": per_host,
@@ -326,6 +407,11 @@ def format_summary(machine: dict) -> str:
         f"{machine['task_overhead_us']:.1f} us, kernels in a step x{machine['compute_factor']:.2f}, "
         f"{machine['loop_us']:.0f} us a step outside tasks, memory "
         f"{machine['memory_gbytes_per_s']:.1f} GB/s"
+        + (
+            f", {machine['message_overhead_us']:.0f} us a message"
+            if "message_overhead_us" in machine
+            else ""
+        )
     )
     if "process_baseline_mib" in machine:
         lines.append(

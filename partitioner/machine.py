@@ -58,7 +58,9 @@ from pathlib import Path
 from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
-OPTIONAL_KEYS = ("memory_gbytes_per_s", "task_overhead_us", "process_baseline_mib")
+OPTIONAL_KEYS = (
+    "memory_gbytes_per_s", "task_overhead_us", "process_baseline_mib", "message_overhead_us"
+)
 #: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
 DEFAULT_BASELINE_MIB = 200.0
 #: measured by `bench machine`, priced by the cost model and the step simulator
@@ -80,6 +82,8 @@ class Machine:
     memory_gbytes_per_s: float | None = None
     task_overhead_us: float = 0.0
     process_baseline_mib: float = DEFAULT_BASELINE_MIB
+    #: a rank's time to post its end of a message (the runtime's bookkeeping and MPI calls)
+    message_overhead_us: float = 0.0
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -113,6 +117,10 @@ class Machine:
     @property
     def task_overhead(self) -> float:
         return self.task_overhead_us * 1e-6
+
+    @property
+    def message_overhead(self) -> float:
+        return self.message_overhead_us * 1e-6
 
     @property
     def process_baseline_bytes(self) -> int:
@@ -150,6 +158,8 @@ class Machine:
             out["memory_gbytes_per_s"] = self.memory_gbytes_per_s
         if self.task_overhead_us:
             out["task_overhead_us"] = self.task_overhead_us
+        if self.message_overhead_us:
+            out["message_overhead_us"] = self.message_overhead_us
         if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
             out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:
@@ -186,9 +196,10 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise LegionNNError(f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(known)}")
-    overhead = data.get("task_overhead_us", 0)
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0:
-        raise LegionNNError(f"{where}: task_overhead_us must be a number >= 0, got {overhead!r}")
+    for key in ("task_overhead_us", "message_overhead_us"):
+        value = data.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise LegionNNError(f"{where}: {key} must be a number >= 0, got {value!r}")
     ops = data.get("op_gflops", {})
     if not isinstance(ops, dict):
         raise LegionNNError(f"{where}: op_gflops must map op names to GFLOP/s")
@@ -198,7 +209,8 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
         memory_gbytes_per_s=(
             _positive(data, "memory_gbytes_per_s", where) if "memory_gbytes_per_s" in data else None
         ),
-        task_overhead_us=float(overhead),
+        task_overhead_us=float(data.get("task_overhead_us", 0)),
+        message_overhead_us=float(data.get("message_overhead_us", 0)),
         process_baseline_mib=(
             _positive(data, "process_baseline_mib", where)
             if "process_baseline_mib" in data

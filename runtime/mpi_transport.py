@@ -170,10 +170,15 @@ class MPITransport:
         time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
 
-    def finalize(self) -> None:
+    def stop_progress(self) -> None:
+        """End the progress thread (a transport used for one job of several in a process)."""
         if self._progress is not None:
             self._progress.stop()
             self._progress.comm.Free()
+            self._progress = None
+
+    def finalize(self) -> None:
+        self.stop_progress()
         for request in self._object_sends:
             request.request.wait()
         if not MPI.Is_finalized():

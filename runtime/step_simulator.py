@@ -22,7 +22,9 @@ post points and collective schedules the runtime runs:
   once; while it computes, the next round waits for the end of the task. Data already posted
   moves in the background (the transport's threads and the kernel's socket buffers carry it);
 - where the machine prices memory traffic, a rank also pays its local passes: packing a send and
-  unpacking a receive (two bytes a byte each), adding a received partial sum (three).
+  unpacking a receive (two bytes a byte each), adding a received partial sum (three);
+- posting its end of a message or of a collective's hop costs a rank the machine's
+  `message_overhead_us`, on its own clock (the runtime's bookkeeping and MPI calls per message).
 
 The step ends when every rank has finished its last task, completed its collectives and seen its
 sends off. Events are processed in time order (a heap), so the links serve messages in the order
@@ -117,6 +119,7 @@ class _Simulator:
         self.compute = compute
         self.links = links or Links.of(machine, max(programs) + 1)
         self.memory = machine.seconds_per_memory_byte
+        self.per_message = machine.message_overhead
         self.transfers: dict[Key, _Transfer] = {}
         #: when each host's link (or, within a host, each rank) is next free, each way
         self.egress: dict[tuple[str, int], float] = defaultdict(float)
@@ -202,7 +205,9 @@ class _Simulator:
         self._post_round(rank, running)
 
     def _post_round(self, rank: int, running: _Running) -> None:
-        for key in running.rounds[running.round] if running.round < len(running.rounds) else []:
+        keys = running.rounds[running.round] if running.round < len(running.rounds) else []
+        self.clock[rank] += len(keys) * self.per_message
+        for key in keys:
             self._post(rank, key, self.clock[rank])
 
     def _advance(self, rank: int) -> None:
@@ -234,8 +239,12 @@ class _Simulator:
             heapq.heappush(self.events, (at, next(self.counter), rank))
 
     def _pack(self, messages: Sequence[Message], rank: int) -> float:
-        """Seconds to copy `rank`'s sends among `messages` into send buffers."""
-        return sum(2 * m.nbytes * self.memory for m in messages if m.src == rank)
+        """Seconds to copy `rank`'s sends among `messages` into send buffers, and to post
+        `rank`'s ends of them (the runtime's cost per message)."""
+        mine = [m for m in messages if rank in (m.src, m.dst)]
+        return sum(2 * m.nbytes * self.memory for m in mine if m.src == rank) + len(
+            mine
+        ) * self.per_message
 
     def _messages(self, rank: int, messages: Sequence[Message]) -> None:
         for m in messages:
@@ -253,6 +262,7 @@ class _Simulator:
         for position, rt in enumerate(program.tasks):
             yield from self._complete(rank, rt.complete_before - completed)
             completed = max(completed, rt.complete_before)
+            self.clock[rank] += self._pack(rt.partial_in, rank)
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
             self.clock[rank] += sum(2 * m.nbytes * self.memory for m in rt.copies_in)
@@ -370,10 +380,24 @@ def predict_step(
     programs = build_programs(graph, plan, machine, range(plan.nranks))
     index = {task.name: i for i, task in enumerate(graph.tasks)}
     seconds = {
-        rank: [float(per_task[index[rt.task.name]][rank]) for rt in program.tasks]
+        rank: program_seconds(program, [float(per_task[index[rt.task.name]][rank])
+                                        for rt in program.tasks], machine)
         for rank, program in programs.items()
-    }
+    }  # fmt: skip
     return simulate_step(programs, seconds, machine)
+
+
+def program_seconds(program: RankProgram, seconds: list[float], machine: Machine) -> list[float]:
+    """`seconds` of each task of `program` as the runtime runs them: an elided zeroing does not
+    run, and an update fused into the kernel of its gradient runs there, its kernel's time
+    added to that task's, without a task of its own (so without its overhead)."""
+    out = list(seconds)
+    for position, rt in enumerate(program.tasks):
+        if rt.fused_into is not None:
+            out[rt.fused_into] += max(out[position] - machine.task_overhead, 0.0)
+        if rt.fused_into is not None or rt.elided:
+            out[position] = 0.0
+    return out
 
 
 #: plans on more ranks are priced by the cost model's bulk-synchronous sum alone: simulating
