@@ -53,6 +53,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         "pieces": _rows(graph, plan, lambda k: 1e-4 * (k + 1)),
         "compute_factor": 1.25,
         "loop_us": 300,
+        "message_overhead_us": 120.0,
         "hosts": 2,
         "rank_cores": 1,
         "duplex_gbytes_per_s": 0.12,
@@ -63,6 +64,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
     assert machine.to_json() == data
     assert machine_from_json(json.loads(json.dumps(machine.to_json()))) == machine
     assert machine.loop_seconds == pytest.approx(3e-4)
+    assert machine.message_overhead == pytest.approx(1.2e-4)
     assert [machine.host(r) for r in range(5)] == [0, 0, 1, 1, 2]
     assert machine.link(0, 1) == pytest.approx((2e-6, 1 / 8e9))
     assert machine.link(1, 2) == pytest.approx((30e-6, 1 / 0.125e9))
@@ -79,6 +81,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         ({"intra_host": {"latency_us": 2, "gbytes_per_s": 0}}, "gbytes_per_s must be a positive"),
         ({"compute_factor": -1}, "compute_factor must be a number >= 0"),
         ({"loop_us": "fast"}, "loop_us must be a number >= 0"),
+        ({"message_overhead_us": -5}, "message_overhead_us must be a number >= 0"),
         ({"pieces": {"a": 1}}, "pieces must be a list"),
         ({"pieces": [{"op": "linear"}]}, r"pieces\[0\] needs op, phase"),
         ({"pieces": [PIECE | {"requirements": [1], "seconds": 1}]}, r"pieces\[0\] is malformed"),

@@ -134,3 +134,52 @@ def test_a_plan_step_lies_between_its_bounds(strategy):
     programs = build_programs(graph, plan, slow, range(3))
     sent = max(prog.bytes_planned for prog in programs.values())
     assert simulated.seconds >= max(sent * slow.beta, busiest)
+
+
+def test_each_end_of_a_message_costs_its_rank_the_message_overhead():
+    """The copy of the first test, with 0.25 s per message end: the sender posts it 0.25 s
+    after its compute, and the reader's receive is posted 0.25 s late too (off its path)."""
+    m = Message(0, "x", Rect((0,), (1,)), 0, 1, 1_000_000, 1, 0, False)
+    programs = {
+        0: program(0, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"))]),
+        1: program(1, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"), copies_in=[m])]),
+    }
+    compute = {0: [1.0, 1.0], 1: [0.5, 1.0]}
+    machine = Machine(memory_gbytes_per_s=None, message_overhead_us=0.25e6)
+    step = simulate_step(programs, compute, machine, links())
+    assert step.finish[1] == pytest.approx(3.1 + 0.25)
+    assert step.finish[0] == pytest.approx(2.1 + 0.25)
+
+
+def test_a_collective_hop_costs_each_of_its_ranks_the_message_overhead():
+    """Each round of the two-round all-reduce has a send and a receive on each rank: two
+    message ends, 2h a round, both rounds on the path when the task between them is long."""
+    collective = two_round_allreduce(1_000_000)
+    programs = {
+        rank: program(rank, [RankTask(0, task("backward"), collectives=[collective]),
+                             RankTask(1, task("below")), RankTask(2, update_of_g())])
+        for rank in (0, 1)
+    }  # fmt: skip
+    compute = {rank: [0.0, 5.0, 0.0] for rank in (0, 1)}
+    h = 0.01
+    machine = Machine(memory_gbytes_per_s=None, message_overhead_us=h * 1e6)
+    step = simulate_step(programs, compute, machine, links(alpha=0.0, beta=1e-6 / 2))
+    assert step.seconds == pytest.approx(5.5 + 4 * h)
+
+
+def test_the_simulated_step_runs_the_tasks_the_runtime_runs():
+    """One rank: each zeroing the first contribution overwrites is elided, each update fused
+    into its gradient's kernel adds its time there (less the task overhead it no longer pays);
+    a step of tasks of 1 s each is 1 s for every task that runs, and the fused updates' seconds
+    less their overhead."""
+    graph = load_network("seed-lcn-small").lower(batch=4, optimizer="sgd")
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    machine = Machine(task_overhead_us=0.1e6)
+    (program_0,) = build_programs(graph, plan, machine, [0]).values()
+    elided = [rt for rt in program_0.tasks if rt.elided]
+    fused = [rt for rt in program_0.tasks if rt.fused_into is not None]
+    assert elided and fused
+    ones = [[1.0] for _ in graph.tasks]
+    step = predict_step(graph, plan, machine, ones)
+    runs = len(program_0.tasks) - len(elided) - len(fused)
+    assert step.seconds == pytest.approx(runs + len(fused) * 0.9)
