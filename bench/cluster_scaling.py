@@ -49,7 +49,8 @@ from partitioner.plan import build_plan
 from partitioner.resolve import check_strategy_name, read_grids, resolve_strategy
 from partitioner.strategy import STRATEGY_NAMES
 from runtime import cluster
-from runtime.step_simulator import step_prediction
+from runtime.step_memory import peak_function
+from runtime.step_simulator import step_function, step_prediction
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 16))
 STRATEGIES = STRATEGY_NAMES
@@ -151,8 +152,9 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     name, homes = split_homes(strategy)
     plan_strategy, why = resolve_strategy(
-        graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes
-    )
+        graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes,
+        peak=peak_function(machine), step=step_function(machine),
+    )  # fmt: skip
     chosen = ",".join(sorted({c["family"] for c in why})) if why else ""
     plan = build_plan(graph, plan_strategy, ranks)
     cost = plan_cost(graph, plan, machine)

@@ -22,9 +22,9 @@ from dataclasses import replace
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ops import has_access_map
-from partitioner.cost import task_costs, unit_seconds
+from partitioner.cost import plan_cost, task_costs, unit_seconds
 from partitioner.machine import Machine
-from partitioner.memory_fit import NoFit, PeakFn, fit
+from partitioner.memory_fit import NoFit, PeakFn, StepFn, fit, least_step
 from partitioner.plan import build_plan
 from partitioner.search import SearchResult, auto
 from partitioner.strategy import (
@@ -63,10 +63,17 @@ def resolve_strategy(
     note: Callable[[str], None] | None = None,
     param_homes: str | None = None,
     peak: PeakFn | None = None,
+    step: StepFn | None = None,
 ) -> tuple[Strategy, list[dict] | None]:
     """The strategy `name` stands for on `nranks` ranks with `--param-homes` (None: replicated),
     and auto's reasons (None otherwise); `note` hears why `auto` settled for `data` on a
     batch-only graph.
+
+    With `step` (a plan's predicted step as `partition` reports it: the commands pass
+    `runtime.step_simulator`'s), `auto` returns the plan of least predicted step among its
+    search's and the built-ins' (`memory_fit.least_step`): the search adds up seconds per layer,
+    which cannot see messages overlapping compute, and what auto optimises is then what
+    `partition` prints.
 
     With `peak` (a plan's most bytes on any rank, as the runtime holds them: the commands pass
     `runtime.step_memory`'s) and no `param_homes`, `auto` also chooses each parameter's home
@@ -74,10 +81,23 @@ def resolve_strategy(
     nothing it tries fits."""
     deadline = time.monotonic() + time_limit
     strategy, why, searched = _resolve(graph, name, nranks, machine, time_limit, note)
+    homes = param_homes or "replicated"
     if searched is None or peak is None or param_homes is not None:
-        return with_homes(graph, strategy, param_homes or "replicated"), why
+        chosen = with_homes(graph, strategy, homes)
+        if searched is None or step is None:
+            return chosen, why
+        candidates = [chosen, *(with_homes(graph, builtin(graph, f, nranks), homes)
+                                for f in BUILTIN)]  # fmt: skip
+        plans = [build_plan(graph, s, nranks) for s in candidates]
+        picked = least_step(
+            candidates,
+            [plan_cost(graph, p, machine).step_seconds for p in plans],
+            lambda s: step(graph, plans[candidates.index(s)]),
+        )
+        return picked, why if picked is chosen else _reasons(graph, picked, nranks, machine, why)
     if (
-        searched.fastest
+        step is None
+        and searched.fastest
         and peak(graph, build_plan(graph, strategy, nranks)) <= machine.memory_bytes
     ):
         return strategy, _reasons(graph, strategy, nranks, machine, why)  # nothing is faster
@@ -91,7 +111,7 @@ def resolve_strategy(
     budget = max(machine.memory_bytes - baseline, 1)  # for the buffers, which the DP counts
     for attempt in range(TIGHTER_SEARCHES + 1):
         try:
-            fitted = fit(graph, nranks, machine, candidates, peak, deadline)
+            fitted = fit(graph, nranks, machine, candidates, peak, deadline, step)
             break
         except NoFit as exc:
             if attempt == TIGHTER_SEARCHES or time.monotonic() > deadline:
@@ -197,6 +217,7 @@ def strategy_chooser(
     time_limit: float,
     param_homes: str | None = None,
     peak: PeakFn | None = None,
+    step: StepFn | None = None,
 ) -> str | Callable[[TaskGraph, int], Strategy]:
     """A built-in's name, or how to choose the strategy `name` stands for with `param_homes`
     once the graph is known (`resolve_strategy`); a bad name, strategy file or `param_homes`
@@ -211,9 +232,9 @@ def strategy_chooser(
         if grids is not None:
             strategy = grids_strategy(graph, name, grids, nranks)
             return with_homes(graph, strategy, param_homes or "replicated")
-        return resolve_strategy(graph, name, nranks, machine, time_limit, None, param_homes, peak)[
-            0
-        ]
+        return resolve_strategy(
+            graph, name, nranks, machine, time_limit, None, param_homes, peak, step
+        )[0]
 
     return choose
 

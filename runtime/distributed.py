@@ -28,6 +28,7 @@ from partitioner.resolve import strategy_chooser
 from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
 from runtime.step_memory import peak_function
+from runtime.step_simulator import step_function
 from runtime.supervisor import Status
 from runtime.tracing import Recorder, TraceFile
 from runtime.training import TrainConfig, Trainer, TrainResult
@@ -65,6 +66,7 @@ def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strat
         options.search_seconds,
         options.param_homes,
         peak_function(machine),
+        step_function(machine),
     )
 
 

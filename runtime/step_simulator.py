@@ -37,7 +37,7 @@ import heapq
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from legion_nn.graph import TaskGraph
@@ -418,3 +418,13 @@ def step_prediction(graph: TaskGraph, plan: Plan, machine: Machine, bulk_seconds
         out["predicted_step_seconds"] = bulk_seconds + loop
         out["step_model"] = "bulk-synchronous"
     return out
+
+
+def step_function(machine: Machine) -> Callable[[TaskGraph, Plan], float]:
+    """A plan's predicted step as `partition` reports it (the simulated step with the machine's
+    time outside the tasks): what `auto` chooses its plan by (`partitioner.resolve`)."""
+
+    def step(graph: TaskGraph, plan: Plan) -> float:
+        return predict_step(graph, plan, machine).seconds + machine.loop_seconds
+
+    return step

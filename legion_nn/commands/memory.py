@@ -143,6 +143,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
     from runtime.step_memory import peak_function, predict
+    from runtime.step_simulator import step_function
     from visualize.render_file import check_plot
 
     check_ranks(args.ranks)
@@ -160,6 +161,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         _note,
         args.param_homes,
         peak_function(machine),
+        step_function(machine),
     )
     plan = build_plan(graph, strategy, args.ranks)
     memories = predict(graph, plan, machine)

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan
     from runtime.step_memory import memory_prediction, peak_function
-    from runtime.step_simulator import step_prediction
+    from runtime.step_simulator import step_function, step_prediction
     from visualize.render_file import check_plot, write_figure
 
     if args.batch is not None and args.batch < 1:
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             _note,
             args.param_homes,
             peak_function(machine),
+            step_function(machine),
         )
         plan = build_plan(graph, strategy, nranks)
         if args.verify:

@@ -116,6 +116,7 @@ def _plan(args: argparse.Namespace, graph):
     from partitioner.plan import build_plan
     from partitioner.resolve import resolve_strategy
     from runtime.step_memory import peak_function
+    from runtime.step_simulator import step_function
 
     if args.ranks < 1:
         raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
@@ -133,6 +134,7 @@ def _plan(args: argparse.Namespace, graph):
         note,
         args.param_homes,
         peak_function(machine),
+        step_function(machine),
     )
     return build_plan(graph, strategy, args.ranks)
 
