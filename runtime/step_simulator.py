@@ -41,7 +41,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from legion_nn.graph import TaskGraph
-from partitioner.cost import compute_per_rank
+from partitioner.cost import compute_per_rank, plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.rank_program import Collective, Message, RankProgram, build_programs
@@ -425,6 +425,9 @@ def step_function(machine: Machine) -> Callable[[TaskGraph, Plan], float]:
     time outside the tasks): what `auto` chooses its plan by (`partitioner.resolve`)."""
 
     def step(graph: TaskGraph, plan: Plan) -> float:
-        return predict_step(graph, plan, machine).seconds + machine.loop_seconds
+        # the sum is read only where `step_prediction` reports it in place of a simulation
+        simulated = plan.nranks <= SIMULATE_MAX_RANKS
+        bulk = 0.0 if simulated else plan_cost(graph, plan, machine).step_seconds
+        return step_prediction(graph, plan, machine, bulk)["predicted_step_seconds"]
 
     return step
