@@ -52,6 +52,9 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
     assert {p["pair"] for p in data["pingpong"]} == {"intra_host"}
     assert data["rank_memory_gib"] > 0 and data["rank_cores"] >= 1
     assert data["compute_factor"] > 0 and data["task_overhead_us"] >= 0 and data["loop_us"] > 0
+    # a message costs the runtime something beyond the link: posting, polling, completing; far
+    # less than a millisecond on one host
+    assert 0 < data["message_overhead_us"] < 1000
     # a fresh process of seed-lcn-small's training holds 100-400 MiB beside its buffers
     assert 100 < data["process_baseline_mib"] < 400
 
