@@ -6,7 +6,8 @@ share of its host's cores, as `train` does; rank 0 measures while the others wai
 that the cores of a host stay with the rank measuring), and writes the file:
 
 - the links, from ping-pongs at 8 B to 16 MiB (`mpi_transport.link_times`), each fitted as latency
-  plus bytes over bandwidth (`fit_link`): rank 0 and the first rank on another host (the link
+  plus bytes over bandwidth (`fit_link`), and between hosts the burst an idle link lets through
+  at once (`fit_burst`: a token bucket's, a NIC's or a switch's buffer): rank 0 and the first rank on another host (the link
   between hosts, `latency_us` and `link_gbytes_per_s`), and rank 0 and rank 1 where they share a
   host (`intra_host`); between hosts also both directions at once (`duplex_gbytes_per_s`: links
   are full duplex);
@@ -305,6 +306,9 @@ def measure(
         if rank == 0:
             pingpong += [{"pair": name, "bytes": s, "seconds": t} for s, t in zip(sizes, times)]
             links[name] = mpi.fit_link(list(zip(sizes, times)))
+            if name == "inter_host":
+                burst = mpi.fit_burst(list(zip(sizes, times)), *links[name])
+                out["link_burst_bytes"] = burst
             if duplex is not None:
                 out["duplex_gbytes_per_s"] = max(s / t for s, t in zip(DUPLEX_SIZES, duplex)) / 1e9
     if rank == 0:

@@ -59,7 +59,8 @@ from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
 OPTIONAL_KEYS = (
-    "memory_gbytes_per_s", "task_overhead_us", "process_baseline_mib", "message_overhead_us"
+    "memory_gbytes_per_s", "task_overhead_us", "process_baseline_mib", "message_overhead_us",
+    "link_burst_bytes",
 )
 #: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
 DEFAULT_BASELINE_MIB = 200.0
@@ -84,6 +85,9 @@ class Machine:
     process_baseline_mib: float = DEFAULT_BASELINE_MIB
     #: a rank's time to post its end of a message (the runtime's bookkeeping and MPI calls)
     message_overhead_us: float = 0.0
+    #: bytes a link between hosts lets through at once after it has been idle (a token bucket's
+    #: burst, a NIC's or a switch's buffer), refilled at the link's rate
+    link_burst_bytes: float = 0.0
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -160,6 +164,8 @@ class Machine:
             out["task_overhead_us"] = self.task_overhead_us
         if self.message_overhead_us:
             out["message_overhead_us"] = self.message_overhead_us
+        if self.link_burst_bytes:
+            out["link_burst_bytes"] = self.link_burst_bytes
         if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
             out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:
@@ -196,7 +202,7 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise LegionNNError(f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(known)}")
-    for key in ("task_overhead_us", "message_overhead_us"):
+    for key in ("task_overhead_us", "message_overhead_us", "link_burst_bytes"):
         value = data.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise LegionNNError(f"{where}: {key} must be a number >= 0, got {value!r}")
@@ -211,6 +217,7 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
         ),
         task_overhead_us=float(data.get("task_overhead_us", 0)),
         message_overhead_us=float(data.get("message_overhead_us", 0)),
+        link_burst_bytes=float(data.get("link_burst_bytes", 0)),
         process_baseline_mib=(
             _positive(data, "process_baseline_mib", where)
             if "process_baseline_mib" in data

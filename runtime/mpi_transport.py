@@ -207,6 +207,20 @@ def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(float(points[0][1]), 1e-7), max(slope, 1e-13)
 
 
+def fit_burst(points: list[tuple[int, float]], latency: float, per_byte: float) -> float:
+    """Bytes a link lets through at once when idle: the most any measured message saved against
+    latency plus its bytes at the rate, in bytes at the rate. A token bucket of B bytes (a
+    shaper's burst, a NIC's or a switch's buffer) saves min(size, B) of them; a link without
+    one saves none (noise aside: a saving is counted only where it exceeds a tenth of the
+    message's time)."""
+    saved = [
+        (latency + size * per_byte - t) / per_byte
+        for size, t in points
+        if latency + size * per_byte - t > 0.1 * t
+    ]
+    return max(saved, default=0.0)
+
+
 def link_times(a: int, b: int, sizes, repeat: int = 20, duplex: bool = False) -> list[float] | None:
     """Collective over the world: ranks `a` and `b` time a message of each size one way (half
     a ping-pong's round trip; with `duplex`, both send at once and each exchange counts), the

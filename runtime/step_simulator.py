@@ -15,7 +15,9 @@ post points and collective schedules the runtime runs:
   start its collectives, complete those due after it, post the copies due after it;
 - a message moves once both ends have posted it: on a link between hosts it takes the sending
   host's egress and the receiving host's ingress (full duplex per host, a non-blocking switch),
-  one message after another in the order they became ready, for latency + bytes / bandwidth;
+  one message after another in the order they became ready, for latency + bytes / bandwidth,
+  less the burst the link has left (`link_burst_bytes`: a token bucket at each end, whose bytes
+  cross at once, refilled at the link's rate while it is idle);
   within a host it takes latency + bytes / bandwidth of the host's own link (shared memory);
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
@@ -60,6 +62,8 @@ class Links:
     alpha_intra: float
     beta_intra: float
     ranks_per_host: int
+    #: bytes a link between hosts lets through at once when idle, refilled at its rate
+    burst: float = 0.0
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -67,7 +71,10 @@ class Links:
         alpha_intra, beta_intra = (
             machine.link(0, 0) if per_host > 1 else (machine.alpha, machine.beta)
         )
-        return cls(machine.alpha, machine.beta, alpha_intra, beta_intra, per_host)
+        return cls(
+            machine.alpha, machine.beta, alpha_intra, beta_intra, per_host,
+            machine.link_burst_bytes,
+        )  # fmt: skip
 
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host
@@ -124,6 +131,8 @@ class _Simulator:
         #: when each host's link (or, within a host, each rank) is next free, each way
         self.egress: dict[tuple[str, int], float] = defaultdict(float)
         self.ingress: dict[tuple[str, int], float] = defaultdict(float)
+        #: the burst each host's link has left when it is next free, each way (full at first)
+        self.tokens: dict[tuple[str, tuple[str, int]], float] = {}
         self.clock = {rank: 0.0 for rank in programs}
         self.waiting = {rank: 0.0 for rank in programs}
         self.running: dict[int, list[_Running]] = {rank: [] for rank in programs}
@@ -164,7 +173,19 @@ class _Simulator:
             out, into = ("host", src_host), ("host", dst_host)
             alpha, beta = links.alpha, links.beta
         start = max(ready, self.egress[out], self.ingress[into])
-        transfer.end = start + alpha + transfer.nbytes * beta
+        paid = transfer.nbytes
+        if links.burst and src_host != dst_host:
+            # a token bucket at each end: what the emptier has left crosses at once, the rest
+            # at the rate; it refills at the rate while the link is idle
+            ends = (("out", out, self.egress[out]), ("in", into, self.ingress[into]))
+            left = min(
+                min(links.burst, self.tokens.get((way, end), links.burst) + (start - free) / beta)
+                for way, end, free in ends
+            )
+            paid = max(transfer.nbytes - left, 0.0)
+            for way, end, _ in ends:
+                self.tokens[way, end] = max(left - transfer.nbytes, 0.0)
+        transfer.end = start + alpha + paid * beta
         self.egress[out] = self.ingress[into] = transfer.end
         for rank in (transfer.src, transfer.dst):
             if self.blocked.get(rank) is not None:

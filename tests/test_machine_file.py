@@ -54,6 +54,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         "compute_factor": 1.25,
         "loop_us": 300,
         "message_overhead_us": 120.0,
+        "link_burst_bytes": 32768.0,
         "hosts": 2,
         "rank_cores": 1,
         "duplex_gbytes_per_s": 0.12,
@@ -82,6 +83,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         ({"compute_factor": -1}, "compute_factor must be a number >= 0"),
         ({"loop_us": "fast"}, "loop_us must be a number >= 0"),
         ({"message_overhead_us": -5}, "message_overhead_us must be a number >= 0"),
+        ({"link_burst_bytes": "big"}, "link_burst_bytes must be a number >= 0"),
         ({"pieces": {"a": 1}}, "pieces must be a list"),
         ({"pieces": [{"op": "linear"}]}, r"pieces\[0\] needs op, phase"),
         ({"pieces": [PIECE | {"requirements": [1], "seconds": 1}]}, r"pieces\[0\] is malformed"),
@@ -178,3 +180,16 @@ def test_partition_json_gives_the_simulated_step(tmp_path):
     report = json.loads(out.read_text())
     assert report["step_model"] == "simulated"
     assert report["predicted_step_seconds"] > 0 and report["bulk_synchronous_seconds"] > 0
+
+
+def test_a_links_burst_is_read_off_its_ping_pongs():
+    from runtime.mpi_transport import fit_burst
+
+    latency, per_byte = 50e-6, 8e-9  # 1 Gbit/s
+    sizes = [8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20]
+    for burst in (32 * 1024, 256 * 1024):
+        points = [(n, latency + max(n - burst, 0) * per_byte) for n in sizes]
+        fitted = fit_link(points)
+        assert fit_burst(points, *fitted) == pytest.approx(burst, rel=0.02)
+    plain = [(n, latency + n * per_byte) for n in sizes]
+    assert fit_burst(plain, *fit_link(plain)) == 0.0

@@ -183,3 +183,35 @@ def test_the_simulated_step_runs_the_tasks_the_runtime_runs():
     step = predict_step(graph, plan, machine, ones)
     runs = len(program_0.tasks) - len(elided) - len(fused)
     assert step.seconds == pytest.approx(runs + len(fused) * 0.9)
+
+
+def test_an_idle_link_lets_its_burst_through_at_once_and_refills_at_its_rate():
+    """A 1 MB burst, 1 us a byte: a lone 0.6 MB copy takes the latency alone; two of them back
+    to back drain the bucket, so the second pays for the 0.2 MB the burst no longer covers."""
+    burst = Links(0.1, 1e-6, 0.0, 1e-9, 1, burst=1_000_000)
+    one = copies([(0, 1)], 600_000, 2)
+    step = simulate_step(one, {r: [0.0, 0.0] for r in range(2)}, MACHINE, burst)
+    assert step.finish[1] == pytest.approx(0.1)
+    two = copies([(0, 1), (0, 1)], 600_000, 2)
+    step = simulate_step(two, {r: [0.0, 0.0] for r in range(2)}, MACHINE, burst)
+    assert step.finish[1] == pytest.approx(0.1 + 0.1 + 0.2)
+    # without a burst, each pays its bytes
+    plain = simulate_step(two, {r: [0.0, 0.0] for r in range(2)}, MACHINE, links())
+    assert plain.finish[1] == pytest.approx(2 * (0.1 + 0.6))
+
+
+def test_a_burst_refills_while_the_link_is_idle():
+    """The second copy is posted 0.45 s after the first ended: 0.45 MB of tokens are back."""
+    sent = [Message(i, "x", Rect((0,), (1,)), 0, 1, 600_000, 1, 0, False) for i in range(2)]
+    tasks = {
+        rank: [RankTask(0, task("a"), post=[sent[0]]), RankTask(1, task("b"), post=[sent[1]],
+               copies_in=[sent[0]] if rank == 1 else []),
+               RankTask(2, task("c"), copies_in=[sent[1]] if rank == 1 else [])]
+        for rank in (0, 1)
+    }  # fmt: skip
+    programs = {rank: program(rank, tasks[rank]) for rank in (0, 1)}
+    compute = {0: [0.0, 0.55, 0.0], 1: [0.0, 0.0, 0.0]}
+    burst = Links(0.1, 1e-6, 0.0, 1e-9, 1, burst=1_000_000)
+    step = simulate_step(programs, compute, MACHINE, burst)
+    # the first ends at 0.1 with 0.4 MB left; the second starts at 0.55: 0.4 + 0.45 = 0.85 MB
+    assert step.finish[1] == pytest.approx(0.55 + 0.1)
