@@ -326,7 +326,7 @@ def measure(
                 f"{MESSAGE_JOB[2]}, on {size} ranks")  # fmt: skip
             fitted["links"] = {
                 "link_gbytes_per_s": _gbytes(per_byte), "latency_us": latency * 1e6,
-                "ranks_per_host": per_host,
+                "link_burst_bytes": out.get("link_burst_bytes", 0.0), "ranks_per_host": per_host,
                 "intra_host": (
                     (links["intra_host"][0] * 1e6, _gbytes(links["intra_host"][1]))
                     if "intra_host" in links and "inter_host" in links else None
