@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         type=_positive,
         default=3,
-        help="timed calls of ours per measurement, best kept (default: 3)",
+        help="timed calls of ours per measurement, best kept (kernels; scaling --hosts: runs of "
+        "each job, round-robin) (default: 3)",
     )
     parser.add_argument(
         "--rounds",
@@ -288,7 +289,8 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
         )
     cluster.require()
     report = bench_cluster.run_cluster_scaling(
-        args.hosts, variants, cases, strategies, args.ranks, steps=args.steps, progress=say
+        args.hosts, variants, cases, strategies, args.ranks, steps=args.steps,
+        repeat=args.repeat, progress=say,
     )
     print(bench_cluster.format_table(report), end="")
     if args.json:
