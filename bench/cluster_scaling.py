@@ -308,7 +308,9 @@ def run_cluster_scaling(
     rows, machines = [], []
     one_host: dict[tuple, object] = {}
     name = f"s{os.getpid() % 10_000_000}"
-    with tempfile.TemporaryDirectory(prefix="legion-nn-cluster-scaling-") as tmp:
+    with cluster.terminated_cleanly(), tempfile.TemporaryDirectory(
+        prefix="legion-nn-cluster-scaling-"
+    ) as tmp:
         for variant in variants:
             count = ranks or hosts * variant.ranks_per_host
             by_link: dict[str, list[Case]] = {}

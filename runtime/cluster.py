@@ -40,7 +40,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -479,12 +480,23 @@ def execute(cluster: Cluster, ranks: int, command: Sequence[str]) -> int:
     return 128 - code if code < 0 else code
 
 
-class _Terminated(Exception):
-    pass
+class Terminated(Exception):
+    """SIGTERM arrived while a cluster was up (`terminated_cleanly`)."""
 
 
 def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
+    raise Terminated()
+
+
+@contextmanager
+def terminated_cleanly() -> Iterator[None]:
+    """SIGTERM raises `Terminated` inside the block, so that the `finally` clauses that take
+    clusters down run (Python's default for SIGTERM ends the process without them)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(
@@ -501,14 +513,12 @@ def run(
     if ranks < 1:
         raise LegionNNError(f"-n: expected a positive rank count, got {ranks}")
     name = name or f"r{os.getpid() % 10_000_000}"
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        cluster = up(name, hosts, link_bits, options)
-        try:
-            return execute(cluster, ranks, command)
-        finally:
-            down(name)
-    except _Terminated:
+        with terminated_cleanly():
+            cluster = up(name, hosts, link_bits, options)
+            try:
+                return execute(cluster, ranks, command)
+            finally:
+                down(name)
+    except Terminated:
         return 128 + signal.SIGTERM
-    finally:
-        signal.signal(signal.SIGTERM, previous)

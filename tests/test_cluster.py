@@ -312,6 +312,38 @@ def test_an_interrupted_run_takes_its_cluster_down(clean, how):
 
 
 @needs_root
+def test_a_terminated_cluster_benchmark_takes_its_clusters_and_files_down():
+    """`bench scaling --hosts` brings clusters up itself: a SIGTERM in the middle of it (a CI
+    timeout, a scheduler) leaves no namespace and no working directory behind."""
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("legion-nn-cluster-scaling-*"))
+    job = subprocess.Popen(
+        legion_nn("bench", "scaling", "--hosts", "2", "--link", "1gbit", "--network",
+                  "seed-lcn-small", "--batch", "8", "--strategies", "data"),
+        env=environment(), stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    name = f"s{job.pid % 10_000_000}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            cluster.cluster_of(n) == name for n in namespaces()
+        ):
+            time.sleep(0.05)
+        assert any(cluster.cluster_of(n) == name for n in namespaces())
+        time.sleep(1.0)
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in job.stderr.read()
+    assert not [n for n in namespaces() if cluster.cluster_of(n) == name]
+    assert set(Path(tempfile.gettempdir()).glob("legion-nn-cluster-scaling-*")) == before
+
+
+@needs_root
 def test_up_run_on_status_and_down(clean):
     name = clean
     made = run("cluster", "up", name, "--hosts", "3", "--link", "500mbit")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -288,10 +289,13 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
             [(c.network, c.batch) for c in cases], args.ranks or args.hosts, strategies
         )
     cluster.require()
-    report = bench_cluster.run_cluster_scaling(
-        args.hosts, variants, cases, strategies, args.ranks, steps=args.steps,
-        repeat=args.repeat, progress=say,
-    )
+    try:
+        report = bench_cluster.run_cluster_scaling(
+            args.hosts, variants, cases, strategies, args.ranks, steps=args.steps,
+            repeat=args.repeat, progress=say,
+        )
+    except cluster.Terminated:  # its clusters and files are gone: nothing more to say
+        return 128 + signal.SIGTERM
     print(bench_cluster.format_table(report), end="")
     if args.json:
         write_text(args.json, json.dumps(report, indent=1) + "\n")
