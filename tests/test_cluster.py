@@ -231,6 +231,14 @@ def _qdiscs(namespace: str, device: str) -> str:
     ).stdout  # fmt: skip
 
 
+def _burst(qdiscs: str) -> int:
+    """The tbf's burst in bytes as tc prints it (rounded to its clock's ticks: 262125b, 32Kb)."""
+    import re
+
+    number, unit = re.search(r"burst (\d+)(b|Kb|Mb)", qdiscs).groups()
+    return int(number) * {"b": 1, "Kb": 1024, "Mb": 2**20}[unit]
+
+
 def _gso(namespace: str, device: str) -> int:
     out = subprocess.run(
         ["ip", "-n", namespace, "-d", "-json", "link", "show", device],
@@ -253,7 +261,7 @@ def test_a_cluster_is_built_as_its_options_say(clean):
         built = cluster.load(clean)
         assert built.cores[0] == built.cores[1] == tuple(sorted(os.sched_getaffinity(0)))
         host, switch = built.namespace(1), built.switch
-        assert "tbf" in _qdiscs(host, "eth0") and "burst 256Kb" in _qdiscs(host, "eth0")
+        assert _burst(_qdiscs(host, "eth0")) == pytest.approx(256 * 1024, rel=0.01)
         assert "tbf" not in _qdiscs(switch, "h1")  # the switch port does not shape
         assert _gso(host, "eth0") == 65536
     finally:
@@ -264,7 +272,8 @@ def test_a_cluster_is_built_as_its_options_say(clean):
     try:
         built = cluster.load(other)
         host, switch = built.namespace(1), built.switch
-        assert "burst 32Kb" in _qdiscs(host, "eth0") and "tbf" in _qdiscs(switch, "h1")
+        assert _burst(_qdiscs(host, "eth0")) == pytest.approx(32 * 1024, rel=0.01)
+        assert "tbf" in _qdiscs(switch, "h1")
         assert _gso(host, "eth0") == 16384
     finally:
         run("cluster", "down", other)
