@@ -24,6 +24,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
   messages, `MESSAGE_JOB` (a small network cut by channels over all ranks, its pieces timed
   first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency;
+- the CPU the network stack takes from a rank's kernels per byte it sends or receives between
+  hosts (`network_cpu_ns_per_byte`): a kernel timed alone and beside a stream each way;
 - what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
   NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.
@@ -43,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -50,6 +53,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+
+from numba import njit
 
 from bench.calibration import calibrate, memory_bandwidth
 from bench.jobs import OPTIMIZER, WARMUP, Job
@@ -186,6 +191,78 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
     return (low + high) / 2
 
 
+#: the kernel whose slowdown prices the network stack: about this long alone
+STACK_PROBE_S = 0.25
+#: the messages of the stream it runs beside
+STACK_CHUNK = 4 << 20
+STACK_MAX_BYTES = 256 << 20
+
+
+@njit(nogil=True)
+def _busy(rounds: int, values: np.ndarray) -> float:
+    """Arithmetic on a few cache lines: a kernel that needs the core and not the memory."""
+    total = 0.0
+    for _ in range(rounds):
+        for i in range(values.shape[0]):
+            total = total * 0.999999 + values[i]
+    return total
+
+
+def _timed_busy(rounds: int, values: np.ndarray) -> float:
+    start = time.perf_counter()
+    _busy(rounds, values)
+    return time.perf_counter() - start
+
+
+def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> float | None:
+    """The CPU a rank's network stack takes from its kernels, in ns per byte it sends or
+    receives between hosts (on rank 0; None elsewhere): rank 0 runs a kernel alone, then while
+    `peer` (on another host) streams to it, then while it streams to `peer`, the stream sized
+    to last about as long as the kernel at the link's rate, posted before the kernel starts and
+    moved meanwhile by the transport's progress thread as in a training step. The kernel's extra
+    seconds over the bytes that moved while it ran, the mean of both directions. The simulator
+    charges it to a task for the bytes its rank sent or received while it computed."""
+    from runtime import mpi_transport as mpi
+
+    rank = transport.rank
+    values = np.random.default_rng(0).standard_normal(512)
+    rounds = 1000
+    if rank == 0:
+        _timed_busy(1, values)  # compiled
+        while _timed_busy(rounds, values) < STACK_PROBE_S / 8:
+            rounds *= 2
+        rounds = int(rounds * STACK_PROBE_S / _timed_busy(rounds, values))
+        alone = min(_timed_busy(rounds, values) for _ in range(2))
+        nbytes = min(int(alone / seconds_per_byte), STACK_MAX_BYTES)
+    else:
+        nbytes = 0
+    nbytes = mpi.broadcast(nbytes)
+    chunks = max(nbytes // STACK_CHUNK, 1)
+    costs = []
+    for sender, receiver in ((peer, 0), (0, peer)):
+        mpi.idle_barrier()
+        requests = []
+        if rank in (sender, receiver):
+            buffers = [np.ones(STACK_CHUNK, np.uint8) for _ in range(chunks)]
+            for index, buffer in enumerate(buffers):
+                if rank == sender:
+                    requests.append(transport.isend(buffer, receiver, transport.data_tag(index)))
+                else:
+                    requests.append(transport.irecv(buffer, sender, transport.data_tag(index)))
+        if rank == 0:
+            start = time.perf_counter()
+            with transport.computing():
+                busy = _timed_busy(rounds, values)
+        while not all(r.test() for r in requests):
+            time.sleep(1e-4)
+        if rank == 0:
+            streamed = time.perf_counter() - start
+            moved = chunks * STACK_CHUNK * min(1.0, busy / streamed)
+            costs.append(max(busy - alone, 0.0) / moved)
+    mpi.idle_barrier()
+    return statistics.mean(costs) * 1e9 if rank == 0 else None
+
+
 #: steps of the fresh training whose resident set gives the process baseline
 BASELINE_STEPS = 2
 
@@ -318,7 +395,7 @@ def measure(
         baseline = process_baseline_mib(network, batch)
     main = links.get("inter_host") or links.get("intra_host")
     latency, per_byte = main if main else (0.0, 0.0)
-    per_message = None
+    per_message = stack = None
     if distributed and size > 1:
         mpi.idle_barrier()
         if rank == 0:
@@ -335,6 +412,10 @@ def measure(
         transport = mpi.MPITransport()
         try:
             per_message = message_overhead_us(transport, fitted if rank == 0 else {}, threads)
+            if host_count > 1:
+                if rank == 0:
+                    say("the network stack's CPU: a kernel beside a stream, each way")
+                stack = network_cpu_ns_per_byte(transport, per_host, per_byte)
         finally:
             transport.stop_progress()
     if distributed:
@@ -352,6 +433,7 @@ def measure(
         "memory_gbytes_per_s": fitted["memory_gbytes_per_s"],
         "task_overhead_us": fitted["task_overhead_us"],
         **({"message_overhead_us": per_message} if per_message is not None else {}),
+        **({"network_cpu_ns_per_byte": stack} if stack is not None else {}),
         "process_baseline_mib": baseline,
         "op_gflops": rates,
         "ranks_per_host": per_host,

@@ -60,7 +60,7 @@ from legion_nn.errors import LegionNNError
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
 OPTIONAL_KEYS = (
     "memory_gbytes_per_s", "task_overhead_us", "process_baseline_mib", "message_overhead_us",
-    "link_burst_bytes",
+    "link_burst_bytes", "network_cpu_ns_per_byte",
 )
 #: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
 DEFAULT_BASELINE_MIB = 200.0
@@ -88,6 +88,9 @@ class Machine:
     #: bytes a link between hosts lets through at once after it has been idle (a token bucket's
     #: burst, a NIC's or a switch's buffer), refilled at the link's rate
     link_burst_bytes: float = 0.0
+    #: CPU the network stack takes from a rank's kernels per byte it sends or receives between
+    #: hosts (a host's cores move the bytes: copies, checksums, interrupts), in ns
+    network_cpu_ns_per_byte: float = 0.0
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -166,6 +169,8 @@ class Machine:
             out["message_overhead_us"] = self.message_overhead_us
         if self.link_burst_bytes:
             out["link_burst_bytes"] = self.link_burst_bytes
+        if self.network_cpu_ns_per_byte:
+            out["network_cpu_ns_per_byte"] = self.network_cpu_ns_per_byte
         if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
             out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:
@@ -202,7 +207,9 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise LegionNNError(f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(known)}")
-    for key in ("task_overhead_us", "message_overhead_us", "link_burst_bytes"):
+    for key in (
+        "task_overhead_us", "message_overhead_us", "link_burst_bytes", "network_cpu_ns_per_byte"
+    ):
         value = data.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise LegionNNError(f"{where}: {key} must be a number >= 0, got {value!r}")
@@ -218,6 +225,7 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
         task_overhead_us=float(data.get("task_overhead_us", 0)),
         message_overhead_us=float(data.get("message_overhead_us", 0)),
         link_burst_bytes=float(data.get("link_burst_bytes", 0)),
+        network_cpu_ns_per_byte=float(data.get("network_cpu_ns_per_byte", 0)),
         process_baseline_mib=(
             _positive(data, "process_baseline_mib", where)
             if "process_baseline_mib" in data

@@ -257,6 +257,11 @@ def idle_barrier(poll_s: float = 0.001) -> None:
         time.sleep(poll_s)
 
 
+def broadcast(value: Any) -> Any:
+    """Rank 0's `value`, on every rank."""
+    return MPI.COMM_WORLD.bcast(value, root=0)
+
+
 def allgather(value: Any) -> list[Any]:
     return MPI.COMM_WORLD.allgather(value)
 

@@ -418,3 +418,8 @@ def test_bench_machine_measures_the_link_between_hosts(clean, tmp_path):
     assert 0 < data["link_gbytes_per_s"] <= 0.05 * 1.1
     assert 0 < data["duplex_gbytes_per_s"] <= 0.05 * 1.1
     assert "intra_host" not in data
+    # the default build's burst: two 16 KiB segments (what tbf lets through at once)
+    assert 8 * 1024 < data["link_burst_bytes"] < 128 * 1024
+    # moving bytes costs a host's core something, and far less than the link's time for them
+    assert 0 < data["network_cpu_ns_per_byte"] < 1e9 / (0.05e9) / 2
+    assert data["message_overhead_us"] >= 0
