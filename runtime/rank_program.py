@@ -216,8 +216,13 @@ def build_programs(
     }
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
-        for builder in programs.values():
-            builder.begin(position, task, task_plan.pieces)
+        # each rank's pieces found once, not by every rank scanning every piece
+        mine: dict[int, list[Piece]] = defaultdict(list)
+        for piece in task_plan.pieces:
+            for rank in dict.fromkeys(piece.ranks):
+                mine[rank].append(piece)
+        for rank, builder in programs.items():
+            builder.begin(position, task, mine.get(rank, ()))
         for transfer in task_plan.transfers:
             if transfer.reduce:
                 post_after = position
@@ -253,9 +258,10 @@ def build_programs(
                 reduction.tensor in sharded_grads,
             )
             seq += sum(len(hops) for hops in rounds)
+            sent = _bytes_sent(rounds, reduction.itemsize)
             for rank in reduction.participants:
                 if rank in programs:
-                    programs[rank].collective(collective)
+                    programs[rank].collective(collective, sent.get(rank, 0))
         for builder in programs.values():
             builder.end(task_plan.holdings)
         for tensor, layout in task_plan.holdings.items():
@@ -265,6 +271,16 @@ def build_programs(
         for program in built.values():
             fuse_into_gradients(graph, program)
     return built
+
+
+def _bytes_sent(rounds: list[list[Hop]], itemsize: int) -> dict[int, int]:
+    """Per rank, the bytes its hops of a collective send: counted once per collective rather
+    than by each participant walking every hop (quadratic in the ranks of a ring)."""
+    sent: dict[int, int] = defaultdict(int)
+    for hops in rounds:
+        for hop in hops:
+            sent[hop.src] += (hop.hi - hop.lo) * itemsize
+    return sent
 
 
 def _last_write(
@@ -312,28 +328,28 @@ class _Builder:
         return found[1]
 
     def begin(self, position: int, task: Task, pieces: Iterable[Piece]) -> None:
-        """Start the task at `position`: its pieces on this rank, and the rects they touch. A
-        reduction's rects are not yet touched: `end` adds what lands in the tensor itself (the
-        rest is scratch), and a resident tensor's read beyond the home goes to a window."""
+        """Start the task at `position`: `pieces`, those of its pieces this rank computes, and
+        the rects they touch. A reduction's rects are not yet touched: `end` adds what lands in
+        the tensor itself (the rest is scratch), and a resident tensor's read beyond the home
+        goes to a window."""
         current = RankTask(position, task)
         for piece in pieces:
-            if self.rank in piece.ranks:
-                current.pieces.append(PieceWork(piece.rect, piece.requirements))
-                for req in piece.requirements:
-                    read, write = req.read_rect, req.write_rect
-                    if req.privilege.reads:  # a read sees the zeros: they must be written
-                        self.zeroed_at.pop(req.tensor, None)
-                    if read is not None and not read.is_empty():
-                        if self.graph.tensors[req.tensor].resident and not read.covered_by(
-                            self.held(req.tensor)
-                        ):
-                            window = current.windows.get(req.tensor, read)
-                            current.windows[req.tensor] = window.union_bounds(read)
-                        else:
-                            self.touched[req.tensor].append(read)
-                    reduces = req.privilege is Privilege.REDUCE
-                    if write is not None and not write.is_empty() and not reduces:
-                        self.touched[req.tensor].append(write)
+            current.pieces.append(PieceWork(piece.rect, piece.requirements))
+            for req in piece.requirements:
+                read, write = req.read_rect, req.write_rect
+                if req.privilege.reads:  # a read sees the zeros: they must be written
+                    self.zeroed_at.pop(req.tensor, None)
+                if read is not None and not read.is_empty():
+                    if self.graph.tensors[req.tensor].resident and not read.covered_by(
+                        self.held(req.tensor)
+                    ):
+                        window = current.windows.get(req.tensor, read)
+                        current.windows[req.tensor] = window.union_bounds(read)
+                    else:
+                        self.touched[req.tensor].append(read)
+                reduces = req.privilege is Privilege.REDUCE
+                if write is not None and not write.is_empty() and not reduces:
+                    self.touched[req.tensor].append(write)
         for tensor, window in current.windows.items():
             parts = (window.intersect(h) for h in self.held(tensor))
             current.window_home[tensor] = [p for p in parts if not p.is_empty()]
@@ -358,13 +374,10 @@ class _Builder:
         else:
             self.tasks[message.post_after].post.append(message)
 
-    def collective(self, collective: Collective) -> None:
+    def collective(self, collective: Collective, sent: int) -> None:
+        """`collective` starts at this task; this rank's hops of it send `sent` bytes."""
         self.current.collectives.append(collective)
-        itemsize = collective.reduction.itemsize
-        for hops in collective.rounds:
-            for hop in hops:
-                if hop.src == self.rank:
-                    self.bytes_planned += (hop.hi - hop.lo) * itemsize
+        self.bytes_planned += sent
 
     def end(self, holdings: Mapping[str, Layout]) -> None:
         current = self.current

@@ -11,12 +11,12 @@ placement; the three together predict its peak resident set.
 The prediction builds every rank's program, so it costs about what planning all the ranks does;
 `partitioner.accounting` gives the quicker count the search prices, by layer (every tensor held
 all step, no staging buffers). `memory_prediction` is what `partition` reports: every rank placed
-up to `SIMULATE_MAX_RANKS` ranks, as the step simulator does, and beyond that the held count.
+up to `PLACED_MAX_RANKS` ranks, and beyond that the held count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +26,11 @@ from partitioner.accounting import memory_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_layouts
-from runtime.rank_program import build_programs
+from runtime.rank_program import RankProgram, build_programs
 from runtime.step_buffers import StepBuffers, step_buffers
-from runtime.step_simulator import SIMULATE_MAX_RANKS
+
+#: plans on more ranks are given the held-all-step count (`HELD`), not placed buffers
+PLACED_MAX_RANKS = 64
 
 #: what a rank's resident tensors hold, by their kind
 RESIDENT_PARTS = {"param": "parameters", "state": "optimizer state", "data": "data"}
@@ -81,13 +83,18 @@ def predict(
     plan: Plan,
     machine: Machine | None = None,
     ranks: Iterable[int] | None = None,
+    programs: Mapping[int, RankProgram] | None = None,
 ) -> dict[int, RankMemory]:
-    """Each rank's memory in a training step of `plan` (all ranks unless `ranks`)."""
+    """Each rank's memory in a training step of `plan` (all ranks unless `ranks`), from their
+    `programs` where the caller has built them."""
     machine = machine or Machine()
     ranks = list(range(plan.nranks)) if ranks is None else list(ranks)
     layouts = choose_layouts(graph)
+    if programs is None:
+        programs = build_programs(graph, plan, machine, ranks)
     out = {}
-    for rank, program in build_programs(graph, plan, machine, ranks).items():
+    for rank in ranks:
+        program = programs[rank]
         resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
         for name, box in program.boxes.items():
             tensor = graph.tensors[name]
@@ -106,9 +113,9 @@ def predict(
 #: in `auto`'s fitting, how many ranks (the fullest by `accounting.memory_per_rank`) are placed,
 #: besides rank 0 (which holds the step's statistics)
 SAMPLED_RANKS = 4
-#: what a rank holds on more ranks than `SIMULATE_MAX_RANKS`: placing even a few ranks' programs
+#: what a rank holds on more ranks than `PLACED_MAX_RANKS`: placing even a few ranks' programs
 #: walks every message of the plan (a minute for vgg19 at 1024 ranks), so the count of every
-#: tensor held all step stands in, as the bulk-synchronous sum stands in for the simulated step
+#: tensor held all step stands in
 HELD = "held all step (every tensor, no staging buffers), beyond 64 ranks"
 
 
@@ -120,12 +127,12 @@ def sampled_ranks(held: dict[int, int]) -> list[int]:
 
 def peak_function(machine: Machine) -> Callable[[TaskGraph, Plan], int]:
     """The most bytes a rank of a plan holds with its baseline: its buffers placed on the ranks
-    `sampled_ranks` picks, or beyond `SIMULATE_MAX_RANKS` the held count (`HELD`). What `auto`
+    `sampled_ranks` picks, or beyond `PLACED_MAX_RANKS` the held count (`HELD`). What `auto`
     fits in memory (`partitioner.memory_fit`)."""
 
     def peak(graph: TaskGraph, plan: Plan) -> int:
         held = memory_per_rank(graph, plan)
-        if plan.nranks > SIMULATE_MAX_RANKS:
+        if plan.nranks > PLACED_MAX_RANKS:
             return max(held.values(), default=0) + machine.process_baseline_bytes
         memories = predict(graph, plan, machine, sampled_ranks(held))
         return max(m.peak for m in memories.values())
@@ -133,10 +140,16 @@ def peak_function(machine: Machine) -> Callable[[TaskGraph, Plan], int]:
     return peak
 
 
-def memory_prediction(graph: TaskGraph, plan: Plan, machine: Machine) -> dict:
+def memory_prediction(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    programs: Mapping[int, RankProgram] | None = None,
+) -> dict:
     """What `partition` reports of a rank's memory: the peak over ranks of the runtime's buffers
-    and baseline (`predict`, every rank's program placed), its mean, the fullest rank's parts;
-    beyond `SIMULATE_MAX_RANKS` ranks the held count with the baseline (`HELD`)."""
+    and baseline (`predict`, every rank's program placed: `programs`, where the caller has built
+    them), its mean, the fullest rank's parts; beyond `PLACED_MAX_RANKS` ranks the held count
+    with the baseline (`HELD`)."""
     held = memory_per_rank(graph, plan)
     baseline = machine.process_baseline_bytes
     out = {
@@ -144,7 +157,7 @@ def memory_prediction(graph: TaskGraph, plan: Plan, machine: Machine) -> dict:
         "memory_held_per_rank_mean": sum(held.values()) / max(len(held), 1),
         "process_baseline_bytes": baseline,
     }
-    if plan.nranks > SIMULATE_MAX_RANKS:
+    if plan.nranks > PLACED_MAX_RANKS:
         fullest = max(held, key=lambda r: held[r])
         out |= {
             "memory_per_rank_max": held[fullest] + baseline,
@@ -153,7 +166,7 @@ def memory_prediction(graph: TaskGraph, plan: Plan, machine: Machine) -> dict:
             "memory_peak_rank": fullest,
         }
     else:
-        memories = predict(graph, plan, machine)
+        memories = predict(graph, plan, machine, programs=programs)
         top = max(memories.values(), key=lambda m: m.peak)
         out |= {
             "memory_per_rank_max": top.peak,

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan
+    from runtime.rank_program import build_programs
     from runtime.step_memory import memory_prediction, peak_function
     from runtime.step_simulator import step_function, step_prediction
     from visualize.render_file import check_plot, write_figure
@@ -135,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
         if args.verify:
             verify_plan(graph, plan)
         cost = plan_cost(graph, plan, machine)
-        step = step_prediction(graph, plan, machine, cost.step_seconds)
-        memory = memory_prediction(graph, plan, machine)
+        # every rank's program, built once for the simulated step and the placed buffers
+        programs = build_programs(graph, plan, machine, range(nranks))
+        step = step_prediction(graph, plan, machine, cost.step_seconds, programs)
+        memory = memory_prediction(graph, plan, machine, programs)
         reports.append(report_json(graph, plan, cost, why, step, memory))
     if args.sweep:
         sys.stdout.write(sweep_table(reports))

@@ -1,0 +1,718 @@
+"""The step simulator's event loop over flat arrays, compiled by Numba: the same step, faster.
+
+`runtime.step_simulator` states the model and runs it over Python objects: a generator per rank,
+a dict per transfer. That costs some 20 µs per message or collective hop, and a data-parallel
+step of resnet18 on 64 ranks has half a million hops (84 rings of 126 rounds). Here each rank's
+program is first flattened, in Python, into a list of instructions, each the effect of one
+stretch of `_Simulator._program` between two points where it gives the clock back:
+
+- `ADD c`: the rank's clock moves on by `c` (packing, unpacking, computing; each sum formed
+  exactly as the simulator forms it, so the clocks agree to the last bit);
+- `SYNC`: wake me at my clock; `PROGRESS`: a call into MPI (`_advance`);
+- `POST keys`, `WAIT keys`: post my ends of these transfers; block until they have ended;
+- `START i`: start collective instance `i` (this rank's rounds of one collective);
+- `COMPLETE n`: complete the `n` oldest collectives in flight, waiting on each round;
+
+and a compiled loop runs them with the simulator's very rules and tie-breaks: one heap of
+(time, counter, rank) wakes with stale entries left in it, links served in the order transfers
+became ready, collectives' rounds posted at MPI calls only. It returns what `simulate_step` does,
+float-equal; `tests/test_compiled_step.py` holds the two equal on every kind of plan the tests
+plan. A change to the model goes into both (the test fails until it does). `step_simulator.simulate_compiled`
+is the entry point.
+
+A collective's rounds are flattened per participant with NumPy (a rank's keys in every round,
+in hop order, and the bytes it adds at the end of each), not hop by hop in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from runtime.rank_program import Collective, Message, RankProgram
+
+#: `runtime.step_simulator.Links` (latency and seconds per byte, and each rank's host), which
+#: imports this module: named, not imported
+Links = Any
+#: `_Simulator._pack`'s pricing of a task's messages on a rank: (messages, rank) -> seconds
+Pack = Callable[[Sequence[Message], int], float]
+
+ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS = range(7)
+
+
+@dataclass
+class FlatStep:
+    """Every rank's program as instructions, and the transfers and collectives they name."""
+
+    ranks: list[int]
+    #: per rank index, its instructions are ops[op_ptr[i]:op_ptr[i + 1]], each (code, a, b)
+    ops: np.ndarray
+    op_ptr: np.ndarray
+    #: ADD's amounts (by a); POST's and WAIT's transfers are keys[a:b]
+    amounts: np.ndarray
+    keys: np.ndarray
+    #: per transfer (its sequence number): ends as rank indices, bytes
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    #: per rank index, its host
+    host: np.ndarray
+    #: per collective instance, its rounds are round_lo/hi/adds[first:first + count]
+    round_first: np.ndarray
+    round_count: np.ndarray
+    round_lo: np.ndarray
+    round_hi: np.ndarray
+    round_adds: np.ndarray
+    #: per rank index, its longest wait (the room its blocked keys need)
+    wait_room: np.ndarray
+    heap_room: int
+
+
+class _Flattener:
+    def __init__(self, programs: Mapping[int, RankProgram], pack: Pack, memory: float) -> None:
+        self.programs = programs
+        self.ranks = list(programs)
+        self.index = {rank: i for i, rank in enumerate(self.ranks)}
+        #: rank -> its index, as an array (-1: not simulated)
+        self.lookup = np.full(max([*self.ranks, *(p.nranks - 1 for p in programs.values())]) + 1, -1, np.int64)
+        self.lookup[self.ranks] = np.arange(len(self.ranks))
+        self.transfers = max((p.messages for p in programs.values()), default=0)
+        self.src = np.full(self.transfers, -1, np.int64)
+        self.dst = np.full(self.transfers, -1, np.int64)
+        self.nbytes = np.zeros(self.transfers, np.int64)
+        self.ops: list[tuple[int, int, int]] = []
+        self.amounts: list[float] = []
+        self.keys: list[int] = []
+        self.key_arrays: list[np.ndarray] = []
+        self.key_count = 0
+        #: the simulator's own pricing of a task's messages, so that a change there is one here
+        self.pack = pack
+        self.memory = memory
+        #: per collective (by sequence number): its participants' instances
+        self.instances: dict[int, dict[int, int]] = {}
+        self.round_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.round_first: list[int] = []
+        self.round_count: list[int] = []
+        self.rounds_total = 0
+        #: per rank index, the hops it sends (for its last wait, on every send)
+        self.hop_sends: dict[int, list[np.ndarray]] = {i: [] for i in range(len(self.ranks))}
+        self.waits = 0
+        self.posts = 0
+
+    def _add_keys(self, keys: list[int]) -> tuple[int, int]:
+        lo = self.key_count
+        self.keys.extend(keys)
+        self.key_count += len(keys)
+        return lo, self.key_count
+
+    def _flush_keys(self) -> None:
+        if self.keys:
+            self.key_arrays.append(np.asarray(self.keys, np.int64))
+            self.keys = []
+
+    def _add_key_array(self, keys: np.ndarray) -> int:
+        self._flush_keys()
+        lo = self.key_count
+        self.key_arrays.append(keys.astype(np.int64, copy=False))
+        self.key_count += len(keys)
+        return lo
+
+    def _room(self, end: int) -> None:
+        """Transfers up to sequence number `end` (a program made by hand may not count them)."""
+        if end > len(self.src):
+            grow = end - len(self.src)
+            self.src = np.concatenate([self.src, np.full(grow, -1, np.int64)])
+            self.dst = np.concatenate([self.dst, np.full(grow, -1, np.int64)])
+            self.nbytes = np.concatenate([self.nbytes, np.zeros(grow, np.int64)])
+
+    def _messages(self, messages: Sequence[Message]) -> None:
+        index = self.index
+        self._room(max(m.seq for m in messages) + 1)
+        for m in messages:
+            self.src[m.seq] = index.get(m.src, -1)
+            self.dst[m.seq] = index.get(m.dst, -1)
+            self.nbytes[m.seq] = m.nbytes
+
+    def add(self, amount: float) -> None:
+        if amount:  # adding zero leaves a clock as it is
+            self.ops.append((ADD, len(self.amounts), 0))
+            self.amounts.append(amount)
+
+    def post(self, messages: Sequence[Message]) -> None:
+        if messages:
+            self._messages(messages)
+            lo, hi = self._add_keys([m.seq for m in messages])
+            self.ops.append((POST, lo, hi))
+            self.posts += len(messages)
+
+    def wait(self, keys: list[int]) -> int:
+        """A wait, even on nothing: the rank polls its collectives (`_poll`)."""
+        lo, hi = self._add_keys(keys)
+        self.ops.append((WAIT, lo, hi))
+        self.waits += 1
+        return hi - lo
+
+    def collective(self, collective: Collective) -> dict[int, int]:
+        """The instances of `collective`, one per participant simulated: each its keys in every
+        round, in hop order, and the bytes it adds at each round's end (`_start_collective`)."""
+        found = self.instances.get(collective.seq)
+        if found is not None:
+            return found
+        participants = [r for r in collective.reduction.participants if r in self.index]
+        where = np.full(len(self.ranks), -1, np.int64)
+        for k, rank in enumerate(participants):
+            where[self.index[rank]] = k
+        rounds = collective.rounds
+        nrounds = len(rounds)
+        hops = [(hop.src, hop.dst, hop.hi - hop.lo, hop.add) for hops in rounds for hop in hops]
+        round_of = np.repeat(np.arange(nrounds, dtype=np.int64), [len(h) for h in rounds])
+        table = np.array(hops, np.int64).reshape(-1, 4)
+        src, dst = self.lookup[table[:, 0]], self.lookup[table[:, 1]]
+        nbytes = table[:, 2] * collective.reduction.itemsize
+        seqs = collective.seq + np.arange(len(table), dtype=np.int64)
+        self._room(collective.seq + len(table))
+        self.src[seqs], self.dst[seqs], self.nbytes[seqs] = src, dst, nbytes
+        # one entry per (rank, hop) the rank is an end of, once even where it is both
+        hop = np.arange(len(table), dtype=np.int64)
+        both = dst != src
+        ends = np.concatenate([src, dst[both]])
+        hop_of = np.concatenate([hop, hop[both]])
+        slot = where[ends] if len(ends) else ends
+        kept = (ends >= 0) & (slot >= 0)
+        slot, hop_of = slot[kept], hop_of[kept]
+        cell = slot * nrounds + round_of[hop_of]
+        order = np.lexsort((hop_of, cell))
+        cells = len(participants) * nrounds
+        counts = np.bincount(cell, minlength=cells)
+        lo = self.key_count + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._add_key_array(seqs[hop_of[order]])
+        adding = (table[:, 3] != 0) & (dst >= 0)
+        adding &= np.where(dst >= 0, where[np.maximum(dst, 0)], -1) >= 0
+        added = np.zeros(cells, np.int64)
+        if adding.any():
+            target = where[dst[adding]] * nrounds + round_of[adding]
+            np.add.at(added, target, nbytes[adding])
+        self.round_parts.append((lo, lo + counts, added))
+        mine = {}
+        for k, rank in enumerate(participants):
+            mine[rank] = len(self.round_first)
+            self.round_first.append(self.rounds_total + k * nrounds)
+            self.round_count.append(nrounds)
+        self.rounds_total += cells
+        sent = (src >= 0) & (where[np.maximum(src, 0)] >= 0)
+        for i in np.unique(src[sent]):
+            self.hop_sends[int(i)].append(seqs[src == i])
+        self.instances[collective.seq] = mine
+        self.posts += 2 * len(table)
+        return mine
+
+    def program(self, rank: int, program: RankProgram, compute: Sequence[float]) -> int:
+        """`_Simulator._program`'s instructions for `rank`; returns its longest wait."""
+        pack, memory = self.pack, self.memory
+        longest = 0
+        self.add(pack(program.post_at_start, rank))
+        self.ops.append((SYNC, 0, 0))
+        self.post(program.post_at_start)
+        sends = [m.seq for m in program.post_at_start if m.src == rank]
+        completed = started = 0
+        for position, rt in enumerate(program.tasks):
+            if rt.complete_before - completed > 0:
+                self.ops.append((COMPLETE, rt.complete_before - completed, 0))
+            completed = max(completed, rt.complete_before)
+            self.add(pack(rt.partial_in, rank))
+            self.post(rt.partial_in)
+            longest = max(longest, self.wait([m.seq for m in rt.copies_in]))
+            self.add(sum(2 * m.nbytes * memory for m in rt.copies_in))
+            self.add(compute[position])
+            self.add(pack(rt.partial_out, rank) + pack(rt.post, rank))
+            self.ops.append((SYNC, 0, 0))
+            self.post(rt.partial_out)
+            longest = max(longest, self.wait([m.seq for m in rt.partial_in]))
+            self.add(sum(3 * m.nbytes * memory for m in rt.partial_in))
+            for collective in rt.collectives:
+                self.ops.append((START, self.collective(collective)[rank], 0))
+                started += 1
+            if rt.complete_after - completed > 0:
+                self.ops.append((COMPLETE, rt.complete_after - completed, 0))
+            completed = max(completed, rt.complete_after)
+            self.post(rt.post)
+            self.ops.append((PROGRESS, 0, 0))
+            sends += [m.seq for m in (*rt.partial_out, *rt.post) if m.src == rank]
+        if started - completed > 0:
+            self.ops.append((COMPLETE, started - completed, 0))
+        hop_sends = self.hop_sends[self.index[rank]]
+        everything = np.concatenate([np.asarray(sends, np.int64), *hop_sends])
+        lo = self._add_key_array(everything)
+        self.ops.append((WAIT, lo, lo + len(everything)))
+        self.waits += 1
+        return max(longest, len(everything))
+
+    def flat(self, compute: Mapping[int, Sequence[float]], links: Links) -> FlatStep:
+        op_ptr = [0]
+        rooms = []
+        for rank, program in self.programs.items():
+            rooms.append(self.program(rank, program, compute[rank]))
+            op_ptr.append(len(self.ops))
+        self._flush_keys()
+        keys = np.concatenate(self.key_arrays) if self.key_arrays else np.zeros(0, np.int64)
+        rooms_array = np.asarray(rooms, np.int64)
+        if self.round_parts:
+            round_lo = np.concatenate([p[0] for p in self.round_parts])
+            round_hi = np.concatenate([p[1] for p in self.round_parts])
+            round_adds = np.concatenate([p[2] for p in self.round_parts])
+            # COMPLETE waits on a round's keys as they stand
+            rooms_array = np.maximum(rooms_array, int((round_hi - round_lo).max(initial=0)))
+        else:
+            round_lo = round_hi = round_adds = np.zeros(0, np.int64)
+        ops = np.asarray(self.ops, np.int64).reshape(-1, 3)
+        syncs = int(np.count_nonzero(ops[:, 0] == SYNC)) if len(ops) else 0
+        heap_room = syncs + self.waits + self.rounds_total + 2 * self.posts + len(self.ranks) + 1
+        return FlatStep(
+            self.ranks,
+            ops,
+            np.asarray(op_ptr, np.int64),
+            np.asarray(self.amounts, np.float64),
+            keys,
+            self.src,
+            self.dst,
+            self.nbytes,
+            np.asarray([links.host(rank) for rank in self.ranks], np.int64),
+            np.asarray(self.round_first, np.int64),
+            np.asarray(self.round_count, np.int64),
+            round_lo.astype(np.int64),
+            round_hi.astype(np.int64),
+            round_adds.astype(np.int64),
+            rooms_array,
+            heap_room,
+        )
+
+
+def flatten(
+    programs: Mapping[int, RankProgram],
+    compute: Mapping[int, Sequence[float]],
+    links: Links,
+    pack: Pack,
+    memory: float,
+) -> FlatStep:
+    """Every rank's program as instructions (see the module docstring): `pack` prices a task's
+    messages on a rank, `memory` is seconds per byte of memory traffic."""
+    return _Flattener(programs, pack, memory).flat(compute, links)
+
+
+def run_compiled(
+    programs: Mapping[int, RankProgram],
+    compute: Mapping[int, Sequence[float]],
+    links: Links,
+    pack: Pack,
+    memory: float,
+    per_message: float,
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Per rank, when it finished the step and how long it waited, by the compiled loop
+    (`step_simulator.simulate_compiled` makes the step of them)."""
+    flat = flatten(programs, compute, links, pack, memory)
+    host = flat.host
+    hosts = int(host.max()) + 1 if len(host) else 0
+    finish, waiting, done = _run_step(
+        flat.ops,
+        flat.op_ptr,
+        flat.amounts,
+        flat.keys,
+        flat.src,
+        flat.dst,
+        flat.nbytes,
+        host,
+        hosts,
+        flat.round_first,
+        flat.round_count,
+        flat.round_lo,
+        flat.round_hi,
+        flat.round_adds,
+        flat.wait_room,
+        flat.heap_room,
+        (links.alpha, links.beta, links.alpha_intra, links.beta_intra, memory, per_message,
+         float(links.burst)),
+    )  # fmt: skip
+    stuck = sorted(rank for i, rank in enumerate(flat.ranks) if not done[i])
+    if stuck:
+        raise RuntimeError(f"step simulation: ranks {stuck} never finished (a deadlock)")
+    return (
+        {rank: float(finish[i]) for i, rank in enumerate(flat.ranks)},
+        {rank: float(waiting[i]) for i, rank in enumerate(flat.ranks)},
+    )
+
+
+# The loop is module-level functions over tuples of arrays, each compiled once: inner closures
+# would be inlined at every call, and compiling the whole took over a minute.
+#   net: src, dst, nbytes, host, egress_rank, ingress_rank, egress_host, ingress_host, ended,
+#        scheduled, send_posted, recv_posted, tokens_out, tokens_in (each host's burst left)
+#   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
+#   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst
+#   ranks: clock, waiting, blocked, blocked_count, blocked_at, blocked_keys
+#   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
+#           started, instances_of, head, tail
+
+
+@njit(cache=True)
+def _before(time, order, a, b):
+    return time[a] < time[b] or (time[a] == time[b] and order[a] < order[b])
+
+
+@njit(cache=True)
+def _swap(time, order, rank, a, b):
+    time[a], time[b] = time[b], time[a]
+    order[a], order[b] = order[b], order[a]
+    rank[a], rank[b] = rank[b], rank[a]
+
+
+@njit(cache=True)
+def _wake(heap, rank, at):
+    """`_Simulator._wake`: one live wake per rank; superseded ones stay in the heap."""
+    wake_at, state = heap[0], heap[4]
+    if at < wake_at[rank]:
+        wake_at[rank] = at
+        n = state[0]
+        if n >= len(heap[1]):
+            raise RuntimeError("step simulation: event heap overflow")
+        heap[1][n], heap[2][n], heap[3][n] = at, state[1], rank
+        state[0] = n + 1
+        state[1] += 1
+        while n > 0:
+            parent = (n - 1) // 2
+            if _before(heap[1], heap[2], n, parent):
+                _swap(heap[1], heap[2], heap[3], n, parent)
+                n = parent
+            else:
+                break
+
+
+@njit(cache=True)
+def _pop(heap):
+    """The earliest wake (time, rank), by time and then the order they were made."""
+    time, order, ranks, state = heap[1], heap[2], heap[3], heap[4]
+    at, rank = time[0], ranks[0]
+    n = state[0] - 1
+    state[0] = n
+    if n > 0:
+        _swap(time, order, ranks, 0, n)
+        i = 0
+        while True:
+            left = 2 * i + 1
+            if left >= n:
+                break
+            child = left
+            if left + 1 < n and _before(time, order, left + 1, left):
+                child = left + 1
+            if _before(time, order, child, i):
+                _swap(time, order, ranks, child, i)
+                i = child
+            else:
+                break
+    return at, rank
+
+
+@njit(cache=True)
+def _schedule(net, prices, blocked, heap, t, ready):
+    src, dst, nbytes, host = net[0], net[1], net[2], net[3]
+    s, d = src[t], dst[t]
+    if host[s] == host[d]:  # shared memory: each rank copies one message at a time
+        egress, ingress, a, b = net[4], net[5], s, d
+        alpha, beta = prices[2], prices[3]
+    else:
+        egress, ingress, a, b = net[6], net[7], host[s], host[d]
+        alpha, beta = prices[0], prices[1]
+    start = max(ready, egress[a], ingress[b])
+    burst = prices[6]
+    if burst and host[s] != host[d]:
+        # `_Simulator._schedule`'s token bucket at each end, the same sums in the same order
+        tokens_out, tokens_in = net[12], net[13]
+        left = min(
+            min(burst, tokens_out[a] + (start - egress[a]) / beta),
+            min(burst, tokens_in[b] + (start - ingress[b]) / beta),
+        )
+        paid = max(nbytes[t] - left, 0.0)
+        tokens_out[a] = max(left - nbytes[t], 0.0)
+        tokens_in[b] = max(left - nbytes[t], 0.0)
+        end = start + alpha + paid * beta
+    else:
+        end = start + alpha + nbytes[t] * beta
+    egress[a] = end
+    ingress[b] = end
+    net[8][t] = end
+    net[9][t] = True
+    if blocked[s]:
+        _wake(heap, s, end)
+    if blocked[d]:
+        _wake(heap, d, end)
+
+
+@njit(cache=True)
+def _post(net, prices, blocked, heap, rank, t, now):
+    if rank == net[0][t]:
+        net[10][t] = True
+    if rank == net[1][t]:
+        net[11][t] = True
+    if net[10][t] and net[11][t]:
+        _schedule(net, prices, blocked, heap, t, now)
+
+
+@njit(cache=True)
+def _round_end(keys, ended, scheduled, lo, hi):
+    """When the last of keys[lo:hi] ends, or -1.0 while one is not scheduled."""
+    latest = 0.0
+    for k in range(lo, hi):
+        t = keys[k]
+        if not scheduled[t]:
+            return -1.0
+        latest = max(latest, ended[t])
+    return latest
+
+
+@njit(cache=True)
+def _post_round(net, prices, ranks, heap, rounds, rank, instance):
+    keys, first, count, round_lo, round_hi, current = (
+        rounds[0], rounds[1], rounds[2], rounds[3], rounds[4], rounds[6]
+    )
+    clock = ranks[0]
+    r = current[instance]
+    lo, hi = 0, 0
+    if r < count[instance]:
+        lo, hi = round_lo[first[instance] + r], round_hi[first[instance] + r]
+    clock[rank] += (hi - lo) * prices[5]
+    for k in range(lo, hi):
+        _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
+
+
+@njit(cache=True)
+def _advance(net, prices, ranks, heap, rounds, rank):
+    """`_Simulator._advance`: post the next round of each collective whose round has ended."""
+    keys, first, count, round_lo, round_hi, adds, current = rounds[:7]
+    started, instances_of, head, tail = rounds[7], rounds[8], rounds[9], rounds[10]
+    clock = ranks[0]
+    now = clock[rank]
+    for q in range(head[rank], tail[rank]):
+        instance = started[instances_of[rank] + q]
+        while current[instance] < count[instance]:
+            cell = first[instance] + current[instance]
+            end = _round_end(keys, net[8], net[9], round_lo[cell], round_hi[cell])
+            if end < 0.0 or end > now:
+                break
+            clock[rank] += 3 * adds[cell] * prices[4]
+            current[instance] += 1
+            _post_round(net, prices, ranks, heap, rounds, rank, instance)
+
+
+@njit(cache=True)
+def _next_round_end(net, ranks, rounds, rank):
+    keys, first, count, round_lo, round_hi = rounds[:5]
+    current, started, instances_of, head, tail = rounds[6:11]
+    best = -1.0
+    for q in range(head[rank], tail[rank]):
+        instance = started[instances_of[rank] + q]
+        if current[instance] < count[instance]:
+            cell = first[instance] + current[instance]
+            end = _round_end(keys, net[8], net[9], round_lo[cell], round_hi[cell])
+            if end >= 0.0 and end > ranks[0][rank] and (best < 0.0 or end < best):
+                best = end
+    return best
+
+
+@njit(cache=True)
+def _poll(net, prices, ranks, heap, rounds, rank, now):
+    """`_Simulator._poll`; True where the wait is over (the caller runs the rank on)."""
+    clock, waiting, blocked, blocked_count, blocked_at, blocked_keys = ranks
+    ended, scheduled = net[8], net[9]
+    waited_from = clock[rank]
+    clock[rank] = max(clock[rank], now)
+    _advance(net, prices, ranks, heap, rounds, rank)
+    now = clock[rank]
+    base = blocked_at[rank]
+    kept = 0
+    for k in range(blocked_count[rank]):
+        t = blocked_keys[base + k]
+        if not scheduled[t] or ended[t] > now:
+            blocked_keys[base + kept] = t
+            kept += 1
+    blocked_count[rank] = kept
+    waiting[rank] += now - waited_from
+    if kept == 0:
+        blocked[rank] = False
+        return True
+    end = 0.0
+    for k in range(kept):
+        t = blocked_keys[base + k]
+        if not scheduled[t]:
+            end = -1.0
+            break
+        end = max(end, ended[t])
+    later = _next_round_end(net, ranks, rounds, rank)
+    if end >= 0.0 and later >= 0.0:
+        _wake(heap, rank, min(end, later))
+    elif end >= 0.0:
+        _wake(heap, rank, end)
+    elif later >= 0.0:
+        _wake(heap, rank, later)
+    return False
+
+
+@njit(cache=True)
+def _block(net, prices, ranks, heap, rounds, rank, lo, hi):
+    """Wait for keys[lo:hi]: True where that is over at once."""
+    keys = rounds[0]
+    base = ranks[4][rank]
+    for k in range(lo, hi):
+        ranks[5][base + k - lo] = keys[k]
+    ranks[3][rank] = hi - lo
+    ranks[2][rank] = True
+    return _poll(net, prices, ranks, heap, rounds, rank, ranks[0][rank])
+
+
+@njit(cache=True)
+def _run(program, net, prices, ranks, heap, rounds, rank):
+    """`_Simulator._run`: go on with `rank` at its clock until it waits, syncs or ends."""
+    ops, op_ptr, amounts, pc, completing, done, finish = program
+    keys, first, count, round_lo, round_hi = rounds[:5]
+    current, started, instances_of, head, tail = rounds[6:11]
+    clock = ranks[0]
+    while True:
+        p = pc[rank]
+        if p == op_ptr[rank + 1]:
+            done[rank] = True
+            finish[rank] = clock[rank]
+            return
+        code, a, b = ops[p, 0], ops[p, 1], ops[p, 2]
+        if code == ADD:
+            clock[rank] += amounts[a]
+            pc[rank] = p + 1
+        elif code == SYNC:
+            pc[rank] = p + 1
+            _wake(heap, rank, clock[rank])
+            return
+        elif code == POST:
+            for k in range(a, b):
+                _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
+            pc[rank] = p + 1
+        elif code == PROGRESS:
+            pc[rank] = p + 1
+            _advance(net, prices, ranks, heap, rounds, rank)
+        elif code == WAIT:
+            pc[rank] = p + 1
+            if not _block(net, prices, ranks, heap, rounds, rank, a, b):
+                return
+        elif code == START:
+            started[instances_of[rank] + tail[rank]] = a
+            tail[rank] += 1
+            pc[rank] = p + 1
+            _post_round(net, prices, ranks, heap, rounds, rank, a)
+        else:  # COMPLETE: the `a` oldest in flight, round by round (`_Simulator._complete`)
+            if completing[rank] < 0:
+                completing[rank] = a
+            if completing[rank] == 0:
+                completing[rank] = -1
+                pc[rank] = p + 1
+                continue
+            instance = started[instances_of[rank] + head[rank]]
+            if current[instance] < count[instance]:
+                cell = first[instance] + current[instance]
+                if not _block(net, prices, ranks, heap, rounds, rank, round_lo[cell], round_hi[cell]):
+                    return
+            else:
+                head[rank] += 1
+                completing[rank] -= 1
+
+
+@njit(cache=True)
+def _run_step(
+    ops,
+    op_ptr,
+    amounts,
+    keys,
+    src,
+    dst,
+    nbytes,
+    host,
+    hosts,
+    round_first,
+    round_count,
+    round_lo,
+    round_hi,
+    round_adds,
+    wait_room,
+    heap_room,
+    prices,
+):
+    nranks = len(op_ptr) - 1
+    transfers = len(src)
+    net = (
+        src,
+        dst,
+        nbytes,
+        host,
+        np.zeros(nranks, np.float64),
+        np.zeros(nranks, np.float64),
+        np.zeros(max(hosts, 1), np.float64),
+        np.zeros(max(hosts, 1), np.float64),
+        np.zeros(transfers, np.float64),
+        np.zeros(transfers, np.bool_),
+        np.zeros(transfers, np.bool_),
+        np.zeros(transfers, np.bool_),
+        np.full(max(hosts, 1), prices[6]),
+        np.full(max(hosts, 1), prices[6]),
+    )
+    heap = (
+        np.full(nranks, np.inf),
+        np.zeros(heap_room, np.float64),
+        np.zeros(heap_room, np.int64),
+        np.zeros(heap_room, np.int64),
+        np.zeros(2, np.int64),
+    )
+    blocked_at = np.zeros(nranks + 1, np.int64)
+    blocked_at[1:] = np.cumsum(wait_room)
+    ranks = (
+        np.zeros(nranks, np.float64),
+        np.zeros(nranks, np.float64),
+        np.zeros(nranks, np.bool_),
+        np.zeros(nranks, np.int64),
+        blocked_at,
+        np.zeros(max(blocked_at[nranks], 1), np.int64),
+    )
+    # per rank, its instances in start order: START takes the next, COMPLETE drops the oldest
+    instances_of = np.zeros(nranks + 1, np.int64)
+    for i in range(nranks):
+        instances_of[i + 1] = instances_of[i] + np.sum(ops[op_ptr[i] : op_ptr[i + 1], 0] == START)
+    rounds = (
+        keys,
+        round_first,
+        round_count,
+        round_lo,
+        round_hi,
+        round_adds,
+        np.zeros(max(len(round_first), 1), np.int64),
+        np.zeros(max(instances_of[nranks], 1), np.int64),
+        instances_of,
+        np.zeros(nranks, np.int64),
+        np.zeros(nranks, np.int64),
+    )
+    done = np.zeros(nranks, np.bool_)
+    finish = np.zeros(nranks, np.float64)
+    program = (ops, op_ptr, amounts, op_ptr[:-1].copy(), np.full(nranks, -1, np.int64), done, finish)
+    for rank in range(nranks):
+        _wake(heap, rank, 0.0)
+    wake_at = heap[0]
+    while heap[4][0] > 0:
+        at, rank = _pop(heap)
+        if wake_at[rank] != at:
+            continue
+        wake_at[rank] = np.inf
+        if done[rank]:
+            continue
+        if ranks[2][rank]:
+            if _poll(net, prices, ranks, heap, rounds, rank, at):
+                _run(program, net, prices, ranks, heap, rounds, rank)
+        else:
+            ranks[0][rank] = max(ranks[0][rank], at)
+            _run(program, net, prices, ranks, heap, rounds, rank)
+    return finish, ranks[1], done
