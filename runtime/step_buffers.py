@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -296,23 +296,33 @@ def _adding_hops(collective, rank: int) -> list[int]:
     return sizes
 
 
-def _reserved(slot: Slot) -> int:
-    size = -(-slot.nbytes // LINE) * LINE
-    return size + PAGE if slot.nbytes >= COLOURED else size
+def _reserved(nbytes: int) -> int:
+    size = -(-nbytes // LINE) * LINE
+    return size + PAGE if nbytes >= COLOURED else size
 
 
 def place(slots: list[Slot], length: int) -> StepBuffers:
     """Offsets for `slots` in one arena: largest first, each at the lowest offset clear of the
     placed slots whose lifetimes overlap its own."""
     order = sorted(slots, key=lambda s: (-s.nbytes, s.first, repr(s.key)))
-    placed: list[tuple[int, int, Slot]] = []  # (offset, end, slot)
-    offsets: dict[Hashable, int] = {}
+    starts, size = _placement(tuple((s.nbytes, s.first, s.last) for s in order))
+    offsets = {slot.key: start for slot, start in zip(order, starts)}
+    return StepBuffers({s.key: s for s in slots}, offsets, size, length)
+
+
+@lru_cache(maxsize=64)
+def _placement(order: tuple[tuple[int, int, int], ...]) -> tuple[list[int], int]:
+    """Each slot's start and the arena's size, for slots (bytes, first, last) in placing
+    order: a function of these alone, so ranks whose programs have the same buffers (a
+    data-parallel plan's) place them once."""
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    starts: list[int] = []
     size = 0
     colour = 0
-    for slot in order:
-        need = _reserved(slot)
-        busy = sorted((o, e) for o, e, s in placed if s.first <= slot.last and slot.first <= s.last)
-        coloured = slot.nbytes >= COLOURED
+    for nbytes, first, last in order:
+        need = _reserved(nbytes)
+        busy = sorted((o, e) for o, e, f, la in placed if f <= last and first <= la)
+        coloured = nbytes >= COLOURED
         offset = 0
         for lo, hi in busy:
             if coloured:  # aligned before the fit is checked: the page may not fit the gap
@@ -326,10 +336,10 @@ def place(slots: list[Slot], length: int) -> StepBuffers:
             colour += 1
         else:
             need_start = offset
-        placed.append((offset, offset + need, slot))
-        offsets[slot.key] = need_start
+        placed.append((offset, offset + need, first, last))
+        starts.append(need_start)
         size = max(size, offset + need)
-    return StepBuffers({s.key: s for s in slots}, offsets, size, length)
+    return starts, size
 
 
 def step_buffers(
