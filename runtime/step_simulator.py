@@ -445,6 +445,17 @@ def simulate_compiled(
     return SimulatedStep(max(finish.values(), default=0.0), finish, waiting)
 
 
+#: plans of more (rank, task) pairs than this are priced by the bulk-synchronous sum alone:
+#: building every rank's program is what a simulation costs there (seed-lcn, 43 tasks, at 1024
+#: ranks: about 20 s of CPU; vgg19 at 1024 ranks: minutes)
+SIMULATE_MAX_WORK = 50_000
+
+
+def simulated(graph: TaskGraph, plan: Plan) -> bool:
+    """Whether `step_prediction` simulates `plan` (within `SIMULATE_MAX_WORK`)."""
+    return plan.nranks * len(graph.tasks) <= SIMULATE_MAX_WORK
+
+
 def step_prediction(
     graph: TaskGraph,
     plan: Plan,
@@ -452,17 +463,17 @@ def step_prediction(
     bulk_seconds: float,
     programs: Mapping[int, RankProgram] | None = None,
 ) -> dict:
-    """The step `partition` and `bench scaling` predict: the simulated step at every rank count
-    (`simulate_compiled`), and the bulk-synchronous sum (`plan_cost`'s `bulk_seconds`) beside
-    it, each with the machine's time outside the tasks (`loop_us`). `programs`: every rank's,
-    where the caller has built them already."""
+    """The step `partition` and `bench scaling` predict: the simulated step (`simulate_compiled`)
+    where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
+    `bulk_seconds`), which is reported beside it in any case, each with the machine's time
+    outside the tasks (`loop_us`). `programs`: every rank's, where the caller has built them
+    already."""
     loop = machine.loop_seconds
-    simulated = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
-    return {
-        "bulk_synchronous_seconds": bulk_seconds + loop,
-        "predicted_step_seconds": simulated.seconds + loop,
-        "step_model": "simulated",
-    }
+    out = {"bulk_synchronous_seconds": bulk_seconds + loop}
+    if not simulated(graph, plan):
+        return out | {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
+    step = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
+    return out | {"predicted_step_seconds": step.seconds + loop, "step_model": "simulated"}
 
 
 #: `auto` compares the candidates' simulated steps up to this many ranks and their sums beyond:

@@ -17,7 +17,7 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime.mpi_transport import fit_link
-from runtime.step_simulator import SIMULATE_MAX_RANKS, predict_step, step_prediction
+from runtime.step_simulator import SIMULATE_MAX_WORK, predict_step, step_prediction
 
 PIECE = {"op": "linear", "phase": "forward", "attrs": {}, "shape": [1], "requirements": []}
 BASE = {"rank_gflops": 10, "link_gbytes_per_s": 0.125, "latency_us": 30, "rank_memory_gib": 4}
@@ -156,7 +156,7 @@ def test_a_link_fit_recovers_latency_and_bandwidth():
     assert per_byte_fit == pytest.approx(per_byte, rel=1e-9)
 
 
-def test_the_step_is_simulated_up_to_a_rank_count_then_summed():
+def test_the_step_is_simulated_up_to_a_plan_size_then_summed():
     graph, plan = _graph_and_plan()
     machine = Machine(**{**BASE, "loop_us": 500})
     cost = plan_cost(graph, plan, machine)
@@ -166,7 +166,7 @@ def test_the_step_is_simulated_up_to_a_rank_count_then_summed():
         predict_step(graph, plan, machine).seconds + 5e-4, rel=1e-12
     )
     assert step["bulk_synchronous_seconds"] == pytest.approx(cost.step_seconds + 5e-4)
-    many = SIMULATE_MAX_RANKS * 2
+    many = SIMULATE_MAX_WORK // len(graph.tasks) + 1  # past the work a simulation may take
     big = build_plan(graph, builtin(graph, "data", many), many)
     step = step_prediction(graph, big, machine, 1.0)
     assert step["step_model"] == "bulk-synchronous"

@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan
     from runtime.rank_program import build_programs
-    from runtime.step_memory import memory_prediction, peak_function
-    from runtime.step_simulator import step_function, step_prediction
+    from runtime.step_memory import PLACED_MAX_RANKS, memory_prediction, peak_function
+    from runtime.step_simulator import simulated, step_function, step_prediction
     from visualize.render_file import check_plot, write_figure
 
     if args.batch is not None and args.batch < 1:
@@ -136,8 +136,13 @@ def run(args: argparse.Namespace) -> int:
         if args.verify:
             verify_plan(graph, plan)
         cost = plan_cost(graph, plan, machine)
-        # every rank's program, built once for the simulated step and the placed buffers
-        programs = build_programs(graph, plan, machine, range(nranks))
+        # every rank's program, built once for the simulated step and the placed buffers, where
+        # either reads them
+        programs = (
+            build_programs(graph, plan, machine, range(nranks))
+            if simulated(graph, plan) or nranks <= PLACED_MAX_RANKS
+            else None
+        )
         step = step_prediction(graph, plan, machine, cost.step_seconds, programs)
         memory = memory_prediction(graph, plan, machine, programs)
         reports.append(report_json(graph, plan, cost, why, step, memory))
