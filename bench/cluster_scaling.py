@@ -469,8 +469,9 @@ def format_table(report: dict) -> str:
     width = max([8, *(len(row["strategy"]) for row in rows)])
     wide = max([16, *(len(row["network"]) for row in rows)])
     vary = max([7, *(len(row.get("variant", "")) for row in rows)])
+    spread = sorted({row["ranks"] for row in rows if row["strategy"] != ONE_HOST})
     lines = [
-        f"{report['hosts']} emulated hosts, {report['ranks']} ranks",
+        f"{report['hosts']} emulated hosts, {'/'.join(map(str, spread)) or report['ranks']} ranks",
         (
             f"{'variant':{vary}s} {'link':>9s} {'network':{wide}s} {'batch':>5s} "
             f"{'strategy':{width}s} {'measured':>10s} {'predicted':>10s} {'error':>7s} "
