@@ -143,10 +143,12 @@ MESSAGE_STEPS = 40
 
 def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
     """Run `MESSAGE_JOB` on every rank of `transport` and, on rank 0, the runtime's cost per
-    message endpoint, in us: the cost at which the simulated step of the job's plan equals its
-    measured step (the median over its steps of the slowest rank's), found by bisection (the
-    simulated step grows with it). The job's pieces are timed on rank 0 first, so that its
-    compute is measured, not modelled; the per-task terms are the calibration's (`fitted`)."""
+    message endpoint, in us: the cost at which the simulated step of the job's plan falls short
+    of its measured step (the median over its steps of the slowest rank's) by as much as the
+    job's simulated step on one rank falls short of its own (no messages there: the loop and
+    the per-task terms, which are the calibration's, `fitted`), found by bisection (the
+    simulated step grows with it). The job's pieces are timed on rank 0, so that its compute is
+    measured, not modelled."""
     from partitioner.machine import Machine
     from runtime.step_simulator import predict_step
 
@@ -159,36 +161,54 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
     train_rank(config, transport, RunOptions(strategy=strategy), log=log)
     if transport.rank != 0:
         return None
-    slowest: dict[int, float] = defaultdict(float)
-    for line in log.getvalue().splitlines():
-        record = json.loads(line)
-        if "step" in record and record["step"] >= WARMUP:
-            slowest[record["step"]] = max(slowest[record["step"]], record["seconds"])
-    measured = statistics.median(slowest.values())
+    measured = _median_step(log.getvalue())
+    # the same job on one rank of this process: it has no messages, so what its simulation
+    # misses is the runtime's cost per task at these sizes, which the fit below must not take
+    # for a cost per message
+    alone_log = io.StringIO()
+    (alone,) = ThreadTransport.group(1)
+    train_rank(config, alone, RunOptions(strategy="data"), log=alone_log)
+    measured_alone = _median_step(alone_log.getvalue())
     graph = network.lower(batch=batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, strategy, transport.size), transport.size)
+    one = build_plan(graph, builtin(graph, "data", 1), 1)
     cache: dict = {}
-    profile_plan(graph, plan, threads, sample_step(graph), cache)
+    sample = sample_step(graph)
+    profile_plan(graph, plan, threads, sample, cache)
+    profile_plan(graph, one, threads, sample, cache)
     base = Machine(
         task_overhead_us=fitted["task_overhead_us"], compute_factor=fitted["compute_factor"],
         memory_gbytes_per_s=fitted["memory_gbytes_per_s"],
         pieces={key: seconds for (_, key), seconds in cache.items()},
         **fitted["links"],
     )  # fmt: skip
+    # what the one-rank step takes beyond its simulated tasks (the loop, the job's own per-task
+    # costs at these sizes) the R-rank step takes too, as it runs the same tasks
+    target = measured - (measured_alone - predict_step(graph, one, base).seconds)
 
     def simulated(overhead_us: float) -> float:
         machine = replace(base, message_overhead_us=overhead_us)
-        return predict_step(graph, plan, machine).seconds + fitted["loop_us"] * 1e-6
+        return predict_step(graph, plan, machine).seconds
 
     low, high = 0.0, 1000.0
-    if simulated(low) >= measured:
+    if simulated(low) >= target:
         return 0.0
-    while simulated(high) < measured and high < 1e6:
+    while simulated(high) < target and high < 1e6:
         high *= 4
     for _ in range(30):
         middle = (low + high) / 2
-        low, high = (middle, high) if simulated(middle) < measured else (low, middle)
+        low, high = (middle, high) if simulated(middle) < target else (low, middle)
     return (low + high) / 2
+
+
+def _median_step(log: str) -> float:
+    """The median over a `--log-json` log's steps after `WARMUP` of the slowest rank's."""
+    slowest: dict[int, float] = defaultdict(float)
+    for line in log.splitlines():
+        record = json.loads(line)
+        if "step" in record and record["step"] >= WARMUP:
+            slowest[record["step"]] = max(slowest[record["step"]], record["seconds"])
+    return statistics.median(slowest.values())
 
 
 #: the kernel whose slowdown prices the network stack: about this long alone
