@@ -462,6 +462,7 @@ def measure(
         "pieces": pieces,
         "hosts": host_count,
         "rank_cores": max(1, host_cores() // per_host),
+        "host_cores": host_cores(),
         "pingpong": pingpong,
         "measured_on": {
             "network": network,

@@ -376,8 +376,9 @@ def compute_time(
 def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.ndarray]:
     """Per task (in `plan.tasks` order), each rank's compute seconds: from the machine's table
     of measured pieces where it has every piece of the task (`piece_times`), else as
-    `compute_time` prices its busiest rank; the runtime's per-task overhead paid by the ranks
-    that have a piece. For the step simulator, where each rank keeps its own time, and for
+    `compute_time` prices its busiest rank, over the rank's share of its host's cores
+    (`Machine.core_share`: ranks beyond the cores time-share them); the runtime's per-task
+    overhead paid by the ranks that have a piece. For the step simulator, where each rank keeps its own time, and for
     `plan_cost`'s busiest rank."""
     from partitioner.piece_times import task_piece_times, working_ranks
 
@@ -400,6 +401,7 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
             seconds = np.array([compute_seconds(task, float(f), machine) for f in task_flops])
             if moved is not None:
                 seconds = np.maximum(seconds, moved * per_byte)
+        seconds = seconds / machine.core_share
         working = working_ranks(plan, index)
         out.append(np.where(working, seconds + machine.task_overhead, 0.0))
     return out

@@ -65,7 +65,9 @@ OPTIONAL_KEYS = (
 #: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
 DEFAULT_BASELINE_MIB = 200.0
 #: measured by `bench machine`, priced by the cost model and the step simulator
-MEASURED_KEYS = ("ranks_per_host", "intra_host", "pieces", "compute_factor", "loop_us")
+MEASURED_KEYS = (
+    "ranks_per_host", "intra_host", "pieces", "compute_factor", "loop_us", "host_cores"
+)
 #: measured by `bench machine` and kept for the record
 RECORD_KEYS = ("hosts", "rank_cores", "duplex_gbytes_per_s", "pingpong", "measured_on")
 #: the passes `legion-nn bench kernels` measures
@@ -99,6 +101,8 @@ class Machine:
     pieces: dict[str, float] = field(default_factory=dict)
     compute_factor: float = 1.0
     loop_us: float = 0.0
+    #: the cores of a host, which its ranks share (None: each rank has its cores to itself)
+    host_cores: int | None = None
     #: the measured file's other keys, written back as they were read
     record: dict = field(default_factory=dict)
     #: the pieces as the file gave them, written back as they were read
@@ -124,6 +128,15 @@ class Machine:
     @property
     def task_overhead(self) -> float:
         return self.task_overhead_us * 1e-6
+
+    @property
+    def core_share(self) -> float:
+        """The part of its cores a rank's kernels get while its host's ranks all compute: less
+        than 1 where a host has more ranks than cores, which then time-share them (the pieces
+        were timed with the rank alone on its cores)."""
+        if self.host_cores is None or not self.ranks_per_host:
+            return 1.0
+        return min(1.0, self.host_cores / self.ranks_per_host)
 
     @property
     def message_overhead(self) -> float:
@@ -187,6 +200,8 @@ class Machine:
             out["compute_factor"] = self.compute_factor
         if self.loop_us:
             out["loop_us"] = self.loop_us
+        if self.host_cores is not None:
+            out["host_cores"] = self.host_cores
         return out | self.record
 
 
@@ -250,13 +265,12 @@ def piece_key_of(op: str, phase: str, attrs: dict, shape, requirements) -> str:
 
 def _measured(data: dict, where: str) -> dict:
     out: dict = {}
-    if "ranks_per_host" in data:
-        value = data["ranks_per_host"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise LegionNNError(
-                f"{where}: ranks_per_host must be a positive integer, got {value!r}"
-            )
-        out["ranks_per_host"] = value
+    for key in ("ranks_per_host", "host_cores"):
+        if key in data:
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LegionNNError(f"{where}: {key} must be a positive integer, got {value!r}")
+            out[key] = value
     if "intra_host" in data:
         intra = data["intra_host"]
         if not isinstance(intra, dict) or set(intra) != {"latency_us", "gbytes_per_s"}:

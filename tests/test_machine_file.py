@@ -193,3 +193,17 @@ def test_a_links_burst_is_read_off_its_ping_pongs():
         assert fit_burst(points, *fitted) == pytest.approx(burst, rel=0.02)
     plain = [(n, latency + n * per_byte) for n in sizes]
     assert fit_burst(plain, *fit_link(plain)) == 0.0
+
+
+def test_ranks_beyond_their_hosts_cores_time_share_them():
+    """Two ranks a host on one core: each rank's kernels take twice their time alone (they were
+    timed with the rank alone); with a core each, as alone."""
+    graph, plan = _graph_and_plan("data", 4)
+    rows = _rows(graph, plan, lambda k: 1e-3)
+    alone = machine_from_json({**BASE, "pieces": rows, "ranks_per_host": 2, "host_cores": 2})
+    shared = machine_from_json({**BASE, "pieces": rows, "ranks_per_host": 2, "host_cores": 1})
+    assert alone.core_share == 1.0 and shared.core_share == 0.5
+    for a, b in zip(compute_per_rank(graph, plan, alone), compute_per_rank(graph, plan, shared)):
+        np.testing.assert_allclose(b, 2 * a, rtol=1e-12)
+    with pytest.raises(LegionNNError, match="host_cores must be a positive integer"):
+        machine_from_json({**BASE, "host_cores": 0})
