@@ -391,6 +391,7 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
     modelled = any(m is None for m in measured)
     flops = flops_per_rank(graph, plan) if modelled else [None] * len(plan.tasks)
     traffic = bytes_per_rank(graph, plan) if modelled and per_byte else [None] * len(plan.tasks)
+    share = machine.core_share(plan.nranks)
     out = []
     for index, (task, found, task_flops, moved) in enumerate(
         zip(graph.tasks, measured, flops, traffic)
@@ -401,7 +402,7 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
             seconds = np.array([compute_seconds(task, float(f), machine) for f in task_flops])
             if moved is not None:
                 seconds = np.maximum(seconds, moved * per_byte)
-        seconds = seconds / machine.core_share
+        seconds = seconds / share
         working = working_ranks(plan, index)
         out.append(np.where(working, seconds + machine.task_overhead, 0.0))
     return out

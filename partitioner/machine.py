@@ -55,6 +55,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
@@ -129,14 +131,16 @@ class Machine:
     def task_overhead(self) -> float:
         return self.task_overhead_us * 1e-6
 
-    @property
-    def core_share(self) -> float:
-        """The part of its cores a rank's kernels get while its host's ranks all compute: less
-        than 1 where a host has more ranks than cores, which then time-share them (the pieces
-        were timed with the rank alone on its cores)."""
-        if self.host_cores is None or not self.ranks_per_host:
-            return 1.0
-        return min(1.0, self.host_cores / self.ranks_per_host)
+    def core_share(self, nranks: int) -> np.ndarray:
+        """Per rank of a plan on `nranks` ranks, the part of its cores its kernels get while its
+        host's ranks all compute: less than 1 where a host has more of the plan's ranks than
+        cores, which then time-share them (the pieces were timed with the rank alone on its
+        cores). Ranks that take turns get more: an upper bound on the time."""
+        hosts = np.array([self.host(rank) for rank in range(nranks)], np.int64)
+        if self.host_cores is None or not nranks:
+            return np.ones(nranks)
+        sharing = np.bincount(hosts)[hosts]
+        return np.minimum(1.0, self.host_cores / sharing)
 
     @property
     def message_overhead(self) -> float:

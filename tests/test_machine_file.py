@@ -202,8 +202,11 @@ def test_ranks_beyond_their_hosts_cores_time_share_them():
     rows = _rows(graph, plan, lambda k: 1e-3)
     alone = machine_from_json({**BASE, "pieces": rows, "ranks_per_host": 2, "host_cores": 2})
     shared = machine_from_json({**BASE, "pieces": rows, "ranks_per_host": 2, "host_cores": 1})
-    assert alone.core_share == 1.0 and shared.core_share == 0.5
+    assert list(alone.core_share(4)) == [1.0] * 4 and list(shared.core_share(4)) == [0.5] * 4
     for a, b in zip(compute_per_rank(graph, plan, alone), compute_per_rank(graph, plan, shared)):
         np.testing.assert_allclose(b, 2 * a, rtol=1e-12)
+    # a rank alone on its host (3 ranks in blocks of 2: the third) has its core to itself
+    assert list(shared.core_share(3)) == [0.5, 0.5, 1.0]
+    assert list(shared.core_share(1)) == [1.0]
     with pytest.raises(LegionNNError, match="host_cores must be a positive integer"):
         machine_from_json({**BASE, "host_cores": 0})
