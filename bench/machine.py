@@ -500,6 +500,16 @@ def format_summary(machine: dict) -> str:
             f" (both ways at once: {machine['duplex_gbytes_per_s']:.3f} GB/s)"
             if "duplex_gbytes_per_s" in machine
             else ""
+        )
+        + (
+            f", {machine['link_burst_bytes'] / 1024:.0f} KiB at once when idle"
+            if machine.get("link_burst_bytes")
+            else ""
+        )
+        + (
+            f", {machine['network_cpu_ns_per_byte']:.2f} ns of CPU a byte"
+            if "network_cpu_ns_per_byte" in machine
+            else ""
         ),
     ]
     if intra:
