@@ -279,7 +279,9 @@ def read_matrix(path: str) -> tuple[list[Variant], list[Case], list[str] | None]
     for variant in variants:
         for case in cases:
             if (variant.link or case.link) is None:
-                raise LegionNNError(f"{where}: {case.network} has no link in variant {variant.name}")
+                raise LegionNNError(
+                    f"{where}: {case.network} has no link in variant {variant.name}"
+                )
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise LegionNNError(f"{where}: two variants are named alike")
@@ -504,7 +506,10 @@ def format_table(report: dict) -> str:
             f"{' < '.join(case['measured_order'])})"
         )
         if "auto_against_best" in case:
-            line += f"; auto {case['auto_against_best']:+.1%} against the best measured ({case['best']})"
+            line += (
+                f"; auto {case['auto_against_best']:+.1%} against the best measured "
+                f"({case['best']})"
+            )
         lines.append(line)
     if summary["predictions"]:
         lines.append(

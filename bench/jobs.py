@@ -76,11 +76,6 @@ def run_job(
         )
     records = [json.loads(line) for line in log.read_text().splitlines()]
     steps_seen = [r for r in records if "step" in r]
-    # A step takes as long as its slowest rank.
-    slowest: dict[int, float] = defaultdict(float)
-    for r in steps_seen:
-        if r["step"] >= WARMUP:
-            slowest[r["step"]] = max(slowest[r["step"]], r["seconds"])
     # a full batch's bytes: the last step of an epoch may take a smaller batch
     sent_by_step: dict[int, int] = defaultdict(int)
     for r in steps_seen:
@@ -91,10 +86,20 @@ def run_job(
         batch,
         ranks,
         strategy,
-        statistics.median(slowest.values()),
+        median_step(records),
         sent,
         json.loads(trace.read_text()) if traced else {},
     )
+
+
+def median_step(records: list[dict]) -> float:
+    """The median over a `--log-json` log's steps after `WARMUP` of the step's time, which is
+    its slowest rank's."""
+    slowest: dict[int, float] = defaultdict(float)
+    for r in records:
+        if "step" in r and r["step"] >= WARMUP:
+            slowest[r["step"]] = max(slowest[r["step"]], r["seconds"])
+    return statistics.median(slowest.values())
 
 
 #: a measured job times at least this long: a few steps of a small network would be a sample

@@ -6,16 +6,17 @@ share of its host's cores, as `train` does; rank 0 measures while the others wai
 that the cores of a host stay with the rank measuring), and writes the file:
 
 - the links, from ping-pongs at 8 B to 16 MiB (`mpi_transport.link_times`), each fitted as latency
-  plus bytes over bandwidth (`fit_link`), and between hosts the burst an idle link lets through
-  at once (`fit_burst`: a token bucket's, a NIC's or a switch's buffer): rank 0 and the first rank on another host (the link
+  plus bytes over bandwidth (`fit_link`): rank 0 and the first rank on another host (the link
   between hosts, `latency_us` and `link_gbytes_per_s`), and rank 0 and rank 1 where they share a
   host (`intra_host`); between hosts also both directions at once (`duplex_gbytes_per_s`: links
-  are full duplex);
+  are full duplex), and the burst an idle link lets through at once (`link_burst_bytes`,
+  `fit_burst`: a token bucket's, a NIC's or a switch's buffer);
 - the layout: hosts, ranks per host (ranks are placed in blocks), the cores a rank has and its
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
-  plans, on 1 rank and on R, under every optimizer (their update tasks differ), timed with the runtime's kernels on the rank's thread count
-  (`bench.task_profile`, FlexFlow's per-configuration measurement) into the `pieces` table;
+  plans, on 1 rank and on R, under every optimizer (their update tasks differ), timed with the
+  runtime's kernels on the rank's thread count (`bench.task_profile`, FlexFlow's
+  per-configuration measurement) into the `pieces` table;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
@@ -25,7 +26,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
   first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency;
 - the CPU the network stack takes from a rank's kernels per byte it sends or receives between
-  hosts (`network_cpu_ns_per_byte`): a kernel timed alone and beside a stream each way;
+  hosts (`network_cpu_ns_per_byte`): a kernel timed alone and beside a stream each way (recorded,
+  not yet charged by the simulator);
 - what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
   NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.
@@ -57,7 +59,7 @@ import numpy as np
 from numba import njit
 
 from bench.calibration import calibrate, memory_bandwidth
-from bench.jobs import OPTIMIZER, WARMUP, Job
+from bench.jobs import OPTIMIZER, Job, median_step
 from bench.task_profile import profile_plan, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
@@ -121,9 +123,7 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         (transport,) = ThreadTransport.group(1)
         train_rank(config, transport, RunOptions(strategy="data", trace=str(trace_path)), log=log)
         trace = json.loads(trace_path.read_text())
-    records = [json.loads(line) for line in log.getvalue().splitlines()]
-    steps = [r["seconds"] for r in records if "step" in r and r["step"] >= WARMUP]
-    job = Job(network, batch, 1, "data", statistics.median(steps), 0, trace)
+    job = Job(network, batch, 1, "data", median_step(_records(log)), 0, trace)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,
@@ -139,6 +139,10 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
 #: so that its step is mostly the runtime's costs per task and per message
 MESSAGE_JOB = ("seed-lcn-small", 4, "model")
 MESSAGE_STEPS = 40
+
+
+def _records(log: io.StringIO) -> list[dict]:
+    return [json.loads(line) for line in log.getvalue().splitlines()]
 
 
 def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
@@ -161,14 +165,14 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
     train_rank(config, transport, RunOptions(strategy=strategy), log=log)
     if transport.rank != 0:
         return None
-    measured = _median_step(log.getvalue())
+    measured = median_step(_records(log))
     # the same job on one rank of this process: it has no messages, so what its simulation
     # misses is the runtime's cost per task at these sizes, which the fit below must not take
     # for a cost per message
     alone_log = io.StringIO()
     (alone,) = ThreadTransport.group(1)
     train_rank(config, alone, RunOptions(strategy="data"), log=alone_log)
-    measured_alone = _median_step(alone_log.getvalue())
+    measured_alone = median_step(_records(alone_log))
     graph = network.lower(batch=batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, strategy, transport.size), transport.size)
     one = build_plan(graph, builtin(graph, "data", 1), 1)
@@ -201,16 +205,6 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
     return (low + high) / 2
 
 
-def _median_step(log: str) -> float:
-    """The median over a `--log-json` log's steps after `WARMUP` of the slowest rank's."""
-    slowest: dict[int, float] = defaultdict(float)
-    for line in log.splitlines():
-        record = json.loads(line)
-        if "step" in record and record["step"] >= WARMUP:
-            slowest[record["step"]] = max(slowest[record["step"]], record["seconds"])
-    return statistics.median(slowest.values())
-
-
 #: the kernel whose slowdown prices the network stack: about this long alone
 STACK_PROBE_S = 0.25
 #: the messages of the stream it runs beside
@@ -240,8 +234,8 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
     `peer` (on another host) streams to it, then while it streams to `peer`, the stream sized
     to last about as long as the kernel at the link's rate, posted before the kernel starts and
     moved meanwhile by the transport's progress thread as in a training step. The kernel's extra
-    seconds over the bytes that moved while it ran, the mean of both directions. The simulator
-    charges it to a task for the bytes its rank sent or received while it computed."""
+    seconds over the bytes that moved while it ran, the mean of both directions. Recorded in
+    the machine file; the simulator does not charge it yet."""
     from runtime import mpi_transport as mpi
 
     rank = transport.rank

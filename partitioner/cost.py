@@ -378,8 +378,8 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
     of measured pieces where it has every piece of the task (`piece_times`), else as
     `compute_time` prices its busiest rank, over the rank's share of its host's cores
     (`Machine.core_share`: ranks beyond the cores time-share them); the runtime's per-task
-    overhead paid by the ranks that have a piece. For the step simulator, where each rank keeps its own time, and for
-    `plan_cost`'s busiest rank."""
+    overhead paid by the ranks that have a piece. For the step simulator, where each rank keeps
+    its own time, and for `plan_cost`'s busiest rank."""
     from partitioner.piece_times import task_piece_times, working_ranks
 
     measured = (

@@ -136,9 +136,9 @@ class Machine:
         host's ranks all compute: less than 1 where a host has more of the plan's ranks than
         cores, which then time-share them (the pieces were timed with the rank alone on its
         cores). Ranks that take turns get more: an upper bound on the time."""
-        hosts = np.array([self.host(rank) for rank in range(nranks)], np.int64)
         if self.host_cores is None or not nranks:
             return np.ones(nranks)
+        hosts = np.array([self.host(rank) for rank in range(nranks)], np.int64)
         sharing = np.bincount(hosts)[hosts]
         return np.minimum(1.0, self.host_cores / sharing)
 

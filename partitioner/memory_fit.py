@@ -86,7 +86,7 @@ def fit(
     first = {_key(s): evaluate(s) for s in candidates}
     capacity = machine.memory_bytes
     best: Fitted | None = None
-    feasible: list[Fitted] = []
+    feasible: list[tuple[Fitted, Plan]] = []
     for key in sorted(first, key=lambda k: first[k][0].seconds):
         fitted, plan = first[key]
         every = _shardable(graph, plan)
@@ -95,9 +95,9 @@ def fit(
             if best is not None and (fitted.seconds >= best.seconds or time.monotonic() > deadline):
                 break
             sharded = fitted.strategy.sharded | {queue.pop(0)}
-            fitted, _ = evaluate(replace(fitted.strategy, sharded=sharded))
+            fitted, plan = evaluate(replace(fitted.strategy, sharded=sharded))
         if fitted.peak <= capacity:
-            feasible.append(fitted)
+            feasible.append((fitted, plan))
             if best is None or fitted.seconds < best.seconds:
                 best = fitted
         elif best is None and every:
@@ -117,19 +117,17 @@ def fit(
         )
     if step is None:
         return best
-    plans = {_key(f.strategy): build_plan(graph, f.strategy, nranks, cache=cache) for f in feasible}
-    chosen = least_step([f.strategy for f in feasible], [f.seconds for f in feasible],
-                     lambda s: step(graph, plans[_key(s)]))  # fmt: skip
-    return next(f for f in feasible if f.strategy is chosen)
+    fitted, _ = feasible[
+        least_step([f.seconds for f, _ in feasible], lambda i: step(graph, feasible[i][1]))
+    ]
+    return fitted
 
 
-def least_step(
-    strategies: list[Strategy], bulk_seconds: list[float], step: Callable[[Strategy], float]
-) -> Strategy:
-    """The strategy of least predicted step (`step`), among those whose bulk-synchronous
-    seconds are within `STEP_WITHIN` of the least; ties go to the earlier."""
+def least_step(bulk_seconds: list[float], step: Callable[[int], float]) -> int:
+    """The index of the plan of least predicted step (`step(index)`), among those whose
+    bulk-synchronous seconds are within `STEP_WITHIN` of the least; ties go to the earlier."""
     least = min(bulk_seconds)
-    near = [s for s, b in zip(strategies, bulk_seconds) if b <= least * STEP_WITHIN]
+    near = [i for i, b in enumerate(bulk_seconds) if b <= least * STEP_WITHIN]
     if len(near) == 1:
         return near[0]
     return min(near, key=step)

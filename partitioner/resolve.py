@@ -89,12 +89,12 @@ def resolve_strategy(
         candidates = [chosen, *(with_homes(graph, builtin(graph, f, nranks), homes)
                                 for f in BUILTIN)]  # fmt: skip
         plans = [build_plan(graph, s, nranks) for s in candidates]
-        picked = least_step(
-            candidates,
+        index = least_step(
             [plan_cost(graph, p, machine).step_seconds for p in plans],
-            lambda s: step(graph, plans[candidates.index(s)]),
+            lambda i: step(graph, plans[i]),
         )
-        return picked, why if picked is chosen else _reasons(graph, picked, nranks, machine, why)
+        picked = candidates[index]
+        return picked, why if index == 0 else _reasons(graph, picked, nranks, machine, why)
     if (
         step is None
         and searched.fastest

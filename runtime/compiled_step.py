@@ -38,7 +38,8 @@ from runtime.rank_program import Collective, Message, RankProgram
 #: `runtime.step_simulator.Links` (latency and seconds per byte, and each rank's host), which
 #: imports this module: named, not imported
 Links = Any
-#: `_Simulator._pack`'s pricing of a task's messages on a rank: (messages, rank) -> seconds
+#: `step_simulator.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
+#: (messages, rank) -> seconds
 Pack = Callable[[Sequence[Message], int], float]
 
 ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS = range(7)

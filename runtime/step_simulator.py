@@ -41,6 +41,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from legion_nn.graph import TaskGraph
 from partitioner.cost import compute_per_rank, plan_cost
@@ -109,6 +110,16 @@ class SimulatedStep:
     finish: dict[int, float]
     #: per rank, seconds spent waiting (for messages, partial sums and collectives)
     waiting: dict[int, float] = field(default_factory=dict)
+
+
+def posting_seconds(
+    messages: Sequence[Message], rank: int, memory: float, per_message: float
+) -> float:
+    """Seconds for `rank` to copy its sends among `messages` into send buffers (`memory`
+    seconds a byte, two passes) and to post its ends of them (`per_message` each: the runtime's
+    cost per message). The Python simulator and the compiled loop both price a post by it."""
+    mine = [m for m in messages if rank in (m.src, m.dst)]
+    return sum(2 * m.nbytes * memory for m in mine if m.src == rank) + len(mine) * per_message
 
 
 _SYNC = "sync"  # the rank's clock moved on: resume it when the simulation gets there
@@ -261,12 +272,7 @@ class _Simulator:
             heapq.heappush(self.events, (at, next(self.counter), rank))
 
     def _pack(self, messages: Sequence[Message], rank: int) -> float:
-        """Seconds to copy `rank`'s sends among `messages` into send buffers, and to post
-        `rank`'s ends of them (the runtime's cost per message)."""
-        mine = [m for m in messages if rank in (m.src, m.dst)]
-        return sum(2 * m.nbytes * self.memory for m in mine if m.src == rank) + len(
-            mine
-        ) * self.per_message
+        return posting_seconds(messages, rank, self.memory, self.per_message)
 
     def _messages(self, rank: int, messages: Sequence[Message]) -> None:
         for m in messages:
@@ -437,11 +443,9 @@ def simulate_compiled(
     flattened (`runtime.compiled_step`): a data-parallel resnet18 step on 64 ranks in about a
     second rather than a minute."""
     links = links or Links.of(machine, max(programs) + 1)
-    pricing = _Simulator.__new__(_Simulator)  # only `_pack`'s prices: the same sums as here
-    pricing.memory, pricing.per_message = machine.seconds_per_memory_byte, machine.message_overhead
-    finish, waiting = run_compiled(
-        programs, compute, links, pricing._pack, pricing.memory, pricing.per_message
-    )
+    memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
+    pack = partial(posting_seconds, memory=memory, per_message=per_message)
+    finish, waiting = run_compiled(programs, compute, links, pack, memory, per_message)
     return SimulatedStep(max(finish.values(), default=0.0), finish, waiting)
 
 
@@ -471,7 +475,8 @@ def step_prediction(
     loop = machine.loop_seconds
     out = {"bulk_synchronous_seconds": bulk_seconds + loop}
     if not simulated(graph, plan):
-        return out | {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
+        summed = {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
+        return out | summed
     step = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
     return out | {"predicted_step_seconds": step.seconds + loop, "step_model": "simulated"}
 
@@ -483,12 +488,15 @@ OBJECTIVE_SIMULATE_MAX_RANKS = 64
 
 def step_function(machine: Machine) -> Callable[[TaskGraph, Plan], float]:
     """A plan's predicted step as `partition` reports it (the simulated step with the machine's
-    time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks, and beyond them the
-    bulk-synchronous sum: what `auto` chooses its plan by (`partitioner.resolve`)."""
+    time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
+    `SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what `auto` chooses its plan
+    by (`partitioner.resolve`)."""
 
     def step(graph: TaskGraph, plan: Plan) -> float:
-        if plan.nranks > OBJECTIVE_SIMULATE_MAX_RANKS:
+        if plan.nranks > OBJECTIVE_SIMULATE_MAX_RANKS or not simulated(graph, plan):
             return plan_cost(graph, plan, machine).step_seconds + machine.loop_seconds
-        return step_prediction(graph, plan, machine, 0.0)["predicted_step_seconds"]
+        return predict_step(graph, plan, machine, simulate=simulate_compiled).seconds + (
+            machine.loop_seconds
+        )
 
     return step
