@@ -43,6 +43,8 @@ Links = Any
 Pack = Callable[[Sequence[Message], int], float]
 
 ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS = range(7)
+#: `awaited`'s bits: a blocked rank waits for the transfer as its source, as its destination
+AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 
 
 @dataclass
@@ -68,8 +70,6 @@ class FlatStep:
     round_lo: np.ndarray
     round_hi: np.ndarray
     round_adds: np.ndarray
-    #: per rank index, its longest wait (the room its blocked keys need)
-    wait_room: np.ndarray
     heap_room: int
 
 
@@ -150,12 +150,11 @@ class _Flattener:
             self.ops.append((POST, lo, hi))
             self.posts += len(messages)
 
-    def wait(self, keys: list[int]) -> int:
+    def wait(self, keys: list[int]) -> None:
         """A wait, even on nothing: the rank polls its collectives (`_poll`)."""
         lo, hi = self._add_keys(keys)
         self.ops.append((WAIT, lo, hi))
         self.waits += 1
-        return hi - lo
 
     def collective(self, collective: Collective) -> dict[int, int]:
         """The instances of `collective`, one per participant simulated: each its keys in every
@@ -211,10 +210,9 @@ class _Flattener:
         self.posts += 2 * len(table)
         return mine
 
-    def program(self, rank: int, program: RankProgram, compute: Sequence[float]) -> int:
-        """`_Simulator._program`'s instructions for `rank`; returns its longest wait."""
+    def program(self, rank: int, program: RankProgram, compute: Sequence[float]) -> None:
+        """`_Simulator._program`'s instructions for `rank`."""
         pack, memory = self.pack, self.memory
-        longest = 0
         self.add(pack(program.post_at_start, rank))
         self.ops.append((SYNC, 0, 0))
         self.post(program.post_at_start)
@@ -226,13 +224,13 @@ class _Flattener:
             completed = max(completed, rt.complete_before)
             self.add(pack(rt.partial_in, rank))
             self.post(rt.partial_in)
-            longest = max(longest, self.wait([m.seq for m in rt.copies_in]))
+            self.wait([m.seq for m in rt.copies_in])
             self.add(sum(2 * m.nbytes * memory for m in rt.copies_in))
             self.add(compute[position])
             self.add(pack(rt.partial_out, rank) + pack(rt.post, rank))
             self.ops.append((SYNC, 0, 0))
             self.post(rt.partial_out)
-            longest = max(longest, self.wait([m.seq for m in rt.partial_in]))
+            self.wait([m.seq for m in rt.partial_in])
             self.add(sum(3 * m.nbytes * memory for m in rt.partial_in))
             for collective in rt.collectives:
                 self.ops.append((START, self.collective(collective)[rank], 0))
@@ -250,23 +248,18 @@ class _Flattener:
         lo = self._add_key_array(everything)
         self.ops.append((WAIT, lo, lo + len(everything)))
         self.waits += 1
-        return max(longest, len(everything))
 
     def flat(self, compute: Mapping[int, Sequence[float]], links: Links) -> FlatStep:
         op_ptr = [0]
-        rooms = []
         for rank, program in self.programs.items():
-            rooms.append(self.program(rank, program, compute[rank]))
+            self.program(rank, program, compute[rank])
             op_ptr.append(len(self.ops))
         self._flush_keys()
         keys = np.concatenate(self.key_arrays) if self.key_arrays else np.zeros(0, np.int64)
-        rooms_array = np.asarray(rooms, np.int64)
         if self.round_parts:
             round_lo = np.concatenate([p[0] for p in self.round_parts])
             round_hi = np.concatenate([p[1] for p in self.round_parts])
             round_adds = np.concatenate([p[2] for p in self.round_parts])
-            # COMPLETE waits on a round's keys as they stand
-            rooms_array = np.maximum(rooms_array, int((round_hi - round_lo).max(initial=0)))
         else:
             round_lo = round_hi = round_adds = np.zeros(0, np.int64)
         ops = np.asarray(self.ops, np.int64).reshape(-1, 3)
@@ -287,7 +280,6 @@ class _Flattener:
             round_lo.astype(np.int64),
             round_hi.astype(np.int64),
             round_adds.astype(np.int64),
-            rooms_array,
             heap_room,
         )
 
@@ -332,7 +324,6 @@ def run_compiled(
         flat.round_lo,
         flat.round_hi,
         flat.round_adds,
-        flat.wait_room,
         flat.heap_room,
         (links.alpha, links.beta, links.alpha_intra, links.beta_intra, memory, per_message,
          float(links.burst)),
@@ -347,29 +338,38 @@ def run_compiled(
 
 
 # The loop is module-level functions over tuples of arrays, each compiled once: inner closures
-# would be inlined at every call, and compiling the whole took over a minute.
+# would be inlined at every call, and compiling the whole took over a minute. The helpers are
+# compiled without Numba's reference counting (`_nrt=False`, as numba/numba#2350 does): they
+# allocate nothing and hold no array beyond the call, and the counts Numba emits for arrays
+# used across branches, which its pruning pass cannot pair, were 90% of the loop's time (an
+# atomic add and subtract per array per call).
+_helper = njit(cache=True, _nrt=False)
 #   net: src, dst, nbytes, host, egress_rank, ingress_rank, egress_host, ingress_host, ended,
-#        scheduled, send_posted, recv_posted, tokens_out, tokens_in (each host's burst left)
+#        scheduled, send_posted, recv_posted, tokens_out, tokens_in (each host's burst left),
+#        awaited (per transfer, which of its blocked ends wait for it to be scheduled),
+#        unscheduled and pending_end (per rank, of the keys it is blocked on: how many are not
+#        scheduled, and the latest end of those that are)
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst
-#   ranks: clock, waiting, blocked, blocked_count, blocked_at, blocked_keys
+#   ranks: clock, waiting, blocked
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
-#           started, instances_of, head, tail
+#           started, instances_of, head, tail, live (per rank, in start order, the instances
+#           with rounds left to post), live_count
 
 
-@njit(cache=True)
+@_helper
 def _before(time, order, a, b):
     return time[a] < time[b] or (time[a] == time[b] and order[a] < order[b])
 
 
-@njit(cache=True)
+@_helper
 def _swap(time, order, rank, a, b):
     time[a], time[b] = time[b], time[a]
     order[a], order[b] = order[b], order[a]
     rank[a], rank[b] = rank[b], rank[a]
 
 
-@njit(cache=True)
+@_helper
 def _wake(heap, rank, at):
     """`_Simulator._wake`: one live wake per rank; superseded ones stay in the heap."""
     wake_at, state = heap[0], heap[4]
@@ -390,7 +390,7 @@ def _wake(heap, rank, at):
                 break
 
 
-@njit(cache=True)
+@_helper
 def _pop(heap):
     """The earliest wake (time, rank), by time and then the order they were made."""
     time, order, ranks, state = heap[1], heap[2], heap[3], heap[4]
@@ -415,7 +415,7 @@ def _pop(heap):
     return at, rank
 
 
-@njit(cache=True)
+@_helper
 def _schedule(net, prices, blocked, heap, t, ready):
     src, dst, nbytes, host = net[0], net[1], net[2], net[3]
     s, d = src[t], dst[t]
@@ -444,13 +444,23 @@ def _schedule(net, prices, blocked, heap, t, ready):
     ingress[b] = end
     net[8][t] = end
     net[9][t] = True
+    awaited = net[14][t]
+    if awaited:
+        net[14][t] = 0
+        unscheduled, pending_end = net[15], net[16]
+        if awaited & AWAITED_BY_SRC:
+            unscheduled[s] -= 1
+            pending_end[s] = max(pending_end[s], end)
+        if awaited & AWAITED_BY_DST:
+            unscheduled[d] -= 1
+            pending_end[d] = max(pending_end[d], end)
     if blocked[s]:
         _wake(heap, s, end)
     if blocked[d]:
         _wake(heap, d, end)
 
 
-@njit(cache=True)
+@_helper
 def _post(net, prices, blocked, heap, rank, t, now):
     if rank == net[0][t]:
         net[10][t] = True
@@ -460,7 +470,7 @@ def _post(net, prices, blocked, heap, rank, t, now):
         _schedule(net, prices, blocked, heap, t, now)
 
 
-@njit(cache=True)
+@_helper
 def _round_end(keys, ended, scheduled, lo, hi):
     """When the last of keys[lo:hi] ends, or -1.0 while one is not scheduled."""
     latest = 0.0
@@ -472,7 +482,7 @@ def _round_end(keys, ended, scheduled, lo, hi):
     return latest
 
 
-@njit(cache=True)
+@_helper
 def _post_round(net, prices, ranks, heap, rounds, rank, instance):
     keys, first, count, round_lo, round_hi, current = (
         rounds[0], rounds[1], rounds[2], rounds[3], rounds[4], rounds[6]
@@ -487,68 +497,68 @@ def _post_round(net, prices, ranks, heap, rounds, rank, instance):
         _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
 
 
-@njit(cache=True)
+@_helper
 def _advance(net, prices, ranks, heap, rounds, rank):
-    """`_Simulator._advance`: post the next round of each collective whose round has ended."""
+    """`_Simulator._advance`: post the next round of each collective whose round has ended, in
+    the order they started. A collective whose rounds are all posted leaves the rank's live
+    list (most of those in flight late in a step have: scanning them was most of the loop)."""
     keys, first, count, round_lo, round_hi, adds, current = rounds[:7]
-    started, instances_of, head, tail = rounds[7], rounds[8], rounds[9], rounds[10]
+    instances_of, live, live_count = rounds[8], rounds[11], rounds[12]
+    ended, scheduled = net[8], net[9]
     clock = ranks[0]
     now = clock[rank]
-    for q in range(head[rank], tail[rank]):
-        instance = started[instances_of[rank] + q]
+    base = instances_of[rank]
+    kept = 0
+    for q in range(live_count[rank]):
+        instance = live[base + q]
         while current[instance] < count[instance]:
             cell = first[instance] + current[instance]
-            end = _round_end(keys, net[8], net[9], round_lo[cell], round_hi[cell])
+            end = _round_end(keys, ended, scheduled, round_lo[cell], round_hi[cell])
             if end < 0.0 or end > now:
                 break
             clock[rank] += 3 * adds[cell] * prices[4]
             current[instance] += 1
             _post_round(net, prices, ranks, heap, rounds, rank, instance)
+        if current[instance] < count[instance]:
+            live[base + kept] = instance
+            kept += 1
+    live_count[rank] = kept
 
 
-@njit(cache=True)
+@_helper
 def _next_round_end(net, ranks, rounds, rank):
     keys, first, count, round_lo, round_hi = rounds[:5]
-    current, started, instances_of, head, tail = rounds[6:11]
+    current, instances_of, live, live_count = rounds[6], rounds[8], rounds[11], rounds[12]
+    ended, scheduled = net[8], net[9]
+    now = ranks[0][rank]
+    base = instances_of[rank]
     best = -1.0
-    for q in range(head[rank], tail[rank]):
-        instance = started[instances_of[rank] + q]
-        if current[instance] < count[instance]:
-            cell = first[instance] + current[instance]
-            end = _round_end(keys, net[8], net[9], round_lo[cell], round_hi[cell])
-            if end >= 0.0 and end > ranks[0][rank] and (best < 0.0 or end < best):
-                best = end
+    for q in range(live_count[rank]):
+        instance = live[base + q]
+        cell = first[instance] + current[instance]
+        end = _round_end(keys, ended, scheduled, round_lo[cell], round_hi[cell])
+        if end >= 0.0 and end > now and (best < 0.0 or end < best):
+            best = end
     return best
 
 
-@njit(cache=True)
+@_helper
 def _poll(net, prices, ranks, heap, rounds, rank, now):
-    """`_Simulator._poll`; True where the wait is over (the caller runs the rank on)."""
-    clock, waiting, blocked, blocked_count, blocked_at, blocked_keys = ranks
-    ended, scheduled = net[8], net[9]
+    """`_Simulator._poll`; True where the wait is over (the caller runs the rank on). The keys
+    still awaited are counted, not rescanned: a key once ended by a rank's clock stays ended,
+    so the wait is over when none is unscheduled and the latest end is past, and while every key
+    is scheduled the latest end is the one the rank wakes at."""
+    clock, waiting, blocked = ranks[0], ranks[1], ranks[2]
+    unscheduled, pending_end = net[15], net[16]
     waited_from = clock[rank]
     clock[rank] = max(clock[rank], now)
     _advance(net, prices, ranks, heap, rounds, rank)
     now = clock[rank]
-    base = blocked_at[rank]
-    kept = 0
-    for k in range(blocked_count[rank]):
-        t = blocked_keys[base + k]
-        if not scheduled[t] or ended[t] > now:
-            blocked_keys[base + kept] = t
-            kept += 1
-    blocked_count[rank] = kept
     waiting[rank] += now - waited_from
-    if kept == 0:
+    if unscheduled[rank] == 0 and pending_end[rank] <= now:
         blocked[rank] = False
         return True
-    end = 0.0
-    for k in range(kept):
-        t = blocked_keys[base + k]
-        if not scheduled[t]:
-            end = -1.0
-            break
-        end = max(end, ended[t])
+    end = pending_end[rank] if unscheduled[rank] == 0 else -1.0
     later = _next_round_end(net, ranks, rounds, rank)
     if end >= 0.0 and later >= 0.0:
         _wake(heap, rank, min(end, later))
@@ -559,24 +569,35 @@ def _poll(net, prices, ranks, heap, rounds, rank, now):
     return False
 
 
-@njit(cache=True)
+@_helper
 def _block(net, prices, ranks, heap, rounds, rank, lo, hi):
-    """Wait for keys[lo:hi]: True where that is over at once."""
-    keys = rounds[0]
-    base = ranks[4][rank]
+    """Wait for keys[lo:hi]: True where that is over at once. A key not yet scheduled is
+    marked as awaited by this end of it, for `_schedule` to count off."""
+    keys, src, dst, ended, scheduled, awaited = rounds[0], net[0], net[1], net[8], net[9], net[14]
+    unscheduled, pending_end = net[15], net[16]
+    unscheduled[rank] = 0
+    pending_end[rank] = 0.0
     for k in range(lo, hi):
-        ranks[5][base + k - lo] = keys[k]
-    ranks[3][rank] = hi - lo
+        t = keys[k]
+        if scheduled[t]:
+            pending_end[rank] = max(pending_end[rank], ended[t])
+            continue
+        end_bit = AWAITED_BY_SRC if src[t] == rank else AWAITED_BY_DST
+        if end_bit == AWAITED_BY_DST and dst[t] != rank:
+            raise RuntimeError("step simulation: a rank waits on a transfer it is not an end of")
+        if not awaited[t] & end_bit:
+            awaited[t] |= end_bit
+            unscheduled[rank] += 1
     ranks[2][rank] = True
     return _poll(net, prices, ranks, heap, rounds, rank, ranks[0][rank])
 
 
-@njit(cache=True)
+@_helper
 def _run(program, net, prices, ranks, heap, rounds, rank):
     """`_Simulator._run`: go on with `rank` at its clock until it waits, syncs or ends."""
     ops, op_ptr, amounts, pc, completing, done, finish = program
     keys, first, count, round_lo, round_hi = rounds[:5]
-    current, started, instances_of, head, tail = rounds[6:11]
+    current, started, instances_of, head, tail, live, live_count = rounds[6:13]
     clock = ranks[0]
     while True:
         p = pc[rank]
@@ -607,6 +628,9 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
             started[instances_of[rank] + tail[rank]] = a
             tail[rank] += 1
             pc[rank] = p + 1
+            if current[a] < count[a]:
+                live[instances_of[rank] + live_count[rank]] = a
+                live_count[rank] += 1
             _post_round(net, prices, ranks, heap, rounds, rank, a)
         else:  # COMPLETE: the `a` oldest in flight, round by round (`_Simulator._complete`)
             if completing[rank] < 0:
@@ -641,7 +665,6 @@ def _run_step(
     round_lo,
     round_hi,
     round_adds,
-    wait_room,
     heap_room,
     prices,
 ):
@@ -662,6 +685,9 @@ def _run_step(
         np.zeros(transfers, np.bool_),
         np.full(max(hosts, 1), prices[6]),
         np.full(max(hosts, 1), prices[6]),
+        np.zeros(transfers, np.int8),
+        np.zeros(nranks, np.int64),
+        np.zeros(nranks, np.float64),
     )
     heap = (
         np.full(nranks, np.inf),
@@ -670,15 +696,10 @@ def _run_step(
         np.zeros(heap_room, np.int64),
         np.zeros(2, np.int64),
     )
-    blocked_at = np.zeros(nranks + 1, np.int64)
-    blocked_at[1:] = np.cumsum(wait_room)
     ranks = (
         np.zeros(nranks, np.float64),
         np.zeros(nranks, np.float64),
         np.zeros(nranks, np.bool_),
-        np.zeros(nranks, np.int64),
-        blocked_at,
-        np.zeros(max(blocked_at[nranks], 1), np.int64),
     )
     # per rank, its instances in start order: START takes the next, COMPLETE drops the oldest
     instances_of = np.zeros(nranks + 1, np.int64)
@@ -695,6 +716,8 @@ def _run_step(
         np.zeros(max(instances_of[nranks], 1), np.int64),
         instances_of,
         np.zeros(nranks, np.int64),
+        np.zeros(nranks, np.int64),
+        np.zeros(max(instances_of[nranks], 1), np.int64),
         np.zeros(nranks, np.int64),
     )
     done = np.zeros(nranks, np.bool_)
