@@ -124,6 +124,19 @@ class Rect:
             tuple(max(a, b) for a, b in zip(self.hi, other.hi)),
         )
 
+    @staticmethod
+    def bounding(rects: Iterable[Rect]) -> Rect | None:
+        """The smallest box holding every non-empty rect of `rects` (None if there is none):
+        `union_bounds` over all of them, in one pass."""
+        nonempty = [r for r in rects if not r.is_empty()]
+        if not nonempty:
+            return None
+        if len(nonempty) == 1:
+            return nonempty[0]
+        lo = tuple(map(min, zip(*(r.lo for r in nonempty))))
+        hi = tuple(map(max, zip(*(r.hi for r in nonempty))))
+        return Rect(lo, hi)
+
     def contains(self, other: Rect) -> bool:
         """True when every point of `other` lies in self (an empty rect is contained anywhere)."""
         self._check_rank(other)
@@ -180,7 +193,9 @@ class Rect:
 
     def covered_by(self, parts: Iterable[Rect]) -> bool:
         """Whether every point of self lies in one of `parts`."""
-        return not self.minus(parts)
+        parts = list(parts)
+        # most often one part holds it all (a replicated parameter, a halo's own cell)
+        return any(part.contains(self) for part in parts) or not self.minus(parts)
 
     def split(self, grid: Sequence[int]) -> list[Rect]:
         """A row-major grid of near-equal pieces, `grid[d]` parts along dim d (uneven allowed).

@@ -23,6 +23,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from legion_nn.rect import split_sizes
 from partitioner.machine import Machine
@@ -38,42 +41,123 @@ class Hop:
     add: bool
 
 
-Schedule = list[list[Hop]]
+class Schedule:
+    """The rounds of a collective: hop j of the flattened rounds is (src[j], dst[j], lo[j], hi[j],
+    add[j]), and round r holds hops round_ptr[r]:round_ptr[r + 1]. Held as arrays, since a ring
+    over p ranks has 2p(p − 1) hops (half a million for a data-parallel resnet18 on 64 ranks),
+    and read as a list of rounds of `Hop`s, made on demand, by the runtime and the reference
+    simulator, which walk one round at a time."""
+
+    def __init__(self, src, dst, lo, hi, add, round_ptr) -> None:
+        self.src, self.dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        self.lo, self.hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+        self.add = np.asarray(add, np.bool_)
+        self.round_ptr = np.asarray(round_ptr, np.int64)
+        self._rounds: dict[int, list[Hop]] = {}
+
+    @classmethod
+    def of_rounds(cls, rounds: list[list[Hop]]) -> Schedule:
+        hops = [hop for hops in rounds for hop in hops]
+        ptr = np.concatenate([[0], np.cumsum([len(hops) for hops in rounds])]).astype(np.int64)
+        columns = [[getattr(hop, name) for hop in hops] for name in ("src", "dst", "lo", "hi", "add")]
+        return cls(*columns, ptr)
+
+    @classmethod
+    def concat(cls, *parts: Schedule) -> Schedule:
+        if not parts:
+            return cls.of_rounds([])
+        offsets = np.cumsum([0] + [part.hops for part in parts[:-1]])
+        ptr = np.concatenate(
+            [[0]] + [part.round_ptr[1:] + offset for part, offset in zip(parts, offsets)]
+        )
+        columns = [np.concatenate([getattr(part, name) for part in parts])
+                   for name in ("src", "dst", "lo", "hi", "add")]  # fmt: skip
+        return cls(*columns, ptr)
+
+    @property
+    def hops(self) -> int:
+        return len(self.src)
+
+    @property
+    def round_of(self) -> np.ndarray:
+        """Each hop's round."""
+        return np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self.round_ptr))
+
+    def __len__(self) -> int:
+        return len(self.round_ptr) - 1
+
+    def __getitem__(self, r: int) -> list[Hop]:
+        found = self._rounds.get(r)
+        if found is None:
+            if not 0 <= r < len(self):
+                raise IndexError(f"round {r} of {len(self)}")
+            a, b = self.round_ptr[r], self.round_ptr[r + 1]
+            found = self._rounds[r] = [
+                Hop(int(s), int(d), int(lo), int(hi), bool(add))
+                for s, d, lo, hi, add in zip(
+                    self.src[a:b], self.dst[a:b], self.lo[a:b], self.hi[a:b], self.add[a:b]
+                )
+            ]
+        return found
+
+    def __iter__(self):
+        return (self[r] for r in range(len(self)))
+
+    def sent(self, itemsize: int) -> dict[int, int]:
+        """Per rank, the bytes its hops send."""
+        ranks, index = np.unique(self.src, return_inverse=True)
+        totals = np.bincount(index, weights=self.hi - self.lo, minlength=len(ranks))
+        return {int(r): int(t) * itemsize for r, t in zip(ranks, totals)}
+
+    @cached_property
+    def adding_sizes(self) -> dict[int, list[int]]:
+        """Per receiving rank, the elements of each buffer its adding hops receive into: a
+        round's k-th adding hop to a rank uses its buffer k, in every round."""
+        adding = np.flatnonzero(self.add)
+        if not len(adding):
+            return {}
+        dst, rounds = self.dst[adding], self.round_of[adding]
+        order = np.lexsort((adding, rounds, dst))
+        dst, rounds, size = dst[order], rounds[order], (self.hi - self.lo)[adding][order]
+        group = np.flatnonzero(np.r_[True, (dst[1:] != dst[:-1]) | (rounds[1:] != rounds[:-1])])
+        k = np.arange(len(dst)) - np.repeat(group, np.diff(np.r_[group, len(dst)]))
+        out: dict[int, list[int]] = {}
+        for rank in np.unique(dst):
+            mine = dst == rank
+            sizes = np.zeros(int(k[mine].max()) + 1, np.int64)
+            np.maximum.at(sizes, k[mine], size[mine])
+            out[int(rank)] = [int(v) for v in sizes]
+        return out
 
 
-def _chunks(sizes: list[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
+def _chunks(sizes: list[int]) -> np.ndarray:
+    """(lo, hi) of consecutive chunks of these sizes, one row each."""
+    ends = np.cumsum(np.asarray(sizes, np.int64))
+    return np.stack([ends - np.asarray(sizes, np.int64), ends], axis=1)
 
 
-def _ring_reduce_scatter(ranks: tuple[int, ...], chunks: list[tuple[int, int]]) -> Schedule:
+def _ring(ranks: tuple[int, ...], chunks: np.ndarray, shift: int, add: bool) -> Schedule:
+    """p − 1 steps of a ring: at step s, ranks[i] sends chunk (i − s − shift) mod p to
+    ranks[i + 1]; hops of empty chunks are left out."""
+    p = len(ranks)
+    ring = np.asarray(ranks, np.int64)
+    i = np.arange(p)[None, :]
+    chunk = (i - np.arange(p - 1)[:, None] - shift) % p
+    lo, hi = chunks[chunk, 0], chunks[chunk, 1]
+    keep = hi > lo
+    src = np.broadcast_to(ring[i], chunk.shape)[keep]
+    dst = np.broadcast_to(ring[(i + 1) % p], chunk.shape)[keep]
+    ptr = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
+    return Schedule(src, dst, lo[keep], hi[keep], np.full(len(src), add), ptr)
+
+
+def _ring_reduce_scatter(ranks: tuple[int, ...], chunks: np.ndarray) -> Schedule:
     """p − 1 steps after which ranks[i] holds the sum of chunks[i]."""
-    p = len(ranks)
-    rounds = []
-    for step in range(p - 1):
-        hops = []
-        for i in range(p):
-            lo, hi = chunks[(i - step - 1) % p]
-            if hi > lo:
-                hops.append(Hop(ranks[i], ranks[(i + 1) % p], lo, hi, True))
-        rounds.append(hops)
-    return rounds
+    return _ring(ranks, chunks, 1, True)
 
 
-def _ring_allgather(ranks: tuple[int, ...], chunks: list[tuple[int, int]]) -> Schedule:
-    p = len(ranks)
-    rounds = []
-    for step in range(p - 1):
-        hops = []
-        for i in range(p):
-            lo, hi = chunks[(i - step) % p]
-            if hi > lo:
-                hops.append(Hop(ranks[i], ranks[(i + 1) % p], lo, hi, False))
-        rounds.append(hops)
-    return rounds
+def _ring_allgather(ranks: tuple[int, ...], chunks: np.ndarray) -> Schedule:
+    return _ring(ranks, chunks, 0, False)
 
 
 def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
@@ -88,7 +172,7 @@ def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
             dst = ranks[(root + rel - step) % p]
             hops.append(Hop(src, dst, 0, n, True))
         rounds.append(hops)
-    return rounds
+    return Schedule.of_rounds(rounds)
 
 
 def tree_is_faster(p: int, nbytes: int, machine: Machine) -> bool:
@@ -115,10 +199,10 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
     volumes = [reduction.targets[t][0].volume for t in target_order(reduction)]
     n = sum(volumes)
     if p < 2 or n == 0:
-        return []
+        return Schedule.of_rounds([])
     if reduction.algorithm == "allreduce":
         chunks = _chunks(split_sizes(n, p))
-        return _ring_reduce_scatter(ranks, chunks) + _ring_allgather(ranks, chunks)
+        return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":
         owned: dict[int, int] = defaultdict(int)
         for t in target_order(reduction):
@@ -132,9 +216,9 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
             return _tree_reduce(ranks, owner, n)
         chunks = _chunks(split_sizes(n, p))
         gather = [
-            Hop(ranks[i], owner, lo, hi, False)
+            Hop(ranks[i], owner, int(lo), int(hi), False)
             for i, (lo, hi) in enumerate(chunks)
             if ranks[i] != owner and hi > lo
         ]
-        return _ring_reduce_scatter(ranks, chunks) + [gather]
+        return Schedule.concat(_ring_reduce_scatter(ranks, chunks), Schedule.of_rounds([gather]))
     raise ValueError(f"unknown collective {reduction.algorithm!r}")

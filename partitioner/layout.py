@@ -41,6 +41,7 @@ class Layout:
         self.holder_count = np.diff(ptr)
         self.strides = boxes.grid_strides(cuts)
         self._holders: dict[int, tuple[int, ...]] | None = None
+        self._by_rank: dict[int, list[Rect]] | None = None
 
     @classmethod
     def from_arrays(cls, ndim: int, ranks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> Layout:
@@ -120,15 +121,21 @@ class Layout:
             )
 
     def held_by(self, rank: int) -> list[Rect]:
-        """The cells `rank` holds, by index."""
-        mine = self.holder_ranks == rank
-        if not mine.any():
-            return []
-        cells = np.repeat(np.arange(self.ncells, dtype=boxes.INDEX), self.holder_count)[mine]
-        coords = np.unravel_index(cells, boxes.grid_shape(self.cut_arrays))
-        lo = np.stack([c[i] for c, i in zip(self.cut_arrays, coords)], axis=1)
-        hi = np.stack([c[i + 1] for c, i in zip(self.cut_arrays, coords)], axis=1)
-        return boxes.to_rects(lo, hi)
+        """The cells `rank` holds, by index (every rank's found at once, on first asking: the
+        programs of a plan ask it of every rank)."""
+        if self._by_rank is None and not len(self.holder_ranks):
+            self._by_rank = {}
+        if self._by_rank is None:
+            cells = np.repeat(np.arange(self.ncells, dtype=boxes.INDEX), self.holder_count)
+            coords = np.unravel_index(cells, boxes.grid_shape(self.cut_arrays))
+            lo = np.stack([c[i] for c, i in zip(self.cut_arrays, coords)], axis=1)
+            hi = np.stack([c[i + 1] for c, i in zip(self.cut_arrays, coords)], axis=1)
+            rects = boxes.to_rects(lo.reshape(len(cells), -1), hi.reshape(len(cells), -1))
+            by_rank: dict[int, list[Rect]] = {}
+            for holder, rect in zip(self.holder_ranks.tolist(), rects):
+                by_rank.setdefault(holder, []).append(rect)
+            self._by_rank = by_rank
+        return self._by_rank.get(rank, [])
 
     def held(self, rect: Rect) -> Iterator[tuple[Rect, tuple[int, ...]]]:
         """(part of `rect`, its holders) for each cell overlapping it; unheld parts give ()."""

@@ -168,16 +168,14 @@ class _Flattener:
             where[self.index[rank]] = k
         rounds = collective.rounds
         nrounds = len(rounds)
-        hops = [(hop.src, hop.dst, hop.hi - hop.lo, hop.add) for hops in rounds for hop in hops]
-        round_of = np.repeat(np.arange(nrounds, dtype=np.int64), [len(h) for h in rounds])
-        table = np.array(hops, np.int64).reshape(-1, 4)
-        src, dst = self.lookup[table[:, 0]], self.lookup[table[:, 1]]
-        nbytes = table[:, 2] * collective.reduction.itemsize
-        seqs = collective.seq + np.arange(len(table), dtype=np.int64)
-        self._room(collective.seq + len(table))
+        round_of = rounds.round_of
+        src, dst = self.lookup[rounds.src], self.lookup[rounds.dst]
+        nbytes = (rounds.hi - rounds.lo) * collective.reduction.itemsize
+        seqs = collective.seq + np.arange(rounds.hops, dtype=np.int64)
+        self._room(collective.seq + rounds.hops)
         self.src[seqs], self.dst[seqs], self.nbytes[seqs] = src, dst, nbytes
         # one entry per (rank, hop) the rank is an end of, once even where it is both
-        hop = np.arange(len(table), dtype=np.int64)
+        hop = np.arange(rounds.hops, dtype=np.int64)
         both = dst != src
         ends = np.concatenate([src, dst[both]])
         hop_of = np.concatenate([hop, hop[both]])
@@ -190,7 +188,7 @@ class _Flattener:
         counts = np.bincount(cell, minlength=cells)
         lo = self.key_count + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._add_key_array(seqs[hop_of[order]])
-        adding = (table[:, 3] != 0) & (dst >= 0)
+        adding = rounds.add & (dst >= 0)
         adding &= np.where(dst >= 0, where[np.maximum(dst, 0)], -1) >= 0
         added = np.zeros(cells, np.int64)
         if adding.any():
@@ -207,7 +205,7 @@ class _Flattener:
         for i in np.unique(src[sent]):
             self.hop_sends[int(i)].append(seqs[src == i])
         self.instances[collective.seq] = mine
-        self.posts += 2 * len(table)
+        self.posts += 2 * rounds.hops
         return mine
 
     def program(self, rank: int, program: RankProgram, compute: Sequence[float]) -> None:

@@ -44,7 +44,7 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
-from partitioner.collectives import Hop, schedule, target_order
+from partitioner.collectives import Schedule, schedule, target_order
 from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.pieces import Piece
@@ -76,11 +76,16 @@ class Collective:
     reduction: Reduction
     #: the targets in flat-vector order: (rect, holders)
     targets: tuple[tuple[Rect, tuple[int, ...]], ...]
-    rounds: list[list[Hop]]
+    #: its schedule (a list of rounds of `Hop`s, as a hand-made program gives it, is taken too)
+    rounds: Schedule
     #: the tag of hop j of the flattened rounds is seq + j
     seq: int
     #: whether it sums a parameter's gradient whose home is sharded
     sharded: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rounds, Schedule):
+            object.__setattr__(self, "rounds", Schedule.of_rounds(self.rounds))
 
 
 @dataclass(frozen=True)
@@ -257,8 +262,8 @@ def build_programs(
                 seq,
                 reduction.tensor in sharded_grads,
             )
-            seq += sum(len(hops) for hops in rounds)
-            sent = _bytes_sent(rounds, reduction.itemsize)
+            seq += rounds.hops
+            sent = rounds.sent(reduction.itemsize)
             for rank in reduction.participants:
                 if rank in programs:
                     programs[rank].collective(collective, sent.get(rank, 0))
@@ -271,16 +276,6 @@ def build_programs(
         for program in built.values():
             fuse_into_gradients(graph, program)
     return built
-
-
-def _bytes_sent(rounds: list[list[Hop]], itemsize: int) -> dict[int, int]:
-    """Per rank, the bytes its hops of a collective send: counted once per collective rather
-    than by each participant walking every hop (quadratic in the ranks of a ring)."""
-    sent: dict[int, int] = defaultdict(int)
-    for hops in rounds:
-        for hop in hops:
-            sent[hop.src] += (hop.hi - hop.lo) * itemsize
-    return sent
 
 
 def _last_write(
@@ -481,28 +476,29 @@ class _Builder:
         of its tensor is sent (the copy carries the sum): the rule every rank follows, so that
         no rank blocks in a collective another rank has not reached. Fixed here, the same on
         every run, so that the buffers a collective holds have a known last use."""
-        order: list[str] = []
+        started = 0
+        #: per tensor, the ordinal of the last collective started on it
+        last: dict[str, int] = {}
         done = 0
         prompt = 0  # collectives started so far that complete before the next task
         for rt in self.tasks:
-            touched = [o for o, tensor in enumerate(order) if tensor in rt.tensors]
-            done = rt.complete_before = max(done, max(touched, default=-1) + 1, prompt)
-            order += [c.reduction.tensor for c in rt.collectives]
+            touched = max((last.get(tensor, -1) for tensor in rt.tensors), default=-1)
+            done = rt.complete_before = max(done, touched + 1, prompt)
+            for c in rt.collectives:
+                last[c.reduction.tensor] = started
+                started += 1
             if rt.sums_shards:
-                prompt = len(order)
+                prompt = started
             sending = {m.tensor for m in rt.post if m.src == self.rank}
-            touched = [o for o, tensor in enumerate(order) if tensor in sending]
-            done = rt.complete_after = max(done, max(touched, default=-1) + 1)
+            touched = max((last.get(tensor, -1) for tensor in sending), default=-1)
+            done = rt.complete_after = max(done, touched + 1)
 
     def program(self, messages: int) -> RankProgram:
         self._completion_points()
         boxes = {}
         for tensor, rects in self.touched.items():
-            rects = [r for r in rects if not r.is_empty()]
-            if rects:
-                box = rects[0]
-                for rect in rects[1:]:
-                    box = box.union_bounds(rect)
+            box = Rect.bounding(rects)
+            if box is not None:
                 boxes[tensor] = box
         return RankProgram(
             self.rank, self.nranks, self.tasks, self.at_start, boxes, self.bytes_planned, messages

@@ -200,7 +200,7 @@ def step_slots(
             else:
                 size = sum(rect.volume for rect, _ in collective.targets) * itemsize
                 slots.append(Slot(("vector", collective.seq), size, index, done, SCRATCH))
-        for k, size in enumerate(_adding_hops(collective, program.rank)):
+        for k, size in enumerate(collective.rounds.adding_sizes.get(program.rank, ())):
             size = min(size, hop_segment(itemsize))
             slots.append(Slot(("hop", collective.seq, k), size * itemsize, index, done, MESSAGES))
     return slots + list(scratch.values())
@@ -279,21 +279,6 @@ HOP_SEGMENT_BYTES = 8 * 2**20
 def hop_segment(itemsize: int) -> int:
     """Elements of an adding hop received at once."""
     return max(HOP_SEGMENT_BYTES // itemsize, 1)
-
-
-def _adding_hops(collective, rank: int) -> list[int]:
-    """The elements of each buffer this rank's adding hops receive into: a round's k-th adding
-    hop uses buffer k, in every round."""
-    sizes: list[int] = []
-    for hops in collective.rounds:
-        k = 0
-        for hop in hops:
-            if hop.dst == rank and hop.add:
-                if k == len(sizes):
-                    sizes.append(0)
-                sizes[k] = max(sizes[k], hop.hi - hop.lo)
-                k += 1
-    return sizes
 
 
 def _reserved(nbytes: int) -> int:
