@@ -299,29 +299,39 @@ def place(slots: list[Slot], length: int) -> StepBuffers:
 def _placement(order: tuple[tuple[int, int, int], ...]) -> tuple[list[int], int]:
     """Each slot's start and the arena's size, for slots (bytes, first, last) in placing
     order: a function of these alone, so ranks whose programs have the same buffers (a
-    data-parallel plan's) place them once."""
-    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    data-parallel plan's) place them once.
+
+    A slot goes at the lowest offset, past the placed slots whose lifetimes overlap its own
+    (in order of offset), that leaves room before the next of them; a slot of `COLOURED` bytes
+    or more at a page boundary. Offered at the i-th such slot is the end of those before it, at
+    least 0, rounded up to a page where the slot is coloured (rounding at each step or once at
+    the end gives the same)."""
+    n = len(order)
+    table = np.asarray(order, np.int64).reshape(n, 3)
+    firsts, lasts = table[:, 1], table[:, 2]
+    offsets = np.zeros(n, np.int64)
+    ends = np.zeros(n, np.int64)
     starts: list[int] = []
     size = 0
     colour = 0
-    for nbytes, first, last in order:
+    for k, (nbytes, first, last) in enumerate(order):
         need = _reserved(nbytes)
-        busy = sorted((o, e) for o, e, f, la in placed if f <= last and first <= la)
+        overlap = (firsts[:k] <= last) & (lasts[:k] >= first)
+        lo, hi = offsets[:k][overlap], ends[:k][overlap]
+        by_offset = np.lexsort((hi, lo))
+        lo, hi = lo[by_offset], hi[by_offset]
+        offered = np.maximum.accumulate(np.concatenate(([0], hi)))
         coloured = nbytes >= COLOURED
-        offset = 0
-        for lo, hi in busy:
-            if coloured:  # aligned before the fit is checked: the page may not fit the gap
-                offset = -(-offset // PAGE) * PAGE
-            if offset + need <= lo:
-                break
-            offset = max(offset, hi)
         if coloured:
-            offset = -(-offset // PAGE) * PAGE
+            offered = -(-offered // PAGE) * PAGE
+        room = np.flatnonzero(offered[:-1] + need <= lo)
+        offset = int(offered[room[0]] if len(room) else offered[-1])
+        if coloured:
             need_start = offset + colour * _COLOUR_STEP * LINE % PAGE
             colour += 1
         else:
             need_start = offset
-        placed.append((offset, offset + need, first, last))
+        offsets[k], ends[k] = offset, offset + need
         starts.append(need_start)
         size = max(size, offset + need)
     return starts, size
