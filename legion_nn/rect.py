@@ -197,6 +197,27 @@ class Rect:
         # most often one part holds it all (a replicated parameter, a halo's own cell)
         return any(part.contains(self) for part in parts) or not self.minus(parts)
 
+    def covered_by_disjoint(self, parts: Iterable[Rect]) -> bool:
+        """`covered_by` for parts that do not overlap (the cells of a layout): the parts' shares
+        of self add up to all of it, found without cutting self into pieces."""
+        want = self.volume
+        for part in parts:
+            want -= self.overlap_volume(part)
+            if want <= 0:
+                break
+        return want <= 0
+
+    def overlap_volume(self, other: Rect) -> int:
+        """The volume of self ∩ other, without making the rect."""
+        self._check_rank(other)
+        v = 1
+        for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi):
+            extent = (b if b < d else d) - (a if a > c else c)
+            if extent <= 0:
+                return 0
+            v *= extent
+        return v
+
     def split(self, grid: Sequence[int]) -> list[Rect]:
         """A row-major grid of near-equal pieces, `grid[d]` parts along dim d (uneven allowed).
 

@@ -96,10 +96,11 @@ class Layout:
             tuple(c[i + 1] for c, i in zip(self.cuts, coords)),
         )
 
-    def cells(self, rect: Rect) -> Iterator[tuple[int, Rect]]:
-        """(index, cell ∩ rect) for every cell `rect` overlaps."""
+    def _spans(self, rect: Rect) -> list[list[tuple[int, int, int]]] | None:
+        """Per dim, (index offset, lo, hi) of each cut interval `rect` overlaps; None where it
+        overlaps no cell."""
         if rect.is_empty():
-            return
+            return None
         per_dim = []
         for d, dim_cuts in enumerate(self.cuts):
             lo, hi = rect.lo[d], rect.hi[d]
@@ -112,13 +113,30 @@ class Layout:
             ]
             spans = [span for span in spans if span[1] < span[2]]
             if not spans:
-                return
+                return None
             per_dim.append(spans)
+        return per_dim
+
+    def cells(self, rect: Rect) -> Iterator[tuple[int, Rect]]:
+        """(index, cell ∩ rect) for every cell `rect` overlaps."""
+        per_dim = self._spans(rect)
+        if per_dim is None:
+            return
         for combo in product(*per_dim):
             yield (
                 sum(s[0] for s in combo),
                 boxes.to_rect(tuple(s[1] for s in combo), tuple(s[2] for s in combo)),
             )
+
+    def cell_indices(self, rect: Rect) -> list[int]:
+        """The index of every cell `rect` overlaps, in the order `cells` gives them."""
+        per_dim = self._spans(rect)
+        if per_dim is None:
+            return []
+        indices = [0]
+        for spans in per_dim:
+            indices = [i + span[0] for i in indices for span in spans]
+        return indices
 
     def held_by(self, rank: int) -> list[Rect]:
         """The cells `rank` holds, by index (every rank's found at once, on first asking: the

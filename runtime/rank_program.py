@@ -38,8 +38,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import numpy as np
-
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.privilege import Privilege
@@ -213,7 +211,7 @@ def build_programs(
     position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
     #: per tensor written this step, its layout now and the task that last wrote each cell (the
     #: plan's record); a tensor not written yet holds what the step started with
-    written: dict[str, tuple[Layout, np.ndarray]] = {}
+    written: dict[str, tuple[Layout, list[int]]] = {}
     sharded_grads = {
         name
         for name, tensor in graph.tensors.items()
@@ -270,7 +268,7 @@ def build_programs(
         for builder in programs.values():
             builder.end(task_plan.holdings)
         for tensor, layout in task_plan.holdings.items():
-            written[tensor] = (layout, plan.written_by[index][tensor])
+            written[tensor] = (layout, plan.written_by[index][tensor].tolist())
     built = {rank: builder.program(seq) for rank, builder in programs.items()}
     if fuse_updates:
         for program in built.values():
@@ -279,7 +277,7 @@ def build_programs(
 
 
 def _last_write(
-    written: tuple[Layout, np.ndarray] | None, rect: Rect, position_of: Mapping[int, int]
+    written: tuple[Layout, list[int]] | None, rect: Rect, position_of: Mapping[int, int]
 ) -> int:
     """The position of the task in view that last wrote some part of `rect`, from the plan's
     record of who wrote each cell of the tensor's layout now (`Plan.written_by`)."""
@@ -287,7 +285,7 @@ def _last_write(
         return STEP_START
     layout, writers = written
     return max(
-        (position_of.get(int(writers[index]), STEP_START) for index, _ in layout.cells(rect)),
+        (position_of.get(writers[index], STEP_START) for index in layout.cell_indices(rect)),
         default=STEP_START,
     )
 
@@ -335,7 +333,7 @@ class _Builder:
                 if req.privilege.reads:  # a read sees the zeros: they must be written
                     self.zeroed_at.pop(req.tensor, None)
                 if read is not None and not read.is_empty():
-                    if self.graph.tensors[req.tensor].resident and not read.covered_by(
+                    if self.graph.tensors[req.tensor].resident and not read.covered_by_disjoint(
                         self.held(req.tensor)
                     ):
                         window = current.windows.get(req.tensor, read)
