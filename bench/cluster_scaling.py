@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.jobs import OPTIMIZER, WARMUP, best_jobs
@@ -182,7 +182,7 @@ class Variant:
     per host, and a link for every case (None: each case's own)."""
 
     name: str
-    options: cluster.LinkOptions = cluster.LinkOptions()
+    options: cluster.LinkOptions = field(default_factory=cluster.LinkOptions)
     ranks_per_host: int = 1
     link: str | None = None
 
@@ -224,8 +224,10 @@ def read_matrix(path: str) -> tuple[list[Variant], list[Case], list[str] | None]
     unknown, a value that is wrong or options that contradict each other are one line naming
     the file and the entry."""
     if path == "default":
-        return list(DEFAULT_MATRIX_VARIANTS), list(DEFAULT_MATRIX_CASES), list(
-            DEFAULT_MATRIX_STRATEGIES
+        return (
+            list(DEFAULT_MATRIX_VARIANTS),
+            list(DEFAULT_MATRIX_CASES),
+            list(DEFAULT_MATRIX_STRATEGIES),
         )
     where = f"--matrix {path}"
     try:
@@ -310,9 +312,10 @@ def run_cluster_scaling(
     rows, machines = [], []
     one_host: dict[tuple, object] = {}
     name = f"s{os.getpid() % 10_000_000}"
-    with cluster.terminated_cleanly(), tempfile.TemporaryDirectory(
-        prefix="legion-nn-cluster-scaling-"
-    ) as tmp:
+    with (
+        cluster.terminated_cleanly(),
+        tempfile.TemporaryDirectory(prefix="legion-nn-cluster-scaling-") as tmp,
+    ):
         for variant in variants:
             count = ranks or hosts * variant.ranks_per_host
             by_link: dict[str, list[Case]] = {}
@@ -335,8 +338,7 @@ def run_cluster_scaling(
         "ranks": ranks or hosts,
         "links": list(dict.fromkeys(r["link"] for r in rows)),
         "variants": [
-            {"name": v.name, "ranks_per_host": v.ranks_per_host, "link": v.link}
-            | asdict(v.options)
+            {"name": v.name, "ranks_per_host": v.ranks_per_host, "link": v.link} | asdict(v.options)
             for v in variants
         ],
         "min_steps": steps,

@@ -55,7 +55,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
-
 from numba import njit
 
 from bench.calibration import calibrate, memory_bandwidth

@@ -212,7 +212,7 @@ class Rect:
         self._check_rank(other)
         v = 1
         for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi):
-            extent = (b if b < d else d) - (a if a > c else c)
+            extent = (min(d, b)) - (max(c, a))
             if extent <= 0:
                 return 0
             v *= extent

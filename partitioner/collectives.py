@@ -59,7 +59,9 @@ class Schedule:
     def of_rounds(cls, rounds: list[list[Hop]]) -> Schedule:
         hops = [hop for hops in rounds for hop in hops]
         ptr = np.concatenate([[0], np.cumsum([len(hops) for hops in rounds])]).astype(np.int64)
-        columns = [[getattr(hop, name) for hop in hops] for name in ("src", "dst", "lo", "hi", "add")]
+        columns = [
+            [getattr(hop, name) for hop in hops] for name in ("src", "dst", "lo", "hi", "add")
+        ]
         return cls(*columns, ptr)
 
     @classmethod

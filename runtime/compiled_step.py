@@ -79,7 +79,9 @@ class _Flattener:
         self.ranks = list(programs)
         self.index = {rank: i for i, rank in enumerate(self.ranks)}
         #: rank -> its index, as an array (-1: not simulated)
-        self.lookup = np.full(max([*self.ranks, *(p.nranks - 1 for p in programs.values())]) + 1, -1, np.int64)
+        self.lookup = np.full(
+            max([*self.ranks, *(p.nranks - 1 for p in programs.values())]) + 1, -1, np.int64
+        )
         self.lookup[self.ranks] = np.arange(len(self.ranks))
         self.transfers = max((p.messages for p in programs.values()), default=0)
         self.src = np.full(self.transfers, -1, np.int64)
@@ -483,7 +485,12 @@ def _round_end(keys, ended, scheduled, lo, hi):
 @_helper
 def _post_round(net, prices, ranks, heap, rounds, rank, instance):
     keys, first, count, round_lo, round_hi, current = (
-        rounds[0], rounds[1], rounds[2], rounds[3], rounds[4], rounds[6]
+        rounds[0],
+        rounds[1],
+        rounds[2],
+        rounds[3],
+        rounds[4],
+        rounds[6],
     )
     clock = ranks[0]
     r = current[instance]
@@ -525,7 +532,7 @@ def _advance(net, prices, ranks, heap, rounds, rank):
 
 @_helper
 def _next_round_end(net, ranks, rounds, rank):
-    keys, first, count, round_lo, round_hi = rounds[:5]
+    keys, first, round_lo, round_hi = rounds[0], rounds[1], rounds[3], rounds[4]
     current, instances_of, live, live_count = rounds[6], rounds[8], rounds[11], rounds[12]
     ended, scheduled = net[8], net[9]
     now = ranks[0][rank]
@@ -640,7 +647,9 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
             instance = started[instances_of[rank] + head[rank]]
             if current[instance] < count[instance]:
                 cell = first[instance] + current[instance]
-                if not _block(net, prices, ranks, heap, rounds, rank, round_lo[cell], round_hi[cell]):
+                if not _block(
+                    net, prices, ranks, heap, rounds, rank, round_lo[cell], round_hi[cell]
+                ):
                     return
             else:
                 head[rank] += 1
@@ -720,7 +729,15 @@ def _run_step(
     )
     done = np.zeros(nranks, np.bool_)
     finish = np.zeros(nranks, np.float64)
-    program = (ops, op_ptr, amounts, op_ptr[:-1].copy(), np.full(nranks, -1, np.int64), done, finish)
+    program = (
+        ops,
+        op_ptr,
+        amounts,
+        op_ptr[:-1].copy(),
+        np.full(nranks, -1, np.int64),
+        done,
+        finish,
+    )
     for rank in range(nranks):
         _wake(heap, rank, 0.0)
     wake_at = heap[0]

@@ -218,6 +218,36 @@ def test_layout_of_boxes_that_tile_a_grid(extents, data):
         assert all(ranks[0] in joined.holders[k] for k in (0, 1))
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=3), st.data())
+def test_a_layouts_cells_by_rank_and_by_rect(extents, data):
+    from legion_nn.rect import Rect
+    from partitioner import boxes
+    from partitioner.layout import Layout
+
+    count = data.draw(st.integers(1, 6))
+    ranks, los, his = [], [], []
+    for _ in range(count):
+        lo = [data.draw(st.integers(0, e - 1)) for e in extents]
+        ranks.append(data.draw(st.integers(0, 4)))
+        los.append(lo)
+        his.append([data.draw(st.integers(a + 1, e)) for a, e in zip(lo, extents)])
+    layout = Layout.from_arrays(
+        len(extents), np.array(ranks, boxes.INDEX), np.array(los, boxes.INDEX),
+        np.array(his, boxes.INDEX),
+    )  # fmt: skip
+    for rank in range(6):
+        held = [
+            layout.cell_rect(np.unravel_index(i, [len(c) - 1 for c in layout.cuts]))
+            for i, holders in sorted(layout.holders.items())
+            if rank in holders
+        ]
+        assert layout.held_by(rank) == held
+    lo = [data.draw(st.integers(0, e)) for e in extents]
+    rect = Rect(lo, [data.draw(st.integers(a, e)) for a, e in zip(lo, extents)])
+    assert layout.cell_indices(rect) == [index for index, _ in layout.cells(rect)]
+
+
 def test_balanced_grids_are_the_first_best_of_all_factorizations():
     import random
 

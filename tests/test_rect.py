@@ -132,3 +132,32 @@ def test_minus_many_leaves_disjoint_boxes_of_exactly_the_points_left(data):
     expected = points(a).difference(*[points(c) for c in cuts])
     assert seen == expected
     assert a.covered_by(cuts) == (not expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_bounding_is_the_union_of_bounds_and_overlap_volume_the_intersections(data):
+    a = data.draw(boxes())
+    others = data.draw(st.lists(boxes(ndim=a.ndim), max_size=5))
+    expected = None
+    for rect in [a, *others]:
+        if not rect.is_empty():
+            expected = rect if expected is None else expected.union_bounds(rect)
+    assert Rect.bounding([a, *others]) == expected
+    for other in others:
+        assert a.overlap_volume(other) == len(points(a) & points(other))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_coverage_by_disjoint_parts_is_coverage(data):
+    a = data.draw(boxes(ndim=data.draw(st.integers(1, 3))))
+    around = data.draw(boxes(ndim=a.ndim))
+    grid = [data.draw(st.integers(1, 3)) for _ in range(a.ndim)]
+    cells = around.split(grid)
+    kept = [c for c in cells if data.draw(st.booleans())]
+    assert (
+        a.covered_by_disjoint(kept)
+        == a.covered_by(kept)
+        == (points(a) <= set().union(*[points(c) for c in kept]))
+    )

@@ -6,7 +6,18 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from runtime.step_buffers import Arena, Slot, contiguous, place
+from runtime.step_buffers import (
+    _COLOUR_STEP,
+    COLOURED,
+    LINE,
+    PAGE,
+    Arena,
+    Slot,
+    _placement,
+    _reserved,
+    contiguous,
+    place,
+)
 
 
 @st.composite
@@ -52,6 +63,43 @@ def test_buffers_live_at_once_never_overlap(case):
     live = [sum(s.nbytes for s in slots if s.first <= t <= s.last) for t in range(length)]
     assert list(placed.live()) == live
     assert placed.peak == max(live) <= placed.size
+
+
+def _first_fit(order):
+    """First fit by a scan: each slot past the placed slots live with it, in order of offset,
+    at the first gap that holds it (a coloured slot's offset rounded up to a page first)."""
+    placed, starts, size, colour = [], [], 0, 0
+    for nbytes, first, last in order:
+        need = _reserved(nbytes)
+        busy = sorted((o, e) for o, e, f, la in placed if f <= last and first <= la)
+        coloured = nbytes >= COLOURED
+        offset = 0
+        for lo, hi in busy:
+            if coloured:
+                offset = -(-offset // PAGE) * PAGE
+            if offset + need <= lo:
+                break
+            offset = max(offset, hi)
+        if coloured:
+            offset = -(-offset // PAGE) * PAGE
+            starts.append(offset + colour * _COLOUR_STEP * LINE % PAGE)
+            colour += 1
+        else:
+            starts.append(offset)
+        placed.append((offset, offset + need, first, last))
+        size = max(size, offset + need)
+    return starts, size
+
+
+@settings(max_examples=300, deadline=None)
+@given(slot_sets())
+@example(_ALIGNED_PAST_ITS_GAP)
+def test_placement_is_first_fit(case):
+    slots, _ = case
+    order = tuple(
+        (s.nbytes, s.first, s.last) for s in sorted(slots, key=lambda s: (-s.nbytes, s.first))
+    )
+    assert _placement.__wrapped__(order) == _first_fit(order)
 
 
 def test_an_arena_view_writes_only_its_slot():
