@@ -45,12 +45,10 @@ from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine, load_machine
-from partitioner.plan import build_plan
 from partitioner.resolve import check_strategy_name, read_grids, resolve_strategy
 from partitioner.strategy import STRATEGY_NAMES
 from runtime import cluster
-from runtime.step_memory import peak_function
-from runtime.step_simulator import step_function, step_prediction
+from runtime.step_model import StepModel
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 16))
 STRATEGIES = STRATEGY_NAMES
@@ -151,14 +149,15 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     auto or a strategy file), resolved as it resolves it."""
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     name, homes = split_homes(strategy)
+    model = StepModel(machine)
     plan_strategy, why = resolve_strategy(
         graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes,
-        peak=peak_function(machine), step=step_function(machine),
+        peak=model.peak, step=model.step,
     )  # fmt: skip
     chosen = ",".join(sorted({c["family"] for c in why})) if why else ""
-    plan = build_plan(graph, plan_strategy, ranks)
+    plan = model.plan(graph, plan_strategy, ranks)
     cost = plan_cost(graph, plan, machine)
-    step = step_prediction(graph, plan, machine, cost.step_seconds)
+    step = model.step_prediction(graph, plan, cost.step_seconds)
     return {
         "predicted_s": step["predicted_step_seconds"],
         "bulk_synchronous_s": step["bulk_synchronous_seconds"],

@@ -7,6 +7,8 @@ those rows, over arrays of their values, knowing nothing of grids or plans.
 
 from __future__ import annotations
 
+from functools import cached_property
+from collections.abc import Iterable
 from math import prod
 
 import numpy as np
@@ -32,7 +34,9 @@ class FrontierDP:
 
     def __init__(self, scopes: list[tuple[int, ...]], sizes: list[int]) -> None:
         self.scopes, self.sizes = scopes, sizes
-        added_at = [max(scope) for scope in scopes]
+        added_at = self._added_at = [max(scope) for scope in scopes]
+        #: per step, the table before it and the choices made at it, as the last `solve` left
+        self._tables: tuple[list[np.ndarray], list[tuple]] | None = None
         last = {}
         for i, scope in enumerate(scopes):
             for j in scope:
@@ -55,26 +59,32 @@ class FrontierDP:
             self.steps.append((axes, kept, dropped, factors))
             axes = kept
 
-    def solve(self, factors: list[np.ndarray]) -> list[int] | None:
+    def solve(
+        self, factors: list[np.ndarray], changed: Iterable[int] | None = None
+    ) -> list[int] | None:
         """Per unit the index of its grid minimising the sum of `factors` (each an array over
-        its scope's grids), or None where every assignment is infinite."""
-        value = np.zeros(())
-        backs = []
-        for k, (axes, kept, dropped, adding) in enumerate(self.steps):
-            joined = axes + [k]
+        its scope's grids), or None where every assignment is infinite. `changed`: the factors
+        that changed since the last call (None: any may have); the tables of the steps before
+        the first that adds one of them are those of the last call, not worked out again (the
+        lazy DP changes a few factors between calls, anywhere along the units)."""
+        start = 0
+        if changed is not None and self._tables is not None:
+            start = min((self._added_at[i] for i in changed), default=len(self.steps))
+        values, backs = self._tables if start else ([np.zeros(())], [])
+        del values[start + 1 :], backs[start:]
+        value = values[start]
+        for kept, dropped, adding, joined_shape, perm, flat_shape in self._plans[start:]:
             total = value[..., None]
-            for i, where in adding:
-                # the factor's axes in the table's order, with the table's other axes added
-                shape = [1] * len(joined)
-                for axis, position in enumerate(where):
-                    shape[position] = factors[i].shape[axis]
-                total = total + factors[i].transpose(np.argsort(where)).reshape(shape)
-            total = np.broadcast_to(total, [self.sizes[j] for j in joined])
-            perm = [joined.index(j) for j in kept + dropped]
-            flat = total.transpose(perm).reshape([self.sizes[j] for j in kept] + [-1])
+            for i, order, shape in adding:
+                total = total + factors[i].transpose(order).reshape(shape)
+            if total.shape != joined_shape:
+                total = total + np.zeros(joined_shape)
+            flat = total.transpose(perm).reshape(flat_shape)
             arg = flat.argmin(axis=-1)
-            value = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+            value = np.minimum.reduce(flat, axis=-1)
+            values.append(value)
             backs.append((kept, dropped, arg))
+        self._tables = (values, backs)
         if float(value) == INF:
             return None
         chosen: dict[int, int] = {}
@@ -83,3 +93,23 @@ class FrontierDP:
             for j, k in zip(dropped, np.unravel_index(index, [self.sizes[j] for j in dropped])):
                 chosen[j] = int(k)
         return [chosen[i] for i in range(len(self.scopes))]
+
+    @cached_property
+    def _plans(self) -> list[tuple]:
+        """Per step, what `solve` does with its arrays, worked out once: each factor's axes put
+        in the table's order and its shape there, the joined table's shape, and the order and
+        shape in which the dropped units' axes are minimised out."""
+        plans = []
+        for k, (axes, kept, dropped, adding) in enumerate(self.steps):
+            joined = axes + [k]
+            factors = []
+            for i, where in adding:
+                shape = [1] * len(joined)
+                for axis, position in enumerate(where):
+                    shape[position] = self.sizes[self.scopes[i][axis]]
+                factors.append((i, tuple(np.argsort(where).tolist()), tuple(shape)))
+            joined_shape = tuple(self.sizes[j] for j in joined)
+            perm = tuple(joined.index(j) for j in kept + dropped)
+            flat_shape = tuple(self.sizes[j] for j in kept) + (-1,)
+            plans.append((kept, dropped, factors, joined_shape, perm, flat_shape))
+        return plans

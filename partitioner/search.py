@@ -408,8 +408,10 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         for i in range(len(units)):
             price(key_of(i, uniform))
     proven = False
+    changed: set[int] | None = None  # the first solve works out every table
     while time.monotonic() <= deadline:
-        solution = dp.solve(lower)
+        solution = dp.solve(lower, changed)
+        changed = set()
         path = None if solution is None else path_of(solution)
         missing = (
             []
@@ -420,6 +422,7 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
             proven = True
             break
         for key in missing:
+            changed.add(key[0])
             q = key[1][scopes[key[0]].index(key[0])]
             if (key[0], q) in refined:
                 price(key)

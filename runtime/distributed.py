@@ -27,8 +27,7 @@ from partitioner.machine import Machine
 from partitioner.resolve import strategy_chooser
 from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
-from runtime.step_memory import peak_function
-from runtime.step_simulator import step_function
+from runtime.step_model import StepModel
 from runtime.supervisor import Status
 from runtime.tracing import Recorder, TraceFile
 from runtime.training import TrainConfig, Trainer, TrainResult
@@ -60,13 +59,14 @@ def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strat
     """A built-in name, or how rank 0 chooses (`auto`, a grids file) for the first graph
     (`partitioner.resolve.strategy_chooser`); a bad one fails on every rank alike, before MPI."""
     machine = options.machine or Machine()
+    model = StepModel(machine)
     return strategy_chooser(
         options.strategy,
         machine,
         options.search_seconds,
         options.param_homes,
-        peak_function(machine),
-        step_function(machine),
+        model.peak,
+        model.step,
     )
 
 

@@ -16,7 +16,7 @@ up to `PLACED_MAX_RANKS` ranks, and beyond that the held count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,19 +125,21 @@ def sampled_ranks(held: dict[int, int]) -> list[int]:
     return sorted({0, *sorted(held, key=lambda r: -held[r])[:SAMPLED_RANKS]})
 
 
-def peak_function(machine: Machine) -> Callable[[TaskGraph, Plan], int]:
+def plan_peak(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    programs: Mapping[int, RankProgram] | None = None,
+) -> int:
     """The most bytes a rank of a plan holds with its baseline: its buffers placed on the ranks
-    `sampled_ranks` picks, or beyond `PLACED_MAX_RANKS` the held count (`HELD`). What `auto`
-    fits in memory (`partitioner.memory_fit`)."""
-
-    def peak(graph: TaskGraph, plan: Plan) -> int:
-        held = memory_per_rank(graph, plan)
-        if plan.nranks > PLACED_MAX_RANKS:
-            return max(held.values(), default=0) + machine.process_baseline_bytes
-        memories = predict(graph, plan, machine, sampled_ranks(held))
-        return max(m.peak for m in memories.values())
-
-    return peak
+    `sampled_ranks` picks (from `programs`, where the caller has every rank's), or beyond
+    `PLACED_MAX_RANKS` the held count (`HELD`). What `auto` fits in memory
+    (`partitioner.memory_fit`, through `runtime.step_model.StepModel.peak`)."""
+    held = memory_per_rank(graph, plan)
+    if plan.nranks > PLACED_MAX_RANKS:
+        return max(held.values(), default=0) + machine.process_baseline_bytes
+    memories = predict(graph, plan, machine, sampled_ranks(held), programs)
+    return max(m.peak for m in memories.values())
 
 
 def memory_prediction(

@@ -466,37 +466,25 @@ def step_prediction(
     machine: Machine,
     bulk_seconds: float,
     programs: Mapping[int, RankProgram] | None = None,
+    simulated_seconds: float | None = None,
 ) -> dict:
     """The step `partition` and `bench scaling` predict: the simulated step (`simulate_compiled`)
     where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
     outside the tasks (`loop_us`). `programs`: every rank's, where the caller has built them
-    already."""
+    already; `simulated_seconds`: the simulated step, where the caller has it already."""
     loop = machine.loop_seconds
     out = {"bulk_synchronous_seconds": bulk_seconds + loop}
     if not simulated(graph, plan):
         summed = {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
         return out | summed
-    step = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
-    return out | {"predicted_step_seconds": step.seconds + loop, "step_model": "simulated"}
+    if simulated_seconds is None:
+        simulated_seconds = predict_step(
+            graph, plan, machine, programs=programs, simulate=simulate_compiled
+        ).seconds
+    return out | {"predicted_step_seconds": simulated_seconds + loop, "step_model": "simulated"}
 
 
 #: `auto` compares the candidates' simulated steps up to this many ranks and their sums beyond:
 #: building every rank's program of each candidate takes seconds at 1024 ranks
 OBJECTIVE_SIMULATE_MAX_RANKS = 64
-
-
-def step_function(machine: Machine) -> Callable[[TaskGraph, Plan], float]:
-    """A plan's predicted step as `partition` reports it (the simulated step with the machine's
-    time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
-    `SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what `auto` chooses its plan
-    by (`partitioner.resolve`)."""
-
-    def step(graph: TaskGraph, plan: Plan) -> float:
-        if plan.nranks > OBJECTIVE_SIMULATE_MAX_RANKS or not simulated(graph, plan):
-            return plan_cost(graph, plan, machine).step_seconds + machine.loop_seconds
-        return predict_step(graph, plan, machine, simulate=simulate_compiled).seconds + (
-            machine.loop_seconds
-        )
-
-    return step

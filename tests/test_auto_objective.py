@@ -14,8 +14,7 @@ from partitioner.memory_fit import STEP_WITHIN
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import BUILTIN, builtin
-from runtime.step_memory import peak_function
-from runtime.step_simulator import step_function
+from runtime.step_model import StepModel
 
 SLOW = Machine(rank_gflops=20, link_gbytes_per_s=0.1, latency_us=50, memory_gbytes_per_s=20,
                task_overhead_us=30, message_overhead_us=100)  # fmt: skip
@@ -33,8 +32,8 @@ CASES = [
 def test_no_built_in_plan_near_autos_is_predicted_faster(network, batch, ranks, machine,
                                                          with_peak):  # fmt: skip
     graph = load_network(network).lower(batch=batch, optimizer="sgd")
-    step = step_function(machine)
-    peak = peak_function(machine) if with_peak else None
+    step = StepModel(machine).step
+    peak = StepModel(machine).peak if with_peak else None
     chosen, _ = resolve_strategy(graph, "auto", ranks, machine, 10.0, peak=peak, step=step)
     plan = build_plan(graph, chosen, ranks)
     mine = step(graph, plan)
@@ -52,7 +51,7 @@ def test_auto_chooses_by_the_simulated_step_where_the_sum_would_choose_otherwise
     backward pass; auto with the simulated step takes the faster plan."""
     machine = Machine(rank_gflops=50, link_gbytes_per_s=0.05, latency_us=30)
     graph = load_network("seed-lcn-small").lower(batch=512, optimizer="sgd")
-    step = step_function(machine)
+    step = StepModel(machine).step
     data = step(graph, build_plan(graph, builtin(graph, "data", 4), 4))
     searched, _ = resolve_strategy(graph, "auto", 4, machine, 10.0)
     assert step(graph, build_plan(graph, searched, 4)) > data * 1.05  # the sum alone loses
@@ -69,6 +68,36 @@ def test_partition_reports_the_step_auto_chose_by(tmp_path):
     assert main(argv) == 0
     printed = json.loads(report.read_text())["predicted_step_seconds"]
     graph = load_network("seed-lcn-small").lower(batch=64, optimizer="sgd")
-    chosen, _ = resolve_strategy(graph, "auto", 2, SLOW, 30.0, peak=peak_function(SLOW),
-                                 step=step_function(SLOW))  # fmt: skip
-    assert printed == pytest.approx(step_function(SLOW)(graph, build_plan(graph, chosen, 2)))
+    chosen, _ = resolve_strategy(graph, "auto", 2, SLOW, 30.0, peak=StepModel(SLOW).peak,
+                                 step=StepModel(SLOW).step)  # fmt: skip
+    assert printed == pytest.approx(StepModel(SLOW).step(graph, build_plan(graph, chosen, 2)))
+
+
+def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(monkeypatch):
+    """auto's fit and comparison and the report of the plan it picks share one model: the
+    picked plan is the one the fit built, its programs are built once, and every prediction
+    equals the one made from scratch."""
+    import runtime.step_model as step_model
+    from runtime.rank_program import build_programs
+    from runtime.step_memory import memory_prediction, plan_peak
+    from runtime.step_simulator import step_prediction
+
+    built: list[tuple] = []
+
+    def counting(graph, plan, machine, ranks, *args, **kwargs):
+        built.append((plan.strategy, sorted(plan.unit_grids.items()), plan.sharded))
+        return build_programs(graph, plan, machine, ranks, *args, **kwargs)
+
+    monkeypatch.setattr(step_model, "build_programs", counting)
+    graph = load_network("seed-lcn-small").lower(batch=64, optimizer="sgd")
+    model = StepModel(SLOW)
+    chosen, _ = resolve_strategy(graph, "auto", 2, SLOW, 10.0, peak=model.peak, step=model.step)
+    compared = len(built)
+    plan = model.plan(graph, chosen, 2)
+    bulk = plan_cost(graph, plan, SLOW).step_seconds
+    report = (model.step_prediction(graph, plan, bulk), model.memory_prediction(graph, plan))
+    assert compared >= 2 and len(built) == compared  # the report builds nothing again
+    assert all(built.count(key) == 1 for key in built)
+    fresh = build_plan(graph, chosen, 2)
+    assert report == (step_prediction(graph, fresh, SLOW, bulk), memory_prediction(graph, fresh, SLOW))
+    assert model.peak(graph, plan) == plan_peak(graph, fresh, SLOW)

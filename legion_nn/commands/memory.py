@@ -139,11 +139,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     from legion_nn.sources import load_source_graph
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
-    from partitioner.plan import build_plan
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
-    from runtime.step_memory import peak_function, predict
-    from runtime.step_simulator import step_function
+    from runtime.step_memory import predict
+    from runtime.step_model import StepModel
     from visualize.render_file import check_plot
 
     check_ranks(args.ranks)
@@ -152,6 +151,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.source, args.batch, NETWORK_BATCH, dtype=args.dtype, optimizer=args.optimizer
     )
     verify(graph)
+    model = StepModel(machine)
     strategy, _ = resolve_strategy(
         graph,
         args.strategy,
@@ -160,11 +160,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         30.0,
         _note,
         args.param_homes,
-        peak_function(machine),
-        step_function(machine),
+        model.peak,
+        model.step,
     )
-    plan = build_plan(graph, strategy, args.ranks)
-    memories = predict(graph, plan, machine)
+    plan = model.plan(graph, strategy, args.ranks)
+    memories = predict(graph, plan, machine, programs=model.programs(graph, plan))
     fullest = max(memories.values(), key=lambda m: m.peak)
     result = {
         "network": graph.network,

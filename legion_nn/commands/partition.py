@@ -90,14 +90,11 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.verify import verify
     from partitioner.cost import plan_cost
     from partitioner.machine import load_calibrated, load_machine
-    from partitioner.plan import build_plan
     from partitioner.report import report_json, sweep_table, table
     from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan
-    from runtime.rank_program import build_programs
-    from runtime.step_memory import PLACED_MAX_RANKS, memory_prediction, peak_function
-    from runtime.step_simulator import simulated, step_function, step_prediction
+    from runtime.step_model import StepModel
     from visualize.render_file import check_plot, write_figure
 
     if args.batch is not None and args.batch < 1:
@@ -118,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     )
     verify(graph)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
+    model = StepModel(machine)
     reports = []
     for nranks in counts:
         check_ranks(nranks)
@@ -129,22 +127,15 @@ def run(args: argparse.Namespace) -> int:
             args.time_limit,
             _note,
             args.param_homes,
-            peak_function(machine),
-            step_function(machine),
+            model.peak,
+            model.step,
         )
-        plan = build_plan(graph, strategy, nranks)
+        plan = model.plan(graph, strategy, nranks)
         if args.verify:
             verify_plan(graph, plan)
         cost = plan_cost(graph, plan, machine)
-        # every rank's program, built once for the simulated step and the placed buffers, where
-        # either reads them
-        programs = (
-            build_programs(graph, plan, machine, range(nranks))
-            if simulated(graph, plan) or nranks <= PLACED_MAX_RANKS
-            else None
-        )
-        step = step_prediction(graph, plan, machine, cost.step_seconds, programs)
-        memory = memory_prediction(graph, plan, machine, programs)
+        step = model.step_prediction(graph, plan, cost.step_seconds)
+        memory = model.memory_prediction(graph, plan)
         reports.append(report_json(graph, plan, cost, why, step, memory))
     if args.sweep:
         sys.stdout.write(sweep_table(reports))

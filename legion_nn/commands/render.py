@@ -113,10 +113,8 @@ def _load(args: argparse.Namespace):
 def _plan(args: argparse.Namespace, graph):
     from legion_nn.errors import LegionNNError
     from partitioner.machine import load_machine
-    from partitioner.plan import build_plan
     from partitioner.resolve import resolve_strategy
-    from runtime.step_memory import peak_function
-    from runtime.step_simulator import step_function
+    from runtime.step_model import StepModel
 
     if args.ranks < 1:
         raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
@@ -125,6 +123,7 @@ def _plan(args: argparse.Namespace, graph):
     def note(message: str) -> None:
         print(f"legion-nn render: {message}", file=sys.stderr)
 
+    model = StepModel(machine)
     strategy, _ = resolve_strategy(
         graph,
         args.strategy or "auto",
@@ -133,10 +132,10 @@ def _plan(args: argparse.Namespace, graph):
         args.time_limit,
         note,
         args.param_homes,
-        peak_function(machine),
-        step_function(machine),
+        model.peak,
+        model.step,
     )
-    return build_plan(graph, strategy, args.ranks)
+    return model.plan(graph, strategy, args.ranks)
 
 
 def _collapse(args: argparse.Namespace, nodes: int) -> str:

@@ -1,0 +1,116 @@
+"""A machine's predictions of plans, each plan's rank programs built once however often it is asked.
+
+`auto` asks the same plans several things: the memory fit places each candidate's buffers
+(`peak`), the comparison of candidates simulates the near ones' steps (`step`), and the command
+then reports the plan it picked (`step_prediction`, `memory_prediction`). Every one of those
+reads the plan's rank programs, the costliest thing to derive from a plan (a second and a half
+for resnet18's 64 ranks), and the simulation. A `StepModel` keeps them per plan, found by what
+makes the plan (its strategy's name and grids, its sharded homes, its ranks): the plan `auto`'s
+fit built is the plan the command reports, and nothing about it is derived twice.
+
+The functions a command hands `partitioner.resolve` (`peak`, `step`) are the model's methods; a
+command makes one model per machine and asks it for the plan it reports (`plan`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from legion_nn.graph import TaskGraph
+from partitioner.cost import plan_cost
+from partitioner.machine import Machine
+from partitioner.plan import Plan, build_plan
+from partitioner.strategy import Strategy
+from runtime.rank_program import RankProgram, build_programs
+from runtime.step_memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
+from runtime.step_simulator import (
+    OBJECTIVE_SIMULATE_MAX_RANKS,
+    predict_step,
+    simulate_compiled,
+    simulated,
+    step_prediction,
+)
+
+#: plans whose every rank's programs are kept (the candidates auto compares are fewer)
+KEPT_PROGRAMS = 6
+
+
+class StepModel:
+    """Predictions of plans on `machine`, kept per plan (see the module docstring)."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+        #: the graphs planned, by id (held, so that an id names one graph while the model lives)
+        self._graphs: dict[int, TaskGraph] = {}
+        self._plans: dict[tuple, Plan] = {}
+        self._programs: OrderedDict[tuple, dict[int, RankProgram]] = OrderedDict()
+        self._simulated: dict[tuple, float] = {}
+
+    def _key(self, graph: TaskGraph, name: str, unit_grids, sharded, nranks: int) -> tuple:
+        self._graphs.setdefault(id(graph), graph)
+        return id(graph), name, tuple(sorted(unit_grids.items())), frozenset(sharded), nranks
+
+    def _plan_key(self, graph: TaskGraph, plan: Plan) -> tuple:
+        key = self._key(graph, plan.strategy, plan.unit_grids, plan.sharded, plan.nranks)
+        self._plans.setdefault(key, plan)
+        return key
+
+    def plan(self, graph: TaskGraph, strategy: Strategy, nranks: int) -> Plan:
+        """The plan of `strategy` on `nranks` ranks: the one already asked about, if any."""
+        key = self._key(graph, strategy.name, strategy.unit_grids, strategy.sharded, nranks)
+        found = self._plans.get(key)
+        if found is None:
+            found = self._plans[key] = build_plan(graph, strategy, nranks)
+        return found
+
+    def programs(self, graph: TaskGraph, plan: Plan) -> dict[int, RankProgram]:
+        """Every rank's program of `plan`."""
+        key = self._plan_key(graph, plan)
+        found = self._programs.get(key)
+        if found is None:
+            found = build_programs(graph, plan, self.machine, range(plan.nranks))
+            self._programs[key] = found
+            while len(self._programs) > KEPT_PROGRAMS:
+                self._programs.popitem(last=False)
+        self._programs.move_to_end(key)
+        return found
+
+    def simulated_seconds(self, graph: TaskGraph, plan: Plan) -> float:
+        """The simulated step of `plan`, without the machine's time outside the tasks."""
+        key = self._plan_key(graph, plan)
+        if key not in self._simulated:
+            self._simulated[key] = predict_step(
+                graph,
+                plan,
+                self.machine,
+                programs=self.programs(graph, plan),
+                simulate=simulate_compiled,
+            ).seconds
+        return self._simulated[key]
+
+    def step(self, graph: TaskGraph, plan: Plan) -> float:
+        """A plan's predicted step as `partition` reports it (the simulated step with the
+        machine's time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
+        `step_simulator.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what
+        `auto` chooses its plan by (`partitioner.resolve`)."""
+        if plan.nranks > OBJECTIVE_SIMULATE_MAX_RANKS or not simulated(graph, plan):
+            return plan_cost(graph, plan, self.machine).step_seconds + self.machine.loop_seconds
+        return self.simulated_seconds(graph, plan) + self.machine.loop_seconds
+
+    def peak(self, graph: TaskGraph, plan: Plan) -> int:
+        """The most bytes a rank of `plan` holds with its baseline (`step_memory.plan_peak`),
+        from every rank's programs where they are built already: what `auto` fits in memory."""
+        key = self._plan_key(graph, plan)
+        return plan_peak(graph, plan, self.machine, self._programs.get(key))
+
+    def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
+        """`step_simulator.step_prediction` of `plan`, its simulation made once."""
+        if not simulated(graph, plan):
+            return step_prediction(graph, plan, self.machine, bulk_seconds)
+        seconds = self.simulated_seconds(graph, plan)
+        return step_prediction(graph, plan, self.machine, bulk_seconds, simulated_seconds=seconds)
+
+    def memory_prediction(self, graph: TaskGraph, plan: Plan) -> dict:
+        """`step_memory.memory_prediction` of `plan`, from the programs built already."""
+        programs = self.programs(graph, plan) if plan.nranks <= PLACED_MAX_RANKS else None
+        return memory_prediction(graph, plan, self.machine, programs)
