@@ -7,8 +7,8 @@ those rows, over arrays of their values, knowing nothing of grids or plans.
 
 from __future__ import annotations
 
-from functools import cached_property
 from collections.abc import Iterable
+from functools import cached_property
 from math import prod
 
 import numpy as np

@@ -39,12 +39,12 @@ import heapq
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 from legion_nn.graph import TaskGraph
-from partitioner.cost import compute_per_rank, plan_cost
+from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.compiled_step import run_compiled

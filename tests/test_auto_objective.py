@@ -77,7 +77,7 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     """auto's fit and comparison and the report of the plan it picks share one model: the
     picked plan is the one the fit built, its programs are built once, and every prediction
     equals the one made from scratch."""
-    import runtime.step_model as step_model
+    from runtime import step_model
     from runtime.rank_program import build_programs
     from runtime.step_memory import memory_prediction, plan_peak
     from runtime.step_simulator import step_prediction
