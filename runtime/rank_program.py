@@ -227,6 +227,9 @@ def build_programs(
         for rank, builder in programs.items():
             builder.begin(position, task, mine.get(rank, ()))
         for transfer in task_plan.transfers:
+            if transfer.src not in programs and not any(d in programs for d in transfer.dsts):
+                seq += len(transfer.dsts)  # numbered alike on every rank, built here or not
+                continue
             if transfer.reduce:
                 post_after = position
             elif graph.tensors[transfer.tensor].resident:
