@@ -33,6 +33,7 @@ and the two must agree.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -181,11 +182,20 @@ class RankProgram:
         """The position of the task at which the collective started `ordinal`-th is complete at
         the latest: the first that touches its tensor or a later collective's, or the step's last
         task (the step completes what is left at its end)."""
-        start = self.collectives[ordinal][0]
-        for rt in self.tasks[start:]:
-            if rt.complete_after > ordinal or (rt.index > start and rt.complete_before > ordinal):
-                return rt.index
-        return len(self.tasks) - 1
+        return self.completions[ordinal]
+
+    @cached_property
+    def completions(self) -> list[int]:
+        """`completion` of every collective, in start order. The counts complete before and
+        after each task never fall along the step (`_Builder._completion_points`), so the first
+        point past a collective's start that has completed it is found by bisection."""
+        points = [n for rt in self.tasks for n in (rt.complete_before, rt.complete_after)]
+        last = len(self.tasks) - 1
+        out = []
+        for ordinal, (start, _) in enumerate(self.collectives):
+            at = bisect_right(points, ordinal, lo=2 * start + 1)
+            out.append(at // 2 if at < len(points) else last)
+        return out
 
 
 def build_programs(
