@@ -1,0 +1,104 @@
+"""Benchmark: seconds for `legion-nn partition --json` to report a plan, as a user runs it.
+
+    python bench/partition_speed.py [--repeat 3] [--cases resnet18-data,seed-lcn-spatial]
+
+Each case runs the whole command in a child process (imports, the network, the plan, the search
+for `auto`, every rank's program, the simulated step and the placed memory): the cost model's
+speed goals are stated for it. The cases are the cost model's (issue 29's) goals: torchvision's
+ResNet-18 at 64×64 (`bench/resnet18_onnx.py`, written to a temporary file), batch 64, on 64
+ranks with data parallelism (goal 3 s) and with `auto` (goal 6 s); seed-lcn on 1024 ranks with
+spatial splits, simulated rather than summed (goal 15 s); vgg19's `auto` on 1024 ranks. Each
+figure is the best of `--repeat` runs, wall and CPU (user and system of the child); the machine's
+facts and the same run's SGEMM print beside them, since the machine is shared and its speed
+varies from minute to minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.kernels import sgemm_gflops
+
+#: name -> (network, extra arguments of `partition`, goal in seconds or None)
+CASES = {
+    "resnet18-data": ("resnet18", ["--batch", "64", "--ranks", "64", "--strategy", "data"], 3.0),
+    "resnet18-auto": ("resnet18", ["--batch", "64", "--ranks", "64", "--strategy", "auto"], 6.0),
+    "seed-lcn-spatial": ("seed-lcn", ["--ranks", "1024", "--strategy", "spatial"], 15.0),
+    "vgg19-auto": ("vgg19", ["--ranks", "1024", "--strategy", "auto"], None),
+}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_once(command: list[str]) -> tuple[float, float, dict]:
+    """(wall seconds, CPU seconds of the child, its JSON report)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return wall, cpu, json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES)
+    )
+    args = parser.parse_args()
+    names = [n for n in args.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown or args.repeat < 1:
+        print(f"partition_speed: unknown case {unknown[0]!r}" if unknown else
+              "partition_speed: --repeat must be at least 1", file=sys.stderr)  # fmt: skip
+        return 2
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; SGEMM {sgemm_gflops():.0f} GFLOP/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        resnet = Path(tmp) / "resnet18.onnx"
+        if any(CASES[n][0] == "resnet18" for n in names):
+            subprocess.run(
+                [sys.executable, str(ROOT / "bench" / "resnet18_onnx.py"), str(resnet)],
+                check=True,
+                capture_output=True,
+            )
+        print(f"{'case':18} {'wall':>8} {'cpu':>8} {'goal':>6}  step model")
+        for name in names:
+            network, extra, goal = CASES[name]
+            source = str(resnet) if network == "resnet18" else network
+            command = [sys.executable, "-m", "legion_nn.cli", "partition", source, *extra]
+            runs = [run_once(command) for _ in range(args.repeat)]
+            wall = min(r[0] for r in runs)
+            cpu = min(r[1] for r in runs)
+            report = runs[-1][2]
+            goal_text = f"{goal:.0f} s" if goal else "-"
+            print(f"{name:18} {wall:7.2f}s {cpu:7.2f}s {goal_text:>6}  {report['step_model']}")
+    print(f"SGEMM after: {sgemm_gflops():.0f} GFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
