@@ -4,7 +4,7 @@
 
 Each case runs the whole command in a child process (imports, the network, the plan, the search
 for `auto`, every rank's program, the simulated step and the placed memory): the cost model's
-speed goals are stated for it. The cases are the cost model's (issue 29's) goals: torchvision's
+speed goals are stated for it. The cases are the cost model's speed goals: torchvision's
 ResNet-18 at 64×64 (`bench/resnet18_onnx.py`, written to a temporary file), batch 64, on 64
 ranks with data parallelism (goal 3 s) and with `auto` (goal 6 s); seed-lcn on 1024 ranks with
 spatial splits, simulated rather than summed (goal 15 s); vgg19's `auto` on 1024 ranks. Each

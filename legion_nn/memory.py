@@ -36,7 +36,7 @@ gradient of a param is `<param>.grad`. A tensor carries the batch when its first
 graph's batch, unless it is a param, state, a stat or a param's gradient. A loss gradient read
 with an empty rect is never materialised, so a graph does not count the 4 bytes a dump counts for
 it; otherwise a dump and the graph imported from it have the same buffers and lifetimes. A lowered
-network and a dump of it differ where their functions touch different buffers: seed 001's
+network and a dump of it differ where their functions touch different buffers: the VGG19 dump's
 MaxPooling2D backward reads its output, lowered `maxpool.grad` does not.
 """
 

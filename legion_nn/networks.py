@@ -1,11 +1,12 @@
 """Built-in networks and `load_network`, which takes a built-in's name or a spec file's path.
 
-- `seed-lcn`: the network of seed 000: 1×41×41 input, two untied filter layers (64 filters 9×9,
-  then 64 filters 7×7, each followed by filterA and a relu filterNL) and a 3034-way classifier.
+- `seed-lcn`: the locally connected network: 1×41×41 input, two untied filter layers (64
+  filters 9×9, then 64 filters 7×7, each followed by filterA and a relu filterNL) and a 3034-way
+  classifier.
 - `seed-lcn-small`: the same structure at 1×20×20, 8 filters 5×5 then 8 filters 3×3, 10 classes.
-- `three-layer-convnet`: seed 002's conv - relu - 2×2 max pool - affine - relu - affine - softmax
+- `three-layer-convnet`: the classic conv - relu - 2×2 max pool - affine - relu - affine - softmax
   on 3×32×32 (32 filters 7×7, 100 hidden units, 10 classes).
-- `vgg19`: VGG19 at 3×224×224 with 1000 classes (the network of seed 001's Chainer dump).
+- `vgg19`: VGG19 at 3×224×224 with 1000 classes (the network of the bundled Chainer dump).
 - `deep-mlp`: eight linear layers of 2048 with ReLU on a 2048-wide input, then a 10-way
   classifier: few large tasks, all GEMMs, the opposite of the locally connected networks (the
   cost model's benchmarks run it beside them).

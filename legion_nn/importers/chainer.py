@@ -1,6 +1,6 @@
 """Chainer graph dumps: the text format, its parser and the records it yields.
 
-The format (seed 001 is VGG19 training at batch 32), one item per line::
+The format (the bundled VGG19 dump is its training step at batch 32), one item per line::
 
     V F                      variable count, function count
     ID BYTES NAME            V times; NAME is `_` when unnamed, parameters start with `/`

@@ -13,7 +13,7 @@ reads input rows [p0·s − pad_top, (p1−1)·s − pad_top + R) clipped to the
 of its own positions when untied (so spatial partitioning keeps untied weights local) and all of
 them when tied. Its backward reduces into the same input halo and weight rect; with
 `update_channels` [lo, hi) the weight gradient and the update cover only those input channels
-(seed 003's sparse update), and the kernels skip the other channels' work.
+(a sparse update), and the kernels skip the other channels' work.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ along (S, C) while X_r runs along the batch: backward-filter reads the input thr
 whose rows per example run along (S, C). Zero padding clips the window
 instead of padding the tensor: rows and columns that fall outside the input are left out of
 the GEMM (and their weight-gradient block is zeroed). A channel subset lo:hi of the weight
-gradient (seed 003's sparse update) copies only those channels, so its GEMMs are
+gradient (a sparse update) copies only those channels, so its GEMMs are
 K×(S·(hi−lo))×N and the other channels cost nothing.
 
 Weights are read through their strides (the Numba kernels index a (P, Q, R, K, S, C) view of
