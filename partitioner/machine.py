@@ -61,14 +61,23 @@ from legion_nn.errors import LegionNNError
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
 OPTIONAL_KEYS = (
-    "memory_gbytes_per_s", "task_overhead_us", "process_baseline_mib", "message_overhead_us",
-    "link_burst_bytes", "network_cpu_ns_per_byte",
+    "memory_gbytes_per_s",
+    "task_overhead_us",
+    "process_baseline_mib",
+    "message_overhead_us",
+    "link_burst_bytes",
+    "network_cpu_ns_per_byte",
 )
 #: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
 DEFAULT_BASELINE_MIB = 200.0
 #: measured by `bench machine`, priced by the cost model and the step simulator
 MEASURED_KEYS = (
-    "ranks_per_host", "intra_host", "pieces", "compute_factor", "loop_us", "host_cores"
+    "ranks_per_host",
+    "intra_host",
+    "pieces",
+    "compute_factor",
+    "loop_us",
+    "host_cores",
 )
 #: measured by `bench machine` and kept for the record
 RECORD_KEYS = ("hosts", "rank_cores", "duplex_gbytes_per_s", "pingpong", "measured_on")
@@ -145,6 +154,10 @@ class Machine:
     @property
     def message_overhead(self) -> float:
         return self.message_overhead_us * 1e-6
+
+    @property
+    def network_cpu_seconds_per_byte(self) -> float:
+        return self.network_cpu_ns_per_byte * 1e-9
 
     @property
     def process_baseline_bytes(self) -> int:
@@ -227,7 +240,10 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
     if unknown:
         raise LegionNNError(f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(known)}")
     for key in (
-        "task_overhead_us", "message_overhead_us", "link_burst_bytes", "network_cpu_ns_per_byte"
+        "task_overhead_us",
+        "message_overhead_us",
+        "link_burst_bytes",
+        "network_cpu_ns_per_byte",
     ):
         value = data.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -6,8 +6,10 @@ step of resnet18 on 64 ranks has half a million hops (84 rings of 126 rounds). H
 program is first flattened, in Python, into a list of instructions, each the effect of one
 stretch of `_Simulator._program` between two points where it gives the clock back:
 
-- `ADD c`: the rank's clock moves on by `c` (packing, unpacking, computing; each sum formed
-  exactly as the simulator forms it, so the clocks agree to the last bit);
+- `ADD c`: the rank's clock moves on by `c` (packing, unpacking; each sum formed exactly as the
+  simulator forms it, so the clocks agree to the last bit);
+- `COMPUTE c`: a task's compute, stretched by the network stack's CPU for the bytes of the
+  rank's transfers between hosts on the wire meanwhile (`_Simulator._stretched`);
 - `SYNC`: wake me at my clock; `PROGRESS`: a call into MPI (`_advance`);
 - `POST keys`, `WAIT keys`: post my ends of these transfers; block until they have ended;
 - `START i`: start collective instance `i` (this rank's rounds of one collective);
@@ -42,7 +44,7 @@ Links = Any
 #: (messages, rank) -> seconds
 Pack = Callable[[Sequence[Message], int], float]
 
-ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS = range(7)
+ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS, COMPUTE = range(8)
 #: `awaited`'s bits: a blocked rank waits for the transfer as its source, as its destination
 AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 
@@ -140,9 +142,9 @@ class _Flattener:
             self.dst[m.seq] = index.get(m.dst, -1)
             self.nbytes[m.seq] = m.nbytes
 
-    def add(self, amount: float) -> None:
-        if amount:  # adding zero leaves a clock as it is
-            self.ops.append((ADD, len(self.amounts), 0))
+    def add(self, amount: float, code: int = ADD) -> None:
+        if amount:  # adding zero leaves a clock as it is (and stretches nothing)
+            self.ops.append((code, len(self.amounts), 0))
             self.amounts.append(amount)
 
     def post(self, messages: Sequence[Message]) -> None:
@@ -226,7 +228,7 @@ class _Flattener:
             self.post(rt.partial_in)
             self.wait([m.seq for m in rt.copies_in])
             self.add(sum(2 * m.nbytes * memory for m in rt.copies_in))
-            self.add(compute[position])
+            self.add(compute[position], COMPUTE)
             self.add(pack(rt.partial_out, rank) + pack(rt.post, rank))
             self.ops.append((SYNC, 0, 0))
             self.post(rt.partial_out)
@@ -303,9 +305,11 @@ def run_compiled(
     pack: Pack,
     memory: float,
     per_message: float,
+    network_cpu: float = 0.0,
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Per rank, when it finished the step and how long it waited, by the compiled loop
-    (`step_simulator.simulate_compiled` makes the step of them)."""
+    (`step_simulator.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
+    rank's CPU per byte of its transfers between hosts."""
     flat = flatten(programs, compute, links, pack, memory)
     host = flat.host
     hosts = int(host.max()) + 1 if len(host) else 0
@@ -326,7 +330,7 @@ def run_compiled(
         flat.round_adds,
         flat.heap_room,
         (links.alpha, links.beta, links.alpha_intra, links.beta_intra, memory, per_message,
-         float(links.burst)),
+         float(links.burst), network_cpu),
     )  # fmt: skip
     stuck = sorted(rank for i, rank in enumerate(flat.ranks) if not done[i])
     if stuck:
@@ -348,9 +352,11 @@ _helper = njit(cache=True, _nrt=False)
 #        scheduled, send_posted, recv_posted, tokens_out, tokens_in (each host's burst left),
 #        awaited (per transfer, which of its blocked ends wait for it to be scheduled),
 #        unscheduled and pending_end (per rank, of the keys it is blocked on: how many are not
-#        scheduled, and the latest end of those that are)
+#        scheduled, and the latest end of those that are), started (per transfer, when it
+#        starts on the link), wire, wire_at, wire_count (per rank, its transfers between hosts
+#        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]])
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
-#   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst
+#   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst, network_cpu
 #   ranks: clock, waiting, blocked
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
@@ -444,6 +450,13 @@ def _schedule(net, prices, blocked, heap, t, ready):
     ingress[b] = end
     net[8][t] = end
     net[9][t] = True
+    net[17][t] = start
+    if host[s] != host[d]:
+        wire, wire_at, wire_count = net[18], net[19], net[20]
+        wire[wire_at[s] + wire_count[s]] = t
+        wire_count[s] += 1
+        wire[wire_at[d] + wire_count[d]] = t
+        wire_count[d] += 1
     awaited = net[14][t]
     if awaited:
         net[14][t] = 0
@@ -548,6 +561,31 @@ def _next_round_end(net, ranks, rounds, rank):
 
 
 @_helper
+def _stretched(net, prices, rank, begin, seconds):
+    """`_Simulator._stretched`: `seconds` of compute from `begin`, with the network stack's CPU
+    for the bytes of the rank's transfers between hosts on the wire meanwhile; those ended
+    before `begin` leave its list."""
+    cpu = prices[7]
+    if cpu == 0.0:
+        return seconds
+    nbytes, ended, started = net[2], net[8], net[17]
+    wire, base, count = net[18], net[19][rank], net[20][rank]
+    finish = begin + seconds
+    crossing = 0.0
+    kept = 0
+    for k in range(count):
+        t = wire[base + k]
+        if ended[t] > begin:
+            wire[base + kept] = t
+            kept += 1
+            overlap = min(ended[t], finish) - max(started[t], begin)
+            if overlap > 0.0:
+                crossing += nbytes[t] * overlap / (ended[t] - started[t])
+    net[20][rank] = kept
+    return seconds + crossing * cpu
+
+
+@_helper
 def _poll(net, prices, ranks, heap, rounds, rank, now):
     """`_Simulator._poll`; True where the wait is over (the caller runs the rank on). The keys
     still awaited are counted, not rescanned: a key once ended by a rank's clock stays ended,
@@ -622,6 +660,9 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
             for k in range(a, b):
                 _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
             pc[rank] = p + 1
+        elif code == COMPUTE:
+            pc[rank] = p + 1
+            clock[rank] += _stretched(net, prices, rank, clock[rank], amounts[a])
         elif code == PROGRESS:
             pc[rank] = p + 1
             _advance(net, prices, ranks, heap, rounds, rank)
@@ -677,6 +718,14 @@ def _run_step(
 ):
     nranks = len(op_ptr) - 1
     transfers = len(src)
+    # each rank's room for its transfers between hosts
+    wire_at = np.zeros(nranks + 1, np.int64)
+    for t in range(transfers):
+        s, d = src[t], dst[t]
+        if s >= 0 and d >= 0 and host[s] != host[d]:
+            wire_at[s + 1] += 1
+            wire_at[d + 1] += 1
+    wire_at = np.cumsum(wire_at)
     net = (
         src,
         dst,
@@ -695,6 +744,10 @@ def _run_step(
         np.zeros(transfers, np.int8),
         np.zeros(nranks, np.int64),
         np.zeros(nranks, np.float64),
+        np.zeros(transfers, np.float64),
+        np.zeros(max(wire_at[nranks], 1), np.int64),
+        wire_at,
+        np.zeros(nranks, np.int64),
     )
     heap = (
         np.full(nranks, np.inf),

@@ -26,7 +26,12 @@ post points and collective schedules the runtime runs:
 - where the machine prices memory traffic, a rank also pays its local passes: packing a send and
   unpacking a receive (two bytes a byte each), adding a received partial sum (three);
 - posting its end of a message or of a collective's hop costs a rank the machine's
-  `message_overhead_us`, on its own clock (the runtime's bookkeeping and MPI calls per message).
+  `message_overhead_us`, on its own clock (the runtime's bookkeeping and MPI calls per message);
+- bytes crossing between hosts take CPU from the ranks at their ends (`network_cpu_ns_per_byte`:
+  the network stack's copies, checksums and interrupts). A rank pays it only where it competes
+  with a kernel: a task's compute of c seconds from t is stretched by the CPU of the bytes of
+  that rank's transfers between hosts that are on the wire during [t, t + c] (each transfer's
+  bytes spread evenly over its time on the link). While a rank waits, the stack has the core.
 
 The step ends when every rank has finished its last task, completed its collectives and seen its
 sends off. Events are processed in time order (a heap), so the links serve messages in the order
@@ -89,6 +94,8 @@ class _Transfer:
     nbytes: int
     send_posted: float | None = None
     recv_posted: float | None = None
+    #: when it starts and ends on the link, once both ends have posted it
+    start: float | None = None
     end: float | None = None
 
 
@@ -139,6 +146,10 @@ class _Simulator:
         self.links = links or Links.of(machine, max(programs) + 1)
         self.memory = machine.seconds_per_memory_byte
         self.per_message = machine.message_overhead
+        self.network_cpu = machine.network_cpu_seconds_per_byte
+        #: per rank, its transfers between hosts in the order they were scheduled, those ended
+        #: before its clock dropped (`_stretched`)
+        self.on_wire: dict[int, list[_Transfer]] = {rank: [] for rank in programs}
         self.transfers: dict[Key, _Transfer] = {}
         #: when each host's link (or, within a host, each rank) is next free, each way
         self.egress: dict[tuple[str, int], float] = defaultdict(float)
@@ -197,8 +208,13 @@ class _Simulator:
             paid = max(transfer.nbytes - left, 0.0)
             for way, end, _ in ends:
                 self.tokens[way, end] = max(left - transfer.nbytes, 0.0)
+        transfer.start = start
         transfer.end = start + alpha + paid * beta
         self.egress[out] = self.ingress[into] = transfer.end
+        if src_host != dst_host:
+            for rank in (transfer.src, transfer.dst):
+                if rank in self.on_wire:
+                    self.on_wire[rank].append(transfer)
         for rank in (transfer.src, transfer.dst):
             if self.blocked.get(rank) is not None:
                 self._wake(rank, transfer.end)
@@ -294,7 +310,7 @@ class _Simulator:
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
             self.clock[rank] += sum(2 * m.nbytes * self.memory for m in rt.copies_in)
-            self.clock[rank] += self.compute[rank][position]
+            self.clock[rank] += self._stretched(rank, self.compute[rank][position])
             self.clock[rank] += self._pack(rt.partial_out, rank) + self._pack(rt.post, rank)
             yield _SYNC
             self._messages(rank, rt.partial_out)
@@ -308,6 +324,20 @@ class _Simulator:
             yield _PROGRESS
         yield from self._complete(rank, len(self.running[rank]))
         yield list(self.sends[rank])
+
+    def _stretched(self, rank: int, seconds: float) -> float:
+        """`seconds` of compute from the rank's clock on, with the network stack's CPU for the
+        bytes of its transfers between hosts on the wire meanwhile (see the module docstring)."""
+        if not self.network_cpu:
+            return seconds
+        begin, finish = self.clock[rank], self.clock[rank] + seconds
+        wire = self.on_wire[rank] = [t for t in self.on_wire[rank] if t.end > begin]
+        crossing = 0.0
+        for t in wire:
+            overlap = min(t.end, finish) - max(t.start, begin)
+            if overlap > 0.0:
+                crossing += t.nbytes * overlap / (t.end - t.start)
+        return seconds + crossing * self.network_cpu
 
     def _complete(self, rank: int, count: int) -> Generator[object, None, None]:
         """Complete the rank's `count` oldest collectives in flight, in the order they started:
@@ -445,7 +475,9 @@ def simulate_compiled(
     links = links or Links.of(machine, max(programs) + 1)
     memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
     pack = partial(posting_seconds, memory=memory, per_message=per_message)
-    finish, waiting = run_compiled(programs, compute, links, pack, memory, per_message)
+    finish, waiting = run_compiled(
+        programs, compute, links, pack, memory, per_message, machine.network_cpu_seconds_per_byte
+    )
     return SimulatedStep(max(finish.values(), default=0.0), finish, waiting)
 
 

@@ -14,7 +14,7 @@ from partitioner.machine import Machine
 from partitioner.plan import Reduction, build_plan
 from partitioner.strategy import builtin
 from runtime.rank_program import Collective, Message, RankProgram, RankTask, build_programs
-from runtime.step_simulator import Links, predict_step, simulate_step
+from runtime.step_simulator import Links, predict_step, simulate_compiled, simulate_step
 
 MACHINE = Machine(memory_gbytes_per_s=None)
 
@@ -85,6 +85,34 @@ def test_a_collective_round_follows_only_when_the_rank_calls_into_mpi(middle):
     # the rank then waits in the update and polls.
     expected = max(middle, 0.5) + 0.5
     assert step.seconds == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("simulate", [simulate_step, simulate_compiled])
+@pytest.mark.parametrize("middle", [5.0, 0.2])
+def test_the_network_stack_takes_cpu_from_a_kernel_only_while_both_run(middle, simulate):
+    """The first round (1 MB each way, 0.5 s) is on the wire while `below` computes: each rank
+    pays 100 ns of CPU a byte for the part of its two transfers that overlaps its compute. Over
+    5 s that is all 2 MB (0.2 s more); over 0.2 s, 40% of them, and the rank then waits for
+    the round anyway, so the step does not move."""
+    collective = two_round_allreduce(1_000_000)
+    programs = {
+        rank: program(
+            rank,
+            [
+                RankTask(0, task("backward"), collectives=[collective]),
+                RankTask(1, task("below")),
+                RankTask(2, update_of_g()),
+            ],
+        )
+        for rank in (0, 1)
+    }
+    compute = {rank: [0.0, middle, 0.0] for rank in (0, 1)}
+    machine = Machine(memory_gbytes_per_s=None, network_cpu_ns_per_byte=100.0)
+    step = simulate(programs, compute, machine, links(alpha=0.0, beta=1e-6 / 2))
+    below = middle + (2e6 * 1e-7 if middle >= 0.5 else 2e6 * (middle / 0.5) * 1e-7)
+    assert step.seconds == pytest.approx(max(below, 0.5) + 0.5)
+    quiet = simulate(programs, compute, MACHINE, links(alpha=0.0, beta=1e-6 / 2))
+    assert step.seconds - quiet.seconds == pytest.approx(0.2 if middle >= 0.5 else 0.0)
 
 
 def copies(pairs: list[tuple[int, int]], nbytes: int, nranks: int) -> dict[int, RankProgram]:
