@@ -26,8 +26,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
   first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency;
 - the CPU the network stack takes from a rank's kernels per byte it sends or receives between
-  hosts (`network_cpu_ns_per_byte`): a kernel timed alone and beside a stream each way (recorded,
-  not yet charged by the simulator);
+  hosts (`network_cpu_ns_per_byte`): a kernel timed alone and beside a stream each way (the
+  simulator stretches a task's compute by it for the bytes on the wire meanwhile);
 - what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
   NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.
@@ -233,8 +233,9 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
     `peer` (on another host) streams to it, then while it streams to `peer`, the stream sized
     to last about as long as the kernel at the link's rate, posted before the kernel starts and
     moved meanwhile by the transport's progress thread as in a training step. The kernel's extra
-    seconds over the bytes that moved while it ran, the mean of both directions. Recorded in
-    the machine file; the simulator does not charge it yet."""
+    seconds over the bytes that moved while it ran, the mean of both directions: what the
+    simulator charges a task's compute for the bytes of its rank's transfers on the wire
+    meanwhile (`runtime.step_simulator`)."""
     from runtime import mpi_transport as mpi
 
     rank = transport.rank
