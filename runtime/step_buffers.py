@@ -27,6 +27,7 @@ successive cache-line colours within a page, for the reason `runtime.aligned` gi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
@@ -272,13 +273,16 @@ def scratch_is_vector(collective: Collective, rect: Rect, layout: Layout) -> boo
     return offset == rect.volume
 
 
-#: the most bytes an adding hop of a collective receives at once (`rank_step._Adding`)
+#: the most bytes an adding hop of a collective receives at once (`running_collective.Adding`),
+#: unless `LEGION_NN_HOP_SEGMENT_BYTES` says (the tests make hops of many segments with it)
 HOP_SEGMENT_BYTES = 8 * 2**20
 
 
 def hop_segment(itemsize: int) -> int:
     """Elements of an adding hop received at once."""
-    return max(HOP_SEGMENT_BYTES // itemsize, 1)
+    text = os.environ.get("LEGION_NN_HOP_SEGMENT_BYTES", "")
+    nbytes = int(text) if text.isdigit() and int(text) > 0 else HOP_SEGMENT_BYTES
+    return max(nbytes // itemsize, 1)
 
 
 def _reserved(nbytes: int) -> int:

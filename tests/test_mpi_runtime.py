@@ -215,6 +215,25 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(nranks))
 
 
+def test_adding_hops_in_many_segments_equal_one_process(single, tmp_path, launcher):
+    """Collective hops received 40 bytes at a time (`running_collective.Adding`), over shared
+    memory and TCP: every segment is added where it belongs and the run is the one process's."""
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        3, "train", *TRAIN, "--steps", "4", "--strategy", "data", "--log-json", str(log),
+        "--checkpoint", str(tmp_path / "ckpt"), launcher=launcher,
+        env=environment(LEGION_NN_HOP_SEGMENT_BYTES="40"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected_losses, expected_params = single
+    np.testing.assert_allclose(losses(log), expected_losses, rtol=1e-9)
+    got = parameters(tmp_path / "ckpt")
+    for name, value in expected_params.items():
+        scale = max(np.abs(value).max(), 1e-30)
+        assert np.abs(got[name] - value).max() / scale < 1e-9, name
+    assert all(r["bytes_sent"] == r["bytes_planned"] for r in records(log) if "step" in r)
+
+
 MLP = str(Path(__file__).parent / "fixtures" / "mlp_small.json")
 
 
