@@ -1,0 +1,483 @@
+"""The step simulator's event loop, compiled by Numba: `runtime.compiled_step` flattens every
+rank's program into instructions, and `run_step` runs them with `runtime.step_simulator`'s very
+rules and tie-breaks (see `compiled_step` for the instructions and what each stands for).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: the instructions' codes (`compiled_step`'s module docstring)
+ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS, COMPUTE = range(8)
+#: `awaited`'s bits: a blocked rank waits for the transfer as its source, as its destination
+AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
+
+
+# The loop is module-level functions over tuples of arrays, each compiled once: inner closures
+# would be inlined at every call, and compiling the whole took over a minute. The helpers are
+# compiled without Numba's reference counting (`_nrt=False`, as numba/numba#2350 does): they
+# allocate nothing and hold no array beyond the call, and the counts Numba emits for arrays
+# used across branches, which its pruning pass cannot pair, were 90% of the loop's time (an
+# atomic add and subtract per array per call).
+_helper = njit(cache=True, _nrt=False)
+#   net: src, dst, nbytes, host, egress_rank, ingress_rank, egress_host, ingress_host, ended,
+#        scheduled, send_posted, recv_posted, tokens_out, tokens_in (each host's burst left),
+#        awaited (per transfer, which of its blocked ends wait for it to be scheduled),
+#        unscheduled and pending_end (per rank, of the keys it is blocked on: how many are not
+#        scheduled, and the latest end of those that are), started (per transfer, when it
+#        starts on the link), wire, wire_at, wire_count (per rank, its transfers between hosts
+#        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]])
+#   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
+#   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst, network_cpu
+#   ranks: clock, waiting, blocked
+#   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
+#           started, instances_of, head, tail, live (per rank, in start order, the instances
+#           with rounds left to post), live_count
+
+
+@_helper
+def _before(time, order, a, b):
+    return time[a] < time[b] or (time[a] == time[b] and order[a] < order[b])
+
+
+@_helper
+def _swap(time, order, rank, a, b):
+    time[a], time[b] = time[b], time[a]
+    order[a], order[b] = order[b], order[a]
+    rank[a], rank[b] = rank[b], rank[a]
+
+
+@_helper
+def _wake(heap, rank, at):
+    """`_Simulator._wake`: one live wake per rank; superseded ones stay in the heap."""
+    wake_at, state = heap[0], heap[4]
+    if at < wake_at[rank]:
+        wake_at[rank] = at
+        n = state[0]
+        if n >= len(heap[1]):
+            raise RuntimeError("step simulation: event heap overflow")
+        heap[1][n], heap[2][n], heap[3][n] = at, state[1], rank
+        state[0] = n + 1
+        state[1] += 1
+        while n > 0:
+            parent = (n - 1) // 2
+            if _before(heap[1], heap[2], n, parent):
+                _swap(heap[1], heap[2], heap[3], n, parent)
+                n = parent
+            else:
+                break
+
+
+@_helper
+def _pop(heap):
+    """The earliest wake (time, rank), by time and then the order they were made."""
+    time, order, ranks, state = heap[1], heap[2], heap[3], heap[4]
+    at, rank = time[0], ranks[0]
+    n = state[0] - 1
+    state[0] = n
+    if n > 0:
+        _swap(time, order, ranks, 0, n)
+        i = 0
+        while True:
+            left = 2 * i + 1
+            if left >= n:
+                break
+            child = left
+            if left + 1 < n and _before(time, order, left + 1, left):
+                child = left + 1
+            if _before(time, order, child, i):
+                _swap(time, order, ranks, child, i)
+                i = child
+            else:
+                break
+    return at, rank
+
+
+@_helper
+def _schedule(net, prices, blocked, heap, t, ready):
+    src, dst, nbytes, host = net[0], net[1], net[2], net[3]
+    s, d = src[t], dst[t]
+    if host[s] == host[d]:  # shared memory: each rank copies one message at a time
+        egress, ingress, a, b = net[4], net[5], s, d
+        alpha, beta = prices[2], prices[3]
+    else:
+        egress, ingress, a, b = net[6], net[7], host[s], host[d]
+        alpha, beta = prices[0], prices[1]
+    start = max(ready, egress[a], ingress[b])
+    burst = prices[6]
+    if burst and host[s] != host[d]:
+        # `_Simulator._schedule`'s token bucket at each end, the same sums in the same order
+        tokens_out, tokens_in = net[12], net[13]
+        left = min(
+            min(burst, tokens_out[a] + (start - egress[a]) / beta),
+            min(burst, tokens_in[b] + (start - ingress[b]) / beta),
+        )
+        paid = max(nbytes[t] - left, 0.0)
+        tokens_out[a] = max(left - nbytes[t], 0.0)
+        tokens_in[b] = max(left - nbytes[t], 0.0)
+        end = start + alpha + paid * beta
+    else:
+        end = start + alpha + nbytes[t] * beta
+    egress[a] = end
+    ingress[b] = end
+    net[8][t] = end
+    net[9][t] = True
+    net[17][t] = start
+    if host[s] != host[d]:
+        wire, wire_at, wire_count = net[18], net[19], net[20]
+        wire[wire_at[s] + wire_count[s]] = t
+        wire_count[s] += 1
+        wire[wire_at[d] + wire_count[d]] = t
+        wire_count[d] += 1
+    awaited = net[14][t]
+    if awaited:
+        net[14][t] = 0
+        unscheduled, pending_end = net[15], net[16]
+        if awaited & AWAITED_BY_SRC:
+            unscheduled[s] -= 1
+            pending_end[s] = max(pending_end[s], end)
+        if awaited & AWAITED_BY_DST:
+            unscheduled[d] -= 1
+            pending_end[d] = max(pending_end[d], end)
+    if blocked[s]:
+        _wake(heap, s, end)
+    if blocked[d]:
+        _wake(heap, d, end)
+
+
+@_helper
+def _post(net, prices, blocked, heap, rank, t, now):
+    if rank == net[0][t]:
+        net[10][t] = True
+    if rank == net[1][t]:
+        net[11][t] = True
+    if net[10][t] and net[11][t]:
+        _schedule(net, prices, blocked, heap, t, now)
+
+
+@_helper
+def _round_end(keys, ended, scheduled, lo, hi):
+    """When the last of keys[lo:hi] ends, or -1.0 while one is not scheduled."""
+    latest = 0.0
+    for k in range(lo, hi):
+        t = keys[k]
+        if not scheduled[t]:
+            return -1.0
+        latest = max(latest, ended[t])
+    return latest
+
+
+@_helper
+def _post_round(net, prices, ranks, heap, rounds, rank, instance):
+    keys, first, count, round_lo, round_hi, current = (
+        rounds[0],
+        rounds[1],
+        rounds[2],
+        rounds[3],
+        rounds[4],
+        rounds[6],
+    )
+    clock = ranks[0]
+    r = current[instance]
+    lo, hi = 0, 0
+    if r < count[instance]:
+        lo, hi = round_lo[first[instance] + r], round_hi[first[instance] + r]
+    clock[rank] += (hi - lo) * prices[5]
+    for k in range(lo, hi):
+        _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
+
+
+@_helper
+def _advance(net, prices, ranks, heap, rounds, rank):
+    """`_Simulator._advance`: post the next round of each collective whose round has ended, in
+    the order they started. A collective whose rounds are all posted leaves the rank's live
+    list (most of those in flight late in a step have: scanning them was most of the loop)."""
+    keys, first, count, round_lo, round_hi, adds, current = rounds[:7]
+    instances_of, live, live_count = rounds[8], rounds[11], rounds[12]
+    ended, scheduled = net[8], net[9]
+    clock = ranks[0]
+    now = clock[rank]
+    base = instances_of[rank]
+    kept = 0
+    for q in range(live_count[rank]):
+        instance = live[base + q]
+        while current[instance] < count[instance]:
+            cell = first[instance] + current[instance]
+            end = _round_end(keys, ended, scheduled, round_lo[cell], round_hi[cell])
+            if end < 0.0 or end > now:
+                break
+            clock[rank] += 3 * adds[cell] * prices[4]
+            current[instance] += 1
+            _post_round(net, prices, ranks, heap, rounds, rank, instance)
+        if current[instance] < count[instance]:
+            live[base + kept] = instance
+            kept += 1
+    live_count[rank] = kept
+
+
+@_helper
+def _next_round_end(net, ranks, rounds, rank):
+    keys, first, round_lo, round_hi = rounds[0], rounds[1], rounds[3], rounds[4]
+    current, instances_of, live, live_count = rounds[6], rounds[8], rounds[11], rounds[12]
+    ended, scheduled = net[8], net[9]
+    now = ranks[0][rank]
+    base = instances_of[rank]
+    best = -1.0
+    for q in range(live_count[rank]):
+        instance = live[base + q]
+        cell = first[instance] + current[instance]
+        end = _round_end(keys, ended, scheduled, round_lo[cell], round_hi[cell])
+        if end >= 0.0 and end > now and (best < 0.0 or end < best):
+            best = end
+    return best
+
+
+@_helper
+def _stretched(net, prices, rank, begin, seconds):
+    """`_Simulator._stretched`: `seconds` of compute from `begin`, with the network stack's CPU
+    for the bytes of the rank's transfers between hosts on the wire meanwhile; those ended
+    before `begin` leave its list."""
+    cpu = prices[7]
+    if cpu == 0.0:
+        return seconds
+    nbytes, ended, started = net[2], net[8], net[17]
+    wire, base, count = net[18], net[19][rank], net[20][rank]
+    finish = begin + seconds
+    crossing = 0.0
+    kept = 0
+    for k in range(count):
+        t = wire[base + k]
+        if ended[t] > begin:
+            wire[base + kept] = t
+            kept += 1
+            overlap = min(ended[t], finish) - max(started[t], begin)
+            if overlap > 0.0:
+                crossing += nbytes[t] * overlap / (ended[t] - started[t])
+    net[20][rank] = kept
+    return seconds + crossing * cpu
+
+
+@_helper
+def _poll(net, prices, ranks, heap, rounds, rank, now):
+    """`_Simulator._poll`; True where the wait is over (the caller runs the rank on). The keys
+    still awaited are counted, not rescanned: a key once ended by a rank's clock stays ended,
+    so the wait is over when none is unscheduled and the latest end is past, and while every key
+    is scheduled the latest end is the one the rank wakes at."""
+    clock, waiting, blocked = ranks[0], ranks[1], ranks[2]
+    unscheduled, pending_end = net[15], net[16]
+    waited_from = clock[rank]
+    clock[rank] = max(clock[rank], now)
+    _advance(net, prices, ranks, heap, rounds, rank)
+    now = clock[rank]
+    waiting[rank] += now - waited_from
+    if unscheduled[rank] == 0 and pending_end[rank] <= now:
+        blocked[rank] = False
+        return True
+    end = pending_end[rank] if unscheduled[rank] == 0 else -1.0
+    later = _next_round_end(net, ranks, rounds, rank)
+    if end >= 0.0 and later >= 0.0:
+        _wake(heap, rank, min(end, later))
+    elif end >= 0.0:
+        _wake(heap, rank, end)
+    elif later >= 0.0:
+        _wake(heap, rank, later)
+    return False
+
+
+@_helper
+def _block(net, prices, ranks, heap, rounds, rank, lo, hi):
+    """Wait for keys[lo:hi]: True where that is over at once. A key not yet scheduled is
+    marked as awaited by this end of it, for `_schedule` to count off."""
+    keys, src, dst, ended, scheduled, awaited = rounds[0], net[0], net[1], net[8], net[9], net[14]
+    unscheduled, pending_end = net[15], net[16]
+    unscheduled[rank] = 0
+    pending_end[rank] = 0.0
+    for k in range(lo, hi):
+        t = keys[k]
+        if scheduled[t]:
+            pending_end[rank] = max(pending_end[rank], ended[t])
+            continue
+        end_bit = AWAITED_BY_SRC if src[t] == rank else AWAITED_BY_DST
+        if end_bit == AWAITED_BY_DST and dst[t] != rank:
+            raise RuntimeError("step simulation: a rank waits on a transfer it is not an end of")
+        if not awaited[t] & end_bit:
+            awaited[t] |= end_bit
+            unscheduled[rank] += 1
+    ranks[2][rank] = True
+    return _poll(net, prices, ranks, heap, rounds, rank, ranks[0][rank])
+
+
+@_helper
+def _run(program, net, prices, ranks, heap, rounds, rank):
+    """`_Simulator._run`: go on with `rank` at its clock until it waits, syncs or ends."""
+    ops, op_ptr, amounts, pc, completing, done, finish = program
+    keys, first, count, round_lo, round_hi = rounds[:5]
+    current, started, instances_of, head, tail, live, live_count = rounds[6:13]
+    clock = ranks[0]
+    while True:
+        p = pc[rank]
+        if p == op_ptr[rank + 1]:
+            done[rank] = True
+            finish[rank] = clock[rank]
+            return
+        code, a, b = ops[p, 0], ops[p, 1], ops[p, 2]
+        if code == ADD:
+            clock[rank] += amounts[a]
+            pc[rank] = p + 1
+        elif code == SYNC:
+            pc[rank] = p + 1
+            _wake(heap, rank, clock[rank])
+            return
+        elif code == POST:
+            for k in range(a, b):
+                _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
+            pc[rank] = p + 1
+        elif code == COMPUTE:
+            pc[rank] = p + 1
+            clock[rank] += _stretched(net, prices, rank, clock[rank], amounts[a])
+        elif code == PROGRESS:
+            pc[rank] = p + 1
+            _advance(net, prices, ranks, heap, rounds, rank)
+        elif code == WAIT:
+            pc[rank] = p + 1
+            if not _block(net, prices, ranks, heap, rounds, rank, a, b):
+                return
+        elif code == START:
+            started[instances_of[rank] + tail[rank]] = a
+            tail[rank] += 1
+            pc[rank] = p + 1
+            if current[a] < count[a]:
+                live[instances_of[rank] + live_count[rank]] = a
+                live_count[rank] += 1
+            _post_round(net, prices, ranks, heap, rounds, rank, a)
+        else:  # COMPLETE: the `a` oldest in flight, round by round (`_Simulator._complete`)
+            if completing[rank] < 0:
+                completing[rank] = a
+            if completing[rank] == 0:
+                completing[rank] = -1
+                pc[rank] = p + 1
+                continue
+            instance = started[instances_of[rank] + head[rank]]
+            if current[instance] < count[instance]:
+                cell = first[instance] + current[instance]
+                if not _block(
+                    net, prices, ranks, heap, rounds, rank, round_lo[cell], round_hi[cell]
+                ):
+                    return
+            else:
+                head[rank] += 1
+                completing[rank] -= 1
+
+
+@njit(cache=True)
+def run_step(
+    ops,
+    op_ptr,
+    amounts,
+    keys,
+    src,
+    dst,
+    nbytes,
+    host,
+    hosts,
+    round_first,
+    round_count,
+    round_lo,
+    round_hi,
+    round_adds,
+    heap_room,
+    prices,
+):
+    nranks = len(op_ptr) - 1
+    transfers = len(src)
+    # each rank's room for its transfers between hosts
+    wire_at = np.zeros(nranks + 1, np.int64)
+    for t in range(transfers):
+        s, d = src[t], dst[t]
+        if s >= 0 and d >= 0 and host[s] != host[d]:
+            wire_at[s + 1] += 1
+            wire_at[d + 1] += 1
+    wire_at = np.cumsum(wire_at)
+    net = (
+        src,
+        dst,
+        nbytes,
+        host,
+        np.zeros(nranks, np.float64),
+        np.zeros(nranks, np.float64),
+        np.zeros(max(hosts, 1), np.float64),
+        np.zeros(max(hosts, 1), np.float64),
+        np.zeros(transfers, np.float64),
+        np.zeros(transfers, np.bool_),
+        np.zeros(transfers, np.bool_),
+        np.zeros(transfers, np.bool_),
+        np.full(max(hosts, 1), prices[6]),
+        np.full(max(hosts, 1), prices[6]),
+        np.zeros(transfers, np.int8),
+        np.zeros(nranks, np.int64),
+        np.zeros(nranks, np.float64),
+        np.zeros(transfers, np.float64),
+        np.zeros(max(wire_at[nranks], 1), np.int64),
+        wire_at,
+        np.zeros(nranks, np.int64),
+    )
+    heap = (
+        np.full(nranks, np.inf),
+        np.zeros(heap_room, np.float64),
+        np.zeros(heap_room, np.int64),
+        np.zeros(heap_room, np.int64),
+        np.zeros(2, np.int64),
+    )
+    ranks = (
+        np.zeros(nranks, np.float64),
+        np.zeros(nranks, np.float64),
+        np.zeros(nranks, np.bool_),
+    )
+    # per rank, its instances in start order: START takes the next, COMPLETE drops the oldest
+    instances_of = np.zeros(nranks + 1, np.int64)
+    for i in range(nranks):
+        instances_of[i + 1] = instances_of[i] + np.sum(ops[op_ptr[i] : op_ptr[i + 1], 0] == START)
+    rounds = (
+        keys,
+        round_first,
+        round_count,
+        round_lo,
+        round_hi,
+        round_adds,
+        np.zeros(max(len(round_first), 1), np.int64),
+        np.zeros(max(instances_of[nranks], 1), np.int64),
+        instances_of,
+        np.zeros(nranks, np.int64),
+        np.zeros(nranks, np.int64),
+        np.zeros(max(instances_of[nranks], 1), np.int64),
+        np.zeros(nranks, np.int64),
+    )
+    done = np.zeros(nranks, np.bool_)
+    finish = np.zeros(nranks, np.float64)
+    program = (
+        ops,
+        op_ptr,
+        amounts,
+        op_ptr[:-1].copy(),
+        np.full(nranks, -1, np.int64),
+        done,
+        finish,
+    )
+    for rank in range(nranks):
+        _wake(heap, rank, 0.0)
+    wake_at = heap[0]
+    while heap[4][0] > 0:
+        at, rank = _pop(heap)
+        if wake_at[rank] != at:
+            continue
+        wake_at[rank] = np.inf
+        if done[rank]:
+            continue
+        if ranks[2][rank]:
+            if _poll(net, prices, ranks, heap, rounds, rank, at):
+                _run(program, net, prices, ranks, heap, rounds, rank)
+        else:
+            ranks[0][rank] = max(ranks[0][rank], at)
+            _run(program, net, prices, ranks, heap, rounds, rank)
+    return finish, ranks[1], done
