@@ -160,6 +160,16 @@ def parameters(directory: Path) -> dict[str, np.ndarray]:
         return {name: archive[name] for name in archive.files if name != "header"}
 
 
+def assert_equals_single(single, log: Path, checkpoint: Path) -> None:
+    """The run's losses and checkpointed parameters are the one process's (`single`)."""
+    expected_losses, expected_params = single
+    np.testing.assert_allclose(losses(log), expected_losses, rtol=1e-9)
+    got = parameters(checkpoint)
+    for name, value in expected_params.items():
+        scale = max(np.abs(value).max(), 1e-30)
+        assert np.abs(got[name] - value).max() / scale < 1e-9, name
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
@@ -198,12 +208,7 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
         "--trace", str(tmp_path / "trace.json"), launcher=launcher,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    expected_losses, expected_params = single
-    np.testing.assert_allclose(losses(log), expected_losses, rtol=1e-9)
-    got = parameters(tmp_path / "ckpt")
-    for name, value in expected_params.items():
-        scale = max(np.abs(value).max(), 1e-30)
-        assert np.abs(got[name] - value).max() / scale < 1e-9, name
+    assert_equals_single(single, log, tmp_path / "ckpt")
     steps = [r for r in records(log) if "step" in r]
     assert sorted({r["rank"] for r in steps}) == list(range(nranks))
     assert len(steps) == 4 * nranks
@@ -225,12 +230,7 @@ def test_adding_hops_in_many_segments_equal_one_process(single, tmp_path, launch
         env=environment(LEGION_NN_HOP_SEGMENT_BYTES="40"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    expected_losses, expected_params = single
-    np.testing.assert_allclose(losses(log), expected_losses, rtol=1e-9)
-    got = parameters(tmp_path / "ckpt")
-    for name, value in expected_params.items():
-        scale = max(np.abs(value).max(), 1e-30)
-        assert np.abs(got[name] - value).max() / scale < 1e-9, name
+    assert_equals_single(single, log, tmp_path / "ckpt")
     assert all(r["bytes_sent"] == r["bytes_planned"] for r in records(log) if "step" in r)
 
 

@@ -64,8 +64,9 @@ def update_of_g() -> Task:
     return Task("update", "update", "update", (1,), {}, (read,), Rect((0,), (1,)))
 
 
-@pytest.mark.parametrize("middle", [5.0, 0.2])
-def test_a_collective_round_follows_only_when_the_rank_calls_into_mpi(middle):
+def all_reduce_beneath(middle: float) -> tuple[dict[int, RankProgram], dict[int, list[float]]]:
+    """Two ranks: a backward task starts a two-round all-reduce of 1 MB each way, a task
+    computes `middle` seconds beneath it, and the update reads the sum."""
     collective = two_round_allreduce(1_000_000)
     programs = {
         rank: program(
@@ -78,7 +79,12 @@ def test_a_collective_round_follows_only_when_the_rank_calls_into_mpi(middle):
         )
         for rank in (0, 1)
     }
-    compute = {rank: [0.0, middle, 0.0] for rank in (0, 1)}
+    return programs, {rank: [0.0, middle, 0.0] for rank in (0, 1)}
+
+
+@pytest.mark.parametrize("middle", [5.0, 0.2])
+def test_a_collective_round_follows_only_when_the_rank_calls_into_mpi(middle):
+    programs, compute = all_reduce_beneath(middle)
     step = simulate_step(programs, compute, MACHINE, links(alpha=0.0, beta=1e-6 / 2))
     # a round is 1 MB each way at once (full duplex): 0.5 s. The first starts at 0; the second
     # is posted at the end of `below` if the first was done by then, else as it ends, since
@@ -94,19 +100,7 @@ def test_the_network_stack_takes_cpu_from_a_kernel_only_while_both_run(middle, s
     pays 100 ns of CPU a byte for the part of its two transfers that overlaps its compute. Over
     5 s that is all 2 MB (0.2 s more); over 0.2 s, 40% of them, and the rank then waits for
     the round anyway, so the step does not move."""
-    collective = two_round_allreduce(1_000_000)
-    programs = {
-        rank: program(
-            rank,
-            [
-                RankTask(0, task("backward"), collectives=[collective]),
-                RankTask(1, task("below")),
-                RankTask(2, update_of_g()),
-            ],
-        )
-        for rank in (0, 1)
-    }
-    compute = {rank: [0.0, middle, 0.0] for rank in (0, 1)}
+    programs, compute = all_reduce_beneath(middle)
     machine = Machine(memory_gbytes_per_s=None, network_cpu_ns_per_byte=100.0)
     step = simulate(programs, compute, machine, links(alpha=0.0, beta=1e-6 / 2))
     below = middle + (2e6 * 1e-7 if middle >= 0.5 else 2e6 * (middle / 0.5) * 1e-7)
