@@ -6,7 +6,8 @@ then reports the plan it picked (`step_prediction`, `memory_prediction`). Every 
 reads the plan's rank programs, the costliest thing to derive from a plan (a second and a half
 for resnet18's 64 ranks), and the simulation. A `StepModel` keeps them per plan, found by what
 makes the plan (its strategy's name and grids, its sharded homes, its ranks): the plan `auto`'s
-fit built is the plan the command reports, and nothing about it is derived twice.
+fit built is the plan the command reports, and nothing about it is derived twice. The last
+`KEPT_PROGRAMS` plans' programs are kept, so that a search over many plans holds a few.
 
 The functions a command hands `partitioner.resolve` (`peak`, `step`) are the model's methods; a
 command makes one model per machine and asks it for the plan it reports (`plan`).
@@ -42,8 +43,8 @@ class StepModel:
         self.machine = machine
         #: the graphs planned, by id (held, so that an id names one graph while the model lives)
         self._graphs: dict[int, TaskGraph] = {}
-        self._plans: dict[tuple, Plan] = {}
-        self._programs: OrderedDict[tuple, dict[int, RankProgram]] = OrderedDict()
+        #: per plan (`_key`), the plan and every rank's program, the last `KEPT_PROGRAMS`
+        self._programs: OrderedDict[tuple, tuple[Plan, dict[int, RankProgram]]] = OrderedDict()
         self._simulated: dict[tuple, float] = {}
 
     def _key(self, graph: TaskGraph, name: str, unit_grids, sharded, nranks: int) -> tuple:
@@ -51,29 +52,26 @@ class StepModel:
         return id(graph), name, tuple(sorted(unit_grids.items())), frozenset(sharded), nranks
 
     def _plan_key(self, graph: TaskGraph, plan: Plan) -> tuple:
-        key = self._key(graph, plan.strategy, plan.unit_grids, plan.sharded, plan.nranks)
-        self._plans.setdefault(key, plan)
-        return key
+        return self._key(graph, plan.strategy, plan.unit_grids, plan.sharded, plan.nranks)
 
     def plan(self, graph: TaskGraph, strategy: Strategy, nranks: int) -> Plan:
-        """The plan of `strategy` on `nranks` ranks: the one already asked about, if any."""
+        """The plan of `strategy` on `nranks` ranks: the one whose programs were built, if
+        they are kept."""
         key = self._key(graph, strategy.name, strategy.unit_grids, strategy.sharded, nranks)
-        found = self._plans.get(key)
-        if found is None:
-            found = self._plans[key] = build_plan(graph, strategy, nranks)
-        return found
+        found = self._programs.get(key)
+        return found[0] if found is not None else build_plan(graph, strategy, nranks)
 
     def programs(self, graph: TaskGraph, plan: Plan) -> dict[int, RankProgram]:
         """Every rank's program of `plan`."""
         key = self._plan_key(graph, plan)
         found = self._programs.get(key)
         if found is None:
-            found = build_programs(graph, plan, self.machine, range(plan.nranks))
+            found = (plan, build_programs(graph, plan, self.machine, range(plan.nranks)))
             self._programs[key] = found
             while len(self._programs) > KEPT_PROGRAMS:
                 self._programs.popitem(last=False)
         self._programs.move_to_end(key)
-        return found
+        return found[1]
 
     def simulated_seconds(self, graph: TaskGraph, plan: Plan) -> float:
         """The simulated step of `plan`, without the machine's time outside the tasks."""
@@ -100,8 +98,8 @@ class StepModel:
     def peak(self, graph: TaskGraph, plan: Plan) -> int:
         """The most bytes a rank of `plan` holds with its baseline (`step_memory.plan_peak`),
         from every rank's programs where they are built already: what `auto` fits in memory."""
-        key = self._plan_key(graph, plan)
-        return plan_peak(graph, plan, self.machine, self._programs.get(key))
+        found = self._programs.get(self._plan_key(graph, plan))
+        return plan_peak(graph, plan, self.machine, found[1] if found is not None else None)
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
         """`step_simulator.step_prediction` of `plan`, its simulation made once."""
