@@ -116,7 +116,7 @@ class RankTask:
     #: a reduction dim, `partitioner.reduction_split`): zeroed before its pieces run
     zero_first: list[tuple[str, Rect]] = field(default_factory=list)
     #: how many of the collectives this rank started (in start order) must be complete before
-    #: the task runs, and before the copies due after it are posted (`RankProgram.completion`)
+    #: the task runs, and before the copies due after it are posted (`RankProgram.completions`)
     complete_before: int = 0
     complete_after: int = 0
     #: per resident tensor the task reads beyond this rank's home (a sharded parameter), the
@@ -178,15 +178,11 @@ class RankProgram:
         """(position of the task that starts it, collective), in the order they start."""
         return [(rt.index, c) for rt in self.tasks for c in rt.collectives]
 
-    def completion(self, ordinal: int) -> int:
-        """The position of the task at which the collective started `ordinal`-th is complete at
-        the latest: the first that touches its tensor or a later collective's, or the step's last
-        task (the step completes what is left at its end)."""
-        return self.completions[ordinal]
-
     @cached_property
     def completions(self) -> list[int]:
-        """`completion` of every collective, in start order. The counts complete before and
+        """Per collective, in start order, the position of the task at which it is complete at
+        the latest: the first that touches its tensor or a later collective's, or the step's
+        last task (the step completes what is left at its end). The counts complete before and
         after each task never fall along the step (`_Builder._completion_points`), so the first
         point past a collective's start that has completed it is found by bisection."""
         points = [n for rt in self.tasks for n in (rt.complete_before, rt.complete_after)]

@@ -346,7 +346,7 @@ class StepRun:
 
     def _complete_through(self, count: int) -> None:
         """Complete the oldest collectives in flight until `count` have completed since the step
-        began (the program's completion points, `RankProgram.completion`), in the order they
+        began (the program's completion points, `RankProgram.completions`), in the order they
         started: every rank does the same, so the oldest collective anyone is blocked in never
         waits on a rank blocked in a younger one."""
         while self.completed < count:

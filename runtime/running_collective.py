@@ -2,7 +2,7 @@
 
 `rank_step.StepRun` starts one per collective a task runs (`partitioner.collectives` gives the
 schedule) and moves it on between tasks and while it waits; the step completes it at the
-program's completion points (`RankProgram.completion`).
+program's completion points (`RankProgram.completions`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ its program (`runtime.rank_program`):
 - a partial sum's send and receive buffers, within their task;
 - a reduction's scratch within its task, or until its collective completes when the collective
   reduces it in place; a collective's flat vector and the buffers its adding hops receive into,
-  from its task until it completes (`RankProgram.completion`).
+  from its task until it completes (`RankProgram.completions`).
 
 The buffers are placed once per program in one arena, greedily by size (largest first, each at the
 lowest offset clear of every placed buffer whose lifetime overlaps its own), as XLA's and TFLite's
@@ -147,7 +147,7 @@ def step_slots(
     for rt in program.tasks:
         for name in rt.tensors:
             touched.setdefault(name, []).append(rt.index)
-    completion = [program.completion(o) for o in range(len(program.collectives))]
+    completion = program.completions
     summed_until: dict[str, int] = {}
     for (_, collective), done in zip(program.collectives, completion):
         tensor = collective.reduction.tensor

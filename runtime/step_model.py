@@ -103,10 +103,8 @@ class StepModel:
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
         """`step_simulator.step_prediction` of `plan`, its simulation made once."""
-        if not simulated(graph, plan):
-            return step_prediction(graph, plan, self.machine, bulk_seconds)
-        seconds = self.simulated_seconds(graph, plan)
-        return step_prediction(graph, plan, self.machine, bulk_seconds, simulated_seconds=seconds)
+        seconds = self.simulated_seconds(graph, plan) if simulated(graph, plan) else None
+        return step_prediction(graph, plan, self.machine, bulk_seconds, seconds)
 
     def memory_prediction(self, graph: TaskGraph, plan: Plan) -> dict:
         """`step_memory.memory_prediction` of `plan`, from the programs built already."""

@@ -482,8 +482,8 @@ def simulate_compiled(
 
 
 #: plans of more (rank, task) pairs than this are priced by the bulk-synchronous sum alone:
-#: building every rank's program is what a simulation costs there (seed-lcn, 43 tasks, at 1024
-#: ranks: about 20 s of CPU; vgg19 at 1024 ranks: minutes)
+#: building every rank's program is most of what a simulation costs there (seed-lcn, 43 tasks,
+#: at 1024 ranks: about 10 s; vgg19's auto plan at 1024 ranks: 47 s, then 36 s to simulate)
 SIMULATE_MAX_WORK = 50_000
 
 
@@ -497,23 +497,20 @@ def step_prediction(
     plan: Plan,
     machine: Machine,
     bulk_seconds: float,
-    programs: Mapping[int, RankProgram] | None = None,
     simulated_seconds: float | None = None,
 ) -> dict:
     """The step `partition` and `bench scaling` predict: the simulated step (`simulate_compiled`)
     where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
-    outside the tasks (`loop_us`). `programs`: every rank's, where the caller has built them
-    already; `simulated_seconds`: the simulated step, where the caller has it already."""
+    outside the tasks (`loop_us`). `simulated_seconds`: the simulated step, where the caller has
+    it already (`runtime.step_model.StepModel`)."""
     loop = machine.loop_seconds
     out = {"bulk_synchronous_seconds": bulk_seconds + loop}
     if not simulated(graph, plan):
         summed = {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
         return out | summed
     if simulated_seconds is None:
-        simulated_seconds = predict_step(
-            graph, plan, machine, programs=programs, simulate=simulate_compiled
-        ).seconds
+        simulated_seconds = predict_step(graph, plan, machine, simulate=simulate_compiled).seconds
     return out | {"predicted_step_seconds": simulated_seconds + loop, "step_model": "simulated"}
 
 
