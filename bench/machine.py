@@ -24,7 +24,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - the runtime's cost per message (`message_overhead_us`): every rank runs a job that is mostly
   messages, `MESSAGE_JOB` (a small network cut by channels over all ranks, its pieces timed
   first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
-  measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency;
+  measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency
+  (the median of `MESSAGE_ROUNDS` runs, each in `measured_on`);
 - the CPU the network stack takes from a rank's kernels per byte it sends or receives between
   hosts (`network_cpu_ns_per_byte`): a kernel timed alone and beside a stream each way (the
   simulator stretches a task's compute by it for the bytes on the wire meanwhile);
@@ -138,21 +139,28 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
 #: so that its step is mostly the runtime's costs per task and per message
 MESSAGE_JOB = ("seed-lcn-small", 4, "model")
 MESSAGE_STEPS = 40
+#: the message job's measurements, each fitted on its own: the cost is their median. One job's
+#: fit moved from 57 to 91 us in five runs on a quiet emulated cluster (and to over 300 us with
+#: other work beside it), since it is the difference of two measured steps over their messages
+MESSAGE_ROUNDS = 3
 
 
 def _records(log: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in log.getvalue().splitlines()]
 
 
-def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
-    """Run `MESSAGE_JOB` on every rank of `transport` and, on rank 0, the runtime's cost per
-    message endpoint, in us: the cost at which the simulated step of the job's plan falls short
-    of its measured step (the median over its steps of the slowest rank's) by as much as the
-    job's simulated step on one rank falls short of its own (no messages there: the loop and
-    the per-task terms, which are the calibration's, `fitted`), found by bisection (the
-    simulated step grows with it). The job's pieces are timed on rank 0, so that its compute is
-    measured, not modelled."""
+def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
+    """Run `MESSAGE_JOB` on every rank of `transport`, `MESSAGE_ROUNDS` times, and on rank 0
+    fit the runtime's cost per message endpoint to each, in us: the cost at which the simulated
+    step of the job's plan falls short of its measured step (the median over its steps of the
+    slowest rank's) by as much as the job's simulated step on one rank falls short of its own,
+    measured just after (no messages there: the loop and the per-task terms, which are the
+    calibration's, `fitted`), found by bisection (the simulated step grows with it). The job's
+    pieces are timed on rank 0, so that its compute is measured, not modelled, and the
+    simulation shares the cores as the job's ranks did (`host_cores`). Rank 0 returns
+    `{"us": the median, "rounds": each round's}`; the others None."""
     from partitioner.machine import Machine
+    from runtime import mpi_transport as mpi
     from runtime.step_simulator import predict_step
 
     name, batch, strategy = MESSAGE_JOB
@@ -160,34 +168,50 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> float | None:
     dataset = data.load("synthetic", network.input, network.classes, 0, np.float32)
     config = TrainConfig(network=network, dataset=dataset, batch=batch, steps=MESSAGE_STEPS,
                          optimizer=OPTIMIZER)  # fmt: skip
-    log = io.StringIO()
-    train_rank(config, transport, RunOptions(strategy=strategy), log=log)
-    if transport.rank != 0:
-        return None
-    measured = median_step(_records(log))
-    # the same job on one rank of this process: it has no messages, so what its simulation
-    # misses is the runtime's cost per task at these sizes, which the fit below must not take
-    # for a cost per message
-    alone_log = io.StringIO()
-    (alone,) = ThreadTransport.group(1)
-    train_rank(config, alone, RunOptions(strategy="data"), log=alone_log)
-    measured_alone = median_step(_records(alone_log))
     graph = network.lower(batch=batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, strategy, transport.size), transport.size)
     one = build_plan(graph, builtin(graph, "data", 1), 1)
-    cache: dict = {}
-    sample = sample_step(graph)
-    profile_plan(graph, plan, threads, sample, cache)
-    profile_plan(graph, one, threads, sample, cache)
-    base = Machine(
-        task_overhead_us=fitted["task_overhead_us"], compute_factor=fitted["compute_factor"],
-        memory_gbytes_per_s=fitted["memory_gbytes_per_s"],
-        pieces={key: seconds for (_, key), seconds in cache.items()},
-        **fitted["links"],
-    )  # fmt: skip
-    # what the one-rank step takes beyond its simulated tasks (the loop, the job's own per-task
-    # costs at these sizes) the R-rank step takes too, as it runs the same tasks
-    target = measured - (measured_alone - predict_step(graph, one, base).seconds)
+    base = None
+    if transport.rank == 0:
+        cache: dict = {}
+        sample = sample_step(graph)
+        profile_plan(graph, plan, threads, sample, cache)
+        profile_plan(graph, one, threads, sample, cache)
+        base = Machine(
+            task_overhead_us=fitted["task_overhead_us"], compute_factor=fitted["compute_factor"],
+            memory_gbytes_per_s=fitted["memory_gbytes_per_s"], host_cores=host_cores(),
+            pieces={key: seconds for (_, key), seconds in cache.items()},
+            **fitted["links"],
+        )  # fmt: skip
+    rounds = []
+    for _ in range(MESSAGE_ROUNDS):
+        mpi.idle_barrier()
+        log = io.StringIO()
+        train_rank(config, transport, RunOptions(strategy=strategy), log=log)
+        mpi.idle_barrier()
+        if transport.rank != 0:
+            continue
+        measured = median_step(_records(log))
+        # the same job on one rank of this process: it has no messages, so what its simulation
+        # misses is the runtime's cost per task at these sizes, which the fit must not take for
+        # a cost per message (the other ranks sleep meanwhile, in the barrier above)
+        alone_log = io.StringIO()
+        (alone,) = ThreadTransport.group(1)
+        train_rank(config, alone, RunOptions(strategy="data"), log=alone_log)
+        measured_alone = median_step(_records(alone_log))
+        # what the one-rank step takes beyond its simulated tasks (the loop, the job's own
+        # per-task costs at these sizes) the R-rank step takes too, as it runs the same tasks
+        target = measured - (measured_alone - predict_step(graph, one, base).seconds)
+        rounds.append(_fitted_overhead_us(graph, plan, base, target))
+    if transport.rank != 0:
+        return None
+    return {"us": statistics.median(rounds), "rounds": rounds}
+
+
+def _fitted_overhead_us(graph, plan, base, target: float) -> float:
+    """The cost per message endpoint (us) at which `plan`'s simulated step on `base` is
+    `target` seconds, by bisection; 0 where the step is longer without any."""
+    from runtime.step_simulator import predict_step
 
     def simulated(overhead_us: float) -> float:
         machine = replace(base, message_overhead_us=overhead_us)
@@ -446,7 +470,7 @@ def measure(
         "rank_memory_gib": _host_memory_gib() / per_host,
         "memory_gbytes_per_s": fitted["memory_gbytes_per_s"],
         "task_overhead_us": fitted["task_overhead_us"],
-        **({"message_overhead_us": per_message} if per_message is not None else {}),
+        **({"message_overhead_us": per_message["us"]} if per_message is not None else {}),
         **({"network_cpu_ns_per_byte": stack} if stack is not None else {}),
         "process_baseline_mib": baseline,
         "op_gflops": rates,
@@ -465,6 +489,7 @@ def measure(
             "hosts": list(dict.fromkeys(hosts)),
             "threads_per_rank": threads,
             "links_measured": [name for name, _, _ in pairs] or "none (one process)",
+            **({"message_overhead_rounds_us": per_message["rounds"]} if per_message else {}),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "legion_nn": _version(),
         },
@@ -480,6 +505,13 @@ def _version() -> str:
         return version("legion-nn")
     except PackageNotFoundError:
         return "unknown"
+
+
+def _spread(rounds: list[float] | None) -> str:
+    """The range of a cost measured in rounds, where there were several."""
+    if not rounds or len(rounds) < 2:
+        return ""
+    return f" (median of {len(rounds)}: {min(rounds):.0f}-{max(rounds):.0f})"
 
 
 def format_summary(machine: dict) -> str:
@@ -523,6 +555,7 @@ def format_summary(machine: dict) -> str:
             if "message_overhead_us" in machine
             else ""
         )
+        + _spread(machine.get("measured_on", {}).get("message_overhead_rounds_us"))
     )
     if "process_baseline_mib" in machine:
         lines.append(

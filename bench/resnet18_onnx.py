@@ -152,7 +152,9 @@ def check(path: Path) -> float | None:
     executor = one_process(0)
     executor.prepare(graph)
     executor.load_resident(network.initial)
-    context = StepContext(0, training=False, inputs=x.astype(np.float64), labels=np.zeros(2, np.int32))
+    context = StepContext(
+        0, training=False, inputs=x.astype(np.float64), labels=np.zeros(2, np.int32)
+    )
     executor.run_inference(graph, context)
     name = next(t for t in graph.tensors if t.endswith(".probability"))
     got = executor.value(name).reshape(len(x), -1)

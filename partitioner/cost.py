@@ -376,9 +376,10 @@ def compute_time(
 def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.ndarray]:
     """Per task (in `plan.tasks` order), each rank's compute seconds: from the machine's table
     of measured pieces where it has every piece of the task (`piece_times`), else as
-    `compute_time` prices its busiest rank, over the rank's share of its host's cores
-    (`Machine.core_share`: ranks beyond the cores time-share them); the runtime's per-task
-    overhead paid by the ranks that have a piece. For the step simulator, where each rank keeps
+    `compute_time` prices its busiest rank, with the runtime's per-task overhead paid by the
+    ranks that have a piece; both over the rank's share of its host's cores
+    (`Machine.core_share`: ranks beyond the cores time-share them, the overhead's Python as
+    much as the kernels). For the step simulator, where each rank keeps
     its own time, and for `plan_cost`'s busiest rank."""
     from partitioner.piece_times import task_piece_times, working_ranks
 
@@ -402,7 +403,6 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
             seconds = np.array([compute_seconds(task, float(f), machine) for f in task_flops])
             if moved is not None:
                 seconds = np.maximum(seconds, moved * per_byte)
-        seconds = seconds / share
         working = working_ranks(plan, index)
-        out.append(np.where(working, seconds + machine.task_overhead, 0.0))
+        out.append(np.where(working, (seconds + machine.task_overhead) / share, 0.0))
     return out

@@ -141,10 +141,12 @@ class Machine:
         return self.task_overhead_us * 1e-6
 
     def core_share(self, nranks: int) -> np.ndarray:
-        """Per rank of a plan on `nranks` ranks, the part of its cores its kernels get while its
-        host's ranks all compute: less than 1 where a host has more of the plan's ranks than
-        cores, which then time-share them (the pieces were timed with the rank alone on its
-        cores). Ranks that take turns get more: an upper bound on the time."""
+        """Per rank of a plan on `nranks` ranks, the part of its cores its CPU work gets while
+        its host's ranks all work: less than 1 where a host has more of the plan's ranks than
+        cores, which then time-share them. Every CPU cost of the model was measured with the
+        rank alone on its cores (the pieces, the per-task and per-message overheads, the
+        network stack's CPU, the loop), so each takes 1/share as long. Ranks that take turns
+        get more: an upper bound on the time."""
         if self.host_cores is None or not nranks:
             return np.ones(nranks)
         hosts = np.array([self.host(rank) for rank in range(nranks)], np.int64)
@@ -169,8 +171,13 @@ class Machine:
 
     @property
     def loop_seconds(self) -> float:
-        """A step's time outside its tasks (the training loop)."""
+        """A step's time outside its tasks (the training loop), a rank alone on its cores."""
         return self.loop_us * 1e-6
+
+    def step_loop_seconds(self, nranks: int) -> float:
+        """`loop_seconds` on `nranks` ranks: the slowest rank's, over its share of the cores
+        (`core_share`)."""
+        return self.loop_seconds / float(self.core_share(nranks).min(initial=1.0))
 
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host if self.ranks_per_host else rank

@@ -73,8 +73,15 @@ class FlatStep:
 
 
 class _Flattener:
-    def __init__(self, programs: Mapping[int, RankProgram], pack: Pack, memory: float) -> None:
+    def __init__(
+        self,
+        programs: Mapping[int, RankProgram],
+        pack: Pack,
+        memory: float,
+        slowdown: Mapping[int, float],
+    ) -> None:
         self.programs = programs
+        self.slowdown = slowdown
         self.ranks = list(programs)
         self.index = {rank: i for i, rank in enumerate(self.ranks)}
         #: rank -> its index, as an array (-1: not simulated)
@@ -211,8 +218,13 @@ class _Flattener:
 
     def program(self, rank: int, program: RankProgram, compute: Sequence[float]) -> None:
         """`_Simulator._program`'s instructions for `rank`."""
-        pack, memory = self.pack, self.memory
-        self.add(pack(program.post_at_start, rank))
+        slow = self.slowdown[rank]
+        memory = self.memory * slow
+
+        def pack(messages) -> float:
+            return self.pack(messages, rank) * slow
+
+        self.add(pack(program.post_at_start))
         self.ops.append((SYNC, 0, 0))
         self.post(program.post_at_start)
         sends = [m.seq for m in program.post_at_start if m.src == rank]
@@ -221,12 +233,12 @@ class _Flattener:
             if rt.complete_before - completed > 0:
                 self.ops.append((COMPLETE, rt.complete_before - completed, 0))
             completed = max(completed, rt.complete_before)
-            self.add(pack(rt.partial_in, rank))
+            self.add(pack(rt.partial_in))
             self.post(rt.partial_in)
             self.wait([m.seq for m in rt.copies_in])
             self.add(sum(2 * m.nbytes * memory for m in rt.copies_in))
             self.add(compute[position], COMPUTE)
-            self.add(pack(rt.partial_out, rank) + pack(rt.post, rank))
+            self.add(pack(rt.partial_out) + pack(rt.post))
             self.ops.append((SYNC, 0, 0))
             self.post(rt.partial_out)
             self.wait([m.seq for m in rt.partial_in])
@@ -289,10 +301,12 @@ def flatten(
     links: Links,
     pack: Pack,
     memory: float,
+    slowdown: Mapping[int, float],
 ) -> FlatStep:
     """Every rank's program as instructions (see the module docstring): `pack` prices a task's
-    messages on a rank, `memory` is seconds per byte of memory traffic."""
-    return _Flattener(programs, pack, memory).flat(compute, links)
+    messages on a rank, `memory` is seconds per byte of memory traffic, each rank's CPU work
+    taking `slowdown[rank]` times as long (`step_simulator.cpu_slowdown`)."""
+    return _Flattener(programs, pack, memory, slowdown).flat(compute, links)
 
 
 def run_compiled(
@@ -302,12 +316,14 @@ def run_compiled(
     pack: Pack,
     memory: float,
     per_message: float,
-    network_cpu: float = 0.0,
+    network_cpu: float,
+    slowdown: Mapping[int, float],
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Per rank, when it finished the step and how long it waited, by the compiled loop
     (`step_simulator.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
-    rank's CPU per byte of its transfers between hosts."""
-    flat = flatten(programs, compute, links, pack, memory)
+    rank's CPU per byte of its transfers between hosts; `slowdown`: per rank, how much longer
+    its CPU work takes than alone on its cores."""
+    flat = flatten(programs, compute, links, pack, memory, slowdown)
     host = flat.host
     hosts = int(host.max()) + 1 if len(host) else 0
     finish, waiting, done = run_step(
@@ -326,6 +342,7 @@ def run_compiled(
         flat.round_hi,
         flat.round_adds,
         flat.heap_room,
+        np.asarray([slowdown[rank] for rank in flat.ranks], np.float64),
         (links.alpha, links.beta, links.alpha_intra, links.beta_intra, memory, per_message,
          float(links.burst), network_cpu),
     )  # fmt: skip

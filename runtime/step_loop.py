@@ -30,7 +30,7 @@ _helper = njit(cache=True, _nrt=False)
 #        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]])
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst, network_cpu
-#   ranks: clock, waiting, blocked
+#   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
 #           with rounds left to post), live_count
@@ -183,7 +183,7 @@ def _post_round(net, prices, ranks, heap, rounds, rank, instance):
     lo, hi = 0, 0
     if r < count[instance]:
         lo, hi = round_lo[first[instance] + r], round_hi[first[instance] + r]
-    clock[rank] += (hi - lo) * prices[5]
+    clock[rank] += (hi - lo) * prices[5] * ranks[3][rank]
     for k in range(lo, hi):
         _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
 
@@ -207,7 +207,7 @@ def _advance(net, prices, ranks, heap, rounds, rank):
             end = _round_end(keys, ended, scheduled, round_lo[cell], round_hi[cell])
             if end < 0.0 or end > now:
                 break
-            clock[rank] += 3 * adds[cell] * prices[4]
+            clock[rank] += 3 * adds[cell] * (prices[4] * ranks[3][rank])
             current[instance] += 1
             _post_round(net, prices, ranks, heap, rounds, rank, instance)
         if current[instance] < count[instance]:
@@ -234,10 +234,10 @@ def _next_round_end(net, ranks, rounds, rank):
 
 
 @_helper
-def _stretched(net, prices, rank, begin, seconds):
+def _stretched(net, prices, rank, begin, seconds, slowdown):
     """`_Simulator._stretched`: `seconds` of compute from `begin`, with the network stack's CPU
-    for the bytes of the rank's transfers between hosts on the wire meanwhile; those ended
-    before `begin` leave its list."""
+    for the bytes of the rank's transfers between hosts on the wire meanwhile (`slowdown` times
+    as long, the rank's); those ended before `begin` leave its list."""
     cpu = prices[7]
     if cpu == 0.0:
         return seconds
@@ -255,7 +255,7 @@ def _stretched(net, prices, rank, begin, seconds):
             if overlap > 0.0:
                 crossing += nbytes[t] * overlap / (ended[t] - started[t])
     net[20][rank] = kept
-    return seconds + crossing * cpu
+    return seconds + crossing * cpu * slowdown
 
 
 @_helper
@@ -335,7 +335,7 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
             pc[rank] = p + 1
         elif code == COMPUTE:
             pc[rank] = p + 1
-            clock[rank] += _stretched(net, prices, rank, clock[rank], amounts[a])
+            clock[rank] += _stretched(net, prices, rank, clock[rank], amounts[a], ranks[3][rank])
         elif code == PROGRESS:
             pc[rank] = p + 1
             _advance(net, prices, ranks, heap, rounds, rank)
@@ -387,6 +387,7 @@ def run_step(
     round_hi,
     round_adds,
     heap_room,
+    slowdown,
     prices,
 ):
     nranks = len(op_ptr) - 1
@@ -433,6 +434,7 @@ def run_step(
         np.zeros(nranks, np.float64),
         np.zeros(nranks, np.float64),
         np.zeros(nranks, np.bool_),
+        slowdown,
     )
     # per rank, its instances in start order: START takes the next, COMPLETE drops the oldest
     instances_of = np.zeros(nranks + 1, np.int64)

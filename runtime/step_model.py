@@ -91,9 +91,10 @@ class StepModel:
         machine's time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
         `step_simulator.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what
         `auto` chooses its plan by (`partitioner.resolve`)."""
+        loop = self.machine.step_loop_seconds(plan.nranks)
         if plan.nranks > OBJECTIVE_SIMULATE_MAX_RANKS or not simulated(graph, plan):
-            return plan_cost(graph, plan, self.machine).step_seconds + self.machine.loop_seconds
-        return self.simulated_seconds(graph, plan) + self.machine.loop_seconds
+            return plan_cost(graph, plan, self.machine).step_seconds + loop
+        return self.simulated_seconds(graph, plan) + loop
 
     def peak(self, graph: TaskGraph, plan: Plan) -> int:
         """The most bytes a rank of `plan` holds with its baseline (`step_memory.plan_peak`),

@@ -31,7 +31,10 @@ post points and collective schedules the runtime runs:
   the network stack's copies, checksums and interrupts). A rank pays it only where it competes
   with a kernel: a task's compute of c seconds from t is stretched by the CPU of the bytes of
   that rank's transfers between hosts that are on the wire during [t, t + c] (each transfer's
-  bytes spread evenly over its time on the link). While a rank waits, the stack has the core.
+  bytes spread evenly over its time on the link). While a rank waits, the stack has the core;
+- ranks beyond their host's cores time-share them (`Machine.core_share`): all of a rank's CPU
+  work above (compute, packing, adding, posting, the stack's) takes 1/share as long, since each
+  was measured with the rank alone on its cores.
 
 The step ends when every rank has finished its last task, completed its collectives and seen its
 sends off. Events are processed in time order (a heap), so the links serve messages in the order
@@ -119,6 +122,14 @@ class SimulatedStep:
     waiting: dict[int, float] = field(default_factory=dict)
 
 
+def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:
+    """Per rank of `programs`, how much longer its CPU work (posting, packing, adding, the
+    network stack's) takes than with its cores to itself: 1 / `Machine.core_share`, as its
+    compute (`cost.compute_per_rank`) is priced."""
+    share = machine.core_share(max(programs, default=0) + 1)
+    return {rank: 1.0 / float(share[rank]) for rank in programs}
+
+
 def posting_seconds(
     messages: Sequence[Message], rank: int, memory: float, per_message: float
 ) -> float:
@@ -147,6 +158,8 @@ class _Simulator:
         self.memory = machine.seconds_per_memory_byte
         self.per_message = machine.message_overhead
         self.network_cpu = machine.network_cpu_seconds_per_byte
+        #: per rank, how much longer its CPU work takes than alone on its cores
+        self.slowdown = cpu_slowdown(machine, programs)
         #: per rank, its transfers between hosts in the order they were scheduled, those ended
         #: before its clock dropped (`_stretched`)
         self.on_wire: dict[int, list[_Transfer]] = {rank: [] for rank in programs}
@@ -255,7 +268,7 @@ class _Simulator:
 
     def _post_round(self, rank: int, running: _Running) -> None:
         keys = running.rounds[running.round] if running.round < len(running.rounds) else []
-        self.clock[rank] += len(keys) * self.per_message
+        self.clock[rank] += len(keys) * self.per_message * self.slowdown[rank]
         for key in keys:
             self._post(rank, key, self.clock[rank])
 
@@ -267,7 +280,7 @@ class _Simulator:
                 end = self._ends(running.rounds[running.round])
                 if end is None or end > now:
                     break
-                self.clock[rank] += 3 * running.adds[running.round] * self.memory
+                self.clock[rank] += 3 * running.adds[running.round] * self._memory(rank)
                 running.round += 1
                 self._post_round(rank, running)
 
@@ -288,7 +301,10 @@ class _Simulator:
             heapq.heappush(self.events, (at, next(self.counter), rank))
 
     def _pack(self, messages: Sequence[Message], rank: int) -> float:
-        return posting_seconds(messages, rank, self.memory, self.per_message)
+        return posting_seconds(messages, rank, self.memory, self.per_message) * self.slowdown[rank]
+
+    def _memory(self, rank: int) -> float:
+        return self.memory * self.slowdown[rank]
 
     def _messages(self, rank: int, messages: Sequence[Message]) -> None:
         for m in messages:
@@ -309,13 +325,13 @@ class _Simulator:
             self.clock[rank] += self._pack(rt.partial_in, rank)
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
-            self.clock[rank] += sum(2 * m.nbytes * self.memory for m in rt.copies_in)
+            self.clock[rank] += sum(2 * m.nbytes * self._memory(rank) for m in rt.copies_in)
             self.clock[rank] += self._stretched(rank, self.compute[rank][position])
             self.clock[rank] += self._pack(rt.partial_out, rank) + self._pack(rt.post, rank)
             yield _SYNC
             self._messages(rank, rt.partial_out)
             yield [("m", m.seq) for m in rt.partial_in]
-            self.clock[rank] += sum(3 * m.nbytes * self.memory for m in rt.partial_in)
+            self.clock[rank] += sum(3 * m.nbytes * self._memory(rank) for m in rt.partial_in)
             for collective in rt.collectives:
                 self._start_collective(rank, collective)
             yield from self._complete(rank, rt.complete_after - completed)
@@ -337,7 +353,7 @@ class _Simulator:
             overlap = min(t.end, finish) - max(t.start, begin)
             if overlap > 0.0:
                 crossing += t.nbytes * overlap / (t.end - t.start)
-        return seconds + crossing * self.network_cpu
+        return seconds + crossing * self.network_cpu * self.slowdown[rank]
 
     def _complete(self, rank: int, count: int) -> Generator[object, None, None]:
         """Complete the rank's `count` oldest collectives in flight, in the order they started:
@@ -476,8 +492,9 @@ def simulate_compiled(
     memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
     pack = partial(posting_seconds, memory=memory, per_message=per_message)
     finish, waiting = run_compiled(
-        programs, compute, links, pack, memory, per_message, machine.network_cpu_seconds_per_byte
-    )
+        programs, compute, links, pack, memory, per_message, machine.network_cpu_seconds_per_byte,
+        cpu_slowdown(machine, programs),
+    )  # fmt: skip
     return SimulatedStep(max(finish.values(), default=0.0), finish, waiting)
 
 
@@ -504,7 +521,7 @@ def step_prediction(
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
     outside the tasks (`loop_us`). `simulated_seconds`: the simulated step, where the caller has
     it already (`runtime.step_model.StepModel`)."""
-    loop = machine.loop_seconds
+    loop = machine.step_loop_seconds(plan.nranks)
     out = {"bulk_synchronous_seconds": bulk_seconds + loop}
     if not simulated(graph, plan):
         summed = {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}

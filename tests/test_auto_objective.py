@@ -99,5 +99,8 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     assert compared >= 2 and len(built) == compared  # the report builds nothing again
     assert all(built.count(key) == 1 for key in built)
     fresh = build_plan(graph, chosen, 2)
-    assert report == (step_prediction(graph, fresh, SLOW, bulk), memory_prediction(graph, fresh, SLOW))
+    assert report == (
+        step_prediction(graph, fresh, SLOW, bulk),
+        memory_prediction(graph, fresh, SLOW),
+    )
     assert model.peak(graph, plan) == plan_peak(graph, fresh, SLOW)

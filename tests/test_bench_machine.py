@@ -153,9 +153,9 @@ def test_the_cluster_table_and_figure_put_auto_against_the_best_and_one_host_apa
     assert "auto +5.0% against the best measured (spatial)" in lines["seed-lcn-small at 250mbit"]
     assert "auto +31.2% against the best measured (data)" in lines["seed-lcn-small at 1gbit"]
     # measured data < spatial at 1 Gbit/s, and so predicted
-    assert "order predicted (1/1 pairs; measured data < spatial)" in lines[
-        "seed-lcn-small at 1gbit"
-    ]
+    assert (
+        "order predicted (1/1 pairs; measured data < spatial)" in lines["seed-lcn-small at 1gbit"]
+    )
     assert "failed: rank 1 died" in table and "+10.0%" in table
 
     figure = link_sweep_figure(report)
@@ -346,8 +346,11 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
     assert summary["max_abs_error"] == pytest.approx(max(errors))
     for case in summary["cases"]:
         assert case["measured_order"] == ["model", "data"]
-        predicted = {r["strategy"]: r["predicted_s"] for r in rows
-                     if (r["variant"], r["batch"]) == (case["variant"], case["batch"])}
+        predicted = {
+            r["strategy"]: r["predicted_s"]
+            for r in rows
+            if (r["variant"], r["batch"]) == (case["variant"], case["batch"])
+        }
         assert case["order_predicted"] == (predicted["model"] < predicted["data"])
         assert case["auto_against_best"] == pytest.approx(0.41 / 0.4 - 1)
     table = cluster_scaling.format_table(report)
@@ -357,18 +360,45 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
 @pytest.mark.parametrize(
     "matrix,names",
     [
-        ({"variants": [{"name": "a", "colour": "red"}], "cases": [{"network": MLP, "batch": 8,
-          "link": "1gbit"}]}, "variants[0]: unknown key 'colour'"),
-        ({"variants": [{"name": "a", "burst": "8k"}], "cases": [{"network": MLP, "batch": 8,
-          "link": "1gbit"}]}, "variants[0]: --burst 8k: below the 16KiB segments"),
-        ({"variants": [{"name": "a", "ranks_per_host": 0}], "cases": [{"network": MLP,
-          "batch": 8, "link": "1gbit"}]}, "variants[0]: ranks_per_host"),
-        ({"variants": [{"name": "a"}], "cases": [{"network": "nope", "batch": 8,
-          "link": "1gbit"}]}, "cases[0]: unknown network 'nope'"),
-        ({"variants": [{"name": "a"}], "cases": [{"network": MLP, "batch": 8}]},
-         "has no link in variant a"),
-        ({"variants": [{"name": "a"}, {"name": "a"}], "cases": [{"network": MLP, "batch": 8,
-          "link": "1gbit"}]}, "two variants are named alike"),
+        (
+            {
+                "variants": [{"name": "a", "colour": "red"}],
+                "cases": [{"network": MLP, "batch": 8, "link": "1gbit"}],
+            },
+            "variants[0]: unknown key 'colour'",
+        ),
+        (
+            {
+                "variants": [{"name": "a", "burst": "8k"}],
+                "cases": [{"network": MLP, "batch": 8, "link": "1gbit"}],
+            },
+            "variants[0]: --burst 8k: below the 16KiB segments",
+        ),
+        (
+            {
+                "variants": [{"name": "a", "ranks_per_host": 0}],
+                "cases": [{"network": MLP, "batch": 8, "link": "1gbit"}],
+            },
+            "variants[0]: ranks_per_host",
+        ),
+        (
+            {
+                "variants": [{"name": "a"}],
+                "cases": [{"network": "nope", "batch": 8, "link": "1gbit"}],
+            },
+            "cases[0]: unknown network 'nope'",
+        ),
+        (
+            {"variants": [{"name": "a"}], "cases": [{"network": MLP, "batch": 8}]},
+            "has no link in variant a",
+        ),
+        (
+            {
+                "variants": [{"name": "a"}, {"name": "a"}],
+                "cases": [{"network": MLP, "batch": 8, "link": "1gbit"}],
+            },
+            "two variants are named alike",
+        ),
         ({"cases": []}, 'a matrix is {"variants"'),
     ],
 )

@@ -196,15 +196,21 @@ def test_a_links_burst_is_read_off_its_ping_pongs():
 
 
 def test_ranks_beyond_their_hosts_cores_time_share_them():
-    """Two ranks a host on one core: each rank's kernels take twice their time alone (they were
-    timed with the rank alone); with a core each, as alone."""
+    """Two ranks a host on one core: each rank's kernels, and the runtime's Python around them
+    (per task and per step), take twice their time alone (they were timed with the rank alone);
+    with a core each, as alone."""
     graph, plan = _graph_and_plan("data", 4)
     rows = _rows(graph, plan, lambda k: 1e-3)
-    alone = machine_from_json({**BASE, "pieces": rows, "ranks_per_host": 2, "host_cores": 2})
-    shared = machine_from_json({**BASE, "pieces": rows, "ranks_per_host": 2, "host_cores": 1})
+    costs = {**BASE, "pieces": rows, "ranks_per_host": 2, "task_overhead_us": 40, "loop_us": 500}
+    alone = machine_from_json({**costs, "host_cores": 2})
+    shared = machine_from_json({**costs, "host_cores": 1})
     assert list(alone.core_share(4)) == [1.0] * 4 and list(shared.core_share(4)) == [0.5] * 4
     for a, b in zip(compute_per_rank(graph, plan, alone), compute_per_rank(graph, plan, shared)):
+        assert a.max() > 1e-3 + 39e-6  # the piece and the overhead
         np.testing.assert_allclose(b, 2 * a, rtol=1e-12)
+    assert alone.step_loop_seconds(4) == pytest.approx(500e-6)
+    assert shared.step_loop_seconds(4) == pytest.approx(1000e-6)
+    assert shared.step_loop_seconds(3) == pytest.approx(1000e-6)  # the slowest rank's
     # a rank alone on its host (3 ranks in blocks of 2: the third) has its core to itself
     assert list(shared.core_share(3)) == [0.5, 0.5, 1.0]
     assert list(shared.core_share(1)) == [1.0]

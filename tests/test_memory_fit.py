@@ -49,7 +49,8 @@ def test_fit_takes_the_fastest_candidate_that_fits(graph):
     for other in candidates:
         if peak_of(graph, other, 4, machine) <= machine.memory_bytes:
             assert (
-                fitted.seconds <= fit(graph, 4, machine, [other], StepModel(machine).peak, 0).seconds
+                fitted.seconds
+                <= fit(graph, 4, machine, [other], StepModel(machine).peak, 0).seconds
             )
 
 

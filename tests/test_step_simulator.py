@@ -173,6 +173,27 @@ def test_each_end_of_a_message_costs_its_rank_the_message_overhead():
     assert step.finish[0] == pytest.approx(2.1 + 0.25)
 
 
+def test_ranks_sharing_a_core_pay_their_message_ends_twice_over():
+    """The copy above between two ranks of one host with one core: each end's 0.25 s of
+    bookkeeping takes 0.5 s (the cost was measured with a rank alone on its cores). The sender
+    posts at 1.5, the copy takes 1.1 s within the host, and the reader waits for it until 2.6;
+    both simulators agree."""
+    m = Message(0, "x", Rect((0,), (1,)), 0, 1, 1_000_000, 1, 0, False)
+    programs = {
+        0: program(0, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"))]),
+        1: program(1, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"), copies_in=[m])]),
+    }
+    compute = {0: [1.0, 1.0], 1: [0.5, 1.0]}
+    machine = Machine(
+        memory_gbytes_per_s=None, message_overhead_us=0.25e6, ranks_per_host=2, host_cores=1
+    )
+    one_host = links(per_host=2, alpha_intra=0.1, beta_intra=1e-6)
+    for simulate in (simulate_step, simulate_compiled):
+        step = simulate(programs, compute, machine, one_host)
+        assert step.finish[1] == pytest.approx(3.6)
+        assert step.finish[0] == pytest.approx(2.6)  # its send seen off
+
+
 def test_a_collective_hop_costs_each_of_its_ranks_the_message_overhead():
     """Each round of the two-round all-reduce has a send and a receive on each rank: two
     message ends, 2h a round, both rounds on the path when the task between them is long."""

@@ -291,8 +291,14 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
     cluster.require()
     try:
         report = bench_cluster.run_cluster_scaling(
-            args.hosts, variants, cases, strategies, args.ranks, steps=args.steps,
-            repeat=args.repeat, progress=say,
+            args.hosts,
+            variants,
+            cases,
+            strategies,
+            args.ranks,
+            steps=args.steps,
+            repeat=args.repeat,
+            progress=say,
         )
     except cluster.Terminated:  # its clusters and files are gone: nothing more to say
         return 128 + signal.SIGTERM

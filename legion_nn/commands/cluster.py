@@ -62,9 +62,7 @@ _BUILD_FLAGS = (("--shaping", "shaping"), ("--burst", "burst"), ("--offload", "o
 def _options(args: argparse.Namespace, link: float | None):
     from runtime import cluster
 
-    return cluster.link_options(
-        link, args.shaping, args.burst, args.offload, args.cores_per_host
-    )
+    return cluster.link_options(link, args.shaping, args.burst, args.offload, args.cores_per_host)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
