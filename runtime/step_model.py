@@ -92,15 +92,24 @@ class StepModel:
         `step_simulator.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what
         `auto` chooses its plan by (`partitioner.resolve`)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
-        if plan.nranks > OBJECTIVE_SIMULATE_MAX_RANKS or not simulated(graph, plan):
+        if not self._simulates(graph, plan):
             return plan_cost(graph, plan, self.machine).step_seconds + loop
         return self.simulated_seconds(graph, plan) + loop
 
     def peak(self, graph: TaskGraph, plan: Plan) -> int:
-        """The most bytes a rank of `plan` holds with its baseline (`step_memory.plan_peak`),
-        from every rank's programs where they are built already: what `auto` fits in memory."""
+        """The most bytes a rank of `plan` holds with its baseline (`step_memory.plan_peak`):
+        what `auto` fits in memory. Where `step` simulates the plan, from every rank's programs,
+        built here once for both (placing a few ranks' buffers alone costs most of what
+        building them all does, since a plan's messages are found for every rank at once)."""
         found = self._programs.get(self._plan_key(graph, plan))
+        if found is None and self._simulates(graph, plan):
+            return plan_peak(graph, plan, self.machine, self.programs(graph, plan))
         return plan_peak(graph, plan, self.machine, found[1] if found is not None else None)
+
+    @staticmethod
+    def _simulates(graph: TaskGraph, plan: Plan) -> bool:
+        """Whether `step` simulates `plan` (else it is the bulk-synchronous sum)."""
+        return plan.nranks <= OBJECTIVE_SIMULATE_MAX_RANKS and simulated(graph, plan)
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
         """`step_simulator.step_prediction` of `plan`, its simulation made once."""

@@ -75,9 +75,10 @@ def test_partition_reports_the_step_auto_chose_by(tmp_path):
 
 def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(monkeypatch):
     """auto's fit and comparison and the report of the plan it picks share one model: the
-    picked plan is the one the fit built, its programs are built once, and every prediction
-    equals the one made from scratch."""
-    from runtime import step_model
+    picked plan is the one the fit built, its programs are built once (the fit's placement of
+    its buffers reads them too, not a few ranks' built apart), and every prediction equals the
+    one made from scratch."""
+    from runtime import step_memory, step_model
     from runtime.rank_program import build_programs
     from runtime.step_memory import memory_prediction, plan_peak
     from runtime.step_simulator import step_prediction
@@ -89,6 +90,7 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
         return build_programs(graph, plan, machine, ranks, *args, **kwargs)
 
     monkeypatch.setattr(step_model, "build_programs", counting)
+    monkeypatch.setattr(step_memory, "build_programs", counting)
     graph = load_network("seed-lcn-small").lower(batch=64, optimizer="sgd")
     model = StepModel(SLOW)
     chosen, _ = resolve_strategy(graph, "auto", 2, SLOW, 10.0, peak=model.peak, step=model.step)
