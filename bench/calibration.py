@@ -177,15 +177,25 @@ def _weighted_median(values: dict[str, float], weights: dict[str, float]) -> flo
 
 
 def _fit_task_times(profiled: list[float], spent: list[float]) -> tuple[float, float]:
-    """(factor, overhead s): least squares of spent ≈ factor · profiled + overhead, with the
-    overhead kept >= 0 (refitted through the origin where the free fit would go below)."""
+    """(factor, overhead s): least squares of spent ≈ factor · profiled + overhead in relative
+    terms (each task's residual over its time), with the overhead kept >= 0 (refitted through
+    the origin where the free fit would go below).
+
+    A task's time varies in proportion to it (the machine's slow and fast stretches), so an
+    absolute fit lets the longest tasks' noise set the overhead: seed-lcn at batch 16, whose
+    largest tasks take a tenth of a second, fitted 1 ms and 6 ms a task in two runs where its
+    small tasks said 40-50 us. Weighted by 1/time, every task counts alike, and the overhead is
+    read where it is most of the time."""
     if not spent:
         return 1.0, 0.0
-    x, y = np.asarray(profiled), np.asarray(spent)
+    x, y = np.asarray(profiled, np.float64), np.asarray(spent, np.float64)
+    weight = 1.0 / np.maximum(y, 1e-9)
     if len(x) >= 2 and np.ptp(x) > 0:
-        (factor, overhead), *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), y, rcond=None)
+        design = np.stack([x, np.ones_like(x)], 1) * weight[:, None]
+        (factor, overhead), *_ = np.linalg.lstsq(design, y * weight, rcond=None)
         if overhead >= 0 and factor > 0:
             return float(factor), float(overhead)
-    if x @ x > 0:
-        return float(max(x @ y / (x @ x), 1e-3)), 0.0
+    wx, wy = x * weight, y * weight
+    if wx @ wx > 0:
+        return float(max(wx @ wy / (wx @ wx), 1e-3)), 0.0
     return 1.0, float(np.mean(y))
