@@ -7,6 +7,7 @@ which runs each job a few times, round-robin, and keeps the fastest.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -90,6 +91,11 @@ def run_job(
         sent,
         json.loads(trace.read_text()) if traced else {},
     )
+
+
+def log_records(log: io.StringIO) -> list[dict]:
+    """The records of a `--log-json` log written to memory."""
+    return [json.loads(line) for line in log.getvalue().splitlines()]
 
 
 def median_step(records: list[dict]) -> float:

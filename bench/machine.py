@@ -21,7 +21,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
   memory-bound tasks reach, and each op's rate for pieces the table lacks (`op_gflops`);
-- the runtime's cost per message (`message_overhead_us`): every rank runs a job that is mostly
+- what a message costs a rank beyond its link (`bench.message_costs`): the runtime's cost per
+  message (`message_overhead_us`): every rank runs a job that is mostly
   messages, `MESSAGE_JOB` (a small network cut by channels over all ranks, its pieces timed
   first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency
@@ -44,22 +45,19 @@ import io
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
 from bench.calibration import calibrate, memory_bandwidth
-from bench.jobs import OPTIMIZER, Job, median_step
+from bench.jobs import OPTIMIZER, Job, log_records, median_step
+from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns_per_byte
 from bench.task_profile import profile_plan, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
@@ -123,7 +121,7 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         (transport,) = ThreadTransport.group(1)
         train_rank(config, transport, RunOptions(strategy="data", trace=str(trace_path)), log=log)
         trace = json.loads(trace_path.read_text())
-    job = Job(network, batch, 1, "data", median_step(_records(log)), 0, trace)
+    job = Job(network, batch, 1, "data", median_step(log_records(log)), 0, trace)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,
@@ -133,172 +131,6 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         "compute_factor": fitted.compute_factor,
         "loop_us": fitted.loop_seconds * 1e6,
     }
-
-
-#: the job that prices a message: (network, batch, strategy). Small pieces and many messages,
-#: so that its step is mostly the runtime's costs per task and per message
-MESSAGE_JOB = ("seed-lcn-small", 4, "model")
-MESSAGE_STEPS = 40
-#: the message job's measurements, each fitted on its own: the cost is their median. One job's
-#: fit moved from 57 to 91 us in five runs on a quiet emulated cluster (and to over 300 us with
-#: other work beside it), since it is the difference of two measured steps over their messages
-MESSAGE_ROUNDS = 3
-
-
-def _records(log: io.StringIO) -> list[dict]:
-    return [json.loads(line) for line in log.getvalue().splitlines()]
-
-
-def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
-    """Run `MESSAGE_JOB` on every rank of `transport`, `MESSAGE_ROUNDS` times, and on rank 0
-    fit the runtime's cost per message endpoint to each, in us: the cost at which the simulated
-    step of the job's plan falls short of its measured step (the median over its steps of the
-    slowest rank's) by as much as the job's simulated step on one rank falls short of its own,
-    measured just after (no messages there: the loop and the per-task terms, which are the
-    calibration's, `fitted`), found by bisection (the simulated step grows with it). The job's
-    pieces are timed on rank 0, so that its compute is measured, not modelled, and the
-    simulation shares the cores as the job's ranks did (`host_cores`). Rank 0 returns
-    `{"us": the median, "rounds": each round's}`; the others None."""
-    from partitioner.machine import Machine
-    from runtime import mpi_transport as mpi
-    from runtime.step_simulator import predict_step
-
-    name, batch, strategy = MESSAGE_JOB
-    network = load_network(name)
-    dataset = data.load("synthetic", network.input, network.classes, 0, np.float32)
-    config = TrainConfig(network=network, dataset=dataset, batch=batch, steps=MESSAGE_STEPS,
-                         optimizer=OPTIMIZER)  # fmt: skip
-    graph = network.lower(batch=batch, optimizer=OPTIMIZER)
-    plan = build_plan(graph, builtin(graph, strategy, transport.size), transport.size)
-    one = build_plan(graph, builtin(graph, "data", 1), 1)
-    base = None
-    if transport.rank == 0:
-        cache: dict = {}
-        sample = sample_step(graph)
-        profile_plan(graph, plan, threads, sample, cache)
-        profile_plan(graph, one, threads, sample, cache)
-        base = Machine(
-            task_overhead_us=fitted["task_overhead_us"], compute_factor=fitted["compute_factor"],
-            memory_gbytes_per_s=fitted["memory_gbytes_per_s"], host_cores=host_cores(),
-            pieces={key: seconds for (_, key), seconds in cache.items()},
-            **fitted["links"],
-        )  # fmt: skip
-    rounds = []
-    for _ in range(MESSAGE_ROUNDS):
-        mpi.idle_barrier()
-        log = io.StringIO()
-        train_rank(config, transport, RunOptions(strategy=strategy), log=log)
-        mpi.idle_barrier()
-        if transport.rank != 0:
-            continue
-        measured = median_step(_records(log))
-        # the same job on one rank of this process: it has no messages, so what its simulation
-        # misses is the runtime's cost per task at these sizes, which the fit must not take for
-        # a cost per message (the other ranks sleep meanwhile, in the barrier above)
-        alone_log = io.StringIO()
-        (alone,) = ThreadTransport.group(1)
-        train_rank(config, alone, RunOptions(strategy="data"), log=alone_log)
-        measured_alone = median_step(_records(alone_log))
-        # what the one-rank step takes beyond its simulated tasks (the loop, the job's own
-        # per-task costs at these sizes) the R-rank step takes too, as it runs the same tasks
-        target = measured - (measured_alone - predict_step(graph, one, base).seconds)
-        rounds.append(_fitted_overhead_us(graph, plan, base, target))
-    if transport.rank != 0:
-        return None
-    return {"us": statistics.median(rounds), "rounds": rounds}
-
-
-def _fitted_overhead_us(graph, plan, base, target: float) -> float:
-    """The cost per message endpoint (us) at which `plan`'s simulated step on `base` is
-    `target` seconds, by bisection; 0 where the step is longer without any."""
-    from runtime.step_simulator import predict_step
-
-    def simulated(overhead_us: float) -> float:
-        machine = replace(base, message_overhead_us=overhead_us)
-        return predict_step(graph, plan, machine).seconds
-
-    low, high = 0.0, 1000.0
-    if simulated(low) >= target:
-        return 0.0
-    while simulated(high) < target and high < 1e6:
-        high *= 4
-    for _ in range(30):
-        middle = (low + high) / 2
-        low, high = (middle, high) if simulated(middle) < target else (low, middle)
-    return (low + high) / 2
-
-
-#: the kernel whose slowdown prices the network stack: about this long alone
-STACK_PROBE_S = 0.25
-#: the messages of the stream it runs beside
-STACK_CHUNK = 4 << 20
-STACK_MAX_BYTES = 256 << 20
-
-
-@njit(nogil=True)
-def _busy(rounds: int, values: np.ndarray) -> float:
-    """Arithmetic on a few cache lines: a kernel that needs the core and not the memory."""
-    total = 0.0
-    for _ in range(rounds):
-        for i in range(values.shape[0]):
-            total = total * 0.999999 + values[i]
-    return total
-
-
-def _timed_busy(rounds: int, values: np.ndarray) -> float:
-    start = time.perf_counter()
-    _busy(rounds, values)
-    return time.perf_counter() - start
-
-
-def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> float | None:
-    """The CPU a rank's network stack takes from its kernels, in ns per byte it sends or
-    receives between hosts (on rank 0; None elsewhere): rank 0 runs a kernel alone, then while
-    `peer` (on another host) streams to it, then while it streams to `peer`, the stream sized
-    to last about as long as the kernel at the link's rate, posted before the kernel starts and
-    moved meanwhile by the transport's progress thread as in a training step. The kernel's extra
-    seconds over the bytes that moved while it ran, the mean of both directions: what the
-    simulator charges a task's compute for the bytes of its rank's transfers on the wire
-    meanwhile (`runtime.step_simulator`)."""
-    from runtime import mpi_transport as mpi
-
-    rank = transport.rank
-    values = np.random.default_rng(0).standard_normal(512)
-    rounds = 1000
-    if rank == 0:
-        _timed_busy(1, values)  # compiled
-        while _timed_busy(rounds, values) < STACK_PROBE_S / 8:
-            rounds *= 2
-        rounds = int(rounds * STACK_PROBE_S / _timed_busy(rounds, values))
-        alone = min(_timed_busy(rounds, values) for _ in range(2))
-        nbytes = min(int(alone / seconds_per_byte), STACK_MAX_BYTES)
-    else:
-        nbytes = 0
-    nbytes = mpi.broadcast(nbytes)
-    chunks = max(nbytes // STACK_CHUNK, 1)
-    costs = []
-    for sender, receiver in ((peer, 0), (0, peer)):
-        mpi.idle_barrier()
-        requests = []
-        if rank in (sender, receiver):
-            buffers = [np.ones(STACK_CHUNK, np.uint8) for _ in range(chunks)]
-            for index, buffer in enumerate(buffers):
-                if rank == sender:
-                    requests.append(transport.isend(buffer, receiver, transport.data_tag(index)))
-                else:
-                    requests.append(transport.irecv(buffer, sender, transport.data_tag(index)))
-        if rank == 0:
-            start = time.perf_counter()
-            with transport.computing():
-                busy = _timed_busy(rounds, values)
-        while not all(r.test() for r in requests):
-            time.sleep(1e-4)
-        if rank == 0:
-            streamed = time.perf_counter() - start
-            moved = chunks * STACK_CHUNK * min(1.0, busy / streamed)
-            costs.append(max(busy - alone, 0.0) / moved)
-    mpi.idle_barrier()
-    return statistics.mean(costs) * 1e9 if rank == 0 else None
 
 
 #: steps of the fresh training whose resident set gives the process baseline
