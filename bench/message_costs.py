@@ -51,6 +51,7 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
     `{"us": the median, "rounds": each round's}`; the others None."""
     from partitioner.machine import Machine
     from runtime import mpi_transport as mpi
+    from runtime.rank_program import build_programs
     from runtime.step_simulator import predict_step
 
     name, batch, strategy = MESSAGE_JOB
@@ -61,7 +62,7 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
     graph = network.lower(batch=batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, strategy, transport.size), transport.size)
     one = build_plan(graph, builtin(graph, "data", 1), 1)
-    base = None
+    base = programs = alone_simulated = None
     if transport.rank == 0:
         cache: dict = {}
         sample = sample_step(graph)
@@ -73,6 +74,9 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
             pieces={key: seconds for (_, key), seconds in cache.items()},
             **fitted["links"],
         )  # fmt: skip
+        # a plan's programs follow its links, not the cost per message: built once for the fit
+        programs = build_programs(graph, plan, base, range(plan.nranks))
+        alone_simulated = predict_step(graph, one, base).seconds
     rounds = []
     for _ in range(MESSAGE_ROUNDS):
         mpi.idle_barrier()
@@ -91,21 +95,21 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
         measured_alone = median_step(log_records(alone_log))
         # what the one-rank step takes beyond its simulated tasks (the loop, the job's own
         # per-task costs at these sizes) the R-rank step takes too, as it runs the same tasks
-        target = measured - (measured_alone - predict_step(graph, one, base).seconds)
-        rounds.append(_fitted_overhead_us(graph, plan, base, target))
+        target = measured - (measured_alone - alone_simulated)
+        rounds.append(_fitted_overhead_us(graph, plan, programs, base, target))
     if transport.rank != 0:
         return None
     return {"us": statistics.median(rounds), "rounds": rounds}
 
 
-def _fitted_overhead_us(graph, plan, base, target: float) -> float:
-    """The cost per message endpoint (us) at which `plan`'s simulated step on `base` is
-    `target` seconds, by bisection; 0 where the step is longer without any."""
+def _fitted_overhead_us(graph, plan, programs, base, target: float) -> float:
+    """The cost per message endpoint (us) at which `plan`'s simulated step (of its `programs`)
+    on `base` is `target` seconds, by bisection; 0 where the step is longer without any."""
     from runtime.step_simulator import predict_step
 
     def simulated(overhead_us: float) -> float:
         machine = replace(base, message_overhead_us=overhead_us)
-        return predict_step(graph, plan, machine).seconds
+        return predict_step(graph, plan, machine, programs=programs).seconds
 
     low, high = 0.0, 1000.0
     if simulated(low) >= target:
