@@ -102,9 +102,9 @@ class StepModel:
         built here once for both (placing a few ranks' buffers alone costs most of what
         building them all does, since a plan's messages are found for every rank at once)."""
         found = self._programs.get(self._plan_key(graph, plan))
-        if found is None and self._simulates(graph, plan):
+        if found is not None or self._simulates(graph, plan):
             return plan_peak(graph, plan, self.machine, self.programs(graph, plan))
-        return plan_peak(graph, plan, self.machine, found[1] if found is not None else None)
+        return plan_peak(graph, plan, self.machine)
 
     @staticmethod
     def _simulates(graph: TaskGraph, plan: Plan) -> bool:
