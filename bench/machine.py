@@ -5,12 +5,13 @@ Run it where the job will run: under `mpiexec -n R` on a cluster, or `legion-nn 
 share of its host's cores, as `train` does; rank 0 measures while the others wait (sleeping, so
 that the cores of a host stay with the rank measuring), and writes the file:
 
-- the links, from ping-pongs at 8 B to 16 MiB (`mpi_transport.link_times`), each fitted as latency
+- the links, from ping-pongs at 8 B to 64 MiB (`mpi_transport.link_times`), each fitted as latency
   plus bytes over bandwidth (`fit_link`): rank 0 and the first rank on another host (the link
   between hosts, `latency_us` and `link_gbytes_per_s`), and rank 0 and rank 1 where they share a
-  host (`intra_host`); between hosts also both directions at once (`duplex_gbytes_per_s`: links
-  are full duplex), and the burst an idle link lets through at once (`link_burst_bytes`,
-  `fit_burst`: a token bucket's, a NIC's or a switch's buffer);
+  host (`intra_host`); between hosts also the rate each way with both directions at once,
+  fitted the same way (`duplex_gbytes_per_s`: a link whose hosts' cores move the bytes is not
+  full duplex, `Machine.stack_beta`), and the burst an idle link lets through at once
+  (`link_burst_bytes`, `fit_burst`: a token bucket's, a NIC's or a switch's buffer);
 - the layout: hosts, ranks per host (ranks are placed in blocks), the cores a rank has and its
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
@@ -70,9 +71,11 @@ from runtime.launch import host_cores, world_size_from_env
 from runtime.training import TrainConfig
 from runtime.transport import ThreadTransport
 
-LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20)
+#: up to 64 MiB: a gradient's hop is often tens of MB, and a software link's rate falls with
+#: size (a veth pair between namespaces: 2.8 GB/s at 1 MiB, 0.65 at 64 MiB), so the fitted
+#: slope must see messages that large
+LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
-DUPLEX_SIZES = (1 << 20, 4 << 20)
 STRATEGIES = BUILTIN
 #: steps of the traced one-rank training that calibrates the runtime's own costs
 CALIBRATION_STEPS = 12
@@ -245,19 +248,17 @@ def measure(
         if rank == 0:
             say(f"ping-pong {name}: ranks {a} and {b}")
         times = mpi.link_times(a, b, sizes, repeat)
-        duplex = (
-            mpi.link_times(a, b, DUPLEX_SIZES, repeat, duplex=True)
-            if name == "inter_host"
-            else None
-        )
+        large = [size for size in sizes if size >= 1 << 20]
+        duplex = mpi.link_times(a, b, large, repeat, duplex=True) if name == "inter_host" else None
         if rank == 0:
             pingpong += [{"pair": name, "bytes": s, "seconds": t} for s, t in zip(sizes, times)]
             links[name] = mpi.fit_link(list(zip(sizes, times)))
             if name == "inter_host":
                 burst = mpi.fit_burst(list(zip(sizes, times)), *links[name])
                 out["link_burst_bytes"] = burst
-            if duplex is not None:
-                out["duplex_gbytes_per_s"] = max(s / t for s, t in zip(DUPLEX_SIZES, duplex)) / 1e9
+            if duplex is not None:  # each way's rate, fitted as the link's is
+                _, duplex_per_byte = mpi.fit_link(list(zip(large, duplex)))
+                out["duplex_gbytes_per_s"] = 1 / duplex_per_byte / 1e9
     if rank == 0:
         say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
         pieces, fitted = measure_compute(network, batch, size, strategies, threads)

@@ -181,7 +181,7 @@ def tree_is_faster(p: int, nbytes: int, machine: Machine) -> bool:
     """For a reduce to one owner: the binomial tree rather than reduce-scatter + gather."""
     a, b = machine.alpha, machine.beta
     tree = math.ceil(math.log2(p)) * (a + nbytes * b)
-    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes * b
+    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes * machine.ring_beta
     return tree <= ring
 
 

@@ -125,11 +125,15 @@ def loads_time(
 ) -> float:
     """The busiest rank's time for per-rank bytes sent, bytes received and message rounds.
 
-    Where the machine prices memory traffic, every byte a rank sends or receives also crosses
+    A rank's bytes each way take the link's time, and together the host's network stack's where
+    that is slower (`Machine.stack_beta`). Where the machine prices memory traffic, every byte a rank sends or receives also crosses
     its memory twice more: packed from the tensor into a message buffer, or unpacked from one."""
     if not len(rounds) or not rounds.any():
         return 0.0
-    seconds = rounds * machine.alpha + np.maximum(sent, received) * machine.beta
+    wire = np.maximum(sent, received) * machine.beta
+    if machine.stack_beta:  # both ways through one host's stack (`Machine.stack_beta`)
+        wire = np.maximum(wire, (sent + received) * machine.stack_beta)
+    seconds = rounds * machine.alpha + wire
     per_byte = machine.seconds_per_memory_byte
     if per_byte:
         seconds = seconds + 2 * (sent + received) * per_byte
@@ -161,17 +165,18 @@ def collective_cost(
     """(seconds, bytes on the wire) of a collective of `algorithm` over `p` participants and
     `n` bytes; `largest` is, for a reduce-scatter, the largest owner's share of them."""
     a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
+    both = machine.ring_beta  # a ring's every step sends and receives at once
     if p < 2 or n == 0:
         return 0.0, 0
     if algorithm == "allreduce":
         local = 3 * (p - 1) / p * n
-        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + local * m, 2 * (p - 1) * n
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * both + local * m, 2 * (p - 1) * n
     if algorithm == "reduce_scatter":
         local = 3 * n + 3 * p * largest
-        return (p - 1) * (a + largest * b) + local * m, (p - 1) * n
+        return (p - 1) * (a + largest * both) + local * m, (p - 1) * n
     levels = math.ceil(math.log2(p))
     tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
-    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (6 * n + 3 * (p - 1) / p * n) * m
+    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * both + (6 * n + 3 * (p - 1) / p * n) * m
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
 
@@ -181,14 +186,15 @@ def collective_costs(
     """`collective_cost` of many collectives at once, float for float: collective k is a
     `reduce` where `reduce[k]`, else a `reduce_scatter`."""
     a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
+    both = machine.ring_beta
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
-    scatter = less * (a + largest * b) + (3 * n + 3 * p * largest) * m
+    scatter = less * (a + largest * both) + (3 * n + 3 * p * largest) * m
     levels = np.ceil(np.log2(np.maximum(p, 1)))
     tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
     ring = (
         2 * less * a
-        + 2 * less / np.maximum(p, 1) * n * b
+        + 2 * less / np.maximum(p, 1) * n * both
         + (6 * n + 3 * less / np.maximum(p, 1) * n) * m
     )
     by_tree = tree <= ring

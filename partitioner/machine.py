@@ -44,9 +44,12 @@ optional; see the README's table of keys):
   [[role, shape]], "seconds", "threads"}`; `"compute_factor"` (a task's kernels in a running
   step take this many times their time alone) and `"loop_us"` (a step's time outside its
   tasks);
-- what was measured and where, for the record: `"hosts"`, `"rank_cores"`,
-  `"duplex_gbytes_per_s"` (both directions of the link at once), `"pingpong"` (the raw points),
-  `"measured_on"`.
+- `"duplex_gbytes_per_s"`: the rate each way while both directions of a link between hosts carry
+  messages at once. Where a host's cores move the bytes (a software link: veth, loopback, TCP
+  without offloads) its network stack serves both directions, and each runs slower than alone;
+  a link that is full duplex measures the one-way rate, and nothing changes (`stack_beta`);
+- what was measured and where, for the record: `"hosts"`, `"rank_cores"`, `"pingpong"` (the raw
+  points), `"measured_on"`.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ OPTIONAL_KEYS = (
     "message_overhead_us",
     "link_burst_bytes",
     "network_cpu_ns_per_byte",
+    "duplex_gbytes_per_s",
 )
 #: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
 DEFAULT_BASELINE_MIB = 200.0
@@ -80,7 +84,7 @@ MEASURED_KEYS = (
     "host_cores",
 )
 #: measured by `bench machine` and kept for the record
-RECORD_KEYS = ("hosts", "rank_cores", "duplex_gbytes_per_s", "pingpong", "measured_on")
+RECORD_KEYS = ("hosts", "rank_cores", "pingpong", "measured_on")
 #: the passes `legion-nn bench kernels` measures
 PASSES = ("forward", "backward_data", "backward_filter")
 
@@ -104,6 +108,8 @@ class Machine:
     #: CPU the network stack takes from a rank's kernels per byte it sends or receives between
     #: hosts (a host's cores move the bytes: copies, checksums, interrupts), in ns
     network_cpu_ns_per_byte: float = 0.0
+    #: GB/s each way while both directions of a link between hosts are busy (None: as alone)
+    duplex_gbytes_per_s: float | None = None
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -128,6 +134,23 @@ class Machine:
     def beta(self) -> float:
         """Seconds per byte."""
         return 1.0 / (self.link_gbytes_per_s * 1e9)
+
+    @property
+    def stack_beta(self) -> float:
+        """Seconds per byte of a host's network stack, which every byte the host sends or
+        receives between hosts passes through: 0 where the link is full duplex (both ways at
+        once as fast as one alone). Where both directions at once run at d each way, below
+        the one-way rate, the stack serves 2d bytes a second in all; it is never slower than
+        the link alone (a one-way stream runs at the link's rate, as measured)."""
+        if self.duplex_gbytes_per_s is None or self.duplex_gbytes_per_s >= self.link_gbytes_per_s:
+            return 0.0
+        return min(1.0 / (2 * self.duplex_gbytes_per_s * 1e9), self.beta)
+
+    @property
+    def ring_beta(self) -> float:
+        """Seconds per byte of a collective's ring step, in which every rank sends and receives
+        as many bytes at once: the link's, or the stack's for both ways where it is slower."""
+        return max(self.beta, 2 * self.stack_beta)
 
     @property
     def seconds_per_memory_byte(self) -> float:
@@ -208,6 +231,8 @@ class Machine:
             out["link_burst_bytes"] = self.link_burst_bytes
         if self.network_cpu_ns_per_byte:
             out["network_cpu_ns_per_byte"] = self.network_cpu_ns_per_byte
+        if self.duplex_gbytes_per_s is not None:
+            out["duplex_gbytes_per_s"] = self.duplex_gbytes_per_s
         if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
             out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:
@@ -268,6 +293,9 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
         message_overhead_us=float(data.get("message_overhead_us", 0)),
         link_burst_bytes=float(data.get("link_burst_bytes", 0)),
         network_cpu_ns_per_byte=float(data.get("network_cpu_ns_per_byte", 0)),
+        duplex_gbytes_per_s=(
+            _positive(data, "duplex_gbytes_per_s", where) if "duplex_gbytes_per_s" in data else None
+        ),
         process_baseline_mib=(
             _positive(data, "process_baseline_mib", where)
             if "process_baseline_mib" in data

@@ -27,9 +27,11 @@ _helper = njit(cache=True, _nrt=False)
 #        unscheduled and pending_end (per rank, of the keys it is blocked on: how many are not
 #        scheduled, and the latest end of those that are), started (per transfer, when it
 #        starts on the link), wire, wire_at, wire_count (per rank, its transfers between hosts
-#        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]])
+#        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]]),
+#        stack (per host, when its network stack is next free)
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
-#   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst, network_cpu
+#   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst, network_cpu,
+#           stack_beta
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
@@ -105,6 +107,10 @@ def _schedule(net, prices, blocked, heap, t, ready):
         egress, ingress, a, b = net[6], net[7], host[s], host[d]
         alpha, beta = prices[0], prices[1]
     start = max(ready, egress[a], ingress[b])
+    stack, stack_beta = net[21], prices[8]
+    stacked = stack_beta != 0.0 and host[s] != host[d]
+    if stacked:
+        start = max(start, stack[host[s]], stack[host[d]])
     burst = prices[6]
     if burst and host[s] != host[d]:
         # `_Simulator._schedule`'s token bucket at each end, the same sums in the same order
@@ -116,11 +122,14 @@ def _schedule(net, prices, blocked, heap, t, ready):
         paid = max(nbytes[t] - left, 0.0)
         tokens_out[a] = max(left - nbytes[t], 0.0)
         tokens_in[b] = max(left - nbytes[t], 0.0)
-        end = start + alpha + paid * beta
     else:
-        end = start + alpha + nbytes[t] * beta
+        paid = float(nbytes[t])
+    end = start + alpha + paid * beta
     egress[a] = end
     ingress[b] = end
+    if stacked:
+        stack[host[s]] = start + paid * stack_beta
+        stack[host[d]] = start + paid * stack_beta
     net[8][t] = end
     net[9][t] = True
     net[17][t] = start
@@ -422,6 +431,7 @@ def run_step(
         np.zeros(max(wire_at[nranks], 1), np.int64),
         wire_at,
         np.zeros(nranks, np.int64),
+        np.zeros(max(hosts, 1), np.float64),
     )
     heap = (
         np.full(nranks, np.inf),

@@ -17,7 +17,10 @@ post points and collective schedules the runtime runs:
   host's egress and the receiving host's ingress (full duplex per host, a non-blocking switch),
   one message after another in the order they became ready, for latency + bytes / bandwidth,
   less the burst the link has left (`link_burst_bytes`: a token bucket at each end, whose bytes
-  cross at once, refilled at the link's rate while it is idle);
+  cross at once, refilled at the link's rate while it is idle); where the host's network
+  stack moves both directions' bytes (`Machine.stack_beta`), a message also holds the stack at
+  each end for its bytes at the stack's rate, so that a host sending and receiving at once
+  runs each way at the measured duplex rate;
   within a host it takes latency + bytes / bandwidth of the host's own link (shared memory);
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
@@ -74,6 +77,8 @@ class Links:
     ranks_per_host: int
     #: bytes a link between hosts lets through at once when idle, refilled at its rate
     burst: float = 0.0
+    #: seconds per byte of a host's network stack, both ways (`Machine.stack_beta`; 0: none)
+    stack_beta: float = 0.0
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -83,7 +88,7 @@ class Links:
         )
         return cls(
             machine.alpha, machine.beta, alpha_intra, beta_intra, per_host,
-            machine.link_burst_bytes,
+            machine.link_burst_bytes, machine.stack_beta,
         )  # fmt: skip
 
     def host(self, rank: int) -> int:
@@ -169,6 +174,8 @@ class _Simulator:
         self.ingress: dict[tuple[str, int], float] = defaultdict(float)
         #: the burst each host's link has left when it is next free, each way (full at first)
         self.tokens: dict[tuple[str, tuple[str, int]], float] = {}
+        #: when each host's network stack is next free (`Links.stack_beta`)
+        self.stack: dict[int, float] = defaultdict(float)
         self.clock = {rank: 0.0 for rank in programs}
         self.waiting = {rank: 0.0 for rank in programs}
         self.running: dict[int, list[_Running]] = {rank: [] for rank in programs}
@@ -209,6 +216,9 @@ class _Simulator:
             out, into = ("host", src_host), ("host", dst_host)
             alpha, beta = links.alpha, links.beta
         start = max(ready, self.egress[out], self.ingress[into])
+        stacked = links.stack_beta and src_host != dst_host
+        if stacked:
+            start = max(start, self.stack[src_host], self.stack[dst_host])
         paid = transfer.nbytes
         if links.burst and src_host != dst_host:
             # a token bucket at each end: what the emptier has left crosses at once, the rest
@@ -224,6 +234,8 @@ class _Simulator:
         transfer.start = start
         transfer.end = start + alpha + paid * beta
         self.egress[out] = self.ingress[into] = transfer.end
+        if stacked:
+            self.stack[src_host] = self.stack[dst_host] = start + paid * links.stack_beta
         if src_host != dst_host:
             for rank in (transfer.src, transfer.dst):
                 if rank in self.on_wire:

@@ -41,6 +41,11 @@ MACHINES = {
     "stack-cpu-shared-core": Machine(
         **PRICED, ranks_per_host=2, network_cpu_ns_per_byte=2.0, host_cores=1
     ),
+    # a software link whose hosts' stacks move both ways at 0.3 GB/s each (0.5 alone), with a
+    # burst
+    "half-duplex": Machine(
+        **PRICED, duplex_gbytes_per_s=0.3, link_burst_bytes=65536.0, network_cpu_ns_per_byte=1.0
+    ),
 }
 
 #: (network, batch, strategies, homes)
@@ -99,6 +104,7 @@ def test_the_cases_exercise_what_the_loop_models():
         assert max(steps[name].waiting.values()) > 0
     assert steps["one-per-host"].seconds != steps["two-per-host"].seconds
     assert steps["stack-cpu-shared-core"].seconds > steps["two-per-host"].seconds
+    assert steps["half-duplex"].seconds > steps["one-per-host"].seconds
 
 
 def test_step_prediction_simulates_at_every_rank_count():

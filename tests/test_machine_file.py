@@ -84,6 +84,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         ({"loop_us": "fast"}, "loop_us must be a number >= 0"),
         ({"message_overhead_us": -5}, "message_overhead_us must be a number >= 0"),
         ({"link_burst_bytes": "big"}, "link_burst_bytes must be a number >= 0"),
+        ({"duplex_gbytes_per_s": 0}, "duplex_gbytes_per_s must be a positive number"),
         ({"pieces": {"a": 1}}, "pieces must be a list"),
         ({"pieces": [{"op": "linear"}]}, r"pieces\[0\] needs op, phase"),
         ({"pieces": [PIECE | {"requirements": [1], "seconds": 1}]}, r"pieces\[0\] is malformed"),

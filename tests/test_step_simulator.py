@@ -3,13 +3,14 @@ real plan must respect."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from legion_nn.ir import Task
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.collectives import Hop
-from partitioner.cost import compute_per_rank
+from partitioner.cost import compute_per_rank, loads_time
 from partitioner.machine import Machine
 from partitioner.plan import Reduction, build_plan
 from partitioner.strategy import builtin
@@ -226,6 +227,41 @@ def test_the_simulated_step_runs_the_tasks_the_runtime_runs():
     step = predict_step(graph, plan, machine, ones)
     runs = len(program_0.tasks) - len(elided) - len(fused)
     assert step.seconds == pytest.approx(runs + len(fused) * 0.9)
+
+
+def test_a_host_whose_stack_serves_both_ways_sends_and_receives_at_the_duplex_rate():
+    """Two hosts copy 1 MB to each other at once over a 1 us/byte link. Full duplex, both take
+    1 s. Where the stack moves both ways at 0.75 us a byte in all (1.5 us/byte each way: the
+    duplex rate is two thirds of one way's), the second starts when both stacks have taken
+    the first's bytes, at 0.75 s, and ends at 1.75 s. A lone copy still takes 1 s: the stack
+    is faster than the link one way."""
+    both = copies([(0, 1), (1, 0)], 1_000_000, 2)
+    zero = {r: [0.0, 0.0] for r in range(2)}
+    stacked = Links(0.0, 1e-6, 0.0, 1e-9, 1, stack_beta=0.75e-6)
+    for simulate in (simulate_step, simulate_compiled):
+        full = simulate(both, zero, MACHINE, links(alpha=0.0))
+        assert [full.finish[r] for r in (0, 1)] == pytest.approx([1.0, 1.0])
+        shared = simulate(both, zero, MACHINE, stacked)
+        assert sorted(shared.finish.values()) == pytest.approx([1.75, 1.75])
+        alone = simulate(copies([(0, 1)], 1_000_000, 2), zero, MACHINE, stacked)
+        assert alone.finish[1] == pytest.approx(1.0)
+
+
+def test_the_stack_rate_comes_from_the_duplex_rate_and_never_binds_one_way():
+    link = {"link_gbytes_per_s": 1.0, "memory_gbytes_per_s": None}
+    assert Machine(**link).stack_beta == 0.0
+    assert Machine(**link, duplex_gbytes_per_s=1.2).stack_beta == 0.0  # full duplex
+    half = Machine(**link, duplex_gbytes_per_s=0.5)  # half duplex: 1 GB/s in all
+    assert half.stack_beta == pytest.approx(1e-9)
+    assert half.ring_beta == pytest.approx(2e-9)
+    assert Machine(**link, duplex_gbytes_per_s=0.25).stack_beta == pytest.approx(1e-9)
+    # the bulk sum: a rank that sends and receives 1 GB at once pays 2 s on the half-duplex
+    # host, 1 s on a full-duplex one, and a rank that only sends pays 1 s on either
+    gb = np.array([1e9])
+    one = np.array([1])  # one message: its latency too
+    assert loads_time(gb, gb, one, half) == pytest.approx(2.0 + half.alpha)
+    assert loads_time(gb, gb, one, Machine(**link)) == pytest.approx(1.0 + half.alpha)
+    assert loads_time(gb, np.array([0.0]), one, half) == pytest.approx(1.0 + half.alpha)
 
 
 def test_an_idle_link_lets_its_burst_through_at_once_and_refills_at_its_rate():
