@@ -52,7 +52,7 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
     from partitioner.machine import Machine
     from runtime import mpi_transport as mpi
     from runtime.rank_program import build_programs
-    from runtime.step_simulator import predict_step
+    from runtime.step_prediction import predict_step
 
     name, batch, strategy = MESSAGE_JOB
     network = load_network(name)
@@ -105,7 +105,7 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
 def _fitted_overhead_us(graph, plan, programs, base, target: float) -> float:
     """The cost per message endpoint (us) at which `plan`'s simulated step (of its `programs`)
     on `base` is `target` seconds, by bisection; 0 where the step is longer without any."""
-    from runtime.step_simulator import predict_step
+    from runtime.step_prediction import predict_step
 
     def simulated(overhead_us: float) -> float:
         machine = replace(base, message_overhead_us=overhead_us)

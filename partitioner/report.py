@@ -54,7 +54,7 @@ def report_json(
     memory: dict | None = None,
 ) -> dict:
     """The `--json` object; `step` overrides `predicted_step_seconds` with the simulated step
-    (`runtime.step_simulator.step_prediction`: `predicted_step_seconds`, `step_model`,
+    (`runtime.step_prediction.step_prediction`: `predicted_step_seconds`, `step_model`,
     `bulk_synchronous_seconds`), and `memory` the memory per rank with the runtime's
     (`runtime.step_memory.memory_prediction`). Without it, memory per rank is what the rows
     count (every tensor held all step); with it, that count stays as `memory_held_*`."""

@@ -21,7 +21,7 @@ tie-breaks: one heap of (time, counter, rank) wakes with stale entries left in i
 in the order transfers became ready, collectives' rounds posted at MPI calls only. It returns what `simulate_step` does,
 float-equal; `tests/test_compiled_step.py` holds the two equal on every kind of plan the tests
 plan. A change to the model goes into both (the test fails until it does).
-`step_simulator.simulate_compiled` is the entry point.
+`step_prediction.simulate_compiled` is the entry point.
 
 A collective's rounds are flattened per participant with NumPy (a rank's keys in every round,
 in hop order, and the bytes it adds at the end of each), not hop by hop in Python.
@@ -31,16 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from runtime.rank_program import Collective, Message, RankProgram
 from runtime.step_loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
+from runtime.step_simulator import Links
 
-#: `runtime.step_simulator.Links` (latency and seconds per byte, and each rank's host), which
-#: imports this module: named, not imported
-Links = Any
 #: `step_simulator.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
 #: (messages, rank) -> seconds
 Pack = Callable[[Sequence[Message], int], float]
@@ -320,7 +317,7 @@ def run_compiled(
     slowdown: Mapping[int, float],
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Per rank, when it finished the step and how long it waited, by the compiled loop
-    (`step_simulator.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
+    (`step_prediction.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
     rank's CPU per byte of its transfers between hosts; `slowdown`: per rank, how much longer
     its CPU work takes than alone on its cores."""
     flat = flatten(programs, compute, links, pack, memory, slowdown)

@@ -24,7 +24,7 @@ from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
 from runtime.rank_program import RankProgram, build_programs
 from runtime.step_memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
-from runtime.step_simulator import (
+from runtime.step_prediction import (
     OBJECTIVE_SIMULATE_MAX_RANKS,
     predict_step,
     simulate_compiled,
@@ -89,7 +89,7 @@ class StepModel:
     def step(self, graph: TaskGraph, plan: Plan) -> float:
         """A plan's predicted step as `partition` reports it (the simulated step with the
         machine's time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
-        `step_simulator.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what
+        `step_prediction.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what
         `auto` chooses its plan by (`partitioner.resolve`)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
         if not self._simulates(graph, plan):
@@ -112,7 +112,7 @@ class StepModel:
         return plan.nranks <= OBJECTIVE_SIMULATE_MAX_RANKS and simulated(graph, plan)
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
-        """`step_simulator.step_prediction` of `plan`, its simulation made once."""
+        """`step_prediction.step_prediction` of `plan`, its simulation made once."""
         seconds = self.simulated_seconds(graph, plan) if simulated(graph, plan) else None
         return step_prediction(graph, plan, self.machine, bulk_seconds, seconds)
 

@@ -15,7 +15,8 @@ from partitioner.machine import Machine
 from partitioner.plan import Reduction, build_plan
 from partitioner.strategy import builtin
 from runtime.rank_program import Collective, Message, RankProgram, RankTask, build_programs
-from runtime.step_simulator import Links, predict_step, simulate_compiled, simulate_step
+from runtime.step_prediction import predict_step, simulate_compiled
+from runtime.step_simulator import Links, simulate_step
 
 MACHINE = Machine(memory_gbytes_per_s=None)
 

@@ -1,0 +1,120 @@
+"""A plan's predicted step: every rank's program built, its tasks priced, and the step
+simulated (`runtime.step_simulator` states the rules; `runtime.compiled_step` runs them over
+flat arrays), or, beyond `SIMULATE_MAX_WORK`, the cost model's bulk-synchronous sum.
+
+`partition`, `bench` and `auto` ask for predictions through `runtime.step_model.StepModel`,
+which keeps each plan's programs and simulation; the functions here make one prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+
+from legion_nn.graph import TaskGraph
+from partitioner.cost import compute_per_rank
+from partitioner.machine import Machine
+from partitioner.plan import Plan
+from runtime.compiled_step import run_compiled
+from runtime.rank_program import RankProgram, build_programs
+from runtime.step_simulator import (
+    Links,
+    SimulatedStep,
+    cpu_slowdown,
+    posting_seconds,
+    simulate_step,
+)
+
+
+def predict_step(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    compute: Sequence[Sequence[float]] | None = None,
+    programs: Mapping[int, RankProgram] | None = None,
+    simulate=simulate_step,
+) -> SimulatedStep:
+    """The simulated step of `plan`: `compute[i][rank]` seconds for task i of the graph on
+    each rank (default: the cost model's, `cost.compute_per_rank`), every rank's program
+    (`programs`, default: built here) run by `simulate` (`simulate_step`, or the compiled loop
+    `simulate_compiled`, which returns the same step)."""
+    per_task = compute if compute is not None else compute_per_rank(graph, plan, machine)
+    if programs is None:
+        programs = build_programs(graph, plan, machine, range(plan.nranks))
+    index = {task.name: i for i, task in enumerate(graph.tasks)}
+    seconds = {
+        rank: program_seconds(program, [float(per_task[index[rt.task.name]][rank])
+                                        for rt in program.tasks], machine)
+        for rank, program in programs.items()
+    }  # fmt: skip
+    return simulate(programs, seconds, machine)
+
+
+def program_seconds(program: RankProgram, seconds: list[float], machine: Machine) -> list[float]:
+    """`seconds` of each task of `program` as the runtime runs them: an elided zeroing does not
+    run, and an update fused into the kernel of its gradient runs there, its kernel's time
+    added to that task's, without a task of its own (so without its overhead)."""
+    out = list(seconds)
+    for position, rt in enumerate(program.tasks):
+        if rt.fused_into is not None:
+            out[rt.fused_into] += max(out[position] - machine.task_overhead, 0.0)
+        if rt.fused_into is not None or rt.elided:
+            out[position] = 0.0
+    return out
+
+
+def simulate_compiled(
+    programs: Mapping[int, RankProgram],
+    compute: Mapping[int, Sequence[float]],
+    machine: Machine,
+    links: Links | None = None,
+) -> SimulatedStep:
+    """What `simulate_step` returns, float-equal, by a compiled loop over the programs
+    flattened (`runtime.compiled_step`): a data-parallel resnet18 step on 64 ranks in about a
+    second rather than a minute."""
+    links = links or Links.of(machine, max(programs) + 1)
+    memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
+    pack = partial(posting_seconds, memory=memory, per_message=per_message)
+    finish, waiting = run_compiled(
+        programs, compute, links, pack, memory, per_message, machine.network_cpu_seconds_per_byte,
+        cpu_slowdown(machine, programs),
+    )  # fmt: skip
+    return SimulatedStep(max(finish.values(), default=0.0), finish, waiting)
+
+
+#: plans of more (rank, task) pairs than this are priced by the bulk-synchronous sum alone:
+#: building every rank's program is most of what a simulation costs there (seed-lcn, 43 tasks,
+#: at 1024 ranks: about 10 s; vgg19's auto plan at 1024 ranks: 47 s, then 36 s to simulate)
+SIMULATE_MAX_WORK = 50_000
+
+
+def simulated(graph: TaskGraph, plan: Plan) -> bool:
+    """Whether `step_prediction` simulates `plan` (within `SIMULATE_MAX_WORK`)."""
+    return plan.nranks * len(graph.tasks) <= SIMULATE_MAX_WORK
+
+
+def step_prediction(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    bulk_seconds: float,
+    simulated_seconds: float | None = None,
+) -> dict:
+    """The step `partition` and `bench scaling` predict: the simulated step (`simulate_compiled`)
+    where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
+    `bulk_seconds`), which is reported beside it in any case, each with the machine's time
+    outside the tasks (`loop_us`). `simulated_seconds`: the simulated step, where the caller has
+    it already (`runtime.step_model.StepModel`)."""
+    loop = machine.step_loop_seconds(plan.nranks)
+    out = {"bulk_synchronous_seconds": bulk_seconds + loop}
+    if not simulated(graph, plan):
+        summed = {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
+        return out | summed
+    if simulated_seconds is None:
+        simulated_seconds = predict_step(graph, plan, machine, simulate=simulate_compiled).seconds
+    return out | {"predicted_step_seconds": simulated_seconds + loop, "step_model": "simulated"}
+
+
+#: `auto` compares the candidates' simulated steps up to this many ranks and their sums beyond:
+#: building every rank's program of each candidate takes seconds at 1024 ranks
+OBJECTIVE_SIMULATE_MAX_RANKS = 64
