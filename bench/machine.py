@@ -248,7 +248,7 @@ def measure(
         if rank == 0:
             say(f"ping-pong {name}: ranks {a} and {b}")
         times = mpi.link_times(a, b, sizes, repeat)
-        large = [size for size in sizes if size >= 1 << 20]
+        large = [size for size in sizes if size >= mpi.SLOPE_FROM_BYTES]
         duplex = mpi.link_times(a, b, large, repeat, duplex=True) if name == "inter_host" else None
         if rank == 0:
             pingpong += [{"pair": name, "bytes": s, "seconds": t} for s, t in zip(sizes, times)]

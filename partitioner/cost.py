@@ -126,8 +126,9 @@ def loads_time(
     """The busiest rank's time for per-rank bytes sent, bytes received and message rounds.
 
     A rank's bytes each way take the link's time, and together the host's network stack's where
-    that is slower (`Machine.stack_beta`). Where the machine prices memory traffic, every byte a rank sends or receives also crosses
-    its memory twice more: packed from the tensor into a message buffer, or unpacked from one."""
+    that is slower (`Machine.stack_beta`). Where the machine prices memory traffic, every byte a
+    rank sends or receives also crosses its memory twice more: packed from the tensor into a
+    message buffer, or unpacked from one."""
     if not len(rounds) or not rounds.any():
         return 0.0
     wire = np.maximum(sent, received) * machine.beta

@@ -196,10 +196,14 @@ def pingpong(
     return {"latency_s": result[0], "seconds_per_byte": result[1]}
 
 
+#: the messages whose times a link's rate is fitted over (`fit_link`): smaller ones are latency
+SLOPE_FROM_BYTES = 1 << 20
+
+
 def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(latency s, seconds per byte) of one-way times at sizes: the smallest message's time,
-    and the slope over messages of 1 MiB and more (least squares)."""
-    large = [(size, t) for size, t in points if size >= 1 << 20]
+    and the slope over messages of `SLOPE_FROM_BYTES` and more (least squares)."""
+    large = [(size, t) for size, t in points if size >= SLOPE_FROM_BYTES]
     if len(large) >= 2:
         slope = float(np.polyfit(*np.array(large, float).T, 1)[0])
     else:
