@@ -23,6 +23,7 @@ import numpy as np
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
+from legion_nn.micro_batches import micro_batched
 from legion_nn.network import Network
 from legion_nn.verify import verify
 from runtime import checkpoint
@@ -49,6 +50,10 @@ class TrainConfig:
     shuffle: bool = True
     #: where to write the trained ONNX model (the network must have been read from one)
     save_onnx: str | None = None
+    #: each step's batch runs as this many micro-batches, in `schedule`'s order
+    #: (`legion_nn.micro_batches`); a batch of fewer samples runs one per sample
+    micro_batches: int = 1
+    schedule: str = "1f1b"
 
     @property
     def steps_per_epoch(self) -> int:
@@ -109,6 +114,7 @@ class Trainer:
             graph = c.network.lower(
                 batch=batch, dtype=c.dtype, optimizer=c.optimizer, hyperparameters=c.hyperparameters
             )
+            graph = micro_batched(graph, min(c.micro_batches, batch), c.schedule)
             verify(graph)  # the invariants every executor relies on (milliseconds)
             self._graphs[batch] = graph
         return self._graphs[batch]

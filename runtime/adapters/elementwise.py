@@ -7,6 +7,7 @@ Adam step count is the global step, so a resumed run continues the same bias cor
 
 from __future__ import annotations
 
+from legion_nn.micro_batches import in_step_batch
 from runtime.adapters.registry import adapter
 from runtime.kernels import affine, dropout, nonlinear, update
 
@@ -14,11 +15,13 @@ from runtime.kernels import affine, dropout, nonlinear, update
 @adapter("data.forward")
 def _data(task, piece, views, dims, ctx):
     # The plan loads each tensor's home cells as pieces of their own, so a piece may hold either.
+    # a micro-batch's data task loads its rows of the step's batch (`in_step_batch`)
+    rows = piece.translate(in_step_batch(task, (0,) * piece.ndim, piece.hi)[0])
     out = {}
     if "raw_data" in views:
-        out["raw_data"] = ctx.inputs[piece.to_slices()]
+        out["raw_data"] = ctx.inputs[rows.to_slices()]
     if "labels" in views and views["labels"].size:
-        out["labels"] = ctx.labels[piece.lo[0] : piece.hi[0]].reshape(views["labels"].shape)
+        out["labels"] = ctx.labels[rows.lo[0] : rows.hi[0]].reshape(views["labels"].shape)
     return out
 
 
@@ -59,8 +62,7 @@ def _dropout(task, piece, views, dims, ctx):
         task.attrs["ratio"],
         task.attrs["seed"],
         ctx.step,
-        piece.lo,
-        dims["input"],
+        *in_step_batch(task, piece.lo, dims["input"]),
     )
     return {"output": y}
 
@@ -72,8 +74,7 @@ def _dropout_grad(task, piece, views, dims, ctx):
         task.attrs["ratio"],
         task.attrs["seed"],
         ctx.step,
-        piece.lo,
-        dims["output.delta"],
+        *in_step_batch(task, piece.lo, dims["output.delta"]),
     )
     return {"input.delta": dx}
 
