@@ -50,14 +50,7 @@ BATCH_KINDS = ("data", "activation")
 def micro_batched(graph: TaskGraph, count: int, schedule: str = "1f1b") -> TaskGraph:
     """`graph` with its batch run as `count` micro-batches in `schedule`'s order (see the module
     docstring); one micro-batch is `graph` itself."""
-    if schedule not in SCHEDULES:
-        raise LegionNNError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if count < 1:
-        raise LegionNNError(f"--micro-batches must be at least 1, got {count}")
-    if count > graph.batch:
-        raise LegionNNError(
-            f"--micro-batches {count} is larger than the batch of {graph.batch} samples"
-        )
+    check_micro_batches(count, graph.batch, schedule)
     if count == 1:
         return graph
     batched = _batch_tensors(graph)
@@ -87,6 +80,17 @@ def micro_batched(graph: TaskGraph, count: int, schedule: str = "1f1b") -> TaskG
         order += [sliced[m, i] for m in range(count) for i in (*forward, *backward)]
     order += [graph.tasks[i] for i in after]
     return TaskGraph(tensors, order, network=graph.network, batch=graph.batch)
+
+
+def check_micro_batches(count: int, batch: int, schedule: str = "1f1b") -> None:
+    """Raise `LegionNNError` naming the flag where `count` micro-batches of a batch of `batch`
+    samples in `schedule`'s order cannot be run."""
+    if schedule not in SCHEDULES:
+        raise LegionNNError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if count < 1:
+        raise LegionNNError(f"--micro-batches must be at least 1, got {count}")
+    if count > batch:
+        raise LegionNNError(f"--micro-batches {count} is larger than the batch of {batch} samples")
 
 
 def micro_name(name: str, micro_batch: int) -> str:

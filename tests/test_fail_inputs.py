@@ -67,6 +67,12 @@ def test_bad_spec_fails_cleanly(name, tmp_path):
         (["graph", "no-such-network"], "unknown network 'no-such-network'"),
         (["graph", "missing.json"], "missing.json: cannot read"),
         (["graph", "seed-lcn-small", "--batch", "x"], "invalid int value: 'x'"),
+        (
+            ["graph", "seed-lcn-small", "--batch", "8", "--micro-batches", "9"],
+            "--micro-batches 9 is larger than the batch of 8 samples",
+        ),
+        (["graph", "seed-lcn-small", "--micro-batches", "0"], "--micro-batches must be at least 1"),
+        (["graph", "seed-lcn-small", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
     ],
 )
 def test_bad_arguments_fail_cleanly(args, fragment, tmp_path):
@@ -158,6 +164,7 @@ def test_bad_partition_files_fail_cleanly(name, case, tmp_path):
         (["--sweep", "4,0", "--strategy", "data"], "--sweep needs positive rank counts"),
         (["--ranks", "4", "--strategy", "missing.json"], "missing.json: No such file"),
         (["--strategy", "data"], "give --ranks R"),
+        (["--ranks", "2", "--batch", "4", "--micro-batches", "5"], "--micro-batches 5 is larger"),
     ],
 )
 def test_bad_partition_arguments_fail_cleanly(args, fragment, tmp_path):

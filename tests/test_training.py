@@ -176,6 +176,7 @@ def test_npz_splits_are_used_as_given_and_no_shuffle_takes_batches_in_order(tmp_
         (["train", "--batch", "0"], "--batch must be at least 1"),
         (["train", "--steps", "0"], "--steps must be at least 1"),
         (["train", "--resume"], "--resume needs --checkpoint DIR"),
+        (["train", "--batch", "4", "--micro-batches", "5"], "--micro-batches 5 is larger"),
     ],
 )
 def test_train_cli_bad_input(args, fragment, capsys):

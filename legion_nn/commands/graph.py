@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_step_arguments
+from legion_nn.commands import add_step_arguments, step_options
 
 NAME = "graph"
 DEFAULT_BATCH = 256
@@ -41,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.textform import graph_text
     from legion_nn.verify import verify
 
-    graph = load_source_graph(
-        args.network, args.batch, DEFAULT_BATCH, dtype=args.dtype, optimizer=args.optimizer
-    )
+    graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH, **step_options(args))
     verify(graph)
     if args.json:
         write_text(args.json, dumps(graph))

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from legion_nn.commands import add_homes_argument, add_step_arguments
+from legion_nn.commands import add_homes_argument, add_step_arguments, step_options
 
 NAME = "memory"
 HELP = "peak memory of one training step of a Chainer dump or a network, per data-parallel rank"
@@ -71,11 +71,9 @@ def _schedule(args: argparse.Namespace):
         from legion_nn.importers.chainer import parse_dump
 
         return schedule_from_dump(parse_dump(path), args.batch)
-    from legion_nn.networks import load_network
+    from legion_nn.sources import load_source_graph
 
-    graph = load_network(args.source).lower(
-        batch=args.batch or NETWORK_BATCH, dtype=args.dtype, optimizer=args.optimizer
-    )
+    graph = load_source_graph(args.source, args.batch, NETWORK_BATCH, **step_options(args))
     return schedule_from_graph(graph)
 
 
@@ -147,9 +145,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     check_ranks(args.ranks)
     machine = load_machine(args.machine)
-    graph = load_source_graph(
-        args.source, args.batch, NETWORK_BATCH, dtype=args.dtype, optimizer=args.optimizer
-    )
+    graph = load_source_graph(args.source, args.batch, NETWORK_BATCH, **step_options(args))
     verify(graph)
     model = StepModel(machine)
     strategy, _ = resolve_strategy(
@@ -216,7 +212,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_table(result: dict) -> str:
-    parts = list(result["per_rank"][0]["breakdown"])
+    # a rank's breakdown names what it holds at its own peak (one may hold no activations there)
+    parts = list(dict.fromkeys(p for row in result["per_rank"] for p in row["breakdown"]))
     lines = [
         (
             f"{result['network']}: batch {result['batch']}, {result['ranks']} ranks, "
@@ -227,7 +224,7 @@ def _plan_table(result: dict) -> str:
         f"  {'rank':>4} {'peak':>9} " + " ".join(f"{p[:9]:>9}" for p in parts) + "  peak at",
     ]
     for row in result["per_rank"]:
-        cells = " ".join(f"{row['breakdown'][p] / 2**20:9.2f}" for p in parts)
+        cells = " ".join(f"{row['breakdown'].get(p, 0) / 2**20:9.2f}" for p in parts)
         lines.append(
             f"  {row['rank']:>4} {row['peak_bytes'] / 2**20:9.2f} {cells}  {row['peak_at']}"
         )

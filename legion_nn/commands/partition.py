@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from legion_nn.commands import add_homes_argument, add_step_arguments
+from legion_nn.commands import add_homes_argument, add_step_arguments, step_options
 
 NAME = "partition"
 DEFAULT_BATCH = 256
@@ -110,9 +110,7 @@ def run(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine)
     if args.calibrate:
         machine = load_calibrated(machine, args.calibrate)
-    graph = load_source_graph(
-        args.network, args.batch, DEFAULT_BATCH, dtype=args.dtype, optimizer=args.optimizer
-    )
+    graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH, **step_options(args))
     verify(graph)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     model = StepModel(machine)

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace):
     from legion_nn.errors import LegionNNError
+    from legion_nn.micro_batches import check_micro_batches
     from legion_nn.networks import load_network
     from partitioner.machine import load_machine
     from runtime import data
@@ -127,6 +128,7 @@ def _config(args: argparse.Namespace):
         verify=args.verify,
     )
     strategy_spec(options)  # a bad --strategy fails here, on every rank alike
+    check_micro_batches(args.micro_batches, args.batch, args.schedule)
     network = load_network(args.network)
     dataset = data.load(
         args.data, network.input, network.classes, args.seed, NUMPY_DTYPES[args.dtype]
@@ -145,6 +147,8 @@ def _config(args: argparse.Namespace):
         resume=args.resume,
         shuffle=not args.no_shuffle,
         save_onnx=args.save_onnx,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
     )
     if args.save_onnx and not network.source.lower().endswith(".onnx"):
         raise LegionNNError(f"--save-onnx needs an ONNX model to train, not {args.network!r}")
