@@ -10,10 +10,11 @@ once per micro-batch, in the region model, as GPipe and PipeDream run it:
   of them at once (`SCHEDULES`).
 - *Per-micro-batch tasks.* Every task that touches such a tensor runs once per micro-batch,
   `name@m`, over the micro-batch's rows of its space; its requirements come from the op's access
-  map over the new space, as lowering makes them. It keeps its layer, so a strategy's grids
-  apply to every micro-batch alike, and its attributes, with `batch_offset` (the micro-batch's
-  first row in the step's batch) added for the kernels whose result depends on where a sample
-  sits (`in_step_batch`): the data task loads those rows, dropout draws those samples' masks.
+  map over the new space, as lowering makes them. It keeps its layer and its attributes, with
+  `micro_batch` added (the copies of a layer's tasks make one unit, `partitioner.strategy.
+  find_units`, so a strategy's grids apply to every micro-batch alike), and `batch_offset`
+  (the micro-batch's first row in the step's batch) for the kernels whose result depends on
+  where a sample sits (`in_step_batch`): the data task loads those rows, dropout draws those samples' masks.
 - *Shared tensors and tasks.* Parameters, their gradients, the optimizer's state and the
   step's statistics (the loss, the evaluation's counts) stay one tensor. Each micro-batch's
   backward adds its share into the parameters' gradients (they are reductions already), and the
@@ -82,6 +83,18 @@ def micro_batched(graph: TaskGraph, count: int, schedule: str = "1f1b") -> TaskG
     return TaskGraph(tensors, order, network=graph.network, batch=graph.batch)
 
 
+def schedule_of(graph: TaskGraph) -> tuple[int, str | None]:
+    """(micro-batches, schedule) of a graph `micro_batched` made, read from its tasks; (1, None)
+    for any other graph."""
+    seen = [t for t in graph.tasks if "micro_batch" in t.attrs and t.phase != "set_zero"]
+    if not seen:
+        return 1, None
+    count = max(t.attrs["micro_batch"] for t in seen) + 1
+    first_backward = next(i for i, t in enumerate(seen) if t.phase == "backward")
+    second = next(i for i, t in enumerate(seen) if t.attrs["micro_batch"] == 1)
+    return count, "1f1b" if first_backward < second else "gpipe"
+
+
 def check_micro_batches(count: int, batch: int, schedule: str = "1f1b") -> None:
     """Raise `LegionNNError` naming the flag where `count` micro-batches of a batch of `batch`
     samples in `schedule`'s order cannot be run."""
@@ -94,8 +107,11 @@ def check_micro_batches(count: int, batch: int, schedule: str = "1f1b") -> None:
 
 
 def micro_name(name: str, micro_batch: int) -> str:
-    """The name of micro-batch `micro_batch`'s copy of a tensor or task."""
-    return f"{name}@{micro_batch}"
+    """The name of micro-batch `micro_batch`'s copy of a tensor or task: `@m` after the name of
+    what it serves, so that a gradient's copy is the gradient of the copy (`X@m.grad`, from
+    `X.grad`) and a backward task's copy the backward of the forward's (`L0.filter@m.grad`)."""
+    head, dot, tail = name.partition(".grad")
+    return f"{head}@{micro_batch}{dot}{tail}"
 
 
 def in_step_batch(
@@ -197,5 +213,10 @@ def _sliced_task(
         space=new_space,
         dist=dist,
         result_dim=dist["result"].shape if "result" in dist else task.result_dim,
-        attrs={**task.attrs, "batch_offset": lo, "batch_total": graph.batch},
+        attrs={
+            **task.attrs,
+            "micro_batch": micro_batch,
+            "batch_offset": lo,
+            "batch_total": graph.batch,
+        },
     )

@@ -22,7 +22,10 @@ The plan walks the graph in program order and keeps, per tensor, the layout of i
    over the same participants are merged: `allreduce` when every participant holds every target
    (replicated parameter gradients: ring, 2(p−1)/p·bytes per rank), `reduce_scatter` when each
    target has one owner among several (a `linear` split over its features reducing its input
-   gradient), `reduce` when there is one owner (the loss, evaluate's sums, to rank 0).
+   gradient), `reduce` when there is one owner (the loss, evaluate's sums, to rank 0). Where
+   the next task to touch the target adds into it with the same all-reduce (micro-batches'
+   gradients), the sum waits for it: each rank adds into its own copy meanwhile
+   (`deferred_sums.py`, `TaskPlan.deferred`).
 
 Resident tensors live where they are read: the home of data and of a parameter holds, on each
 rank, exactly the rects that rank's pieces read (an untied weight set under a spatial split lives
@@ -117,6 +120,7 @@ class TaskPlan:
         transfer_set: TransferSet,
         reductions: Sequence[Reduction] = (),
         holdings: Mapping[str, Layout] | None = None,
+        deferred: Mapping[str, int] | None = None,
     ) -> None:
         self.task = task
         self.unit = unit
@@ -125,6 +129,9 @@ class TaskPlan:
         self.transfer_set = transfer_set
         self.reductions = tuple(reductions)
         self.holdings: Mapping[str, Layout] = MappingProxyType(dict(holdings or {}))
+        #: per tensor whose sum here waits for a later task's collective, that task's index
+        #: (`partitioner.deferred_sums`): each rank adds its part into its own copy meanwhile
+        self.deferred: Mapping[str, int] = MappingProxyType(dict(deferred or {}))
 
     @cached_property
     def pieces(self) -> tuple[Piece, ...]:
@@ -144,6 +151,21 @@ class TaskPlan:
             TransferSet.from_transfers(transfers),
             self.reductions,
             self.holdings,
+            self.deferred,
+        )
+
+    def with_deferred(self, deferred: Mapping[str, int]) -> TaskPlan:
+        """This task's plan with its sums into the tensors of `deferred` left to the later
+        tasks it names (their reductions dropped here)."""
+        return TaskPlan(
+            self.task,
+            self.unit,
+            self.grid,
+            self.piece_sets,
+            self.transfer_set,
+            [r for r in self.reductions if r.tensor not in deferred],
+            self.holdings,
+            {**self.deferred, **deferred},
         )
 
     def __repr__(self) -> str:
@@ -254,13 +276,15 @@ def build_plan(
             )
         layouts.update(plan.holdings)
         plans.append(plan)
+    from partitioner.deferred_sums import defer_sums  # it reads this module's types
+
     return Plan(
         graph.network,
         graph.batch,
         nranks,
         strategy.name,
         dict(strategy.unit_grids),
-        plans,
+        defer_sums(graph, plans),
         homes,
         {u.name: len(u.summed) for u in find_units(graph) if u.summed},
         strategy.sharded,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from legion_nn.micro_batches import schedule_of
 from partitioner.cost import PlanCost
 from partitioner.plan import Plan
 
@@ -59,12 +60,15 @@ def report_json(
     (`runtime.step_memory.memory_prediction`). Without it, memory per rank is what the rows
     count (every tensor held all step); with it, that count stays as `memory_held_*`."""
     held = list(cost.memory.values())
+    micro_batches, schedule = schedule_of(graph)
     out = {
         "network": graph.network,
         "batch": graph.batch,
         "ranks": plan.nranks,
         "strategy": plan.strategy,
         "param_homes": _homes(graph, plan),
+        "micro_batches": micro_batches,
+        "schedule": schedule,
         "predicted_step_seconds": cost.step_seconds,
         "bytes_sent_total": cost.bytes_sent,
         "memory_per_rank_max": cost.memory_max,

@@ -41,6 +41,7 @@ from weakref import WeakKeyDictionary
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import RESIDENT_KINDS, Task
+from legion_nn.micro_batches import micro_name
 from legion_nn.ops import (
     HOME,
     WITH_TENSOR,
@@ -140,10 +141,17 @@ def is_homed(graph: TaskGraph, task: Task) -> bool:
 
 
 def find_units(graph: TaskGraph) -> list[Unit]:
-    """The units of `graph`, in program order of their first forward task."""
+    """The units of `graph`, in program order of their first forward task. The copies of a
+    task that micro-batches make (`legion_nn.micro_batches`) join the unit of the first
+    micro-batch's, which is named and shaped by it: one grid for every micro-batch."""
     groups: list[list[Task]] = []
+    copies = [0]
     for task in graph.tasks:
         if task.phase != "forward" or is_homed(graph, task):
+            continue
+        micro_batch = task.attrs.get("micro_batch")
+        if micro_batch:
+            copies.append(micro_batch)
             continue
         last = groups[-1][-1] if groups else None
         if last is not None and last.layer == task.layer and _output(last) == _output(task):
@@ -153,8 +161,12 @@ def find_units(graph: TaskGraph) -> list[Unit]:
     names = [g[0].layer for g in groups]
     known = {task.name for task in graph.tasks}
     units = []
+    copies = sorted(set(copies))
     for group in groups:
-        forward = tuple(t.name for t in group)
+        first = tuple(t.name for t in group)
+        forward = first
+        if "micro_batch" in group[0].attrs:
+            forward = tuple(micro_name(_first_name(name), m) for m in copies for name in first)
         backward = tuple(f"{name}.grad" for name in forward if f"{name}.grad" in known)
         widest = max(group, key=lambda t: t.space.ndim)
         ndim = widest.space.ndim
@@ -162,7 +174,7 @@ def find_units(graph: TaskGraph) -> list[Unit]:
         for task in group:  # a task without the reduction dims leaves them to the reducer
             split &= set(splittable_dims(task)) | set(range(task.space.ndim, ndim))
         summed = reduction_dims(widest)
-        name = group[0].layer if names.count(group[0].layer) == 1 else group[0].name
+        name = group[0].layer if names.count(group[0].layer) == 1 else _first_name(group[0].name)
         units.append(
             Unit(
                 name,
@@ -175,6 +187,11 @@ def find_units(graph: TaskGraph) -> list[Unit]:
             )
         )
     return units
+
+
+def _first_name(name: str) -> str:
+    """The name of a task of micro-batch 0 without its `@0`."""
+    return name.removesuffix("@0")
 
 
 def _output(task: Task) -> tuple[int, ...]:

@@ -128,8 +128,9 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
         }
         for tensor in reduced:
             held = opened[tensor][1] if tensor in opened else writers.get(tensor, (0, None))[1]
+            carrier = _carrier(graph, plan, task.name, tensor, task_plan.deferred.get(tensor))
             if tensor in read and held is not None:
-                _check_sums(task.name, tensor, task_plan, held, plan.nranks)
+                _check_sums(task.name, tensor, task_plan, held, plan.nranks, carrier)
         summed = frozenset(j for piece_set in task_plan.piece_sets for j, *_ in piece_set.sums)
         _record_writes(graph, task, pieces, writers, copies, summed)
         for tensor, written in opened.items():
@@ -210,12 +211,39 @@ def _sum_targets(
     return out
 
 
+def _carrier(
+    graph: TaskGraph, plan: Plan, task: str, tensor: str, later: int | None
+) -> TaskPlan | None:
+    """The plan of the task whose collective sums `task`'s contributions to `tensor`, where a
+    later one does (`TaskPlan.deferred`): every task from this one to it only adds into the
+    tensor, so nothing reads a copy that holds one rank's partial sums."""
+    if later is None:
+        return None
+    first = graph.index(task)
+    if later <= first:
+        raise VerifyError(f"{task}: its sum into {tensor} is deferred to an earlier task")
+    for index in range(first, later + 1):
+        for req in graph.tasks[index].requirements:
+            if req.tensor == tensor and req.privilege is not Privilege.REDUCE:
+                raise VerifyError(
+                    f"{task}: its sum into {tensor} is deferred past "
+                    f"{graph.tasks[index].name}, which {req.privilege.name.lower()}s it"
+                )
+    return plan.tasks[later]
+
+
 def _check_sums(
-    task: str, tensor: str, task_plan: TaskPlan, held: dict[int, list[Rect]], nranks: int
+    task: str,
+    tensor: str,
+    task_plan: TaskPlan,
+    held: dict[int, list[Rect]],
+    nranks: int,
+    carrier: TaskPlan | None = None,
 ) -> None:
     """Every part of every piece's contribution to `tensor` reaches every rank holding that
     part: the rank itself, a partial sum sent to the holder, or a collective both take part in
-    whose target the holder holds.
+    whose target the holder holds (the collective of `carrier`, where a later task's sums the
+    contributions: `TaskPlan.deferred`).
 
     Read from the plan's arrays and counted on the grid cut at every bound of the
     contributions, holdings, partial sums and targets: each cell lies wholly inside or outside
@@ -228,7 +256,7 @@ def _check_sums(
     holder = np.array([rank for rank, rects in held.items() for _ in rects], boxes.INDEX)
     h_lo, h_hi = boxes.from_rects([rect for rects in held.values() for rect in rects], ndim)
     s_src, s_dst, s_lo, s_hi = _partial_sums(task_plan, tensor, ndim)
-    reductions = [r for r in task_plan.reductions if r.tensor == tensor]
+    reductions = [r for r in (carrier or task_plan).reductions if r.tensor == tensor]
     targets = [(k, h, rect) for k, r in enumerate(reductions) for rect, hs in r.targets for h in hs]
     t_reduction = np.array([k for k, _, _ in targets], boxes.INDEX)
     t_holder = np.array([h for _, h, _ in targets], boxes.INDEX)

@@ -275,7 +275,7 @@ def build_programs(
                 if rank in programs:
                     programs[rank].collective(collective, sent.get(rank, 0))
         for builder in programs.values():
-            builder.end(task_plan.holdings)
+            builder.end(task_plan.holdings, task_plan.deferred)
         for tensor, layout in task_plan.holdings.items():
             written[tensor] = (layout, plan.written_by[index][tensor].tolist())
     built = {rank: builder.program(seq) for rank, builder in programs.items()}
@@ -381,7 +381,11 @@ class _Builder:
         self.current.collectives.append(collective)
         self.bytes_planned += sent
 
-    def end(self, holdings: Mapping[str, Layout]) -> None:
+    def end(self, holdings: Mapping[str, Layout], deferred: Mapping[str, int]) -> None:
+        """Finish the task begun: `holdings`, the layouts after it of what it writes or adds
+        into; `deferred`, the tensors whose sums a later task's collective makes (this rank's
+        part is added into its own copy, which then holds nothing but its own partial sums,
+        so that the collective may sum the copy in place)."""
         current = self.current
         self.tasks.append(current)
         self.layouts.update(holdings)  # a sum's target is where it is held after the task
@@ -416,6 +420,8 @@ class _Builder:
                 self.touched[tensor].extend(rects)  # the kernel adds into the tensor itself
                 self._first_contribution(tensor, rects)
                 continue
+            if tensor in deferred:
+                raise AssertionError(f"rank {self.rank} adds to {tensor} beyond its copy")
             parts = []
             for rect in rects:
                 for h in held:
@@ -439,6 +445,8 @@ class _Builder:
             if current.task.op == "set_zero":
                 self.zeroed[tensor].extend(written.get(tensor, []))
                 self.zeroed_at[tensor] = current.index
+            elif tensor in deferred:
+                self.zeroed_at.pop(tensor, None)  # added to: no later task may just write it
             else:
                 self.zeroed[tensor] = []
                 self.zeroed_at.pop(tensor, None)

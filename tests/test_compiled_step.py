@@ -75,8 +75,17 @@ def _cases():
                     yield pytest.param(network, batch, strategy, home, ranks, id=label)
 
 
-def _plan(network: str, batch: int, strategy: str, home: str, ranks: int, machine: Machine):
-    graph = load_source_graph(network, batch, batch)
+def _plan(
+    network: str,
+    batch: int,
+    strategy: str,
+    home: str,
+    ranks: int,
+    machine: Machine,
+    micro_batches: int = 1,
+    schedule: str = "1f1b",
+):
+    graph = load_source_graph(network, batch, batch, micro_batches=micro_batches, schedule=schedule)
     chosen, _ = resolve_strategy(graph, strategy, ranks, machine, 5.0, None, home)
     return graph, build_plan(graph, chosen, ranks)
 
@@ -91,6 +100,26 @@ def test_the_compiled_loop_gives_the_simulators_step(network, batch, strategy, h
         assert fast.seconds == exact.seconds, name
         assert fast.finish == exact.finish, name
         assert fast.waiting == exact.waiting, name
+
+
+@pytest.mark.parametrize("strategy", ["data", "model", "spatial", "auto"])
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize(("micro_batches", "schedule"), [(2, "1f1b"), (4, "gpipe")])
+def test_the_compiled_loop_gives_the_simulators_step_of_micro_batches(
+    strategy, ranks, micro_batches, schedule
+):
+    """Micro-batches interleave forwards and backwards and defer gradients' sums to the last
+    (`partitioner.deferred_sums`): both simulators run the same step."""
+    for name, machine in MACHINES.items():
+        graph, plan = _plan(
+            "seed-lcn-small", 8, strategy, "replicated", ranks, machine, micro_batches, schedule
+        )
+        programs = build_programs(graph, plan, machine, range(ranks))
+        exact = predict_step(graph, plan, machine, programs=programs, simulate=simulate_step)
+        fast = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
+        assert (fast.seconds, fast.finish, fast.waiting) == (
+            exact.seconds, exact.finish, exact.waiting
+        ), name  # fmt: skip
 
 
 def test_the_cases_exercise_what_the_loop_models():

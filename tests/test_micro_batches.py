@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import pytest
 
-from legion_nn.errors import LegionNNError
-from legion_nn.micro_batches import micro_batched, micro_name
+from legion_nn.errors import LegionNNError, VerifyError
+from legion_nn.micro_batches import micro_batched, micro_name, schedule_of
 from legion_nn.networks import load_network
 from legion_nn.spec import network_from_dict
 from legion_nn.verify import verify
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
-from partitioner.strategy import builtin
+from partitioner.strategy import builtin, find_units
 from partitioner.verify_plan import verify_plan
 from runtime.rank_program import build_programs
 from runtime.step_buffers import ACTIVATIONS, step_buffers
+from runtime.training import Trainer
 from tests.test_rank_executor import assert_same, config, local_run, ranks_run, small_network
 
 
@@ -72,22 +73,43 @@ def test_schedules_order_forwards_and_backwards():
 
     def phases(schedule):
         split = micro_batched(graph, 2, schedule)
+        assert schedule_of(split) == (2, schedule)
         return [
-            (t.phase[0], t.name.rsplit("@", 1)[1])
+            (t.phase[0], t.attrs["micro_batch"])
             for t in split.tasks
-            if "@" in t.name and t.phase in ("forward", "backward")
+            if "micro_batch" in t.attrs and t.phase in ("forward", "backward")
         ]
 
     def runs(sequence):
         return [key for i, key in enumerate(sequence) if i == 0 or sequence[i - 1] != key]
 
-    assert runs(phases("1f1b")) == [("f", "0"), ("b", "0"), ("f", "1"), ("b", "1")]
-    assert runs(phases("gpipe")) == [("f", "0"), ("f", "1"), ("b", "0"), ("b", "1")]
+    assert runs(phases("1f1b")) == [("f", 0), ("b", 0), ("f", 1), ("b", 1)]
+    assert runs(phases("gpipe")) == [("f", 0), ("f", 1), ("b", 0), ("b", 1)]
 
 
 def test_one_micro_batch_is_the_graph_itself():
     graph = small_network().lower(batch=4)
     assert micro_batched(graph, 1) is graph
+    assert schedule_of(graph) == (1, None)
+
+
+def test_a_layers_copies_make_one_unit_with_one_grid():
+    graph = small_network().lower(batch=8)
+    split = micro_batched(graph, 2)
+    whole = {u.name: u for u in find_units(graph)}
+    units = {u.name: u for u in find_units(split)}
+    assert set(units) == set(whole)
+    for name, unit in units.items():
+        if name == "classifier.evaluate.accuracy":  # reads the step's counts: runs once
+            assert unit == whole[name]
+            continue
+        assert unit.forward == tuple(
+            micro_name(task, m) for m in range(2) for task in whole[name].forward
+        )
+        assert unit.backward == tuple(
+            micro_name(task, m) for m in range(2) for task in whole[name].backward
+        )
+        assert unit.extents == (4, *whole[name].extents[1:])
 
 
 @pytest.mark.parametrize(
@@ -142,3 +164,49 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     gpipe = activations(micro_batched(base, 8, "gpipe"))
     assert one_f_one_b == pytest.approx(whole / 8, rel=0.01)
     assert 4 * one_f_one_b < gpipe <= whole
+
+
+def _gradient_sums(graph, plan) -> list:
+    return sorted(
+        (r.tensor, r.participants, r.targets)
+        for task_plan in plan.tasks
+        for r in task_plan.reductions
+        if graph.tensors[r.tensor].kind == "grad" and r.tensor.removesuffix(".grad") in graph.tensors
+        and graph.tensors[r.tensor.removesuffix(".grad")].kind == "param"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["data", "spatial"])
+def test_parameter_gradients_are_summed_across_ranks_once_a_step(strategy):
+    """Each micro-batch adds its part of a replicated gradient into each rank's copy; the last
+    one's all-reduce sums the copies: the same collectives as the full batch's, not M of each."""
+    base = load_network("seed-lcn-small").lower(batch=64)
+    split = micro_batched(base, 4)
+    whole = build_plan(base, builtin(base, strategy, 4), 4)
+    plan = build_plan(split, builtin(split, strategy, 4), 4)
+    verify_plan(split, plan)
+    assert _gradient_sums(split, plan) == _gradient_sums(base, whole)
+    deferred = {t.task: dict(t.deferred) for t in plan.tasks if t.deferred}
+    last = split.index(micro_name("L0.filterA.grad", 3))
+    for m in range(3):  # the scale of layer L0, which every piece adds to under both
+        assert deferred[micro_name("L0.filterA.grad", m)]["L0.a.grad"] == last
+
+
+def test_a_sum_deferred_past_a_reader_is_caught():
+    graph = micro_batched(load_network("seed-lcn-small").lower(batch=16), 2)
+    plan = build_plan(graph, builtin(graph, "data", 2), 2)
+    first = graph.index(micro_name("L0.filter.grad", 0))
+    beyond = graph.index("update_L0.W")
+    plan.tasks[first] = plan.tasks[first].with_deferred({"L0.W.grad": beyond})
+    with pytest.raises(VerifyError, match="deferred past update_L0.W, which reads it"):
+        verify_plan(graph, plan)
+
+
+def test_ranks_sum_deferred_gradients_in_place():
+    """Even micro-batches on 2 data-parallel ranks: every gradient's sum is deferred to the
+    last micro-batch, whose collective sums each rank's copy in place."""
+    cfg = config(small_network(), batch=8, micro_batches=4)
+    graph = Trainer(cfg).graph(8)
+    plan = build_plan(graph, builtin(graph, "data", 2), 2)
+    assert sum(len(t.deferred) for t in plan.tasks) >= 3 * 5  # every parameter, 3 of 4 times
+    assert_same(local_run(config(small_network(), batch=8)), ranks_run(cfg, 2, "data"))
