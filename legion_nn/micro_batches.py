@@ -31,6 +31,7 @@ dependences its requirements imply make any rank's reordering safe.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from legion_nn.errors import LegionNNError
@@ -48,9 +49,16 @@ SCHEDULES = ("1f1b", "gpipe")
 BATCH_KINDS = ("data", "activation")
 
 
-def micro_batched(graph: TaskGraph, count: int, schedule: str = "1f1b") -> TaskGraph:
+def micro_batched(
+    graph: TaskGraph,
+    count: int,
+    schedule: str = "1f1b",
+    stage_of: Mapping[str, int] | None = None,
+) -> TaskGraph:
     """`graph` with its batch run as `count` micro-batches in `schedule`'s order (see the module
-    docstring); one micro-batch is `graph` itself."""
+    docstring); one micro-batch is `graph` itself. `stage_of` names each task's pipeline stage
+    (`partitioner.pipeline`), each stage running `schedule` (`stage_order`), the task list one
+    program holding every stage's order; by default one stage runs everything."""
     check_micro_batches(count, graph.batch, schedule)
     if count == 1:
         return graph
@@ -65,34 +73,101 @@ def micro_batched(graph: TaskGraph, count: int, schedule: str = "1f1b") -> TaskG
     first_backward = next(
         (i for i in per_batch if graph.tasks[i].phase == "backward"), len(graph.tasks)
     )
-    forward = [i for i in per_batch if i < first_backward]
-    backward = [i for i in per_batch if i >= first_backward]
     before, after = _shared_tasks(graph, set(per_batch), batched)
-    sliced = {
-        (m, i): _sliced_task(graph, graph.tasks[i], m, lo, hi, batched)
-        for m, (lo, hi) in enumerate(rows)
-        for i in per_batch
-    }
+    stage = {i: (stage_of or {}).get(graph.tasks[i].name, 0) for i in per_batch}
+    stages = max(stage.values(), default=0) + 1
+    sliced = {}
+    for m, (lo, hi) in enumerate(rows):
+        for i in per_batch:
+            task = _sliced_task(graph, graph.tasks[i], m, lo, hi, batched, schedule)
+            if stage_of is not None:
+                task.attrs["stage"] = stage[i]
+            sliced[m, i] = task
+    # a gradient's zeroing in the backwards goes just before the first task to add into it,
+    # whichever stage that runs on: the sequential order's meaning, kept in the merge
+    anchored: dict[int, list[int]] = {}
+    passes: dict[tuple[str, int], list[int]] = {("F", s): [] for s in range(stages)}
+    passes.update({("B", s): [] for s in range(stages)})
+    for i in per_batch:
+        task = graph.tasks[i]
+        if i >= first_backward and task.phase == "set_zero":
+            anchored.setdefault(_first_user(graph, i, per_batch), []).append(i)
+        else:
+            passes["F" if i < first_backward else "B", stage[i]].append(i)
     order: list[Task] = [graph.tasks[i] for i in before]
-    if schedule == "gpipe":
-        order += [sliced[m, i] for m in range(count) for i in forward]
-        order += [sliced[m, i] for m in range(count) for i in backward]
-    else:
-        order += [sliced[m, i] for m in range(count) for i in (*forward, *backward)]
+    for kind, s, m in _merge(stages, count, schedule):
+        for i in passes[kind, s]:
+            order += [sliced[m, z] for z in anchored.get(i, ())]
+            order.append(sliced[m, i])
     order += [graph.tasks[i] for i in after]
     return TaskGraph(tensors, order, network=graph.network, batch=graph.batch)
+
+
+def stage_order(stage: int, stages: int, count: int, schedule: str) -> list[tuple[str, int]]:
+    """The passes stage `stage` of `stages` runs, in order: ("F", m) the forward of micro-batch
+    m, ("B", m) its backward. GPipe: every forward, then every backward. 1F1B: `stages - 1 -
+    stage` forwards ahead, then a forward and a backward in turn, then the backwards left."""
+    if schedule == "gpipe":
+        return [("F", m) for m in range(count)] + [("B", m) for m in range(count)]
+    ahead = min(stages - 1 - stage, count)
+    out = [("F", m) for m in range(ahead)]
+    for m in range(count - ahead):
+        out += [("F", ahead + m), ("B", m)]
+    return out + [("B", m) for m in range(count - ahead, count)]
+
+
+def _merge(stages: int, count: int, schedule: str) -> list[tuple[str, int, int]]:
+    """Every stage's passes (`stage_order`) as one sequence (kind, stage, micro-batch) that
+    keeps each stage's order and puts each pass after those it needs: a forward after the
+    previous stage's forward of its micro-batch, a backward after its own forward and the next
+    stage's backward. Stages are taken in turn, each as far as it can go."""
+    orders = [stage_order(s, stages, count, schedule) for s in range(stages)]
+    at = [0] * stages
+    done: set[tuple[str, int, int]] = set()
+    out = []
+    while len(out) < stages * 2 * count:
+        moved = False
+        for s in range(stages):
+            while at[s] < len(orders[s]):
+                kind, m = orders[s][at[s]]
+                if kind == "F":
+                    ready = s == 0 or ("F", s - 1, m) in done
+                else:
+                    ready = ("F", s, m) in done and (s == stages - 1 or ("B", s + 1, m) in done)
+                if not ready:
+                    break
+                done.add((kind, s, m))
+                out.append((kind, s, m))
+                at[s] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"schedule {schedule} deadlocks on {stages} stages")
+    return out
+
+
+def _first_user(graph: TaskGraph, index: int, candidates: list[int]) -> int:
+    """The first task after `index` (among `candidates`) that touches what it writes."""
+    written = {req.tensor for req in graph.tasks[index].requirements}
+    return next(
+        j
+        for j in candidates
+        if j > index and any(req.tensor in written for req in graph.tasks[j].requirements)
+    )
 
 
 def schedule_of(graph: TaskGraph) -> tuple[int, str | None]:
     """(micro-batches, schedule) of a graph `micro_batched` made, read from its tasks; (1, None)
     for any other graph."""
-    seen = [t for t in graph.tasks if "micro_batch" in t.attrs and t.phase != "set_zero"]
+    seen = [t for t in graph.tasks if "micro_batch" in t.attrs]
     if not seen:
         return 1, None
-    count = max(t.attrs["micro_batch"] for t in seen) + 1
-    first_backward = next(i for i, t in enumerate(seen) if t.phase == "backward")
-    second = next(i for i, t in enumerate(seen) if t.attrs["micro_batch"] == 1)
-    return count, "1f1b" if first_backward < second else "gpipe"
+    return max(t.attrs["micro_batch"] for t in seen) + 1, seen[0].attrs["schedule"]
+
+
+def stages_of(graph: TaskGraph) -> int:
+    """The pipeline stages of a graph `micro_batched` made with stages (each task's `stage`);
+    1 for any other graph."""
+    return 1 + max((t.attrs.get("stage", 0) for t in graph.tasks), default=0)
 
 
 def check_micro_batches(count: int, batch: int, schedule: str = "1f1b") -> None:
@@ -175,7 +250,13 @@ def _sliced_tensor(tensor: Tensor, micro_batch: int, rows: int, batch: int) -> T
 
 
 def _sliced_task(
-    graph: TaskGraph, task: Task, micro_batch: int, lo: int, hi: int, batched: set[str]
+    graph: TaskGraph,
+    task: Task,
+    micro_batch: int,
+    lo: int,
+    hi: int,
+    batched: set[str],
+    schedule: str,
 ) -> Task:
     """Micro-batch `micro_batch`'s copy of `task`: rows [lo, hi) of the step's batch."""
     space = task.space
@@ -216,6 +297,7 @@ def _sliced_task(
         attrs={
             **task.attrs,
             "micro_batch": micro_batch,
+            "schedule": schedule,
             "batch_offset": lo,
             "batch_total": graph.batch,
         },

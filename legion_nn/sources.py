@@ -38,21 +38,9 @@ def load_source_graph(
     default_batch: int,
     dtype: str = "float32",
     optimizer: str = "adam",
-    micro_batches: int = 1,
-    schedule: str = "1f1b",
 ) -> TaskGraph:
     """The graph `source` names; `batch` overrides a dump's batch and sets a network's, which
-    lowers to a step of `optimizer` over `dtype` (an imported graph or a dump has its own),
-    its batch run as `micro_batches` in `schedule`'s order (`legion_nn.micro_batches`)."""
-    from legion_nn.micro_batches import micro_batched
-
-    graph = _source_graph(source, batch, default_batch, dtype, optimizer)
-    return micro_batched(graph, micro_batches, schedule)
-
-
-def _source_graph(
-    source: str, batch: int | None, default_batch: int, dtype: str, optimizer: str
-) -> TaskGraph:
+    lowers to a step of `optimizer` over `dtype` (an imported graph or a dump has its own)."""
     if batch is not None and batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {batch}")
     path = Path(source)

@@ -26,7 +26,7 @@ home, run by every holder of the cell; each requirement touches the cell.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from itertools import product
 from operator import attrgetter, itemgetter
@@ -93,6 +93,17 @@ class PieceSet:
 
     def volumes(self) -> np.ndarray:
         return boxes.volumes(self.lo, self.hi)
+
+    def placed_from(self, first: int) -> PieceSet:
+        """These pieces, and their sums' targets, on ranks counted from `first` (a pipeline
+        stage's ranks) rather than from 0."""
+        if not first:
+            return self
+        return replace(
+            self,
+            ranks=self.ranks + first,
+            sums=tuple((j, ranks + first, lo, hi) for j, ranks, lo, hi in self.sums),
+        )
 
     def pieces(self) -> list[Piece]:
         ranks = self.ranks.tolist()

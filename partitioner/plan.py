@@ -236,20 +236,23 @@ def build_plan(
     to those of the full-batch step while planning a run's smaller last batch, so that every rank
     keeps updating the copies it holds. `cache` reuses pieces across plans of the same graph
     (by default, those a search attached to `strategy`)."""
-    grids = strategy.task_grids(graph)
+    grids, first_ranks = strategy.task_placement(graph)
     for name, grid in grids.items():
         used = 1
         for parts in grid:
             used *= parts
-        if used > nranks:
-            raise PlanError(f"task {name}: grid {list(grid)} needs {used} ranks, only {nranks}")
+        if first_ranks[name] + used > nranks:
+            raise PlanError(
+                f"task {name}: grid {list(grid)} from rank {first_ranks[name]} needs "
+                f"{first_ranks[name] + used} ranks, only {nranks}"
+            )
     homed = {task.name for task in graph.tasks if is_homed(graph, task)}
     if cache is None:
         cache = getattr(strategy, "pieces", None)  # from the search that chose it
         if cache is None or cache.graph is not graph:
             cache = PieceCache(graph)
     pieces = {
-        task.name: cache.get(graph, task, grids[task.name])
+        task.name: cache.get(graph, task, grids[task.name]).placed_from(first_ranks[task.name])
         for task in graph.tasks
         if task.name not in homed
     }

@@ -14,6 +14,7 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import schedule_of
 from partitioner.cost import PlanCost
+from partitioner.pipeline import stage_table
 from partitioner.plan import Plan
 
 
@@ -69,6 +70,7 @@ def report_json(
         "param_homes": _homes(graph, plan),
         "micro_batches": micro_batches,
         "schedule": schedule,
+        "stages": stage_table(graph, plan.nranks),
         "predicted_step_seconds": cost.step_seconds,
         "bytes_sent_total": cost.bytes_sent,
         "memory_per_rank_max": cost.memory_max,
@@ -144,6 +146,19 @@ def table(report: dict) -> str:
             f"the machine's links); {report['bulk_synchronous_seconds']:.5f} s as the rows' "
             "bulk-synchronous sum"
         )
+    for number, stage in enumerate(report.get("stages", [])):
+        ranks = stage["ranks"]
+        lines.append(
+            f"stage {number} on ranks {ranks[0]}-{ranks[-1]}: {', '.join(stage['layers'])}"
+        )
+    if report.get("micro_batches", 1) > 1:
+        bubble = (
+            f"; waiting {report['bubble_fraction']:.0%} of the step (bubble of equal stages "
+            f"{report['bubble_fraction_ideal']:.0%})"
+            if "bubble_fraction" in report
+            else ""
+        )
+        lines.append(f"{report['micro_batches']} micro-batches, {report['schedule']}{bubble}")
     if not report["feasible"]:
         lines.append("INFEASIBLE: some rank needs more memory than it has")
     for item in report.get("why", []):

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
+from legion_nn.micro_batches import stages_of
 from legion_nn.ops import has_access_map
 from partitioner.cost import plan_cost, task_costs, unit_seconds
 from partitioner.machine import Machine
@@ -188,6 +189,11 @@ def _resolve(
 ) -> tuple[Strategy, list[dict] | None, SearchResult | None]:
     """The strategy `name` stands for, auto's reasons and its search's result."""
     check_plannable(graph)
+    if stages_of(graph) > 1 and name not in BUILTIN:
+        raise LegionNNError(
+            f"--strategy {name} with --stages: a pipeline's stages are split by data, model or "
+            "spatial so far (auto does not search stage cuts yet, nor do grids files name stages)"
+        )
     if name in ("auto", "model", "spatial") and batch_only(graph):
         what = graph.network or "this graph"
         if name == "auto":

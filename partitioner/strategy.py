@@ -35,13 +35,13 @@ dims alone, leaving the sums whole.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from weakref import WeakKeyDictionary
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import RESIDENT_KINDS, Task
-from legion_nn.micro_batches import micro_name
+from legion_nn.micro_batches import micro_name, stages_of
 from legion_nn.ops import (
     HOME,
     WITH_TENSOR,
@@ -311,14 +311,27 @@ def backward_grid(forward: Task, backward: Task, grid: Grid) -> Grid:
 
 def task_grids(graph: TaskGraph, unit_grids: Mapping[str, Grid]) -> dict[str, Grid]:
     """Grids of every partitioned task, from one grid per unit."""
+    return task_placement(graph, unit_grids)[0]
+
+
+def task_placement(
+    graph: TaskGraph, unit_grids: Mapping[str, Grid], unit_ranks: Mapping[str, int] | None = None
+) -> tuple[dict[str, Grid], dict[str, int]]:
+    """Grids of every partitioned task, from one grid per unit, and the first rank of each
+    task's pieces (a unit's from `unit_ranks`, a pipeline stage's; a helper's that of the task
+    it serves; 0 by default)."""
+    unit_ranks = unit_ranks or {}
     grids: dict[str, Grid] = {}
+    first: dict[str, int] = {}
     for unit in find_units(graph):
         grid = unit_grids[unit.name]
         for name in unit.forward:
             grids[name] = unit_task_grid(graph, unit, name, grid)
+            first[name] = unit_ranks.get(unit.name, 0)
         for name in unit.backward:
             forward = name[: -len(".grad")]
             grids[name] = backward_grid(graph.task(forward), graph.task(name), grids[forward])
+            first[name] = first[forward]
     producer: dict[str, str] = {}
     reader: dict[str, str] = {}
     for task in graph.tasks:
@@ -336,9 +349,11 @@ def task_grids(graph: TaskGraph, unit_grids: Mapping[str, Grid]) -> dict[str, Gr
         source = producer.get(base) or reader.get(base)
         if task.op == "set_zero" and source is not None and target.kind == "grad":
             grids[task.name] = aligned_grid(graph, graph.task(source), grids[source], task)
+            first[task.name] = first[source]
         else:
             grids[task.name] = (1,) * task.space.ndim
-    return grids
+            first[task.name] = 0
+    return grids, first
 
 
 def _aligned(grid: Grid, source: tuple[int, ...], target: tuple[int, ...]) -> Grid:
@@ -367,6 +382,11 @@ class Strategy:
     name: str
     unit_grids: dict[str, Grid]
     sharded: frozenset[str] = frozenset()
+    #: per unit, the first rank of its pieces (a pipeline stage's, `partitioner.pipeline`);
+    #: absent: rank 0
+    unit_ranks: dict[str, int] = field(default_factory=dict)
+    #: the pipeline stages the units are placed in
+    stages: int = 1
 
     @property
     def label(self) -> str:
@@ -375,6 +395,10 @@ class Strategy:
     def task_grids(self, graph: TaskGraph) -> dict[str, Grid]:
         return task_grids(graph, self.unit_grids)
 
+    def task_placement(self, graph: TaskGraph) -> tuple[dict[str, Grid], dict[str, int]]:
+        """`task_placement` of this strategy's grids and stages."""
+        return task_placement(graph, self.unit_grids, self.unit_ranks)
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("pieces", None)
@@ -382,11 +406,21 @@ class Strategy:
 
 
 def builtin(graph: TaskGraph, name: str, nranks: int) -> Strategy:
-    """`data`, `model` or `spatial` for `graph` on `nranks` ranks."""
+    """`data`, `model` or `spatial` for `graph` on `nranks` ranks; in a pipeline's stages
+    (`partitioner.pipeline`), within each stage, over its share of the ranks."""
     if name not in BUILTIN:
         raise LegionNNError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
     check_ranks(nranks)
-    return Strategy(name, {u.name: builtin_grid(u, name, nranks) for u in find_units(graph)})
+    units = find_units(graph)
+    stages = stages_of(graph)
+    if stages == 1:
+        return Strategy(name, {u.name: builtin_grid(u, name, nranks) for u in units})
+    if nranks % stages:
+        raise LegionNNError(f"--stages {stages} does not divide the {nranks} ranks")
+    share = nranks // stages
+    grids = {u.name: builtin_grid(u, name, share) for u in units}
+    first = {u.name: graph.task(u.forward[0]).attrs.get("stage", 0) * share for u in units}
+    return Strategy(name, grids, unit_ranks=first, stages=stages)
 
 
 def from_grids(graph: TaskGraph, grids: Mapping[str, list[int]], nranks: int) -> Strategy:

@@ -337,11 +337,12 @@ class RankExecutor:
 
         Each home cell is sent by its first holder; rank 0 assembles the logical arrays."""
         homes = self._resident_homes or {}
-        names = sorted(n for n in self.arrays if self._tensors[n].kind in ("param", "state"))
+        # every rank names every parameter: a pipeline's stages each hold their own layers'
+        names = sorted(n for n in homes if self._known[n].kind in ("param", "state"))
         parts: list[tuple[str, Rect, np.ndarray]] = []
         pending = []
         for name in names:
-            tensor = self._tensors[name]
+            tensor = self._known[name]
             for part, holders in homes[name].held(tensor.rect):
                 if not holders:
                     continue
@@ -361,7 +362,7 @@ class RankExecutor:
                 wait_object(request, sender, "gathering a checkpoint", 0, self.stall_timeout)
             )
         out = {
-            name: np.zeros(self._tensors[name].dims, NUMPY_DTYPES[self._tensors[name].dtype])
+            name: np.zeros(self._known[name].dims, NUMPY_DTYPES[self._known[name].dtype])
             for name in names
         }
         for name, part, block in parts:

@@ -31,6 +31,7 @@ from runtime.step_prediction import (
     simulated,
     step_prediction,
 )
+from runtime.step_simulator import SimulatedStep
 
 #: plans whose every rank's programs are kept (the candidates auto compares are fewer)
 KEPT_PROGRAMS = 6
@@ -45,7 +46,7 @@ class StepModel:
         self._graphs: dict[int, TaskGraph] = {}
         #: per plan (`_key`), the plan and every rank's program, the last `KEPT_PROGRAMS`
         self._programs: OrderedDict[tuple, tuple[Plan, dict[int, RankProgram]]] = OrderedDict()
-        self._simulated: dict[tuple, float] = {}
+        self._simulated: dict[tuple, SimulatedStep] = {}
 
     def _key(self, graph: TaskGraph, name: str, unit_grids, sharded, nranks: int) -> tuple:
         self._graphs.setdefault(id(graph), graph)
@@ -73,7 +74,7 @@ class StepModel:
         self._programs.move_to_end(key)
         return found[1]
 
-    def simulated_seconds(self, graph: TaskGraph, plan: Plan) -> float:
+    def simulated(self, graph: TaskGraph, plan: Plan) -> SimulatedStep:
         """The simulated step of `plan`, without the machine's time outside the tasks."""
         key = self._plan_key(graph, plan)
         if key not in self._simulated:
@@ -83,8 +84,12 @@ class StepModel:
                 self.machine,
                 programs=self.programs(graph, plan),
                 simulate=simulate_compiled,
-            ).seconds
+            )
         return self._simulated[key]
+
+    def simulated_seconds(self, graph: TaskGraph, plan: Plan) -> float:
+        """The seconds of `simulated`."""
+        return self.simulated(graph, plan).seconds
 
     def step(self, graph: TaskGraph, plan: Plan) -> float:
         """A plan's predicted step as `partition` reports it (the simulated step with the
@@ -113,8 +118,8 @@ class StepModel:
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
         """`step_prediction.step_prediction` of `plan`, its simulation made once."""
-        seconds = self.simulated_seconds(graph, plan) if simulated(graph, plan) else None
-        return step_prediction(graph, plan, self.machine, bulk_seconds, seconds)
+        found = self.simulated(graph, plan) if simulated(graph, plan) else None
+        return step_prediction(graph, plan, self.machine, bulk_seconds, found)
 
     def memory_prediction(self, graph: TaskGraph, plan: Plan) -> dict:
         """`step_memory.memory_prediction` of `plan`, from the programs built already."""

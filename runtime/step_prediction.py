@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 
 from legion_nn.graph import TaskGraph
+from legion_nn.micro_batches import schedule_of, stages_of
 from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
@@ -98,21 +99,30 @@ def step_prediction(
     plan: Plan,
     machine: Machine,
     bulk_seconds: float,
-    simulated_seconds: float | None = None,
+    simulated_step: SimulatedStep | None = None,
 ) -> dict:
     """The step `partition` and `bench scaling` predict: the simulated step (`simulate_compiled`)
     where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
-    outside the tasks (`loop_us`). `simulated_seconds`: the simulated step, where the caller has
-    it already (`runtime.step_model.StepModel`)."""
+    outside the tasks (`loop_us`). `simulated_step`: the simulation, where the caller has it
+    already (`runtime.step_model.StepModel`). A pipeline's also gets its bubble: the mean
+    fraction of the simulated step its ranks wait, against (S − 1) / (M + S − 1), the bubble of
+    S stages of equal work streaming M micro-batches with nothing else to wait for."""
     loop = machine.step_loop_seconds(plan.nranks)
     out = {"bulk_synchronous_seconds": bulk_seconds + loop}
     if not simulated(graph, plan):
         summed = {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
         return out | summed
-    if simulated_seconds is None:
-        simulated_seconds = predict_step(graph, plan, machine, simulate=simulate_compiled).seconds
-    return out | {"predicted_step_seconds": simulated_seconds + loop, "step_model": "simulated"}
+    if simulated_step is None:
+        simulated_step = predict_step(graph, plan, machine, simulate=simulate_compiled)
+    out |= {"predicted_step_seconds": simulated_step.seconds + loop, "step_model": "simulated"}
+    stages = stages_of(graph)
+    if stages > 1:
+        waiting = simulated_step.waiting.values()
+        micro_batches, _ = schedule_of(graph)
+        out["bubble_fraction"] = sum(waiting) / len(waiting) / simulated_step.seconds
+        out["bubble_fraction_ideal"] = (stages - 1) / (micro_batches + stages - 1)
+    return out
 
 
 #: `auto` compares the candidates' simulated steps up to this many ranks and their sums beyond:

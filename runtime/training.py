@@ -26,6 +26,7 @@ from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import micro_batched
 from legion_nn.network import Network
 from legion_nn.verify import verify
+from partitioner.pipeline import pipelined
 from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
@@ -54,6 +55,9 @@ class TrainConfig:
     #: (`legion_nn.micro_batches`); a batch of fewer samples runs one per sample
     micro_batches: int = 1
     schedule: str = "1f1b"
+    #: pipeline stages the layers are cut into (`partitioner.pipeline`), each on its share of
+    #: the ranks, the micro-batches streamed through them
+    stages: int = 1
 
     @property
     def steps_per_epoch(self) -> int:
@@ -114,7 +118,11 @@ class Trainer:
             graph = c.network.lower(
                 batch=batch, dtype=c.dtype, optimizer=c.optimizer, hyperparameters=c.hyperparameters
             )
-            graph = micro_batched(graph, min(c.micro_batches, batch), c.schedule)
+            count = min(c.micro_batches, batch)
+            if c.stages > 1:
+                graph, _ = pipelined(graph, c.stages, count, c.schedule)
+            else:
+                graph = micro_batched(graph, count, c.schedule)
             verify(graph)  # the invariants every executor relies on (milliseconds)
             self._graphs[batch] = graph
         return self._graphs[batch]

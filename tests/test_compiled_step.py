@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from legion_nn.micro_batches import micro_batched
 from legion_nn.sources import load_source_graph
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
@@ -85,7 +86,7 @@ def _plan(
     micro_batches: int = 1,
     schedule: str = "1f1b",
 ):
-    graph = load_source_graph(network, batch, batch, micro_batches=micro_batches, schedule=schedule)
+    graph = micro_batched(load_source_graph(network, batch, batch), micro_batches, schedule)
     chosen, _ = resolve_strategy(graph, strategy, ranks, machine, 5.0, None, home)
     return graph, build_plan(graph, chosen, ranks)
 

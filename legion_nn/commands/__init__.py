@@ -11,8 +11,8 @@ SCHEDULES = ("1f1b", "gpipe")
 
 
 def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam") -> None:
-    """`--dtype`, `--optimizer`, `--micro-batches` and `--schedule`: the training step a
-    network lowers to. Their defaults are
+    """`--dtype`, `--optimizer`, `--stages`, `--micro-batches` and `--schedule`: the training
+    step a network lowers to (`load_step`). Their defaults are
     `train`'s, so that what `partition`, `render` and `memory` predict is the job that runs."""
     parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="element type (default float32)"
@@ -24,31 +24,52 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
         help=f"the optimizer whose update tasks and state are lowered (default {optimizer})",
     )
     parser.add_argument(
-        "--micro-batches",
+        "--stages",
         type=int,
         default=1,
+        metavar="S",
+        help="cut the layers into S pipeline stages of about equal work, each on R/S ranks, "
+        "the strategy splitting each stage's layers over its ranks (default 1)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
         metavar="M",
         help="run each step's batch as M micro-batches, the parameters' gradients added up over "
-        "them: the same step, with one micro-batch's activations live at a time under 1f1b "
-        "(default 1)",
+        "them (the same step; one micro-batch's activations live at a time under 1f1b): "
+        "default 2·S in a pipeline, else 1",
     )
     parser.add_argument(
         "--schedule",
         default="1f1b",
         choices=SCHEDULES,
-        help="the order of the micro-batches' forwards and backwards: 1f1b runs each backward "
-        "right after its forward (default), gpipe every forward, then every backward",
+        help="the order of each stage's micro-batches: 1f1b runs S-1-s forwards ahead on stage "
+        "s, then a forward and a backward in turn (default); gpipe every forward, then every "
+        "backward",
     )
 
 
-def step_options(args: argparse.Namespace) -> dict:
-    """What `add_step_arguments` parsed, as `legion_nn.sources.load_source_graph` takes it."""
-    return {
-        "dtype": args.dtype,
-        "optimizer": args.optimizer,
-        "micro_batches": args.micro_batches,
-        "schedule": args.schedule,
-    }
+def load_step(args: argparse.Namespace, source: str, default_batch: int):
+    """The training step `source` lowers to, as `add_step_arguments` parsed it: its batch run as
+    micro-batches, in pipeline stages (`partitioner.pipeline`) where `--stages` asks."""
+    from legion_nn.micro_batches import micro_batched
+    from legion_nn.sources import load_source_graph
+
+    graph = load_source_graph(
+        source, args.batch, default_batch, dtype=args.dtype, optimizer=args.optimizer
+    )
+    if args.stages == 1:
+        return micro_batched(graph, micro_batches(args), args.schedule)
+    from partitioner.pipeline import pipelined
+
+    return pipelined(graph, args.stages, micro_batches(args), args.schedule)[0]
+
+
+def micro_batches(args: argparse.Namespace) -> int:
+    """`--micro-batches`, by default 2·S in a pipeline of S stages and 1 without."""
+    if args.micro_batches is not None:
+        return args.micro_batches
+    return 2 * args.stages if args.stages > 1 else 1
 
 
 #: what `--param-homes` takes (`partitioner.strategy.PARAM_HOMES`)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_step_arguments, step_options
+from legion_nn.commands import add_step_arguments, load_step
 
 NAME = "graph"
 DEFAULT_BATCH = 256
@@ -37,11 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
     from legion_nn.graphjson import dumps
-    from legion_nn.sources import load_source_graph
     from legion_nn.textform import graph_text
     from legion_nn.verify import verify
 
-    graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH, **step_options(args))
+    graph = load_step(args, args.network, DEFAULT_BATCH)
     verify(graph)
     if args.json:
         write_text(args.json, dumps(graph))

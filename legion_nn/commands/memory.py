@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from legion_nn.commands import add_homes_argument, add_step_arguments, step_options
+from legion_nn.commands import add_homes_argument, add_step_arguments, load_step
 
 NAME = "memory"
 HELP = "peak memory of one training step of a Chainer dump or a network, per data-parallel rank"
@@ -71,9 +71,8 @@ def _schedule(args: argparse.Namespace):
         from legion_nn.importers.chainer import parse_dump
 
         return schedule_from_dump(parse_dump(path), args.batch)
-    from legion_nn.sources import load_source_graph
 
-    graph = load_source_graph(args.source, args.batch, NETWORK_BATCH, **step_options(args))
+    graph = load_step(args, args.source, NETWORK_BATCH)
     return schedule_from_graph(graph)
 
 
@@ -134,7 +133,6 @@ def _note(message: str) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_bytes
-    from legion_nn.sources import load_source_graph
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
     from partitioner.resolve import resolve_strategy
@@ -145,7 +143,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     check_ranks(args.ranks)
     machine = load_machine(args.machine)
-    graph = load_source_graph(args.source, args.batch, NETWORK_BATCH, **step_options(args))
+    graph = load_step(args, args.source, NETWORK_BATCH)
     verify(graph)
     model = StepModel(machine)
     strategy, _ = resolve_strategy(

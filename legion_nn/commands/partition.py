@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from legion_nn.commands import add_homes_argument, add_step_arguments, step_options
+from legion_nn.commands import add_homes_argument, add_step_arguments, load_step
 
 NAME = "partition"
 DEFAULT_BATCH = 256
@@ -86,7 +86,6 @@ def _ranks_list(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
     from legion_nn.errors import LegionNNError
-    from legion_nn.sources import load_source_graph
     from legion_nn.verify import verify
     from partitioner.cost import plan_cost
     from partitioner.machine import load_calibrated, load_machine
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine)
     if args.calibrate:
         machine = load_calibrated(machine, args.calibrate)
-    graph = load_source_graph(args.network, args.batch, DEFAULT_BATCH, **step_options(args))
+    graph = load_step(args, args.network, DEFAULT_BATCH)
     verify(graph)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     model = StepModel(machine)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_homes_argument, add_step_arguments, step_options
+from legion_nn.commands import add_homes_argument, add_step_arguments, load_step
 
 NAME = "render"
 HELP = "draw a network's task graph, or a task-graph JSON, with Graphviz"
@@ -103,9 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from legion_nn.sources import load_source_graph
 
-    return load_source_graph(args.source, args.batch, NETWORK_BATCH, **step_options(args))
+    return load_step(args, args.source, NETWORK_BATCH)
 
 
 def _plan(args: argparse.Namespace, graph):

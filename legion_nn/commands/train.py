@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_homes_argument, add_step_arguments
+from legion_nn.commands import add_homes_argument, add_step_arguments, micro_batches
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
@@ -128,7 +128,10 @@ def _config(args: argparse.Namespace):
         verify=args.verify,
     )
     strategy_spec(options)  # a bad --strategy fails here, on every rank alike
-    check_micro_batches(args.micro_batches, args.batch, args.schedule)
+    if args.stages < 1:
+        raise LegionNNError(f"--stages must be at least 1, got {args.stages}")
+    count = micro_batches(args)
+    check_micro_batches(count, args.batch, args.schedule)
     network = load_network(args.network)
     dataset = data.load(
         args.data, network.input, network.classes, args.seed, NUMPY_DTYPES[args.dtype]
@@ -147,8 +150,9 @@ def _config(args: argparse.Namespace):
         resume=args.resume,
         shuffle=not args.no_shuffle,
         save_onnx=args.save_onnx,
-        micro_batches=args.micro_batches,
+        micro_batches=count,
         schedule=args.schedule,
+        stages=args.stages,
     )
     if args.save_onnx and not network.source.lower().endswith(".onnx"):
         raise LegionNNError(f"--save-onnx needs an ONNX model to train, not {args.network!r}")
@@ -172,6 +176,10 @@ class _Console:
     def start(self, config, total_steps: int, ranks: int, strategy: str) -> None:
         self.progress.start(total_steps)
         where = f", {ranks} ranks, strategy {strategy}" if ranks > 1 else ""
+        if config.stages > 1:
+            where += f" in {config.stages} stages"
+        if config.micro_batches > 1:
+            where += f", {config.micro_batches} micro-batches ({config.schedule})"
         print(
             f"training {config.network.name} on {config.dataset.name}: "
             f"{len(config.dataset.train)} train, {len(config.dataset.val)} val, "

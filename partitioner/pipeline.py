@@ -1,0 +1,117 @@
+"""Pipelines: consecutive layers in stages on groups of ranks, micro-batches streamed through them.
+
+R ranks in S stages give each stage R/S ranks. `stage_cuts` cuts the graph's
+units, in program order, into S contiguous groups of about equal work (the FLOPs of their
+forward and backward tasks: the contiguous partition whose heaviest stage is lightest). A
+strategy inside the stages is any strategy's grids over R/S ranks, each unit's pieces
+placed on its stage's ranks (`Strategy.unit_ranks`, which `strategy.builtin` sets from each
+task's `stage`): two levels, as in Alpa. The plan then
+derives everything else as for any grids: an activation that crosses a stage boundary is a copy
+from the ranks that wrote it to those that read it, and a gradient going back the same.
+
+`pipelined` makes the step: the batch as M micro-batches (`legion_nn.micro_batches`), every
+stage running its micro-batches' forwards (F) and backwards (B) in the schedule's order, and the
+step's task list one sequential program that holds every stage's order (`_merge`):
+
+- `gpipe`: F0 … F(M−1), then B0 … B(M−1), on every stage;
+- `1f1b` (PipeDream-flush): stage s runs S − 1 − s forwards ahead, then alternates one
+  forward and one backward, then the backwards left; at most S − s micro-batches'
+  activations are live on it.
+
+The plan and the rank programs run that order (each rank its stage's tasks of it); the simulator
+runs it as it runs, bubbles included.
+"""
+
+from __future__ import annotations
+
+from legion_nn.errors import LegionNNError
+from legion_nn.graph import TaskGraph
+from legion_nn.micro_batches import check_micro_batches, micro_batched, stages_of
+from legion_nn.ops import flops_per_element
+from partitioner.plan import task_rows
+from partitioner.strategy import find_units
+
+
+def check_stages(graph: TaskGraph, stages: int) -> None:
+    """Raise `LegionNNError` naming the flag where `graph` cannot be cut into `stages` stages
+    (whether they divide the ranks, `strategy.builtin` checks)."""
+    if stages < 1:
+        raise LegionNNError(f"--stages must be at least 1, got {stages}")
+    units = len(_staged_units(graph))
+    if stages > units:
+        raise LegionNNError(
+            f"--stages {stages} is more than the {units} layers of {graph.network or 'the network'}"
+        )
+
+
+def stage_cuts(graph: TaskGraph, stages: int) -> dict[str, int]:
+    """Each unit's stage: the units in program order cut into `stages` contiguous groups, the
+    heaviest as light as can be (FLOPs of each unit's forward and backward tasks)."""
+    units = _staged_units(graph)
+    work = []
+    for unit in units:
+        tasks = [graph.task(name) for name in (*unit.forward, *unit.backward)]
+        work.append(sum(flops_per_element(t, graph.tensors) * t.space.volume for t in tasks))
+    count = len(units)
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the least heaviest stage of units [0, i) in k stages; cut[k][i]: its last cut
+    best = [[inf] * (count + 1) for _ in range(stages + 1)]
+    cut = [[0] * (count + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, count + 1):
+            for j in range(k - 1, i):
+                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
+                if heaviest < best[k][i]:
+                    best[k][i], cut[k][i] = heaviest, j
+    out: dict[str, int] = {}
+    end = count
+    for k in range(stages, 0, -1):
+        start = cut[k][end]
+        for unit in units[start:end]:
+            out[unit.name] = k - 1
+        end = start
+    return out
+
+
+def pipelined(
+    graph: TaskGraph, stages: int, micro_batches: int, schedule: str = "1f1b"
+) -> tuple[TaskGraph, dict[str, int]]:
+    """The step of `graph` in `stages` stages of `micro_batches` micro-batches in `schedule`'s
+    order, and each unit's stage (see the module docstring)."""
+    check_micro_batches(micro_batches, graph.batch, schedule)
+    check_stages(graph, stages)
+    of_unit = stage_cuts(graph, stages)
+    rows = task_rows(graph)
+    last = stages - 1
+    of_task = {}
+    for task in graph.tasks:
+        row = rows.get(task.name)
+        # the data goes where the first layer reads it; what no layer serves runs on the last
+        of_task[task.name] = 0 if task.op == "data" else of_unit.get(row, last)
+    split = micro_batched(graph, micro_batches, schedule, of_task)
+    return split, of_unit
+
+
+def stage_table(graph: TaskGraph, nranks: int) -> list[dict]:
+    """Per stage of a pipelined graph, its layers (units) and ranks, as `partition --json`
+    reports them; empty for a graph without stages."""
+    stages = stages_of(graph)
+    if stages == 1:
+        return []
+    share = nranks // stages
+    table = [
+        {"layers": [], "ranks": list(range(s * share, (s + 1) * share))} for s in range(stages)
+    ]
+    for unit in _staged_units(graph):
+        table[graph.task(unit.forward[0]).attrs["stage"]]["layers"].append(unit.name)
+    return table
+
+
+def _staged_units(graph: TaskGraph):
+    """The units a pipeline cuts into stages: every unit with a backward pass (the evaluation's
+    scalar tasks go with the last stage)."""
+    return [u for u in find_units(graph) if u.backward]

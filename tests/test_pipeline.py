@@ -1,0 +1,189 @@
+"""Pipelines (`partitioner.pipeline`): layers in stages on groups of ranks, micro-batches
+streamed through them in 1F1B or GPipe order.
+
+Stage cuts are contiguous and as balanced as a brute force finds; each stage's order is the
+schedule's, the merged task list keeps every stage's order; every stage's pieces lie on its
+ranks; the plans cover every task disjointly; and R ranks in S stages compute the one-process
+full-batch step in float64 (1e-9 relative), each rank sending exactly what its program plans.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations, pairwise
+
+import pytest
+
+from legion_nn.errors import LegionNNError
+from legion_nn.micro_batches import schedule_of, stage_order, stages_of
+from legion_nn.networks import load_network
+from legion_nn.ops import flops_per_element
+from legion_nn.spec import network_from_dict
+from partitioner.machine import Machine
+from partitioner.pipeline import pipelined, stage_cuts
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin, find_units
+from partitioner.verify_plan import verify_plan
+from runtime.rank_program import build_programs
+from runtime.step_buffers import ACTIVATIONS, step_buffers
+from runtime.step_prediction import predict_step, simulate_compiled
+from runtime.step_simulator import simulate_step
+from tests.test_rank_executor import assert_same, config, local_run, ranks_run, small_network
+
+
+def residual_network():
+    """Two blocks whose skip connection crosses the cut between two stages."""
+    return network_from_dict(
+        {
+            "name": "skip",
+            "input": [2, 8, 8],
+            "classes": 4,
+            "layers": [
+                {"kind": "filter", "name": "A", "out_channels": 3, "kernel": 3, "pad": 1},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "filter", "name": "B", "out_channels": 3, "kernel": 3, "pad": 1},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "filter", "name": "C", "out_channels": 3, "kernel": 3, "pad": 1},
+                {"kind": "add", "name": "skip", "inputs": ["A", "C"]},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "linear", "name": "classifier", "out": 4},
+                {"kind": "softmax"},
+                {"kind": "evaluate"},
+            ],
+        },
+        "skip",
+    )
+
+
+def _work(graph, unit) -> float:
+    tasks = [graph.task(n) for n in (*unit.forward, *unit.backward)]
+    return sum(flops_per_element(t, graph.tensors) * t.space.volume for t in tasks)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_stage_cuts_are_contiguous_and_the_heaviest_stage_is_lightest(stages):
+    graph = load_network("deep-mlp").lower(batch=8)
+    units = [u for u in find_units(graph) if u.backward]
+    cuts = stage_cuts(graph, stages)
+    assert [cuts[u.name] for u in units] == sorted(cuts[u.name] for u in units)
+    assert set(cuts.values()) == set(range(stages))
+    work = [_work(graph, u) for u in units]
+
+    def heaviest(bounds):
+        edges = (0, *bounds, len(work))
+        return max(sum(work[a:b]) for a, b in pairwise(edges))
+
+    found = [next(i for i, u in enumerate(units) if cuts[u.name] == s) for s in range(1, stages)]
+    best = min(heaviest(b) for b in combinations(range(1, len(work)), stages - 1))
+    assert heaviest(found) == best
+
+
+def test_1f1b_keeps_fewer_micro_batches_in_flight_on_early_stages():
+    for stage in range(4):
+        order = stage_order(stage, 4, 8, "1f1b")
+        assert sorted(order) == sorted([("F", m) for m in range(8)] + [("B", m) for m in range(8)])
+        live = peak = 0
+        for kind, _ in order:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == 4 - stage
+    assert stage_order(1, 4, 3, "gpipe") == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1),
+                                              ("B", 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_task_list_holds_every_stages_order(schedule):
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 3, 4, schedule)
+    assert stages_of(graph) == 3 and schedule_of(graph) == (4, schedule)
+    for stage in range(3):
+        seen = []
+        for task in graph.tasks:
+            if task.attrs.get("stage") != stage or task.phase not in ("forward", "backward"):
+                continue
+            key = ("F" if task.phase == "forward" else "B", task.attrs["micro_batch"])
+            if not seen or seen[-1] != key:
+                seen.append(key)
+        assert seen == stage_order(stage, 3, 4, schedule)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model"])
+def test_each_stage_computes_on_its_own_ranks(strategy):
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4)
+    plan = build_plan(graph, builtin(graph, strategy, 4), 4)
+    verify_plan(graph, plan)
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        stage = task.attrs.get("stage")
+        if stage is None or task_plan.grid is None or task.op == "set_zero":
+            continue  # a zeroing runs where what it zeroes lives (`strategy.task_placement`)
+        ranks = {r for piece in task_plan.pieces for r in piece.ranks}
+        assert ranks <= {2 * stage, 2 * stage + 1}, task.name
+    crossing = {t.tensor for tp in plan.tasks for t in tp.transfers if not t.reduce}
+    assert "fc4.filterNL.output@0" in crossing  # the activation at the cut, forward
+    assert "fc4.filterNL.output@0.grad" not in crossing  # its gradient is summed back
+
+
+@pytest.mark.parametrize(
+    ("network", "nranks", "strategy", "stages", "count", "schedule"),
+    [
+        (small_network, 2, "data", 2, 4, "1f1b"),
+        (small_network, 2, "data", 2, 4, "gpipe"),
+        (small_network, 4, "data", 2, 4, "1f1b"),
+        (small_network, 4, "model", 2, 2, "gpipe"),
+        (small_network, 3, "spatial", 3, 4, "1f1b"),
+        (residual_network, 2, "data", 2, 4, "1f1b"),
+        (residual_network, 4, "spatial", 2, 4, "gpipe"),
+    ],
+)
+def test_ranks_in_stages_equal_the_full_batch_in_one_process(
+    network, nranks, strategy, stages, count, schedule
+):
+    full = local_run(config(network(), batch=8))
+    cfg = config(network(), batch=8, micro_batches=count, schedule=schedule, stages=stages)
+    assert_same(full, ranks_run(cfg, nranks, strategy))
+
+
+def test_the_skip_connection_crosses_the_cut():
+    _, cuts = pipelined(residual_network().lower(batch=8), 2, 2)
+    assert cuts["A"] == 0 and cuts["skip"] == 1
+
+
+@pytest.mark.parametrize("strategy", ["data", "model"])
+def test_both_simulators_run_the_pipeline_alike(strategy):
+    machine = Machine(link_gbytes_per_s=0.1, latency_us=50)
+    for schedule in ("1f1b", "gpipe"):
+        graph, _ = pipelined(load_network("seed-lcn-small").lower(batch=16), 2, 4, schedule)
+        plan = build_plan(graph, builtin(graph, strategy, 4), 4)
+        programs = build_programs(graph, plan, machine, range(4))
+        exact = predict_step(graph, plan, machine, programs=programs, simulate=simulate_step)
+        fast = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
+        assert (fast.seconds, fast.finish, fast.waiting) == (
+            exact.seconds, exact.finish, exact.waiting
+        )  # fmt: skip
+        assert max(exact.waiting.values()) > 0  # the bubble
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe_on_the_first_stage():
+    base = load_network("seed-lcn-small").lower(batch=64)
+
+    def activations(schedule: str) -> int:
+        graph, _ = pipelined(base, 2, 8, schedule)
+        plan = build_plan(graph, builtin(graph, "data", 2), 2)
+        buffers = step_buffers(graph, build_programs(graph, plan, Machine(), [0])[0])
+        return max(buffers.by_kind(p).get(ACTIVATIONS, 0) for p in range(buffers.length))
+
+    one_f_one_b, gpipe = activations("1f1b"), activations("gpipe")
+    assert 3 * one_f_one_b < gpipe  # two micro-batches live against all eight
+
+
+@pytest.mark.parametrize(
+    ("stages", "nranks", "message"),
+    [
+        (3, 4, "--stages 3 does not divide the 4 ranks"),
+        (20, 20, "--stages 20 is more than the 4 layers of seed-lcn-small"),
+        (0, 2, "--stages must be at least 1"),
+    ],
+)
+def test_bad_stages_are_named(stages, nranks, message):
+    base = load_network("seed-lcn-small").lower(batch=64)
+    with pytest.raises(LegionNNError, match=message):
+        graph, _ = pipelined(base, stages, 2 * max(stages, 1))
+        builtin(graph, "data", nranks)
