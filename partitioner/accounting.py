@@ -43,7 +43,8 @@ from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
 from partitioner.pieces import PieceSet
-from partitioner.plan import Plan, Reduction
+from partitioner.plan import Plan
+from partitioner.task_plan import Reduction
 from partitioner.transfers import TransferBlock
 
 

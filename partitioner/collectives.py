@@ -29,7 +29,7 @@ import numpy as np
 
 from legion_nn.rect import split_sizes
 from partitioner.machine import Machine
-from partitioner.plan import Reduction
+from partitioner.task_plan import Reduction
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ from legion_nn.ir import Task
 from legion_nn.ops import rate_passes
 from partitioner.accounting import bytes_per_rank, flops_per_rank, memory_by_unit
 from partitioner.machine import Machine
-from partitioner.plan import Plan, Reduction, Transfer
+from partitioner.plan import Plan, Transfer
+from partitioner.task_plan import Reduction
 from partitioner.transfers import TransferBlock, TransferSet, link_loads
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
-from partitioner.plan import Reduction, TaskPlan
+from partitioner.task_plan import Reduction, TaskPlan
 
 
 def defer_sums(graph: TaskGraph, plans: list[TaskPlan]) -> list[TaskPlan]:

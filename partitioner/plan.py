@@ -52,7 +52,7 @@ and `verify_plan` both read.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
@@ -67,6 +67,7 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.accesses import Columns, TaskAccesses, task_accesses
+from partitioner.deferred_sums import defer_sums
 from partitioner.layout import Layout
 from partitioner.messages import Accesses, Copies, combine, fetch
 from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
@@ -79,6 +80,7 @@ from partitioner.strategy import (
     param_of,
     strategy_label,
 )
+from partitioner.task_plan import Reduction, TaskPlan
 from partitioner.transfers import Transfer, TransferSet
 
 __all__ = ["Piece", "Plan", "PlanError", "Reduction", "TaskPlan", "Transfer", "build_plan"]
@@ -86,95 +88,6 @@ __all__ = ["Piece", "Plan", "PlanError", "Reduction", "TaskPlan", "Transfer", "b
 
 class PlanError(LegionNNError):
     """A strategy that cannot be planned (overlapping writes, a read of unwritten data)."""
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """A collective combining partial sums of `targets` (rect, holders after) over `participants`."""
-
-    tensor: str
-    algorithm: str
-    participants: tuple[int, ...]
-    targets: tuple[tuple[Rect, tuple[int, ...]], ...]
-    itemsize: int
-
-    @cached_property
-    def nbytes(self) -> int:
-        return sum(rect.volume for rect, _ in self.targets) * self.itemsize
-
-
-class TaskPlan:
-    """One task's pieces, incoming transfers and reductions, and who holds what after it.
-
-    The arrays are the plan: `piece_sets`, `transfer_set`, and `holdings`, the layout after the
-    task of every tensor it writes or reduces into. `pieces` and `transfers` are read-only views
-    of the arrays, made when first read; an edited plan is a new `TaskPlan`
-    (`with_transfers`), so whatever reads it, arrays or objects, reads the same."""
-
-    def __init__(
-        self,
-        task: str,
-        unit: str,
-        grid: Grid | None,
-        piece_sets: Sequence[PieceSet],
-        transfer_set: TransferSet,
-        reductions: Sequence[Reduction] = (),
-        holdings: Mapping[str, Layout] | None = None,
-        deferred: Mapping[str, int] | None = None,
-    ) -> None:
-        self.task = task
-        self.unit = unit
-        self.grid = grid
-        self.piece_sets = tuple(piece_sets)
-        self.transfer_set = transfer_set
-        self.reductions = tuple(reductions)
-        self.holdings: Mapping[str, Layout] = MappingProxyType(dict(holdings or {}))
-        #: per tensor whose sum here waits for a later task's collective, that task's index
-        #: (`partitioner.deferred_sums`): each rank adds its part into its own copy meanwhile
-        self.deferred: Mapping[str, int] = MappingProxyType(dict(deferred or {}))
-
-    @cached_property
-    def pieces(self) -> tuple[Piece, ...]:
-        return tuple(p for s in self.piece_sets for p in s.pieces())
-
-    @cached_property
-    def transfers(self) -> tuple[Transfer, ...]:
-        return tuple(self.transfer_set.transfers())
-
-    def with_transfers(self, transfers: Iterable[Transfer]) -> TaskPlan:
-        """This task's plan with `transfers` in place of its own (for tests of `verify_plan`)."""
-        return TaskPlan(
-            self.task,
-            self.unit,
-            self.grid,
-            self.piece_sets,
-            TransferSet.from_transfers(transfers),
-            self.reductions,
-            self.holdings,
-            self.deferred,
-        )
-
-    def with_deferred(self, deferred: Mapping[str, int]) -> TaskPlan:
-        """This task's plan with its sums into the tensors of `deferred` left to the later
-        tasks it names (their reductions dropped here)."""
-        return TaskPlan(
-            self.task,
-            self.unit,
-            self.grid,
-            self.piece_sets,
-            self.transfer_set,
-            [r for r in self.reductions if r.tensor not in deferred],
-            self.holdings,
-            {**self.deferred, **deferred},
-        )
-
-    def __repr__(self) -> str:
-        pieces = sum(len(s) for s in self.piece_sets)
-        transfers = sum(len(b) for b in self.transfer_set.blocks)
-        return (
-            f"TaskPlan({self.task!r}, unit={self.unit!r}, grid={self.grid}, pieces={pieces}, "
-            f"transfers={transfers}, reductions={len(self.reductions)})"
-        )
 
 
 @dataclass
@@ -279,8 +192,6 @@ def build_plan(
             )
         layouts.update(plan.holdings)
         plans.append(plan)
-    from partitioner.deferred_sums import defer_sums  # it reads this module's types
-
     return Plan(
         graph.network,
         graph.batch,

@@ -48,7 +48,8 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.cell_grid import CellGrid, arrays, join
-from partitioner.plan import Piece, Plan, TaskPlan
+from partitioner.plan import Piece, Plan
+from partitioner.task_plan import TaskPlan
 
 #: boxes beyond which sets are counted on a grid rather than compared pair by pair
 PAIRWISE = 24

@@ -47,7 +47,8 @@ from partitioner.collectives import Schedule, schedule, target_order
 from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.pieces import Piece
-from partitioner.plan import Plan, Reduction
+from partitioner.plan import Plan
+from partitioner.task_plan import Reduction
 from runtime.step_order import step_order
 from runtime.update_fusion import fuse_into_gradients
 

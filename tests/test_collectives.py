@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from legion_nn.rect import Rect, split_sizes
 from partitioner.collectives import Hop, Schedule, schedule, target_order
 from partitioner.machine import Machine
-from partitioner.plan import Reduction
+from partitioner.task_plan import Reduction
 
 
 def _run(rounds, vectors: dict[int, np.ndarray]) -> dict[int, np.ndarray]:

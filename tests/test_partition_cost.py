@@ -14,9 +14,10 @@ from legion_nn.rect import Rect
 from partitioner.accounting import bytes_per_rank, fits, memory_by_unit, memory_per_rank
 from partitioner.cost import plan_cost, reduction_cost
 from partitioner.machine import Machine, calibrate, load_machine, machine_from_json
-from partitioner.plan import Reduction, build_plan
+from partitioner.plan import build_plan
 from partitioner.search import auto
 from partitioner.strategy import builtin
+from partitioner.task_plan import Reduction
 from runtime.step_memory import predict
 
 MACHINE = Machine(100, 12.5, 2, 16)

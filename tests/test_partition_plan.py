@@ -18,8 +18,9 @@ from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
-from partitioner.plan import TaskPlan, Transfer, build_plan
+from partitioner.plan import Transfer, build_plan
 from partitioner.strategy import Strategy, builtin, factorizations, find_units, from_grids
+from partitioner.task_plan import TaskPlan
 from partitioner.transfers import TransferSet
 from partitioner.verify_plan import PAIRWISE, verify_plan
 

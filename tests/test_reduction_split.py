@@ -292,7 +292,7 @@ def test_reduction_splits_are_seen_in_the_table_the_render_and_the_maps():
 def test_verify_plan_rejects_sums_that_land_twice():
     from dataclasses import replace
 
-    from partitioner.plan import TaskPlan
+    from partitioner.task_plan import TaskPlan
 
     graph = mlp().lower(batch=4)
     plan = build_plan(graph, strategy(graph, 2, **{"fc2.linear2": (1, 1, 1, 1, 2, 1, 1)}), 2)

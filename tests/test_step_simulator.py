@@ -12,8 +12,9 @@ from legion_nn.rect import Rect
 from partitioner.collectives import Hop
 from partitioner.cost import compute_per_rank, loads_time
 from partitioner.machine import Machine
-from partitioner.plan import Reduction, build_plan
+from partitioner.plan import build_plan
 from partitioner.strategy import builtin
+from partitioner.task_plan import Reduction
 from runtime.rank_program import Collective, Message, RankProgram, RankTask, build_programs
 from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_simulator import Links, simulate_step

@@ -49,7 +49,8 @@ from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner.layout import Layout
-from partitioner.plan import Plan, Reduction, TaskPlan, Transfer
+from partitioner.plan import Plan, Transfer
+from partitioner.task_plan import Reduction, TaskPlan
 
 LINK_KINDS = ("local", "transfer", "reduce", "collective")
 

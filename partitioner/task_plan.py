@@ -1,0 +1,108 @@
+"""One task's plan: its pieces, the transfers into it, its collectives, and who holds what after.
+
+`partitioner.plan` makes them, a task at a time in program order (its docstring says how);
+`partitioner.deferred_sums` leaves a task's sums to a later task's collective. Everything that
+reads a plan (the cost model, `verify_plan`, the rank programs) reads these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from types import MappingProxyType
+
+from legion_nn.rect import Rect
+from partitioner.layout import Layout
+from partitioner.pieces import Piece, PieceSet
+from partitioner.strategy import Grid
+from partitioner.transfers import Transfer, TransferSet
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A collective combining partial sums of `targets` (rect, holders after) over `participants`."""
+
+    tensor: str
+    algorithm: str
+    participants: tuple[int, ...]
+    targets: tuple[tuple[Rect, tuple[int, ...]], ...]
+    itemsize: int
+
+    @cached_property
+    def nbytes(self) -> int:
+        return sum(rect.volume for rect, _ in self.targets) * self.itemsize
+
+
+class TaskPlan:
+    """One task's pieces, incoming transfers and reductions, and who holds what after it.
+
+    The arrays are the plan: `piece_sets`, `transfer_set`, and `holdings`, the layout after the
+    task of every tensor it writes or reduces into. `pieces` and `transfers` are read-only views
+    of the arrays, made when first read; an edited plan is a new `TaskPlan`
+    (`with_transfers`), so whatever reads it, arrays or objects, reads the same."""
+
+    def __init__(
+        self,
+        task: str,
+        unit: str,
+        grid: Grid | None,
+        piece_sets: Sequence[PieceSet],
+        transfer_set: TransferSet,
+        reductions: Sequence[Reduction] = (),
+        holdings: Mapping[str, Layout] | None = None,
+        deferred: Mapping[str, int] | None = None,
+    ) -> None:
+        self.task = task
+        self.unit = unit
+        self.grid = grid
+        self.piece_sets = tuple(piece_sets)
+        self.transfer_set = transfer_set
+        self.reductions = tuple(reductions)
+        self.holdings: Mapping[str, Layout] = MappingProxyType(dict(holdings or {}))
+        #: per tensor whose sum here waits for a later task's collective, that task's index
+        #: (`partitioner.deferred_sums`): each rank adds its part into its own copy meanwhile
+        self.deferred: Mapping[str, int] = MappingProxyType(dict(deferred or {}))
+
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        return tuple(p for s in self.piece_sets for p in s.pieces())
+
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        return tuple(self.transfer_set.transfers())
+
+    def with_transfers(self, transfers: Iterable[Transfer]) -> TaskPlan:
+        """This task's plan with `transfers` in place of its own (for tests of `verify_plan`)."""
+        return TaskPlan(
+            self.task,
+            self.unit,
+            self.grid,
+            self.piece_sets,
+            TransferSet.from_transfers(transfers),
+            self.reductions,
+            self.holdings,
+            self.deferred,
+        )
+
+    def with_deferred(self, deferred: Mapping[str, int]) -> TaskPlan:
+        """This task's plan with its sums into the tensors of `deferred` left to the later
+        tasks it names (their reductions dropped here)."""
+        return TaskPlan(
+            self.task,
+            self.unit,
+            self.grid,
+            self.piece_sets,
+            self.transfer_set,
+            [r for r in self.reductions if r.tensor not in deferred],
+            self.holdings,
+            {**self.deferred, **deferred},
+        )
+
+    def __repr__(self) -> str:
+        pieces = sum(len(s) for s in self.piece_sets)
+        transfers = sum(len(b) for b in self.transfer_set.blocks)
+        return (
+            f"TaskPlan({self.task!r}, unit={self.unit!r}, grid={self.grid}, pieces={pieces}, "
+            f"transfers={transfers}, reductions={len(self.reductions)})"
+        )
