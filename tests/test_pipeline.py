@@ -27,7 +27,14 @@ from runtime.rank_program import build_programs
 from runtime.step_buffers import ACTIVATIONS, step_buffers
 from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_simulator import simulate_step
-from tests.test_rank_executor import assert_same, config, local_run, ranks_run, small_network
+from tests.test_rank_executor import (
+    assert_resumes,
+    assert_same,
+    config,
+    local_run,
+    ranks_run,
+    small_network,
+)
 
 
 def residual_network():
@@ -187,3 +194,8 @@ def test_bad_stages_are_named(stages, nranks, message):
     with pytest.raises(LegionNNError, match=message):
         graph, _ = pipelined(base, stages, 2 * max(stages, 1))
         builtin(graph, "data", nranks)
+
+
+def test_a_checkpoint_of_two_stages_resumes_without_them(tmp_path):
+    """Checkpoints hold whole logical tensors: a pipeline's resumes as plain model parallelism."""
+    assert_resumes(tmp_path, (2, "data"), (2, "model"), stages=2, micro_batches=4)

@@ -176,17 +176,23 @@ def test_training_with_a_short_last_batch_and_evaluation_matches():
     assert ranked.val_accuracy == local.val_accuracy
 
 
-def test_checkpoint_from_3_ranks_resumes_on_2(tmp_path):
+def assert_resumes(tmp_path, first: tuple[int, str], then: tuple[int, str], **extra) -> None:
+    """An epoch on `first` (ranks, strategy) with `extra` config, checkpointed, then resumed on
+    `then` for a second: the losses of two uninterrupted epochs in one process."""
     network = small_network()
     whole = Trainer(config(network, batch=16, epochs=2)).run().losses
-    first = config(network, batch=16, epochs=1, checkpoint_dir=str(tmp_path))
-    run_threads(3, lambda t: train_rank(first, t, RunOptions(strategy="model", stall_timeout=30)))
+    cfg = config(network, batch=16, epochs=1, checkpoint_dir=str(tmp_path), **extra)
+    options = RunOptions(strategy=first[1], stall_timeout=30)
+    run_threads(first[0], lambda t: train_rank(cfg, t, options))
     second = config(network, batch=16, epochs=2, checkpoint_dir=str(tmp_path), resume=True)
-    resumed = run_threads(
-        2, lambda t: train_rank(second, t, RunOptions(strategy="spatial", stall_timeout=30))
-    )[0]
+    options = RunOptions(strategy=then[1], stall_timeout=30)
+    resumed = run_threads(then[0], lambda t: train_rank(second, t, options))[0]
     np.testing.assert_allclose(resumed.losses, whole[len(whole) - len(resumed.losses) :], rtol=1e-9)
     assert len(resumed.losses) == len(whole) // 2
+
+
+def test_checkpoint_from_3_ranks_resumes_on_2(tmp_path):
+    assert_resumes(tmp_path, (3, "model"), (2, "spatial"))
 
 
 @pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
