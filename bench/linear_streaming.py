@@ -1,7 +1,7 @@
 """Benchmark: the linear forward's streaming loop against its tiled product, at small batches,
 for weights from cache-sized to far larger than the caches.
 
-    python bench/linear_streaming.py [--batches 2,16] [--classes 10] [--repeat 7]
+    python bench/linear_streaming.py [--batches 2,16] [--classes 10,32,2048] [--repeat 7]
 
 Each line is one shape: the forward product x·wᵀ, the best of `--repeat` calls, as the tiled
 product's time over the loop's (above 1: the loop wins) and the loop's own time.
@@ -48,17 +48,21 @@ def measure(n: int, m: int, features: int, repeat: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="2,16")
-    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--classes", default="10,32,2048", help="weight rows (outputs) to try")
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
-    for n in (int(v) for v in args.batches.split(",")):
-        for features in FEATURES:
-            timed = measure(n, args.classes, features, args.repeat)
-            weights = args.classes * features * 4 / 2**20
-            print(
-                f"batch {n:3d}, weights {weights:6.2f} MiB: forward tiled/loop "
-                f"{timed['tiled'] / timed['loop']:5.2f} (loop {timed['loop'] * 1e6:8.1f} us)"
-            )
+    for classes in (int(v) for v in args.classes.split(",")):
+        for n in (int(v) for v in args.batches.split(",")):
+            for features in FEATURES:
+                if classes * features * 4 > 64 << 20:
+                    continue
+                timed = measure(n, classes, features, args.repeat)
+                weights = classes * features * 4 / 2**20
+                print(
+                    f"outputs {classes:5d}, batch {n:3d}, weights {weights:6.2f} MiB: forward "
+                    f"tiled/loop {timed['tiled'] / timed['loop']:5.2f} "
+                    f"(loop {timed['loop'] * 1e6:8.1f} us)"
+                )
 
 
 if __name__ == "__main__":

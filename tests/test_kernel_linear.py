@@ -146,6 +146,8 @@ def test_the_loops_stream_only_large_weights_that_blas_cannot_split():
     assert not linear.streams(2, small)
     assert not linear.streams(STREAMING_BATCH + 1, big)
     assert not linear.streams(0, big)
+    wide = np.empty((linear.STREAMING_DOTS // 2 + 1, big.shape[1]), np.float32)
+    assert not linear.streams(2, wide)  # one dot product at a time: the tiled product wins
 
 
 def test_the_streaming_forward_does_not_depend_on_the_thread_count(monkeypatch):

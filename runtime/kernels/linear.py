@@ -19,10 +19,13 @@ bound by streaming the weights from memory, and a GEMM's tiles, as wide as the b
 from that bound. There it is a Numba loop over fixed chunks of the features instead, reading the
 weights once at the machine's streaming rate; it sums each chunk in float64 and adds the chunks
 in order, so the result does not depend on the thread count. It runs only where it wins
-(`streams`: `STREAMING_BATCH` rows or fewer, weights beyond the caches). Measured on 2 cores,
-ten weight rows (`bench/linear_streaming.py`): the tiled forward took 1.9–5.6× the loop's time
-at batches 2 and 16 for 1.25–40 MiB of weights, and 1.0–2.2× for 0.12 MiB, where both take
-15–72 us. Below the threshold the loop is not compiled either, which keeps 3.5 s off a cold
+(`streams`: `STREAMING_BATCH` rows or fewer, `STREAMING_DOTS` row-output pairs or fewer,
+weights beyond the caches). Measured on 2 cores, ten weight rows (`bench/linear_streaming.py`):
+the tiled forward took 1.9–5.6× the loop's time at batches 2 and 16 for 1.25–40 MiB of weights,
+and 1.0–2.2× for 0.12 MiB, where both take 15–72 us; on another machine 1.2–3.0× at 1.25–40
+MiB. The loop's time grows with the rows times the outputs: at 32 outputs the tiled product
+took 1.3–1.8× the loop's time at batch 2 and 0.3–0.6× at 16; at 2048 outputs (a pipeline's
+micro-batch of 16 rows through a 2048-wide layer) 0.5× at batch 2 and 0.08–0.1× at 16. Below the threshold the loop is not compiled either, which keeps 3.5 s off a cold
 start of the default job. (The input gradient had a streaming loop of its own too; the tiled
 product ran it in 0.3–0.8× that loop's time at every one of these shapes.)
 """
@@ -48,6 +51,9 @@ STREAMING_BATCH = 16
 STREAMING_CHUNK = 16384
 #: weights below this fit the caches, where the loop's gain is microseconds
 STREAMING_WEIGHT_BYTES = 1 << 20
+#: at most this many dot products (rows times outputs): the loop does one at a time, so its
+#: time grows with the rows times the outputs, where the tiled product's barely does
+STREAMING_DOTS = 256
 _FAST = {"reassoc", "contract"}  # vectorised sums; no change to infinities or NaNs
 
 
@@ -77,7 +83,11 @@ def _streaming_forward(x, w, chunk):
 
 def streams(n: int, w: np.ndarray) -> bool:
     """Whether the forward of n rows with the weights w runs on the streaming loop."""
-    return 0 < n <= STREAMING_BATCH and w.nbytes >= STREAMING_WEIGHT_BYTES
+    return (
+        0 < n <= STREAMING_BATCH
+        and n * w.shape[0] <= STREAMING_DOTS
+        and w.nbytes >= STREAMING_WEIGHT_BYTES
+    )
 
 
 def _check(x: np.ndarray, w: np.ndarray) -> None:
