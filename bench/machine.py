@@ -15,7 +15,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - the layout: hosts, ranks per host (ranks are placed in blocks), the cores a rank has and its
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
-  plans, on 1 rank and on R, under every optimizer (their update tasks differ), timed with the
+  plans, on 1 rank and on R, and of a pipeline of R stages streaming 2·R micro-batches (a
+  one-rank step at the micro-batch's rows), under every optimizer (their update tasks differ), timed with the
   runtime's kernels on the rank's thread count (`bench.task_profile`, FlexFlow's
   per-configuration measurement) into the `pieces` table;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
@@ -187,7 +188,8 @@ def piece_rows(cache: dict) -> list[dict]:
 def measure_compute(
     network: str, batch: int, ranks: int, strategies: Sequence[str], threads: int
 ) -> tuple[list[dict], dict]:
-    """The pieces table of the network's plans on 1 and `ranks` ranks, and the calibration.
+    """The pieces table of the network's plans on 1 and `ranks` ranks (and of the default
+    pipeline on `ranks`, one stage a rank), and the calibration.
 
     The plans are profiled once per optimizer: a job may train with any of them, and only the
     update tasks differ (the other pieces are found in the table), so each optimizer adds its
@@ -205,6 +207,13 @@ def measure_compute(
             for strategy in strategies:
                 plan = build_plan(graph, builtin(graph, strategy, count), count)
                 profile_plan(graph, plan, threads, sample, cache)
+            # a pipeline of `count` stages, a rank each, streams 2·count micro-batches: its
+            # pieces are a one-rank step's at the micro-batch's rows
+            rows = batch // (2 * count)
+            if rows >= 1:
+                small = load_network(network).lower(batch=rows, optimizer=optimizer)
+                plan = build_plan(small, builtin(small, "data", 1), 1)
+                profile_plan(small, plan, threads, sample_step(small), cache)
         del sample, graph
     return piece_rows(cache), calibrate_in_process(network, batch, threads, profiled_one)
 

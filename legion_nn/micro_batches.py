@@ -45,6 +45,10 @@ from legion_nn.registry import piece_requirements
 #: activations are live at a time; `gpipe` runs every forward, then every backward
 SCHEDULES = ("1f1b", "gpipe")
 
+#: the attributes that say where a micro-batch's task sits in the step, not what its kernel
+#: computes (the keys of a machine's piece table leave them out, `partitioner.machine`)
+PLACEMENT_ATTRS = ("micro_batch", "schedule", "batch_offset", "stage")
+
 #: the tensor kinds that carry the batch in dim 0
 BATCH_KINDS = ("data", "activation")
 
@@ -295,10 +299,10 @@ def _sliced_task(
         dist=dist,
         result_dim=dist["result"].shape if "result" in dist else task.result_dim,
         attrs={
+            "batch_total": graph.batch,
             **task.attrs,
             "micro_batch": micro_batch,
             "schedule": schedule,
             "batch_offset": lo,
-            "batch_total": graph.batch,
         },
     )

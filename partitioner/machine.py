@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from legion_nn.errors import LegionNNError
+from legion_nn.micro_batches import PLACEMENT_ATTRS
 
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
 OPTIONAL_KEYS = (
@@ -308,10 +309,12 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
 
 def piece_key_of(op: str, phase: str, attrs: dict, shape, requirements) -> str:
     """The key of a piece in a machine's table: what decides its kernel's work, as canonical
-    JSON. `requirements` are (role, rect shape or None) pairs."""
+    JSON (not where a micro-batch's task sits, `PLACEMENT_ATTRS`). `requirements` are (role,
+    rect shape or None) pairs."""
+    work = {k: v for k, v in attrs.items() if k not in PLACEMENT_ATTRS}
     return json.dumps(
-        [op, phase, attrs, list(shape), [[role, None if s is None else list(s)] for role, s in
-                                          requirements]],
+        [op, phase, work, list(shape), [[role, None if s is None else list(s)] for role, s in
+                                         requirements]],
         sort_keys=True,
         default=str,
         separators=(",", ":"),
