@@ -12,9 +12,11 @@ once per micro-batch, in the region model, as GPipe and PipeDream run it:
   `name@m`, over the micro-batch's rows of its space; its requirements come from the op's access
   map over the new space, as lowering makes them. It keeps its layer and its attributes, with
   `micro_batch` added (the copies of a layer's tasks make one unit, `partitioner.strategy.
-  find_units`, so a strategy's grids apply to every micro-batch alike), and `batch_offset`
-  (the micro-batch's first row in the step's batch) for the kernels whose result depends on
-  where a sample sits (`in_step_batch`): the data task loads those rows, dropout draws those samples' masks.
+  find_units`, so a strategy's grids apply to every micro-batch alike), and `batch_offset` and
+  `batch_rows` (the micro-batch's first row in the step's batch, and that batch's rows) for the
+  kernels whose result depends on where a sample sits (`in_step_batch`): the data task loads
+  those rows, dropout draws those samples' masks. None of these changes a kernel's work
+  (`PLACEMENT_ATTRS`), so a machine's timed pieces price the copies.
 - *Shared tensors and tasks.* Parameters, their gradients, the optimizer's state and the
   step's statistics (the loss, the evaluation's counts) stay one tensor. Each micro-batch's
   backward adds its share into the parameters' gradients (they are reductions already), and the
@@ -47,7 +49,7 @@ SCHEDULES = ("1f1b", "gpipe")
 
 #: the attributes that say where a micro-batch's task sits in the step, not what its kernel
 #: computes (the keys of a machine's piece table leave them out, `partitioner.machine`)
-PLACEMENT_ATTRS = ("micro_batch", "schedule", "batch_offset", "stage")
+PLACEMENT_ATTRS = ("micro_batch", "schedule", "batch_offset", "batch_rows", "stage")
 
 #: the tensor kinds that carry the batch in dim 0
 BATCH_KINDS = ("data", "activation")
@@ -202,7 +204,7 @@ def in_step_batch(
     offset = task.attrs.get("batch_offset")
     if offset is None:
         return tuple(lo), tuple(dims)
-    return (lo[0] + offset, *lo[1:]), (task.attrs["batch_total"], *dims[1:])
+    return (lo[0] + offset, *lo[1:]), (task.attrs["batch_rows"], *dims[1:])
 
 
 def _batch_tensors(graph: TaskGraph) -> set[str]:
@@ -299,10 +301,10 @@ def _sliced_task(
         dist=dist,
         result_dim=dist["result"].shape if "result" in dist else task.result_dim,
         attrs={
-            "batch_total": graph.batch,
             **task.attrs,
             "micro_batch": micro_batch,
             "schedule": schedule,
             "batch_offset": lo,
+            "batch_rows": graph.batch,
         },
     )
