@@ -220,6 +220,23 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(nranks))
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipeline_equals_one_process(single, tmp_path, launcher, schedule):
+    """Two stages, a rank each, streaming 4 micro-batches: the activations cross the cut as
+    copies, their gradients come back as partial sums, and the run is the one process's."""
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        2, "train", *TRAIN, "--steps", "4", "--stages", "2", "--micro-batches", "4",
+        "--schedule", schedule, "--log-json", str(log), "--checkpoint", str(tmp_path / "ckpt"),
+        launcher=launcher,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"in 2 stages, 4 micro-batches ({schedule})" in result.stdout
+    assert_equals_single(single, log, tmp_path / "ckpt")
+    steps = [r for r in records(log) if "step" in r]
+    assert all(r["bytes_sent"] == r["bytes_planned"] > 0 for r in steps)
+
+
 def test_adding_hops_in_many_segments_equal_one_process(single, tmp_path, launcher):
     """Collective hops received 40 bytes at a time (`running_collective.Adding`), over shared
     memory and TCP: every segment is added where it belongs and the run is the one process's."""
