@@ -7,7 +7,7 @@ import pytest
 from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from visualize.trace_file import load_trace, parse_trace
-from visualize.trace_summary import critical_path, rank_times, summary
+from visualize.trace_summary import critical_path, format_summary, rank_times, summary
 
 
 def trace(*events, ranks=None, **meta):
@@ -321,3 +321,22 @@ def test_a_trace_written_by_the_runtime_summarises(tmp_path):
     sends = {e.args["id"] for e in trace_data.events if e.cat == "send"}
     assert all(e.args["id"] in sends for e in trace_data.events if e.cat == "recv")
     assert "recv" not in path_report["by_category"]
+
+
+def test_a_ranks_waiting_is_its_median_share_of_a_step_not_computing():
+    """Two stages: rank 0 computes 0-60 and 100-140 of step 0 (span 0-200 over both ranks),
+    rank 1 60-200; in step 1 (200-300) each computes half. Rank 0 waits (200 - 100) / 200 and
+    50/100 (median 0.5), rank 1 60/200 and 50/100 (median 0.4); evaluation steps do not count."""
+    data = parse_trace(
+        trace(
+            compute(0, "F", 0, 60),
+            compute(0, "B", 100, 40),
+            compute(1, "F", 60, 140),
+            compute(0, "F", 200, 50, step=1),
+            compute(1, "F", 250, 50, step=1),
+            compute(0, "F", 300, 10, step="eval"),
+        )
+    )
+    report = summary(data)
+    assert report["waiting_per_step"] == pytest.approx({"0": 0.5, "1": 0.4})
+    assert "rank 0 50%, rank 1 40%; mean 45%" in format_summary(report, "t.json")

@@ -17,6 +17,10 @@ Per rank, over its span (job start to the end of its last event):
   where the rank is neither computing nor waiting (its sends still draining after its last task);
 - idle: the rest.
 
+Per rank, also the median share of a training step (its first start to last end over all ranks)
+the rank spends not computing (`waiting_fractions`): a pipeline's bubble, as measured, beside
+what the step simulator predicts.
+
 The printed path leaves out idle gaps shorter than a thousandth of the path (or 100 µs): a
 runtime's bookkeeping between consecutive tasks would otherwise be every other row. They still
 count in the totals, and `--json` lists every stretch.
@@ -35,6 +39,7 @@ participants: the walk then stays on the rank.
 
 from __future__ import annotations
 
+import statistics
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -271,10 +276,31 @@ def step_spans(trace: Trace) -> dict[str, float]:
     return {key: hi - lo for key, (lo, hi) in bounds.items()}
 
 
+def waiting_fractions(trace: Trace) -> dict[int, float]:
+    """Per rank, the median over training steps (an int `args.step`; the first, which compiles,
+    is as one among many) of the share of the step
+    (`step_spans`) the rank spends not computing: what the step simulator reports as a rank's
+    waiting, and in a pipeline its bubble (`partition --json`'s `bubble_fraction` is the mean
+    over ranks of the simulated one)."""
+    spans = step_spans(trace)
+    shares: dict[int, list[float]] = {}
+    for rank, events in trace.by_rank().items():
+        busy: dict[str, list[tuple[float, float]]] = {}
+        for e in events:
+            step = e.args.get("step")
+            if e.tid == COMPUTE_TID and isinstance(step, int) and not isinstance(step, bool):
+                busy.setdefault(str(step), []).append((e.ts, e.end))
+        for key, intervals in busy.items():
+            if spans.get(key, 0.0) > 0:
+                shares.setdefault(rank, []).append(1.0 - _length(_union(intervals)) / spans[key])
+    return {rank: statistics.median(v) for rank, v in sorted(shares.items())}
+
+
 def summary(trace: Trace) -> dict:
     """Everything `legion-nn trace summary` reports, in seconds (the `--json` object)."""
     path = critical_path(trace)
     spans = step_spans(trace)
+    waiting = waiting_fractions(trace)
     per_step: dict[str, float] = {}
     for segment in path.segments:
         if segment.step is not None:
@@ -286,6 +312,7 @@ def summary(trace: Trace) -> dict:
         "network": trace.meta.get("network"),
         "strategy": trace.meta.get("strategy"),
         "ranks": [t.to_json() for t in rank_times(trace)],
+        "waiting_per_step": {str(rank): share for rank, share in waiting.items()},
         "steps": len(spans),
         "span_seconds": span / 1e6,
         "critical_path": {
@@ -346,6 +373,11 @@ def format_summary(report: dict, source: str, shown: int = 40) -> str:
             f"{row['communicating_seconds']:>10.6f} {_share(row['communicating_seconds'], span)} "
             f"{row['idle_seconds']:>10.6f} {_share(row['idle_seconds'], span)}"
         )
+    waiting = report.get("waiting_per_step", {})
+    if waiting:
+        shares = ", ".join(f"rank {rank} {100 * share:.0f}%" for rank, share in waiting.items())
+        mean = sum(waiting.values()) / len(waiting)
+        lines += ["", f"not computing, a training step's share: {shares}; mean {100 * mean:.0f}%"]
     path = report["critical_path"]
     span = report["span_seconds"]
     lines += [
