@@ -22,7 +22,6 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import MutableMapping
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -38,9 +37,6 @@ from runtime.rank_executor import RankExecutor, one_process
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5
-#: bytes written between runs to push a piece's operands out of the caches, at least this many
-#: and twice the last-level cache (`_eviction_bytes`)
-EVICT_AT_LEAST = 64 << 20
 
 PieceKey = tuple
 
@@ -109,36 +105,7 @@ def _time_piece(graph, task, piece, executor: RankExecutor, ctx: StepContext) ->
             views[req.role] = aligned_copy(executor.view(req.tensor, req.rect))
     seconds = []
     for _ in range(REPEAT + 1):
-        _evict()
         start = time.perf_counter()
         run_on_views(task, piece.rect, piece.requirements, views, graph.tensors, ctx)
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds[1:])
-
-
-_evicting: list[np.ndarray] = []
-
-
-def _evict() -> None:
-    """Write past the caches, so that a piece reads its operands from memory as it does in a
-    step: there a layer's weights were last touched a step (or a micro-batch's pass through
-    every other layer) ago. Timed with them cached, a micro-batch's 32-row backward through a
-    2048-wide layer took 8.0 ms, and 10.6 ms with eight layers' weights in turn."""
-    if not _evicting:
-        _evicting.append(np.zeros(_eviction_bytes() // 8))
-    _evicting[0] += 1.0
-
-
-def _eviction_bytes() -> int:
-    """Twice the last-level cache, as the OS reports it, and at least `EVICT_AT_LEAST`."""
-    size = 0
-    for index in range(4, -1, -1):
-        try:
-            text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text()
-        except OSError:
-            continue
-        text = text.strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-        break
-    return max(2 * size, EVICT_AT_LEAST)
