@@ -20,7 +20,8 @@ A strategy is a built-in's name (`data`, `model`, `spatial`, `auto`) or a strate
 `{"grids": {unit: [parts, ...]}}` (`--strategies data,rows.json`): the file is read and resolved
 by `partitioner.resolve`, as `partition --strategy FILE` and `train --strategy FILE` resolve it,
 and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+sharded` after either
-(`data+sharded`) runs and predicts it with `--param-homes sharded`.
+(`data+sharded`) runs and predicts it with `--param-homes sharded`, and a last `+Sstages`
+(`data+2stages`) in a pipeline of S stages with 2·S micro-batches (`partitioner.pipeline`).
 
 The rows give both, their error, the bytes a step sends and which plan auto chose; the summary
 (`summarize`) the mean and largest absolute error, and per case whether the measured order of the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,6 +47,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine, load_machine
+from partitioner.pipeline import pipelined
 from partitioner.resolve import check_strategy_name, read_grids, resolve_strategy
 from partitioner.strategy import STRATEGY_NAMES
 from runtime import cluster
@@ -60,26 +63,44 @@ SEARCH_SECONDS = 30.0
 
 #: after a strategy, `--param-homes sharded`
 SHARDED = "+sharded"
+#: last after a strategy, `+2stages`: `--stages 2` (with `--micro-batches` at its default, 2·S)
+STAGES = re.compile(r"\+(\d+)stages$")
+
+
+def split_stages(strategy: str) -> tuple[str, int]:
+    """(the strategy without its stages, `--stages`) of a strategy as `--strategies` gives it."""
+    found = STAGES.search(strategy)
+    if found is None:
+        return strategy, 1
+    return strategy[: found.start()], int(found.group(1))
 
 
 def split_homes(strategy: str) -> tuple[str, str | None]:
     """(`--strategy`, `--param-homes` or None) of a strategy as `--strategies` gives it."""
+    strategy = split_stages(strategy)[0]
     if strategy.endswith(SHARDED):
         return strategy.removesuffix(SHARDED), "sharded"
     return strategy, None
 
 
+def _suffix(strategy: str) -> str:
+    homes, stages = split_homes(strategy)[1], split_stages(strategy)[1]
+    return (SHARDED if homes else "") + (f"+{stages}stages" if stages > 1 else "")
+
+
 def strategy_label(strategy: str) -> str:
-    """A strategy's name in the rows: a built-in's own, a strategy file's stem; `+sharded`
-    after either."""
-    name, homes = split_homes(strategy)
+    """A strategy's name in the rows: a built-in's own, a strategy file's stem; `+sharded` and
+    `+Sstages` after either."""
+    name = split_homes(strategy)[0]
     label = name if name in STRATEGY_NAMES else Path(name).stem
-    return label + (SHARDED if homes else "")
+    return label + _suffix(strategy)
 
 
 def _train_arguments(strategy: str) -> list[str]:
-    homes = split_homes(strategy)[1]
-    return ["--param-homes", homes] if homes else []
+    homes, stages = split_homes(strategy)[1], split_stages(strategy)[1]
+    return (["--param-homes", homes] if homes else []) + (
+        ["--stages", str(stages)] if stages > 1 else []
+    )
 
 
 def parse_strategies(text: str) -> list[str]:
@@ -91,7 +112,7 @@ def parse_strategies(text: str) -> list[str]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        name, homes = split_homes(item)
+        name = split_homes(item)[0]
         try:
             check_strategy_name(name)
         except LegionNNError as exc:
@@ -99,7 +120,7 @@ def parse_strategies(text: str) -> list[str]:
         if name not in STRATEGY_NAMES:
             read_grids(name)  # a missing or malformed file fails here, before any cluster
             name = str(Path(name).resolve())
-        strategies.append(name + (SHARDED if homes else ""))
+        strategies.append(name + _suffix(item))
     if not strategies:
         raise LegionNNError(f"--strategies: no strategy in {text!r}")
     labels = [strategy_label(s) for s in strategies]
@@ -148,6 +169,9 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     auto the families it chose; `strategy` is what `partition --strategy` takes (a built-in,
     auto or a strategy file), resolved as it resolves it."""
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+    stages = split_stages(strategy)[1]
+    if stages > 1:
+        graph = pipelined(graph, stages, 2 * stages)[0]
     name, homes = split_homes(strategy)
     model = StepModel(machine)
     plan_strategy, why = resolve_strategy(

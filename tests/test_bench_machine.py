@@ -19,7 +19,7 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
 from legion_nn.networks import load_network
-from partitioner.machine import load_machine
+from partitioner.machine import Machine, load_machine
 from partitioner.piece_times import task_piece_times
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
@@ -185,7 +185,7 @@ MACHINE = {"rank_gflops": 50.0, "link_gbytes_per_s": 0.125, "latency_us": 60.0,
 
 
 def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monkeypatch):
-    from bench.cluster_scaling import parse_strategies, strategy_label
+    from bench.cluster_scaling import _train_arguments, parse_strategies, predict, strategy_label
 
     monkeypatch.chdir(ROOT)
     strategies = parse_strategies(" data, examples/megatron-col-row-2.json ,auto,data+sharded")
@@ -194,6 +194,14 @@ def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monke
     labels = ["data", "megatron-col-row-2", "auto", "data+sharded"]
     assert [strategy_label(s) for s in strategies] == labels
     assert parse_strategies("examples/megatron-col-row-2.json+sharded") == [f"{COLUMN_ROW}+sharded"]
+    piped = parse_strategies("data+2stages,model+sharded+2stages")
+    assert piped == ["data+2stages", "model+sharded+2stages"]
+    assert [_train_arguments(s) for s in piped] == [
+        ["--stages", "2"], ["--param-homes", "sharded", "--stages", "2"]
+    ]  # fmt: skip
+    predicted = predict("deep-mlp", 16, 2, "data+2stages", Machine())
+    whole = predict("deep-mlp", 16, 2, "data", Machine())
+    assert predicted["bytes_planned"] < whole["bytes_planned"]  # activations, not gradients
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rows.json").write_text(COLUMN_ROW.read_text())

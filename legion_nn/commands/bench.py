@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S[,S...]",
         help="scaling --hosts: the strategies to run, built-ins (data, model, spatial, auto) and/or "
         'strategy files {"grids": {unit: [..]}} as partition --strategy takes them, a file\'s rows '
-        "labelled by its stem (default: data,model,spatial,auto)",
+        "labelled by its stem, each perhaps followed by +sharded (--param-homes sharded) and "
+        "+Sstages (--stages S) (default: data,model,spatial,auto)",
     )
     parser.add_argument(
         "--plot",
