@@ -120,6 +120,10 @@ class SimulatedStep:
     finish: dict[int, float]
     #: per rank, seconds spent waiting (for messages, partial sums and collectives)
     waiting: dict[int, float] = field(default_factory=dict)
+    #: (rank, position in its program, start, end) of every task's compute that takes time, in
+    #: the order the simulation ran them (`simulate_step` only; the compiled loop leaves it
+    #: empty): what `render --timeline` draws
+    timeline: list[tuple[int, int, float, float]] = field(default_factory=list)
 
 
 def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:
@@ -173,6 +177,7 @@ class _Simulator:
         self.stack: dict[int, float] = defaultdict(float)
         self.clock = {rank: 0.0 for rank in programs}
         self.waiting = {rank: 0.0 for rank in programs}
+        self.timeline: list[tuple[int, int, float, float]] = []
         self.running: dict[int, list[_Running]] = {rank: [] for rank in programs}
         self.sends: dict[int, list[Key]] = {rank: [] for rank in programs}
         #: per rank, the keys it is blocked on (None while it runs)
@@ -333,7 +338,10 @@ class _Simulator:
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
             self.clock[rank] += sum(2 * m.nbytes * self._memory(rank) for m in rt.copies_in)
+            start = self.clock[rank]
             self.clock[rank] += self._stretched(rank, self.compute[rank][position])
+            if self.clock[rank] > start:
+                self.timeline.append((rank, position, start, self.clock[rank]))
             self.clock[rank] += self._pack(rt.partial_out, rank) + self._pack(rt.post, rank)
             yield _SYNC
             self._messages(rank, rt.partial_out)
@@ -434,7 +442,9 @@ class _Simulator:
         stuck = sorted(set(self.programs) - set(self.done))
         if stuck:
             raise RuntimeError(f"step simulation: ranks {stuck} never finished (a deadlock)")
-        return SimulatedStep(max(self.done.values(), default=0.0), dict(self.done), self.waiting)
+        return SimulatedStep(
+            max(self.done.values(), default=0.0), dict(self.done), self.waiting, self.timeline
+        )
 
 
 def simulate_step(

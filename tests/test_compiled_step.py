@@ -104,8 +104,7 @@ def test_the_compiled_loop_gives_the_simulators_step(network, batch, strategy, h
 
 
 @pytest.mark.parametrize("strategy", ["data", "model", "spatial", "auto"])
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize(("micro_batches", "schedule"), [(2, "1f1b"), (4, "gpipe")])
+@pytest.mark.parametrize(("ranks", "micro_batches", "schedule"), [(2, 2, "1f1b"), (4, 4, "gpipe")])
 def test_the_compiled_loop_gives_the_simulators_step_of_micro_batches(
     strategy, ranks, micro_batches, schedule
 ):

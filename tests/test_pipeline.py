@@ -13,6 +13,7 @@ from itertools import combinations, pairwise
 
 import pytest
 
+from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.micro_batches import schedule_of, stage_order, stages_of
 from legion_nn.networks import load_network
@@ -35,6 +36,7 @@ from tests.test_rank_executor import (
     ranks_run,
     small_network,
 )
+from visualize.step_timeline import timeline_figure
 
 
 def residual_network():
@@ -199,3 +201,33 @@ def test_bad_stages_are_named(stages, nranks, message):
 def test_a_checkpoint_of_two_stages_resumes_without_them(tmp_path):
     """Checkpoints hold whole logical tensors: a pipeline's resumes as plain model parallelism."""
     assert_resumes(tmp_path, (2, "data"), (2, "model"), stages=2, micro_batches=4)
+
+
+def test_the_timeline_draws_every_ranks_tasks_where_the_simulator_ran_them(tmp_path):
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4)
+    plan = build_plan(graph, builtin(graph, "data", 2), 2)
+    machine = Machine(link_gbytes_per_s=0.1)
+    programs = build_programs(graph, plan, machine, range(2))
+    step = predict_step(graph, plan, machine, programs=programs, simulate=simulate_step)
+    for rank in range(2):
+        bars = sorted((s, e) for r, _, s, e in step.timeline if r == rank)
+        assert all(e0 <= s1 for (_, e0), (s1, _) in pairwise(bars))  # one task at a time
+        assert 0 <= bars[0][0] and bars[-1][1] <= step.finish[rank]
+        busy = sum(e - s for s, e in bars)
+        assert busy + step.waiting[rank] == pytest.approx(step.finish[rank], rel=1e-6)
+    figure = timeline_figure(programs, step, "deep-mlp")
+    (ax,) = figure.axes
+    assert len(ax.patches) == len(step.timeline)
+    labels = {t.get_text() for t in ax.texts}
+    assert {"F0", "F3", "B0", "B3"} <= labels
+    out = tmp_path / "timeline.png"
+    argv = ["render", "deep-mlp", "--batch", "16", "--ranks", "2", "--strategy", "data",
+            "--stages", "2", "--timeline", "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0 and out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_timeline_needs_ranks(tmp_path, capsys):
+    argv = ["render", "deep-mlp", "--batch", "16", "--timeline", "-o", str(tmp_path / "t.png")]
+    assert main(argv) == 2
+    assert "--timeline draws a plan's step: give --ranks R too" in capsys.readouterr().err
+    assert not (tmp_path / "t.png").exists()

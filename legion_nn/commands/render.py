@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--forward-only", action="store_true", help="draw the forward pass only")
     parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="with --ranks: draw the plan's simulated step instead, a lane per rank, each task a "
+        "bar (a micro-batch's forward and backward coloured by micro-batch, the gaps its "
+        "waiting: a pipeline's bubbles); -o F.png, .svg or .pdf",
+    )
+    parser.add_argument(
         "--collapse",
         choices=("layer", "none"),
         help="layer: one node per layer, edges as wide as the bytes between layers; "
@@ -154,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     from visualize.dot import forward_only, node_count, to_graphviz
     from visualize.render_file import check_output, write_rendering
 
+    if args.timeline:
+        return _run_timeline(args)
     check_output(args.output)
     if args.max_nodes < 1:
         raise LegionNNError(f"--max-nodes must be at least 1, got {args.max_nodes}")
@@ -189,6 +198,42 @@ def run(args: argparse.Namespace) -> int:
     else:
         what = f"{len(graph.tasks)} tasks, {len(graph.tensors)} tensors"
     print(f"wrote {written} ({what})")
+    return 0
+
+
+def _run_timeline(args: argparse.Namespace) -> int:
+    from legion_nn.errors import LegionNNError
+    from legion_nn.micro_batches import schedule_of, stages_of
+    from legion_nn.verify import verify
+    from partitioner.machine import load_machine
+    from runtime.rank_program import build_programs
+    from runtime.step_prediction import predict_step, simulated
+    from runtime.step_simulator import simulate_step
+    from visualize.render_file import check_plot, write_figure
+    from visualize.step_timeline import timeline_figure
+
+    check_plot(args.output)
+    if args.ranks is None:
+        raise LegionNNError("--timeline draws a plan's step: give --ranks R too")
+    graph = _load(args)
+    verify(graph)
+    plan = _plan(args, graph)
+    if not simulated(graph, plan):
+        raise LegionNNError(
+            f"--timeline: {plan.nranks} ranks of {len(graph.tasks)} tasks is more than the step "
+            "simulator takes"
+        )
+    machine = load_machine(args.machine)
+    programs = build_programs(graph, plan, machine, range(plan.nranks))
+    step = predict_step(graph, plan, machine, programs=programs, simulate=simulate_step)
+    micro_batches, schedule = schedule_of(graph)
+    stages = stages_of(graph)
+    pipeline = f", {stages} stages" if stages > 1 else ""
+    if micro_batches > 1:
+        pipeline += f", {micro_batches} micro-batches, {schedule}"
+    title = f"{graph.network or 'task graph'}, batch {graph.batch}: {plan.label}{pipeline}"
+    write_figure(timeline_figure(programs, step, title), args.output)
+    print(f"wrote {args.output} ({plan.nranks} ranks, step {step.seconds:.5f} s simulated)")
     return 0
 
 
