@@ -215,7 +215,8 @@ def test_the_timeline_draws_every_ranks_tasks_where_the_simulator_ran_them(tmp_p
         assert 0 <= bars[0][0] and bars[-1][1] <= step.finish[rank]
         busy = sum(e - s for s, e in bars)
         assert busy + step.waiting[rank] == pytest.approx(step.finish[rank], rel=1e-6)
-    figure = timeline_figure(programs, step, "deep-mlp")
+    bars = [(r, programs[r].tasks[i].task, start, end) for r, i, start, end in step.timeline]
+    figure = timeline_figure(bars, step.seconds, step.waiting, "deep-mlp")
     (ax,) = figure.axes
     assert len(ax.patches) == len(step.timeline)
     labels = {t.get_text() for t in ax.texts}

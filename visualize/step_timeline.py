@@ -1,7 +1,7 @@
 """The `legion-nn render --timeline` figure: a plan's simulated step, a lane per rank.
 
-Each task a rank computes is a bar from its start to its end in the step simulator
-(`runtime.step_simulator.SimulatedStep.timeline`): forwards in the colour of their micro-batch,
+Each task a rank computes is a bar from its start to its end in the step simulator (the
+command reads them from `runtime.step_simulator.SimulatedStep.timeline`): forwards in the colour of their micro-batch,
 backwards in a lighter tint of it, the optimizer's updates and the rest grey. Whatever is not a
 bar is the rank waiting (for copies, partial sums, collectives): a pipeline's bubbles. A bar
 run of a pass's bars wide enough carries its pass and micro-batch (`F2`, `B0`). A pure function returning a
@@ -16,8 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from runtime.rank_program import RankProgram
-from runtime.step_simulator import SimulatedStep
+from legion_nn.ir import Task
 from visualize.palette import rank_colour, tint
 
 #: the grey of tasks outside any micro-batch's forward or backward
@@ -26,7 +25,7 @@ OTHER = "#9a9a9a"
 LABELLED = 0.02
 
 
-def pass_of(task) -> tuple[str, int | None]:
+def pass_of(task: Task) -> tuple[str, int | None]:
     """("F" or "B", micro-batch) of a task a micro-batch runs; ("", None) for any other."""
     micro_batch = task.attrs.get("micro_batch")
     if task.phase == "forward":
@@ -36,18 +35,24 @@ def pass_of(task) -> tuple[str, int | None]:
     return "", None
 
 
-def timeline_figure(programs: Mapping[int, RankProgram], step: SimulatedStep, title: str) -> Figure:
-    """Lanes of the simulated `step` of every rank's `programs` (see the module docstring)."""
-    ranks = sorted(programs)
+def timeline_figure(
+    bars: list[tuple[int, Task, float, float]],
+    seconds: float,
+    waiting: Mapping[int, float],
+    title: str,
+) -> Figure:
+    """Lanes of a simulated step of `seconds`: `bars`, (rank, task, start, end) of every task a
+    rank computed, and `waiting`, each rank's seconds waiting (see the module docstring)."""
+    ranks = sorted(waiting)
     fig = Figure(figsize=(12, 0.6 * len(ranks) + 1.6), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    span = step.seconds or 1.0
+    span = seconds or 1.0
     lane = {rank: index for index, rank in enumerate(ranks)}
     #: per rank, its runs of consecutive bars of one pass: [pass, first start, last end]
     runs: dict[int, list[list]] = {rank: [] for rank in ranks}
-    for rank, position, start, end in sorted(step.timeline, key=lambda bar: (bar[0], bar[2])):
-        kind, micro_batch = pass_of(programs[rank].tasks[position].task)
+    for rank, task, start, end in sorted(bars, key=lambda bar: (bar[0], bar[2])):
+        kind, micro_batch = pass_of(task)
         if not kind:
             colour = OTHER
         else:
@@ -68,8 +73,8 @@ def timeline_figure(programs: Mapping[int, RankProgram], step: SimulatedStep, ti
     ax.invert_yaxis()
     ax.set_xlim(0, span)
     ax.set_xlabel("seconds into the step (simulated)")
-    waiting = sum(step.waiting.values()) / max(len(step.waiting), 1) / span
-    ax.set_title(f"{title}: step {span:.4f} s, ranks waiting {100 * waiting:.0f}% of it")
+    share = sum(waiting.values()) / max(len(waiting), 1) / span
+    ax.set_title(f"{title}: step {span:.4f} s, ranks waiting {100 * share:.0f}% of it")
     ax.legend(
         handles=[
             Patch(color=rank_colour(0), label="forward (colour: micro-batch)"),
