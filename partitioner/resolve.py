@@ -81,6 +81,8 @@ def resolve_strategy(
     and fits the step in the machine's memory (`memory_fit.fit`): one line (`NoFit`) where
     nothing it tries fits."""
     deadline = time.monotonic() + time_limit
+    if name == "auto" and stages_of(graph) > 1:
+        return _auto_in_stages(graph, nranks, machine, param_homes, step), None
     strategy, why, searched = _resolve(graph, name, nranks, machine, time_limit, note)
     homes = param_homes or "replicated"
     if searched is None or peak is None or param_homes is not None:
@@ -179,6 +181,27 @@ def _choice_rows(result: SearchResult) -> list[dict]:
     ]
 
 
+def _auto_in_stages(
+    graph: TaskGraph,
+    nranks: int,
+    machine: Machine,
+    param_homes: str | None,
+    step: StepFn | None,
+) -> Strategy:
+    """`auto` in a pipeline's stages: the built-in family that splits every stage's layers over
+    its ranks with the least predicted step (`memory_fit.least_step`, by `step` where given,
+    else by the cost model's sum). The stage cuts are `pipeline.stage_cuts`'; the search does
+    not yet choose grids per layer inside stages, nor the cuts."""
+    homes = param_homes or "replicated"
+    families = ["data"] if batch_only(graph) else list(BUILTIN)
+    candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]
+    plans = [build_plan(graph, s, nranks) for s in candidates]
+    bulk = [plan_cost(graph, p, machine).step_seconds for p in plans]
+    if step is None:
+        return candidates[bulk.index(min(bulk))]
+    return candidates[least_step(bulk, lambda i: step(graph, plans[i]))]
+
+
 def _resolve(
     graph: TaskGraph,
     name: str,
@@ -191,8 +214,8 @@ def _resolve(
     check_plannable(graph)
     if stages_of(graph) > 1 and name not in BUILTIN:
         raise LegionNNError(
-            f"--strategy {name} with --stages: a pipeline's stages are split by data, model or "
-            "spatial so far (auto does not search stage cuts yet, nor do grids files name stages)"
+            f"--strategy {name} with --stages: a pipeline's stages are split by data, model, "
+            "spatial or auto so far (grids files do not name stages yet)"
         )
     if name in ("auto", "model", "spatial") and batch_only(graph):
         what = graph.network or "this graph"

@@ -22,10 +22,12 @@ from legion_nn.spec import network_from_dict
 from partitioner.machine import Machine
 from partitioner.pipeline import pipelined, stage_cuts
 from partitioner.plan import build_plan
-from partitioner.strategy import builtin, find_units
+from partitioner.resolve import resolve_strategy
+from partitioner.strategy import BUILTIN, builtin, find_units
 from partitioner.verify_plan import verify_plan
 from runtime.rank_program import build_programs
 from runtime.step_buffers import ACTIVATIONS, step_buffers
+from runtime.step_model import StepModel
 from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_simulator import simulate_step
 from tests.test_rank_executor import (
@@ -232,3 +234,21 @@ def test_a_timeline_needs_ranks(tmp_path, capsys):
     assert main(argv) == 2
     assert "--timeline draws a plan's step: give --ranks R too" in capsys.readouterr().err
     assert not (tmp_path / "t.png").exists()
+
+
+def test_auto_in_stages_takes_the_family_of_least_predicted_step():
+    """On a slow link, 2 stages of 2 ranks each: data parallelism inside the stages all-reduces
+    half the MLP's weights, model parallelism moves activations; auto takes the least step."""
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=32), 2, 4)
+    machine = Machine(link_gbytes_per_s=0.1, latency_us=50)
+    model = StepModel(machine)
+    chosen, why = resolve_strategy(graph, "auto", 4, machine, 10.0, step=model.step)
+    assert why is None and chosen.stages == 2
+    steps = {f: model.step(graph, build_plan(graph, builtin(graph, f, 4), 4)) for f in BUILTIN}
+    assert chosen.name == min(steps, key=steps.get) == "model"
+
+
+def test_a_grids_file_with_stages_is_one_line():
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=32), 2, 4)
+    with pytest.raises(LegionNNError, match="grids files do not name stages yet"):
+        resolve_strategy(graph, "examples/megatron-col-row-2.json", 2, Machine(), 1.0)
