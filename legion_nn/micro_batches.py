@@ -70,11 +70,11 @@ def micro_batched(
         return graph
     batched = _batch_tensors(graph)
     rows = split_bounds(0, graph.batch, count)
-    tensors = [t for name, t in graph.tensors.items() if name not in batched]
+    tensors = {name: t for name, t in graph.tensors.items() if name not in batched}
     for m, (lo, hi) in enumerate(rows):
-        tensors.extend(
-            _sliced_tensor(graph.tensors[name], m, hi - lo, graph.batch) for name in batched
-        )
+        for name in batched:
+            sliced_tensor = _sliced_tensor(graph.tensors[name], m, hi - lo, graph.batch)
+            tensors[sliced_tensor.name] = sliced_tensor
     per_batch = [i for i, task in enumerate(graph.tasks) if _touches(task, batched)]
     first_backward = next(
         (i for i in per_batch if graph.tasks[i].phase == "backward"), len(graph.tasks)
@@ -85,7 +85,7 @@ def micro_batched(
     sliced = {}
     for m, (lo, hi) in enumerate(rows):
         for i in per_batch:
-            task = _sliced_task(graph, graph.tasks[i], m, lo, hi, batched, schedule)
+            task = _sliced_task(graph, graph.tasks[i], m, lo, hi, batched, tensors, schedule)
             if stage_of is not None:
                 task.attrs["stage"] = stage[i]
             sliced[m, i] = task
@@ -106,7 +106,7 @@ def micro_batched(
             order += [sliced[m, z] for z in anchored.get(i, ())]
             order.append(sliced[m, i])
     order += [graph.tasks[i] for i in after]
-    return TaskGraph(tensors, order, network=graph.network, batch=graph.batch)
+    return TaskGraph(tensors.values(), order, network=graph.network, batch=graph.batch)
 
 
 def stage_order(stage: int, stages: int, count: int, schedule: str) -> list[tuple[str, int]]:
@@ -262,9 +262,11 @@ def _sliced_task(
     lo: int,
     hi: int,
     batched: set[str],
+    tensors: Mapping[str, Tensor],
     schedule: str,
 ) -> Task:
-    """Micro-batch `micro_batch`'s copy of `task`: rows [lo, hi) of the step's batch."""
+    """Micro-batch `micro_batch`'s copy of `task`: rows [lo, hi) of the step's batch, over
+    `tensors`, the micro-batched step's."""
     space = task.space
     if space.ndim == 0 or space.lo[0] != 0 or space.hi[0] != graph.batch:
         raise LegionNNError(
@@ -277,11 +279,6 @@ def _sliced_task(
     def rename(tensor: str) -> str:
         return micro_name(tensor, micro_batch) if tensor in batched else tensor
 
-    tensors = {rename(req.tensor): graph.tensors[req.tensor] for req in task.requirements}
-    tensors = {
-        name: (_sliced_tensor(t, micro_batch, rows, graph.batch) if t.name in batched else t)
-        for name, t in tensors.items()
-    }
     renamed = task.with_requirements(
         tuple(replace(req, tensor=rename(req.tensor)) for req in task.requirements)
     )
