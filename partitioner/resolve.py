@@ -91,11 +91,7 @@ def resolve_strategy(
             return chosen, why
         candidates = [chosen, *(with_homes(graph, builtin(graph, f, nranks), homes)
                                 for f in BUILTIN)]  # fmt: skip
-        plans = [build_plan(graph, s, nranks) for s in candidates]
-        index = least_step(
-            [plan_cost(graph, p, machine).step_seconds for p in plans],
-            lambda i: step(graph, plans[i]),
-        )
+        index = _fastest(graph, candidates, nranks, machine, step)
         picked = candidates[index]
         return picked, why if index == 0 else _reasons(graph, picked, nranks, machine, why)
     if (
@@ -189,17 +185,28 @@ def _auto_in_stages(
     step: StepFn | None,
 ) -> Strategy:
     """`auto` in a pipeline's stages: the built-in family that splits every stage's layers over
-    its ranks with the least predicted step (`memory_fit.least_step`, by `step` where given,
-    else by the cost model's sum). The stage cuts are `pipeline.stage_cuts`'; the search does
+    its ranks with the least predicted step (`_fastest`). The stage cuts are `pipeline.stage_cuts`'; the search does
     not yet choose grids per layer inside stages, nor the cuts."""
     homes = param_homes or "replicated"
     families = ["data"] if batch_only(graph) else list(BUILTIN)
     candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]
+    return candidates[_fastest(graph, candidates, nranks, machine, step)]
+
+
+def _fastest(
+    graph: TaskGraph,
+    candidates: list[Strategy],
+    nranks: int,
+    machine: Machine,
+    step: StepFn | None,
+) -> int:
+    """The index of the candidate of least predicted step: by `step` among those whose
+    bulk-synchronous sums are near the least (`memory_fit.least_step`), else by the sum."""
     plans = [build_plan(graph, s, nranks) for s in candidates]
     bulk = [plan_cost(graph, p, machine).step_seconds for p in plans]
     if step is None:
-        return candidates[bulk.index(min(bulk))]
-    return candidates[least_step(bulk, lambda i: step(graph, plans[i]))]
+        return bulk.index(min(bulk))
+    return least_step(bulk, lambda i: step(graph, plans[i]))
 
 
 def _resolve(
