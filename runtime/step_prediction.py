@@ -118,9 +118,8 @@ def step_prediction(
     out |= {"predicted_step_seconds": simulated_step.seconds + loop, "step_model": "simulated"}
     stages = stages_of(graph)
     if stages > 1:
-        waiting = simulated_step.waiting.values()
         micro_batches, _ = schedule_of(graph)
-        out["bubble_fraction"] = sum(waiting) / len(waiting) / simulated_step.seconds
+        out["bubble_fraction"] = simulated_step.waiting_fraction
         out["bubble_fraction_ideal"] = (stages - 1) / (micro_batches + stages - 1)
     return out
 

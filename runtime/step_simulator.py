@@ -125,6 +125,13 @@ class SimulatedStep:
     #: empty): what `render --timeline` draws
     timeline: list[tuple[int, int, float, float]] = field(default_factory=list)
 
+    @property
+    def waiting_fraction(self) -> float:
+        """The mean over ranks of the share of the step each waits: a pipeline's bubble."""
+        if not self.waiting or not self.seconds:
+            return 0.0
+        return sum(self.waiting.values()) / len(self.waiting) / self.seconds
+
 
 def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:
     """Per rank of `programs`, how much longer its CPU work (posting, packing, adding, the

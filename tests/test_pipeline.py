@@ -218,7 +218,9 @@ def test_the_timeline_draws_every_ranks_tasks_where_the_simulator_ran_them(tmp_p
         busy = sum(e - s for s, e in bars)
         assert busy + step.waiting[rank] == pytest.approx(step.finish[rank], rel=1e-6)
     bars = [(r, programs[r].tasks[i].task, start, end) for r, i, start, end in step.timeline]
-    figure = timeline_figure(bars, step.seconds, step.waiting, "deep-mlp")
+    figure = timeline_figure(
+        bars, step.seconds, list(step.waiting), step.waiting_fraction, "deep-mlp"
+    )
     (ax,) = figure.axes
     assert len(ax.patches) == len(step.timeline)
     labels = {t.get_text() for t in ax.texts}

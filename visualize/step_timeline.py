@@ -10,7 +10,7 @@ matplotlib `Figure` on the Agg canvas; the command writes it out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -38,12 +38,14 @@ def pass_of(task: Task) -> tuple[str, int | None]:
 def timeline_figure(
     bars: list[tuple[int, Task, float, float]],
     seconds: float,
-    waiting: Mapping[int, float],
+    ranks: Sequence[int],
+    waiting_fraction: float,
     title: str,
 ) -> Figure:
-    """Lanes of a simulated step of `seconds`: `bars`, (rank, task, start, end) of every task a
-    rank computed, and `waiting`, each rank's seconds waiting (see the module docstring)."""
-    ranks = sorted(waiting)
+    """Lanes of `ranks` in a simulated step of `seconds`: `bars`, (rank, task, start, end) of
+    every task a rank computed; `waiting_fraction`, the mean share of the step the ranks wait
+    (see the module docstring)."""
+    ranks = sorted(ranks)
     fig = Figure(figsize=(12, 0.6 * len(ranks) + 1.6), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -73,8 +75,7 @@ def timeline_figure(
     ax.invert_yaxis()
     ax.set_xlim(0, span)
     ax.set_xlabel("seconds into the step (simulated)")
-    share = sum(waiting.values()) / max(len(waiting), 1) / span
-    ax.set_title(f"{title}: step {span:.4f} s, ranks waiting {100 * share:.0f}% of it")
+    ax.set_title(f"{title}: step {span:.4f} s, ranks waiting {100 * waiting_fraction:.0f}% of it")
     ax.legend(
         handles=[
             Patch(color=rank_colour(0), label="forward (colour: micro-batch)"),

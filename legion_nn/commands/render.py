@@ -233,7 +233,10 @@ def _run_timeline(args: argparse.Namespace) -> int:
         pipeline += f", {micro_batches} micro-batches, {schedule}"
     title = f"{graph.network or 'task graph'}, batch {graph.batch}: {plan.label}{pipeline}"
     bars = [(r, programs[r].tasks[i].task, start, end) for r, i, start, end in step.timeline]
-    write_figure(timeline_figure(bars, step.seconds, step.waiting, title), args.output)
+    write_figure(
+        timeline_figure(bars, step.seconds, list(step.waiting), step.waiting_fraction, title),
+        args.output,
+    )
     print(f"wrote {args.output} ({plan.nranks} ranks, step {step.seconds:.5f} s simulated)")
     return 0
 
