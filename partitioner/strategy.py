@@ -385,8 +385,6 @@ class Strategy:
     #: per unit, the first rank of its pieces (a pipeline stage's, `partitioner.pipeline`);
     #: absent: rank 0
     unit_ranks: dict[str, int] = field(default_factory=dict)
-    #: the pipeline stages the units are placed in
-    stages: int = 1
 
     @property
     def label(self) -> str:
@@ -420,7 +418,7 @@ def builtin(graph: TaskGraph, name: str, nranks: int) -> Strategy:
     share = nranks // stages
     grids = {u.name: builtin_grid(u, name, share) for u in units}
     first = {u.name: graph.task(u.forward[0]).attrs.get("stage", 0) * share for u in units}
-    return Strategy(name, grids, unit_ranks=first, stages=stages)
+    return Strategy(name, grids, unit_ranks=first)
 
 
 def from_grids(graph: TaskGraph, grids: Mapping[str, list[int]], nranks: int) -> Strategy:
