@@ -32,11 +32,16 @@ from partitioner.plan import task_rows
 from partitioner.strategy import find_units
 
 
+def check_stage_count(stages: int) -> None:
+    """Raise `LegionNNError` naming the flag where `stages` is no count of stages."""
+    if stages < 1:
+        raise LegionNNError(f"--stages must be at least 1, got {stages}")
+
+
 def check_stages(graph: TaskGraph, stages: int) -> None:
     """Raise `LegionNNError` naming the flag where `graph` cannot be cut into `stages` stages
     (whether they divide the ranks, `strategy.builtin` checks)."""
-    if stages < 1:
-        raise LegionNNError(f"--stages must be at least 1, got {stages}")
+    check_stage_count(stages)
     units = len(_staged_units(graph))
     if stages > units:
         raise LegionNNError(

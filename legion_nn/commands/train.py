@@ -104,6 +104,7 @@ def _config(args: argparse.Namespace):
     from legion_nn.micro_batches import check_micro_batches
     from legion_nn.networks import load_network
     from partitioner.machine import load_machine
+    from partitioner.pipeline import check_stage_count
     from runtime import data
     from runtime.distributed import RunOptions, strategy_spec
     from runtime.executor import NUMPY_DTYPES
@@ -128,8 +129,7 @@ def _config(args: argparse.Namespace):
         verify=args.verify,
     )
     strategy_spec(options)  # a bad --strategy fails here, on every rank alike
-    if args.stages < 1:
-        raise LegionNNError(f"--stages must be at least 1, got {args.stages}")
+    check_stage_count(args.stages)
     count = micro_batches(args)
     check_micro_batches(count, args.batch, args.schedule)
     network = load_network(args.network)
