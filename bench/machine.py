@@ -16,9 +16,9 @@ that the cores of a host stay with the rank measuring), and writes the file:
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
   plans, on 1 rank and on R, and of a pipeline of R stages streaming 2·R micro-batches (a
-  one-rank step at the micro-batch's rows), under every optimizer (their update tasks differ), timed with the
-  runtime's kernels on the rank's thread count (`bench.task_profile`, FlexFlow's
-  per-configuration measurement) into the `pieces` table;
+  one-rank step at the micro-batch's rows), under every optimizer (their update tasks differ),
+  timed with the runtime's kernels on the rank's thread count (`bench.task_profile`,
+  FlexFlow's per-configuration measurement) into the `pieces` table;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its

@@ -185,8 +185,9 @@ def _auto_in_stages(
     step: StepFn | None,
 ) -> Strategy:
     """`auto` in a pipeline's stages: the built-in family that splits every stage's layers over
-    its ranks with the least predicted step (`_fastest`). The stage cuts are `pipeline.stage_cuts`'; the search does
-    not yet choose grids per layer inside stages, nor the cuts."""
+    its ranks with the least predicted step (`_fastest`). The stage cuts are
+    `pipeline.stage_cuts`'s: the search does not yet choose grids per layer inside stages, nor
+    the cuts."""
     homes = param_homes or "replicated"
     families = ["data"] if batch_only(graph) else list(BUILTIN)
     candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]

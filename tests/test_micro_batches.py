@@ -17,7 +17,7 @@ from legion_nn.spec import network_from_dict
 from legion_nn.verify import verify
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
-from partitioner.strategy import builtin, find_units
+from partitioner.strategy import builtin, find_units, param_of
 from partitioner.verify_plan import verify_plan
 from runtime.rank_program import build_programs
 from runtime.step_buffers import ACTIVATIONS, step_buffers
@@ -167,13 +167,13 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
 
 
 def _gradient_sums(graph, plan) -> list:
+    """The collectives of `plan` that sum parameters' gradients."""
     return sorted(
         (r.tensor, r.participants, r.targets)
         for task_plan in plan.tasks
         for r in task_plan.reductions
-        if graph.tensors[r.tensor].kind == "grad" and r.tensor.removesuffix(".grad") in graph.tensors
-        and graph.tensors[r.tensor.removesuffix(".grad")].kind == "param"
-    )  # fmt: skip
+        if graph.tensors[r.tensor].kind == "grad" and param_of(graph, r.tensor) is not None
+    )
 
 
 @pytest.mark.parametrize("strategy", ["data", "spatial"])

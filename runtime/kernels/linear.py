@@ -25,8 +25,9 @@ the tiled forward took 1.9–5.6× the loop's time at batches 2 and 16 for 1.25�
 and 1.0–2.2× for 0.12 MiB, where both take 15–72 us; on another machine 1.2–3.0× at 1.25–40
 MiB. The loop's time grows with the rows times the outputs: at 32 outputs the tiled product
 took 1.3–1.8× the loop's time at batch 2 and 0.3–0.6× at 16; at 2048 outputs (a pipeline's
-micro-batch of 16 rows through a 2048-wide layer) 0.5× at batch 2 and 0.08–0.1× at 16. Below the threshold the loop is not compiled either, which keeps 3.5 s off a cold
-start of the default job. (The input gradient had a streaming loop of its own too; the tiled
+micro-batch of 16 rows through a 2048-wide layer) 0.5× at batch 2 and 0.08–0.1× at 16. Below
+the threshold the loop is not compiled either, which keeps 3.5 s off a cold start of the
+default job. (The input gradient had a streaming loop of its own too; the tiled
 product ran it in 0.3–0.8× that loop's time at every one of these shapes.)
 """
 
