@@ -101,6 +101,14 @@ def pipelined(
     return split, of_unit
 
 
+def step_graph(graph: TaskGraph, stages: int, micro_batches: int, schedule: str) -> TaskGraph:
+    """The step `train` and the commands run: `graph` in `stages` stages (`pipelined`), or in
+    one, its batch as `micro_batches` micro-batches (`micro_batches.micro_batched`)."""
+    if stages == 1:
+        return micro_batched(graph, micro_batches, schedule)
+    return pipelined(graph, stages, micro_batches, schedule)[0]
+
+
 def stage_table(graph: TaskGraph, nranks: int) -> list[dict]:
     """Per stage of a pipelined graph, its layers (units) and ranks, as `partition --json`
     reports them; empty for a graph without stages."""

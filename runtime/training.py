@@ -23,10 +23,9 @@ import numpy as np
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
-from legion_nn.micro_batches import micro_batched
 from legion_nn.network import Network
 from legion_nn.verify import verify
-from partitioner.pipeline import pipelined
+from partitioner.pipeline import step_graph
 from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data import Dataset, Split
@@ -118,11 +117,7 @@ class Trainer:
             graph = c.network.lower(
                 batch=batch, dtype=c.dtype, optimizer=c.optimizer, hyperparameters=c.hyperparameters
             )
-            count = min(c.micro_batches, batch)
-            if c.stages > 1:
-                graph, _ = pipelined(graph, c.stages, count, c.schedule)
-            else:
-                graph = micro_batched(graph, count, c.schedule)
+            graph = step_graph(graph, c.stages, min(c.micro_batches, batch), c.schedule)
             verify(graph)  # the invariants every executor relies on (milliseconds)
             self._graphs[batch] = graph
         return self._graphs[batch]

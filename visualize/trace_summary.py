@@ -278,10 +278,9 @@ def step_spans(trace: Trace) -> dict[str, float]:
 
 def waiting_fractions(trace: Trace) -> dict[int, float]:
     """Per rank, the median over training steps (an int `args.step`; the first, which compiles,
-    is as one among many) of the share of the step
-    (`step_spans`) the rank spends not computing: what the step simulator reports as a rank's
-    waiting, and in a pipeline its bubble (`partition --json`'s `bubble_fraction` is the mean
-    over ranks of the simulated one)."""
+    is as one among many) of the share of the step (`step_spans`) the rank spends not
+    computing: what the step simulator reports as a rank's waiting, and in a pipeline its bubble
+    (`partition --json`'s `bubble_fraction` is the mean over ranks of the simulated one)."""
     spans = step_spans(trace)
     shares: dict[int, list[float]] = {}
     for rank, events in trace.by_rank().items():

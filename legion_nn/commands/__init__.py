@@ -52,17 +52,13 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
 def load_step(args: argparse.Namespace, source: str, default_batch: int):
     """The training step `source` lowers to, as `add_step_arguments` parsed it: its batch run as
     micro-batches, in pipeline stages (`partitioner.pipeline`) where `--stages` asks."""
-    from legion_nn.micro_batches import micro_batched
     from legion_nn.sources import load_source_graph
+    from partitioner.pipeline import step_graph
 
     graph = load_source_graph(
         source, args.batch, default_batch, dtype=args.dtype, optimizer=args.optimizer
     )
-    if args.stages == 1:
-        return micro_batched(graph, micro_batches(args), args.schedule)
-    from partitioner.pipeline import pipelined
-
-    return pipelined(graph, args.stages, micro_batches(args), args.schedule)[0]
+    return step_graph(graph, args.stages, micro_batches(args), args.schedule)
 
 
 def micro_batches(args: argparse.Namespace) -> int:
