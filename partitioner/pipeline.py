@@ -24,6 +24,8 @@ runs it as it runs, bubbles included.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import check_micro_batches, micro_batched, stages_of
@@ -42,22 +44,28 @@ def check_stages(graph: TaskGraph, stages: int) -> None:
     """Raise `LegionNNError` naming the flag where `graph` cannot be cut into `stages` stages
     (whether they divide the ranks, `strategy.builtin` checks)."""
     check_stage_count(stages)
-    units = len(_staged_units(graph))
+    units = len(staged_units(graph))
     if stages > units:
         raise LegionNNError(
             f"--stages {stages} is more than the {units} layers of {graph.network or 'the network'}"
         )
 
 
-def stage_cuts(graph: TaskGraph, stages: int) -> dict[str, int]:
+def stage_cuts(
+    graph: TaskGraph,
+    stages: int,
+    work: Sequence[float] | None = None,
+    boundary: Sequence[float] | None = None,
+) -> dict[str, int]:
     """Each unit's stage: the units in program order cut into `stages` contiguous groups, the
-    heaviest as light as can be (FLOPs of each unit's forward and backward tasks)."""
-    units = _staged_units(graph)
-    work = []
-    for unit in units:
-        tasks = [graph.task(name) for name in (*unit.forward, *unit.backward)]
-        work.append(sum(flops_per_element(t, graph.tensors) * t.space.volume for t in tasks))
+    heaviest as light as can be. A unit weighs its `work` (default: the FLOPs of its forward and
+    backward tasks), and a stage also what crosses its ends: `boundary[k]`, between units k − 1
+    and k, counts on both stages it separates."""
+    units = staged_units(graph)
+    if work is None:
+        work = [_unit_flops(graph, unit) for unit in units]
     count = len(units)
+    crossing = list(boundary) if boundary is not None else [0.0] * (count + 1)
     prefix = [0.0]
     for w in work:
         prefix.append(prefix[-1] + w)
@@ -68,8 +76,10 @@ def stage_cuts(graph: TaskGraph, stages: int) -> dict[str, int]:
     best[0][0] = 0.0
     for k in range(1, stages + 1):
         for i in range(k, count + 1):
+            ends = crossing[i] if i < count else 0.0
             for j in range(k - 1, i):
-                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
+                weight = prefix[i] - prefix[j] + ends + (crossing[j] if j else 0.0)
+                heaviest = max(best[k - 1][j], weight)
                 if heaviest < best[k][i]:
                     best[k][i], cut[k][i] = heaviest, j
     out: dict[str, int] = {}
@@ -82,14 +92,54 @@ def stage_cuts(graph: TaskGraph, stages: int) -> dict[str, int]:
     return out
 
 
+def cuts_of(of_unit: dict[str, int]) -> tuple[str, ...]:
+    """The first unit of every stage after the first, in order: the cuts `pipelined` takes."""
+    firsts: dict[int, str] = {}
+    for name, stage in of_unit.items():
+        firsts.setdefault(stage, name)
+    return tuple(firsts[s] for s in sorted(firsts) if s)
+
+
+def stages_at(graph: TaskGraph, cuts: Sequence[str]) -> dict[str, int]:
+    """Each unit's stage where a stage begins at every unit `cuts` names (in program order)."""
+    units = [u.name for u in staged_units(graph)]
+    position = {name: i for i, name in enumerate(units)}
+    unknown = [c for c in cuts if c not in position]
+    if unknown:
+        raise LegionNNError(f"stage cut at {unknown[0]!r}: not a layer; layers: {', '.join(units)}")
+    starts = [position[c] for c in cuts]
+    if starts != sorted(set(starts)) or (starts and starts[0] == 0):
+        raise LegionNNError(
+            f"stage cuts {', '.join(cuts)}: each names the first layer of a stage after the "
+            "first, in the layers' order"
+        )
+    out = {}
+    stage = 0
+    for i, name in enumerate(units):
+        while stage < len(starts) and starts[stage] <= i:
+            stage += 1
+        out[name] = stage
+    return out
+
+
 def pipelined(
-    graph: TaskGraph, stages: int, micro_batches: int, schedule: str = "1f1b"
+    graph: TaskGraph,
+    stages: int,
+    micro_batches: int,
+    schedule: str = "1f1b",
+    cuts: Sequence[str] | None = None,
 ) -> tuple[TaskGraph, dict[str, int]]:
     """The step of `graph` in `stages` stages of `micro_batches` micro-batches in `schedule`'s
-    order, and each unit's stage (see the module docstring)."""
+    order, and each unit's stage (see the module docstring): cut where `cuts` says
+    (`stages_at`), by default where `stage_cuts` balances the FLOPs."""
     check_micro_batches(micro_batches, graph.batch, schedule)
     check_stages(graph, stages)
-    of_unit = stage_cuts(graph, stages)
+    if cuts is None:
+        of_unit = stage_cuts(graph, stages)
+    elif len(cuts) != stages - 1:
+        raise LegionNNError(f"{stages} stages need {stages - 1} cuts, got {len(cuts)}")
+    else:
+        of_unit = stages_at(graph, cuts)
     rows = task_rows(graph)
     last = stages - 1
     of_task = {}
@@ -101,12 +151,19 @@ def pipelined(
     return split, of_unit
 
 
-def step_graph(graph: TaskGraph, stages: int, micro_batches: int, schedule: str) -> TaskGraph:
-    """The step `train` and the commands run: `graph` in `stages` stages (`pipelined`), or in
-    one, its batch as `micro_batches` micro-batches (`micro_batches.micro_batched`)."""
+def step_graph(
+    graph: TaskGraph,
+    stages: int,
+    micro_batches: int,
+    schedule: str,
+    cuts: Sequence[str] | None = None,
+) -> TaskGraph:
+    """The step `train` and the commands run: `graph` in `stages` stages (`pipelined`, cut at
+    `cuts` where given), or in one, its batch as `micro_batches` micro-batches
+    (`micro_batches.micro_batched`)."""
     if stages == 1:
         return micro_batched(graph, micro_batches, schedule)
-    return pipelined(graph, stages, micro_batches, schedule)[0]
+    return pipelined(graph, stages, micro_batches, schedule, cuts)[0]
 
 
 def stage_table(graph: TaskGraph, nranks: int) -> list[dict]:
@@ -119,12 +176,17 @@ def stage_table(graph: TaskGraph, nranks: int) -> list[dict]:
     table = [
         {"layers": [], "ranks": list(range(s * share, (s + 1) * share))} for s in range(stages)
     ]
-    for unit in _staged_units(graph):
+    for unit in staged_units(graph):
         table[graph.task(unit.forward[0]).attrs["stage"]]["layers"].append(unit.name)
     return table
 
 
-def _staged_units(graph: TaskGraph):
+def _unit_flops(graph: TaskGraph, unit) -> float:
+    tasks = [graph.task(name) for name in (*unit.forward, *unit.backward)]
+    return sum(flops_per_element(t, graph.tensors) * t.space.volume for t in tasks)
+
+
+def staged_units(graph: TaskGraph):
     """The units a pipeline cuts into stages: every unit with a backward pass (the evaluation's
     scalar tasks go with the last stage)."""
     return [u for u in find_units(graph) if u.backward]

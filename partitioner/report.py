@@ -159,6 +159,14 @@ def table(report: dict) -> str:
             else ""
         )
         lines.append(f"{report['micro_batches']} micro-batches, {report['schedule']}{bubble}")
+    for row in report.get("pipeline_search", []):
+        if row["predicted_seconds"] is None:
+            continue
+        cuts = f" cut before {', '.join(row['cuts'])}" if row["cuts"] else ""
+        lines.append(
+            f"  tried {_stages(row['stages'])}{cuts}, {row['micro_batches']} micro-batches: "
+            f"{row['predicted_seconds']:.5f} s predicted"
+        )
     if not report["feasible"]:
         lines.append("INFEASIBLE: some rank needs more memory than it has")
     for item in report.get("why", []):
@@ -168,6 +176,10 @@ def table(report: dict) -> str:
             f"{item['seconds']:.5f} s against {item['data_seconds']:.5f} s under data parallelism"
         )
     return "\n".join(lines) + "\n"
+
+
+def _stages(count: int) -> str:
+    return "no stages" if count == 1 else f"{count} stages"
 
 
 def sweep_table(rows: list[dict]) -> str:

@@ -26,6 +26,7 @@ from legion_nn.ops import has_access_map
 from partitioner.cost import plan_cost, task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.memory_fit import NoFit, PeakFn, StepFn, fit, least_step
+from partitioner.pipeline_search import PipelineChoice, PipelineSearch, choose_pipeline
 from partitioner.plan import build_plan
 from partitioner.search import SearchResult, auto
 from partitioner.strategy import (
@@ -175,6 +176,50 @@ def _choice_rows(result: SearchResult) -> list[dict]:
         }
         for c in result.choices
     ]
+
+
+def resolve_stages(
+    graph: TaskGraph,
+    name: str,
+    nranks: int,
+    machine: Machine,
+    time_limit: float,
+    schedule: str,
+    micro_batches: int | None,
+    note: Callable[[str], None] | None = None,
+    param_homes: str | None = None,
+    peak: PeakFn | None = None,
+    step: StepFn | None = None,
+) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
+    """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches (`micro_batches`
+    where given) and cuts of least predicted step on `nranks` ranks, each stage split as `name`
+    says (`pipeline_search.choose_pipeline`); that step's strategy and auto's reasons as
+    `resolve_strategy` gives them; and the search."""
+    if name not in BUILTIN and name != "auto":
+        raise LegionNNError(
+            f"--strategy {name} with --stages auto: stages are split by data, model, spatial or "
+            "auto (a grids file does not name stages)"
+        )
+    if name in BUILTIN:
+        families = [name]
+    else:
+        families = ["data"] if batch_only(graph) else list(BUILTIN)
+    resolved: dict[tuple, tuple[TaskGraph, Strategy, list[dict] | None]] = {}
+
+    def predict(shape: PipelineChoice, candidate: TaskGraph) -> float:
+        strategy, why = resolve_strategy(
+            candidate, name, nranks, machine, time_limit, note, param_homes, peak, step
+        )
+        resolved[shape.key] = (candidate, strategy, why)
+        plan = build_plan(candidate, strategy, nranks)
+        if peak is not None and peak(candidate, plan) > machine.memory_bytes:
+            return math.inf
+        if step is None:
+            return plan_cost(candidate, plan, machine).step_seconds
+        return step(candidate, plan)
+
+    search = choose_pipeline(graph, nranks, families, machine, schedule, micro_batches, predict)
+    return *resolved[search.chosen.key], search
 
 
 def _auto_in_stages(

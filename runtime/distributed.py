@@ -19,12 +19,13 @@ import json
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
-from partitioner.resolve import strategy_chooser
+from partitioner.pipeline_search import AUTO_STAGES
+from partitioner.resolve import resolve_stages, strategy_chooser
 from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
 from runtime.step_model import StepModel
@@ -68,6 +69,50 @@ def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strat
         model.peak,
         model.step,
     )
+
+
+def _choose_stages(config: TrainConfig, executor: RankExecutor, options: RunOptions) -> TrainConfig:
+    """`config` in the stages, micro-batches and cuts of least predicted step, and the executor
+    set to the strategy planned with them: rank 0 chooses (`partitioner.resolve.resolve_stages`)
+    and tells every rank."""
+
+    def choose() -> tuple[int, int, tuple[str, ...], Strategy]:
+        machine = options.machine or Machine()
+        model = StepModel(machine)
+        graph = config.network.lower(
+            batch=config.batch,
+            dtype=config.dtype,
+            optimizer=config.optimizer,
+            hyperparameters=config.hyperparameters,
+        )
+        _, strategy, _, search = resolve_stages(
+            graph,
+            options.strategy,
+            executor.nranks,
+            machine,
+            options.search_seconds,
+            config.schedule,
+            config.micro_batches,
+            None,
+            options.param_homes,
+            model.peak,
+            model.step,
+        )
+        chosen = search.chosen
+        return chosen.stages, chosen.micro_batches, chosen.cuts, strategy
+
+    stages, count, cuts, strategy = executor.broadcast(choose, "the pipeline")
+    executor.settle(strategy)
+    return replace(config, stages=stages, micro_batches=count, cuts=cuts)
+
+
+def _pipeline_line(config: TrainConfig) -> str:
+    count = config.micro_batches
+    batches = f"{count} micro-batch{'es' if count != 1 else ''} (least predicted)"
+    if config.stages == 1:
+        return f"--stages auto: no stages, {batches}"
+    cuts = ", ".join(config.cuts or ())
+    return f"--stages auto: {config.stages} stages cut before {cuts}, {batches}"
 
 
 class Timeline:
@@ -134,10 +179,16 @@ def train_rank(
         verify_plans=options.verify,
     )
     root = transport.rank == 0
+    if config.stages == AUTO_STAGES:
+        config = _choose_stages(config, executor, options)
+        if root and on_epoch is not None:
+            on_epoch(_pipeline_line(config))
     where = executor.gather({"pid": os.getpid(), "host": socket.gethostname()})
     if root and log is not None:
         for rank, record in enumerate(where):
             log.write(json.dumps({"event": "start", "rank": rank, **record}) + "\n")
+        pipeline = {"stages": config.stages, "micro_batches": config.micro_batches}
+        log.write(json.dumps({"event": "pipeline", **pipeline, "cuts": config.cuts}) + "\n")
         log.flush()
     trainer = Trainer(
         config,

@@ -142,17 +142,25 @@ class RankExecutor:
         if self._strategy is None:
             spec = self.strategy_spec
             if callable(spec):
-                if self.rank == 0:
-                    chosen = spec(graph, self.nranks)
-                    for dst in range(1, self.nranks):
-                        self.transport.send_object(chosen, dst, TAG_STRATEGY)
-                else:
-                    request = self.transport.recv_object(0, TAG_STRATEGY)
-                    chosen = wait_object(request, 0, "waiting for the strategy", self.rank, 600)
-                self._strategy = chosen
+                self._strategy = self.broadcast(lambda: spec(graph, self.nranks), "the strategy")
             else:
                 self._strategy = builtin(graph, spec, self.nranks)
         return self._strategy
+
+    def settle(self, strategy: Strategy) -> None:
+        """Run `strategy`, chosen already (on every rank alike), rather than choose one."""
+        self._strategy = strategy
+
+    def broadcast(self, make: Callable[[], Any], what: str) -> Any:
+        """What rank 0 makes, on every rank (`what` names it to a rank left waiting): a
+        choice of rank 0's, which may take as long as a search (10 minutes at most)."""
+        if self.rank == 0:
+            value = make()
+            for dst in range(1, self.nranks):
+                self.transport.send_object(value, dst, TAG_STRATEGY)
+            return value
+        request = self.transport.recv_object(0, TAG_STRATEGY)
+        return wait_object(request, 0, f"waiting for {what}", self.rank, 600)
 
     def plan(self, graph: TaskGraph) -> Plan:
         return self.prepare(graph).plan

@@ -52,11 +52,16 @@ class TrainConfig:
     save_onnx: str | None = None
     #: each step's batch runs as this many micro-batches, in `schedule`'s order
     #: (`legion_nn.micro_batches`); a batch of fewer samples runs one per sample
-    micro_batches: int = 1
+    micro_batches: int | None = 1
     schedule: str = "1f1b"
     #: pipeline stages the layers are cut into (`partitioner.pipeline`), each on its share of
-    #: the ranks, the micro-batches streamed through them
-    stages: int = 1
+    #: the ranks, the micro-batches streamed through them; `pipeline_search.AUTO_STAGES`: chosen with the
+    #: micro-batches (where None) and the cuts by prediction, before the first step
+    #: (`runtime.distributed.train_rank`)
+    stages: int | str = 1
+    #: the first layer of each stage after the first (`partitioner.pipeline.stages_at`); None:
+    #: the stages balance the layers' FLOPs
+    cuts: tuple[str, ...] | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -117,7 +122,7 @@ class Trainer:
             graph = c.network.lower(
                 batch=batch, dtype=c.dtype, optimizer=c.optimizer, hyperparameters=c.hyperparameters
             )
-            graph = step_graph(graph, c.stages, min(c.micro_batches, batch), c.schedule)
+            graph = step_graph(graph, c.stages, min(c.micro_batches, batch), c.schedule, c.cuts)
             verify(graph)  # the invariants every executor relies on (milliseconds)
             self._graphs[batch] = graph
         return self._graphs[batch]

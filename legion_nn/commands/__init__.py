@@ -25,11 +25,12 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
     )
     parser.add_argument(
         "--stages",
-        type=int,
+        type=_stages,
         default=1,
         metavar="S",
         help="cut the layers into S pipeline stages of about equal work, each on R/S ranks, "
-        "the strategy splitting each stage's layers over its ranks (default 1)",
+        "the strategy splitting each stage's layers over its ranks (default 1); auto: the "
+        "stages, micro-batches and cuts of least predicted step, 1 stage included",
     )
     parser.add_argument(
         "--micro-batches",
@@ -49,22 +50,85 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
     )
 
 
+#: `--stages auto` (`partitioner.pipeline_search.AUTO_STAGES`, named here so that parsing the
+#: command line does not import it)
+AUTO_STAGES = "auto"
+
+
+def _stages(text: str) -> int | str:
+    if text == AUTO_STAGES:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a count of stages or auto, not {text!r}") from None
+
+
+def load_unsplit(args: argparse.Namespace, source: str, default_batch: int):
+    """The training step `source` lowers to, its batch whole and in one stage."""
+    from legion_nn.sources import load_source_graph
+
+    return load_source_graph(
+        source, args.batch, default_batch, dtype=args.dtype, optimizer=args.optimizer
+    )
+
+
 def load_step(args: argparse.Namespace, source: str, default_batch: int):
     """The training step `source` lowers to, as `add_step_arguments` parsed it: its batch run as
     micro-batches, in pipeline stages (`partitioner.pipeline`) where `--stages` asks."""
-    from legion_nn.sources import load_source_graph
+    from legion_nn.errors import LegionNNError
     from partitioner.pipeline import step_graph
 
-    graph = load_source_graph(
-        source, args.batch, default_batch, dtype=args.dtype, optimizer=args.optimizer
-    )
+    if args.stages == AUTO_STAGES:
+        raise LegionNNError("--stages auto chooses stages for a count of ranks: give --ranks R")
+    graph = load_unsplit(args, source, default_batch)
     return step_graph(graph, args.stages, micro_batches(args), args.schedule)
 
 
-def micro_batches(args: argparse.Namespace) -> int:
-    """`--micro-batches`, by default 2·S in a pipeline of S stages and 1 without."""
+def resolve_step(
+    args: argparse.Namespace,
+    graph,
+    nranks: int,
+    machine,
+    model,
+    note,
+    time_limit: float,
+    strategy: str | None = None,
+):
+    """The step graph and strategy the commands plan on `nranks` ranks (`strategy`, by default
+    `--strategy`), auto's reasons, and the search of `--stages auto`
+    (`partitioner.resolve.resolve_stages`; None otherwise): `graph` is `load_unsplit`'s under
+    `--stages auto`, else `load_step`'s; `model` a `runtime.step_model.StepModel`."""
+    from partitioner.resolve import resolve_stages, resolve_strategy
+
+    name = strategy or args.strategy
+    if args.stages == AUTO_STAGES:
+        return resolve_stages(
+            graph,
+            name,
+            nranks,
+            machine,
+            time_limit,
+            args.schedule,
+            args.micro_batches,
+            note,
+            args.param_homes,
+            model.peak,
+            model.step,
+        )
+    chosen, why = resolve_strategy(
+        graph, name, nranks, machine, time_limit, note, args.param_homes, model.peak, model.step
+    )
+    return graph, chosen, why, None
+
+
+def micro_batches(args: argparse.Namespace) -> int | None:
+    """`--micro-batches`, by default 2·S in a pipeline of S stages and 1 without (None under
+    `--stages auto`: the search chooses)."""
     if args.micro_batches is not None:
         return args.micro_batches
+    if args.stages == AUTO_STAGES:
+        return None
     return 2 * args.stages if args.stages > 1 else 1
 
 

@@ -21,7 +21,14 @@ import json
 import sys
 from pathlib import Path
 
-from legion_nn.commands import add_homes_argument, add_step_arguments, load_step
+from legion_nn.commands import (
+    AUTO_STAGES,
+    add_homes_argument,
+    add_step_arguments,
+    load_step,
+    load_unsplit,
+    resolve_step,
+)
 
 NAME = "memory"
 HELP = "peak memory of one training step of a Chainer dump or a network, per data-parallel rank"
@@ -135,7 +142,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_bytes
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
-    from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
     from runtime.step_memory import predict
     from runtime.step_model import StepModel
@@ -143,20 +149,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     check_ranks(args.ranks)
     machine = load_machine(args.machine)
-    graph = load_step(args, args.source, NETWORK_BATCH)
+    load = load_unsplit if args.stages == AUTO_STAGES else load_step
+    graph = load(args, args.source, NETWORK_BATCH)
     verify(graph)
     model = StepModel(machine)
-    strategy, _ = resolve_strategy(
-        graph,
-        args.strategy,
-        args.ranks,
-        machine,
-        30.0,
-        _note,
-        args.param_homes,
-        model.peak,
-        model.step,
-    )
+    graph, strategy, _, _ = resolve_step(args, graph, args.ranks, machine, model, _note, 30.0)
     plan = model.plan(graph, strategy, args.ranks)
     memories = predict(graph, plan, machine, programs=model.programs(graph, plan))
     fullest = max(memories.values(), key=lambda m: m.peak)

@@ -13,7 +13,14 @@ import argparse
 import json
 import sys
 
-from legion_nn.commands import add_homes_argument, add_step_arguments, load_step
+from legion_nn.commands import (
+    AUTO_STAGES,
+    add_homes_argument,
+    add_step_arguments,
+    load_step,
+    load_unsplit,
+    resolve_step,
+)
 
 NAME = "partition"
 DEFAULT_BATCH = 256
@@ -90,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.cost import plan_cost
     from partitioner.machine import load_calibrated, load_machine
     from partitioner.report import report_json, sweep_table, table
-    from partitioner.resolve import resolve_strategy
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan
     from runtime.step_model import StepModel
@@ -109,23 +115,16 @@ def run(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine)
     if args.calibrate:
         machine = load_calibrated(machine, args.calibrate)
-    graph = load_step(args, args.network, DEFAULT_BATCH)
-    verify(graph)
+    load = load_unsplit if args.stages == AUTO_STAGES else load_step
+    unsplit = load(args, args.network, DEFAULT_BATCH)
+    verify(unsplit)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     model = StepModel(machine)
     reports = []
     for nranks in counts:
         check_ranks(nranks)
-        strategy, why = resolve_strategy(
-            graph,
-            args.strategy,
-            nranks,
-            machine,
-            args.time_limit,
-            _note,
-            args.param_homes,
-            model.peak,
-            model.step,
+        graph, strategy, why, search = resolve_step(
+            args, unsplit, nranks, machine, model, _note, args.time_limit
         )
         plan = model.plan(graph, strategy, nranks)
         if args.verify:
@@ -133,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
         cost = plan_cost(graph, plan, machine)
         step = model.step_prediction(graph, plan, cost.step_seconds)
         memory = model.memory_prediction(graph, plan)
-        reports.append(report_json(graph, plan, cost, why, step, memory))
+        report = report_json(graph, plan, cost, why, step, memory)
+        if search is not None:
+            report["pipeline_search"] = [c.row() for c in search.tried]
+        reports.append(report)
     if args.sweep:
         sys.stdout.write(sweep_table(reports))
         payload = {"sweep": reports}

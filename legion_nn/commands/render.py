@@ -18,7 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_homes_argument, add_step_arguments, load_step
+from legion_nn.commands import (
+    AUTO_STAGES,
+    add_homes_argument,
+    add_step_arguments,
+    load_step,
+    load_unsplit,
+    resolve_step,
+)
 
 NAME = "render"
 HELP = "draw a network's task graph, or a task-graph JSON, with Graphviz"
@@ -110,14 +117,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-
+    if args.stages == AUTO_STAGES and args.ranks is not None:
+        return load_unsplit(args, args.source, NETWORK_BATCH)  # `_plan` chooses the stages
     return load_step(args, args.source, NETWORK_BATCH)
 
 
 def _plan(args: argparse.Namespace, graph):
+    """The step graph and its plan on `--ranks` (`graph`: `_load`'s)."""
     from legion_nn.errors import LegionNNError
     from partitioner.machine import load_machine
-    from partitioner.resolve import resolve_strategy
     from runtime.step_model import StepModel
 
     if args.ranks < 1:
@@ -128,18 +136,10 @@ def _plan(args: argparse.Namespace, graph):
         print(f"legion-nn render: {message}", file=sys.stderr)
 
     model = StepModel(machine)
-    strategy, _ = resolve_strategy(
-        graph,
-        args.strategy or "auto",
-        args.ranks,
-        machine,
-        args.time_limit,
-        note,
-        args.param_homes,
-        model.peak,
-        model.step,
+    graph, strategy, _, _ = resolve_step(
+        args, graph, args.ranks, machine, model, note, args.time_limit, args.strategy or "auto"
     )
-    return model.plan(graph, strategy, args.ranks)
+    return graph, model.plan(graph, strategy, args.ranks)
 
 
 def _collapse(args: argparse.Namespace, nodes: int) -> str:
@@ -217,7 +217,7 @@ def _run_timeline(args: argparse.Namespace) -> int:
         raise LegionNNError("--timeline draws a plan's step: give --ranks R too")
     graph = _load(args)
     verify(graph)
-    plan = _plan(args, graph)
+    graph, plan = _plan(args, graph)
     if not simulated(graph, plan):
         raise LegionNNError(
             f"--timeline: {plan.nranks} ranks of {len(graph.tasks)} tasks is more than the step "
@@ -246,7 +246,7 @@ def _run_partitioned(args: argparse.Namespace, graph) -> int:
     from visualize.partition_dot import partition_graphviz, piece_count
     from visualize.render_file import write_rendering
 
-    plan = _plan(args, graph)
+    graph, plan = _plan(args, graph)
     tasks = {task.name for task in forward_only(graph).tasks} if args.forward_only else None
     collapse = _collapse(args, piece_count(graph, plan, tasks))
     title = (

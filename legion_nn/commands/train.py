@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_homes_argument, add_step_arguments, micro_batches
+from legion_nn.commands import AUTO_STAGES, add_homes_argument, add_step_arguments, micro_batches
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
@@ -129,9 +129,11 @@ def _config(args: argparse.Namespace):
         verify=args.verify,
     )
     strategy_spec(options)  # a bad --strategy fails here, on every rank alike
-    check_stage_count(args.stages)
     count = micro_batches(args)
-    check_micro_batches(count, args.batch, args.schedule)
+    if args.stages != AUTO_STAGES:
+        check_stage_count(args.stages)
+    if count is not None:  # else --stages auto chooses it
+        check_micro_batches(count, args.batch, args.schedule)
     network = load_network(args.network)
     dataset = data.load(
         args.data, network.input, network.classes, args.seed, NUMPY_DTYPES[args.dtype]
@@ -176,9 +178,11 @@ class _Console:
     def start(self, config, total_steps: int, ranks: int, strategy: str) -> None:
         self.progress.start(total_steps)
         where = f", {ranks} ranks, strategy {strategy}" if ranks > 1 else ""
-        if config.stages > 1:
+        if config.stages == AUTO_STAGES:
+            where += ", stages chosen by prediction"
+        elif config.stages > 1:
             where += f" in {config.stages} stages"
-        if config.micro_batches > 1:
+        if config.micro_batches is not None and config.micro_batches > 1:
             where += f", {config.micro_batches} micro-batches ({config.schedule})"
         print(
             f"training {config.network.name} on {config.dataset.name}: "

@@ -1,0 +1,179 @@
+"""`--stages auto`: the number of stages, of micro-batches and the cuts, chosen by prediction.
+
+The search is Alpa's inter-operator pass, with the commands' own prediction as the last word.
+For every stage count S dividing the R ranks (S no more than the layers) and every micro-batch
+count M it may try (the one `--micro-batches` gives, else S, 2·S and 4·S up to the batch):
+
+1. Each layer's seconds on R/S ranks are the cost model's rows (`cost.unit_seconds`) of the
+   unsplit step under each family the stages may use (`--strategy`'s, or under `auto` every
+   built-in the graph allows, each layer taking its cheapest), a micro-batch's share of them 1/M.
+2. The cuts are `pipeline.stage_cuts`'s DP over contiguous groups of layers, each layer weighing
+   its seconds and each cut the seconds its crossing activations take over the link between the
+   stages (`_crossing_bytes`, both ways): the heaviest stage as light as can be.
+3. The pipeline's step is then estimated as a schedule's is, Σ stages + (M − 1) · heaviest stage
+   (GPipe's and 1F1B's length alike, as in Alpa).
+
+The `TOP` candidates of least estimate, and the step without stages (S = 1), are then predicted
+by `predict`, the commands' prediction of the plan they would run (the step simulator's, which
+runs the schedule with its bubbles, its messages overlapping compute, and memory), and the least
+predicted is chosen. The estimate only ranks; nothing is chosen on it alone, so a pipeline is
+chosen exactly when its plan is predicted faster than every other tried, the unstaged one
+included. What the estimate leaves out (a layer's gradient sums run once a step, not once per
+micro-batch; transitions between grids inside a stage) can misrank candidates the prediction
+never sees: `TOP` is how many get that second look.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from legion_nn.graph import TaskGraph
+from partitioner.cost import task_costs, unit_seconds
+from partitioner.machine import Machine
+from partitioner.pipeline import cuts_of, stage_cuts, staged_units, step_graph
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+
+#: `--stages auto`
+AUTO_STAGES = "auto"
+
+#: how many pipelines, of least estimate, the commands' prediction is asked about
+TOP = 3
+
+#: the step the plan of a candidate's step graph is predicted to take (math.inf where it does
+#: not fit)
+Predict = Callable[["PipelineChoice", TaskGraph], float]
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    stages: int
+    micro_batches: int
+    #: the first layer of every stage after the first (`pipeline.stages_at`)
+    cuts: tuple[str, ...]
+    #: Σ stages + (M − 1) · heaviest, from the cost model's rows; 0 without stages
+    estimate: float
+    #: `predict`'s seconds; None where it was not asked
+    predicted: float | None = None
+
+    @property
+    def key(self) -> tuple:
+        """What makes the step graph: stages, micro-batches and cuts."""
+        return self.stages, self.micro_batches, self.cuts
+
+    def row(self) -> dict:
+        """As `partition --json` reports it, under `"pipeline_search"`."""
+        return {
+            "stages": self.stages,
+            "micro_batches": self.micro_batches,
+            "cuts": list(self.cuts),
+            "estimate_seconds": self.estimate,
+            "predicted_seconds": self.predicted,
+        }
+
+
+@dataclass(frozen=True)
+class PipelineSearch:
+    chosen: PipelineChoice
+    #: every candidate estimated, those predicted first, in the order tried
+    tried: list[PipelineChoice]
+
+
+def stage_counts(graph: TaskGraph, nranks: int) -> list[int]:
+    """The stage counts `--stages auto` tries on `nranks` ranks: 1 and every divisor of
+    `nranks` no larger than the layers and the batch."""
+    most = min(len(staged_units(graph)), graph.batch, nranks)
+    return [s for s in range(1, most + 1) if nranks % s == 0]
+
+
+def micro_batch_counts(graph: TaskGraph, stages: int, given: int | None) -> list[int]:
+    """The micro-batch counts tried with `stages` stages: `given`, else S, 2·S and 4·S that the
+    batch holds (and 1 without stages)."""
+    if given is not None:
+        return [given]
+    if stages == 1:
+        return [1]
+    return [m for m in (stages, 2 * stages, 4 * stages) if m <= graph.batch]
+
+
+def choose_pipeline(
+    graph: TaskGraph,
+    nranks: int,
+    families: Sequence[str],
+    machine: Machine,
+    schedule: str,
+    micro_batches: int | None,
+    predict: Predict,
+) -> PipelineSearch:
+    """The stages, micro-batches and cuts of least predicted step for the unsplit step `graph`
+    on `nranks` ranks, each stage's layers split by one of `families` (see the module
+    docstring), and every candidate."""
+    estimates: list[PipelineChoice] = []
+    for stages in stage_counts(graph, nranks)[1:]:
+        seconds = _layer_seconds(graph, nranks // stages, families, machine)
+        alpha, beta = machine.link(0, nranks // stages)
+        for count in micro_batch_counts(graph, stages, micro_batches):
+            work = [s / count for s in seconds]
+            boundary = [2 * (alpha + b / count * beta) for b in _crossing_bytes(graph)]
+            of_unit = stage_cuts(graph, stages, work, boundary)
+            loads = [0.0] * stages
+            for unit, w in zip(staged_units(graph), work, strict=True):
+                loads[of_unit[unit.name]] += w
+            estimate = sum(loads) + (count - 1) * max(loads)
+            estimates.append(PipelineChoice(stages, count, cuts_of(of_unit), estimate))
+    estimates.sort(key=lambda c: c.estimate)
+    unstaged = PipelineChoice(1, micro_batches or 1, (), 0.0)
+    tried = []
+    for candidate in (unstaged, *estimates[:TOP]):
+        if candidate.micro_batches > graph.batch:
+            continue
+        step = step_graph(
+            graph, candidate.stages, candidate.micro_batches, schedule, candidate.cuts
+        )
+        tried.append(
+            PipelineChoice(**{**candidate.__dict__, "predicted": predict(candidate, step)})
+        )
+    best = min(tried, key=lambda c: (c.predicted, c.stages))
+    return PipelineSearch(best, tried + estimates[TOP:])
+
+
+def _layer_seconds(
+    graph: TaskGraph, share: int, families: Sequence[str], machine: Machine
+) -> list[float]:
+    """Each staged layer's seconds on `share` ranks, under its cheapest of `families` (the cost
+    model's rows of the unsplit step)."""
+    best = [math.inf] * len(staged_units(graph))
+    for family in families:
+        plan = build_plan(graph, builtin(graph, family, share), share)
+        rows = unit_seconds(task_costs(graph, plan, machine))
+        for i, unit in enumerate(staged_units(graph)):
+            best[i] = min(best[i], rows.get(unit.name, 0.0))
+    return best
+
+
+def _crossing_bytes(graph: TaskGraph) -> list[float]:
+    """Bytes of the activations a cut before each staged layer (index 0 … count) would carry
+    from one stage to the next: those written by a layer before the cut and read after it."""
+    units = staged_units(graph)
+    index = {}
+    for i, unit in enumerate(units):
+        for name in unit.forward:
+            index[name] = i
+    written: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    for name, i in index.items():
+        for req in graph.task(name).requirements:
+            tensor = graph.tensors[req.tensor]
+            if tensor.kind != "activation":
+                continue
+            if req.write_rect is not None:
+                written.setdefault(req.tensor, i)
+            if req.read_rect is not None:
+                last_read[req.tensor] = max(last_read.get(req.tensor, i), i)
+    out = [0.0] * (len(units) + 1)
+    for tensor, first in written.items():
+        for cut in range(first + 1, last_read.get(tensor, first) + 1):
+            out[cut] += graph.tensors[tensor].nbytes
+    return out
