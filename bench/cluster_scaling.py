@@ -21,7 +21,8 @@ A strategy is a built-in's name (`data`, `model`, `spatial`, `auto`) or a strate
 by `partitioner.resolve`, as `partition --strategy FILE` and `train --strategy FILE` resolve it,
 and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+sharded` after either
 (`data+sharded`) runs and predicts it with `--param-homes sharded`, and a last `+Sstages`
-(`data+2stages`) in a pipeline of S stages with 2·S micro-batches (`partitioner.pipeline`).
+(`data+2stages`) in a pipeline of S stages with 2·S micro-batches (`partitioner.pipeline`), or
+`+autostages` in the stages, micro-batches and cuts `--stages auto` chooses.
 
 The rows give both, their error, the bytes a step sends and which plan auto chose; the summary
 (`summarize`) the mean and largest absolute error, and per case whether the measured order of the
@@ -48,7 +49,8 @@ from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine, load_machine
 from partitioner.pipeline import pipelined
-from partitioner.resolve import check_strategy_name, read_grids, resolve_strategy
+from partitioner.pipeline_search import AUTO_STAGES
+from partitioner.resolve import check_strategy_name, read_grids, resolve_stages, resolve_strategy
 from partitioner.strategy import STRATEGY_NAMES
 from runtime import cluster
 from runtime.step_model import StepModel
@@ -63,16 +65,18 @@ SEARCH_SECONDS = 30.0
 
 #: after a strategy, `--param-homes sharded`
 SHARDED = "+sharded"
-#: last after a strategy, `+2stages`: `--stages 2` (with `--micro-batches` at its default, 2·S)
-STAGES = re.compile(r"\+(\d+)stages$")
+#: last after a strategy, `+2stages`: `--stages 2` (with `--micro-batches` at its default, 2·S);
+#: `+autostages`: `--stages auto`
+STAGES = re.compile(r"\+(\d+|auto)stages$")
 
 
-def split_stages(strategy: str) -> tuple[str, int]:
+def split_stages(strategy: str) -> tuple[str, int | str]:
     """(the strategy without its stages, `--stages`) of a strategy as `--strategies` gives it."""
     found = STAGES.search(strategy)
     if found is None:
         return strategy, 1
-    return strategy[: found.start()], int(found.group(1))
+    count = found.group(1)
+    return strategy[: found.start()], count if count == AUTO_STAGES else int(count)
 
 
 def split_homes(strategy: str) -> tuple[str, str | None]:
@@ -85,7 +89,7 @@ def split_homes(strategy: str) -> tuple[str, str | None]:
 
 def _suffix(strategy: str) -> str:
     homes, stages = split_homes(strategy)[1], split_stages(strategy)[1]
-    return (SHARDED if homes else "") + (f"+{stages}stages" if stages > 1 else "")
+    return (SHARDED if homes else "") + (f"+{stages}stages" if stages != 1 else "")
 
 
 def strategy_label(strategy: str) -> str:
@@ -99,7 +103,7 @@ def strategy_label(strategy: str) -> str:
 def _train_arguments(strategy: str) -> list[str]:
     homes, stages = split_homes(strategy)[1], split_stages(strategy)[1]
     return (["--param-homes", homes] if homes else []) + (
-        ["--stages", str(stages)] if stages > 1 else []
+        ["--stages", str(stages)] if stages != 1 else []
     )
 
 
@@ -170,15 +174,25 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     auto or a strategy file), resolved as it resolves it."""
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     stages = split_stages(strategy)[1]
-    if stages > 1:
-        graph = pipelined(graph, stages, 2 * stages)[0]
     name, homes = split_homes(strategy)
     model = StepModel(machine)
-    plan_strategy, why = resolve_strategy(
-        graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes,
-        peak=model.peak, step=model.step,
-    )  # fmt: skip
+    pipeline = ""
+    if stages == AUTO_STAGES:
+        graph, plan_strategy, why, search = resolve_stages(
+            graph, name, ranks, machine, SEARCH_SECONDS, "1f1b", None, None, homes, model.peak,
+            model.step,
+        )  # fmt: skip
+        c = search.chosen
+        pipeline = f"{c.stages} stages, {c.micro_batches} micro-batches"
+    else:
+        if stages > 1:
+            graph = pipelined(graph, stages, 2 * stages)[0]
+        plan_strategy, why = resolve_strategy(
+            graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes,
+            peak=model.peak, step=model.step,
+        )  # fmt: skip
     chosen = ",".join(sorted({c["family"] for c in why})) if why else ""
+    chosen = "; ".join(part for part in (chosen, pipeline) if part)
     plan = model.plan(graph, plan_strategy, ranks)
     cost = plan_cost(graph, plan, machine)
     step = model.step_prediction(graph, plan, cost.step_seconds)

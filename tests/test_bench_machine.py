@@ -194,14 +194,18 @@ def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monke
     labels = ["data", "megatron-col-row-2", "auto", "data+sharded"]
     assert [strategy_label(s) for s in strategies] == labels
     assert parse_strategies("examples/megatron-col-row-2.json+sharded") == [f"{COLUMN_ROW}+sharded"]
-    piped = parse_strategies("data+2stages,model+sharded+2stages")
-    assert piped == ["data+2stages", "model+sharded+2stages"]
+    piped = parse_strategies("data+2stages,model+sharded+2stages,data+autostages")
+    assert piped == ["data+2stages", "model+sharded+2stages", "data+autostages"]
     assert [_train_arguments(s) for s in piped] == [
-        ["--stages", "2"], ["--param-homes", "sharded", "--stages", "2"]
+        ["--stages", "2"], ["--param-homes", "sharded", "--stages", "2"], ["--stages", "auto"]
     ]  # fmt: skip
     predicted = predict("deep-mlp", 16, 2, "data+2stages", Machine())
     whole = predict("deep-mlp", 16, 2, "data", Machine())
     assert predicted["bytes_planned"] < whole["bytes_planned"]  # activations, not gradients
+    slow = Machine(link_gbytes_per_s=0.01)
+    chosen = predict("deep-mlp", 16, 2, "data+autostages", slow)
+    assert chosen["auto_chose"].startswith("2 stages")  # summing the weights is slower
+    assert chosen["predicted_s"] < predict("deep-mlp", 16, 2, "data", slow)["predicted_s"]
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rows.json").write_text(COLUMN_ROW.read_text())
