@@ -229,14 +229,23 @@ def _auto_in_stages(
     param_homes: str | None,
     step: StepFn | None,
 ) -> Strategy:
-    """`auto` in a pipeline's stages: the built-in family that splits every stage's layers over
-    its ranks with the least predicted step (`_fastest`). The stage cuts are
-    `pipeline.stage_cuts`'s: the search does not yet choose grids per layer inside stages, nor
-    the cuts."""
+    """`auto` in a pipeline's stages: of the built-in families that split every stage's layers
+    over its ranks, and of the mixture giving each layer its family of least seconds in the cost
+    model's rows, the one of least predicted step (`_fastest`). The stages are the graph's."""
     homes = param_homes or "replicated"
     families = ["data"] if batch_only(graph) else list(BUILTIN)
     candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]
-    return candidates[_fastest(graph, candidates, nranks, machine, step)]
+    plans = [build_plan(graph, s, nranks) for s in candidates]
+    rows = [unit_seconds(task_costs(graph, p, machine)) for p in plans]
+
+    def cheapest(unit: str) -> Strategy:
+        return candidates[min(range(len(rows)), key=lambda i: rows[i].get(unit, 0.0))]
+
+    mixed = {unit: cheapest(unit).unit_grids[unit] for unit in candidates[0].unit_grids}
+    if all(mixed != c.unit_grids for c in candidates):
+        candidates.append(replace(candidates[0], name="auto", unit_grids=mixed))
+        plans.append(build_plan(graph, candidates[-1], nranks))
+    return candidates[_fastest(graph, candidates, nranks, machine, step, plans)]
 
 
 def _fastest(
@@ -245,10 +254,12 @@ def _fastest(
     nranks: int,
     machine: Machine,
     step: StepFn | None,
+    plans: list | None = None,
 ) -> int:
     """The index of the candidate of least predicted step: by `step` among those whose
-    bulk-synchronous sums are near the least (`memory_fit.least_step`), else by the sum."""
-    plans = [build_plan(graph, s, nranks) for s in candidates]
+    bulk-synchronous sums are near the least (`memory_fit.least_step`), else by the sum
+    (`plans`: the candidates' plans, where made already)."""
+    plans = plans or [build_plan(graph, s, nranks) for s in candidates]
     bulk = [plan_cost(graph, p, machine).step_seconds for p in plans]
     if step is None:
         return bulk.index(min(bulk))

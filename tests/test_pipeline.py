@@ -238,16 +238,21 @@ def test_a_timeline_needs_ranks(tmp_path, capsys):
     assert not (tmp_path / "t.png").exists()
 
 
-def test_auto_in_stages_takes_the_family_of_least_predicted_step():
+def test_auto_in_stages_takes_the_split_of_least_predicted_step():
     """On a slow link, 2 stages of 2 ranks each: data parallelism inside the stages all-reduces
-    half the MLP's weights, model parallelism moves activations; auto takes the least step."""
+    half the MLP's weights, model parallelism moves activations; auto takes the least step of
+    the families and of the mixture taking each layer's cheapest, which here is the mixture."""
     graph, _ = pipelined(load_network("deep-mlp").lower(batch=32), 2, 4)
     machine = Machine(link_gbytes_per_s=0.1, latency_us=50)
     model = StepModel(machine)
     chosen, why = resolve_strategy(graph, "auto", 4, machine, 10.0, step=model.step)
     assert why is None and set(chosen.unit_ranks.values()) == {0, 2}  # 2 stages of 2 ranks
-    steps = {f: model.step(graph, build_plan(graph, builtin(graph, f, 4), 4)) for f in BUILTIN}
-    assert chosen.name == min(steps, key=steps.get) == "model"
+    uniform = {f: builtin(graph, f, 4) for f in BUILTIN}
+    steps = {f: model.step(graph, build_plan(graph, s, 4)) for f, s in uniform.items()}
+    assert model.step(graph, build_plan(graph, chosen, 4)) < min(steps.values())
+    for unit, grid in chosen.unit_grids.items():
+        assert grid in {s.unit_grids[unit] for s in uniform.values()}, unit
+    assert all(chosen.unit_grids != s.unit_grids for s in uniform.values())
 
 
 def test_a_grids_file_with_stages_is_one_line():
