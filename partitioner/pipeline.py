@@ -166,6 +166,27 @@ def step_graph(
     return pipelined(graph, stages, micro_batches, schedule, cuts)[0]
 
 
+def cuts_naming(graph: TaskGraph, stages: Sequence[Sequence[str]], where: str) -> tuple[str, ...]:
+    """The cuts of a strategy file's `"stages"` (`where`: the file), each stage's layers named in
+    order: together they must be every layer, in the layers' order, each once."""
+    units = [u.name for u in staged_units(graph)]
+    named = [name for stage in stages for name in stage]
+    unknown = [n for n in named if n not in units]
+    if unknown:
+        raise LegionNNError(
+            f"{where}: stage layer {unknown[0]!r} is not a layer; layers: {', '.join(units)}"
+        )
+    missing = [u for u in units if u not in named]
+    if missing:
+        raise LegionNNError(f"{where}: the stages leave out layer {missing[0]!r}")
+    if named != units or not all(stages):
+        raise LegionNNError(
+            f"{where}: the stages must hold the layers in their order, each once, none empty "
+            f"({', '.join(units)})"
+        )
+    return tuple(stage[0] for stage in stages[1:])
+
+
 def stage_table(graph: TaskGraph, nranks: int) -> list[dict]:
     """Per stage of a pipelined graph, its layers (units) and ranks, as `partition --json`
     reports them; empty for a graph without stages."""

@@ -197,8 +197,8 @@ def resolve_stages(
     `resolve_strategy` gives them; and the search."""
     if name not in BUILTIN and name != "auto":
         raise LegionNNError(
-            f"--strategy {name} with --stages auto: stages are split by data, model, spatial or "
-            "auto (a grids file does not name stages)"
+            f"--strategy {name} with --stages auto: a grids file fixes its grids' ranks, and "
+            "with them the stages; give --stages S (or name them in the file)"
         )
     if name in BUILTIN:
         families = [name]
@@ -276,11 +276,6 @@ def _resolve(
 ) -> tuple[Strategy, list[dict] | None, SearchResult | None]:
     """The strategy `name` stands for, auto's reasons and its search's result."""
     check_plannable(graph)
-    if stages_of(graph) > 1 and name not in BUILTIN:
-        raise LegionNNError(
-            f"--strategy {name} with --stages: a pipeline's stages are split by data, model, "
-            "spatial or auto so far (grids files do not name stages yet)"
-        )
     if name in ("auto", "model", "spatial") and batch_only(graph):
         what = graph.network or "this graph"
         if name == "auto":
@@ -343,6 +338,29 @@ def check_strategy_name(name: str) -> None:
 
 def read_grids(path: str) -> dict:
     """The `{unit: [parts, ...]}` of a strategy file `{"grids": ...}`."""
+    return _strategy_file(path)["grids"]
+
+
+def read_stages(path: str) -> list[list[str]] | None:
+    """The stages a strategy file names, each its layers in order (`"stages": [[layer, ...],
+    ...]`, or each stage `{"layers": [...]}` as `partition --json` reports them); None where it
+    names none. Its grids then cut each layer over its stage's ranks."""
+    stages = _strategy_file(path).get("stages")
+    if stages is None:
+        return None
+    out = []
+    for stage in stages if isinstance(stages, list) else [None]:
+        layers = stage.get("layers") if isinstance(stage, dict) else stage
+        if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
+            raise LegionNNError(
+                f'{path}: "stages" is a list of stages, each a list of layers (or {{"layers": '
+                "[...]}})"
+            )
+        out.append(layers)
+    return out
+
+
+def _strategy_file(path: str) -> dict:
     try:
         with open(path) as handle:
             spec = json.load(handle)
@@ -350,7 +368,7 @@ def read_grids(path: str) -> dict:
         raise LegionNNError(f"{path}: not JSON ({exc.msg})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
         raise LegionNNError(f'{path}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
-    return spec["grids"]
+    return spec
 
 
 def grids_strategy(graph: TaskGraph, path: str, grids: dict, nranks: int) -> Strategy:

@@ -410,21 +410,29 @@ def builtin(graph: TaskGraph, name: str, nranks: int) -> Strategy:
         raise LegionNNError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
     check_ranks(nranks)
     units = find_units(graph)
+    share, first = stage_ranks(graph, units, nranks)
+    return Strategy(name, {u.name: builtin_grid(u, name, share) for u in units}, unit_ranks=first)
+
+
+def stage_ranks(graph: TaskGraph, units: list[Unit], nranks: int) -> tuple[int, dict[str, int]]:
+    """The ranks each unit's grid cuts it over (its pipeline stage's share of `nranks`,
+    `partitioner.pipeline`; all of them without stages) and the first of them per unit (none
+    without stages: rank 0)."""
     stages = stages_of(graph)
     if stages == 1:
-        return Strategy(name, {u.name: builtin_grid(u, name, nranks) for u in units})
+        return nranks, {}
     if nranks % stages:
         raise LegionNNError(f"--stages {stages} does not divide the {nranks} ranks")
     share = nranks // stages
-    grids = {u.name: builtin_grid(u, name, share) for u in units}
-    first = {u.name: graph.task(u.forward[0]).attrs.get("stage", 0) * share for u in units}
-    return Strategy(name, grids, unit_ranks=first)
+    return share, {u.name: graph.task(u.forward[0]).attrs.get("stage", 0) * share for u in units}
 
 
 def from_grids(graph: TaskGraph, grids: Mapping[str, list[int]], nranks: int) -> Strategy:
-    """A user-given strategy: a grid for every unit, each cutting it into `nranks` pieces."""
+    """A user-given strategy: a grid for every unit, each cutting it into `nranks` pieces (in a
+    pipeline, its stage's share of them)."""
     check_ranks(nranks)
     units = {u.name: u for u in find_units(graph)}
+    share, first = stage_ranks(graph, list(units.values()), nranks)
     unknown = sorted(set(grids) - set(units))
     if unknown:
         raise LegionNNError(f"grid for unknown unit {unknown[0]!r}; units: {', '.join(units)}")
@@ -441,9 +449,9 @@ def from_grids(graph: TaskGraph, grids: Mapping[str, list[int]], nranks: int) ->
         grid = given
         if unit.summed and len(grid) == len(unit.extents) - len(unit.summed):
             grid += (1,) * len(unit.summed)  # a grid of the output alone: the sums stay whole
-        check_grid(unit, grid, nranks, given)
+        check_grid(unit, grid, share, given)
         out[name] = grid
-    return Strategy("custom", out)
+    return Strategy("custom", out, unit_ranks=first)
 
 
 def check_ranks(nranks: int) -> None:

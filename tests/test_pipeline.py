@@ -253,9 +253,3 @@ def test_auto_in_stages_takes_the_split_of_least_predicted_step():
     for unit, grid in chosen.unit_grids.items():
         assert grid in {s.unit_grids[unit] for s in uniform.values()}, unit
     assert all(chosen.unit_grids != s.unit_grids for s in uniform.values())
-
-
-def test_a_grids_file_with_stages_is_one_line():
-    graph, _ = pipelined(load_network("deep-mlp").lower(batch=32), 2, 4)
-    with pytest.raises(LegionNNError, match="grids files do not name stages yet"):
-        resolve_strategy(graph, "examples/megatron-col-row-2.json", 2, Machine(), 1.0)

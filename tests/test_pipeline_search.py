@@ -19,30 +19,45 @@ import pytest
 
 from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
-from legion_nn.layers import Evaluate, FilterNL, Linear, Softmax
 from legion_nn.micro_batches import schedule_of, stages_of
 from legion_nn.network import Network
+from legion_nn.networks import load_network
+from legion_nn.spec import network_from_dict
 from partitioner.machine import Machine
-from partitioner.pipeline import cuts_of, pipelined, stage_cuts, staged_units, stages_at
+from partitioner.pipeline import (
+    cuts_naming,
+    cuts_of,
+    pipelined,
+    stage_cuts,
+    staged_units,
+    stages_at,
+)
 from partitioner.pipeline_search import AUTO_STAGES, _crossing_bytes, stage_counts
 from partitioner.plan import build_plan
-from partitioner.resolve import resolve_stages
+from partitioner.resolve import resolve_stages, strategy_chooser
 from partitioner.strategy import builtin
 from runtime.distributed import RunOptions, train_rank
 from runtime.step_model import StepModel
 from runtime.transport import run_threads
 from tests.test_pipeline import residual_network
-from tests.test_rank_executor import config, local_run
+from tests.test_rank_executor import assert_same, config, local_run, ranks_run
 
 #: a link slow enough that summing an MLP's weight gradients costs more than its activations
 SLOW = Machine(link_gbytes_per_s=0.01, latency_us=50)
 
 
-def mlp(width: int = 96, depth: int = 4) -> Network:
+def mlp_spec(width: int = 96, depth: int = 4) -> dict:
     layers = []
     for i in range(depth):
-        layers += [Linear(f"fc{i}", out=width), FilterNL(fn="relu")]
-    return Network("mlp", (12, 1, 1), 4, [*layers, Linear("out", out=4), Softmax(), Evaluate()])
+        layers += [{"kind": "linear", "name": f"fc{i}", "out": width},
+                   {"kind": "filterNL", "fn": "relu"}]  # fmt: skip
+    layers += [{"kind": "linear", "name": "out", "out": 4}, {"kind": "softmax"},
+               {"kind": "evaluate"}]  # fmt: skip
+    return {"name": "mlp", "input": [12, 1, 1], "classes": 4, "layers": layers}
+
+
+def mlp(width: int = 96, depth: int = 4) -> Network:
+    return network_from_dict(mlp_spec(width, depth), "mlp")
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -185,7 +200,7 @@ def test_train_with_stages_auto_runs_the_chosen_pipeline_equal_to_one_process():
                 "--strategy",
                 "examples/megatron-col-row-2.json",
             ],
-            "a grids file does not name stages",
+            "a grids file fixes its grids' ranks",
         ),
     ],
 )
@@ -200,3 +215,75 @@ def test_stages_neither_a_count_nor_auto_is_refused(capsys):
         main(["graph", "deep-mlp", "--stages", "two"])
     assert exc.value.code == 2
     assert "a count of stages or auto, not 'two'" in capsys.readouterr().err
+
+
+def _grids_file(tmp_path, stages, grids) -> str:
+    path = tmp_path / "staged.json"
+    path.write_text(json.dumps({"stages": stages, "grids": grids}))
+    return str(path)
+
+
+#: the MLP's layers in 2 stages, each layer's grid over its stage's 2 ranks
+STAGES = [["fc0", "fc1"], ["fc2", "fc3", "out.linear5", "out.softmax"]]
+GRIDS = {"fc0": [1, 2, 1, 1], "fc1": [2, 1, 1, 1], "fc2": [2, 1, 1, 1], "fc3": [1, 2, 1, 1],
+         "out.linear5": [2, 1, 1, 1, 1, 1, 1], "out.softmax": [2, 1, 1, 1], "out.evaluate.accuracy": [1]}  # fmt: skip
+
+
+def test_a_grids_file_names_stages_and_its_grids_cut_each_over_its_stages_ranks(tmp_path):
+    """4 ranks in the file's 2 stages, column and row splits mixed: one process's step."""
+    network = mlp()
+    path = _grids_file(tmp_path, STAGES, GRIDS)
+    cuts = cuts_naming(network.lower(batch=8), STAGES, path)
+    assert cuts == ("fc2",)
+    full = local_run(config(network, batch=8))
+    cfg = config(network, batch=8, stages=2, micro_batches=4, cuts=cuts)
+    assert_same(full, ranks_run(cfg, 4, strategy_chooser(path, Machine(), 1.0)))
+
+
+def test_partition_takes_the_stages_a_grids_file_names(tmp_path):
+    grids = {u.name: [2, 1, 1, 1] for u in staged_units(load_network("deep-mlp").lower(batch=8))}
+    grids["classifier.linear9"] = [2, 1, 1, 1, 1, 1, 1]
+    grids["classifier.evaluate.accuracy"] = [1]
+    stages = [{"layers": ["fc1", "fc2", "fc3"]},
+              {"layers": ["fc4", "fc5", "fc6", "fc7", "fc8", "classifier.linear9",
+                          "classifier.softmax"]}]  # fmt: skip
+    path = _grids_file(tmp_path, stages, grids)
+    out = tmp_path / "p.json"
+    argv = ["partition", "deep-mlp", "--ranks", "4", "--batch", "16", "--strategy", path,
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["stages"] == [s | {"ranks": r} for s, r in zip(stages, ([0, 1], [2, 3]))]
+    assert report["micro_batches"] == 4
+
+
+@pytest.mark.parametrize(
+    ("stages", "extra", "message"),
+    [
+        (
+            [["fc0"], ["fc2", "fc3", "out.linear5", "out.softmax"]],
+            [],
+            "the stages leave out layer 'fc1'",
+        ),
+        ([["fc0", "fc1"], ["fc9"]], [], "stage layer 'fc9' is not a layer"),
+        (
+            [["fc1", "fc0"], ["fc2", "fc3", "out.linear5", "out.softmax"]],
+            [],
+            "in their order, each once",
+        ),
+        ([["fc0", "fc1"], [], ["fc2", "fc3", "out.linear5", "out.softmax"]], [], "none empty"),
+        (STAGES, ["--stages", "3"], "--stages 3: "),
+        ("fc0", [], '"stages" is a list of stages'),
+    ],
+)
+def test_bad_stages_in_a_grids_file_are_one_line(tmp_path, capsys, stages, extra, message):
+    spec = tmp_path / "mlp.json"
+    spec.write_text(json.dumps(mlp_spec()))
+    path = _grids_file(tmp_path, stages, GRIDS)
+    out = tmp_path / "p.json"
+    argv = ["partition", str(spec), "--ranks", "4", "--batch", "8", "--strategy", path,
+            "--json", str(out), *extra]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

@@ -82,7 +82,27 @@ def load_step(args: argparse.Namespace, source: str, default_batch: int):
     if args.stages == AUTO_STAGES:
         raise LegionNNError("--stages auto chooses stages for a count of ranks: give --ranks R")
     graph = load_unsplit(args, source, default_batch)
-    return step_graph(graph, args.stages, micro_batches(args), args.schedule)
+    stages, count, cuts = step_shape(args, graph)
+    return step_graph(graph, stages, count, args.schedule, cuts)
+
+
+def step_shape(args: argparse.Namespace, graph) -> tuple[int, int, tuple[str, ...] | None]:
+    """The stages, micro-batches and cuts of the step: `--stages` and `--micro-batches`, or the
+    stages a `--strategy` file names (`partitioner.resolve.read_stages`), cut where it cuts them
+    (None: where the FLOPs balance); `graph` is the unsplit step."""
+    from legion_nn.errors import LegionNNError
+    from partitioner.pipeline import cuts_naming
+    from partitioner.resolve import read_stages
+
+    path = getattr(args, "strategy", None) or ""
+    named = read_stages(path) if path.endswith(".json") else None
+    if named is None:
+        return args.stages, micro_batches(args), None
+    if args.stages not in (1, len(named)):
+        raise LegionNNError(f"--stages {args.stages}: {path} names {len(named)} stages")
+    stages = len(named)
+    count = args.micro_batches or (2 * stages if stages > 1 else 1)
+    return stages, count, cuts_naming(graph, named, path) if stages > 1 else None
 
 
 def resolve_step(

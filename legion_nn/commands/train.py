@@ -14,7 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import AUTO_STAGES, add_homes_argument, add_step_arguments, micro_batches
+from legion_nn.commands import (
+    AUTO_STAGES,
+    add_homes_argument,
+    add_step_arguments,
+    micro_batches,
+    step_shape,
+)
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
@@ -129,12 +135,14 @@ def _config(args: argparse.Namespace):
         verify=args.verify,
     )
     strategy_spec(options)  # a bad --strategy fails here, on every rank alike
-    count = micro_batches(args)
+    network = load_network(args.network)
+    stages, count, cuts = args.stages, micro_batches(args), None
     if args.stages != AUTO_STAGES:
         check_stage_count(args.stages)
+        if args.strategy.endswith(".json"):
+            stages, count, cuts = step_shape(args, network.lower(batch=args.batch))
     if count is not None:  # else --stages auto chooses it
         check_micro_batches(count, args.batch, args.schedule)
-    network = load_network(args.network)
     dataset = data.load(
         args.data, network.input, network.classes, args.seed, NUMPY_DTYPES[args.dtype]
     )
@@ -154,7 +162,8 @@ def _config(args: argparse.Namespace):
         save_onnx=args.save_onnx,
         micro_batches=count,
         schedule=args.schedule,
-        stages=args.stages,
+        stages=stages,
+        cuts=cuts,
     )
     if args.save_onnx and not network.source.lower().endswith(".onnx"):
         raise LegionNNError(f"--save-onnx needs an ONNX model to train, not {args.network!r}")
