@@ -105,6 +105,14 @@ def step_shape(args: argparse.Namespace, graph) -> tuple[int, int, tuple[str, ..
     return stages, count, cuts_naming(graph, named, path) if stages > 1 else None
 
 
+def load_planned(args: argparse.Namespace, source: str, default_batch: int):
+    """The graph `resolve_step` plans: `load_unsplit`'s under `--stages auto` (the stages are
+    chosen with the plan), else `load_step`'s."""
+    if args.stages == AUTO_STAGES:
+        return load_unsplit(args, source, default_batch)
+    return load_step(args, source, default_batch)
+
+
 def resolve_step(
     args: argparse.Namespace,
     graph,
@@ -117,8 +125,8 @@ def resolve_step(
 ):
     """The step graph and strategy the commands plan on `nranks` ranks (`strategy`, by default
     `--strategy`), auto's reasons, and the search of `--stages auto`
-    (`partitioner.resolve.resolve_stages`; None otherwise): `graph` is `load_unsplit`'s under
-    `--stages auto`, else `load_step`'s; `model` a `runtime.step_model.StepModel`."""
+    (`partitioner.resolve.resolve_stages`; None otherwise): `graph` is `load_planned`'s;
+    `model` a `runtime.step_model.StepModel`."""
     from partitioner.resolve import resolve_stages, resolve_strategy
 
     name = strategy or args.strategy

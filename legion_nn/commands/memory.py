@@ -22,11 +22,10 @@ import sys
 from pathlib import Path
 
 from legion_nn.commands import (
-    AUTO_STAGES,
     add_homes_argument,
     add_step_arguments,
+    load_planned,
     load_step,
-    load_unsplit,
     resolve_step,
 )
 
@@ -149,8 +148,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     check_ranks(args.ranks)
     machine = load_machine(args.machine)
-    load = load_unsplit if args.stages == AUTO_STAGES else load_step
-    graph = load(args, args.source, NETWORK_BATCH)
+    graph = load_planned(args, args.source, NETWORK_BATCH)
     verify(graph)
     model = StepModel(machine)
     graph, strategy, _, _ = resolve_step(args, graph, args.ranks, machine, model, _note, 30.0)

@@ -14,11 +14,9 @@ import json
 import sys
 
 from legion_nn.commands import (
-    AUTO_STAGES,
     add_homes_argument,
     add_step_arguments,
-    load_step,
-    load_unsplit,
+    load_planned,
     resolve_step,
 )
 
@@ -115,16 +113,15 @@ def run(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine)
     if args.calibrate:
         machine = load_calibrated(machine, args.calibrate)
-    load = load_unsplit if args.stages == AUTO_STAGES else load_step
-    unsplit = load(args, args.network, DEFAULT_BATCH)
-    verify(unsplit)
+    loaded = load_planned(args, args.network, DEFAULT_BATCH)
+    verify(loaded)
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     model = StepModel(machine)
     reports = []
     for nranks in counts:
         check_ranks(nranks)
         graph, strategy, why, search = resolve_step(
-            args, unsplit, nranks, machine, model, _note, args.time_limit
+            args, loaded, nranks, machine, model, _note, args.time_limit
         )
         plan = model.plan(graph, strategy, nranks)
         if args.verify:

@@ -19,11 +19,10 @@ import argparse
 import sys
 
 from legion_nn.commands import (
-    AUTO_STAGES,
     add_homes_argument,
     add_step_arguments,
+    load_planned,
     load_step,
-    load_unsplit,
     resolve_step,
 )
 
@@ -117,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    if args.stages == AUTO_STAGES and args.ranks is not None:
-        return load_unsplit(args, args.source, NETWORK_BATCH)  # `_plan` chooses the stages
+    if args.ranks is not None:
+        return load_planned(args, args.source, NETWORK_BATCH)  # `_plan` plans it
     return load_step(args, args.source, NETWORK_BATCH)
 
 
