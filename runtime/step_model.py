@@ -7,7 +7,9 @@ reads the plan's rank programs, the costliest thing to derive from a plan (a sec
 for resnet18's 64 ranks), and the simulation. A `StepModel` keeps them per plan, found by what
 makes the plan (its strategy's name and grids, its sharded homes, its ranks): the plan `auto`'s
 fit built is the plan the command reports, and nothing about it is derived twice. The last
-`KEPT_PROGRAMS` plans' programs are kept, so that a search over many plans holds a few.
+`KEPT_PROGRAMS` plans' programs are kept, so that a search over many plans holds a few, and the
+last `KEPT_PLANS` plans it was asked about (where their programs are not built, on more ranks
+than `step` simulates), so that the plan a command reports is not planned again either.
 
 The functions a command hands `partitioner.resolve` (`peak`, `step`) are the model's methods; a
 command makes one model per machine and asks it for the plan it reports (`plan`).
@@ -35,6 +37,8 @@ from runtime.step_simulator import SimulatedStep
 
 #: plans whose every rank's programs are kept (the candidates auto compares are fewer)
 KEPT_PROGRAMS = 6
+#: plans kept without their programs
+KEPT_PLANS = 4
 
 
 class StepModel:
@@ -47,6 +51,8 @@ class StepModel:
         #: per plan (`_key`), the plan and every rank's program, the last `KEPT_PROGRAMS`
         self._programs: OrderedDict[tuple, tuple[Plan, dict[int, RankProgram]]] = OrderedDict()
         self._simulated: dict[tuple, SimulatedStep] = {}
+        #: the last `KEPT_PLANS` plans asked about, by `_key`
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
 
     def _key(self, graph: TaskGraph, name: str, unit_grids, sharded, nranks: int) -> tuple:
         self._graphs.setdefault(id(graph), graph)
@@ -60,7 +66,16 @@ class StepModel:
         they are kept."""
         key = self._key(graph, strategy.name, strategy.unit_grids, strategy.sharded, nranks)
         found = self._programs.get(key)
-        return found[0] if found is not None else build_plan(graph, strategy, nranks)
+        if found is not None:
+            return found[0]
+        return self._plans.get(key) or build_plan(graph, strategy, nranks)
+
+    def _keep(self, graph: TaskGraph, plan: Plan) -> None:
+        key = self._plan_key(graph, plan)
+        self._plans[key] = plan
+        self._plans.move_to_end(key)
+        while len(self._plans) > KEPT_PLANS:
+            self._plans.popitem(last=False)
 
     def programs(self, graph: TaskGraph, plan: Plan) -> dict[int, RankProgram]:
         """Every rank's program of `plan`."""
@@ -98,6 +113,7 @@ class StepModel:
         `auto` chooses its plan by (`partitioner.resolve`)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
         if not self._simulates(graph, plan):
+            self._keep(graph, plan)
             return plan_cost(graph, plan, self.machine).step_seconds + loop
         return self.simulated_seconds(graph, plan) + loop
 
@@ -109,6 +125,7 @@ class StepModel:
         found = self._programs.get(self._plan_key(graph, plan))
         if found is not None or self._simulates(graph, plan):
             return plan_peak(graph, plan, self.machine, self.programs(graph, plan))
+        self._keep(graph, plan)
         return plan_peak(graph, plan, self.machine)
 
     @staticmethod

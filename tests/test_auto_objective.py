@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -106,3 +107,30 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
         memory_prediction(graph, fresh, SLOW),
     )
     assert model.peak(graph, plan) == plan_peak(graph, fresh, SLOW)
+
+
+def test_on_more_ranks_than_it_simulates_the_model_keeps_the_plans_it_was_asked_about(
+    monkeypatch,
+):
+    """Beyond `OBJECTIVE_SIMULATE_MAX_RANKS` no programs are built, and the plan the command
+    reports is the one the fit planned: `StepModel.plan` does not plan it again."""
+    from runtime import step_model
+    from runtime.step_prediction import OBJECTIVE_SIMULATE_MAX_RANKS
+
+    ranks = 2 * OBJECTIVE_SIMULATE_MAX_RANKS
+    graph = load_network("seed-lcn-small").lower(batch=ranks, optimizer="sgd")
+    model = StepModel(SLOW)
+    chosen, _ = resolve_strategy(graph, "auto", ranks, SLOW, 10.0, peak=model.peak,
+                                 step=model.step)  # fmt: skip
+    planned: list[str] = []
+
+    def counting(graph, strategy, nranks):
+        planned.append(strategy.name)
+        return build_plan(graph, strategy, nranks)
+
+    monkeypatch.setattr(step_model, "build_plan", counting)
+    plan = model.plan(graph, chosen, ranks)
+    assert planned == [] and plan.unit_grids == chosen.unit_grids
+    other = replace(builtin(graph, "data", ranks), name="custom")  # not one the fit tried
+    model.plan(graph, other, ranks)
+    assert planned == ["custom"]  # a plan it was never asked about is planned
