@@ -183,7 +183,9 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
             model.step,
         )  # fmt: skip
         c = search.chosen
-        pipeline = f"{c.stages} stages, {c.micro_batches} micro-batches"
+        pipeline = (
+            f"{c.stages} stages, {c.micro_batches} micro-batches" if c.stages > 1 else "no stages"
+        )
     else:
         if stages > 1:
             graph = pipelined(graph, stages, 2 * stages)[0]
