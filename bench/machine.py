@@ -15,8 +15,9 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - the layout: hosts, ranks per host (ranks are placed in blocks), the cores a rank has and its
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
-  plans, on 1 rank and on R, and of a pipeline of R stages streaming 2·R micro-batches (a
-  one-rank step at the micro-batch's rows), under every optimizer (their update tasks differ),
+  plans, on 1 rank and on R, and of micro-batches on a rank of their own (one process's 2, 4 and
+  8, and a pipeline of R stages streaming R, 2·R and 4·R: a one-rank step at the micro-batch's
+  rows, `micro_batch_counts`), under every optimizer (their update tasks differ),
   timed with the runtime's kernels on the rank's thread count (`bench.task_profile`,
   FlexFlow's per-configuration measurement) into the `pieces` table;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
@@ -63,6 +64,7 @@ from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns
 from bench.task_profile import profile_plan, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
+from legion_nn.micro_batches import micro_batched
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import BUILTIN, builtin
@@ -185,6 +187,14 @@ def piece_rows(cache: dict) -> list[dict]:
     return rows
 
 
+def micro_batch_counts(batch: int, ranks: int) -> list[int]:
+    """The micro-batch counts whose pieces are timed: 2, 4 and 8 in one process, and the S, 2·S
+    and 4·S that `--stages auto` tries in a pipeline of S = R stages, a rank each
+    (`partitioner.pipeline_search.micro_batch_counts`); at most the batch."""
+    counts = {2, 4, 8} | ({ranks, 2 * ranks, 4 * ranks} if ranks > 1 else set())
+    return sorted(m for m in counts if m <= batch)
+
+
 def measure_compute(
     network: str, batch: int, ranks: int, strategies: Sequence[str], threads: int
 ) -> tuple[list[dict], dict]:
@@ -207,13 +217,12 @@ def measure_compute(
             for strategy in strategies:
                 plan = build_plan(graph, builtin(graph, strategy, count), count)
                 profile_plan(graph, plan, threads, sample, cache)
-            # a pipeline of `count` stages, a rank each, streams 2·count micro-batches: its
-            # pieces are a one-rank step's at the micro-batch's rows
-            rows = batch // (2 * count)
-            if rows >= 1:
-                small = load_network(network).lower(batch=rows, optimizer=optimizer)
-                plan = build_plan(small, builtin(small, "data", 1), 1)
-                profile_plan(small, plan, threads, sample_step(small), cache)
+        for count in micro_batch_counts(batch, ranks):
+            # micro-batches on a rank of their own (a pipeline's stage, or one process) run
+            # the pieces of a one-rank step in micro-batches
+            micro = micro_batched(graph, count)
+            plan = build_plan(micro, builtin(micro, "data", 1), 1)
+            profile_plan(micro, plan, threads, sample_step(micro), cache)
         del sample, graph
     return piece_rows(cache), calibrate_in_process(network, batch, threads, profiled_one)
 

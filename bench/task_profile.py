@@ -46,9 +46,10 @@ def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepCont
     step's context: realistic values (labels in range, activations of a real forward pass) for
     every tensor a piece reads."""
     data_task = next(t for t in graph.tasks if t.op == "data")
-    dims = data_task.role_dims(graph.tensors)
+    # the step's whole batch (a micro-batch's data task loads its rows of it)
+    shape = (graph.batch, *data_task.role_dims(graph.tensors)["raw_data"][1:])
     rng = np.random.default_rng(seed)
-    inputs = rng.standard_normal(dims["raw_data"]).astype(np.float32)
+    inputs = rng.standard_normal(shape).astype(np.float32)
     classes = next(
         graph.tensors[req.tensor].dims[-1]
         for t in graph.tasks
@@ -56,7 +57,7 @@ def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepCont
         for req in t.requirements
         if req.role == "input"
     )
-    labels = rng.integers(0, classes, size=dims["raw_data"][0])
+    labels = rng.integers(0, classes, size=graph.batch)
     executor = one_process(seed, keep_step_tensors=True)  # gradients too: updates read them
     ctx = StepContext(0, training=True, inputs=inputs, labels=labels)
     executor.run(graph, ctx)

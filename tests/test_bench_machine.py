@@ -18,6 +18,7 @@ import pytest
 from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
+from legion_nn.micro_batches import micro_batched
 from legion_nn.networks import load_network
 from partitioner.machine import Machine, load_machine
 from partitioner.piece_times import task_piece_times
@@ -69,6 +70,12 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
             times = task_piece_times(graph, plan, machine.pieces)
             missing = [t.name for t, s in zip(graph.tasks, times) if s is None]
             assert not missing, (optimizer, strategy, ranks, missing)
+        # and of micro-batches on a rank of their own: one process's, a pipeline stage's
+        for count in (4, 8):
+            micro = micro_batched(graph, count)
+            times = task_piece_times(micro, build_plan(micro, builtin(micro, "data", 1), 1),
+                                     machine.pieces)  # fmt: skip
+            assert None not in times, (optimizer, count)
     # an op no key prices runs at the rate of the network's FLOPs, which its filters carry, not
     # at a memory-bound op's
     filters = {rate for key, rate in machine.op_gflops.items() if key.startswith("filter.")}
