@@ -185,6 +185,35 @@ def test_1f1b_holds_fewer_activations_than_gpipe_on_the_first_stage():
     assert 3 * one_f_one_b < gpipe  # two micro-batches live against all eight
 
 
+def test_1f1b_measures_fewer_bytes_than_gpipe_and_both_as_predicted():
+    """2 stages of a rank each, 8 micro-batches: the runtime's buffers peak at exactly what
+    `step_memory` predicts under both schedules, and lower under 1F1B on the first stage."""
+    from runtime.rank_executor import RankExecutor
+    from runtime.step_memory import predict
+    from runtime.training import Trainer
+    from runtime.transport import run_threads
+
+    def measured(schedule: str) -> tuple[list[int], list[int]]:
+        cfg = config(small_network(), batch=16, stages=2, micro_batches=8, schedule=schedule)
+
+        def body(transport):
+            executor = RankExecutor(transport, "data", seed=cfg.seed, stall_timeout=30)
+            trainer = Trainer(cfg, executor=executor)
+            graph = trainer.graph(cfg.batch)
+            executor.prepare(graph)
+            trainer.step(0)
+            return executor.step_extras()["buffer_peak_bytes"], graph
+
+        out = run_threads(2, body)
+        graph = out[0][1]
+        predicted = predict(graph, build_plan(graph, builtin(graph, "data", 2), 2))
+        return [peak for peak, _ in out], [predicted[r].buffer_bytes for r in range(2)]
+
+    one_f_one_b, gpipe = measured("1f1b"), measured("gpipe")
+    assert one_f_one_b[0] == one_f_one_b[1] and gpipe[0] == gpipe[1]
+    assert one_f_one_b[0][0] < gpipe[0][0]
+
+
 @pytest.mark.parametrize(
     ("stages", "nranks", "message"),
     [
