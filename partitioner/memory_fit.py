@@ -83,7 +83,10 @@ def fit(
         found[_key(strategy)] = fitted
         return fitted, plan
 
-    first = {_key(s): evaluate(s) for s in candidates}
+    first: dict[tuple, tuple[Fitted, Plan]] = {}
+    for strategy in candidates:  # each distinct one planned once
+        if _key(strategy) not in first:
+            first[_key(strategy)] = evaluate(strategy)
     capacity = machine.memory_bytes
     best: Fitted | None = None
     feasible: list[tuple[Fitted, Plan]] = []

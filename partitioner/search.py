@@ -54,7 +54,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise, product
 
 import numpy as np
@@ -101,6 +101,9 @@ class SearchResult:
     transitions_priced: int = 0
     #: the DP proved this the cheapest assignment under the cost model, memory aside
     fastest: bool = False
+    #: the cost model's step (`cost.plan_cost`'s bulk-synchronous seconds) of the chosen grids
+    #: (`"auto"`) and of each built-in family the DP priced whole, where the DP prices rows
+    bulk_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,14 @@ def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         data_p = grid_of[(i - 1, "data")] if i else None
         data = table[(i, data_p, grid_of[(i, "data")])]
         choices.append(Choice(unit.name, options[i][q], q, table[(i, p, q)].seconds, data.seconds))
-    return _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
+    result = _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
+    fixed = pricer.constant().seconds
+    for family in BUILTIN:
+        path = [grid_of[(i, family)] for i in range(len(units))]
+        if all(k in table for k in keys(path)):
+            result.bulk_seconds[family] = cost(path)[0] + fixed
+    result.bulk_seconds["auto"] = cost(chosen)[0] + fixed
+    return result
 
 
 def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:

@@ -77,3 +77,58 @@ def test_auto_chooses_homes_only_where_memory_asks(graph):
         graph, "auto", 4, small, 30.0, None, "replicated", StepModel(small).peak
     )
     assert fixed.sharded == frozenset()
+
+
+def test_the_searchs_bulk_seconds_are_the_plans():
+    """What the DP knows of the built-ins and of its own grids is `plan_cost`'s step, so that
+    `fit` can leave out what cannot be chosen without planning it."""
+    from partitioner.cost import plan_cost
+    from partitioner.search import auto
+
+    deep = load_network("deep-mlp").lower(batch=64)
+    result = auto(deep, 8, Machine(), 30.0)
+    assert set(result.bulk_seconds) == {"auto", "data", "model", "spatial"}
+    for name, seconds in result.bulk_seconds.items():
+        strategy = result.strategy if name == "auto" else builtin(deep, name, 8)
+        planned = plan_cost(deep, build_plan(deep, strategy, 8), Machine()).step_seconds
+        assert seconds == pytest.approx(planned, rel=1e-12), name
+
+
+@pytest.mark.parametrize("memory_gib", [16.0, 0.2])  # the process baseline alone is 0.2 GiB
+def test_fit_near_leaves_out_only_what_cannot_be_chosen(memory_gib, monkeypatch):
+    """deep-mlp on 8 ranks: data and spatial parallelism sum more than twice auto's seconds, so
+    `_fit_near` plans them only where nothing else fits; its choice is `fit`'s over them all."""
+    from partitioner import memory_fit, resolve
+    from partitioner.search import auto
+
+    deep = load_network("deep-mlp").lower(batch=64)
+    machine = Machine(rank_memory_gib=memory_gib)
+    model = StepModel(machine)
+    searched = auto(deep, 8, Machine(), 30.0)
+    limit = resolve.STEP_WITHIN * searched.bulk_seconds["auto"]
+    skipped = {f: s for f, s in searched.bulk_seconds.items() if f != "auto" and s > limit}
+    assert set(skipped) == {"data", "spatial"}
+    near = [searched.strategy, builtin(deep, "model", 8)]
+    planned: list[str] = []
+
+    def counting(graph, strategy, nranks, **kwargs):
+        planned.append(strategy.name)
+        return build_plan(graph, strategy, nranks, **kwargs)
+
+    monkeypatch.setattr(memory_fit, "build_plan", counting)
+    deadline = time.monotonic() + 60
+    everything = [*near, *(builtin(deep, f, 8) for f in skipped)]
+    try:
+        expected = fit(deep, 8, machine, everything, model.peak, deadline, model.step)
+    except NoFit:
+        expected = None
+    planned.clear()
+    if expected is None:
+        with pytest.raises(NoFit):
+            resolve._fit_near(deep, 8, machine, near, skipped, model.peak, deadline, model.step)
+        assert "data" in planned  # tried before giving up (spatial is the same grids here)
+        return
+    got = resolve._fit_near(deep, 8, machine, near, skipped, model.peak, deadline, model.step)
+    assert got.strategy == expected.strategy and got.seconds == expected.seconds
+    if memory_gib == 16.0:
+        assert "data" not in planned and "spatial" not in planned
