@@ -73,6 +73,10 @@ def test_bad_spec_fails_cleanly(name, tmp_path):
         ),
         (["graph", "seed-lcn-small", "--micro-batches", "0"], "--micro-batches must be at least 1"),
         (["graph", "seed-lcn-small", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
+        (
+            ["graph", "seed-lcn-small", "--micro-batches", "2", "--schedule", "gpipe"],
+            "--schedule orders the micro-batches of a pipeline's stages",
+        ),
     ],
 )
 def test_bad_arguments_fail_cleanly(args, fragment, tmp_path):

@@ -42,11 +42,10 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
     )
     parser.add_argument(
         "--schedule",
-        default="1f1b",
         choices=SCHEDULES,
-        help="the order of each stage's micro-batches: 1f1b runs S-1-s forwards ahead on stage "
-        "s, then a forward and a backward in turn (default); gpipe every forward, then every "
-        "backward",
+        help="the order of each pipeline stage's micro-batches: 1f1b runs S-1-s forwards ahead "
+        "on stage s, then a forward and a backward in turn (default); gpipe every forward, then "
+        "every backward (with stages only)",
     )
 
 
@@ -83,7 +82,7 @@ def load_step(args: argparse.Namespace, source: str, default_batch: int):
         raise LegionNNError("--stages auto chooses stages for a count of ranks: give --ranks R")
     graph = load_unsplit(args, source, default_batch)
     stages, count, cuts = step_shape(args, graph)
-    return step_graph(graph, stages, count, args.schedule, cuts)
+    return step_graph(graph, stages, count, schedule(args, stages), cuts)
 
 
 def step_shape(args: argparse.Namespace, graph) -> tuple[int, int, tuple[str, ...] | None]:
@@ -103,6 +102,19 @@ def step_shape(args: argparse.Namespace, graph) -> tuple[int, int, tuple[str, ..
     stages = len(named)
     count = args.micro_batches or (2 * stages if stages > 1 else 1)
     return stages, count, cuts_naming(graph, named, path) if stages > 1 else None
+
+
+def schedule(args: argparse.Namespace, stages: int | str) -> str:
+    """`--schedule`, 1f1b by default; given where the step has one stage, one line: it orders a
+    pipeline's stages (micro-batches alone run each forward, then its backward)."""
+    from legion_nn.errors import LegionNNError
+
+    if args.schedule is not None and stages == 1:
+        raise LegionNNError(
+            "--schedule orders the micro-batches of a pipeline's stages: give --stages S (or "
+            "auto), or leave it out"
+        )
+    return args.schedule or SCHEDULES[0]
 
 
 def load_planned(args: argparse.Namespace, source: str, default_batch: int):
@@ -137,7 +149,7 @@ def resolve_step(
             nranks,
             machine,
             time_limit,
-            args.schedule,
+            schedule(args, AUTO_STAGES),
             args.micro_batches,
             note,
             args.param_homes,

@@ -19,6 +19,7 @@ from legion_nn.commands import (
     add_homes_argument,
     add_step_arguments,
     micro_batches,
+    schedule,
     step_shape,
 )
 
@@ -141,8 +142,9 @@ def _config(args: argparse.Namespace):
         check_stage_count(args.stages)
         if args.strategy.endswith(".json"):
             stages, count, cuts = step_shape(args, network.lower(batch=args.batch))
+    order = schedule(args, stages)
     if count is not None:  # else --stages auto chooses it
-        check_micro_batches(count, args.batch, args.schedule)
+        check_micro_batches(count, args.batch, order)
     dataset = data.load(
         args.data, network.input, network.classes, args.seed, NUMPY_DTYPES[args.dtype]
     )
@@ -161,7 +163,7 @@ def _config(args: argparse.Namespace):
         shuffle=not args.no_shuffle,
         save_onnx=args.save_onnx,
         micro_batches=count,
-        schedule=args.schedule,
+        schedule=order,
         stages=stages,
         cuts=cuts,
     )
