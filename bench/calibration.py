@@ -138,12 +138,7 @@ def calibrate(
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}
     traffic = {t.name: float(b[0]) for t, b in zip(graph.tasks, bytes_per_rank(graph, plan))}
     tasks = {task.name: task for task in graph.tasks}
-    # Per task, the median over the steps: a long job's steps include each epoch's short last
-    # batch, which a mean would average in.
-    by_step: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for event in _step_events(job.trace):
-        by_step[event["name"]][event["args"]["step"]] += event["dur"] * 1e-6
-    spent = {name: statistics.median(per.values()) for name, per in by_step.items()}
+    spent = task_medians(job.trace)
     factor, overhead = _fit_task_times(
         [profiled.get(name, 0.0) for name in spent], list(spent.values())
     )
@@ -163,6 +158,15 @@ def calibrate(
     compute = _weighted_median(rates, work) if work else 1.0
     loop = max(job.step_seconds - sum(spent.values()), 0.0)
     return Calibration(threads, rates, compute, memory_gbytes_per_s, overhead * 1e6, factor, loop)
+
+
+def task_medians(trace: dict) -> dict[str, float]:
+    """Per task of a one-rank job's trace, its median seconds over the steps after the warm-up
+    (a long job's steps include each epoch's short last batch, which a mean would average in)."""
+    by_step: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for event in _step_events(trace):
+        by_step[event["name"]][event["args"]["step"]] += event["dur"] * 1e-6
+    return {name: statistics.median(per.values()) for name, per in by_step.items()}
 
 
 def _weighted_median(values: dict[str, float], weights: dict[str, float]) -> float:

@@ -48,6 +48,7 @@ import io
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.calibration import calibrate, memory_bandwidth
+from bench.calibration import calibrate, memory_bandwidth, task_medians
 from bench.jobs import OPTIMIZER, Job, log_records, median_step
 from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns_per_byte
 from bench.task_profile import profile_plan, sample_step
@@ -66,6 +67,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import micro_batched
 from legion_nn.networks import load_network
+from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import BUILTIN, builtin
 from runtime import data
@@ -110,8 +112,9 @@ def _layout(hosts: list[str]) -> tuple[int, int]:
     return len(names), per_host
 
 
-def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
-    """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
+def _traced_training(network: str, batch: int, micro_batches: int = 1) -> Job:
+    """A traced one-rank training of `network` in this process, its batch as `micro_batches`
+    micro-batches."""
     graph_network = load_network(network)
     dataset = data.load("synthetic", graph_network.input, graph_network.classes, 0, np.float32)
     config = TrainConfig(
@@ -120,6 +123,7 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         batch=batch,
         steps=CALIBRATION_STEPS,
         optimizer=OPTIMIZER,
+        micro_batches=micro_batches,
     )
     with tempfile.TemporaryDirectory(prefix="legion-nn-machine-") as tmp:
         trace_path = Path(tmp) / "trace.json"
@@ -127,7 +131,12 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         (transport,) = ThreadTransport.group(1)
         train_rank(config, transport, RunOptions(strategy="data", trace=str(trace_path)), log=log)
         trace = json.loads(trace_path.read_text())
-    job = Job(network, batch, 1, "data", median_step(log_records(log)), 0, trace)
+    return Job(network, batch, 1, "data", median_step(log_records(log)), 0, trace)
+
+
+def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
+    """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
+    job = _traced_training(network, batch)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,
@@ -206,6 +215,7 @@ def measure_compute(
     updates' pieces and no more."""
     cache: dict = {}
     profiled_one: dict = {}
+    micro_only: set = set()  # pieces only micro-batches run, which their traced steps time
     for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
         graph = load_network(network).lower(batch=batch, optimizer=optimizer)
         sample = sample_step(graph)
@@ -217,14 +227,51 @@ def measure_compute(
             for strategy in strategies:
                 plan = build_plan(graph, builtin(graph, strategy, count), count)
                 profile_plan(graph, plan, threads, sample, cache)
+        before = set(cache)
         for count in micro_batch_counts(batch, ranks):
             # micro-batches on a rank of their own (a pipeline's stage, or one process) run
             # the pieces of a one-rank step in micro-batches
             micro = micro_batched(graph, count)
             plan = build_plan(micro, builtin(micro, "data", 1), 1)
             profile_plan(micro, plan, threads, sample_step(micro), cache)
+        micro_only |= set(cache) - before
         del sample, graph
-    return piece_rows(cache), calibrate_in_process(network, batch, threads, profiled_one)
+    fitted = calibrate_in_process(network, batch, threads, profiled_one)
+    for count in micro_batch_counts(batch, ranks):
+        in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted)
+        cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
+    return piece_rows(cache), fitted
+
+
+def micro_batch_pieces_in_step(
+    network: str, batch: int, count: int, threads: int, fitted: dict
+) -> dict[tuple[int, str], float]:
+    """The pieces of a one-rank step in `count` micro-batches, as a traced training of it runs
+    them (the median over its steps and over the micro-batches' copies of a task, less the
+    per-task overhead), over `fitted`'s compute factor: what the table holds, so that the
+    factor gives them back. Timed alone, a micro-batch's backward misses what the step costs
+    it: each adds into a weight-sized gradient that the micro-batch's other tasks have pushed
+    out of the caches (a 32-row backward through a 2048-wide layer, 6.5 ms alone and 8.4 ms in
+    a step, one core). The whole batch's pieces are left as timed: their gradients are
+    written once a step, and `compute_factor` is fitted to them."""
+    job = _traced_training(network, batch, count)
+    graph = micro_batched(load_network(network).lower(batch=batch, optimizer=OPTIMIZER), count)
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    spent = task_medians(job.trace)
+    by_key: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        if task.name not in spent or len(task_plan.pieces) != 1:
+            continue
+        piece = task_plan.pieces[0]
+        by_key[(threads, piece_key(task, piece.rect.shape, piece.requirements))].append(
+            spent[task.name]
+        )
+    overhead = fitted["task_overhead_us"] * 1e-6
+    factor = fitted["compute_factor"]
+    return {
+        key: max(statistics.median(times) - overhead, 1e-9) / factor
+        for key, times in by_key.items()
+    }
 
 
 def _gbytes(seconds_per_byte: float) -> float:

@@ -427,3 +427,27 @@ def test_a_bad_matrix_is_one_line_naming_the_file_and_entry(matrix, names, tmp_p
     assert main(["bench", "scaling", "--hosts", "2", "--matrix", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and names in err and f"--matrix {path}" in err
+
+
+def test_micro_batch_pieces_are_read_from_a_traced_step_in_micro_batches():
+    """Each forward and backward piece of a one-rank step in 4 micro-batches gets its in-step
+    time (the trace's median less the overhead, over the factor), the copies of a layer's task
+    one key; nothing else of the step is read from it."""
+    from bench.machine import micro_batch_pieces_in_step
+    from partitioner.piece_times import piece_key
+
+    fitted = {"task_overhead_us": 0.0, "compute_factor": 2.0}
+    found = micro_batch_pieces_in_step("seed-lcn-small", 8, 4, 1, fitted)
+    graph = micro_batched(load_network("seed-lcn-small").lower(batch=8), 4)
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    expected = {
+        (1, piece_key(task, p.rect.shape, p.requirements))
+        for task, task_plan in zip(graph.tasks, plan.tasks)
+        if task.phase in ("forward", "backward") and task.op != "data"  # loading is not traced
+        for p in task_plan.pieces
+    }
+    assert expected <= set(found)
+    assert all(seconds > 0 for seconds in found.values())
+    first = [t for t in graph.tasks if t.phase == "forward" and t.attrs.get("micro_batch") == 0]
+    forward = [k for k in found if json.loads(k[1])[1] == "forward"]
+    assert len(forward) <= len(first)  # a task's copies over the micro-batches share a key
