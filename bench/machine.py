@@ -19,7 +19,9 @@ that the cores of a host stay with the rank measuring), and writes the file:
   8, and a pipeline of R stages streaming R, 2·R and 4·R: a one-rank step at the micro-batch's
   rows, `micro_batch_counts`), under every optimizer (their update tasks differ),
   timed with the runtime's kernels on the rank's thread count (`bench.task_profile`,
-  FlexFlow's per-configuration measurement) into the `pieces` table;
+  FlexFlow's per-configuration measurement) into the `pieces` table; the pieces only
+  micro-batches run are then read from traced one-rank steps in micro-batches
+  (`micro_batch_pieces_in_step`), where each adds into a weight-sized gradient out of the caches;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
