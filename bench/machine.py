@@ -86,6 +86,8 @@ QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 STRATEGIES = BUILTIN
 #: steps of the traced one-rank training that calibrates the runtime's own costs
 CALIBRATION_STEPS = 12
+#: the traced steps of each micro-batch count with `--quick` (two after the warm-up)
+QUICK_MICRO_STEPS = 4
 
 
 def _host_memory_gib() -> float:
@@ -114,16 +116,18 @@ def _layout(hosts: list[str]) -> tuple[int, int]:
     return len(names), per_host
 
 
-def _traced_training(network: str, batch: int, micro_batches: int = 1) -> Job:
-    """A traced one-rank training of `network` in this process, its batch as `micro_batches`
-    micro-batches."""
+def _traced_training(
+    network: str, batch: int, micro_batches: int = 1, steps: int = CALIBRATION_STEPS
+) -> Job:
+    """A traced one-rank training of `network` in this process for `steps` steps, its batch as
+    `micro_batches` micro-batches."""
     graph_network = load_network(network)
     dataset = data.load("synthetic", graph_network.input, graph_network.classes, 0, np.float32)
     config = TrainConfig(
         network=graph_network,
         dataset=dataset,
         batch=batch,
-        steps=CALIBRATION_STEPS,
+        steps=steps,
         optimizer=OPTIMIZER,
         micro_batches=micro_batches,
     )
@@ -207,10 +211,16 @@ def micro_batch_counts(batch: int, ranks: int) -> list[int]:
 
 
 def measure_compute(
-    network: str, batch: int, ranks: int, strategies: Sequence[str], threads: int
+    network: str,
+    batch: int,
+    ranks: int,
+    strategies: Sequence[str],
+    threads: int,
+    micro_steps: int = CALIBRATION_STEPS,
 ) -> tuple[list[dict], dict]:
-    """The pieces table of the network's plans on 1 and `ranks` ranks (and of the default
-    pipeline on `ranks`, one stage a rank), and the calibration.
+    """The pieces table of the network's plans on 1 and `ranks` ranks and of micro-batches on a
+    rank of their own (those only micro-batches run read from `micro_steps` traced steps), and
+    the calibration.
 
     The plans are profiled once per optimizer: a job may train with any of them, and only the
     update tasks differ (the other pieces are found in the table), so each optimizer adds its
@@ -240,13 +250,18 @@ def measure_compute(
         del sample, graph
     fitted = calibrate_in_process(network, batch, threads, profiled_one)
     for count in micro_batch_counts(batch, ranks):
-        in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted)
+        in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted, micro_steps)
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
 
 
 def micro_batch_pieces_in_step(
-    network: str, batch: int, count: int, threads: int, fitted: dict
+    network: str,
+    batch: int,
+    count: int,
+    threads: int,
+    fitted: dict,
+    steps: int = CALIBRATION_STEPS,
 ) -> dict[tuple[int, str], float]:
     """The pieces of a one-rank step in `count` micro-batches, as a traced training of it runs
     them (the median over its steps and over the micro-batches' copies of a task, less the
@@ -256,7 +271,7 @@ def micro_batch_pieces_in_step(
     out of the caches (a 32-row backward through a 2048-wide layer, 6.5 ms alone and 8.4 ms in
     a step, one core). The whole batch's pieces are left as timed: their gradients are
     written once a step, and `compute_factor` is fitted to them."""
-    job = _traced_training(network, batch, count)
+    job = _traced_training(network, batch, count, steps)
     graph = micro_batched(load_network(network).lower(batch=batch, optimizer=OPTIMIZER), count)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     spent = task_medians(job.trace)
@@ -328,7 +343,8 @@ def measure(
                 out["duplex_gbytes_per_s"] = 1 / duplex_per_byte / 1e9
     if rank == 0:
         say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
-        pieces, fitted = measure_compute(network, batch, size, strategies, threads)
+        micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
+        pieces, fitted = measure_compute(network, batch, size, strategies, threads, micro_steps)
         say(f"{network} batch {batch}: a process's baseline memory")
         baseline = process_baseline_mib(network, batch)
     main = links.get("inter_host") or links.get("intra_host")

@@ -396,14 +396,24 @@ def test_the_stall_watchdog_names_the_ranks_waited_for(launcher):
     )
 
 
-def test_checkpoint_on_3_ranks_resumes_on_another_count(tmp_path, launcher):
-    whole = tmp_path / "whole.jsonl"
-    args = [*TRAIN, "--batch", "40", "--epochs", "2"]
+#: the run a checkpoint written on 3 ranks resumes
+TWO_EPOCHS = [*TRAIN, "--batch", "40", "--epochs", "2"]
+
+
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory):
+    """One process's losses over `TWO_EPOCHS`, once for every launcher."""
+    whole = tmp_path_factory.mktemp("two-epochs") / "whole.jsonl"
     result = subprocess.run(
-        legion_nn("train", *args, "--log-json", str(whole)),
+        legion_nn("train", *TWO_EPOCHS, "--log-json", str(whole)),
         capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    return losses(whole)
+
+
+def test_checkpoint_on_3_ranks_resumes_on_another_count(tmp_path, launcher, two_epochs):
+    args = TWO_EPOCHS
     ckpt = str(tmp_path / "ckpt")
     first = mpiexec(3, "train", *TRAIN, "--batch", "40", "--epochs", "1", "--checkpoint", ckpt,
                     "--strategy", "spatial", launcher=launcher)  # fmt: skip
@@ -413,7 +423,7 @@ def test_checkpoint_on_3_ranks_resumes_on_another_count(tmp_path, launcher):
     second = mpiexec(again, "train", *args, "--checkpoint", ckpt, "--resume", "--strategy",
                      "model", "--log-json", str(resumed_log), launcher=launcher)  # fmt: skip
     assert second.returncode == 0, second.stderr
-    expected = losses(whole)
+    expected = two_epochs
     resumed = losses(resumed_log)
     assert 0 < len(resumed) < len(expected)
     np.testing.assert_allclose(resumed, expected[-len(resumed) :], rtol=1e-9)
