@@ -164,7 +164,7 @@ def table(report: dict) -> str:
             continue
         cuts = f" cut before {', '.join(row['cuts'])}" if row["cuts"] else ""
         lines.append(
-            f"  tried {_stages(row['stages'])}{cuts}, {row['micro_batches']} micro-batches: "
+            f"  tried {_stages(row['stages'])}{cuts}, {_micro(row['micro_batches'])}: "
             f"{row['predicted_seconds']:.5f} s predicted"
         )
     if not report["feasible"]:
@@ -180,6 +180,10 @@ def table(report: dict) -> str:
 
 def _stages(count: int) -> str:
     return "no stages" if count == 1 else f"{count} stages"
+
+
+def _micro(count: int) -> str:
+    return "1 micro-batch" if count == 1 else f"{count} micro-batches"
 
 
 def sweep_table(rows: list[dict]) -> str:
