@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from legion_nn.graph import TaskGraph
+from legion_nn.micro_batches import check_micro_batches
 from partitioner.cost import task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.pipeline import cuts_of, stage_cuts, staged_units, step_graph
@@ -110,6 +111,7 @@ def choose_pipeline(
     """The stages, micro-batches and cuts of least predicted step for the unsplit step `graph`
     on `nranks` ranks, each stage's layers split by one of `families` (see the module
     docstring), and every candidate."""
+    check_micro_batches(1 if micro_batches is None else micro_batches, graph.batch, schedule)
     estimates: list[PipelineChoice] = []
     for stages in stage_counts(graph, nranks)[1:]:
         seconds = _layer_seconds(graph, nranks // stages, families, machine)
@@ -127,8 +129,6 @@ def choose_pipeline(
     unstaged = PipelineChoice(1, micro_batches or 1, (), 0.0)
     tried = []
     for candidate in (unstaged, *estimates[:TOP]):
-        if candidate.micro_batches > graph.batch:
-            continue
         step = step_graph(
             graph, candidate.stages, candidate.micro_batches, schedule, candidate.cuts
         )
