@@ -202,11 +202,13 @@ def piece_rows(cache: dict) -> list[dict]:
     return rows
 
 
-def micro_batch_counts(batch: int, ranks: int) -> list[int]:
+def micro_batch_counts(batch: int, ranks: int, quick: bool = False) -> list[int]:
     """The micro-batch counts whose pieces are timed: 2, 4 and 8 in one process, and the S, 2·S
     and 4·S that `--stages auto` tries in a pipeline of S = R stages, a rank each
-    (`partitioner.pipeline_search.micro_batch_counts`); at most the batch."""
+    (`partitioner.pipeline_search.micro_batch_counts`); at most the batch. `quick`: 2·R alone."""
     counts = {2, 4, 8} | ({ranks, 2 * ranks, 4 * ranks} if ranks > 1 else set())
+    if quick:  # `--quick`: the default pipeline's alone
+        counts = {2 * ranks}
     return sorted(m for m in counts if m <= batch)
 
 
@@ -216,11 +218,11 @@ def measure_compute(
     ranks: int,
     strategies: Sequence[str],
     threads: int,
-    micro_steps: int = CALIBRATION_STEPS,
+    quick: bool = False,
 ) -> tuple[list[dict], dict]:
     """The pieces table of the network's plans on 1 and `ranks` ranks and of micro-batches on a
-    rank of their own (those only micro-batches run read from `micro_steps` traced steps), and
-    the calibration.
+    rank of their own (those only micro-batches run read from traced steps in them), and the
+    calibration; `quick`: fewer micro-batch counts and traced steps (`--quick`).
 
     The plans are profiled once per optimizer: a job may train with any of them, and only the
     update tasks differ (the other pieces are found in the table), so each optimizer adds its
@@ -240,7 +242,7 @@ def measure_compute(
                 plan = build_plan(graph, builtin(graph, strategy, count), count)
                 profile_plan(graph, plan, threads, sample, cache)
         before = set(cache)
-        for count in micro_batch_counts(batch, ranks):
+        for count in micro_batch_counts(batch, ranks, quick):
             # micro-batches on a rank of their own (a pipeline's stage, or one process) run
             # the pieces of a one-rank step in micro-batches
             micro = micro_batched(graph, count)
@@ -249,7 +251,8 @@ def measure_compute(
         micro_only |= set(cache) - before
         del sample, graph
     fitted = calibrate_in_process(network, batch, threads, profiled_one)
-    for count in micro_batch_counts(batch, ranks):
+    micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
+    for count in micro_batch_counts(batch, ranks, quick):
         in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted, micro_steps)
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
@@ -343,8 +346,7 @@ def measure(
                 out["duplex_gbytes_per_s"] = 1 / duplex_per_byte / 1e9
     if rank == 0:
         say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
-        micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
-        pieces, fitted = measure_compute(network, batch, size, strategies, threads, micro_steps)
+        pieces, fitted = measure_compute(network, batch, size, strategies, threads, quick)
         say(f"{network} batch {batch}: a process's baseline memory")
         baseline = process_baseline_mib(network, batch)
     main = links.get("inter_host") or links.get("intra_host")

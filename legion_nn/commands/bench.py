@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="machine: fewer ping-pong sizes and repeats (for tests)",
+        help="machine: fewer ping-pong sizes and repeats, micro-batch counts and traced steps "
+        "(for tests)",
     )
     parser.add_argument(
         "--hosts",
