@@ -23,11 +23,11 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import stages_of
 from legion_nn.ops import has_access_map
-from partitioner.cost import plan_cost, task_costs, unit_seconds
+from partitioner.cost import step_seconds, task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.memory_fit import STEP_WITHIN, Fitted, NoFit, PeakFn, StepFn, fit, least_step
 from partitioner.pipeline_search import PipelineChoice, PipelineSearch, choose_pipeline
-from partitioner.plan import build_plan
+from partitioner.plan import Plan, build_plan
 from partitioner.search import SearchResult, auto
 from partitioner.strategy import (
     BUILTIN,
@@ -252,7 +252,7 @@ def resolve_stages(
         if peak is not None and peak(candidate, plan) > machine.memory_bytes:
             return math.inf
         if step is None:
-            return plan_cost(candidate, plan, machine).step_seconds
+            return _bulk_seconds(candidate, plan, machine)
         return step(candidate, plan)
 
     search = choose_pipeline(graph, nranks, families, machine, schedule, micro_batches, predict)
@@ -273,7 +273,8 @@ def _auto_in_stages(
     families = ["data"] if batch_only(graph) else list(BUILTIN)
     candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]
     plans = [build_plan(graph, s, nranks) for s in candidates]
-    rows = [unit_seconds(task_costs(graph, p, machine)) for p in plans]
+    costs = [task_costs(graph, p, machine) for p in plans]
+    rows = [unit_seconds(c) for c in costs]
 
     def cheapest(unit: str) -> Strategy:
         return candidates[min(range(len(rows)), key=lambda i: rows[i].get(unit, 0.0))]
@@ -282,7 +283,8 @@ def _auto_in_stages(
     if all(mixed != c.unit_grids for c in candidates):
         candidates.append(replace(candidates[0], name="auto", unit_grids=mixed))
         plans.append(build_plan(graph, candidates[-1], nranks))
-    return candidates[_fastest(graph, candidates, nranks, machine, step, plans)]
+        costs.append(task_costs(graph, plans[-1], machine))
+    return candidates[_least(graph, plans, [step_seconds(c) for c in costs], step)]
 
 
 def _fastest(
@@ -291,16 +293,24 @@ def _fastest(
     nranks: int,
     machine: Machine,
     step: StepFn | None,
-    plans: list | None = None,
 ) -> int:
-    """The index of the candidate of least predicted step: by `step` among those whose
-    bulk-synchronous sums are near the least (`memory_fit.least_step`), else by the sum
-    (`plans`: the candidates' plans, where made already)."""
-    plans = plans or [build_plan(graph, s, nranks) for s in candidates]
-    bulk = [plan_cost(graph, p, machine).step_seconds for p in plans]
+    """The index of the candidate of least predicted step (`_least`)."""
+    plans = [build_plan(graph, s, nranks) for s in candidates]
+    return _least(graph, plans, [_bulk_seconds(graph, p, machine) for p in plans], step)
+
+
+def _least(graph: TaskGraph, plans: list[Plan], bulk: list[float], step: StepFn | None) -> int:
+    """The index of the plan of least predicted step: by `step` among those whose
+    bulk-synchronous sums `bulk` are near the least (`memory_fit.least_step`), else by the
+    sum."""
     if step is None:
         return bulk.index(min(bulk))
     return least_step(bulk, lambda i: step(graph, plans[i]))
+
+
+def _bulk_seconds(graph: TaskGraph, plan: Plan, machine: Machine) -> float:
+    """`cost.plan_cost`'s step, without the memory it also counts."""
+    return step_seconds(task_costs(graph, plan, machine))
 
 
 def _resolve(
