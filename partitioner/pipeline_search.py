@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import check_micro_batches
@@ -35,7 +35,7 @@ from partitioner.cost import task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.pipeline import cuts_of, stage_cuts, staged_units, step_graph
 from partitioner.plan import build_plan
-from partitioner.strategy import builtin
+from partitioner.strategy import Unit, builtin
 
 #: `--stages auto`
 AUTO_STAGES = "auto"
@@ -89,14 +89,14 @@ def stage_counts(graph: TaskGraph, nranks: int) -> list[int]:
     return [s for s in range(1, most + 1) if nranks % s == 0]
 
 
-def micro_batch_counts(graph: TaskGraph, stages: int, given: int | None) -> list[int]:
-    """The micro-batch counts tried with `stages` stages: `given`, else S, 2·S and 4·S that the
-    batch holds (and 1 without stages)."""
+def micro_batch_counts(batch: int, stages: int, given: int | None) -> list[int]:
+    """The micro-batch counts tried with `stages` stages: `given`, else S, 2·S and 4·S that a
+    batch of `batch` samples holds (and 1 without stages)."""
     if given is not None:
         return [given]
     if stages == 1:
         return [1]
-    return [m for m in (stages, 2 * stages, 4 * stages) if m <= graph.batch]
+    return [m for m in (stages, 2 * stages, 4 * stages) if m <= batch]
 
 
 def choose_pipeline(
@@ -112,16 +112,18 @@ def choose_pipeline(
     on `nranks` ranks, each stage's layers split by one of `families` (see the module
     docstring), and every candidate."""
     check_micro_batches(1 if micro_batches is None else micro_batches, graph.batch, schedule)
+    units = staged_units(graph)
+    crossing = _crossing_bytes(graph, units)
     estimates: list[PipelineChoice] = []
     for stages in stage_counts(graph, nranks)[1:]:
-        seconds = _layer_seconds(graph, nranks // stages, families, machine)
+        seconds = _layer_seconds(graph, units, nranks // stages, families, machine)
         alpha, beta = machine.link(0, nranks // stages)
-        for count in micro_batch_counts(graph, stages, micro_batches):
+        for count in micro_batch_counts(graph.batch, stages, micro_batches):
             work = [s / count for s in seconds]
-            boundary = [2 * (alpha + b / count * beta) for b in _crossing_bytes(graph)]
+            boundary = [2 * (alpha + b / count * beta) for b in crossing]
             of_unit = stage_cuts(graph, stages, work, boundary)
             loads = [0.0] * stages
-            for unit, w in zip(staged_units(graph), work, strict=True):
+            for unit, w in zip(units, work, strict=True):
                 loads[of_unit[unit.name]] += w
             estimate = sum(loads) + (count - 1) * max(loads)
             estimates.append(PipelineChoice(stages, count, cuts_of(of_unit), estimate))
@@ -132,31 +134,29 @@ def choose_pipeline(
         step = step_graph(
             graph, candidate.stages, candidate.micro_batches, schedule, candidate.cuts
         )
-        tried.append(
-            PipelineChoice(**{**candidate.__dict__, "predicted": predict(candidate, step)})
-        )
+        tried.append(replace(candidate, predicted=predict(candidate, step)))
     best = min(tried, key=lambda c: (c.predicted, c.stages))
     return PipelineSearch(best, tried + estimates[TOP:])
 
 
 def _layer_seconds(
-    graph: TaskGraph, share: int, families: Sequence[str], machine: Machine
+    graph: TaskGraph, units: list[Unit], share: int, families: Sequence[str], machine: Machine
 ) -> list[float]:
-    """Each staged layer's seconds on `share` ranks, under its cheapest of `families` (the cost
-    model's rows of the unsplit step)."""
-    best = [math.inf] * len(staged_units(graph))
+    """Each of the staged `units`' seconds on `share` ranks, under its cheapest of `families`
+    (the cost model's rows of the unsplit step)."""
+    best = [math.inf] * len(units)
     for family in families:
         plan = build_plan(graph, builtin(graph, family, share), share)
         rows = unit_seconds(task_costs(graph, plan, machine))
-        for i, unit in enumerate(staged_units(graph)):
+        for i, unit in enumerate(units):
             best[i] = min(best[i], rows.get(unit.name, 0.0))
     return best
 
 
-def _crossing_bytes(graph: TaskGraph) -> list[float]:
-    """Bytes of the activations a cut before each staged layer (index 0 … count) would carry
-    from one stage to the next: those written by a layer before the cut and read after it."""
-    units = staged_units(graph)
+def _crossing_bytes(graph: TaskGraph, units: list[Unit]) -> list[float]:
+    """Bytes of the activations a cut before each of the staged `units` (index 0 … count)
+    would carry from one stage to the next: those written by a unit before the cut and read
+    after it."""
     index = {}
     for i, unit in enumerate(units):
         for name in unit.forward:

@@ -114,7 +114,7 @@ def test_a_cut_is_charged_what_the_planner_sends_across_it():
     included where the cut falls inside the block)."""
     graph = residual_network().lower(batch=4, dtype="float64")
     names = [u.name for u in staged_units(graph)]
-    crossing = _crossing_bytes(graph)
+    crossing = _crossing_bytes(graph, staged_units(graph))
     for position in range(1, len(names)):
         step, _ = pipelined(graph, 2, 1, cuts=[names[position]])
         assert stages_of(step) == 2  # one micro-batch, still in two stages
