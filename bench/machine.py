@@ -70,6 +70,7 @@ from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import micro_batched
 from legion_nn.networks import load_network
 from partitioner.piece_times import piece_key
+from partitioner.pipeline_search import micro_batch_counts as pipeline_micro_batch_counts
 from partitioner.plan import build_plan
 from partitioner.strategy import BUILTIN, builtin
 from runtime import data
@@ -203,12 +204,15 @@ def piece_rows(cache: dict) -> list[dict]:
 
 
 def micro_batch_counts(batch: int, ranks: int, quick: bool = False) -> list[int]:
-    """The micro-batch counts whose pieces are timed: 2, 4 and 8 in one process, and the S, 2·S
-    and 4·S that `--stages auto` tries in a pipeline of S = R stages, a rank each
+    """The micro-batch counts whose pieces are timed: 2, 4 and 8 in one process, and those
+    `--stages auto` tries in a pipeline of S = R stages, a rank each
     (`partitioner.pipeline_search.micro_batch_counts`); at most the batch. `quick`: 2·R alone."""
-    counts = {2, 4, 8} | ({ranks, 2 * ranks, 4 * ranks} if ranks > 1 else set())
     if quick:  # `--quick`: the default pipeline's alone
         counts = {2 * ranks}
+    else:
+        counts = {2, 4, 8} | set(
+            pipeline_micro_batch_counts(batch, ranks, None) if ranks > 1 else ()
+        )
     return sorted(m for m in counts if m <= batch)
 
 
@@ -226,10 +230,10 @@ def measure_compute(
 
     The plans are profiled once per optimizer: a job may train with any of them, and only the
     update tasks differ (the other pieces are found in the table), so each optimizer adds its
-    updates' pieces and no more."""
+    updates' pieces and no more. Micro-batches add pieces of their rows alone, the same under
+    every optimizer, so they are profiled under one."""
     cache: dict = {}
     profiled_one: dict = {}
-    micro_only: set = set()  # pieces only micro-batches run, which their traced steps time
     for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
         graph = load_network(network).lower(batch=batch, optimizer=optimizer)
         sample = sample_step(graph)
@@ -241,18 +245,20 @@ def measure_compute(
             for strategy in strategies:
                 plan = build_plan(graph, builtin(graph, strategy, count), count)
                 profile_plan(graph, plan, threads, sample, cache)
-        before = set(cache)
-        for count in micro_batch_counts(batch, ranks, quick):
-            # micro-batches on a rank of their own (a pipeline's stage, or one process) run
-            # the pieces of a one-rank step in micro-batches
-            micro = micro_batched(graph, count)
-            plan = build_plan(micro, builtin(micro, "data", 1), 1)
-            profile_plan(micro, plan, threads, sample_step(micro), cache)
-        micro_only |= set(cache) - before
         del sample, graph
+    counts = micro_batch_counts(batch, ranks, quick)
+    # micro-batches on a rank of their own (a pipeline's stage, or one process) run the pieces
+    # of a one-rank step in micro-batches; the optimizers' updates are the whole batch's
+    graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+    whole = set(cache)
+    for count in counts:
+        micro = micro_batched(graph, count)
+        plan = build_plan(micro, builtin(micro, "data", 1), 1)
+        profile_plan(micro, plan, threads, sample_step(micro), cache)
+    micro_only = set(cache) - whole  # which traced steps in micro-batches time
     fitted = calibrate_in_process(network, batch, threads, profiled_one)
     micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
-    for count in micro_batch_counts(batch, ranks, quick):
+    for count in counts:
         in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted, micro_steps)
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
