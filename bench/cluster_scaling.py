@@ -182,10 +182,7 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
             graph, name, ranks, machine, SEARCH_SECONDS, "1f1b", None, None, homes, model.peak,
             model.step,
         )  # fmt: skip
-        c = search.chosen
-        pipeline = (
-            f"{c.stages} stages, {c.micro_batches} micro-batches" if c.stages > 1 else "no stages"
-        )
+        pipeline = search.chosen.label
     else:
         if stages > 1:
             graph = pipelined(graph, stages, 2 * stages)[0]

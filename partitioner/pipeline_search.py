@@ -64,6 +64,10 @@ class PipelineChoice:
         """What makes the step graph: stages, micro-batches and cuts."""
         return self.stages, self.micro_batches, self.cuts
 
+    @property
+    def label(self) -> str:
+        return pipeline_label(self.stages, self.micro_batches, self.cuts)
+
     def row(self) -> dict:
         """As `partition --json` reports it, under `"pipeline_search"`."""
         return {
@@ -73,6 +77,13 @@ class PipelineChoice:
             "estimate_seconds": self.estimate,
             "predicted_seconds": self.predicted,
         }
+
+
+def pipeline_label(stages: int, micro_batches: int, cuts: Sequence[str]) -> str:
+    """A step's stages, cuts and micro-batches as the commands print them: `2 stages cut before
+    fc5, 4 micro-batches`, `no stages, 1 micro-batch`."""
+    where = f"{stages} stages cut before {', '.join(cuts)}" if stages > 1 else "no stages"
+    return f"{where}, {micro_batches} micro-batch{'es' if micro_batches != 1 else ''}"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import schedule_of
 from partitioner.cost import PlanCost
 from partitioner.pipeline import stage_table
+from partitioner.pipeline_search import pipeline_label
 from partitioner.plan import Plan
 
 
@@ -162,11 +163,8 @@ def table(report: dict) -> str:
     for row in report.get("pipeline_search", []):
         if row["predicted_seconds"] is None:
             continue
-        cuts = f" cut before {', '.join(row['cuts'])}" if row["cuts"] else ""
-        lines.append(
-            f"  tried {_stages(row['stages'])}{cuts}, {_micro(row['micro_batches'])}: "
-            f"{row['predicted_seconds']:.5f} s predicted"
-        )
+        tried = pipeline_label(row["stages"], row["micro_batches"], row["cuts"])
+        lines.append(f"  tried {tried}: {row['predicted_seconds']:.5f} s predicted")
     if not report["feasible"]:
         lines.append("INFEASIBLE: some rank needs more memory than it has")
     for item in report.get("why", []):
@@ -176,14 +174,6 @@ def table(report: dict) -> str:
             f"{item['seconds']:.5f} s against {item['data_seconds']:.5f} s under data parallelism"
         )
     return "\n".join(lines) + "\n"
-
-
-def _stages(count: int) -> str:
-    return "no stages" if count == 1 else f"{count} stages"
-
-
-def _micro(count: int) -> str:
-    return "1 micro-batch" if count == 1 else f"{count} micro-batches"
 
 
 def sweep_table(rows: list[dict]) -> str:

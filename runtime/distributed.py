@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
-from partitioner.pipeline_search import AUTO_STAGES
+from partitioner.pipeline_search import AUTO_STAGES, pipeline_label
 from partitioner.resolve import resolve_stages, strategy_chooser
 from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
@@ -107,12 +107,8 @@ def _choose_stages(config: TrainConfig, executor: RankExecutor, options: RunOpti
 
 
 def _pipeline_line(config: TrainConfig) -> str:
-    count = config.micro_batches
-    batches = f"{count} micro-batch{'es' if count != 1 else ''} (least predicted)"
-    if config.stages == 1:
-        return f"--stages auto: no stages, {batches}"
-    cuts = ", ".join(config.cuts or ())
-    return f"--stages auto: {config.stages} stages cut before {cuts}, {batches}"
+    chosen = pipeline_label(config.stages, config.micro_batches, config.cuts or ())
+    return f"--stages auto: {chosen} (least predicted)"
 
 
 class Timeline:
