@@ -62,9 +62,9 @@ def micro_batched(
     stage_of: Mapping[str, int] | None = None,
 ) -> TaskGraph:
     """`graph` with its batch run as `count` micro-batches in `schedule`'s order (see the module
-    docstring); one micro-batch in one stage is `graph` itself. `stage_of` names each task's pipeline stage
-    (`partitioner.pipeline`), each stage running `schedule` (`stage_order`), the task list one
-    program holding every stage's order; by default one stage runs everything."""
+    docstring); one micro-batch in one stage is `graph` itself. `stage_of` names each task's
+    pipeline stage (`partitioner.pipeline`), each stage running `schedule` (`stage_order`), the
+    task list one program holding every stage's order; by default one stage runs everything."""
     check_micro_batches(count, graph.batch, schedule)
     if count == 1 and not any((stage_of or {}).values()):
         return graph

@@ -228,9 +228,9 @@ def resolve_stages(
     peak: PeakFn | None = None,
     step: StepFn | None = None,
 ) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
-    """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches (`micro_batches`
-    where given) and cuts of least predicted step on `nranks` ranks, each stage split as `name`
-    says (`pipeline_search.choose_pipeline`); that step's strategy and auto's reasons as
+    """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches
+    (`micro_batches` where given) and cuts of least predicted step on `nranks` ranks, each stage
+    split as `name` says (`pipeline_search.choose_pipeline`); that step's strategy and auto's reasons as
     `resolve_strategy` gives them; and the search."""
     if name not in BUILTIN and name != "auto":
         raise LegionNNError(

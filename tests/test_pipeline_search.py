@@ -245,7 +245,8 @@ def _grids_file(tmp_path, stages, grids) -> str:
 #: the MLP's layers in 2 stages, each layer's grid over its stage's 2 ranks
 STAGES = [["fc0", "fc1"], ["fc2", "fc3", "out.linear5", "out.softmax"]]
 GRIDS = {"fc0": [1, 2, 1, 1], "fc1": [2, 1, 1, 1], "fc2": [2, 1, 1, 1], "fc3": [1, 2, 1, 1],
-         "out.linear5": [2, 1, 1, 1, 1, 1, 1], "out.softmax": [2, 1, 1, 1], "out.evaluate.accuracy": [1]}  # fmt: skip
+         "out.linear5": [2, 1, 1, 1, 1, 1, 1], "out.softmax": [2, 1, 1, 1],
+         "out.evaluate.accuracy": [1]}  # fmt: skip
 
 
 def test_a_grids_file_names_stages_and_its_grids_cut_each_over_its_stages_ranks(tmp_path):
