@@ -8,9 +8,9 @@ speed goals are stated for it. The cases are the cost model's speed goals: torch
 ResNet-18 at 64×64 (`bench/resnet18_onnx.py`, written to a temporary file), batch 64, on 64
 ranks with data parallelism (goal 3 s) and with `auto` (goal 6 s); seed-lcn on 1024 ranks with
 spatial splits, simulated rather than summed (goal 15 s); vgg19's `auto` on 1024 ranks, and in
-4 pipeline stages of 8 micro-batches (goal 3 s). Each figure is the best of `--repeat` runs, wall and CPU (user and system of the child); the machine's
-facts and the same run's SGEMM print beside them, since the machine is shared and its speed
-varies from minute to minute.
+4 pipeline stages of 8 micro-batches (goal 3 s). Each figure is the best of `--repeat` runs,
+wall and CPU (user and system of the child); the machine's facts and the same run's SGEMM print
+beside them, since the machine is shared and its speed varies from minute to minute.
 """
 
 from __future__ import annotations
