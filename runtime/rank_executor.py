@@ -59,7 +59,7 @@ from runtime.transport import (
     wait_object,
 )
 
-TAG_STRATEGY, TAG_GATHER, TAG_RESIDENT = 1, 2, 3
+TAG_BROADCAST, TAG_GATHER, TAG_RESIDENT = 1, 2, 3
 
 
 class TaskFailure(LegionNNError):
@@ -157,9 +157,9 @@ class RankExecutor:
         if self.rank == 0:
             value = make()
             for dst in range(1, self.nranks):
-                self.transport.send_object(value, dst, TAG_STRATEGY)
+                self.transport.send_object(value, dst, TAG_BROADCAST)
             return value
-        request = self.transport.recv_object(0, TAG_STRATEGY)
+        request = self.transport.recv_object(0, TAG_BROADCAST)
         return wait_object(request, 0, f"waiting for {what}", self.rank, 600)
 
     def plan(self, graph: TaskGraph) -> Plan:
