@@ -122,33 +122,42 @@ def stage_order(stage: int, stages: int, count: int, schedule: str) -> list[tupl
     return out + [("B", m) for m in range(count - ahead, count)]
 
 
+#: a pass's length in `_merge`'s timeline, in forwards: a backward computes two products (the
+#: input's gradient and the parameters') for the forward's one
+PASS_LENGTH = {"F": 1, "B": 2}
+
+
 def _merge(stages: int, count: int, schedule: str) -> list[tuple[str, int, int]]:
-    """Every stage's passes (`stage_order`) as one sequence (kind, stage, micro-batch) that
-    keeps each stage's order and puts each pass after those it needs: a forward after the
-    previous stage's forward of its micro-batch, a backward after its own forward and the next
-    stage's backward. Stages are taken in turn, each as far as it can go."""
+    """Every stage's passes (`stage_order`) as one sequence (kind, stage, micro-batch), in the
+    order they end when each stage runs its order as early as it may (`PASS_LENGTH`): a forward
+    after the previous stage's forward of its micro-batch, a backward after its own forward and
+    the next stage's backward. Ties go to the earlier stage.
+
+    A rank waits for another stage's result at that pass's place in the sequence (a partial sum
+    into a tensor it holds is added there), so a pass goes after every pass that ends before it:
+    a rank then never waits on a later micro-batch's result while it could compute."""
     orders = [stage_order(s, stages, count, schedule) for s in range(stages)]
     at = [0] * stages
-    done: set[tuple[str, int, int]] = set()
-    out = []
-    while len(out) < stages * 2 * count:
+    free = [0] * stages
+    ends: dict[tuple[str, int, int], int] = {}
+    while len(ends) < stages * 2 * count:
         moved = False
         for s in range(stages):
             while at[s] < len(orders[s]):
                 kind, m = orders[s][at[s]]
                 if kind == "F":
-                    ready = s == 0 or ("F", s - 1, m) in done
+                    needs = [("F", s - 1, m)] if s else []
                 else:
-                    ready = ("F", s, m) in done and (s == stages - 1 or ("B", s + 1, m) in done)
-                if not ready:
+                    needs = [("F", s, m)] + ([("B", s + 1, m)] if s < stages - 1 else [])
+                if any(need not in ends for need in needs):
                     break
-                done.add((kind, s, m))
-                out.append((kind, s, m))
+                start = max([free[s]] + [ends[need] for need in needs])
+                free[s] = ends[kind, s, m] = start + PASS_LENGTH[kind]
                 at[s] += 1
                 moved = True
         if not moved:
             raise AssertionError(f"schedule {schedule} deadlocks on {stages} stages")
-    return out
+    return sorted(ends, key=lambda p: (ends[p], p[1]))
 
 
 def _first_user(graph: TaskGraph, index: int, candidates: list[int]) -> int:

@@ -352,7 +352,8 @@ def task_placement(
             first[task.name] = first[source]
         else:
             grids[task.name] = (1,) * task.space.ndim
-            first[task.name] = 0
+            # a step's statistic (the loss, evaluate's counts) lives on the stage computing it
+            first[task.name] = first.get(producer.get(target.name, ""), 0)
     return grids, first
 
 

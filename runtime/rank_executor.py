@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ from runtime.transport import (
     wait_object,
 )
 
-TAG_BROADCAST, TAG_GATHER, TAG_RESIDENT = 1, 2, 3
+TAG_BROADCAST, TAG_GATHER, TAG_RESIDENT, TAG_VALUE = 1, 2, 3, 4
 
 
 class TaskFailure(LegionNNError):
@@ -77,6 +77,8 @@ class _Prepared:
     inference: RankProgram
     #: where each program's step buffers live in the arena
     buffers: dict[int, StepBuffers]
+    #: per small tensor `RankExecutor.value` was asked for, the rank holding it whole
+    value_holders: dict[str, int] = field(default_factory=dict)
 
 
 class RankExecutor:
@@ -130,6 +132,8 @@ class RankExecutor:
         #: the graph whose resident tensors `arrays` holds now
         self._allocated: TaskGraph | None = None
         self._buffer_peak = 0
+        #: the graph of the program run last (`value` reads its results)
+        self._bound_graph: int | None = None
 
     @property
     def is_root(self) -> bool:
@@ -280,6 +284,7 @@ class RankExecutor:
 
     def _execute(self, prepared: _Prepared, program: RankProgram, ctx: StepContext) -> None:
         self.runs += 1
+        self._bound_graph = id(prepared.graph)
         graph, buffers = prepared.graph, prepared.buffers[id(program)]
         self._bind(graph, program, buffers)
         run = StepRun(self, graph, program, buffers, ctx, self.runs)
@@ -302,7 +307,26 @@ class RankExecutor:
     # Values, checkpoints and log records.
 
     def value(self, name: str) -> np.ndarray | None:
-        """A whole small tensor (the loss, evaluate's sums) on the rank holding it (rank 0)."""
+        """A whole small tensor of the step just run (the loss, evaluate's sums) on rank 0 (None
+        elsewhere): the rank holding it (a pipeline's last stage) sends it there. Every rank
+        calls it alike."""
+        prepared = self._prepared[self._bound_graph]
+        holder = prepared.value_holders.get(name)
+        if holder is None:
+            tensor = prepared.graph.tensors[name]
+            found = next(prepared.plan.layouts[name].held(tensor.rect), (None, ()))[1]
+            holder = prepared.value_holders[name] = 0 if 0 in found or not found else found[0]
+        if self.rank == holder:
+            local = self._whole(name)
+            if holder == 0:
+                return local
+            self.transport.send_object(local, 0, TAG_VALUE)
+        elif self.rank == 0:
+            request = self.transport.recv_object(holder, TAG_VALUE)
+            return wait_object(request, holder, f"waiting for {name}", 0, self.stall_timeout)
+        return None
+
+    def _whole(self, name: str) -> np.ndarray | None:
         box = self.boxes.get(name)
         if box is None or box.lo != (0,) * box.ndim:
             return None

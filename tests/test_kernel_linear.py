@@ -169,6 +169,7 @@ def test_the_tiled_products_agree_across_blocks_and_slices(dtype, monkeypatch):
     """Blocks of rows and columns and slices of the reduction small enough that every product
     has several of each, with ragged last ones, and accumulation into the weight gradient."""
     monkeypatch.setattr(linear, "TILED_DEPTH", 7)
+    monkeypatch.setattr(linear, "TILED_COLUMNS", 64)
     monkeypatch.setattr(linear, "TILED_BLOCK_BYTES", 7 * 64 * np.dtype(dtype).itemsize)
     x, w, _ = _inputs(21, 130, (3, 5, 6), dtype, seed=5)  # 90 features: slices of 7
     dy = np.random.default_rng(8).standard_normal((21, 130, 1, 1)).astype(dtype)

@@ -116,6 +116,37 @@ def test_the_task_list_holds_every_stages_order(schedule):
         assert seen == stage_order(stage, 3, 4, schedule)
 
 
+def _passes(graph) -> list[tuple[str, int, int]]:
+    """The graph's (kind, stage, micro-batch) passes in task-list order."""
+    seen: list[tuple[str, int, int]] = []
+    for task in graph.tasks:
+        if "stage" not in task.attrs or task.phase not in ("forward", "backward"):
+            continue
+        key = (
+            "F" if task.phase == "forward" else "B",
+            task.attrs["stage"],
+            task.attrs["micro_batch"],
+        )
+        if not seen or seen[-1] != key:
+            seen.append(key)
+    return seen
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("stages", "count"), [(2, 4), (2, 8), (3, 3), (3, 6), (4, 8)])
+def test_a_stage_waits_for_the_gradient_it_needs_next(schedule, stages, count):
+    """A stage adds the next stage's partial sum into its boundary gradient where that backward
+    sits in the task list: the one it sits after must be the backward the stage runs next, or
+    the stage would wait for a later micro-batch before computing its current one."""
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), stages, count, schedule)
+    passes = _passes(graph)
+    for at, (kind, stage, m) in enumerate(passes):
+        if kind != "B" or stage == stages - 1:
+            continue
+        later = [p for p in passes[:at] if p[:2] == ("B", stage + 1)]
+        assert later[-1] == ("B", stage + 1, m), (kind, stage, m)
+
+
 @pytest.mark.parametrize("strategy", ["data", "model"])
 def test_each_stage_computes_on_its_own_ranks(strategy):
     graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4)
@@ -127,6 +158,13 @@ def test_each_stage_computes_on_its_own_ranks(strategy):
             continue  # a zeroing runs where what it zeroes lives (`strategy.task_placement`)
         ranks = {r for piece in task_plan.pieces for r in piece.ranks}
         assert ranks <= {2 * stage, 2 * stage + 1}, task.name
+    for task, task_plan in zip(graph.tasks, plan.tasks):
+        if task.name in (
+            "classifier.softmax.output.set_zero",
+            "classifier.evaluate.output.set_zero",
+        ):
+            # the step's statistics live on the stage computing them: no stage waits for them
+            assert {r for piece in task_plan.pieces for r in piece.ranks} <= {2, 3}, task.name
     crossing = {t.tensor for tp in plan.tasks for t in tp.transfers if not t.reduce}
     assert "fc4.filterNL.output@0" in crossing  # the activation at the cut, forward
     assert "fc4.filterNL.output@0.grad" not in crossing  # its gradient is summed back
