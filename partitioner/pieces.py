@@ -35,6 +35,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
+from legion_nn.micro_batches import PLACEMENT_ATTRS
 from legion_nn.ops import BoxMap, access_map, box_map
 from legion_nn.rect import Rect
 from partitioner import boxes, reduction_split
@@ -170,8 +171,9 @@ class PieceCache:
     (`auto` prices dozens of plans that share most of their grids).
 
     Tasks that differ only in the tensors they touch (the same op, phase, attributes, space and
-    tensor dims per role, as the repeated layers of VGG have) get the same rects, so they share
-    one computation of them."""
+    tensor dims per role, as the repeated layers of VGG have, and a layer's copies in each
+    micro-batch, whose attributes differ only in where they sit, `PLACEMENT_ATTRS`) get the same
+    rects, so they share one computation of them."""
 
     def __init__(self, graph: TaskGraph) -> None:
         self.graph = graph
@@ -220,7 +222,7 @@ def chosen_pieces(cache: PieceCache, grids: Mapping[str, tuple[int, ...]]) -> Pi
 def _shape_key(graph: TaskGraph, task: Task, grid: tuple[int, ...]) -> tuple | None:
     """What `grid_pieces` computes the rects from (None: attributes that do not compare)."""
     try:
-        attrs = repr(sorted(task.attrs.items()))
+        attrs = repr(sorted(kv for kv in task.attrs.items() if kv[0] not in PLACEMENT_ATTRS))
     except TypeError:
         return None
     roles = tuple((req.role, graph.tensors[req.tensor].dims) for req in task.requirements)

@@ -69,8 +69,9 @@ from partitioner import boxes
 from partitioner.accesses import Columns, TaskAccesses, task_accesses
 from partitioner.deferred_sums import defer_sums
 from partitioner.layout import Layout
-from partitioner.messages import Accesses, Copies, combine, fetch
+from partitioner.messages import Copies
 from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
+from partitioner.plan_memo import PlanMemo
 from partitioner.strategy import (
     Grid,
     Strategy,
@@ -175,6 +176,7 @@ def build_plan(
     units = task_rows(graph)
     layouts: dict[str, Layout] = dict(homes)
     copies = Copies()
+    memo = PlanMemo()
     plans = []
     for task in graph.tasks:
         if task.name in homed:
@@ -188,7 +190,14 @@ def build_plan(
             )
         else:
             plan = _plan_partitioned(
-                graph, task, units[task.name], grids[task.name], pieces[task.name], layouts, copies
+                graph,
+                task,
+                units[task.name],
+                grids[task.name],
+                pieces[task.name],
+                layouts,
+                copies,
+                memo,
             )
         layouts.update(plan.holdings)
         plans.append(plan)
@@ -260,36 +269,53 @@ def task_rows(graph: TaskGraph) -> dict[str, str]:
     for unit in find_units(graph):
         for name in unit.forward + unit.backward:
             out[name] = unit.name
-    pending: list[Task] = []
-    for task in graph.tasks:
+    pending: list[int] = []
+    for position, task in enumerate(graph.tasks):
         if task.op == "data":
             out[task.name] = "data"
         elif task.name not in out:
-            pending.append(task)
-    for task in pending:
+            pending.append(position)
+    # a helper takes the row of the first task (in the graph's order) to touch what it touches,
+    # of those that are no helper of the kinds below and have a row by then: every unit's task,
+    # and the helpers before it
+    touching: dict[str, list[int]] = defaultdict(list)
+    for position, task in enumerate(graph.tasks):
+        if task.op not in ("data", "update", "set_zero"):
+            for tensor in {r.tensor for r in task.requirements}:
+                touching[tensor].append(position)
+    waiting = set(pending)
+    for position in pending:
+        task = graph.tasks[position]
         tensors = {r.tensor for r in task.requirements}
         owner = param_of(graph, task.requirements[0].tensor)
         if owner is not None:
             tensors.add(owner)
-        out[task.name] = next(
+        first = min(
             (
-                out[t.name]
-                for t in graph.tasks
-                if t.name in out
-                and t.op != "data"
-                and t.op != "update"
-                and t.op != "set_zero"
-                and tensors & {r.tensor for r in t.requirements}
+                next((at for at in touching[t] if at not in waiting), len(graph.tasks))
+                for t in tensors
             ),
-            task.layer or task.name,
+            default=len(graph.tasks),
         )
+        if first < len(graph.tasks):
+            out[task.name] = out[graph.tasks[first].name]
+        else:
+            out[task.name] = task.layer or task.name
+        waiting.discard(position)
     return out
 
 
-def written_layout(graph: TaskGraph, task: Task, tensor: str, found: list[Columns]) -> Layout:
-    """The layout `task` leaves `tensor` in: one holder per written rect."""
+def written_layout(
+    graph: TaskGraph, task: Task, tensor: str, found: list[Columns], memo: PlanMemo | None = None
+) -> Layout:
+    """The layout `task` leaves `tensor` in: one holder per written rect (the `memo`'s object
+    for that content, where given)."""
     ranks, lo, hi = (np.concatenate(column) for column in zip(*found))
-    layout = Layout.from_arrays(len(graph.tensors[tensor].dims), ranks, lo, hi)
+    ndim = len(graph.tensors[tensor].dims)
+    if memo is None:
+        layout = Layout.from_arrays(ndim, ranks, lo, hi)
+    else:
+        layout = memo.layout(ndim, ranks, lo, hi)
     shared = np.flatnonzero(layout.holder_count > 1)
     if len(shared):
         holders = layout.holders[int(shared[0])]
@@ -324,13 +350,17 @@ def homed_holdings(task: Task, homes: Mapping[str, Layout]) -> dict[str, Layout]
 
 
 def holdings_after(
-    graph: TaskGraph, task: Task, touched: TaskAccesses, layouts: Mapping[str, Layout]
+    graph: TaskGraph,
+    task: Task,
+    touched: TaskAccesses,
+    layouts: Mapping[str, Layout],
+    memo: PlanMemo | None = None,
 ) -> dict[str, Layout]:
     """The holdings after partitioned `task` (its accesses `touched`), given the `layouts`
     before it: a written tensor is held where it was written (`written_layout`, one holder per
     rect), and a sum where its target was zeroed, by every holder of each cell."""
     after = {
-        tensor: written_layout(graph, task, tensor, found)
+        tensor: written_layout(graph, task, tensor, found, memo)
         for tensor, found in touched.writes.items()
     }
     for tensor, _ in touched.reduces:
@@ -387,6 +417,7 @@ def _plan_partitioned(
     pieces: PieceSet,
     layouts: Mapping[str, Layout],
     copies: Copies,
+    memo: PlanMemo,
 ) -> TaskPlan:
     fail = _failure(task)
     touched = task_accesses(task, pieces)
@@ -395,18 +426,19 @@ def _plan_partitioned(
         layout = layouts.get(tensor)
         if layout is None:
             raise fail(f"reads {tensor}, which no earlier task wrote")
-        accesses = Accesses(*found)
+        accesses = memo.accesses(found)
         fresh = copies.fresh(tensor, layout, accesses, keep=not graph.tensors[tensor].resident)
-        blocks.append(fetch(tensor, graph.tensors[tensor].itemsize, layout, accesses, fresh, fail))
-    after = holdings_after(graph, task, touched, layouts)
+        itemsize = graph.tensors[tensor].itemsize
+        blocks.append(memo.fetch(tensor, itemsize, layout, accesses, fresh, fail))
+    after = holdings_after(graph, task, touched, layouts, memo)
     reductions = []
     nreads = len(pieces) * len(task.requirements)
     for position, (tensor, found) in enumerate(touched.reduces):
         if tensor not in after:
             raise fail(f"reduces into {tensor}, which was never zeroed")
         itemsize = graph.tensors[tensor].itemsize
-        block, collectives = combine(
-            tensor, itemsize, after[tensor], Accesses(*found), nreads + position, fail
+        block, collectives = memo.combine(
+            tensor, itemsize, after[tensor], memo.accesses(found), nreads + position, fail
         )
         blocks.append(block)
         reductions += reductions_of(tensor, itemsize, collectives)

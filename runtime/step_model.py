@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from legion_nn.graph import TaskGraph
-from partitioner.cost import plan_cost
+from partitioner.cost import step_seconds, task_costs
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
@@ -114,7 +114,7 @@ class StepModel:
         loop = self.machine.step_loop_seconds(plan.nranks)
         if not self._simulates(graph, plan):
             self._keep(graph, plan)
-            return plan_cost(graph, plan, self.machine).step_seconds + loop
+            return step_seconds(task_costs(graph, plan, self.machine)) + loop
         return self.simulated_seconds(graph, plan) + loop
 
     def peak(self, graph: TaskGraph, plan: Plan) -> int:
