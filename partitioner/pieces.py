@@ -40,6 +40,7 @@ from legion_nn.ops import BoxMap, access_map, box_map
 from legion_nn.rect import Rect
 from partitioner import boxes, reduction_split
 from partitioner.layout import Layout
+from partitioner.plan_memo import PlanMemo
 from partitioner.reduction_split import SumTarget
 
 #: grids of at most this many pieces get one access-map call per piece
@@ -177,6 +178,9 @@ class PieceCache:
 
     def __init__(self, graph: TaskGraph) -> None:
         self.graph = graph
+        #: the transfers and layouts its plans found, by content (`plan_memo`): plans of one
+        #: graph under many strategies share the tasks whose grids they share
+        self.memo = PlanMemo()
         self._found: dict[tuple[str, tuple[int, ...]], PieceSet] = {}
         self._shapes: dict[tuple, PieceSet] = {}
         self._memos: dict[tuple, dict] = {}
@@ -212,6 +216,7 @@ class PieceCache:
 def chosen_pieces(cache: PieceCache, grids: Mapping[str, tuple[int, ...]]) -> PieceCache:
     """A cache holding what `cache` has of the tasks on `grids` (task name -> grid)."""
     out = PieceCache(cache.graph)
+    out.memo = cache.memo
     for name, grid in grids.items():
         found = cache._found.get((name, tuple(grid)))
         if found is not None:

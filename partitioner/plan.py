@@ -176,7 +176,7 @@ def build_plan(
     units = task_rows(graph)
     layouts: dict[str, Layout] = dict(homes)
     copies = Copies()
-    memo = PlanMemo()
+    memo = cache.memo
     plans = []
     for task in graph.tasks:
         if task.name in homed:

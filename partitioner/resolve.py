@@ -26,6 +26,7 @@ from legion_nn.ops import has_access_map
 from partitioner.cost import step_seconds, task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.memory_fit import STEP_WITHIN, Fitted, NoFit, PeakFn, StepFn, fit, least_step
+from partitioner.pieces import PieceCache
 from partitioner.pipeline_search import PipelineChoice, PipelineSearch, choose_pipeline
 from partitioner.plan import Plan, build_plan
 from partitioner.search import SearchResult, auto
@@ -272,7 +273,8 @@ def _auto_in_stages(
     homes = param_homes or "replicated"
     families = ["data"] if batch_only(graph) else list(BUILTIN)
     candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]
-    plans = [build_plan(graph, s, nranks) for s in candidates]
+    cache = PieceCache(graph)  # the mixture repeats most of its families' tasks: found once
+    plans = [build_plan(graph, s, nranks, cache=cache) for s in candidates]
     costs = [task_costs(graph, p, machine) for p in plans]
     rows = [unit_seconds(c) for c in costs]
 
@@ -282,7 +284,7 @@ def _auto_in_stages(
     mixed = {unit: cheapest(unit).unit_grids[unit] for unit in candidates[0].unit_grids}
     if all(mixed != c.unit_grids for c in candidates):
         candidates.append(replace(candidates[0], name="auto", unit_grids=mixed))
-        plans.append(build_plan(graph, candidates[-1], nranks))
+        plans.append(build_plan(graph, candidates[-1], nranks, cache=cache))
         costs.append(task_costs(graph, plans[-1], machine))
     return candidates[_least(graph, plans, [step_seconds(c) for c in costs], step)]
 

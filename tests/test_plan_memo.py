@@ -73,7 +73,7 @@ def test_a_plan_equals_the_plan_found_afresh(
     graph = step_graph(load_network(network).lower(batch), stages, count, "1f1b")
     strategy_ = builtin(graph, strategy, nranks)
     remembered = build_plan(graph, strategy_, nranks)
-    monkeypatch.setattr("partitioner.plan.PlanMemo", _Afresh)
+    monkeypatch.setattr("partitioner.pieces.PlanMemo", _Afresh)
     _assert_same_plans(remembered, build_plan(graph, strategy_, nranks))
 
 
