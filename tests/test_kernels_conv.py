@@ -3,8 +3,13 @@
 import numpy as np
 import pytest
 
-from runtime.kernels import conv_backward, conv_forward, reference
-from runtime.kernels.conv import conv_backward_packed, conv_forward_packed
+from runtime.kernels import reference
+from runtime.kernels.conv import (
+    conv_backward,
+    conv_backward_packed,
+    conv_forward,
+    conv_forward_packed,
+)
 from runtime.kernels.layout import pack_activations, pack_weights, unpack_activations
 from tests.test_kernels_filter import close, numerical_gradient, rel_error
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from runtime.kernels import filter as filter_module
-from runtime.kernels import filter_backward, filter_forward, filter_packed, reference
+from runtime.kernels import filter_packed, reference
+from runtime.kernels.filter import filter_backward, filter_forward
 from runtime.kernels.filter_packed import (
     backward_data_packed,
     backward_filter_packed,

@@ -7,8 +7,3 @@ across training steps. `reference` holds the plain NumPy oracles.
 Importing them changes no environment: the `legion-nn` command sets OpenMP's spin count for its
 process (`legion_nn.cli.OPENMP_SPIN_POLLS` says why).
 """
-
-from runtime.kernels.conv import conv_backward, conv_forward
-from runtime.kernels.filter import filter_backward, filter_forward
-
-__all__ = ["conv_backward", "conv_forward", "filter_backward", "filter_forward"]
