@@ -24,7 +24,10 @@ and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+shard
 (`data+2stages`) in a pipeline of S stages with 2·S micro-batches (`partitioner.pipeline`), or
 `+autostages` in the stages, micro-batches and cuts `--stages auto` chooses.
 
-The rows give both, their error, the bytes a step sends and which plan auto chose; the summary
+The rows give both, their error, the share of a step a rank computes (measured from the log's
+`compute_seconds`, the kernels' time, against the simulation's: where a prediction misses, this
+says whether the kernels or the waits did), the bytes a step sends and which plan auto chose; the
+summary
 (`summarize`) the mean and largest absolute error, and per case whether the measured order of the
 strategies was predicted and how far auto's measured step is from the best; the plot puts
 step time against the link's bandwidth, one colour per strategy, predicted lines and measured
@@ -197,6 +200,7 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     step = model.step_prediction(graph, plan, cost.step_seconds)
     return {
         "predicted_s": step["predicted_step_seconds"],
+        "compute_fraction_predicted": step.get("compute_fraction"),
         "bulk_synchronous_s": step["bulk_synchronous_seconds"],
         "bytes_planned": cost.bytes_sent,
         "auto_chose": chosen,
@@ -452,6 +456,7 @@ def _run_cases(
                     "measured_s": job.step_seconds,
                     "error": predicted["predicted_s"] / job.step_seconds - 1.0,
                     "bytes_per_step": job.bytes_per_step,
+                    "compute_fraction_measured": job.compute_fraction,
                 }
             )
     return rows
@@ -506,6 +511,17 @@ def summarize(rows: Sequence[dict]) -> dict:
     }
 
 
+def _computing(row: dict) -> str:
+    """The share of a step a rank computes, measured/predicted (`-` where either is unknown)."""
+    measured, predicted = (
+        row.get("compute_fraction_measured"),
+        row.get("compute_fraction_predicted"),
+    )
+    if measured is None or predicted is None:
+        return "-"
+    return f"{measured:.0%}/{predicted:.0%}"
+
+
 def format_table(report: dict) -> str:
     # a strategy file's stem, or a network's spec file, may be longer than the built-ins' names
     rows = report["results"]
@@ -518,7 +534,7 @@ def format_table(report: dict) -> str:
         (
             f"{'variant':{vary}s} {'link':>9s} {'network':{wide}s} {'batch':>5s} "
             f"{'strategy':{width}s} {'measured':>10s} {'predicted':>10s} {'error':>7s} "
-            f"{'bytes/step':>14s}  auto chose"
+            f"{'computing':>9s} {'bytes/step':>14s}  auto chose"
         ),
     ]
     for row in rows:
@@ -531,7 +547,7 @@ def format_table(report: dict) -> str:
             continue
         lines.append(
             f"{head} {row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "
-            f"{row['bytes_per_step']:14,d}  {row['auto_chose']}"
+            f"{_computing(row):>9s} {row['bytes_per_step']:14,d}  {row['auto_chose']}"
         )
     summary = report.get("summary") or summarize(rows)
     for case in summary["cases"]:

@@ -36,6 +36,8 @@ class Job:
     step_seconds: float
     bytes_per_step: int
     trace: dict
+    #: the median over steps of the mean share of a step a rank spent in its kernels
+    compute_fraction: float | None = None
 
 
 def run_job(
@@ -90,6 +92,7 @@ def run_job(
         median_step(records),
         sent,
         json.loads(trace.read_text()) if traced else {},
+        median_compute_fraction(records),
     )
 
 
@@ -106,6 +109,24 @@ def median_step(records: list[dict]) -> float:
         if "step" in r and r["step"] >= WARMUP:
             slowest[r["step"]] = max(slowest[r["step"]], r["seconds"])
     return statistics.median(slowest.values())
+
+
+def median_compute_fraction(records: list[dict]) -> float | None:
+    """The median over a `--log-json` log's steps after `WARMUP` of the mean over ranks of the
+    share of the step (its slowest rank's time) each rank spent in its kernels
+    (`compute_seconds`); None where the log has no such field."""
+    steps: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        if "step" in r and r["step"] >= WARMUP:
+            steps[r["step"]].append(r)
+    shares = []
+    for ranks in steps.values():
+        if any("compute_seconds" not in r for r in ranks):
+            return None
+        slowest = max(r["seconds"] for r in ranks)
+        if slowest > 0:
+            shares.append(sum(r["compute_seconds"] for r in ranks) / len(ranks) / slowest)
+    return statistics.median(shares) if shares else None
 
 
 #: a measured job times at least this long: a few steps of a small network would be a sample

@@ -121,6 +121,8 @@ class RankExecutor:
         self._sent_at_step_start = 0
         self.last_bytes_planned = 0
         self.last_bytes_sent = 0
+        #: seconds the last step spent in its kernels (`StepRun.compute_seconds`)
+        self.last_compute_seconds = 0.0
         #: programs run so far: every rank runs the same sequence, so (run, seq) names a message
         self.runs = 0
         #: the step buffers of every program (`runtime.step_buffers`)
@@ -303,6 +305,7 @@ class RankExecutor:
             run.finish()
         self.last_bytes_sent = self.transport.bytes_sent - sent_before
         self.last_bytes_planned = program.bytes_planned
+        self.last_compute_seconds = run.compute_seconds
 
     # Values, checkpoints and log records.
 
@@ -347,7 +350,8 @@ class RankExecutor:
         return out
 
     def step_extras(self) -> dict[str, Any]:
-        """Bytes sent and planned in the last step; the most the runtime's buffers have held
+        """Bytes sent and planned in the last step, and the seconds it computed (the rest of a
+        step a rank waits, posts and copies); the most the runtime's buffers have held
         (the resident tensors' arrays on this rank and the arena of its step buffers: both are
         allocated before their first use and kept, so the peak is what is held after the step);
         the process's peak resident set."""
@@ -356,6 +360,7 @@ class RankExecutor:
         return {
             "bytes_sent": self.last_bytes_sent,
             "bytes_planned": self.last_bytes_planned,
+            "compute_seconds": self.last_compute_seconds,
             "buffer_peak_bytes": self._buffer_peak,
             "rss_peak_bytes": peak_rss_bytes(),
         }

@@ -108,6 +108,9 @@ class StepRun:
         #: how many collectives have completed
         self.completed = 0
         self.stall_timeout = executor.stall_timeout
+        #: seconds this rank spent in its pieces' kernels this step (the rest it spent waiting,
+        #: posting and copying): what `bench scaling` compares with the simulated waiting
+        self.compute_seconds = 0.0
 
     def _dtype(self, tensor: str):
         return NUMPY_DTYPES[self.graph.tensors[tensor].dtype]
@@ -223,9 +226,11 @@ class StepRun:
         for tensor, target in staging.in_place.get(rt.index, {}).items():
             scratch[tensor] = (target, self.ex.view(tensor, target))
         start = self.now()
+        began = time.perf_counter()
         with self.transport.computing():
             for piece in rt.pieces if rt.runs else []:
                 self._compute(rt, piece, scratch)
+        self.compute_seconds += time.perf_counter() - began
         if rt.runs:
             self._event(
                 "compute",

@@ -48,7 +48,10 @@ def predict_step(
                                         for rt in program.tasks], machine)
         for rank, program in programs.items()
     }  # fmt: skip
-    return simulate(programs, seconds, machine)
+    step = simulate(programs, seconds, machine)
+    overhead = machine.task_overhead
+    step.compute = {rank: sum(max(s - overhead, 0.0) for s in per) for rank, per in seconds.items()}
+    return step
 
 
 def program_seconds(program: RankProgram, seconds: list[float], machine: Machine) -> list[float]:
@@ -105,7 +108,8 @@ def step_prediction(
     where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
     outside the tasks (`loop_us`). `simulated_step`: the simulation, where the caller has it
-    already (`runtime.step_model.StepModel`). A pipeline's also gets its bubble: the mean
+    already (`runtime.step_model.StepModel`). A simulated step also gets `compute_fraction`, the
+    mean share of it a rank spends in its kernels. A pipeline's also gets its bubble: the mean
     fraction of the simulated step its ranks wait, against (S − 1) / (M + S − 1), the bubble of
     S stages of equal work streaming M micro-batches with nothing else to wait for."""
     loop = machine.step_loop_seconds(plan.nranks)
@@ -115,7 +119,12 @@ def step_prediction(
         return out | summed
     if simulated_step is None:
         simulated_step = predict_step(graph, plan, machine, simulate=simulate_compiled)
-    out |= {"predicted_step_seconds": simulated_step.seconds + loop, "step_model": "simulated"}
+    predicted = simulated_step.seconds + loop
+    out |= {
+        "predicted_step_seconds": predicted,
+        "step_model": "simulated",
+        "compute_fraction": simulated_step.compute_fraction(predicted),
+    }
     stages = stages_of(graph)
     if stages > 1:
         micro_batches, _ = schedule_of(graph)

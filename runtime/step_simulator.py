@@ -124,6 +124,9 @@ class SimulatedStep:
     #: the order the simulation ran them (`simulate_step` only; the compiled loop leaves it
     #: empty): what `render --timeline` draws
     timeline: list[tuple[int, int, float, float]] = field(default_factory=list)
+    #: per rank, seconds in its tasks' kernels (their compute, without the per-task overhead;
+    #: `step_prediction.predict_step` fills it)
+    compute: dict[int, float] = field(default_factory=dict)
 
     @property
     def waiting_fraction(self) -> float:
@@ -131,6 +134,13 @@ class SimulatedStep:
         if not self.waiting or not self.seconds:
             return 0.0
         return sum(self.waiting.values()) / len(self.waiting) / self.seconds
+
+    def compute_fraction(self, step: float) -> float:
+        """The mean over ranks of the share of a step of `step` seconds each computes: what a
+        run measures as `compute_seconds` over its step (`bench scaling`)."""
+        if not self.compute or step <= 0:
+            return 0.0
+        return sum(self.compute.values()) / len(self.compute) / step
 
 
 def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:

@@ -287,7 +287,7 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
 
     def fake_jobs(specs, repeat, work, say):
         ran.extend(specs)
-        return [Job(s["network"], s["batch"], s["ranks"], s["strategy"], 0.5, 1000, {})
+        return [Job(s["network"], s["batch"], s["ranks"], s["strategy"], 0.5, 1000, {}, 0.4)
                 for s in specs]  # fmt: skip
 
     monkeypatch.setattr(cluster_scaling.cluster, "up", fake_up)
@@ -305,8 +305,12 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     expected = predict(MLP, 8, 2, str(COLUMN_ROW), Machine(**MACHINE))
     assert rows[1]["predicted_s"] == pytest.approx(expected["predicted_s"], rel=1e-12)
     assert rows[1]["bytes_planned"] == expected["bytes_planned"]
+    predicted_share = expected["compute_fraction_predicted"]
+    assert rows[1]["compute_fraction_predicted"] == pytest.approx(predicted_share, rel=1e-12)
     table = format_table(report).splitlines()
     assert table[3].split()[:5] == ["1gbit", "1gbit", MLP, "8", "megatron-col-row-2"]
+    # the share of the step a rank computes, measured (the log's) against predicted
+    assert f"40%/{predicted_share:.0%}" in table[3].split()
     # the columns line up under the longer label and network
     assert table[1].index("measured") + len("measured") == table[3].index("0.5000s") + 7
 

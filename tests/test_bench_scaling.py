@@ -152,3 +152,21 @@ def test_best_jobs_lengthen_short_jobs_go_round_robin_and_keep_the_fastest(monke
     assert best[0].step_seconds == pytest.approx(0.009)  # not the discarded probe's 0.010
     assert best[1].step_seconds == pytest.approx(0.5)
     assert isinstance(best[2], LegionNNError)
+
+
+def test_the_computing_share_is_the_median_steps_mean_over_ranks_of_kernel_time():
+    """Each step's share is the ranks' mean kernel seconds over the step's time (its slowest
+    rank's); the warm-up steps are left out; a log without the field gives None."""
+    from bench.jobs import WARMUP, median_compute_fraction
+
+    steps = [(9.0, 9.0, 0.0), (9.0, 9.0, 0.0), (1.0, 2.0, 0.5), (2.0, 2.0, 1.0), (1.0, 1.0, 0.9)]
+    records = []
+    for step, (a, b, compute) in enumerate(steps):
+        for rank, seconds in ((0, a), (1, b)):
+            records.append(
+                {"step": step, "rank": rank, "seconds": seconds, "compute_seconds": compute}
+            )
+    assert WARMUP == 2
+    assert median_compute_fraction(records) == pytest.approx(0.5)  # of 0.25, 0.5 and 0.9
+    del records[-1]["compute_seconds"]
+    assert median_compute_fraction(records) is None

@@ -214,6 +214,7 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
     assert len(steps) == 4 * nranks
     for record in steps:
         assert record["bytes_sent"] == record["bytes_planned"], record
+        assert 0 < record["compute_seconds"] < record["seconds"], record  # kernels, then waits
     if nranks > 1:
         assert any(r["bytes_sent"] > 0 for r in steps)
     trace = json.loads((tmp_path / "trace.json").read_text())

@@ -28,7 +28,7 @@ from partitioner.verify_plan import verify_plan
 from runtime.rank_program import build_programs
 from runtime.step_buffers import ACTIVATIONS, step_buffers
 from runtime.step_model import StepModel
-from runtime.step_prediction import predict_step, simulate_compiled
+from runtime.step_prediction import predict_step, simulate_compiled, step_prediction
 from runtime.step_simulator import simulate_step
 from tests.test_rank_executor import (
     assert_resumes,
@@ -320,3 +320,23 @@ def test_auto_in_stages_takes_the_split_of_least_predicted_step():
     for unit, grid in chosen.unit_grids.items():
         assert grid in {s.unit_grids[unit] for s in uniform.values()}, unit
     assert all(chosen.unit_grids != s.unit_grids for s in uniform.values())
+
+
+@pytest.mark.parametrize(
+    ("stages", "count", "strategy", "nranks"), [(2, 4, "data", 2), (2, 8, "model", 4)]
+)
+def test_a_simulated_step_is_computing_or_waiting(stages, count, strategy, nranks):
+    """`compute_fraction` (each rank's kernels) and the bubble (its waits) share the simulated
+    step between them, all but the posting and packing, which this machine prices in
+    microseconds; one rank alone, with no overhead to pay, only computes."""
+    machine = Machine(
+        rank_gflops=50.0, link_gbytes_per_s=0.125, latency_us=60.0, rank_memory_gib=12.0
+    )
+    graph, _ = pipelined(small_network().lower(16), stages, count)
+    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
+    found = step_prediction(graph, plan, machine, 0.0)
+    assert 0 < found["compute_fraction"] < 1
+    assert 0.98 < found["compute_fraction"] + found["bubble_fraction"] <= 1 + 1e-12
+    alone = small_network().lower(16)
+    plan = build_plan(alone, builtin(alone, "data", 1), 1)
+    assert step_prediction(alone, plan, machine, 0.0)["compute_fraction"] == pytest.approx(1.0)
