@@ -134,7 +134,8 @@ class RankExecutor:
         #: the graph whose resident tensors `arrays` holds now
         self._allocated: TaskGraph | None = None
         self._buffer_peak = 0
-        #: the graph of the program run last (`value` reads its results)
+        #: the key of the graph prepared last, whose program runs next (`value` reads its
+        #: tensors)
         self._bound_graph: int | None = None
 
     @property
@@ -199,6 +200,7 @@ class RankExecutor:
             self.arena.reserve(max(b.size for b in placed.values()))
         self._allocate(graph, prepared.step)
         self._bind(graph, prepared.step, prepared.buffers[id(prepared.step)])
+        self._bound_graph = key
         return prepared
 
     def _allocate(self, graph: TaskGraph, program: RankProgram) -> None:
@@ -286,7 +288,6 @@ class RankExecutor:
 
     def _execute(self, prepared: _Prepared, program: RankProgram, ctx: StepContext) -> None:
         self.runs += 1
-        self._bound_graph = id(prepared.graph)
         graph, buffers = prepared.graph, prepared.buffers[id(program)]
         self._bind(graph, program, buffers)
         run = StepRun(self, graph, program, buffers, ctx, self.runs)
