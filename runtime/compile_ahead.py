@@ -33,6 +33,7 @@ from runtime.kernels import (
     batchnorm,
     dropout,
     filter_packed,
+    gelu,
     layout,
     linear,
     nonlinear,
@@ -78,6 +79,11 @@ def _affine(dtype: np.dtype) -> None:
     a = np.ones(1, dtype)
     y = affine.filterA_forward(x, a, np.zeros((1, 2, 3, 3), dtype))
     affine.filterA_backward(y, x, a, need_dx=True)
+
+
+def _gelu(dtype: np.dtype) -> None:
+    x = np.ones((2, 2, 2, 2), dtype)  # either form runs the one compiled loop
+    gelu.gelu_backward(gelu.gelu_forward(x), x)
 
 
 def _nonlinear(dtype: np.dtype) -> None:
@@ -168,6 +174,7 @@ UNITS: dict[str, Unit] = {
     "filter.step": Unit(_filter_step, 4.0, "step", filter_packed._step_untied),
     "filterA": Unit(_affine, 1.5, "filterA", affine._forward),
     "filterNL": Unit(_nonlinear, 1.3, "filterNL", nonlinear._forward),
+    "gelu": Unit(_gelu, 1.0, "gelu", gelu._forward),
     "linear": Unit(_linear, 0.9, "step", linear._tiled_product),
     "linear.step": Unit(_linear_step, 0.9, "step", linear._stepped_product),
     "softmax": Unit(_softmax, 0.5, "softmax", softmax._forward),

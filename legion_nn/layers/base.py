@@ -118,6 +118,8 @@ class ElementwiseLayer(Layer):
 
     #: whether the backward reads the forward output (filterNL's derivatives are functions of it)
     BACKWARD_READS_OUTPUT: ClassVar[bool] = False
+    #: whether the backward reads the forward input (gelu's derivative is a function of it only)
+    BACKWARD_READS_INPUT: ClassVar[bool] = False
 
     def attrs(self) -> dict[str, Any]:
         return {}
@@ -140,6 +142,8 @@ class ElementwiseLayer(Layer):
             reads = [("output.delta", ctx.grad(y), Privilege.READ)]
             if self.BACKWARD_READS_OUTPUT:
                 reads.append(("output", y, Privilege.READ))
+            if self.BACKWARD_READS_INPUT:
+                reads.append(("input", x, Privilege.READ))
             bindings = reads + [("input.delta", ctx.grad(x), Privilege.REDUCE)]
             ctx.task(f"{self.stem}.grad", op, "backward", space, bindings, self.name, attrs)
 

@@ -1,7 +1,9 @@
 """`filterNL`: an elementwise nonlinearity (relu, tanh, sigmoid); `relu` is its short spelling.
+`gelu`: the Gaussian error linear unit of transformers, exact or in its tanh approximation.
 
-The backward reads the forward *output*, from which all three derivatives follow
-(relu: y > 0, tanh: 1 − y², sigmoid: y(1 − y)), so the input need not be kept.
+filterNL's backward reads the forward *output*, from which all three derivatives follow
+(relu: y > 0, tanh: 1 − y², sigmoid: y(1 − y)), so the input need not be kept. Gelu's
+derivative is no function of its output (it is not monotonic), so its backward reads the input.
 """
 
 from __future__ import annotations
@@ -39,3 +41,29 @@ class Relu(FilterNL):
     def __post_init__(self) -> None:
         if self.fn != "relu":
             raise ValueError(f"a relu layer computes relu; use filterNL for {self.fn!r}")
+
+
+#: PyTorch's `approximate`: the exact erf form, or GPT-2's tanh form
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+# per element, counting erf, tanh and exp as the ~20 FLOPs of their polynomial evaluations:
+# the forward one of them and four more; the backward one or two and about ten more
+record_elementwise("gelu", forward=25, backward=45)
+
+
+@layer_kind("gelu")
+@dataclass
+class Gelu(ElementwiseLayer):
+    OP_NAME = "gelu"
+    BACKWARD_READS_INPUT = True
+    approximate: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.approximate not in GELU_APPROXIMATIONS:
+            raise ValueError(
+                f"approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, "
+                f"got {self.approximate!r}"
+            )
+
+    def attrs(self) -> dict[str, Any]:
+        return {"approximate": self.approximate}

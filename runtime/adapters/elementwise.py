@@ -1,4 +1,4 @@
-"""Adapters of the data task and the elementwise ops: `filterA`, `filterNL`, `dropout`,
+"""Adapters of the data task and the elementwise ops: `filterA`, `filterNL`, `gelu`, `dropout`,
 `reshape`, `set_zero` and the optimizer `update`.
 
 `update` changes its `params` and optimizer-state views in place (read_write privilege); the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from legion_nn.micro_batches import in_step_batch
 from runtime.adapters.registry import adapter
-from runtime.kernels import affine, dropout, nonlinear, update
+from runtime.kernels import affine, dropout, gelu, nonlinear, update
 
 
 @adapter("data.forward")
@@ -50,6 +50,17 @@ def _nonlinear(task, piece, views, dims, ctx):
 @adapter("filterNL.backward")
 def _nonlinear_grad(task, piece, views, dims, ctx):
     dx = nonlinear.filterNL_backward(views["output.delta"], views["output"], task.attrs["fn"])
+    return {"input.delta": dx}
+
+
+@adapter("gelu.forward")
+def _gelu(task, piece, views, dims, ctx):
+    return {"output": gelu.gelu_forward(views["input"], task.attrs["approximate"])}
+
+
+@adapter("gelu.backward")
+def _gelu_grad(task, piece, views, dims, ctx):
+    dx = gelu.gelu_backward(views["output.delta"], views["input"], task.attrs["approximate"])
     return {"input.delta": dx}
 
 
