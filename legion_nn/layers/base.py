@@ -18,6 +18,7 @@ branches: a ResNet block's shortcut is a layer reading the block's input, and a 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -170,6 +171,12 @@ def layer_from_spec(spec: dict[str, Any], where: str) -> Layer:
         return cls(**{k: v for k, v in spec.items() if k != "kind"})
     except (TypeError, ValueError) as exc:
         raise LegionNNError(f"{where}: {exc}") from None
+
+
+def one_of(option: str, value: Any, choices: Sequence[str]) -> None:
+    """Require one of `choices` for a layer's `option` (ValueError naming them)."""
+    if value not in choices:
+        raise ValueError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
 
 
 # Hyperparameter normalisation shared by windowed layers.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn.layers.base import ElementwiseLayer, layer_kind, record_elementwise
+from legion_nn.layers.base import ElementwiseLayer, layer_kind, one_of, record_elementwise
 
 FUNCTIONS = ("relu", "tanh", "sigmoid")
 
@@ -28,8 +28,7 @@ class FilterNL(ElementwiseLayer):
     fn: str = "relu"
 
     def __post_init__(self) -> None:
-        if self.fn not in FUNCTIONS:
-            raise ValueError(f"fn must be one of {', '.join(FUNCTIONS)}, got {self.fn!r}")
+        one_of("fn", self.fn, FUNCTIONS)
 
     def attrs(self) -> dict[str, Any]:
         return {"fn": self.fn}
@@ -59,11 +58,7 @@ class Gelu(ElementwiseLayer):
     approximate: str = "none"
 
     def __post_init__(self) -> None:
-        if self.approximate not in GELU_APPROXIMATIONS:
-            raise ValueError(
-                f"approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, "
-                f"got {self.approximate!r}"
-            )
+        one_of("approximate", self.approximate, GELU_APPROXIMATIONS)
 
     def attrs(self) -> dict[str, Any]:
         return {"approximate": self.approximate}

@@ -31,6 +31,13 @@ def same_dtype(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -> None
         )
 
 
+def like(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -> None:
+    """Require a float array of `ref`'s shape and dtype (an elementwise op's second operand)."""
+    floating(name, a)
+    shape(name, a, ref.shape)
+    same_dtype(name, a, ref_name, ref)
+
+
 def shape(name: str, a: np.ndarray, expected: Sequence[int]) -> None:
     if tuple(a.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {a.shape}")

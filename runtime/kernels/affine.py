@@ -64,9 +64,7 @@ def filterA_backward(
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(dx, da, db): dx = a·dy (None unless need_dx), da (1,) = Σ dy·x, db (1, K, P, Q) = Σ_n dy."""
     _check(dy, a, "dy")
-    _checks.floating("x", x)
-    _checks.shape("x", x, dy.shape)
-    _checks.same_dtype("x", x, "dy", dy)
+    _checks.like("x", x, "dy", dy)
     _, k, p, q = dy.shape
     dx = np.empty(dy.shape if need_dx else (0, 0, 0, 0), dy.dtype)
     da_parts = np.zeros(k, np.float64)

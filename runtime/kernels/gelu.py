@@ -85,9 +85,7 @@ def gelu_backward(dy: np.ndarray, x: np.ndarray, approximate: str = "none") -> n
     """dx = dy·gelu'(x), from the forward's input x."""
     code = _code(approximate)
     _checks.floating("dy", dy, 4)
-    _checks.floating("x", x)
-    _checks.shape("x", x, dy.shape)
-    _checks.same_dtype("x", x, "dy", dy)
+    _checks.like("x", x, "dy", dy)
     dx = np.empty(dy.shape, dy.dtype)
     _backward(dy, x, code, dx)
     return dx

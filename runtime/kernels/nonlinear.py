@@ -80,9 +80,7 @@ def filterNL_backward(dy: np.ndarray, y: np.ndarray, fn: str) -> np.ndarray:
     """dx = dy·fn'(x), computed from the forward output y."""
     code = _code(fn)
     _checks.floating("dy", dy, 4)
-    _checks.floating("y", y)
-    _checks.shape("y", y, dy.shape)
-    _checks.same_dtype("y", y, "dy", dy)
+    _checks.like("y", y, "dy", dy)
     dx = np.empty(dy.shape, dy.dtype)
     _backward(dy, y, code, dx)
     return dx
