@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
-from partitioner.cost import plan_cost
+from partitioner.cost import step_seconds, task_costs
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import Plan, build_plan
@@ -35,8 +35,9 @@ from partitioner.strategy import Strategy
 
 #: the most bytes any rank of a plan holds at once
 PeakFn = Callable[[TaskGraph, Plan], int]
-#: a plan's predicted step, as `partition` reports it (the simulated step)
-StepFn = Callable[[TaskGraph, Plan], float]
+#: a plan's predicted step, as `partition` reports it (the simulated step), given its
+#: bulk-synchronous sum where the caller has it (None: it is found where needed)
+StepFn = Callable[[TaskGraph, Plan, float | None], float]
 #: the plans whose predicted steps `least_step` compares: those whose bulk-synchronous seconds
 #: are within this factor of the least. The simulator overlaps messages with compute, which the
 #: sum cannot; where they overlap wholly a plan's step is the longer of the two, and the sum is
@@ -79,7 +80,7 @@ def fit(
 
     def evaluate(strategy: Strategy) -> tuple[Fitted, Plan]:
         plan = build_plan(graph, strategy, nranks, cache=cache)
-        fitted = Fitted(strategy, plan_cost(graph, plan, machine).step_seconds, peak(graph, plan))
+        fitted = Fitted(strategy, step_seconds(task_costs(graph, plan, machine)), peak(graph, plan))
         found[_key(strategy)] = fitted
         return fitted, plan
 
@@ -121,7 +122,10 @@ def fit(
     if step is None:
         return best
     fitted, _ = feasible[
-        least_step([f.seconds for f, _ in feasible], lambda i: step(graph, feasible[i][1]))
+        least_step(
+            [f.seconds for f, _ in feasible],
+            lambda i: step(graph, feasible[i][1], feasible[i][0].seconds),
+        )
     ]
     return fitted
 

@@ -254,7 +254,7 @@ def resolve_stages(
             return math.inf
         if step is None:
             return _bulk_seconds(candidate, plan, machine)
-        return step(candidate, plan)
+        return step(candidate, plan, None)
 
     search = choose_pipeline(graph, nranks, families, machine, schedule, micro_batches, predict)
     return *resolved[search.chosen.key], search
@@ -307,7 +307,7 @@ def _least(graph: TaskGraph, plans: list[Plan], bulk: list[float], step: StepFn 
     sum."""
     if step is None:
         return bulk.index(min(bulk))
-    return least_step(bulk, lambda i: step(graph, plans[i]))
+    return least_step(bulk, lambda i: step(graph, plans[i], bulk[i]))
 
 
 def _bulk_seconds(graph: TaskGraph, plan: Plan, machine: Machine) -> float:

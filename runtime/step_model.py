@@ -106,15 +106,18 @@ class StepModel:
         """The seconds of `simulated`."""
         return self.simulated(graph, plan).seconds
 
-    def step(self, graph: TaskGraph, plan: Plan) -> float:
+    def step(self, graph: TaskGraph, plan: Plan, bulk_seconds: float | None = None) -> float:
         """A plan's predicted step as `partition` reports it (the simulated step with the
         machine's time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
-        `step_prediction.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum: what
-        `auto` chooses its plan by (`partitioner.resolve`)."""
+        `step_prediction.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum
+        (`bulk_seconds`, where the caller has found it already): what `auto` chooses its plan
+        by (`partitioner.resolve`)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
         if not self._simulates(graph, plan):
             self._keep(graph, plan)
-            return step_seconds(task_costs(graph, plan, self.machine)) + loop
+            if bulk_seconds is None:
+                bulk_seconds = step_seconds(task_costs(graph, plan, self.machine))
+            return bulk_seconds + loop
         return self.simulated_seconds(graph, plan) + loop
 
     def peak(self, graph: TaskGraph, plan: Plan) -> int:
