@@ -315,15 +315,16 @@ def run_compiled(
     per_message: float,
     network_cpu: float,
     slowdown: Mapping[int, float],
-) -> tuple[dict[int, float], dict[int, float]]:
-    """Per rank, when it finished the step and how long it waited, by the compiled loop
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per rank, when it finished the step, how long it waited and how long it computed (each
+    task's compute as stretched), by the compiled loop
     (`step_prediction.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
     rank's CPU per byte of its transfers between hosts; `slowdown`: per rank, how much longer
     its CPU work takes than alone on its cores."""
     flat = flatten(programs, compute, links, pack, memory, slowdown)
     host = flat.host
     hosts = int(host.max()) + 1 if len(host) else 0
-    finish, waiting, done = run_step(
+    finish, waiting, computing, done = run_step(
         flat.ops,
         flat.op_ptr,
         flat.amounts,
@@ -349,4 +350,5 @@ def run_compiled(
     return (
         {rank: float(finish[i]) for i, rank in enumerate(flat.ranks)},
         {rank: float(waiting[i]) for i, rank in enumerate(flat.ranks)},
+        {rank: float(computing[i]) for i, rank in enumerate(flat.ranks)},
     )

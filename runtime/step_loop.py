@@ -344,7 +344,9 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
             pc[rank] = p + 1
         elif code == COMPUTE:
             pc[rank] = p + 1
-            clock[rank] += _stretched(net, prices, rank, clock[rank], amounts[a], ranks[3][rank])
+            took = _stretched(net, prices, rank, clock[rank], amounts[a], ranks[3][rank])
+            clock[rank] += took
+            ranks[4][rank] += took
         elif code == PROGRESS:
             pc[rank] = p + 1
             _advance(net, prices, ranks, heap, rounds, rank)
@@ -445,6 +447,7 @@ def run_step(
         np.zeros(nranks, np.float64),
         np.zeros(nranks, np.bool_),
         slowdown,
+        np.zeros(nranks, np.float64),
     )
     # per rank, its instances in start order: START takes the next, COMPLETE drops the oldest
     instances_of = np.zeros(nranks + 1, np.int64)
@@ -492,4 +495,4 @@ def run_step(
         else:
             ranks[0][rank] = max(ranks[0][rank], at)
             _run(program, net, prices, ranks, heap, rounds, rank)
-    return finish, ranks[1], done
+    return finish, ranks[1], ranks[4], done

@@ -48,10 +48,7 @@ def predict_step(
                                         for rt in program.tasks], machine)
         for rank, program in programs.items()
     }  # fmt: skip
-    step = simulate(programs, seconds, machine)
-    overhead = machine.task_overhead
-    step.compute = {rank: sum(max(s - overhead, 0.0) for s in per) for rank, per in seconds.items()}
-    return step
+    return simulate(programs, seconds, machine)
 
 
 def program_seconds(program: RankProgram, seconds: list[float], machine: Machine) -> list[float]:
@@ -79,11 +76,11 @@ def simulate_compiled(
     links = links or Links.of(machine, max(programs) + 1)
     memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
     pack = partial(posting_seconds, memory=memory, per_message=per_message)
-    finish, waiting = run_compiled(
+    finish, waiting, computing = run_compiled(
         programs, compute, links, pack, memory, per_message, machine.network_cpu_seconds_per_byte,
         cpu_slowdown(machine, programs),
     )  # fmt: skip
-    return SimulatedStep(max(finish.values(), default=0.0), finish, waiting)
+    return SimulatedStep(max(finish.values(), default=0.0), finish, waiting, compute=computing)
 
 
 #: plans of more (rank, task) pairs than this are priced by the bulk-synchronous sum alone:
@@ -109,7 +106,7 @@ def step_prediction(
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
     outside the tasks (`loop_us`). `simulated_step`: the simulation, where the caller has it
     already (`runtime.step_model.StepModel`). A simulated step also gets `compute_fraction`, the
-    mean share of it a rank spends in its kernels. A pipeline's also gets its bubble: the mean
+    mean share of it a rank spends computing its tasks. A pipeline's also gets its bubble: the mean
     fraction of the simulated step its ranks wait, against (S − 1) / (M + S − 1), the bubble of
     S stages of equal work streaming M micro-batches with nothing else to wait for."""
     loop = machine.step_loop_seconds(plan.nranks)

@@ -124,8 +124,8 @@ class SimulatedStep:
     #: the order the simulation ran them (`simulate_step` only; the compiled loop leaves it
     #: empty): what `render --timeline` draws
     timeline: list[tuple[int, int, float, float]] = field(default_factory=list)
-    #: per rank, seconds in its tasks' kernels (their compute, without the per-task overhead;
-    #: `step_prediction.predict_step` fills it)
+    #: per rank, seconds in its tasks' compute (each task's, the per-task overhead included,
+    #: stretched by the network stack's CPU meanwhile as the clock is)
     compute: dict[int, float] = field(default_factory=dict)
 
     @property
@@ -194,6 +194,7 @@ class _Simulator:
         self.stack: dict[int, float] = defaultdict(float)
         self.clock = {rank: 0.0 for rank in programs}
         self.waiting = {rank: 0.0 for rank in programs}
+        self.computing = {rank: 0.0 for rank in programs}
         self.timeline: list[tuple[int, int, float, float]] = []
         self.running: dict[int, list[_Running]] = {rank: [] for rank in programs}
         self.sends: dict[int, list[Key]] = {rank: [] for rank in programs}
@@ -356,7 +357,9 @@ class _Simulator:
             yield [("m", m.seq) for m in rt.copies_in]
             self.clock[rank] += sum(2 * m.nbytes * self._memory(rank) for m in rt.copies_in)
             start = self.clock[rank]
-            self.clock[rank] += self._stretched(rank, self.compute[rank][position])
+            took = self._stretched(rank, self.compute[rank][position])
+            self.clock[rank] += took
+            self.computing[rank] += took
             if self.clock[rank] > start:
                 self.timeline.append((rank, position, start, self.clock[rank]))
             self.clock[rank] += self._pack(rt.partial_out, rank) + self._pack(rt.post, rank)
@@ -460,7 +463,11 @@ class _Simulator:
         if stuck:
             raise RuntimeError(f"step simulation: ranks {stuck} never finished (a deadlock)")
         return SimulatedStep(
-            max(self.done.values(), default=0.0), dict(self.done), self.waiting, self.timeline
+            max(self.done.values(), default=0.0),
+            dict(self.done),
+            self.waiting,
+            self.timeline,
+            self.computing,
         )
 
 

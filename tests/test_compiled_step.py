@@ -101,6 +101,7 @@ def test_the_compiled_loop_gives_the_simulators_step(network, batch, strategy, h
         assert fast.seconds == exact.seconds, name
         assert fast.finish == exact.finish, name
         assert fast.waiting == exact.waiting, name
+        assert fast.compute == exact.compute, name
 
 
 @pytest.mark.parametrize("strategy", ["data", "model", "spatial", "auto"])
@@ -117,8 +118,8 @@ def test_the_compiled_loop_gives_the_simulators_step_of_micro_batches(
         programs = build_programs(graph, plan, machine, range(ranks))
         exact = predict_step(graph, plan, machine, programs=programs, simulate=simulate_step)
         fast = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
-        assert (fast.seconds, fast.finish, fast.waiting) == (
-            exact.seconds, exact.finish, exact.waiting
+        assert (fast.seconds, fast.finish, fast.waiting, fast.compute) == (
+            exact.seconds, exact.finish, exact.waiting, exact.compute
         ), name  # fmt: skip
 
 
