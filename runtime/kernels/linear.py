@@ -171,9 +171,10 @@ TILED_BLOCK_BYTES = 256 << 10
 #: the block's columns where b has them, its depth then what fills TILED_BLOCK_BYTES. Rows of
 #: 1 KiB (16 cache lines) let the prefetchers stream a wide b (a weight read by the input's
 #: gradient, dx = dy·w), where 64 columns 1024 deep had them fetch 4 lines a row, each row a page
-#: apart. Measured on 2 cores (1 thread, and 2): dy·w at 32 and 128 rows, w 2048×2048, 4096×1024
-#: and 1024×4096, took 0.55–0.96 of the time of 64 columns 1024 deep (1.0 for 512×512), and the
-#: weight gradients 0.8–0.95; a b of 64 columns or fewer (the forward's xᵀ) is read as before
+#: apart. Measured on 2 cores (1 thread, and 2; `bench/linear_blocks.py`): dy·w at 32 and 128
+#: rows, w 2048×2048, 4096×1024 and 1024×4096, took 0.55–0.99 of the time of 64 columns 1024
+#: deep (1.0 for 512×512), and the weight gradients 0.64–0.95; a b of 64 columns or fewer (the
+#: forward's xᵀ) is read as before
 TILED_COLUMNS = 256
 #: the stepped product's slice of the reduction (`STEP_BLOCK_BYTES`)
 TILED_DEPTH = 1024
