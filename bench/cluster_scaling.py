@@ -26,12 +26,11 @@ and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+shard
 
 The rows give both, their error, the share of a step a rank computes (measured from the log's
 `compute_seconds`, the kernels' time, against the simulation's: where a prediction misses, this
-says whether the kernels or the waits did), the bytes a step sends and which plan auto chose; the
-summary
-(`summarize`) the mean and largest absolute error, and per case whether the measured order of the
-strategies was predicted and how far auto's measured step is from the best; the plot puts
-step time against the link's bandwidth, one colour per strategy, predicted lines and measured
-points, so that it shows where data parallelism stops paying.
+says whether the kernels or the waits did), the bytes a step sends and which plan auto chose;
+the summary (`summarize`) the mean and largest absolute error, and per case whether the measured
+order of the strategies was predicted and how far auto's measured step is from the best; the
+plot puts step time against the link's bandwidth, one colour per strategy, predicted lines and
+measured points, so that it shows where data parallelism stops paying.
 """
 
 from __future__ import annotations

@@ -215,6 +215,11 @@ def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
     return sum(flops * share / rate for share, rate in rates)
 
 
+def bulk_seconds(graph: TaskGraph, plan: Plan, machine: Machine) -> float:
+    """The plan's bulk-synchronous step (`plan_cost`'s, without the memory it also counts)."""
+    return step_seconds(task_costs(graph, plan, machine))
+
+
 def plan_cost(
     graph: TaskGraph, plan: Plan, machine: Machine, measured: Mapping[str, float] | None = None
 ) -> PlanCost:

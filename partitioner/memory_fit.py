@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
-from partitioner.cost import step_seconds, task_costs
+from partitioner.cost import bulk_seconds
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import Plan, build_plan
@@ -80,7 +80,7 @@ def fit(
 
     def evaluate(strategy: Strategy) -> tuple[Fitted, Plan]:
         plan = build_plan(graph, strategy, nranks, cache=cache)
-        fitted = Fitted(strategy, step_seconds(task_costs(graph, plan, machine)), peak(graph, plan))
+        fitted = Fitted(strategy, bulk_seconds(graph, plan, machine), peak(graph, plan))
         found[_key(strategy)] = fitted
         return fitted, plan
 

@@ -23,7 +23,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import stages_of
 from legion_nn.ops import has_access_map
-from partitioner.cost import step_seconds, task_costs, unit_seconds
+from partitioner.cost import bulk_seconds, step_seconds, task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.memory_fit import STEP_WITHIN, Fitted, NoFit, PeakFn, StepFn, fit, least_step
 from partitioner.pieces import PieceCache
@@ -253,7 +253,7 @@ def resolve_stages(
         if peak is not None and peak(candidate, plan) > machine.memory_bytes:
             return math.inf
         if step is None:
-            return _bulk_seconds(candidate, plan, machine)
+            return bulk_seconds(candidate, plan, machine)
         return step(candidate, plan, None)
 
     search = choose_pipeline(graph, nranks, families, machine, schedule, micro_batches, predict)
@@ -298,7 +298,7 @@ def _fastest(
 ) -> int:
     """The index of the candidate of least predicted step (`_least`)."""
     plans = [build_plan(graph, s, nranks) for s in candidates]
-    return _least(graph, plans, [_bulk_seconds(graph, p, machine) for p in plans], step)
+    return _least(graph, plans, [bulk_seconds(graph, p, machine) for p in plans], step)
 
 
 def _least(graph: TaskGraph, plans: list[Plan], bulk: list[float], step: StepFn | None) -> int:
@@ -308,11 +308,6 @@ def _least(graph: TaskGraph, plans: list[Plan], bulk: list[float], step: StepFn 
     if step is None:
         return bulk.index(min(bulk))
     return least_step(bulk, lambda i: step(graph, plans[i], bulk[i]))
-
-
-def _bulk_seconds(graph: TaskGraph, plan: Plan, machine: Machine) -> float:
-    """`cost.plan_cost`'s step, without the memory it also counts."""
-    return step_seconds(task_costs(graph, plan, machine))
 
 
 def _resolve(

@@ -109,7 +109,7 @@ class StepRun:
         self.completed = 0
         self.stall_timeout = executor.stall_timeout
         #: seconds this rank spent in its pieces' kernels this step (the rest it spent waiting,
-        #: posting and copying): what `bench scaling` compares with the simulated waiting
+        #: posting and copying): what `bench scaling` compares with the simulated compute
         self.compute_seconds = 0.0
 
     def _dtype(self, tensor: str):

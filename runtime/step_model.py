@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from legion_nn.graph import TaskGraph
-from partitioner.cost import step_seconds, task_costs
+from partitioner import cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
@@ -116,7 +116,7 @@ class StepModel:
         if not self._simulates(graph, plan):
             self._keep(graph, plan)
             if bulk_seconds is None:
-                bulk_seconds = step_seconds(task_costs(graph, plan, self.machine))
+                bulk_seconds = cost.bulk_seconds(graph, plan, self.machine)
             return bulk_seconds + loop
         return self.simulated_seconds(graph, plan) + loop
 

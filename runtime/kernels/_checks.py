@@ -7,7 +7,7 @@ instead of an out-of-bounds write inside a Numba loop (TypeError when it is not 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -29,6 +29,13 @@ def same_dtype(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -> None
         raise ValueError(
             f"{name} dtype {a.dtype} {a.shape} differs from {ref_name} dtype {ref.dtype} {ref.shape}"
         )
+
+
+def code(name: str, value: str, codes: Mapping[str, int]) -> int:
+    """The integer a Numba kernel takes for `value`, one of `codes`' names."""
+    if value not in codes:
+        raise ValueError(f"{name} must be one of {sorted(codes)}, got {value!r}")
+    return codes[value]
 
 
 def like(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -> None:

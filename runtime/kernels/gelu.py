@@ -64,17 +64,9 @@ def _backward(dy, x, code, dx):
                 dx[i, j, r, s] = np.float64(dy[i, j, r, s]) * slope
 
 
-def _code(approximate: str) -> int:
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(
-            f"approximate must be one of {sorted(APPROXIMATIONS)}, got {approximate!r}"
-        )
-    return APPROXIMATIONS[approximate]
-
-
 def gelu_forward(x: np.ndarray, approximate: str = "none") -> np.ndarray:
     """y = gelu(x) elementwise for a 4-d x."""
-    code = _code(approximate)
+    code = _checks.code("approximate", approximate, APPROXIMATIONS)
     _checks.floating("x", x, 4)
     y = np.empty(x.shape, x.dtype)
     _forward(x, code, y)
@@ -83,7 +75,7 @@ def gelu_forward(x: np.ndarray, approximate: str = "none") -> np.ndarray:
 
 def gelu_backward(dy: np.ndarray, x: np.ndarray, approximate: str = "none") -> np.ndarray:
     """dx = dy·gelu'(x), from the forward's input x."""
-    code = _code(approximate)
+    code = _checks.code("approximate", approximate, APPROXIMATIONS)
     _checks.floating("dy", dy, 4)
     _checks.like("x", x, "dy", dy)
     dx = np.empty(dy.shape, dy.dtype)

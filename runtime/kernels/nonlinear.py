@@ -61,15 +61,9 @@ def _backward(dy, y, code, dx):
                     dx[i, j, r, s] = g * v * (one - v)
 
 
-def _code(fn: str) -> int:
-    if fn not in FUNCTIONS:
-        raise ValueError(f"fn must be one of {sorted(FUNCTIONS)}, got {fn!r}")
-    return FUNCTIONS[fn]
-
-
 def filterNL_forward(x: np.ndarray, fn: str) -> np.ndarray:
     """y = fn(x) elementwise for a 4-d x; fn is "relu", "tanh" or "sigmoid"."""
-    code = _code(fn)
+    code = _checks.code("fn", fn, FUNCTIONS)
     _checks.floating("x", x, 4)
     y = np.empty(x.shape, x.dtype)
     _forward(x, code, y)
@@ -78,7 +72,7 @@ def filterNL_forward(x: np.ndarray, fn: str) -> np.ndarray:
 
 def filterNL_backward(dy: np.ndarray, y: np.ndarray, fn: str) -> np.ndarray:
     """dx = dy·fn'(x), computed from the forward output y."""
-    code = _code(fn)
+    code = _checks.code("fn", fn, FUNCTIONS)
     _checks.floating("dy", dy, 4)
     _checks.like("y", y, "dy", dy)
     dx = np.empty(dy.shape, dy.dtype)
