@@ -40,7 +40,7 @@ def measure(n: int, m: int, features: int, repeat: int) -> dict[str, float]:
     chunk = linear.STREAMING_CHUNK
     calls = {
         "loop": lambda: linear._streaming_forward(x, w, chunk),
-        "tiled": lambda: linear._product(x, NO_TRANS, w, TRANS, y),
+        "tiled": lambda: linear.product(x, NO_TRANS, w, TRANS, y),
     }
     return {name: best_seconds(call, repeat) for name, call in calls.items()}
 

@@ -79,6 +79,31 @@ def batch_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
     return Rect((piece.lo[0],) + (0,) * (len(dims) - 1), (piece.hi[0],) + tuple(dims[1:]))
 
 
+def class_axis(ndim: int) -> int:
+    """The classes' dim of scores: (N, classes, 1, 1) per sample, (N, T, classes) per token."""
+    return 1 if ndim == 4 else ndim - 1
+
+
+def class_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
+    """Every class of the piece's rows (`class_axis`): its samples, or its samples' tokens."""
+    if piece.is_empty():
+        return Rect.empty(len(dims))
+    axis = class_axis(len(dims))
+    return Rect(
+        piece.lo[:axis] + (0,) + piece.lo[axis + 1 :],
+        piece.hi[:axis] + (dims[axis],) + piece.hi[axis + 1 :],
+    )
+
+
+def label_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
+    """The labels of the piece's rows: a sample's (N, 1, 1, 1), or a token's (N, T)."""
+    if len(dims) == 4:
+        return batch_rows(piece, dims)
+    if piece.is_empty():
+        return Rect.empty(len(dims))
+    return Rect(piece.lo[: len(dims)], piece.hi[: len(dims)])
+
+
 def whole(dims: tuple[int, ...], piece: Rect) -> Rect:
     """The whole tensor, or nothing when the piece is empty."""
     return Rect.empty(len(dims)) if piece.is_empty() else Rect.from_dims(dims)

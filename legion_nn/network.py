@@ -24,7 +24,7 @@ from typing import Any
 
 from legion_nn.errors import LegionNNError, ShapeError
 from legion_nn.graph import TaskGraph
-from legion_nn.layers.base import Layer, Shape
+from legion_nn.layers.base import Layer, Shape, check_rank
 from legion_nn.lowering import Lowering
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -34,10 +34,17 @@ DTYPES = ("float32", "float64")
 INPUT = "data"
 
 
+def class_count(scores: Shape) -> int:
+    """The classes of a softmax's input: (classes, 1, 1) per sample, or (T, classes) per token."""
+    return scores[-1] if len(scores) == 2 else scores[0]
+
+
 @dataclass
 class Network:
     name: str
-    input: tuple[int, int, int]
+    #: the per-sample input: images (C, H, W), or token ids (T,), which an embedding reads
+    input: tuple[int, ...]
+    #: the classes of its softmax: the vocabulary of a language model
     classes: int
     layers: list[Layer] = field(default_factory=list)
     #: names for the layers' parameters in place of their own (an imported model's)
@@ -50,11 +57,12 @@ class Network:
 
     def __post_init__(self) -> None:
         self.input = tuple(self.input)  # type: ignore[assignment]
-        if len(self.input) != 3 or any(
+        if len(self.input) not in (1, 3) or any(
             not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.input
         ):
             raise ShapeError(
-                f"network {self.name}: input must be [C, H, W] of positive ints, got {list(self.input)}"
+                f"network {self.name}: input must be images [C, H, W] or token ids [T] of "
+                f"positive ints, got {list(self.input)}"
             )
         if isinstance(self.classes, bool) or not isinstance(self.classes, int) or self.classes < 1:
             raise ShapeError(
@@ -115,16 +123,40 @@ class Network:
             if layer.KIND == "evaluate" and not seen_softmax:
                 raise ShapeError(f"{layer.label}: needs a softmax layer before it")
             shape = tuple(made[n] for n in names) if layer.MERGES else made[names[0]]
+            for each in shape if layer.MERGES else (shape,):
+                check_rank(layer, each)
             made[layer.name] = layer.out_shape(shape)
             out.append((layer, names, shape, made[layer.name]))
             previous = layer.name
         scores = [s for layer, _, s, _ in out if layer.KIND == "softmax"]
-        if scores and scores[-1][0] != self.classes:
+        if scores and class_count(scores[-1]) != self.classes:
             raise ShapeError(
-                f"network {self.name}: softmax gets {scores[-1][0]} scores but the network "
-                f"has {self.classes} classes; make the last linear layer's out {self.classes}"
+                f"network {self.name}: softmax gets {class_count(scores[-1])} scores but the "
+                f"network has {self.classes} classes; make the last linear layer's out "
+                f"{self.classes}"
             )
         return out
+
+    @property
+    def tokens(self) -> bool:
+        """Whether the network reads token ids."""
+        return len(self.input) == 1
+
+    @property
+    def vocab(self) -> int | None:
+        """The token ids a network of tokens reads: its embedding's rows (None for images)."""
+        if not self.tokens:
+            return None
+        rows = [layer.vocab for layer, names, _, _ in self._wired() if INPUT in names]
+        return min(rows) if rows else None
+
+    def label_dims(self, batch: int) -> tuple[int, ...]:
+        """The dims of a batch's labels: a target per token where the softmax scores tokens
+        (N, T), else a class per sample (N, 1, 1, 1)."""
+        scores = [s for layer, s, _ in self.shapes() if layer.KIND == "softmax"]
+        if scores and len(scores[-1]) == 2:
+            return (batch, scores[-1][0])
+        return (batch, 1, 1, 1)
 
     def lower(
         self,
@@ -139,8 +171,8 @@ class Network:
             raise LegionNNError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         ctx = Lowering(self.name, batch, dtype, optimizer, hyperparameters, self.param_names)
         dims = (batch,) + tuple(self.input)
-        x = ctx.tensor("data.raw_output", dims, "data")
-        ctx.labels = ctx.tensor("data.labels_output", (batch, 1, 1, 1), "data", dtype="int32")
+        x = ctx.tensor("data.raw_output", dims, "data", dtype="int32" if self.tokens else None)
+        ctx.labels = ctx.tensor("data.labels_output", self.label_dims(batch), "data", dtype="int32")
         ctx.task(
             "data",
             "data",

@@ -10,6 +10,9 @@
 - `deep-mlp`: eight linear layers of 2048 with ReLU on a 2048-wide input, then a 10-way
   classifier: few large tasks, all GEMMs, the opposite of the locally connected networks (the
   cost model's benchmarks run it beside them).
+- `token-mlp`: a language model of bytes (sequences of 64, vocabulary 256) without attention: an
+  embedding of 64, a pre-norm residual MLP block (LayerNorm, dense 256, GELU, dense 64) and a
+  dense head scoring every position's next byte.
 """
 
 from __future__ import annotations
@@ -19,16 +22,21 @@ from pathlib import Path
 
 from legion_nn.errors import LegionNNError
 from legion_nn.layers import (
+    Add,
     Conv,
+    Dense,
     Dropout,
+    Embedding,
     Evaluate,
     Filter,
     FilterA,
     FilterNL,
+    LayerNorm,
     Linear,
     MaxPool,
     Softmax,
 )
+from legion_nn.layers.nonlinear import Gelu
 from legion_nn.network import Network
 
 
@@ -99,12 +107,32 @@ def deep_mlp() -> Network:
     return Network("deep-mlp", (DEEP_MLP_WIDTH, 1, 1), 10, layers)
 
 
+def token_mlp(length: int = 64, width: int = 64, vocab: int = 256) -> Network:
+    """A language model of bytes without attention: each token's next is predicted from it
+    alone, through a pre-norm residual MLP block (a bigram model, the transformer's parts that
+    need no attention)."""
+    layers = [
+        Embedding("embed", vocab=vocab, dim=width),
+        LayerNorm("ln1"),
+        Dense("mlp_in", out=4 * width),
+        Gelu("mlp_act"),
+        Dense("mlp_out", out=width),
+        Add("residual", inputs=["mlp_out", "embed"]),
+        LayerNorm("ln_f"),
+        Dense("head", out=vocab),
+        Softmax("loss"),
+        Evaluate(),
+    ]
+    return Network("token-mlp", (length,), vocab, layers)
+
+
 BUILTINS: dict[str, Callable[[], Network]] = {
     "seed-lcn": seed_lcn,
     "seed-lcn-small": seed_lcn_small,
     "three-layer-convnet": three_layer_convnet,
     "vgg19": vgg19,
     "deep-mlp": deep_mlp,
+    "token-mlp": token_mlp,
 }
 
 

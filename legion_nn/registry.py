@@ -218,6 +218,22 @@ def output_ndim(task: Task) -> int:
     return task.space.ndim - record_of(task.op).sums_over
 
 
+#: what each dim of a task's space is to the built-in strategies: `N` the batch (`data` splits
+#: it), `F` features, channels or heads (`model`), `S` positions: rows, columns or tokens
+#: (`spatial`), `-` none of them. A task gives its own in attr `axes`; without, its space is
+#: (N, C, H, W) followed by the dims it sums over.
+IMAGE_AXES = "NFSS"
+
+
+def axis_roles(task: Task) -> str:
+    """The role of each dim of `task`'s space (`IMAGE_AXES`)."""
+    axes = task.attrs.get("axes")
+    if axes is not None:
+        return axes
+    ndim = task.space.ndim
+    return (IMAGE_AXES + "-" * ndim)[:ndim]
+
+
 def access_rects(task: Task, dims: Dims, piece: Rect) -> dict[str, Rect]:
     return access_map(task.op, task.phase)(task.attrs, dims, piece)
 

@@ -60,7 +60,7 @@ def network_from_dict(data: dict[str, Any], source: str) -> Network:
     try:
         return Network(name, tuple(data["input"]), data["classes"], layers)
     except TypeError:
-        raise LegionNNError(f"{source}: 'input' must be a list [C, H, W]") from None
+        raise LegionNNError(f"{source}: 'input' must be a list: [C, H, W] or [T]") from None
     except LegionNNError as exc:
         raise LegionNNError(f"{source}: {exc}") from None
 

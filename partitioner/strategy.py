@@ -20,9 +20,12 @@ Tasks are of two kinds:
 The built-in strategies:
 
 - `data`: every unit split over the batch (dim 0), parameters replicated;
-- `model`: split over output channels/features (dim 1) where the unit has them, else the batch;
-- `spatial`: split over output rows and columns (dims 2, 3) as square as the extents allow, where
-  the unit has them, else the batch.
+- `model`: split over output channels/features (dim 1; a sequence's last dim) where the unit has
+  them, else the batch;
+- `spatial`: split over output rows and columns (dims 2, 3; a sequence's tokens) as square as the
+  extents allow, where the unit has them, else the batch.
+
+Which dim is which comes from each task's `axis_roles`.
 
 Each uses as many ranks as the extents allow (at most R; a 256-sample batch on 1024 ranks uses 256).
 A user-given grid must cut the unit into exactly R non-empty pieces along splittable dims (or as
@@ -45,6 +48,7 @@ from legion_nn.micro_batches import micro_name, stages_of
 from legion_nn.ops import (
     HOME,
     WITH_TENSOR,
+    axis_roles,
     output_ndim,
     record_of,
     reduction_dims,
@@ -72,6 +76,8 @@ class Unit:
     splittable: tuple[int, ...]
     summed: tuple[int, ...] = ()
     reducer: str | None = None
+    #: each dim's role to the built-in strategies (`legion_nn.registry.axis_roles`)
+    axes: str = ""
 
 
 def strategy_label(name: str, sharded: frozenset[str]) -> str:
@@ -184,6 +190,7 @@ def find_units(graph: TaskGraph) -> list[Unit]:
                 tuple(sorted(split)),
                 summed,
                 widest.name if summed else None,
+                axis_roles(widest),
             )
         )
     return units
@@ -261,7 +268,8 @@ def factorizations(extents: tuple[int, ...], dims: tuple[int, ...], limit: int) 
 
 def builtin_grid(unit: Unit, strategy: str, nranks: int) -> Grid:
     """The grid of `unit` under a built-in strategy."""
-    preferred = {"data": (0,), "model": (1,), "spatial": (2, 3)}[strategy]
+    role = {"data": "N", "model": "F", "spatial": "S"}[strategy]
+    preferred = [d for d, r in enumerate(unit.axes) if r == role]
     dims = tuple(d for d in preferred if d in unit.splittable and d < len(unit.extents))
     if not dims or all(unit.extents[d] == 1 for d in dims):
         dims = (0,) if 0 in unit.splittable else ()

@@ -32,8 +32,10 @@ from runtime.kernels import (
     affine,
     batchnorm,
     dropout,
+    embedding,
     filter_packed,
     gelu,
+    layernorm,
     layout,
     linear,
     nonlinear,
@@ -104,6 +106,18 @@ def _linear_step(dtype: np.dtype) -> None:
     x = np.zeros((2, 2, 3, 3), dtype)
     w = np.zeros((3, 2, 3, 3), dtype)
     linear.linear_weight_grad_step(np.zeros((2, 3, 1, 1), dtype), x, update.sgd_step(w, 0.1))
+
+
+def _embedding(dtype: np.dtype) -> None:
+    ids = np.zeros((2, 3), np.int32)
+    embedding.embedding_backward(ids, embedding.embedding_forward(ids, np.zeros((4, 2), dtype)), 4)
+
+
+def _layernorm(dtype: np.dtype) -> None:
+    x = np.ones((2, 3, 4), dtype)
+    gamma = np.ones(4, dtype)
+    y = layernorm.layernorm_forward(x, gamma, gamma)
+    layernorm.layernorm_backward(y, x, gamma)
 
 
 def _softmax(dtype: np.dtype) -> None:
@@ -178,6 +192,8 @@ UNITS: dict[str, Unit] = {
     "linear": Unit(_linear, 0.9, "step", linear._tiled_product),
     "linear.step": Unit(_linear_step, 0.9, "step", linear._stepped_product),
     "softmax": Unit(_softmax, 0.5, "softmax", softmax._forward),
+    "embedding": Unit(_embedding, 0.3, "embedding", embedding._scatter_add),
+    "layernorm": Unit(_layernorm, 1.0, "layernorm", layernorm._backward),
     "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),
     "dropout": Unit(_dropout, 1.0, "dropout", dropout._apply),
@@ -209,9 +225,9 @@ def units_of(graph: TaskGraph, program: RankProgram | None = None) -> list[str]:
                     used.add("filter.step")
                 if not untied or stepping is None or not steps(task):
                     used.add(f"{kind}.gradient")  # a tied filter's step takes it whole
-        elif task.op == "linear":
+        elif task.op in ("linear", "dense"):  # dense runs on the linear layer's GEMM
             used.add("linear")
-            if task.phase == "backward" and steps(task):
+            if task.op == "linear" and task.phase == "backward" and steps(task):
                 used.add("linear.step")
         elif task.op == "update":
             used.add("update")

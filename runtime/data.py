@@ -16,32 +16,16 @@ per-sample input (C, H, W), as float arrays in [0, 1]-ish scale, with int32 labe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from legion_nn.errors import LegionNNError
+from runtime import token_data
+from runtime.dataset import Dataset, Split
 
 SPLIT_SEED = 20261122
 SPLITS = (0.7, 0.15)
-
-
-@dataclass
-class Split:
-    x: np.ndarray
-    y: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-
-@dataclass
-class Dataset:
-    name: str
-    train: Split
-    val: Split
-    test: Split
 
 
 def _resize_axis(images: np.ndarray, size: int, axis: int) -> np.ndarray:
@@ -161,7 +145,13 @@ def _checked(
     return np.asarray(x), y.astype(np.int32)
 
 
-def load(source: str, shape: tuple[int, int, int], classes: int, seed: int, dtype) -> Dataset:
+def load(
+    source: str, shape: tuple[int, ...], classes: int, seed: int, dtype, vocab: int | None = None
+) -> Dataset:
+    """The dataset `source` names for a network of per-sample input `shape`: images, or token
+    ids below `vocab` (`runtime.token_data`)."""
+    if len(shape) == 1:
+        return token_data.load(source, shape[0], vocab or classes, classes, seed)
     if source == "digits":
         return digits(shape, classes, dtype)
     if source == "synthetic":

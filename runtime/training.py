@@ -28,7 +28,7 @@ from legion_nn.verify import verify
 from partitioner.pipeline import step_graph
 from runtime import checkpoint
 from runtime.adapters import StepContext
-from runtime.data import Dataset, Split
+from runtime.dataset import Dataset, Split
 from runtime.executor import Executor
 from runtime.rank_executor import one_process
 

@@ -61,7 +61,7 @@ def test_bad_arguments():
     x = np.zeros((1, 2, 2, 2))
     with pytest.raises(ValueError, match="fn must be one of"):
         filterNL_forward(x, "gelu")
-    with pytest.raises(ValueError, match="x must be 4-d"):
-        filterNL_forward(x[0], "relu")
+    with pytest.raises(ValueError, match="x must be 1-d to 4-d"):
+        filterNL_forward(x[None], "relu")
     with pytest.raises(ValueError, match="y must have shape"):
         filterNL_backward(x, x[:, :1], "tanh")

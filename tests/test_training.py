@@ -9,6 +9,7 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from runtime import checkpoint, data
+from runtime.dataset import Split
 from runtime.training import TrainConfig, Trainer
 
 
@@ -29,9 +30,9 @@ def test_overfit_100_examples():
         optimizer="adam",
         hyperparameters={"lr": 1e-3},
     )
-    cfg.dataset.train = data.Split(cfg.dataset.train.x[:100], cfg.dataset.train.y[:100])
-    cfg.dataset.val = data.Split(cfg.dataset.val.x[:50], cfg.dataset.val.y[:50])
-    cfg.dataset.test = data.Split(cfg.dataset.test.x[:50], cfg.dataset.test.y[:50])
+    cfg.dataset.train = Split(cfg.dataset.train.x[:100], cfg.dataset.train.y[:100])
+    cfg.dataset.val = Split(cfg.dataset.val.x[:50], cfg.dataset.val.y[:50])
+    cfg.dataset.test = Split(cfg.dataset.test.x[:50], cfg.dataset.test.y[:50])
     result = Trainer(cfg).run()
     assert result.train_accuracy >= 0.9, result.train_accuracy
     assert result.losses[-1] < result.losses[0]

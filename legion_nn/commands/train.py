@@ -146,7 +146,12 @@ def _config(args: argparse.Namespace):
     if count is not None:  # else --stages auto chooses it
         check_micro_batches(count, args.batch, order)
     dataset = data.load(
-        args.data, network.input, network.classes, args.seed, NUMPY_DTYPES[args.dtype]
+        args.data,
+        network.input,
+        network.classes,
+        args.seed,
+        NUMPY_DTYPES[args.dtype],
+        network.vocab,
     )
     config = TrainConfig(
         network=network,

@@ -4,9 +4,12 @@ from legion_nn.layers import (  # noqa: F401  (registration side effects)
     affine,
     batchnorm,
     common_access,
+    dense,
     dropout,
+    embedding,
     evaluate,
     filter,
+    layernorm,
     linear,
     merge,
     nonlinear,
@@ -17,9 +20,12 @@ from legion_nn.layers import (  # noqa: F401  (registration side effects)
 from legion_nn.layers.affine import FilterA
 from legion_nn.layers.base import LAYER_KINDS, Layer, layer_from_spec
 from legion_nn.layers.batchnorm import BatchNorm
+from legion_nn.layers.dense import Dense
 from legion_nn.layers.dropout import Dropout
+from legion_nn.layers.embedding import Embedding
 from legion_nn.layers.evaluate import Evaluate
 from legion_nn.layers.filter import Conv, Filter
+from legion_nn.layers.layernorm import LayerNorm
 from legion_nn.layers.linear import Linear
 from legion_nn.layers.merge import Add, Concat
 from legion_nn.layers.nonlinear import FilterNL, Relu
@@ -34,13 +40,16 @@ __all__ = [
     "BatchNorm",
     "Concat",
     "Conv",
+    "Dense",
     "Dropout",
+    "Embedding",
     "Evaluate",
     "Filter",
     "FilterA",
     "FilterNL",
     "Flatten",
     "Layer",
+    "LayerNorm",
     "Linear",
     "MaxPool",
     "Relu",

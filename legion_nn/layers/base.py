@@ -31,7 +31,10 @@ from legion_nn.rect import Rect
 if TYPE_CHECKING:
     from legion_nn.lowering import Lowering
 
-Shape = tuple[int, int, int]  # per-sample (C, H, W)
+#: a per-sample shape: images (C, H, W), token ids (T,), sequences (T, D), heads (H, T, Dh)
+Shape = tuple[int, ...]
+#: what each per-sample rank holds, for errors
+RANK_NAMES = {1: "token ids [T]", 2: "a sequence [T, D]", 3: "images [C, H, W] or heads [H, T, Dh]"}
 
 LAYER_KINDS: dict[str, type[Layer]] = {}
 
@@ -83,6 +86,8 @@ class Layer:
     #: whether the layer reads several inputs (`inputs`): `out_shape` and `lower` then take a
     #: tuple of shapes and of tensors
     MERGES: ClassVar[bool] = False
+    #: the per-sample ranks of the inputs the layer takes (`RANK_NAMES`)
+    RANKS: ClassVar[tuple[int, ...]] = (3,)
 
     name: str = ""
     #: the groups whose outputs the layer reads; empty: the output of the layer before it
@@ -117,6 +122,7 @@ class Layer:
 class ElementwiseLayer(Layer):
     """A layer of one elementwise op: task `<g>.<op>` over its output, backward `<g>.<op>.grad`."""
 
+    RANKS = (2, 3)
     #: whether the backward reads the forward output (filterNL's derivatives are functions of it)
     BACKWARD_READS_OUTPUT: ClassVar[bool] = False
     #: whether the backward reads the forward input (gelu's derivative is a function of it only)
@@ -133,7 +139,7 @@ class ElementwiseLayer(Layer):
         dims = (ctx.batch,) + tuple(shape)
         y = ctx.tensor(f"{self.stem}.output", dims, "activation")
         space = Rect.from_dims(dims)
-        attrs = self.attrs()
+        attrs = {**self.attrs(), **sequence_axes(shape)}
         bindings = [("input", x, Privilege.READ), ("output", y, Privilege.WRITE)]
         ctx.task(self.stem, op, "forward", space, bindings, self.name, attrs)
 
@@ -150,6 +156,20 @@ class ElementwiseLayer(Layer):
 
         ctx.on_backward(backward)
         return y
+
+
+def sequence_axes(shape: Shape) -> dict[str, str]:
+    """The `axes` attr (`legion_nn.registry.axis_roles`) of a task over the batch and a
+    sequence's per-sample `shape`: tokens are positions, a sequence's last dim its features;
+    none for images, whose dims the default roles describe."""
+    return {"axes": {1: "NS", 2: "NSF"}[len(shape)]} if len(shape) < 3 else {}
+
+
+def check_rank(layer: Layer, shape: Shape) -> None:
+    """A ShapeError unless `layer` takes inputs of `shape`'s per-sample rank."""
+    if len(shape) not in layer.RANKS:
+        takes = " or ".join(RANK_NAMES[r] for r in layer.RANKS)
+        raise ShapeError(f"{layer.label}: takes {takes}, got {list(shape)}")
 
 
 def layer_from_spec(spec: dict[str, Any], where: str) -> Layer:

@@ -1,7 +1,8 @@
 """Records of the tasks every network has, whatever its layers: `data`, `set_zero` and `update`.
 
 `data` writes a piece of the batch and, from the piece at the origin of the non-batch dims only,
-its labels, so each label has exactly one writer however the batch is cut. `set_zero` and `update`
+its labels, so each label has exactly one writer however the batch is cut; a language model's
+batch of token ids has a target per token, which its piece writes. `set_zero` and `update`
 are elementwise over their tensor. `data` and `set_zero` move memory and count no FLOPs (a blind
 spot of the model); an update counts per element 2 (sgd), 4 (momentum), 10 (adam).
 
@@ -21,6 +22,8 @@ from legion_nn.rect import Rect
 
 
 def _data_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    if dims["labels"] == dims["raw_data"]:  # a target per token, written with its token
+        return {"raw_data": piece, "labels": piece}
     labels = Rect.empty(len(dims["labels"]))
     if not piece.is_empty() and all(v == 0 for v in piece.lo[1:]):
         labels = Rect(

@@ -1,6 +1,7 @@
 """`evaluate`: four statistics of the batch, all sums, and `evaluate.accuracy`, their fraction.
 
-`<group>.evaluate.output` (4, 1, 1, 1) holds [loss sum, top-1 correct, top-5 correct, samples].
+`<group>.evaluate.output` (4, 1, 1, 1) holds [loss sum, top-1 correct, top-5 correct, rows]: a row
+is a sample, or a token of a language model's scores (N, T, classes).
 Being sums, they reduce with + across batch pieces, so a partitioned run needs no special case.
 `<group>.evaluate.accuracy` reads them and returns the top-1 fraction as the task's value (a
 Legion future); it writes no tensor.
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from legion_nn import registry
-from legion_nn.access import batch_rows, whole
+from legion_nn.access import class_axis, class_rows, label_rows, whole
 from legion_nn.errors import ShapeError
-from legion_nn.layers.base import Layer, Shape, layer_kind
+from legion_nn.layers.base import Layer, Shape, layer_kind, sequence_axes
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -25,8 +26,8 @@ R_, RD = Privilege.READ, Privilege.REDUCE
 
 def _evaluate_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     return {
-        "probability": batch_rows(piece, dims["probability"]),
-        "labels": batch_rows(piece, dims["labels"]),
+        "probability": class_rows(piece, dims["probability"]),
+        "labels": label_rows(piece, dims["labels"]),
         "output": whole(dims["output"], piece),
     }
 
@@ -36,8 +37,9 @@ def _accuracy_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: 
 
 
 def _evaluate_flops(attrs: Mapping[str, Any], dims: Mapping[str, tuple]) -> float:
-    """Per sample: the loss term and the top-1 and top-5 comparisons over its classes."""
-    return 6 * dims["probability"][1]
+    """Per row: the loss term and the top-1 and top-5 comparisons over its classes."""
+    scores = dims["probability"]
+    return 6 * scores[class_axis(len(scores))]
 
 
 registry.register(
@@ -79,12 +81,16 @@ registry.register(
 @layer_kind("evaluate")
 @dataclass
 class Evaluate(Layer):
+    RANKS = (2, 3)
+
     def out_shape(self, shape: Shape) -> Shape:
         return shape
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
         if ctx.probability is None:
             raise ShapeError(f"{self.label}: needs a softmax layer before it")
+        scores = ctx.dims(ctx.probability)
+        rows = scores[: class_axis(len(scores))]
         stats = ctx.tensor(
             f"{self.stem}.output", (len(STATISTICS), 1, 1, 1), "stat", dtype="float64"
         )
@@ -92,14 +98,14 @@ class Evaluate(Layer):
             self.stem,
             "evaluate",
             "forward",
-            Rect.from_dims((ctx.batch, 1, 1, 1)),
+            Rect.from_dims(rows + (1,) * (len(scores) - len(rows))),
             [
                 ("probability", ctx.probability, R_),
                 ("labels", ctx.labels, R_),
                 ("output", stats, RD),
             ],
             self.name,
-            {"statistics": list(STATISTICS)},
+            {"statistics": list(STATISTICS), **sequence_axes(shape)},
             result=Rect.from_dims(ctx.dims(stats)),
         )
         ctx.task(

@@ -23,7 +23,7 @@ import numpy as np
 from legion_nn import registry
 from legion_nn.access import elementwise_boxes
 from legion_nn.errors import ShapeError
-from legion_nn.layers.base import Layer, Shape, layer_kind
+from legion_nn.layers.base import Layer, Shape, layer_kind, sequence_axes
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -119,6 +119,7 @@ class MergeLayer(Layer):
     """A layer of one op over the output of several inputs, each needing its gradient."""
 
     MERGES = True
+    RANKS = (2, 3)
 
     def attrs(self, shapes: tuple[Shape, ...]) -> dict[str, Any]:
         raise NotImplementedError
@@ -131,7 +132,7 @@ class MergeLayer(Layer):
         dims = (ctx.batch,) + tuple(self.out_shape(shape))
         y = ctx.tensor(f"{self.stem}.output", dims, "activation")
         space = Rect.from_dims(dims)
-        attrs = self.attrs(shape)
+        attrs = {**self.attrs(shape), **sequence_axes(shape[0])}
         reads = [(input_role(i), t, R_) for i, t in enumerate(x)]
         ctx.task(self.stem, op, "forward", space, reads + [("output", y, W_)], self.name, attrs)
 
@@ -170,6 +171,8 @@ class Add(MergeLayer):
 @dataclass
 class Concat(MergeLayer):
     """Its inputs one after another along the channels; they agree in height and width."""
+
+    RANKS = (3,)
 
     def out_shape(self, shape: tuple[Shape, ...]) -> Shape:
         if len({s[1:] for s in shape}) != 1:

@@ -1,10 +1,13 @@
 """`softmax` with cross-entropy: class probabilities and the scalar loss.
 
-The forward iterates over the batch, (N, 1, 1, 1), since a sample's classes cannot be split; its
-result is the seed's (1, 1, 1, 1) loss, the mean over the global batch, which every piece reduces
-into (so it is zeroed first). Probabilities (N, classes, 1, 1) are written piece by piece.
+Scores are (N, classes, 1, 1), a class per sample, or (N, T, classes), a language model's next
+token at every position; the loss is the mean over every sample (token) of the global batch.
 
-The backward iterates over (N, classes, 1, 1) and computes (p − onehot(label)) / N; like every
+The forward iterates over the rows, (N, 1, 1, 1) or (N, T, 1), since a row's classes cannot be
+split; its result is the seed's (1, 1, 1, 1) loss, which every piece reduces into (so it is zeroed
+first). Probabilities are written piece by piece.
+
+The backward iterates over the scores and computes (p − onehot(label)) / rows; like every
 backward task it keeps its forward task's `result_dim` (the seed's [1 1 1 1]). As in the seed,
 it reads the loss gradient `output.delta` with an empty rect: the loss is the root of the
 backward pass, its gradient is 1 by definition and is never materialised.
@@ -12,14 +15,15 @@ backward pass, its gradient is 1 by definition and is never materialised.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from legion_nn import registry
-from legion_nn.access import batch_rows
+from legion_nn.access import class_axis, class_rows, label_rows
 from legion_nn.errors import ShapeError
-from legion_nn.layers.base import Layer, Shape, layer_kind
+from legion_nn.layers.base import Layer, Shape, layer_kind, sequence_axes
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -31,10 +35,10 @@ def _scalar(piece: Rect, ndim: int = 4) -> Rect:
 
 
 def _softmax_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    rows = batch_rows(piece, dims["input"])
+    rows = class_rows(piece, dims["input"])
     return {
         "input": rows,
-        "labels": batch_rows(piece, dims["labels"]),
+        "labels": label_rows(piece, dims["labels"]),
         "probability": rows,
         "output": _scalar(piece),
     }
@@ -44,14 +48,15 @@ def _softmax_grad_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], pie
     return {
         "output.delta": Rect.empty(4),
         "probability": piece,
-        "labels": batch_rows(piece, dims["labels"]),
+        "labels": label_rows(piece, dims["labels"]),
         "input.delta": piece,
     }
 
 
 def _forward_flops(attrs: Mapping[str, Any], dims: Mapping[str, tuple]) -> float:
-    """Per sample: max, exp, sum, divide and the loss term over its classes."""
-    return 5 * dims["input"][1]
+    """Per row: max, exp, sum, divide and the loss term over its classes."""
+    scores = dims["input"]
+    return 5 * scores[class_axis(len(scores))]
 
 
 registry.register(
@@ -81,21 +86,23 @@ registry.register(
 @layer_kind("softmax")
 @dataclass
 class Softmax(Layer):
+    RANKS = (2, 3)
+
     def out_shape(self, shape: Shape) -> Shape:
-        if shape[1:] != (1, 1):
+        if len(shape) == 3 and shape[1:] != (1, 1):
             raise ShapeError(
-                f"{self.label}: needs class scores of shape [classes, 1, 1], got {list(shape)}; "
-                f"put a linear layer (or a flatten) before it"
+                f"{self.label}: needs class scores of shape [classes, 1, 1] or [T, classes], got "
+                f"{list(shape)}; put a linear layer (or a flatten) before it"
             )
         return shape
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
-        batch = ctx.batch
-        classes = shape[0]
-        probability = ctx.tensor(f"{self.stem}.probability", (batch, classes, 1, 1), "activation")
+        scores = (ctx.batch,) + tuple(shape)
+        rows = scores[: class_axis(len(scores))]
+        probability = ctx.tensor(f"{self.stem}.probability", scores, "activation")
         loss = ctx.tensor(f"{self.stem}.output", (1, 1, 1, 1), "stat")
-        attrs = {"batch_total": batch}
-        space = Rect.from_dims((batch, 1, 1, 1))
+        attrs = {"batch_total": math.prod(rows), **sequence_axes(shape)}
+        space = Rect.from_dims(rows + (1,) * (len(scores) - len(rows)))
         ctx.task(
             self.stem,
             "softmax",
@@ -122,12 +129,11 @@ class Softmax(Layer):
                 ("labels", ctx.labels, R_),
                 ("input.delta", ctx.grad(x), RD),
             ]
-            grad_space = Rect.from_dims((batch, classes, 1, 1))
             ctx.task(
                 f"{self.stem}.grad",
                 "softmax",
                 "backward",
-                grad_space,
+                Rect.from_dims(scores),
                 bindings,
                 self.name,
                 attrs,

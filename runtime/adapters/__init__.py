@@ -17,6 +17,7 @@ from runtime.adapters import (  # noqa: F401
     elementwise,
     merge,
     normalization,
+    sequence,
     windowed,
 )
 from runtime.adapters.registry import (

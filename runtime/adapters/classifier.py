@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from legion_nn.access import class_axis
 from runtime.adapters.registry import adapter
 from runtime.kernels import linear, softmax
 
@@ -44,30 +45,44 @@ def _linear_grad(task, piece, views, dims, ctx):
     return out
 
 
+def _per_row(scores: np.ndarray) -> np.ndarray:
+    """Scores of a language model, (n, T, classes), as the kernels' (n·T, classes, 1, 1)."""
+    return scores if scores.ndim == 4 else scores.reshape(-1, scores.shape[-1], 1, 1)
+
+
+def _row_labels(labels: np.ndarray) -> np.ndarray:
+    return labels if labels.ndim == 4 else labels.reshape(-1, 1, 1, 1)
+
+
 @adapter("softmax.forward")
 def _softmax(task, piece, views, dims, ctx):
-    prob, loss = softmax.softmax_forward(views["input"], views["labels"], task.attrs["batch_total"])
-    return {"probability": prob, "output": loss}
+    scores = views["input"]
+    prob, loss = softmax.softmax_forward(
+        _per_row(scores), _row_labels(views["labels"]), task.attrs["batch_total"]
+    )
+    return {"probability": prob.reshape(scores.shape), "output": loss}
 
 
 @adapter("softmax.backward")
 def _softmax_grad(task, piece, views, dims, ctx):
     prob, labels = views["probability"], views["labels"]
     total = task.attrs["batch_total"]
-    classes = dims["probability"][1]
-    if piece.lo[1] == 0 and piece.hi[1] == classes:
-        return {"input.delta": softmax.softmax_backward(prob, labels, total)}
-    # A piece holding some classes only: (p - onehot) / N restricted to its columns.
-    dx = prob / total
-    local = labels.reshape(-1).astype(np.int64) - piece.lo[1]
-    rows = np.nonzero((local >= 0) & (local < prob.shape[1]))[0]
+    axis = class_axis(prob.ndim)
+    if piece.lo[axis] == 0 and piece.hi[axis] == dims["probability"][axis]:
+        dx = softmax.softmax_backward(_per_row(prob), _row_labels(labels), total)
+        return {"input.delta": dx.reshape(prob.shape)}
+    # A piece holding some classes only: (p - onehot) / rows restricted to its columns.
+    dx = _per_row(prob) / total
+    local = labels.reshape(-1).astype(np.int64) - piece.lo[axis]
+    rows = np.nonzero((local >= 0) & (local < prob.shape[axis]))[0]
     dx[rows, local[rows], 0, 0] -= 1.0 / total
-    return {"input.delta": dx}
+    return {"input.delta": dx.reshape(prob.shape)}
 
 
 @adapter("evaluate.forward")
 def _evaluate(task, piece, views, dims, ctx):
-    return {"output": softmax.evaluate_forward(views["probability"], views["labels"])}
+    prob = _per_row(views["probability"])
+    return {"output": softmax.evaluate_forward(prob, _row_labels(views["labels"]))}
 
 
 @adapter("accuracy.forward")

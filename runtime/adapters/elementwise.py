@@ -21,7 +21,10 @@ def _data(task, piece, views, dims, ctx):
     if "raw_data" in views:
         out["raw_data"] = ctx.inputs[rows.to_slices()]
     if "labels" in views and views["labels"].size:
-        out["labels"] = ctx.labels[rows.lo[0] : rows.hi[0]].reshape(views["labels"].shape)
+        if ctx.labels.ndim > 1:  # a target per token
+            out["labels"] = ctx.labels[rows.to_slices()]
+        else:
+            out["labels"] = ctx.labels[rows.lo[0] : rows.hi[0]].reshape(views["labels"].shape)
     return out
 
 

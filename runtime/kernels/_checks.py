@@ -24,6 +24,15 @@ def floating(name: str, a: np.ndarray, ndim: int | None = None) -> None:
         raise ValueError(f"{name} must be {ndim}-d, got shape {a.shape}")
 
 
+def four_d(name: str, a: np.ndarray) -> np.ndarray:
+    """A float array of rank 1 to 4 as a 4-d view (unit axes in front), for the elementwise
+    kernels' loops: a sequence's (N, T, D) runs as (1, N, T, D)."""
+    floating(name, a)
+    if not 1 <= a.ndim <= 4:
+        raise ValueError(f"{name} must be 1-d to 4-d, got shape {a.shape}")
+    return a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+
 def same_dtype(name: str, a: np.ndarray, ref_name: str, ref: np.ndarray) -> None:
     if a.dtype != ref.dtype:
         raise ValueError(

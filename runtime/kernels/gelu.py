@@ -65,19 +65,19 @@ def _backward(dy, x, code, dx):
 
 
 def gelu_forward(x: np.ndarray, approximate: str = "none") -> np.ndarray:
-    """y = gelu(x) elementwise for a 4-d x."""
+    """y = gelu(x) elementwise for an x of rank 1 to 4."""
     code = _checks.code("approximate", approximate, APPROXIMATIONS)
-    _checks.floating("x", x, 4)
-    y = np.empty(x.shape, x.dtype)
-    _forward(x, code, y)
-    return y
+    four = _checks.four_d("x", x)
+    y = np.empty(four.shape, x.dtype)
+    _forward(four, code, y)
+    return y.reshape(x.shape)
 
 
 def gelu_backward(dy: np.ndarray, x: np.ndarray, approximate: str = "none") -> np.ndarray:
     """dx = dy·gelu'(x), from the forward's input x."""
     code = _checks.code("approximate", approximate, APPROXIMATIONS)
-    _checks.floating("dy", dy, 4)
+    four = _checks.four_d("dy", dy)
     _checks.like("x", x, "dy", dy)
-    dx = np.empty(dy.shape, dy.dtype)
-    _backward(dy, x, code, dx)
-    return dx
+    dx = np.empty(four.shape, dy.dtype)
+    _backward(four, x.reshape(four.shape), code, dx)
+    return dx.reshape(dy.shape)

@@ -106,7 +106,7 @@ def _matrix(a: np.ndarray, rows: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(rows, math.prod(a.shape[1:])))
 
 
-def _product(
+def product(
     a: np.ndarray, trans_a, b: np.ndarray, trans_b, c: np.ndarray, accumulate: bool = False
 ) -> None:
     """c (m×n, C-contiguous) (+)= op(a)·op(b) for C-contiguous matrices a and b."""
@@ -242,7 +242,7 @@ def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) ->
     if streams(n, w):
         y[:, :, 0, 0] = _streaming_forward(_matrix(x, n), _matrix(w, m), STREAMING_CHUNK)
     else:
-        _product(_matrix(x, n), NO_TRANS, _matrix(w, m), TRANS, y.reshape(n, m))
+        product(_matrix(x, n), NO_TRANS, _matrix(w, m), TRANS, y.reshape(n, m))
     if b is not None:
         _checks.floating("b", b)
         _checks.shape("b", b, (1, m, 1, 1))
@@ -261,7 +261,7 @@ def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...
     n, m = dy.shape[0], w.shape[0]
     dx = np.empty(input_shape, w.dtype)
     flat = dx.reshape(n, math.prod(input_shape[1:]))
-    _product(_matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat)
+    product(_matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat)
     return dx
 
 
@@ -277,7 +277,7 @@ def linear_backward(
     n, m = x.shape[0], w.shape[0]
     _check_dy(dy, x, m)
     dw = np.empty(w.shape, w.dtype)
-    _product(_matrix(dy, n), TRANS, _matrix(x, n), NO_TRANS, dw.reshape(m, math.prod(w.shape[1:])))
+    product(_matrix(dy, n), TRANS, _matrix(x, n), NO_TRANS, dw.reshape(m, math.prod(w.shape[1:])))
     dx = linear_input_grad(dy, w, x.shape) if need_dx else None
     dy2 = dy.reshape(n, m)
     db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype).reshape(1, m, 1, 1) if need_db else None
@@ -301,7 +301,7 @@ def linear_weight_grad_accumulate(
         raise ValueError(
             f"dw must be C-contiguous to accumulate in place, got strides {dw.strides}"
         )
-    _product(
+    product(
         _matrix(dy, n),
         TRANS,
         _matrix(x, n),

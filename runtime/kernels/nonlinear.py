@@ -62,19 +62,19 @@ def _backward(dy, y, code, dx):
 
 
 def filterNL_forward(x: np.ndarray, fn: str) -> np.ndarray:
-    """y = fn(x) elementwise for a 4-d x; fn is "relu", "tanh" or "sigmoid"."""
+    """y = fn(x) elementwise for an x of rank 1 to 4; fn is "relu", "tanh" or "sigmoid"."""
     code = _checks.code("fn", fn, FUNCTIONS)
-    _checks.floating("x", x, 4)
-    y = np.empty(x.shape, x.dtype)
-    _forward(x, code, y)
-    return y
+    four = _checks.four_d("x", x)
+    y = np.empty(four.shape, x.dtype)
+    _forward(four, code, y)
+    return y.reshape(x.shape)
 
 
 def filterNL_backward(dy: np.ndarray, y: np.ndarray, fn: str) -> np.ndarray:
     """dx = dy·fn'(x), computed from the forward output y."""
     code = _checks.code("fn", fn, FUNCTIONS)
-    _checks.floating("dy", dy, 4)
+    four = _checks.four_d("dy", dy)
     _checks.like("y", y, "dy", dy)
-    dx = np.empty(dy.shape, dy.dtype)
-    _backward(dy, y, code, dx)
-    return dx
+    dx = np.empty(four.shape, dy.dtype)
+    _backward(four, y.reshape(four.shape), code, dx)
+    return dx.reshape(dy.shape)

@@ -1,0 +1,68 @@
+"""Adapters of the sequence ops: `embedding`, `dense` and `layernorm`
+(`legion_nn.layers.embedding`, `.dense`, `.layernorm`).
+
+An embedding piece holds some features of the table (`weights[:, d0:d1]`), so its gradient is
+the scatter-add into those columns of every row.
+"""
+
+from __future__ import annotations
+
+from runtime.adapters.registry import adapter
+from runtime.kernels import dense, embedding, layernorm
+
+
+@adapter("embedding.forward")
+def _embedding(task, piece, views, dims, ctx):
+    return {"output": embedding.embedding_forward(views["input"], views["weights"])}
+
+
+@adapter("embedding.backward")
+def _embedding_grad(task, piece, views, dims, ctx):
+    grad = embedding.embedding_backward(views["input"], views["output.delta"], task.attrs["vocab"])
+    return {"weights.delta": grad}
+
+
+@adapter("dense.forward")
+def _dense(task, piece, views, dims, ctx):
+    return {"output": dense.dense_forward(views["input"], views["weights"], views.get("b"))}
+
+
+@adapter("dense.backward")
+def _dense_grad(task, piece, views, dims, ctx):
+    need_db = "b.delta" in views and views["b.delta"].size > 0
+    dx, dw, db = dense.dense_backward(
+        views["output.delta"],
+        views["input"],
+        views["weights"],
+        need_dx=task.attrs["need_dx"],
+        need_db=need_db,
+    )
+    out = {"weights.delta": dw}
+    if dx is not None:
+        out["input.delta"] = dx
+    if db is not None:
+        out["b.delta"] = db
+    return out
+
+
+@adapter("layernorm.forward")
+def _layernorm(task, piece, views, dims, ctx):
+    y = layernorm.layernorm_forward(
+        views["input"], views["gamma"], views["beta"], task.attrs["eps"]
+    )
+    return {"output": y}
+
+
+@adapter("layernorm.backward")
+def _layernorm_grad(task, piece, views, dims, ctx):
+    dx, dgamma, dbeta = layernorm.layernorm_backward(
+        views["output.delta"],
+        views["input"],
+        views["gamma"],
+        task.attrs["eps"],
+        need_dx="input.delta" in views,
+    )
+    out = {"gamma.delta": dgamma, "beta.delta": dbeta}
+    if dx is not None:
+        out["input.delta"] = dx
+    return out

@@ -1,0 +1,59 @@
+"""The `dense` op: every token's features times a weight matrix, on the linear layer's GEMM.
+
+x (N, T, K) is the matrix (N·T, K), so the three products are the linear layer's
+(`linear.product`, on Numba's threads) with the weights (K, O) in MatMul's orientation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.kernels import _checks
+from runtime.kernels.blas import NO_TRANS, TRANS
+from runtime.kernels.linear import product
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """(N, T, F) as a C-contiguous (N·T, F) matrix: a view when it can be, else a copy."""
+    return np.ascontiguousarray(a.reshape(-1, a.shape[-1]))
+
+
+def _check(x: np.ndarray, w: np.ndarray) -> None:
+    _checks.floating("x", x, 3)
+    _checks.floating("w", w, 2)
+    _checks.same_dtype("w", w, "x", x)
+    if x.shape[2] != w.shape[0]:
+        raise ValueError(f"w shape {w.shape} does not match x shape {x.shape} in K")
+
+
+def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """y (N, T, O) = x (N, T, K)·w (K, O) (+ b (O,))."""
+    _check(x, w)
+    n, t, _ = x.shape
+    y = np.empty((n, t, w.shape[1]), x.dtype)
+    product(_rows(x), NO_TRANS, np.ascontiguousarray(w), NO_TRANS, y.reshape(n * t, -1))
+    if b is not None:
+        _checks.floating("b", b)
+        _checks.shape("b", b, w.shape[1:])
+        _checks.same_dtype("b", b, "x", x)
+        y += b
+    return y
+
+
+def dense_backward(
+    dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True, need_db: bool = False
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """(dx, dw, db): dx = dy·wᵀ (N, T, K), dw = xᵀ·dy (K, O), db = Σ dy over tokens (O,)."""
+    _check(x, w)
+    _checks.floating("dy", dy)
+    _checks.shape("dy", dy, x.shape[:2] + w.shape[1:])
+    _checks.same_dtype("dy", dy, "x", x)
+    dy2, x2 = _rows(dy), _rows(x)
+    dw = np.empty(w.shape, w.dtype)
+    product(x2, TRANS, dy2, NO_TRANS, dw)
+    dx = None
+    if need_dx:
+        dx = np.empty(x.shape, x.dtype)
+        product(dy2, NO_TRANS, np.ascontiguousarray(w), TRANS, dx.reshape(dy2.shape[0], -1))
+    db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype) if need_db else None
+    return dx, dw, db

@@ -1,0 +1,207 @@
+"""Sequence tensors (N, T, D): the embedding, dense and layernorm layers, elementwise ops and the
+token-level loss; their kernels against NumPy and central differences in float64, a network of
+them against central differences end to end, and split over ranks against one process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from error_bounds import assert_close_to, assert_product_close
+
+from legion_nn.errors import LegionNNError
+from legion_nn.networks import token_mlp
+from legion_nn.spec import network_from_dict
+from partitioner.strategy import builtin, find_units
+from runtime import token_data
+from runtime.kernels.dense import dense_backward, dense_forward
+from runtime.kernels.embedding import embedding_backward, embedding_forward
+from runtime.kernels.gelu import gelu_forward
+from runtime.kernels.layernorm import layernorm_backward, layernorm_forward
+from runtime.kernels.nonlinear import filterNL_backward, filterNL_forward
+from runtime.training import TrainConfig, Trainer
+from tests.test_rank_executor import assert_same, local_run, ranks_run
+
+RNG = np.random.default_rng(11)
+
+
+def central_difference(f, x: np.ndarray, h: float = 1e-6) -> np.ndarray:
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        saved = x[index]
+        x[index] = saved + h
+        up = f()
+        x[index] = saved - h
+        down = f()
+        x[index] = saved
+        grad[index] = (up - down) / (2 * h)
+    return grad
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), np.abs(b).max(), 1e-12))
+
+
+def test_embedding_gathers_rows_and_scatters_their_gradient():
+    weights = RNG.standard_normal((7, 5))
+    ids = RNG.integers(0, 7, (3, 4)).astype(np.int32)
+    np.testing.assert_array_equal(embedding_forward(ids, weights), weights[ids])
+    dy = RNG.standard_normal((3, 4, 5))
+    expected = np.zeros_like(weights)
+    np.add.at(expected, ids, dy)
+    counts = np.bincount(ids.ravel(), minlength=7)[:, None]
+    magnitude = np.zeros_like(weights)
+    np.add.at(magnitude, ids, np.abs(dy))
+    assert_close_to(embedding_backward(ids, dy, 7), expected, magnitude, int(counts.max()))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 7\)"):
+        embedding_forward(np.array([[7]], np.int32), weights)
+
+
+def test_dense_products_are_within_their_error_bound():
+    x, w, b = RNG.standard_normal((3, 4, 6)), RNG.standard_normal((6, 5)), RNG.standard_normal(5)
+    y = dense_forward(x, w, b)
+    assert_product_close(y.reshape(12, 5), x.reshape(12, 6), w, offset=b)
+    dy = RNG.standard_normal((3, 4, 5))
+    dx, dw, db = dense_backward(dy, x, w, need_dx=True, need_db=True)
+    assert_product_close(dx.reshape(12, 6), dy.reshape(12, 5), w.T)
+    assert_product_close(dw, x.reshape(12, 6).T, dy.reshape(12, 5))
+    assert_close_to(db, dy.sum(axis=(0, 1)), np.abs(dy).sum(axis=(0, 1)), 12)
+    with pytest.raises(ValueError, match="does not match x shape"):
+        dense_forward(x, w.T)
+
+
+def layernorm_reference(x, gamma, beta, eps):
+    mean = x.mean(axis=-1, keepdims=True)
+    var = x.var(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * gamma + beta
+
+
+def test_layernorm_matches_numpy_and_central_differences():
+    x = RNG.standard_normal((2, 3, 5)) * 3 + 1
+    gamma, beta = RNG.standard_normal(5), RNG.standard_normal(5)
+    eps = 1e-5
+    expected = layernorm_reference(x, gamma, beta, eps)
+    np.testing.assert_allclose(layernorm_forward(x, gamma, beta, eps), expected, rtol=0, atol=1e-13)
+    r = RNG.standard_normal(x.shape)
+
+    def loss() -> float:
+        return float((layernorm_forward(x, gamma, beta, eps) * r).sum())
+
+    dx, dgamma, dbeta = layernorm_backward(r, x, gamma, eps)
+    assert relative_error(dx, central_difference(loss, x)) < 1e-7
+    assert relative_error(dgamma, central_difference(loss, gamma)) < 1e-7
+    assert relative_error(dbeta, central_difference(loss, beta)) < 1e-7
+    none, dgamma_alone, _ = layernorm_backward(r, x, gamma, eps, need_dx=False)
+    assert none is None and np.array_equal(dgamma_alone, dgamma)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4)])
+def test_elementwise_kernels_take_any_rank_up_to_four(shape):
+    x = RNG.standard_normal(shape)
+    four = x.reshape((1,) * (4 - x.ndim) + shape)
+    assert np.array_equal(gelu_forward(x), gelu_forward(four).reshape(shape))
+    y = filterNL_forward(x, "tanh")
+    assert y.shape == shape and np.array_equal(y, filterNL_forward(four, "tanh").reshape(shape))
+    dy = RNG.standard_normal(shape)
+    dx = filterNL_backward(dy, y, "tanh")
+    expected = filterNL_backward(dy.reshape(four.shape), y.reshape(four.shape), "tanh")
+    assert dx.shape == shape and np.array_equal(dx, expected.reshape(shape))
+
+
+def tiny_lm(**extra) -> TrainConfig:
+    network = token_mlp(length=6, width=4, vocab=9)
+    dataset = token_data.synthetic(6, 9, seed=2, rows=40)
+    return TrainConfig(
+        network=network,
+        dataset=dataset,
+        batch=5,
+        dtype="float64",
+        seed=4,
+        optimizer="sgd",
+        shuffle=False,
+        **extra,
+    )
+
+
+def test_a_language_model_step_follows_central_differences():
+    """One SGD step of lr 1 moves every parameter by its gradient; the token-level mean
+    cross-entropy, as a function of a few entries of each parameter, agrees with it."""
+    trainer = Trainer(tiny_lm(hyperparameters={"lr": 1.0}))
+    trainer.executor.prepare(trainer.graph(5))
+    before = {k: v.copy() for k, v in trainer.executor.resident().items()}
+    trainer.step(0)
+    after = trainer.executor.resident()
+    probe = Trainer(tiny_lm(hyperparameters={"lr": 0.0}))
+    probe.executor.prepare(probe.graph(5))
+    h = 1e-6
+    for name, value in before.items():
+        for index in list(np.ndindex(value.shape))[:: max(1, value.size // 3)]:
+            losses = []
+            for sign in (1, -1):
+                moved = {k: v.copy() for k, v in before.items()}
+                moved[name][index] += sign * h
+                probe.executor.load_resident(moved)
+                losses.append(probe.step(0)[0])
+            numeric = (losses[0] - losses[1]) / (2 * h)
+            analytic = value[index] - after[name][index]
+            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, index)
+
+
+def test_the_loss_is_the_mean_over_tokens():
+    cfg = tiny_lm(hyperparameters={"lr": 0.0})
+    trainer = Trainer(cfg)
+    trainer.executor.prepare(trainer.graph(5))
+    loss, stats = trainer.step(0)
+    assert stats[3] == 5 * 6  # every token of the batch counted once
+    assert loss == pytest.approx(stats[0] / stats[3], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "nranks"), [("data", 2), ("model", 2), ("spatial", 3), ("model", 4)]
+)
+def test_a_language_model_split_over_ranks_equals_one_process(strategy, nranks):
+    cfg = tiny_lm()
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
+
+
+def test_builtin_strategies_cut_sequences_by_the_roles_of_their_dims():
+    graph = token_mlp(length=8, width=8, vocab=16).lower(batch=4)
+    units = {u.name: u for u in find_units(graph)}
+    model = builtin(graph, "model", 4).unit_grids
+    spatial = builtin(graph, "spatial", 4).unit_grids
+    assert model["mlp_in"] == (1, 1, 4, 1)  # column-parallel: the output features
+    assert model["embed"] == (1, 1, 4)
+    assert model["ln1"] == (4, 1, 1)  # a token's features stay whole: the batch instead
+    assert spatial["mlp_in"] == (1, 4, 1, 1) and spatial["ln1"] == (1, 4, 1)  # the tokens
+    assert units["mlp_in"].axes == "NSF-"
+
+
+def test_layers_refuse_inputs_of_the_wrong_rank():
+    spec = {
+        "name": "bad",
+        "input": [8],
+        "classes": 4,
+        "layers": [{"kind": "embedding", "vocab": 4, "dim": 3}, {"kind": "linear", "out": 4}],
+    }
+    with pytest.raises(LegionNNError, match=r"\(linear\): takes images \[C, H, W\].*got \[8, 3\]"):
+        network_from_dict(spec, "bad.json")
+
+
+def test_text_makes_windows_with_next_byte_targets(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(200)) * 2)
+    dataset = token_data.from_text(str(text), 16, 256, 256)
+    cut = 400 - 40
+    assert len(dataset.train) == (cut - 1) // 16 and len(dataset.val) == (40 - 1) // 16
+    x, y = dataset.train.x, dataset.train.y
+    assert x.dtype == np.int32 and np.array_equal(y[:, :-1], x[:, 1:])
+    assert x[1, 0] == 16 and y[0, -1] == 16
+
+
+def test_a_token_beyond_the_vocabulary_is_named_by_row(tmp_path):
+    path = tmp_path / "ids.npz"
+    x = np.zeros((4, 6), np.int64)
+    x[2, 3] = 9
+    np.savez(path, x_train=x, y_train=np.zeros((4, 6), np.int64))
+    with pytest.raises(LegionNNError, match=r"x_train row 2 holds token id 9 at position 3"):
+        token_data.from_npz(str(path), 6, 9, 9)
