@@ -13,10 +13,14 @@
 - `token-mlp`: a language model of bytes (sequences of 64, vocabulary 256) without attention: an
   embedding of 64, a pre-norm residual MLP block (LayerNorm, dense 256, GELU, dense 64) and a
   dense head scoring every position's next byte.
+- `byte-gpt`: a GPT-style decoder of bytes (sequences of 64, width 64, 4 heads, 2 blocks): token
+  and position embeddings, pre-norm blocks of causal multi-head attention and a GELU MLP, each
+  residual, a final LayerNorm and a dense head over the 256 bytes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,10 +35,16 @@ from legion_nn.layers import (
     Filter,
     FilterA,
     FilterNL,
+    Layer,
     LayerNorm,
     Linear,
+    MatMul,
     MaxPool,
+    MergeHeads,
+    PositionEmbedding,
+    RowSoftmax,
     Softmax,
+    SplitHeads,
 )
 from legion_nn.layers.nonlinear import Gelu
 from legion_nn.network import Network
@@ -126,6 +136,49 @@ def token_mlp(length: int = 64, width: int = 64, vocab: int = 256) -> Network:
     return Network("token-mlp", (length,), vocab, layers)
 
 
+def gpt_block(block: str, before: str, width: int, heads: int) -> list[Layer]:
+    """One pre-norm GPT block reading group `before`: causal multi-head attention, then an MLP
+    of 4·width, each added back to its input."""
+    size = width // heads
+
+    def name(part: str) -> str:
+        return f"{block}_{part}"
+
+    return [
+        LayerNorm(name("ln1"), inputs=[before]),
+        # a key's bias adds q·b to every score of a row, which the softmax cancels
+        *(Dense(name(p), out=width, bias=p != "k", inputs=[name("ln1")]) for p in "qkv"),
+        *(SplitHeads(name(f"{p}h"), heads=heads, inputs=[name(p)]) for p in "qkv"),
+        MatMul(name("scores"), inputs=[name("qh"), name("kh")], transpose_b=True,
+               scale=1 / math.sqrt(size)),
+        RowSoftmax(name("attn"), causal=True),
+        MatMul(name("context"), inputs=[name("attn"), name("vh")]),
+        MergeHeads(name("merge")),
+        Dense(name("proj"), out=width),
+        Add(name("res1"), inputs=[name("proj"), before]),
+        LayerNorm(name("ln2")),
+        Dense(name("fc"), out=4 * width),
+        Gelu(name("gelu")),
+        Dense(name("fc_out"), out=width),
+        Add(name("res2"), inputs=[name("fc_out"), name("res1")]),
+    ]  # fmt: skip
+
+
+def gpt(
+    length: int = 64, width: int = 64, heads: int = 4, blocks: int = 2, vocab: int = 256
+) -> Network:
+    """A GPT-style decoder of bytes: token and position embeddings, `blocks` pre-norm blocks
+    of causal attention and MLP, a final LayerNorm and a dense head."""
+    layers: list[Layer] = [
+        Embedding("tok", vocab=vocab, dim=width),
+        PositionEmbedding("pos"),
+    ]
+    for index in range(blocks):
+        layers += gpt_block(f"b{index}", layers[-1].name, width, heads)
+    layers += [LayerNorm("ln_f"), Dense("head", out=vocab), Softmax("loss"), Evaluate()]
+    return Network("byte-gpt", (length,), vocab, layers)
+
+
 BUILTINS: dict[str, Callable[[], Network]] = {
     "seed-lcn": seed_lcn,
     "seed-lcn-small": seed_lcn_small,
@@ -133,6 +186,7 @@ BUILTINS: dict[str, Callable[[], Network]] = {
     "vgg19": vgg19,
     "deep-mlp": deep_mlp,
     "token-mlp": token_mlp,
+    "byte-gpt": gpt,
 }
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from runtime.kernels import (
     affine,
+    attention,
     batchnorm,
     dropout,
     embedding,
@@ -120,6 +121,11 @@ def _layernorm(dtype: np.dtype) -> None:
     layernorm.layernorm_backward(y, x, gamma)
 
 
+def _row_softmax(dtype: np.dtype) -> None:
+    x = np.zeros((1, 2, 3, 3), dtype)
+    attention.row_softmax_backward(x, attention.row_softmax_forward(x, True))
+
+
 def _softmax(dtype: np.dtype) -> None:
     x = np.zeros((2, 3, 1, 1), dtype)
     labels = np.zeros((2, 1, 1, 1), np.int32)
@@ -194,6 +200,7 @@ UNITS: dict[str, Unit] = {
     "softmax": Unit(_softmax, 0.5, "softmax", softmax._forward),
     "embedding": Unit(_embedding, 0.3, "embedding", embedding._scatter_add),
     "layernorm": Unit(_layernorm, 1.0, "layernorm", layernorm._backward),
+    "row_softmax": Unit(_row_softmax, 0.8, "row_softmax", attention._softmax_rows_backward),
     "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),
     "dropout": Unit(_dropout, 1.0, "dropout", dropout._apply),
@@ -225,7 +232,7 @@ def units_of(graph: TaskGraph, program: RankProgram | None = None) -> list[str]:
                     used.add("filter.step")
                 if not untied or stepping is None or not steps(task):
                     used.add(f"{kind}.gradient")  # a tied filter's step takes it whole
-        elif task.op in ("linear", "dense"):  # dense runs on the linear layer's GEMM
+        elif task.op in ("linear", "dense", "matmul"):  # all on the linear layer's GEMM
             used.add("linear")
             if task.op == "linear" and task.phase == "backward" and steps(task):
                 used.add("linear.step")

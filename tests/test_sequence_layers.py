@@ -10,10 +10,16 @@ import pytest
 from error_bounds import assert_close_to, assert_product_close
 
 from legion_nn.errors import LegionNNError
-from legion_nn.networks import token_mlp
+from legion_nn.networks import gpt, token_mlp
 from legion_nn.spec import network_from_dict
 from partitioner.strategy import builtin, find_units
 from runtime import token_data
+from runtime.kernels.attention import (
+    matmul_backward,
+    matmul_forward,
+    row_softmax_backward,
+    row_softmax_forward,
+)
 from runtime.kernels.dense import dense_backward, dense_forward
 from runtime.kernels.embedding import embedding_backward, embedding_forward
 from runtime.kernels.gelu import gelu_forward
@@ -123,30 +129,6 @@ def tiny_lm(**extra) -> TrainConfig:
     )
 
 
-def test_a_language_model_step_follows_central_differences():
-    """One SGD step of lr 1 moves every parameter by its gradient; the token-level mean
-    cross-entropy, as a function of a few entries of each parameter, agrees with it."""
-    trainer = Trainer(tiny_lm(hyperparameters={"lr": 1.0}))
-    trainer.executor.prepare(trainer.graph(5))
-    before = {k: v.copy() for k, v in trainer.executor.resident().items()}
-    trainer.step(0)
-    after = trainer.executor.resident()
-    probe = Trainer(tiny_lm(hyperparameters={"lr": 0.0}))
-    probe.executor.prepare(probe.graph(5))
-    h = 1e-6
-    for name, value in before.items():
-        for index in list(np.ndindex(value.shape))[:: max(1, value.size // 3)]:
-            losses = []
-            for sign in (1, -1):
-                moved = {k: v.copy() for k, v in before.items()}
-                moved[name][index] += sign * h
-                probe.executor.load_resident(moved)
-                losses.append(probe.step(0)[0])
-            numeric = (losses[0] - losses[1]) / (2 * h)
-            analytic = value[index] - after[name][index]
-            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, index)
-
-
 def test_the_loss_is_the_mean_over_tokens():
     cfg = tiny_lm(hyperparameters={"lr": 0.0})
     trainer = Trainer(cfg)
@@ -205,3 +187,99 @@ def test_a_token_beyond_the_vocabulary_is_named_by_row(tmp_path):
     np.savez(path, x_train=x, y_train=np.zeros((4, 6), np.int64))
     with pytest.raises(LegionNNError, match=r"x_train row 2 holds token id 9 at position 3"):
         token_data.from_npz(str(path), 6, 9, 9)
+
+
+def test_products_of_two_activations_are_within_their_error_bound():
+    a, b = RNG.standard_normal((2, 3, 4, 5)), RNG.standard_normal((2, 3, 6, 5))
+    out = matmul_forward(a, b, transpose_b=True, scale=0.5)
+    for n, h in np.ndindex(2, 3):
+        assert_product_close(out[n, h], 0.5 * a[n, h], b[n, h].T)
+    dy = RNG.standard_normal(out.shape)
+    da, db = matmul_backward(dy, a, b, transpose_b=True, scale=0.5)
+    for n, h in np.ndindex(2, 3):
+        assert_product_close(da[n, h], 0.5 * dy[n, h], b[n, h])
+        assert_product_close(db[n, h], 0.5 * dy[n, h].T, a[n, h])
+    c = RNG.standard_normal((2, 3, 5, 6))
+    dy = RNG.standard_normal((2, 3, 4, 6))
+    da, dc = matmul_backward(dy, a, c)
+    for n, h in np.ndindex(2, 3):
+        assert_product_close(matmul_forward(a, c)[n, h], a[n, h], c[n, h])
+        assert_product_close(da[n, h], dy[n, h], c[n, h].T)
+        assert_product_close(dc[n, h], a[n, h].T, dy[n, h])
+
+
+@pytest.mark.parametrize("first_row", [0, 2])
+def test_causal_row_softmax_matches_numpy_and_central_differences(first_row):
+    x = RNG.standard_normal((2, 2, 3, 6)) * 2
+    y = row_softmax_forward(x, causal=True, first_row=first_row)
+    keep = np.arange(6)[None, :] <= (first_row + np.arange(3))[:, None]
+    masked = np.where(keep, x, -np.inf)
+    expected = np.exp(masked - masked.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, expected, rtol=1e-14, atol=0)
+    assert np.all(y[..., ~keep] == 0)
+    r = RNG.standard_normal(x.shape)
+
+    def loss() -> float:
+        return float((row_softmax_forward(x, True, first_row) * r).sum())
+
+    assert relative_error(row_softmax_backward(r, y), central_difference(loss, x)) < 1e-7
+
+
+def tiny_gpt(**extra) -> TrainConfig:
+    network = gpt(length=4, width=8, heads=2, blocks=1, vocab=7)
+    return TrainConfig(
+        network=network,
+        dataset=token_data.synthetic(4, 7, seed=2, rows=30),
+        batch=3,
+        dtype="float64",
+        seed=4,
+        optimizer="sgd",
+        shuffle=False,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("make", [tiny_lm, tiny_gpt])
+def test_a_language_model_step_follows_central_differences(make):
+    """One SGD step of lr 1 moves every parameter by its gradient; the token-level mean
+    cross-entropy, as a function of a few entries of each parameter, agrees with it."""
+    trainer = Trainer(make(hyperparameters={"lr": 1.0}))
+    batch = trainer.config.batch
+    trainer.executor.prepare(trainer.graph(batch))
+    before = {k: v.copy() for k, v in trainer.executor.resident().items()}
+    trainer.step(0)
+    after = trainer.executor.resident()
+    probe = Trainer(make(hyperparameters={"lr": 0.0}))
+    probe.executor.prepare(probe.graph(batch))
+    h = 1e-6
+    for name, value in before.items():
+        for index in list(np.ndindex(value.shape))[:: max(1, value.size // 3)]:
+            losses = []
+            for sign in (1, -1):
+                moved = {k: v.copy() for k, v in before.items()}
+                moved[name][index] += sign * h
+                probe.executor.load_resident(moved)
+                losses.append(probe.step(0)[0])
+            numeric = (losses[0] - losses[1]) / (2 * h)
+            analytic = value[index] - after[name][index]
+            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, index)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "nranks"), [("data", 2), ("model", 2), ("model", 3), ("spatial", 4)]
+)
+def test_a_gpt_split_over_ranks_equals_one_process(strategy, nranks):
+    """3 ranks cut 8 features into 3, 3 and 2: the merged heads are cut inside a head."""
+    cfg = tiny_gpt()
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
+
+
+def test_megatron_splits_attention_by_heads():
+    graph = gpt(length=8, width=16, heads=4, blocks=1, vocab=11).lower(batch=2)
+    model = builtin(graph, "model", 4).unit_grids
+    assert model["b0_q"] == (1, 1, 4, 1)  # QKV column-parallel
+    assert model["b0_qh"] == (1, 4, 1, 1) and model["b0_attn"] == (1, 4, 1, 1)  # by heads
+    assert model["b0_scores"] == (1, 4, 1, 1, 1)
+    spatial = builtin(graph, "spatial", 4).unit_grids
+    assert spatial["b0_scores"] == (1, 1, 4, 1, 1)  # the queries' positions

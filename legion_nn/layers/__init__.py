@@ -2,6 +2,7 @@
 
 from legion_nn.layers import (  # noqa: F401  (registration side effects)
     affine,
+    attention,
     batchnorm,
     common_access,
     dense,
@@ -18,11 +19,12 @@ from legion_nn.layers import (  # noqa: F401  (registration side effects)
     softmax,
 )
 from legion_nn.layers.affine import FilterA
+from legion_nn.layers.attention import MatMul, MergeHeads, RowSoftmax, SplitHeads
 from legion_nn.layers.base import LAYER_KINDS, Layer, layer_from_spec
 from legion_nn.layers.batchnorm import BatchNorm
 from legion_nn.layers.dense import Dense
 from legion_nn.layers.dropout import Dropout
-from legion_nn.layers.embedding import Embedding
+from legion_nn.layers.embedding import Embedding, PositionEmbedding
 from legion_nn.layers.evaluate import Evaluate
 from legion_nn.layers.filter import Conv, Filter
 from legion_nn.layers.layernorm import LayerNorm
@@ -51,9 +53,14 @@ __all__ = [
     "Layer",
     "LayerNorm",
     "Linear",
+    "MatMul",
     "MaxPool",
+    "MergeHeads",
+    "PositionEmbedding",
     "Relu",
     "Reshape",
+    "RowSoftmax",
     "Softmax",
+    "SplitHeads",
     "layer_from_spec",
 ]

@@ -1,4 +1,5 @@
-"""`embedding`: y (N, T, D) = weights (V, D) at the rows the token ids x (N, T) name.
+"""`embedding`: y (N, T, D) = weights (V, D) at the rows the token ids x (N, T) name; and
+`position`: y = x + weights (T, D), a learned vector per position.
 
 Its space is the output. A piece reads its tokens' ids and its features' columns of every row of
 the table, since which rows a piece needs depends on the data, not on the plan. The backward adds
@@ -108,6 +109,73 @@ class Embedding(Layer):
             ctx.task(
                 f"{self.stem}.grad", "embedding", "backward", space, bindings, self.name, attrs
             )
+            ctx.update(weights, f"update_{self.name}.weights", self.name)
+
+        ctx.on_backward(backward)
+        return y
+
+
+# Positions: y (N, T, D) = x + weights (T, D), a learned vector per position
+
+
+def _position_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    table = Rect.empty(2) if piece.is_empty() else Rect(piece.lo[1:], piece.hi[1:])
+    return {
+        "input": piece,
+        "output": piece,
+        "output.delta": piece,
+        "input.delta": piece,
+        "weights": table,
+        "weights.delta": table,
+    }
+
+
+# an addition per element forward; backward the sum over the batch into the table
+registry.register(
+    "position",
+    phases={
+        phase: {
+            "access": _position_rects,
+            "flops": registry.per_element(1),
+            "adapter": f"position.{phase}",
+        }
+        for phase in ("forward", "backward")
+    },
+    splittable=registry.EVERY_DIM,
+    homing=registry.GRID,
+    packed_role=None,
+    owner_role=None,
+    passes=None,
+    sums_over=0,
+)
+
+
+@layer_kind("position")
+@dataclass
+class PositionEmbedding(Layer):
+    """A learned vector added at each position (GPT's `wpe`: an `nn.Embedding` read at
+    `arange(T)`, which an export folds into a constant Gather); weights start from N(0, 1)."""
+
+    RANKS = (2,)
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def lower(self, ctx, x: str, shape: Shape) -> str:
+        weights = ctx.param(f"{self.name}.weights", tuple(shape), "normal:1.0")
+        dims = (ctx.batch,) + tuple(shape)
+        y = ctx.tensor(f"{self.stem}.output", dims, "activation")
+        space = Rect.from_dims(dims)
+        attrs = sequence_axes(shape)
+        bindings = [("input", x, R_), ("weights", weights, R_), ("output", y, W_)]
+        ctx.task(self.stem, "position", "forward", space, bindings, self.name, attrs)
+
+        def backward() -> None:
+            bindings = [("output.delta", ctx.grad(y), R_)]
+            if ctx.needs_grad(x):
+                bindings.append(("input.delta", ctx.grad(x), RD))
+            bindings.append(("weights.delta", ctx.grad(weights), RD))
+            ctx.task(f"{self.stem}.grad", "position", "backward", space, bindings, self.name, attrs)
             ctx.update(weights, f"update_{self.name}.weights", self.name)
 
         ctx.on_backward(backward)

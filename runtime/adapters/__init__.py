@@ -13,6 +13,7 @@ interior piece is computed without padding and a border piece with its side of i
 
 from legion_nn.ops import records
 from runtime.adapters import (  # noqa: F401
+    attention,
     classifier,
     elementwise,
     merge,

@@ -1,0 +1,104 @@
+"""Adapters of attention's ops: `split_heads`, `merge_heads`, `matmul`, `row_softmax` and
+`position` (`legion_nn.layers.attention`, `legion_nn.layers.embedding`).
+
+A `merge_heads` piece whose features start or end inside a head gets that head whole (its access
+map reads the heads its features fall in) and keeps the features it covers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from legion_nn.layers.merge import input_role
+from runtime.adapters.registry import adapter
+from runtime.kernels import attention
+
+
+def _heads(features: np.ndarray, size: int) -> np.ndarray:
+    """(n, t, h·size) as (n, h, t, size)."""
+    n, t, width = features.shape
+    return features.reshape(n, t, width // size, size).transpose(0, 2, 1, 3)
+
+
+def _features(heads: np.ndarray) -> np.ndarray:
+    """(n, h, t, size) as (n, t, h·size)."""
+    n, h, t, size = heads.shape
+    return heads.transpose(0, 2, 1, 3).reshape(n, t, h * size)
+
+
+def _columns(task, piece) -> slice:
+    """Where a merge_heads piece's features lie in the heads its access map reads."""
+    first = piece.lo[2] - piece.lo[2] // task.attrs["head_size"] * task.attrs["head_size"]
+    return slice(first, first + piece.hi[2] - piece.lo[2])
+
+
+@adapter("split_heads.forward")
+def _split(task, piece, views, dims, ctx):
+    return {"output": _heads(views["input"], task.attrs["head_size"])}
+
+
+@adapter("split_heads.backward")
+def _split_grad(task, piece, views, dims, ctx):
+    return {"input.delta": _features(views["output.delta"])}
+
+
+@adapter("merge_heads.forward")
+def _merge(task, piece, views, dims, ctx):
+    return {"output": _features(views["input"])[:, :, _columns(task, piece)]}
+
+
+@adapter("merge_heads.backward")
+def _merge_grad(task, piece, views, dims, ctx):
+    dy = views["output.delta"]
+    heads = views["input.delta"]
+    out = np.zeros((heads.shape[0], heads.shape[2], heads.shape[1] * heads.shape[3]), dy.dtype)
+    out[:, :, _columns(task, piece)] = dy
+    return {"input.delta": _heads(out, heads.shape[3])}
+
+
+@adapter("matmul.forward")
+def _matmul(task, piece, views, dims, ctx):
+    out = attention.matmul_forward(
+        views[input_role(0)], views[input_role(1)], task.attrs["transpose_b"], task.attrs["scale"]
+    )
+    return {"output": out}
+
+
+@adapter("matmul.backward")
+def _matmul_grad(task, piece, views, dims, ctx):
+    a_grad, b_grad = f"{input_role(0)}.delta", f"{input_role(1)}.delta"
+    da, db = attention.matmul_backward(
+        views["output.delta"],
+        views[input_role(0)],
+        views[input_role(1)],
+        task.attrs["transpose_b"],
+        task.attrs["scale"],
+        need_da=a_grad in views,
+        need_db=b_grad in views,
+    )
+    return {role: g for role, g in ((a_grad, da), (b_grad, db)) if g is not None}
+
+
+@adapter("row_softmax.forward")
+def _row_softmax(task, piece, views, dims, ctx):
+    y = attention.row_softmax_forward(views["input"], task.attrs["causal"], piece.lo[2])
+    return {"output": y}
+
+
+@adapter("row_softmax.backward")
+def _row_softmax_grad(task, piece, views, dims, ctx):
+    return {"input.delta": attention.row_softmax_backward(views["output.delta"], views["output"])}
+
+
+@adapter("position.forward")
+def _position(task, piece, views, dims, ctx):
+    return {"output": views["input"] + views["weights"]}
+
+
+@adapter("position.backward")
+def _position_grad(task, piece, views, dims, ctx):
+    dy = views["output.delta"]
+    out = {"weights.delta": dy.sum(axis=0)}
+    if "input.delta" in views:
+        out["input.delta"] = dy
+    return out

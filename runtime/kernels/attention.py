@@ -1,0 +1,127 @@
+"""Attention's kernels: products of two activations per head, and the softmax of rows of scores.
+
+`matmul_*` multiply (N, H, I, K) by (N, H, K, J) (or by (N, H, J, K) transposed) head by head on
+the linear layer's GEMM (`linear.product`). `row_softmax_*` work row by row in float64; a causal
+row i keeps the columns j ≤ i, where i counts from `first_row`, the piece's first query position,
+and the masked probabilities are exactly 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from runtime.kernels import _checks
+from runtime.kernels.blas import NO_TRANS, TRANS
+from runtime.kernels.linear import product
+
+
+def _pairs(a: np.ndarray):
+    return ((n, h) for n in range(a.shape[0]) for h in range(a.shape[1]))
+
+
+def _c(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a)
+
+
+def _check(a: np.ndarray, b: np.ndarray, transpose_b: bool) -> tuple[int, int, int]:
+    _checks.floating("a", a, 4)
+    _checks.floating("b", b, 4)
+    _checks.same_dtype("b", b, "a", a)
+    rows, summed = a.shape[2:]
+    columns, b_summed = (b.shape[2], b.shape[3]) if transpose_b else (b.shape[3], b.shape[2])
+    if a.shape[:2] != b.shape[:2] or summed != b_summed:
+        raise ValueError(f"cannot multiply a {a.shape} by b {b.shape} (transpose_b={transpose_b})")
+    return rows, columns, summed
+
+
+def matmul_forward(
+    a: np.ndarray, b: np.ndarray, transpose_b: bool = False, scale: float = 1.0
+) -> np.ndarray:
+    """out (N, H, I, J) = scale · a·b, or scale · a·bᵀ with `transpose_b`."""
+    rows, columns, _ = _check(a, b, transpose_b)
+    out = np.empty(a.shape[:2] + (rows, columns), a.dtype)
+    for n, h in _pairs(a):
+        product(_c(a[n, h]), NO_TRANS, _c(b[n, h]), TRANS if transpose_b else NO_TRANS, out[n, h])
+    if scale != 1.0:
+        out *= scale
+    return out
+
+
+def matmul_backward(
+    dy: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    transpose_b: bool = False,
+    scale: float = 1.0,
+    need_da: bool = True,
+    need_db: bool = True,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(da, db) of `matmul_forward`: da = scale·dy·b'ᵀ, and db = scale·aᵀ·dy (b = scale·dyᵀ·a
+    with `transpose_b`)."""
+    rows, columns, _ = _check(a, b, transpose_b)
+    _checks.floating("dy", dy, 4)
+    _checks.shape("dy", dy, a.shape[:2] + (rows, columns))
+    _checks.same_dtype("dy", dy, "a", a)
+    g = dy * scale if scale != 1.0 else dy
+    da = np.empty(a.shape, a.dtype) if need_da else None
+    db = np.empty(b.shape, b.dtype) if need_db else None
+    for n, h in _pairs(a):
+        gn = _c(g[n, h])
+        if da is not None:
+            product(gn, NO_TRANS, _c(b[n, h]), NO_TRANS if transpose_b else TRANS, da[n, h])
+        if db is not None:
+            if transpose_b:
+                product(gn, TRANS, _c(a[n, h]), NO_TRANS, db[n, h])
+            else:
+                product(_c(a[n, h]), TRANS, gn, NO_TRANS, db[n, h])
+    return da, db
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _softmax_rows(x, causal, first_row, y):
+    n, h, rows, columns = x.shape
+    for r in prange(n * h * rows):
+        i, k, row = r // (h * rows), (r // rows) % h, r % rows
+        last = min(columns, first_row + row + 1) if causal else columns
+        top = -np.inf
+        for j in range(last):
+            top = max(top, np.float64(x[i, k, row, j]))
+        total = 0.0
+        for j in range(last):
+            total += math.exp(np.float64(x[i, k, row, j]) - top)
+        for j in range(last):
+            y[i, k, row, j] = math.exp(np.float64(x[i, k, row, j]) - top) / total
+        for j in range(last, columns):
+            y[i, k, row, j] = 0.0
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _softmax_rows_backward(dy, y, dx):
+    n, h, rows, columns = y.shape
+    for r in prange(n * h * rows):
+        i, k, row = r // (h * rows), (r // rows) % h, r % rows
+        inner = 0.0
+        for j in range(columns):
+            inner += np.float64(dy[i, k, row, j]) * np.float64(y[i, k, row, j])
+        for j in range(columns):
+            dx[i, k, row, j] = np.float64(y[i, k, row, j]) * (np.float64(dy[i, k, row, j]) - inner)
+
+
+def row_softmax_forward(x: np.ndarray, causal: bool = False, first_row: int = 0) -> np.ndarray:
+    """y: the softmax of every row of x (N, H, I, J) over J; causal: of its columns j ≤ i."""
+    _checks.floating("x", x, 4)
+    y = np.empty(x.shape, x.dtype)
+    _softmax_rows(x, bool(causal), int(first_row), y)
+    return y
+
+
+def row_softmax_backward(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """dx = y·(dy − Σ_j dy·y), from the forward output y (masked entries, 0 in y, get 0)."""
+    _checks.floating("dy", dy, 4)
+    _checks.like("y", y, "dy", dy)
+    dx = np.empty(dy.shape, dy.dtype)
+    _softmax_rows_backward(dy, y, dx)
+    return dx
