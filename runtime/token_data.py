@@ -2,7 +2,7 @@
 
 Every source yields a `Dataset` whose x are int32 ids (N, T) and whose y are int32 targets (N, T).
 
-- `F.txt`: UTF-8 text read as bytes (a vocabulary of 256). The first 90% of the bytes give the
+- `F.txt` (or any other file but `.npz`): UTF-8 text read as bytes (a vocabulary of 256). The first 90% of the bytes give the
   training windows and the last 10% the validation windows: T bytes each, side by side, with the
   next byte of each as its target.
 - `F.npz`: `x_train` and `y_train` (and optionally `x_val`, `y_val`, `x_test`, `y_test`) as given.
@@ -123,11 +123,11 @@ def load(source: str, length: int, vocab: int, classes: int, seed: int) -> Datas
     and scoring `classes`."""
     if source == "synthetic":
         return synthetic(length, min(vocab, classes), seed)
-    if source.endswith(".txt"):
-        return from_text(source, length, vocab, classes)
     if source.endswith(".npz"):
         return from_npz(source, length, vocab, classes)
+    if source.endswith(".txt") or Path(source).is_file():
+        return from_text(source, length, vocab, classes)
     raise LegionNNError(
-        f"--data for a network of token ids must be synthetic, a .txt or a .npz file, got "
+        f"--data for a network of token ids must be synthetic, a .npz file or a text file, got "
         f"{source!r}"
     )

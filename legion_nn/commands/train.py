@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         default="digits",
-        help="digits (bundled with scikit-learn), synthetic, or F.npz with x, y",
+        help="digits (bundled with scikit-learn), synthetic, F.npz with x, y, or (a network of "
+        "token ids) F.txt read as bytes",
     )
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, default=None, help="epochs to train (default 10)")

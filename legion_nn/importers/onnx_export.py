@@ -35,8 +35,11 @@ def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path
     aliases = initializer_aliases(graph)
     values: dict[str, np.ndarray] = {}
 
+    def stored_dims(name: str) -> tuple[int, ...]:
+        return tuple(stored[aliases.get(name, name)].dims)
+
     def put(name: str, value: np.ndarray, transposed: bool = False) -> None:
-        dims = tuple(stored[aliases.get(name, name)].dims)
+        dims = stored_dims(name)
         values[name] = value.reshape(dims[::-1]).T if transposed else value.reshape(dims)
 
     for index, node in enumerate(layer_nodes(graph, aliases)):
@@ -44,8 +47,10 @@ def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path
         if node.op_type == "Gemm" and not node_attributes(node).get("transB", 0):
             put(node.input[1], arrays[node.input[1]], transposed=True)
             inputs = inputs[1:]
-        elif node.op_type == "MatMul":
-            put(node.input[1], arrays[node.input[1]], transposed=True)
+        elif node.op_type == "MatMul" and node.input[1] in arrays:
+            # a linear layer's (M, K, 1, 1) was transposed; a dense layer keeps MatMul's (K, M)
+            weights = arrays[node.input[1]]
+            put(node.input[1], weights, transposed=weights.ndim != len(stored_dims(node.input[1])))
             inputs = []
         elif node.op_type == "BatchNormalization":
             running = arrays[f"{layer_name(node, index)}.running"]

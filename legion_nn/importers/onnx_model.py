@@ -20,6 +20,12 @@ or dynamic, is left to the lowering's batch):
 | Identity | nothing | |
 | Softmax, LogSoftmax (the output) | `softmax` with cross-entropy, then `evaluate` | |
 
+Before mapping, everything computable without the data is folded (`onnx_fold`: shape arithmetic,
+masks, ConstantOfShape, position indices), so the nodes left are those that read data or
+parameters. A model of token ids (an integer input [batch, T]) maps its transformer ops as
+`onnx_sequence` lists: embeddings, dense layers, LayerNormalization, heads, products of two
+activations, the causal softmax and GELU however it is spelled.
+
 A model whose output is logits (no Softmax at the end) gets `softmax` and `evaluate` appended, so
 it trains on the mean cross-entropy over the batch. Parameters keep their initializer names
 (`Network.param_names` renames the layers' own), and `Network.initial` holds their values (and
@@ -41,6 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from legion_nn.errors import LegionNNError, ShapeError, read_input
+from legion_nn.importers.onnx_fold import Folded, FoldError, fold, parameters
+from legion_nn.importers.onnx_sequence import SequenceOps
 from legion_nn.layers import (
     Add,
     AvgPool,
@@ -57,7 +65,7 @@ from legion_nn.layers import (
     Softmax,
 )
 from legion_nn.layers.base import Layer
-from legion_nn.network import INPUT, Network
+from legion_nn.network import INPUT, Network, class_count
 
 SUPPORTED = (
     "Conv",
@@ -78,8 +86,17 @@ SUPPORTED = (
     "Identity",
     "Softmax",
     "LogSoftmax",
+    "Gather (an embedding)",
+    "LayerNormalization",
+    "MatMul of two activations",
+    "Split (features)",
+    "Reshape and Transpose (heads)",
+    "Where (a causal mask)",
+    "elementwise ops computing GELU",
 )
 NONLINEAR = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid"}
+#: onnx.TensorProto's integer types: an input of them holds token ids
+TOKEN_TYPES = (2, 3, 4, 5, 6, 7, 12, 13)
 
 
 class OnnxError(LegionNNError):
@@ -104,15 +121,54 @@ def load_onnx(path: str | Path) -> Network:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
         raise OnnxError(f"{path}: not a valid ONNX model: {_first_line(exc)}") from None
+    stored = {t.name for t in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name not in stored:  # its shape is checked before anything is folded from it
+            sample_shape(path, value)
+    try:
+        folded = fold(model, _fixed_batch(model.graph))
+    except FoldError as exc:
+        node = exc.node
+        raise OnnxError(
+            f"{path}: node {node.name or node.output[0]!r} ({node.op_type}): {exc}"
+        ) from None
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            value = next((a for a in node.attribute if a.name == "value"), None)
-            if value is not None:
-                constants[node.output[0]] = numpy_helper.to_array(value.t)
+    constants.update(folded.constants)
     for alias, source in initializer_aliases(model.graph).items():
         constants[alias] = constants[source]
-    return _Reader(path, model, constants).read()
+    return _Reader(path, model, constants, folded).read()
+
+
+def sample_shape(path: Path, value) -> tuple[int, ...]:
+    """The per-sample shape of the model's data input `value`, or one line saying why not."""
+    dims = value.type.tensor_type.shape.dim
+    known = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    if value.type.tensor_type.elem_type in TOKEN_TYPES:  # token ids (batch, T)
+        if len(known) != 2 or known[1] is None or known[1] < 1:
+            shown = [d.dim_value or d.dim_param or "?" for d in dims]
+            raise OnnxError(
+                f"{path}: input {value.name!r} of token ids has shape {shown}; "
+                "legion-nn needs [batch, T] with the sequence length T known"
+            )
+        return (int(known[1]),)
+    if len(known) not in (2, 4) or any(v is None or v < 1 for v in known[1:]):
+        shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+        raise OnnxError(
+            f"{path}: input {value.name!r} has shape {shown}; legion-nn needs "
+            "[batch, C, H, W] or [batch, features] with every dim but the batch known"
+        )
+    rest = tuple(int(v) for v in known[1:])
+    return rest if len(rest) == 3 else (rest[0], 1, 1)
+
+
+def _fixed_batch(graph) -> int | None:
+    """The declared batch of the model's data input, or None where it is dynamic."""
+    stored = {t.name for t in graph.initializer}
+    for value in graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name not in stored and dims:
+            return dims[0].dim_value if dims[0].HasField("dim_value") else None
+    return None
 
 
 def initializer_aliases(graph) -> dict[str, str]:
@@ -147,10 +203,32 @@ def layer_name(node, index: int) -> str:
     return f"{name or node.op_type.lower()}_{index}"
 
 
-class _Reader:
-    def __init__(self, path: Path, model, constants: dict[str, np.ndarray]) -> None:
+class _Reader(SequenceOps):
+    def __init__(self, path: Path, model, constants: dict[str, np.ndarray], folded: Folded) -> None:
         self.path, self.model, self.constants = path, model, constants
         self.aliases = initializer_aliases(model.graph)
+        self.batched, self.batches = folded.batched, folded.batches
+        #: the parameters: float initializers, and the names their Identity nodes pass them on as
+        self.params = parameters(model.graph)
+        self.params |= {alias for alias, source in self.aliases.items() if source in self.params}
+        #: the nodes to read (folding left them), each named by its place among every node
+        #: that could be a layer (`layer_nodes`: as `onnx_export` walks them)
+        self.nodes = [
+            n for n in folded.nodes if n.op_type != "Identity" or n.output[0] not in self.aliases
+        ]
+        self.index_of = {id(n): i for i, n in enumerate(layer_nodes(model.graph, self.aliases))}
+        self.consumers: dict[str, list] = {}
+        for node in self.nodes:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+        #: nodes a pattern read with an earlier one
+        self.claimed: set[int] = set()
+        #: values that are a parameter read at constant rows (positions): (its name, the rows)
+        self.rows: dict[str, tuple[str, np.ndarray]] = {}
+        #: values that are heads transposed (Kᵀ): a MatMul reading one multiplies by its transpose
+        self.transposed: set[str] = set()
+        self.sample: tuple[int, ...] = ()
+        self.outputs = {value.name for value in model.graph.output}
         self.layers: list[Layer] = []
         self.shape: tuple[int, int, int] = (1, 1, 1)  # the current layer's per-sample output
         #: per ONNX value, the group whose output it is and its per-sample shape
@@ -172,15 +250,25 @@ class _Reader:
         if len(inputs) != 1:
             names = ", ".join(i.name for i in inputs)
             raise OnnxError(f"{self.path}: needs one data input, has {len(inputs)} ({names})")
-        sample = self._sample_shape(inputs[0])
+        sample = sample_shape(self.path, inputs[0])
+        self.sample = sample
         self.values[inputs[0].name] = (INPUT, sample)
-        nodes = layer_nodes(graph, self.aliases)
+        nodes = self.nodes
         ends_in_softmax = False
         skip = set()
-        for index, node in enumerate(nodes):
-            if index in skip:
+        for position, node in enumerate(nodes):
+            if position in skip or id(node) in self.claimed:
                 continue
-            data = [i for i in node.input if i and i not in self.constants]
+            index = self.index_of[id(node)]
+            data = [
+                i for i in node.input if i and i not in self.constants and i not in self.batched
+            ]
+            try:
+                if self._sequence(node, data, position):
+                    ends_in_softmax = False
+                    continue
+            except ShapeError as exc:
+                raise self.fail(node, str(exc)) from None
             unknown = [i for i in data if i not in self.values]
             if unknown or not data:
                 raise self.fail(
@@ -190,7 +278,7 @@ class _Reader:
                     else "reads only constants",
                 )
             made = len(self.layers)
-            following = nodes[index + 1] if index + 1 < len(nodes) else None
+            following = nodes[position + 1] if position + 1 < len(nodes) else None
             try:
                 if node.op_type in ("Add", "Concat") and len(data) > 1:
                     self._merge(node, data, index)
@@ -200,7 +288,7 @@ class _Reader:
                     self._read(data[0])
                     fused = following is not None and self._matmul_add(node, following, index)
                     if fused:
-                        skip.add(index + 1)
+                        skip.add(position + 1)
                         node = following
                     else:
                         self._node(node, index, following is None)
@@ -267,26 +355,28 @@ class _Reader:
         self.shape = layer.out_shape(tuple(shapes))
         self.layers.append(layer)
 
-    def _sample_shape(self, value) -> tuple[int, int, int]:
-        dims = value.type.tensor_type.shape.dim
-        known = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-        if len(known) not in (2, 4) or any(v is None or v < 1 for v in known[1:]):
-            shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
-            raise OnnxError(
-                f"{self.path}: input {value.name!r} has shape {shown}; legion-nn needs "
-                "[batch, C, H, W] or [batch, features] with every dim but the batch known"
-            )
-        rest = tuple(int(v) for v in known[1:])
-        return rest if len(rest) == 3 else (rest[0], 1, 1)
-
     def _add(self, *layers: Layer) -> None:
         for layer in layers:
             if self.reads:
                 layer.inputs, self.reads = self.reads, ()
             if layer.KIND == "softmax":
-                self.classes = self.shape[0]  # the scores it reads
+                self.classes = class_count(self.shape)  # the scores it reads
             self.shape = layer.out_shape(self.shape)
             self.layers.append(layer)
+
+    def _made(self, value: str) -> None:
+        """`value` is the output of the layer added last."""
+        self.values[value] = (self.layers[-1].name, self.shape)
+
+    def _append_merge(self, layer: Layer, shapes: tuple) -> None:
+        self.shape = layer.out_shape(shapes)
+        self.layers.append(layer)
+
+    def name_of(self, node) -> str:
+        return layer_name(node, self.index_of[id(node)])
+
+    def attributes(self, node) -> dict:
+        return node_attributes(node)
 
     def _param(self, ours: str, theirs: str, value: np.ndarray) -> None:
         self.param_names[ours] = theirs

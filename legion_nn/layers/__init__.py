@@ -19,7 +19,13 @@ from legion_nn.layers import (  # noqa: F401  (registration side effects)
     softmax,
 )
 from legion_nn.layers.affine import FilterA
-from legion_nn.layers.attention import MatMul, MergeHeads, RowSoftmax, SplitHeads
+from legion_nn.layers.attention import (
+    FeatureSlice,
+    MatMul,
+    MergeHeads,
+    RowSoftmax,
+    SplitHeads,
+)
 from legion_nn.layers.base import LAYER_KINDS, Layer, layer_from_spec
 from legion_nn.layers.batchnorm import BatchNorm
 from legion_nn.layers.dense import Dense
@@ -46,6 +52,7 @@ __all__ = [
     "Dropout",
     "Embedding",
     "Evaluate",
+    "FeatureSlice",
     "Filter",
     "FilterA",
     "FilterNL",

@@ -54,6 +54,60 @@ def _record(op: str, access, flops: dict[str, float], splittable, sums_over: int
     )
 
 
+# Features sliced: output (N, T, stop − start) = input (N, T, D)[..., start:stop]
+
+
+def _slice_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    features = piece.translate((0, 0, attrs["start"])) if not piece.is_empty() else piece
+    return {"input": features, "input.delta": features, "output": piece, "output.delta": piece}
+
+
+_record("slice", _slice_rects, {"forward": 1, "backward": 1}, registry.EVERY_DIM)
+
+
+@layer_kind("slice")
+@dataclass
+class FeatureSlice(Layer):
+    """Features [start, stop) of every token (ONNX Split of a fused Q, K, V projection)."""
+
+    RANKS = (2,)
+
+    start: int = 0
+    stop: int = 1
+
+    def out_shape(self, shape: Shape) -> Shape:
+        if not 0 <= self.start < self.stop <= shape[1]:
+            raise ShapeError(
+                f"{self.label}: features [{self.start}, {self.stop}) of {shape[1]} do not fit"
+            )
+        return (shape[0], self.stop - self.start)
+
+    def lower(self, ctx, x: str, shape: Shape) -> str:
+        dims = (ctx.batch,) + self.out_shape(shape)
+        y = ctx.tensor(f"{self.stem}.output", dims, "activation")
+        space = Rect.from_dims(dims)
+        attrs = {"start": self.start, "axes": "NSF"}
+        ctx.task(
+            self.stem,
+            "slice",
+            "forward",
+            space,
+            [("input", x, R_), ("output", y, W_)],
+            self.name,
+            attrs,
+        )
+
+        def backward() -> None:
+            if ctx.needs_grad(x):
+                bindings = [("output.delta", ctx.grad(y), R_), ("input.delta", ctx.grad(x), RD)]
+                ctx.task(
+                    f"{self.stem}.grad", "slice", "backward", space, bindings, self.name, attrs
+                )
+
+        ctx.on_backward(backward)
+        return y
+
+
 # Heads split: output (N, H, T, Dh) from input (N, T, H·Dh)
 
 

@@ -1,4 +1,4 @@
-"""Adapters of attention's ops: `split_heads`, `merge_heads`, `matmul`, `row_softmax` and
+"""Adapters of attention's ops: `slice`, `split_heads`, `merge_heads`, `matmul`, `row_softmax` and
 `position` (`legion_nn.layers.attention`, `legion_nn.layers.embedding`).
 
 A `merge_heads` piece whose features start or end inside a head gets that head whole (its access
@@ -30,6 +30,16 @@ def _columns(task, piece) -> slice:
     """Where a merge_heads piece's features lie in the heads its access map reads."""
     first = piece.lo[2] - piece.lo[2] // task.attrs["head_size"] * task.attrs["head_size"]
     return slice(first, first + piece.hi[2] - piece.lo[2])
+
+
+@adapter("slice.forward")
+def _slice(task, piece, views, dims, ctx):
+    return {"output": views["input"]}
+
+
+@adapter("slice.backward")
+def _slice_grad(task, piece, views, dims, ctx):
+    return {"input.delta": views["output.delta"]}
 
 
 @adapter("split_heads.forward")

@@ -1,0 +1,115 @@
+"""Constant folding of an ONNX graph: every value that can be computed without the data.
+
+A node is *static* when every input it reads is: a Constant, an initializer that is not a
+parameter (integers and booleans: masks, indices, shapes; a float initializer is a parameter and
+is never folded through), the output of a static node, or a data tensor that it only measures
+(Shape, whose every dim but the batch is known from the declared input and shape inference).
+Static nodes are evaluated with onnx's reference evaluator (`onnx.reference`), each on its own,
+twice: at two batch sizes where the batch is dynamic. A value equal in both is a constant; one
+that differs depends on the batch, such as the target [batch, T, H, Dh] of a Reshape, and keeps
+both evaluations, from which the reader tells where the batch is.
+
+Everything else (the nodes that read data or parameters) is left, in order, for the reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: the two batch sizes a dynamic batch is folded at
+BATCHES = (2, 3)
+FLOATS = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
+
+
+@dataclass
+class Folded:
+    #: static values equal at both batch sizes, by name
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    #: static values that depend on the batch: their value at each of `batches`
+    batched: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    batches: tuple[int, int] = BATCHES
+    #: the nodes that read data or parameters, in graph order
+    nodes: list = field(default_factory=list)
+
+
+class FoldError(Exception):
+    """A static node the reference evaluator cannot compute, or a shape nothing gives: the
+    reader names the node."""
+
+    def __init__(self, node, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+def parameters(graph) -> set[str]:
+    """The initializers that are parameters: the float ones."""
+    return {t.name for t in graph.initializer if t.data_type in FLOATS}
+
+
+def fold(model, batch: int | None) -> Folded:
+    """Fold `model`'s static nodes; `batch` is its input's fixed batch, or None when dynamic."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    graph = model.graph
+    batches = BATCHES if batch is None else (batch, batch)
+    params = parameters(graph)
+    runs: list[dict[str, np.ndarray]] = [{}, {}]
+    for tensor in graph.initializer:
+        if tensor.name not in params:
+            value = numpy_helper.to_array(tensor)
+            for run in runs:
+                run[tensor.name] = value
+    shapes = _shapes(model)
+    folded = Folded(batches=batches)
+    for node in graph.node:
+        reads = [name for name in node.input if name]
+        measured = node.op_type == "Shape" and bool(reads) and reads[0] not in runs[0]
+        if not measured and not all(name in runs[0] for name in reads):
+            folded.nodes.append(node)
+            continue
+        for run, size in zip(runs, batches):
+            if measured:
+                feed = {reads[0]: np.zeros(_concrete(node, shapes.get(reads[0]), size))}
+            else:
+                feed = {name: run[name] for name in reads}
+            try:
+                values = ReferenceEvaluator(node).run(None, feed)
+            except Exception as exc:  # noqa: BLE001  (the evaluator's own, named in one line)
+                text = str(exc).strip().splitlines()
+                raise FoldError(
+                    node, f"cannot fold: {text[0] if text else type(exc).__name__}"
+                ) from None
+            for name, value in zip(node.output, values):
+                run[name] = np.asarray(value)
+    for name, value in runs[0].items():
+        other = runs[1][name]
+        if value.shape == other.shape and np.array_equal(value, other):
+            folded.constants[name] = value
+        else:
+            folded.batched[name] = (value, other)
+    return folded
+
+
+def _concrete(node, dims: list[int | None] | None, batch: int) -> list[int]:
+    """A measured tensor's shape at `batch`: its first dim the batch where shape inference
+    leaves it open; any other open dim is an error."""
+    if dims is None or any(d is None for d in dims[1:]):
+        raise FoldError(node, f"the shape of {node.input[0]!r} is not known ({dims})")
+    return [batch if dims[0] is None else dims[0], *dims[1:]]
+
+
+def _shapes(model) -> dict[str, list[int | None]]:
+    """Every value's shape shape inference knows, None for a dim it gives no number (the batch)."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    found = {}
+    for info in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        if not info.type.tensor_type.HasField("shape"):
+            continue
+        dims = info.type.tensor_type.shape.dim
+        found[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    return found
