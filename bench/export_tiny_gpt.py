@@ -41,9 +41,7 @@ def module(seed: int = SEED):
         def forward(self, x):
             n, t, d = x.shape
             q, k, v = self.qkv(x).split(WIDTH, dim=2)
-            q, k, v = (
-                part.view(n, t, HEADS, d // HEADS).transpose(1, 2) for part in (q, k, v)
-            )
+            q, k, v = (part.view(n, t, HEADS, d // HEADS).transpose(1, 2) for part in (q, k, v))
             scores = q @ k.transpose(-2, -1) / math.sqrt(d // HEADS)
             scores = scores.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
             context = torch.softmax(scores, dim=-1) @ v
