@@ -66,6 +66,11 @@ def roofline(graph: TaskGraph, gflops: float, gbytes_per_s: float) -> list[dict]
 
 def _inputs(graph: TaskGraph, network, batch: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
+    if network.tokens:  # token ids, and a target per token
+        dims = (batch, *network.input)
+        return rng.integers(0, network.vocab, dims).astype(np.int32), rng.integers(
+            0, network.classes, dims
+        ).astype(np.int32)
     x = rng.standard_normal((batch, *network.input)).astype(np.float32)
     return x, rng.integers(0, network.classes, batch).astype(np.int32)
 

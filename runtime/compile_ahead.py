@@ -121,6 +121,12 @@ def _layernorm(dtype: np.dtype) -> None:
     layernorm.layernorm_backward(y, x, gamma)
 
 
+def _matmul(dtype: np.dtype) -> None:
+    a = np.zeros((1, 2, 3, 4), dtype)
+    out = attention.matmul_forward(a, a, transpose_b=True)
+    attention.matmul_backward(out, a, a, transpose_b=True)
+
+
 def _row_softmax(dtype: np.dtype) -> None:
     x = np.zeros((1, 2, 3, 3), dtype)
     attention.row_softmax_backward(x, attention.row_softmax_forward(x, True))
@@ -200,6 +206,7 @@ UNITS: dict[str, Unit] = {
     "softmax": Unit(_softmax, 0.5, "softmax", softmax._forward),
     "embedding": Unit(_embedding, 0.3, "embedding", embedding._scatter_add),
     "layernorm": Unit(_layernorm, 1.0, "layernorm", layernorm._backward),
+    "matmul": Unit(_matmul, 0.6, "step", attention._batched),
     "row_softmax": Unit(_row_softmax, 0.8, "row_softmax", attention._softmax_rows_backward),
     "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),
@@ -232,7 +239,7 @@ def units_of(graph: TaskGraph, program: RankProgram | None = None) -> list[str]:
                     used.add("filter.step")
                 if not untied or stepping is None or not steps(task):
                     used.add(f"{kind}.gradient")  # a tied filter's step takes it whole
-        elif task.op in ("linear", "dense", "matmul"):  # all on the linear layer's GEMM
+        elif task.op in ("linear", "dense"):  # dense runs on the linear layer's GEMM
             used.add("linear")
             if task.op == "linear" and task.phase == "backward" and steps(task):
                 used.add("linear.step")

@@ -1,7 +1,8 @@
 """Attention's kernels: products of two activations per head, and the softmax of rows of scores.
 
-`matmul_*` multiply (N, H, I, K) by (N, H, K, J) (or by (N, H, J, K) transposed) head by head on
-the linear layer's GEMM (`linear.product`). `row_softmax_*` work row by row in float64; a causal
+`matmul_*` multiply (N, H, I, K) by (N, H, K, J) (or by (N, H, J, K) transposed) head by head,
+all heads in one parallel loop of the filters' and linear layer's GEMM (`microkernel`); an
+operand the GEMM must read transposed as its right side is copied so first, once for all heads. `row_softmax_*` work row by row in float64; a causal
 row i keeps the columns j ≤ i, where i counts from `first_row`, the piece's first query position,
 and the masked probabilities are exactly 0.
 """
@@ -14,16 +15,36 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
-from runtime.kernels.blas import NO_TRANS, TRANS
-from runtime.kernels.linear import product
+from runtime.kernels.microkernel import kernels, tiled_gemm
 
 
-def _pairs(a: np.ndarray):
-    return ((n, h) for n in range(a.shape[0]) for h in range(a.shape[1]))
+@njit(cache=True, nogil=True, parallel=True)
+def _batched(kernels, a, a_rs, a_cs, b, c, accumulate):
+    """c[i] (+)= op(a[i])·b[i] for every i of the batch, one product a task, on
+    `microkernel.tiled_gemm`: a (batch, ...) read through (a_rs, a_cs), b (batch, k, n) and
+    c (batch, m, n) C-contiguous."""
+    batch, m, n = c.shape
+    k = b.shape[1]
+    a_size = a.size // max(batch, 1)
+    for i in prange(batch):
+        tiled_gemm(kernels, m, n, k, a, i * a_size, a_rs, a_cs, b, i * k * n, n, accumulate, c,
+                   i * m * n, n)  # fmt: skip
 
 
-def _c(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a)
+def _product(a: np.ndarray, transpose_a: bool, b: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = op(a[i])·b[i] over the leading dims, each operand made C-contiguous."""
+    rows, columns = out.shape[-2:]
+    depth = b.shape[-2]
+    batch = out.size // max(rows * columns, 1)
+    a3 = np.ascontiguousarray(a).reshape(batch, -1)
+    strides = (1, rows) if transpose_a else (depth, 1)
+    b3 = np.ascontiguousarray(b).reshape(batch, depth, columns)
+    _batched(kernels(out.dtype), a3, *strides, b3, out.reshape(batch, rows, columns), False)
+
+
+def _swapped(a: np.ndarray) -> np.ndarray:
+    """The last two dims of `a` swapped, C-contiguous (one copy for every head)."""
+    return np.ascontiguousarray(np.swapaxes(a, -1, -2))
 
 
 def _check(a: np.ndarray, b: np.ndarray, transpose_b: bool) -> tuple[int, int, int]:
@@ -43,8 +64,7 @@ def matmul_forward(
     """out (N, H, I, J) = scale · a·b, or scale · a·bᵀ with `transpose_b`."""
     rows, columns, _ = _check(a, b, transpose_b)
     out = np.empty(a.shape[:2] + (rows, columns), a.dtype)
-    for n, h in _pairs(a):
-        product(_c(a[n, h]), NO_TRANS, _c(b[n, h]), TRANS if transpose_b else NO_TRANS, out[n, h])
+    _product(a, False, _swapped(b) if transpose_b else b, out)
     if scale != 1.0:
         out *= scale
     return out
@@ -66,17 +86,16 @@ def matmul_backward(
     _checks.shape("dy", dy, a.shape[:2] + (rows, columns))
     _checks.same_dtype("dy", dy, "a", a)
     g = dy * scale if scale != 1.0 else dy
-    da = np.empty(a.shape, a.dtype) if need_da else None
-    db = np.empty(b.shape, b.dtype) if need_db else None
-    for n, h in _pairs(a):
-        gn = _c(g[n, h])
-        if da is not None:
-            product(gn, NO_TRANS, _c(b[n, h]), NO_TRANS if transpose_b else TRANS, da[n, h])
-        if db is not None:
-            if transpose_b:
-                product(gn, TRANS, _c(a[n, h]), NO_TRANS, db[n, h])
-            else:
-                product(_c(a[n, h]), TRANS, gn, NO_TRANS, db[n, h])
+    da = db = None
+    if need_da:
+        da = np.empty(a.shape, a.dtype)
+        _product(g, False, b if transpose_b else _swapped(b), da)
+    if need_db:
+        db = np.empty(b.shape, b.dtype)
+        if transpose_b:
+            _product(g, True, a, db)
+        else:
+            _product(a, True, g, db)
     return da, db
 
 

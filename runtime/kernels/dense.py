@@ -31,12 +31,13 @@ def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> 
     _check(x, w)
     n, t, _ = x.shape
     y = np.empty((n, t, w.shape[1]), x.dtype)
-    product(_rows(x), NO_TRANS, np.ascontiguousarray(w), NO_TRANS, y.reshape(n * t, -1))
-    if b is not None:
+    if b is not None:  # the product accumulates onto the bias: no second pass over y
         _checks.floating("b", b)
         _checks.shape("b", b, w.shape[1:])
         _checks.same_dtype("b", b, "x", x)
-        y += b
+        y[...] = b
+    rows = y.reshape(n * t, -1)
+    product(_rows(x), NO_TRANS, np.ascontiguousarray(w), NO_TRANS, rows, accumulate=b is not None)
     return y
 
 
@@ -52,8 +53,8 @@ def dense_backward(
     dw = np.empty(w.shape, w.dtype)
     product(x2, TRANS, dy2, NO_TRANS, dw)
     dx = None
-    if need_dx:
+    if need_dx:  # against wᵀ made contiguous (weight-sized), the product runs untransposed
         dx = np.empty(x.shape, x.dtype)
-        product(dy2, NO_TRANS, np.ascontiguousarray(w), TRANS, dx.reshape(dy2.shape[0], -1))
+        product(dy2, NO_TRANS, np.ascontiguousarray(w.T), NO_TRANS, dx.reshape(dy2.shape[0], -1))
     db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype) if need_db else None
     return dx, dw, db

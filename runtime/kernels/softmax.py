@@ -15,17 +15,17 @@ argmax): uniform predictions do not count as correct.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from runtime.kernels import _checks
 
 TOP_K = 5
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _forward(x, labels, prob, losses):
     n, k = x.shape[0], x.shape[1]
-    for i in range(n):
+    for i in prange(n):
         mx = np.float64(x[i, 0, 0, 0])
         for j in range(1, k):
             mx = max(mx, np.float64(x[i, j, 0, 0]))
@@ -37,10 +37,10 @@ def _forward(x, labels, prob, losses):
         losses[i] = np.log(total) - (x[i, labels[i, 0, 0, 0], 0, 0] - mx)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _backward(prob, labels, scale, dx):
     n, k = prob.shape[0], prob.shape[1]
-    for i in range(n):
+    for i in prange(n):
         y = labels[i, 0, 0, 0]
         for j in range(k):
             p = np.float64(prob[i, j, 0, 0])
