@@ -221,6 +221,39 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(nranks))
 
 
+GPT = str(Path(__file__).resolve().parent / "fixtures" / "tiny_gpt.onnx")
+
+
+@pytest.fixture(scope="module")
+def single_gpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_gpt")
+    result = subprocess.run(
+        legion_nn(
+            "train", GPT, *TRAIN, "--steps", "2", "--log-json", str(out / "log.jsonl"),
+            "--checkpoint", str(out / "ckpt"),
+        ),
+        capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return losses(out / "log.jsonl"), parameters(out / "ckpt")
+
+
+def test_a_gpt_split_by_heads_equals_one_process(single_gpt, tmp_path, launcher):
+    """The PyTorch export of a GPT (`tiny_gpt.onnx`), its attention split by heads and its
+    dense layers by columns over 2 ranks: the one process's losses and parameters."""
+    if launcher == "3 hosts":
+        pytest.skip("fewer ranks than hosts")
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        2, "train", GPT, *TRAIN, "--steps", "2", "--strategy", "model", "--log-json", str(log),
+        "--checkpoint", str(tmp_path / "ckpt"), launcher=launcher,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert_equals_single(single_gpt, log, tmp_path / "ckpt")
+    steps = [r for r in records(log) if "step" in r]
+    assert all(r["bytes_sent"] == r["bytes_planned"] > 0 for r in steps)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_a_pipeline_equals_one_process(single, tmp_path, launcher, schedule):
     """Two stages, a rank each, streaming 4 micro-batches: the activations cross the cut as
