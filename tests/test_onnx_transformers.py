@@ -183,3 +183,52 @@ def test_bad_models_get_one_line(tmp_path):
     )
     line = refused(tmp_path, unknown_op)  # GELU's region now ends at the Sinh: its first node
     assert "mlp/mlp.1/Div" in line and "op not supported; supported: Conv" in line
+
+
+VIT = ROOT / "tests" / "fixtures" / "tiny_vit.onnx"
+
+
+def images_config(network, rows: int = 6) -> TrainConfig:
+    x = RNG.standard_normal((rows, *network.input))
+    y = RNG.integers(0, network.classes, rows).astype(np.int32)
+    empty = Split(x[:0], y[:0])
+    return TrainConfig(
+        network=network,
+        dataset=Dataset("images", Split(x, y), empty, empty),
+        batch=3,
+        dtype="float64",
+        seed=1,
+        optimizer="sgd",
+        shuffle=False,
+    )
+
+
+def test_a_vision_transformer_matches_onnxruntime():
+    """Patches by a strided Conv, tokens, a class token, positions, blocks, the class token's
+    head (`tests/fixtures/tiny_vit.onnx`, made by `bench/export_tiny_vit.py`)."""
+    network = load_onnx(VIT)
+    kinds = [layer.KIND for layer in network.layers]
+    assert kinds[:4] == ["conv", "image_tokens", "class_token", "position"]
+    assert kinds[-4:] == ["select_token", "linear", "softmax", "evaluate"]
+    assert not any(layer.causal for layer in network.layers if layer.KIND == "row_softmax")
+    x = RNG.standard_normal((3, *network.input)).astype(np.float32)
+    graph = network.lower(batch=3, dtype="float64")
+    executor = one_process(0)
+    executor.prepare(graph)
+    executor.load_resident(network.initial)
+    labels = np.zeros((3, 1, 1, 1), np.int32)
+    ctx = StepContext(0, training=False, inputs=x.astype(np.float64), labels=labels)
+    executor.run_inference(graph, ctx)
+    got = executor.value(next(t for t in graph.tensors if t.endswith(".probability")))
+    session = ort.InferenceSession(str(VIT), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"images": x})
+    expected = np.exp(logits - logits.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got.reshape(3, -1), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(("strategy", "nranks"), [("model", 2), ("spatial", 3)])
+def test_a_vision_transformer_split_over_ranks_equals_one_process(strategy, nranks):
+    """3 ranks cut the 16 patch tokens 6, 5, 5: inside a row of 4."""
+    cfg = images_config(load_onnx(VIT))
+    assert_same(local_run(cfg, steps=2), ranks_run(cfg, nranks, strategy, steps=2))

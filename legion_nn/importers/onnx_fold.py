@@ -3,7 +3,7 @@
 A node is *static* when every input it reads is: a Constant, an initializer that is not a
 parameter (integers and booleans: masks, indices, shapes; a float initializer is a parameter and
 is never folded through), the output of a static node, or a data tensor that it only measures
-(Shape, whose every dim but the batch is known from the declared input and shape inference).
+(Shape, whose dims shape inference finds with the batch set).
 Static nodes are evaluated with onnx's reference evaluator (`onnx.reference`), each on its own,
 twice: at two batch sizes where the batch is dynamic. A value equal in both is a constant; one
 that differs depends on the batch, such as the target [batch, T, H, Dh] of a Reshape, and keeps
@@ -62,7 +62,7 @@ def fold(model, batch: int | None) -> Folded:
             value = numpy_helper.to_array(tensor)
             for run in runs:
                 run[tensor.name] = value
-    shapes = _shapes(model)
+    shapes = [_shapes(model, size) for size in batches]
     folded = Folded(batches=batches)
     for node in graph.node:
         reads = [name for name in node.input if name]
@@ -70,9 +70,9 @@ def fold(model, batch: int | None) -> Folded:
         if not measured and not all(name in runs[0] for name in reads):
             folded.nodes.append(node)
             continue
-        for run, size in zip(runs, batches):
+        for run, known in zip(runs, shapes):
             if measured:
-                feed = {reads[0]: np.zeros(_concrete(node, shapes.get(reads[0]), size))}
+                feed = {reads[0]: np.zeros(_concrete(node, known.get(reads[0])))}
             else:
                 feed = {name: run[name] for name in reads}
             try:
@@ -93,19 +93,30 @@ def fold(model, batch: int | None) -> Folded:
     return folded
 
 
-def _concrete(node, dims: list[int | None] | None, batch: int) -> list[int]:
-    """A measured tensor's shape at `batch`: its first dim the batch where shape inference
-    leaves it open; any other open dim is an error."""
-    if dims is None or any(d is None for d in dims[1:]):
+def _concrete(node, dims: list[int | None] | None) -> list[int]:
+    """A measured tensor's shape, which shape inference must know whole."""
+    if dims is None or any(d is None for d in dims):
         raise FoldError(node, f"the shape of {node.input[0]!r} is not known ({dims})")
-    return [batch if dims[0] is None else dims[0], *dims[1:]]
+    return dims
 
 
-def _shapes(model) -> dict[str, list[int | None]]:
-    """Every value's shape shape inference knows, None for a dim it gives no number (the batch)."""
+def _shapes(model, batch: int) -> dict[str, list[int | None]]:
+    """Every value's shape at `batch` that shape inference, propagating constants, finds (None
+    for a dim it gives no number): the model's data inputs are given the batch first, so that
+    shapes computed from the batch (a Reshape to [batch, T, D]) are known too."""
     import onnx
 
-    inferred = onnx.shape_inference.infer_shapes(model)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    stored = {t.name for t in copy.graph.initializer}
+    for value in copy.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name not in stored and dims and not dims[0].HasField("dim_value"):
+            dims[0].dim_value = batch
+    try:
+        inferred = onnx.shape_inference.infer_shapes(copy, data_prop=True)
+    except onnx.shape_inference.InferenceError:
+        inferred = copy
     found = {}
     for info in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
         if not info.type.tensor_type.HasField("shape"):

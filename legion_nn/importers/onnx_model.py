@@ -227,6 +227,8 @@ class _Reader(SequenceOps):
         self.rows: dict[str, tuple[str, np.ndarray]] = {}
         #: values that are heads transposed (Kᵀ): a MatMul reading one multiplies by its transpose
         self.transposed: set[str] = set()
+        #: values that are a parameter Expanded over the batch (a class token): its name
+        self.expanded: dict[str, str] = {}
         self.sample: tuple[int, ...] = ()
         self.outputs = {value.name for value in model.graph.output}
         self.layers: list[Layer] = []

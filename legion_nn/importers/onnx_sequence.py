@@ -13,6 +13,10 @@
 | Where of a causal mask and −∞, and Softmax on the last axis | `row_softmax` (`causal`) |
 | Softmax on the last axis inside the network | `row_softmax` |
 | a region of elementwise ops of one tensor and scalar constants | the function it computes |
+| Reshape of images to [batch, C, H·W] and Transpose (0, 2, 1) | `image_tokens` |
+| Concat (axis 1) of a parameter Expanded over the batch, then the tokens | `class_token` |
+| Add of a parameter of the sequence's shape | `position` |
+| Gather of one token (axis 1) | `select_token` |
 
 Patterns are matched by data flow, not by node order: a node's pattern claims the nodes that
 consume its output. An elementwise region (Div, Erf, Add, Mul, Pow, Tanh, ...) is identified by
@@ -28,15 +32,18 @@ import math
 import numpy as np
 
 from legion_nn.layers import (
+    ClassToken,
     Dense,
     Embedding,
     FeatureSlice,
     FilterNL,
+    ImageTokens,
     LayerNorm,
     MatMul,
     MergeHeads,
     PositionEmbedding,
     RowSoftmax,
+    SelectToken,
     SplitHeads,
 )
 from legion_nn.layers.nonlinear import Gelu
@@ -77,11 +84,22 @@ class SequenceOps:
             return self._gather(node, data)
         if op == "Add" and any(i in self.rows for i in node.input):
             return self._position(node, data)
+        if op == "Expand" and node.input[0] in self.params:  # a parameter for every sample
+            self.expanded[node.output[0]] = node.input[0]
+            return True
+        if op == "Concat" and any(i in self.expanded for i in node.input):
+            return self._class_token(node, [d for d in data if d not in self.expanded])
         if len(data) != 1 and op != "MatMul":
             return False
+        shape = self.values[data[0]][1] if data[0] in self.values else ()
+        if op == "Add" and len(shape) == 2 and any(i in self.params for i in node.input):
+            return self._added_positions(node, data[0], shape)
+        if op == "Gather" and node.input[1] in self.constants and len(shape) == 2:
+            return self._select_token(node, data[0], shape)
+        if op == "Reshape" and len(shape) == 3:
+            return self._image_tokens(node, data[0], shape)
         if op in ELEMENTWISE and self._region(node, data[0], position):
             return True
-        shape = self.values[data[0]][1] if data[0] in self.values else ()
         if op == "MatMul" and len(data) == 2:
             return self._product(node, data)
         if op == "MatMul" and len(shape) == 2 and node.input[1] in self.params:
@@ -142,6 +160,66 @@ class SequenceOps:
         self._read(data[0])
         self._add(PositionEmbedding(name))
         self._param(f"{name}.weights", table_name, table)
+        self._made(node.output[0])
+        return True
+
+    def _added_positions(self, node, x: str, shape: tuple) -> bool:
+        """An Add of a parameter of the sequence's shape (ViT's `pos`, (1, T, D))."""
+        (table_name,) = [i for i in node.input if i in self.params]
+        table = self.constants[table_name]
+        if table.size != shape[0] * shape[1] or table.shape[-2:] != tuple(shape):
+            raise self.fail(node, f"adds a parameter of shape {list(table.shape)} to {list(shape)}")
+        name = self.name_of(node)
+        self._read(x)
+        self._add(PositionEmbedding(name))
+        self._param(f"{name}.weights", table_name, table.reshape(shape))
+        self._made(node.output[0])
+        return True
+
+    # Images and tokens
+
+    def _image_tokens(self, node, x: str, shape: tuple) -> bool:
+        """Reshape (C, H, W) to [batch, C, H·W] and Transpose (0, 2, 1): H·W tokens."""
+        transpose = self._only_consumer(node.output[0])
+        if transpose is None or transpose.op_type != "Transpose":
+            return False
+        channels, height, width = shape
+        target = self._target(node)
+        perm = list(self.attributes(transpose).get("perm", []))
+        if target not in ([channels, height * width], [channels, -1]) or perm != [0, 2, 1]:
+            return False
+        self.claimed.add(id(transpose))
+        self._read(x)
+        self._add(ImageTokens(self.name_of(node)))
+        self._made(transpose.output[0])
+        return True
+
+    def _class_token(self, node, data: list[str]) -> bool:
+        """Concat (axis 1) of a parameter expanded over the batch and a sequence: ViT's `cls`."""
+        (expanded,) = [i for i in node.input if i in self.expanded]
+        table = self.constants[self.expanded[expanded]]
+        if (
+            self.attributes(node).get("axis") not in (1, -2)
+            or node.input[0] != expanded
+            or len(data) != 1
+            or table.size != self.values[data[0]][1][1]
+        ):
+            raise self.fail(node, "a Concat of a parameter is supported as a class token first")
+        name = self.name_of(node)
+        self._read(data[0])
+        self._add(ClassToken(name))
+        self._param(f"{name}.weights", self.expanded[expanded], table.reshape(-1))
+        self._made(node.output[0])
+        return True
+
+    def _select_token(self, node, x: str, shape: tuple) -> bool:
+        """Gather of one token (axis 1, a constant index): what a classifier head reads."""
+        index = self.constants[node.input[1]]
+        if self.attributes(node).get("axis", 0) not in (1, -2) or index.size != 1:
+            raise self.fail(node, "a Gather of a sequence is supported as one token (axis 1)")
+        position = int(index.reshape(-1)[0]) % shape[0]
+        self._read(x)
+        self._add(SelectToken(self.name_of(node), index=position))
         self._made(node.output[0])
         return True
 

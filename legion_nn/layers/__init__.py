@@ -17,6 +17,7 @@ from legion_nn.layers import (  # noqa: F401  (registration side effects)
     pool,
     reshape,
     softmax,
+    tokens,
 )
 from legion_nn.layers.affine import FilterA
 from legion_nn.layers.attention import (
@@ -40,12 +41,14 @@ from legion_nn.layers.nonlinear import FilterNL, Relu
 from legion_nn.layers.pool import AvgPool, MaxPool
 from legion_nn.layers.reshape import Flatten, Reshape
 from legion_nn.layers.softmax import Softmax
+from legion_nn.layers.tokens import ClassToken, ImageTokens, SelectToken
 
 __all__ = [
     "LAYER_KINDS",
     "Add",
     "AvgPool",
     "BatchNorm",
+    "ClassToken",
     "Concat",
     "Conv",
     "Dense",
@@ -57,6 +60,7 @@ __all__ = [
     "FilterA",
     "FilterNL",
     "Flatten",
+    "ImageTokens",
     "Layer",
     "LayerNorm",
     "Linear",
@@ -67,6 +71,7 @@ __all__ = [
     "Relu",
     "Reshape",
     "RowSoftmax",
+    "SelectToken",
     "Softmax",
     "SplitHeads",
     "layer_from_spec",

@@ -1,5 +1,6 @@
-"""Adapters of attention's ops: `slice`, `split_heads`, `merge_heads`, `matmul`, `row_softmax` and
-`position` (`legion_nn.layers.attention`, `legion_nn.layers.embedding`).
+"""Adapters of attention's ops: `slice`, `split_heads`, `merge_heads`, `matmul`, `row_softmax`,
+`position`, and of the layers between images and tokens: `image_tokens`, `class_token`,
+`select_token` (`legion_nn.layers.attention`, `.embedding`, `.tokens`).
 
 A `merge_heads` piece whose features start or end inside a head gets that head whole (its access
 map reads the heads its features fall in) and keeps the features it covers.
@@ -112,3 +113,54 @@ def _position_grad(task, piece, views, dims, ctx):
     if "input.delta" in views:
         out["input.delta"] = dy
     return out
+
+
+@adapter("image_tokens.forward")
+def _image_tokens(task, piece, views, dims, ctx):
+    x = views["input"]
+    n, c, rows, width = x.shape
+    first = piece.lo[1] - piece.lo[1] // width * width
+    tokens = x.transpose(0, 2, 3, 1).reshape(n, rows * width, c)
+    return {"output": tokens[:, first : first + piece.hi[1] - piece.lo[1]]}
+
+
+@adapter("image_tokens.backward")
+def _image_tokens_grad(task, piece, views, dims, ctx):
+    dy = views["output.delta"]
+    n, c, rows, width = views["input.delta"].shape
+    first = piece.lo[1] - piece.lo[1] // width * width
+    tokens = np.zeros((n, rows * width, c), dy.dtype)
+    tokens[:, first : first + dy.shape[1]] = dy
+    return {"input.delta": tokens.reshape(n, rows, width, c).transpose(0, 3, 1, 2)}
+
+
+@adapter("class_token.forward")
+def _class_token(task, piece, views, dims, ctx):
+    out = np.empty(piece.shape, views["output"].dtype)
+    first = 1 if piece.lo[1] == 0 else 0
+    if first:
+        out[:, 0] = views["weights"]
+    out[:, first:] = views["input"]
+    return {"output": out}
+
+
+@adapter("class_token.backward")
+def _class_token_grad(task, piece, views, dims, ctx):
+    dy = views["output.delta"]
+    first = 1 if piece.lo[1] == 0 else 0
+    out = {}
+    if "input.delta" in views:
+        out["input.delta"] = dy[:, first:]
+    if first:
+        out["weights.delta"] = dy[:, 0].sum(axis=0)
+    return out
+
+
+@adapter("select_token.forward")
+def _select_token(task, piece, views, dims, ctx):
+    return {"output": views["input"].reshape(views["output"].shape)}
+
+
+@adapter("select_token.backward")
+def _select_token_grad(task, piece, views, dims, ctx):
+    return {"input.delta": views["output.delta"].reshape(views["input.delta"].shape)}
