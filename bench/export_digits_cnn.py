@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.torch_export import export
+
 SEED = 20261125
 
 
@@ -42,18 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         nn.ReLU(),
         nn.Linear(64, 10),
     ).eval()
-    torch.onnx.export(
-        model,
-        (torch.zeros(1, 1, 8, 8),),
-        args.out,
-        input_names=["x"],
-        output_names=["logits"],
-        dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
-        opset_version=17,
-        dynamo=False,
-    )
-    print(f"wrote {args.out}")
-    return 0
+    return export(model, torch.zeros(1, 1, 8, 8), "x", args.out)
 
 
 if __name__ == "__main__":

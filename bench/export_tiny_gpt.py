@@ -16,11 +16,13 @@ tests need no PyTorch; `module()` builds the same model for the tests that compa
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.torch_export import block, export
+
 SEED = 20261127
 VOCAB, WIDTH, HEADS, BLOCKS, LENGTH = 64, 32, 4, 2, 16
 
@@ -30,42 +32,12 @@ def module(seed: int = SEED):
     import torch
     from torch import nn
 
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
-            self.proj = nn.Linear(WIDTH, WIDTH)
-            mask = torch.tril(torch.ones(LENGTH, LENGTH, dtype=torch.bool))
-            self.register_buffer("mask", mask.view(1, 1, LENGTH, LENGTH))
-
-        def forward(self, x):
-            n, t, d = x.shape
-            q, k, v = self.qkv(x).split(WIDTH, dim=2)
-            q, k, v = (part.view(n, t, HEADS, d // HEADS).transpose(1, 2) for part in (q, k, v))
-            scores = q @ k.transpose(-2, -1) / math.sqrt(d // HEADS)
-            scores = scores.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
-            context = torch.softmax(scores, dim=-1) @ v
-            return self.proj(context.transpose(1, 2).reshape(n, t, d))
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-            self.attn = Attention()
-            self.mlp = nn.Sequential(
-                nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
-            )
-
-        def forward(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
-
     class GPT(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.tok = nn.Embedding(VOCAB, WIDTH)
             self.pos = nn.Embedding(LENGTH, WIDTH)
-            self.blocks = nn.Sequential(*(Block() for _ in range(BLOCKS)))
+            self.blocks = nn.Sequential(*(block(WIDTH, HEADS, LENGTH) for _ in range(BLOCKS)))
             self.ln_f = nn.LayerNorm(WIDTH)
             self.head = nn.Linear(WIDTH, VOCAB)
 
@@ -85,20 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError:
-        print("export_tiny_gpt: needs PyTorch (pip install torch)", file=sys.stderr)
-        return 2
-    torch.onnx.export(
-        module(),
-        (torch.zeros(1, LENGTH, dtype=torch.int64),),
-        args.out,
-        input_names=["ids"],
-        output_names=["logits"],
-        dynamic_axes={"ids": {0: "batch"}, "logits": {0: "batch"}},
-        opset_version=17,
-        dynamo=False,
-    )
-    print(f"wrote {args.out}")
-    return 0
+        return export(None, None, "ids", args.out)
+    return export(module(), torch.zeros(1, LENGTH, dtype=torch.int64), "ids", args.out)
 
 
 if __name__ == "__main__":

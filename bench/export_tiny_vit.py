@@ -14,11 +14,13 @@ is committed, so the tests need no PyTorch.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.torch_export import block, export
+
 SEED = 20261128
 CHANNELS, SIDE, PATCH, WIDTH, HEADS, BLOCKS, CLASSES = 3, 16, 4, 32, 4, 2, 10
 
@@ -28,33 +30,6 @@ def module(seed: int = SEED):
     import torch
     from torch import nn
 
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
-            self.proj = nn.Linear(WIDTH, WIDTH)
-
-        def forward(self, x):
-            n, t, d = x.shape
-            q, k, v = self.qkv(x).split(WIDTH, dim=2)
-            q, k, v = (part.view(n, t, HEADS, d // HEADS).transpose(1, 2) for part in (q, k, v))
-            scores = q @ k.transpose(-2, -1) / math.sqrt(d // HEADS)
-            context = torch.softmax(scores, dim=-1) @ v
-            return self.proj(context.transpose(1, 2).reshape(n, t, d))
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-            self.attn = Attention()
-            self.mlp = nn.Sequential(
-                nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
-            )
-
-        def forward(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
-
     class ViT(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -62,7 +37,7 @@ def module(seed: int = SEED):
             self.patches = nn.Conv2d(CHANNELS, WIDTH, PATCH, stride=PATCH)
             self.cls = nn.Parameter(torch.randn(1, 1, WIDTH) * 0.02)
             self.pos = nn.Parameter(torch.randn(1, tokens + 1, WIDTH) * 0.02)
-            self.blocks = nn.Sequential(*(Block() for _ in range(BLOCKS)))
+            self.blocks = nn.Sequential(*(block(WIDTH, HEADS) for _ in range(BLOCKS)))
             self.ln = nn.LayerNorm(WIDTH)
             self.head = nn.Linear(WIDTH, CLASSES)
 
@@ -82,20 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError:
-        print("export_tiny_vit: needs PyTorch (pip install torch)", file=sys.stderr)
-        return 2
-    torch.onnx.export(
-        module(),
-        (torch.zeros(1, CHANNELS, SIDE, SIDE),),
-        args.out,
-        input_names=["images"],
-        output_names=["logits"],
-        dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}},
-        opset_version=17,
-        dynamo=False,
-    )
-    print(f"wrote {args.out}")
-    return 0
+        return export(None, None, "images", args.out)
+    return export(module(), torch.zeros(1, CHANNELS, SIDE, SIDE), "images", args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import numpy as np
 
 from legion_nn.errors import LegionNNError
 from runtime import token_data
-from runtime.dataset import Dataset, Split
+from runtime.dataset import Dataset, Split, read_npz
 
 SPLIT_SEED = 20261122
 SPLITS = (0.7, 0.15)
@@ -101,11 +101,7 @@ def synthetic(
 def from_npz(path: str, shape: tuple[int, int, int], classes: int, dtype=np.float32) -> Dataset:
     """`x_train`, `y_train` (and optionally `x_val`, `y_val`, `x_test`, `y_test`) used as given,
     in their order; or `x` and `y`, split 70/15/15 as digits is."""
-    try:
-        with np.load(path) as data:
-            arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError) as exc:
-        raise LegionNNError(f"{path}: cannot read as .npz: {exc}") from None
+    arrays = read_npz(path)
     if "x_train" in arrays or "y_train" in arrays:
         splits = {}
         for part in ("train", "val", "test"):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from legion_nn.errors import LegionNNError
+
 
 @dataclass
 class Split:
@@ -25,3 +27,12 @@ class Dataset:
     train: Split
     val: Split
     test: Split
+
+
+def read_npz(path: str) -> dict[str, np.ndarray]:
+    """Every array of an `.npz` file, or one line saying why it cannot be read."""
+    try:
+        with np.load(path) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError) as exc:
+        raise LegionNNError(f"{path}: cannot read as .npz: {exc}") from None

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from legion_nn.errors import LegionNNError
-from runtime.dataset import Dataset, Split
+from runtime.dataset import Dataset, Split, read_npz
 
 BYTES = 256
 #: the share of a text kept for validation, from its end
@@ -71,11 +71,7 @@ def _checked(path: str, name: str, a: np.ndarray, length: int, limit: int, what:
 
 
 def from_npz(path: str, length: int, vocab: int, classes: int) -> Dataset:
-    try:
-        with np.load(path) as data:
-            arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError) as exc:
-        raise LegionNNError(f"{path}: cannot read as .npz: {exc}") from None
+    arrays = read_npz(path)
     if "x_train" not in arrays or "y_train" not in arrays:
         raise LegionNNError(
             f"{path}: a network of token ids needs arrays 'x_train' and 'y_train' (N, {length}); "

@@ -22,9 +22,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn import registry
 from legion_nn.errors import ShapeError
-from legion_nn.layers.base import ElementwiseLayer, Layer, Shape, layer_kind, positive
+from legion_nn.layers.base import (
+    COPY,
+    ElementwiseLayer,
+    Layer,
+    Shape,
+    layer_kind,
+    moving_tasks,
+    positive,
+    record_grid_op,
+)
 from legion_nn.layers.merge import input_role
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -32,26 +40,6 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 #: the dims of heads (N, H, T, Dh): the heads are features, the positions positions
 HEAD_AXES = "NFS-"
-
-
-def _record(op: str, access, flops: dict[str, float], splittable, sums_over: int = 0) -> None:
-    registry.register(
-        op,
-        phases={
-            phase: {
-                "access": access,
-                "flops": registry.per_element(count),
-                "adapter": f"{op}.{phase}",
-            }
-            for phase, count in flops.items()
-        },
-        splittable=splittable,
-        homing=registry.GRID,
-        packed_role=None,
-        owner_role=None,
-        passes=None,
-        sums_over=sums_over,
-    )
 
 
 # Features sliced: output (N, T, stop − start) = input (N, T, D)[..., start:stop]
@@ -62,7 +50,7 @@ def _slice_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rec
     return {"input": features, "input.delta": features, "output": piece, "output.delta": piece}
 
 
-_record("slice", _slice_rects, {"forward": 1, "backward": 1}, registry.EVERY_DIM)
+record_grid_op("slice", _slice_rects, COPY)
 
 
 @layer_kind("slice")
@@ -84,28 +72,7 @@ class FeatureSlice(Layer):
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
         dims = (ctx.batch,) + self.out_shape(shape)
-        y = ctx.tensor(f"{self.stem}.output", dims, "activation")
-        space = Rect.from_dims(dims)
-        attrs = {"start": self.start, "axes": "NSF"}
-        ctx.task(
-            self.stem,
-            "slice",
-            "forward",
-            space,
-            [("input", x, R_), ("output", y, W_)],
-            self.name,
-            attrs,
-        )
-
-        def backward() -> None:
-            if ctx.needs_grad(x):
-                bindings = [("output.delta", ctx.grad(y), R_), ("input.delta", ctx.grad(x), RD)]
-                ctx.task(
-                    f"{self.stem}.grad", "slice", "backward", space, bindings, self.name, attrs
-                )
-
-        ctx.on_backward(backward)
-        return y
+        return moving_tasks(self, ctx, x, dims, "slice", {"start": self.start, "axes": "NSF"})
 
 
 # Heads split: output (N, H, T, Dh) from input (N, T, H·Dh)
@@ -122,7 +89,7 @@ def _split_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rec
 
 
 # a copy per element both ways
-_record("split_heads", _split_rects, {"forward": 1, "backward": 1}, (0, 1, 2))
+record_grid_op("split_heads", _split_rects, COPY, (0, 1, 2))
 
 
 @layer_kind("split_heads")
@@ -164,7 +131,7 @@ def _merge_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rec
     return {"input": heads, "input.delta": heads, "output": piece, "output.delta": piece}
 
 
-_record("merge_heads", _merge_rects, {"forward": 1, "backward": 1}, (0, 1, 2))
+record_grid_op("merge_heads", _merge_rects, COPY, (0, 1, 2))
 
 
 @layer_kind("merge_heads")
@@ -184,22 +151,8 @@ class MergeHeads(Layer):
 
 
 def _reshaping(layer: Layer, ctx, x: str, dims: tuple, op: str, head_size: int) -> str:
-    """The tasks of a layer that moves its input's elements to other places: forward and the
-    gradient moved back."""
-    y = ctx.tensor(f"{layer.stem}.output", dims, "activation")
-    space = Rect.from_dims(dims)
     attrs = {"head_size": head_size, "axes": HEAD_AXES if len(dims) == 4 else "NSF"}
-    ctx.task(
-        layer.stem, op, "forward", space, [("input", x, R_), ("output", y, W_)], layer.name, attrs
-    )
-
-    def backward() -> None:
-        if ctx.needs_grad(x):
-            bindings = [("output.delta", ctx.grad(y), R_), ("input.delta", ctx.grad(x), RD)]
-            ctx.task(f"{layer.stem}.grad", op, "backward", space, bindings, layer.name, attrs)
-
-    ctx.on_backward(backward)
-    return y
+    return moving_tasks(layer, ctx, x, dims, op, attrs)
 
 
 # Batched products of two activations: out (N, H, I, J) = scale · a (N, H, I, K) · b', where b'
@@ -229,7 +182,7 @@ def _matmul_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
 
 
 # a multiply-add per (output, summed) pair forward; backward both inputs' gradients
-_record("matmul", _matmul_rects, {"forward": 2, "backward": 4}, registry.EVERY_DIM, sums_over=1)
+record_grid_op("matmul", _matmul_rects, {"forward": 2, "backward": 4}, sums_over=1)
 
 
 @layer_kind("matmul")
@@ -293,7 +246,7 @@ def _rows_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect
 
 
 # max, exp, sum and divide per element; backward a product, a sum and a multiply-add
-_record("row_softmax", _rows_rects, {"forward": 4, "backward": 4}, (0, 1, 2))
+record_grid_op("row_softmax", _rows_rects, {"forward": 4, "backward": 4}, (0, 1, 2))
 
 
 @layer_kind("row_softmax")

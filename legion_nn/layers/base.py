@@ -18,7 +18,7 @@ branches: a ResNet block's shortcut is a layer reading the block's input, and a 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,26 +39,75 @@ RANK_NAMES = {1: "token ids [T]", 2: "a sequence [T, D]", 3: "images [C, H, W] o
 LAYER_KINDS: dict[str, type[Layer]] = {}
 
 
-def record_elementwise(op: str, forward: float, backward: float) -> None:
-    """Record an elementwise op costing `forward` and `backward` FLOPs per element."""
+#: the FLOPs of an op that moves elements: one per element each way
+COPY = {"forward": 1, "backward": 1}
+
+
+def record_grid_op(
+    op: str,
+    access: registry.AccessFn,
+    flops: Mapping[str, float],
+    splittable: registry.Splittable = registry.EVERY_DIM,
+    sums_over: int = 0,
+    box_map: registry.BoxMap | None = None,
+) -> None:
+    """Record an op whose pieces run on a grid of their own, in the phases `flops` names, each
+    costing that many FLOPs per element of its space, with adapter `<op>.<phase>`; it packs no
+    weights and owns no tensors."""
     registry.register(
         op,
         phases={
             phase: {
-                "access": elementwise,
-                "box_map": elementwise_boxes,
-                "flops": registry.per_element(flops),
+                "access": access,
+                "flops": registry.per_element(count),
                 "adapter": f"{op}.{phase}",
+                **({"box_map": box_map} if box_map is not None else {}),
             }
-            for phase, flops in (("forward", forward), ("backward", backward))
+            for phase, count in flops.items()
         },
-        splittable=registry.EVERY_DIM,
+        splittable=splittable,
         homing=registry.GRID,
         packed_role=None,
         owner_role=None,
         passes=None,
-        sums_over=0,
+        sums_over=sums_over,
     )
+
+
+def record_elementwise(op: str, forward: float, backward: float) -> None:
+    """Record an elementwise op costing `forward` and `backward` FLOPs per element."""
+    record_grid_op(
+        op,
+        elementwise,
+        {"forward": forward, "backward": backward},
+        box_map=elementwise_boxes,
+    )
+
+
+def moving_tasks(
+    layer: Layer, ctx: Lowering, x: str, dims: tuple, op: str, attrs: dict, params=()
+) -> str:
+    """The tasks of a layer that moves its input's elements to other places (and reads
+    `params`, (role, tensor) pairs): the forward, and the backward moving the gradient back
+    (with its parameters' gradients and updates)."""
+    y = ctx.tensor(f"{layer.stem}.output", dims, "activation")
+    space = Rect.from_dims(dims)
+    reads = [("input", x, Privilege.READ), *((role, t, Privilege.READ) for role, t in params)]
+    outputs = [("output", y, Privilege.WRITE)]
+    ctx.task(layer.stem, op, "forward", space, reads + outputs, layer.name, attrs)
+
+    def backward() -> None:
+        bindings = [("output.delta", ctx.grad(y), Privilege.READ)]
+        if ctx.needs_grad(x):
+            bindings.append(("input.delta", ctx.grad(x), Privilege.REDUCE))
+        bindings += [(f"{role}.delta", ctx.grad(t), Privilege.REDUCE) for role, t in params]
+        if len(bindings) > 1:
+            ctx.task(f"{layer.stem}.grad", op, "backward", space, bindings, layer.name, attrs)
+        for role, t in params:
+            ctx.update(t, f"update_{layer.name}.{role}", layer.name)
+
+    ctx.on_backward(backward)
+    return y
 
 
 def backward_factor(attrs: dict[str, Any]) -> int:

@@ -15,8 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from legion_nn import registry
-from legion_nn.layers.base import Layer, Shape, layer_kind, positive, sequence_axes
+from legion_nn.layers.base import (
+    COPY,
+    Layer,
+    Shape,
+    layer_kind,
+    positive,
+    record_grid_op,
+    sequence_axes,
+)
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -53,24 +60,7 @@ def _embedding_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi
 
 
 # a copy per element forward, an addition into the table's gradient backward
-registry.register(
-    "embedding",
-    phases={
-        phase: {
-            "access": _embedding_rects,
-            "box_map": _embedding_boxes,
-            "flops": registry.per_element(1),
-            "adapter": f"embedding.{phase}",
-        }
-        for phase in ("forward", "backward")
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=0,
-)
+record_grid_op("embedding", _embedding_rects, COPY, box_map=_embedding_boxes)
 
 
 @layer_kind("embedding")
@@ -131,23 +121,7 @@ def _position_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: 
 
 
 # an addition per element forward; backward the sum over the batch into the table
-registry.register(
-    "position",
-    phases={
-        phase: {
-            "access": _position_rects,
-            "flops": registry.per_element(1),
-            "adapter": f"position.{phase}",
-        }
-        for phase in ("forward", "backward")
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=0,
-)
+record_grid_op("position", _position_rects, COPY)
 
 
 @layer_kind("position")

@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn import registry
-from legion_nn.layers.base import Layer, Shape, layer_kind, sequence_axes
+from legion_nn.layers.base import Layer, Shape, layer_kind, record_grid_op, sequence_axes
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -35,29 +34,9 @@ def _layernorm_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece:
     }
 
 
-registry.register(
-    "layernorm",
-    phases={
-        # mean, variance, normalise, scale and shift
-        "forward": {
-            "access": _layernorm_rects,
-            "flops": registry.per_element(8),
-            "adapter": "layernorm.forward",
-        },
-        # the statistics again, the two sums and the input gradient
-        "backward": {
-            "access": _layernorm_rects,
-            "flops": registry.per_element(14),
-            "adapter": "layernorm.backward",
-        },
-    },
-    splittable=(0, 1),
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=0,
-)
+# forward: mean, variance, normalise, scale and shift; backward: the statistics again, the two
+# sums and the input gradient
+record_grid_op("layernorm", _layernorm_rects, {"forward": 8, "backward": 14}, splittable=(0, 1))
 
 
 @layer_kind("layernorm")

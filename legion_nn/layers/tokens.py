@@ -14,55 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from legion_nn import registry
 from legion_nn.errors import ShapeError
-from legion_nn.layers.base import Layer, Shape, layer_kind
-from legion_nn.privilege import Privilege
+from legion_nn.layers.base import COPY, Layer, Shape, layer_kind, moving_tasks, record_grid_op
 from legion_nn.rect import Rect
-
-R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
-
-
-def _record(op: str, access, flops: float, splittable=registry.EVERY_DIM) -> None:
-    registry.register(
-        op,
-        phases={
-            phase: {
-                "access": access,
-                "flops": registry.per_element(flops),
-                "adapter": f"{op}.{phase}",
-            }
-            for phase in ("forward", "backward")
-        },
-        splittable=splittable,
-        homing=registry.GRID,
-        packed_role=None,
-        owner_role=None,
-        passes=None,
-        sums_over=0,
-    )
-
-
-def _moved(layer: Layer, ctx, x: str, dims: tuple, op: str, attrs: dict, params=()) -> str:
-    """The tasks of a layer that moves its input's elements (and reads `params`, (role,
-    tensor) pairs): forward, and the gradients moved back."""
-    y = ctx.tensor(f"{layer.stem}.output", dims, "activation")
-    space = Rect.from_dims(dims)
-    reads = [("input", x, R_), *((role, t, R_) for role, t in params)]
-    ctx.task(layer.stem, op, "forward", space, reads + [("output", y, W_)], layer.name, attrs)
-
-    def backward() -> None:
-        bindings = [("output.delta", ctx.grad(y), R_)]
-        if ctx.needs_grad(x):
-            bindings.append(("input.delta", ctx.grad(x), RD))
-        bindings += [(f"{role}.delta", ctx.grad(t), RD) for role, t in params]
-        ctx.task(f"{layer.stem}.grad", op, "backward", space, bindings, layer.name, attrs)
-        for role, t in params:
-            ctx.update(t, f"update_{layer.name}.{role}", layer.name)
-
-    ctx.on_backward(backward)
-    return y
-
 
 # Images as tokens: output (N, H·W, C) from input (N, C, H, W)
 
@@ -77,7 +31,7 @@ def _image_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rec
     return {"input": rows, "input.delta": rows, "output": piece, "output.delta": piece}
 
 
-_record("image_tokens", _image_rects, 1)
+record_grid_op("image_tokens", _image_rects, COPY)
 
 
 @layer_kind("image_tokens")
@@ -91,7 +45,7 @@ class ImageTokens(Layer):
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
         dims = (ctx.batch, *self.out_shape(shape))
-        return _moved(self, ctx, x, dims, "image_tokens", {"width": shape[2], "axes": "NSF"})
+        return moving_tasks(self, ctx, x, dims, "image_tokens", {"width": shape[2], "axes": "NSF"})
 
 
 # The class token: output (N, T + 1, D): token 0 the weights (D,), token t the input's t − 1
@@ -117,7 +71,7 @@ def _class_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rec
     }
 
 
-_record("class_token", _class_rects, 1)
+record_grid_op("class_token", _class_rects, COPY)
 
 
 @layer_kind("class_token")
@@ -133,7 +87,7 @@ class ClassToken(Layer):
     def lower(self, ctx, x: str, shape: Shape) -> str:
         weights = ctx.param(f"{self.name}.weights", (shape[1],), "normal:0.02")
         dims = (ctx.batch, *self.out_shape(shape))
-        return _moved(
+        return moving_tasks(
             self, ctx, x, dims, "class_token", {"axes": "NSF"}, params=(("weights", weights),)
         )
 
@@ -150,7 +104,7 @@ def _select_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
     return {"input": token, "input.delta": token, "output": piece, "output.delta": piece}
 
 
-_record("select_token", _select_rects, 1, splittable=(0, 1))
+record_grid_op("select_token", _select_rects, COPY, splittable=(0, 1))
 
 
 @layer_kind("select_token")
@@ -169,4 +123,4 @@ class SelectToken(Layer):
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
         dims = (ctx.batch, *self.out_shape(shape))
-        return _moved(self, ctx, x, dims, "select_token", {"index": self.index})
+        return moving_tasks(self, ctx, x, dims, "select_token", {"index": self.index})
