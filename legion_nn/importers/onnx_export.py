@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from legion_nn.importers.onnx_model import (
+from legion_nn.importers.onnx_graph import (
     initializer_aliases,
     layer_name,
     layer_nodes,

@@ -46,8 +46,18 @@ from pathlib import Path
 
 import numpy as np
 
-from legion_nn.errors import LegionNNError, ShapeError, read_input
+from legion_nn.errors import ShapeError, read_input
 from legion_nn.importers.onnx_fold import Folded, FoldError, fold, parameters
+from legion_nn.importers.onnx_graph import (
+    OnnxError,
+    first_line,
+    fixed_batch,
+    initializer_aliases,
+    layer_name,
+    layer_nodes,
+    node_attributes,
+    sample_shape,
+)
 from legion_nn.importers.onnx_sequence import SequenceOps
 from legion_nn.layers import (
     Add,
@@ -95,12 +105,6 @@ SUPPORTED = (
     "elementwise ops computing GELU",
 )
 NONLINEAR = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid"}
-#: onnx.TensorProto's integer types: an input of them holds token ids
-TOKEN_TYPES = (2, 3, 4, 5, 6, 7, 12, 13)
-
-
-class OnnxError(LegionNNError):
-    """A model legion-nn cannot read: one line naming the file and the node."""
 
 
 def load_onnx(path: str | Path) -> Network:
@@ -114,19 +118,19 @@ def load_onnx(path: str | Path) -> Network:
     try:
         model = onnx.load_model_from_string(data)
     except (DecodeError, ValueError, RuntimeWarning) as exc:
-        raise OnnxError(f"{path}: not an ONNX model ({_first_line(exc)})") from None
+        raise OnnxError(f"{path}: not an ONNX model ({first_line(exc)})") from None
     if not model.graph.node or not model.graph.input:
         raise OnnxError(f"{path}: not an ONNX model (no graph nodes or inputs)")
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
-        raise OnnxError(f"{path}: not a valid ONNX model: {_first_line(exc)}") from None
+        raise OnnxError(f"{path}: not a valid ONNX model: {first_line(exc)}") from None
     stored = {t.name for t in model.graph.initializer}
     for value in model.graph.input:
         if value.name not in stored:  # its shape is checked before anything is folded from it
             sample_shape(path, value)
     try:
-        folded = fold(model, _fixed_batch(model.graph))
+        folded = fold(model, fixed_batch(model.graph))
     except FoldError as exc:
         node = exc.node
         raise OnnxError(
@@ -137,70 +141,6 @@ def load_onnx(path: str | Path) -> Network:
     for alias, source in initializer_aliases(model.graph).items():
         constants[alias] = constants[source]
     return _Reader(path, model, constants, folded).read()
-
-
-def sample_shape(path: Path, value) -> tuple[int, ...]:
-    """The per-sample shape of the model's data input `value`, or one line saying why not."""
-    dims = value.type.tensor_type.shape.dim
-    known = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    if value.type.tensor_type.elem_type in TOKEN_TYPES:  # token ids (batch, T)
-        if len(known) != 2 or known[1] is None or known[1] < 1:
-            shown = [d.dim_value or d.dim_param or "?" for d in dims]
-            raise OnnxError(
-                f"{path}: input {value.name!r} of token ids has shape {shown}; "
-                "legion-nn needs [batch, T] with the sequence length T known"
-            )
-        return (int(known[1]),)
-    if len(known) not in (2, 4) or any(v is None or v < 1 for v in known[1:]):
-        shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
-        raise OnnxError(
-            f"{path}: input {value.name!r} has shape {shown}; legion-nn needs "
-            "[batch, C, H, W] or [batch, features] with every dim but the batch known"
-        )
-    rest = tuple(int(v) for v in known[1:])
-    return rest if len(rest) == 3 else (rest[0], 1, 1)
-
-
-def _fixed_batch(graph) -> int | None:
-    """The declared batch of the model's data input, or None where it is dynamic."""
-    stored = {t.name for t in graph.initializer}
-    for value in graph.input:
-        dims = value.type.tensor_type.shape.dim
-        if value.name not in stored and dims:
-            return dims[0].dim_value if dims[0].HasField("dim_value") else None
-    return None
-
-
-def initializer_aliases(graph) -> dict[str, str]:
-    """Identity nodes of initializers (PyTorch's exporter writes one initializer for parameters
-    that start equal, such as zero biases, and an Identity per use): each output's name, mapped
-    to the initializer it passes on. Each is a parameter of its own, starting from that value."""
-    found: dict[str, str] = {}
-    stored = {t.name for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Identity":
-            source = found.get(node.input[0], node.input[0])
-            if source in stored:
-                found[node.output[0]] = source
-    return found
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
-
-
-def node_attributes(node) -> dict:
-    from onnx import helper
-
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def layer_name(node, index: int) -> str:
-    """A layer (group) name from the node's: its characters legion-nn's names allow, and its
-    position, so that names stay distinct."""
-    name = re.sub(r"[^A-Za-z0-9_]+", "_", node.name).strip("_")
-    return f"{name or node.op_type.lower()}_{index}"
 
 
 class _Reader(SequenceOps):
@@ -530,16 +470,6 @@ class _Reader(SequenceOps):
             known = int(np.prod([v for v in per if v != -1]))
             per[per.index(-1)] = int(np.prod(self.shape)) // max(known, 1)
         return tuple(per + [1] * (3 - len(per)))  # type: ignore[return-value]
-
-
-def layer_nodes(graph, aliases: dict[str, str]) -> list:
-    """The nodes that become layers, in order (a node's index among them names its layer): not
-    constants, nor the Identity nodes of initializers (`initializer_aliases`)."""
-    return [
-        n
-        for n in graph.node
-        if n.op_type != "Constant" and not (n.op_type == "Identity" and n.output[0] in aliases)
-    ]
 
 
 def _pads(pads) -> list[int]:
