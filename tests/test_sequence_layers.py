@@ -5,13 +5,18 @@ them against central differences end to end, and split over ranks against one pr
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from error_bounds import assert_close_to, assert_product_close
 
+from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import gpt, token_mlp
 from legion_nn.spec import network_from_dict
+from partitioner.machine import Machine
+from partitioner.search import auto
 from partitioner.strategy import builtin, find_units
 from runtime import token_data
 from runtime.kernels.attention import (
@@ -267,11 +272,13 @@ def test_a_language_model_step_follows_central_differences(make):
 
 
 @pytest.mark.parametrize(
-    ("strategy", "nranks"), [("data", 2), ("model", 2), ("model", 3), ("spatial", 4)]
+    ("strategy", "nranks"), [("data", 2), ("model", 2), ("model", 3), ("spatial", 4), ("auto", 4)]
 )
 def test_a_gpt_split_over_ranks_equals_one_process(strategy, nranks):
     """3 ranks cut 8 features into 3, 3 and 2: the merged heads are cut inside a head."""
     cfg = tiny_gpt()
+    if strategy == "auto":
+        strategy = lambda graph, ranks: auto(graph, ranks, Machine(), 10.0).strategy
     assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
 
 
@@ -283,3 +290,27 @@ def test_megatron_splits_attention_by_heads():
     assert model["b0_scores"] == (1, 4, 1, 1, 1)
     spatial = builtin(graph, "spatial", 4).unit_grids
     assert spatial["b0_scores"] == (1, 1, 4, 1, 1)  # the queries' positions
+
+
+def test_auto_finds_megatrons_splits_of_a_gpt_block(tmp_path):
+    """One GPT block at batch 1 on 8 ranks, where the weights outweigh the activations: auto
+    cuts Q, K, V and the MLP's first layer by columns, attention by heads, the output
+    projection and the MLP's second layer by rows (their summed features), as Megatron does,
+    and is predicted no slower than model parallelism, which cuts every layer by columns."""
+    spec = gpt(length=64, width=512, heads=8, blocks=1, vocab=64).to_spec()
+    path = tmp_path / "block.json"
+    path.write_text(json.dumps(spec))
+    reports = {}
+    for strategy in ("auto", "model"):
+        out = tmp_path / f"{strategy}.json"
+        args = ["partition", str(path), "--batch", "1", "--ranks", "8", "--strategy", strategy]
+        assert main([*args, "--json", str(out)]) == 0
+        reports[strategy] = json.loads(out.read_text())
+    grids = {row["layer"]: row["grid"] for row in reports["auto"]["layers"]}
+    for column in ("b0_q", "b0_k", "b0_v", "b0_fc"):
+        assert grids[column] == [1, 1, 8, 1], column
+    for row in ("b0_proj", "b0_fc_out"):
+        assert grids[row] == [1, 1, 1, 8], row
+    assert grids["b0_qh"] == grids["b0_attn"] == [1, 8, 1, 1]
+    auto, model = (reports[s]["predicted_step_seconds"] for s in ("auto", "model"))
+    assert auto <= model
