@@ -140,6 +140,7 @@ class MergeHeads(Layer):
     """(H, T, Dh) back to (T, H·Dh): transpose and view."""
 
     RANKS = (3,)
+    TAKES = "heads [H, T, Dh]"
 
     def out_shape(self, shape: Shape) -> Shape:
         heads, tokens, size = shape
@@ -193,6 +194,7 @@ class MatMul(Layer):
 
     MERGES = True
     RANKS = (3,)
+    TAKES = "heads [H, T, Dh]"
 
     transpose_b: bool = False
     scale: float = 1.0
@@ -256,6 +258,7 @@ class RowSoftmax(ElementwiseLayer):
     `causal`, position i attends to positions j ≤ i only (the Where of a causal mask)."""
 
     RANKS = (3,)
+    TAKES = "heads [H, T, Dh]"
     BACKWARD_READS_OUTPUT = True
 
     causal: bool = False

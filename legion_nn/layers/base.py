@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 #: a per-sample shape: images (C, H, W), token ids (T,), sequences (T, D), heads (H, T, Dh)
 Shape = tuple[int, ...]
 #: what each per-sample rank holds, for errors
-RANK_NAMES = {1: "token ids [T]", 2: "a sequence [T, D]", 3: "images [C, H, W] or heads [H, T, Dh]"}
+RANK_NAMES = {1: "token ids [T]", 2: "a sequence [T, D]", 3: "images [C, H, W]"}
 
 LAYER_KINDS: dict[str, type[Layer]] = {}
 
@@ -137,6 +137,8 @@ class Layer:
     MERGES: ClassVar[bool] = False
     #: the per-sample ranks of the inputs the layer takes (`RANK_NAMES`)
     RANKS: ClassVar[tuple[int, ...]] = (3,)
+    #: what errors say the layer takes, where not `RANK_NAMES`' words for its ranks
+    TAKES: ClassVar[str] = ""
 
     name: str = ""
     #: the groups whose outputs the layer reads; empty: the output of the layer before it
@@ -217,7 +219,7 @@ def sequence_axes(shape: Shape) -> dict[str, str]:
 def check_rank(layer: Layer, shape: Shape) -> None:
     """A ShapeError unless `layer` takes inputs of `shape`'s per-sample rank."""
     if len(shape) not in layer.RANKS:
-        takes = " or ".join(RANK_NAMES[r] for r in layer.RANKS)
+        takes = layer.TAKES or " or ".join(RANK_NAMES[r] for r in layer.RANKS)
         raise ShapeError(f"{layer.label}: takes {takes}, got {list(shape)}")
 
 
