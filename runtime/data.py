@@ -22,7 +22,7 @@ import numpy as np
 
 from legion_nn.errors import LegionNNError
 from runtime import token_data
-from runtime.dataset import Dataset, Split, read_npz
+from runtime.dataset import Dataset, Split, npz_splits, read_npz
 
 SPLIT_SEED = 20261122
 SPLITS = (0.7, 0.15)
@@ -103,20 +103,13 @@ def from_npz(path: str, shape: tuple[int, int, int], classes: int, dtype=np.floa
     in their order; or `x` and `y`, split 70/15/15 as digits is."""
     arrays = read_npz(path)
     if "x_train" in arrays or "y_train" in arrays:
-        splits = {}
-        for part in ("train", "val", "test"):
-            x_name, y_name = f"x_{part}", f"y_{part}"
-            if (x_name in arrays) != (y_name in arrays):
-                given, missing = (x_name, y_name) if x_name in arrays else (y_name, x_name)
-                raise LegionNNError(f"{path}: has {given!r} but not {missing!r}")
-            if x_name in arrays:
-                x, y = _checked(path, arrays[x_name], arrays[y_name], classes, part)
-                splits[part] = Split(fit_to_input(x, shape, path).astype(dtype), y)
-            else:
-                splits[part] = Split(np.zeros((0, *shape), dtype), np.zeros(0, np.int32))
-        if not len(splits["train"]):
-            raise LegionNNError(f"{path}: x_train has no samples")
-        return Dataset(Path(path).name, splits["train"], splits["val"], splits["test"])
+
+        def read(part: str, x: np.ndarray, y: np.ndarray) -> Split:
+            x, y = _checked(path, x, y, classes, part)
+            return Split(fit_to_input(x, shape, path).astype(dtype), y)
+
+        empty = Split(np.zeros((0, *shape), dtype), np.zeros(0, np.int32))
+        return npz_splits(path, arrays, read, empty)
     if "x" not in arrays or "y" not in arrays:
         raise LegionNNError(
             f"{path}: needs arrays 'x_train' and 'y_train' (and optionally x_val, y_val, x_test, "

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from legion_nn.errors import LegionNNError
-from runtime.dataset import Dataset, Split, read_npz
+from runtime.dataset import Dataset, Split, npz_splits, read_npz
 
 BYTES = 256
 #: the share of a text kept for validation, from its end
@@ -77,23 +77,16 @@ def from_npz(path: str, length: int, vocab: int, classes: int) -> Dataset:
             f"{path}: a network of token ids needs arrays 'x_train' and 'y_train' (N, {length}); "
             f"has {sorted(arrays)}"
         )
-    splits = {}
-    for part in ("train", "val", "test"):
-        x_name, y_name = f"x_{part}", f"y_{part}"
-        if (x_name in arrays) != (y_name in arrays):
-            given, missing = (x_name, y_name) if x_name in arrays else (y_name, x_name)
-            raise LegionNNError(f"{path}: has {given!r} but not {missing!r}")
-        if x_name not in arrays:
-            splits[part] = Split(np.zeros((0, length), np.int32), np.zeros((0, length), np.int32))
-            continue
-        x = _checked(path, x_name, arrays[x_name], length, vocab, "token id")
-        y = _checked(path, y_name, arrays[y_name], length, classes, "target")
+
+    def read(part: str, x: np.ndarray, y: np.ndarray) -> Split:
+        x = _checked(path, f"x_{part}", x, length, vocab, "token id")
+        y = _checked(path, f"y_{part}", y, length, classes, "target")
         if len(x) != len(y):
-            raise LegionNNError(f"{path}: {x_name} has {len(x)} rows but {y_name} has {len(y)}")
-        splits[part] = Split(x, y)
-    if not len(splits["train"]):
-        raise LegionNNError(f"{path}: x_train has no rows")
-    return Dataset(Path(path).name, splits["train"], splits["val"], splits["test"])
+            raise LegionNNError(f"{path}: x_{part} has {len(x)} rows but y_{part} has {len(y)}")
+        return Split(x, y)
+
+    empty = Split(np.zeros((0, length), np.int32), np.zeros((0, length), np.int32))
+    return npz_splits(path, arrays, read, empty)
 
 
 def synthetic(length: int, vocab: int, seed: int = 0, rows: int = 1200) -> Dataset:

@@ -74,6 +74,42 @@ def record_grid_op(
     )
 
 
+def record_product(
+    op: str,
+    access: registry.AccessFn,
+    box_map: registry.BoxMap,
+    sums_over: int,
+    steps: str | None = None,
+) -> None:
+    """Record a product of an input by weights (`linear`, `dense`): forward a multiply-add per
+    (output, summed) pair of its space, backward the weights' gradient and, unless `need_dx`
+    is false, the input's (`backward_factor`); `steps` names the gradient its adapter can step
+    the weights from (`registry`)."""
+    backward = {"access": access, "box_map": box_map, "adapter": f"{op}.backward"}
+    registry.register(
+        op,
+        phases={
+            "forward": {
+                "access": access,
+                "box_map": box_map,
+                "flops": registry.per_element(2),
+                "adapter": f"{op}.forward",
+            },
+            "backward": {
+                **backward,
+                "flops": lambda attrs, dims: backward_factor(attrs),
+                **({"steps": steps} if steps else {}),
+            },
+        },
+        splittable=registry.EVERY_DIM,
+        homing=registry.GRID,
+        packed_role=None,
+        owner_role=None,
+        passes=None,
+        sums_over=sums_over,
+    )
+
+
 def record_elementwise(op: str, forward: float, backward: float) -> None:
     """Record an elementwise op costing `forward` and `backward` FLOPs per element."""
     record_grid_op(

@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from legion_nn import registry
-from legion_nn.layers.base import Layer, Shape, backward_factor, layer_kind, positive
+from legion_nn.layers.base import Layer, Shape, layer_kind, positive, record_product
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -71,29 +70,7 @@ def _dense_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) ->
     return {role: found[role] for role in dims}
 
 
-registry.register(
-    "dense",
-    phases={
-        "forward": {
-            "access": _dense_rects,
-            "box_map": _dense_boxes,
-            "flops": registry.per_element(2),  # a multiply-add per (output, input) pair
-            "adapter": "dense.forward",
-        },
-        "backward": {
-            "access": _dense_rects,
-            "box_map": _dense_boxes,
-            "flops": lambda attrs, dims: backward_factor(attrs),
-            "adapter": "dense.backward",
-        },
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=1,
-)
+record_product("dense", _dense_rects, _dense_boxes, sums_over=1)
 
 
 @layer_kind("dense")

@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from legion_nn import registry
 from legion_nn.access import columns
-from legion_nn.layers.base import Layer, Shape, backward_factor, layer_kind, positive
+from legion_nn.layers.base import Layer, Shape, layer_kind, positive, record_product
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -80,30 +79,7 @@ def _linear_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -
     return {role: found[role] for role in dims}
 
 
-registry.register(
-    "linear",
-    phases={
-        "forward": {
-            "access": _linear_rects,
-            "box_map": _linear_boxes,
-            "flops": registry.per_element(2),  # a multiply-add per (output, input) pair
-            "adapter": "linear.forward",
-        },
-        "backward": {
-            "access": _linear_rects,
-            "box_map": _linear_boxes,
-            "flops": lambda attrs, dims: backward_factor(attrs),
-            "adapter": "linear.backward",
-            "steps": "weights.delta",
-        },
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=3,
-)
+record_product("linear", _linear_rects, _linear_boxes, sums_over=3, steps="weights.delta")
 
 
 @layer_kind("linear")
