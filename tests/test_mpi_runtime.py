@@ -201,6 +201,11 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
     reduce-scattered): the checkpoint holds whole tensors either way."""
     if launcher != "local" and nranks < int(launcher.split()[0]):
         pytest.skip("fewer ranks than hosts")
+    if launcher == "3 hosts" and (strategy, homes) in (
+        ("spatial", "replicated"),
+        ("data", "replicated"),
+    ):
+        pytest.skip("on 2 hosts already; 3 hosts keep auto (4 ranks, a host with two) and sharded")
     log = tmp_path / "log.jsonl"
     result = mpiexec(
         nranks, "train", *TRAIN, "--steps", "4", "--strategy", strategy,
