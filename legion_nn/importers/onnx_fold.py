@@ -51,10 +51,10 @@ def parameters(graph) -> set[str]:
 def fold(model, batch: int | None) -> Folded:
     """Fold `model`'s static nodes; `batch` is its input's fixed batch, or None when dynamic."""
     from onnx import numpy_helper
-    from onnx.reference import ReferenceEvaluator
 
     graph = model.graph
     batches = BATCHES if batch is None else (batch, batch)
+    opsets = model_opsets(model)
     params = parameters(graph)
     runs: list[dict[str, np.ndarray]] = [{}, {}]
     for tensor in graph.initializer:
@@ -76,7 +76,7 @@ def fold(model, batch: int | None) -> Folded:
             else:
                 feed = {name: run[name] for name in reads}
             try:
-                values = ReferenceEvaluator(node).run(None, feed)
+                values = evaluate(node, feed, opsets)
             except Exception as exc:  # noqa: BLE001  (the evaluator's own, named in one line)
                 text = str(exc).strip().splitlines()
                 raise FoldError(
@@ -91,6 +91,30 @@ def fold(model, batch: int | None) -> Folded:
         else:
             folded.batched[name] = (value, other)
     return folded
+
+
+def evaluate(node, feed: dict[str, np.ndarray], opsets: dict[str, int]) -> list[np.ndarray]:
+    """`node`'s outputs from `feed` by onnx's reference evaluator, as the opsets define the op:
+    the node alone as a model importing them (a node by itself is read at the newest opset)."""
+    import onnx
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    untyped = onnx.TypeProto()
+    graph = helper.make_graph(
+        [node],
+        "fold",
+        [helper.make_value_info(name, untyped) for name in feed],
+        [helper.make_value_info(name, untyped) for name in node.output],
+    )
+    imports = [helper.make_opsetid(domain, version) for domain, version in opsets.items()]
+    return ReferenceEvaluator(helper.make_model(graph, opset_imports=imports)).run(None, feed)
+
+
+def model_opsets(model) -> dict[str, int]:
+    """The opset of each domain the model imports: a node is evaluated as its version defines
+    it (opset 9's Unsqueeze takes its axes as an attribute, 13's as an input)."""
+    return {entry.domain: entry.version for entry in model.opset_import}
 
 
 def _concrete(node, dims: list[int | None] | None) -> list[int]:

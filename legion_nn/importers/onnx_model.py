@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from legion_nn.errors import ShapeError, read_input
-from legion_nn.importers.onnx_fold import Folded, FoldError, fold, parameters
+from legion_nn.importers.onnx_fold import Folded, FoldError, fold, model_opsets, parameters
 from legion_nn.importers.onnx_graph import (
     OnnxError,
     first_line,
@@ -171,6 +171,7 @@ class _Reader(SequenceOps):
         self.expanded: dict[str, str] = {}
         self.sample: tuple[int, ...] = ()
         self.outputs = {value.name for value in model.graph.output}
+        self.opsets = model_opsets(model)
         self.layers: list[Layer] = []
         self.shape: tuple[int, int, int] = (1, 1, 1)  # the current layer's per-sample output
         #: per ONNX value, the group whose output it is and its per-sample shape
@@ -313,6 +314,11 @@ class _Reader(SequenceOps):
     def _append_merge(self, layer: Layer, shapes: tuple) -> None:
         self.shape = layer.out_shape(shapes)
         self.layers.append(layer)
+
+    def keeps_batch(self, first: int) -> bool:
+        """Whether a Reshape target's first entry is the batch: 0 or −1, or a model's fixed
+        batch."""
+        return first in (0, -1) or self.batches[0] == self.batches[1] == first
 
     def name_of(self, node) -> str:
         return layer_name(node, self.index_of[id(node)])
@@ -459,7 +465,7 @@ class _Reader(SequenceOps):
         if target is None:
             raise self.fail(node, "its shape must be a constant")
         sizes = [int(v) for v in target.reshape(-1)]
-        if not sizes or sizes[0] not in (0, -1):
+        if not sizes or not self.keeps_batch(sizes[0]):
             raise self.fail(node, f"shape {sizes}: the first dim must keep the batch (0 or -1)")
         per = sizes[1:]
         if per.count(-1) > 1 or any(v == 0 for v in per):

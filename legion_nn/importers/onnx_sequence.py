@@ -31,6 +31,7 @@ import math
 
 import numpy as np
 
+from legion_nn.importers.onnx_fold import evaluate
 from legion_nn.layers import (
     ClassToken,
     Dense,
@@ -73,7 +74,7 @@ FUNCTIONS = {
 
 class SequenceOps:
     """The transformer ops of `onnx_model._Reader`, which provides `constants`, `values`,
-    `consumers`, `claimed`, `outputs`, `fail`, `_read`, `_add`, `_param`, `_made` and
+    `consumers`, `claimed`, `outputs`, `opsets`, `fail`, `_read`, `_add`, `_param`, `_made` and
     `name_of`."""
 
     def _sequence(self, node, data: list[str], position: int) -> bool:
@@ -349,7 +350,7 @@ class SequenceOps:
         name = node.input[1]
         if name in self.constants:
             sizes = [int(v) for v in self.constants[name].reshape(-1)]
-            if sizes[0] not in (0, -1):
+            if not self.keeps_batch(sizes[0]):
                 raise self.fail(node, f"shape {sizes}: the first dim must keep the batch")
             return sizes[1:]
         if name not in self.batched:
@@ -437,14 +438,12 @@ class SequenceOps:
         return nodes
 
     def _function(self, nodes: list, x: str) -> str | None:
-        from onnx.reference import ReferenceEvaluator
-
         scalars = [self.constants[i] for n in nodes for i in n.input if i in self.constants]
         dtype = scalars[0].dtype if scalars else np.float32
         values = {x: PROBE.astype(dtype)}
         for n in nodes:
             feed = {i: values[i] if i in values else self.constants[i] for i in n.input if i}
-            for name, value in zip(n.output, ReferenceEvaluator(n).run(None, feed)):
+            for name, value in zip(n.output, evaluate(n, feed, self.opsets)):
                 values[name] = np.asarray(value)
         got = values[nodes[-1].output[0]].astype(np.float64)
         tolerance = 1e-5 if dtype == np.float32 else 1e-10
