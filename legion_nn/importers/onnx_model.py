@@ -13,7 +13,7 @@ or dynamic, is left to the lowering's batch):
 | MaxPool (ceil_mode 0, dilation 1) | `maxpool` | |
 | AveragePool (padding not counted), GlobalAveragePool | `avgpool` (the whole plane) | |
 | BatchNormalization | `batchnorm` (per channel) | scale, B → gamma, beta (1, C, 1, 1); mean and var the running statistics (state) |
-| Add of two data tensors of one shape | `add` (a residual connection) | |
+| Add of two data tensors of one shape, Sum of several | `add` (a residual connection) | |
 | Concat (axis 1) | `concat` | |
 | Dropout | `dropout` (its ratio) | |
 | Flatten (axis 1), Reshape (per sample) | `flatten`, `reshape` | |
@@ -82,6 +82,7 @@ SUPPORTED = (
     "Gemm",
     "MatMul",
     "Add (two tensors of one shape, or a constant after MatMul)",
+    "Sum (tensors of one shape)",
     "Concat (axis 1)",
     "Relu",
     "Tanh",
@@ -223,7 +224,7 @@ class _Reader(SequenceOps):
             made = len(self.layers)
             following = nodes[position + 1] if position + 1 < len(nodes) else None
             try:
-                if node.op_type in ("Add", "Concat") and len(data) > 1:
+                if node.op_type in ("Add", "Sum", "Concat") and len(data) > 1:
                     self._merge(node, data, index)
                 else:
                     if len(data) > 1:
@@ -283,7 +284,7 @@ class _Reader(SequenceOps):
         groups = [self.values[v][0] for v in data]
         shapes = [self.values[v][1] for v in data]
         name = layer_name(node, index)
-        if node.op_type == "Add":
+        if node.op_type in ("Add", "Sum"):
             if len(set(shapes)) != 1:
                 raise self.fail(
                     node, f"adds shapes {[list(s) for s in shapes]}; broadcasting is not supported"
