@@ -137,8 +137,8 @@ def pooled(tmp: Path) -> Path:
 
 
 def residual(tmp: Path) -> Path:
-    """A residual block and a side branch, merged by Add and Concat: Conv → Tanh (the block's
-    input) → Conv → Tanh → Conv → Add (with the block's input) → Sigmoid; a 1x1 Conv of the
+    """A residual block and a side branch, merged by Sum and Concat: Conv → Tanh (the block's
+    input) → Conv → Tanh → Conv → Sum (with the block's input and the middle Conv) → Sigmoid; a 1x1 Conv of the
     block's input beside it; Concat of the two on channels → GlobalAveragePool → Flatten →
     Gemm."""
     nodes = [
@@ -147,7 +147,7 @@ def residual(tmp: Path) -> Path:
         helper.make_node("Conv", ["t0", "c1.w"], ["c1"], name="c1", pads=[1, 1, 1, 1]),
         helper.make_node("Tanh", ["c1"], ["t1"], name="t1"),
         helper.make_node("Conv", ["t1", "c2.w", "c2.b"], ["c2"], name="c2", pads=[1, 1, 1, 1]),
-        helper.make_node("Add", ["c2", "t0"], ["sum"], name="res"),
+        helper.make_node("Sum", ["c2", "t0", "c1"], ["sum"], name="res"),
         helper.make_node("Sigmoid", ["sum"], ["s"], name="s"),
         helper.make_node("Conv", ["t0", "side.w"], ["side"], name="side"),
         helper.make_node("Concat", ["s", "side"], ["cat"], name="cat", axis=1),
