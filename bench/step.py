@@ -77,23 +77,26 @@ def _inputs(graph: TaskGraph, network, batch: int) -> tuple[np.ndarray, np.ndarr
 
 def measure(
     graph: TaskGraph, network, batch: int
-) -> tuple[float, dict[str, float], set[str], dict[str, str]]:
-    """The median step in seconds, each task's median seconds in it, the zeroings the runtime
-    elides (their first contribution writes: `RankTask.elided`), and the updates it fuses into
-    the task that computes their gradient (`RankTask.fused_into`), by name, with that task's."""
+) -> tuple[float, float, dict[str, float], set[str], dict[str, str]]:
+    """The median step in seconds, the median of its tasks' summed seconds (each step's sum
+    within that step, so the medians keep the order), each task's median seconds, the zeroings
+    the runtime elides (their first contribution writes: `RankTask.elided`), and the updates it
+    fuses into the task that computes their gradient (`RankTask.fused_into`), by name, with
+    that task's."""
     x, y = _inputs(graph, network, batch)
     recorder = Recorder(0)
     executor = one_process(recorder=recorder)
-    steps, per_task = [], defaultdict(list)
+    steps, tasks, per_task = [], [], defaultdict(list)
     for step in range(WARMUP + STEPS):
         recorder.events.clear()
         start = time.perf_counter()
         executor.run(graph, StepContext(step, inputs=x, labels=y))
         if step >= WARMUP:
             steps.append(time.perf_counter() - start)
-            for event in recorder.events:
-                if event["cat"] == "compute":
-                    per_task[event["name"]].append(event["dur"] * 1e-6)
+            computed = [e for e in recorder.events if e["cat"] == "compute"]
+            tasks.append(sum(event["dur"] for event in computed) * 1e-6)
+            for event in computed:
+                per_task[event["name"]].append(event["dur"] * 1e-6)
     program = executor.prepare(graph).step
     elided = {rt.task.name for rt in program.tasks if rt.elided}
     fused = {
@@ -103,6 +106,7 @@ def measure(
     }
     return (
         statistics.median(steps),
+        statistics.median(tasks),
         {k: statistics.median(v) for k, v in per_task.items()},
         elided,
         fused,
@@ -120,7 +124,7 @@ def run_step_benchmark(
     bandwidth = memory_bandwidth()
     rows = roofline(graph, gflops, bandwidth)
     say(f"{network_name} at batch {batch}: {WARMUP} + {STEPS} steps")
-    step, per_task, elided, fused = measure(graph, network, batch)
+    step, tasks, per_task, elided, fused = measure(graph, network, batch)
     by_name = {row["task"]: row for row in rows}
     for row in rows:
         row["measured_s"] = per_task.get(row["task"], 0.0)
@@ -136,7 +140,7 @@ def run_step_benchmark(
         "memory_gbytes_per_s": bandwidth,
         "roofline_s": sum(r["bound_s"] for r in rows),
         "measured_s": step,
-        "tasks_s": sum(per_task.values()),
+        "tasks_s": tasks,
         "tasks": rows,
     }
     from bench.kernels import torch_available

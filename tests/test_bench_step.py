@@ -35,7 +35,7 @@ def test_every_task_is_bounded_by_its_flops_or_its_bytes():
 def test_the_measured_step_times_every_task_that_runs():
     network = load_network("seed-lcn-small")
     graph = network.lower(batch=4, optimizer="adam")
-    step, per_task, elided, fused = measure(graph, network, 4)
+    step, tasks, per_task, elided, fused = measure(graph, network, 4)
     assert set(per_task) == {t.name for t in graph.tasks} - elided - set(fused)
     assert "L1.W.grad.set_zero" in elided
     # one process: each weight's update runs inside the kernel of its gradient; a bias's,
@@ -45,7 +45,8 @@ def test_the_measured_step_times_every_task_that_runs():
         "update_L1.W": "L1.filter.grad",
         "update_W1": "classifier.linear1.grad",
     }
-    assert 0 < sum(per_task.values()) <= step
+    # each step's tasks run within it, one after another: so do the medians
+    assert 0 < tasks <= step
 
 
 def test_bench_step_writes_its_report(tmp_path, capsys):

@@ -134,6 +134,12 @@ def launcher(request):
         assert not Path(f"/run/legion-nn/clusters/{CLUSTER}").exists()
 
 
+def skip_unless_spread(launcher: str, nranks: int) -> None:
+    """A job of fewer ranks than the cluster's hosts runs as it does on fewer hosts: skip it."""
+    if launcher != "local" and nranks < int(launcher.split()[0]):
+        pytest.skip("fewer ranks than hosts")
+
+
 def mpiexec(
     nranks: int, *args: str, env=None, timeout=JOB_TIMEOUT, launcher: str = "local"
 ) -> subprocess.CompletedProcess:
@@ -199,8 +205,7 @@ def single(tmp_path_factory):
 def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy, homes):
     """Every strategy, and parameters sharded (gathered before each use, their gradients
     reduce-scattered): the checkpoint holds whole tensors either way."""
-    if launcher != "local" and nranks < int(launcher.split()[0]):
-        pytest.skip("fewer ranks than hosts")
+    skip_unless_spread(launcher, nranks)
     if launcher == "3 hosts" and (strategy, homes) in (
         ("spatial", "replicated"),
         ("data", "replicated"),
@@ -246,8 +251,7 @@ def single_gpt(tmp_path_factory):
 def test_a_gpt_split_by_heads_equals_one_process(single_gpt, tmp_path, launcher):
     """The PyTorch export of a GPT (`tiny_gpt.onnx`), its attention split by heads and its
     dense layers by columns over 2 ranks: the one process's losses and parameters."""
-    if launcher == "3 hosts":
-        pytest.skip("fewer ranks than hosts")
+    skip_unless_spread(launcher, 2)
     log = tmp_path / "log.jsonl"
     result = mpiexec(
         2, "train", GPT, *TRAIN, "--steps", "2", "--strategy", "model", "--log-json", str(log),
@@ -263,6 +267,7 @@ def test_a_gpt_split_by_heads_equals_one_process(single_gpt, tmp_path, launcher)
 def test_a_pipeline_equals_one_process(single, tmp_path, launcher, schedule):
     """Two stages, a rank each, streaming 4 micro-batches: the activations cross the cut as
     copies, their gradients come back as partial sums, and the run is the one process's."""
+    skip_unless_spread(launcher, 2)
     log = tmp_path / "log.jsonl"
     result = mpiexec(
         2, "train", *TRAIN, "--steps", "4", "--stages", "2", "--micro-batches", "4",
@@ -313,6 +318,7 @@ def test_a_row_parallel_plan_equals_one_process(mlp_single, tmp_path, launcher, 
     """Megatron's MLP block, column then row (fc1 split over its outputs, fc2 over its inputs:
     partial sums reduce-scattered over the batch), from a strategy file naming fc2's summed
     dims."""
+    skip_unless_spread(launcher, nranks)
     grids = tmp_path / "grids.json"
     grids.write_text(
         json.dumps(
@@ -359,8 +365,7 @@ def test_a_residual_network_with_a_concat_equals_one_process(
 ):
     """A residual add, a side branch and a concat (`tests/test_executor.py`'s RESIDUAL as a
     spec file), split over rows or channels, under mpiexec."""
-    if launcher != "local" and nranks < int(launcher.split()[0]):
-        pytest.skip("fewer ranks than hosts")
+    skip_unless_spread(launcher, nranks)
     log = tmp_path / "log.jsonl"
     result = mpiexec(
         nranks, "train", RESIDUAL, *TRAIN, "--steps", "3", "--strategy", strategy,
