@@ -232,3 +232,26 @@ def test_a_vision_transformer_split_over_ranks_equals_one_process(strategy, nran
     """3 ranks cut the 16 patch tokens 6, 5, 5: inside a row of 4."""
     cfg = images_config(load_onnx(VIT))
     assert_same(local_run(cfg, steps=2), ranks_run(cfg, nranks, strategy, steps=2))
+
+
+def test_a_position_table_longer_than_the_sequence_reads_its_first_rows(tmp_path):
+    """A model made for a longer context (nanoGPT's block_size > T): the exported table has
+    more rows than the sequence has tokens; the first T are read, the rest kept and saved."""
+    model = onnx.load(str(GPT))
+    (table,) = [t for t in model.graph.initializer if t.name == "pos.weight"]
+    value = onnx.numpy_helper.to_array(table)
+    longer = np.concatenate([value, RNG.standard_normal((8, value.shape[1])).astype(value.dtype)])
+    table.CopyFrom(onnx.numpy_helper.from_array(longer, "pos.weight"))
+    path = tmp_path / "longer.onnx"
+    onnx.save(model, str(path))
+    network = load_onnx(path)
+    position = next(layer for layer in network.layers if layer.KIND == "position")
+    assert position.rows == 24 and network.initial["pos.weight"].shape == (24, 32)
+    ids = token_ids(2, network)
+    np.testing.assert_allclose(
+        probabilities(network, ids), onnxruntime_probabilities(path, ids), rtol=0, atol=1e-4
+    )
+    out = tmp_path / "saved.onnx"
+    save_onnx(path, network.initial, out)
+    saved = {t.name: t for t in onnx.load(str(out)).graph.initializer}
+    assert np.array_equal(onnx.numpy_helper.to_array(saved["pos.weight"]), longer)

@@ -148,18 +148,15 @@ class SequenceOps:
         if len(data) != 1 or len(self.values[data[0]][1]) != 2:
             raise self.fail(node, "positions are supported added to a sequence")
         tokens = self.values[data[0]][1][0]
-        if (
-            not np.array_equal(np.asarray(indices).reshape(-1), np.arange(len(table)))
-            or len(table) != tokens
-        ):
+        if not np.array_equal(np.asarray(indices).reshape(-1), np.arange(tokens)):
             raise self.fail(
                 node,
                 f"positions {np.asarray(indices).reshape(-1)[:4].tolist()}... of a table of "
-                f"{len(table)}: supported is every row of a table of the sequence's {tokens}",
+                f"{len(table)}: supported are the first {tokens}, one per token in order",
             )
         name = self.name_of(node)
         self._read(data[0])
-        self._add(PositionEmbedding(name))
+        self._add(PositionEmbedding(name, rows=len(table)))
         self._param(f"{name}.weights", table_name, table)
         self._made(node.output[0])
         return True

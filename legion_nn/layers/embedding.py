@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from legion_nn.errors import ShapeError
 from legion_nn.layers.base import (
     COPY,
     Layer,
@@ -128,15 +129,29 @@ record_grid_op("position", _position_rects, COPY)
 @dataclass
 class PositionEmbedding(Layer):
     """A learned vector added at each position (GPT's `wpe`: an `nn.Embedding` read at
-    `arange(T)`, which an export folds into a constant Gather); weights start from N(0, 1)."""
+    `arange(T)`, which an export folds into a constant Gather); weights start from N(0, 1).
+    The table may hold more `rows` than the sequence has tokens (a model trained for a longer
+    context): the first T are read, and the others get no gradient."""
 
     RANKS = (2,)
 
+    #: the table's rows; None: the sequence's length
+    rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rows is not None:
+            positive(self.rows, "rows")
+
     def out_shape(self, shape: Shape) -> Shape:
+        if self.rows is not None and self.rows < shape[0]:
+            raise ShapeError(
+                f"{self.label}: a table of {self.rows} positions for {shape[0]} tokens"
+            )
         return shape
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
-        weights = ctx.param(f"{self.name}.weights", tuple(shape), "normal:1.0")
+        table = (self.rows or shape[0], shape[1])
+        weights = ctx.param(f"{self.name}.weights", table, "normal:1.0")
         dims = (ctx.batch,) + tuple(shape)
         y = ctx.tensor(f"{self.stem}.output", dims, "activation")
         space = Rect.from_dims(dims)
