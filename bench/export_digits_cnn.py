@@ -22,18 +22,12 @@ from bench.torch_export import export
 SEED = 20261125
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "digits_cnn.onnx"))
-    args = parser.parse_args(argv)
-    try:
-        import torch
-        from torch import nn
-    except ImportError:
-        print("export_digits_cnn: needs PyTorch (pip install torch)", file=sys.stderr)
-        return 2
+def model(torch):
+    """The network, freshly initialised under `SEED`."""
+    from torch import nn
+
     torch.manual_seed(SEED)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
@@ -45,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         nn.ReLU(),
         nn.Linear(64, 10),
     ).eval()
-    return export(model, torch.zeros(1, 1, 8, 8), "x", args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "digits_cnn.onnx"))
+    args = parser.parse_args(argv)
+    return export(lambda torch: (model(torch), torch.zeros(1, 1, 8, 8)), "x", args.out)
 
 
 if __name__ == "__main__":

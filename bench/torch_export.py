@@ -7,14 +7,16 @@ import math
 import sys
 
 
-def export(model, example, input_name: str, out: str) -> int:
-    """`model` exported to `out` as the fixtures are: opset 17, the TorchScript exporter, a
-    dynamic batch; 2 (and one line) without PyTorch."""
+def export(make, input_name: str, out: str) -> int:
+    """The model `make(torch)` gives, with an example input, `(model, example)`, exported to
+    `out` as the fixtures are: opset 17, the TorchScript exporter, a dynamic batch; 2 (and one
+    line) without PyTorch."""
     try:
         import torch
     except ImportError:
         print(f"{out}: exporting needs PyTorch (pip install torch)", file=sys.stderr)
         return 2
+    model, example = make(torch)
     torch.onnx.export(
         model,
         (example,),

@@ -84,6 +84,13 @@ def class_axis(ndim: int) -> int:
     return 1 if ndim == 4 else ndim - 1
 
 
+def row_space(dims: tuple[int, ...]) -> Rect:
+    """The space of a task over every row of scores `dims` and none of their classes: (N, 1, 1,
+    1) per sample, (N, T, 1) per token."""
+    axis = class_axis(len(dims))
+    return Rect.from_dims(dims[:axis] + (1,) * (len(dims) - axis))
+
+
 def class_rows(piece: Rect, dims: tuple[int, ...]) -> Rect:
     """Every class of the piece's rows (`class_axis`): its samples, or its samples' tokens."""
     if piece.is_empty():

@@ -17,8 +17,7 @@ from onnx import numpy_helper
 
 from legion_nn.importers.onnx_fold import fold
 from legion_nn.importers.onnx_model import load_onnx
-from runtime.adapters import StepContext
-from runtime.rank_executor import one_process
+from tests.test_onnx_transformers import probabilities
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 
@@ -29,14 +28,7 @@ def test_a_model_of_the_set_predicts_its_reference_output(name):
     count = int(np.prod(network.input))
     x = (np.arange(count).reshape(1, *network.input) / count).astype(np.float32)
     expected = numpy_helper.to_array(onnx.load_tensor(str(LIGHT / f"light_{name}_output_0.pb")))
-    graph = network.lower(batch=1, dtype="float64")
-    executor = one_process(0)
-    executor.prepare(graph)
-    executor.load_resident(network.initial)
-    labels = np.zeros((1, 1, 1, 1), np.int32)
-    ctx = StepContext(0, training=False, inputs=x.astype(np.float64), labels=labels)
-    executor.run_inference(graph, ctx)
-    got = executor.value(next(t for t in graph.tensors if t.endswith(".probability")))
+    got = probabilities(network, x.astype(np.float64))
     np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-3, atol=1e-5)
 
 
@@ -70,13 +62,7 @@ def test_with_random_weights_it_predicts_what_onnxruntime_predicts(tmp_path):
     x = np.random.default_rng(8).standard_normal((1, *network.input)).astype(np.float32)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (expected,) = session.run(None, {session.get_inputs()[0].name: x})
-    graph = network.lower(batch=1, dtype="float64")
-    executor = one_process(0)
-    executor.prepare(graph)
-    executor.load_resident({k: v.reshape(network.initial[k].shape) for k, v in weights.items()})
-    labels = np.zeros((1, 1, 1, 1), np.int32)
-    executor.run_inference(graph, StepContext(0, training=False, inputs=x.astype(np.float64),
-                                              labels=labels))  # fmt: skip
-    got = executor.value(next(t for t in graph.tensors if t.endswith(".probability")))
+    ours = {k: v.reshape(network.initial[k].shape) for k, v in weights.items()}
+    got = probabilities(network, x.astype(np.float64), ours)
     assert expected.std() > 1e-4  # no longer uniform
     np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-3, atol=1e-5)

@@ -34,13 +34,15 @@ def token_ids(rows: int, network) -> np.ndarray:
     return RNG.integers(0, network.vocab, (rows, network.input[0])).astype(np.int32)
 
 
-def probabilities(network, ids: np.ndarray, initial=None) -> np.ndarray:
-    graph = network.lower(batch=len(ids), dtype="float64")
+def probabilities(network, x: np.ndarray, initial=None) -> np.ndarray:
+    """legion-nn's probabilities for `x` (token ids or images) in inference, in float64, from
+    `initial` (the model's own parameters by default)."""
+    graph = network.lower(batch=len(x), dtype="float64")
     executor = one_process(0)
     executor.prepare(graph)
     executor.load_resident(initial if initial is not None else network.initial)
-    labels = np.zeros(ids.shape, np.int32)
-    executor.run_inference(graph, StepContext(0, training=False, inputs=ids, labels=labels))
+    labels = np.zeros(network.label_dims(len(x)), np.int32)
+    executor.run_inference(graph, StepContext(0, training=False, inputs=x, labels=labels))
     return executor.value(next(t for t in graph.tensors if t.endswith(".probability")))
 
 
@@ -212,14 +214,7 @@ def test_a_vision_transformer_matches_onnxruntime():
     assert kinds[-4:] == ["select_token", "linear", "softmax", "evaluate"]
     assert not any(layer.causal for layer in network.layers if layer.KIND == "row_softmax")
     x = RNG.standard_normal((3, *network.input)).astype(np.float32)
-    graph = network.lower(batch=3, dtype="float64")
-    executor = one_process(0)
-    executor.prepare(graph)
-    executor.load_resident(network.initial)
-    labels = np.zeros((3, 1, 1, 1), np.int32)
-    ctx = StepContext(0, training=False, inputs=x.astype(np.float64), labels=labels)
-    executor.run_inference(graph, ctx)
-    got = executor.value(next(t for t in graph.tensors if t.endswith(".probability")))
+    got = probabilities(network, x.astype(np.float64))
     session = ort.InferenceSession(str(VIT), providers=["CPUExecutionProvider"])
     (logits,) = session.run(None, {"images": x})
     expected = np.exp(logits - logits.max(-1, keepdims=True))

@@ -56,23 +56,25 @@ def fold(model, batch: int | None) -> Folded:
     batches = BATCHES if batch is None else (batch, batch)
     opsets = model_opsets(model)
     params = parameters(graph)
-    runs: list[dict[str, np.ndarray]] = [{}, {}]
+    # a fixed batch is folded once: both runs are the one
+    runs: dict[int, dict[str, np.ndarray]] = {size: {} for size in batches}
     for tensor in graph.initializer:
         if tensor.name not in params:
             value = numpy_helper.to_array(tensor)
-            for run in runs:
+            for run in runs.values():
                 run[tensor.name] = value
-    shapes = [_shapes(model, size) for size in batches]
+    shapes = {size: _shapes(model, size) for size in runs}
+    first = runs[batches[0]]
     folded = Folded(batches=batches)
     for node in graph.node:
         reads = [name for name in node.input if name]
-        measured = node.op_type == "Shape" and bool(reads) and reads[0] not in runs[0]
-        if not measured and not all(name in runs[0] for name in reads):
+        measured = node.op_type == "Shape" and bool(reads) and reads[0] not in first
+        if not measured and not all(name in first for name in reads):
             folded.nodes.append(node)
             continue
-        for run, known in zip(runs, shapes):
+        for size, run in runs.items():
             if measured:
-                feed = {reads[0]: np.zeros(_concrete(node, known.get(reads[0])))}
+                feed = {reads[0]: np.zeros(_concrete(node, shapes[size].get(reads[0])))}
             else:
                 feed = {name: run[name] for name in reads}
             try:
@@ -84,9 +86,10 @@ def fold(model, batch: int | None) -> Folded:
                 ) from None
             for name, value in zip(node.output, values):
                 run[name] = np.asarray(value)
-    for name, value in runs[0].items():
-        other = runs[1][name]
-        if value.shape == other.shape and np.array_equal(value, other):
+    second = runs[batches[1]]
+    for name, value in first.items():
+        other = second[name]
+        if other is value or (value.shape == other.shape and np.array_equal(value, other)):
             folded.constants[name] = value
         else:
             folded.batched[name] = (value, other)

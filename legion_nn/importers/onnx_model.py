@@ -199,9 +199,8 @@ class _Reader(SequenceOps):
         self.values[inputs[0].name] = (INPUT, sample)
         nodes = self.nodes
         ends_in_softmax = False
-        skip = set()
         for position, node in enumerate(nodes):
-            if position in skip or id(node) in self.claimed:
+            if id(node) in self.claimed:
                 continue
             index = self.index_of[id(node)]
             data = [
@@ -230,10 +229,9 @@ class _Reader(SequenceOps):
                     if len(data) > 1:
                         raise self.fail(node, f"reads {len(data)} tensors; supported: one")
                     self._read(data[0])
-                    fused = following is not None and self._matmul_add(node, following, index)
-                    if fused:
-                        skip.add(position + 1)
-                        node = following
+                    fused = self._matmul_add(node, index)
+                    if fused is not None:
+                        node = fused
                     else:
                         self._node(node, index, following is None)
             except ShapeError as exc:
@@ -267,15 +265,17 @@ class _Reader(SequenceOps):
         previous = self.layers[-1].name if self.layers else INPUT
         self.reads = () if group == previous else (group,)
 
-    def _matmul_add(self, node, following, index: int) -> bool:
-        """A MatMul and the Add of a constant to its output after it, as one linear layer."""
-        if node.op_type != "MatMul" or following.op_type != "Add":
-            return False
-        bias_names = [i for i in following.input if i in self.constants]
-        if following.input[0] != node.output[0] or not bias_names:
-            return False
-        self._linear(node, self.constants[node.input[1]].T, bias_names[0], index)
-        return True
+    def _matmul_add(self, node, index: int):
+        """A MatMul and the Add of its bias after it, as one linear layer; the Add, or None."""
+        if node.op_type != "MatMul" or node.input[1] not in self.constants:
+            return None
+        weights = self.constants[node.input[1]]
+        after, bias = self._bias_after(node, weights.shape[-1])
+        if after is None:
+            return None
+        self.claimed.add(id(after))
+        self._linear(node, weights.T, bias, index)
+        return after
 
     def _merge(self, node, data: list[str], index: int) -> None:
         """An Add of two data tensors, or a Concat of several along the channels."""

@@ -239,14 +239,15 @@ class SequenceOps:
         return True
 
     def _bias_after(self, node, features: int):
-        """The Add of a parameter of `features` values that alone consumes `node`'s output."""
+        """The Add of a constant of `features` values, on either side, that alone consumes
+        `node`'s output (a MatMul's bias), and the constant's name; or (None, None)."""
         after = self._only_consumer(node.output[0])
         if after is None or after.op_type != "Add":
             return None, None
         other = [i for i in after.input if i != node.output[0]]
         if (
             len(other) == 1
-            and other[0] in self.params
+            and other[0] in self.constants
             and self.constants[other[0]].size == features
         ):
             return after, other[0]

@@ -74,6 +74,21 @@ def record_grid_op(
     )
 
 
+def product_roles(inputs, weights, bias, output) -> dict:
+    """Every role's rect (or arrays of rects) of a product of an input by weights (`linear`,
+    `dense`) from the four a piece touches: a gradient's is its tensor's."""
+    return {
+        "input": inputs,
+        "weights": weights,
+        "b": bias,
+        "output": output,
+        "output.delta": output,
+        "input.delta": inputs,
+        "weights.delta": weights,
+        "b.delta": bias,
+    }
+
+
 def record_product(
     op: str,
     access: registry.AccessFn,

@@ -21,8 +21,14 @@ from legion_nn.access import elementwise_boxes
 from legion_nn.rect import Rect
 
 
+def per_token_labels(labels: tuple[int, ...]) -> bool:
+    """Whether the `data` task's labels, of dims `labels`, are a target per token, (N, T),
+    rather than a class per sample, (N, 1, 1, 1)."""
+    return len(labels) == 2
+
+
 def _data_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    if dims["labels"] == dims["raw_data"]:  # a target per token, written with its token
+    if per_token_labels(dims["labels"]):  # each target written with its token
         return {"raw_data": piece, "labels": piece}
     labels = Rect.empty(len(dims["labels"]))
     if not piece.is_empty() and all(v == 0 for v in piece.lo[1:]):

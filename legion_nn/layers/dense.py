@@ -19,26 +19,20 @@ from typing import Any
 
 import numpy as np
 
-from legion_nn.layers.base import Layer, Shape, layer_kind, positive, record_product
+from legion_nn.layers.base import (
+    Layer,
+    Shape,
+    layer_kind,
+    positive,
+    product_roles,
+    record_product,
+)
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 #: the dims of the space: tokens' batch and positions, output features, and the summed features
 AXES = "NSF-"
-
-
-def _by_role(inputs, weights, bias, output) -> dict:
-    return {
-        "input": inputs,
-        "weights": weights,
-        "b": bias,
-        "output": output,
-        "output.delta": output,
-        "input.delta": inputs,
-        "weights.delta": weights,
-        "b.delta": bias,
-    }
 
 
 def _dense_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
@@ -54,14 +48,14 @@ def _dense_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rec
         inputs = Rect((n0, t0, k0), (n1, t1, k1))
         weights = Rect((k0, o0), (k1, o1))
         bias = Rect((o0,), (o1,)) if k0 == 0 else Rect.empty(1)
-    return _by_role(inputs, weights, bias, output)
+    return product_roles(inputs, weights, bias, output)
 
 
 def _dense_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
     """`_dense_rects` over arrays of pieces."""
     starts = lo[:, 3] == 0
     bias = (np.where(starts, lo[:, 2], 0)[:, None], np.where(starts, hi[:, 2], 0)[:, None])
-    found = _by_role(
+    found = product_roles(
         (lo[:, [0, 1, 3]], hi[:, [0, 1, 3]]),
         (lo[:, [3, 2]], hi[:, [3, 2]]),
         bias,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from legion_nn import registry
-from legion_nn.access import class_axis, class_rows, label_rows, whole
+from legion_nn.access import class_axis, class_rows, label_rows, row_space, whole
 from legion_nn.errors import ShapeError
 from legion_nn.layers.base import Layer, Shape, layer_kind, sequence_axes
 from legion_nn.privilege import Privilege
@@ -89,8 +89,6 @@ class Evaluate(Layer):
     def lower(self, ctx, x: str, shape: Shape) -> str:
         if ctx.probability is None:
             raise ShapeError(f"{self.label}: needs a softmax layer before it")
-        scores = ctx.dims(ctx.probability)
-        rows = scores[: class_axis(len(scores))]
         stats = ctx.tensor(
             f"{self.stem}.output", (len(STATISTICS), 1, 1, 1), "stat", dtype="float64"
         )
@@ -98,7 +96,7 @@ class Evaluate(Layer):
             self.stem,
             "evaluate",
             "forward",
-            Rect.from_dims(rows + (1,) * (len(scores) - len(rows))),
+            row_space(ctx.dims(ctx.probability)),
             [
                 ("probability", ctx.probability, R_),
                 ("labels", ctx.labels, R_),

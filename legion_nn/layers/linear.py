@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from legion_nn.access import columns
-from legion_nn.layers.base import Layer, Shape, layer_kind, positive, record_product
+from legion_nn.layers.base import (
+    Layer,
+    Shape,
+    layer_kind,
+    positive,
+    product_roles,
+    record_product,
+)
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -44,22 +51,7 @@ def _linear_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
         weights = Rect((m0,) + sum_lo, (m1,) + sum_hi)
         starts = not any(sum_lo)  # the bias is added once, by the piece starting the sum
         bias = Rect((0, m0, 0, 0), (1, m1, 1, 1)) if starts else Rect.empty(4)
-    return _by_role(inputs, weights, bias, output)
-
-
-def _by_role(inputs, weights, bias, output) -> dict:
-    """Every role's rect (or array of rects) from the four a piece touches: a gradient's is
-    its tensor's."""
-    return {
-        "input": inputs,
-        "weights": weights,
-        "b": bias,
-        "output": output,
-        "output.delta": output,
-        "input.delta": inputs,
-        "weights.delta": weights,
-        "b.delta": bias,
-    }
+    return product_roles(inputs, weights, bias, output)
 
 
 def _linear_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
@@ -75,7 +67,7 @@ def _linear_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -
     bias = (columns(n, 0, lo[:, 1], 0, 0), columns(n, 1, hi[:, 1], 1, 1))
     bias[0][~starts] = 0
     bias[1][~starts] = 0
-    found = _by_role(inputs, weights, bias, output)
+    found = product_roles(inputs, weights, bias, output)
     return {role: found[role] for role in dims}
 
 

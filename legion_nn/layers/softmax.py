@@ -15,13 +15,12 @@ backward pass, its gradient is 1 by definition and is never materialised.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from legion_nn import registry
-from legion_nn.access import class_axis, class_rows, label_rows
+from legion_nn.access import class_axis, class_rows, label_rows, row_space
 from legion_nn.errors import ShapeError
 from legion_nn.layers.base import Layer, Shape, layer_kind, sequence_axes
 from legion_nn.privilege import Privilege
@@ -98,11 +97,10 @@ class Softmax(Layer):
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
         scores = (ctx.batch,) + tuple(shape)
-        rows = scores[: class_axis(len(scores))]
         probability = ctx.tensor(f"{self.stem}.probability", scores, "activation")
         loss = ctx.tensor(f"{self.stem}.output", (1, 1, 1, 1), "stat")
-        attrs = {"batch_total": math.prod(rows), **sequence_axes(shape)}
-        space = Rect.from_dims(rows + (1,) * (len(scores) - len(rows)))
+        space = row_space(scores)
+        attrs = {"batch_total": space.volume, **sequence_axes(shape)}
         ctx.task(
             self.stem,
             "softmax",

@@ -29,7 +29,7 @@ def _features(heads: np.ndarray) -> np.ndarray:
 
 def _columns(task, piece) -> slice:
     """Where a merge_heads piece's features lie in the heads its access map reads."""
-    first = piece.lo[2] - piece.lo[2] // task.attrs["head_size"] * task.attrs["head_size"]
+    first = piece.lo[2] % task.attrs["head_size"]
     return slice(first, first + piece.hi[2] - piece.lo[2])
 
 
@@ -119,7 +119,7 @@ def _position_grad(task, piece, views, dims, ctx):
 def _image_tokens(task, piece, views, dims, ctx):
     x = views["input"]
     n, c, rows, width = x.shape
-    first = piece.lo[1] - piece.lo[1] // width * width
+    first = piece.lo[1] % width  # where the piece starts in the first row it reads
     tokens = x.transpose(0, 2, 3, 1).reshape(n, rows * width, c)
     return {"output": tokens[:, first : first + piece.hi[1] - piece.lo[1]]}
 
@@ -128,7 +128,7 @@ def _image_tokens(task, piece, views, dims, ctx):
 def _image_tokens_grad(task, piece, views, dims, ctx):
     dy = views["output.delta"]
     n, c, rows, width = views["input.delta"].shape
-    first = piece.lo[1] - piece.lo[1] // width * width
+    first = piece.lo[1] % width  # where the piece starts in the first row it reads
     tokens = np.zeros((n, rows * width, c), dy.dtype)
     tokens[:, first : first + dy.shape[1]] = dy
     return {"input.delta": tokens.reshape(n, rows, width, c).transpose(0, 3, 1, 2)}

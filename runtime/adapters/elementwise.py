@@ -7,6 +7,7 @@ Adam step count is the global step, so a resumed run continues the same bias cor
 
 from __future__ import annotations
 
+from legion_nn.layers.common_access import per_token_labels
 from legion_nn.micro_batches import in_step_batch
 from runtime.adapters.registry import adapter
 from runtime.kernels import affine, dropout, gelu, nonlinear, update
@@ -21,7 +22,7 @@ def _data(task, piece, views, dims, ctx):
     if "raw_data" in views:
         out["raw_data"] = ctx.inputs[rows.to_slices()]
     if "labels" in views and views["labels"].size:
-        if ctx.labels.ndim > 1:  # a target per token
+        if per_token_labels(dims["labels"]):
             out["labels"] = ctx.labels[rows.to_slices()]
         else:
             out["labels"] = ctx.labels[rows.lo[0] : rows.hi[0]].reshape(views["labels"].shape)
