@@ -22,7 +22,17 @@ import sys
 #: so the command sets it for its process before any kernel runs; a user's own setting wins.
 OPENMP_SPIN_POLLS = "3000"
 
-COMMANDS = ("bench", "cluster", "graph", "memory", "partition", "render", "trace", "train")
+COMMANDS = (
+    "bench",
+    "cluster",
+    "graph",
+    "memory",
+    "partition",
+    "predict",
+    "render",
+    "trace",
+    "train",
+)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -54,6 +54,16 @@ class Network:
     initial: dict[str, Any] = field(default_factory=dict)
     #: the file it was read from (an ONNX model: `train --save-onnx` writes it back), or ""
     source: str = ""
+    #: whether the softmax and evaluate at its end were appended to train it (a model whose
+    #: output is logits): its own output is then the scores they read (`predict` writes those)
+    appended_loss: bool = False
+    #: the names of its data input and of its output where its source names them (an ONNX
+    #: model's graph input and output), which `predict` reads and writes
+    input_name: str = "x"
+    output_name: str = "y"
+    #: the per-sample shape of that output where its source gives it (ONNX's (classes,) for
+    #: what legion-nn holds as (classes, 1, 1)), else () for the shape legion-nn holds
+    output_shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.input = tuple(self.input)  # type: ignore[assignment]

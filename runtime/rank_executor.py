@@ -26,7 +26,7 @@ to test both, live in `runtime.rank_step`.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,7 @@ class RankExecutor:
         on_task: Callable[[int, str], None] | None = None,
         verify_plans: bool = False,
         keep_step_tensors: bool = False,
+        read_after: Collection[str] = (),
     ) -> None:
         self.transport = transport
         #: check every plan with `verify_plan` before running it (`train --verify`)
@@ -101,6 +102,9 @@ class RankExecutor:
         #: and debugging), gradients included (no update is fused into the kernel that computes
         #: its gradient); otherwise each lives from its first use to its last
         self.keep_step_tensors = keep_step_tensors
+        #: step tensors read after each step (`gathered`: a prediction's outputs), which live
+        #: to the step's end rather than to their last use
+        self.read_after = frozenset(read_after)
         self.rank, self.nranks = transport.rank, transport.size
         self.strategy_spec = strategy
         self.machine = machine or Machine()
@@ -195,7 +199,9 @@ class RankExecutor:
             infer = build_programs(graph, plan, self.machine, [self.rank], inference)[self.rank]
             layouts = choose_layouts(graph)
             keep = self.keep_step_tensors
-            placed = {id(p): step_buffers(graph, p, layouts, keep) for p in (step, infer)}
+            placed = {
+                id(p): step_buffers(graph, p, layouts, keep, self.read_after) for p in (step, infer)
+            }
             prepared = self._prepared[key] = _Prepared(graph, plan, step, infer, placed)
             self.arena.reserve(max(b.size for b in placed.values()))
         self._allocate(graph, prepared.step)
@@ -371,17 +377,27 @@ class RankExecutor:
         return sum(a.nbytes for n, a in self.arrays.items() if self._tensors[n].resident)
 
     def resident(self) -> dict[str, np.ndarray] | None:
-        """Parameters and state, whole and logical, on rank 0 (None elsewhere).
-
-        Each home cell is sent by its first holder; rank 0 assembles the logical arrays."""
+        """Parameters and state, whole and logical, on rank 0 (None elsewhere)."""
         homes = self._resident_homes or {}
         # every rank names every parameter: a pipeline's stages each hold their own layers'
         names = sorted(n for n in homes if self._known[n].kind in ("param", "state"))
+        return self._assemble({name: homes[name] for name in names}, "gathering a checkpoint")
+
+    def gathered(self, name: str) -> np.ndarray | None:
+        """A step tensor of the step just run (named in `read_after`), whole and logical, on
+        rank 0 (None elsewhere), from the parts the ranks hold after the step."""
+        plan = self._prepared[self._bound_graph].plan
+        whole = self._assemble({name: plan.layouts[name]}, f"gathering {name}")
+        return None if whole is None else whole[name]
+
+    def _assemble(self, layouts: Mapping[str, PlanLayout], what: str) -> dict | None:
+        """The tensors laid out as `layouts` say, whole and logical, on rank 0 (None
+        elsewhere): each cell is sent by its first holder, and rank 0 assembles the arrays."""
         parts: list[tuple[str, Rect, np.ndarray]] = []
         pending = []
-        for name in names:
+        for name, layout in layouts.items():
             tensor = self._known[name]
-            for part, holders in homes[name].held(tensor.rect):
+            for part, holders in layout.held(tensor.rect):
                 if not holders:
                     continue
                 sender = holders[0]
@@ -396,12 +412,10 @@ class RankExecutor:
         if self.rank != 0:
             return None
         for request, sender in pending:
-            parts.append(
-                wait_object(request, sender, "gathering a checkpoint", 0, self.stall_timeout)
-            )
+            parts.append(wait_object(request, sender, what, 0, self.stall_timeout))
         out = {
             name: np.zeros(self._known[name].dims, NUMPY_DTYPES[self._known[name].dtype])
-            for name in names
+            for name in layouts
         }
         for name, part, block in parts:
             out[name][part.to_slices()] = block

@@ -28,7 +28,7 @@ successive cache-line colours within a page, for the reason `runtime.aligned` gi
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
@@ -136,11 +136,16 @@ class StepBuffers:
 
 
 def step_slots(
-    graph: TaskGraph, program: RankProgram, staged: Staging, keep: bool = False
+    graph: TaskGraph,
+    program: RankProgram,
+    staged: Staging,
+    keep: bool = False,
+    read_after: Collection[str] = (),
 ) -> list[Slot]:
     """Every buffer of `program` that is not a resident tensor's, with its lifetime, as
     `staged` stages its reductions and copies; with `keep`, the step tensors live all step, so
-    that all of them can be read after it."""
+    that all of them can be read after it; the tensors named in `read_after` (a prediction's
+    outputs) live to the step's end, as the statistics do."""
     tensors = graph.tensors
     end = len(program.tasks) - 1
     touched: dict[str, list[int]] = {}
@@ -159,7 +164,7 @@ def step_slots(
         if tensor.resident or name not in touched:
             continue
         first, last = touched[name][0], max(touched[name][-1], summed_until.get(name, -1))
-        if tensor.kind == "stat" or keep:  # the loss and sums are read after the step
+        if tensor.kind == "stat" or keep or name in read_after:  # read after the step
             first, last = (0 if keep else first), end
         what = GRADIENTS if tensor.kind == "grad" else ACTIVATIONS
         slots.append(Slot(("tensor", name), box.volume * tensor.itemsize, first, last, what))
@@ -346,10 +351,11 @@ def step_buffers(
     program: RankProgram,
     layouts: Mapping[str, Layout] | None = None,
     keep: bool = False,
+    read_after: Collection[str] = (),
 ) -> StepBuffers:
-    """The placed buffers of `program` on its rank (`keep`: see `step_slots`)."""
+    """The placed buffers of `program` on its rank (`keep`, `read_after`: see `step_slots`)."""
     staged = staging(graph, program, layouts or choose_layouts(graph))
-    placed = place(step_slots(graph, program, staged, keep), len(program.tasks))
+    placed = place(step_slots(graph, program, staged, keep, read_after), len(program.tasks))
     return replace(placed, staging=staged)
 
 

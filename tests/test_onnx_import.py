@@ -238,8 +238,8 @@ def bad(tmp: Path, name: str, nodes, inputs, initializers) -> Path:
 
 
 def refused(tmp: Path) -> dict[str, tuple[Path, str]]:
-    grouped = bad(tmp, "grouped", [helper.make_node("Conv", ["x", "w"], ["y"], name="g", group=2)],
-                  ["N", 2, 4, 4], [constant("w", (2, 1, 3, 3))])  # fmt: skip
+    grouped = bad(tmp, "grouped", [helper.make_node("Conv", ["x", "w"], ["y"], name="g", group=3)],
+                  ["N", 2, 4, 4], [constant("w", (3, 1, 3, 3))])  # fmt: skip
     dilated = bad(tmp, "dilated", [helper.make_node("Conv", ["x", "w"], ["y"], name="d",
                                                     dilations=[2, 2])],
                   ["N", 1, 6, 6], [constant("w", (1, 1, 3, 3))])  # fmt: skip
@@ -255,9 +255,12 @@ def refused(tmp: Path) -> dict[str, tuple[Path, str]]:
     truncated = tmp / "truncated.onnx"
     truncated.write_bytes(conv_gemm(tmp).read_bytes()[:200])
     return {
-        "grouped Conv": (grouped, "node 'g' (Conv): grouped Conv (group 2) is not supported"),
+        "grouped Conv": (
+            grouped,
+            "node 'g' (Conv): layer g_0 (conv): groups 3 must divide its 2 input channels",
+        ),
         "dilated Conv": (dilated, "node 'd' (Conv): dilated Conv is not supported"),
-        "unsupported op": (elu, "node 'e' (Elu): op not supported; supported: Conv, Gemm"),
+        "unsupported op": (elu, "node 'e' (Elu): op not supported; supported: Conv, LRN"),
         "unknown shape": (unknown, "input 'x' has shape ['N', 'C', 4, 4]"),
         "broadcast Add": (
             broadcast,

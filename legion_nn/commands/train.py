@@ -12,7 +12,6 @@ outputs. Without a launcher it trains on one process; `--trace` then records tha
 from __future__ import annotations
 
 import argparse
-import sys
 
 from legion_nn.commands import (
     AUTO_STAGES,
@@ -26,9 +25,6 @@ from legion_nn.commands import (
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
 DEFAULT_NETWORK = "seed-lcn-small"
-#: how long a rank that lost a peer waits before it reports and ends the job, so that the
-#: lost rank's watcher (`runtime.supervisor`), woken by the same death, has written its line
-PEER_LOST_GRACE_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,68 +259,38 @@ def _run_single(args: argparse.Namespace) -> int:
 
 def _run_rank(args: argparse.Namespace, status) -> int:
     """One rank of an mpiexec job (the child of its watcher, see `runtime.supervisor`)."""
-    import time
-
+    from legion_nn.commands.ranks import report_setup_error, run_rank
     from legion_nn.errors import LegionNNError
-    from runtime.distributed import train_rank
-    from runtime.launch import rank_from_env
 
     try:
         config, options = _config(args)
     except (LegionNNError, OSError) as exc:  # the same on every rank: rank 0 says it once
-        if not rank_from_env():
-            text = (
-                f"{exc.filename or ''}: {exc.strerror or exc}" if isinstance(exc, OSError) else exc
+        return report_setup_error(NAME, exc)
+
+    def body(transport) -> None:
+        from runtime.distributed import train_rank
+        from runtime.launch import local_rank_from_env, ranks_on_this_host
+        from runtime.mpi_transport import idle_barrier
+
+        root = transport.rank == 0
+        log = open(args.log_json, "w") if root and args.log_json else None  # noqa: SIM115
+        try:
+            console = _Console(args.no_progress or not root)
+            if root:
+                console.start(config, config.total_steps, transport.size, options.label)
+            local_rank = local_rank_from_env()
+            ahead = (
+                _compile_ahead(config.dtype, local_rank, ranks_on_this_host(), idle_barrier)
+                if local_rank is not None
+                else _compile_ahead(config.dtype, 0, 1, None, helpers=False)
             )
-            print(f"legion-nn train: {text}", file=sys.stderr, flush=True)
-        return 2
-    from runtime.launch import local_rank_from_env, ranks_on_this_host, share_cores
-    from runtime.mpi_transport import MPITransport, idle_barrier
-    from runtime.supervisor import release_segments
+            result = train_rank(
+                config, transport, options, status, log, console.on_step, console.on_epoch, ahead
+            )
+            if root:
+                console.done(result)
+        finally:
+            if log is not None:
+                log.close()
 
-    share_cores(ranks_on_this_host())
-    transport = MPITransport()
-    status.set_rank(transport.rank)
-    idle_barrier()  # every rank has mapped MPI's shared memory: nothing opens it by name again
-    release_segments()
-    root = transport.rank == 0
-    log = None
-    try:
-        if root and args.log_json:
-            log = open(args.log_json, "w")  # noqa: SIM115  (closed below)
-        console = _Console(args.no_progress or not root)
-        if root:
-            console.start(config, config.total_steps, transport.size, options.label)
-        local_rank = local_rank_from_env()
-        ahead = (
-            _compile_ahead(config.dtype, local_rank, ranks_on_this_host(), idle_barrier)
-            if local_rank is not None
-            else _compile_ahead(config.dtype, 0, 1, None, helpers=False)
-        )
-        result = train_rank(
-            config, transport, options, status, log, console.on_step, console.on_epoch, ahead
-        )
-        if root:
-            console.done(result)
-    except BaseException as exc:  # noqa: BLE001  (one line naming the rank, then the job ends)
-        from runtime.transport import PeerLost
-
-        if isinstance(exc, PeerLost):
-            time.sleep(PEER_LOST_GRACE_S)  # the launcher may well end this rank meanwhile
-        if isinstance(exc, KeyboardInterrupt):
-            message = f"rank {transport.rank}: interrupted"
-        elif isinstance(exc, LegionNNError) and str(exc).startswith("rank "):
-            message = str(exc)
-        else:
-            first = (str(exc).strip().splitlines() or [""])[0]
-            message = f"rank {transport.rank}: {type(exc).__name__}: {first}"
-        print(f"legion-nn train: {message}", file=sys.stderr, flush=True)
-        if log is not None:
-            log.close()
-        if transport.size > 1:
-            transport.abort(1)
-        return 1
-    if log is not None:
-        log.close()
-    transport.finalize()
-    return 0
+    return run_rank(NAME, status, body)

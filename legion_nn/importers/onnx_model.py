@@ -6,7 +6,10 @@ or dynamic, is left to the lowering's batch):
 
 | ONNX | layer | parameters |
 |---|---|---|
-| Conv (group 1, dilation 1, equal strides) | `conv` (tied) | W (K, C, R, S) → (K, 1, 1, C, R, S, 1, 1), B (K) → (1, K, 1, 1) |
+| Conv (dilation 1, equal strides) | `conv` (tied; `groups` its group) | W (K, C/g, R, S) → (K, 1, 1, C/g, R, S, 1, 1), B (K) → (1, K, 1, 1) |
+| LRN | `lrn` | |
+| Mul by a parameter of one value per channel (Unsqueezed or Reshaped), and an Add of another after it | `channel_affine` | the two → scale and shift (1, C, 1, 1) |
+| Reshape (N, g, C/g, H, W), Transpose (0, 2, 1, 3, 4), Reshape (N, C, H, W) | `channel_shuffle` (groups g) | |
 | Gemm (alpha = beta = 1, transA 0) | `linear` over the flattened input | B (M, K) or (K, M) with transB 0 → (M, K, 1, 1), C → (1, M, 1, 1) |
 | MatMul, and an Add of a constant after it | `linear` | B (K, M) → (M, K, 1, 1), the Add's constant the bias |
 | Relu, Tanh, Sigmoid | `filterNL` | |
@@ -34,9 +37,9 @@ training starts from.
 
 The graph need not be a chain: each node's layer reads the groups that made its inputs
 (`Layer.inputs`), so ResNet's shortcuts and Inception's branches are kept as they are. Anything
-else (another op, a grouped or dilated Conv, an Add broadcasting a tensor, a second output) is
-refused in one line naming the node, its op type and what is supported. `onnx_export.save_onnx` writes the same model
-back with trained values.
+else (another op, a dilated Conv, an Add broadcasting a tensor, a second output) is refused in
+one line naming the node, its op type and what is supported. `onnx_export.save_onnx` writes the
+same model back with trained values.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ from pathlib import Path
 import numpy as np
 
 from legion_nn.errors import ShapeError, read_input
-from legion_nn.importers.onnx_fold import Folded, FoldError, fold, model_opsets, parameters
+from legion_nn.importers.onnx_fold import (
+    Folded,
+    FoldError,
+    evaluate,
+    fold,
+    model_opsets,
+    parameters,
+)
 from legion_nn.importers.onnx_graph import (
     OnnxError,
     first_line,
@@ -60,9 +70,12 @@ from legion_nn.importers.onnx_graph import (
 )
 from legion_nn.importers.onnx_sequence import SequenceOps
 from legion_nn.layers import (
+    LRN,
     Add,
     AvgPool,
     BatchNorm,
+    ChannelAffine,
+    ChannelShuffle,
     Concat,
     Conv,
     Dropout,
@@ -79,6 +92,9 @@ from legion_nn.network import INPUT, Network, class_count
 
 SUPPORTED = (
     "Conv",
+    "LRN",
+    "Mul by one parameter per channel (and an Add of one after it)",
+    "Reshape, Transpose, Reshape (a channel shuffle)",
     "Gemm",
     "MatMul",
     "Add (two tensors of one shape, or a constant after MatMul)",
@@ -106,6 +122,8 @@ SUPPORTED = (
     "elementwise ops computing GELU",
 )
 NONLINEAR = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid"}
+#: ops that give a parameter another shape (to broadcast it), folded at import
+PARAMETER_VIEWS = ("Unsqueeze", "Reshape", "Squeeze", "Flatten")
 
 
 def load_onnx(path: str | Path) -> Network:
@@ -152,6 +170,8 @@ class _Reader(SequenceOps):
         #: the parameters: float initializers, and the names their Identity nodes pass them on as
         self.params = parameters(model.graph)
         self.params |= {alias for alias, source in self.aliases.items() if source in self.params}
+        #: values that are a parameter under another shape (an Unsqueeze of it): its name
+        self.viewed: dict[str, str] = {}
         #: the nodes to read (folding left them), each named by its place among every node
         #: that could be a layer (`layer_nodes`: as `onnx_export` walks them)
         self.nodes = [
@@ -198,6 +218,9 @@ class _Reader(SequenceOps):
         self.sample = sample
         self.values[inputs[0].name] = (INPUT, sample)
         nodes = self.nodes
+        for node in nodes:  # before any layer that reads one, wherever it stands in the graph
+            if self._parameter_view(node):
+                self.claimed.add(id(node))
         ends_in_softmax = False
         for position, node in enumerate(nodes):
             if id(node) in self.claimed:
@@ -207,7 +230,7 @@ class _Reader(SequenceOps):
                 i for i in node.input if i and i not in self.constants and i not in self.batched
             ]
             try:
-                if self._sequence(node, data, position):
+                if self._channel_shuffle(node, data) or self._sequence(node, data, position):
                     ends_in_softmax = False
                     continue
             except ShapeError as exc:
@@ -230,6 +253,8 @@ class _Reader(SequenceOps):
                         raise self.fail(node, f"reads {len(data)} tensors; supported: one")
                     self._read(data[0])
                     fused = self._matmul_add(node, index)
+                    if fused is None:
+                        fused = self._channel_affine(node, index)
                     if fused is not None:
                         node = fused
                     else:
@@ -257,6 +282,10 @@ class _Reader(SequenceOps):
             param_names=self.param_names,
             initial=self.initial,
             source=str(self.path),
+            appended_loss=not ends_in_softmax,
+            input_name=inputs[0].name,
+            output_name=outputs[0],
+            output_shape=_output_shape(graph.output[0]),
         )
 
     def _read(self, value: str) -> None:
@@ -276,6 +305,108 @@ class _Reader(SequenceOps):
         self.claimed.add(id(after))
         self._linear(node, weights.T, bias, index)
         return after
+
+    def _parameter_view(self, node) -> bool:
+        """A parameter given another shape to broadcast (DenseNet's Unsqueeze of a batch norm's
+        scale): its value is folded here, and a layer reading it takes it as that parameter."""
+        if node.op_type not in PARAMETER_VIEWS or not node.input:
+            return False
+        if node.input[0] not in self.params or any(
+            i not in self.constants for i in node.input if i
+        ):
+            return False
+        feed = {i: self.constants[i] for i in node.input if i}
+        (value,) = evaluate(node, feed, self.opsets)
+        self.constants[node.output[0]] = np.asarray(value)
+        self.params.add(node.output[0])
+        self.viewed[node.output[0]] = self.viewed.get(node.input[0], node.input[0])
+        return True
+
+    def _per_channel(self, name: str) -> np.ndarray | None:
+        """The constant `name` as one value per channel of the current (C, H, W), (1, C, 1, 1),
+        or None where it is none that broadcasts so. It becomes a parameter, as a Conv's
+        weights do, whether an initializer or computed without data (the model zoo's weights
+        are ConstantOfShape nodes)."""
+        value = self.constants.get(name)
+        if value is None or not np.issubdtype(value.dtype, np.floating) or len(self.shape) != 3:
+            return None
+        channels = self.shape[0]
+        padded = (1,) * (4 - value.ndim) + value.shape if value.ndim <= 4 else value.shape
+        if len(padded) != 4 or padded[1] != channels or padded[0] * padded[2] * padded[3] != 1:
+            return None
+        return value.reshape(1, channels, 1, 1)
+
+    def _channel_affine(self, node, index: int):
+        """A Mul by one parameter per channel, and the Add of another after it if there is one
+        (read with it), as one `channel_affine` layer; the node whose output it makes, or None
+        where `node` is no such Mul."""
+        if node.op_type != "Mul":
+            return None
+        found = [(i, self._per_channel(i)) for i in node.input]
+        scales = [(i, v) for i, v in found if v is not None]
+        if len(scales) != 1:
+            return None
+        (scale_name, scale), last = scales[0], node
+        shift_name = shift = None
+        consumers = self.consumers.get(node.output[0], [])
+        if len(consumers) == 1 and consumers[0].op_type == "Add":
+            after = consumers[0]
+            others = [i for i in after.input if i != node.output[0]]
+            if len(others) == 1 and node.output[0] not in self.outputs:
+                shift_name, shift = others[0], self._per_channel(others[0])
+            if shift is not None:
+                self.claimed.add(id(after))
+                last = after
+        name = layer_name(node, index)
+        self._add(ChannelAffine(name, shift=shift is not None))
+        self._param(f"{name}.scale", self.viewed.get(scale_name, scale_name), scale)
+        if shift is not None:
+            self._param(f"{name}.shift", self.viewed.get(shift_name, shift_name), shift)
+        return last
+
+    def _channel_shuffle(self, node, data: list[str]) -> bool:
+        """ShuffleNet's channel shuffle: a Reshape to (N, g, C/g, H, W), a Transpose swapping g
+        and C/g, and a Reshape back to (N, C, H, W), each read by the next alone, as one
+        `channel_shuffle` layer of g groups."""
+        if node.op_type != "Reshape" or len(data) != 1 or node.input[1] not in self.constants:
+            return False
+        shape = self.values[data[0]][1] if data[0] in self.values else ()
+        target = [int(v) for v in self.constants[node.input[1]].reshape(-1)]
+        if len(shape) != 3 or len(target) != 5 or not self.keeps_batch(target[0]):
+            return False
+        channels, rows, cols = shape
+        groups, per = target[1], target[2]
+        if groups == -1 and per > 0:
+            groups = channels // per
+        if per == -1 and groups > 0:
+            per = channels // groups
+        if groups < 1 or groups * per != channels or target[3:] != [rows, cols]:
+            return False
+        transpose = self._consumer_of(node.output[0], "Transpose")
+        if transpose is None or list(node_attributes(transpose).get("perm", [])) != [0, 2, 1, 3, 4]:
+            return False
+        back = self._consumer_of(transpose.output[0], "Reshape")
+        if back is None or back.input[1] not in self.constants:
+            return False
+        final = [int(v) for v in self.constants[back.input[1]].reshape(-1)]
+        if len(final) != 4 or not self.keeps_batch(final[0]):
+            return False
+        if final[1:] not in ([channels, rows, cols], [-1, rows, cols]):
+            return False
+        self.claimed.update((id(transpose), id(back)))
+        self._read(data[0])
+        self._add(ChannelShuffle(self.name_of(node), groups=groups))
+        self._made(back.output[0])
+        return True
+
+    def _consumer_of(self, value: str, op: str):
+        """The one node reading `value` if it is an `op` and `value` is no output, else None."""
+        after = self._only_consumer(value)
+        return (
+            after
+            if after is not None and after.op_type == op and value not in self.outputs
+            else None
+        )
 
     def _merge(self, node, data: list[str], index: int) -> None:
         """An Add of two data tensors, or a Concat of several along the channels."""
@@ -399,6 +530,16 @@ class _Reader(SequenceOps):
             self._add(Flatten(name))
         elif op == "Reshape":
             self._add(Reshape(name, shape=self._reshaped(node)))
+        elif op == "LRN":
+            self._add(
+                LRN(
+                    name,
+                    size=int(attrs["size"]),
+                    alpha=float(attrs.get("alpha", 1e-4)),
+                    beta=float(attrs.get("beta", 0.75)),
+                    bias=float(attrs.get("bias", 1.0)),
+                )
+            )
         elif op == "Identity":
             return
         elif op in ("Softmax", "LogSoftmax"):
@@ -418,8 +559,6 @@ class _Reader(SequenceOps):
             raise self.fail(node, "auto_pad is not supported; give pads")
 
     def _conv(self, node, attrs: dict, name: str) -> None:
-        if attrs.get("group", 1) != 1:
-            raise self.fail(node, f"grouped Conv (group {attrs['group']}) is not supported")
         if any(d != 1 for d in attrs.get("dilations", [1, 1])):
             raise self.fail(node, "dilated Conv is not supported")
         self._explicit_pads(node, attrs)
@@ -438,6 +577,7 @@ class _Reader(SequenceOps):
             stride=int(strides[0]),
             pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
             bias=bias is not None,
+            groups=int(attrs.get("group", 1)),
         )
         self._add(layer)
         self._param(f"{name}.W", node.input[1], weights.reshape(k, 1, 1, c, r, s, 1, 1))
@@ -477,6 +617,15 @@ class _Reader(SequenceOps):
             known = int(np.prod([v for v in per if v != -1]))
             per[per.index(-1)] = int(np.prod(self.shape)) // max(known, 1)
         return tuple(per + [1] * (3 - len(per)))  # type: ignore[return-value]
+
+
+def _output_shape(value) -> tuple[int, ...]:
+    """The per-sample shape of the model's output `value` where every dim past the batch is
+    known, else ()."""
+    dims = value.type.tensor_type.shape.dim[1:]
+    if not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+        return ()
+    return tuple(int(d.dim_value) for d in dims)
 
 
 def _pads(pads) -> list[int]:

@@ -3,8 +3,10 @@
 Filter weights are 8-D, (K, 1, 1, C, R, S, P, Q): K output channels, C input channels, an R×S
 window and P×Q weight sets, one per output position when untied (a locally connected layer),
 P = Q = 1 when tied (an ordinary convolution). Axes 1 and 2 are unit axes in every seed layer;
-legion-nn keeps them so weights stay in the seed's shape and reads them as the group axes of a
-grouped filter (output and input channel groups), of which only one group is supported.
+legion-nn keeps them so weights stay in the seed's shape. A grouped convolution (`conv` with
+`groups` > 1) keeps the same 8-D shape with axis 3 counting the input channels of one group, C/g,
+and lowers to op `group_conv` (`legion_nn.layers.group_conv`); with one group it is this module's
+`conv`, unchanged.
 
 Both ops iterate over the output times the input channels they sum over, (N, K, P, Q, C). A
 piece of input channels [c0, c1) reads those channels of the input and of the weights and writes
@@ -233,7 +235,14 @@ class Filter(Layer):
     def weight_dims(self, shape: Shape) -> tuple[int, ...]:
         _, rows, cols = self.out_shape(shape)
         positions = (rows, cols) if self.untied else (1, 1)
-        return (self.out_channels, 1, 1, shape[0]) + tuple(self.kernel) + positions
+        return (self.out_channels, 1, 1, self._summed(shape)) + tuple(self.kernel) + positions
+
+    def _op(self) -> str:
+        return self.KIND
+
+    def _summed(self, shape: Shape) -> int:
+        """The input channels each output channel sums over."""
+        return shape[0]
 
     def attrs(self) -> dict[str, Any]:
         return {
@@ -246,7 +255,7 @@ class Filter(Layer):
     def init(self, shape: Shape) -> str:
         if self.init_std is not None:
             return f"normal:{self.init_std}"
-        return f"he:{shape[0] * self.kernel[0] * self.kernel[1]}"
+        return f"he:{self._summed(shape) * self.kernel[0] * self.kernel[1]}"
 
     def lower(self, ctx, x: str, shape: Shape) -> str:
         batch = ctx.batch
@@ -255,14 +264,16 @@ class Filter(Layer):
         bias = self._bias(ctx)
         y = ctx.tensor(f"{self.stem}.output", (batch, k, rows, cols), "activation")
         result = Rect.from_dims((batch, k, rows, cols))
-        space = Rect.from_dims((batch, k, rows, cols, shape[0]))  # × the input channels summed
+        # × the input channels summed
+        space = Rect.from_dims((batch, k, rows, cols, self._summed(shape)))
         attrs = self.attrs()
+        op = self._op()
         inputs = [("input", x, R_), ("filters", weights, R_)]
         if bias:
             inputs.append(("b", bias, R_))
         ctx.task(
             self.stem,
-            self.KIND,
+            op,
             "forward",
             space,
             inputs + [("output", y, W_)],
@@ -283,7 +294,7 @@ class Filter(Layer):
                 bindings.append(("b.delta", ctx.grad(bias), RD))
             ctx.task(
                 f"{self.stem}.grad",
-                self.KIND,
+                op,
                 "backward",
                 space,
                 bindings,
@@ -317,11 +328,49 @@ class Conv(Filter):
 
     untied: bool = False
     bias: bool = True
+    #: channel groups (ONNX Conv's `group`; depthwise when it equals the input channels): output
+    #: channel k reads only the input channels of group k // (out_channels / groups)
+    groups: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.untied:
             raise ValueError("conv is the tied filter; use a filter layer for untied weights")
+        positive(self.groups, "groups")
+        if self.out_channels % self.groups:
+            raise ValueError(
+                f"{self.label}: groups {self.groups} must divide out_channels {self.out_channels}"
+            )
+        if self.groups > 1 and self.update_channels is not None:
+            # a range of input channels names different weights in every group
+            raise ValueError(f"{self.label}: update_channels needs groups 1, got {self.groups}")
+
+    def out_shape(self, shape: Shape) -> Shape:
+        if len(shape) == 3 and shape[0] % self.groups:
+            raise ShapeError(
+                f"{self.label}: groups {self.groups} must divide its {shape[0]} input channels "
+                f"(input shape {list(shape)})"
+            )
+        return super().out_shape(shape)
+
+    def _summed(self, shape: Shape) -> int:
+        return shape[0] // self.groups
+
+    def _op(self) -> str:
+        # one group is the plain conv with its packed kernels, and its graph stays as it was
+        return "group_conv" if self.groups > 1 else self.KIND
+
+    def attrs(self) -> dict[str, Any]:
+        attrs = super().attrs()
+        if self.groups > 1:
+            attrs["groups"] = self.groups
+        return attrs
+
+    def to_spec(self) -> dict[str, Any]:
+        spec = super().to_spec()
+        if self.groups == 1:  # specs, and the checkpoints that hash them, stay as they were
+            del spec["groups"]
+        return spec
 
     def _bias(self, ctx) -> str | None:
         if not self.bias:

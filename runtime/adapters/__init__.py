@@ -14,8 +14,10 @@ interior piece is computed without padding and a border piece with its side of i
 from legion_nn.ops import records
 from runtime.adapters import (  # noqa: F401
     attention,
+    channel,
     classifier,
     elementwise,
+    lrn,
     merge,
     normalization,
     sequence,

@@ -1,9 +1,11 @@
-"""Adapters of the windowed ops: `filter`, `conv`, `maxpool` and `avgpool`.
+"""Adapters of the windowed ops: `filter`, `conv`, `group_conv`, `maxpool` and `avgpool`.
 
 Each gets the clipped halo of its piece plus the zero padding of its own border
 (`window_padding`), so an interior piece runs without padding and a border piece with its side of
 it. Filter weights kept in the packed instance (6-D views, see `runtime.instances`) go straight to
-the packed kernels, and their gradients accumulate in place there.
+the packed kernels, and their gradients accumulate in place there. `group_conv` weights stay in
+the logical layout: its views start at the piece's first output channel, first group and first
+input channel of a group (`legion_nn.layers.group_conv`), which the piece kernels take as given.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 from legion_nn.access import input_dims, window_padding
 from legion_nn.rect import Rect
 from runtime.adapters.registry import Dims, adapter
-from runtime.kernels import filter_packed, layout, pool
+from runtime.kernels import filter_packed, group_conv, layout, pool
 
 
 def _pads(task, piece: Rect, dims: Dims) -> tuple[int, int, int, int]:
@@ -114,6 +116,68 @@ def _conv_grad(task, piece, views, dims, ctx):
     out = _filter_grad(task, piece, views, dims, ctx)
     if "b.delta" in views:
         dy = views["output.delta"]
+        db = dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(dy.dtype)
+        out["b.delta"] = db.reshape(views["b.delta"].shape)
+    return out
+
+
+def _group_layout(task, piece: Rect, dims: Dims) -> tuple[int, int, int]:
+    """(k0, Kg, Cg): the piece's first output channel, and channels per group out and in."""
+    filters = dims["filters"]
+    return piece.lo[1], filters[0] // task.attrs["groups"], filters[3]
+
+
+def _empty_halo(piece: Rect, views) -> bool:
+    # a piece whose every window lies in the padding reads no input: its output is the bias
+    return "input" not in views and not piece.is_empty()
+
+
+@adapter("group_conv.forward")
+def _group_conv(task, piece, views, dims, ctx):
+    b = views.get("b")
+    if _empty_halo(piece, views):
+        y = np.zeros(tuple(piece.shape[:4]), views["filters"].dtype)
+        return {"output": y + b if b is not None else y}
+    k0, kg, cg = _group_layout(task, piece, dims)
+    y = group_conv.group_conv_forward_piece(
+        views["input"],
+        views["filters"],
+        b,
+        k0,
+        kg,
+        cg,
+        task.attrs["stride"],
+        _pads(task, piece, dims),
+    )
+    return {"output": y}
+
+
+@adapter("group_conv.backward")
+def _group_conv_grad(task, piece, views, dims, ctx):
+    dy = views["output.delta"]
+    out: dict[str, np.ndarray] = {}
+    if _empty_halo(piece, views):
+        if "filters.delta" in views:
+            out["filters.delta"] = np.zeros_like(views["filters.delta"])
+    else:
+        k0, kg, cg = _group_layout(task, piece, dims)
+        need_dx = task.attrs["need_dx"] and "input.delta" in views
+        dx, dw, _ = group_conv.group_conv_backward_piece(
+            dy,
+            views["input"],
+            views["filters"],
+            k0,
+            kg,
+            cg,
+            task.attrs["stride"],
+            _pads(task, piece, dims),
+            need_dx=need_dx,
+        )
+        if need_dx:
+            out["input.delta"] = dx
+        if "filters.delta" in views:
+            out["filters.delta"] = dw
+    if "b.delta" in views:
         db = dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(dy.dtype)
         out["b.delta"] = db.reshape(views["b.delta"].shape)
     return out
