@@ -10,6 +10,7 @@ For each model of `onnx/backend/test/data/light/` (shipped with the `onnx` packa
 - `partition` on 8 ranks under data, model, spatial and auto (the predicted steps, and whether
   auto is predicted no slower than the best fixed one), and the wall time of
   `partition --json` on `--ranks` ranks (data and auto);
+- `train --steps 2` on synthetic data;
 - ResNet-50's `predict` at batch 8 against onnxruntime's session on the same input, on this
   machine, as a ratio, with NumPy's SGEMM beside it (the machine is shared and its speed moves).
 
@@ -121,6 +122,21 @@ def plans(name: str, tmp: Path, ranks: int) -> str:
     return f"{shown} ms, {verdict}; {ranks} ranks: {'/'.join(walls)} s"
 
 
+def trains(name: str, tmp: Path) -> str:
+    """`train --steps 2` in one process, on 4 random samples of the model's shape (so that
+    the end of the epoch evaluates 4 samples, not a synthetic set of a thousand)."""
+    x, _ = reference(name)
+    rng = np.random.default_rng(0)
+    data = tmp / f"{name}_train.npz"
+    samples = rng.standard_normal((4, *x.shape[1:])).astype(np.float32)
+    np.savez(data, x_train=samples, y_train=rng.integers(0, 1000, 4))
+    seconds, done = cli("train", str(light() / f"light_{name}.onnx"), "--data", str(data),
+                        "--steps", "2", "--batch", "2", "--no-progress")  # fmt: skip
+    if done.returncode != 0:
+        return f"exit {done.returncode}: {done.stderr.strip()[:70]}"
+    return f"ok ({seconds:.0f} s)"
+
+
 def speed(batch: int = 8, repeat: int = 5) -> None:
     """ResNet-50 at `batch`: legion-nn's forward pass (as `predict` runs each batch, planned and
     compiled before) against onnxruntime's session, in one process."""
@@ -168,12 +184,12 @@ def speed(batch: int = 8, repeat: int = 5) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--skip", default="", help="any of: mpi, plans, speed")
+    parser.add_argument("--skip", default="", help="any of: mpi, plans, train, speed")
     parser.add_argument("--ranks", type=int, default=64)
     args = parser.parse_args()
     names = [n for n in args.models.split(",") if n]
     skip = set(args.skip.split(",")) - {""}
-    if set(names) - set(MODELS) or skip - {"mpi", "plans", "speed"}:
+    if set(names) - set(MODELS) or skip - {"mpi", "plans", "train", "speed"}:
         print("model_zoo: unknown model or part", file=sys.stderr)
         return 2
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; SGEMM {sgemm_gflops():.0f} GFLOP/s")
@@ -186,6 +202,8 @@ def main() -> int:
                     row.append(f"mpiexec -n 2 {strategy}: {predicted(name, tmp, 2, strategy)}")
             if "plans" not in skip:
                 row.append(f"plans: {plans(name, tmp, args.ranks)}")
+            if "train" not in skip:
+                row.append(f"train --steps 2: {trains(name, tmp)}")
             print(" | ".join(row), flush=True)
         if "speed" not in skip:
             speed()

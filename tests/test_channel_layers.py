@@ -14,7 +14,12 @@ import pytest
 
 from legion_nn.errors import LegionNNError, ShapeError
 from legion_nn.layers import Conv, Linear, Softmax
-from legion_nn.layers.channel import ChannelAffine, ChannelShuffle
+from legion_nn.layers.channel import (
+    ChannelAffine,
+    ChannelShuffle,
+    shuffle_destinations,
+    shuffle_sources,
+)
 from legion_nn.network import Network
 from legion_nn.ops import piece_requirements
 from legion_nn.rect import Rect
@@ -26,8 +31,7 @@ from runtime.kernels.channel import (
     channel_affine_forward,
     channel_shuffle_backward,
     channel_shuffle_forward,
-    channel_shuffle_piece,
-    channel_unshuffle_piece,
+    gather_channels,
 )
 from tests.numeric_grad import numeric_grad
 from tests.test_rank_executor import assert_same, config, local_run, ranks_run
@@ -94,17 +98,19 @@ def test_shuffle_pieces_gather_from_blocks_that_start_anywhere(groups):
     for first in range(channels):
         for last in range(first + 1, channels + 1):
             lo, hi = perm[first:last].min(), perm[first:last].max() + 1
-            got = channel_shuffle_piece(x[:, lo:hi], groups, channels, first, last, lo)
+            wanted = shuffle_sources(channels, groups, first, last)
+            got = gather_channels(x[:, lo:hi], wanted, lo)
             np.testing.assert_array_equal(got, whole_y[:, first:last])
             lo, hi = inverse[first:last].min(), inverse[first:last].max() + 1
-            got = channel_unshuffle_piece(dy[:, lo:hi], groups, channels, first, last, lo)
+            wanted = shuffle_destinations(channels, groups, first, last)
+            got = gather_channels(dy[:, lo:hi], wanted, lo)
             np.testing.assert_array_equal(got, whole_dx[:, first:last])
 
 
 def test_a_shuffle_piece_missing_channels_or_bad_groups_is_named():
     x = randn((1, 12, 1, 1), 6)
-    with pytest.raises(ValueError, match=r"x holds channels \[1, 12\), which lack some of"):
-        channel_shuffle_piece(x[:, 1:], 3, 12, 0, 4, 1)
+    with pytest.raises(ValueError, match=r"a holds channels \[1, 12\), which lack some of"):
+        gather_channels(x[:, 1:], shuffle_sources(12, 3, 0, 4), 1)
     for groups in (5, 0, 2.0, True):
         with pytest.raises(ValueError, match="groups must be a positive int dividing the 12"):
             channel_shuffle_forward(x, groups)

@@ -9,7 +9,12 @@ where that box starts, and the gather subtracts it.
 
 from __future__ import annotations
 
-from legion_nn.layers.channel import shuffle_grad_rect, shuffle_input_rect
+from legion_nn.layers.channel import (
+    shuffle_destinations,
+    shuffle_grad_rect,
+    shuffle_input_rect,
+    shuffle_sources,
+)
 from runtime.adapters.registry import adapter
 from runtime.kernels import channel
 
@@ -38,9 +43,8 @@ def _affine_grad(task, piece, views, dims, ctx):
 def _shuffle(task, piece, views, dims, ctx):
     groups, channels = task.attrs["groups"], dims["input"][1]
     first = shuffle_input_rect(groups, channels, piece).lo[1]
-    y = channel.channel_shuffle_piece(
-        views["input"], groups, channels, piece.lo[1], piece.hi[1], first
-    )
+    wanted = shuffle_sources(channels, groups, piece.lo[1], piece.hi[1])
+    y = channel.gather_channels(views["input"], wanted, first)
     return {"output": y}
 
 
@@ -48,7 +52,6 @@ def _shuffle(task, piece, views, dims, ctx):
 def _shuffle_grad(task, piece, views, dims, ctx):
     groups, channels = task.attrs["groups"], dims["output.delta"][1]
     first = shuffle_grad_rect(groups, channels, piece).lo[1]
-    dx = channel.channel_unshuffle_piece(
-        views["output.delta"], groups, channels, piece.lo[1], piece.hi[1], first
-    )
+    wanted = shuffle_destinations(channels, groups, piece.lo[1], piece.hi[1])
+    dx = channel.gather_channels(views["output.delta"], wanted, first)
     return {"input.delta": dx}

@@ -8,9 +8,10 @@ in float64, so in float32 the only roundings are the float64 sum's and that last
 
 `channel_shuffle`: output channel c' = j·g + i takes input channel i·(C/g) + j (i = c' mod g,
 j = c' div g), ShuffleNet's reshape, transpose and reshape. It moves values and computes none,
-so a NumPy gather is the kernel; the backward gathers with the inverse permutation, which is the
-shuffle with C/g groups. The `*_piece` functions compute some of the channels from a block that
-holds only the channels they need, given where that block starts, as the runtime's views are.
+so NumPy is the kernel: a whole tensor by the definition (reshape, transpose, reshape), the
+backward by its inverse, the shuffle with C/g groups; a piece by `gather_channels`, given the
+channels it takes (`legion_nn.layers.channel.shuffle_sources`, which its access map reads too)
+and where the block its view holds starts.
 """
 
 from __future__ import annotations
@@ -100,54 +101,35 @@ def _check_groups(channels: int, groups: int) -> None:
         )
 
 
-def shuffle_sources(channels: int, groups: int, first: int = 0, last: int | None = None):
-    """The input channel that each output channel in [first, last) of a shuffle takes."""
-    _check_groups(channels, groups)
-    out = np.arange(first, channels if last is None else last, dtype=np.int64)
-    return (out % groups) * (channels // groups) + out // groups
-
-
-def shuffle_destinations(channels: int, groups: int, first: int = 0, last: int | None = None):
-    """The output channel that each input channel in [first, last) of a shuffle goes to."""
-    _check_groups(channels, groups)
-    return shuffle_sources(channels, channels // groups, first, last)
-
-
-def _gather(a: np.ndarray, wanted: np.ndarray, a_first: int, name: str) -> np.ndarray:
-    """Channels `wanted` of a tensor from `a`, its block of channels starting at `a_first`."""
-    _checks.floating(name, a, 4)
-    local = wanted - a_first
+def gather_channels(a: np.ndarray, wanted: np.ndarray, a_first: int = 0) -> np.ndarray:
+    """Channels `wanted` of a tensor, in that order, from `a`, its block of channels starting at
+    `a_first`: a piece of a shuffle (or of its gradient) from the block its view holds."""
+    _checks.floating("a", a, 4)
+    local = np.asarray(wanted, np.int64) - a_first
     if local.size and (local.min() < 0 or local.max() >= a.shape[1]):
         raise ValueError(
-            f"{name} holds channels [{a_first}, {a_first + a.shape[1]}), which lack some of "
-            f"[{int(wanted.min())}, {int(wanted.max()) + 1})"
+            f"a holds channels [{a_first}, {a_first + a.shape[1]}), which lack some of "
+            f"[{int(local.min()) + a_first}, {int(local.max()) + a_first + 1})"
         )
     return np.take(a, local, axis=1)
 
 
-def channel_shuffle_piece(
-    x: np.ndarray, groups: int, channels: int, first: int, last: int, x_first: int = 0
-) -> np.ndarray:
-    """Output channels [first, last) of the shuffle of a `channels`-channel tensor, from `x`,
-    its input channels [x_first, x_first + x.shape[1])."""
-    return _gather(x, shuffle_sources(channels, groups, first, last), x_first, "x")
-
-
-def channel_unshuffle_piece(
-    dy: np.ndarray, groups: int, channels: int, first: int, last: int, dy_first: int = 0
-) -> np.ndarray:
-    """Input channels [first, last) of the shuffle's input gradient, from `dy`, the output
-    gradient's channels [dy_first, dy_first + dy.shape[1])."""
-    return _gather(dy, shuffle_destinations(channels, groups, first, last), dy_first, "dy")
+def _shuffled(a: np.ndarray, groups: int) -> np.ndarray:
+    """ShuffleNet's definition: (N, g, C/g, H, W), the two group axes swapped, (N, C, H, W)."""
+    n, channels, height, width = a.shape
+    _check_groups(channels, groups)
+    grouped = a.reshape(n, groups, channels // groups, height, width)
+    return np.ascontiguousarray(grouped.transpose(0, 2, 1, 3, 4)).reshape(a.shape)
 
 
 def channel_shuffle_forward(x: np.ndarray, groups: int) -> np.ndarray:
     """The shuffle of x (N, C, H, W) with `groups` groups."""
     _checks.floating("x", x, 4)
-    return channel_shuffle_piece(x, groups, x.shape[1], 0, x.shape[1])
+    return _shuffled(x, groups)
 
 
 def channel_shuffle_backward(dy: np.ndarray, groups: int) -> np.ndarray:
     """The input gradient of the shuffle with `groups` groups, given its output gradient."""
     _checks.floating("dy", dy, 4)
-    return channel_unshuffle_piece(dy, groups, dy.shape[1], 0, dy.shape[1])
+    _check_groups(dy.shape[1], groups)
+    return _shuffled(dy, dy.shape[1] // groups)
