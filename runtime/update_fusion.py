@@ -22,6 +22,7 @@ adapter computes that before its kernel steps the weights.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from legion_nn.graph import TaskGraph
@@ -36,6 +37,11 @@ def fuse_into_gradients(graph: TaskGraph, program: RankProgram) -> None:
     """Fuse each update of `program` that can be into the task that writes its gradient:
     `RankTask.steps` on that task, `RankTask.fused_into` on the update, and the gradient's
     buffer dropped from `program.boxes`."""
+    #: per tensor, the positions of the tasks that touch it, in order
+    touching: dict[str, list[int]] = {}
+    for rt in program.tasks:
+        for name in rt.tensors:
+            touching.setdefault(name, []).append(rt.index)
     for update in program.tasks:
         if update.task.op != "update" or len(update.pieces) != 1 or update.windows:
             continue
@@ -43,7 +49,7 @@ def fuse_into_gradients(graph: TaskGraph, program: RankProgram) -> None:
         gradient = by_role.get("gradient")
         if gradient is None or by_role["params"].rect != gradient.rect:
             continue
-        found = _writer(program, gradient.tensor, update.index)
+        found = _writer(program, touching.get(gradient.tensor, []), gradient.tensor, update.index)
         if found is None:
             continue
         producer, role = found
@@ -58,12 +64,15 @@ def fuse_into_gradients(graph: TaskGraph, program: RankProgram) -> None:
             program.boxes.pop(gradient.tensor, None)
 
 
-def _writer(program: RankProgram, gradient: str, before: int) -> tuple[RankTask, str] | None:
+def _writer(
+    program: RankProgram, touching: list[int], gradient: str, before: int
+) -> tuple[RankTask, str] | None:
     """The task before position `before` whose one piece wrote all of `gradient` here from its
     op's stepped role, adding none of it elsewhere, and that role; None if the last task to
-    touch the gradient is not one."""
-    for rt in reversed(program.tasks[:before]):
-        if gradient not in rt.tensors or rt.task.op == "set_zero":
+    touch the gradient is not one. `touching`: the positions of the tasks that touch it."""
+    for position in reversed(touching[: bisect_left(touching, before)]):
+        rt = program.tasks[position]
+        if rt.task.op == "set_zero":
             continue
         role = stepped_role(rt.task)
         if role is None or gradient not in rt.fresh or len(rt.pieces) != 1:

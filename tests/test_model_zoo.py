@@ -23,26 +23,14 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from bench.model_zoo import ATOL, MODELS, RTOL, light, reference
 from legion_nn.importers.onnx_fold import fold
 from legion_nn.importers.onnx_model import load_onnx
 from runtime.prediction import predict_rank
 from runtime.transport import ThreadTransport
 from tests.test_mpi_runtime import environment
 
-LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
-
-
-MODELS = [
-    "bvlc_alexnet",
-    "densenet121",
-    "inception_v1",
-    "inception_v2",
-    "resnet50",
-    "shufflenet",
-    "squeezenet",
-    "vgg19",
-    "zfnet512",
-]
+LIGHT = light()
 
 
 def predict(network, x: np.ndarray) -> np.ndarray:
@@ -53,12 +41,9 @@ def predict(network, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_model_of_the_set_predicts_its_reference_output(name):
-    network = load_onnx(LIGHT / f"light_{name}.onnx")
-    count = int(np.prod(network.input))
-    x = (np.arange(count).reshape(1, *network.input) / count).astype(np.float32)
-    expected = numpy_helper.to_array(onnx.load_tensor(str(LIGHT / f"light_{name}_output_0.pb")))
-    got = predict(network, x)
-    np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-3, atol=1e-5)
+    x, expected = reference(name)
+    got = predict(load_onnx(LIGHT / f"light_{name}.onnx"), x)
+    np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=RTOL, atol=ATOL)
 
 
 def randomised(model_name: str, tmp_path: Path) -> Path:
@@ -119,7 +104,7 @@ def test_with_random_weights_it_predicts_what_onnxruntime_predicts(name, tmp_pat
     expected = onnxruntime_outputs(path, x)
     got = predict(network, x).reshape(expected.shape)
     assert expected.std() > 1e-4  # no longer uniform
-    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")
@@ -142,4 +127,4 @@ def test_under_mpiexec_a_split_model_predicts_what_onnxruntime_predicts(name, st
     assert result.returncode == 0, result.stderr
     expected = onnxruntime_outputs(path, x)
     got = np.load(out)["y"].reshape(expected.shape)
-    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)

@@ -125,8 +125,10 @@ def _phase_at(r, s, stride, rows, cols):
 
 
 @njit(cache=True, nogil=True)
-def _to_phases(plane, top, left, stride, rows, cols, phases):
-    """An input plane (H, W) into the phase buffer, whose padding elements stay as they are."""
+def _phase_copy(plane, top, left, stride, rows, cols, phases, into_phases):
+    """An input plane (H, W) into the phase buffer (`into_phases`; its padding elements stay as
+    they are), or the buffer's input-plane elements back into the plane: the one index map
+    read both ways."""
     height, width = plane.shape
     size = rows * cols
     for h in range(height):
@@ -137,29 +139,14 @@ def _to_phases(plane, top, left, stride, rows, cols, phases):
                 continue
             count = (width - 1 - first) // stride + 1
             at = row + b * size + (first + left) // stride
-            dst = phases[at : at + count]
-            src = plane[h, first : first + (count - 1) * stride + 1 : stride]
-            for v in range(count):
-                dst[v] = src[v]
-
-
-@njit(cache=True, nogil=True)
-def _from_phases(phases, top, left, stride, rows, cols, plane):
-    """The input-plane (H, W) elements of a phase buffer, into plane."""
-    height, width = plane.shape
-    size = rows * cols
-    for h in range(height):
-        row = ((h + top) % stride) * stride * size + ((h + top) // stride) * cols
-        for b in range(stride):
-            first = (b - left) % stride
-            if first >= width:
-                continue
-            count = (width - 1 - first) // stride + 1
-            at = row + b * size + (first + left) // stride
-            src = phases[at : at + count]
-            dst = plane[h, first : first + (count - 1) * stride + 1 : stride]
-            for v in range(count):
-                dst[v] = src[v]
+            buffered = phases[at : at + count]
+            strided = plane[h, first : first + (count - 1) * stride + 1 : stride]
+            if into_phases:
+                for v in range(count):
+                    buffered[v] = strided[v]
+            else:
+                for v in range(count):
+                    strided[v] = buffered[v]
 
 
 @njit(cache=True, nogil=True)
@@ -205,7 +192,7 @@ def _forward_direct(x, w, bias, offsets, stride, top, left, rows, cols, y):
         acc = np.empty(span, x.dtype)
         acc[:] = bias[k]
         for c in range(cp):
-            _to_phases(x[n, offsets[k] + c], top, left, stride, rows, cols, phases)
+            _phase_copy(x[n, offsets[k] + c], top, left, stride, rows, cols, phases, True)
             for r in range(kr):
                 for s in range(ks):
                     weight = w[k, c, r, s]
@@ -240,7 +227,7 @@ def _backward_data_direct(dy, w, offsets, run_lo, run_hi, stride, top, left, row
                         dst = phases[at : at + span]
                         for i in range(span):
                             dst[i] += weight * grad[i]
-            _from_phases(phases, top, left, stride, rows, cols, dx[n, offsets[run_lo[g]] + c])
+            _phase_copy(dx[n, offsets[run_lo[g]] + c], top, left, stride, rows, cols, phases, False)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -259,7 +246,7 @@ def _backward_filter_direct(dy, x, offsets, stride, top, left, rows, cols, block
         for n in range(b * batch // blocks, (b + 1) * batch // blocks):
             _to_rows(dy[n, k], cols, grad)
             for c in range(cp):
-                _to_phases(x[n, offsets[k] + c], top, left, stride, rows, cols, phases)
+                _phase_copy(x[n, offsets[k] + c], top, left, stride, rows, cols, phases, True)
                 for r in range(kr):
                     for s in range(ks):
                         at = _phase_at(r, s, stride, rows, cols)
