@@ -27,7 +27,7 @@ import numpy as np
 
 from legion_nn import registry
 from legion_nn.errors import ShapeError
-from legion_nn.layers.base import COPY, Layer, Shape, layer_kind, moving_tasks
+from legion_nn.layers.base import COPY, Layer, Shape, layer_kind, moving_tasks, record_grid_op
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 
@@ -56,27 +56,7 @@ def _affine_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
 
 
 # forward a multiply and an add per element; backward dy·scale, and dy·x and dy summed
-registry.register(
-    "channel_affine",
-    phases={
-        "forward": {
-            "access": _affine_rects,
-            "flops": registry.per_element(2),
-            "adapter": "channel_affine.forward",
-        },
-        "backward": {
-            "access": _affine_rects,
-            "flops": registry.per_element(4),
-            "adapter": "channel_affine.backward",
-        },
-    },
-    splittable=registry.EVERY_DIM,
-    homing=registry.GRID,
-    packed_role=None,
-    owner_role=None,
-    passes=None,
-    sums_over=0,
-)
+record_grid_op("channel_affine", _affine_rects, {"forward": 2, "backward": 4})
 
 
 def shuffle_sources(channels: int, groups: int, first: int, last: int) -> np.ndarray:
