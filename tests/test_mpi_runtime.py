@@ -396,6 +396,7 @@ def assert_ends_naming(result: subprocess.CompletedProcess, started: float, patt
 
 
 def test_an_exception_in_a_kernel_ends_the_job(tmp_path, launcher):
+    skip_unless_spread(launcher, 3)
     victim = first_rank_off_the_first_host(launcher, 3)
     started = time.monotonic()
     result = mpiexec(
@@ -408,6 +409,7 @@ def test_an_exception_in_a_kernel_ends_the_job(tmp_path, launcher):
 
 
 def test_a_killed_rank_ends_the_job_and_is_named(tmp_path, launcher):
+    skip_unless_spread(launcher, 3)
     rank = first_rank_off_the_first_host(launcher, 3)
     log = tmp_path / "log.jsonl"
     command = job(launcher, 3, "train", *TRAIN, "--steps", "100000", "--log-json", str(log))
@@ -437,6 +439,7 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path, launcher):
 
 
 def test_the_stall_watchdog_names_the_ranks_waited_for(launcher):
+    skip_unless_spread(launcher, 3)  # a rank a host on 3 hosts
     nranks = 2 if launcher == "local" else int(launcher.split()[0])
     victim = first_rank_off_the_first_host(launcher, nranks)
     started = time.monotonic()
