@@ -125,6 +125,14 @@ def test_samples_under_another_name_are_named(tmp_path):
     assert "no samples under 'x'" in line and "it holds images" in line
 
 
+def test_an_output_in_a_missing_directory_is_named_before_anything_runs(tmp_path):
+    data = samples(tmp_path / "x.npz")
+    out = tmp_path / "missing" / "y.npz"
+    result = run_cli("predict", str(DIGITS), "--data", str(data), "--output", str(out))
+    assert result.returncode == 2 and "no directory" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_a_file_that_is_no_npz_is_named(tmp_path):
     data = tmp_path / "x.npz"
     data.write_text("not a zip")

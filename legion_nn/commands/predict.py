@@ -15,6 +15,7 @@ Under `mpiexec -n R` every rank runs the command and the batches run on the plan
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from legion_nn.commands import DTYPES
 
@@ -84,6 +85,9 @@ def _job(args: argparse.Namespace):
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
     if not args.stall_timeout > 0:
         raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
+    folder = Path(args.output).parent
+    if not folder.is_dir():  # found now, not after every batch has run
+        raise LegionNNError(f"--output {args.output}: no directory {str(folder)!r} to write it in")
     machine = load_machine(args.machine)
     strategy = strategy_spec(RunOptions(strategy=args.strategy, machine=machine))
     network = load_network(args.model)
