@@ -102,6 +102,33 @@ def test_a_checkpoint_stands_in_for_the_models_parameters(tmp_path):
         assert np.abs(got["y"] - untrained["y"]).max() > 1e-3  # training moved the outputs
 
 
+GPT = FIXTURES / "tiny_gpt.onnx"
+
+
+def test_a_gpt_predicts_onnxruntimes_logits_for_every_token(tmp_path):
+    """Token ids under the model's own input name; the (N, T, V) logits, not the token-level
+    loss appended to train it."""
+    import onnxruntime as ort
+
+    ids = np.random.default_rng(5).integers(0, 64, (3, 16)).astype(np.int64)
+    data, out = tmp_path / "ids.npz", tmp_path / "logits.npz"
+    np.savez(data, ids=ids)
+    assert main(["predict", str(GPT), "--data", str(data), "--output", str(out)]) == 0
+    session = ort.InferenceSession(str(GPT), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(None, {"ids": ids})
+    got = np.load(out)["logits"]
+    assert got.shape == expected.shape == (3, 16, 64)
+    # float32 through two blocks of width 32: roundings of values of order 1
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path):
+    data = tmp_path / "ids.npz"
+    np.savez(data, ids=np.full((2, 16), 64, np.int64))
+    line = bad(tmp_path, str(GPT), "--data", str(data))
+    assert "ids.npz: ids holds ids outside [0, 64) (the vocabulary)" in line
+
+
 def bad(tmp_path, *args: str) -> str:
     out = tmp_path / "out.npz"
     result = run_cli("predict", *args, "--output", str(out))
