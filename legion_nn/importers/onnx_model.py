@@ -50,10 +50,10 @@ from pathlib import Path
 import numpy as np
 
 from legion_nn.errors import ShapeError, read_input
+from legion_nn.importers.onnx_channels import ChannelOps
 from legion_nn.importers.onnx_fold import (
     Folded,
     FoldError,
-    evaluate,
     fold,
     model_opsets,
     parameters,
@@ -74,8 +74,6 @@ from legion_nn.layers import (
     Add,
     AvgPool,
     BatchNorm,
-    ChannelAffine,
-    ChannelShuffle,
     Concat,
     Conv,
     Dropout,
@@ -122,8 +120,6 @@ SUPPORTED = (
     "elementwise ops computing GELU",
 )
 NONLINEAR = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid"}
-#: ops that give a parameter another shape (to broadcast it), folded at import
-PARAMETER_VIEWS = ("Unsqueeze", "Reshape", "Squeeze", "Flatten")
 
 
 def load_onnx(path: str | Path) -> Network:
@@ -162,7 +158,7 @@ def load_onnx(path: str | Path) -> Network:
     return _Reader(path, model, constants, folded).read()
 
 
-class _Reader(SequenceOps):
+class _Reader(ChannelOps, SequenceOps):
     def __init__(self, path: Path, model, constants: dict[str, np.ndarray], folded: Folded) -> None:
         self.path, self.model, self.constants = path, model, constants
         self.aliases = initializer_aliases(model.graph)
@@ -254,7 +250,7 @@ class _Reader(SequenceOps):
                     self._read(data[0])
                     fused = self._matmul_add(node, index)
                     if fused is None:
-                        fused = self._channel_affine(node, index)
+                        fused = self._channel_affine(node)
                     if fused is not None:
                         node = fused
                     else:
@@ -305,108 +301,6 @@ class _Reader(SequenceOps):
         self.claimed.add(id(after))
         self._linear(node, weights.T, bias, index)
         return after
-
-    def _parameter_view(self, node) -> bool:
-        """A parameter given another shape to broadcast (DenseNet's Unsqueeze of a batch norm's
-        scale): its value is folded here, and a layer reading it takes it as that parameter."""
-        if node.op_type not in PARAMETER_VIEWS or not node.input:
-            return False
-        if node.input[0] not in self.params or any(
-            i not in self.constants for i in node.input if i
-        ):
-            return False
-        feed = {i: self.constants[i] for i in node.input if i}
-        (value,) = evaluate(node, feed, self.opsets)
-        self.constants[node.output[0]] = np.asarray(value)
-        self.params.add(node.output[0])
-        self.viewed[node.output[0]] = self.viewed.get(node.input[0], node.input[0])
-        return True
-
-    def _per_channel(self, name: str) -> np.ndarray | None:
-        """The constant `name` as one value per channel of the current (C, H, W), (1, C, 1, 1),
-        or None where it is none that broadcasts so. It becomes a parameter, as a Conv's
-        weights do, whether an initializer or computed without data (the model zoo's weights
-        are ConstantOfShape nodes)."""
-        value = self.constants.get(name)
-        if value is None or not np.issubdtype(value.dtype, np.floating) or len(self.shape) != 3:
-            return None
-        channels = self.shape[0]
-        padded = (1,) * (4 - value.ndim) + value.shape if value.ndim <= 4 else value.shape
-        if len(padded) != 4 or padded[1] != channels or padded[0] * padded[2] * padded[3] != 1:
-            return None
-        return value.reshape(1, channels, 1, 1)
-
-    def _channel_affine(self, node, index: int):
-        """A Mul by one parameter per channel, and the Add of another after it if there is one
-        (read with it), as one `channel_affine` layer; the node whose output it makes, or None
-        where `node` is no such Mul."""
-        if node.op_type != "Mul":
-            return None
-        found = [(i, self._per_channel(i)) for i in node.input]
-        scales = [(i, v) for i, v in found if v is not None]
-        if len(scales) != 1:
-            return None
-        (scale_name, scale), last = scales[0], node
-        shift_name = shift = None
-        consumers = self.consumers.get(node.output[0], [])
-        if len(consumers) == 1 and consumers[0].op_type == "Add":
-            after = consumers[0]
-            others = [i for i in after.input if i != node.output[0]]
-            if len(others) == 1 and node.output[0] not in self.outputs:
-                shift_name, shift = others[0], self._per_channel(others[0])
-            if shift is not None:
-                self.claimed.add(id(after))
-                last = after
-        name = layer_name(node, index)
-        self._add(ChannelAffine(name, shift=shift is not None))
-        self._param(f"{name}.scale", self.viewed.get(scale_name, scale_name), scale)
-        if shift is not None:
-            self._param(f"{name}.shift", self.viewed.get(shift_name, shift_name), shift)
-        return last
-
-    def _channel_shuffle(self, node, data: list[str]) -> bool:
-        """ShuffleNet's channel shuffle: a Reshape to (N, g, C/g, H, W), a Transpose swapping g
-        and C/g, and a Reshape back to (N, C, H, W), each read by the next alone, as one
-        `channel_shuffle` layer of g groups."""
-        if node.op_type != "Reshape" or len(data) != 1 or node.input[1] not in self.constants:
-            return False
-        shape = self.values[data[0]][1] if data[0] in self.values else ()
-        target = [int(v) for v in self.constants[node.input[1]].reshape(-1)]
-        if len(shape) != 3 or len(target) != 5 or not self.keeps_batch(target[0]):
-            return False
-        channels, rows, cols = shape
-        groups, per = target[1], target[2]
-        if groups == -1 and per > 0:
-            groups = channels // per
-        if per == -1 and groups > 0:
-            per = channels // groups
-        if groups < 1 or groups * per != channels or target[3:] != [rows, cols]:
-            return False
-        transpose = self._consumer_of(node.output[0], "Transpose")
-        if transpose is None or list(node_attributes(transpose).get("perm", [])) != [0, 2, 1, 3, 4]:
-            return False
-        back = self._consumer_of(transpose.output[0], "Reshape")
-        if back is None or back.input[1] not in self.constants:
-            return False
-        final = [int(v) for v in self.constants[back.input[1]].reshape(-1)]
-        if len(final) != 4 or not self.keeps_batch(final[0]):
-            return False
-        if final[1:] not in ([channels, rows, cols], [-1, rows, cols]):
-            return False
-        self.claimed.update((id(transpose), id(back)))
-        self._read(data[0])
-        self._add(ChannelShuffle(self.name_of(node), groups=groups))
-        self._made(back.output[0])
-        return True
-
-    def _consumer_of(self, value: str, op: str):
-        """The one node reading `value` if it is an `op` and `value` is no output, else None."""
-        after = self._only_consumer(value)
-        return (
-            after
-            if after is not None and after.op_type == op and value not in self.outputs
-            else None
-        )
 
     def _merge(self, node, data: list[str], index: int) -> None:
         """An Add of two data tensors, or a Concat of several along the channels."""

@@ -178,8 +178,8 @@ class SequenceOps:
 
     def _image_tokens(self, node, x: str, shape: tuple) -> bool:
         """Reshape (C, H, W) to [batch, C, H·W] and Transpose (0, 2, 1): H·W tokens."""
-        transpose = self._only_consumer(node.output[0])
-        if transpose is None or transpose.op_type != "Transpose":
+        transpose = self._only_consumer(node.output[0], "Transpose")
+        if transpose is None:
             return False
         channels, height, width = shape
         target = self._target(node)
@@ -241,8 +241,8 @@ class SequenceOps:
     def _bias_after(self, node, features: int):
         """The Add of a constant of `features` values, on either side, that alone consumes
         `node`'s output (a MatMul's bias), and the constant's name; or (None, None)."""
-        after = self._only_consumer(node.output[0])
-        if after is None or after.op_type != "Add":
+        after = self._only_consumer(node.output[0], "Add")
+        if after is None:
             return None, None
         other = [i for i in after.input if i != node.output[0]]
         if (
@@ -302,8 +302,8 @@ class SequenceOps:
 
     def _masked_softmax(self, node, scores: str) -> bool:
         condition, first, second = node.input
-        softmax = self._only_consumer(node.output[0])
-        if softmax is None or softmax.op_type != "Softmax" or condition not in self.constants:
+        softmax = self._only_consumer(node.output[0], "Softmax")
+        if softmax is None or condition not in self.constants:
             raise self.fail(node, "a Where is supported as the causal mask of a softmax's scores")
         fill = first if second == scores else second
         if fill not in self.constants or not np.all(self.constants[fill] <= -1e4):
@@ -360,8 +360,8 @@ class SequenceOps:
 
     def _heads(self, node, x: str, shape: tuple) -> bool:
         sizes = self._target(node)
-        transpose = self._only_consumer(node.output[0])
-        if len(sizes) != 3 or transpose is None or transpose.op_type != "Transpose":
+        transpose = self._only_consumer(node.output[0], "Transpose")
+        if len(sizes) != 3 or transpose is None:
             return False
         perm = list(self.attributes(transpose).get("perm", []))
         tokens, heads, size = sizes
@@ -381,9 +381,9 @@ class SequenceOps:
 
     def _merge_heads(self, node, x: str) -> bool:
         perm = list(self.attributes(node).get("perm", []))
-        reshape = self._only_consumer(node.output[0])
+        reshape = self._only_consumer(node.output[0], "Reshape")
         heads, tokens, size = self.values[x][1]
-        if perm != [0, 2, 1, 3] or reshape is None or reshape.op_type != "Reshape":
+        if perm != [0, 2, 1, 3] or reshape is None:
             return False
         if self._target(reshape) not in ([tokens, heads * size], [tokens, -1]):
             raise self.fail(reshape, "heads are supported merged back to [batch, T, H·Dh]")
@@ -456,6 +456,9 @@ class SequenceOps:
     def _scalar(self, name: str) -> bool:
         return name in self.constants and name not in self.params and self.constants[name].size == 1
 
-    def _only_consumer(self, value: str):
+    def _only_consumer(self, value: str, op: str | None = None):
+        """The one node reading `value` (an `op` if given), else None."""
         consumers = self.consumers.get(value, ())
-        return consumers[0] if len(consumers) == 1 else None
+        if len(consumers) != 1 or (op is not None and consumers[0].op_type != op):
+            return None
+        return consumers[0]
