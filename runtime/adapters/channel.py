@@ -3,18 +3,14 @@
 
 A `channel_affine` piece gets the parameter entries of its own channels, so the kernel's
 per-channel arrays line up with its views as they are. A `channel_shuffle` piece gets the
-bounding box of the channels it gathers from, not the channels' own rect: the access map says
-where that box starts, and the gather subtracts it.
+bounding box of the channels it gathers from, not the channels' own rect: the access map (read
+as `lrn`'s adapters read it) says where that box starts, and the gather subtracts it.
 """
 
 from __future__ import annotations
 
-from legion_nn.layers.channel import (
-    shuffle_destinations,
-    shuffle_grad_rect,
-    shuffle_input_rect,
-    shuffle_sources,
-)
+from legion_nn.layers.channel import shuffle_destinations, shuffle_sources
+from legion_nn.ops import access_rects
 from runtime.adapters.registry import adapter
 from runtime.kernels import channel
 
@@ -42,7 +38,7 @@ def _affine_grad(task, piece, views, dims, ctx):
 @adapter("channel_shuffle.forward")
 def _shuffle(task, piece, views, dims, ctx):
     groups, channels = task.attrs["groups"], dims["input"][1]
-    first = shuffle_input_rect(groups, channels, piece).lo[1]
+    first = access_rects(task, dims, piece)["input"].lo[1]
     wanted = shuffle_sources(channels, groups, piece.lo[1], piece.hi[1])
     y = channel.gather_channels(views["input"], wanted, first)
     return {"output": y}
@@ -51,7 +47,7 @@ def _shuffle(task, piece, views, dims, ctx):
 @adapter("channel_shuffle.backward")
 def _shuffle_grad(task, piece, views, dims, ctx):
     groups, channels = task.attrs["groups"], dims["output.delta"][1]
-    first = shuffle_grad_rect(groups, channels, piece).lo[1]
+    first = access_rects(task, dims, piece)["output.delta"].lo[1]
     wanted = shuffle_destinations(channels, groups, piece.lo[1], piece.hi[1])
     dx = channel.gather_channels(views["output.delta"], wanted, first)
     return {"input.delta": dx}

@@ -115,10 +115,13 @@ def _conv(task, piece, views, dims, ctx):
 def _conv_grad(task, piece, views, dims, ctx):
     out = _filter_grad(task, piece, views, dims, ctx)
     if "b.delta" in views:
-        dy = views["output.delta"]
-        db = dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(dy.dtype)
-        out["b.delta"] = db.reshape(views["b.delta"].shape)
+        out["b.delta"] = _bias_grad(views["output.delta"], views["b.delta"].shape)
     return out
+
+
+def _bias_grad(dy: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A per-channel bias's gradient: dy summed over samples and positions (in float64)."""
+    return dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(dy.dtype).reshape(shape)
 
 
 def _group_layout(task, piece: Rect, dims: Dims) -> tuple[int, int, int]:
@@ -159,10 +162,11 @@ def _group_conv_grad(task, piece, views, dims, ctx):
     if _empty_halo(piece, views):
         if "filters.delta" in views:
             out["filters.delta"] = np.zeros_like(views["filters.delta"])
+        db = _bias_grad(dy, (1, dy.shape[1], 1, 1))
     else:
         k0, kg, cg = _group_layout(task, piece, dims)
         need_dx = task.attrs["need_dx"] and "input.delta" in views
-        dx, dw, _ = group_conv.group_conv_backward_piece(
+        dx, dw, db = group_conv.group_conv_backward_piece(
             dy,
             views["input"],
             views["filters"],
@@ -177,8 +181,7 @@ def _group_conv_grad(task, piece, views, dims, ctx):
             out["input.delta"] = dx
         if "filters.delta" in views:
             out["filters.delta"] = dw
-    if "b.delta" in views:
-        db = dy.sum(axis=(0, 2, 3), dtype=np.float64).astype(dy.dtype)
+    if "b.delta" in views:  # the kernel's sum of dy, as `_bias_grad` forms it
         out["b.delta"] = db.reshape(views["b.delta"].shape)
     return out
 
