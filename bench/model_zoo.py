@@ -181,20 +181,16 @@ def speed(tmp: Path, batch: int = 8, repeat: int = 5) -> None:
     import onnxruntime as ort
 
     from legion_nn.importers.onnx_model import load_onnx
-    from runtime.adapters import StepContext
-    from runtime.rank_executor import one_process
+    from runtime.prediction import Predictor
+    from runtime.transport import ThreadTransport
 
     path = batched(light() / "light_resnet50.onnx", batch, tmp)
     x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
-    network = load_onnx(path)
-    graph = network.lower(batch=batch)
-    executor = one_process()
-    executor.prepare(graph)
-    executor.load_resident(network.initial)
-    labels = np.zeros(network.label_dims(batch), np.int32)
+    (transport,) = ThreadTransport.group(1)
+    predictor = Predictor(load_onnx(path), batch, transport, "data")
 
     def ours() -> None:
-        executor.run_inference(graph, StepContext(0, training=False, inputs=x, labels=labels))
+        predictor.run(x)
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feed = {session.get_inputs()[0].name: x}

@@ -15,7 +15,7 @@ inference each sample's output depends on that sample alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -46,13 +46,55 @@ def _resident(
     missing = [n for n in wanted if n not in parameters]
     if missing:
         raise LegionNNError(f"the checkpoint holds no {missing[0]} ({len(missing)} missing)")
-    for name in wanted:
-        if tuple(parameters[name].shape) != graph.tensors[name].dims:
-            raise LegionNNError(
-                f"the checkpoint's {name} is {list(parameters[name].shape)}, the model's "
-                f"{list(graph.tensors[name].dims)}"
-            )
     return {name: parameters[name] for name in wanted}
+
+
+class Predictor:
+    """The forward pass of `network` at `batch` on this rank of the plan of `strategy`, from
+    `parameters` (by tensor name: a checkpoint's) or else the network's own initial values:
+    planned, placed and loaded once, then run batch by batch."""
+
+    def __init__(
+        self,
+        network: Network,
+        batch: int,
+        transport: Transport,
+        strategy,
+        dtype: str = "float32",
+        parameters: Mapping[str, np.ndarray] | None = None,
+        machine=None,
+        stall_timeout: float = 60.0,
+    ) -> None:
+        self.batch = batch
+        self.graph = network.lower(batch=batch, dtype=dtype)
+        self.output = output_tensor(network, self.graph)
+        self.executor = RankExecutor(
+            transport, strategy, machine, stall_timeout=stall_timeout, read_after=(self.output,)
+        )
+        self.executor.prepare(self.graph)
+        try:  # a shape the model does not have: one line naming the tensor
+            self.executor.load_resident(_resident(self.graph, parameters, network))
+        except ValueError as exc:
+            raise LegionNNError(f"checkpoint: {exc}") from None
+        self.labels = np.zeros(network.label_dims(batch), np.int32)
+        self.steps = 0
+
+    def run(self, chunk: np.ndarray) -> None:
+        """The forward pass of `batch` samples, its output left on the ranks that hold it."""
+        context = StepContext(self.steps, training=False, inputs=chunk, labels=self.labels)
+        self.executor.run_inference(self.graph, context)
+        self.steps += 1
+
+    def __call__(self, chunk: np.ndarray) -> np.ndarray | None:
+        """The outputs of up to `batch` samples, on rank 0 (None elsewhere): a shorter chunk is
+        padded with zero samples, and their rows dropped."""
+        count = len(chunk)
+        if count < self.batch:
+            padding = np.zeros((self.batch - count, *chunk.shape[1:]), chunk.dtype)
+            chunk = np.concatenate([chunk, padding])
+        self.run(chunk)
+        whole = self.executor.gathered(self.output)
+        return None if whole is None else whole[:count]
 
 
 def predict_rank(
@@ -65,33 +107,11 @@ def predict_rank(
     parameters: Mapping[str, np.ndarray] | None = None,
     machine=None,
     stall_timeout: float = 60.0,
-    on_batch: Callable[[int], None] | None = None,
 ) -> np.ndarray | None:
     """The network's outputs for the samples `x` (every rank passes the same), on rank 0 (None
-    elsewhere), computed `batch` samples at a time on the plan of `strategy`, from
-    `parameters` (by tensor name: a checkpoint's) or else the network's own initial values."""
-    graph = network.lower(batch=batch, dtype=dtype)
-    name = output_tensor(network, graph)
-    executor = RankExecutor(
-        transport, strategy, machine, stall_timeout=stall_timeout, read_after=(name,)
+    elsewhere), computed `batch` samples at a time (`Predictor`)."""
+    predictor = Predictor(
+        network, batch, transport, strategy, dtype, parameters, machine, stall_timeout
     )
-    executor.prepare(graph)
-    executor.load_resident(_resident(graph, parameters, network))
-    labels = np.zeros(network.label_dims(batch), np.int32)
-    outputs = []
-    for step, start in enumerate(range(0, len(x), batch)):
-        chunk = x[start : start + batch]
-        if len(chunk) < batch:
-            padding = np.zeros((batch - len(chunk), *chunk.shape[1:]), chunk.dtype)
-            chunk = np.concatenate([chunk, padding])
-        executor.run_inference(
-            graph, StepContext(step, training=False, inputs=chunk, labels=labels)
-        )
-        whole = executor.gathered(name)
-        if whole is not None:
-            outputs.append(whole[: min(batch, len(x) - start)])
-        if on_batch is not None:
-            on_batch(step)
-    if transport.rank != 0:
-        return None
-    return np.concatenate(outputs)
+    outputs = [predictor(x[start : start + batch]) for start in range(0, len(x), batch)]
+    return None if transport.rank != 0 else np.concatenate(outputs)
