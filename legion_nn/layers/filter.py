@@ -45,11 +45,26 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    _, _, h_in, w_in = dims["input"]
+def _input_halo(
+    attrs: Mapping[str, Any], input_dims: tuple, piece: Rect, channels: tuple[int, int]
+) -> Rect:
+    """What a (non-empty) piece of a filter's space reads of its input: its samples, the input
+    `channels` [lo, hi), and the rows and columns its windows reach, clipped to the input; empty
+    where they reach none (every window in the padding)."""
+    _, _, h_in, w_in = input_dims
     kernel_r, kernel_s = attrs["kernel"]
     stride = attrs["stride"]
     top, _, left, _ = attrs["pad"]
+    rows = window_span(piece.lo[2], piece.hi[2], stride, top, kernel_r, h_in)
+    cols = window_span(piece.lo[3], piece.hi[3], stride, left, kernel_s, w_in)
+    if rows == (0, 0) or cols == (0, 0):
+        return Rect.empty(4)
+    lo, hi = channels
+    return Rect((piece.lo[0], lo, rows[0], cols[0]), (piece.hi[0], hi, rows[1], cols[1]))
+
+
+def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
+    kernel_r, kernel_s = attrs["kernel"]
     if piece.is_empty():
         empty4, empty8 = Rect.empty(4), Rect.empty(8)
         return {
@@ -62,14 +77,10 @@ def _filter_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
             "b": empty4,
             "b.delta": empty4,
         }
-    n0, k0, p0, q0, c0 = piece.lo
-    n1, k1, p1, q1, c1 = piece.hi
+    _, k0, p0, q0, c0 = piece.lo
+    _, k1, p1, q1, c1 = piece.hi
     output = Rect(piece.lo[:4], piece.hi[:4])
-    rows = window_span(p0, p1, stride, top, kernel_r, h_in)
-    cols = window_span(q0, q1, stride, left, kernel_s, w_in)
-    halo = Rect((n0, c0, rows[0], cols[0]), (n1, c1, rows[1], cols[1]))
-    if rows == (0, 0) or cols == (0, 0):
-        halo = Rect.empty(4)
+    halo = _input_halo(attrs, dims["input"], piece, (c0, c1))
     untied = attrs["untied"]
     pos_lo = (p0, q0) if untied else (0, 0)
     pos_hi = (p1, q1) if untied else (1, 1)

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from legion_nn import registry
-from legion_nn.access import columns, window_span, window_spans
+from legion_nn.access import columns, window_spans
 from legion_nn.layers.base import backward_factor
-from legion_nn.layers.filter import _passes, _per_channel, _window
+from legion_nn.layers.filter import _input_halo, _passes, _per_channel, _window
 from legion_nn.rect import Rect
 
 OP = "group_conv"
@@ -41,20 +41,14 @@ def group_conv_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece:
     if piece.is_empty():
         empty = {role: Rect.empty(4) for role in ROLES4}
         return {**empty, "filters": Rect.empty(8), "filters.delta": Rect.empty(8)}
-    _, _, h_in, w_in = dims["input"] if "input" in dims else dims["input.delta"]
+    input_dims = dims["input"] if "input" in dims else dims["input.delta"]
     kernel_r, kernel_s = attrs["kernel"]
-    stride = attrs["stride"]
-    top, _, left, _ = attrs["pad"]
     kg, cg = _groups(attrs, dims)
-    n0, k0, p0, q0, c0 = piece.lo
-    n1, k1, p1, q1, c1 = piece.hi
+    k0, c0 = piece.lo[1], piece.lo[4]
+    k1, c1 = piece.hi[1], piece.hi[4]
     g0, g1 = k0 // kg, (k1 - 1) // kg + 1
     output = Rect(piece.lo[:4], piece.hi[:4])
-    rows = window_span(p0, p1, stride, top, kernel_r, h_in)
-    cols = window_span(q0, q1, stride, left, kernel_s, w_in)
-    halo = Rect((n0, g0 * cg + c0, rows[0], cols[0]), (n1, (g1 - 1) * cg + c1, rows[1], cols[1]))
-    if rows == (0, 0) or cols == (0, 0):
-        halo = Rect.empty(4)
+    halo = _input_halo(attrs, input_dims, piece, (g0 * cg + c0, (g1 - 1) * cg + c1))
     weights = Rect((k0, 0, 0, c0, 0, 0, 0, 0), (k1, 1, 1, c1, kernel_r, kernel_s, 1, 1))
     # the bias is added once, by the piece starting the sum over a group's input channels
     bias = Rect((0, k0, 0, 0), (1, k1, 1, 1)) if c0 == 0 else Rect.empty(4)
