@@ -107,6 +107,7 @@ def test_with_random_weights_it_predicts_what_onnxruntime_predicts(name, tmp_pat
     np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")
 @pytest.mark.parametrize(
     ("name", "strategy"), [("shufflenet", "model"), ("inception_v1", "spatial")]

@@ -61,6 +61,7 @@ def test_the_logits_of_a_model_that_outputs_logits_are_onnxruntimes(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not installed")
 @pytest.mark.parametrize("strategy", ["model", "spatial"])
 def test_under_mpiexec_every_strategy_writes_what_one_process_writes(tmp_path, strategy):

@@ -1,0 +1,104 @@
+"""The suite runs in two pytest-xdist workers (`-n 2` in pyproject's addopts) on the 2-core
+machines it targets: most tests are one process compiling or running kernels, and two of them
+run side by side. A test that starts MPI jobs, builds the emulated cluster or measures the
+machine needs the machine to itself: its ranks want every core, and its measurements (a link's
+rate, the network stack's CPU) and its time limits hold only on an idle machine. Such a test is
+*serial*: it holds a lock exclusively, which every other test holds shared, so it waits for the
+test running in the other worker and that worker waits for it.
+
+A test is serial if its module is in `SERIAL_MODULES` or it is marked `serial`. Without xdist
+(`-p no:xdist`, `-n 0`) every test runs in turn and the lock is never taken.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+#: modules whose every test starts MPI jobs or clusters, or measures the machine
+SERIAL_MODULES = {
+    "test_mpi_runtime",
+    "test_cluster",
+    "test_bench_machine",
+    "test_conformance",
+    "test_supervisor",
+    "test_bench_kernels",
+    "test_bench_step",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "serial: the test needs the machine to itself (see tests/conftest.py)"
+    )
+
+
+def _is_serial(item: pytest.Item) -> bool:
+    return item.module.__name__.rpartition(".")[2] in SERIAL_MODULES or bool(
+        item.get_closest_marker("serial")
+    )
+
+
+class _MachineLock:
+    """A readers-writer lock over files shared by the workers of one run. A writer first takes
+    the turnstile, which every reader passes through before taking the lock shared, so that a
+    stream of readers in the other worker cannot starve it."""
+
+    def __init__(self, run_id: str) -> None:
+        base = Path(tempfile.gettempdir()) / f"legion-nn-tests-{run_id}"
+        base.mkdir(exist_ok=True)
+        self.turnstile = os.open(base / "turnstile", os.O_RDWR | os.O_CREAT, 0o600)
+        self.lock = os.open(base / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.base = base
+
+    def acquire(self, exclusive: bool) -> None:
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        fcntl.flock(self.lock, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self.turnstile)
+        os.close(self.lock)
+        for name in ("turnstile", "lock"):
+            (self.base / name).unlink(missing_ok=True)
+        try:
+            self.base.rmdir()
+        except OSError:
+            pass  # the other worker still has it open; the last to close removes it
+
+
+_lock: _MachineLock | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _lock
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id and os.environ.get("PYTEST_XDIST_WORKER"):
+        _lock = _MachineLock(run_id)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    global _lock
+    if _lock is not None:
+        _lock.close()
+        _lock = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if _lock is None:
+        return (yield)
+    _lock.acquire(exclusive=_is_serial(item))
+    try:
+        return (yield)
+    finally:
+        _lock.release()
