@@ -195,26 +195,40 @@ class RankProgram:
         return out
 
 
-def build_programs(
+@dataclass
+class TaskEvents:
+    """What every rank's builder is told of one task of the step: the same for each rank, found
+    once (`task_events`), so that ranks whose programs are alike share one build
+    (`runtime.rank_classes`)."""
+
+    position: int
+    task: Task
+    holdings: Mapping[str, Layout]
+    deferred: Mapping[str, int]
+    #: per rank, its pieces of the task
+    mine: dict[int, list[Piece]]
+    #: the task's messages with an end among the ranks built, in sequence order
+    messages: list[Message]
+    #: the task's collectives, each with the bytes each participant's hops send
+    collectives: list[tuple[Collective, dict[int, int]]]
+
+
+def task_events(
     graph: TaskGraph,
     plan: Plan,
     machine: Machine,
     ranks: Iterable[int],
     include: Iterable[str] | None = None,
-    fuse_updates: bool = True,
-) -> dict[int, RankProgram]:
-    """The programs of `ranks` for the tasks named in `include` (default: the whole step);
-    `fuse_updates` lets a kernel that computes a gradient take the optimizer's step itself
-    where nothing else reads the gradient (`runtime.update_fusion`); without it every gradient
-    is stored, to read after the step."""
+) -> tuple[list[TaskEvents], int]:
+    """Per task of the step (in `step_order`, those named in `include`), what `build_programs`
+    tells the builders of `ranks`; and the number of messages of the step."""
     wanted = set(include) if include is not None else None
-    ranks = list(ranks)
+    built = set(ranks)
     indexed = [
         (i, graph.tasks[i], plan.tasks[i])
         for i in step_order(graph)
         if wanted is None or graph.tasks[i].name in wanted
     ]
-    programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
     position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
     #: per tensor written this step, its layout now and the task that last wrote each cell (the
     #: plan's record); a tensor not written yet holds what the step started with
@@ -224,17 +238,18 @@ def build_programs(
         for name, tensor in graph.tensors.items()
         if tensor.kind == "grad" and name.removesuffix(".grad") in plan.sharded
     }
+    events = []
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         # each rank's pieces found once, not by every rank scanning every piece
         mine: dict[int, list[Piece]] = defaultdict(list)
         for piece in task_plan.pieces:
             for rank in dict.fromkeys(piece.ranks):
-                mine[rank].append(piece)
-        for rank, builder in programs.items():
-            builder.begin(position, task, mine.get(rank, ()))
+                if rank in built:
+                    mine[rank].append(piece)
+        messages = []
         for transfer in task_plan.transfers:
-            if transfer.src not in programs and not any(d in programs for d in transfer.dsts):
+            if transfer.src not in built and not any(d in built for d in transfer.dsts):
                 seq += len(transfer.dsts)  # numbered alike on every rank, built here or not
                 continue
             if transfer.reduce:
@@ -245,21 +260,21 @@ def build_programs(
             else:
                 post_after = _last_write(written.get(transfer.tensor), transfer.rect, position_of)
             for dst in transfer.dsts:
-                message = Message(
-                    seq,
-                    transfer.tensor,
-                    transfer.rect,
-                    transfer.src,
-                    dst,
-                    transfer.nbytes,
-                    position,
-                    post_after,
-                    transfer.reduce,
+                messages.append(
+                    Message(
+                        seq,
+                        transfer.tensor,
+                        transfer.rect,
+                        transfer.src,
+                        dst,
+                        transfer.nbytes,
+                        position,
+                        post_after,
+                        transfer.reduce,
+                    )
                 )
                 seq += 1
-                for builder in (programs.get(transfer.src), programs.get(dst)):
-                    if builder is not None:
-                        builder.message(message)
+        collectives = []
         for reduction in task_plan.reductions:
             order = target_order(reduction)
             rounds = schedule(reduction, machine)
@@ -271,19 +286,67 @@ def build_programs(
                 reduction.tensor in sharded_grads,
             )
             seq += rounds.hops
-            sent = rounds.sent(reduction.itemsize)
-            for rank in reduction.participants:
-                if rank in programs:
-                    programs[rank].collective(collective, sent.get(rank, 0))
-        for builder in programs.values():
-            builder.end(task_plan.holdings, task_plan.deferred)
+            collectives.append((collective, rounds.sent(reduction.itemsize)))
+        events.append(
+            TaskEvents(
+                position, task, task_plan.holdings, task_plan.deferred, mine, messages, collectives
+            )
+        )
         for tensor, layout in task_plan.holdings.items():
             written[tensor] = (layout, plan.written_by[index][tensor].tolist())
-    built = {rank: builder.program(seq) for rank, builder in programs.items()}
+    return events, seq
+
+
+def build_programs(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    ranks: Iterable[int],
+    include: Iterable[str] | None = None,
+    fuse_updates: bool = True,
+    share: bool = True,
+) -> dict[int, RankProgram]:
+    """The programs of `ranks` for the tasks named in `include` (default: the whole step);
+    `fuse_updates` lets a kernel that computes a gradient take the optimizer's step itself
+    where nothing else reads the gradient (`runtime.update_fusion`); without it every gradient
+    is stored, to read after the step. With `share`, ranks told the same things up to where
+    their rects lie are built once and the others' programs moved there
+    (`runtime.rank_classes`): the same programs, built faster."""
+    from runtime.rank_classes import derive, rank_classes
+
+    ranks = list(ranks)
+    events, messages = task_events(graph, plan, machine, ranks, include)
+    if share and len(ranks) > 2:
+        classes = rank_classes(plan, events, ranks)
+        built = _build(graph, plan, events, messages, list(classes.members))
+        built = derive(built, classes, events, ranks)
+    else:
+        built = _build(graph, plan, events, messages, ranks)
     if fuse_updates:
         for program in built.values():
             fuse_into_gradients(graph, program)
     return built
+
+
+def _build(
+    graph: TaskGraph, plan: Plan, events: list[TaskEvents], messages: int, ranks: list[int]
+) -> dict[int, RankProgram]:
+    """The programs of `ranks` (updates not fused), each built by telling it every task."""
+    programs = {rank: _Builder(graph, plan, rank) for rank in ranks}
+    for event in events:
+        for rank, builder in programs.items():
+            builder.begin(event.position, event.task, event.mine.get(rank, ()))
+        for message in event.messages:
+            for builder in (programs.get(message.src), programs.get(message.dst)):
+                if builder is not None:
+                    builder.message(message)
+        for collective, sent in event.collectives:
+            for rank in collective.reduction.participants:
+                if rank in programs:
+                    programs[rank].collective(collective, sent.get(rank, 0))
+        for builder in programs.values():
+            builder.end(event.holdings, event.deferred)
+    return {rank: builder.program(messages) for rank, builder in programs.items()}
 
 
 def _last_write(

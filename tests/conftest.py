@@ -6,8 +6,8 @@ rate, the network stack's CPU) and its time limits hold only on an idle machine.
 *serial*: it holds a lock exclusively, which every other test holds shared, so it waits for the
 test running in the other worker and that worker waits for it.
 
-A test is serial if its module is in `SERIAL_MODULES` or it is marked `serial`. Without xdist
-(`-p no:xdist`, `-n 0`) every test runs in turn and the lock is never taken.
+A test is serial if its module is in `SERIAL_MODULES` or it is marked `serial`. With `-n 0`
+every test runs in turn and the lock is never taken.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Ranks built once per class (`runtime.rank_classes`): the programs moved from a class's first
+rank equal, field for field, the programs built rank by rank, on every kind of plan; and ranks
+that are alike do share a build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from legion_nn.networks import load_network
+from legion_nn.sources import load_source_graph
+from partitioner.machine import Machine
+from partitioner.pipeline import pipelined
+from partitioner.plan import build_plan
+from partitioner.resolve import resolve_strategy
+from partitioner.strategy import builtin
+from runtime.rank_classes import derive, rank_classes
+from runtime.rank_program import _build, build_programs, task_events
+from runtime.update_fusion import fuse_into_gradients
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINE = Machine(link_gbytes_per_s=0.5, latency_us=20.0)
+
+#: (network, batch, strategies, homes, rank counts)
+CASES = [
+    ("seed-lcn-small", 16, ("data", "model", "spatial", "auto"), ("replicated", "sharded"), (4, 16)),
+    ("seed-lcn", 16, ("data", "spatial"), ("replicated",), (16,)),
+    (str(ROOT / "examples" / "megatron-mlp.json"), 8, ("data", "model", "auto"), ("sharded",), (8,)),
+    (str(ROOT / "tests" / "fixtures" / "residual_small.json"), 8, ("data", "model", "spatial"),
+     ("replicated", "sharded"), (6,)),
+    (str(ROOT / "tests" / "fixtures" / "digits_cnn.onnx"), 8, ("data", "spatial"), ("replicated",),
+     (8,)),
+]  # fmt: skip
+
+
+def _cases():
+    for network, batch, strategies, homes, counts in CASES:
+        for strategy in strategies:
+            for home in homes:
+                for ranks in counts:
+                    label = f"{Path(network).stem}-{strategy}-{home}-{ranks}"
+                    yield pytest.param(network, batch, strategy, home, ranks, id=label)
+
+
+def _programs(graph, plan, ranks: int, fused: bool):
+    """Every rank's programs built rank by rank and built once per class, from one set of task
+    events (so that both hold the same collective objects)."""
+    everyone = list(range(ranks))
+    events, messages = task_events(graph, plan, MACHINE, everyone)
+    alone = _build(graph, plan, events, messages, everyone)
+    classes = rank_classes(plan, events, everyone)
+    shared = derive(_build(graph, plan, events, messages, list(classes.members)), classes, events,
+                    everyone)  # fmt: skip
+    if fused:
+        for program in (*alone.values(), *shared.values()):
+            fuse_into_gradients(graph, program)
+    return alone, shared, classes
+
+
+def _equal(alone, shared):
+    assert list(alone) == list(shared)
+    for rank, program in alone.items():
+        moved = shared[rank]
+        assert moved.post_at_start == program.post_at_start, rank
+        assert moved.boxes == program.boxes, rank
+        assert (moved.bytes_planned, moved.messages) == (program.bytes_planned, program.messages)
+        for built, derived in zip(program.tasks, moved.tasks, strict=True):
+            assert derived == built, (rank, built.task.name)
+            assert derived.tensors == built.tensors, (rank, built.task.name)
+
+
+@pytest.mark.parametrize("network, batch, strategy, home, ranks", list(_cases()))
+def test_programs_moved_within_a_class_are_the_programs_built(
+    network, batch, strategy, home, ranks
+):
+    graph = load_source_graph(network, batch, batch)
+    chosen, _ = resolve_strategy(graph, strategy, ranks, MACHINE, 5.0, None, home)
+    plan = build_plan(graph, chosen, ranks)
+    for fused in (False, True):
+        alone, shared, _ = _programs(graph, plan, ranks, fused)
+        _equal(alone, shared)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model"])
+def test_programs_of_micro_batches_in_stages_moved_within_a_class_are_the_programs_built(strategy):
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4)
+    plan = build_plan(graph, builtin(graph, strategy, 8), 8)
+    alone, shared, _ = _programs(graph, plan, 8, True)
+    _equal(alone, shared)
+
+
+def test_ranks_alike_share_a_build():
+    """Data parallelism on 16 ranks: the loss's holder, the last rank of the rings, the rest."""
+    graph = load_source_graph("seed-lcn", 32, 32)
+    chosen, _ = resolve_strategy(graph, "data", 16, MACHINE, 5.0, None, "replicated")
+    plan = build_plan(graph, chosen, 16)
+    _, _, classes = _programs(graph, plan, 16, False)
+    assert len(classes.members) <= 3
+    assert max(len(members) for members in classes.members.values()) >= 14
+
+
+def test_build_programs_shares_by_default_and_gives_the_same_step():
+    graph = load_source_graph("seed-lcn-small", 16, 16)
+    chosen, _ = resolve_strategy(graph, "data", 8, MACHINE, 5.0, None, "replicated")
+    plan = build_plan(graph, chosen, 8)
+    shared = build_programs(graph, plan, MACHINE, range(8))
+    alone = build_programs(graph, plan, MACHINE, range(8), share=False)
+    assert [p.boxes for p in shared.values()] == [p.boxes for p in alone.values()]
+    assert [p.bytes_planned for p in shared.values()] == [p.bytes_planned for p in alone.values()]
