@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.rank_program import Collective, Message, RankProgram
+from runtime.rank_classes import built, own_messages, source
+from runtime.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.step_loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
 from runtime.step_simulator import Links
 
@@ -83,10 +84,10 @@ class _Flattener:
         self.index = {rank: i for i, rank in enumerate(self.ranks)}
         #: rank -> its index, as an array (-1: not simulated)
         self.lookup = np.full(
-            max([*self.ranks, *(p.nranks - 1 for p in programs.values())]) + 1, -1, np.int64
+            max([*self.ranks, *(p.nranks - 1 for p in built(programs))]) + 1, -1, np.int64
         )
         self.lookup[self.ranks] = np.arange(len(self.ranks))
-        self.transfers = max((p.messages for p in programs.values()), default=0)
+        self.transfers = max((p.messages for p in built(programs)), default=0)
         self.src = np.full(self.transfers, -1, np.int64)
         self.dst = np.full(self.transfers, -1, np.int64)
         self.nbytes = np.zeros(self.transfers, np.int64)
@@ -213,42 +214,57 @@ class _Flattener:
         self.posts += 2 * rounds.hops
         return mine
 
-    def program(self, rank: int, program: RankProgram, compute: Sequence[float]) -> None:
-        """`_Simulator._program`'s instructions for `rank`."""
+    def program(
+        self,
+        rank: int,
+        program: RankProgram,
+        compute: Sequence[float],
+        own: Mapping[int, Message] | None = None,
+    ) -> None:
+        """`_Simulator._program`'s instructions for `rank`, which runs `program`; where that is
+        another rank's, moved (`rank_classes.source`), `own` gives `rank`'s own of its messages."""
         slow = self.slowdown[rank]
         memory = self.memory * slow
 
         def pack(messages) -> float:
             return self.pack(messages, rank) * slow
 
-        self.add(pack(program.post_at_start))
+        at_start = program.post_at_start
+        if own is not None:
+            at_start = [own[m.seq] for m in at_start]
+        self.add(pack(at_start))
         self.ops.append((SYNC, 0, 0))
-        self.post(program.post_at_start)
-        sends = [m.seq for m in program.post_at_start if m.src == rank]
+        self.post(at_start)
+        sends = [m.seq for m in at_start if m.src == rank]
         completed = started = 0
         for position, rt in enumerate(program.tasks):
+            copies_in, partial_in, partial_out, post = (
+                (rt.copies_in, rt.partial_in, rt.partial_out, rt.post)
+                if own is None
+                else _own(own, rt)
+            )
             if rt.complete_before - completed > 0:
                 self.ops.append((COMPLETE, rt.complete_before - completed, 0))
             completed = max(completed, rt.complete_before)
-            self.add(pack(rt.partial_in))
-            self.post(rt.partial_in)
-            self.wait([m.seq for m in rt.copies_in])
-            self.add(sum(2 * m.nbytes * memory for m in rt.copies_in))
+            self.add(pack(partial_in))
+            self.post(partial_in)
+            self.wait([m.seq for m in copies_in])
+            self.add(sum(2 * m.nbytes * memory for m in copies_in))
             self.add(compute[position], COMPUTE)
-            self.add(pack(rt.partial_out) + pack(rt.post))
+            self.add(pack(partial_out) + pack(post))
             self.ops.append((SYNC, 0, 0))
-            self.post(rt.partial_out)
-            self.wait([m.seq for m in rt.partial_in])
-            self.add(sum(3 * m.nbytes * memory for m in rt.partial_in))
+            self.post(partial_out)
+            self.wait([m.seq for m in partial_in])
+            self.add(sum(3 * m.nbytes * memory for m in partial_in))
             for collective in rt.collectives:
                 self.ops.append((START, self.collective(collective)[rank], 0))
                 started += 1
             if rt.complete_after - completed > 0:
                 self.ops.append((COMPLETE, rt.complete_after - completed, 0))
             completed = max(completed, rt.complete_after)
-            self.post(rt.post)
+            self.post(post)
             self.ops.append((PROGRESS, 0, 0))
-            sends += [m.seq for m in (*rt.partial_out, *rt.post) if m.src == rank]
+            sends += [m.seq for m in (*partial_out, *post) if m.src == rank]
         if started - completed > 0:
             self.ops.append((COMPLETE, started - completed, 0))
         hop_sends = self.hop_sends[self.index[rank]]
@@ -259,8 +275,9 @@ class _Flattener:
 
     def flat(self, compute: Mapping[int, Sequence[float]], links: Links) -> FlatStep:
         op_ptr = [0]
-        for rank, program in self.programs.items():
-            self.program(rank, program, compute[rank])
+        for rank in self.programs:
+            own = own_messages(self.programs, rank)
+            self.program(rank, source(self.programs, rank), compute[rank], own)
             op_ptr.append(len(self.ops))
         self._flush_keys()
         keys = np.concatenate(self.key_arrays) if self.key_arrays else np.zeros(0, np.int64)
@@ -290,6 +307,13 @@ class _Flattener:
             round_adds.astype(np.int64),
             heap_room,
         )
+
+
+def _own(own: Mapping[int, Message], rt: RankTask) -> tuple[list[Message], ...]:
+    """`rt`'s copies in, partial sums in and out and posts, each message the rank's own."""
+    return tuple(
+        [own[m.seq] for m in ms] for ms in (rt.copies_in, rt.partial_in, rt.partial_out, rt.post)
+    )
 
 
 def flatten(

@@ -10,15 +10,18 @@ Those decisions do not change when every rect of a tensor moves by the same offs
 
 - Each rank's *signature* is everything its builder is told, in the order told (`task_events`):
   its pieces' requirements, its messages (its end of each, bytes, when posted), its part in each
-  collective (the bytes it sends, the targets and whether it holds each) and the cells it holds
-  of each layout. Each rect is written relative to the *frame* of its tensor on that rank: the
+  collective (the bytes it sends, the buffers of the hops it adds, the targets and whether it
+  holds each) and the cells it holds of each layout. Each rect is written relative to the *frame* of its tensor on that rank: the
   low corner of the first rect of that tensor the rank is told of.
 - Ranks with equal signatures form a class. Telling them the same things with every rect of a
   tensor moved by the difference of their frames, their builders make the same decisions: the
   program of one is that of another with its rects moved, and with each message replaced by the
   rank's own message told at the same point.
-- `derive` makes those programs from the class's first rank's, unfused (fusing the updates, which
-  compares rects of two tensors, runs on each program after). Pieces are the rank's own.
+- `SharedPrograms` moves those programs from the class's first rank's when asked for. Pieces
+  are the rank's own. Fusing updates into their gradients' kernels compares rects of two
+  tensors once (an update's parameters against its gradient), and that comparison is part of
+  the signature: the first rank's fused program moves as it is.
+- The step's simulators and the memory model read a class's program once for all its ranks.
 
 `tests/test_rank_classes.py` holds the programs derived equal to the programs built, field for
 field, on every kind of plan.
@@ -29,14 +32,15 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import sub
 
 from legion_nn.rect import Rect
 from partitioner.plan import Plan
 from runtime.rank_program import Message, PieceWork, RankProgram, RankTask, TaskEvents
+from runtime.step_buffers import hop_segment
 
-#: a rect relative to its tensor's frame, or `EMPTY`
+#: a rect's low and high corners relative to its tensor's frame
 Relative = tuple[int, ...]
-EMPTY: Relative = ()
 
 
 @dataclass
@@ -52,38 +56,68 @@ class RankClasses:
 class _Signature:
     """One rank's signature (see the module docstring) as it is told each task."""
 
-    __slots__ = ("frames", "messages", "tokens")
+    __slots__ = ("frames", "messages", "tokens", "told")
 
     def __init__(self) -> None:
         self.frames: dict[str, tuple[int, ...]] = {}
+        #: what the rank has been told since `settle`
         self.tokens: list[tuple] = []
         self.messages: list[Message] = []
+        #: the class of what it was told before that
+        self.told = 0
+
+    def settle(self, classes: dict[tuple, int]) -> int:
+        """Fold what the rank was told since the last call into its class: ranks told the same
+        before and since share the class again (`classes` numbers each (class, tokens) met)."""
+        key = (self.told, *self.tokens)
+        self.told = classes.setdefault(key, len(classes))
+        self.tokens = []
+        return self.told
 
     def relative(self, tensor: str, rect: Rect | None) -> Relative | None:
         if rect is None:
             return None
-        if rect.is_empty():
-            return EMPTY
+        lo = rect.lo
         frame = self.frames.get(tensor)
         if frame is None:
-            frame = self.frames[tensor] = rect.lo
-        return (*(a - f for a, f in zip(rect.lo, frame)), *(b - f for b, f in zip(rect.hi, frame)))
+            frame = self.frames[tensor] = lo
+        return (*map(sub, lo, frame), *map(sub, rect.hi, frame))
 
     def held(self, position: int, tensor: str, rects: Sequence[Rect]) -> None:
         self.tokens.append(("held", position, tensor, *(self.relative(tensor, r) for r in rects)))
 
 
-def rank_classes(plan: Plan, events: Sequence[TaskEvents], ranks: Sequence[int]) -> RankClasses:
+#: sharing gives up once the ranks fall into more classes than this share of them: building
+#: each would cost little more than building them all, and telling them apart costs on
+SHARED_AT_MOST = 0.25
+
+
+def rank_classes(
+    plan: Plan,
+    events: Sequence[TaskEvents],
+    ranks: Sequence[int],
+    at_most: float = SHARED_AT_MOST,
+) -> RankClasses | None:
     """The classes of `ranks` whose builders are told the same things up to where their rects
-    lie: each rank's signature, following `rank_program._build` call for call."""
+    lie: each rank's signature, following `rank_program._build` call for call, task by task.
+    None where there are more than `at_most` of the ranks' count."""
     signatures = {rank: _Signature() for rank in ranks}
+    most = at_most * len(ranks)
+    classes: dict[tuple, int] = {}
+
+    def settled() -> bool:
+        return len({signature.settle(classes) for signature in signatures.values()}) <= most
+
     for name, layout in plan.homes.items():
         for rank, signature in signatures.items():
             held = layout.held_by(rank)
             if held:
                 signature.held(-1, name, held)
+    if not settled():
+        return None
     for event in events:
         position = event.position
+        updates = event.task.op == "update"
         for rank, pieces in event.mine.items():
             signature = signatures[rank]
             relative = signature.relative
@@ -92,6 +126,7 @@ def rank_classes(plan: Plan, events: Sequence[TaskEvents], ranks: Sequence[int])
                     (
                         "piece",
                         position,
+                        updates and _steps_its_gradients_rect(piece.requirements),
                         *(
                             (
                                 req.tensor,
@@ -124,6 +159,8 @@ def rank_classes(plan: Plan, events: Sequence[TaskEvents], ranks: Sequence[int])
                 )
         for ordinal, (collective, sent) in enumerate(event.collectives):
             tensor = collective.reduction.tensor
+            adding = collective.rounds.adding_sizes
+            segment = hop_segment(collective.reduction.itemsize)
             for rank in collective.reduction.participants:
                 signature = signatures.get(rank)
                 if signature is None:
@@ -134,6 +171,8 @@ def rank_classes(plan: Plan, events: Sequence[TaskEvents], ranks: Sequence[int])
                         position,
                         ordinal,
                         sent.get(rank, 0),
+                        # the buffers its adding hops take (`step_buffers.step_slots`)
+                        tuple(min(size, segment) for size in adding.get(rank, ())),
                         *(
                             (signature.relative(tensor, rect), rank in holders)
                             for rect, holders in collective.targets
@@ -145,14 +184,94 @@ def rank_classes(plan: Plan, events: Sequence[TaskEvents], ranks: Sequence[int])
                 held = layout.held_by(rank)
                 if held:
                     signature.held(position, tensor, held)
-    members: dict[tuple, list[int]] = defaultdict(list)
+        if not settled():
+            return None
+    members: dict[int, list[int]] = defaultdict(list)
     for rank, signature in signatures.items():
-        members[tuple(signature.tokens)].append(rank)
+        members[signature.told].append(rank)
     return RankClasses(
         {ranks[0]: ranks for ranks in members.values()},
         {rank: s.frames for rank, s in signatures.items()},
         {rank: s.messages for rank, s in signatures.items()},
     )
+
+
+def _steps_its_gradients_rect(requirements) -> bool:
+    """Whether an update's piece steps the rect of its gradient it reads: the one comparison of
+    rects of two tensors that fusing updates into their gradients' kernels makes
+    (`update_fusion.fuse_into_gradients`), so that it too is the same on every rank of a class."""
+    by_role = {req.role: req for req in requirements}
+    params, gradient = by_role.get("params"), by_role.get("gradient")
+    return params is not None and gradient is not None and params.rect == gradient.rect
+
+
+class SharedPrograms(Mapping[int, RankProgram]):
+    """Every rank's program, from one built per class: a rank's own is moved from its class's
+    when first asked for. The simulators and the memory model read a class's program once for
+    all its ranks (`like`, `own_messages`) rather than asking for each."""
+
+    def __init__(
+        self,
+        built: Mapping[int, RankProgram],
+        classes: RankClasses,
+        events: Sequence[TaskEvents],
+        ranks: Sequence[int],
+    ) -> None:
+        self._programs: dict[int, RankProgram] = dict(built)
+        self.classes = classes
+        self._events = events
+        self._ranks = list(ranks)
+        self._like = {rank: rep for rep, members in classes.members.items() for rank in members}
+
+    def __getitem__(self, rank: int) -> RankProgram:
+        found = self._programs.get(rank)
+        if found is None:
+            source = self._programs[self._like[rank]]
+            found = self._programs[rank] = _moved(source, rank, self.classes, self._events)
+        return found
+
+    def __iter__(self):
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._like
+
+    def like(self, rank: int) -> int:
+        """The rank whose program `rank`'s is, moved (itself, for a class's first rank)."""
+        return self._like[rank]
+
+    def own_messages(self, rank: int) -> dict[int, Message] | None:
+        """Per message of `like(rank)`'s program (by sequence number), `rank`'s own at the same
+        point; None for a class's first rank."""
+        source = self._like[rank]
+        if source == rank:
+            return None
+        messages = self.classes.messages
+        return dict(zip((m.seq for m in messages[source]), messages[rank]))
+
+
+def source(programs: Mapping[int, RankProgram], rank: int) -> RankProgram:
+    """The program `rank`'s is moved from (`SharedPrograms`), else `rank`'s own: it runs the
+    same tasks, with the same messages at the same points, and the same buffers."""
+    if isinstance(programs, SharedPrograms):
+        return programs[programs.like(rank)]
+    return programs[rank]
+
+
+def own_messages(programs: Mapping[int, RankProgram], rank: int) -> dict[int, Message] | None:
+    """Per message of `source(programs, rank)` (by sequence number), `rank`'s own at the same
+    point; None where that program is `rank`'s own."""
+    return programs.own_messages(rank) if isinstance(programs, SharedPrograms) else None
+
+
+def built(programs: Mapping[int, RankProgram]) -> list[RankProgram]:
+    """The programs of `programs` that were built, not moved: one per class."""
+    if isinstance(programs, SharedPrograms):
+        return [programs[rank] for rank in programs.classes.members]
+    return list(programs.values())
 
 
 def derive(
@@ -161,17 +280,10 @@ def derive(
     events: Sequence[TaskEvents],
     ranks: Sequence[int],
 ) -> dict[int, RankProgram]:
-    """Every rank's program, in `ranks` order: the representatives' `built` (unfused), the
-    others moved from their representative's."""
-    out: dict[int, RankProgram] = {}
-    rep_of = {rank: rep for rep, members in classes.members.items() for rank in members}
-    for rank in ranks:
-        rep = rep_of[rank]
-        if rank == rep:
-            out[rank] = built[rank]
-            continue
-        out[rank] = _moved(built[rep], rank, classes, events)
-    return out
+    """Every rank's program, in `ranks` order: the representatives' `built`, the others moved
+    from their representative's."""
+    shared = SharedPrograms(built, classes, events, ranks)
+    return {rank: shared[rank] for rank in ranks}
 
 
 def _moved(
@@ -215,6 +327,8 @@ def _moved(
             {t: [move(t, r) for r in rects] for t, rects in rt.window_home.items()},
             set(rt.fresh),
             rt.elided,
+            dict(rt.steps),
+            rt.fused_into,
         )
         # the tensors a task touches are the same names on every rank of the class
         moved.__dict__["tensors"] = rt.tensors

@@ -305,27 +305,23 @@ def build_programs(
     include: Iterable[str] | None = None,
     fuse_updates: bool = True,
     share: bool = True,
-) -> dict[int, RankProgram]:
+) -> Mapping[int, RankProgram]:
     """The programs of `ranks` for the tasks named in `include` (default: the whole step);
     `fuse_updates` lets a kernel that computes a gradient take the optimizer's step itself
     where nothing else reads the gradient (`runtime.update_fusion`); without it every gradient
     is stored, to read after the step. With `share`, ranks told the same things up to where
     their rects lie are built once and the others' programs moved there
     (`runtime.rank_classes`): the same programs, built faster."""
-    from runtime.rank_classes import derive, rank_classes
+    from runtime.rank_classes import SharedPrograms, rank_classes
 
     ranks = list(ranks)
     events, messages = task_events(graph, plan, machine, ranks, include)
-    if share and len(ranks) > 2:
-        classes = rank_classes(plan, events, ranks)
-        built = _build(graph, plan, events, messages, list(classes.members))
-        built = derive(built, classes, events, ranks)
-    else:
-        built = _build(graph, plan, events, messages, ranks)
+    classes = rank_classes(plan, events, ranks) if share and len(ranks) > 2 else None
+    built = _build(graph, plan, events, messages, list(classes.members) if classes else ranks)
     if fuse_updates:
         for program in built.values():
             fuse_into_gradients(graph, program)
-    return built
+    return SharedPrograms(built, classes, events, ranks) if classes else built
 
 
 def _build(

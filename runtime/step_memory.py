@@ -26,6 +26,7 @@ from partitioner.accounting import memory_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_layouts
+from runtime.rank_classes import source
 from runtime.rank_program import RankProgram, build_programs
 from runtime.step_buffers import StepBuffers, step_buffers
 
@@ -93,17 +94,23 @@ def predict(
     if programs is None:
         programs = build_programs(graph, plan, machine, ranks)
     out = {}
+    #: per program placed, its resident bytes and buffers: a rank whose program is moved from
+    #: another's (`rank_classes.source`) holds buffers of the same sizes, used alike
+    placed: dict[int, tuple[dict[str, int], StepBuffers]] = {}
     for rank in ranks:
-        program = programs[rank]
-        resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
-        for name, box in program.boxes.items():
-            tensor = graph.tensors[name]
-            if tensor.resident:
-                resident[RESIDENT_PARTS[tensor.kind]] += box.volume * tensor.itemsize
+        program = source(programs, rank)
+        found = placed.get(id(program))
+        if found is None:
+            resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
+            for name, box in program.boxes.items():
+                tensor = graph.tensors[name]
+                if tensor.resident:
+                    resident[RESIDENT_PARTS[tensor.kind]] += box.volume * tensor.itemsize
+            found = placed[id(program)] = (resident, step_buffers(graph, program, layouts))
         out[rank] = RankMemory(
             rank,
-            resident,
-            step_buffers(graph, program, layouts),
+            dict(found[0]),
+            found[1],
             machine.process_baseline_bytes,
             tuple(rt.task.name for rt in program.tasks),
         )

@@ -17,6 +17,7 @@ from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.compiled_step import run_compiled
+from runtime.rank_classes import source
 from runtime.rank_program import RankProgram, build_programs
 from runtime.step_simulator import (
     Links,
@@ -43,11 +44,11 @@ def predict_step(
     if programs is None:
         programs = build_programs(graph, plan, machine, range(plan.nranks))
     index = {task.name: i for i, task in enumerate(graph.tasks)}
-    seconds = {
-        rank: program_seconds(program, [float(per_task[index[rt.task.name]][rank])
-                                        for rt in program.tasks], machine)
-        for rank, program in programs.items()
-    }  # fmt: skip
+    seconds = {}
+    for rank in programs:
+        program = source(programs, rank)  # a rank moved from another runs its tasks
+        row = [float(per_task[index[rt.task.name]][rank]) for rt in program.tasks]
+        seconds[rank] = program_seconds(program, row, machine)
     return simulate(programs, seconds, machine)
 
 

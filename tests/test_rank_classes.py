@@ -15,8 +15,10 @@ from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
-from runtime.rank_classes import derive, rank_classes
+from runtime.rank_classes import SharedPrograms, derive, rank_classes
 from runtime.rank_program import _build, build_programs, task_events
+from runtime.step_memory import predict
+from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.update_fusion import fuse_into_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,18 +46,18 @@ def _cases():
 
 
 def _programs(graph, plan, ranks: int, fused: bool):
-    """Every rank's programs built rank by rank and built once per class, from one set of task
+    """Every rank's programs built rank by rank and built once per class (each class's first
+    rank's fused, where `fused`, before the others' are moved from it), from one set of task
     events (so that both hold the same collective objects)."""
     everyone = list(range(ranks))
     events, messages = task_events(graph, plan, MACHINE, everyone)
     alone = _build(graph, plan, events, messages, everyone)
-    classes = rank_classes(plan, events, everyone)
-    shared = derive(_build(graph, plan, events, messages, list(classes.members)), classes, events,
-                    everyone)  # fmt: skip
+    classes = rank_classes(plan, events, everyone, at_most=1.0)
+    built = _build(graph, plan, events, messages, list(classes.members))
     if fused:
-        for program in (*alone.values(), *shared.values()):
+        for program in (*alone.values(), *built.values()):
             fuse_into_gradients(graph, program)
-    return alone, shared, classes
+    return alone, derive(built, classes, events, everyone), classes
 
 
 def _equal(alone, shared):
@@ -91,13 +93,14 @@ def test_programs_of_micro_batches_in_stages_moved_within_a_class_are_the_progra
 
 
 def test_ranks_alike_share_a_build():
-    """Data parallelism on 16 ranks: the loss's holder, the last rank of the rings, the rest."""
+    """Data parallelism on 16 ranks: they differ only in the loss's holder and in the sizes of
+    the ring's chunks they add (a gradient of n elements cut into 16 chunks of ⌊n/16⌋ and
+    ⌈n/16⌉)."""
     graph = load_source_graph("seed-lcn", 32, 32)
     chosen, _ = resolve_strategy(graph, "data", 16, MACHINE, 5.0, None, "replicated")
     plan = build_plan(graph, chosen, 16)
     _, _, classes = _programs(graph, plan, 16, False)
-    assert len(classes.members) <= 3
-    assert max(len(members) for members in classes.members.values()) >= 14
+    assert len(classes.members) <= 5
 
 
 def test_build_programs_shares_by_default_and_gives_the_same_step():
@@ -108,3 +111,32 @@ def test_build_programs_shares_by_default_and_gives_the_same_step():
     alone = build_programs(graph, plan, MACHINE, range(8), share=False)
     assert [p.boxes for p in shared.values()] == [p.boxes for p in alone.values()]
     assert [p.bytes_planned for p in shared.values()] == [p.bytes_planned for p in alone.values()]
+
+
+@pytest.mark.parametrize(
+    ("network", "strategy", "home"),
+    [("seed-lcn", "data", "replicated"), ("seed-lcn-small", "data", "sharded"),
+     ("seed-lcn-small", "spatial", "replicated"), ("seed-lcn-small", "auto", "replicated")],
+)  # fmt: skip
+def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(network, strategy, home):
+    """The compiled simulation and the memory model read a class's program once for all its
+    ranks (`rank_classes.source`, `own_messages`): every rank's finish, wait and peak are those
+    of the programs built rank by rank."""
+    graph = load_source_graph(network, 16, 16)
+    chosen, _ = resolve_strategy(graph, strategy, 16, MACHINE, 5.0, None, home)
+    plan = build_plan(graph, chosen, 16)
+    everyone = list(range(16))
+    events, messages = task_events(graph, plan, MACHINE, everyone)
+    classes = rank_classes(plan, events, everyone, at_most=1.0)
+    built = _build(graph, plan, events, messages, list(classes.members))
+    for program in built.values():
+        fuse_into_gradients(graph, program)
+    shared = SharedPrograms(built, classes, events, everyone)
+    alone = build_programs(graph, plan, MACHINE, everyone, share=False)
+    fast = predict_step(graph, plan, MACHINE, programs=shared, simulate=simulate_compiled)
+    exact = predict_step(graph, plan, MACHINE, programs=alone, simulate=simulate_compiled)
+    assert (fast.finish, fast.waiting, fast.compute) == (exact.finish, exact.waiting, exact.compute)
+    for rank, memory in predict(graph, plan, MACHINE, programs=shared).items():
+        built = predict(graph, plan, MACHINE, [rank], programs=alone)[rank]
+        assert memory.peak == built.peak, rank
+        assert memory.breakdown() == built.breakdown(), rank
