@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.rank_classes import built, own_messages, source
-from runtime.rank_program import Collective, Message, RankProgram, RankTask
+from runtime.rank_program import Collective, Message, RankProgram
 from runtime.step_loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
 from runtime.step_simulator import Links
 
@@ -238,24 +238,30 @@ class _Flattener:
         sends = [m.seq for m in at_start if m.src == rank]
         completed = started = 0
         for position, rt in enumerate(program.tasks):
-            copies_in, partial_in, partial_out, post = (
-                (rt.copies_in, rt.partial_in, rt.partial_out, rt.post)
-                if own is None
-                else _own(own, rt)
-            )
+            moved = copies_in, partial_in, partial_out, post = (
+                rt.copies_in, rt.partial_in, rt.partial_out, rt.post
+            )  # fmt: skip
+            if own is not None and any(moved):
+                copies_in, partial_in, partial_out, post = _own(own, moved)
             if rt.complete_before - completed > 0:
                 self.ops.append((COMPLETE, rt.complete_before - completed, 0))
             completed = max(completed, rt.complete_before)
-            self.add(pack(partial_in))
-            self.post(partial_in)
-            self.wait([m.seq for m in copies_in])
-            self.add(sum(2 * m.nbytes * memory for m in copies_in))
-            self.add(compute[position], COMPUTE)
-            self.add(pack(partial_out) + pack(post))
-            self.ops.append((SYNC, 0, 0))
-            self.post(partial_out)
-            self.wait([m.seq for m in partial_in])
-            self.add(sum(3 * m.nbytes * memory for m in partial_in))
+            if copies_in or partial_in or partial_out or post:
+                self.add(pack(partial_in))
+                self.post(partial_in)
+                self.wait([m.seq for m in copies_in])
+                self.add(sum(2 * m.nbytes * memory for m in copies_in))
+                self.add(compute[position], COMPUTE)
+                self.add(pack(partial_out) + pack(post))
+                self.ops.append((SYNC, 0, 0))
+                self.post(partial_out)
+                self.wait([m.seq for m in partial_in])
+                self.add(sum(3 * m.nbytes * memory for m in partial_in))
+            else:  # the same instructions, with nothing to post, pack, wait for or add
+                self.wait([])
+                self.add(compute[position], COMPUTE)
+                self.ops.append((SYNC, 0, 0))
+                self.wait([])
             for collective in rt.collectives:
                 self.ops.append((START, self.collective(collective)[rank], 0))
                 started += 1
@@ -264,7 +270,8 @@ class _Flattener:
             completed = max(completed, rt.complete_after)
             self.post(post)
             self.ops.append((PROGRESS, 0, 0))
-            sends += [m.seq for m in (*partial_out, *post) if m.src == rank]
+            if partial_out or post:
+                sends += [m.seq for m in (*partial_out, *post) if m.src == rank]
         if started - completed > 0:
             self.ops.append((COMPLETE, started - completed, 0))
         hop_sends = self.hop_sends[self.index[rank]]
@@ -309,11 +316,11 @@ class _Flattener:
         )
 
 
-def _own(own: Mapping[int, Message], rt: RankTask) -> tuple[list[Message], ...]:
-    """`rt`'s copies in, partial sums in and out and posts, each message the rank's own."""
-    return tuple(
-        [own[m.seq] for m in ms] for ms in (rt.copies_in, rt.partial_in, rt.partial_out, rt.post)
-    )
+def _own(
+    own: Mapping[int, Message], lists: Sequence[Sequence[Message]]
+) -> tuple[list[Message], ...]:
+    """Each of `lists` of messages, each message the rank's own (`rank_classes.own_messages`)."""
+    return tuple([own[m.seq] for m in messages] for messages in lists)
 
 
 def flatten(
