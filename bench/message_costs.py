@@ -51,8 +51,8 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
     `{"us": the median, "rounds": each round's}`; the others None."""
     from partitioner.machine import Machine
     from runtime import mpi_transport as mpi
-    from runtime.rank_program import build_programs
     from runtime.step_prediction import predict_step
+    from runtime.step_programs import build_programs
 
     name, batch, strategy = MESSAGE_JOB
     network = load_network(name)

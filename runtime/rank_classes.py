@@ -99,7 +99,7 @@ def rank_classes(
     at_most: float = SHARED_AT_MOST,
 ) -> RankClasses | None:
     """The classes of `ranks` whose builders are told the same things up to where their rects
-    lie: each rank's signature, following `rank_program._build` call for call, task by task.
+    lie: each rank's signature, following `rank_program.build_each` call for call, task by task.
     None where there are more than `at_most` of the ranks' count."""
     signatures = {rank: _Signature() for rank in ranks}
     most = at_most * len(ranks)

@@ -46,9 +46,10 @@ from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.instances import Layout, choose_layouts
 from runtime.kernels.blas import kernel_threading
 from runtime.process_memory import peak_rss_bytes
-from runtime.rank_program import RankProgram, build_programs
+from runtime.rank_program import RankProgram
 from runtime.rank_step import StepRun, fault_from_env
 from runtime.step_buffers import Arena, StepBuffers, step_buffers
+from runtime.step_programs import build_programs
 from runtime.tracing import Recorder
 from runtime.transport import (
     GroupAborted,

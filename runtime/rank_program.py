@@ -50,7 +50,6 @@ from partitioner.pieces import Piece
 from partitioner.plan import Plan
 from partitioner.task_plan import Reduction
 from runtime.step_order import step_order
-from runtime.update_fusion import fuse_into_gradients
 
 #: copies posted at the start of the step, before any task
 STEP_START = -1
@@ -199,7 +198,7 @@ class RankProgram:
 class TaskEvents:
     """What every rank's builder is told of one task of the step: the same for each rank, found
     once (`task_events`), so that ranks whose programs are alike share one build
-    (`runtime.rank_classes`)."""
+    (`runtime.step_programs`)."""
 
     position: int
     task: Task
@@ -297,34 +296,7 @@ def task_events(
     return events, seq
 
 
-def build_programs(
-    graph: TaskGraph,
-    plan: Plan,
-    machine: Machine,
-    ranks: Iterable[int],
-    include: Iterable[str] | None = None,
-    fuse_updates: bool = True,
-    share: bool = True,
-) -> Mapping[int, RankProgram]:
-    """The programs of `ranks` for the tasks named in `include` (default: the whole step);
-    `fuse_updates` lets a kernel that computes a gradient take the optimizer's step itself
-    where nothing else reads the gradient (`runtime.update_fusion`); without it every gradient
-    is stored, to read after the step. With `share`, ranks told the same things up to where
-    their rects lie are built once and the others' programs moved there
-    (`runtime.rank_classes`): the same programs, built faster."""
-    from runtime.rank_classes import SharedPrograms, rank_classes
-
-    ranks = list(ranks)
-    events, messages = task_events(graph, plan, machine, ranks, include)
-    classes = rank_classes(plan, events, ranks) if share and len(ranks) > 2 else None
-    built = _build(graph, plan, events, messages, list(classes.members) if classes else ranks)
-    if fuse_updates:
-        for program in built.values():
-            fuse_into_gradients(graph, program)
-    return SharedPrograms(built, classes, events, ranks) if classes else built
-
-
-def _build(
+def build_each(
     graph: TaskGraph, plan: Plan, events: list[TaskEvents], messages: int, ranks: list[int]
 ) -> dict[int, RankProgram]:
     """The programs of `ranks` (updates not fused), each built by telling it every task."""

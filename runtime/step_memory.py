@@ -27,8 +27,9 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_layouts
 from runtime.rank_classes import source
-from runtime.rank_program import RankProgram, build_programs
+from runtime.rank_program import RankProgram
 from runtime.step_buffers import StepBuffers, step_buffers
+from runtime.step_programs import build_programs
 
 #: plans on more ranks are given the held-all-step count (`HELD`), not placed buffers
 PLACED_MAX_RANKS = 64

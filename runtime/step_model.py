@@ -24,7 +24,7 @@ from partitioner import cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
-from runtime.rank_program import RankProgram, build_programs
+from runtime.rank_program import RankProgram
 from runtime.step_memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
 from runtime.step_prediction import (
     OBJECTIVE_SIMULATE_MAX_RANKS,
@@ -33,6 +33,7 @@ from runtime.step_prediction import (
     simulated,
     step_prediction,
 )
+from runtime.step_programs import build_programs
 from runtime.step_simulator import SimulatedStep
 
 #: plans whose every rank's programs are kept (the candidates auto compares are fewer)

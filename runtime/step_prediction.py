@@ -18,7 +18,8 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.compiled_step import run_compiled
 from runtime.rank_classes import source
-from runtime.rank_program import RankProgram, build_programs
+from runtime.rank_program import RankProgram
+from runtime.step_programs import build_programs
 from runtime.step_simulator import (
     Links,
     SimulatedStep,

@@ -80,9 +80,9 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     its buffers reads them too, not a few ranks' built apart), and every prediction equals the
     one made from scratch."""
     from runtime import step_memory, step_model
-    from runtime.rank_program import build_programs
     from runtime.step_memory import memory_prediction, plan_peak
     from runtime.step_prediction import step_prediction
+    from runtime.step_programs import build_programs
 
     built: list[tuple] = []
 

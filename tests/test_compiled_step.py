@@ -21,8 +21,8 @@ from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
-from runtime.rank_program import build_programs
 from runtime.step_prediction import predict_step, simulate_compiled, step_prediction
+from runtime.step_programs import build_programs
 from runtime.step_simulator import simulate_step
 
 ROOT = Path(__file__).resolve().parents[1]

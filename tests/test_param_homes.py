@@ -29,7 +29,7 @@ from partitioner.strategy import Strategy, builtin, factorizations, find_units, 
 from partitioner.verify_plan import verify_plan
 from runtime.distributed import RunOptions, train_rank
 from runtime.kernels.layout import WEIGHT_AXES
-from runtime.rank_program import build_programs
+from runtime.step_programs import build_programs
 from runtime.transport import run_threads
 
 

@@ -25,10 +25,10 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import BUILTIN, builtin, find_units
 from partitioner.verify_plan import verify_plan
-from runtime.rank_program import build_programs
 from runtime.step_buffers import ACTIVATIONS, step_buffers
 from runtime.step_model import StepModel
 from runtime.step_prediction import predict_step, simulate_compiled, step_prediction
+from runtime.step_programs import build_programs
 from runtime.step_simulator import simulate_step
 from tests.test_rank_executor import (
     assert_resumes,

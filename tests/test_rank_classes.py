@@ -16,9 +16,10 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
 from runtime.rank_classes import SharedPrograms, derive, rank_classes
-from runtime.rank_program import _build, build_programs, task_events
+from runtime.rank_program import build_each, task_events
 from runtime.step_memory import predict
 from runtime.step_prediction import predict_step, simulate_compiled
+from runtime.step_programs import build_programs
 from runtime.update_fusion import fuse_into_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +52,9 @@ def _programs(graph, plan, ranks: int, fused: bool):
     events (so that both hold the same collective objects)."""
     everyone = list(range(ranks))
     events, messages = task_events(graph, plan, MACHINE, everyone)
-    alone = _build(graph, plan, events, messages, everyone)
+    alone = build_each(graph, plan, events, messages, everyone)
     classes = rank_classes(plan, events, everyone, at_most=1.0)
-    built = _build(graph, plan, events, messages, list(classes.members))
+    built = build_each(graph, plan, events, messages, list(classes.members))
     if fused:
         for program in (*alone.values(), *built.values()):
             fuse_into_gradients(graph, program)
@@ -128,7 +129,7 @@ def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(netwo
     everyone = list(range(16))
     events, messages = task_events(graph, plan, MACHINE, everyone)
     classes = rank_classes(plan, events, everyone, at_most=1.0)
-    built = _build(graph, plan, events, messages, list(classes.members))
+    built = build_each(graph, plan, events, messages, list(classes.members))
     for program in built.values():
         fuse_into_gradients(graph, program)
     shared = SharedPrograms(built, classes, events, everyone)

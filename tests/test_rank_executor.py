@@ -25,9 +25,9 @@ from partitioner.strategy import Strategy, builtin, find_units
 from runtime import data
 from runtime.distributed import RunOptions, train_rank
 from runtime.rank_executor import RankExecutor, TaskFailure
-from runtime.rank_program import build_programs
 from runtime.rank_step import StepRun
 from runtime.step_order import step_order
+from runtime.step_programs import build_programs
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import ThreadTransport, run_threads
 

@@ -205,8 +205,8 @@ def _run_timeline(args: argparse.Namespace) -> int:
     from legion_nn.micro_batches import schedule_of, stages_of
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
-    from runtime.rank_program import build_programs
     from runtime.step_prediction import predict_step, simulated
+    from runtime.step_programs import build_programs
     from runtime.step_simulator import simulate_step
     from visualize.render_file import check_plot, write_figure
     from visualize.step_timeline import timeline_figure
