@@ -21,6 +21,10 @@ def read_input(path: str | Path, binary: bool = False) -> str | bytes:
     """The contents of an input file, or a one-line error naming it and why it cannot be read."""
     path = Path(path)
     try:
-        return path.read_bytes() if binary else path.read_text()
+        return path.read_bytes() if binary else path.read_text(encoding="utf-8")
     except OSError as exc:
         raise LegionNNError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise LegionNNError(
+            f"{path}: not UTF-8 text (byte {exc.start} is 0x{exc.object[exc.start]:02x})"
+        ) from None

@@ -87,6 +87,23 @@ def test_bad_arguments_fail_cleanly(args, fragment, tmp_path):
     assert not (tmp_path / "g.json").exists()
 
 
+@pytest.mark.parametrize(
+    "command", [["train", "--steps", "1"], ["graph"], ["partition", "--ranks", "2"]]
+)
+@pytest.mark.parametrize("name", ["blob.bin", "blob.json"])
+def test_a_binary_file_given_as_the_network_fails_cleanly(command, name, tmp_path):
+    """Bytes that are not UTF-8 (an ONNX protobuf or any blob under another name) are named in
+    one line, where the file is read."""
+    blob = tmp_path / name
+    blob.write_bytes(bytes([0x08, 0x07, 0x12, 0x93, 0xFF, 0x00, 0x41]) * 40)
+    result = run_cli(command[0], str(blob), *command[1:])
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"legion-nn {command[0]}: {blob}: ")
+    assert "not UTF-8 text" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
 def test_help_lists_the_commands():
     result = run_cli("--help")
     assert result.returncode == 0 and "graph" in result.stdout
