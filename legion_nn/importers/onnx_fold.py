@@ -136,6 +136,20 @@ def _shapes(model, batch: int) -> dict[str, list[int | None]]:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     stored = {t.name for t in copy.graph.initializer}
+    types = onnx.TensorProto
+    floats = {types.FLOAT, types.FLOAT16, types.DOUBLE, types.BFLOAT16}
+    # float initializers (weights) enter as typed inputs: their shapes are what inference needs,
+    # and it would otherwise serialize every weight, twice a model
+    listed = {value.name for value in copy.graph.input}
+    weights = [t for t in copy.graph.initializer if t.data_type in floats]
+    for tensor in weights:
+        if tensor.name not in listed:
+            copy.graph.input.append(
+                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)
+            )
+    kept = [t for t in copy.graph.initializer if t.data_type not in floats]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
     for value in copy.graph.input:
         dims = value.type.tensor_type.shape.dim
         if value.name not in stored and dims and not dims[0].HasField("dim_value"):
