@@ -70,6 +70,24 @@ class FlatStep:
     heap_room: int
 
 
+#: a template's patch: the step's last wait, on every send of the rank's
+_EVERY_SEND = -1
+
+
+@dataclass
+class _Template:
+    """One rank's instructions (`_Flattener.program`), to give again to a rank moved from it."""
+
+    ops: list[tuple[int, int, int]]
+    #: (position in `ops`, what to put there): START's collective, POST's or WAIT's messages,
+    #: or `_EVERY_SEND`'s sends, each the rank's own where the template is given again
+    patches: list[tuple[int, int, object]]
+    compute: Sequence[float]
+    slowdown: float
+    posts: int
+    waits: int
+
+
 class _Flattener:
     def __init__(
         self,
@@ -220,42 +238,55 @@ class _Flattener:
         program: RankProgram,
         compute: Sequence[float],
         own: Mapping[int, Message] | None = None,
-    ) -> None:
+    ) -> _Template:
         """`_Simulator._program`'s instructions for `rank`, which runs `program`; where that is
-        another rank's, moved (`rank_classes.source`), `own` gives `rank`'s own of its messages."""
+        another rank's, moved (`rank_classes.source`), `own` gives `rank`'s own of its messages.
+        Returns them as a template for the ranks moved from this one (`again`)."""
         slow = self.slowdown[rank]
         memory = self.memory * slow
+        first, posts, waits = len(self.ops), self.posts, self.waits
+        patches: list[tuple[int, int, object]] = []
 
         def pack(messages) -> float:
             return self.pack(messages, rank) * slow
+
+        def post(messages: Sequence[Message]) -> None:
+            if messages:
+                self.post(messages)
+                patches.append((len(self.ops) - 1 - first, POST, messages))
+
+        def wait(messages: Sequence[Message]) -> None:
+            self.wait([m.seq for m in messages])
+            if messages:
+                patches.append((len(self.ops) - 1 - first, WAIT, messages))
 
         at_start = program.post_at_start
         if own is not None:
             at_start = [own[m.seq] for m in at_start]
         self.add(pack(at_start))
         self.ops.append((SYNC, 0, 0))
-        self.post(at_start)
-        sends = [m.seq for m in at_start if m.src == rank]
+        post(at_start)
+        sends = [m for m in at_start if m.src == rank]
         completed = started = 0
         for position, rt in enumerate(program.tasks):
-            moved = copies_in, partial_in, partial_out, post = (
+            moved = copies_in, partial_in, partial_out, posted = (
                 rt.copies_in, rt.partial_in, rt.partial_out, rt.post
             )  # fmt: skip
             if own is not None and any(moved):
-                copies_in, partial_in, partial_out, post = _own(own, moved)
+                copies_in, partial_in, partial_out, posted = _own(own, moved)
             if rt.complete_before - completed > 0:
                 self.ops.append((COMPLETE, rt.complete_before - completed, 0))
             completed = max(completed, rt.complete_before)
-            if copies_in or partial_in or partial_out or post:
+            if copies_in or partial_in or partial_out or posted:
                 self.add(pack(partial_in))
-                self.post(partial_in)
-                self.wait([m.seq for m in copies_in])
+                post(partial_in)
+                wait(copies_in)
                 self.add(sum(2 * m.nbytes * memory for m in copies_in))
                 self.add(compute[position], COMPUTE)
-                self.add(pack(partial_out) + pack(post))
+                self.add(pack(partial_out) + pack(posted))
                 self.ops.append((SYNC, 0, 0))
-                self.post(partial_out)
-                self.wait([m.seq for m in partial_in])
+                post(partial_out)
+                wait(partial_in)
                 self.add(sum(3 * m.nbytes * memory for m in partial_in))
             else:  # the same instructions, with nothing to post, pack, wait for or add
                 self.wait([])
@@ -264,27 +295,76 @@ class _Flattener:
                 self.wait([])
             for collective in rt.collectives:
                 self.ops.append((START, self.collective(collective)[rank], 0))
+                patches.append((len(self.ops) - 1 - first, START, collective))
                 started += 1
             if rt.complete_after - completed > 0:
                 self.ops.append((COMPLETE, rt.complete_after - completed, 0))
             completed = max(completed, rt.complete_after)
-            self.post(post)
+            post(posted)
             self.ops.append((PROGRESS, 0, 0))
-            if partial_out or post:
-                sends += [m.seq for m in (*partial_out, *post) if m.src == rank]
+            if partial_out or posted:
+                sends += [m for m in (*partial_out, *posted) if m.src == rank]
         if started - completed > 0:
             self.ops.append((COMPLETE, started - completed, 0))
+        self.ops.append((WAIT, *self._every_send(rank, [m.seq for m in sends])))
+        self.waits += 1
+        patches.append((len(self.ops) - 1 - first, _EVERY_SEND, sends))
+        return _Template(
+            self.ops[first:],
+            patches,
+            compute,
+            slow,
+            self.posts - posts,
+            self.waits - waits,
+        )
+
+    def _every_send(self, rank: int, sends: list[int]) -> tuple[int, int]:
+        """The keys of the step's last wait: every send of the rank's, its hops' included."""
         hop_sends = self.hop_sends[self.index[rank]]
         everything = np.concatenate([np.asarray(sends, np.int64), *hop_sends])
         lo = self._add_key_array(everything)
-        self.ops.append((WAIT, lo, lo + len(everything)))
-        self.waits += 1
+        return lo, lo + len(everything)
+
+    def again(self, template: _Template, rank: int, own: Mapping[int, Message]) -> None:
+        """`program`'s instructions for `rank`, whose program, compute and CPU share are those
+        `template` was made with, moved from another rank's: the template's, each message
+        `rank`'s own and each collective `rank`'s instance of it."""
+        start = len(self.ops)
+        self.ops.extend(template.ops)
+        ops = self.ops
+        for at, code, what in template.patches:
+            if code == START:
+                ops[start + at] = (START, self.collective(what)[rank], 0)
+                continue
+            mine = [own[m.seq] for m in what]
+            if code == _EVERY_SEND:
+                ops[start + at] = (WAIT, *self._every_send(rank, [m.seq for m in mine]))
+                continue
+            if code == POST:
+                self._messages(mine)
+            ops[start + at] = (code, *self._add_keys([m.seq for m in mine]))
+        self.posts += template.posts
+        self.waits += template.waits
 
     def flat(self, compute: Mapping[int, Sequence[float]], links: Links) -> FlatStep:
         op_ptr = [0]
+        #: per rank built, its instructions, given again to each rank moved from it whose
+        #: compute and CPU share are its own
+        templates: dict[int, _Template] = {}
         for rank in self.programs:
             own = own_messages(self.programs, rank)
-            self.program(rank, source(self.programs, rank), compute[rank], own)
+            program = source(self.programs, rank)
+            template = templates.get(program.rank) if own is not None else None
+            if (
+                template is not None
+                and template.slowdown == self.slowdown[rank]
+                and list(template.compute) == list(compute[rank])
+            ):
+                self.again(template, rank, own)
+            else:
+                made = self.program(rank, program, compute[rank], own)
+                if own is None:
+                    templates[rank] = made
             op_ptr.append(len(self.ops))
         self._flush_keys()
         keys = np.concatenate(self.key_arrays) if self.key_arrays else np.zeros(0, np.int64)
