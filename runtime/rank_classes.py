@@ -3,7 +3,7 @@ one rank of each class and moving its program to the others.
 
 In a data-parallel step every rank but the one holding the loss runs the same tasks on rects
 that differ only in where they lie along the batch; a spatial step's inner ranks differ only
-along the rows. A rank's builder (`rank_program._Builder`) decides everything it does by
+along the rows. A rank's builder (`rank_program.Builder`) decides everything it does by
 comparing rects of one tensor with each other (overlaps, coverage, differences, bounding boxes)
 and by which ranks are the ends of its messages and the holders of its collectives' targets.
 Those decisions do not change when every rect of a tensor moves by the same offset. So:
@@ -36,8 +36,9 @@ from operator import sub
 
 from legion_nn.rect import Rect
 from partitioner.plan import Plan
-from runtime.rank_program import Message, PieceWork, RankProgram, RankTask, TaskEvents
+from runtime.rank_program import Message, PieceWork, RankProgram, RankTask
 from runtime.step_buffers import hop_segment
+from runtime.task_events import TaskEvents
 
 #: a rect's low and high corners relative to its tensor's frame
 Relative = tuple[int, ...]
@@ -99,7 +100,7 @@ def rank_classes(
     at_most: float = SHARED_AT_MOST,
 ) -> RankClasses | None:
     """The classes of `ranks` whose builders are told the same things up to where their rects
-    lie: each rank's signature, following `rank_program.build_each` call for call, task by task.
+    lie: each rank's signature, following `task_events.build_each` call for call, task by task.
     None where there are more than `at_most` of the ranks' count."""
     signatures = {rank: _Signature() for rank in ranks}
     most = at_most * len(ranks)

@@ -1,5 +1,5 @@
 """Every rank's program of a step, as `build_programs` gives them: the ranks' builders told each
-task once (`rank_program.task_events`), one rank built per class of ranks told alike
+task once (`task_events.task_events`), one rank built per class of ranks told alike
 (`rank_classes`), the others' programs moved from it when asked for.
 """
 
@@ -11,7 +11,8 @@ from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.rank_classes import SharedPrograms, rank_classes
-from runtime.rank_program import RankProgram, build_each, task_events
+from runtime.rank_program import RankProgram
+from runtime.task_events import build_each, task_events
 from runtime.update_fusion import fuse_into_gradients
 
 

@@ -16,11 +16,11 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
 from runtime.rank_classes import SharedPrograms, derive, rank_classes
-from runtime.rank_program import build_each, task_events
 from runtime.step_memory import predict
 from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_programs import build_programs
 from runtime.step_simulator import simulate_step
+from runtime.task_events import build_each, task_events
 from runtime.update_fusion import fuse_into_gradients
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -467,7 +467,7 @@ def test_the_first_contribution_writes_and_its_zeroing_is_elided(strategy, nrank
             assert f"{tensor}.set_zero" in elided
     cfg = config(small_network())
     written = ranks_run(cfg, nranks, strategy)
-    monkeypatch.setattr(rank_program._Builder, "_first_contribution", lambda *args: None)
+    monkeypatch.setattr(rank_program.Builder, "_first_contribution", lambda *args: None)
     added = ranks_run(cfg, nranks, strategy)
     assert written[0][0] == added[0][0]
     for name, value in added[0][1].items():

@@ -1,0 +1,159 @@
+"""What every rank's builder (`rank_program.Builder`) is told of each task of a step, found once
+for all ranks (`task_events`), and the builders told it (`build_each`): the messages of a step
+numbered alike on every rank, each posted after the task that last wrote its rect (the plan's
+record, `Plan.written_by`), and the collectives with their schedules.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from legion_nn.graph import TaskGraph
+from legion_nn.ir import Task
+from legion_nn.rect import Rect
+from partitioner.collectives import schedule, target_order
+from partitioner.layout import Layout
+from partitioner.machine import Machine
+from partitioner.pieces import Piece
+from partitioner.plan import Plan
+from runtime.rank_program import STEP_START, Builder, Collective, Message, RankProgram
+from runtime.step_order import step_order
+
+
+@dataclass
+class TaskEvents:
+    """What every rank's builder is told of one task of the step: the same for each rank, found
+    once (`task_events`), so that ranks whose programs are alike share one build
+    (`runtime.step_programs`)."""
+
+    position: int
+    task: Task
+    holdings: Mapping[str, Layout]
+    deferred: Mapping[str, int]
+    #: per rank, its pieces of the task
+    mine: dict[int, list[Piece]]
+    #: the task's messages with an end among the ranks built, in sequence order
+    messages: list[Message]
+    #: the task's collectives, each with the bytes each participant's hops send
+    collectives: list[tuple[Collective, dict[int, int]]]
+
+
+def task_events(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    ranks: Iterable[int],
+    include: Iterable[str] | None = None,
+) -> tuple[list[TaskEvents], int]:
+    """Per task of the step (in `step_order`, those named in `include`), what `build_programs`
+    tells the builders of `ranks`; and the number of messages of the step."""
+    wanted = set(include) if include is not None else None
+    built = set(ranks)
+    indexed = [
+        (i, graph.tasks[i], plan.tasks[i])
+        for i in step_order(graph)
+        if wanted is None or graph.tasks[i].name in wanted
+    ]
+    position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
+    #: per tensor written this step, its layout now and the task that last wrote each cell (the
+    #: plan's record); a tensor not written yet holds what the step started with
+    written: dict[str, tuple[Layout, list[int]]] = {}
+    sharded_grads = {
+        name
+        for name, tensor in graph.tensors.items()
+        if tensor.kind == "grad" and name.removesuffix(".grad") in plan.sharded
+    }
+    events = []
+    seq = 0
+    for position, (index, task, task_plan) in enumerate(indexed):
+        # each rank's pieces found once, not by every rank scanning every piece
+        mine: dict[int, list[Piece]] = defaultdict(list)
+        for piece in task_plan.pieces:
+            for rank in dict.fromkeys(piece.ranks):
+                if rank in built:
+                    mine[rank].append(piece)
+        messages = []
+        for transfer in task_plan.transfers:
+            if transfer.src not in built and not any(d in built for d in transfer.dsts):
+                seq += len(transfer.dsts)  # numbered alike on every rank, built here or not
+                continue
+            if transfer.reduce:
+                post_after = position
+            elif graph.tensors[transfer.tensor].resident:
+                # a sharded home's part, fetched just before its reader and dropped after it
+                post_after = max(position - 1, STEP_START)
+            else:
+                post_after = _last_write(written.get(transfer.tensor), transfer.rect, position_of)
+            for dst in transfer.dsts:
+                messages.append(
+                    Message(
+                        seq,
+                        transfer.tensor,
+                        transfer.rect,
+                        transfer.src,
+                        dst,
+                        transfer.nbytes,
+                        position,
+                        post_after,
+                        transfer.reduce,
+                    )
+                )
+                seq += 1
+        collectives = []
+        for reduction in task_plan.reductions:
+            order = target_order(reduction)
+            rounds = schedule(reduction, machine)
+            collective = Collective(
+                reduction,
+                tuple(reduction.targets[t] for t in order),
+                rounds,
+                seq,
+                reduction.tensor in sharded_grads,
+            )
+            seq += rounds.hops
+            collectives.append((collective, rounds.sent(reduction.itemsize)))
+        events.append(
+            TaskEvents(
+                position, task, task_plan.holdings, task_plan.deferred, mine, messages, collectives
+            )
+        )
+        for tensor, layout in task_plan.holdings.items():
+            written[tensor] = (layout, plan.written_by[index][tensor].tolist())
+    return events, seq
+
+
+def build_each(
+    graph: TaskGraph, plan: Plan, events: list[TaskEvents], messages: int, ranks: list[int]
+) -> dict[int, RankProgram]:
+    """The programs of `ranks` (updates not fused), each built by telling it every task."""
+    programs = {rank: Builder(graph, plan, rank) for rank in ranks}
+    for event in events:
+        for rank, builder in programs.items():
+            builder.begin(event.position, event.task, event.mine.get(rank, ()))
+        for message in event.messages:
+            for builder in (programs.get(message.src), programs.get(message.dst)):
+                if builder is not None:
+                    builder.message(message)
+        for collective, sent in event.collectives:
+            for rank in collective.reduction.participants:
+                if rank in programs:
+                    programs[rank].collective(collective, sent.get(rank, 0))
+        for builder in programs.values():
+            builder.end(event.holdings, event.deferred)
+    return {rank: builder.program(messages) for rank, builder in programs.items()}
+
+
+def _last_write(
+    written: tuple[Layout, list[int]] | None, rect: Rect, position_of: Mapping[int, int]
+) -> int:
+    """The position of the task in view that last wrote some part of `rect`, from the plan's
+    record of who wrote each cell of the tensor's layout now (`Plan.written_by`)."""
+    if written is None:
+        return STEP_START
+    layout, writers = written
+    return max(
+        (position_of.get(writers[index], STEP_START) for index in layout.cell_indices(rect)),
+        default=STEP_START,
+    )
