@@ -298,7 +298,7 @@ def _reserved(nbytes: int) -> int:
 def place(slots: list[Slot], length: int) -> StepBuffers:
     """Offsets for `slots` in one arena: largest first, each at the lowest offset clear of the
     placed slots whose lifetimes overlap its own."""
-    order = sorted(slots, key=lambda s: (-s.nbytes, s.first, repr(s.key)))
+    order = sorted(slots, key=lambda s: (-s.nbytes, s.first, s.key))
     starts, size = _placement(tuple((s.nbytes, s.first, s.last) for s in order))
     offsets = {slot.key: start for slot, start in zip(order, starts)}
     return StepBuffers({s.key: s for s in slots}, offsets, size, length)
