@@ -275,18 +275,6 @@ def built(programs: Mapping[int, RankProgram]) -> list[RankProgram]:
     return list(programs.values())
 
 
-def derive(
-    built: Mapping[int, RankProgram],
-    classes: RankClasses,
-    events: Sequence[TaskEvents],
-    ranks: Sequence[int],
-) -> dict[int, RankProgram]:
-    """Every rank's program, in `ranks` order: the representatives' `built`, the others moved
-    from their representative's."""
-    shared = SharedPrograms(built, classes, events, ranks)
-    return {rank: shared[rank] for rank in ranks}
-
-
 def _moved(
     source: RankProgram, rank: int, classes: RankClasses, events: Sequence[TaskEvents]
 ) -> RankProgram:

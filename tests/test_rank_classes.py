@@ -15,7 +15,7 @@ from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
-from runtime.rank_classes import SharedPrograms, derive, rank_classes
+from runtime.rank_classes import SharedPrograms, rank_classes
 from runtime.step_memory import predict
 from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_programs import build_programs
@@ -59,7 +59,7 @@ def _programs(graph, plan, ranks: int, fused: bool):
     if fused:
         for program in (*alone.values(), *built.values()):
             fuse_into_gradients(graph, program)
-    return alone, derive(built, classes, events, everyone), classes
+    return alone, dict(SharedPrograms(built, classes, events, everyone)), classes
 
 
 def _equal(alone, shared):
