@@ -84,7 +84,7 @@ class _Template:
     patches: list[tuple[int, int, object]]
     compute: Sequence[float]
     slowdown: float
-    posts: int
+    #: the waits among `ops` (a collective's posts are counted once, where it is first met)
     waits: int
 
 
@@ -244,7 +244,7 @@ class _Flattener:
         Returns them as a template for the ranks moved from this one (`again`)."""
         slow = self.slowdown[rank]
         memory = self.memory * slow
-        first, posts, waits = len(self.ops), self.posts, self.waits
+        first, waits = len(self.ops), self.waits
         patches: list[tuple[int, int, object]] = []
 
         def pack(messages) -> float:
@@ -309,14 +309,7 @@ class _Flattener:
         self.ops.append((WAIT, *self._every_send(rank, [m.seq for m in sends])))
         self.waits += 1
         patches.append((len(self.ops) - 1 - first, _EVERY_SEND, sends))
-        return _Template(
-            self.ops[first:],
-            patches,
-            compute,
-            slow,
-            self.posts - posts,
-            self.waits - waits,
-        )
+        return _Template(self.ops[first:], patches, compute, slow, self.waits - waits)
 
     def _every_send(self, rank: int, sends: list[int]) -> tuple[int, int]:
         """The keys of the step's last wait: every send of the rank's, its hops' included."""
@@ -342,8 +335,8 @@ class _Flattener:
                 continue
             if code == POST:
                 self._messages(mine)
+                self.posts += len(mine)
             ops[start + at] = (code, *self._add_keys([m.seq for m in mine]))
-        self.posts += template.posts
         self.waits += template.waits
 
     def flat(self, compute: Mapping[int, Sequence[float]], links: Links) -> FlatStep:

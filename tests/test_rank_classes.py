@@ -4,22 +4,25 @@ that are alike do share a build."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from legion_nn.networks import load_network
 from legion_nn.sources import load_source_graph
+from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
-from runtime.rank_classes import SharedPrograms, rank_classes
+from runtime.compiled_step import flatten
+from runtime.rank_classes import SharedPrograms, rank_classes, source
 from runtime.step_memory import predict
-from runtime.step_prediction import predict_step, simulate_compiled
+from runtime.step_prediction import predict_step, program_seconds, simulate_compiled
 from runtime.step_programs import build_programs
-from runtime.step_simulator import simulate_step
+from runtime.step_simulator import Links, cpu_slowdown, posting_seconds, simulate_step
 from runtime.task_events import build_each, task_events
 from runtime.update_fusion import fuse_into_gradients
 
@@ -143,7 +146,27 @@ def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(netwo
         assert (fast.finish, fast.waiting, fast.compute) == (
             exact.finish, exact.waiting, exact.compute
         )  # fmt: skip
+    flat_shared, flat_alone = (_flat(graph, plan, p) for p in (shared, alone))
+    assert flat_shared.heap_room == flat_alone.heap_room  # each post and wait counted once
+    assert len(flat_shared.ops) == len(flat_alone.ops)
+    assert flat_shared.op_ptr.tolist() == flat_alone.op_ptr.tolist()
     for rank, memory in predict(graph, plan, MACHINE, programs=shared).items():
         built = predict(graph, plan, MACHINE, [rank], programs=alone)[rank]
         assert memory.peak == built.peak, rank
         assert memory.breakdown() == built.breakdown(), rank
+
+
+def _flat(graph, plan, programs):
+    """The compiled step's instructions for `programs`, as `simulate_compiled` makes them."""
+    per_task = compute_per_rank(graph, plan, MACHINE)
+    index = {task.name: i for i, task in enumerate(graph.tasks)}
+    seconds = {}
+    for rank in programs:
+        program = source(programs, rank)
+        row = [float(per_task[index[rt.task.name]][rank]) for rt in program.tasks]
+        seconds[rank] = program_seconds(program, row, MACHINE)
+    pack = partial(posting_seconds, memory=MACHINE.seconds_per_memory_byte,
+                   per_message=MACHINE.message_overhead)  # fmt: skip
+    links = Links.of(MACHINE, plan.nranks)
+    return flatten(programs, seconds, links, pack, MACHINE.seconds_per_memory_byte,
+                   cpu_slowdown(MACHINE, programs))  # fmt: skip
