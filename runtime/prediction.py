@@ -1,6 +1,6 @@
 """Prediction: a network's forward pass over new data, on one rank of any plan.
 
-`legion-nn predict` runs `predict_rank` on every rank of an `mpiexec` job (or as rank 0 of 1 in
+`legion-nn predict` runs `Predictor.outputs` on every rank of an `mpiexec` job (or as rank 0 of 1 in
 one process). The step is the training step's graph at the prediction batch, planned by the
 strategy as training plans it; each batch runs its forward pass alone (`run_inference`:
 dropout passes its input through, batch normalisation uses its running statistics), and the
@@ -96,22 +96,8 @@ class Predictor:
         whole = self.executor.gathered(self.output)
         return None if whole is None else whole[:count]
 
-
-def predict_rank(
-    network: Network,
-    x: np.ndarray,
-    batch: int,
-    transport: Transport,
-    strategy,
-    dtype: str = "float32",
-    parameters: Mapping[str, np.ndarray] | None = None,
-    machine=None,
-    stall_timeout: float = 60.0,
-) -> np.ndarray | None:
-    """The network's outputs for the samples `x` (every rank passes the same), on rank 0 (None
-    elsewhere), computed `batch` samples at a time (`Predictor`)."""
-    predictor = Predictor(
-        network, batch, transport, strategy, dtype, parameters, machine, stall_timeout
-    )
-    outputs = [predictor(x[start : start + batch]) for start in range(0, len(x), batch)]
-    return None if transport.rank != 0 else np.concatenate(outputs)
+    def outputs(self, x: np.ndarray) -> np.ndarray | None:
+        """The network's outputs for the samples `x` (every rank passes the same), on rank 0
+        (None elsewhere), computed `batch` samples at a time."""
+        found = [self(x[start : start + self.batch]) for start in range(0, len(x), self.batch)]
+        return None if found[0] is None else np.concatenate(found)

@@ -26,7 +26,7 @@ from onnx import numpy_helper
 from bench.model_zoo import ATOL, MODELS, RTOL, light, reference
 from legion_nn.importers.onnx_fold import fold
 from legion_nn.importers.onnx_model import load_onnx
-from runtime.prediction import predict_rank
+from runtime.prediction import Predictor
 from runtime.transport import ThreadTransport
 from tests.test_mpi_runtime import environment
 
@@ -36,7 +36,7 @@ LIGHT = light()
 def predict(network, x: np.ndarray) -> np.ndarray:
     """`predict`'s outputs in one process, float32."""
     (transport,) = ThreadTransport.group(1)
-    return predict_rank(network, x, len(x), transport, "data", "float32")
+    return Predictor(network, len(x), transport, "data", "float32").outputs(x)
 
 
 @pytest.mark.parametrize("name", MODELS)

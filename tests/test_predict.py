@@ -81,7 +81,7 @@ def test_under_mpiexec_every_strategy_writes_what_one_process_writes(tmp_path, s
 def test_a_checkpoint_stands_in_for_the_models_parameters(tmp_path):
     from legion_nn.importers.onnx_model import load_onnx
     from runtime import checkpoint
-    from runtime.prediction import predict_rank
+    from runtime.prediction import Predictor
     from runtime.transport import ThreadTransport
 
     ckpt = tmp_path / "ckpt"
@@ -97,7 +97,9 @@ def test_a_checkpoint_stands_in_for_the_models_parameters(tmp_path):
     trained, _ = checkpoint.load(ckpt, {})
     (transport,) = ThreadTransport.group(1)
     network = load_onnx(DIGITS)
-    expected = predict_rank(network, np.load(data)["x"], 3, transport, "data", "float32", trained)
+    expected = Predictor(network, 3, transport, "data", "float32", trained).outputs(
+        np.load(data)["x"]
+    )
     with np.load(out) as got, np.load(own) as untrained:
         np.testing.assert_array_equal(got["y"], expected.reshape(3, 10))
         assert np.abs(got["y"] - untrained["y"]).max() > 1e-3  # training moved the outputs

@@ -152,20 +152,13 @@ def _predict(args: argparse.Namespace, job, transport) -> None:
     import numpy as np
 
     from legion_nn.atomic import atomic_write
-    from runtime.prediction import predict_rank
+    from runtime.prediction import Predictor
 
     network, x, parameters, machine, strategy = job
-    y = predict_rank(
-        network,
-        x,
-        min(args.batch, len(x)),
-        transport,
-        strategy,
-        args.dtype,
-        parameters,
-        machine,
-        args.stall_timeout,
-    )
+    batch = min(args.batch, len(x))
+    y = Predictor(
+        network, batch, transport, strategy, args.dtype, parameters, machine, args.stall_timeout
+    ).outputs(x)
     if y is None:
         return
     if network.output_shape:
