@@ -57,6 +57,11 @@ class RankClasses:
     #: per rank, the messages it was told of, in the order told (once per end it is)
     messages: dict[int, list[Message]]
 
+    def own_messages(self, source: int, rank: int) -> dict[int, Message]:
+        """Per message `source` was told of (by sequence number), the message `rank` of its
+        class was told at the same point."""
+        return dict(zip((m.seq for m in self.messages[source]), self.messages[rank]))
+
 
 class _Signature:
     """One rank's signature (see the module docstring) as it is told each task."""
@@ -252,10 +257,7 @@ class SharedPrograms(Mapping[int, RankProgram]):
         """Per message of `like(rank)`'s program (by sequence number), `rank`'s own at the same
         point; None for a class's first rank."""
         source = self._like[rank]
-        if source == rank:
-            return None
-        messages = self.classes.messages
-        return dict(zip((m.seq for m in messages[source]), messages[rank]))
+        return None if source == rank else self.classes.own_messages(source, rank)
 
 
 def source(programs: Mapping[int, RankProgram], rank: int) -> RankProgram:
@@ -295,7 +297,7 @@ def _moved(
         offset = offsets.get(tensor)
         return rect if offset is None else rect.translate(offset)
 
-    own = dict(zip((m.seq for m in classes.messages[source.rank]), classes.messages[rank]))
+    own = classes.own_messages(source.rank, rank)
 
     def mine(messages: list[Message]) -> list[Message]:
         return [own[m.seq] for m in messages]
