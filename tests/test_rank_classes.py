@@ -11,16 +11,15 @@ import pytest
 
 from legion_nn.networks import load_network
 from legion_nn.sources import load_source_graph
-from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
 from runtime.compiled_step import flatten
-from runtime.rank_classes import SharedPrograms, rank_classes, source
+from runtime.rank_classes import SharedPrograms, rank_classes
 from runtime.step_memory import predict
-from runtime.step_prediction import predict_step, program_seconds, simulate_compiled
+from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_programs import build_programs
 from runtime.step_simulator import Links, cpu_slowdown, posting_seconds, simulate_step
 from runtime.task_events import build_each, task_events
@@ -157,16 +156,14 @@ def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(netwo
 
 
 def _flat(graph, plan, programs):
-    """The compiled step's instructions for `programs`, as `simulate_compiled` makes them."""
-    per_task = compute_per_rank(graph, plan, MACHINE)
-    index = {task.name: i for i, task in enumerate(graph.tasks)}
-    seconds = {}
-    for rank in programs:
-        program = source(programs, rank)
-        row = [float(per_task[index[rt.task.name]][rank]) for rt in program.tasks]
-        seconds[rank] = program_seconds(program, row, MACHINE)
-    pack = partial(posting_seconds, memory=MACHINE.seconds_per_memory_byte,
-                   per_message=MACHINE.message_overhead)  # fmt: skip
-    links = Links.of(MACHINE, plan.nranks)
-    return flatten(programs, seconds, links, pack, MACHINE.seconds_per_memory_byte,
-                   cpu_slowdown(MACHINE, programs))  # fmt: skip
+    """The compiled step's instructions for `programs`, as `simulate_compiled` makes them from
+    the seconds `predict_step` gives each rank's tasks."""
+
+    def flattened(programs, seconds, machine):
+        pack = partial(posting_seconds, memory=machine.seconds_per_memory_byte,
+                       per_message=machine.message_overhead)  # fmt: skip
+        links = Links.of(machine, plan.nranks)
+        return flatten(programs, seconds, links, pack, machine.seconds_per_memory_byte,
+                       cpu_slowdown(machine, programs))  # fmt: skip
+
+    return predict_step(graph, plan, MACHINE, programs=programs, simulate=flattened)
