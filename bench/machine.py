@@ -32,9 +32,10 @@ that the cores of a host stay with the rank measuring), and writes the file:
   first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency
   (the median of `MESSAGE_ROUNDS` runs, each in `measured_on`);
-- the CPU the network stack takes from a rank's kernels per byte it sends or receives between
-  hosts (`network_cpu_ns_per_byte`): a kernel timed alone and beside a stream each way (the
-  simulator stretches a task's compute by it for the bytes on the wire meanwhile);
+- what the network stack costs a rank's kernels per byte it sends or receives between hosts
+  (`network_cpu_ns_per_byte`): a kernel timed alone, and with a stream each way beside it until
+  both are done (the simulator has a task's compute share its core with the bytes on the wire
+  meanwhile);
 - what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
   NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.

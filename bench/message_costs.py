@@ -4,8 +4,9 @@ machine`'s last two measurements; `partitioner.machine` names the keys):
 - `message_overhead_us`: the runtime's bookkeeping and MPI calls per message endpoint, fitted so
   that the simulated step of a job made mostly of messages (`MESSAGE_JOB`) equals its measured
   one, the median of `MESSAGE_ROUNDS` runs;
-- `network_cpu_ns_per_byte`: the CPU the network stack takes from a rank's kernels per byte it
-  sends or receives between hosts, from a kernel timed alone and beside a stream each way.
+- `network_cpu_ns_per_byte`: what the network stack costs a rank's kernels per byte it sends or
+  receives between hosts, from a kernel timed alone and, with a stream each way beside it, until
+  both are done.
 """
 
 from __future__ import annotations
@@ -148,16 +149,27 @@ def _timed_busy(rounds: int, values: np.ndarray) -> float:
 
 
 def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> float | None:
-    """The CPU a rank's network stack takes from its kernels, in ns per byte it sends or
-    receives between hosts (on rank 0; None elsewhere): rank 0 runs a kernel alone, then while
-    `peer` (on another host) streams to it, then while it streams to `peer`, the stream sized
-    to last about as long as the kernel at the link's rate, posted before the kernel starts and
-    moved meanwhile by the transport's progress thread as in a training step. The kernel's extra
-    seconds over the bytes that moved while it ran, the least of `STACK_ROUNDS` streams each way
-    (as the kernel alone is the least of two: a slow stretch of the machine during one kernel
-    would be taken for the stack's cost), the mean of both directions: what the simulator
-    charges a task's compute for the bytes of its rank's transfers on the wire meanwhile
-    (`runtime.step_simulator`)."""
+    """What moving bytes between hosts costs a rank that computes meanwhile, in ns per byte it
+    sends or receives (on rank 0; None elsewhere): rank 0 runs a kernel alone, then while `peer`
+    (on another host) streams to it, then while it streams to `peer`. The stream is posted
+    before the kernel starts, moved meanwhile by the transport's progress thread as in a
+    training step, and sized to last half the kernel at the link's rate. The seconds until
+    both the kernel and the stream are done, beyond the kernel alone, over the stream's bytes:
+    the least of `STACK_ROUNDS` streams each way (as the kernel alone is the least of two: a
+    slow stretch of the machine during one kernel would be taken for the stack's cost), the
+    mean of both directions.
+
+    That is what the simulator charges a task's compute for the bytes of its rank's transfers
+    on the wire meanwhile (`runtime.step_simulator`), and by construction it gives this
+    experiment's measured time: with the stream on the wire during the kernel, the simulated
+    kernel takes its seconds plus the stream's bytes at this cost. Both ways the stack can take
+    a core show in it: the CPU its copies, checksums and interrupts take from the kernel, and
+    the bytes that cannot move until the kernel gives the core back. On a link the host's
+    core drives (an unshaped veth, measured on 2 emulated hosts of one core each) the stream
+    barely moves while the kernel runs and finishes after it, which slows the kernel little:
+    the kernel's own slowdown read 0.12 ns a byte there, against 0.8-1.2 ns by this measure,
+    and deep-mlp's data-parallel step, which moves its gradients beside the backward pass, was
+    predicted 40% short."""
     from runtime import mpi_transport as mpi
 
     rank = transport.rank
@@ -169,7 +181,7 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
             rounds *= 2
         rounds = int(rounds * STACK_PROBE_S / _timed_busy(rounds, values))
         alone = min(_timed_busy(rounds, values) for _ in range(2))
-        nbytes = min(int(alone / seconds_per_byte), STACK_MAX_BYTES)
+        nbytes = min(int(alone / 2 / seconds_per_byte), STACK_MAX_BYTES)
     else:
         nbytes = 0
     nbytes = mpi.broadcast(nbytes)
@@ -188,13 +200,14 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
         if rank == 0:
             start = time.perf_counter()
             with transport.computing():
-                busy = _timed_busy(rounds, values)
+                _busy(rounds, values)
         while not all(r.test() for r in requests):
             time.sleep(1e-4)
         if rank == 0:
-            streamed = time.perf_counter() - start
-            moved = chunks * STACK_CHUNK * min(1.0, busy / streamed)
-            costs.setdefault((sender, receiver), []).append(max(busy - alone, 0.0) / moved)
+            both = time.perf_counter() - start
+            costs.setdefault((sender, receiver), []).append(
+                max(both - alone, 0.0) / (chunks * STACK_CHUNK)
+            )
     mpi.idle_barrier()
     if rank != 0:
         return None

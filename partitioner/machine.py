@@ -107,7 +107,8 @@ class Machine:
     #: burst, a NIC's or a switch's buffer), refilled at the link's rate
     link_burst_bytes: float = 0.0
     #: CPU the network stack takes from a rank's kernels per byte it sends or receives between
-    #: hosts (a host's cores move the bytes: copies, checksums, interrupts), in ns
+    #: hosts (a host's cores move the bytes: copies, checksums, interrupts), in ns: a kernel
+    #: shares its core with the bytes on the wire while it runs (`step_simulator.sharing_core`)
     network_cpu_ns_per_byte: float = 0.0
     #: GB/s each way while both directions of a link between hosts are busy (None: as alone)
     duplex_gbytes_per_s: float | None = None

@@ -244,27 +244,49 @@ def _next_round_end(net, ranks, rounds, rank):
 
 @_helper
 def _stretched(net, prices, rank, begin, seconds, slowdown):
-    """`_Simulator._stretched`: `seconds` of compute from `begin`, with the network stack's CPU
-    for the bytes of the rank's transfers between hosts on the wire meanwhile (`slowdown` times
-    as long, the rank's); those ended before `begin` leave its list."""
+    """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
+    network stack's CPU for the bytes of the rank's transfers between hosts on the wire
+    meanwhile (`step_simulator.sharing_core`, point for point, with `slowdown` times the CPU a
+    byte, the rank's); those ended before `begin` leave its list."""
     cpu = prices[7]
     if cpu == 0.0:
         return seconds
     nbytes, ended, started = net[2], net[8], net[17]
     wire, base, count = net[18], net[19][rank], net[20][rank]
-    finish = begin + seconds
-    crossing = 0.0
     kept = 0
     for k in range(count):
         t = wire[base + k]
         if ended[t] > begin:
             wire[base + kept] = t
             kept += 1
-            overlap = min(ended[t], finish) - max(started[t], begin)
-            if overlap > 0.0:
-                crossing += nbytes[t] * overlap / (ended[t] - started[t])
     net[20][rank] = kept
-    return seconds + crossing * cpu * slowdown
+    if seconds == 0.0:
+        return 0.0
+    cpu = cpu * slowdown
+    moved = 0.0
+    low = 0.0
+    while True:
+        # the next point past `low` where a transfer starts or ends
+        high = -1.0
+        for k in range(kept):
+            t = wire[base + k]
+            for point in (max(started[t] - begin, 0.0), max(ended[t] - begin, 0.0)):
+                if point > low and (high < 0.0 or point < high):
+                    high = point
+        if high < 0.0:
+            return seconds + cpu * moved
+        rate = 0.0
+        for k in range(kept):
+            t = wire[base + k]
+            a, b = started[t] - begin, ended[t] - begin
+            if a <= low and b >= high and b > a:
+                rate += nbytes[t] / (b - a)
+        if cpu * rate < 1.0:
+            found = (seconds + cpu * (moved - rate * low)) / (1.0 - cpu * rate)
+            if found <= high:
+                return found
+        moved += rate * (high - low)
+        low = high
 
 
 @_helper

@@ -32,9 +32,11 @@ post points and collective schedules the runtime runs:
   `message_overhead_us`, on its own clock (the runtime's bookkeeping and MPI calls per message);
 - bytes crossing between hosts take CPU from the ranks at their ends (`network_cpu_ns_per_byte`:
   the network stack's copies, checksums and interrupts). A rank pays it only where it competes
-  with a kernel: a task's compute of c seconds from t is stretched by the CPU of the bytes of
-  that rank's transfers between hosts that are on the wire during [t, t + c] (each transfer's
-  bytes spread evenly over its time on the link). While a rank waits, the stack has the core;
+  with a kernel: a task's compute of c seconds from t takes the least s with s = c + the CPU of
+  the bytes of that rank's transfers between hosts on the wire during [t, t + s] (each
+  transfer's bytes spread evenly over its time on the link; `sharing_core`). The bytes that
+  cross while the stack holds the kernel back cost the core too, so where the transfers would
+  take the whole core the kernel waits for them. While a rank waits, the stack has the core;
 - ranks beyond their host's cores time-share them (`Machine.core_share`): all of a rank's CPU
   work above (compute, packing, adding, posting, the stack's) takes 1/share as long, since each
   was measured with the rank alone on its cores.
@@ -88,6 +90,27 @@ class Links:
 
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host
+
+
+def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, int]]) -> float:
+    """How long `seconds` of compute take beside transfers that take `cpu` seconds of the same
+    core per byte: the least s with s = seconds + cpu × (the bytes on the wire in [0, s]), each
+    transfer (start, end, bytes), relative to the compute's start, moving its bytes evenly.
+    The bytes that cross while the stack stretches the compute cost the core too, so where the
+    transfers would take the whole core (cpu × their rate ≥ 1) the compute waits for them."""
+    if seconds == 0.0:
+        return 0.0  # no kernel runs: the stack has the core
+    points = sorted({0.0, *(max(a, 0.0) for a, _, _ in wire), *(max(b, 0.0) for _, b, _ in wire)})
+    moved = 0.0  # bytes on the wire in [0, low]
+    for low, high in itertools.pairwise(points):
+        rate = sum(n / (b - a) for a, b, n in wire if a <= low and b >= high and b > a)
+        # on [low, high] the bytes grow at `rate`: s = seconds + cpu * (moved + rate * (s - low))
+        if cpu * rate < 1.0:
+            found = (seconds + cpu * (moved - rate * low)) / (1.0 - cpu * rate)
+            if found <= high:
+                return found
+        moved += rate * (high - low)
+    return seconds + cpu * moved
 
 
 @dataclass
@@ -381,14 +404,13 @@ class _Simulator:
         bytes of its transfers between hosts on the wire meanwhile (see the module docstring)."""
         if not self.network_cpu:
             return seconds
-        begin, finish = self.clock[rank], self.clock[rank] + seconds
+        begin = self.clock[rank]
         wire = self.on_wire[rank] = [t for t in self.on_wire[rank] if t.end > begin]
-        crossing = 0.0
-        for t in wire:
-            overlap = min(t.end, finish) - max(t.start, begin)
-            if overlap > 0.0:
-                crossing += t.nbytes * overlap / (t.end - t.start)
-        return seconds + crossing * self.network_cpu * self.slowdown[rank]
+        return sharing_core(
+            seconds,
+            self.network_cpu * self.slowdown[rank],
+            [(t.start - begin, t.end - begin, t.nbytes) for t in wire],
+        )
 
     def _complete(self, rank: int, count: int) -> Generator[object, None, None]:
         """Complete the rank's `count` oldest collectives in flight, in the order they started:

@@ -18,7 +18,7 @@ from partitioner.task_plan import Reduction
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_programs import build_programs
-from runtime.step_simulator import Links, simulate_step
+from runtime.step_simulator import Links, sharing_core, simulate_step
 
 MACHINE = Machine(memory_gbytes_per_s=None)
 
@@ -101,16 +101,59 @@ def test_a_collective_round_follows_only_when_the_rank_calls_into_mpi(middle):
 @pytest.mark.parametrize("middle", [5.0, 0.2])
 def test_the_network_stack_takes_cpu_from_a_kernel_only_while_both_run(middle, simulate):
     """The first round (1 MB each way, 0.5 s) is on the wire while `below` computes: each rank
-    pays 100 ns of CPU a byte for the part of its two transfers that overlaps its compute. Over
-    5 s that is all 2 MB (0.2 s more); over 0.2 s, 40% of them, and the rank then waits for
-    the round anyway, so the step does not move."""
+    pays 100 ns of CPU a byte for the part of its two transfers that crosses while it computes.
+    Over 5 s that is all 2 MB (0.2 s more); 0.2 s of compute take 0.2 / 0.6 s beside the round
+    (`sharing_core`), and the rank then waits for the round anyway, so the step does not
+    move."""
     programs, compute = all_reduce_beneath(middle)
     machine = Machine(memory_gbytes_per_s=None, network_cpu_ns_per_byte=100.0)
     step = simulate(programs, compute, machine, links(alpha=0.0, beta=1e-6 / 2))
-    below = middle + (2e6 * 1e-7 if middle >= 0.5 else 2e6 * (middle / 0.5) * 1e-7)
+    below = middle + 2e6 * 1e-7 if middle >= 0.5 else middle / 0.6
     assert step.seconds == pytest.approx(max(below, 0.5) + 0.5)
     quiet = simulate(programs, compute, MACHINE, links(alpha=0.0, beta=1e-6 / 2))
     assert step.seconds - quiet.seconds == pytest.approx(0.2 if middle >= 0.5 else 0.0)
+
+
+@pytest.mark.parametrize(
+    "seconds, wire, expected",
+    [
+        # alone, or beside a transfer already over
+        (0.2, [], 0.2),
+        (0.2, [(-1.0, 0.0, 10**6)], 0.2),
+        # 2 MB over [0, 0.5] at 100 ns a byte take 40% of the core: 0.2 s of compute end at
+        # 0.2 / 0.6, by when a third of the bytes have crossed (not 0.2 + 40% of 0.2)
+        (0.2, [(0.0, 0.5, 2 * 10**6)], 0.2 / 0.6),
+        # all of them cross within the compute: 0.2 s more
+        (5.0, [(0.0, 0.5, 2 * 10**6)], 5.2),
+        # a transfer from 0.1 to 0.3 (half the core): 0.1 s at the full core, 0.1 at half
+        (0.2, [(0.1, 0.3, 10**6)], 0.3),
+        # 20 MB in 1 s would take twice the core: the kernel waits for them all
+        (0.1, [(0.0, 1.0, 2 * 10**7)], 2.1),
+        # no kernel: nothing to stretch
+        (0.0, [(0.0, 0.5, 2 * 10**6)], 0.0),
+    ],
+)
+def test_a_kernel_shares_its_core_with_the_bytes_crossing_meanwhile(seconds, wire, expected):
+    assert sharing_core(seconds, 1e-7, wire) == pytest.approx(expected)
+
+
+def test_a_kernel_beside_transfers_ends_at_the_first_time_its_work_and_theirs_are_done():
+    """On random transfers, s = seconds + cpu × (bytes on the wire in [0, s]), and no earlier
+    time satisfies it (the least solution, found on a fine grid)."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n = int(rng.integers(1, 5))
+        starts = rng.uniform(-0.5, 1.0, n)
+        wire = [(a, a + rng.uniform(0.01, 1.0), int(rng.integers(1, 10**7))) for a in starts]
+        seconds, cpu = rng.uniform(0.01, 1.0), 10 ** rng.uniform(-8.5, -6.5)
+
+        def on_wire(s: float, wire=wire) -> float:
+            return sum(n * max(min(b, s) - max(a, 0.0), 0.0) / (b - a) for a, b, n in wire)
+
+        found = sharing_core(seconds, cpu, wire)
+        assert found == pytest.approx(seconds + cpu * on_wire(found), rel=1e-9)
+        earlier = np.linspace(0.0, found, 400)[:-1]
+        assert all(s < seconds + cpu * on_wire(s) for s in earlier)
 
 
 def copies(pairs: list[tuple[int, int]], nbytes: int, nranks: int) -> dict[int, RankProgram]:
