@@ -297,6 +297,9 @@ def test_the_stack_rate_comes_from_the_duplex_rate_and_never_binds_one_way():
     link = {"link_gbytes_per_s": 1.0, "memory_gbytes_per_s": None}
     assert Machine(**link).stack_beta == 0.0
     assert Machine(**link, duplex_gbytes_per_s=1.2).stack_beta == 0.0  # full duplex
+    # within the fits' spread of the one-way rate: full duplex too
+    assert Machine(**link, duplex_gbytes_per_s=0.996).stack_beta == 0.0
+    assert Machine(**link, duplex_gbytes_per_s=0.9).stack_beta > 0.0
     half = Machine(**link, duplex_gbytes_per_s=0.5)  # half duplex: 1 GB/s in all
     assert half.stack_beta == pytest.approx(1e-9)
     assert half.ring_beta == pytest.approx(2e-9)
