@@ -116,7 +116,7 @@ class Machine:
     link_burst_bytes: float = 0.0
     #: CPU the network stack takes from a rank's kernels per byte it sends or receives between
     #: hosts (a host's cores move the bytes: copies, checksums, interrupts), in ns: a kernel
-    #: shares its core with the bytes on the wire while it runs (`step_simulator.sharing_core`)
+    #: shares its core with the bytes on the wire while it runs (`rank_cpu.sharing_core`)
     network_cpu_ns_per_byte: float = 0.0
     #: GB/s each way while both directions of a link between hosts are busy (None: as alone)
     duplex_gbytes_per_s: float | None = None
@@ -157,7 +157,7 @@ class Machine:
         duplex = self.duplex_gbytes_per_s
         if duplex is None or duplex >= self.link_gbytes_per_s * (1.0 - FULL_DUPLEX_WITHIN):
             return 0.0
-        return min(1.0 / (2 * self.duplex_gbytes_per_s * 1e9), self.beta)
+        return min(1.0 / (2 * duplex * 1e9), self.beta)
 
     @property
     def ring_beta(self) -> float:

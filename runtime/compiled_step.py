@@ -39,7 +39,7 @@ from runtime.rank_program import Collective, Message, RankProgram
 from runtime.step_loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
 from runtime.step_simulator import Links
 
-#: `step_simulator.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
+#: `rank_cpu.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
 #: (messages, rank) -> seconds
 Pack = Callable[[Sequence[Message], int], float]
 
@@ -406,7 +406,7 @@ def flatten(
 ) -> FlatStep:
     """Every rank's program as instructions (see the module docstring): `pack` prices a task's
     messages on a rank, `memory` is seconds per byte of memory traffic, each rank's CPU work
-    taking `slowdown[rank]` times as long (`step_simulator.cpu_slowdown`)."""
+    taking `slowdown[rank]` times as long (`rank_cpu.cpu_slowdown`)."""
     return _Flattener(programs, pack, memory, slowdown).flat(compute, links)
 
 

@@ -246,7 +246,7 @@ def _next_round_end(net, ranks, rounds, rank):
 def _stretched(net, prices, rank, begin, seconds, slowdown):
     """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
     network stack's CPU for the bytes of the rank's transfers between hosts on the wire
-    meanwhile (`step_simulator.sharing_core`, point for point, with `slowdown` times the CPU a
+    meanwhile (`rank_cpu.sharing_core`, point for point, with `slowdown` times the CPU a
     byte, the rank's); those ended before `begin` leave its list."""
     cpu = prices[7]
     if cpu == 0.0:

@@ -18,15 +18,10 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.compiled_step import run_compiled
 from runtime.rank_classes import source
+from runtime.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.rank_program import RankProgram
 from runtime.step_programs import build_programs
-from runtime.step_simulator import (
-    Links,
-    SimulatedStep,
-    cpu_slowdown,
-    posting_seconds,
-    simulate_step,
-)
+from runtime.step_simulator import Links, SimulatedStep, simulate_step
 
 
 def predict_step(

@@ -34,9 +34,10 @@ post points and collective schedules the runtime runs:
   the network stack's copies, checksums and interrupts). A rank pays it only where it competes
   with a kernel: a task's compute of c seconds from t takes the least s with s = c + the CPU of
   the bytes of that rank's transfers between hosts on the wire during [t, t + s] (each
-  transfer's bytes spread evenly over its time on the link; `sharing_core`). The bytes that
-  cross while the stack holds the kernel back cost the core too, so where the transfers would
-  take the whole core the kernel waits for them. While a rank waits, the stack has the core;
+  transfer's bytes spread evenly over its time on the link; `rank_cpu.sharing_core`). The
+  bytes that cross while the stack holds the kernel back cost the core too, so where the
+  transfers would take the whole core the kernel waits for them. While a rank waits, the stack
+  has the core;
 - ranks beyond their host's cores time-share them (`Machine.core_share`): all of a rank's CPU
   work above (compute, packing, adding, posting, the stack's) takes 1/share as long, since each
   was measured with the rank alone on its cores.
@@ -56,6 +57,7 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from partitioner.machine import Machine
+from runtime.rank_cpu import cpu_slowdown, posting_seconds, sharing_core
 from runtime.rank_program import Collective, Message, RankProgram
 
 Key = tuple  # ("m", seq) for a message, ("h", seq) for a collective's hop
@@ -90,27 +92,6 @@ class Links:
 
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host
-
-
-def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, int]]) -> float:
-    """How long `seconds` of compute take beside transfers that take `cpu` seconds of the same
-    core per byte: the least s with s = seconds + cpu × (the bytes on the wire in [0, s]), each
-    transfer (start, end, bytes), relative to the compute's start, moving its bytes evenly.
-    The bytes that cross while the stack stretches the compute cost the core too, so where the
-    transfers would take the whole core (cpu × their rate ≥ 1) the compute waits for them."""
-    if seconds == 0.0:
-        return 0.0  # no kernel runs: the stack has the core
-    points = sorted({0.0, *(max(a, 0.0) for a, _, _ in wire), *(max(b, 0.0) for _, b, _ in wire)})
-    moved = 0.0  # bytes on the wire in [0, low]
-    for low, high in itertools.pairwise(points):
-        rate = sum(n / (b - a) for a, b, n in wire if a <= low and b >= high and b > a)
-        # on [low, high] the bytes grow at `rate`: s = seconds + cpu * (moved + rate * (s - low))
-        if cpu * rate < 1.0:
-            found = (seconds + cpu * (moved - rate * low)) / (1.0 - cpu * rate)
-            if found <= high:
-                return found
-        moved += rate * (high - low)
-    return seconds + cpu * moved
 
 
 @dataclass
@@ -164,24 +145,6 @@ class SimulatedStep:
         if not self.compute or step <= 0:
             return 0.0
         return sum(self.compute.values()) / len(self.compute) / step
-
-
-def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:
-    """Per rank of `programs`, how much longer its CPU work (posting, packing, adding, the
-    network stack's) takes than with its cores to itself: 1 / `Machine.core_share`, as its
-    compute (`cost.compute_per_rank`) is priced."""
-    share = machine.core_share(max(programs, default=0) + 1)
-    return {rank: 1.0 / float(share[rank]) for rank in programs}
-
-
-def posting_seconds(
-    messages: Sequence[Message], rank: int, memory: float, per_message: float
-) -> float:
-    """Seconds for `rank` to copy its sends among `messages` into send buffers (`memory`
-    seconds a byte, two passes) and to post its ends of them (`per_message` each: the runtime's
-    cost per message). The Python simulator and the compiled loop both price a post by it."""
-    mine = [m for m in messages if rank in (m.src, m.dst)]
-    return sum(2 * m.nbytes * memory for m in mine if m.src == rank) + len(mine) * per_message
 
 
 _SYNC = "sync"  # the rank's clock moved on: resume it when the simulation gets there

@@ -18,10 +18,11 @@ from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
 from runtime.compiled_step import flatten
 from runtime.rank_classes import SharedPrograms, rank_classes
+from runtime.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step_memory import predict
 from runtime.step_prediction import predict_step, simulate_compiled
 from runtime.step_programs import build_programs
-from runtime.step_simulator import Links, cpu_slowdown, posting_seconds, simulate_step
+from runtime.step_simulator import Links, simulate_step
 from runtime.task_events import build_each, task_events
 from runtime.update_fusion import fuse_into_gradients
 

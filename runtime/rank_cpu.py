@@ -1,0 +1,58 @@
+"""A rank's CPU work in a simulated step beyond its tasks' given seconds: the rules both step
+simulators (`runtime.step_simulator`, and the compiled loop of `runtime.step_loop`, which follows
+them point for point) price it by.
+
+- Ranks beyond their host's cores time-share them: all of a rank's CPU work takes 1/share as
+  long (`cpu_slowdown`).
+- Posting messages costs a rank its packing and the runtime's cost per message
+  (`posting_seconds`).
+- A kernel shares its core with the network stack's work for the bytes crossing between hosts
+  while it runs (`sharing_core`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from partitioner.machine import Machine
+from runtime.rank_program import Message, RankProgram
+
+
+def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:
+    """Per rank of `programs`, how much longer its CPU work (posting, packing, adding, the
+    network stack's) takes than with its cores to itself: 1 / `Machine.core_share`, as its
+    compute (`cost.compute_per_rank`) is priced."""
+    share = machine.core_share(max(programs, default=0) + 1)
+    return {rank: 1.0 / float(share[rank]) for rank in programs}
+
+
+def posting_seconds(
+    messages: Sequence[Message], rank: int, memory: float, per_message: float
+) -> float:
+    """Seconds for `rank` to copy its sends among `messages` into send buffers (`memory`
+    seconds a byte, two passes) and to post its ends of them (`per_message` each: the runtime's
+    cost per message). The Python simulator and the compiled loop both price a post by it."""
+    mine = [m for m in messages if rank in (m.src, m.dst)]
+    return sum(2 * m.nbytes * memory for m in mine if m.src == rank) + len(mine) * per_message
+
+
+def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, int]]) -> float:
+    """How long `seconds` of compute take beside transfers that take `cpu` seconds of the same
+    core per byte: the least s with s = seconds + cpu × (the bytes on the wire in [0, s]), each
+    transfer (start, end, bytes), relative to the compute's start, moving its bytes evenly.
+    The bytes that cross while the stack stretches the compute cost the core too, so where the
+    transfers would take the whole core (cpu × their rate ≥ 1) the compute waits for them."""
+    if seconds == 0.0:
+        return 0.0  # no kernel runs: the stack has the core
+    points = sorted({0.0, *(max(a, 0.0) for a, _, _ in wire), *(max(b, 0.0) for _, b, _ in wire)})
+    moved = 0.0  # bytes on the wire in [0, low]
+    for low, high in itertools.pairwise(points):
+        rate = sum(n / (b - a) for a, b, n in wire if a <= low and b >= high and b > a)
+        # on [low, high] the bytes grow at `rate`: s = seconds + cpu * (moved + rate * (s - low))
+        if cpu * rate < 1.0:
+            found = (seconds + cpu * (moved - rate * low)) / (1.0 - cpu * rate)
+            if found <= high:
+                return found
+        moved += rate * (high - low)
+    return seconds + cpu * moved
