@@ -65,7 +65,7 @@ import numpy as np
 from bench.calibration import calibrate, memory_bandwidth, task_medians
 from bench.jobs import OPTIMIZER, Job, log_records, median_step
 from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns_per_byte
-from bench.task_profile import profile_plan, sample_step
+from bench.task_profile import profile_as_run, profile_plan, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import micro_batched
@@ -189,18 +189,12 @@ def piece_rows(cache: dict) -> list[dict]:
     """The profile's times as the machine file's `pieces` table."""
     rows = []
     for (threads, key), seconds in sorted(cache.items(), key=lambda item: item[0][1]):
-        op, phase, attrs, shape, requirements = json.loads(key)
-        rows.append(
-            {
-                "op": op,
-                "phase": phase,
-                "attrs": attrs,
-                "shape": shape,
-                "requirements": requirements,
-                "threads": threads,
-                "seconds": seconds,
-            }
-        )
+        op, phase, attrs, shape, requirements, *mode = json.loads(key)
+        row = {"op": op, "phase": phase, "attrs": attrs, "shape": shape}
+        row |= {"requirements": requirements, "threads": threads, "seconds": seconds}
+        if mode:  # timed as a step runs it (`runtime.piece_modes`)
+            row["mode"] = mode[0]
+        rows.append(row)
     return rows
 
 
@@ -238,14 +232,14 @@ def measure_compute(
     for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
         graph = load_network(network).lower(batch=batch, optimizer=optimizer)
         sample = sample_step(graph)
-        one = profile_plan(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
-                           sample, cache)  # fmt: skip
+        one = profile_as_run(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
+                             sample, cache)  # fmt: skip
         if optimizer == OPTIMIZER:
             profiled_one = one
         for count in sorted({ranks} - {1}):
             for strategy in strategies:
                 plan = build_plan(graph, builtin(graph, strategy, count), count)
-                profile_plan(graph, plan, threads, sample, cache)
+                profile_as_run(graph, plan, threads, sample, cache)
         del sample, graph
     counts = micro_batch_counts(batch, ranks, quick)
     # micro-batches on a rank of their own (a pipeline's stage, or one process) run the pieces

@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit
 
 from bench.jobs import OPTIMIZER, log_records, median_step
-from bench.task_profile import profile_plan, sample_step
+from bench.task_profile import profile_as_run, sample_step
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
@@ -67,8 +67,8 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
     if transport.rank == 0:
         cache: dict = {}
         sample = sample_step(graph)
-        profile_plan(graph, plan, threads, sample, cache)
-        profile_plan(graph, one, threads, sample, cache)
+        profile_as_run(graph, plan, threads, sample, cache)
+        profile_as_run(graph, one, threads, sample, cache)
         base = Machine(
             task_overhead_us=fitted["task_overhead_us"], compute_factor=fitted["compute_factor"],
             memory_gbytes_per_s=fitted["memory_gbytes_per_s"], host_cores=host_cores(),

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from bench.calibration import Calibration, calibrate, memory_bandwidth
 from bench.jobs import MIN_TIMED_S, OPTIMIZER, best_jobs
-from bench.task_profile import profile_plan, sample_step
+from bench.task_profile import profile_as_run, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
@@ -101,7 +101,7 @@ class Predictor:
         return build_plan(self.graph, builtin(self.graph, strategy, ranks), ranks)
 
     def profile(self, plan: Plan, threads: int) -> dict[str, float]:
-        return profile_plan(self.graph, plan, threads, self.sample, self.cache)
+        return profile_as_run(self.graph, plan, threads, self.sample, self.cache)
 
     def predict(self, ranks: int, strategy: str, calibration: Calibration) -> Prediction:
         plan = self.plan(ranks, strategy)

@@ -21,19 +21,25 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import replace
 
 import numba
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from partitioner.machine import Machine
 from partitioner.piece_times import piece_key
 from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
 from runtime.executor import run_on_views
 from runtime.kernels.blas import kernel_threading
+from runtime.piece_modes import fresh_roles, fused_steps, piece_mode
+from runtime.rank_classes import source
 from runtime.rank_executor import RankExecutor, one_process
+from runtime.rank_program import RankProgram, RankTask
+from runtime.step_programs import build_programs
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5
@@ -70,11 +76,18 @@ def profile_plan(
     threads: int,
     sample: tuple[RankExecutor, StepContext] | None = None,
     cache: MutableMapping[PieceKey, float] | None = None,
+    programs: Mapping[int, RankProgram] | None = None,
 ) -> dict[str, float]:
     """Per task of `plan`, the seconds its busiest rank spends in its pieces' kernels, on
     `threads` Numba threads. Pieces with the same key (`piece_times.piece_key`: op, phase,
     attributes, shapes) are timed once (`cache`, keyed by (threads, piece key), which may be
-    shared between plans and is the table `bench machine` writes)."""
+    shared between plans and is the table `bench machine` writes).
+
+    Every piece is timed adding into its reductions. With `programs` (every rank's,
+    `step_programs.build_programs`), the pieces a rank's program runs otherwise are timed as it
+    runs them too (`runtime.piece_modes`: writing a gradient, or taking the optimizer's step of
+    an update fused into them), under their mode's key, and the seconds returned are the step's
+    as run: those pieces' times, nothing for an elided zeroing or a fused update."""
     executor, ctx = sample if sample is not None else sample_step(graph)
     cache = {} if cache is None else cache
     previous = numba.get_num_threads()
@@ -91,19 +104,72 @@ def profile_plan(
                     for rank in piece.ranks:
                         per_rank[rank] += cache[key]
                 out[task.name] = max(per_rank.values(), default=0.0)
+            if programs is not None:
+                out = _profile_as_run(graph, programs, threads, executor, ctx, cache)
     finally:
         numba.set_num_threads(previous)
     return out
 
 
-def _time_piece(graph, task, piece, executor: RankExecutor, ctx: StepContext) -> float:
+def profile_as_run(
+    graph: TaskGraph,
+    plan: Plan,
+    threads: int,
+    sample: tuple[RankExecutor, StepContext] | None = None,
+    cache: MutableMapping[PieceKey, float] | None = None,
+) -> dict[str, float]:
+    """`profile_plan` of `plan` with every rank's program built (on the default machine): its
+    pieces timed as well as those programs run them, and the step's seconds as run."""
+    programs = build_programs(graph, plan, Machine(), range(plan.nranks))
+    return profile_plan(graph, plan, threads, sample, cache, programs)
+
+
+def _profile_as_run(graph, programs, threads, executor, ctx, cache) -> dict[str, float]:
+    per_task: dict[str, dict[int, float]] = {task.name: {} for task in graph.tasks}
+    for rank in programs:
+        program = source(programs, rank)
+        for rt in program.tasks:
+            if not rt.runs:
+                continue
+            total = 0.0
+            for piece in rt.pieces:
+                mode = piece_mode(program, rt, piece)
+                key = (threads, piece_key(rt.task, piece.rect.shape, piece.requirements, mode))
+                if key not in cache:
+                    cache[key] = _time_piece(graph, rt.task, piece, executor, ctx, program, rt)
+                total += cache[key]
+            per_task[rt.task.name][rank] = total
+    return {name: max(per.values(), default=0.0) for name, per in per_task.items()}
+
+
+def _time_piece(
+    graph,
+    task,
+    piece,
+    executor: RankExecutor,
+    ctx: StepContext,
+    program: RankProgram | None = None,
+    rt: RankTask | None = None,
+) -> float:
+    """The median seconds of `piece`'s kernel: adding into its reductions, or as `rt` of
+    `program` runs it (`runtime.piece_modes`)."""
+
+    def copied(tensor, rect):
+        # a copy even where the view is whole: a piece that writes must not change the sample
+        return aligned_copy(executor.view(tensor, rect))
+
+    stepped = rt.steps if rt is not None else {}
     views = {}
     for req in piece.requirements:
+        if req.role in stepped:  # stepped from, never stored: it has no buffer
+            continue
         if req.rect is None:
             views[req.role] = np.zeros((0,) * len(graph.tensors[req.tensor].dims))
         else:
-            # a copy even where the view is whole: a piece that writes must not change the sample
-            views[req.role] = aligned_copy(executor.view(req.tensor, req.rect))
+            views[req.role] = copied(req.tensor, req.rect)
+    if rt is not None:
+        steps = fused_steps(program, rt, copied, ctx.step)
+        ctx = replace(ctx, fresh=fresh_roles(rt, piece), steps=steps)
     seconds = []
     for _ in range(REPEAT + 1):
         start = time.perf_counter()

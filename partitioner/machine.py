@@ -41,7 +41,8 @@ optional; see the README's table of keys):
   (without `ranks_per_host` every rank is its own host: the link is between ranks);
 - `"pieces"`: the runtime's kernels timed on the pieces of a network's plans
   (`partitioner.piece_times`), each `{"op", "phase", "attrs", "shape", "requirements":
-  [[role, shape]], "seconds", "threads"}`; `"compute_factor"` (a task's kernels in a running
+  [[role, shape]], "seconds", "threads"}`, and `"mode"` where the piece was timed as a step
+  runs it writing its gradient or taking its optimizer's step (`runtime.piece_modes`); `"compute_factor"` (a task's kernels in a running
   step take this many times their time alone) and `"loop_us"` (a step's time outside its
   tasks);
 - `"duplex_gbytes_per_s"`: the rate each way while both directions of a link between hosts carry
@@ -319,18 +320,19 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
     )
 
 
-def piece_key_of(op: str, phase: str, attrs: dict, shape, requirements) -> str:
+def piece_key_of(
+    op: str, phase: str, attrs: dict, shape, requirements, mode: str | None = None
+) -> str:
     """The key of a piece in a machine's table: what decides its kernel's work, as canonical
     JSON (not where a micro-batch's task sits, `PLACEMENT_ATTRS`). `requirements` are (role,
-    rect shape or None) pairs."""
+    rect shape or None) pairs; `mode`, how a step runs the piece where that is not adding its
+    results to what its reductions hold (`runtime.piece_modes`), or None where it is."""
     work = {k: v for k, v in attrs.items() if k not in PLACEMENT_ATTRS}
-    return json.dumps(
-        [op, phase, work, list(shape), [[role, None if s is None else list(s)] for role, s in
-                                         requirements]],
-        sort_keys=True,
-        default=str,
-        separators=(",", ":"),
-    )  # fmt: skip
+    key = [op, phase, work, list(shape),
+           [[role, None if s is None else list(s)] for role, s in requirements]]  # fmt: skip
+    if mode is not None:
+        key.append(mode)
+    return json.dumps(key, sort_keys=True, default=str, separators=(",", ":"))
 
 
 def _measured(data: dict, where: str) -> dict:
@@ -363,9 +365,13 @@ def _measured(data: dict, where: str) -> dict:
         fields = ("op", "phase", "attrs", "shape", "requirements", "seconds")
         if not isinstance(row, dict) or any(f not in row for f in fields):
             raise LegionNNError(f"{where}: pieces[{index}] needs {', '.join(fields)}")
+        mode = row.get("mode")
+        if mode is not None and not isinstance(mode, str):
+            raise LegionNNError(f"{where}: pieces[{index}].mode must be a string, got {mode!r}")
         try:
             key = piece_key_of(row["op"], row["phase"], row["attrs"], row["shape"],
-                               [(role, shape) for role, shape in row["requirements"]])  # fmt: skip
+                               [(role, shape) for role, shape in row["requirements"]],
+                               mode)  # fmt: skip
         except (TypeError, ValueError):
             raise LegionNNError(f"{where}: pieces[{index}] is malformed") from None
         value = row["seconds"]

@@ -29,15 +29,19 @@ from partitioner.plan import Plan
 PieceKey = str
 
 
-def piece_key(task: Task, shape: tuple[int, ...], requirements) -> PieceKey:
+def piece_key(
+    task: Task, shape: tuple[int, ...], requirements, mode: str | None = None
+) -> PieceKey:
     """The table's key of a piece of `task` of `shape` whose requirements (role, rect) are
-    `requirements` (objects with `role` and `rect`, the rect None where the piece reads none)."""
+    `requirements` (objects with `role` and `rect`, the rect None where the piece reads none),
+    run in `mode` (`runtime.piece_modes.piece_mode`; None: adding into its reductions)."""
     return piece_key_of(
         task.op,
         task.phase,
         task.attrs,
         shape,
         [(r.role, None if r.rect is None else r.rect.shape) for r in requirements],
+        mode,
     )
 
 

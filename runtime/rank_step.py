@@ -28,7 +28,7 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
-from runtime.kernels.update import OptimizerStep, optimizer_step
+from runtime.piece_modes import fresh_roles, fused_steps
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.running_collective import RunningCollective
 from runtime.tracing import COMMUNICATION, COMPUTE
@@ -297,31 +297,12 @@ class StepRun:
             else:
                 views[req.role] = self.ex.view(req.tensor, req.rect)
         ctx = self.ctx
-        fresh = {
-            req.role
-            for req in piece.requirements
-            if req.privilege is Privilege.REDUCE and req.tensor in rt.fresh
-        }
+        fresh = fresh_roles(rt, piece)
         if fresh:  # the first contribution since a zeroing that was elided: it writes
-            ctx = replace(ctx, fresh=frozenset(fresh))
-        if rt.steps:
-            ctx = replace(ctx, steps=self._fused_steps(rt))
+            ctx = replace(ctx, fresh=fresh)
+        if rt.steps:  # the updates fused into the task: its kernel steps their weights
+            ctx = replace(ctx, steps=fused_steps(self.program, rt, self.ex.view, self.ctx.step))
         run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, ctx)
-
-    def _fused_steps(self, rt: RankTask) -> dict[str, OptimizerStep]:
-        """Per gradient role of `rt`, the optimizer's step of the update fused into it
-        (`RankTask.steps`), over the update's views of the parameter and its state."""
-        steps = {}
-        for role, position in rt.steps.items():
-            update = self.program.tasks[position]
-            (piece,) = update.pieces
-            views = {
-                req.role: self.ex.view(req.tensor, req.rect)
-                for req in piece.requirements
-                if req.role != "gradient"
-            }
-            steps[role] = optimizer_step(update.task.attrs, views, self.ctx.step)
-        return steps
 
     def _collective(self, rt: RankTask, collective: Collective, scratch) -> None:
         """Start `collective` on the contribution in `scratch`; it runs in the background."""

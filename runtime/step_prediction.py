@@ -17,6 +17,7 @@ from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.compiled_step import run_compiled
+from runtime.piece_modes import moded_times, program_seconds
 from runtime.rank_classes import source
 from runtime.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.rank_program import RankProgram
@@ -40,25 +41,19 @@ def predict_step(
     if programs is None:
         programs = build_programs(graph, plan, machine, range(plan.nranks))
     index = {task.name: i for i, task in enumerate(graph.tasks)}
+    share = machine.core_share(plan.nranks)
+    #: per program (held, so that its id is its own), its tasks timed in a mode: the ranks of a
+    #: class share their source's
+    moded: dict[int, tuple[RankProgram, dict[int, float]]] = {}
     seconds = {}
     for rank in programs:
         program = source(programs, rank)  # a rank moved from another runs its tasks
         row = [float(per_task[index[rt.task.name]][rank]) for rt in program.tasks]
-        seconds[rank] = program_seconds(program, row, machine)
+        if id(program) not in moded:
+            moded[id(program)] = (program, moded_times(program, machine.pieces))
+        times = moded[id(program)][1]
+        seconds[rank] = program_seconds(program, row, machine, times, float(share[rank]))
     return simulate(programs, seconds, machine)
-
-
-def program_seconds(program: RankProgram, seconds: list[float], machine: Machine) -> list[float]:
-    """`seconds` of each task of `program` as the runtime runs them: an elided zeroing does not
-    run, and an update fused into the kernel of its gradient runs there, its kernel's time
-    added to that task's, without a task of its own (so without its overhead)."""
-    out = list(seconds)
-    for position, rt in enumerate(program.tasks):
-        if rt.fused_into is not None:
-            out[rt.fused_into] += max(out[position] - machine.task_overhead, 0.0)
-        if rt.fused_into is not None or rt.elided:
-            out[position] = 0.0
-    return out
 
 
 def simulate_compiled(

@@ -21,9 +21,11 @@ from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import micro_batched
 from legion_nn.networks import load_network
 from partitioner.machine import Machine, load_machine
-from partitioner.piece_times import task_piece_times
+from partitioner.piece_times import piece_key, task_piece_times
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
+from runtime.piece_modes import piece_mode
+from runtime.step_programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 8
@@ -70,6 +72,17 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
             times = task_piece_times(graph, plan, machine.pieces)
             missing = [t.name for t, s in zip(graph.tasks, times) if s is None]
             assert not missing, (optimizer, strategy, ranks, missing)
+            # and as every rank's program runs them: written, or stepping fused updates
+            programs = build_programs(graph, plan, Machine(), range(ranks))
+            for rank in programs:
+                program = programs[rank]
+                modes = [(rt, p, piece_mode(program, rt, p)) for rt in program.tasks if rt.runs
+                         for p in rt.pieces]  # fmt: skip
+                as_run = [piece_key(rt.task, p.rect.shape, p.requirements, mode)
+                          for rt, p, mode in modes if mode is not None]  # fmt: skip
+                assert all(key in machine.pieces for key in as_run), (optimizer, strategy)
+                if (strategy, ranks) == ("data", 1):
+                    assert any("steps" in mode for _, _, mode in modes if mode), optimizer
         # and of micro-batches on a rank of their own: a pipeline stage's (`--quick`: the
         # default pipeline's, 2 stages of 4)
         for count in (4,):
