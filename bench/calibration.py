@@ -116,15 +116,19 @@ def calibrate(
 ) -> Calibration:
     """Fit the model's per-task terms to a 1-rank trace and the profile of the same plan.
 
-    Each task's traced time is fitted as `compute_factor` × its profiled kernels + the per-task
-    overhead, by least squares over the tasks. The factor is the difference between a kernel
-    in isolation, run five times over the same buffers, and the same kernel in a step, whose
-    operands the tasks before it have pushed out of the caches; the profile cannot see it, and
-    an overhead alone cannot carry it: it grows with the task. It also absorbs a profile that
-    ran in a slower or faster stretch of the machine than the job (fits of 0.7-1.3 here). In one
-    traced comparison, seed-lcn-small at batch 64 on one thread fitted 1.04 and 26 us, and that
-    fit predicted its 2-rank jobs' compute within 3-12%, where the median excess (21 us a task,
-    no factor) was 11-18% short.
+    Each task's traced time is modelled as `compute_factor` × its profiled kernels + the
+    per-task overhead. The overhead is read off the small tasks, by a least-squares fit over
+    the tasks in relative terms (`_fit_task_times`); the factor is then the one that makes the
+    step's kernels sum to what the traced step spent in them (`_step_factor`). The factor is
+    the difference between a kernel in isolation, run five times over the same buffers, and the
+    same kernel in a step, whose operands the tasks before it have pushed out of the caches;
+    the profile cannot see it, and an overhead alone cannot carry it: it grows with the task.
+    It also absorbs a profile that ran in a slower or faster stretch of the machine than the
+    job. It is not the same for every task: seed-lcn at batch 16 on one core traced its
+    tenth-of-a-second kernels at 0.98-1.24 times their profiles and its sub-millisecond ones at
+    1.4-3.4. A factor fitted task by task, each alike, took the small tasks' 1.43 and
+    over-predicted the step by 17%; the step's own factor (1.15 there) is the large tasks',
+    which carry a step and its pieces on a few ranks.
 
     Where some zero-FLOP tasks move `_LARGE_BYTES` or more (a weight-sized gradient zeroed),
     the bandwidth is theirs: their bytes over their profiled time times the factor. The
@@ -139,9 +143,9 @@ def calibrate(
     traffic = {t.name: float(b[0]) for t, b in zip(graph.tasks, bytes_per_rank(graph, plan))}
     tasks = {task.name: task for task in graph.tasks}
     spent = task_medians(job.trace)
-    factor, overhead = _fit_task_times(
-        [profiled.get(name, 0.0) for name in spent], list(spent.values())
-    )
+    kernels = [profiled.get(name, 0.0) for name in spent]
+    _, overhead = _fit_task_times(kernels, list(spent.values()))
+    factor = _step_factor(kernels, list(spent.values()), overhead)
     large = [n for n in spent if not flops.get(n) and traffic.get(n, 0.0) >= _LARGE_BYTES]
     if large:
         moved = sum(traffic[name] for name in large)
@@ -178,6 +182,16 @@ def _weighted_median(values: dict[str, float], weights: dict[str, float]) -> flo
         if seen >= half:
             return values[key]
     return values[ordered[-1]]
+
+
+def _step_factor(profiled: list[float], spent: list[float], overhead: float) -> float:
+    """The factor by which the tasks' profiled kernels sum to what they spent less `overhead`
+    each: the ratio of the sums, so that the step is reproduced and the tasks that carry it
+    set the factor."""
+    kernels = sum(profiled)
+    if kernels <= 0:
+        return 1.0
+    return max((sum(spent) - overhead * len(spent)) / kernels, 1e-3)
 
 
 def _fit_task_times(profiled: list[float], spent: list[float]) -> tuple[float, float]:

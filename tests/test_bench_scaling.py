@@ -89,6 +89,24 @@ def test_the_overhead_is_read_off_the_small_tasks_whatever_the_large_ones_vary()
     assert calibration.compute_factor == pytest.approx(FACTOR, rel=0.05)
 
 
+def test_the_factor_is_the_steps_where_small_tasks_slow_down_more_than_large_ones():
+    """Tasks under a millisecond three times their profiles in the step, the others at
+    FACTOR: the factor is the one that sums the profiled step and the overheads to the traced
+    step, nearer the large tasks' factor, which carry it, than the small ones'."""
+    job, profiled = synthetic_job("seed-lcn", 16)
+    small = {name for name, kernel in profiled.items() if kernel * FACTOR < 1e-3}
+    for event in job.trace["traceEvents"]:
+        if event["name"] in small:
+            event["dur"] = (OVERHEAD_S + profiled[event["name"]] * 3.0) * 1e6
+    calibration = calibrate(job, 1, STREAMING, profiled)
+    spent = sum(OVERHEAD_S + profiled[n] * (3.0 if n in small else FACTOR) for n in profiled)
+    overhead = calibration.task_overhead_us * 1e-6
+    modelled = sum(calibration.compute_factor * kernel + overhead for kernel in profiled.values())
+    assert modelled == pytest.approx(spent, rel=1e-9)
+    assert FACTOR < calibration.compute_factor < 1.1 * FACTOR
+    assert small and len(small) > len(profiled) / 2
+
+
 def test_a_fit_below_zero_overhead_is_refitted_through_the_origin():
     job, profiled = synthetic_job("seed-lcn-small", 8)
     for event in job.trace["traceEvents"]:
