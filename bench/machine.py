@@ -88,8 +88,6 @@ QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 STRATEGIES = BUILTIN
 #: steps of the traced one-rank training that calibrates the runtime's own costs
 CALIBRATION_STEPS = 12
-#: of this many runs, the fastest calibrates (`calibrate_in_process`)
-CALIBRATION_RUNS = 2
 #: the traced steps of each micro-batch count with `--quick` (two after the warm-up)
 QUICK_MICRO_STEPS = 4
 
@@ -145,11 +143,8 @@ def _traced_training(
 
 
 def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
-    """Fit the runtime's per-task costs to a traced one-rank training run in this process: the
-    faster of `CALIBRATION_RUNS` (a slower one ran in a slow stretch of the machine: the
-    runtime is never faster than it is, so the faster is nearer its cost)."""
-    runs = [_traced_training(network, batch) for _ in range(CALIBRATION_RUNS)]
-    job = min(runs, key=lambda run: run.step_seconds)
+    """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
+    job = _traced_training(network, batch)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,

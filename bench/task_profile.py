@@ -41,10 +41,8 @@ from runtime.rank_executor import RankExecutor, one_process
 from runtime.rank_program import RankProgram, RankTask
 from runtime.step_programs import build_programs
 
-#: a piece's time is the least of this many passes over a plan's pieces (`_time_pieces`)
-PASSES = 3
-#: of this many runs each, after one that compiles and warms up
-REPEAT = 3
+#: a piece's time is the median of this many runs, after one that compiles and warms up
+REPEAT = 5
 
 PieceKey = tuple
 
@@ -92,67 +90,25 @@ def profile_plan(
     as run: those pieces' times, nothing for an elided zeroing or a fused update."""
     executor, ctx = sample if sample is not None else sample_step(graph)
     cache = {} if cache is None else cache
-    #: the pieces not yet timed, by key, each with the program and task that run it as run
-    pending: dict[PieceKey, tuple] = {}
-    for task, task_plan in zip(graph.tasks, plan.tasks):
-        for piece in task_plan.pieces:
-            key = (threads, piece_key(task, piece.rect.shape, piece.requirements))
-            if key not in cache:
-                pending.setdefault(key, (task, piece, None, None))
-    for program, rt, piece, key in _as_run(programs or {}, threads):
-        if key not in cache:
-            pending.setdefault(key, (rt.task, piece, program, rt))
     previous = numba.get_num_threads()
     numba.set_num_threads(threads)
+    out: dict[str, float] = {}
     try:
         with kernel_threading():
-            cache.update(_time_pieces(graph, pending, executor, ctx))
+            for task, task_plan in zip(graph.tasks, plan.tasks):
+                per_rank: dict[int, float] = defaultdict(float)
+                for piece in task_plan.pieces:
+                    key = (threads, piece_key(task, piece.rect.shape, piece.requirements))
+                    if key not in cache:
+                        cache[key] = _time_piece(graph, task, piece, executor, ctx)
+                    for rank in piece.ranks:
+                        per_rank[rank] += cache[key]
+                out[task.name] = max(per_rank.values(), default=0.0)
+            if programs is not None:
+                out = _profile_as_run(graph, programs, threads, executor, ctx, cache)
     finally:
         numba.set_num_threads(previous)
-    if programs is not None:
-        per_task: dict[str, dict[int, float]] = {task.name: {} for task in graph.tasks}
-        for rank in programs:
-            for _, rt, _, key in _as_run({rank: source(programs, rank)}, threads):
-                per_task[rt.task.name][rank] = per_task[rt.task.name].get(rank, 0.0) + cache[key]
-        return {name: max(per.values(), default=0.0) for name, per in per_task.items()}
-    out: dict[str, float] = {}
-    for task, task_plan in zip(graph.tasks, plan.tasks):
-        per_rank: dict[int, float] = defaultdict(float)
-        for piece in task_plan.pieces:
-            key = (threads, piece_key(task, piece.rect.shape, piece.requirements))
-            for rank in piece.ranks:
-                per_rank[rank] += cache[key]
-        out[task.name] = max(per_rank.values(), default=0.0)
     return out
-
-
-def _as_run(programs: Mapping[int, RankProgram], threads: int):
-    """(program, task, piece, key) of each piece the programs run, keyed by its mode
-    (`runtime.piece_modes`); a class's ranks' programs once."""
-    seen = set()
-    for rank in programs:
-        program = source(programs, rank)
-        if id(program) in seen:
-            continue
-        seen.add(id(program))
-        for rt in program.tasks:
-            for piece in rt.pieces if rt.runs else []:
-                mode = piece_mode(program, rt, piece)
-                key = piece_key(rt.task, piece.rect.shape, piece.requirements, mode)
-                yield program, rt, piece, (threads, key)
-
-
-def _time_pieces(graph, pending: dict, executor, ctx) -> dict[PieceKey, float]:
-    """Each pending piece's seconds: the least of `PASSES` passes over all of them, each
-    pass's time of a piece the median of `REPEAT` runs (`_time_piece`). A piece timed in one
-    stretch takes that stretch's speed: on a shared VM one pass timed deep-mlp's backward
-    pieces 14% slower than the pass before it, and a kernel is never faster than its cost, so
-    the fastest pass is the nearest."""
-    passes: dict[PieceKey, list[float]] = defaultdict(list)
-    for _ in range(PASSES):
-        for key, (task, piece, program, rt) in pending.items():
-            passes[key].append(_time_piece(graph, task, piece, executor, ctx, program, rt))
-    return {key: min(seconds) for key, seconds in passes.items()}
 
 
 def profile_as_run(
@@ -166,6 +122,24 @@ def profile_as_run(
     pieces timed as well as those programs run them, and the step's seconds as run."""
     programs = build_programs(graph, plan, Machine(), range(plan.nranks))
     return profile_plan(graph, plan, threads, sample, cache, programs)
+
+
+def _profile_as_run(graph, programs, threads, executor, ctx, cache) -> dict[str, float]:
+    per_task: dict[str, dict[int, float]] = {task.name: {} for task in graph.tasks}
+    for rank in programs:
+        program = source(programs, rank)
+        for rt in program.tasks:
+            if not rt.runs:
+                continue
+            total = 0.0
+            for piece in rt.pieces:
+                mode = piece_mode(program, rt, piece)
+                key = (threads, piece_key(rt.task, piece.rect.shape, piece.requirements, mode))
+                if key not in cache:
+                    cache[key] = _time_piece(graph, rt.task, piece, executor, ctx, program, rt)
+                total += cache[key]
+            per_task[rt.task.name][rank] = total
+    return {name: max(per.values(), default=0.0) for name, per in per_task.items()}
 
 
 def _time_piece(
