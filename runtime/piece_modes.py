@@ -7,9 +7,10 @@ rank's program says otherwise:
 - the update of its gradient is fused into it (`RankTask.steps`): its kernel takes the
   optimizer's step block by block and stores no gradient, and the update does not run.
 
-The kernels differ in what they cost: seed-lcn's 566 MB weight gradients at batch 16 took
-192-257 ms of pieces adding into their gradients, and 169 ms as the step runs them, fused with
-their updates, against 58 ms more for the updates run alone. `bench machine` times such pieces
+The kernels differ in what they cost: seed-lcn's classifier backward at batch 16 (a 566 MB
+weight gradient, 2 threads) took 123 ms adding into its stored gradient, 24 ms more to zero
+it and 57 ms for its update run alone, against 134 ms as the step runs it, writing nothing but
+the weights it steps. `bench machine` times such pieces
 as the step runs them, keyed by their `piece_mode`, and the step simulator prices them from
 those rows where the table has them (`program_seconds`).
 """
