@@ -417,5 +417,13 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
             if moved is not None:
                 seconds = np.maximum(seconds, moved * per_byte)
         working = working_ranks(plan, index)
-        out.append(np.where(working, (seconds + machine.task_overhead) / share, 0.0))
+        out.append(np.where(working, task_seconds(seconds, machine, share), 0.0))
     return out
+
+
+def task_seconds(kernel_seconds, machine: Machine, share):
+    """A task's seconds on a rank whose kernels take `kernel_seconds` (a float or an array per
+    rank): plus the runtime's per-task overhead, over the rank's share of its host's cores
+    (`Machine.core_share`). `compute_per_rank` and the simulator's tasks timed as they run
+    (`runtime.piece_modes`) both price a task by it."""
+    return (kernel_seconds + machine.task_overhead) / share

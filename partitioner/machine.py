@@ -42,9 +42,9 @@ optional; see the README's table of keys):
 - `"pieces"`: the runtime's kernels timed on the pieces of a network's plans
   (`partitioner.piece_times`), each `{"op", "phase", "attrs", "shape", "requirements":
   [[role, shape]], "seconds", "threads"}`, and `"mode"` where the piece was timed as a step
-  runs it writing its gradient or taking its optimizer's step (`runtime.piece_modes`); `"compute_factor"` (a task's kernels in a running
-  step take this many times their time alone) and `"loop_us"` (a step's time outside its
-  tasks);
+  runs it writing its gradient or taking its optimizer's step (`runtime.piece_modes`);
+  `"compute_factor"` (a task's kernels in a running step take this many times their time
+  alone) and `"loop_us"` (a step's time outside its tasks);
 - `"duplex_gbytes_per_s"`: the rate each way while both directions of a link between hosts carry
   messages at once. Where a host's cores move the bytes (a software link: veth, loopback, TCP
   without offloads) its network stack serves both directions, and each runs slower than alone;

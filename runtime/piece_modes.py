@@ -10,9 +10,9 @@ rank's program says otherwise:
 The kernels differ in what they cost: seed-lcn's classifier backward at batch 16 (a 566 MB
 weight gradient, 2 threads) took 123 ms adding into its stored gradient, 24 ms more to zero
 it and 57 ms for its update run alone, against 134 ms as the step runs it, writing nothing but
-the weights it steps. `bench machine` times such pieces
-as the step runs them, keyed by their `piece_mode`, and the step simulator prices them from
-those rows where the table has them (`program_seconds`).
+the weights it steps. `bench machine` times such pieces as the step runs them, keyed by their
+`piece_mode`, and the step simulator prices them from those rows where the table has them
+(`program_seconds`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
+from partitioner.cost import task_seconds
 from partitioner.machine import Machine
 from partitioner.piece_times import piece_key
 from runtime.kernels.update import OptimizerStep, optimizer_step
@@ -105,14 +106,14 @@ def program_seconds(
 ) -> list[float]:
     """`seconds` of each task of `program` as the runtime runs them: an elided zeroing does not
     run; a task whose pieces run in a mode the machine's table has timed (`moded`, from
-    `moded_times`) takes that time, its fused updates' included, priced as
-    `cost.compute_per_rank` prices a task (times the compute factor, plus the overhead, over
-    `share`, the rank's share of its cores); an update fused into a task not timed so has its
-    kernel's time added to that task's, without a task of its own (so without its overhead)."""
+    `moded_times`) takes that time, its fused updates' included, times the compute factor and
+    priced as any task (`cost.task_seconds`, over `share`, the rank's share of its cores); an
+    update fused into a task not timed so has its kernel's time added to that task's, without a
+    task of its own (so without its overhead)."""
     out = list(seconds)
     moded = moded_times(program, machine.pieces) if moded is None else moded
     for position, found in moded.items():
-        out[position] = (found * machine.compute_factor + machine.task_overhead) / share
+        out[position] = task_seconds(found * machine.compute_factor, machine, share)
     for position, rt in enumerate(program.tasks):
         if rt.fused_into is not None and rt.fused_into not in moded:
             out[rt.fused_into] += max(out[position] - machine.task_overhead, 0.0)
