@@ -173,6 +173,7 @@ def train_rank(
         recorder=timeline.recorder,
         on_task=status.set if status is not None else None,
         verify_plans=options.verify,
+        clip_grad_norm=config.clip_grad_norm,
     )
     root = transport.rank == 0
     if config.stages == AUTO_STAGES:

@@ -45,16 +45,19 @@ def fused_steps(
     rt: RankTask,
     view: Callable[[str, Rect], np.ndarray],
     step: int,
+    lr_scale: float = 1.0,
 ) -> dict[str, OptimizerStep]:
     """Per gradient role of `rt`, the optimizer's step of the update fused into it, over the
-    update's views (`view(tensor, rect)`) of the parameter and its state, at training `step`."""
+    update's views (`view(tensor, rect)`) of the parameter and its state, at training `step`
+    with the schedule's factor `lr_scale` on its learning rate. (Clipping, which scales the
+    gradients by their norm over the whole step, keeps every update apart: `grad_clipping`.)"""
     steps = {}
     for role, position in rt.steps.items():
         update = program.tasks[position]
         (piece,) = update.pieces
         views = {req.role: view(req.tensor, req.rect) for req in piece.requirements
                  if req.role != "gradient"}  # fmt: skip
-        steps[role] = optimizer_step(update.task.attrs, views, step)
+        steps[role] = optimizer_step(update.task.attrs, views, step, lr_scale)
     return steps
 
 

@@ -25,9 +25,10 @@ to test both, live in `runtime.rank_step`.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,10 @@ from partitioner.verify_plan import verify_plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy, aligned_zeros
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
+from runtime.grad_clipping import clip_factor, counted_gradients, first_update
 from runtime.instances import Layout, choose_layouts
 from runtime.kernels.blas import kernel_threading
+from runtime.kernels.update import squared_norm
 from runtime.process_memory import peak_rss_bytes
 from runtime.rank_program import RankProgram
 from runtime.rank_step import StepRun, fault_from_env
@@ -60,7 +63,7 @@ from runtime.transport import (
     wait_object,
 )
 
-TAG_BROADCAST, TAG_GATHER, TAG_RESIDENT, TAG_VALUE = 1, 2, 3, 4
+TAG_BROADCAST, TAG_GATHER, TAG_RESIDENT, TAG_VALUE, TAG_SUM = 1, 2, 3, 4, 5
 
 
 class TaskFailure(LegionNNError):
@@ -80,6 +83,10 @@ class _Prepared:
     buffers: dict[int, StepBuffers]
     #: per small tensor `RankExecutor.value` was asked for, the rank holding it whole
     value_holders: dict[str, int] = field(default_factory=dict)
+    #: with clipping: the gradient pieces this rank counts in the norm, and the position in
+    #: the step's program where it is taken (`runtime.grad_clipping`)
+    counted: list[tuple[str, Rect]] = field(default_factory=list)
+    norm_at: int = 0
 
 
 class RankExecutor:
@@ -95,6 +102,7 @@ class RankExecutor:
         verify_plans: bool = False,
         keep_step_tensors: bool = False,
         read_after: Collection[str] = (),
+        clip_grad_norm: float | None = None,
     ) -> None:
         self.transport = transport
         #: check every plan with `verify_plan` before running it (`train --verify`)
@@ -106,6 +114,11 @@ class RankExecutor:
         #: step tensors read after each step (`gathered`: a prediction's outputs), which live
         #: to the step's end rather than to their last use
         self.read_after = frozenset(read_after)
+        #: scale every step's gradients to this norm over all parameters at most
+        #: (`runtime.grad_clipping`); None: no clipping
+        self.clip_grad_norm = clip_grad_norm
+        #: the norm of the last training step's gradients, where clipped
+        self.last_grad_norm: float | None = None
         self.rank, self.nranks = transport.rank, transport.size
         self.strategy_spec = strategy
         self.machine = machine or Machine()
@@ -192,8 +205,9 @@ class RankExecutor:
                     if graph.tensors[name].kind != "data"
                 }
             inference = {task.name for task in inference_tasks(graph)}
-            # keeping step tensors to read is keeping gradients: no update fused into a kernel
-            fuse = not self.keep_step_tensors
+            # keeping step tensors to read is keeping gradients, and clipping reads every
+            # gradient before any update: no update fused into a kernel
+            fuse = not self.keep_step_tensors and self.clip_grad_norm is None
             step = build_programs(graph, plan, self.machine, [self.rank], fuse_updates=fuse)[
                 self.rank
             ]
@@ -204,6 +218,9 @@ class RankExecutor:
                 id(p): step_buffers(graph, p, layouts, keep, self.read_after) for p in (step, infer)
             }
             prepared = self._prepared[key] = _Prepared(graph, plan, step, infer, placed)
+            if self.clip_grad_norm is not None:
+                prepared.counted = counted_gradients(graph, plan, self.rank)
+                prepared.norm_at = first_update(step)
             self.arena.reserve(max(b.size for b in placed.values()))
         self._allocate(graph, prepared.step)
         self._bind(graph, prepared.step, prepared.buffers[id(prepared.step)])
@@ -300,8 +317,11 @@ class RankExecutor:
         run = StepRun(self, graph, program, buffers, ctx, self.runs)
         sent_before = self.transport.bytes_sent
         run.post(program.post_at_start)
+        clipping = self.clip_grad_norm is not None and program is prepared.step
         with kernel_threading():  # once per step, not once per kernel
             for rank_task in program.tasks:
+                if clipping and rank_task.index == prepared.norm_at:
+                    self._clip(run, prepared)
                 if self.on_task:
                     self.on_task(ctx.step, rank_task.task.name)
                 try:
@@ -310,10 +330,37 @@ class RankExecutor:
                     raise
                 except Exception as exc:
                     raise TaskFailure(self.rank, ctx.step, rank_task.task.name, exc) from exc
+            if clipping and prepared.norm_at == len(program.tasks):
+                self._clip(run, prepared)  # no update here: this rank's share of the norm
             run.finish()
         self.last_bytes_sent = self.transport.bytes_sent - sent_before
         self.last_bytes_planned = program.bytes_planned
         self.last_compute_seconds = run.compute_seconds
+
+    def _clip(self, run: StepRun, prepared: _Prepared) -> None:
+        """Every gradient summed: the norm over all of them, and the updates' factor."""
+        run.complete_collectives()
+        mine = sum((squared_norm(self.view(t, rect)) for t, rect in prepared.counted), 0.0)
+        norm = math.sqrt(self.sum_over_ranks(mine, f"step {run.ctx.step}, the gradients' norm"))
+        run.ctx = replace(run.ctx, grad_scale=clip_factor(norm, self.clip_grad_norm))
+        self.last_grad_norm = norm
+
+    def sum_over_ranks(self, value: float, what: str) -> float:
+        """The sum of every rank's `value`, on every rank: added on rank 0 in rank order, so
+        every rank gets the same bits (`what` names the wait to a stalled rank)."""
+        if self.nranks == 1:
+            return value
+        if self.rank != 0:
+            self.transport.send_object(value, 0, TAG_SUM)
+            request = self.transport.recv_object(0, TAG_SUM)
+            return wait_object(request, 0, what, self.rank, self.stall_timeout)
+        total = value
+        for src in range(1, self.nranks):
+            request = self.transport.recv_object(src, TAG_SUM)
+            total += wait_object(request, src, what, 0, self.stall_timeout)
+        for dst in range(1, self.nranks):
+            self.transport.send_object(total, dst, TAG_SUM)
+        return total
 
     # Values, checkpoints and log records.
 

@@ -301,7 +301,8 @@ class StepRun:
         if fresh:  # the first contribution since a zeroing that was elided: it writes
             ctx = replace(ctx, fresh=fresh)
         if rt.steps:  # the updates fused into the task: its kernel steps their weights
-            ctx = replace(ctx, steps=fused_steps(self.program, rt, self.ex.view, self.ctx.step))
+            steps = fused_steps(self.program, rt, self.ex.view, ctx.step, ctx.lr_scale)
+            ctx = replace(ctx, steps=steps)
         run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, ctx)
 
     def _collective(self, rt: RankTask, collective: Collective, scratch) -> None:
@@ -339,6 +340,10 @@ class StepRun:
             self.collectives.pop(0).complete()
             self.completed += 1
 
+    def complete_collectives(self) -> None:
+        """Complete every collective started so far, in the order they started."""
+        self._complete_through(self.completed + len(self.collectives))
+
     def advance_collectives(self, skip: RunningCollective | None = None) -> None:
         for running in self.collectives:
             if running is not skip:
@@ -364,7 +369,7 @@ class StepRun:
         self.sends = still
 
     def finish(self) -> None:
-        self._complete_through(self.completed + len(self.collectives))
+        self.complete_collectives()
         if self.inbox:
             seqs = sorted(self.inbox)
             raise AssertionError(f"rank {self.rank}: messages {seqs[:5]} were never consumed")

@@ -23,6 +23,7 @@ import numpy as np
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
+from legion_nn.lowering import OPTIMIZERS
 from legion_nn.network import Network
 from legion_nn.verify import verify
 from partitioner.pipeline import step_graph
@@ -30,6 +31,7 @@ from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.dataset import Dataset, Split
 from runtime.executor import Executor
+from runtime.lr_schedule import LRSchedule
 from runtime.rank_executor import one_process
 
 
@@ -43,7 +45,12 @@ class TrainConfig:
     dtype: str = "float32"
     seed: int = 0
     optimizer: str = "adam"
+    #: the optimizer's (`legion_nn.lowering.OPTIMIZERS`): lr, weight_decay, momentum, betas, eps
     hyperparameters: dict[str, float] = field(default_factory=dict)
+    #: the factor on the learning rate at each step
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    #: scale the step's gradients to this norm over every parameter at most (None: never)
+    clip_grad_norm: float | None = None
     checkpoint_dir: str | None = None
     resume: bool = False
     #: False: step s takes rows [s·B, (s+1)·B) of the epoch's training set, in order
@@ -108,7 +115,13 @@ class Trainer:
         #: `runtime.compile_ahead`)
         self.before_first_step = before_first_step
         #: a rank's executor; a one-process run's unless given one
-        self.executor: Executor = executor if executor is not None else one_process(config.seed)
+        self.executor: Executor = (
+            executor
+            if executor is not None
+            else one_process(config.seed, clip_grad_norm=config.clip_grad_norm)
+        )
+        if getattr(self.executor, "clip_grad_norm", None) != config.clip_grad_norm:
+            raise ValueError("the executor clips gradients otherwise than the configuration")
         self._graphs: dict[int, TaskGraph] = {}
         train = config.dataset.train
         if len(train) == 0:
@@ -154,11 +167,26 @@ class Trainer:
         stats = evaluate[0].requirement("output").tensor if evaluate else None
         return loss.requirement("output").tensor, stats
 
+    @property
+    def base_lr(self) -> float:
+        c = self.config
+        return c.hyperparameters.get("lr", OPTIMIZERS[c.optimizer]["lr"])
+
+    def lr_scale(self, step: int) -> float:
+        """The schedule's factor on the learning rate at `step`."""
+        return self.config.lr_schedule.factor(step, self.total_steps)
+
     def step(self, step: int) -> tuple[float, np.ndarray | None]:
         train = self.config.dataset.train
         idx = self.batch_indices(step)
         graph = self.graph(len(idx))
-        ctx = StepContext(step, training=True, inputs=train.x[idx], labels=train.y[idx])
+        ctx = StepContext(
+            step,
+            training=True,
+            inputs=train.x[idx],
+            labels=train.y[idx],
+            lr_scale=self.lr_scale(step),
+        )
         self.executor.run(graph, ctx)
         loss_name, stats_name = self._outputs(graph)
         loss_value = self.executor.value(loss_name)
@@ -239,10 +267,12 @@ class Trainer:
             record = {"step": step, "epoch": epoch, "seconds": seconds}
             records = self.executor.gather({**record, **self.executor.step_extras()})
             if records is not None:
+                common = {"step": step, "epoch": epoch, "loss": loss}
+                common["lr"] = self.base_lr * self.lr_scale(step)
+                if c.clip_grad_norm is not None:
+                    common["grad_norm"] = self.executor.last_grad_norm
                 for rank, extras in enumerate(records):
-                    self._write(
-                        {"step": step, "epoch": epoch, "loss": loss, "rank": rank, **extras}
-                    )
+                    self._write({**common, "rank": rank, **extras})
             if self.on_step:
                 self.on_step(step, loss)
             if self.after_step:

@@ -28,14 +28,14 @@ def test_sgd(shape, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_momentum_over_steps(dtype):
     param, grad = _arrays((4, 3, 3, 2), dtype, 2)
-    velocity = np.zeros_like(param)
-    p, v = param.astype(np.float64), np.zeros(param.shape)
-    for step in range(3):
+    buffer = np.zeros_like(param)
+    p, b = param.astype(np.float64), np.zeros(param.shape)
+    for step in range(3):  # torch.optim.SGD's momentum: b = μ·b + g; p −= lr·b
         g = grad * (step + 1)
-        v = 0.9 * v - 0.05 * g
-        p = p + v
-        momentum_step(param, velocity, 0.05, 0.9).apply(g)
-    np.testing.assert_allclose(velocity, v, **_tol(dtype))
+        b = 0.9 * b + g
+        p = p - 0.05 * b
+        momentum_step(param, buffer, 0.05, 0.9).apply(g)
+    np.testing.assert_allclose(buffer, b, **_tol(dtype))
     np.testing.assert_allclose(param, p, **_tol(dtype))
 
 

@@ -239,6 +239,49 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(nranks))
 
 
+#: AdamW, clipping below every step's norm, and a warm-up cosine schedule (issue 32)
+OPTIMIZER_OPTIONS = [
+    "--weight-decay", "0.1", "--clip-grad-norm", "0.05", "--lr-schedule", "cosine",
+    "--warmup-steps", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single_clipped(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clipped")
+    result = subprocess.run(
+        legion_nn(
+            "train", *TRAIN, *OPTIMIZER_OPTIONS, "--steps", "4", "--log-json",
+            str(out / "log.jsonl"), "--checkpoint", str(out / "ckpt"),
+        ),
+        capture_output=True, text=True, check=False, timeout=JOB_TIMEOUT, env=environment(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return losses(out / "log.jsonl"), parameters(out / "ckpt"), records(out / "log.jsonl")
+
+
+@pytest.mark.parametrize("strategy", ["model", "spatial"])
+def test_optimizer_options_split_equal_one_process(single_clipped, tmp_path, launcher, strategy):
+    """Weight decay, the learning rate's schedule and clipping by the norm over every rank's
+    gradients: 2 ranks equal one process, and log the same norms and learning rates."""
+    skip_unless_spread(launcher, 2)
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        2, "train", *TRAIN, *OPTIMIZER_OPTIONS, "--steps", "4", "--strategy", strategy,
+        "--log-json", str(log), "--checkpoint", str(tmp_path / "ckpt"), launcher=launcher,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert_equals_single(single_clipped[:2], log, tmp_path / "ckpt")
+    expected = [r for r in single_clipped[2] if "step" in r]
+    for rank in (0, 1):
+        got = [r for r in records(log) if "step" in r and r["rank"] == rank]
+        assert [r["lr"] for r in got] == [r["lr"] for r in expected]
+        np.testing.assert_allclose(
+            [r["grad_norm"] for r in got], [r["grad_norm"] for r in expected], rtol=1e-9
+        )
+    assert min(r["grad_norm"] for r in expected) > 0.05  # every step clipped
+
+
 GPT = str(Path(__file__).resolve().parent / "fixtures" / "tiny_gpt.onnx")
 
 

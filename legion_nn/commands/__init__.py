@@ -8,6 +8,8 @@ DTYPES = ("float32", "float64")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 #: what `--schedule` takes (`legion_nn.micro_batches.SCHEDULES`)
 SCHEDULES = ("1f1b", "gpipe")
+#: what `train --lr-schedule` takes (`runtime.lr_schedule.SCHEDULES`)
+LR_SCHEDULES = ("constant", "cosine", "step")
 
 
 def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam") -> None:

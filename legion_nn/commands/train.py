@@ -15,6 +15,7 @@ import argparse
 
 from legion_nn.commands import (
     AUTO_STAGES,
+    LR_SCHEDULES,
     add_homes_argument,
     add_step_arguments,
     micro_batches,
@@ -50,6 +51,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_step_arguments(parser)
     parser.add_argument(
         "--lr", type=float, default=None, help="learning rate (default: the optimizer's)"
+    )
+    parser.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="weight decay: decoupled for adam (AdamW: p*(1-lr*W) before the step), L2 for sgd "
+        "and momentum (W*p added to the gradient), as PyTorch's (default 0)",
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        metavar="C",
+        help="scale every gradient by min(1, C/(norm+1e-6)), the norm over all parameters on "
+        "every rank together (torch.nn.utils.clip_grad_norm_)",
+    )
+    parser.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=LR_SCHEDULES,
+        help="the learning rate over the run, after --warmup-steps: constant, cosine (to zero "
+        "at the last step) or step (times --gamma every --step-size steps) (default constant)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        metavar="W",
+        help="raise the learning rate linearly over the first W steps: lr*(t+1)/W (default 0)",
+    )
+    parser.add_argument(
+        "--step-size", type=int, metavar="N", help="--lr-schedule step: steps between decays"
+    )
+    parser.add_argument(
+        "--gamma",
+        type=float,
+        default=0.1,
+        help="--lr-schedule step: the factor of each decay (default 0.1)",
     )
     parser.add_argument(
         "--checkpoint", metavar="DIR", help="write DIR/checkpoint.npz after every epoch"
@@ -112,6 +151,7 @@ def _config(args: argparse.Namespace):
     from runtime import data
     from runtime.distributed import RunOptions, strategy_spec
     from runtime.executor import NUMPY_DTYPES
+    from runtime.lr_schedule import LRSchedule
     from runtime.training import TrainConfig
 
     if args.batch < 1:
@@ -122,6 +162,11 @@ def _config(args: argparse.Namespace):
         raise LegionNNError(f"--steps must be at least 1, got {args.steps}")
     if args.lr is not None and not args.lr > 0:
         raise LegionNNError(f"--lr must be positive, got {args.lr}")
+    if not args.weight_decay >= 0:
+        raise LegionNNError(f"--weight-decay must be 0 or more, got {args.weight_decay}")
+    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
+        raise LegionNNError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
+    lr_schedule = LRSchedule(args.lr_schedule, args.warmup_steps, args.step_size, args.gamma)
     if not args.stall_timeout > 0:
         raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
     options = RunOptions(
@@ -159,7 +204,9 @@ def _config(args: argparse.Namespace):
         dtype=args.dtype,
         seed=args.seed,
         optimizer=args.optimizer,
-        hyperparameters={"lr": args.lr} if args.lr else {},
+        hyperparameters=_hyperparameters(args),
+        lr_schedule=lr_schedule,
+        clip_grad_norm=args.clip_grad_norm,
         checkpoint_dir=args.checkpoint,
         resume=args.resume,
         shuffle=not args.no_shuffle,
@@ -172,6 +219,12 @@ def _config(args: argparse.Namespace):
     if args.save_onnx and not network.source.lower().endswith(".onnx"):
         raise LegionNNError(f"--save-onnx needs an ONNX model to train, not {args.network!r}")
     return config, options
+
+
+def _hyperparameters(args: argparse.Namespace) -> dict[str, float]:
+    """The optimizer's settings the command line changes (the rest are its defaults)."""
+    out = {"lr": args.lr} if args.lr else {}
+    return out | ({"weight_decay": args.weight_decay} if args.weight_decay else {})
 
 
 class _Console:

@@ -112,5 +112,6 @@ def _set_zero(task, piece, views, dims, ctx):
 
 @adapter("update.update")
 def _update(task, piece, views, dims, ctx):
-    update.optimizer_step(task.attrs, views, ctx.step).apply(views["gradient"])
+    step = update.optimizer_step(task.attrs, views, ctx.step, ctx.lr_scale, ctx.grad_scale)
+    step.apply(views["gradient"])
     return {}

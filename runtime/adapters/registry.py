@@ -40,6 +40,11 @@ class StepContext:
     #: adapter takes the optimizer's step of their parameter from them, block by block, in
     #: place of storing them (an update fused into the task, `RankTask.steps`)
     steps: Mapping[str, OptimizerStep] = field(default_factory=dict)
+    #: the learning-rate schedule's factor at this step (`runtime.lr_schedule`)
+    lr_scale: float = 1.0
+    #: the factor on every gradient the updates take: gradient clipping's
+    #: (`runtime.grad_clipping`), found once every gradient of the step is summed
+    grad_scale: float = 1.0
 
 
 Views = Mapping[str, np.ndarray]

@@ -1,4 +1,10 @@
-"""Optimizer updates: SGD, momentum and Adam, applied in place.
+"""Optimizer updates: SGD, momentum and Adam, applied in place, with PyTorch's semantics.
+
+Each rule takes the gradient scaled by `grad_scale` (gradient clipping's factor, 1 otherwise) and a
+weight decay: L2 for SGD and momentum (g ← g + wd·p, as `torch.optim.SGD`), decoupled for Adam
+(p ← p·(1 − lr·wd) before the step, as `torch.optim.AdamW`). Momentum keeps PyTorch's buffer
+b ← μ·b + g and steps p ← p − lr·b, so a learning rate that changes between steps scales the
+whole step, as it does there.
 
 An `OptimizerStep` is one step of one rule over a parameter (or a piece of it) and its optimizer
 state. It runs in one of two ways, with the same arithmetic:
@@ -78,26 +84,28 @@ def step_elements(rule, co, g, p, s1, s2):
     One compiled function, called by the update task's kernel and by every fused one, so a
     run compiles the rules' loops once. NumPy's error model: Python's checks every division
     for a zero divisor, which keeps the loops from vectorising (4.5× slower); a zero divisor
-    (eps = 0 and v = 0) gives inf or NaN, as in NumPy and PyTorch."""
+    (eps = 0 and v = 0) gives inf or NaN, as in NumPy and PyTorch. Without decay or clipping
+    (keep 1, wd 0, scale 1) each extra product is exact, so the step is the plain rule's."""
     if rule == ADAM:
-        b1, a1, b2, a2, scale, root, eps = co[0], co[1], co[2], co[3], co[4], co[5], co[6]
+        b1, a1, b2, a2, step, root, eps = co[0], co[1], co[2], co[3], co[4], co[5], co[6]
+        keep, scale = co[7], co[8]
         for i in range(p.shape[0]):
-            gi = g[i]
+            gi = g[i] * scale
             mi = b1 * s1[i] + a1 * gi
             vi = b2 * s2[i] + a2 * gi * gi
             s1[i] = mi
             s2[i] = vi
-            p[i] -= scale * mi / (np.sqrt(vi) * root + eps)
+            p[i] = p[i] * keep - step * mi / (np.sqrt(vi) * root + eps)
     elif rule == MOMENTUM:
-        lr, mu = co[0], co[1]
+        lr, mu, wd, scale = co[0], co[1], co[2], co[3]
         for i in range(p.shape[0]):
-            v = mu * s1[i] - lr * g[i]
-            s1[i] = v
-            p[i] += v
+            b = mu * s1[i] + (g[i] * scale + wd * p[i])
+            s1[i] = b
+            p[i] -= lr * b
     else:
-        lr = co[0]
+        lr, wd, scale = co[0], co[1], co[2]
         for i in range(p.shape[0]):
-            p[i] -= lr * g[i]
+            p[i] -= lr * (g[i] * scale + wd * p[i])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -110,7 +118,7 @@ def _apply(rule, co, g, p, s1, s2):
 
 @dataclass(frozen=True)
 class OptimizerStep:
-    """One step of `rule` over `params` and its `state` (momentum: the velocity; Adam: m, v),
+    """One step of `rule` over `params` and its `state` (momentum: its buffer; Adam: m, v),
     all of one shape, dtype and layout; `coefficients` in the parameter's dtype."""
 
     rule: int
@@ -150,14 +158,24 @@ def _coefficients(params: np.ndarray, *values: float) -> np.ndarray:
     return np.array(values, dtype=params.dtype)
 
 
-def sgd_step(params: np.ndarray, lr: float) -> OptimizerStep:
-    """param −= lr·grad."""
-    return OptimizerStep(SGD, params, (), _coefficients(params, lr))
+def sgd_step(
+    params: np.ndarray, lr: float, weight_decay: float = 0.0, grad_scale: float = 1.0
+) -> OptimizerStep:
+    """param −= lr·(grad_scale·grad + weight_decay·param)."""
+    return OptimizerStep(SGD, params, (), _coefficients(params, lr, weight_decay, grad_scale))
 
 
-def momentum_step(params: np.ndarray, velocity: np.ndarray, lr: float, mu: float) -> OptimizerStep:
-    """velocity = mu·velocity − lr·grad; param += velocity."""
-    return OptimizerStep(MOMENTUM, params, (velocity,), _coefficients(params, lr, mu))
+def momentum_step(
+    params: np.ndarray,
+    buffer: np.ndarray,
+    lr: float,
+    mu: float,
+    weight_decay: float = 0.0,
+    grad_scale: float = 1.0,
+) -> OptimizerStep:
+    """buffer = mu·buffer + (grad_scale·grad + weight_decay·param); param −= lr·buffer."""
+    co = _coefficients(params, lr, mu, weight_decay, grad_scale)
+    return OptimizerStep(MOMENTUM, params, (buffer,), co)
 
 
 def adam_step(
@@ -169,8 +187,11 @@ def adam_step(
     beta2: float,
     eps: float,
     step: int,
+    weight_decay: float = 0.0,
+    grad_scale: float = 1.0,
 ) -> OptimizerStep:
-    """Adam with bias correction; `step` counts from 1."""
+    """Adam with bias correction, of grad_scale·grad, after the decoupled decay
+    param ← param·(1 − lr·weight_decay) (AdamW); `step` counts from 1."""
     if int(step) != step or step < 1:
         raise ValueError(f"step must be an int >= 1, got {step}")
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
@@ -178,23 +199,57 @@ def adam_step(
     c1 = 1.0 - float(beta1) ** int(step)
     c2 = 1.0 - float(beta2) ** int(step)
     co = _coefficients(
-        params, beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr / c1, 1.0 / np.sqrt(c2), eps
-    )
+        params, beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr / c1, 1.0 / np.sqrt(c2), eps,
+        1.0 - lr * weight_decay, grad_scale,
+    )  # fmt: skip
     return OptimizerStep(ADAM, params, (m, v), co)
 
 
-def optimizer_step(attrs, views, step: int) -> OptimizerStep:
+def optimizer_step(
+    attrs, views, step: int, lr_scale: float = 1.0, grad_scale: float = 1.0
+) -> OptimizerStep:
     """The step of an `update` task: its attrs (optimizer and hyper-parameters), its views
-    (params and state, by role) and the training step it runs in (counting from 0)."""
+    (params and state, by role), the training step it runs in (counting from 0), the
+    schedule's factor on the learning rate there (`runtime.lr_schedule`) and the factor on the
+    gradient (clipping's, `runtime.grad_clipping`)."""
     params = views["params"]
+    lr = attrs["lr"] * lr_scale
+    decay = attrs.get("weight_decay", 0.0)
     if attrs["optimizer"] == "sgd":
-        return sgd_step(params, attrs["lr"])
+        return sgd_step(params, lr, decay, grad_scale)
     if attrs["optimizer"] == "momentum":
-        return momentum_step(params, views["velocity"], attrs["lr"], attrs["momentum"])
+        return momentum_step(params, views["velocity"], lr, attrs["momentum"], decay, grad_scale)
     return adam_step(
-        params, views["m"], views["v"], attrs["lr"], attrs["beta1"], attrs["beta2"],
-        attrs["eps"], step + 1,
+        params, views["m"], views["v"], lr, attrs["beta1"], attrs["beta2"], attrs["eps"],
+        step + 1, decay, grad_scale,
     )  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def _sum_squares(a):
+    total = 0.0
+    for i in range(a.shape[0]):
+        x = np.float64(a[i])
+        total += x * x
+    return total
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _sum_squares_chunked(a):
+    n = a.shape[0]
+    partial = np.zeros((n + CHUNK - 1) // CHUNK)
+    for chunk in prange(partial.shape[0]):
+        partial[chunk] = _sum_squares(a[chunk * CHUNK : min(n, (chunk + 1) * CHUNK)])
+    return partial.sum()
+
+
+def squared_norm(array: np.ndarray) -> float:
+    """Σ x² over `array` (any layout), in float64 whatever its dtype: a chunk's sum per thread,
+    the chunks added in order, so the same array gives the same sum on every run."""
+    total = 0.0
+    for (row,) in _rows(array, {}):
+        total += float(_sum_squares(row) if row.size <= CHUNK else _sum_squares_chunked(row))
+    return total
 
 
 def _rows(param: np.ndarray, others: dict[str, np.ndarray]) -> list[tuple[np.ndarray, ...]]:
