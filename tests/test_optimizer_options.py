@@ -296,3 +296,12 @@ def test_bad_optimizer_flags_get_one_line_and_exit_2(flags, message, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"legion-nn train: {message}"]
     assert not log.exists()
+
+
+def test_a_clipped_pipeline_equals_one_process():
+    """Two stages of 4 micro-batches, each stage's ranks splitting its layers by channels: the
+    norm adds up both stages' gradients (on different ranks), as one process's does."""
+    local = local_run(config(small_network(), batch=8, micro_batches=4, **CLIPPED))
+    cfg = config(small_network(), batch=8, stages=2, micro_batches=4, **CLIPPED)
+    ranks = _ranks_run(cfg, 4, "model")
+    assert_same(local, [r[:3] for r in ranks])
