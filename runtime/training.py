@@ -53,6 +53,10 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     checkpoint_dir: str | None = None
     resume: bool = False
+    #: also checkpoint every this many steps (None: at the end of each epoch and of the run only)
+    checkpoint_every: int | None = None
+    #: checkpoints kept: the newest, and the oldest of them removed as each is written
+    keep: int = checkpoint.KEEP
     #: False: step s takes rows [s·B, (s+1)·B) of the epoch's training set, in order
     shuffle: bool = True
     #: where to write the trained ONNX model (the network must have been read from one)
@@ -128,6 +132,14 @@ class Trainer:
             raise LegionNNError("the training split is empty")
         self.steps_per_epoch = config.steps_per_epoch
         self.total_steps = config.total_steps
+        if config.checkpoint_every is not None and config.checkpoint_every < 1:
+            raise LegionNNError(
+                f"--checkpoint-every must be at least 1, got {config.checkpoint_every}"
+            )
+        if config.keep < 1:
+            raise LegionNNError(f"--keep must be at least 1, got {config.keep}")
+        #: the steps done at the last checkpoint written or resumed from
+        self._saved: int | None = None
 
     def graph(self, batch: int) -> TaskGraph:
         if batch not in self._graphs:
@@ -224,29 +236,47 @@ class Trainer:
             self.log.write(json.dumps(record) + "\n")
             self.log.flush()
 
-    def _save(self, step: int) -> None:
-        if self.config.checkpoint_dir:
-            arrays = self.executor.resident()  # every rank takes part; rank 0 gets the arrays
-            if self.executor.is_root:
-                header = {**self.identity(), "step": step}
-                checkpoint.save(self.config.checkpoint_dir, arrays, header)
+    def _save(self, steps_done: int, epoch_stats: np.ndarray) -> None:
+        """A checkpoint of the run after `steps_done` steps: where the data order stands (the
+        epoch and the batch in it: the batches are a function of the step) and the running
+        sums of the epoch's training statistics, so that the epoch's record is the same
+        resumed or not."""
+        c = self.config
+        if not c.checkpoint_dir or self._saved == steps_done:
+            return
+        arrays = self.executor.resident()  # every rank takes part; rank 0 gets the arrays
+        if self.executor.is_root:
+            epoch, position = divmod(steps_done, self.steps_per_epoch)
+            header = {
+                **self.identity(),
+                "step": steps_done,
+                "epoch": epoch,
+                "batch_in_epoch": position,
+                "epoch_stats": [float(v) for v in epoch_stats],
+            }
+            checkpoint.save(c.checkpoint_dir, arrays, header, c.keep)
+        self._saved = steps_done
 
-    def _resume(self) -> int:
+    def _resume(self) -> tuple[int, np.ndarray]:
+        """Load the newest checkpoint: (steps done, the epoch's statistics so far)."""
         arrays, header = checkpoint.load(self.config.checkpoint_dir, self.identity())
         self.executor.prepare(self.graph(self.config.batch))
         try:
             self.executor.load_resident(arrays)
         except ValueError as exc:
             raise LegionNNError(f"checkpoint: {exc}") from None
-        return int(header["step"])
+        self._saved = int(header["step"])
+        stats = np.array(header.get("epoch_stats", np.zeros(4)), dtype=np.float64)
+        return self._saved, stats
 
     def run(self) -> TrainResult:
         c = self.config
         start_step = 0
+        epoch_stats = np.zeros(4)
         if c.resume:
             if not c.checkpoint_dir:
                 raise LegionNNError("--resume needs --checkpoint DIR")
-            start_step = self._resume()
+            start_step, epoch_stats = self._resume()
         graph = self.graph(min(c.batch, len(c.dataset.train)))
         prepared = self.executor.prepare(graph)
         if self.before_first_step:
@@ -254,7 +284,6 @@ class Trainer:
         if start_step == 0 and c.network.initial:  # an imported model's parameters
             self.executor.load_resident(c.network.initial)
         losses: list[float] = []
-        epoch_stats = np.zeros(4)
         started = time.perf_counter()
         for step in range(start_step, self.total_steps):
             tic = time.perf_counter()
@@ -278,9 +307,13 @@ class Trainer:
             if self.after_step:
                 self.after_step(step)
             end_of_epoch = (step + 1) % self.steps_per_epoch == 0
-            if end_of_epoch or step + 1 == self.total_steps:
-                self._end_epoch(epoch, epoch_stats, step + 1)
+            last = step + 1 == self.total_steps
+            if end_of_epoch or last:
+                self._end_epoch(epoch, epoch_stats)
+            if end_of_epoch:
                 epoch_stats = np.zeros(4)
+            if end_of_epoch or last or self._checkpoint_due(step + 1):
+                self._save(step + 1, epoch_stats)
         val_loss, val_accuracy = self.evaluate(c.dataset.val)
         test_loss, test_accuracy = self.evaluate(c.dataset.test)
         _, train_accuracy = self.evaluate(c.dataset.train)
@@ -307,7 +340,11 @@ class Trainer:
             losses, val_accuracy, test_accuracy, train_accuracy, self.total_steps, seconds
         )
 
-    def _end_epoch(self, epoch: int, stats: np.ndarray, steps_done: int) -> None:
+    def _checkpoint_due(self, steps_done: int) -> bool:
+        every = self.config.checkpoint_every
+        return every is not None and steps_done % every == 0
+
+    def _end_epoch(self, epoch: int, stats: np.ndarray) -> None:
         val_loss, val_accuracy = self.evaluate(self.config.dataset.val)
         train_loss = stats[0] / stats[3] if stats[3] else float("nan")
         train_accuracy = stats[1] / stats[3] if stats[3] else float("nan")
@@ -326,4 +363,3 @@ class Trainer:
                 f"epoch {epoch + 1}: train loss {train_loss:.4f} acc {train_accuracy:.4f} | "
                 f"val loss {val_loss:.4f} acc {val_accuracy:.4f}"
             )
-        self._save(steps_done)

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="under mpiexec: data, model, spatial, auto, or a grids .json file (default data)",
     )
     parser.add_argument(
-        "--checkpoint", metavar="DIR", help="take the parameters of DIR/checkpoint.npz"
+        "--checkpoint", metavar="DIR", help="take the parameters of the newest checkpoint in DIR"
     )
     parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="element type (default float32)"
@@ -138,7 +138,7 @@ def _samples(path: str, network, dtype: str):
 
 
 def _checkpoint(directory: str, network):
-    """The parameters and state of `DIR/checkpoint.npz`, checked to be this network's."""
+    """The parameters and state of the newest checkpoint in `DIR`, checked to be this network's."""
     from runtime import checkpoint
     from runtime.training import fingerprint
 

@@ -91,9 +91,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--lr-schedule step: the factor of each decay (default 0.1)",
     )
     parser.add_argument(
-        "--checkpoint", metavar="DIR", help="write DIR/checkpoint.npz after every epoch"
+        "--checkpoint",
+        metavar="DIR",
+        help="write DIR/checkpoint-<steps done>.npz after every epoch and at the end "
+        "(DIR/checkpoint.npz links to the newest)",
     )
-    parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.npz")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="with --checkpoint: also write one every N steps",
+    )
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=2,
+        metavar="K",
+        help="with --checkpoint: keep the newest K checkpoints (default 2)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in DIR, exactly as the run would have gone on",
+    )
     parser.add_argument("--log-json", metavar="F", help="write one JSON record per step to F")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -148,7 +168,7 @@ def _config(args: argparse.Namespace):
     from legion_nn.networks import load_network
     from partitioner.machine import load_machine
     from partitioner.pipeline import check_stage_count
-    from runtime import data
+    from runtime import checkpoint, data
     from runtime.distributed import RunOptions, strategy_spec
     from runtime.executor import NUMPY_DTYPES
     from runtime.lr_schedule import LRSchedule
@@ -167,6 +187,14 @@ def _config(args: argparse.Namespace):
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise LegionNNError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
     lr_schedule = LRSchedule(args.lr_schedule, args.warmup_steps, args.step_size, args.gamma)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise LegionNNError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.keep < 1:
+        raise LegionNNError(f"--keep must be at least 1, got {args.keep}")
+    if args.checkpoint:
+        checkpoint.check_directory(args.checkpoint)
+    elif args.checkpoint_every is not None:
+        raise LegionNNError("--checkpoint-every needs --checkpoint DIR")
     if not args.stall_timeout > 0:
         raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
     options = RunOptions(
@@ -209,6 +237,8 @@ def _config(args: argparse.Namespace):
         clip_grad_norm=args.clip_grad_norm,
         checkpoint_dir=args.checkpoint,
         resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
         shuffle=not args.no_shuffle,
         save_onnx=args.save_onnx,
         micro_batches=count,
