@@ -26,6 +26,7 @@ COMMANDS = (
     "bench",
     "cluster",
     "graph",
+    "launch",
     "memory",
     "partition",
     "predict",

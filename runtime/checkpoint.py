@@ -43,11 +43,17 @@ IDENTITY = ("network", "fingerprint", "dtype", "optimizer", "batch", "data", "se
 KEEP = 2
 
 
-def check_directory(directory: str | Path) -> None:
-    """Refuse, before any training, a checkpoint directory that cannot be one."""
+def check_directory(directory: str | Path, resume: bool) -> None:
+    """Refuse, before any training, a checkpoint directory that cannot be one, and a fresh run
+    into one holding another run's checkpoints (whose numbering it would interleave)."""
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise LegionNNError(f"--checkpoint {directory}: exists and is not a directory")
+    if not resume and newest(directory).exists():
+        raise LegionNNError(
+            f"--checkpoint {directory} holds another run's checkpoints: --resume continues "
+            "from the newest, or give an empty directory"
+        )
 
 
 def numbered(directory: str | Path) -> list[Path]:

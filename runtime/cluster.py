@@ -40,14 +40,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from legion_nn.errors import LegionNNError
 from legion_nn.rect import split_sizes
 from runtime.cluster_host import PREFIX, STATE_ROOT, address, hostname, namespace_name
+from runtime.restarts import run_with_restarts
 
 #: environment of every job: MPICH's libfabric netmod over TCP on the hosts' one interface (its
 #: default netmod here is UCX, whose shared-memory transports would reach across hosts)
@@ -506,9 +508,12 @@ def run(
     command: Sequence[str],
     name: str | None = None,
     options: LinkOptions = LinkOptions(),
+    max_restarts: int = 0,
+    say: Callable[[str], None] = print,
 ) -> int:
-    """Bring a cluster up (`name`, default r<pid>), run one job on it, take it down on every
-    exit path; the job's status."""
+    """Bring a cluster up (`name`, default r<pid>), run one job on it (again from its newest
+    checkpoint when it fails, `max_restarts` times at most: `runtime.restarts`), take it down on
+    every exit path; the last run's status."""
     require()
     if ranks < 1:
         raise LegionNNError(f"-n: expected a positive rank count, got {ranks}")
@@ -517,7 +522,8 @@ def run(
         with terminated_cleanly():
             cluster = up(name, hosts, link_bits, options)
             try:
-                return execute(cluster, ranks, command)
+                job = partial(execute, cluster, ranks)
+                return run_with_restarts(job, command, max_restarts, say)
             finally:
                 down(name)
     except Terminated:

@@ -273,10 +273,13 @@ class Trainer:
         c = self.config
         start_step = 0
         epoch_stats = np.zeros(4)
+        if c.checkpoint_dir:
+            checkpoint.check_directory(c.checkpoint_dir, c.resume)
         if c.resume:
             if not c.checkpoint_dir:
                 raise LegionNNError("--resume needs --checkpoint DIR")
             start_step, epoch_stats = self._resume()
+            self._write({"event": "resume", "step": start_step})
         graph = self.graph(min(c.batch, len(c.dataset.train)))
         prepared = self.executor.prepare(graph)
         if self.before_first_step:

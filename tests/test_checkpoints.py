@@ -168,3 +168,21 @@ def test_a_checkpoint_of_another_network_is_refused(tmp_path):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "checkpoint is for network='seed-lcn-small', this run has network=" in line
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused(tmp_path):
+    """Its checkpoints would interleave with the old ones by step, and a resume could pick an
+    old one: refused before anything is written, unless it resumes."""
+    assert _train("--checkpoint", str(tmp_path / "c")).returncode == 0
+    log = tmp_path / "log.jsonl"
+    result = _train("--checkpoint", str(tmp_path / "c"), "--log-json", str(log))
+    assert result.returncode == 2 and not log.exists()
+    (line,) = result.stderr.strip().splitlines()
+    assert line.endswith("holds another run's checkpoints: --resume continues from the newest, "
+                         "or give an empty directory")  # fmt: skip
+    resumed = _train("--checkpoint", str(tmp_path / "c"), "--resume", "--steps", "3",
+                     "--log-json", str(log))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {"event": "resume", "step": 2} in records
+    assert [r["step"] for r in records if "loss" in r] == [2]

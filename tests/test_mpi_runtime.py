@@ -481,6 +481,59 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path, launcher):
     assert len(named) == 1, stderr
 
 
+def restartable_job(launcher: str, nranks: int, restarts: int, *args: str) -> list[str]:
+    """`job`, started again from its newest checkpoint when it fails, `restarts` times at most:
+    by `legion-nn launch`, or by `legion-nn cluster run` on the emulated cluster."""
+    if launcher == "local":
+        words = ["launch", "-n", str(nranks), "--max-restarts", str(restarts), "--"]
+        return [*legion_nn(*words), *legion_nn(*args)]
+    command = job(launcher, nranks, *args)
+    cut = command.index("--")
+    return [*command[:cut], "--max-restarts", str(restarts), *command[cut:]]
+
+
+@pytest.fixture(scope="module")
+def long_single(tmp_path_factory):
+    return one_process_losses(tmp_path_factory.mktemp("long"), "seed-lcn-small", 300)
+
+
+def test_a_job_that_loses_a_rank_restarts_from_its_newest_checkpoint(
+    tmp_path, launcher, long_single
+):
+    """Rank 1 SIGKILLed mid-run: its death is named, the job is started again from the newest
+    checkpoint (said in one line), ends with exit 0, and its last 10 losses are an
+    uninterrupted run's."""
+    skip_unless_spread(launcher, 2)
+    log, saved = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    command = restartable_job(
+        launcher, 2, 2, "train", *TRAIN, "--steps", "300", "--checkpoint", str(saved),
+        "--checkpoint-every", "20", "--log-json", str(log),
+    )  # fmt: skip
+    running = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment()
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while time.monotonic() < deadline and not (saved / "checkpoint.npz").exists():
+            time.sleep(0.02)
+        starts = [r for r in records(log) if r.get("event") == "start"]
+        os.kill(next(r["pid"] for r in starts if r["rank"] == 1), signal.SIGKILL)
+        _, stderr = running.communicate(timeout=JOB_TIMEOUT)
+    finally:
+        if running.poll() is None:
+            running.kill()
+    assert running.returncode == 0, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("legion-nn")]
+    assert len([line for line in lines if re.search(r"rank 1 died in step \d+", line)]) == 1
+    restarts = [line for line in lines if "restart" in line]
+    assert len(restarts) == 1 and re.search(
+        r"restart 1 of 2 from \S+checkpoint-\d{8}\.npz", restarts[0]
+    )
+    resumed = [r["step"] for r in records(log) if r.get("event") == "resume"]
+    assert len(resumed) == 1 and 0 < resumed[0] < 300
+    np.testing.assert_allclose(losses(log)[-10:], long_single[-10:], rtol=1e-9)
+
+
 def test_the_stall_watchdog_names_the_ranks_waited_for(launcher):
     skip_unless_spread(launcher, 3)  # a rank a host on 3 hosts
     nranks = 2 if launcher == "local" else int(launcher.split()[0])

@@ -6,7 +6,8 @@ brings up 2 hosts (network namespaces behind a switch, each host's link limited 
 way), runs one `mpiexec` job of 4 ranks across them (2 per host), takes everything down on every
 exit path and exits with the job's status. `up NAME` keeps a cluster for a session, `run --on
 NAME` runs jobs on it, `status` lists clusters (and leftovers of killed runs), `down NAME`
-removes one. See `runtime.cluster` for what a host and a link are.
+removes one. `run --max-restarts K` starts a training job that fails again from its newest
+checkpoint, as `legion-nn launch` does. See `runtime.cluster` for what a host and a link are.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from legion_nn.commands.launch import add_max_restarts, job_words
 
 NAME = "cluster"
 HELP = "an emulated cluster on this machine (root): hosts as namespaces, links limited by tc"
@@ -79,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--on", metavar="NAME", help="run on the cluster NAME (from `up`) instead")
     run.add_argument("--name", help="name the run's cluster (default r<pid>)")
+    add_max_restarts(run)
     # not `command`: the top-level parser names the subcommand so, for its error lines
     run.add_argument(
         "job", nargs=argparse.REMAINDER, metavar="command", help="-- COMMAND... run on every rank"
@@ -100,9 +104,16 @@ def up_help() -> str:
     )
 
 
+def _say(line: str) -> None:
+    print(f"legion-nn cluster run: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    from functools import partial
+
     from legion_nn.errors import LegionNNError
     from runtime import cluster
+    from runtime.restarts import check_restartable, run_with_restarts
 
     command = args.cluster_command
     if command == "status":
@@ -128,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
         made = cluster.up(args.name, args.hosts, link, _options(args, link))
         print(f"{made.name}: {made.describe()}")
         return 0
-    words = args.job[1:] if args.job[:1] == ["--"] else args.job
-    if not words:
-        raise LegionNNError("run: no command (legion-nn cluster run ... -- COMMAND...)")
+    words = job_words(args, "legion-nn cluster run ... -- COMMAND...")
     if args.on:
         given = [flag for flag, key in _BUILD_FLAGS if getattr(args, key) is not None]
         if given:
@@ -138,9 +147,14 @@ def run(args: argparse.Namespace) -> int:
                 f"run --on {args.on}: {given[0]} builds a cluster; {args.on} was built by `up`"
             )
         on = cluster.load(args.on)
-        code = cluster.execute(on, args.n or on.hosts, words)
+        job = partial(cluster.execute, on, args.n or on.hosts)
+        code = run_with_restarts(job, words, args.max_restarts, _say)
     else:
         options = _options(args, link)
-        code = cluster.run(args.hosts, link, args.n or args.hosts, words, args.name, options)
+        check_restartable(words, args.max_restarts)
+        code = cluster.run(
+            args.hosts, link, args.n or args.hosts, words, args.name, options,
+            args.max_restarts, _say,
+        )  # fmt: skip
     sys.stdout.flush()
     return code

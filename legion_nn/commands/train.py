@@ -192,7 +192,7 @@ def _config(args: argparse.Namespace):
     if args.keep < 1:
         raise LegionNNError(f"--keep must be at least 1, got {args.keep}")
     if args.checkpoint:
-        checkpoint.check_directory(args.checkpoint)
+        checkpoint.check_directory(args.checkpoint, args.resume)
     elif args.checkpoint_every is not None:
         raise LegionNNError("--checkpoint-every needs --checkpoint DIR")
     if not args.stall_timeout > 0:
@@ -249,6 +249,12 @@ def _config(args: argparse.Namespace):
     if args.save_onnx and not network.source.lower().endswith(".onnx"):
         raise LegionNNError(f"--save-onnx needs an ONNX model to train, not {args.network!r}")
     return config, options
+
+
+def _open_log(args: argparse.Namespace):
+    """The `--log-json` file (closed by the caller): a resumed run adds to its run's log, after
+    a `resume` record naming the step it continues from."""
+    return open(args.log_json, "a" if args.resume else "w")
 
 
 def _hyperparameters(args: argparse.Namespace) -> dict[str, float]:
@@ -318,7 +324,7 @@ def _run_single(args: argparse.Namespace) -> int:
     from runtime.transport import ThreadTransport
 
     config, options = _config(args)
-    log = open(args.log_json, "w") if args.log_json else None  # noqa: SIM115  (closed below)
+    log = _open_log(args) if args.log_json else None
     try:
         console = _Console(args.no_progress)
         console.start(config, config.total_steps, 1, options.label)
@@ -356,7 +362,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         from runtime.mpi_transport import idle_barrier
 
         root = transport.rank == 0
-        log = open(args.log_json, "w") if root and args.log_json else None  # noqa: SIM115
+        log = _open_log(args) if root and args.log_json else None
         try:
             console = _Console(args.no_progress or not root)
             if root:
