@@ -17,12 +17,14 @@ per-sample input (C, H, W), as float arrays in [0, 1]-ish scale, with int32 labe
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
 
 from legion_nn.errors import LegionNNError
 from runtime import token_data
+from runtime.data_dir import load_dir
 from runtime.dataset import Dataset, Split, npz_splits, read_npz
 
 SPLIT_SEED = 20261122
@@ -155,6 +157,9 @@ def load(
 ) -> Dataset:
     """The dataset `source` names for a network of per-sample input `shape`: images, or token
     ids below `vocab` (`runtime.token_data`)."""
+    if os.path.isdir(source):
+        label_shape = tuple(shape) if len(shape) == 1 else ()
+        return load_dir(source, shape, label_shape, classes, vocab if len(shape) == 1 else None)
     if len(shape) == 1:
         return token_data.load(source, shape[0], vocab or classes, classes, seed)
     if source == "digits":
@@ -163,4 +168,6 @@ def load(
         return synthetic(shape, classes, seed, dtype=dtype)
     if source.endswith(".npz"):
         return from_npz(source, shape, classes, dtype)
-    raise LegionNNError(f"--data must be digits, synthetic or a .npz file, got {source!r}")
+    raise LegionNNError(
+        f"--data must be digits, synthetic, a .npz file or a directory of .npy files, got {source!r}"
+    )

@@ -29,6 +29,7 @@ from legion_nn.verify import verify
 from partitioner.pipeline import step_graph
 from runtime import checkpoint
 from runtime.adapters import StepContext
+from runtime.data_dir import Batch, MappedArray, Prefetcher, rows_of
 from runtime.dataset import Dataset, Split
 from runtime.executor import Executor
 from runtime.lr_schedule import LRSchedule
@@ -140,6 +141,10 @@ class Trainer:
             raise LegionNNError(f"--keep must be at least 1, got {config.keep}")
         #: the steps done at the last checkpoint written or resumed from
         self._saved: int | None = None
+        #: a mapped training set's reader, and the last step's batch (whose rects it reads
+        #: ahead for the next)
+        self._prefetcher: Prefetcher | None = None
+        self._last_batch: np.ndarray | Batch | None = None
 
     def graph(self, batch: int) -> TaskGraph:
         if batch not in self._graphs:
@@ -192,14 +197,16 @@ class Trainer:
         train = self.config.dataset.train
         idx = self.batch_indices(step)
         graph = self.graph(len(idx))
+        inputs = self._inputs(step, idx)
         ctx = StepContext(
             step,
             training=True,
-            inputs=train.x[idx],
+            inputs=inputs,
             labels=train.y[idx],
             lr_scale=self.lr_scale(step),
         )
         self.executor.run(graph, ctx)
+        self._last_batch = inputs
         loss_name, stats_name = self._outputs(graph)
         loss_value = self.executor.value(loss_name)
         loss = float(loss_value.reshape(-1)[0]) if loss_value is not None else float("nan")
@@ -209,11 +216,26 @@ class Trainer:
             stats = value.reshape(-1).copy() if value is not None else np.zeros(4)
         return loss, stats
 
+    def _inputs(self, step: int, idx: np.ndarray) -> np.ndarray | Batch:
+        """Step `step`'s samples. A mapped training set's are read as the data task asks for
+        them (this rank's rect), the next step's read ahead meanwhile (`runtime.data_dir`)."""
+        x = self.config.dataset.train.x
+        if not isinstance(x, MappedArray):
+            return x[idx]
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(x)
+        batch = self._prefetcher.batch(step, idx)
+        if step + 1 < self.total_steps and self._last_batch is not None:
+            self._prefetcher.read_ahead(step + 1, self.batch_indices(step + 1), self._last_batch)
+        return batch
+
     def evaluate(self, split: Split) -> tuple[float, float]:
         """(mean loss, top-1 accuracy) of the forward pass over a split, in evaluation mode."""
         totals = np.zeros(4)
         for start in range(0, len(split), self.config.batch):
-            x = split.x[start : start + self.config.batch]
+            rows = np.arange(start, min(len(split), start + self.config.batch))
+            x = split.x[start : start + len(rows)] if isinstance(split.x, np.ndarray) else None
+            x = rows_of(split.x, rows) if x is None else x
             graph = self.graph(len(x))
             ctx = StepContext(0, training=False, inputs=x, labels=split.y[start : start + len(x)])
             self.executor.run_inference(graph, ctx)
@@ -270,6 +292,13 @@ class Trainer:
         return self._saved, stats
 
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            if self._prefetcher is not None:
+                self._prefetcher.close()
+
+    def _run(self) -> TrainResult:
         c = self.config
         start_step = 0
         epoch_stats = np.zeros(4)

@@ -282,6 +282,30 @@ def test_optimizer_options_split_equal_one_process(single_clipped, tmp_path, lau
     assert min(r["grad_norm"] for r in expected) > 0.05  # every step clipped
 
 
+def test_a_directory_of_npy_files_split_by_rows_equals_one_process(single, tmp_path, launcher):
+    """`--data DIR`: the synthetic set written as .npy files, read in place, each rank reading
+    its rows of pixels and their halo: the one process's run on the set in memory."""
+    from legion_nn.networks import load_network
+    from runtime import data
+
+    skip_unless_spread(launcher, 2)
+    network = load_network("seed-lcn-small")
+    dataset = data.load("synthetic", network.input, network.classes, 2, np.float64)
+    directory = tmp_path / "npy"
+    directory.mkdir()
+    for part in ("train", "val", "test"):
+        np.save(directory / f"x_{part}.npy", getattr(dataset, part).x)
+        np.save(directory / f"y_{part}.npy", getattr(dataset, part).y)
+    log = tmp_path / "log.jsonl"
+    args = [a if a != "synthetic" else str(directory) for a in TRAIN]
+    result = mpiexec(
+        2, "train", *args, "--steps", "4", "--strategy", "spatial", "--log-json", str(log),
+        "--checkpoint", str(tmp_path / "ckpt"), launcher=launcher,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert_equals_single(single, log, tmp_path / "ckpt")
+
+
 GPT = str(Path(__file__).resolve().parent / "fixtures" / "tiny_gpt.onnx")
 
 

@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         default="digits",
-        help="digits (bundled with scikit-learn), synthetic, F.npz with x, y, or (a network of "
-        "token ids) F.txt read as bytes",
+        help="digits (bundled with scikit-learn), synthetic, F.npz with x, y, a directory of "
+        "x_train.npy, y_train.npy (val, test optional) read in place, each rank reading its rect "
+        "of each batch, or (a network of token ids) F.txt read as bytes",
     )
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, default=None, help="epochs to train (default 10)")
