@@ -115,8 +115,8 @@ def _bad_dirs(root: Path, network, in_memory) -> list[tuple[Path, str]]:
         "lengths": (x, y[:-1], f"x_train.npy: {len(x)} samples, but y_train.npy has {len(y) - 1}"),
         "text": (np.array([["a"] * 4] * 3), y[:3], "x_train.npy: must hold real numbers, not <U1"),
         "float labels": (x, y.astype(np.float32),
-                         "y_train.npy: must hold integer targets of shape () per sample, not "
-                         "float32 of ()"),
+                         ("y_train.npy: must hold integer targets of shape () per sample, not "
+                          "float32 of ()")),
     }  # fmt: skip
     root.mkdir()
     out = []
@@ -168,5 +168,5 @@ def test_token_ids_are_checked_as_they_are_read(tmp_path):
     dataset = data.load(str(directory), network.input, network.classes, 0, np.float32,
                         network.vocab)  # fmt: skip
     cfg = TrainConfig(network=network, dataset=dataset, batch=40, steps=1, shuffle=False)
-    with pytest.raises(LegionNNError, match=rf"x_train.npy: sample 13 holds an id outside \[0, "):
+    with pytest.raises(LegionNNError, match=r"x_train.npy: sample 13 holds an id outside \[0, "):
         Trainer(cfg).run()
