@@ -18,7 +18,8 @@ def _drop_stale_caches() -> None:
     written. Numba checks only the cached function's own file, but a kernel inlines compiled
     functions of other files (`update.step_elements` into the filter and linear kernels): after
     an edit there, the cache would keep running the old arithmetic. Caches that cannot be
-    removed (a read-only install) stand; Numba then caches elsewhere."""
+    removed (a read-only install) stand, and a cache kept under the user's `NUMBA_CACHE_DIR`
+    is not looked at (`bench/cold_start.py` gives each run a new one)."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
     for source in sorted(here.glob("*.py")):
