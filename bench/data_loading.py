@@ -8,7 +8,8 @@ It writes (once; kept in `--dir` for the next run) a training set of `--gib` GiB
 of the network's input with seeded random labels, and an `.npz` of its first samples small
 enough to hold in memory. Then, side by side, `mpiexec -n R legion-nn train` on each: the median
 step time of rank 0 past the first 5 steps (from the `--log-json` records), each rank's peak
-resident set, and the ratio of the step times. Machine facts are printed beside them.
+resident set, and the ratio of the step times: the median over `--repeat` runs of each, run in
+turn, since one run's median moves by ±30% on a shared 2-core machine. Machine facts are printed beside them.
 """
 
 from __future__ import annotations
@@ -79,7 +80,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--strategy", default="data")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each, alternated")
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "legion-nn-4gib"))
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before the mapped run (root), so its reads come from the disk",
+    )
     parser.add_argument("--json", metavar="F")
     args = parser.parse_args()
     network = load_network(args.network)
@@ -91,9 +98,19 @@ def main() -> None:
         rows = min(count, 20 * args.batch * args.ranks)
         y = np.load(directory / "y_train.npy")
         np.savez(small, x_train=np.array(x[:rows]), y_train=y[:rows])
+    runs: dict[str, list[dict]] = {"mapped": [], "in_memory": []}
     with tempfile.TemporaryDirectory() as scratch:
-        mapped = run(args, str(directory), Path(scratch) / "mapped.jsonl")
-        memory = run(args, str(small), Path(scratch) / "memory.jsonl")
+        for _ in range(args.repeat):  # alternated: the machine's drift falls on both alike
+            if args.cold:
+                os.sync()
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            runs["mapped"].append(run(args, str(directory), Path(scratch) / "mapped.jsonl"))
+            runs["in_memory"].append(run(args, str(small), Path(scratch) / "memory.jsonl"))
+    mapped, memory = ({
+        "step_seconds": statistics.median(r["step_seconds"] for r in runs[name]),
+        "step_seconds_per_run": [r["step_seconds"] for r in runs[name]],
+        "rss_peak_bytes": [max(per) for per in zip(*(r["rss_peak_bytes"] for r in runs[name]))],
+    } for name in ("mapped", "in_memory"))  # fmt: skip
     size = os.path.getsize(directory / "x_train.npy")
     result = {
         "machine": {
@@ -106,18 +123,24 @@ def main() -> None:
         "strategy": args.strategy,
         "batch": args.batch,
         "x_train_bytes": size,
+        "page_cache_dropped": args.cold,
         "mapped": mapped,
         "in_memory": memory,
         "step_ratio": mapped["step_seconds"] / memory["step_seconds"],
     }
     print(
         f"{args.network}, {args.ranks} ranks ({args.strategy}), batch {args.batch}, "
-        f"x_train.npy {size / (1 << 30):.2f} GiB; {os.cpu_count()} cores"
+        f"x_train.npy {size / (1 << 30):.2f} GiB{' from the disk' if args.cold else ''}; "
+        f"{os.cpu_count()} cores"
     )
     for name in ("mapped", "in_memory"):
         r = result[name]
         rss = ", ".join(f"{b / (1 << 20):.0f}" for b in r["rss_peak_bytes"])
-        print(f"  {name:9s}: step {r['step_seconds'] * 1e3:7.1f} ms, peak RSS per rank {rss} MiB")
+        each = " ".join(f"{t * 1e3:.0f}" for t in r["step_seconds_per_run"])
+        print(
+            f"  {name:9s}: step {r['step_seconds'] * 1e3:7.1f} ms (runs: {each}), "
+            f"peak RSS per rank {rss} MiB"
+        )
     print(f"  step time mapped / in memory: {result['step_ratio']:.3f}")
     if args.json:
         write_text(args.json, json.dumps(result, indent=1) + "\n")

@@ -74,6 +74,11 @@ class MappedArray:
             raise LegionNNError(f"{path}: is cut short ({os.path.getsize(path)} of {size} bytes)")
         with open(path, "rb") as handle:
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        if self._map is not None:
+            # Samples are read in a shuffled order: a fault reads its pages, not the kernel's
+            # read-around of 32 pages about it, which would be 10 times the bytes of a 12 KiB
+            # sample, through the page cache
+            self._map.madvise(mmap.MADV_RANDOM)
         self.array = (
             np.ndarray(self.shape, dtype, buffer=self._map, offset=offset)
             if self._map is not None
