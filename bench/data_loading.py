@@ -29,6 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from legion_nn.atomic import write_text
+from bench.partition_speed import cpu_model
 from legion_nn.networks import load_network
 
 #: samples written per chunk (a few hundred MB at most in memory while writing)
@@ -114,7 +115,7 @@ def main() -> None:
     size = os.path.getsize(directory / "x_train.npy")
     result = {
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
             "cores": os.cpu_count(),
             "python": platform.python_version(),
         },
@@ -131,7 +132,7 @@ def main() -> None:
     print(
         f"{args.network}, {args.ranks} ranks ({args.strategy}), batch {args.batch}, "
         f"x_train.npy {size / (1 << 30):.2f} GiB{' from the disk' if args.cold else ''}; "
-        f"{os.cpu_count()} cores"
+        f"{cpu_model()}, {os.cpu_count()} cores"
     )
     for name in ("mapped", "in_memory"):
         r = result[name]
