@@ -28,8 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from legion_nn.atomic import write_text
 from bench.partition_speed import cpu_model
+from legion_nn.atomic import write_text
 from legion_nn.networks import load_network
 
 #: samples written per chunk (a few hundred MB at most in memory while writing)
