@@ -8,7 +8,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from runtime.lr_schedule import LRSchedule
 from runtime.rank_executor import RankExecutor
 from runtime.training import Trainer
 from runtime.transport import run_threads
+from tests.cli_in_process import run_in_process
 from tests.test_rank_executor import config, small_network
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,11 +136,7 @@ def test_a_v1_checkpoint_of_momentum_is_refused_and_others_resume(tmp_path):
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "train", "--steps", "2", "--batch", "8",
-         "--no-progress", *args],
-        capture_output=True, text=True, check=False, cwd=ROOT,
-    )  # fmt: skip
+    return run_in_process("train", "--steps", "2", "--batch", "8", "--no-progress", *args)
 
 
 def test_bad_checkpoint_input_gets_one_line_and_nothing_written(tmp_path):

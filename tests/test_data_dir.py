@@ -4,7 +4,6 @@ batch read ahead; the same losses as the data in memory; bad files named in one 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from runtime.data_dir import Batch, MappedArray
 from runtime.rank_executor import RankExecutor
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import run_threads
+from tests.cli_in_process import run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,11 +99,7 @@ def test_a_batch_reads_ahead_what_the_last_batch_was_asked(tmp_path, in_memory, 
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "train", "--steps", "1", "--batch", "4",
-         "--no-progress", *args],
-        capture_output=True, text=True, check=False, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+    return run_in_process("train", "--steps", "1", "--batch", "4", "--no-progress", *args)
 
 
 def _bad_dirs(root: Path, network, in_memory) -> list[tuple[Path, str]]:

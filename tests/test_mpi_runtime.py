@@ -518,7 +518,7 @@ def restartable_job(launcher: str, nranks: int, restarts: int, *args: str) -> li
 
 @pytest.fixture(scope="module")
 def long_single(tmp_path_factory):
-    return one_process_losses(tmp_path_factory.mktemp("long"), "seed-lcn-small", 300)
+    return one_process_losses(tmp_path_factory.mktemp("long"), "seed-lcn-small", 150)
 
 
 def test_a_job_that_loses_a_rank_restarts_from_its_newest_checkpoint(
@@ -530,7 +530,7 @@ def test_a_job_that_loses_a_rank_restarts_from_its_newest_checkpoint(
     skip_unless_spread(launcher, 2)
     log, saved = tmp_path / "log.jsonl", tmp_path / "ckpt"
     command = restartable_job(
-        launcher, 2, 2, "train", *TRAIN, "--steps", "300", "--checkpoint", str(saved),
+        launcher, 2, 2, "train", *TRAIN, "--steps", "150", "--checkpoint", str(saved),
         "--checkpoint-every", "20", "--log-json", str(log),
     )  # fmt: skip
     running = subprocess.Popen(
@@ -554,7 +554,7 @@ def test_a_job_that_loses_a_rank_restarts_from_its_newest_checkpoint(
         r"restart 1 of 2 from \S+checkpoint-\d{8}\.npz", restarts[0]
     )
     resumed = [r["step"] for r in records(log) if r.get("event") == "resume"]
-    assert len(resumed) == 1 and 0 < resumed[0] < 300
+    assert len(resumed) == 1 and 0 < resumed[0] < 150
     np.testing.assert_allclose(losses(log)[-10:], long_single[-10:], rtol=1e-9)
 
 

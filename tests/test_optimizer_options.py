@@ -28,6 +28,7 @@ from runtime.lr_schedule import LRSchedule
 from runtime.rank_executor import RankExecutor
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import run_threads
+from tests.cli_in_process import run_in_process
 from tests.test_rank_executor import assert_same, config, local_run, small_network
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -288,11 +289,9 @@ def test_log_json_carries_the_learning_rate_and_the_norm(tmp_path):
 )
 def test_bad_optimizer_flags_get_one_line_and_exit_2(flags, message, tmp_path):
     log = tmp_path / "log.jsonl"
-    result = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "train", "--steps", "1", "--no-progress",
-         "--log-json", str(log), *flags],
-        capture_output=True, text=True, check=False, cwd=ROOT,
-    )  # fmt: skip
+    result = run_in_process(
+        "train", "--steps", "1", "--no-progress", "--log-json", str(log), *flags
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"legion-nn train: {message}"]
     assert not log.exists()

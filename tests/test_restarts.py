@@ -13,6 +13,7 @@ import pytest
 from legion_nn.errors import LegionNNError
 from runtime import checkpoint
 from runtime.restarts import checkpoint_dir, run_with_restarts
+from tests.cli_in_process import run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +95,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
       "DIR, and --checkpoint-every N)")),
 ])  # fmt: skip
 def test_bad_launch_input_is_one_line(args, message):
-    result = _cli(*args)
+    result = run_in_process(*args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"legion-nn launch: {message}"]
 

@@ -173,7 +173,10 @@ def test_npz_splits_are_used_as_given_and_no_shuffle_takes_batches_in_order(tmp_
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["train", "--data", "nope"], "--data must be digits, synthetic, a .npz file or a directory"),
+        (
+            ["train", "--data", "nope"],
+            "--data must be digits, synthetic, a .npz file or a directory",
+        ),
         (["train", "--batch", "0"], "--batch must be at least 1"),
         (["train", "--steps", "0"], "--steps must be at least 1"),
         (["train", "--resume"], "--resume needs --checkpoint DIR"),
