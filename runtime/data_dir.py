@@ -72,18 +72,13 @@ class MappedArray:
         size = offset + shape[0] * self.sample_bytes
         if os.path.getsize(path) < size:
             raise LegionNNError(f"{path}: is cut short ({os.path.getsize(path)} of {size} bytes)")
-        with open(path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        if self._map is not None:
-            # Samples are read in a shuffled order: a fault reads its pages, not the kernel's
-            # read-around of 32 pages about it, which would be 10 times the bytes of a 12 KiB
-            # sample, through the page cache
-            self._map.madvise(mmap.MADV_RANDOM)
-        self.array = (
-            np.ndarray(self.shape, dtype, buffer=self._map, offset=offset)
-            if self._map is not None
-            else np.zeros(self.shape, dtype)
-        )
+        with open(path, "rb") as handle:  # (never empty: it holds its header)
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        # Samples are read in a shuffled order: a fault reads its pages, not the kernel's
+        # read-around of 32 pages about it, which would be 10 times the bytes of a 12 KiB
+        # sample, through the page cache
+        self._map.madvise(mmap.MADV_RANDOM)
+        self.array = np.ndarray(self.shape, dtype, buffer=self._map, offset=offset)
         #: bytes copied out so far (what the runs' I/O checks read)
         self.bytes_read = 0
 
@@ -176,11 +171,6 @@ class Prefetcher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def rows_of(x: np.ndarray | MappedArray, rows: np.ndarray) -> np.ndarray | Batch:
-    """The samples `rows` of a split's x: read now from memory, or as asked from a mapping."""
-    return Batch(x, rows) if isinstance(x, MappedArray) else x[rows]
 
 
 def load_dir(

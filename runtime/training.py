@@ -29,7 +29,7 @@ from legion_nn.verify import verify
 from partitioner.pipeline import step_graph
 from runtime import checkpoint
 from runtime.adapters import StepContext
-from runtime.data_dir import Batch, MappedArray, Prefetcher, rows_of
+from runtime.data_dir import Batch, MappedArray, Prefetcher
 from runtime.dataset import Dataset, Split
 from runtime.executor import Executor
 from runtime.lr_schedule import LRSchedule
@@ -74,6 +74,18 @@ class TrainConfig:
     #: the first layer of each stage after the first (`partitioner.pipeline.stages_at`); None:
     #: the stages balance the layers' FLOPs
     cuts: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse checkpointing that cannot work before anything runs or is written (the
+        command line makes its config before it opens its log)."""
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise LegionNNError(
+                f"--checkpoint-every must be at least 1, got {self.checkpoint_every}"
+            )
+        if self.keep < 1:
+            raise LegionNNError(f"--keep must be at least 1, got {self.keep}")
+        if self.checkpoint_dir:
+            checkpoint.check_directory(self.checkpoint_dir, self.resume)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -133,12 +145,6 @@ class Trainer:
             raise LegionNNError("the training split is empty")
         self.steps_per_epoch = config.steps_per_epoch
         self.total_steps = config.total_steps
-        if config.checkpoint_every is not None and config.checkpoint_every < 1:
-            raise LegionNNError(
-                f"--checkpoint-every must be at least 1, got {config.checkpoint_every}"
-            )
-        if config.keep < 1:
-            raise LegionNNError(f"--keep must be at least 1, got {config.keep}")
         #: the steps done at the last checkpoint written or resumed from
         self._saved: int | None = None
         #: (epoch, the order of its samples), made once an epoch
@@ -237,9 +243,11 @@ class Trainer:
         """(mean loss, top-1 accuracy) of the forward pass over a split, in evaluation mode."""
         totals = np.zeros(4)
         for start in range(0, len(split), self.config.batch):
-            rows = np.arange(start, min(len(split), start + self.config.batch))
-            x = split.x[start : start + len(rows)] if isinstance(split.x, np.ndarray) else None
-            x = rows_of(split.x, rows) if x is None else x
+            stop = min(len(split), start + self.config.batch)
+            if isinstance(split.x, MappedArray):
+                x = Batch(split.x, np.arange(start, stop))
+            else:
+                x = split.x[start:stop]
             graph = self.graph(len(x))
             ctx = StepContext(0, training=False, inputs=x, labels=split.y[start : start + len(x)])
             self.executor.run_inference(graph, ctx)
@@ -306,8 +314,6 @@ class Trainer:
         c = self.config
         start_step = 0
         epoch_stats = np.zeros(4)
-        if c.checkpoint_dir:
-            checkpoint.check_directory(c.checkpoint_dir, c.resume)
         if c.resume:
             if not c.checkpoint_dir:
                 raise LegionNNError("--resume needs --checkpoint DIR")

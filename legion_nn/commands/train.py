@@ -169,7 +169,7 @@ def _config(args: argparse.Namespace):
     from legion_nn.networks import load_network
     from partitioner.machine import load_machine
     from partitioner.pipeline import check_stage_count
-    from runtime import checkpoint, data
+    from runtime import data
     from runtime.distributed import RunOptions, strategy_spec
     from runtime.executor import NUMPY_DTYPES
     from runtime.lr_schedule import LRSchedule
@@ -188,13 +188,7 @@ def _config(args: argparse.Namespace):
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise LegionNNError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
     lr_schedule = LRSchedule(args.lr_schedule, args.warmup_steps, args.step_size, args.gamma)
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise LegionNNError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
-    if args.keep < 1:
-        raise LegionNNError(f"--keep must be at least 1, got {args.keep}")
-    if args.checkpoint:
-        checkpoint.check_directory(args.checkpoint, args.resume)
-    elif args.checkpoint_every is not None:
+    if args.checkpoint_every is not None and not args.checkpoint:
         raise LegionNNError("--checkpoint-every needs --checkpoint DIR")
     if not args.stall_timeout > 0:
         raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
