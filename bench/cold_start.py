@@ -6,7 +6,8 @@ Each round runs `legion-nn train` (one process for 1 rank, `mpiexec -n R` otherw
 `NUMBA_CACHE_DIR` pointing at a new, empty directory (cold), then once more on the cache that
 run left (warm). The figure is the wall time of the whole command, from exec to exit, so it
 counts the interpreter's start, the imports, the compiling and the training; the median of the
-rounds is reported beside each run's own.
+rounds is reported beside each run's own, and, for the warm runs, the ratio of the wall time to
+the training time the job reports (`done in T s`): what start-up and exit add to a job.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -23,11 +25,14 @@ import time
 from legion_nn.atomic import write_text
 
 
-def timed(command: list[str], cache: str) -> float:
+def timed(command: list[str], cache: str) -> tuple[float, float]:
+    """The command's wall time, and the training time it reports."""
     env = dict(os.environ, NUMBA_CACHE_DIR=cache)
     start = time.perf_counter()
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    done = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - start
+    reported = re.search(r"^done in ([0-9.]+) s", done.stdout, re.MULTILINE)
+    return wall, float(reported.group(1)) if reported else float("nan")
 
 
 def command(ranks: int, train_args: list[str]) -> list[str]:
@@ -44,18 +49,21 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     for ranks in (int(v) for v in args.ranks.split(",")):
-        cold, warm = [], []
+        cold, warm, ratios = [], [], []
         for _ in range(args.repeat):
             with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
-                cold.append(timed(command(ranks, args.train_args), cache))
-                warm.append(timed(command(ranks, args.train_args), cache))
+                cold.append(timed(command(ranks, args.train_args), cache)[0])
+                wall, reported = timed(command(ranks, args.train_args), cache)
+                warm.append(wall)
+                ratios.append(wall / reported)
         label = "1 process" if ranks == 1 else f"mpiexec -n {ranks}"
         print(
             f"{label}: cold {statistics.median(cold):.2f} s "
             f"({', '.join(f'{t:.2f}' for t in cold)}), warm {statistics.median(warm):.2f} s "
-            f"({', '.join(f'{t:.2f}' for t in warm)})"
+            f"({', '.join(f'{t:.2f}' for t in warm)}), warm wall / reported training "
+            f"{statistics.median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})"
         )
-        results[str(ranks)] = {"cold_s": cold, "warm_s": warm}
+        results[str(ranks)] = {"cold_s": cold, "warm_s": warm, "warm_wall_over_reported": ratios}
     if args.json:
         write_text(args.json, json.dumps(results, indent=1) + "\n")
 

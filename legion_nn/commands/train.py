@@ -292,7 +292,7 @@ class _Console:
     def done(self, result) -> None:
         self.progress.close()
         print(
-            f"done in {result.seconds:.1f} s: test accuracy {result.test_accuracy:.4f}, "
+            f"done in {result.seconds:.2f} s: test accuracy {result.test_accuracy:.4f}, "
             f"val accuracy {result.val_accuracy:.4f}, train accuracy {result.train_accuracy:.4f}"
         )
 
