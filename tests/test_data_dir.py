@@ -3,6 +3,7 @@ batch read ahead; the same losses as the data in memory; bad files named in one 
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from runtime import data
-from runtime.data_dir import Batch, MappedArray
+from runtime.data_dir import Batch, MappedArray, rect_reads
 from runtime.rank_executor import RankExecutor
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import run_threads
@@ -92,6 +93,7 @@ def test_a_batch_reads_ahead_what_the_last_batch_was_asked(tmp_path, in_memory, 
     with ThreadPoolExecutor(1) as pool:
         second = Batch(x, np.array([5, 9, 2]))
         second.prefetch(pool, first.asked)
+        pool.submit(lambda: None).result()  # one worker: the read ahead is done
         read = x.bytes_read
         again = second[(slice(1, 3), slice(None), slice(2, 9), slice(None))]
         np.testing.assert_array_equal(again, in_memory.train.x[[9, 2], :, 2:9])
@@ -166,3 +168,27 @@ def test_token_ids_are_checked_as_they_are_read(tmp_path):
     cfg = TrainConfig(network=network, dataset=dataset, batch=40, steps=1, shuffle=False)
     with pytest.raises(LegionNNError, match=r"x_train.npy: sample 13 holds an id outside \[0, "):
         Trainer(cfg).run()
+
+
+@pytest.mark.parametrize(
+    "sample, key",
+    [
+        ((3, 8, 8), (slice(None), slice(2, 5))),  # rows of every channel: a run per channel
+        ((2, 64, 40), (slice(1, 2), slice(3, 60), slice(5, 9))),  # narrow columns: runs merged
+        ((4, 300), (slice(0, 4), slice(0, 300))),  # the whole sample: read in place
+        ((2, 1100), (slice(None), slice(1050, 1100))),  # ends more than a page apart
+        ((5,), (slice(2, 2),)),  # empty
+    ],
+)
+def test_a_rect_is_read_from_its_byte_ranges(tmp_path, sample, key):
+    x = np.arange(3 * int(np.prod(sample)), dtype=np.float32).reshape(3, *sample)
+    np.save(tmp_path / "x.npy", x)
+    mapped = MappedArray(tmp_path / "x.npy")
+    np.testing.assert_array_equal(mapped.read([2, 0], key), x[(np.array([2, 0]), *key)])
+    reads = rect_reads(sample, key, 4)
+    covered = sum(length for _, length in reads.extents)
+    assert covered >= 4 * int(np.prod(reads.shape))  # every element is read...
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(reads.extents, reads.extents[1:]))
+    gaps = [b[0] - a[0] - a[1] for a, b in zip(reads.extents, reads.extents[1:])]
+    assert all(gap >= mmap.PAGESIZE for gap in gaps)  # ...in ranges a page or more apart
+    assert (reads.gather is None) == (covered == 4 * int(np.prod(reads.shape)) and len(gaps) < 1)
