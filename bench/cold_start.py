@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from bench.machine_facts import describe, machine_facts
 from legion_nn.atomic import write_text
 
 
@@ -47,7 +48,8 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("train_args", nargs="*")
     args = parser.parse_args()
-    results = {}
+    results: dict = {"machine": machine_facts()}
+    print(describe(results["machine"]))
     for ranks in (int(v) for v in args.ranks.split(",")):
         cold, warm, ratios = [], [], []
         for _ in range(args.repeat):

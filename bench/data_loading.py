@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.partition_speed import cpu_model
+from bench.machine_facts import describe, machine_facts
 from legion_nn.atomic import write_text
 from legion_nn.networks import load_network
 
@@ -114,11 +113,7 @@ def main() -> None:
     } for name in ("mapped", "in_memory"))  # fmt: skip
     size = os.path.getsize(directory / "x_train.npy")
     result = {
-        "machine": {
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-        },
+        "machine": machine_facts(),
         "network": args.network,
         "ranks": args.ranks,
         "strategy": args.strategy,
@@ -131,9 +126,9 @@ def main() -> None:
     }
     print(
         f"{args.network}, {args.ranks} ranks ({args.strategy}), batch {args.batch}, "
-        f"x_train.npy {size / (1 << 30):.2f} GiB{' from the disk' if args.cold else ''}; "
-        f"{cpu_model()}, {os.cpu_count()} cores"
+        f"x_train.npy {size / (1 << 30):.2f} GiB{' from the disk' if args.cold else ''}"
     )
+    print(describe(result["machine"]))
     for name in ("mapped", "in_memory"):
         r = result[name]
         rss = ", ".join(f"{b / (1 << 20):.0f}" for b in r["rss_peak_bytes"])

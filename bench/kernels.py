@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.calibration import memory_bandwidth
+from bench.machine_facts import blas_in_use, describe, machine_facts
 from runtime.aligned import aligned_empty
 from runtime.kernels import reference
 from runtime.kernels.filter_packed import (
@@ -77,15 +80,70 @@ class LayerShape:
 SEED_L1 = LayerShape(c=64, k=64, r=7, s=7, p=27, q=27)
 
 
-def best_seconds(fn: Callable[[], object], repeat: int) -> float:
-    """Best wall time of `repeat` calls, after one untimed call (compilation, page faults)."""
-    fn()
+def best_seconds(fn: Callable[[], object], repeat: int, warm: bool = True) -> float:
+    """Best wall time of `repeat` calls, after one untimed call (compilation, page faults)
+    unless `warm` is False (the caller made it)."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+@dataclass(frozen=True)
+class CallCosts:
+    """What one call of a pass costs besides its wall time, averaged over a sweep of calls:
+    CPU seconds in user space and in the kernel (every thread of the process), and page faults.
+    Time in the kernel is page faults on first touch, huge-page compaction, and threads that
+    spin and yield while they wait for work: none of it is the pass's arithmetic."""
+
+    user_s: float
+    system_s: float
+    page_faults: float
+
+
+def measured(fn: Callable[[], object], repeat: int) -> tuple[float, CallCosts]:
+    """`best_seconds` of `fn`, and the costs of its timed calls (`CallCosts`). The untimed
+    first call is left out: it touches the output's pages for the first time, which a run does
+    once, where its arena places the buffer, not at every step."""
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = best_seconds(fn, repeat, warm=False)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return seconds, CallCosts(
+        (after.ru_utime - before.ru_utime) / repeat,
+        (after.ru_stime - before.ru_stime) / repeat,
+        (after.ru_minflt - before.ru_minflt + after.ru_majflt - before.ru_majflt) / repeat,
+    )
+
+
+def pass_bytes(x: np.ndarray, w: np.ndarray, dy: np.ndarray) -> dict[str, int]:
+    """The bytes each pass reads and writes once: its two operands and its result."""
+    return {
+        "forward": x.nbytes + w.nbytes + dy.nbytes,
+        "backward_data": dy.nbytes + w.nbytes + x.nbytes,
+        "backward_filter": x.nbytes + dy.nbytes + w.nbytes,
+    }
+
+
+#: a pass whose CPU time in the kernel passes this share of its CPU time is system-bound
+SYSTEM_BOUND = 0.05
+#: a pass that moves its bytes at this share of the copy bandwidth or more is memory-bound
+MEMORY_BOUND = 0.5
+
+
+def bound(costs: CallCosts, gbytes_per_s: float, bandwidth: float) -> str:
+    """What limits a pass: "system" (its time in the kernel), "memory" (the bytes it moves,
+    against the machine's copy bandwidth) or "compute"."""
+    cpu = costs.user_s + costs.system_s
+    if cpu > 0 and costs.system_s / cpu > SYSTEM_BOUND:
+        return "system"
+    if bandwidth > 0 and gbytes_per_s >= MEMORY_BOUND * bandwidth:
+        return "memory"
+    return "compute"
 
 
 def sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
@@ -100,29 +158,6 @@ def torch_sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
 
     a = torch.from_numpy(np.random.default_rng(0).standard_normal((size, size), dtype=np.float32))
     return 2 * size**3 / best_seconds(lambda: a @ a, repeat) / 1e9
-
-
-def blas_in_use() -> dict[str, str]:
-    """The BLAS libraries in the process, each with the core type its kernels were chosen for:
-    "kernels", SciPy's, which Numba's BLAS calls would reach (no kernel makes one: the filter and
-    linear products run on `runtime.kernels.microkernel`), and "ceiling", NumPy's.
-
-    OpenBLAS picks its kernels by CPU, or as `OPENBLAS_CORETYPE` says: AVX2 ("Haswell") kernels
-    on an AVX-512 machine run the in-process ceiling below what the machine can do."""
-    import scipy.linalg  # noqa: F401  (loads SciPy's BLAS, so that it is listed)
-    from threadpoolctl import threadpool_info
-
-    found = {"kernels": "unknown", "ceiling": "unknown"}
-    for info in threadpool_info():
-        if info.get("user_api") != "blas":
-            continue
-        package = info.get("filepath", "").replace("\\", "/").split("/")[-2]
-        text = f"{info['internal_api']} {info.get('version')}, {info.get('architecture')} kernels"
-        if package.startswith("scipy"):
-            found["kernels"] = text
-        elif package.startswith("numpy"):
-            found["ceiling"] = text
-    return found
 
 
 def sgemm_native(size: int = 2048, repeat: int = 5) -> dict | None:
@@ -255,6 +290,7 @@ def run_benchmark(
     sgemm_size: int = 2048,
     peer_repeat: int = 2,
     rounds: int = 3,
+    bandwidth_megabytes: int = 256,
 ) -> dict:
     """Measure every (batch, untied/tied, implementation, pass); the design's bench JSON.
 
@@ -278,6 +314,8 @@ def run_benchmark(
             native.append(run)
 
     measure_native()
+    facts = machine_facts()
+    bandwidth = memory_bandwidth(bandwidth_megabytes)
     sgemm = [sgemm_gflops(sgemm_size)]
     peer_sgemm: list[float] = []
     best: dict[tuple, dict] = {}
@@ -292,8 +330,9 @@ def run_benchmark(
             for n, untied in ((n, untied) for n in batches for untied in (True, False)):
                 x, w, dy = _operands(shape, n, untied)
                 sgemm.append(sgemm_gflops(sgemm_size, repeat=3))
+                moved = pass_bytes(x, w, dy)
                 for name, fn in maker(x, w, dy, untied).items():
-                    seconds = best_seconds(fn, times)
+                    seconds, costs = measured(fn, times)
                     key = (impl, n, untied, name)
                     if key in best and best[key]["seconds"] <= seconds:
                         continue
@@ -305,6 +344,12 @@ def run_benchmark(
                         "shape": shape.as_dict(n),
                         "gflops": shape.flops(n) / seconds / 1e9,
                         "seconds": seconds,
+                        "cpu_user_s": costs.user_s,
+                        "cpu_system_s": costs.system_s,
+                        "page_faults": costs.page_faults,
+                        "bytes": moved[name],
+                        "gbytes_per_s": moved[name] / seconds / 1e9,
+                        "bound": bound(costs, moved[name] / seconds / 1e9, bandwidth),
                     }
                     if progress:
                         layer = "untied" if untied else "tied"
@@ -316,6 +361,8 @@ def run_benchmark(
         measure_native()
     best_native = max(native, key=lambda run: run["gflops"]) if native else None
     return {
+        "machine": facts,
+        "memory_gbytes_per_s": bandwidth,
         "sgemm_gflops": max(max(sgemm), best_native["gflops"] if best_native else 0.0),
         "sgemm": f"{sgemm_size}x{sgemm_size} float32 np.matmul",
         "sgemm_configured_gflops": max(sgemm),
@@ -333,16 +380,27 @@ def run_benchmark(
 
 
 def format_table(report: dict) -> str:
-    """One row per (pass, layer, batch), one GFLOP/s column per implementation."""
+    """One row per (pass, layer, batch), one GFLOP/s column per implementation; for ours, the
+    share of its CPU time in the kernel, its page faults per call, the bytes it moves per
+    second and what bounds it."""
     sgemm = report["sgemm_gflops"]
     rows: dict[tuple, dict[str, float]] = {}
+    ours_costs: dict[tuple, dict] = {}
     for res in report["results"]:
         key = (res["pass"], res["untied"], res["shape"]["N"])
         rows.setdefault(key, {})[res["impl"]] = res["gflops"]
+        if res["impl"] == "legion-nn":
+            ours_costs[key] = res
     impls = [i for i in IMPLS if any(i in row for row in rows.values())]
     head = f"{'pass':16}{'layer':8}{'N':>5}" + "".join(f"{i:>11}" for i in impls)
-    head += f"{'%SGEMM':>9}{'x numpy':>9}{'x torch':>9}"
-    lines = [f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s"]
+    head += f"{'%SGEMM':>9}{'x numpy':>9}{'x torch':>9}{'sys%':>6}{'faults':>8}{'GB/s':>7}  bound"
+    lines = [describe(report["machine"])] if report.get("machine") else []
+    lines.append(f"SGEMM ceiling ({report['sgemm']}): {sgemm:.1f} GFLOP/s")
+    if report.get("memory_gbytes_per_s"):
+        lines.append(
+            f"copy bandwidth (streaming loops on every thread): "
+            f"{report['memory_gbytes_per_s']:.1f} GB/s"
+        )
     blas = report.get("blas") or {}
     configured = report.get("sgemm_configured_gflops")
     if configured:
@@ -371,11 +429,23 @@ def format_table(report: dict) -> str:
         for peer in ("numpy", "torch"):
             ok = ours and row.get(peer)
             line += f"{ours / row[peer]:8.1f}x" if ok else f"{'-':>9}"
+        mine = ours_costs.get((pass_, untied, n))
+        if mine and "cpu_system_s" in mine:
+            cpu = mine["cpu_user_s"] + mine["cpu_system_s"]
+            line += f"{mine['cpu_system_s'] / cpu if cpu else 0.0:6.1%}"
+            line += f"{mine['page_faults']:8.0f}{mine['gbytes_per_s']:7.1f}  {mine['bound']}"
         lines.append(line)
     lines.append(
         f"legion-nn: packed layouts, best of {report['rounds']} rounds x {report['repeat']} "
         f"calls; numpy: one call; torch: best of {report['peer_repeat']} calls"
     )
+    if ours_costs:
+        lines.append(
+            f"legion-nn's calls: sys% their CPU time in the kernel, faults their page faults, "
+            f"GB/s the bytes of operands and result over the time; bound: system past "
+            f"{SYSTEM_BOUND:.0%} in the kernel, memory at {MEMORY_BOUND:.0%} of the copy "
+            f"bandwidth or more, else compute"
+        )
     if report["skipped"]:
         lines.append("skipped: " + ", ".join(report["skipped"]))
     return "\n".join(lines)

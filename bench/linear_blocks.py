@@ -12,7 +12,6 @@ wider blocks win). The machine and the same run's SGEMM print first: the machine
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import sgemm_gflops
-from bench.partition_speed import cpu_model
+from bench.machine_facts import describe, machine_facts
 from runtime.kernels import linear
 
 #: (inputs, outputs): an MLP's square layers, a narrowing and a widening one, a small one, and
@@ -68,10 +67,8 @@ def main() -> None:
     parser.add_argument("--rows", default="16,32,64,128,256")
     parser.add_argument("--repeat", type=int, default=9)
     args = parser.parse_args()
-    print(
-        f"machine: {cpu_model()}, {os.cpu_count()} cores; SGEMM {sgemm_gflops():.0f} GFLOP/s; "
-        f"Numba threads {linear.numba.config.NUMBA_NUM_THREADS}"
-    )
+    print(describe(machine_facts()))
+    print(f"SGEMM {sgemm_gflops():.0f} GFLOP/s")
     narrow, wide = WIDTHS
     print(
         f"{'rows':>5s} {'inputs':>6s} {'outputs':>7s} {'pass':12s} {narrow:>4d} cols  {wide}/{narrow}"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.kernels import sgemm_gflops
-from bench.partition_speed import cpu_model
+from bench.machine_facts import describe, machine_facts
 
 MODELS = (
     "bvlc_alexnet",
@@ -226,7 +225,8 @@ def main() -> int:
     if set(names) - set(MODELS) or skip - {"mpi", "plans", "train", "speed"}:
         print("model_zoo: unknown model or part", file=sys.stderr)
         return 2
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; SGEMM {sgemm_gflops():.0f} GFLOP/s")
+    print(describe(machine_facts()))
+    print(f"SGEMM {sgemm_gflops():.0f} GFLOP/s")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for name in names:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -30,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.kernels import sgemm_gflops
+from bench.machine_facts import describe, machine_facts
 
 #: name -> (network, extra arguments of `partition`, goal in seconds or None)
 CASES = {
@@ -43,16 +42,6 @@ CASES = {
         3.0,
     ),
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_once(command: list[str]) -> tuple[float, float, dict]:
@@ -81,7 +70,8 @@ def main() -> int:
         print(f"partition_speed: unknown case {unknown[0]!r}" if unknown else
               "partition_speed: --repeat must be at least 1", file=sys.stderr)  # fmt: skip
         return 2
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; SGEMM {sgemm_gflops():.0f} GFLOP/s")
+    print(describe(machine_facts()))
+    print(f"SGEMM {sgemm_gflops():.0f} GFLOP/s")
     with tempfile.TemporaryDirectory() as tmp:
         resnet = Path(tmp) / "resnet18.onnx"
         if any(CASES[n][0] == "resnet18" for n in names):

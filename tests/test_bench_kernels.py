@@ -2,11 +2,13 @@
 
 import argparse
 import json
+import os
 
 import numpy as np
 import pytest
 
 from bench import kernels as bench_kernels
+from bench import machine_facts
 from legion_nn.commands import bench
 from runtime.kernels import reference
 
@@ -22,6 +24,7 @@ def test_report_has_the_design_schema():
         sgemm_size=64,
         peer_repeat=1,
         rounds=2,
+        bandwidth_megabytes=4,
     )
     json.dumps(report)
     assert report["sgemm_gflops"] > 0
@@ -32,10 +35,21 @@ def test_report_has_the_design_schema():
         assert res["impl"] in ("legion-nn", "numpy")
         assert res["shape"] == {"N": 2, "C": 2, "K": 3, "R": 3, "S": 2, "P": 4, "Q": 3}
         assert res["gflops"] > 0
+    ours = [res for res in report["results"] if res["impl"] == "legion-nn"]
+    for res in ours:
+        assert res["cpu_user_s"] >= 0 and res["cpu_system_s"] >= 0 and res["page_faults"] >= 0
+        assert res["gbytes_per_s"] == pytest.approx(res["bytes"] / res["seconds"] / 1e9)
+        assert res["bound"] in ("compute", "memory", "system")
+    assert report["memory_gbytes_per_s"] > 0
+    facts = report["machine"]
+    assert facts["cores"] == os.cpu_count() and facts["cpu"] and facts["numba"]
     assert report["torch_sgemm_gflops"] is None  # PyTorch not measured
     assert set(report["blas"]) == {"kernels", "ceiling"}
     table = bench_kernels.format_table(report)
     assert "SGEMM ceiling" in table and table.count("untied") == 3
+    assert table.startswith(f"machine: {facts['cpu']}") and "copy bandwidth" in table
+    head = next(line for line in table.splitlines() if line.startswith("pass"))
+    assert head.split()[-4:] == ["sys%", "faults", "GB/s", "bound"]
     assert f"BLAS: kernels {report['blas']['kernels']}" in table
     assert "PyTorch's own SGEMM" not in table
     report["torch_sgemm_gflops"] = 123.4
@@ -47,7 +61,13 @@ def test_a_pinned_core_type_is_lifted_for_the_ceiling(monkeypatch):
     native = bench_kernels.sgemm_native(size=64, repeat=1)
     assert native["gflops"] > 0 and native["blas"].endswith(" kernels"), native
     report = bench_kernels.run_benchmark(
-        batches=(2,), repeat=1, impls=("legion-nn",), shape=TOY, sgemm_size=64, rounds=1
+        batches=(2,),
+        repeat=1,
+        impls=("legion-nn",),
+        shape=TOY,
+        sgemm_size=64,
+        rounds=1,
+        bandwidth_megabytes=4,
     )
     runs = (report["sgemm_configured_gflops"], report["sgemm_native"]["gflops"])
     assert report["sgemm_gflops"] == max(runs)
@@ -63,7 +83,13 @@ def test_a_failed_native_ceiling_is_reported_not_hidden(monkeypatch):
     with pytest.raises(RuntimeError, match="exit 1"):
         bench_kernels.sgemm_native(size=64, repeat=1)
     report = bench_kernels.run_benchmark(
-        batches=(2,), repeat=1, impls=("legion-nn",), shape=TOY, sgemm_size=64, rounds=1
+        batches=(2,),
+        repeat=1,
+        impls=("legion-nn",),
+        shape=TOY,
+        sgemm_size=64,
+        rounds=1,
+        bandwidth_megabytes=4,
     )
     assert report["sgemm_native"] is None
     assert report["sgemm_gflops"] == report["sgemm_configured_gflops"]
@@ -71,7 +97,7 @@ def test_a_failed_native_ceiling_is_reported_not_hidden(monkeypatch):
 
 
 def test_the_kernels_blas_is_named_with_its_core_type():
-    blas = bench_kernels.blas_in_use()
+    blas = machine_facts.blas_in_use()
     assert blas["kernels"] != "unknown" and blas["kernels"].endswith(" kernels"), blas
 
 
@@ -116,3 +142,27 @@ def test_unwritable_json_fails_before_measuring(monkeypatch, capsys, tmp_path):
     target = tmp_path / "missing" / "bench.json"
     assert cli.main(["bench", "kernels", "--json", str(target)]) == 2
     assert "--json: cannot write" in capsys.readouterr().err
+
+
+def test_a_pass_is_bound_by_what_takes_its_time():
+    costs = bench_kernels.CallCosts
+    assert bench_kernels.bound(costs(1.0, 0.1, 0), 1.0, 100.0) == "system"  # 9% in the kernel
+    assert bench_kernels.bound(costs(1.0, 0.01, 0), 60.0, 100.0) == "memory"
+    assert bench_kernels.bound(costs(1.0, 0.01, 0), 10.0, 100.0) == "compute"
+
+
+def test_the_costs_of_a_call_count_its_page_faults():
+    size = 64 << 20  # past glibc's largest mmap threshold: mapped afresh by every call
+    fresh_seconds, fresh = bench_kernels.measured(lambda: np.ones(size // 8), 3)
+    kept = np.empty(size // 8)
+    kept_seconds, reused = bench_kernels.measured(lambda: kept.fill(1.0), 3)
+    assert fresh.page_faults >= size / (2 << 20)  # at least a fault per huge page
+    assert reused.page_faults < fresh.page_faults / 4
+    assert min(fresh_seconds, kept_seconds) > 0 and fresh.user_s + fresh.system_s > 0
+
+
+def test_a_pass_moves_its_operands_and_result():
+    x, w, dy = bench_kernels._operands(TOY, 2, untied=True)
+    moved = bench_kernels.pass_bytes(x, w, dy)
+    assert set(moved) == set(bench_kernels.PASSES)
+    assert all(b == x.nbytes + w.nbytes + dy.nbytes for b in moved.values())

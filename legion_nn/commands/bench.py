@@ -155,7 +155,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bench.kernels import format_table, run_benchmark
-    from legion_nn.atomic import write_text
 
     if args.json is not None:
         # fail before minutes of measuring, not after
@@ -192,9 +191,7 @@ def run(args: argparse.Namespace) -> int:
         report = bench_scaling.run_scaling(
             steps=args.steps, progress=None if args.quiet else progress
         )
-        print(bench_scaling.format_table(report), end="")
-        if args.json:
-            write_text(args.json, json.dumps(report, indent=1) + "\n")
+        _emit(args, report, bench_scaling.format_table(report))
         return 0
 
     report = run_benchmark(
@@ -205,10 +202,22 @@ def run(args: argparse.Namespace) -> int:
         impls=tuple(dict.fromkeys(args.impl)),
         progress=None if args.quiet else progress,
     )
-    print(format_table(report))
+    _emit(args, report, format_table(report) + "\n")
+    return 0
+
+
+def _emit(args: argparse.Namespace, report: dict, table: str) -> None:
+    """Print `table` under the machine's facts and write `report` with them to `--json`: a
+    figure is read on other machines than the one that measured it."""
+    from bench.machine_facts import describe, machine_facts
+    from legion_nn.atomic import write_text
+
+    report.setdefault("machine", machine_facts())
+    if not table.startswith("machine: "):
+        print(describe(report["machine"]))
+    print(table, end="")
     if args.json:
         write_text(args.json, json.dumps(report, indent=1) + "\n")
-    return 0
 
 
 def _single_batch(args: argparse.Namespace, default: int) -> int:
@@ -223,15 +232,12 @@ def _single_batch(args: argparse.Namespace, default: int) -> int:
 
 def _step(args: argparse.Namespace, say) -> int:
     from bench import step as bench_step
-    from legion_nn.atomic import write_text
     from legion_nn.networks import load_network
 
     network = args.step_network or "seed-lcn"
     load_network(network)  # a bad name fails before the ceilings are measured
     report = bench_step.run_step_benchmark(network, _single_batch(args, 64), say)
-    print(bench_step.format_table(report), end="")
-    if args.json:
-        write_text(args.json, json.dumps(report, indent=1) + "\n")
+    _emit(args, report, bench_step.format_table(report))
     return 0
 
 
@@ -247,6 +253,9 @@ def _machine(args: argparse.Namespace, say) -> int:
     )
     if machine is None:  # not rank 0
         return 0
+    from bench.machine_facts import describe, machine_facts
+
+    print(describe(machine_facts()))  # beside the file, not in it: its format is the contract
     print(machine_bench.format_summary(machine), end="")
     if args.json:
         write_text(args.json, json.dumps(machine, indent=1) + "\n")
@@ -255,7 +264,6 @@ def _machine(args: argparse.Namespace, say) -> int:
 
 def _cluster_scaling(args: argparse.Namespace, say) -> int:
     from bench import cluster_scaling as bench_cluster
-    from legion_nn.atomic import write_text
     from runtime import cluster
     from visualize.render_file import check_plot, write_figure
 
@@ -304,9 +312,7 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
         )
     except cluster.Terminated:  # its clusters and files are gone: nothing more to say
         return 128 + signal.SIGTERM
-    print(bench_cluster.format_table(report), end="")
-    if args.json:
-        write_text(args.json, json.dumps(report, indent=1) + "\n")
+    _emit(args, report, bench_cluster.format_table(report))
     if args.plot:
         from visualize.link_sweep import link_sweep_figure
 
