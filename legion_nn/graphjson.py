@@ -1,4 +1,4 @@
-"""Task-graph JSON, format `legion-nn/taskgraph-v1` (DESIGN.md), both ways.
+"""Task-graph JSON, format `legion-nn/taskgraph-v1` (docs/formats.md), both ways.
 
 Beyond the design's keys, each tensor may carry `init` and `bytes`, and each task its `space`,
 `layer` and `attrs`, so a graph read back is the graph written. Reading checks the structure and

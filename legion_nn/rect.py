@@ -6,7 +6,7 @@ bounds they computed, and `intersect` of disjoint boxes returns an empty rect, n
 
 The `repr` reproduces the seed's printing of its region rects, which wrapped int32 NumPy arrays:
 ``Rect(array([0, 0], dtype=int32), array([256, 1], dtype=int32))``, with single spaces (the form
-DESIGN.md fixes; NumPy itself would pad the columns). Conversion between this
+docs/formats.md fixes; NumPy itself would pad the columns). Conversion between this
 inclusive/exclusive form and anything else happens only in `to_slices`.
 """
 
@@ -36,7 +36,7 @@ def split_bounds(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _format_array(values: Sequence[int]) -> str:
-    """The seed's printing of an int32 NumPy vector, with single spaces (DESIGN.md's exact form)."""
+    """The seed's printing of an int32 NumPy vector, with single spaces (docs/formats.md)."""
     return "array([" + ", ".join(str(v) for v in values) + "], dtype=int32)"
 
 

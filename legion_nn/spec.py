@@ -1,7 +1,7 @@
 """Network spec files: JSON (or TOML) holding `name`, `input`, `classes` and `layers`.
 
 Every problem is one line naming the file and, where the parser knows it, the line; layer problems
-name the layer's index, kind and group. See DESIGN.md for the format.
+name the layer's index, kind and group. See docs/formats.md for the format.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The partition report: a per-unit table and the `--json` object of DESIGN.md, and sweeps.
+"""The partition report: a per-unit table and the `--json` object of docs/formats.md, and sweeps.
 
 Each row is a unit (or `data`, or a helper's unit): its grid, the busiest rank's FLOPs summed over
 its tasks, the bytes its tasks put on the wire, the memory per rank it accounts for (max and mean
