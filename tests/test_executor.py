@@ -260,3 +260,22 @@ def test_inference_runs_no_backward_and_leaves_parameters_alone():
         np.testing.assert_array_equal(value, before[name])
     stats = executor.arrays["classifier.evaluate.output"].reshape(-1)
     assert stats[1] == 2 and stats[3] == 3 and stats[2] >= stats[1]
+
+
+def test_inference_normalises_with_the_running_statistics_without_computing_the_batchs(
+    monkeypatch,
+):
+    graph = MIXED.lower(batch=3, dtype="float64")
+    executor = one_process(0)
+    x, y = batch_for(MIXED, 3)
+    executor.prepare(graph)
+    executor.run_inference(graph, StepContext(0, training=False, inputs=x, labels=y))
+    expected = executor.value("fc.softmax.probability").copy()
+    from runtime.kernels import batchnorm
+
+    def refused(*args):
+        raise AssertionError("the batch's statistics were computed in evaluation")
+
+    monkeypatch.setattr(batchnorm, "batchnorm_stats", refused)
+    executor.run_inference(graph, StepContext(1, training=False, inputs=x, labels=y))
+    np.testing.assert_array_equal(executor.value("fc.softmax.probability"), expected)

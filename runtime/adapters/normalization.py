@@ -24,6 +24,8 @@ def _stats_view(stats: np.ndarray, spatial: bool) -> np.ndarray:
 
 @adapter("batchnorm_stats.forward")
 def _bn_stats(task, piece, views, dims, ctx):
+    if not ctx.training:  # evaluation normalises with the running statistics: none are read
+        return {"stats": np.zeros(views["stats"].shape, views["stats"].dtype)}
     spatial = task.attrs["spatial"]
     stats = batchnorm.batchnorm_stats(_per_feature(views["input"], spatial))
     return {"stats": stats.reshape(views["stats"].shape)}
