@@ -203,7 +203,7 @@ UNITS: dict[str, Unit] = {
     "gelu": Unit(_gelu, 1.0, "gelu", gelu._forward),
     "linear": Unit(_linear, 0.9, "step", linear._tiled_product),
     "linear.step": Unit(_linear_step, 0.9, "step", linear._stepped_product),
-    "softmax": Unit(_softmax, 0.5, "softmax", softmax._forward),
+    "softmax": Unit(_softmax, 0.5, "softmax", softmax._shifted_rows),
     "embedding": Unit(_embedding, 0.3, "embedding", embedding._scatter_add),
     "layernorm": Unit(_layernorm, 1.0, "layernorm", layernorm._backward),
     "matmul": Unit(_matmul, 0.6, "step", attention._batched),

@@ -116,3 +116,24 @@ def test_empty_batch_piece_contributes_nothing():
     prob, loss = softmax_forward(x, labels, 4)
     assert prob.shape == (0, 5, 1, 1) and loss.item() == 0.0
     np.testing.assert_array_equal(evaluate_forward(prob, labels), np.zeros((4, 1, 1, 1)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 16])
+def test_rows_in_blocks_equal_the_whole(monkeypatch, causal, block):
+    """Blocks of rows (`ROWS_BLOCK_ELEMENTS`) that cut matrices anywhere give every row its own
+    columns: causal row i of a matrix keeps columns ≤ first_row + i, the rest exactly 0."""
+    from runtime.kernels import softmax as module
+
+    monkeypatch.setattr(module, "ROWS_BLOCK_ELEMENTS", block)
+    matrices, rows, columns, first_row = 3, 5, 9, 2
+    x = np.random.default_rng(1).standard_normal((matrices * rows, columns)) * 4
+    y = np.empty_like(x)
+    tops, totals = module.softmax_rows(x, y, causal, rows, first_row)
+    for r in range(matrices * rows):
+        last = min(columns, first_row + r % rows + 1) if causal else columns
+        z = x[r, :last]
+        e = np.exp(z - z.max())
+        np.testing.assert_allclose(y[r, :last], e / e.sum(), rtol=1e-14)
+        assert not y[r, last:].any()
+        assert tops[r] == z.max() and totals[r] == pytest.approx(e.sum(), rel=1e-14)

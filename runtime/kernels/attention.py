@@ -9,13 +9,12 @@ and the masked probabilities are exactly 0.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
 from runtime.kernels.microkernel import kernels, tiled_gemm
+from runtime.kernels.softmax import softmax_rows
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -100,24 +99,6 @@ def matmul_backward(
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _softmax_rows(x, causal, first_row, y):
-    n, h, rows, columns = x.shape
-    for r in prange(n * h * rows):
-        i, k, row = r // (h * rows), (r // rows) % h, r % rows
-        last = min(columns, first_row + row + 1) if causal else columns
-        top = -np.inf
-        for j in range(last):
-            top = max(top, np.float64(x[i, k, row, j]))
-        total = 0.0
-        for j in range(last):
-            total += math.exp(np.float64(x[i, k, row, j]) - top)
-        for j in range(last):
-            y[i, k, row, j] = math.exp(np.float64(x[i, k, row, j]) - top) / total
-        for j in range(last, columns):
-            y[i, k, row, j] = 0.0
-
-
-@njit(cache=True, nogil=True, parallel=True)
 def _softmax_rows_backward(dy, y, dx):
     n, h, rows, columns = y.shape
     for r in prange(n * h * rows):
@@ -132,8 +113,15 @@ def _softmax_rows_backward(dy, y, dx):
 def row_softmax_forward(x: np.ndarray, causal: bool = False, first_row: int = 0) -> np.ndarray:
     """y: the softmax of every row of x (N, H, I, J) over J; causal: of its columns j ≤ i."""
     _checks.floating("x", x, 4)
+    rows, columns = x.shape[2:]
     y = np.empty(x.shape, x.dtype)
-    _softmax_rows(x, bool(causal), int(first_row), y)
+    softmax_rows(
+        np.ascontiguousarray(x).reshape(-1, columns),
+        y.reshape(-1, columns),
+        causal,
+        rows,
+        first_row,
+    )
     return y
 
 
