@@ -81,6 +81,26 @@ def test_dense_products_are_within_their_error_bound():
         dense_forward(x, w.T)
 
 
+def test_dense_gradients_go_straight_into_their_buffers():
+    """Given buffers, the products write there, or add to what they hold: a gradient summed
+    over pieces or micro-batches needs no temporary of its size."""
+    x, w = RNG.standard_normal((3, 4, 6)), RNG.standard_normal((6, 5))
+    dy = RNG.standard_normal((3, 4, 5))
+    held_dw, held_dx = RNG.standard_normal((6, 5)), RNG.standard_normal((3, 4, 6))
+    dw, dx = held_dw.copy(), held_dx.copy()
+    got_dx, got_dw, _ = dense_backward(dy, x, w, dw=dw, add_dw=True, dx=dx, add_dx=True)
+    assert got_dw is dw and got_dx is dx
+    assert_product_close(dw, x.reshape(12, 6).T, dy.reshape(12, 5), offset=held_dw)
+    assert_product_close(dx.reshape(12, 6), dy.reshape(12, 5), w.T, offset=held_dx.reshape(12, 6))
+    dense_backward(dy, x, w, dw=dw, dx=dx)  # written over
+    assert_product_close(dw, x.reshape(12, 6).T, dy.reshape(12, 5))
+    y = np.full((3, 4, 5), np.nan)
+    assert dense_forward(x, w, out=y) is y
+    assert_product_close(y.reshape(12, 5), x.reshape(12, 6), w)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dense_backward(dy, x, w, dw=np.zeros((5, 6)).T)
+
+
 def layernorm_reference(x, gamma, beta, eps):
     mean = x.mean(axis=-1, keepdims=True)
     var = x.var(axis=-1, keepdims=True)

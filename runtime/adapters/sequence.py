@@ -7,6 +7,9 @@ the scatter-add into those columns of every row.
 
 from __future__ import annotations
 
+import numpy as np
+
+from legion_nn.privilege import Privilege
 from runtime.adapters.registry import adapter
 from runtime.kernels import dense, embedding, layernorm
 
@@ -24,22 +27,45 @@ def _embedding_grad(task, piece, views, dims, ctx):
 
 @adapter("dense.forward")
 def _dense(task, piece, views, dims, ctx):
+    y = views["output"]
+    if y.flags.c_contiguous:  # written in place: no output-sized temporary, no copy
+        dense.dense_forward(views["input"], views["weights"], views.get("b"), out=y)
+        return {}
     return {"output": dense.dense_forward(views["input"], views["weights"], views.get("b"))}
+
+
+def _in_place(task, views, ctx, role: str) -> tuple[np.ndarray | None, bool]:
+    """(the view a gradient goes straight into, whether it is added to what the view holds),
+    or (None, False) where the view is strided and the gradient is returned instead."""
+    view = views.get(role)
+    if view is None or not view.flags.c_contiguous:
+        return None, False
+    adds = task.requirement(role).privilege is Privilege.REDUCE and role not in ctx.fresh
+    return view, adds
 
 
 @adapter("dense.backward")
 def _dense_grad(task, piece, views, dims, ctx):
     need_db = "b.delta" in views and views["b.delta"].size > 0
-    dx, dw, db = dense.dense_backward(
+    need_dx = task.attrs["need_dx"]
+    dw, add_dw = _in_place(task, views, ctx, "weights.delta")
+    dx, add_dx = _in_place(task, views, ctx, "input.delta") if need_dx else (None, False)
+    got_dx, got_dw, db = dense.dense_backward(
         views["output.delta"],
         views["input"],
         views["weights"],
-        need_dx=task.attrs["need_dx"],
+        need_dx=need_dx,
         need_db=need_db,
+        dw=dw,
+        add_dw=add_dw,
+        dx=dx,
+        add_dx=add_dx,
     )
-    out = {"weights.delta": dw}
-    if dx is not None:
-        out["input.delta"] = dx
+    out = {}
+    if dw is None:
+        out["weights.delta"] = got_dw
+    if need_dx and dx is None:
+        out["input.delta"] = got_dx
     if db is not None:
         out["b.delta"] = db
     return out

@@ -26,11 +26,17 @@ def _check(x: np.ndarray, w: np.ndarray) -> None:
         raise ValueError(f"w shape {w.shape} does not match x shape {x.shape} in K")
 
 
-def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """y (N, T, O) = x (N, T, K)·w (K, O) (+ b (O,))."""
+def dense_forward(
+    x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
+    """y (N, T, O) = x (N, T, K)·w (K, O) (+ b (O,)), into `out` where given (C-contiguous)."""
     _check(x, w)
     n, t, _ = x.shape
-    y = np.empty((n, t, w.shape[1]), x.dtype)
+    y = (
+        np.empty((n, t, w.shape[1]), x.dtype)
+        if out is None
+        else _target("out", out, (n, t, w.shape[1]), x)
+    )
     if b is not None:  # the product accumulates onto the bias: no second pass over y
         _checks.floating("b", b)
         _checks.shape("b", b, w.shape[1:])
@@ -41,20 +47,46 @@ def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> 
     return y
 
 
+def _target(name: str, out: np.ndarray, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
+    """`out`, checked to be a C-contiguous array of `shape` in `like`'s dtype."""
+    _checks.shape(name, out, shape)
+    _checks.same_dtype(name, out, "x", like)
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous, got strides {out.strides}")
+    return out
+
+
 def dense_backward(
-    dy: np.ndarray, x: np.ndarray, w: np.ndarray, need_dx: bool = True, need_db: bool = False
+    dy: np.ndarray,
+    x: np.ndarray,
+    w: np.ndarray,
+    need_dx: bool = True,
+    need_db: bool = False,
+    *,
+    dw: np.ndarray | None = None,
+    add_dw: bool = False,
+    dx: np.ndarray | None = None,
+    add_dx: bool = False,
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """(dx, dw, db): dx = dy·wᵀ (N, T, K), dw = xᵀ·dy (K, O), db = Σ dy over tokens (O,)."""
+    """(dx, dw, db): dx = dy·wᵀ (N, T, K), dw = xᵀ·dy (K, O), db = Σ dy over tokens (O,).
+
+    Given `dw` or `dx` (C-contiguous), that gradient is written there, or added to what it
+    holds with `add_dw` / `add_dx`: a gradient that sums over pieces or micro-batches goes
+    straight into its buffer, with no temporary of its size and no second pass."""
     _check(x, w)
     _checks.floating("dy", dy)
     _checks.shape("dy", dy, x.shape[:2] + w.shape[1:])
     _checks.same_dtype("dy", dy, "x", x)
     dy2, x2 = _rows(dy), _rows(x)
-    dw = np.empty(w.shape, w.dtype)
-    product(x2, TRANS, dy2, NO_TRANS, dw)
-    dx = None
+    if dw is None:
+        dw, add_dw = np.empty(w.shape, w.dtype), False
+    product(x2, TRANS, dy2, NO_TRANS, _target("dw", dw, w.shape, x), accumulate=add_dw)
     if need_dx:  # against wᵀ made contiguous (weight-sized), the product runs untransposed
-        dx = np.empty(x.shape, x.dtype)
-        product(dy2, NO_TRANS, np.ascontiguousarray(w.T), NO_TRANS, dx.reshape(dy2.shape[0], -1))
+        if dx is None:
+            dx, add_dx = np.empty(x.shape, x.dtype), False
+        rows = _target("dx", dx, x.shape, x).reshape(dy2.shape[0], -1)
+        product(dy2, NO_TRANS, np.ascontiguousarray(w.T), NO_TRANS, rows, accumulate=add_dx)
+    else:
+        dx = None
     db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype) if need_db else None
     return dx, dw, db
