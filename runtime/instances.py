@@ -1,7 +1,8 @@
 """Physical instances: how the runtime lays out each tensor in memory.
 
 Tasks name logical rects; an instance maps a logical rect to a view of its physical array. Two
-layouts exist:
+storage orders (`StorageOrder`; not the plan's `partitioner.layout.Layout`, which says which
+ranks hold which cells) exist:
 
 - `logical`: the array is the tensor in its logical dims (activations (N, C, H, W), ...);
 - `filter_packed`: 8-D filter weights (K, 1, 1, C, R, S, P, Q) kept as (P, R, Q, K, S, C), the
@@ -11,9 +12,9 @@ layouts exist:
   map its logical axes onto the packed ones: a piece of output positions (P, Q) or of output
   channels (K) is a view that the kernels take as it is.
 
-A filter's weights, their gradient and their optimizer state share the layout, because the update
+A filter's weights, their gradient and their optimizer state share the order, because the update
 task combines them elementwise. Checkpoints see logical arrays (`to_logical`), so they do not
-depend on the layout.
+depend on the order.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ if PACKED_AXES[: len(WEIGHT_AXES)] != WEIGHT_AXES:
 
 
 @dataclass(frozen=True)
-class Layout:
+class StorageOrder:
+    """The order a tensor's array stores its axes in: "logical" or "filter_packed"."""
+
     name: str
 
     def shape(self, dims: tuple[int, ...]) -> tuple[int, ...]:
@@ -59,11 +62,11 @@ class Layout:
         return unpack_weights(array)
 
 
-LOGICAL = Layout("logical")
-FILTER_PACKED = Layout("filter_packed")
+LOGICAL = StorageOrder("logical")
+FILTER_PACKED = StorageOrder("filter_packed")
 
 
-def choose_layouts(graph: TaskGraph) -> dict[str, Layout]:
+def choose_storage_orders(graph: TaskGraph) -> dict[str, StorageOrder]:
     """The packed layout for `legion_nn.ops.packed_tensors`, the logical one elsewhere."""
     packed = packed_tensors(graph.tasks)
     return {name: FILTER_PACKED if name in packed else LOGICAL for name in graph.tensors}

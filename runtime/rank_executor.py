@@ -36,7 +36,7 @@ import numpy as np
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.rect import Rect
-from partitioner.layout import Layout as PlanLayout
+from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy, builtin
@@ -45,7 +45,7 @@ from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy, aligned_zeros
 from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.grad_clipping import clip_factor, counted_gradients, first_update
-from runtime.instances import Layout, choose_layouts
+from runtime.instances import StorageOrder, choose_storage_orders
 from runtime.kernels.blas import kernel_threading
 from runtime.kernels.update import squared_norm
 from runtime.process_memory import peak_rss_bytes
@@ -129,10 +129,10 @@ class RankExecutor:
         self.fault = fault_from_env()
         self.arrays: dict[str, np.ndarray] = {}
         self.boxes: dict[str, Rect] = {}
-        self.layouts: dict[str, Layout] = {}
+        self.layouts: dict[str, StorageOrder] = {}
         self._prepared: dict[int, _Prepared] = {}
         self._strategy: Strategy | None = None
-        self._resident_homes: dict[str, PlanLayout] | None = None
+        self._resident_homes: dict[str, Layout] | None = None
         self._tensors: dict[str, Any] = {}
         #: every tensor of every graph planned, by name
         self._known: dict[str, Any] = {}
@@ -212,7 +212,7 @@ class RankExecutor:
                 self.rank
             ]
             infer = build_programs(graph, plan, self.machine, [self.rank], inference)[self.rank]
-            layouts = choose_layouts(graph)
+            layouts = choose_storage_orders(graph)
             keep = self.keep_step_tensors
             placed = {
                 id(p): step_buffers(graph, p, layouts, keep, self.read_after) for p in (step, infer)
@@ -235,7 +235,7 @@ class RankExecutor:
         self._allocated = graph
         self._bound = None  # data tensors may have been dropped or replaced
         self._known.update(graph.tensors)
-        layouts = choose_layouts(graph)
+        layouts = choose_storage_orders(graph)
         for name in sorted(graph.tensors):
             tensor = graph.tensors[name]
             self.layouts.setdefault(name, layouts[name])
@@ -291,7 +291,7 @@ class RankExecutor:
 
     def view(self, name: str, rect: Rect) -> np.ndarray:
         if rect.is_empty():  # e.g. softmax.grad's empty read of the loss gradient
-            layout = self.layouts.get(name, Layout("logical"))
+            layout = self.layouts.get(name, StorageOrder("logical"))
             return np.zeros(layout.shape(rect.shape), NUMPY_DTYPES[self._known[name].dtype])
         box = self.boxes[name]
         if not box.contains(rect):
@@ -438,7 +438,7 @@ class RankExecutor:
         whole = self._assemble({name: plan.layouts[name]}, f"gathering {name}")
         return None if whole is None else whole[name]
 
-    def _assemble(self, layouts: Mapping[str, PlanLayout], what: str) -> dict | None:
+    def _assemble(self, layouts: Mapping[str, Layout], what: str) -> dict | None:
         """The tensors laid out as `layouts` say, whole and logical, on rank 0 (None
         elsewhere): each cell is sent by its first holder, and rank 0 assembles the arrays."""
         parts: list[tuple[str, Rect, np.ndarray]] = []

@@ -35,7 +35,7 @@ from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 
 if TYPE_CHECKING:
-    from runtime.instances import Layout
+    from runtime.instances import StorageOrder
     from runtime.step_buffers import Arena, StepBuffers
     from runtime.tracing import Recorder
     from runtime.transport import Transport
@@ -50,7 +50,7 @@ class StepHost(Protocol):
     transport: Transport
     recorder: Recorder | None
     arena: Arena
-    layouts: dict[str, Layout]
+    layouts: dict[str, StorageOrder]
     stall_timeout: float
     fault: tuple[str, int, str] | None
 

@@ -38,7 +38,7 @@ from legion_nn.graph import TaskGraph
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.aligned import LINE, PAGE, aligned_empty
-from runtime.instances import Layout, choose_layouts
+from runtime.instances import StorageOrder, choose_storage_orders
 from runtime.rank_program import Collective, Message, RankProgram, RankTask
 
 #: buffers from this size start at a colour of their page (`runtime.aligned`)
@@ -75,7 +75,7 @@ class Staging:
     vector_in_scratch: frozenset[int] = frozenset()
 
 
-def staging(graph: TaskGraph, program: RankProgram, layouts: Mapping[str, Layout]) -> Staging:
+def staging(graph: TaskGraph, program: RankProgram, layouts: Mapping[str, StorageOrder]) -> Staging:
     scratch = {rt.index: scratch_rects(rt, program.boxes, layouts) for rt in program.tasks}
     placed: dict[int, dict[str, Rect]] = {}
     for rt in program.tasks:
@@ -261,7 +261,7 @@ def scratch_rects(rt: RankTask, boxes: Mapping[str, Rect], layouts) -> dict[str,
     return out
 
 
-def scratch_is_vector(collective: Collective, rect: Rect, layout: Layout) -> bool:
+def scratch_is_vector(collective: Collective, rect: Rect, layout: StorageOrder) -> bool:
     """Whether this rank's contribution (its scratch over `rect`) is the collective's flat
     vector as it lies: the targets, in the vector's order, are consecutive contiguous blocks of
     it that cover it (a replicated gradient's one target; a sharded one's shards, cut along its
@@ -349,12 +349,12 @@ def _placement(order: tuple[tuple[int, int, int], ...]) -> tuple[list[int], int]
 def step_buffers(
     graph: TaskGraph,
     program: RankProgram,
-    layouts: Mapping[str, Layout] | None = None,
+    layouts: Mapping[str, StorageOrder] | None = None,
     keep: bool = False,
     read_after: Collection[str] = (),
 ) -> StepBuffers:
     """The placed buffers of `program` on its rank (`keep`, `read_after`: see `step_slots`)."""
-    staged = staging(graph, program, layouts or choose_layouts(graph))
+    staged = staging(graph, program, layouts or choose_storage_orders(graph))
     placed = place(step_slots(graph, program, staged, keep, read_after), len(program.tasks))
     return replace(placed, staging=staged)
 

@@ -25,7 +25,7 @@ from legion_nn.graph import TaskGraph
 from partitioner.accounting import memory_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.instances import choose_layouts
+from runtime.instances import choose_storage_orders
 from runtime.rank_classes import source
 from runtime.rank_program import RankProgram
 from runtime.step_buffers import StepBuffers, step_buffers
@@ -91,7 +91,7 @@ def predict(
     `programs` where the caller has built them."""
     machine = machine or Machine()
     ranks = list(range(plan.nranks)) if ranks is None else list(ranks)
-    layouts = choose_layouts(graph)
+    layouts = choose_storage_orders(graph)
     if programs is None:
         programs = build_programs(graph, plan, machine, ranks)
     out = {}

@@ -185,13 +185,13 @@ def test_sharded_homes_equal_the_local_run(strategy, nranks):
 def test_a_window_is_fetched_just_before_its_reader_and_moves_with_no_staging_copy():
     """The shards of a weight cut along its outermost axis go from the home and into the
     reader's window as they lie: no send or receive buffer."""
-    from runtime.instances import choose_layouts
+    from runtime.instances import choose_storage_orders
     from runtime.step_buffers import direct, step_buffers
 
     graph = small_network().lower(batch=8, dtype="float32", optimizer="adam")
     plan = build_plan(graph, sharded(graph, "data", 4), 4)
     program = build_programs(graph, plan, Machine(), [1])[1]
-    layouts = choose_layouts(graph)
+    layouts = choose_storage_orders(graph)
     gathers = [m for rt in program.tasks for m in rt.copies_in if m.tensor == "L1.W"]
     assert len(gathers) == 6  # three shards, for the forward and the backward task
     for m in gathers:

@@ -93,7 +93,7 @@ def _piece_channels(task, piece: Rect) -> tuple[int, int] | None:
 
 @adapter("filter.forward")
 def _filter(task, piece, views, dims, ctx):
-    # every executor keeps filter weights packed (`runtime.instances.choose_layouts`)
+    # every executor keeps filter weights packed (`runtime.instances.choose_storage_orders`)
     return {"output": _packed_filter_forward(task, piece, views, dims)}
 
 
