@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
-from numba import njit
 
 from legion_nn.graph import TaskGraph
 from legion_nn.privilege import Privilege
@@ -315,55 +314,35 @@ def _placement(order: tuple[tuple[int, int, int], ...]) -> tuple[list[int], int]
     (in order of offset), that leaves room before the next of them; a slot of `COLOURED` bytes
     or more at a page boundary. Offered at the i-th such slot is the end of those before it, at
     least 0, rounded up to a page where the slot is coloured (rounding at each step or once at
-    the end gives the same). Compiled: each slot looks at every slot placed before it, and a
-    step of thousands of buffers (DenseNet-121's) took a second a placement in NumPy calls."""
-    table = np.asarray(order, np.int64).reshape(len(order), 3)
-    starts, size = _placed(table, LINE, PAGE, COLOURED, _COLOUR_STEP)
-    return starts.tolist(), int(size)
-
-
-@njit(cache=True)
-def _placed(table, line, page, coloured_min, colour_step):
-    """`_placement`'s loop. The slots placed so far are kept in order of (offset, end), each
-    inserted where it belongs, so each slot walks them once, with no sort."""
-    n = table.shape[0]
-    starts = np.zeros(n, np.int64)
-    # the placed slots, sorted by (offset, end): offset, end, first step, last step
-    lows, highs = np.empty(n, np.int64), np.empty(n, np.int64)
-    firsts, lasts = np.empty(n, np.int64), np.empty(n, np.int64)
+    the end gives the same)."""
+    n = len(order)
+    table = np.asarray(order, np.int64).reshape(n, 3)
+    firsts, lasts = table[:, 1], table[:, 2]
+    offsets = np.zeros(n, np.int64)
+    ends = np.zeros(n, np.int64)
+    starts: list[int] = []
     size = 0
     colour = 0
-    for k in range(n):
-        nbytes, first, last = table[k, 0], table[k, 1], table[k, 2]
-        coloured = nbytes >= coloured_min
-        need = -(-nbytes // line) * line + (page if coloured else 0)
-        offered = 0
-        offset = -1
-        for i in range(k):
-            if firsts[i] > last or lasts[i] < first:
-                continue  # their lifetimes do not overlap
-            at = -(-offered // page) * page if coloured else offered
-            if at + need <= lows[i]:
-                offset = at
-                break
-            offered = max(offered, highs[i])
-        if offset < 0:
-            offset = -(-offered // page) * page if coloured else offered
+    for k, (nbytes, first, last) in enumerate(order):
+        need = _reserved(nbytes)
+        overlap = (firsts[:k] <= last) & (lasts[:k] >= first)
+        lo, hi = offsets[:k][overlap], ends[:k][overlap]
+        by_offset = np.lexsort((hi, lo))
+        lo, hi = lo[by_offset], hi[by_offset]
+        offered = np.maximum.accumulate(np.concatenate(([0], hi)))
+        coloured = nbytes >= COLOURED
         if coloured:
-            starts[k] = offset + colour * colour_step * line % page
+            offered = -(-offered // PAGE) * PAGE
+        room = np.flatnonzero(offered[:-1] + need <= lo)
+        offset = int(offered[room[0]] if len(room) else offered[-1])
+        if coloured:
+            need_start = offset + colour * _COLOUR_STEP * LINE % PAGE
             colour += 1
         else:
-            starts[k] = offset
-        end = offset + need
-        size = max(size, end)
-        at = k
-        while at > 0 and (
-            lows[at - 1] > offset or (lows[at - 1] == offset and highs[at - 1] > end)
-        ):
-            lows[at], highs[at] = lows[at - 1], highs[at - 1]
-            firsts[at], lasts[at] = firsts[at - 1], lasts[at - 1]
-            at -= 1
-        lows[at], highs[at], firsts[at], lasts[at] = offset, end, first, last
+            need_start = offset
+        offsets[k], ends[k] = offset, offset + need
+        starts.append(need_start)
+        size = max(size, offset + need)
     return starts, size
 
 
