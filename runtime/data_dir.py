@@ -142,10 +142,11 @@ class MappedArray:
         """The rect `key` of each of `rows`' samples, in that order, in the file's dtype."""
         reads = self._rect_reads(key)
         out = np.empty((len(rows), *reads.shape), self.dtype)
-        buffers = (
-            out if reads.gather is None else np.empty((len(rows), reads.buffer_bytes), np.uint8)
-        )
-        buffers = buffers.reshape(len(rows), -1).view(np.uint8)
+        elements = int(np.prod(reads.shape, dtype=np.int64))
+        if reads.gather is None:
+            buffers = out.reshape(len(rows), elements).view(np.uint8)
+        else:
+            buffers = np.empty((len(rows), reads.buffer_bytes), np.uint8)
         starts = [self.offset + int(row) * self.sample_bytes for row in rows]
         for start in starts:  # the disk may then serve them in any order, all at once
             for at, length in reads.extents:
@@ -156,7 +157,9 @@ class MappedArray:
                 self._read_into(buffer[done : done + length], start + at)
                 done += length
         if reads.gather is not None:
-            np.take(buffers.view(self.dtype), reads.gather, axis=1, out=out.reshape(len(rows), -1))
+            np.take(
+                buffers.view(self.dtype), reads.gather, axis=1, out=out.reshape(len(rows), elements)
+            )
         self.bytes_read += out.nbytes
         if self.bound is not None and out.size and (out.min() < 0 or out.max() >= self.bound):
             i = int(np.flatnonzero(((out < 0) | (out >= self.bound)).any(

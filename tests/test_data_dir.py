@@ -185,6 +185,7 @@ def test_a_rect_is_read_from_its_byte_ranges(tmp_path, sample, key):
     np.save(tmp_path / "x.npy", x)
     mapped = MappedArray(tmp_path / "x.npy")
     np.testing.assert_array_equal(mapped.read([2, 0], key), x[(np.array([2, 0]), *key)])
+    assert mapped.read([], key).shape == x[(np.array([], int), *key)].shape  # a piece of no rows
     reads = rect_reads(sample, key, 4)
     covered = sum(length for _, length in reads.extents)
     assert covered >= 4 * int(np.prod(reads.shape))  # every element is read...
