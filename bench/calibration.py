@@ -17,7 +17,7 @@ from numba import njit, prange
 from bench.jobs import OPTIMIZER, WARMUP, Job
 from legion_nn.ir import Task
 from legion_nn.networks import load_network
-from legion_nn.ops import rate_passes
+from legion_nn.op_records import rate_passes
 from partitioner.accounting import bytes_per_rank, task_flops
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin

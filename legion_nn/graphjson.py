@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import legion_nn.ops  # noqa: F401  (a loaded graph's ops have their records for `verify`)
+import legion_nn.op_records  # noqa: F401  (a loaded graph's ops have their records for `verify`)
 from legion_nn.errors import LegionNNError, VerifyError, read_input
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task, Tensor

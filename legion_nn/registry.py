@@ -37,7 +37,7 @@ and for the op as a whole:
 Every field must be given, in every phase: `register` raises `RegistryError` naming the op and the
 field that is missing, so a new op cannot fall back on a silent default. Records live in one
 module per op family (`legion_nn.layers.*`, `legion_nn.importers.batch_access`); importing
-`legion_nn.ops` imports them all. Lookups here see what has been registered so far: a layer's
+`legion_nn.op_records` imports them all. Lookups here see what has been registered so far: a layer's
 lowering needs only its own family, which is loaded by then.
 
 An op may be namespaced, `ns.Name`: without a record of its own it uses the record of `ns`

@@ -1,7 +1,7 @@
 """FLOPs and memory per rank of a plan.
 
 FLOPs are counted per element of a task's iteration space, as its op's record states them by phase
-(`legion_nn.ops`; multiply and add count as two): a filter output reads C·R·S inputs, a `linear`
+(`legion_nn.op_records`; multiply and add count as two): a filter output reads C·R·S inputs, a `linear`
 output C·H·W, elementwise ops a few, softmax and evaluate a few per class; `set_zero` and `data`
 count none (memory traffic, a blind spot of the model). A homed piece is computed by every holder.
 
@@ -37,7 +37,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from legion_nn import ops
+from legion_nn import op_records
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
@@ -49,8 +49,8 @@ from partitioner.transfers import TransferBlock
 
 
 def flops_per_element(task: Task, graph: TaskGraph) -> float:
-    """FLOPs per element of `task`'s space, from its op record (`legion_nn.ops`)."""
-    return ops.flops_per_element(task, graph.tensors)
+    """FLOPs per element of `task`'s space, from its op record (`legion_nn.op_records`)."""
+    return op_records.flops_per_element(task, graph.tensors)
 
 
 def flops_per_rank(graph: TaskGraph, plan: Plan) -> list[np.ndarray]:

@@ -45,7 +45,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
-from legion_nn.ops import rate_passes
+from legion_nn.op_records import rate_passes
 from partitioner.accounting import bytes_per_rank, flops_per_rank, memory_by_unit
 from partitioner.machine import Machine
 from partitioner.plan import Plan, Transfer

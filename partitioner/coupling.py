@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from legion_nn.graph import TaskGraph
-from legion_nn.ops import record_of
+from legion_nn.op_records import record_of
 from legion_nn.privilege import Privilege
 from partitioner.accounting import flops_per_element
 from partitioner.strategy import Unit, is_homed

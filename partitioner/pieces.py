@@ -36,7 +36,7 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.micro_batches import PLACEMENT_ATTRS
-from legion_nn.ops import BoxMap, access_map, box_map
+from legion_nn.op_records import BoxMap, access_map, box_map
 from legion_nn.rect import Rect
 from partitioner import boxes, reduction_split
 from partitioner.layout import Layout

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import check_micro_batches, micro_batched, stages_of
-from legion_nn.ops import flops_per_element
+from legion_nn.op_records import flops_per_element
 from partitioner.plan import task_rows
 from partitioner.strategy import find_units
 

@@ -62,7 +62,7 @@ import numpy as np
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
-from legion_nn.ops import packed_tensors, storage_order
+from legion_nn.op_records import packed_tensors, storage_order
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes

@@ -25,7 +25,7 @@ from math import prod
 import numpy as np
 
 from legion_nn.ir import Requirement, Task
-from legion_nn.ops import output_ndim, splittable_dims
+from legion_nn.op_records import output_ndim, splittable_dims
 from legion_nn.privilege import Privilege
 from partitioner import boxes
 

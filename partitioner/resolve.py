@@ -22,7 +22,7 @@ from dataclasses import replace
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import stages_of
-from legion_nn.ops import has_access_map
+from legion_nn.op_records import has_access_map
 from partitioner.cost import bulk_seconds, step_seconds, task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.memory_fit import STEP_WITHIN, Fitted, NoFit, PeakFn, StepFn, fit, least_step

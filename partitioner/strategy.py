@@ -45,7 +45,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import RESIDENT_KINDS, Task
 from legion_nn.micro_batches import micro_name, stages_of
-from legion_nn.ops import (
+from legion_nn.op_records import (
     HOME,
     WITH_TENSOR,
     axis_roles,

@@ -19,7 +19,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task, Tensor
-from legion_nn.ops import piece_requirements
+from legion_nn.op_records import piece_requirements
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner.reduction_split import as_partial_sums

@@ -24,14 +24,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from legion_nn.graph import TaskGraph
-from legion_nn.ops import PACKED_AXES, packed_tensors
+from legion_nn.op_records import PACKED_AXES, packed_tensors
 from legion_nn.rect import Rect
 from runtime.kernels.layout import WEIGHT_AXES, pack_weights, unpack_weights
 
 #: packed axis i holds logical axis PACKED_FROM_LOGICAL[i]; logical axes 1 and 2 are unit axes
 PACKED_FROM_LOGICAL = WEIGHT_AXES
 if PACKED_AXES[: len(WEIGHT_AXES)] != WEIGHT_AXES:
-    raise AssertionError("legion_nn.ops.PACKED_AXES must list the kernels' WEIGHT_AXES first")
+    raise AssertionError(
+        "legion_nn.op_records.PACKED_AXES must list the kernels' WEIGHT_AXES first"
+    )
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,6 @@ FILTER_PACKED = StorageOrder("filter_packed")
 
 
 def choose_storage_orders(graph: TaskGraph) -> dict[str, StorageOrder]:
-    """The packed layout for `legion_nn.ops.packed_tensors`, the logical one elsewhere."""
+    """The packed layout for `legion_nn.op_records.packed_tensors`, the logical one elsewhere."""
     packed = packed_tensors(graph.tasks)
     return {name: FILTER_PACKED if name in packed else LOGICAL for name in graph.tensors}

@@ -26,7 +26,7 @@ from bisect import bisect_left
 from typing import Any
 
 from legion_nn.graph import TaskGraph
-from legion_nn.ops import stepped_role
+from legion_nn.op_records import stepped_role
 
 # `runtime.rank_program.RankProgram` and its `RankTask`s, which `build_programs` hands here as
 # its last step: named, not imported, since that module imports this one

@@ -5,7 +5,7 @@ import pytest
 from legion_nn.layers import Conv, Evaluate, Filter, FilterA, Linear, MaxPool, Softmax
 from legion_nn.network import Network
 from legion_nn.networks import load_network
-from legion_nn.ops import piece_requirements, splittable_dims
+from legion_nn.op_records import piece_requirements, splittable_dims
 from legion_nn.rect import Rect
 from legion_nn.verify import verify
 

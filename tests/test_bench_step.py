@@ -10,7 +10,7 @@ import pytest
 from bench.step import measure, roofline
 from legion_nn.cli import main
 from legion_nn.networks import load_network
-from legion_nn.ops import flops_per_element
+from legion_nn.op_records import flops_per_element
 
 
 def test_every_task_is_bounded_by_its_flops_or_its_bytes():

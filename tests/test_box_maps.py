@@ -8,7 +8,7 @@ import pytest
 from legion_nn.layers import Conv, Filter, Linear, MaxPool, Softmax
 from legion_nn.network import Network
 from legion_nn.networks import load_network
-from legion_nn.ops import access_map, box_map
+from legion_nn.op_records import access_map, box_map
 from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner import pieces as pieces_module

@@ -21,7 +21,7 @@ from legion_nn.layers.channel import (
     shuffle_sources,
 )
 from legion_nn.network import Network
-from legion_nn.ops import piece_requirements
+from legion_nn.op_records import piece_requirements
 from legion_nn.rect import Rect
 from legion_nn.spec import network_from_dict
 from partitioner.strategy import builtin

@@ -22,7 +22,7 @@ from legion_nn.layers import (
 )
 from legion_nn.network import Network
 from legion_nn.networks import load_network
-from legion_nn.ops import reduction_dims, splittable_dims
+from legion_nn.op_records import reduction_dims, splittable_dims
 from legion_nn.privilege import Privilege
 from runtime.adapters import StepContext
 from runtime.executor import inference_tasks, run_task_piece

@@ -23,7 +23,7 @@ from legion_nn.layers import Conv, Linear, Softmax
 from legion_nn.layers.filter import _filter_rects
 from legion_nn.layers.group_conv import group_conv_boxes, group_conv_rects
 from legion_nn.network import Network
-from legion_nn.ops import piece_requirements, record_of
+from legion_nn.op_records import piece_requirements, record_of
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from legion_nn.spec import network_from_dict

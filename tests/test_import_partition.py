@@ -298,7 +298,7 @@ def test_the_imported_seed_still_renders(tmp_path):
 
 
 def test_chainer_ops_resolve_to_the_batch_parallel_map():
-    from legion_nn.ops import has_access_map, splittable_dims
+    from legion_nn.op_records import has_access_map, splittable_dims
 
     assert has_access_map("chainer.AnyFunction", "backward")
     assert not has_access_map("torch.AnyFunction", "forward")

@@ -18,7 +18,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.layers import Conv, Linear, Softmax
 from legion_nn.layers.lrn import LRN, window
 from legion_nn.network import Network
-from legion_nn.ops import box_map, piece_requirements, splittable_dims
+from legion_nn.op_records import box_map, piece_requirements, splittable_dims
 from legion_nn.rect import Rect
 from legion_nn.spec import network_from_dict
 from legion_nn.verify import verify

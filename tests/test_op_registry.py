@@ -24,7 +24,7 @@ from legion_nn.layers import (
 )
 from legion_nn.network import Network
 from legion_nn.networks import BUILTINS, load_network
-from legion_nn.ops import RegistryError, find_record, flops_per_element, records
+from legion_nn.op_records import RegistryError, find_record, flops_per_element, records
 from runtime.adapters import ADAPTERS, BY_OP
 from runtime.adapters.registry import resolve_adapters
 

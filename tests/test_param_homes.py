@@ -20,7 +20,7 @@ from test_fail_inputs import run_cli
 from test_rank_executor import assert_same, config, local_run, ranks_run, small_network
 
 from legion_nn.networks import load_network
-from legion_nn.ops import PACKED_AXES
+from legion_nn.op_records import PACKED_AXES
 from legion_nn.rect import Rect
 from partitioner.layout import Layout
 from partitioner.machine import Machine

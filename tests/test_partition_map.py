@@ -9,7 +9,7 @@ from legion_nn.rect import Rect
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from visualize.partition_map import partition_map_figure, partition_maps
-from visualize.pieces import ranks_text
+from visualize.piece_view import ranks_text
 
 BATCH = 4
 

@@ -32,7 +32,7 @@ from plan_cases import networks, strategies
 import partitioner.pieces as pieces_module
 from legion_nn.ir import Requirement, Task
 from legion_nn.networks import load_network
-from legion_nn.ops import piece_requirements, record_of
+from legion_nn.op_records import piece_requirements, record_of
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes

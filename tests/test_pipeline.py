@@ -17,7 +17,7 @@ from legion_nn.cli import main
 from legion_nn.errors import LegionNNError
 from legion_nn.micro_batches import schedule_of, stage_order, stages_of
 from legion_nn.networks import load_network
-from legion_nn.ops import flops_per_element
+from legion_nn.op_records import flops_per_element
 from legion_nn.spec import network_from_dict
 from partitioner.machine import Machine
 from partitioner.pipeline import pipelined, stage_cuts

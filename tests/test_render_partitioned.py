@@ -14,7 +14,7 @@ from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from visualize.dot import bytes_text, forward_only, rect_text
 from visualize.partition_dot import partition_graphviz
-from visualize.pieces import collapse_by_unit, piece_id, piece_view
+from visualize.piece_view import collapse_by_unit, piece_id, piece_view
 
 SVG = "{http://www.w3.org/2000/svg}"
 FIXTURES = Path(__file__).parent / "fixtures"

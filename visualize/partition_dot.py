@@ -1,7 +1,7 @@
 """Partitioned task graphs as Graphviz digraphs: one cluster per rank, messages between them.
 
 `partition_graphviz(graph, plan)` is a pure function returning a `graphviz.Digraph` of the piece
-view (`visualize.pieces`):
+view (`visualize.piece_view`):
 
 - a cluster `cluster_rank<r>` per rank that computes anything, tinted in the rank's colour; in it
   one node per task that runs there, headed by the task's name in its phase's colour (as in the
@@ -42,7 +42,7 @@ from visualize.dot import (
     rect_text,
 )
 from visualize.palette import rank_colour, tint
-from visualize.pieces import (
+from visualize.piece_view import (
     CollectiveNode,
     Link,
     PieceNode,

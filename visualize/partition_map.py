@@ -45,7 +45,7 @@ from legion_nn.ir import Tensor
 from legion_nn.rect import Rect
 from partitioner.plan import Plan
 from visualize.palette import rank_colour
-from visualize.pieces import ranks_text
+from visualize.piece_view import ranks_text
 
 #: (dims, (row label, column label)) of each panel of a tensor
 Projection = tuple[tuple[int, int], tuple[str, str]]

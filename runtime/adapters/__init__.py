@@ -11,7 +11,7 @@ Windowed ops get the clipped halo plus the padding of their own border (`window_
 interior piece is computed without padding and a border piece with its side of it.
 """
 
-from legion_nn.ops import records
+from legion_nn.op_records import records
 from runtime.adapters import (  # noqa: F401
     attention,
     channel,

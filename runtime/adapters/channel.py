@@ -10,7 +10,7 @@ as `lrn`'s adapters read it) says where that box starts, and the gather subtract
 from __future__ import annotations
 
 from legion_nn.layers.channel import shuffle_destinations, shuffle_sources
-from legion_nn.ops import access_rects
+from legion_nn.op_records import access_rects
 from runtime.adapters.registry import adapter
 from runtime.kernels import channel
 

@@ -9,7 +9,7 @@ with.
 
 from __future__ import annotations
 
-from legion_nn.ops import access_rects
+from legion_nn.op_records import access_rects
 from runtime.adapters.registry import adapter
 from runtime.kernels import lrn
 

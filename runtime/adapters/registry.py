@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from legion_nn.ir import Task
-from legion_nn.ops import OpRecord, RegistryError
+from legion_nn.op_records import OpRecord, RegistryError
 from legion_nn.rect import Rect
 from runtime.kernels.update import OptimizerStep
 
