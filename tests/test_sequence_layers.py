@@ -6,6 +6,7 @@ them against central differences end to end, and split over ranks against one pr
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -97,6 +98,10 @@ def test_dense_gradients_go_straight_into_their_buffers():
     y = np.full((3, 4, 5), np.nan)
     assert dense_forward(x, w, out=y) is y
     assert_product_close(y.reshape(12, 5), x.reshape(12, 6), w)
+    held_y, b = RNG.standard_normal((3, 4, 5)), RNG.standard_normal(5)
+    y = held_y.copy()
+    dense_forward(x, w, b, out=y, add=True)  # a partial sum over part of the inputs
+    assert_product_close(y.reshape(12, 5), x.reshape(12, 6), w, offset=(held_y + b).reshape(12, 5))
     with pytest.raises(ValueError, match="C-contiguous"):
         dense_backward(dy, x, w, dw=np.zeros((5, 6)).T)
 
@@ -300,6 +305,22 @@ def test_a_gpt_split_over_ranks_equals_one_process(strategy, nranks):
     if strategy == "auto":
         strategy = lambda graph, ranks: auto(graph, ranks, Machine(), 10.0).strategy
     assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
+
+
+@pytest.mark.parametrize(("grid", "nranks"), [((1, 1, 1, 2), 2), ((1, 1, 2, 2), 4)])
+def test_dense_layers_split_over_their_inputs_equal_one_process(grid, nranks):
+    """Each dense layer's features cut (its reduction dim): every piece adds its partial sums
+    of the outputs, straight into their buffers, as the gradients do."""
+
+    def reduction_split(graph, ranks):
+        data = builtin(graph, "data", ranks)
+        dense = {u.name for u in find_units(graph) if graph.task(u.forward[0]).op == "dense"}
+        grids = {unit: grid if unit in dense else cells for unit, cells in data.unit_grids.items()}
+        assert len(dense) == 7  # q, k, v, proj, fc, fc_out and the head
+        return replace(data, name="dense-rows", unit_grids=grids)
+
+    cfg = tiny_gpt()
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, reduction_split))
 
 
 def test_megatron_splits_attention_by_heads():

@@ -27,16 +27,17 @@ def _embedding_grad(task, piece, views, dims, ctx):
 
 @adapter("dense.forward")
 def _dense(task, piece, views, dims, ctx):
-    y = views["output"]
-    if y.flags.c_contiguous:  # written in place: no output-sized temporary, no copy
-        dense.dense_forward(views["input"], views["weights"], views.get("b"), out=y)
+    y, add = _in_place(task, views, ctx, "output")
+    if y is not None:  # no output-sized temporary, no copy
+        dense.dense_forward(views["input"], views["weights"], views.get("b"), out=y, add=add)
         return {}
     return {"output": dense.dense_forward(views["input"], views["weights"], views.get("b"))}
 
 
 def _in_place(task, views, ctx, role: str) -> tuple[np.ndarray | None, bool]:
-    """(the view a gradient goes straight into, whether it is added to what the view holds),
-    or (None, False) where the view is strided and the gradient is returned instead."""
+    """(the view a result goes straight into, whether it is added to what the view holds: a
+    sum over pieces that is not fresh), or (None, False) where the view is strided and the
+    result is returned instead."""
     view = views.get(role)
     if view is None or not view.flags.c_contiguous:
         return None, False

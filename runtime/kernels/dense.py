@@ -27,23 +27,32 @@ def _check(x: np.ndarray, w: np.ndarray) -> None:
 
 
 def dense_forward(
-    x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, out: np.ndarray | None = None
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+    add: bool = False,
 ) -> np.ndarray:
-    """y (N, T, O) = x (N, T, K)·w (K, O) (+ b (O,)), into `out` where given (C-contiguous)."""
+    """y (N, T, O) = x (N, T, K)·w (K, O) (+ b (O,)), into `out` where given (C-contiguous),
+    or added to what `out` holds with `add` (a piece's partial sum over part of K)."""
     _check(x, w)
     n, t, _ = x.shape
-    y = (
-        np.empty((n, t, w.shape[1]), x.dtype)
-        if out is None
-        else _target("out", out, (n, t, w.shape[1]), x)
-    )
+    if out is None:
+        y, add = np.empty((n, t, w.shape[1]), x.dtype), False
+    else:
+        y = _target("out", out, (n, t, w.shape[1]), x)
     if b is not None:  # the product accumulates onto the bias: no second pass over y
         _checks.floating("b", b)
         _checks.shape("b", b, w.shape[1:])
         _checks.same_dtype("b", b, "x", x)
-        y[...] = b
+        if add:
+            y += b
+        else:
+            y[...] = b
     rows = y.reshape(n * t, -1)
-    product(_rows(x), NO_TRANS, np.ascontiguousarray(w), NO_TRANS, rows, accumulate=b is not None)
+    product(
+        _rows(x), NO_TRANS, np.ascontiguousarray(w), NO_TRANS, rows, accumulate=add or b is not None
+    )
     return y
 
 
