@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument(
         "--cold",
         action="store_true",
-        help="drop the page cache before the mapped run (root), so its reads come from the disk",
+        help="drop the page cache before the directory's run (root), so its reads come from the disk",
     )
     parser.add_argument("--json", metavar="F")
     args = parser.parse_args()
@@ -98,19 +98,19 @@ def main() -> None:
         rows = min(count, 20 * args.batch * args.ranks)
         y = np.load(directory / "y_train.npy")
         np.savez(small, x_train=np.array(x[:rows]), y_train=y[:rows])
-    runs: dict[str, list[dict]] = {"mapped": [], "in_memory": []}
+    runs: dict[str, list[dict]] = {"directory": [], "in_memory": []}
     with tempfile.TemporaryDirectory() as scratch:
         for _ in range(args.repeat):  # alternated: the machine's drift falls on both alike
             if args.cold:
                 os.sync()
                 Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            runs["mapped"].append(run(args, str(directory), Path(scratch) / "mapped.jsonl"))
+            runs["directory"].append(run(args, str(directory), Path(scratch) / "directory.jsonl"))
             runs["in_memory"].append(run(args, str(small), Path(scratch) / "memory.jsonl"))
-    mapped, memory = ({
+    on_disk, memory = ({
         "step_seconds": statistics.median(r["step_seconds"] for r in runs[name]),
         "step_seconds_per_run": [r["step_seconds"] for r in runs[name]],
         "rss_peak_bytes": [max(per) for per in zip(*(r["rss_peak_bytes"] for r in runs[name]))],
-    } for name in ("mapped", "in_memory"))  # fmt: skip
+    } for name in ("directory", "in_memory"))  # fmt: skip
     size = os.path.getsize(directory / "x_train.npy")
     result = {
         "machine": machine_facts(),
@@ -120,16 +120,16 @@ def main() -> None:
         "batch": args.batch,
         "x_train_bytes": size,
         "page_cache_dropped": args.cold,
-        "mapped": mapped,
+        "directory": on_disk,
         "in_memory": memory,
-        "step_ratio": mapped["step_seconds"] / memory["step_seconds"],
+        "step_ratio": on_disk["step_seconds"] / memory["step_seconds"],
     }
     print(
         f"{args.network}, {args.ranks} ranks ({args.strategy}), batch {args.batch}, "
         f"x_train.npy {size / (1 << 30):.2f} GiB{' from the disk' if args.cold else ''}"
     )
     print(describe(result["machine"]))
-    for name in ("mapped", "in_memory"):
+    for name in ("directory", "in_memory"):
         r = result[name]
         rss = ", ".join(f"{b / (1 << 20):.0f}" for b in r["rss_peak_bytes"])
         each = " ".join(f"{t * 1e3:.0f}" for t in r["step_seconds_per_run"])
@@ -137,7 +137,7 @@ def main() -> None:
             f"  {name:9s}: step {r['step_seconds'] * 1e3:7.1f} ms (runs: {each}), "
             f"peak RSS per rank {rss} MiB"
         )
-    print(f"  step time mapped / in memory: {result['step_ratio']:.3f}")
+    print(f"  step time directory / in memory: {result['step_ratio']:.3f}")
     if args.json:
         write_text(args.json, json.dumps(result, indent=1) + "\n")
 

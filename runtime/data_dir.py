@@ -91,7 +91,7 @@ def rect_reads(sample: tuple[int, ...], key: SampleKey, itemsize: int) -> RectRe
     return RectReads(shape, extents, flat - starts[extent] + offsets[extent])
 
 
-class MappedArray:
+class NpyFile:
     """An `.npy` file's array, read in place: `read` copies out rects of chosen rows."""
 
     def __init__(self, path: Path, bound: int | None = None) -> None:
@@ -189,7 +189,7 @@ class MappedArray:
 class Batch:
     """A step's samples (`rows` of `source`), read rect by rect as the data task asks."""
 
-    def __init__(self, source: MappedArray, rows: np.ndarray) -> None:
+    def __init__(self, source: NpyFile, rows: np.ndarray) -> None:
         self.source, self.rows = source, np.asarray(rows)
         self.shape = (len(self.rows), *source.shape[1:])
         #: the keys asked for, in order (what the next step's prefetch reads)
@@ -217,9 +217,9 @@ class Batch:
 
 
 class Prefetcher:
-    """Batches of a mapped split, each read ahead with the keys its predecessor was asked."""
+    """Batches of a split read in place, each read ahead with the keys its predecessor was asked."""
 
-    def __init__(self, source: MappedArray) -> None:
+    def __init__(self, source: NpyFile) -> None:
         self.source = source
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="legion-nn-prefetch")
         self._keys: dict[int, list[tuple[slice, SampleKey]]] = {}
@@ -272,7 +272,7 @@ def load_dir(
                 raise LegionNNError(
                     f"{path}: missing (--data DIR holds x_{part}.npy, y_{part}.npy)"
                 )
-        x, y = MappedArray(x_path, vocab), MappedArray(y_path)
+        x, y = NpyFile(x_path, vocab), NpyFile(y_path)
         if x.shape[1:] != tuple(shape):
             raise LegionNNError(
                 f"{x_path}: samples of shape {x.shape[1:]}, the network takes {tuple(shape)}"

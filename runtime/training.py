@@ -30,7 +30,7 @@ from legion_nn.verify import verify
 from partitioner.pipeline import step_graph
 from runtime import checkpoint
 from runtime.adapters import StepContext
-from runtime.data_dir import Batch, MappedArray, Prefetcher
+from runtime.data_dir import Batch, NpyFile, Prefetcher
 from runtime.dataset import Dataset, Split
 from runtime.executor import Executor
 from runtime.lr_schedule import LRSchedule
@@ -150,7 +150,7 @@ class Trainer:
         self._saved: int | None = None
         #: (epoch, the order of its samples), made once an epoch
         self._order: tuple[int, np.ndarray] | None = None
-        #: a mapped training set's reader, and the last step's batch (whose rects it reads
+        #: a training set read in place: its reader, and the last step's batch (whose rects it reads
         #: ahead for the next)
         self._prefetcher: Prefetcher | None = None
         self._last_batch: np.ndarray | Batch | None = None
@@ -228,10 +228,11 @@ class Trainer:
         return loss, stats
 
     def _inputs(self, step: int, idx: np.ndarray) -> np.ndarray | Batch:
-        """Step `step`'s samples. A mapped training set's are read as the data task asks for
-        them (this rank's rect), the next step's read ahead meanwhile (`runtime.data_dir`)."""
+        """Step `step`'s samples. Those of a training set read in place are read as the data
+        task asks for them (this rank's rect), the next step's read ahead meanwhile
+        (`runtime.data_dir`)."""
         x = self.config.dataset.train.x
-        if not isinstance(x, MappedArray):
+        if not isinstance(x, NpyFile):
             return x[idx]
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(x)
@@ -245,7 +246,7 @@ class Trainer:
         totals = np.zeros(4)
         for start in range(0, len(split), self.config.batch):
             stop = min(len(split), start + self.config.batch)
-            if isinstance(split.x, MappedArray):
+            if isinstance(split.x, NpyFile):
                 x = Batch(split.x, np.arange(start, stop))
             else:
                 x = split.x[start:stop]

@@ -13,7 +13,7 @@ import pytest
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from runtime import data
-from runtime.data_dir import Batch, MappedArray, rect_reads
+from runtime.data_dir import Batch, NpyFile, rect_reads
 from runtime.rank_executor import RankExecutor
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import run_threads
@@ -46,17 +46,17 @@ def _config(network, dataset, **extra):
                        seed=5, **extra)  # fmt: skip
 
 
-def test_a_mapped_directory_trains_as_the_data_in_memory(tmp_path, network, in_memory):
-    mapped = data.load(str(_write(tmp_path / "d", in_memory)), network.input, network.classes,
+def test_a_directory_read_in_place_trains_as_the_data_in_memory(tmp_path, network, in_memory):
+    on_disk = data.load(str(_write(tmp_path / "d", in_memory)), network.input, network.classes,
                        0, np.float64)  # fmt: skip
-    assert isinstance(mapped.train.x, MappedArray) and len(mapped.test) == 0
+    assert isinstance(on_disk.train.x, NpyFile) and len(on_disk.test) == 0
     expected = Trainer(_config(network, in_memory)).run()
-    got = Trainer(_config(network, mapped)).run()
+    got = Trainer(_config(network, on_disk)).run()
     assert got.losses == expected.losses
     assert got.val_accuracy == expected.val_accuracy
     # 14 steps of 7 samples, each read once (read ahead or not), then the train accuracy's pass
     sample = in_memory.train.x[0].nbytes
-    assert mapped.train.x.bytes_read == (14 * 7 + len(in_memory.train)) * sample
+    assert on_disk.train.x.bytes_read == (14 * 7 + len(in_memory.train)) * sample
 
 
 def test_each_rank_reads_only_its_rect_and_the_split_equals_one_process(
@@ -84,7 +84,7 @@ def test_each_rank_reads_only_its_rect_and_the_split_equals_one_process(
 
 def test_a_batch_reads_ahead_what_the_last_batch_was_asked(tmp_path, in_memory, network):
     directory = _write(tmp_path / "d", in_memory)
-    x = MappedArray(directory / "x_train.npy")
+    x = NpyFile(directory / "x_train.npy")
     first = Batch(x, np.array([3, 1, 4]))
     part = first[(slice(1, 3), slice(None), slice(2, 9), slice(None))]
     np.testing.assert_array_equal(part, in_memory.train.x[[1, 4], :, 2:9])
@@ -183,9 +183,9 @@ def test_token_ids_are_checked_as_they_are_read(tmp_path):
 def test_a_rect_is_read_from_its_byte_ranges(tmp_path, sample, key):
     x = np.arange(3 * int(np.prod(sample)), dtype=np.float32).reshape(3, *sample)
     np.save(tmp_path / "x.npy", x)
-    mapped = MappedArray(tmp_path / "x.npy")
-    np.testing.assert_array_equal(mapped.read([2, 0], key), x[(np.array([2, 0]), *key)])
-    assert mapped.read([], key).shape == x[(np.array([], int), *key)].shape  # a piece of no rows
+    npy = NpyFile(tmp_path / "x.npy")
+    np.testing.assert_array_equal(npy.read([2, 0], key), x[(np.array([2, 0]), *key)])
+    assert npy.read([], key).shape == x[(np.array([], int), *key)].shape  # a piece of no rows
     reads = rect_reads(sample, key, 4)
     covered = sum(length for _, length in reads.extents)
     assert covered >= 4 * int(np.prod(reads.shape))  # every element is read...
