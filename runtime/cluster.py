@@ -49,7 +49,7 @@ from pathlib import Path
 from legion_nn.errors import LegionNNError
 from legion_nn.rect import split_sizes
 from runtime.cluster_host import PREFIX, STATE_ROOT, address, hostname, namespace_name
-from runtime.restarts import run_with_restarts
+from runtime.restarts import exit_status, run_with_restarts
 
 #: environment of every job: MPICH's libfabric netmod over TCP on the hosts' one interface (its
 #: default netmod here is UCX, whose shared-memory transports would reach across hosts)
@@ -479,7 +479,7 @@ def execute(cluster: Cluster, ranks: int, command: Sequence[str]) -> int:
         except subprocess.TimeoutExpired:
             job.kill()
         raise
-    return 128 - code if code < 0 else code
+    return exit_status(code)
 
 
 class Terminated(Exception):

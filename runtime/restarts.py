@@ -21,6 +21,12 @@ from runtime import checkpoint
 NOT_RESTARTED = {0: "done", 2: "bad input", 130: "interrupted", 143: "terminated"}
 
 
+def exit_status(returncode: int) -> int:
+    """A job's exit status as a shell gives it: 128 + n for a job killed by signal n (what
+    `NOT_RESTARTED` reads), where `subprocess` gives −n."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def checkpoint_dir(command: Sequence[str]) -> str | None:
     """The `--checkpoint DIR` of a `legion-nn train` command line, if it has one."""
     for i, word in enumerate(command):

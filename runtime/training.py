@@ -79,6 +79,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Refuse checkpointing that cannot work before anything runs or is written (the
         command line makes its config before it opens its log)."""
+        if self.checkpoint_every is not None and not self.checkpoint_dir:
+            raise LegionNNError("--checkpoint-every needs --checkpoint DIR")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise LegionNNError(
                 f"--checkpoint-every must be at least 1, got {self.checkpoint_every}"

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from legion_nn.errors import LegionNNError
-    from runtime.restarts import check_restartable, run_with_restarts
+    from runtime.restarts import check_restartable, exit_status, run_with_restarts
 
     words = job_words(args, "legion-nn launch -n R -- COMMAND...")
     if args.n < 1:
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 job.kill()
             return 130
-        return 128 - code if code < 0 else code
+        return exit_status(code)
 
     def say(line: str) -> None:
         print(f"legion-nn launch: {line}", file=sys.stderr, flush=True)

@@ -106,7 +106,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep",
         type=int,
-        default=2,
         metavar="K",
         help="with --checkpoint: keep the newest K checkpoints (default 2)",
     )
@@ -188,8 +187,6 @@ def _config(args: argparse.Namespace):
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise LegionNNError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
     lr_schedule = LRSchedule(args.lr_schedule, args.warmup_steps, args.step_size, args.gamma)
-    if args.checkpoint_every is not None and not args.checkpoint:
-        raise LegionNNError("--checkpoint-every needs --checkpoint DIR")
     if not args.stall_timeout > 0:
         raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
     options = RunOptions(
@@ -233,7 +230,7 @@ def _config(args: argparse.Namespace):
         checkpoint_dir=args.checkpoint,
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
-        keep=args.keep,
+        **({} if args.keep is None else {"keep": args.keep}),  # default: checkpoint.KEEP
         shuffle=not args.no_shuffle,
         save_onnx=args.save_onnx,
         micro_batches=count,

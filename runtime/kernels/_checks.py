@@ -59,6 +59,12 @@ def shape(name: str, a: np.ndarray, expected: Sequence[int]) -> None:
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {a.shape}")
 
 
+def c_contiguous(name: str, a: np.ndarray, why: str = "") -> None:
+    """Require a C-contiguous array (an output a product writes or adds into in place)."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous{why}, got strides {a.strides}")
+
+
 def labels(name: str, lab: np.ndarray, n: int, classes: int) -> None:
     """Require int32 labels of shape (n, 1, 1, 1) with values in [0, classes)."""
     if not isinstance(lab, np.ndarray) or lab.dtype != np.int32:

@@ -60,8 +60,7 @@ def _target(name: str, out: np.ndarray, shape: tuple[int, ...], like: np.ndarray
     """`out`, checked to be a C-contiguous array of `shape` in `like`'s dtype."""
     _checks.shape(name, out, shape)
     _checks.same_dtype(name, out, "x", like)
-    if not out.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous, got strides {out.strides}")
+    _checks.c_contiguous(name, out)
     return out
 
 

@@ -297,10 +297,7 @@ def linear_weight_grad_accumulate(
     _check(x, dw)
     n, m = x.shape[0], dw.shape[0]
     _check_dy(dy, x, m)
-    if not dw.flags.c_contiguous:
-        raise ValueError(
-            f"dw must be C-contiguous to accumulate in place, got strides {dw.strides}"
-        )
+    _checks.c_contiguous("dw", dw, " to accumulate in place")
     product(
         _matrix(dy, n),
         TRANS,
