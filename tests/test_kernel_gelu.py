@@ -3,14 +3,14 @@ split over ranks against one process.
 
 Each element is computed in float64: in float64 the kernels agree with the NumPy formulas to a
 few ulps (libm's erf and tanh against NumPy's and SciPy's), in float32 to the rounding of the
-stored result.
+stored result, the exact form's Φ being taken there to 1e-9 relative (`runtime.kernels.gelu`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.special import erf
+from scipy.special import erf, ndtr
 
 from legion_nn.errors import LegionNNError
 from legion_nn.spec import network_from_dict
@@ -57,6 +57,65 @@ def test_the_backward_is_the_central_difference(approximate):
     # the difference's truncation, h² |f'''| / 6 with |f'''| < 2 here, and its rounding
     bound = (h * h / 3 + 8 * ULP64 * 40.0 / h) * np.abs(dy)
     assert np.all(np.abs(gelu_backward(dy, x, approximate) - numeric) <= bound)
+
+
+#: the relative error of the float32 form's Φ and e^(−x²/2), with room: each is under 3e-10
+FLOAT32_FORM = 1e-9
+
+
+def test_the_exact_form_in_float32_is_the_float64_value_rounded_once_everywhere():
+    # every float32 from −16 to 16 in steps of 2⁻¹³, through both tails and the bend: the value
+    # in float64, off by at most 1e-9 of itself, rounded once to float32
+    x = np.arange(-16.0, 16.0, 2.0**-13).astype(np.float32)
+    wide = x.astype(np.float64)
+    want = wide * ndtr(wide)
+    got = gelu_forward(x)
+    assert got.dtype == np.float32
+    # below −13 the form takes Φ as 0: x·Φ(x) is under 1e-36 there
+    bound = (2.0**-24 + FLOAT32_FORM) * np.abs(want) + 1e-36
+    assert np.all(np.abs(got - want) <= bound)
+
+
+def test_the_exact_forms_slope_in_float32_is_within_its_bound_everywhere():
+    x = np.arange(-16.0, 16.0, 2.0**-13).astype(np.float32)
+    dy = np.random.default_rng(9).uniform(-2.0, 2.0, x.shape).astype(np.float32)
+    wide = x.astype(np.float64)
+    density = np.exp(-0.5 * wide * wide) / np.sqrt(2.0 * np.pi)
+    want = dy.astype(np.float64) * (ndtr(wide) + wide * density)
+    got = gelu_backward(dy, x)
+    assert got.dtype == np.float32
+    # the slope Φ + x·φ crosses 0 near −0.75, so its error is bounded by its terms' sizes
+    terms = np.abs(dy) * (ndtr(wide) + np.abs(wide) * density)
+    # below −13 the form takes the slope as 0: |Φ + x·φ| is under 3e-36 there
+    bound = 2.0**-24 * np.abs(want) + FLOAT32_FORM * terms + 3e-36 * np.abs(dy)
+    assert np.all(np.abs(got - want) <= bound)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_results_written_in_place_or_added_equal_those_returned(dtype, approximate):
+    x = inputs(dtype)
+    dy = np.random.default_rng(10).standard_normal(x.shape).astype(dtype)
+    held = np.random.default_rng(11).standard_normal(x.shape).astype(dtype)
+    for kernel, args in ((gelu_forward, (x,)), (gelu_backward, (dy, x))):
+        alone = kernel(*args, approximate)
+        out = np.full_like(x, np.nan)
+        assert kernel(*args, approximate, out=out) is not alone
+        np.testing.assert_array_equal(out, alone)
+        out = held.copy()
+        kernel(*args, approximate, out=out, add=True)
+        # the sum rounded once, where `alone` was rounded before it: an ulp of each apart
+        want = held.astype(np.float64) + alone
+        eps = np.finfo(dtype).eps
+        assert np.all(np.abs(out - want) <= eps * (np.abs(want) + np.abs(alone)))
+
+
+def test_an_output_of_another_shape_or_strided_is_refused():
+    x = inputs()
+    with pytest.raises(ValueError, match="out must have shape"):
+        gelu_forward(x, out=np.empty(x.size))
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        gelu_forward(x, out=np.empty(x.shape[::-1]).T)
 
 
 def test_a_bad_form_is_named():

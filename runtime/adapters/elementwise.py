@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from legion_nn.layers.common_access import per_token_labels
 from legion_nn.micro_batches import in_step_batch
-from runtime.adapters.registry import adapter
+from runtime.adapters.registry import adapter, in_place
 from runtime.kernels import affine, dropout, gelu, nonlinear, update
 
 
@@ -59,13 +59,18 @@ def _nonlinear_grad(task, piece, views, dims, ctx):
 
 @adapter("gelu.forward")
 def _gelu(task, piece, views, dims, ctx):
-    return {"output": gelu.gelu_forward(views["input"], task.attrs["approximate"])}
+    y, add = in_place(task, views, ctx, "output")
+    found = gelu.gelu_forward(views["input"], task.attrs["approximate"], out=y, add=add)
+    return {} if y is not None else {"output": found}
 
 
 @adapter("gelu.backward")
 def _gelu_grad(task, piece, views, dims, ctx):
-    dx = gelu.gelu_backward(views["output.delta"], views["input"], task.attrs["approximate"])
-    return {"input.delta": dx}
+    dx, add = in_place(task, views, ctx, "input.delta")
+    found = gelu.gelu_backward(
+        views["output.delta"], views["input"], task.attrs["approximate"], out=dx, add=add
+    )
+    return {} if dx is not None else {"input.delta": found}
 
 
 @adapter("dropout.forward")

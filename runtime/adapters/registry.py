@@ -18,6 +18,7 @@ import numpy as np
 
 from legion_nn.ir import Task
 from legion_nn.op_records import OpRecord, RegistryError
+from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.kernels.update import OptimizerStep
 
@@ -54,6 +55,19 @@ Adapter = Callable[[Task, Rect, Views, Dims, StepContext], dict[str, np.ndarray]
 ADAPTERS: dict[str, Adapter] = {}
 #: adapters by (op, phase), as the records name them (`resolve_adapters`)
 BY_OP: dict[tuple[str, str], Adapter] = {}
+
+
+def in_place(
+    task: Task, views: Views, ctx: StepContext, role: str
+) -> tuple[np.ndarray | None, bool]:
+    """(the view of `role` a kernel writes its result straight into, whether it adds to what the
+    view holds: a sum over pieces that is not fresh), or (None, False) where the view is strided
+    and the adapter returns the result instead (`run_on_views` writes or adds it)."""
+    view = views.get(role)
+    if view is None or not view.flags.c_contiguous:
+        return None, False
+    adds = task.requirement(role).privilege is Privilege.REDUCE and role not in ctx.fresh
+    return view, adds
 
 
 def adapter(name: str):

@@ -7,10 +7,7 @@ the scatter-add into those columns of every row.
 
 from __future__ import annotations
 
-import numpy as np
-
-from legion_nn.privilege import Privilege
-from runtime.adapters.registry import adapter
+from runtime.adapters.registry import adapter, in_place
 from runtime.kernels import dense, embedding, layernorm
 
 
@@ -27,30 +24,19 @@ def _embedding_grad(task, piece, views, dims, ctx):
 
 @adapter("dense.forward")
 def _dense(task, piece, views, dims, ctx):
-    y, add = _in_place(task, views, ctx, "output")
+    y, add = in_place(task, views, ctx, "output")
     if y is not None:  # no output-sized temporary, no copy
         dense.dense_forward(views["input"], views["weights"], views.get("b"), out=y, add=add)
         return {}
     return {"output": dense.dense_forward(views["input"], views["weights"], views.get("b"))}
 
 
-def _in_place(task, views, ctx, role: str) -> tuple[np.ndarray | None, bool]:
-    """(the view a result goes straight into, whether it is added to what the view holds: a
-    sum over pieces that is not fresh), or (None, False) where the view is strided and the
-    result is returned instead."""
-    view = views.get(role)
-    if view is None or not view.flags.c_contiguous:
-        return None, False
-    adds = task.requirement(role).privilege is Privilege.REDUCE and role not in ctx.fresh
-    return view, adds
-
-
 @adapter("dense.backward")
 def _dense_grad(task, piece, views, dims, ctx):
     need_db = "b.delta" in views and views["b.delta"].size > 0
     need_dx = task.attrs["need_dx"]
-    dw, add_dw = _in_place(task, views, ctx, "weights.delta")
-    dx, add_dx = _in_place(task, views, ctx, "input.delta") if need_dx else (None, False)
+    dw, add_dw = in_place(task, views, ctx, "weights.delta")
+    dx, add_dx = in_place(task, views, ctx, "input.delta") if need_dx else (None, False)
     got_dx, got_dw, db = dense.dense_backward(
         views["output.delta"],
         views["input"],
