@@ -153,7 +153,7 @@ def check_strategies(
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "legion_nn.cli", *args]
+    return [sys.executable, "-m", "cli", *args]
 
 
 def measure_machine(name: str, ranks: int, network: str, batch: int, path: Path) -> Machine:

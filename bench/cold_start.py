@@ -37,7 +37,7 @@ def timed(command: list[str], cache: str) -> tuple[float, float]:
 
 
 def command(ranks: int, train_args: list[str]) -> list[str]:
-    train = [sys.executable, "-m", "legion_nn.cli", "train", "--no-progress", *train_args]
+    train = [sys.executable, "-m", "cli", "train", "--no-progress", *train_args]
     return train if ranks == 1 else ["mpiexec", "-n", str(ranks), *train]
 
 

@@ -57,7 +57,7 @@ def make_directory(directory: Path, shape, classes: int, gib: float) -> int:
 
 def run(args, data: str, log: Path) -> dict:
     command = [
-        "mpiexec", "-n", str(args.ranks), sys.executable, "-m", "legion_nn.cli", "train",
+        "mpiexec", "-n", str(args.ranks), sys.executable, "-m", "cli", "train",
         args.network, "--data", data, "--steps", str(args.steps), "--batch", str(args.batch),
         "--strategy", args.strategy, "--no-progress", "--log-json", str(log),
     ]  # fmt: skip

@@ -64,7 +64,7 @@ def run_job(
         env["NUMBA_NUM_THREADS"] = str(threads)
     command = [
         *(launch if launch is not None else ["mpiexec", "-n", str(ranks)]),
-        sys.executable, "-m", "legion_nn.cli", "train", network,
+        sys.executable, "-m", "cli", "train", network,
         "--data", "synthetic", "--batch", str(batch), "--steps", str(steps),
         "--strategy", strategy, "--optimizer", OPTIMIZER, "--no-progress",
         "--log-json", str(log), *(["--trace", str(trace)] if traced else []), *extra,

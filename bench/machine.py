@@ -170,7 +170,7 @@ def process_baseline_mib(network: str, batch: int) -> float:
     with tempfile.TemporaryDirectory(prefix="legion-nn-baseline-") as tmp:
         log = Path(tmp) / "log.jsonl"
         command = [
-            sys.executable, "-m", "legion_nn.cli", "train", network, "--data", "synthetic",
+            sys.executable, "-m", "cli", "train", network, "--data", "synthetic",
             "--batch", str(batch), "--steps", str(BASELINE_STEPS), "--optimizer", OPTIMIZER,
             "--no-progress", "--log-json", str(log),
         ]  # fmt: skip

@@ -36,7 +36,7 @@ def measure(network: str, batch: int, ranks: int, strategy: str, homes: str, tmp
     """Per rank, the most `buffer_peak_bytes` and `rss_peak_bytes` of any step of the job."""
     log = tmp / f"{network}-{ranks}-{strategy}-{homes}.jsonl"
     command = [
-        "mpiexec", "-n", str(ranks), sys.executable, "-m", "legion_nn.cli", "train", network,
+        "mpiexec", "-n", str(ranks), sys.executable, "-m", "cli", "train", network,
         "--data", "synthetic", "--batch", str(batch), "--steps", str(STEPS),
         "--strategy", strategy, "--param-homes", homes, "--no-progress", "--log-json", str(log),
     ]  # fmt: skip

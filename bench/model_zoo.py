@@ -81,7 +81,7 @@ def cli(
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            [*launcher, sys.executable, "-m", "legion_nn.cli", *args],
+            [*launcher, sys.executable, "-m", "cli", *args],
             capture_output=True,
             text=True,
             check=False,

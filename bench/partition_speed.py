@@ -84,7 +84,7 @@ def main() -> int:
         for name in names:
             network, extra, goal = CASES[name]
             source = str(resnet) if network == "resnet18" else network
-            command = [sys.executable, "-m", "legion_nn.cli", "partition", source, *extra]
+            command = [sys.executable, "-m", "cli", "partition", source, *extra]
             runs = [run_once(command) for _ in range(args.repeat)]
             wall = min(r[0] for r in runs)
             cpu = min(r[1] for r in runs)

@@ -62,7 +62,7 @@ def _run(tree: Path, command: Sequence[str], timeout: float = 1800) -> None:
 def _train(tree: Path, ranks: int | None, arguments: Sequence[str], log: Path) -> list[dict]:
     launcher = ["mpiexec", "-n", str(ranks)] if ranks is not None else []
     command = [
-        *launcher, sys.executable, "-m", "legion_nn.cli", "train",
+        *launcher, sys.executable, "-m", "cli", "train",
         *arguments, "--no-progress", "--log-json", str(log),
     ]  # fmt: skip
     _run(tree, command)
@@ -87,7 +87,7 @@ def step_seconds(tree: Path, work: Path, job: tuple) -> float:
 
 def kernel_rates(tree: Path, work: Path) -> dict:
     out = work / "kernels.json"
-    command = [sys.executable, "-m", "legion_nn.cli", "bench", "kernels", "--quiet"]
+    command = [sys.executable, "-m", "cli", "bench", "kernels", "--quiet"]
     _run(tree, [*command, "--impl", "legion-nn", "--json", str(out)], timeout=3600)
     report = json.loads(out.read_text())
     rates = {"sgemm": report["sgemm_gflops"]}

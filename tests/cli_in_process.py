@@ -8,7 +8,7 @@ import contextlib
 import io
 import subprocess
 
-from legion_nn.cli import main
+from cli.main import main
 
 
 def run_in_process(*args: str) -> subprocess.CompletedProcess:

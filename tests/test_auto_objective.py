@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine

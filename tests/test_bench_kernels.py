@@ -9,7 +9,7 @@ import pytest
 
 from bench import kernels as bench_kernels
 from bench import machine_facts
-from legion_nn.commands import bench
+from cli.commands import bench
 from runtime.kernels import reference
 
 TOY = bench_kernels.LayerShape(c=2, k=3, r=3, s=2, p=4, q=3)
@@ -133,11 +133,11 @@ def test_command_arguments():
 
 
 def test_unwritable_json_fails_before_measuring(monkeypatch, capsys, tmp_path):
-    from legion_nn import cli
+    from cli import main as command_line
 
-    monkeypatch.setattr(cli, "COMMANDS", ("bench",))
+    monkeypatch.setattr(command_line, "COMMANDS", ("bench",))
     target = tmp_path / "missing" / "bench.json"
-    assert cli.main(["bench", "kernels", "--json", str(target)]) == 2
+    assert command_line.main(["bench", "kernels", "--json", str(target)]) == 2
     assert "--json: cannot write" in capsys.readouterr().err
 
 

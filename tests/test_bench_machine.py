@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import micro_batched
@@ -39,7 +39,7 @@ def _environment() -> dict[str, str]:
 def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_path, capsys):
     path = tmp_path / "machine.json"
     command = [
-        "mpiexec", "-n", "2", sys.executable, "-m", "legion_nn.cli", "bench", "machine",
+        "mpiexec", "-n", "2", sys.executable, "-m", "cli", "bench", "machine",
         "--network", "seed-lcn-small", "--batch", str(BATCH), "--quick", "--quiet",
         "--json", str(path),
     ]  # fmt: skip

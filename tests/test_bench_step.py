@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench.step import measure, roofline
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.networks import load_network
 from legion_nn.op_records import flops_per_element
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from runtime import cluster
 
@@ -34,7 +34,7 @@ needs_root = pytest.mark.skipif(MISSING is not None, reason=f"the emulated clust
 
 
 def legion_nn(*args: str) -> list[str]:
-    return [sys.executable, "-m", "legion_nn.cli", *args]
+    return [sys.executable, "-m", "cli", *args]
 
 
 def environment() -> dict[str, str]:

@@ -103,7 +103,7 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         f"""
         import os
         from numba.core import event
-        from legion_nn.cli import main
+        from cli.main import main
         from legion_nn.networks import load_network
         from runtime.compile_ahead import cached, compile_ahead, units_of, warm
 

@@ -162,7 +162,7 @@ def run_value(value: Value, workdir: Path, resume_from: Path) -> dict:
     if value.launcher == "mpiexec":
         command = ["mpiexec", "-n", str(value.ranks), *driver]
     else:
-        command = [sys.executable, "-m", "legion_nn.cli", "cluster", "run", "--name", CLUSTER,
+        command = [sys.executable, "-m", "cli", "cluster", "run", "--name", CLUSTER,
                    "--hosts", str(value.ranks), "--link", "1gbit", "-n", str(value.ranks),
                    "--", *driver]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -31,7 +31,7 @@ EXPECTED = {
 
 def run_cli(*args, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         check=False,
         capture_output=True,
         text=True,

@@ -1,8 +1,11 @@
-"""Imports point one way: legion_nn <- partitioner <- runtime <- bench; visualize may use the
-first two. The benchmarks (`bench`) may use everything and nothing but the CLI uses them.
+"""Imports point one way: legion_nn <- partitioner <- runtime; visualize may use the first two;
+the command line (`cli`) and the benchmarks (`bench`) sit on top and may use everything, and no
+package imports them (the command line's `bench` sub-command alone runs the benchmarks). Every
+import counts, those inside functions too: there is no exception.
 
-Only runtime's MPI transport imports mpi4py; kernels import no graph or MPI code. The CLI's
-sub-commands may reach further, but only lazily, inside functions.
+Only runtime's MPI transport imports mpi4py; kernels import no graph or MPI code. The command
+line imports the heavier packages inside its functions, so that `legion-nn --help` and a bad
+option answer fast.
 """
 
 import ast
@@ -11,13 +14,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("legion_nn", "partitioner", "runtime", "visualize", "bench")
+PACKAGES = ("legion_nn", "partitioner", "runtime", "visualize", "bench", "cli")
 FORBIDDEN = {
-    "legion_nn": {"partitioner", "runtime", "visualize", "bench", "mpi4py"},
-    "partitioner": {"runtime", "visualize", "bench", "mpi4py"},
-    "visualize": {"runtime", "bench", "mpi4py"},
-    "runtime": {"visualize", "bench"},
-    "bench": {"mpi4py"},
+    "legion_nn": {"partitioner", "runtime", "visualize", "bench", "cli", "mpi4py"},
+    "partitioner": {"runtime", "visualize", "bench", "cli", "mpi4py"},
+    "visualize": {"runtime", "bench", "cli", "mpi4py"},
+    "runtime": {"visualize", "bench", "cli"},
+    "bench": {"cli", "mpi4py"},
+    "cli": {"mpi4py"},
 }
 
 
@@ -57,10 +61,17 @@ def modules():
 
 @pytest.mark.parametrize("package, path", list(modules()), ids=lambda v: str(v).split("/")[-1])
 def test_import_direction(package, path):
-    for name in top_level_imports(path):
+    for name in all_imports(path):
         assert name.split(".")[0] not in FORBIDDEN[package], (
             f"{path.relative_to(ROOT)} imports {name}"
         )
+
+
+def test_the_direction_check_reads_imports_inside_functions(tmp_path):
+    module = tmp_path / "late.py"
+    module.write_text("def run():\n    from runtime.training import Trainer\n")
+    assert "runtime.training" in all_imports(module)
+    assert "runtime.training" not in top_level_imports(module)
 
 
 def test_only_the_mpi_transport_imports_mpi4py():
@@ -78,7 +89,7 @@ def test_kernels_import_no_graph_or_mpi_code():
 
 
 def test_commands_import_heavier_packages_lazily():
-    for path in (ROOT / "legion_nn").rglob("*.py"):
+    for path in (ROOT / "cli").rglob("*.py"):
         for name in top_level_imports(path):
             assert name.split(".")[0] not in {
                 "partitioner",
@@ -92,10 +103,11 @@ def test_commands_import_heavier_packages_lazily():
 def test_importing_the_packages_changes_no_environment():
     code = (
         "import os, importlib, pkgutil; before = dict(os.environ)\n"
-        "import legion_nn, partitioner, runtime, runtime.kernels, visualize, bench\n"
-        "for package in (legion_nn, partitioner, runtime, visualize, bench):\n"
+        "import legion_nn, partitioner, runtime, runtime.kernels, visualize, bench, cli\n"
+        "for package in (legion_nn, partitioner, runtime, visualize, bench, cli):\n"
         "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
-        "        if info.name != 'runtime.mpi_transport':  # MPI_Init on import: a launcher's job\n"
+        "        # MPI_Init on import is a launcher's job; cli.__main__ runs the command\n"
+        "        if info.name not in ('runtime.mpi_transport', 'cli.__main__'):\n"
         "            importlib.import_module(info.name)\n"
         "changed = sorted(k for k in set(os.environ) | set(before)\n"
         "                 if os.environ.get(k) != before.get(k))\n"

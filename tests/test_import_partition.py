@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.importers import import_dump, parse_dump
 from legion_nn.memory import schedule_from_dump
 from legion_nn.privilege import Privilege

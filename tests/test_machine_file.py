@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import compute_per_rank, plan_cost

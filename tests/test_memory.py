@@ -74,7 +74,7 @@ from pathlib import Path
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.importers import import_dump, parse_dump
@@ -566,7 +566,7 @@ def test_cli_subprocess_truncated_dump(tmp_path):
     cut = tmp_path / "cut.txt"
     cut.write_text("\n".join(CHAIN.read_text().splitlines()[:30]) + "\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "memory", str(cut)],
+        [sys.executable, "-m", "cli", "memory", str(cut)],
         check=False,
         cwd=ROOT,
         capture_output=True,

@@ -120,7 +120,7 @@ def test_under_mpiexec_a_split_model_predicts_what_onnxruntime_predicts(name, st
     x = inputs(network)
     data, out = tmp_path / "x.npz", tmp_path / "y.npz"
     np.savez(data, x=x)
-    command = ["mpiexec", "-n", "2", sys.executable, "-m", "legion_nn.cli", "predict", str(path),
+    command = ["mpiexec", "-n", "2", sys.executable, "-m", "cli", "predict", str(path),
                "--data", str(data), "--output", str(out), "--strategy", strategy]  # fmt: skip
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, env=environment(), check=False

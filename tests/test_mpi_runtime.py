@@ -60,7 +60,7 @@ JOB_TIMEOUT = 240
 
 
 def legion_nn(*args: str) -> list[str]:
-    return [sys.executable, "-m", "legion_nn.cli", *args]
+    return [sys.executable, "-m", "cli", *args]
 
 
 def environment(**extra: str) -> dict[str, str]:

@@ -281,7 +281,7 @@ def test_bad_models_get_one_line_and_nothing_is_written(case, tmp_path):
         load(str(path))
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "partition", str(path), "--ranks", "2",
+        [sys.executable, "-m", "cli", "partition", str(path), "--ranks", "2",
          "--strategy", "data", "--json", str(out)],
         capture_output=True, text=True, check=False, cwd=ROOT,
     )  # fmt: skip
@@ -301,7 +301,7 @@ def test_every_command_takes_a_model(tmp_path):
         ["train", path, "--data", "synthetic", "--steps", "2", "--batch", "4", "--no-progress"],
     ):
         result = subprocess.run(
-            [sys.executable, "-m", "legion_nn.cli", *args],
+            [sys.executable, "-m", "cli", *args],
             capture_output=True, text=True, check=False, cwd=ROOT,
         )  # fmt: skip
         assert result.returncode == 0, (args[0], result.stderr)
@@ -334,7 +334,7 @@ def test_save_onnx_writes_the_trained_parameters_back(make, tmp_path):
 def test_save_onnx_needs_a_model(tmp_path):
     out = tmp_path / "x.onnx"
     result = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "train", "seed-lcn-small", "--steps", "1",
+        [sys.executable, "-m", "cli", "train", "seed-lcn-small", "--steps", "1",
          "--no-progress", "--save-onnx", str(out)],
         capture_output=True, text=True, check=False, cwd=ROOT,
     )  # fmt: skip
@@ -357,7 +357,7 @@ def test_a_pytorch_export_trains_on_digits_and_saves_what_onnxruntime_predicts_a
     model = ROOT / "tests" / "fixtures" / "digits_cnn.onnx"
     out, log = tmp_path / "trained.onnx", tmp_path / "log.jsonl"
     result = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "train", str(model), "--data", "digits",
+        [sys.executable, "-m", "cli", "train", str(model), "--data", "digits",
          "--epochs", "20", "--no-progress", "--save-onnx", str(out), "--log-json", str(log)],
         capture_output=True, text=True, check=False, cwd=ROOT,
     )  # fmt: skip

@@ -160,7 +160,7 @@ def refused(tmp_path: Path, edit) -> str:
     path = tmp_path / "bad.onnx"
     onnx.save(model, str(path))
     result = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "graph", str(path)],
+        [sys.executable, "-m", "cli", "graph", str(path)],
         capture_output=True,
         text=True,
         cwd=tmp_path,

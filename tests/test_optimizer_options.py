@@ -264,7 +264,7 @@ def test_the_norm_counts_each_replicated_gradient_once():
 def test_log_json_carries_the_learning_rate_and_the_norm(tmp_path):
     log = tmp_path / "log.jsonl"
     result = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "train", "--steps", "4", "--batch", "8",
+        [sys.executable, "-m", "cli", "train", "--steps", "4", "--batch", "8",
          "--no-progress", "--optimizer", "sgd", "--lr", "0.2", "--lr-schedule", "step",
          "--step-size", "2", "--gamma", "0.5", "--warmup-steps", "1", "--clip-grad-norm", "1",
          "--weight-decay", "0.01", "--log-json", str(log)],

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
@@ -343,7 +343,7 @@ def test_partition_verify_runs_verify_plan(monkeypatch, capsys):
 def test_partition_predicts_trains_optimizer_and_dtype_by_default(tmp_path):
     """`partition` lowers the step `train` runs: Adam unless told otherwise, whose two moments
     per parameter are memory; float64 doubles every tensor's bytes."""
-    from legion_nn.cli import main
+    from cli.main import main
     from legion_nn.networks import load_network
 
     def memory(*extra: str) -> int:

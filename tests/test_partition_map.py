@@ -3,7 +3,7 @@
 import pytest
 from matplotlib.figure import Figure
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.plan import build_plan

@@ -13,7 +13,7 @@ from itertools import combinations, pairwise
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.micro_batches import schedule_of, stage_order, stages_of
 from legion_nn.networks import load_network

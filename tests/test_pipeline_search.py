@@ -17,7 +17,7 @@ from itertools import combinations, pairwise
 import numpy as np
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.micro_batches import schedule_of, stages_of
 from legion_nn.network import Network

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from tests.test_mpi_runtime import environment
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -32,7 +32,7 @@ def samples(path: Path, count: int = 5, key: str = "x", shape=(1, 8, 8), seed: i
 def run_cli(*args: str, mpi: int | None = None) -> subprocess.CompletedProcess:
     launcher = ["mpiexec", "-n", str(mpi)] if mpi else []
     return subprocess.run(
-        [*launcher, sys.executable, "-m", "legion_nn.cli", *args],
+        [*launcher, sys.executable, "-m", "cli", *args],
         capture_output=True,
         text=True,
         timeout=240,

@@ -1,4 +1,4 @@
-"""Training progress on a terminal and on a pipe (`legion_nn.commands.progress`)."""
+"""Training progress on a terminal and on a pipe (`cli.commands.progress`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import subprocess
 import sys
 
-from legion_nn.commands.progress import Progress
+from cli.commands.progress import Progress
 
 
 class Clock:
@@ -60,7 +60,7 @@ def test_disabled_progress_says_nothing():
 
 def test_train_under_a_pipe_writes_lines_not_a_bar(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", "train", "--data", "synthetic", "--steps", "3"],
+        [sys.executable, "-m", "cli", "train", "--data", "synthetic", "--steps", "3"],
         capture_output=True,
         text=True,
         check=False,

@@ -6,7 +6,7 @@ from pathlib import Path
 import graphviz
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from visualize.dot import forward_only, rect_text, to_graphviz

@@ -8,7 +8,7 @@ from pathlib import Path
 import graphviz
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin

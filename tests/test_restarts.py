@@ -78,7 +78,7 @@ def test_restarts_need_a_checkpointing_training_job(command, message):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "legion_nn.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         capture_output=True, text=True, check=False, cwd=ROOT, timeout=120,
     )  # fmt: skip
 
@@ -104,6 +104,6 @@ def test_bad_launch_input_is_one_line(args, message):
 def test_a_bad_input_is_not_restarted(tmp_path):
     """The training job's own one-line error (exit 2) ends the launch: it would fail again."""
     result = _cli("launch", "-n", "1", "--max-restarts", "2", "--", sys.executable, "-m",
-                  "legion_nn.cli", "train", "--checkpoint", str(tmp_path / "c"), "--batch", "0")  # fmt: skip
+                  "cli", "train", "--checkpoint", str(tmp_path / "c"), "--batch", "0")  # fmt: skip
     assert result.returncode == 2
     assert "--batch must be at least 1" in result.stderr and "restart" not in result.stderr

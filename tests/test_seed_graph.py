@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.rect import Rect
 
 FIXTURE = Path(__file__).parent / "fixtures" / "seed_000_transcription.json"

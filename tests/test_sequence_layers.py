@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from error_bounds import assert_close_to, assert_product_close
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import gpt, token_mlp
 from legion_nn.spec import network_from_dict

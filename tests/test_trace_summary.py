@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from legion_nn.cli import main
+from cli.main import main
 from legion_nn.errors import LegionNNError
 from visualize.trace_file import load_trace, parse_trace
 from visualize.trace_summary import critical_path, format_summary, rank_times, summary

@@ -198,7 +198,7 @@ def test_problems_lists_everything():
 def test_a_task_graph_file_that_does_not_verify_is_refused_on_load(tmp_path, capsys):
     import json
 
-    from legion_nn.cli import main
+    from cli.main import main
 
     path = tmp_path / "graph.json"
     assert main(["graph", "seed-lcn-small", "--batch", "2", "--json", str(path)]) == 0

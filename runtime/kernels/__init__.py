@@ -5,7 +5,7 @@ functions of `conv` run on the packed layouts of `layout`, which an executor kee
 across training steps. `reference` holds the plain NumPy oracles.
 
 Importing them changes no environment: the `legion-nn` command sets OpenMP's spin count for its
-process (`legion_nn.cli.OPENMP_SPIN_POLLS` says why).
+process (`cli.main.OPENMP_SPIN_POLLS` says why).
 """
 
 import hashlib

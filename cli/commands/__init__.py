@@ -1,4 +1,4 @@
-"""Sub-commands of the `legion-nn` CLI, one module each (see `legion_nn.cli`)."""
+"""Sub-commands of the `legion-nn` CLI, one module each (see `cli.main`)."""
 
 import argparse
 

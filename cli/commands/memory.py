@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from legion_nn.commands import (
+from cli.commands import (
     add_homes_argument,
     add_step_arguments,
     load_planned,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from legion_nn.commands import DTYPES
+from cli.commands import DTYPES
 
 NAME = "predict"
 HELP = "run a model's forward pass over the samples of an .npz file and write its outputs"
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         (transport,) = ThreadTransport.group(1)
         _predict(args, job, transport)
         return 0
-    from legion_nn.commands.ranks import report_setup_error, run_rank
+    from cli.commands.ranks import report_setup_error, run_rank
     from legion_nn.errors import LegionNNError
     from runtime.supervisor import start_watcher
 

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from legion_nn.commands.launch import add_max_restarts, job_words
+from cli.commands.launch import add_max_restarts, job_words
 
 NAME = "cluster"
 HELP = "an emulated cluster on this machine (root): hosts as namespaces, links limited by tc"

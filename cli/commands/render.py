@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import (
+from cli.commands import (
     add_homes_argument,
     add_step_arguments,
     load_planned,

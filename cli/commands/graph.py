@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from legion_nn.commands import add_step_arguments, load_step
+from cli.commands import add_step_arguments, load_step
 
 NAME = "graph"
 DEFAULT_BATCH = 256

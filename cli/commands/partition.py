@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from legion_nn.commands import (
+from cli.commands import (
     add_homes_argument,
     add_step_arguments,
     load_planned,

@@ -1,4 +1,4 @@
-"""The `legion-nn` command: one sub-command per module in `legion_nn.commands`.
+"""The `legion-nn` command: one sub-command per module in `cli.commands`.
 
 Each command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`, and
 imports the heavier packages (partitioner, runtime, visualize) inside `run`, so `legion-nn --help`
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
-        module = importlib.import_module(f"legion_nn.commands.{name}")
+        module = importlib.import_module(f"cli.commands.{name}")
         command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
         command.set_defaults(_run=module.run)

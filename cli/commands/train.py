@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from legion_nn.commands import (
+from cli.commands import (
     AUTO_STAGES,
     LR_SCHEDULES,
     add_homes_argument,
@@ -256,10 +256,10 @@ def _hyperparameters(args: argparse.Namespace) -> dict[str, float]:
 
 
 class _Console:
-    """Progress (`legion_nn.commands.progress`) and the per-epoch lines (rank 0 only)."""
+    """Progress (`cli.commands.progress`) and the per-epoch lines (rank 0 only)."""
 
     def __init__(self, disable: bool) -> None:
-        from legion_nn.commands.progress import Progress
+        from cli.commands.progress import Progress
 
         self.progress = Progress(disable)
 
@@ -340,7 +340,7 @@ def _run_single(args: argparse.Namespace) -> int:
 
 def _run_rank(args: argparse.Namespace, status) -> int:
     """One rank of an mpiexec job (the child of its watcher, see `runtime.supervisor`)."""
-    from legion_nn.commands.ranks import report_setup_error, run_rank
+    from cli.commands.ranks import report_setup_error, run_rank
     from legion_nn.errors import LegionNNError
 
     try:
