@@ -51,8 +51,8 @@ from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine, load_machine
 from partitioner.pipeline import pipelined
-from partitioner.pipeline_search import AUTO_STAGES
 from partitioner.resolve import check_strategy_name, read_grids, resolve_stages, resolve_strategy
+from partitioner.search.stages import AUTO_STAGES
 from partitioner.strategy import STRATEGY_NAMES
 from runtime import cluster
 from runtime.step_model import StepModel

@@ -71,8 +71,8 @@ from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import micro_batched
 from legion_nn.networks import load_network
 from partitioner.piece_times import piece_key
-from partitioner.pipeline_search import micro_batch_counts as pipeline_micro_batch_counts
 from partitioner.plan import build_plan
+from partitioner.search.stages import micro_batch_counts as pipeline_micro_batch_counts
 from partitioner.strategy import BUILTIN, builtin
 from runtime import data
 from runtime.distributed import RunOptions, train_rank
@@ -201,7 +201,7 @@ def piece_rows(cache: dict) -> list[dict]:
 def micro_batch_counts(batch: int, ranks: int, quick: bool = False) -> list[int]:
     """The micro-batch counts whose pieces are timed: 2, 4 and 8 in one process, and those
     `--stages auto` tries in a pipeline of S = R stages, a rank each
-    (`partitioner.pipeline_search.micro_batch_counts`); at most the batch. `quick`: 2·R alone."""
+    (`partitioner.search.stages.micro_batch_counts`); at most the batch. `quick`: 2·R alone."""
     if quick:  # `--quick`: the default pipeline's alone
         counts = {2 * ranks}
     else:

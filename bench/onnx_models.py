@@ -11,7 +11,7 @@ PyTorch's `FlopCounterMode` on the same batch (which counts the matrix products 
 convolutions: legion-nn's count of those ops' tasks, and of every task, are both shown).
 
 resnet18's residual Adds make its graph a DAG: `auto` plans it by the DP over each row's
-dependencies (`partitioner/search.py`); its search alone is shown as `search`.
+dependencies (`partitioner/search/auto.py`); its search alone is shown as `search`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from partitioner.accounting import flops_per_rank
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
-from partitioner.search import auto
+from partitioner.search.auto import auto
 from partitioner.strategy import builtin
 
 PRODUCTS = ("conv", "linear")

@@ -4,7 +4,7 @@
                              [--ranks 64,1024] [--batch 256] [--repeat 3] [--verify]
 
 "planning" is `build_plan` + `plan_cost` on the default machine; for `auto` it is the search
-(`partitioner/search.py`: unit transitions priced by `partitioner/transitions.py`, lazily against
+(`partitioner/search/auto.py`: unit transitions priced by `partitioner/search/transitions.py`, lazily against
 lower bounds, then a DP) plus the final plan, which reuses the pieces the search computed for the
 grids it chose, as `legion-nn partition --strategy auto` does. `--verify` adds a column timing
 `verify_plan`, the brute-force check of the plan's invariants. Each cell is the best of
@@ -27,7 +27,7 @@ from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
-from partitioner.search import auto
+from partitioner.search.auto import auto
 from partitioner.strategy import builtin
 from partitioner.verify_plan import verify_plan
 

@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from legion_nn.networks import load_network
 from legion_nn.spec import load_spec
-from partitioner import families, search
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
+from partitioner.search import families
+from partitioner.search.auto import auto
 from partitioner.strategy import Strategy, builtin, find_units
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {}
 
     graph = load_spec(ROOT / "examples" / "megatron-mlp.json").lower(batch=64)
-    chosen = search.auto(graph, 8, MLP_MACHINE)
+    chosen = auto(graph, 8, MLP_MACHINE)
     mlp = {
         "model/model": priced(graph, builtin(graph, "model", 8), 8, MLP_MACHINE),
         "column-then-row": priced(graph, column_then_row(graph, 8), 8, MLP_MACHINE),
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     graph = load_network("seed-lcn").lower(batch=256)
     data = priced(graph, builtin(graph, "data", 64), 64, SEED_MACHINE)
     with without_rows():
-        before = search.auto(graph, 64, SEED_MACHINE)
-    after = search.auto(graph, 64, SEED_MACHINE)
+        before = auto(graph, 64, SEED_MACHINE)
+    after = auto(graph, 64, SEED_MACHINE)
     seed = {"data": data}
     for name, result in (("auto without row families", before), ("auto", after)):
         seed[name] = priced(graph, result.strategy, 64, SEED_MACHINE) | {
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {row['families']}")
 
     started = time.process_time()
-    search.auto(load_network("vgg19").lower(batch=256), 1024, Machine())
+    auto(load_network("vgg19").lower(batch=256), 1024, Machine())
     out["auto vgg19 1024 ranks cpu seconds"] = seconds = time.process_time() - started
     print(f"auto on vgg19 at 1024 ranks (batch 256): {seconds:.2f} s of CPU")
     if args.json:

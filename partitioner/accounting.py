@@ -19,7 +19,7 @@ It adds up by layer, which the search needs to price rows apart, but it is not t
 peak: the runtime frees each buffer after its last use, and holds staging buffers this count
 leaves out (send and receive copies, collective vectors and hop buffers). What a rank of the
 runtime holds is `runtime.step_memory`'s placement, which `partition` reports and `auto` fits
-(`memory_fit.py`).
+(`search/memory_fit.py`).
 
 Memory per layer splits that sum by table row (`memory_by_unit`), so the rows of a rank add up to
 its total: a tensor's cells count in the row of the first task that touches it (an activation in

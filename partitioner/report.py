@@ -15,8 +15,8 @@ from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import schedule_of
 from partitioner.cost import PlanCost
 from partitioner.pipeline import stage_table
-from partitioner.pipeline_search import pipeline_label
 from partitioner.plan import Plan
+from partitioner.search.stages import pipeline_label
 
 
 def unit_rows(plan: Plan, cost: PlanCost) -> list[dict]:

@@ -25,11 +25,19 @@ from legion_nn.micro_batches import stages_of
 from legion_nn.op_records import has_access_map
 from partitioner.cost import bulk_seconds, step_seconds, task_costs, unit_seconds
 from partitioner.machine import Machine
-from partitioner.memory_fit import STEP_WITHIN, Fitted, NoFit, PeakFn, StepFn, fit, least_step
 from partitioner.pieces import PieceCache
-from partitioner.pipeline_search import PipelineChoice, PipelineSearch, choose_pipeline
 from partitioner.plan import Plan, build_plan
-from partitioner.search import SearchResult, auto
+from partitioner.search.auto import SearchResult, auto
+from partitioner.search.memory_fit import (
+    STEP_WITHIN,
+    Fitted,
+    NoFit,
+    PeakFn,
+    StepFn,
+    fit,
+    least_step,
+)
+from partitioner.search.stages import PipelineChoice, PipelineSearch, choose_pipeline
 from partitioner.strategy import (
     BUILTIN,
     STRATEGY_NAMES,
@@ -231,7 +239,7 @@ def resolve_stages(
 ) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
     """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches
     (`micro_batches` where given) and cuts of least predicted step on `nranks` ranks, each stage
-    split as `name` says (`pipeline_search.choose_pipeline`); that step's strategy and auto's reasons as
+    split as `name` says (`search.stages.choose_pipeline`); that step's strategy and auto's reasons as
     `resolve_strategy` gives them; and the search."""
     if name not in BUILTIN and name != "auto":
         raise LegionNNError(

@@ -24,8 +24,8 @@ from typing import IO, Any
 
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
-from partitioner.pipeline_search import AUTO_STAGES, pipeline_label
 from partitioner.resolve import resolve_stages, strategy_chooser
+from partitioner.search.stages import AUTO_STAGES, pipeline_label
 from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
 from runtime.step_model import StepModel

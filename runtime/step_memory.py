@@ -142,7 +142,7 @@ def plan_peak(
     """The most bytes a rank of a plan holds with its baseline: its buffers placed on the ranks
     `sampled_ranks` picks (from `programs`, where the caller has every rank's), or beyond
     `PLACED_MAX_RANKS` the held count (`HELD`). What `auto` fits in memory
-    (`partitioner.memory_fit`, through `runtime.step_model.StepModel.peak`)."""
+    (`partitioner.search.memory_fit`, through `runtime.step_model.StepModel.peak`)."""
     held = memory_per_rank(graph, plan)
     if plan.nranks > PLACED_MAX_RANKS:
         return max(held.values(), default=0) + machine.process_baseline_bytes

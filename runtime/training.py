@@ -68,8 +68,8 @@ class TrainConfig:
     micro_batches: int | None = 1
     schedule: str = "1f1b"
     #: pipeline stages the layers are cut into (`partitioner.pipeline`), each on its share of
-    #: the ranks, the micro-batches streamed through them; `pipeline_search.AUTO_STAGES`: chosen with the
-    #: micro-batches (where None) and the cuts by prediction, before the first step
+    #: the ranks, the micro-batches streamed through them; `search.stages.AUTO_STAGES`: chosen
+    #: with the micro-batches (where None) and the cuts by prediction, before the first step
     #: (`runtime.distributed.train_rank`)
     stages: int | str = 1
     #: the first layer of each stage after the first (`partitioner.pipeline.stages_at`); None:

@@ -11,9 +11,9 @@ from cli.main import main
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
-from partitioner.memory_fit import STEP_WITHIN
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
+from partitioner.search.memory_fit import STEP_WITHIN
 from partitioner.strategy import BUILTIN, builtin
 from runtime.step_model import StepModel
 

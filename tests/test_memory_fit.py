@@ -1,4 +1,4 @@
-"""`auto` fitting a step in a rank's memory (`partitioner.memory_fit`): grids and homes."""
+"""`auto` fitting a step in a rank's memory (`partitioner.search.memory_fit`): grids and homes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from legion_nn.networks import load_network
 from partitioner.machine import Machine
-from partitioner.memory_fit import NoFit, fit
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
+from partitioner.search.memory_fit import NoFit, fit
 from partitioner.strategy import builtin
 from runtime.step_memory import predict
 from runtime.step_model import StepModel
@@ -83,7 +83,7 @@ def test_the_searchs_bulk_seconds_are_the_plans():
     """What the DP knows of the built-ins and of its own grids is `plan_cost`'s step, so that
     `fit` can leave out what cannot be chosen without planning it."""
     from partitioner.cost import plan_cost
-    from partitioner.search import auto
+    from partitioner.search.auto import auto
 
     deep = load_network("deep-mlp").lower(batch=64)
     result = auto(deep, 8, Machine(), 30.0)
@@ -98,8 +98,9 @@ def test_the_searchs_bulk_seconds_are_the_plans():
 def test_fit_near_leaves_out_only_what_cannot_be_chosen(memory_gib, monkeypatch):
     """deep-mlp on 8 ranks: data and spatial parallelism sum more than twice auto's seconds, so
     `_fit_near` plans them only where nothing else fits; its choice is `fit`'s over them all."""
-    from partitioner import memory_fit, resolve
-    from partitioner.search import auto
+    from partitioner import resolve
+    from partitioner.search import memory_fit
+    from partitioner.search.auto import auto
 
     deep = load_network("deep-mlp").lower(batch=64)
     machine = Machine(rank_memory_gib=memory_gib)

@@ -15,7 +15,7 @@ from partitioner.accounting import bytes_per_rank, fits, memory_by_unit, memory_
 from partitioner.cost import plan_cost, reduction_cost
 from partitioner.machine import Machine, calibrate, load_machine, machine_from_json
 from partitioner.plan import build_plan
-from partitioner.search import auto
+from partitioner.search.auto import auto
 from partitioner.strategy import builtin
 from partitioner.task_plan import Reduction
 from runtime.step_memory import predict

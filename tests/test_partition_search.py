@@ -12,16 +12,16 @@ from hypothesis import strategies as st
 from plan_cases import networks, strategies, two_headed
 
 from legion_nn.networks import load_network
-from partitioner import frontier_dp
 from partitioner.cost import plan_cost
-from partitioner.coupling import is_chain
-from partitioner.families import FAMILIES, family_grid
-from partitioner.frontier_dp import FrontierDP
 from partitioner.machine import Machine
 from partitioner.plan import build_plan, task_rows
-from partitioner.search import auto
+from partitioner.search import frontier_dp
+from partitioner.search.auto import auto
+from partitioner.search.coupling import is_chain
+from partitioner.search.families import FAMILIES, family_grid
+from partitioner.search.frontier_dp import FrontierDP
+from partitioner.search.transitions import UnitPricer
 from partitioner.strategy import Strategy, builtin, find_units
-from partitioner.transitions import UnitPricer
 from partitioner.verify_plan import verify_plan
 
 MACHINE = Machine(100, 12.5, 2, 16)

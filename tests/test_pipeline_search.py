@@ -1,4 +1,4 @@
-"""`--stages auto` (`partitioner.pipeline_search`): stages, micro-batches and cuts by prediction.
+"""`--stages auto` (`partitioner.search.stages`): stages, micro-batches and cuts by prediction.
 
 The cuts' DP is checked against a brute force over every cut, with each layer's weight and each
 cut's crossing cost; the bytes a cut is charged are what the planner sends across it; the
@@ -32,9 +32,9 @@ from partitioner.pipeline import (
     staged_units,
     stages_at,
 )
-from partitioner.pipeline_search import AUTO_STAGES, _crossing_bytes, stage_counts
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_stages, strategy_chooser
+from partitioner.search.stages import AUTO_STAGES, _crossing_bytes, stage_counts
 from partitioner.strategy import builtin
 from runtime.distributed import RunOptions, train_rank
 from runtime.step_model import StepModel

@@ -20,7 +20,7 @@ from legion_nn.spec import network_from_dict
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
-from partitioner.search import auto
+from partitioner.search.auto import auto
 from partitioner.strategy import Strategy, builtin, find_units
 from runtime import data
 from runtime.distributed import RunOptions, train_rank

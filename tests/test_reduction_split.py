@@ -21,11 +21,12 @@ from legion_nn.layers import Conv, Evaluate, FilterNL, Linear, Softmax
 from legion_nn.network import Network
 from legion_nn.networks import load_network
 from legion_nn.spec import load_spec
-from partitioner import families, search
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.reduction_split import output_grid
+from partitioner.search import families
+from partitioner.search.auto import auto
 from partitioner.strategy import Strategy, builtin, find_units, from_grids, grid_label
 from partitioner.verify_plan import verify_plan
 
@@ -238,7 +239,7 @@ def test_auto_finds_column_then_row_on_megatrons_mlp_at_half_the_bytes_of_model_
     graph = load_spec(ROOT / "examples" / "megatron-mlp.json").lower(batch=64)
     machine = Machine(100, 25, 2, 16)
     model = plan_cost(graph, build_plan(graph, builtin(graph, "model", 8), 8), machine)
-    result = search.auto(graph, 8, machine)
+    result = auto(graph, 8, machine)
     chosen = plan_cost(graph, build_plan(graph, result.strategy, 8), machine)
     assert chosen.bytes_sent <= model.bytes_sent / 2
     assert chosen.step_seconds <= model.step_seconds
@@ -251,8 +252,8 @@ def test_auto_with_reduction_splits_is_never_worse_on_the_seed_network_at_64_ran
     data = plan_cost(graph, build_plan(graph, builtin(graph, "data", 64), 64), MACHINE)
     old = [f for f in families.FAMILIES if "row" not in f]
     with mock.patch.object(families, "FAMILIES", tuple(old)):
-        without = search.auto(graph, 64, MACHINE)
-    with_rows = search.auto(graph, 64, MACHINE)
+        without = auto(graph, 64, MACHINE)
+    with_rows = auto(graph, 64, MACHINE)
     before = plan_cost(graph, build_plan(graph, without.strategy, 64), MACHINE)
     after = plan_cost(graph, build_plan(graph, with_rows.strategy, 64), MACHINE)
     assert after.step_seconds <= before.step_seconds

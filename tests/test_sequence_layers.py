@@ -17,7 +17,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.networks import gpt, token_mlp
 from legion_nn.spec import network_from_dict
 from partitioner.machine import Machine
-from partitioner.search import auto
+from partitioner.search.auto import auto
 from partitioner.strategy import builtin, find_units
 from runtime import token_data
 from runtime.kernels.attention import (

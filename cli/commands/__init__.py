@@ -51,7 +51,7 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
     )
 
 
-#: `--stages auto` (`partitioner.pipeline_search.AUTO_STAGES`, named here so that parsing the
+#: `--stages auto` (`partitioner.search.stages.AUTO_STAGES`, named here so that parsing the
 #: command line does not import it)
 AUTO_STAGES = "auto"
 

@@ -24,11 +24,11 @@ from partitioner.accounting import pieces_bytes, pieces_flops, received_once, re
 from partitioner.cost import busy_seconds, collective_costs, compute_time, reduction_cost, task_cost
 from partitioner.grid_combine import Collectives, combine_loads
 from partitioner.grid_loads import Moved, RectSet, fetch_loads
-from partitioner.layout_cache import Key, LayoutCache, Memo, digest
 from partitioner.machine import Machine
 from partitioner.messages import Accesses, combine, fetch
 from partitioner.pieces import homed_pieces
 from partitioner.plan import PlanError, reductions_of, task_rows
+from partitioner.search.layout_cache import Key, LayoutCache, Memo, digest
 from partitioner.strategy import Grid
 from partitioner.transfers import TransferBlock, link_loads
 

@@ -36,12 +36,8 @@ predecessor, the writers of what it reads, siblings that read the same tensor be
 readers of its homes), and `UnitPricer.factor` prices it given those, exactly as the whole plan
 does. `frontier_dp.FrontierDP` then runs the same lazy DP over the *frontier*, the units some later row
 still depends on (on ResNet a block's input and the unit being chosen), so it is exact too. Only
-where the frontier would be too wide to tabulate (`FRONTIER_LIMIT`) does `auto` fall back to a
-bounded local search over whole plans: it starts from the best uniform family (the three
-built-ins first, whatever the limit), then visits the units, costliest first, trying each other
-family for that unit alone and keeping a change when the whole plan predicts a faster step that
-fits in memory, until a pass changes nothing or the time limit passes. That search can stop at a
-local optimum.
+where the frontier would be too wide to tabulate (`FRONTIER_LIMIT`) does `auto` fall back to
+a local search over whole plans (`local.py`).
 
 The strategy `auto` returns carries the pieces of the grids it chose (`Strategy.pieces`), which
 `build_plan` reuses. Planning at 1024 ranks (batch 256; `bench/planning.py`, CPU seconds on the
@@ -60,22 +56,20 @@ from itertools import pairwise, product
 import numpy as np
 
 from legion_nn.graph import TaskGraph
-from partitioner import families
-from partitioner.accounting import fits
-from partitioner.cost import step_seconds, task_costs, unit_seconds
-from partitioner.coupling import is_chain
-from partitioner.frontier_dp import INF, FrontierDP
 from partitioner.machine import Machine
-from partitioner.pieces import PieceCache, chosen_pieces
-from partitioner.plan import build_plan, task_rows
+from partitioner.pieces import chosen_pieces
+from partitioner.plan import task_rows
+from partitioner.search import families
+from partitioner.search.coupling import is_chain
+from partitioner.search.frontier_dp import INF, FrontierDP
+from partitioner.search.local import PlanPricer, local_search
+from partitioner.search.transitions import NotAChain, RowCost, UnitPricer
 from partitioner.strategy import (
     BUILTIN,
     Grid,
     Strategy,
-    Unit,
     find_units,
 )
-from partitioner.transitions import NotAChain, RowCost, UnitPricer
 
 #: (unit index, predecessor's grid or None, the unit's grid)
 Transition = tuple
@@ -106,53 +100,6 @@ class SearchResult:
     bulk_seconds: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Priced:
-    """What the search keeps of a costed plan."""
-
-    unit_seconds: dict[str, float]
-    step_seconds: float
-    feasible: bool
-
-
-class _Pricer:
-    """Plans and costs strategies given as one family per unit, each distinct set of grids once."""
-
-    def __init__(self, graph: TaskGraph, units: list[Unit], nranks: int, machine: Machine):
-        self.graph, self.units, self.nranks, self.machine = graph, units, nranks, machine
-        self.cache = PieceCache(graph)
-        self._found: dict[tuple[Grid, ...], Priced] = {}
-
-    def strategy(self, chosen: list[str]) -> Strategy:
-        """The strategy giving each unit the grid of its family in `chosen`."""
-        grids = {
-            u.name: families.family_grid(u, f, self.nranks) for u, f in zip(self.units, chosen)
-        }
-        return Strategy("auto", grids)
-
-    def price(self, chosen: list[str]) -> Priced:
-        strategy = self.strategy(chosen)
-        key = tuple(strategy.unit_grids[u.name] for u in self.units)
-        if key not in self._found:
-            plan = build_plan(self.graph, strategy, self.nranks, cache=self.cache)
-            costs = task_costs(self.graph, plan, self.machine)
-            self._found[key] = Priced(
-                unit_seconds(costs),
-                step_seconds(costs),
-                fits(self.graph, plan, self.machine.memory_bytes),
-            )
-        return self._found[key]
-
-    @property
-    def priced(self) -> int:
-        return len(self._found)
-
-
-def _rank(cost: Priced) -> tuple[bool, float]:
-    """Sort key: plans that fit in memory first, then by predicted step."""
-    return (not cost.feasible, cost.step_seconds)
-
-
 def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30.0) -> SearchResult:
     units = find_units(graph)
     deadline = time.monotonic() + time_limit
@@ -164,8 +111,8 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
                 return (_chain_dp if chain else _dag_dp)(pricer, deadline)
         except NotAChain:
             pass
-    pricer = _Pricer(graph, units, nranks, machine)
-    chosen, note = _local_search(pricer, deadline)
+    pricer = PlanPricer(graph, units, nranks, machine)
+    chosen, note = local_search(pricer, deadline)
     strategy = pricer.strategy(chosen)
     final = pricer.price(chosen).unit_seconds
     data = pricer.price(["data"] * len(units)).unit_seconds
@@ -471,37 +418,3 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         for i, (unit, q) in enumerate(zip(units, chosen))
     ]
     return _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
-
-
-def _local_search(pricer: _Pricer, deadline: float) -> tuple[list[str], str]:
-    n = len(pricer.units)
-    pure = []
-    for index, family in enumerate(families.FAMILIES):
-        if index >= len(BUILTIN) and time.monotonic() > deadline:
-            break
-        pure.append([family] * n)
-    current = min(pure, key=lambda f: _rank(pricer.price(f)))
-    best = pricer.price(current)
-    passes = 0
-    while time.monotonic() <= deadline:
-        passes += 1
-        changed = False
-        seconds = best.unit_seconds
-        for i in sorted(range(n), key=lambda i: -seconds.get(pricer.units[i].name, 0.0)):
-            grid = families.family_grid(pricer.units[i], current[i], pricer.nranks)
-            for family in families.FAMILIES:
-                if time.monotonic() > deadline:
-                    return current, f"time limit: local search, {pricer.priced} plans priced"
-                if families.family_grid(pricer.units[i], family, pricer.nranks) == grid:
-                    continue
-                trial = current[:i] + [family] + current[i + 1 :]
-                cost = pricer.price(trial)
-                if _rank(cost) < _rank(best):
-                    current, best, changed = trial, cost, True
-                    grid = families.family_grid(pricer.units[i], family, pricer.nranks)
-        if not changed:
-            return current, (
-                f"not a chain: local search converged after {passes} passes, "
-                f"{pricer.priced} plans priced"
-            )
-    return current, f"time limit: local search, {pricer.priced} plans priced"

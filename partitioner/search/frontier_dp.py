@@ -13,7 +13,7 @@ from math import prod
 
 import numpy as np
 
-from partitioner.transitions import NotAChain
+from partitioner.search.transitions import NotAChain
 
 INF = float("inf")
 

@@ -62,16 +62,16 @@ from legion_nn.privilege import Privilege
 from partitioner import boxes
 from partitioner.accounting import flops_per_element, moves_bytes
 from partitioner.cost import compute_time
-from partitioner.layout_cache import Key, LayoutCache, Memo
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import PlanError
-from partitioner.row_windows import NotAChain, RowWindows
+from partitioner.search.layout_cache import Key, LayoutCache, Memo
+from partitioner.search.row_windows import NotAChain, RowWindows
+from partitioner.search.task_prices import TaskPrices
 from partitioner.strategy import (
     Grid,
     Unit,
 )
-from partitioner.task_prices import TaskPrices
 
 __all__ = ["NotAChain", "RowCost", "UnitPricer"]
 
