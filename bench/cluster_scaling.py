@@ -55,7 +55,7 @@ from partitioner.resolve import check_strategy_name, read_grids, resolve_stages,
 from partitioner.search.stages import AUTO_STAGES
 from partitioner.strategy import STRATEGY_NAMES
 from runtime import cluster
-from runtime.step_model import StepModel
+from runtime.step.model import StepModel
 
 DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 16))
 STRATEGIES = STRATEGY_NAMES

@@ -29,7 +29,7 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - what a message costs a rank beyond its link (`bench.message_costs`): the runtime's cost per
   message (`message_overhead_us`): every rank runs a job that is mostly
   messages, `MESSAGE_JOB` (a small network cut by channels over all ranks, its pieces timed
-  first), and the cost is what makes the simulated step (`runtime.step_simulator`) equal the
+  first), and the cost is what makes the simulated step (`runtime.step.simulator`) equal the
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency
   (the median of `MESSAGE_ROUNDS` runs, each in `measured_on`);
 - what the network stack costs a rank's kernels per byte it sends or receives between hosts
@@ -192,7 +192,7 @@ def piece_rows(cache: dict) -> list[dict]:
         op, phase, attrs, shape, requirements, *mode = json.loads(key)
         row = {"op": op, "phase": phase, "attrs": attrs, "shape": shape}
         row |= {"requirements": requirements, "threads": threads, "seconds": seconds}
-        if mode:  # timed as a step runs it (`runtime.piece_modes`)
+        if mode:  # timed as a step runs it (`runtime.step.piece_modes`)
             row["mode"] = mode[0]
         rows.append(row)
     return rows

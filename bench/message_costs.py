@@ -52,8 +52,8 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
     `{"us": the median, "rounds": each round's}`; the others None."""
     from partitioner.machine import Machine
     from runtime import mpi_transport as mpi
-    from runtime.step_prediction import predict_step
-    from runtime.step_programs import build_programs
+    from runtime.step.prediction import predict_step
+    from runtime.step.programs import build_programs
 
     name, batch, strategy = MESSAGE_JOB
     network = load_network(name)
@@ -106,7 +106,7 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
 def _fitted_overhead_us(graph, plan, programs, base, target: float) -> float:
     """The cost per message endpoint (us) at which `plan`'s simulated step (of its `programs`)
     on `base` is `target` seconds, by bisection; 0 where the step is longer without any."""
-    from runtime.step_prediction import predict_step
+    from runtime.step.prediction import predict_step
 
     def simulated(overhead_us: float) -> float:
         machine = replace(base, message_overhead_us=overhead_us)
@@ -160,7 +160,7 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
     mean of both directions.
 
     That is what the simulator charges a task's compute for the bytes of its rank's transfers
-    on the wire meanwhile (`runtime.step_simulator`), and by construction it gives this
+    on the wire meanwhile (`runtime.step.simulator`), and by construction it gives this
     experiment's measured time: with the stream on the wire during the kernel, the simulated
     kernel takes its seconds plus the stream's bytes at this cost. Both ways the stack can take
     a core show in it: the CPU its copies, checksums and interrupts take from the kernel, and

@@ -35,11 +35,11 @@ from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
 from runtime.executor import run_on_views
 from runtime.kernels.blas import kernel_threading
-from runtime.piece_modes import fresh_roles, fused_steps, piece_mode
-from runtime.rank_classes import source
 from runtime.rank_executor import RankExecutor, one_process
-from runtime.rank_program import RankProgram, RankTask
-from runtime.step_programs import build_programs
+from runtime.step.piece_modes import fresh_roles, fused_steps, piece_mode
+from runtime.step.programs import build_programs
+from runtime.step.rank_classes import source
+from runtime.step.rank_program import RankProgram, RankTask
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5
@@ -85,7 +85,7 @@ def profile_plan(
 
     Every piece is timed adding into its reductions. With `programs` (every rank's,
     `step_programs.build_programs`), the pieces a rank's program runs otherwise are timed as it
-    runs them too (`runtime.piece_modes`: writing a gradient, or taking the optimizer's step of
+    runs them too (`runtime.step.piece_modes`: writing a gradient, or taking the optimizer's step of
     an update fused into them), under their mode's key, and the seconds returned are the step's
     as run: those pieces' times, nothing for an elided zeroing or a fused update."""
     executor, ctx = sample if sample is not None else sample_step(graph)
@@ -152,7 +152,7 @@ def _time_piece(
     rt: RankTask | None = None,
 ) -> float:
     """The median seconds of `piece`'s kernel: adding into its reductions, or as `rt` of
-    `program` runs it (`runtime.piece_modes`)."""
+    `program` runs it (`runtime.step.piece_modes`)."""
 
     def copied(tensor, rect):
         # a copy even where the view is whole: a piece that writes must not change the sample

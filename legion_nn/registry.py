@@ -14,7 +14,7 @@ A record says, for each phase the op runs in:
 - `steps`: optionally, the role of a parameter's gradient that the adapter can, instead of
   storing it, turn straight into the optimizer's step of the parameter (`StepContext.steps`),
   or a function of the task's attrs giving it or None: where nothing else reads the gradient,
-  the runtime fuses the update task into this one (`runtime.update_fusion`);
+  the runtime fuses the update task into this one (`runtime.step.update_fusion`);
 
 and for the op as a whole:
 

@@ -27,7 +27,7 @@ loading always is, and the roofline counts each rect once (a kernel that
 re-reads from memory is underpriced); an all-reduce is priced as run in place (the runtime's case
 for a just-zeroed gradient, not for a second reduction into it); no network contention or
 topology beyond per-rank link load; data re-fetched by a later task is paid again; an update
-fused into the kernel of its gradient (`runtime.rank_program`) is priced as the two tasks it was,
+fused into the kernel of its gradient (`runtime.step.rank_program`) is priced as the two tasks it was,
 though the kernel overlaps them and moves no gradient; memory is a no-reuse upper bound on the
 peak.
 """
@@ -425,5 +425,5 @@ def task_seconds(kernel_seconds, machine: Machine, share):
     """A task's seconds on a rank whose kernels take `kernel_seconds` (a float or an array per
     rank): plus the runtime's per-task overhead, over the rank's share of its host's cores
     (`Machine.core_share`). `compute_per_rank` and the simulator's tasks timed as they run
-    (`runtime.piece_modes`) both price a task by it."""
+    (`runtime.step.piece_modes`) both price a task by it."""
     return (kernel_seconds + machine.task_overhead) / share

@@ -14,7 +14,7 @@ A task's sum into a tensor is deferred to the next task that touches the tensor 
 - have every participant contribute exactly the target, once.
 
 Each rank then adds in place into its copy in every task of the chain, and the last task's
-collective sums the copies in place (`runtime.rank_program`: the rank's copy holds nothing but
+collective sums the copies in place (`runtime.step.rank_program`: the rank's copy holds nothing but
 its own partial sums since it was zeroed). A chain follows itself: a task defers to the last
 task of the chain (`TaskPlan.deferred`), whose collective `verify_plan` checks against every
 contribution of the chain.

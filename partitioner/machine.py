@@ -27,7 +27,7 @@ Two optional keys price what FLOPs do not (`legion-nn bench scaling` measures bo
 
 `"process_baseline_mib"` is what a rank's process holds before its buffers (the interpreter,
 NumPy, Numba's compiled kernels, MPI), which the memory prediction adds to the buffers
-(`runtime.step_memory`). `bench machine` measures it; the default, `DEFAULT_BASELINE_MIB`, is what
+(`runtime.step.memory`). `bench machine` measures it; the default, `DEFAULT_BASELINE_MIB`, is what
 a rank of `train` measured on the development machine.
 
 The default machine is the one above: 100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs
@@ -42,7 +42,7 @@ optional; see the README's table of keys):
 - `"pieces"`: the runtime's kernels timed on the pieces of a network's plans
   (`partitioner.piece_times`), each `{"op", "phase", "attrs", "shape", "requirements":
   [[role, shape]], "seconds", "threads"}`, and `"mode"` where the piece was timed as a step
-  runs it writing its gradient or taking its optimizer's step (`runtime.piece_modes`);
+  runs it writing its gradient or taking its optimizer's step (`runtime.step.piece_modes`);
   `"compute_factor"` (a task's kernels in a running step take this many times their time
   alone) and `"loop_us"` (a step's time outside its tasks);
 - `"duplex_gbytes_per_s"`: the rate each way while both directions of a link between hosts carry
@@ -93,7 +93,7 @@ RECORD_KEYS = ("hosts", "rank_cores", "pingpong", "measured_on")
 #: EPYC VM, 0.118-0.119 and 0.119 on an Intel Xeon one); a software link whose hosts' cores
 #: move both directions measures 15-25% below (veth: 0.55 against 0.65 GB/s; with offloads 1.2
 #: against 1.5). Taken as half duplex, a link 0.4% below made every exchange round between
-#: two hosts take half as long again (`runtime.step_simulator`'s stack)
+#: two hosts take half as long again (`runtime.step.simulator`'s stack)
 FULL_DUPLEX_WITHIN = 0.05
 #: the passes `legion-nn bench kernels` measures
 PASSES = ("forward", "backward_data", "backward_filter")
@@ -326,7 +326,7 @@ def piece_key_of(
     """The key of a piece in a machine's table: what decides its kernel's work, as canonical
     JSON (not where a micro-batch's task sits, `PLACEMENT_ATTRS`). `requirements` are (role,
     rect shape or None) pairs; `mode`, how a step runs the piece where that is not adding its
-    results to what its reductions hold (`runtime.piece_modes`), or None where it is."""
+    results to what its reductions hold (`runtime.step.piece_modes`), or None where it is."""
     work = {k: v for k, v in attrs.items() if k not in PLACEMENT_ATTRS}
     key = [op, phase, work, list(shape),
            [[role, None if s is None else list(s)] for role, s in requirements]]  # fmt: skip

@@ -34,7 +34,7 @@ def piece_key(
 ) -> PieceKey:
     """The table's key of a piece of `task` of `shape` whose requirements (role, rect) are
     `requirements` (objects with `role` and `rect`, the rect None where the piece reads none),
-    run in `mode` (`runtime.piece_modes.piece_mode`; None: adding into its reductions)."""
+    run in `mode` (`runtime.step.piece_modes.piece_mode`; None: adding into its reductions)."""
     return piece_key_of(
         task.op,
         task.phase,

@@ -81,13 +81,13 @@ def resolve_strategy(
     batch-only graph.
 
     With `step` (a plan's predicted step as `partition` reports it: the commands pass
-    `runtime.step_simulator`'s), `auto` returns the plan of least predicted step among its
+    `runtime.step.simulator`'s), `auto` returns the plan of least predicted step among its
     search's and the built-ins' (`memory_fit.least_step`): the search adds up seconds per layer,
     which cannot see messages overlapping compute, and what auto optimises is then what
     `partition` prints.
 
     With `peak` (a plan's most bytes on any rank, as the runtime holds them: the commands pass
-    `runtime.step_memory`'s) and no `param_homes`, `auto` also chooses each parameter's home
+    `runtime.step.memory`'s) and no `param_homes`, `auto` also chooses each parameter's home
     and fits the step in the machine's memory (`memory_fit.fit`): one line (`NoFit`) where
     nothing it tries fits."""
     deadline = time.monotonic() + time_limit

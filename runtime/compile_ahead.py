@@ -44,7 +44,7 @@ from runtime.kernels import (
     softmax,
     update,
 )
-from runtime.rank_program import RankProgram
+from runtime.step.rank_program import RankProgram
 
 
 def _filter_operands(dtype: np.dtype, untied: bool):

@@ -28,7 +28,7 @@ from partitioner.resolve import resolve_stages, strategy_chooser
 from partitioner.search.stages import AUTO_STAGES, pipeline_label
 from partitioner.strategy import Strategy
 from runtime.rank_executor import RankExecutor
-from runtime.step_model import StepModel
+from runtime.step.model import StepModel
 from runtime.supervisor import Status
 from runtime.tracing import Recorder, TraceFile
 from runtime.training import TrainConfig, Trainer, TrainResult

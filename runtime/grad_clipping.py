@@ -8,10 +8,10 @@ once, a sharded or split one piece by piece), and the ranks sum those (`RankExec
 
 The norm needs every gradient summed before any update runs, so a clipped step:
 - keeps its updates apart from the kernels that compute their gradients (a fused update steps
-  while its gradient is still being formed: `runtime.update_fusion`);
+  while its gradient is still being formed: `runtime.step.update_fusion`);
 - completes every collective in flight once its last non-update task is done, then takes the
   norm, then runs its updates with the factor (`StepContext.grad_scale`). Every rank runs its
-  updates after all else (`runtime.step_order`), so no rank waits on another's update meanwhile.
+  updates after all else (`runtime.step.order`), so no rank waits on another's update meanwhile.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.rect import Rect
 from partitioner.plan import Plan
-from runtime.rank_program import RankProgram
+from runtime.step.rank_program import RankProgram
 
 #: what PyTorch adds to the norm before dividing by it
 EPSILON = 1e-6

@@ -1,11 +1,11 @@
 """The rank executor: one rank's share of every step, over any transport.
 
-Given the partitioner's plan, each rank runs its `RankProgram` (see `runtime.rank_program`): it
+Given the partitioner's plan, each rank runs its `RankProgram` (see `runtime.step.rank_program`): it
 keeps one buffer per resident tensor (data, parameters, optimizer state) over the cells of its home
 it holds, and places every other buffer of the step (activations and gradients over the rects its
 pieces, halos and messages touch, `RankProgram.boxes`; windows of sharded parameters; message,
 collective and scratch buffers) in one arena, each from its first use to its last
-(`runtime.step_buffers`); it posts the step's copies as soon as their data exists, runs its pieces
+(`runtime.step.buffers`); it posts the step's copies as soon as their data exists, runs its pieces
 with the kernel adapters (`run_on_views`), sends and adds partial
 sums, and runs the plan's collectives hop by hop (`partitioner.collectives`). One rank needs no
 special path: its program has no messages.
@@ -49,10 +49,10 @@ from runtime.instances import StorageOrder, choose_storage_orders
 from runtime.kernels.blas import kernel_threading
 from runtime.kernels.update import squared_norm
 from runtime.process_memory import peak_rss_bytes
-from runtime.rank_program import RankProgram
 from runtime.rank_step import StepRun, fault_from_env
-from runtime.step_buffers import Arena, StepBuffers, step_buffers
-from runtime.step_programs import build_programs
+from runtime.step.buffers import Arena, StepBuffers, step_buffers
+from runtime.step.programs import build_programs
+from runtime.step.rank_program import RankProgram
 from runtime.tracing import Recorder
 from runtime.transport import (
     GroupAborted,
@@ -143,7 +143,7 @@ class RankExecutor:
         self.last_compute_seconds = 0.0
         #: programs run so far: every rank runs the same sequence, so (run, seq) names a message
         self.runs = 0
-        #: the step buffers of every program (`runtime.step_buffers`)
+        #: the step buffers of every program (`runtime.step.buffers`)
         self.arena = Arena()
         #: per program, its step tensors' views of the arena (and the arena's generation)
         self._views: dict[int, tuple[int, dict[str, np.ndarray]]] = {}

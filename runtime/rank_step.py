@@ -28,15 +28,15 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext
 from runtime.executor import NUMPY_DTYPES, run_on_views
-from runtime.piece_modes import fresh_roles, fused_steps
-from runtime.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.running_collective import RunningCollective
+from runtime.step.piece_modes import fresh_roles, fused_steps
+from runtime.step.rank_program import Collective, Message, RankProgram, RankTask
 from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 
 if TYPE_CHECKING:
     from runtime.instances import StorageOrder
-    from runtime.step_buffers import Arena, StepBuffers
+    from runtime.step.buffers import Arena, StepBuffers
     from runtime.tracing import Recorder
     from runtime.transport import Transport
 
@@ -88,7 +88,7 @@ class StepRun:
         run_index: int,
     ) -> None:
         self.ex = executor
-        #: where in the arena each of the step's buffers lives (`runtime.step_buffers`)
+        #: where in the arena each of the step's buffers lives (`runtime.step.buffers`)
         self.buffers = buffers
         self.run_index = run_index
         #: what trace events call the step: its number, or "eval" for an evaluation pass
@@ -123,7 +123,7 @@ class StepRun:
             self.recorder.add(cat, name, tid, start, self.recorder.now(), args)
 
     def buffer(self, key: tuple, shape, dtype, zero: bool = False) -> np.ndarray:
-        """The step's buffer `key` (`runtime.step_buffers`): the same memory every step."""
+        """The step's buffer `key` (`runtime.step.buffers`): the same memory every step."""
         array = self.ex.arena.view(self.buffers, key, shape, dtype)
         if zero:
             array.fill(0)
@@ -263,7 +263,7 @@ class StepRun:
 
     def _wait_sends(self, rt: RankTask) -> None:
         """Wait for the sends whose consumer is `rt` (or earlier): their buffers' lifetimes end
-        here (`runtime.step_buffers`), and by now their receivers have posted them."""
+        here (`runtime.step.buffers`), and by now their receivers have posted them."""
         due = [(request, peer) for request, peer, _, m, _ in self.sends if m and m.task <= rt.index]
         if due:
             wait(

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from runtime.rank_program import Collective, RankTask
-from runtime.step_buffers import hop_segment
+from runtime.step.buffers import hop_segment
+from runtime.step.rank_program import Collective, RankTask
 from runtime.tracing import COMMUNICATION
 from runtime.transport import done, wait
 

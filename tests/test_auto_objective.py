@@ -15,7 +15,7 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.search.memory_fit import STEP_WITHIN
 from partitioner.strategy import BUILTIN, builtin
-from runtime.step_model import StepModel
+from runtime.step.model import StepModel
 
 SLOW = Machine(rank_gflops=20, link_gbytes_per_s=0.1, latency_us=50, memory_gbytes_per_s=20,
                task_overhead_us=30, message_overhead_us=100)  # fmt: skip
@@ -79,10 +79,11 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     picked plan is the one the fit built, its programs are built once (the fit's placement of
     its buffers reads them too, not a few ranks' built apart), and every prediction equals the
     one made from scratch."""
-    from runtime import step_memory, step_model
-    from runtime.step_memory import memory_prediction, plan_peak
-    from runtime.step_prediction import step_prediction
-    from runtime.step_programs import build_programs
+    from runtime.step import memory as step_memory
+    from runtime.step import model as step_model
+    from runtime.step.memory import memory_prediction, plan_peak
+    from runtime.step.prediction import step_prediction
+    from runtime.step.programs import build_programs
 
     built: list[tuple] = []
 
@@ -114,8 +115,8 @@ def test_on_more_ranks_than_it_simulates_the_model_keeps_the_plans_it_was_asked_
 ):
     """Beyond `OBJECTIVE_SIMULATE_MAX_RANKS` no programs are built, and the plan the command
     reports is the one the fit planned: `StepModel.plan` does not plan it again."""
-    from runtime import step_model
-    from runtime.step_prediction import OBJECTIVE_SIMULATE_MAX_RANKS
+    from runtime.step import model as step_model
+    from runtime.step.prediction import OBJECTIVE_SIMULATE_MAX_RANKS
 
     ranks = 2 * OBJECTIVE_SIMULATE_MAX_RANKS
     graph = load_network("seed-lcn-small").lower(batch=ranks, optimizer="sgd")

@@ -24,8 +24,8 @@ from partitioner.machine import Machine, load_machine
 from partitioner.piece_times import piece_key, task_piece_times
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.piece_modes import piece_mode
-from runtime.step_programs import build_programs
+from runtime.step.piece_modes import piece_mode
+from runtime.step.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 8

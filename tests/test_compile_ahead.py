@@ -15,7 +15,7 @@ from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime.compile_ahead import UNITS, assign, cached, units_of, warm
-from runtime.step_programs import build_programs
+from runtime.step.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 

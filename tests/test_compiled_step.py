@@ -1,6 +1,6 @@
-"""The compiled step loop (`runtime.compiled_step`) against the step simulator it stands for.
+"""The compiled step loop (`runtime.step.compiled`) against the step simulator it stands for.
 
-`step_prediction` runs every plan's step through the compiled loop; `runtime.step_simulator`
+`step_prediction` runs every plan's step through the compiled loop; `runtime.step.simulator`
 states the model in Python. The two must give the same step, float-equal (the same sums in the
 same order), on every kind of plan: data, model, spatial and auto, replicated and sharded homes,
 1 to 8 ranks, one rank per host and two (whose messages within a host take the host's own
@@ -21,9 +21,9 @@ from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
-from runtime.step_prediction import predict_step, simulate_compiled, step_prediction
-from runtime.step_programs import build_programs
-from runtime.step_simulator import simulate_step
+from runtime.step.prediction import predict_step, simulate_compiled, step_prediction
+from runtime.step.programs import build_programs
+from runtime.step.simulator import simulate_step
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -22,7 +22,7 @@ from runtime.kernels import linear, reference, update
 from runtime.kernels.filter_packed import backward_filter_packed
 from runtime.kernels.layout import pack_activations, pack_weights
 from runtime.rank_executor import RankExecutor, one_process
-from runtime.step_programs import build_programs
+from runtime.step.programs import build_programs
 from runtime.transport import run_threads
 
 RULES = ("sgd", "momentum", "adam")

@@ -17,7 +17,7 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime.mpi_transport import fit_link
-from runtime.step_prediction import SIMULATE_MAX_WORK, predict_step, step_prediction
+from runtime.step.prediction import SIMULATE_MAX_WORK, predict_step, step_prediction
 
 PIECE = {"op": "linear", "phase": "forward", "attrs": {}, "shape": [1], "requirements": []}
 BASE = {"rank_gflops": 10, "link_gbytes_per_s": 0.125, "latency_us": 30, "rank_memory_gib": 4}

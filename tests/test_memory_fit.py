@@ -13,8 +13,8 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.search.memory_fit import NoFit, fit
 from partitioner.strategy import builtin
-from runtime.step_memory import predict
-from runtime.step_model import StepModel
+from runtime.step.memory import predict
+from runtime.step.model import StepModel
 
 
 @pytest.fixture(scope="module")

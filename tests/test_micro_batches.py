@@ -19,8 +19,8 @@ from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin, find_units, param_of
 from partitioner.verify_plan import verify_plan
-from runtime.step_buffers import ACTIVATIONS, step_buffers
-from runtime.step_programs import build_programs
+from runtime.step.buffers import ACTIVATIONS, step_buffers
+from runtime.step.programs import build_programs
 from runtime.training import Trainer
 from tests.test_rank_executor import assert_same, config, local_run, ranks_run, small_network
 

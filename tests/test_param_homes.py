@@ -29,7 +29,7 @@ from partitioner.strategy import Strategy, builtin, factorizations, find_units, 
 from partitioner.verify_plan import verify_plan
 from runtime.distributed import RunOptions, train_rank
 from runtime.kernels.layout import WEIGHT_AXES
-from runtime.step_programs import build_programs
+from runtime.step.programs import build_programs
 from runtime.transport import run_threads
 
 
@@ -97,7 +97,7 @@ def test_a_shard_is_cut_along_the_outermost_axis_its_extent_allows():
 )
 def test_every_shard_is_one_contiguous_block_of_the_stored_order(case):
     from partitioner.layout import shard_cell
-    from runtime.step_buffers import contiguous
+    from runtime.step.buffers import contiguous
 
     shape, order, holders = case
     parts = shard_cell(Rect.from_dims(shape), list(range(holders)), order)
@@ -186,7 +186,7 @@ def test_a_window_is_fetched_just_before_its_reader_and_moves_with_no_staging_co
     """The shards of a weight cut along its outermost axis go from the home and into the
     reader's window as they lie: no send or receive buffer."""
     from runtime.instances import choose_storage_orders
-    from runtime.step_buffers import direct, step_buffers
+    from runtime.step.buffers import direct, step_buffers
 
     graph = small_network().lower(batch=8, dtype="float32", optimizer="adam")
     plan = build_plan(graph, sharded(graph, "data", 4), 4)
@@ -208,7 +208,7 @@ def test_a_window_is_fetched_just_before_its_reader_and_moves_with_no_staging_co
 @pytest.mark.parametrize("homes", ["replicated", "sharded"])
 def test_sharded_homes_hold_less_than_replicated_and_the_prediction_is_what_runs(homes):
     from runtime.rank_executor import RankExecutor
-    from runtime.step_memory import predict
+    from runtime.step.memory import predict
     from runtime.training import Trainer
 
     cfg = config(small_network(), batch=8)
@@ -281,10 +281,10 @@ def test_sharded_homes_of_a_large_plan_verify_quickly():
 
 def test_memory_of_a_plan_gives_each_ranks_peak_its_parts_and_a_plot(tmp_path):
     """`legion-nn memory --strategy`: the runtime's prediction per rank, whose parts add up to
-    its peak, and the live bytes over the step, the same as `runtime.step_memory` places them."""
+    its peak, and the live bytes over the step, the same as `runtime.step.memory` places them."""
     import json
 
-    from runtime.step_memory import predict
+    from runtime.step.memory import predict
 
     out, plot = tmp_path / "memory.json", tmp_path / "live.png"
     result = run_cli(

@@ -1,4 +1,4 @@
-"""`runtime.piece_modes`: pieces timed as a step runs them (writing a gradient, or taking the
+"""`runtime.step.piece_modes`: pieces timed as a step runs them (writing a gradient, or taking the
 optimizer's step of an update fused into them), and the step priced from those times."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from partitioner.machine import Machine, machine_from_json
 from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.piece_modes import piece_mode
-from runtime.step_prediction import predict_step
-from runtime.step_programs import build_programs
+from runtime.step.piece_modes import piece_mode
+from runtime.step.prediction import predict_step
+from runtime.step.programs import build_programs
 
 BASE = {"rank_gflops": 10, "link_gbytes_per_s": 0.125, "latency_us": 30, "rank_memory_gib": 4}
 

@@ -25,11 +25,11 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import BUILTIN, builtin, find_units
 from partitioner.verify_plan import verify_plan
-from runtime.step_buffers import ACTIVATIONS, step_buffers
-from runtime.step_model import StepModel
-from runtime.step_prediction import predict_step, simulate_compiled, step_prediction
-from runtime.step_programs import build_programs
-from runtime.step_simulator import simulate_step
+from runtime.step.buffers import ACTIVATIONS, step_buffers
+from runtime.step.model import StepModel
+from runtime.step.prediction import predict_step, simulate_compiled, step_prediction
+from runtime.step.programs import build_programs
+from runtime.step.simulator import simulate_step
 from tests.test_rank_executor import (
     assert_resumes,
     assert_same,
@@ -227,7 +227,7 @@ def test_1f1b_measures_fewer_bytes_than_gpipe_and_both_as_predicted():
     """2 stages of a rank each, 8 micro-batches: the runtime's buffers peak at exactly what
     `step_memory` predicts under both schedules, and lower under 1F1B on the first stage."""
     from runtime.rank_executor import RankExecutor
-    from runtime.step_memory import predict
+    from runtime.step.memory import predict
     from runtime.training import Trainer
     from runtime.transport import run_threads
 

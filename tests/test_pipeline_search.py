@@ -37,7 +37,7 @@ from partitioner.resolve import resolve_stages, strategy_chooser
 from partitioner.search.stages import AUTO_STAGES, _crossing_bytes, stage_counts
 from partitioner.strategy import builtin
 from runtime.distributed import RunOptions, train_rank
-from runtime.step_model import StepModel
+from runtime.step.model import StepModel
 from runtime.transport import run_threads
 from tests.test_pipeline import residual_network
 from tests.test_rank_executor import assert_same, config, local_run, ranks_run

@@ -1,4 +1,4 @@
-"""Ranks built once per class (`runtime.rank_classes`): the programs moved from a class's first
+"""Ranks built once per class (`runtime.step.rank_classes`): the programs moved from a class's first
 rank equal, field for field, the programs built rank by rank, on every kind of plan; and ranks
 that are alike do share a build."""
 
@@ -16,15 +16,15 @@ from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
-from runtime.compiled_step import flatten
-from runtime.rank_classes import SharedPrograms, rank_classes
-from runtime.rank_cpu import cpu_slowdown, posting_seconds
-from runtime.step_memory import predict
-from runtime.step_prediction import predict_step, simulate_compiled
-from runtime.step_programs import build_programs
-from runtime.step_simulator import Links, simulate_step
-from runtime.task_events import build_each, task_events
-from runtime.update_fusion import fuse_into_gradients
+from runtime.step.compiled import flatten
+from runtime.step.memory import predict
+from runtime.step.prediction import predict_step, simulate_compiled
+from runtime.step.programs import build_programs
+from runtime.step.rank_classes import SharedPrograms, rank_classes
+from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
+from runtime.step.simulator import Links, simulate_step
+from runtime.step.task_events import build_each, task_events
+from runtime.step.update_fusion import fuse_into_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = Machine(link_gbytes_per_s=0.5, latency_us=20.0)

@@ -26,8 +26,8 @@ from runtime import data
 from runtime.distributed import RunOptions, train_rank
 from runtime.rank_executor import RankExecutor, TaskFailure
 from runtime.rank_step import StepRun
-from runtime.step_order import step_order
-from runtime.step_programs import build_programs
+from runtime.step.order import step_order
+from runtime.step.programs import build_programs
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import ThreadTransport, run_threads
 
@@ -414,10 +414,10 @@ def test_a_residual_network_with_a_concat_equals_the_local_run(strategy, nranks)
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_the_step_records_the_buffer_peak_against_the_predicted_memory(strategy, nranks):
     """`buffer_peak_bytes` is what the runtime holds on each rank, the resident tensors and the
-    arena of its step buffers: exactly the prediction (`runtime.step_memory`), which places the
+    arena of its step buffers: exactly the prediction (`runtime.step.memory`), which places the
     same buffers. Reusing the space of buffers after their last use holds less than keeping
     every step tensor all step. `rss_peak_bytes` is the process's high-water mark."""
-    from runtime.step_memory import predict
+    from runtime.step.memory import predict
 
     cfg = config(small_network(), batch=8)
 
@@ -454,7 +454,7 @@ def test_the_first_contribution_writes_and_its_zeroing_is_elided(strategy, nrank
     `set_zero` task zeroed, it writes and the zeroing is not run: no pass over a weight-sized
     gradient. Adding to zeros and writing give the same bits, so the run equals one in which
     every zeroing runs, exactly."""
-    from runtime import rank_program
+    from runtime.step import rank_program
 
     graph = small_network().lower(batch=7, dtype="float64", optimizer="adam")
     plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)

@@ -1,4 +1,4 @@
-"""The step buffers' placement (`runtime.step_buffers`): live buffers never share bytes."""
+"""The step buffers' placement (`runtime.step.buffers`): live buffers never share bytes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from runtime.step_buffers import (
+from runtime.step.buffers import (
     _COLOUR_STEP,
     COLOURED,
     LINE,

@@ -140,7 +140,7 @@ def resolve_step(
     """The step graph and strategy the commands plan on `nranks` ranks (`strategy`, by default
     `--strategy`), auto's reasons, and the search of `--stages auto`
     (`partitioner.resolve.resolve_stages`; None otherwise): `graph` is `load_planned`'s;
-    `model` a `runtime.step_model.StepModel`."""
+    `model` a `runtime.step.model.StepModel`."""
     from partitioner.resolve import resolve_stages, resolve_strategy
 
     name = strategy or args.strategy

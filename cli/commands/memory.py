@@ -6,7 +6,7 @@ dump when it names an existing file that is not a spec file (.json, .toml); othe
 network or a spec file, lowered at `--batch` (default 256).
 
 With `--strategy` (data, model, spatial, auto or a grids file): what legion-nn's runtime holds on
-each rank when it runs that plan (`runtime.step_memory`): each rank's peak, its parts (parameters,
+each rank when it runs that plan (`runtime.step.memory`): each rank's peak, its parts (parameters,
 optimizer state, data, the activations, gradients, messages and scratch live at the peak, the
 arena's unused space, the process baseline) and, with `--plot`, the bytes held over the step.
 SOURCE is then anything `legion_nn.sources` reads. Every output is checked before any is written,
@@ -142,8 +142,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
     from partitioner.strategy import check_ranks
-    from runtime.step_memory import predict
-    from runtime.step_model import StepModel
+    from runtime.step.memory import predict
+    from runtime.step.model import StepModel
     from visualize.render_file import check_plot
 
     check_ranks(args.ranks)

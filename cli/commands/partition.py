@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from partitioner.report import report_json, sweep_table, table
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan
-    from runtime.step_model import StepModel
+    from runtime.step.model import StepModel
     from visualize.render_file import check_plot, write_figure
 
     if args.batch is not None and args.batch < 1:

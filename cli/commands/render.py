@@ -125,7 +125,7 @@ def _plan(args: argparse.Namespace, graph):
     """The step graph and its plan on `--ranks` (`graph`: `_load`'s)."""
     from legion_nn.errors import LegionNNError
     from partitioner.machine import load_machine
-    from runtime.step_model import StepModel
+    from runtime.step.model import StepModel
 
     if args.ranks < 1:
         raise LegionNNError(f"--ranks must be at least 1, got {args.ranks}")
@@ -205,9 +205,9 @@ def _run_timeline(args: argparse.Namespace) -> int:
     from legion_nn.micro_batches import schedule_of, stages_of
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
-    from runtime.step_prediction import predict_step, simulated
-    from runtime.step_programs import build_programs
-    from runtime.step_simulator import simulate_step
+    from runtime.step.prediction import predict_step, simulated
+    from runtime.step.programs import build_programs
+    from runtime.step.simulator import simulate_step
     from visualize.render_file import check_plot, write_figure
     from visualize.step_timeline import timeline_figure
 

@@ -1,7 +1,7 @@
 """What each rank holds in a training step of a plan, predicted from the programs the runtime runs.
 
 A rank holds three things: its resident tensors' home cells (parameters, optimizer state, the
-loaded data; kept across steps), the arena of its step buffers (`runtime.step_buffers`: every
+loaded data; kept across steps), the arena of its step buffers (`runtime.step.buffers`: every
 activation, gradient, message, collective and scratch buffer, each live from its first use to its
 last and placed once), and the process's own baseline (the interpreter, NumPy, Numba's compiled
 kernels, MPI: `Machine.process_baseline_bytes`). The first two are exactly the runtime's buffer
@@ -26,10 +26,10 @@ from partitioner.accounting import memory_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_storage_orders
-from runtime.rank_classes import source
-from runtime.rank_program import RankProgram
-from runtime.step_buffers import StepBuffers, step_buffers
-from runtime.step_programs import build_programs
+from runtime.step.buffers import StepBuffers, step_buffers
+from runtime.step.programs import build_programs
+from runtime.step.rank_classes import source
+from runtime.step.rank_program import RankProgram
 
 #: plans on more ranks are given the held-all-step count (`HELD`), not placed buffers
 PLACED_MAX_RANKS = 64
@@ -142,7 +142,7 @@ def plan_peak(
     """The most bytes a rank of a plan holds with its baseline: its buffers placed on the ranks
     `sampled_ranks` picks (from `programs`, where the caller has every rank's), or beyond
     `PLACED_MAX_RANKS` the held count (`HELD`). What `auto` fits in memory
-    (`partitioner.search.memory_fit`, through `runtime.step_model.StepModel.peak`)."""
+    (`partitioner.search.memory_fit`, through `runtime.step.model.StepModel.peak`)."""
     held = memory_per_rank(graph, plan)
     if plan.nranks > PLACED_MAX_RANKS:
         return max(held.values(), default=0) + machine.process_baseline_bytes

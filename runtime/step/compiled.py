@@ -1,7 +1,7 @@
-"""The step simulator over flat arrays, its loop compiled by Numba (`runtime.step_loop`): the
+"""The step simulator over flat arrays, its loop compiled by Numba (`runtime.step.loop`): the
 same step, faster.
 
-`runtime.step_simulator` states the model and runs it over Python objects: a generator per rank,
+`runtime.step.simulator` states the model and runs it over Python objects: a generator per rank,
 a dict per transfer. That costs some 20 µs per message or collective hop, and a data-parallel
 step of resnet18 on 64 ranks has half a million hops (84 rings of 126 rounds). Here each rank's
 program is first flattened, in Python, into a list of instructions, each the effect of one
@@ -16,12 +16,12 @@ stretch of `_Simulator._program` between two points where it gives the clock bac
 - `START i`: start collective instance `i` (this rank's rounds of one collective);
 - `COMPLETE n`: complete the `n` oldest collectives in flight, waiting on each round;
 
-and the compiled loop (`step_loop.run_step`) runs them with the simulator's very rules and
+and the compiled loop (`loop.run_step`) runs them with the simulator's very rules and
 tie-breaks: one heap of (time, counter, rank) wakes with stale entries left in it, links served
 in the order transfers became ready, collectives' rounds posted at MPI calls only. It returns what `simulate_step` does,
 float-equal; `tests/test_compiled_step.py` holds the two equal on every kind of plan the tests
 plan. A change to the model goes into both (the test fails until it does).
-`step_prediction.simulate_compiled` is the entry point.
+`prediction.simulate_compiled` is the entry point.
 
 A collective's rounds are flattened per participant with NumPy (a rank's keys in every round,
 in hop order, and the bytes it adds at the end of each), not hop by hop in Python.
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.rank_classes import built, own_messages, source
-from runtime.rank_program import Collective, Message, RankProgram
-from runtime.step_loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
-from runtime.step_simulator import Links
+from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
+from runtime.step.rank_classes import built, own_messages, source
+from runtime.step.rank_program import Collective, Message, RankProgram
+from runtime.step.simulator import Links
 
 #: `rank_cpu.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
 #: (messages, rank) -> seconds
@@ -422,7 +422,7 @@ def run_compiled(
 ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
     """Per rank, when it finished the step, how long it waited and how long it computed (each
     task's compute as stretched), by the compiled loop
-    (`step_prediction.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
+    (`prediction.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
     rank's CPU per byte of its transfers between hosts; `slowdown`: per rank, how much longer
     its CPU work takes than alone on its cores."""
     flat = flatten(programs, compute, links, pack, memory, slowdown)

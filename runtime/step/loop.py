@@ -1,6 +1,6 @@
-"""The step simulator's event loop, compiled by Numba: `runtime.compiled_step` flattens every
-rank's program into instructions, and `run_step` runs them with `runtime.step_simulator`'s very
-rules and tie-breaks (see `compiled_step` for the instructions and what each stands for).
+"""The step simulator's event loop, compiled by Numba: `runtime.step.compiled` flattens every
+rank's program into instructions, and `run_step` runs them with `runtime.step.simulator`'s very
+rules and tie-breaks (see `compiled` for the instructions and what each stands for).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-#: the instructions' codes (`compiled_step`'s module docstring)
+#: the instructions' codes (`compiled`'s module docstring)
 ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS, COMPUTE = range(8)
 #: `awaited`'s bits: a blocked rank waits for the transfer as its source, as its destination
 AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2

@@ -2,7 +2,7 @@
 
 `auto` asks the same plans several things: the memory fit places each candidate's buffers
 (`peak`), the comparison of candidates simulates the near ones' steps (`step`), and the command
-then reports the plan it picked (`step_prediction`, `memory_prediction`). Every one of those
+then reports the plan it picked (`prediction.step_prediction`, `memory.memory_prediction`). Every one of those
 reads the plan's rank programs, the costliest thing to derive from a plan (a second and a half
 for resnet18's 64 ranks), and the simulation. A `StepModel` keeps them per plan, found by what
 makes the plan (its strategy's name and grids, its sharded homes, its ranks): the plan `auto`'s
@@ -24,17 +24,17 @@ from partitioner import cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
-from runtime.rank_program import RankProgram
-from runtime.step_memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
-from runtime.step_prediction import (
+from runtime.step.memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
+from runtime.step.prediction import (
     OBJECTIVE_SIMULATE_MAX_RANKS,
     predict_step,
     simulate_compiled,
     simulated,
     step_prediction,
 )
-from runtime.step_programs import build_programs
-from runtime.step_simulator import SimulatedStep
+from runtime.step.programs import build_programs
+from runtime.step.rank_program import RankProgram
+from runtime.step.simulator import SimulatedStep
 
 #: plans whose every rank's programs are kept (the candidates auto compares are fewer)
 KEPT_PROGRAMS = 6
@@ -110,7 +110,7 @@ class StepModel:
     def step(self, graph: TaskGraph, plan: Plan, bulk_seconds: float | None = None) -> float:
         """A plan's predicted step as `partition` reports it (the simulated step with the
         machine's time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
-        `step_prediction.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum
+        `prediction.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum
         (`bulk_seconds`, where the caller has found it already): what `auto` chooses its plan
         by (`partitioner.resolve`)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
@@ -122,7 +122,7 @@ class StepModel:
         return self.simulated_seconds(graph, plan) + loop
 
     def peak(self, graph: TaskGraph, plan: Plan) -> int:
-        """The most bytes a rank of `plan` holds with its baseline (`step_memory.plan_peak`):
+        """The most bytes a rank of `plan` holds with its baseline (`memory.plan_peak`):
         what `auto` fits in memory. Where `step` simulates the plan, from every rank's programs,
         built here once for both (placing a few ranks' buffers alone costs most of what
         building them all does, since a plan's messages are found for every rank at once)."""
@@ -138,11 +138,11 @@ class StepModel:
         return plan.nranks <= OBJECTIVE_SIMULATE_MAX_RANKS and simulated(graph, plan)
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
-        """`step_prediction.step_prediction` of `plan`, its simulation made once."""
+        """`prediction.step_prediction` of `plan`, its simulation made once."""
         found = self.simulated(graph, plan) if simulated(graph, plan) else None
         return step_prediction(graph, plan, self.machine, bulk_seconds, found)
 
     def memory_prediction(self, graph: TaskGraph, plan: Plan) -> dict:
-        """`step_memory.memory_prediction` of `plan`, from the programs built already."""
+        """`memory.memory_prediction` of `plan`, from the programs built already."""
         programs = self.programs(graph, plan) if plan.nranks <= PLACED_MAX_RANKS else None
         return memory_prediction(graph, plan, self.machine, programs)

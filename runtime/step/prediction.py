@@ -1,8 +1,8 @@
 """A plan's predicted step: every rank's program built, its tasks priced, and the step
-simulated (`runtime.step_simulator` states the rules; `runtime.compiled_step` runs them over
+simulated (`runtime.step.simulator` states the rules; `runtime.step.compiled` runs them over
 flat arrays), or, beyond `SIMULATE_MAX_WORK`, the cost model's bulk-synchronous sum.
 
-`partition`, `bench` and `auto` ask for predictions through `runtime.step_model.StepModel`,
+`partition`, `bench` and `auto` ask for predictions through `runtime.step.model.StepModel`,
 which keeps each plan's programs and simulation; the functions here make one prediction.
 """
 
@@ -16,13 +16,13 @@ from legion_nn.micro_batches import schedule_of, stages_of
 from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.compiled_step import run_compiled
-from runtime.piece_modes import moded_times, program_seconds
-from runtime.rank_classes import source
-from runtime.rank_cpu import cpu_slowdown, posting_seconds
-from runtime.rank_program import RankProgram
-from runtime.step_programs import build_programs
-from runtime.step_simulator import Links, SimulatedStep, simulate_step
+from runtime.step.compiled import run_compiled
+from runtime.step.piece_modes import moded_times, program_seconds
+from runtime.step.programs import build_programs
+from runtime.step.rank_classes import source
+from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
+from runtime.step.rank_program import RankProgram
+from runtime.step.simulator import Links, SimulatedStep, simulate_step
 
 
 def predict_step(
@@ -63,7 +63,7 @@ def simulate_compiled(
     links: Links | None = None,
 ) -> SimulatedStep:
     """What `simulate_step` returns, float-equal, by a compiled loop over the programs
-    flattened (`runtime.compiled_step`): a data-parallel resnet18 step on 64 ranks in about a
+    flattened (`runtime.step.compiled`): a data-parallel resnet18 step on 64 ranks in about a
     second rather than a minute."""
     links = links or Links.of(machine, max(programs) + 1)
     memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
@@ -97,7 +97,7 @@ def step_prediction(
     where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
     outside the tasks (`loop_us`). `simulated_step`: the simulation, where the caller has it
-    already (`runtime.step_model.StepModel`). A simulated step also gets `compute_fraction`, the
+    already (`runtime.step.model.StepModel`). A simulated step also gets `compute_fraction`, the
     mean share of it a rank spends computing its tasks. A pipeline's also gets its bubble: the mean
     fraction of the simulated step its ranks wait, against (S − 1) / (M + S − 1), the bubble of
     S stages of equal work streaming M micro-batches with nothing else to wait for."""

@@ -2,7 +2,7 @@
 
 Resident tensors (data, parameters, optimizer state) keep their home cells for the whole run. Every
 other buffer of a step lives only from the first task that uses it to the last, on this rank, in
-its program (`runtime.rank_program`):
+its program (`runtime.step.rank_program`):
 
 - a step tensor (an activation, a gradient, a statistic) over its box, from its first touch to its
   last, or to the completion of the last collective that sums into it; the statistics the training
@@ -21,7 +21,7 @@ The buffers are placed once per program in one arena, greedily by size (largest 
 lowest offset clear of every placed buffer whose lifetime overlaps its own), as XLA's and TFLite's
 arena planners do. Every step reuses the same offsets, so the arena's pages fault once, the memory
 freed at a buffer's last use serves the next, and the runtime's bytes are known before it runs: the
-prediction (`step_memory`) and the executor use this one placement. Large buffers start at
+prediction (`memory`) and the executor use this one placement. Large buffers start at
 successive cache-line colours within a page, for the reason `runtime.aligned` gives.
 """
 
@@ -39,7 +39,7 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.aligned import LINE, PAGE, aligned_empty
 from runtime.instances import StorageOrder, choose_storage_orders
-from runtime.rank_program import Collective, Message, RankProgram, RankTask
+from runtime.step.rank_program import Collective, Message, RankProgram, RankTask
 
 #: buffers from this size start at a colour of their page (`runtime.aligned`)
 COLOURED = 64 * 1024

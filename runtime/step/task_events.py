@@ -18,15 +18,15 @@ from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.pieces import Piece
 from partitioner.plan import Plan
-from runtime.rank_program import STEP_START, Builder, Collective, Message, RankProgram
-from runtime.step_order import step_order
+from runtime.step.order import step_order
+from runtime.step.rank_program import STEP_START, Builder, Collective, Message, RankProgram
 
 
 @dataclass
 class TaskEvents:
     """What every rank's builder is told of one task of the step: the same for each rank, found
     once (`task_events`), so that ranks whose programs are alike share one build
-    (`runtime.step_programs`)."""
+    (`runtime.step.programs`)."""
 
     position: int
     task: Task

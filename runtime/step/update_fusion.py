@@ -28,7 +28,7 @@ from typing import Any
 from legion_nn.graph import TaskGraph
 from legion_nn.op_records import stepped_role
 
-# `runtime.rank_program.RankProgram` and its `RankTask`s, which `build_programs` hands here as
+# `runtime.step.rank_program.RankProgram` and its `RankTask`s, which `build_programs` hands here as
 # its last step: named, not imported, since that module imports this one
 RankProgram = RankTask = Any
 

@@ -10,10 +10,10 @@ from collections.abc import Iterable, Mapping
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.rank_classes import SharedPrograms, rank_classes
-from runtime.rank_program import RankProgram
-from runtime.task_events import build_each, task_events
-from runtime.update_fusion import fuse_into_gradients
+from runtime.step.rank_classes import SharedPrograms, rank_classes
+from runtime.step.rank_program import RankProgram
+from runtime.step.task_events import build_each, task_events
+from runtime.step.update_fusion import fuse_into_gradients
 
 
 def build_programs(
@@ -27,10 +27,10 @@ def build_programs(
 ) -> Mapping[int, RankProgram]:
     """The programs of `ranks` for the tasks named in `include` (default: the whole step);
     `fuse_updates` lets a kernel that computes a gradient take the optimizer's step itself
-    where nothing else reads the gradient (`runtime.update_fusion`); without it every gradient
+    where nothing else reads the gradient (`runtime.step.update_fusion`); without it every gradient
     is stored, to read after the step. With `share`, ranks told the same things up to where
     their rects lie are built once and the others' programs moved there
-    (`runtime.rank_classes`): the same programs, built faster."""
+    (`runtime.step.rank_classes`): the same programs, built faster."""
     ranks = list(ranks)
     events, messages = task_events(graph, plan, machine, ranks, include)
     classes = rank_classes(plan, events, ranks) if share and len(ranks) > 2 else None

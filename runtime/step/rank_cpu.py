@@ -1,5 +1,5 @@
 """A rank's CPU work in a simulated step beyond its tasks' given seconds: the rules both step
-simulators (`runtime.step_simulator`, and the compiled loop of `runtime.step_loop`, which follows
+simulators (`runtime.step.simulator`, and the compiled loop of `runtime.step.loop`, which follows
 them point for point) price it by.
 
 - Ranks beyond their host's cores time-share them: all of a rank's CPU work takes 1/share as
@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from partitioner.machine import Machine
-from runtime.rank_program import Message, RankProgram
+from runtime.step.rank_program import Message, RankProgram
 
 
 def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:

@@ -6,7 +6,7 @@ slow links the difference is most of the step: it posts a copy as soon as its da
 so a halo travels while the ranks compute what lies between producer and consumer, and it runs a
 gradient's collective in the background, round by round, while the backward pass goes on below
 it (`runtime.rank_step`). FlexFlow's answer is a simulator over measured task times; this is one
-for legion-nn's own rank programs (`runtime.rank_program`), so it follows exactly the order,
+for legion-nn's own rank programs (`runtime.step.rank_program`), so it follows exactly the order,
 post points and collective schedules the runtime runs:
 
 - each rank runs its program's tasks in order: complete the collectives due before it (the
@@ -57,8 +57,8 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from partitioner.machine import Machine
-from runtime.rank_cpu import cpu_slowdown, posting_seconds, sharing_core
-from runtime.rank_program import Collective, Message, RankProgram
+from runtime.step.rank_cpu import cpu_slowdown, posting_seconds, sharing_core
+from runtime.step.rank_program import Collective, Message, RankProgram
 
 Key = tuple  # ("m", seq) for a message, ("h", seq) for a collective's hop
 

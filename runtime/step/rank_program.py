@@ -16,7 +16,7 @@ the task order after which both sides post it.
   Where a reduction is entirely local the kernel accumulates into the tensor itself; otherwise it
   accumulates into a zeroed scratch, whose parts then go their separate ways.
 
-The program runs the step's tasks in `runtime.step_order`: the graph's order with the
+The program runs the step's tasks in `runtime.step.order`: the graph's order with the
 optimizer's updates moved as late as their dependences allow, so that a gradient's collective,
 which runs in the background (see `rank_step`), overlaps the backward pass of the layers below
 it rather than holding up the update that reads its result.
@@ -30,8 +30,8 @@ posted), are read from the plan's record: the homes before the first task, then 
 the hops of every collective this rank sends. The executor counts what its calls actually send
 and the two must agree.
 
-Here are the program's parts and its `Builder`; `runtime.task_events` finds what each task tells
-the builders, once for all ranks, and `runtime.step_programs.build_programs` builds every rank's.
+Here are the program's parts and its `Builder`; `runtime.step.task_events` finds what each task tells
+the builders, once for all ranks, and `runtime.step.programs.build_programs` builds every rank's.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class RankTask:
     #: a zeroing whose every rect the first contribution overwrites (`fresh`): not run
     elided: bool = False
     #: per gradient role, the position of the update task whose optimizer step this task's
-    #: kernel takes in place of storing the gradient (`runtime.update_fusion`)
+    #: kernel takes in place of storing the gradient (`runtime.step.update_fusion`)
     steps: dict[str, int] = field(default_factory=dict)
     #: an update fused into the task at this position, which runs its step: not run itself
     fused_into: int | None = None

@@ -40,9 +40,9 @@ from operator import sub
 
 from legion_nn.rect import Rect
 from partitioner.plan import Plan
-from runtime.rank_program import Message, PieceWork, RankProgram, RankTask
-from runtime.step_buffers import hop_segment
-from runtime.task_events import TaskEvents
+from runtime.step.buffers import hop_segment
+from runtime.step.rank_program import Message, PieceWork, RankProgram, RankTask
+from runtime.step.task_events import TaskEvents
 
 #: a rect's low and high corners relative to its tensor's frame
 Relative = tuple[int, ...]
@@ -181,7 +181,7 @@ def rank_classes(
                         position,
                         ordinal,
                         sent.get(rank, 0),
-                        # the buffers its adding hops take (`step_buffers.step_slots`)
+                        # the buffers its adding hops take (`buffers.step_slots`)
                         tuple(min(size, segment) for size in adding.get(rank, ())),
                         *(
                             (signature.relative(tensor, rect), rank in holders)

@@ -27,7 +27,7 @@ from partitioner.cost import task_seconds
 from partitioner.machine import Machine
 from partitioner.piece_times import piece_key
 from runtime.kernels.update import OptimizerStep, optimizer_step
-from runtime.rank_program import PieceWork, RankProgram, RankTask
+from runtime.step.rank_program import PieceWork, RankProgram, RankTask
 
 
 def fresh_roles(rt: RankTask, piece: PieceWork) -> frozenset[str]:

@@ -1,0 +1,9 @@
+"""What a plan makes of a training step, as pure data: each rank's program (`programs`, from the
+builders told each task, `task_events`, once per class of alike ranks, `rank_classes`, in the
+order every rank shares, `order`, with updates fused into their gradients' kernels,
+`update_fusion`), its buffers placed in one arena (`buffers`), and the predictions made from
+them: the step simulated (`simulator`, and its compiled loop, `compiled` and `loop`, with the
+CPU the network stack takes, `rank_cpu`, and pieces priced as they run, `piece_modes`), each
+rank's memory (`memory`), and both kept per plan (`model`, `prediction`). The executor runs
+these programs (`runtime.rank_step`); nothing here runs a kernel or sends a byte.
+"""
