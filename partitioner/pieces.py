@@ -107,6 +107,18 @@ class PieceSet:
             sums=tuple((j, ranks + first, lo, hi) for j, ranks, lo, hi in self.sums),
         )
 
+    def piece(self, i: int) -> Piece:
+        """Piece i alone, as `pieces` makes every one."""
+        rect = boxes.to_rect(self.lo[i].tolist(), self.hi[i].tolist())
+        requirements = tuple(
+            _with_rect(
+                req, rect if lo is self.lo else boxes.to_rect(lo[i].tolist(), hi[i].tolist())
+            )
+            for req, lo, hi in zip(self.requirements, self.req_lo, self.req_hi)
+        )
+        ranks = tuple(self.ranks[self.rank_ptr[i] : self.rank_ptr[i + 1]].tolist())
+        return Piece(ranks, rect, requirements)
+
     def pieces(self) -> list[Piece]:
         ranks = self.ranks.tolist()
         ptr = self.rank_ptr.tolist()

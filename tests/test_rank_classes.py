@@ -168,3 +168,27 @@ def _flat(graph, plan, programs):
                        cpu_slowdown(machine, programs))  # fmt: skip
 
     return predict_step(graph, plan, MACHINE, programs=programs, simulate=flattened)
+
+
+@pytest.mark.parametrize(("strategy", "home"), [("data", "replicated"), ("spatial", "sharded")])
+def test_each_ranks_pieces_are_the_plans_in_its_order_made_lazily_or_at_once(strategy, home):
+    """`PiecesByRank` gives each rank the pieces of the task it computes, in the plan's order,
+    each rank once however many of a piece's ranks it is: piece by piece as asked for (then a
+    set at once, past half of it), or every rank's at once."""
+    graph = load_source_graph("seed-lcn-small", 16, 16)
+    chosen, _ = resolve_strategy(graph, strategy, 4, MACHINE, 5.0, None, home)
+    plan = build_plan(graph, chosen, 4)
+    lazy, _ = task_events(graph, plan, MACHINE, range(4))
+    at_once, _ = task_events(graph, plan, MACHINE, range(4))
+    index = {task.name: i for i, task in enumerate(graph.tasks)}
+    replicated = 0
+    for one, other in zip(lazy, at_once, strict=True):
+        task_plan = plan.tasks[index[one.task.name]]
+        other.mine.make_every_rank()
+        for rank in range(4):
+            want = [p for p in task_plan.pieces if rank in p.ranks]
+            replicated += sum(len(p.ranks) > 1 for p in want)
+            assert list(one.mine.get(rank, [])) == want == list(other.mine.get(rank, []))
+        assert one.mine.get(7) == () == other.mine.get(7, ())  # not built
+    if home == "replicated":
+        assert replicated  # the updates of parameters every rank holds: run by every rank

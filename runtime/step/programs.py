@@ -34,6 +34,9 @@ def build_programs(
     ranks = list(ranks)
     events, messages = task_events(graph, plan, machine, ranks, include)
     classes = rank_classes(plan, events, ranks) if share and len(ranks) > 2 else None
+    if classes is None:
+        for event in events:
+            event.mine.make_every_rank()
     built = build_each(graph, plan, events, messages, list(classes.members) if classes else ranks)
     if fuse_updates:
         for program in built.values():

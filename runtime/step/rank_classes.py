@@ -14,6 +14,11 @@ Those decisions do not change when every rect of a tensor moves by the same offs
   holds each) and the cells it holds of each layout. Each rect is written relative to the
   *frame* of its tensor on that rank: the low corner of the first rect of that tensor the rank
   is told of.
+- The signatures are read task by task from the plan's arrays for every rank at once
+  (`_piece_rows`, `_held_cells`, `_Frames.relative_rows`), not piece by piece: each task adds a
+  column of ids to the ranks' table, one per distinct run of rows a rank is told (`_Told`), and
+  ranks whose columns and earlier class agree share a class after it. A rank's pieces are made
+  only where it is built (`task_events.PiecesByRank`).
 - Ranks with equal signatures form a class. Telling them the same things with every rect of a
   tensor moved by the difference of their frames, their builders make the same decisions: the
   program of one is that of another with its rects moved, and with each message replaced by the
@@ -38,7 +43,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import sub
 
+import numpy as np
+
 from legion_nn.rect import Rect
+from partitioner import boxes
+from partitioner.layout import Layout
+from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
 from runtime.step.buffers import hop_segment
 from runtime.step.rank_program import Message, PieceWork, RankProgram, RankTask
@@ -52,10 +62,14 @@ Relative = tuple[int, ...]
 class RankClasses:
     #: per class, its ranks (the first, its representative, is built)
     members: dict[int, list[int]]
-    #: per rank, the low corner of each tensor's first rect it was told of
-    frames: dict[int, dict[str, tuple[int, ...]]]
+    #: each rank's frame of each tensor (`frames_of`)
+    _frames: _Frames
     #: per rank, the messages it was told of, in the order told (once per end it is)
     messages: dict[int, list[Message]]
+
+    def frames_of(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """Per tensor `rank` was told of, the low corner of the first rect of it told."""
+        return self._frames.of_rank(rank)
 
     def own_messages(self, source: int, rank: int) -> dict[int, Message]:
         """Per message `source` was told of (by sequence number), the message `rank` of its
@@ -63,38 +77,103 @@ class RankClasses:
         return dict(zip((m.seq for m in self.messages[source]), self.messages[rank]))
 
 
-class _Signature:
-    """One rank's signature (see the module docstring) as it is told each task."""
+class _Frames:
+    """Each rank's frame of each tensor: the low corner of the first rect of it the rank is told
+    of, kept as one array per tensor over the ranks' slots (their places in `ranks`)."""
 
-    __slots__ = ("frames", "messages", "tokens", "told")
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.slot = {rank: slot for slot, rank in enumerate(ranks)}
+        self._by_tensor: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
-    def __init__(self) -> None:
-        self.frames: dict[str, tuple[int, ...]] = {}
-        #: what the rank has been told since `settle`
-        self.tokens: list[tuple] = []
-        self.messages: list[Message] = []
-        #: the class of what it was told before that
-        self.told = 0
+    def _arrays(self, tensor: str, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+        found = self._by_tensor.get(tensor)
+        if found is None:
+            n = len(self.slot)
+            found = self._by_tensor[tensor] = (np.zeros((n, ndim), np.int64), np.zeros(n, bool))
+        return found
 
-    def settle(self, classes: dict[tuple, int]) -> int:
-        """Fold what the rank was told since the last call into its class: ranks told the same
-        before and since share the class again (`classes` numbers each (class, tokens) met)."""
-        key = (self.told, *self.tokens)
-        self.told = classes.setdefault(key, len(classes))
-        self.tokens = []
-        return self.told
+    def relative_rows(
+        self, tensor: str, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray
+    ) -> np.ndarray:
+        """Rows of rects told in this order to the ranks in `slots`, each as its low and high
+        corners relative to its rank's frame, which the first of them sets where it has none."""
+        frame, known = self._arrays(tensor, lo.shape[1])
+        new = ~known[slots]
+        if new.any():
+            first_slots, first_rows = np.unique(slots[new], return_index=True)
+            frame[first_slots] = lo[new][first_rows]
+            known[first_slots] = True
+        at = frame[slots]
+        return np.concatenate((lo - at, hi - at), axis=1)
 
-    def relative(self, tensor: str, rect: Rect | None) -> Relative | None:
+    def relative(self, slot: int, tensor: str, rect: Rect | None) -> Relative | None:
+        """One rect told to one rank, as `relative_rows` gives it."""
         if rect is None:
             return None
-        lo = rect.lo
-        frame = self.frames.get(tensor)
-        if frame is None:
-            frame = self.frames[tensor] = lo
-        return (*map(sub, lo, frame), *map(sub, rect.hi, frame))
+        frame, known = self._arrays(tensor, len(rect.lo))
+        if known[slot]:
+            at = frame[slot].tolist()
+        else:
+            at = rect.lo
+            frame[slot] = at
+            known[slot] = True
+        return (*map(sub, rect.lo, at), *map(sub, rect.hi, at))
 
-    def held(self, position: int, tensor: str, rects: Sequence[Rect]) -> None:
-        self.tokens.append(("held", position, tensor, *(self.relative(tensor, r) for r in rects)))
+    def of_rank(self, rank: int) -> dict[str, tuple[int, ...]]:
+        slot = self.slot[rank]
+        return {
+            tensor: tuple(frame[slot].tolist())
+            for tensor, (frame, known) in self._by_tensor.items()
+            if known[slot]
+        }
+
+
+class _Told:
+    """What each rank is told of one task, column by column, each an int per rank's slot (0:
+    nothing): ranks with equal columns and an equal class before fall into one class after."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.columns: list[np.ndarray] = []
+
+    def rows(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """A column from rows of ints told to the ranks in `slots`, in the order told: each
+        rank's rows in that order, one id per distinct run of rows."""
+        column = np.zeros(self.n, np.int64)
+        if not len(slots):
+            return
+        if len(slots) == len(set(slots.tolist())):  # a row each
+            if (rows == rows[:1]).all():  # all alike (each rank's part of a data split)
+                column[slots] = 1
+            else:
+                ids: dict[bytes, int] = {}
+                for slot, row in zip(slots.tolist(), rows):
+                    column[slot] = ids.setdefault(row.tobytes(), len(ids) + 1)
+        else:
+            order = np.argsort(slots, kind="stable")
+            slots, rows = slots[order], rows[order]
+            starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+            ends = np.r_[starts[1:], len(slots)]
+            ids: dict[bytes, int] = {}
+            for slot, start, end in zip(slots[starts].tolist(), starts.tolist(), ends.tolist()):
+                column[slot] = ids.setdefault(rows[start:end].tobytes(), len(ids) + 1)
+        self.columns.append(column)
+
+    def tokens(self, per_slot: dict[int, list[tuple]]) -> None:
+        """A column from each rank's tokens (tuples), in the order told."""
+        column = np.zeros(self.n, np.int64)
+        ids: dict[tuple, int] = {}
+        for slot, tokens in per_slot.items():
+            column[slot] = ids.setdefault(tuple(tokens), len(ids) + 1)
+        self.columns.append(column)
+
+    def settle(self, told: np.ndarray) -> np.ndarray:
+        """Each rank's class after this task: ranks told the same before and now share one."""
+        if not self.columns:
+            return told
+        ids: dict[tuple, int] = {}
+        rows = zip(told.tolist(), *(column.tolist() for column in self.columns))
+        return np.array([ids.setdefault(row, len(ids)) for row in rows], np.int64)
 
 
 #: sharing gives up once the ranks fall into more classes than this share of them: building
@@ -109,110 +188,164 @@ def rank_classes(
     at_most: float = SHARED_AT_MOST,
 ) -> RankClasses | None:
     """The classes of `ranks` whose builders are told the same things up to where their rects
-    lie: each rank's signature, following `task_events.build_each` call for call, task by task.
-    None where there are more than `at_most` of the ranks' count."""
-    signatures = {rank: _Signature() for rank in ranks}
+    lie: each rank's signature, following `task_events.build_each` call for call, task by task,
+    each task's told to every rank at once from the plan's arrays. None where there are more
+    than `at_most` of the ranks' count."""
+    ranks = list(ranks)
+    frames = _Frames(ranks)
+    slot_of = np.full(max(ranks, default=0) + 1, -1, np.int64)
+    slot_of[ranks] = np.arange(len(ranks))
+    told = np.zeros(len(ranks), np.int64)
     most = at_most * len(ranks)
-    classes: dict[tuple, int] = {}
+    messages: dict[int, list[Message]] = {rank: [] for rank in ranks}
+    requirement_ids: dict[tuple, int] = {}
 
-    def settled() -> bool:
-        return len({signature.settle(classes) for signature in signatures.values()}) <= most
+    def held(now: _Told, holdings: Mapping[str, Layout]) -> None:
+        for name, layout in holdings.items():
+            slots, lo, hi = _held_cells(layout, slot_of)
+            if len(slots):
+                now.rows(slots, frames.relative_rows(name, slots, lo, hi))
 
-    for name, layout in plan.homes.items():
-        for rank, signature in signatures.items():
-            held = layout.held_by(rank)
-            if held:
-                signature.held(-1, name, held)
-    if not settled():
+    homes = _Told(len(ranks))
+    held(homes, plan.homes)
+    told = homes.settle(told)
+    if told.max(initial=0) + 1 > most:
         return None
     for event in events:
-        position = event.position
+        now = _Told(len(ranks))
         updates = event.task.op == "update"
-        for rank, pieces in event.mine.items():
-            signature = signatures[rank]
-            relative = signature.relative
-            for piece in pieces:
-                signature.tokens.append(
-                    (
-                        "piece",
-                        position,
-                        updates and _steps_its_gradients_rect(piece.requirements),
-                        *(
-                            (
-                                req.tensor,
-                                req.privilege,
-                                relative(req.tensor, req.read_rect),
-                                relative(req.tensor, req.write_rect),
-                            )
-                            for req in piece.requirements
-                        ),
-                    )
-                )
+        for piece_set in event.mine.piece_sets:
+            slots, rows = _piece_rows(piece_set, slot_of, frames, updates, requirement_ids)
+            now.rows(slots, rows)
+        told_messages: dict[int, list[tuple]] = {}
         for message in event.messages:
             for rank in (message.src, message.dst):
-                signature = signatures.get(rank)
-                if signature is None:
+                slot = frames.slot.get(rank)
+                if slot is None:
                     continue
-                signature.messages.append(message)
-                signature.tokens.append(
+                messages[rank].append(message)
+                told_messages.setdefault(slot, []).append(
                     (
-                        "message",
-                        position,
                         message.src == rank,
                         message.dst == rank,
                         message.tensor,
-                        signature.relative(message.tensor, message.rect),
+                        frames.relative(slot, message.tensor, message.rect),
                         message.nbytes,
                         message.post_after,
                         message.reduce,
                     )
                 )
+        now.tokens(told_messages)
+        told_collectives: dict[int, list[tuple]] = {}
         for ordinal, (collective, sent) in enumerate(event.collectives):
             tensor = collective.reduction.tensor
             adding = collective.rounds.adding_sizes
             segment = hop_segment(collective.reduction.itemsize)
             for rank in collective.reduction.participants:
-                signature = signatures.get(rank)
-                if signature is None:
+                slot = frames.slot.get(rank)
+                if slot is None:
                     continue
-                signature.tokens.append(
+                told_collectives.setdefault(slot, []).append(
                     (
-                        "collective",
-                        position,
                         ordinal,
                         sent.get(rank, 0),
                         # the buffers its adding hops take (`buffers.step_slots`)
                         tuple(min(size, segment) for size in adding.get(rank, ())),
                         *(
-                            (signature.relative(tensor, rect), rank in holders)
+                            (frames.relative(slot, tensor, rect), rank in holders)
                             for rect, holders in collective.targets
                         ),
                     )
                 )
-        for tensor, layout in event.holdings.items():
-            for rank, signature in signatures.items():
-                held = layout.held_by(rank)
-                if held:
-                    signature.held(position, tensor, held)
-        if not settled():
+        now.tokens(told_collectives)
+        held(now, event.holdings)
+        told = now.settle(told)
+        if told.max(initial=0) + 1 > most:
             return None
     members: dict[int, list[int]] = defaultdict(list)
-    for rank, signature in signatures.items():
-        members[signature.told].append(rank)
-    return RankClasses(
-        {ranks[0]: ranks for ranks in members.values()},
-        {rank: s.frames for rank, s in signatures.items()},
-        {rank: s.messages for rank, s in signatures.items()},
+    for rank, found in zip(ranks, told.tolist()):
+        members[found].append(rank)
+    return RankClasses({group[0]: group for group in members.values()}, frames, messages)
+
+
+def _piece_rows(
+    piece_set: PieceSet,
+    slot_of: np.ndarray,
+    frames: _Frames,
+    updates: bool,
+    requirement_ids: dict[tuple, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """(the slot of each rank told a piece of `piece_set`, in the plan's order, and a row of
+    ints per such (piece, rank): the set's requirements (tensors and privileges), whether an
+    update steps its gradient's rect (`_steps_its_gradients_rect`), and each requirement's rect
+    relative to the rank's frame of its tensor)."""
+    counts = np.diff(piece_set.rank_ptr)
+    pieces = np.repeat(np.arange(len(piece_set), dtype=np.int64), counts)
+    ranks = piece_set.ranks.astype(np.int64)
+    inside = ranks < len(slot_of)
+    slots = np.full(len(ranks), -1, np.int64)
+    slots[inside] = slot_of[ranks[inside]]
+    keep = slots >= 0
+    if len(ranks) > 1:  # a rank twice among a piece's ranks is told the piece once
+        keep[1:] &= (pieces[1:] != pieces[:-1]) | (ranks[1:] != ranks[:-1])
+    pieces, slots = pieces[keep], slots[keep]
+    key = tuple((req.tensor, req.privilege, req.role) for req in piece_set.requirements)
+    columns = [
+        np.full((len(pieces), 1), requirement_ids.setdefault(key, len(requirement_ids)), np.int64)
+    ]
+    if updates:
+        columns.append(_steps_its_gradients_rect(piece_set, pieces)[:, None])
+    by_tensor: dict[str, list[int]] = defaultdict(list)
+    for j, req in enumerate(piece_set.requirements):
+        by_tensor[req.tensor].append(j)
+    relative: dict[int, np.ndarray] = {}
+    for tensor, slots_of_tensor in by_tensor.items():
+        # one tensor in several requirements: its rects told piece by piece, in their order
+        lo = np.stack([piece_set.req_lo[j][pieces] for j in slots_of_tensor], axis=1)
+        hi = np.stack([piece_set.req_hi[j][pieces] for j in slots_of_tensor], axis=1)
+        ndim = lo.shape[2]
+        rows = frames.relative_rows(
+            tensor,
+            np.repeat(slots, len(slots_of_tensor)),
+            lo.reshape(-1, ndim),
+            hi.reshape(-1, ndim),
+        ).reshape(len(pieces), len(slots_of_tensor), 2 * ndim)
+        for at, j in enumerate(slots_of_tensor):
+            relative[j] = rows[:, at]
+    columns += [relative[j] for j in range(len(piece_set.requirements))]
+    return slots, np.concatenate(columns, axis=1) if columns else np.zeros((len(slots), 0))
+
+
+def _held_cells(layout: Layout, slot_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the slot of each holder of each cell, cell by cell, and the cells' corners) of `layout`,
+    for the holders among the ranks told."""
+    if not len(layout.holder_ranks):
+        return np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64)
+    cells = np.repeat(np.arange(layout.ncells, dtype=np.int64), layout.holder_count)
+    coords = np.unravel_index(cells, boxes.grid_shape(layout.cut_arrays))
+    lo = np.stack([c[i] for c, i in zip(layout.cut_arrays, coords)], axis=1).astype(np.int64)
+    hi = np.stack([c[i + 1] for c, i in zip(layout.cut_arrays, coords)], axis=1).astype(np.int64)
+    ranks = layout.holder_ranks.astype(np.int64)
+    inside = ranks < len(slot_of)
+    slots = np.full(len(ranks), -1, np.int64)
+    slots[inside] = slot_of[ranks[inside]]
+    keep = slots >= 0
+    return slots[keep], lo[keep].reshape(int(keep.sum()), -1), hi[keep].reshape(int(keep.sum()), -1)
+
+
+def _steps_its_gradients_rect(piece_set: PieceSet, pieces: np.ndarray) -> np.ndarray:
+    """Per piece of an update, whether it steps the rect of its gradient it reads (1) or not
+    (0): the one comparison of rects of two tensors that fusing updates into their gradients'
+    kernels makes (`update_fusion.fuse_into_gradients`), so that it too is the same on every
+    rank of a class."""
+    roles = {req.role: j for j, req in enumerate(piece_set.requirements)}
+    params, gradient = roles.get("params"), roles.get("gradient")
+    if params is None or gradient is None:
+        return np.zeros(len(pieces), np.int64)
+    same = np.all(piece_set.req_lo[params] == piece_set.req_lo[gradient], axis=1) & np.all(
+        piece_set.req_hi[params] == piece_set.req_hi[gradient], axis=1
     )
-
-
-def _steps_its_gradients_rect(requirements) -> bool:
-    """Whether an update's piece steps the rect of its gradient it reads: the one comparison of
-    rects of two tensors that fusing updates into their gradients' kernels makes
-    (`update_fusion.fuse_into_gradients`), so that it too is the same on every rank of a class."""
-    by_role = {req.role: req for req in requirements}
-    params, gradient = by_role.get("params"), by_role.get("gradient")
-    return params is not None and gradient is not None and params.rect == gradient.rect
+    return same[pieces].astype(np.int64)
 
 
 class SharedPrograms(Mapping[int, RankProgram]):
@@ -286,7 +419,7 @@ def _moved(
 ) -> RankProgram:
     """`source`'s program as `rank`'s: its rects moved by the difference of the two ranks'
     frames, its messages `rank`'s own told at the same points, its pieces `rank`'s own."""
-    to, frames = classes.frames[rank], classes.frames[source.rank]
+    to, frames = classes.frames_of(rank), classes.frames_of(source.rank)
     offsets = {
         tensor: offset
         for tensor, frame in frames.items()

@@ -6,9 +6,10 @@ record, `Plan.written_by`), and the collectives with their schedules.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
@@ -16,7 +17,7 @@ from legion_nn.rect import Rect
 from partitioner.collectives import schedule, target_order
 from partitioner.layout import Layout
 from partitioner.machine import Machine
-from partitioner.pieces import Piece
+from partitioner.pieces import Piece, PieceSet
 from partitioner.plan import Plan
 from runtime.step.order import step_order
 from runtime.step.rank_program import STEP_START, Builder, Collective, Message, RankProgram
@@ -32,8 +33,8 @@ class TaskEvents:
     task: Task
     holdings: Mapping[str, Layout]
     deferred: Mapping[str, int]
-    #: per rank, its pieces of the task
-    mine: dict[int, list[Piece]]
+    #: per rank, its pieces of the task (`PiecesByRank`: made when first asked for)
+    mine: PiecesByRank
     #: the task's messages with an end among the ranks built, in sequence order
     messages: list[Message]
     #: the task's collectives, each with the bytes each participant's hops send
@@ -68,12 +69,7 @@ def task_events(
     events = []
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
-        # each rank's pieces found once, not by every rank scanning every piece
-        mine: dict[int, list[Piece]] = defaultdict(list)
-        for piece in task_plan.pieces:
-            for rank in dict.fromkeys(piece.ranks):
-                if rank in built:
-                    mine[rank].append(piece)
+        mine = PiecesByRank(task_plan.piece_sets, built)
         messages = []
         for transfer in task_plan.transfers:
             if transfer.src not in built and not any(d in built for d in transfer.dsts):
@@ -122,6 +118,83 @@ def task_events(
         for tensor, layout in task_plan.holdings.items():
             written[tensor] = (layout, plan.written_by[index][tensor].tolist())
     return events, seq
+
+
+class PiecesByRank:
+    """Each built rank's pieces of one task, in the plan's order: found for every rank at once
+    from the piece sets' arrays when first asked for, and each piece made only when a rank that
+    computes it is asked for. The ranks of a class of alike ranks are built once
+    (`rank_classes`), so most ranks' pieces are never made."""
+
+    def __init__(self, piece_sets: Sequence[PieceSet], built: set[int]) -> None:
+        self.piece_sets = piece_sets
+        self._built = built
+        #: per rank, its (set, piece) pairs in the plan's order
+        self._index: dict[int, list[tuple[int, int]]] | None = None
+        self._made: dict[tuple[int, int], Piece] = {}
+        self._made_of_set: dict[int, int] = {}
+        #: per set, its pieces made at once, once half of them were asked for one by one
+        self._whole: dict[int, list[Piece]] = {}
+        #: every built rank's pieces, where `make_every_rank` made them
+        self._every: dict[int, list[Piece]] | None = None
+
+    def _pairs(self) -> dict[int, list[tuple[int, int]]]:
+        if self._index is None:
+            sets, pieces, ranks = [], [], []
+            for k, piece_set in enumerate(self.piece_sets):
+                counts = np.diff(piece_set.rank_ptr)
+                sets.append(np.full(len(piece_set.ranks), k, np.int64))
+                pieces.append(np.repeat(np.arange(len(piece_set), dtype=np.int64), counts))
+                ranks.append(piece_set.ranks.astype(np.int64))
+            index: dict[int, list[tuple[int, int]]] = {}
+            if sets:
+                set_of, piece_of, rank_of = (np.concatenate(a) for a in (sets, pieces, ranks))
+                order = np.argsort(rank_of, kind="stable")  # the plan's order within a rank
+                for rank, k, i in zip(*(a[order].tolist() for a in (rank_of, set_of, piece_of))):
+                    if rank in self._built:
+                        pairs = index.setdefault(rank, [])
+                        if not pairs or pairs[-1] != (k, i):  # a rank twice among a piece's
+                            pairs.append((k, i))
+            self._index = index
+        return self._index
+
+    def _piece(self, k: int, i: int) -> Piece:
+        whole = self._whole.get(k)
+        if whole is not None:
+            return whole[i]
+        found = self._made.get((k, i))
+        if found is None:
+            piece_set = self.piece_sets[k]
+            made = self._made_of_set.get(k, 0)
+            if 2 * made >= len(piece_set) > 2:
+                self._whole[k] = piece_set.pieces()
+                return self._whole[k][i]
+            found = self._made[(k, i)] = piece_set.piece(i)
+            self._made_of_set[k] = made + 1
+        return found
+
+    def make_every_rank(self) -> None:
+        """Make every built rank's pieces now, all at once: where every rank is built, making
+        them piece by piece as asked for would cost more."""
+        by_rank: dict[int, list[Piece]] = {}
+        for piece_set in self.piece_sets:
+            for piece in piece_set.pieces():
+                for rank in dict.fromkeys(piece.ranks):
+                    if rank in self._built:
+                        by_rank.setdefault(rank, []).append(piece)
+        self._every = by_rank
+
+    def get(self, rank: int, default=()) -> list[Piece] | tuple:
+        if self._every is not None:
+            return self._every.get(rank, default)
+        pairs = self._pairs().get(rank)
+        if pairs is None:
+            return default
+        return [self._piece(k, i) for k, i in pairs]
+
+    def ranks(self) -> list[int]:
+        """The built ranks that compute some piece of the task."""
+        return list(self._pairs())
 
 
 def build_each(
