@@ -284,7 +284,7 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
 ):
     """`run_cluster_scaling` with the cluster, `bench machine` and the jobs faked: `train` gets
     the file's path, the rows its stem, and the prediction is `predict`'s for the file."""
-    from bench import cluster_scaling
+    from bench import cluster_matrix, cluster_scaling
     from bench.cluster_scaling import ONE_HOST, format_table, predict
     from bench.jobs import Job
     from partitioner.machine import Machine, load_machine
@@ -308,7 +308,7 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     monkeypatch.setattr(cluster_scaling, "measure_machine", fake_machine)
     monkeypatch.setattr(cluster_scaling, "best_jobs", fake_jobs)
     strategies = ["data", str(COLUMN_ROW)]
-    variants, cases = cluster_scaling.link_sweep(["1gbit"], [(MLP, 8)])
+    variants, cases = cluster_matrix.link_sweep(["1gbit"], [(MLP, 8)])
     report = cluster_scaling.run_cluster_scaling(2, variants, cases, strategies, 2)
     assert [s["strategy"] for s in ran] == ["data", str(COLUMN_ROW), "data"]
     assert [s["ranks"] for s in ran] == [2, 2, 1]
@@ -332,10 +332,10 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
     """Each variant builds its cluster with its options, once per link its cases need; the
     ranks follow its ranks per host; the summary gives the mean absolute error and, per case,
     whether the measured order of the strategies was predicted."""
-    from bench import cluster_scaling
+    from bench import cluster_matrix, cluster_scaling
     from bench.jobs import Job
     from partitioner.machine import load_machine
-    from runtime.cluster import LinkOptions
+    from runtime.cluster_links import LinkOptions
 
     built = []
 
@@ -368,7 +368,7 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
                   {"network": MLP, "batch": 16, "link": "500mbit"}],
         "strategies": ["data", "model", "auto"],
     }))  # fmt: skip
-    variants, cases, strategies = cluster_scaling.read_matrix(str(matrix))
+    variants, cases, strategies = cluster_matrix.read_matrix(str(matrix))
     report = cluster_scaling.run_cluster_scaling(2, variants, cases, strategies)
     nic = LinkOptions("egress", 256 * 1024, True)
     # nic at each case's link, then `two` once, its link replacing both cases'

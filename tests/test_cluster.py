@@ -20,7 +20,7 @@ import pytest
 
 from cli.main import main
 from legion_nn.errors import LegionNNError
-from runtime import cluster
+from runtime import cluster, cluster_links
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING = (
@@ -57,13 +57,13 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     [("1gbit", 1e9), ("500mbit", 5e8), ("6.5Gbit", 6.5e9), ("100kbps", 8e5), ("unlimited", None)],
 )
 def test_rates_parse_as_tc_writes_them(text, bits):
-    assert cluster.parse_rate(text) == bits
+    assert cluster_links.parse_rate(text) == bits
 
 
 @pytest.mark.parametrize("text", ["fast", "1gb", "0gbit", "-1mbit", ""])
 def test_a_bad_rate_is_one_line_naming_the_flag(text):
     with pytest.raises(LegionNNError, match="--link: expected a rate"):
-        cluster.parse_rate(text)
+        cluster_links.parse_rate(text)
 
 
 def test_ranks_are_placed_in_blocks_and_hosts_get_their_own_cores():
@@ -217,11 +217,11 @@ def test_run_on_a_cluster_refuses_the_options_that_build_one(monkeypatch, capsys
 
 
 def test_the_burst_defaults_to_fifty_microseconds_of_the_rate_and_two_segments():
-    plain, offload = cluster.LinkOptions(), cluster.LinkOptions(offload=True)
+    plain, offload = cluster_links.LinkOptions(), cluster_links.LinkOptions(offload=True)
     assert plain.burst_for(1e9) == 32 * 1024 and offload.burst_for(1e9) == 128 * 1024
     assert plain.burst_for(40e9) == int(40e9 / 8 * 50e-6)
-    assert cluster.LinkOptions(burst_bytes=300_000).burst_for(1e9) == 300_000
-    assert cluster.parse_size("256k") == cluster.parse_size("256KiB") == 262144
+    assert cluster_links.LinkOptions(burst_bytes=300_000).burst_for(1e9) == 300_000
+    assert cluster_links.parse_size("256k") == cluster_links.parse_size("256KiB") == 262144
 
 
 def _qdiscs(namespace: str, device: str) -> str:

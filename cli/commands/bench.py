@@ -263,8 +263,9 @@ def _machine(args: argparse.Namespace, say) -> int:
 
 
 def _cluster_scaling(args: argparse.Namespace, say) -> int:
+    from bench import cluster_matrix
     from bench import cluster_scaling as bench_cluster
-    from runtime import cluster
+    from runtime import cluster, cluster_links
     from visualize.render_file import check_plot, write_figure
 
     if (args.link is None) == (args.matrix is None):
@@ -276,13 +277,13 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
         for flag, value in (("--network", args.network), ("--batch", args.batch)):
             if value is not None:
                 raise LegionNNError(f"{flag}: a matrix names its cases (--matrix)")
-        variants, cases, listed = bench_cluster.read_matrix(args.matrix)
+        variants, cases, listed = cluster_matrix.read_matrix(args.matrix)
         if listed is not None and args.strategies is None:
             strategies = bench_cluster.parse_strategies(",".join(listed))
     else:
         links = [link.strip() for link in args.link.split(",") if link.strip()]
         for link in links:
-            cluster.parse_rate(link)
+            cluster_links.parse_rate(link)
         if args.network is not None:
             from legion_nn.networks import load_network
 
@@ -292,7 +293,7 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
             if args.batch is not None:
                 raise LegionNNError("--batch with scaling --hosts needs --network")
             pairs = bench_cluster.DEFAULT_CASES
-        variants, cases = bench_cluster.link_sweep(links, pairs)
+        variants, cases = cluster_matrix.link_sweep(links, pairs)
     if args.strategies is not None:
         strategies = bench_cluster.parse_strategies(args.strategies)
         bench_cluster.check_strategies(

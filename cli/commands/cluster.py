@@ -63,9 +63,11 @@ _BUILD_FLAGS = (("--shaping", "shaping"), ("--burst", "burst"), ("--offload", "o
 
 
 def _options(args: argparse.Namespace, link: float | None):
-    from runtime import cluster
+    from runtime import cluster_links
 
-    return cluster.link_options(link, args.shaping, args.burst, args.offload, args.cores_per_host)
+    return cluster_links.link_options(
+        link, args.shaping, args.burst, args.offload, args.cores_per_host
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from functools import partial
 
     from legion_nn.errors import LegionNNError
-    from runtime import cluster
+    from runtime import cluster, cluster_links
     from runtime.restarts import check_restartable, run_with_restarts
 
     command = args.cluster_command
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             removed = cluster.down(name)
             print(f"{name}: removed {len(removed)} namespace(s)")
         return 0
-    link = cluster.parse_rate(args.link)
+    link = cluster_links.parse_rate(args.link)
     if command == "up":
         made = cluster.up(args.name, args.hosts, link, _options(args, link))
         print(f"{made.name}: {made.describe()}")
