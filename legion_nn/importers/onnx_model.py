@@ -68,20 +68,15 @@ from legion_nn.importers.onnx_graph import (
     node_attributes,
     sample_shape,
 )
+from legion_nn.importers.onnx_image import ImageOps
 from legion_nn.importers.onnx_sequence import SequenceOps
 from legion_nn.layers import (
-    LRN,
     Add,
-    AvgPool,
-    BatchNorm,
     Concat,
-    Conv,
     Dropout,
     Evaluate,
     FilterNL,
     Flatten,
-    Linear,
-    MaxPool,
     Reshape,
     Softmax,
 )
@@ -158,7 +153,7 @@ def load_onnx(path: str | Path) -> Network:
     return _Reader(path, model, constants, folded).read()
 
 
-class _Reader(ChannelOps, SequenceOps):
+class _Reader(ImageOps, ChannelOps, SequenceOps):
     def __init__(self, path: Path, model, constants: dict[str, np.ndarray], folded: Folded) -> None:
         self.path, self.model, self.constants = path, model, constants
         self.aliases = initializer_aliases(model.graph)
@@ -358,61 +353,10 @@ class _Reader(ChannelOps, SequenceOps):
 
     def _node(self, node, index: int, last: bool) -> None:
         op, attrs, name = node.op_type, node_attributes(node), layer_name(node, index)
-        if op == "Conv":
-            self._conv(node, attrs, name)
-        elif op == "Gemm":
-            if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
-                raise self.fail(node, "alpha and beta other than 1 are not supported")
-            if attrs.get("transA", 0):
-                raise self.fail(node, "transA is not supported")
-            weights = self.constants[node.input[1]]
-            weights = weights if attrs.get("transB", 0) else weights.T
-            bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-            self._linear(node, weights, bias, index)
-        elif op == "MatMul":
-            self._linear(node, self.constants[node.input[1]].T, None, index)
-        elif op in NONLINEAR:
+        if self._image_node(node, attrs, name, index):
+            return
+        if op in NONLINEAR:
             self._add(FilterNL(name, fn=NONLINEAR[op]))
-        elif op == "MaxPool":
-            self._window_checks(node, attrs)
-            kernel = tuple(attrs["kernel_shape"])
-            self._add(
-                MaxPool(
-                    name,
-                    kernel=kernel,
-                    stride=tuple(attrs.get("strides", kernel)),
-                    pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
-                )
-            )
-        elif op == "AveragePool":
-            self._window_checks(node, attrs)
-            if attrs.get("count_include_pad", 0) and any(attrs.get("pads", [0])):
-                raise self.fail(node, "count_include_pad 1 with pads is not supported")
-            kernel = tuple(attrs["kernel_shape"])
-            self._add(
-                AvgPool(
-                    name,
-                    kernel=kernel,
-                    stride=tuple(attrs.get("strides", [1, 1])),
-                    pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
-                )
-            )
-        elif op == "GlobalAveragePool":
-            self._add(AvgPool(name, kernel=self.shape[1:], stride=1))
-        elif op == "BatchNormalization":
-            scale, bias, mean, var = (self.constants[i] for i in node.input[1:5])
-            layer = BatchNorm(
-                name,
-                spatial=True,
-                eps=float(attrs.get("epsilon", 1e-5)),
-                momentum=float(attrs.get("momentum", 0.9)),
-            )
-            self._add(layer)
-            per = (1, len(scale), 1, 1)
-            self._param(f"{name}.gamma", node.input[1], scale.reshape(per))
-            self._param(f"{name}.beta", node.input[2], bias.reshape(per))
-            running = np.stack((mean, var)).reshape((2, len(mean), 1, 1)).astype(np.float64)
-            self.initial[f"{name}.running"] = running
         elif op == "Dropout":
             ratio = attrs.get("ratio", 0.5)
             if len(node.input) > 1 and node.input[1] in self.constants:
@@ -424,16 +368,6 @@ class _Reader(ChannelOps, SequenceOps):
             self._add(Flatten(name))
         elif op == "Reshape":
             self._add(Reshape(name, shape=self._reshaped(node)))
-        elif op == "LRN":
-            self._add(
-                LRN(
-                    name,
-                    size=int(attrs["size"]),
-                    alpha=float(attrs.get("alpha", 1e-4)),
-                    beta=float(attrs.get("beta", 0.75)),
-                    bias=float(attrs.get("bias", 1.0)),
-                )
-            )
         elif op == "Identity":
             return
         elif op in ("Softmax", "LogSoftmax"):
@@ -442,58 +376,6 @@ class _Reader(ChannelOps, SequenceOps):
             self._add(Softmax(name), Evaluate(name))
         else:
             raise self.fail(node, f"op not supported; supported: {', '.join(SUPPORTED)}")
-
-    def _window_checks(self, node, attrs: dict) -> None:
-        if attrs.get("ceil_mode", 0) or any(d != 1 for d in attrs.get("dilations", [1, 1])):
-            raise self.fail(node, "ceil_mode and dilations are not supported")
-        self._explicit_pads(node, attrs)
-
-    def _explicit_pads(self, node, attrs: dict) -> None:
-        if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-            raise self.fail(node, "auto_pad is not supported; give pads")
-
-    def _conv(self, node, attrs: dict, name: str) -> None:
-        if any(d != 1 for d in attrs.get("dilations", [1, 1])):
-            raise self.fail(node, "dilated Conv is not supported")
-        self._explicit_pads(node, attrs)
-        strides = attrs.get("strides", [1, 1])
-        if len(set(strides)) != 1:
-            raise self.fail(node, f"strides {list(strides)} differ; legion-nn needs one stride")
-        weights = self.constants[node.input[1]]
-        if weights.ndim != 4:
-            raise self.fail(node, "only 2-D convolutions are supported")
-        k, c, r, s = weights.shape
-        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        layer = Conv(
-            name,
-            out_channels=k,
-            kernel=(r, s),
-            stride=int(strides[0]),
-            pad=_pads(attrs.get("pads", [0, 0, 0, 0])),
-            bias=bias is not None,
-            groups=int(attrs.get("group", 1)),
-        )
-        self._add(layer)
-        self._param(f"{name}.W", node.input[1], weights.reshape(k, 1, 1, c, r, s, 1, 1))
-        if bias is not None:
-            self._param(f"{name}.b", bias, self.constants[bias].reshape(1, k, 1, 1))
-
-    def _linear(self, node, weights: np.ndarray, bias: str | None, index: int) -> None:
-        """A linear layer of `weights` (M, K) over a flat input of K features."""
-        name = layer_name(node, index)
-        self.linear_count += 1
-        out, features = weights.shape
-        self._add(Linear(name, out=out, bias=bias is not None))
-        self._param(
-            f"{name}.weights{self.linear_count}",
-            node.input[1],
-            np.ascontiguousarray(weights).reshape(out, features, 1, 1),
-        )
-        if bias is not None:
-            value = self.constants[bias].reshape(-1)
-            if value.size != out:
-                raise self.fail(node, f"bias of {value.size} values for {out} outputs")
-            self._param(f"{name}.b{self.linear_count}", bias, value.reshape(1, out, 1, 1))
 
     def _reshaped(self, node) -> tuple[int, int, int]:
         target = self.constants.get(node.input[1])
@@ -520,9 +402,3 @@ def _output_shape(value) -> tuple[int, ...]:
     if not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
         return ()
     return tuple(int(d.dim_value) for d in dims)
-
-
-def _pads(pads) -> list[int]:
-    """ONNX pads (top, left, bottom, right) as legion-nn's [top, bottom, left, right]."""
-    top, left, bottom, right = (int(p) for p in pads)
-    return [top, bottom, left, right]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from runtime.step.wake_heap import HELPER, pop_earliest, wake
+
 #: the instructions' codes (`compiled`'s module docstring)
 ADD, SYNC, POST, WAIT, START, COMPLETE, PROGRESS, COMPUTE = range(8)
 #: `awaited`'s bits: a blocked rank waits for the transfer as its source, as its destination
@@ -19,8 +21,7 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 # compiled without Numba's reference counting (`_nrt=False`, as numba/numba#2350 does): they
 # allocate nothing and hold no array beyond the call, and the counts Numba emits for arrays
 # used across branches, which its pruning pass cannot pair, were 90% of the loop's time (an
-# atomic add and subtract per array per call).
-_helper = njit(cache=True, _nrt=False)
+# atomic add and subtract per array per call). They are compiled as `HELPER` says.
 #   net: src, dst, nbytes, host, egress_rank, ingress_rank, egress_host, ingress_host, ended,
 #        scheduled, send_posted, recv_posted, tokens_out, tokens_in (each host's burst left),
 #        awaited (per transfer, which of its blocked ends wait for it to be scheduled),
@@ -38,65 +39,7 @@ _helper = njit(cache=True, _nrt=False)
 #           with rounds left to post), live_count
 
 
-@_helper
-def _before(time, order, a, b):
-    return time[a] < time[b] or (time[a] == time[b] and order[a] < order[b])
-
-
-@_helper
-def _swap(time, order, rank, a, b):
-    time[a], time[b] = time[b], time[a]
-    order[a], order[b] = order[b], order[a]
-    rank[a], rank[b] = rank[b], rank[a]
-
-
-@_helper
-def _wake(heap, rank, at):
-    """`_Simulator._wake`: one live wake per rank; superseded ones stay in the heap."""
-    wake_at, state = heap[0], heap[4]
-    if at < wake_at[rank]:
-        wake_at[rank] = at
-        n = state[0]
-        if n >= len(heap[1]):
-            raise RuntimeError("step simulation: event heap overflow")
-        heap[1][n], heap[2][n], heap[3][n] = at, state[1], rank
-        state[0] = n + 1
-        state[1] += 1
-        while n > 0:
-            parent = (n - 1) // 2
-            if _before(heap[1], heap[2], n, parent):
-                _swap(heap[1], heap[2], heap[3], n, parent)
-                n = parent
-            else:
-                break
-
-
-@_helper
-def _pop(heap):
-    """The earliest wake (time, rank), by time and then the order they were made."""
-    time, order, ranks, state = heap[1], heap[2], heap[3], heap[4]
-    at, rank = time[0], ranks[0]
-    n = state[0] - 1
-    state[0] = n
-    if n > 0:
-        _swap(time, order, ranks, 0, n)
-        i = 0
-        while True:
-            left = 2 * i + 1
-            if left >= n:
-                break
-            child = left
-            if left + 1 < n and _before(time, order, left + 1, left):
-                child = left + 1
-            if _before(time, order, child, i):
-                _swap(time, order, ranks, child, i)
-                i = child
-            else:
-                break
-    return at, rank
-
-
-@_helper
+@HELPER
 def _schedule(net, prices, blocked, heap, t, ready):
     src, dst, nbytes, host = net[0], net[1], net[2], net[3]
     s, d = src[t], dst[t]
@@ -150,12 +93,12 @@ def _schedule(net, prices, blocked, heap, t, ready):
             unscheduled[d] -= 1
             pending_end[d] = max(pending_end[d], end)
     if blocked[s]:
-        _wake(heap, s, end)
+        wake(heap, s, end)
     if blocked[d]:
-        _wake(heap, d, end)
+        wake(heap, d, end)
 
 
-@_helper
+@HELPER
 def _post(net, prices, blocked, heap, rank, t, now):
     if rank == net[0][t]:
         net[10][t] = True
@@ -165,7 +108,7 @@ def _post(net, prices, blocked, heap, rank, t, now):
         _schedule(net, prices, blocked, heap, t, now)
 
 
-@_helper
+@HELPER
 def _round_end(keys, ended, scheduled, lo, hi):
     """When the last of keys[lo:hi] ends, or -1.0 while one is not scheduled."""
     latest = 0.0
@@ -177,7 +120,7 @@ def _round_end(keys, ended, scheduled, lo, hi):
     return latest
 
 
-@_helper
+@HELPER
 def _post_round(net, prices, ranks, heap, rounds, rank, instance):
     keys, first, count, round_lo, round_hi, current = (
         rounds[0],
@@ -197,7 +140,7 @@ def _post_round(net, prices, ranks, heap, rounds, rank, instance):
         _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
 
 
-@_helper
+@HELPER
 def _advance(net, prices, ranks, heap, rounds, rank):
     """`_Simulator._advance`: post the next round of each collective whose round has ended, in
     the order they started. A collective whose rounds are all posted leaves the rank's live
@@ -225,7 +168,7 @@ def _advance(net, prices, ranks, heap, rounds, rank):
     live_count[rank] = kept
 
 
-@_helper
+@HELPER
 def _next_round_end(net, ranks, rounds, rank):
     keys, first, round_lo, round_hi = rounds[0], rounds[1], rounds[3], rounds[4]
     current, instances_of, live, live_count = rounds[6], rounds[8], rounds[11], rounds[12]
@@ -242,7 +185,7 @@ def _next_round_end(net, ranks, rounds, rank):
     return best
 
 
-@_helper
+@HELPER
 def _stretched(net, prices, rank, begin, seconds, slowdown):
     """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
     network stack's CPU for the bytes of the rank's transfers between hosts on the wire
@@ -289,7 +232,7 @@ def _stretched(net, prices, rank, begin, seconds, slowdown):
         low = high
 
 
-@_helper
+@HELPER
 def _poll(net, prices, ranks, heap, rounds, rank, now):
     """`_Simulator._poll`; True where the wait is over (the caller runs the rank on). The keys
     still awaited are counted, not rescanned: a key once ended by a rank's clock stays ended,
@@ -308,15 +251,15 @@ def _poll(net, prices, ranks, heap, rounds, rank, now):
     end = pending_end[rank] if unscheduled[rank] == 0 else -1.0
     later = _next_round_end(net, ranks, rounds, rank)
     if end >= 0.0 and later >= 0.0:
-        _wake(heap, rank, min(end, later))
+        wake(heap, rank, min(end, later))
     elif end >= 0.0:
-        _wake(heap, rank, end)
+        wake(heap, rank, end)
     elif later >= 0.0:
-        _wake(heap, rank, later)
+        wake(heap, rank, later)
     return False
 
 
-@_helper
+@HELPER
 def _block(net, prices, ranks, heap, rounds, rank, lo, hi):
     """Wait for keys[lo:hi]: True where that is over at once. A key not yet scheduled is
     marked as awaited by this end of it, for `_schedule` to count off."""
@@ -339,7 +282,7 @@ def _block(net, prices, ranks, heap, rounds, rank, lo, hi):
     return _poll(net, prices, ranks, heap, rounds, rank, ranks[0][rank])
 
 
-@_helper
+@HELPER
 def _run(program, net, prices, ranks, heap, rounds, rank):
     """`_Simulator._run`: go on with `rank` at its clock until it waits, syncs or ends."""
     ops, op_ptr, amounts, pc, completing, done, finish = program
@@ -358,7 +301,7 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
             pc[rank] = p + 1
         elif code == SYNC:
             pc[rank] = p + 1
-            _wake(heap, rank, clock[rank])
+            wake(heap, rank, clock[rank])
             return
         elif code == POST:
             for k in range(a, b):
@@ -502,10 +445,10 @@ def run_step(
         finish,
     )
     for rank in range(nranks):
-        _wake(heap, rank, 0.0)
+        wake(heap, rank, 0.0)
     wake_at = heap[0]
     while heap[4][0] > 0:
-        at, rank = _pop(heap)
+        at, rank = pop_earliest(heap)
         if wake_at[rank] != at:
             continue
         wake_at[rank] = np.inf
