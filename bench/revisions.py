@@ -59,10 +59,17 @@ def _run(tree: Path, command: Sequence[str], timeout: float = 1800) -> None:
         sys.exit(f"bench revisions: {' '.join(command[:6])} ... in {tree} failed: {last}")
 
 
+def command_line(tree: Path) -> list[str]:
+    """`legion-nn` as the tree's own module runs it: `cli` since the command line became its own
+    package, `legion_nn.cli` before."""
+    module = "cli" if (tree / "cli" / "main.py").exists() else "legion_nn.cli"
+    return [sys.executable, "-m", module]
+
+
 def _train(tree: Path, ranks: int | None, arguments: Sequence[str], log: Path) -> list[dict]:
     launcher = ["mpiexec", "-n", str(ranks)] if ranks is not None else []
     command = [
-        *launcher, sys.executable, "-m", "cli", "train",
+        *launcher, *command_line(tree), "train",
         *arguments, "--no-progress", "--log-json", str(log),
     ]  # fmt: skip
     _run(tree, command)
@@ -87,7 +94,7 @@ def step_seconds(tree: Path, work: Path, job: tuple) -> float:
 
 def kernel_rates(tree: Path, work: Path) -> dict:
     out = work / "kernels.json"
-    command = [sys.executable, "-m", "cli", "bench", "kernels", "--quiet"]
+    command = [*command_line(tree), "bench", "kernels", "--quiet"]
     _run(tree, [*command, "--impl", "legion-nn", "--json", str(out)], timeout=3600)
     report = json.loads(out.read_text())
     rates = {"sgemm": report["sgemm_gflops"]}
