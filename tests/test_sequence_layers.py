@@ -238,6 +238,39 @@ def test_products_of_two_activations_are_within_their_error_bound():
         assert_product_close(dc[n, h], a[n, h].T, dy[n, h])
 
 
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_products_written_in_place_or_added_equal_those_returned(transpose_b):
+    a = RNG.standard_normal((2, 3, 4, 5))
+    b = RNG.standard_normal((2, 3, 6, 5) if transpose_b else (2, 3, 5, 6))
+    alone = matmul_forward(a, b, transpose_b, 0.3)
+    out = np.full_like(alone, np.nan)
+    assert matmul_forward(a, b, transpose_b, 0.3, out=out) is out
+    np.testing.assert_array_equal(out, alone)
+    held = RNG.standard_normal(alone.shape)
+    out = held.copy()
+    matmul_forward(a, b, transpose_b, 0.3, out=out, add=True)
+    dy = RNG.standard_normal(alone.shape)
+    da, db = matmul_backward(dy, a, b, transpose_b, 0.3)
+    held_a, held_b = RNG.standard_normal(a.shape), RNG.standard_normal(b.shape)
+    into_a, into_b = held_a.copy(), held_b.copy()
+    got = matmul_backward(
+        dy, a, b, transpose_b, 0.3, da=into_a, add_da=True, db=into_b, add_db=True
+    )
+    assert got[0] is into_a and got[1] is into_b
+    for n, h in np.ndindex(2, 3):
+        right = b[n, h].T if transpose_b else b[n, h]
+        # each product summed onto what its buffer held: within the product's own bound
+        assert_product_close(out[n, h], 0.3 * a[n, h], right, held[n, h])
+        assert_product_close(into_a[n, h], dy[n, h], 0.3 * right.T, held_a[n, h])
+        left, other = (dy[n, h].T, 0.3 * a[n, h]) if transpose_b else (0.3 * a[n, h].T, dy[n, h])
+        assert_product_close(into_b[n, h], left, other, held_b[n, h])
+    fresh_a, fresh_b = np.full_like(da, np.nan), np.full_like(db, np.nan)
+    matmul_backward(dy, a, b, transpose_b, 0.3, need_db=False, da=fresh_a)
+    matmul_backward(dy, a, b, transpose_b, 0.3, need_da=False, db=fresh_b)
+    np.testing.assert_array_equal(fresh_a, da)
+    np.testing.assert_array_equal(fresh_b, db)
+
+
 @pytest.mark.parametrize("first_row", [0, 2])
 def test_causal_row_softmax_matches_numpy_and_central_differences(first_row):
     x = RNG.standard_normal((2, 2, 3, 6)) * 2

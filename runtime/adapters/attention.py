@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from legion_nn.layers.merge import input_role
-from runtime.adapters.registry import adapter
+from runtime.adapters.registry import adapter, in_place
 from runtime.kernels import attention
 
 
@@ -69,16 +69,24 @@ def _merge_grad(task, piece, views, dims, ctx):
 
 @adapter("matmul.forward")
 def _matmul(task, piece, views, dims, ctx):
-    out = attention.matmul_forward(
-        views[input_role(0)], views[input_role(1)], task.attrs["transpose_b"], task.attrs["scale"]
+    y, add = in_place(task, views, ctx, "output")
+    found = attention.matmul_forward(
+        views[input_role(0)],
+        views[input_role(1)],
+        task.attrs["transpose_b"],
+        task.attrs["scale"],
+        out=y,
+        add=add,
     )
-    return {"output": out}
+    return {} if y is not None else {"output": found}
 
 
 @adapter("matmul.backward")
 def _matmul_grad(task, piece, views, dims, ctx):
     a_grad, b_grad = f"{input_role(0)}.delta", f"{input_role(1)}.delta"
-    da, db = attention.matmul_backward(
+    da, add_da = in_place(task, views, ctx, a_grad)
+    db, add_db = in_place(task, views, ctx, b_grad)
+    got_da, got_db = attention.matmul_backward(
         views["output.delta"],
         views[input_role(0)],
         views[input_role(1)],
@@ -86,8 +94,13 @@ def _matmul_grad(task, piece, views, dims, ctx):
         task.attrs["scale"],
         need_da=a_grad in views,
         need_db=b_grad in views,
+        da=da,
+        add_da=add_da,
+        db=db,
+        add_db=add_db,
     )
-    return {role: g for role, g in ((a_grad, da), (b_grad, db)) if g is not None}
+    found = {a_grad: got_da if da is None else None, b_grad: got_db if db is None else None}
+    return {role: g for role, g in found.items() if g is not None}
 
 
 @adapter("row_softmax.forward")

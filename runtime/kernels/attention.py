@@ -30,20 +30,41 @@ def _batched(kernels, a, a_rs, a_cs, b, c, accumulate):
                    i * m * n, n)  # fmt: skip
 
 
-def _product(a: np.ndarray, transpose_a: bool, b: np.ndarray, out: np.ndarray) -> None:
-    """out[i] = op(a[i])·b[i] over the leading dims, each operand made C-contiguous."""
+def _product(
+    a: np.ndarray, transpose_a: bool, b: np.ndarray, out: np.ndarray, add: bool = False
+) -> None:
+    """out[i] (+)= op(a[i])·b[i] over the leading dims, each operand made C-contiguous; `out`
+    is C-contiguous."""
     rows, columns = out.shape[-2:]
     depth = b.shape[-2]
     batch = out.size // max(rows * columns, 1)
     a3 = np.ascontiguousarray(a).reshape(batch, -1)
     strides = (1, rows) if transpose_a else (depth, 1)
     b3 = np.ascontiguousarray(b).reshape(batch, depth, columns)
-    _batched(kernels(out.dtype), a3, *strides, b3, out.reshape(batch, rows, columns), False)
+    _batched(kernels(out.dtype), a3, *strides, b3, out.reshape(batch, rows, columns), add)
 
 
-def _swapped(a: np.ndarray) -> np.ndarray:
-    """The last two dims of `a` swapped, C-contiguous (one copy for every head)."""
-    return np.ascontiguousarray(np.swapaxes(a, -1, -2))
+def _swapped(a: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """scale · `a` with its last two dims swapped, C-contiguous (one pass for every head)."""
+    return _scaled(np.swapaxes(a, -1, -2), scale)
+
+
+def _scaled(a: np.ndarray, scale: float) -> np.ndarray:
+    """scale · `a`, C-contiguous, in one pass (`a` itself where it is so and scale is 1): the
+    products take their scale on an operand of T·D elements rather than on T·T scores."""
+    if scale == 1.0:
+        return np.ascontiguousarray(a)
+    return np.multiply(a, a.dtype.type(scale), out=np.empty(a.shape, a.dtype))
+
+
+def _target(out: np.ndarray | None, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
+    """`out` (C-contiguous, of `shape` and `like`'s dtype), or a new array."""
+    if out is None:
+        return np.empty(shape, like.dtype)
+    _checks.shape("out", out, shape)
+    _checks.same_dtype("out", out, "a", like)
+    _checks.c_contiguous("out", out)
+    return out
 
 
 def _check(a: np.ndarray, b: np.ndarray, transpose_b: bool) -> tuple[int, int, int]:
@@ -58,15 +79,21 @@ def _check(a: np.ndarray, b: np.ndarray, transpose_b: bool) -> tuple[int, int, i
 
 
 def matmul_forward(
-    a: np.ndarray, b: np.ndarray, transpose_b: bool = False, scale: float = 1.0
+    a: np.ndarray,
+    b: np.ndarray,
+    transpose_b: bool = False,
+    scale: float = 1.0,
+    out: np.ndarray | None = None,
+    add: bool = False,
 ) -> np.ndarray:
-    """out (N, H, I, J) = scale · a·b, or scale · a·bᵀ with `transpose_b`."""
+    """out (N, H, I, J) = (scale · a)·b, or (scale · a)·bᵀ with `transpose_b`; into `out` where
+    given, or added to what it holds with `add`."""
     rows, columns, _ = _check(a, b, transpose_b)
-    out = np.empty(a.shape[:2] + (rows, columns), a.dtype)
-    _product(a, False, _swapped(b) if transpose_b else b, out)
-    if scale != 1.0:
-        out *= scale
-    return out
+    target = _target(out, a.shape[:2] + (rows, columns), a)
+    _product(
+        _scaled(a, scale), False, _swapped(b) if transpose_b else b, target, add and out is not None
+    )
+    return target
 
 
 def matmul_backward(
@@ -77,24 +104,32 @@ def matmul_backward(
     scale: float = 1.0,
     need_da: bool = True,
     need_db: bool = True,
+    da: np.ndarray | None = None,
+    add_da: bool = False,
+    db: np.ndarray | None = None,
+    add_db: bool = False,
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(da, db) of `matmul_forward`: da = scale·dy·b'ᵀ, and db = scale·aᵀ·dy (b = scale·dyᵀ·a
-    with `transpose_b`)."""
+    """(da, db) of `matmul_forward`: da = dy·(scale · b')ᵀ, and db = (scale · a)ᵀ·dy (b =
+    dyᵀ·(scale · a) with `transpose_b`); each into its given array, or added to it with its
+    `add_*`."""
     rows, columns, _ = _check(a, b, transpose_b)
     _checks.floating("dy", dy, 4)
     _checks.shape("dy", dy, a.shape[:2] + (rows, columns))
     _checks.same_dtype("dy", dy, "a", a)
-    g = dy * scale if scale != 1.0 else dy
-    da = db = None
     if need_da:
-        da = np.empty(a.shape, a.dtype)
-        _product(g, False, b if transpose_b else _swapped(b), da)
+        right = _scaled(b, scale) if transpose_b else _swapped(b, scale)
+        given, da = da is not None, _target(da, a.shape, a)
+        _product(dy, False, right, da, add_da and given)
+    else:
+        da = None
     if need_db:
-        db = np.empty(b.shape, b.dtype)
+        given, db = db is not None, _target(db, b.shape, b)
         if transpose_b:
-            _product(g, True, a, db)
+            _product(dy, True, _scaled(a, scale), db, add_db and given)
         else:
-            _product(a, True, g, db)
+            _product(_scaled(a, scale), True, dy, db, add_db and given)
+    else:
+        db = None
     return da, db
 
 
