@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from runtime.step import buffers
 from runtime.step.buffers import (
     _COLOUR_STEP,
     COLOURED,
@@ -100,6 +101,33 @@ def test_placement_is_first_fit(case):
         (s.nbytes, s.first, s.last) for s in sorted(slots, key=lambda s: (-s.nbytes, s.first))
     )
     assert _placement.__wrapped__(order) == _first_fit(order)
+
+
+@settings(max_examples=300, deadline=None)
+@given(slot_sets())
+@example(_ALIGNED_PAST_ITS_GAP)
+def test_the_compiled_placement_is_first_fit(case):
+    slots, _ = case
+    order = tuple(
+        (s.nbytes, s.first, s.last) for s in sorted(slots, key=lambda s: (-s.nbytes, s.first))
+    )
+    table = np.asarray(order, np.int64).reshape(-1, 3)
+    starts, size = buffers._first_fit(table, LINE, PAGE, COLOURED, _COLOUR_STEP)
+    assert (starts.tolist(), int(size)) == _first_fit(order)
+
+
+def test_many_slots_are_placed_by_the_compiled_scan_as_by_numpy(monkeypatch):
+    rng = np.random.default_rng(3)
+    count = buffers.COMPILED_FROM + 500
+    first = rng.integers(0, 400, count)
+    last = first + rng.integers(0, 60, count)
+    nbytes = np.where(rng.random(count) < 0.2, rng.integers(65_536, 2**22, count),
+                      rng.integers(1, 65_536, count))  # fmt: skip
+    order = tuple(sorted(zip(nbytes.tolist(), first.tolist(), last.tolist()),
+                         key=lambda s: (-s[0], s[1])))  # fmt: skip
+    compiled = _placement.__wrapped__(order)
+    monkeypatch.setattr(buffers, "COMPILED_FROM", count + 1)
+    assert _placement.__wrapped__(order) == compiled
 
 
 def test_an_arena_view_writes_only_its_slot():
