@@ -178,6 +178,26 @@ def micro_batches(args: argparse.Namespace) -> int | None:
 PARAM_HOMES = ("replicated", "sharded")
 
 
+def add_stall_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """`--stall-timeout S`: how long a rank waits for the others before it ends the job."""
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="end the job when a rank waits S seconds for others (default 60)",
+    )
+
+
+def stall_timeout(args: argparse.Namespace) -> float:
+    """`--stall-timeout`, checked to be positive."""
+    from legion_nn.errors import LegionNNError
+
+    if not args.stall_timeout > 0:
+        raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
+    return args.stall_timeout
+
+
 def add_homes_argument(parser: argparse.ArgumentParser) -> None:
     """`--param-homes`: where parameters, their gradients and optimizer state live."""
     parser.add_argument(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli.commands import DTYPES
+from cli.commands import DTYPES, add_stall_timeout_argument, stall_timeout
 
 NAME = "predict"
 HELP = "run a model's forward pass over the samples of an .npz file and write its outputs"
@@ -42,13 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--machine", metavar="F", help="machine JSON for auto's cost model (see partition)"
     )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="end the job when a rank waits S seconds for others (default 60)",
-    )
+    add_stall_timeout_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,8 +77,7 @@ def _job(args: argparse.Namespace):
 
     if args.batch < 1:
         raise LegionNNError(f"--batch must be at least 1, got {args.batch}")
-    if not args.stall_timeout > 0:
-        raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
+    stall_timeout(args)
     folder = Path(args.output).parent
     if not folder.is_dir():  # found now, not after every batch has run
         raise LegionNNError(f"--output {args.output}: no directory {str(folder)!r} to write it in")

@@ -17,9 +17,11 @@ from cli.commands import (
     AUTO_STAGES,
     LR_SCHEDULES,
     add_homes_argument,
+    add_stall_timeout_argument,
     add_step_arguments,
     micro_batches,
     schedule,
+    stall_timeout,
     step_shape,
 )
 
@@ -143,13 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="check each rank's plan (coverage, producers, messages) before it runs",
     )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="end the job when a rank waits S seconds for others (default 60)",
-    )
+    add_stall_timeout_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,13 +183,12 @@ def _config(args: argparse.Namespace):
     if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
         raise LegionNNError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
     lr_schedule = LRSchedule(args.lr_schedule, args.warmup_steps, args.step_size, args.gamma)
-    if not args.stall_timeout > 0:
-        raise LegionNNError(f"--stall-timeout must be positive, got {args.stall_timeout}")
+    timeout = stall_timeout(args)
     options = RunOptions(
         strategy=args.strategy,
         param_homes=args.param_homes,
         machine=load_machine(args.machine),
-        stall_timeout=args.stall_timeout,
+        stall_timeout=timeout,
         trace=args.trace,
         verify=args.verify,
     )
