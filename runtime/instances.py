@@ -26,14 +26,11 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from legion_nn.op_records import PACKED_AXES, packed_tensors
 from legion_nn.rect import Rect
-from runtime.kernels.layout import WEIGHT_AXES, pack_weights, unpack_weights
 
-#: packed axis i holds logical axis PACKED_FROM_LOGICAL[i]; logical axes 1 and 2 are unit axes
-PACKED_FROM_LOGICAL = WEIGHT_AXES
-if PACKED_AXES[: len(WEIGHT_AXES)] != WEIGHT_AXES:
-    raise AssertionError(
-        "legion_nn.op_records.PACKED_AXES must list the kernels' WEIGHT_AXES first"
-    )
+#: packed axis i holds logical axis PACKED_FROM_LOGICAL[i]; logical axes 1 and 2 are unit axes.
+#: The kernels' `layout.WEIGHT_AXES` (a test holds them equal), read from the op records so
+#: that knowing a plan's storage orders loads no kernel: planning imports no Numba
+PACKED_FROM_LOGICAL = PACKED_AXES[:6]
 
 
 @dataclass(frozen=True)
@@ -56,11 +53,15 @@ class StorageOrder:
     def from_logical(self, array: np.ndarray) -> np.ndarray:
         if self.name == "logical":
             return array
+        from runtime.kernels.layout import pack_weights
+
         return pack_weights(array)
 
     def to_logical(self, array: np.ndarray) -> np.ndarray:
         if self.name == "logical":
             return array
+        from runtime.kernels.layout import unpack_weights
+
         return unpack_weights(array)
 
 

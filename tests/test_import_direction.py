@@ -189,3 +189,30 @@ def test_no_import_cycle():
     cycles = [sorted(c) for c in _cycles(_import_graph())]
     assert not cycles, cycles
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_planning_a_step_that_is_only_summed_loads_no_numba(tmp_path):
+    """`partition` beyond the ranks it simulates sums the step and counts the memory held: no
+    kernel, no compiled loop, so Numba's import (a fifth of a second) is not paid."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from cli.main import main\n"
+        f"main(['partition', 'vgg19', '--ranks', '1024', '--strategy', 'data', '--json', "
+        f"{str(tmp_path / 'plan.json')!r}])\n"
+        "assert 'numba' not in sys.modules, 'numba was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert '"step_model": "bulk-synchronous"' in (tmp_path / "plan.json").read_text()
+
+
+def test_the_storage_orders_packed_axes_are_the_kernels():
+    from runtime.instances import PACKED_FROM_LOGICAL
+    from runtime.kernels.layout import WEIGHT_AXES
+
+    assert PACKED_FROM_LOGICAL == WEIGHT_AXES

@@ -19,6 +19,7 @@ from runtime.step.buffers import (
     contiguous,
     place,
 )
+from runtime.step.compiled_placement import first_fit
 
 
 @st.composite
@@ -112,7 +113,7 @@ def test_the_compiled_placement_is_first_fit(case):
         (s.nbytes, s.first, s.last) for s in sorted(slots, key=lambda s: (-s.nbytes, s.first))
     )
     table = np.asarray(order, np.int64).reshape(-1, 3)
-    starts, size = buffers._first_fit(table, LINE, PAGE, COLOURED, _COLOUR_STEP)
+    starts, size = first_fit(table, LINE, PAGE, COLOURED, _COLOUR_STEP)
     assert (starts.tolist(), int(size)) == _first_fit(order)
 
 

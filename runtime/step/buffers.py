@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
-from numba import njit
 
 from legion_nn.graph import TaskGraph
 from legion_nn.privilege import Privilege
@@ -305,56 +304,10 @@ def place(slots: list[Slot], length: int) -> StepBuffers:
     return StepBuffers({s.key: s for s in slots}, offsets, size, length)
 
 
-#: from this many slots on, `_placement` runs its compiled scan (`_first_fit`): a program of
-#: 10,000 buffers (DenseNet-121's) is placed in a tenth of a second rather than a second. A run
-#: with fewer (the default job's few hundred) never compiles it, so a cold start does not wait
-#: for it
+#: from this many slots on, `_placement` runs its compiled scan (`compiled_placement`):
+#: DenseNet-121's program of 33,167 buffers is placed in 0.8 s. A run with fewer (the default
+#: job's few hundred) never compiles it, so a cold start does not wait for it
 COMPILED_FROM = 2000
-
-
-@njit(cache=True)
-def _first_fit(table, line, page, coloured_from, colour_step):
-    """`_placement`'s starts and size by a scan, compiled: each slot (bytes, first, last), in
-    order, past the placed slots live with it in order of offset, at the first gap that holds
-    it (a coloured slot's offset rounded up to a page first). The placed slots are kept sorted
-    by (offset, end)."""
-    n = table.shape[0]
-    placed = np.empty((n, 4), np.int64)  # offset, end, first, last
-    starts = np.empty(n, np.int64)
-    size, colour = 0, 0
-    for k in range(n):
-        nbytes, first, last = table[k, 0], table[k, 1], table[k, 2]
-        coloured = nbytes >= coloured_from
-        need = -(-nbytes // line) * line + (page if coloured else 0)
-        offset = 0
-        for j in range(k):  # the k slots placed so far
-            if placed[j, 2] <= last and first <= placed[j, 3]:
-                if coloured:
-                    offset = -(-offset // page) * page
-                if offset + need <= placed[j, 0]:
-                    break
-                offset = max(offset, placed[j, 1])
-        if coloured:
-            offset = -(-offset // page) * page
-            starts[k] = offset + colour * colour_step * line % page
-            colour += 1
-        else:
-            starts[k] = offset
-        at = k
-        while at > 0 and (
-            placed[at - 1, 0] > offset
-            or (placed[at - 1, 0] == offset and placed[at - 1, 1] > offset + need)
-        ):
-            placed[at] = placed[at - 1]
-            at -= 1
-        placed[at, 0], placed[at, 1], placed[at, 2], placed[at, 3] = (
-            offset,
-            offset + need,
-            first,
-            last,
-        )
-        size = max(size, offset + need)
-    return starts, size
 
 
 @lru_cache(maxsize=64)
@@ -371,7 +324,9 @@ def _placement(order: tuple[tuple[int, int, int], ...]) -> tuple[list[int], int]
     n = len(order)
     table = np.asarray(order, np.int64).reshape(n, 3)
     if n >= COMPILED_FROM:
-        starts, size = _first_fit(table, LINE, PAGE, COLOURED, _COLOUR_STEP)
+        from runtime.step.compiled_placement import first_fit
+
+        starts, size = first_fit(table, LINE, PAGE, COLOURED, _COLOUR_STEP)
         return starts.tolist(), int(size)
     firsts, lasts = table[:, 1], table[:, 2]
     offsets = np.zeros(n, np.int64)

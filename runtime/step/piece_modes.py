@@ -18,6 +18,7 @@ the weights it steps. `bench machine` times such pieces as the step runs them, k
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,8 +27,10 @@ from legion_nn.rect import Rect
 from partitioner.cost import task_seconds
 from partitioner.machine import Machine
 from partitioner.piece_times import piece_key
-from runtime.kernels.update import OptimizerStep, optimizer_step
 from runtime.step.rank_program import PieceWork, RankProgram, RankTask
+
+if TYPE_CHECKING:
+    from runtime.kernels.update import OptimizerStep
 
 
 def fresh_roles(rt: RankTask, piece: PieceWork) -> frozenset[str]:
@@ -51,6 +54,9 @@ def fused_steps(
     update's views (`view(tensor, rect)`) of the parameter and its state, at training `step`
     with the schedule's factor `lr_scale` on its learning rate. (Clipping, which scales the
     gradients by their norm over the whole step, keeps every update apart: `grad_clipping`.)"""
+    # here, not at the top: predicting a step from these modules loads no kernel (no Numba)
+    from runtime.kernels.update import optimizer_step
+
     steps = {}
     for role, position in rt.steps.items():
         update = program.tasks[position]

@@ -16,7 +16,6 @@ from legion_nn.micro_batches import schedule_of, stages_of
 from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.step.compiled import run_compiled
 from runtime.step.piece_modes import moded_times, program_seconds
 from runtime.step.programs import build_programs
 from runtime.step.rank_classes import source
@@ -65,6 +64,10 @@ def simulate_compiled(
     """What `simulate_step` returns, float-equal, by a compiled loop over the programs
     flattened (`runtime.step.compiled`): a data-parallel resnet18 step on 64 ranks in about a
     second rather than a minute."""
+    # here, not at the top: a plan whose step is only summed (beyond the ranks simulated)
+    # loads no Numba
+    from runtime.step.compiled import run_compiled
+
     links = links or Links.of(machine, max(programs) + 1)
     memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
     pack = partial(posting_seconds, memory=memory, per_message=per_message)
