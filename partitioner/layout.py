@@ -138,17 +138,23 @@ class Layout:
             indices = [i + span[0] for i in indices for span in spans]
         return indices
 
+    def held_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(each holder of each held cell, the cell's low corner, its high corner), cell by cell
+        in index order, a cell once per holder."""
+        cells = np.repeat(np.arange(self.ncells, dtype=boxes.INDEX), self.holder_count)
+        coords = np.unravel_index(cells, boxes.grid_shape(self.cut_arrays))
+        lo = np.stack([c[i] for c, i in zip(self.cut_arrays, coords)], axis=1)
+        hi = np.stack([c[i + 1] for c, i in zip(self.cut_arrays, coords)], axis=1)
+        return self.holder_ranks, lo.reshape(len(cells), -1), hi.reshape(len(cells), -1)
+
     def held_by(self, rank: int) -> list[Rect]:
         """The cells `rank` holds, by index (every rank's found at once, on first asking: the
         programs of a plan ask it of every rank)."""
         if self._by_rank is None and not len(self.holder_ranks):
             self._by_rank = {}
         if self._by_rank is None:
-            cells = np.repeat(np.arange(self.ncells, dtype=boxes.INDEX), self.holder_count)
-            coords = np.unravel_index(cells, boxes.grid_shape(self.cut_arrays))
-            lo = np.stack([c[i] for c, i in zip(self.cut_arrays, coords)], axis=1)
-            hi = np.stack([c[i + 1] for c, i in zip(self.cut_arrays, coords)], axis=1)
-            rects = boxes.to_rects(lo.reshape(len(cells), -1), hi.reshape(len(cells), -1))
+            _, lo, hi = self.held_cells()
+            rects = boxes.to_rects(lo, hi)
             by_rank: dict[int, list[Rect]] = {}
             for holder, rect in zip(self.holder_ranks.tolist(), rects):
                 by_rank.setdefault(holder, []).append(rect)

@@ -173,8 +173,8 @@ def _flat(graph, plan, programs):
 @pytest.mark.parametrize(("strategy", "home"), [("data", "replicated"), ("spatial", "sharded")])
 def test_each_ranks_pieces_are_the_plans_in_its_order_made_lazily_or_at_once(strategy, home):
     """`PiecesByRank` gives each rank the pieces of the task it computes, in the plan's order,
-    each rank once however many of a piece's ranks it is: piece by piece as asked for (then a
-    set at once, past half of it), or every rank's at once."""
+    each rank once however many of a piece's ranks it is: piece by piece as asked for, or every
+    rank's at once."""
     graph = load_source_graph("seed-lcn-small", 16, 16)
     chosen, _ = resolve_strategy(graph, strategy, 4, MACHINE, 5.0, None, home)
     plan = build_plan(graph, chosen, 4)

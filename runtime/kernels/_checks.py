@@ -59,6 +59,17 @@ def shape(name: str, a: np.ndarray, expected: Sequence[int]) -> None:
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {a.shape}")
 
 
+def output(
+    name: str, out: np.ndarray, expected: Sequence[int], ref_name: str, ref: np.ndarray
+) -> np.ndarray:
+    """Require an array a kernel writes its result into, in place: of `expected` shape, in
+    `ref`'s dtype, C-contiguous; return it."""
+    shape(name, out, expected)
+    same_dtype(name, out, ref_name, ref)
+    c_contiguous(name, out)
+    return out
+
+
 def c_contiguous(name: str, a: np.ndarray, why: str = "") -> None:
     """Require a C-contiguous array (an output a product writes or adds into in place)."""
     if not a.flags.c_contiguous:

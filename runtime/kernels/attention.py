@@ -61,10 +61,7 @@ def _target(out: np.ndarray | None, shape: tuple[int, ...], like: np.ndarray) ->
     """`out` (C-contiguous, of `shape` and `like`'s dtype), or a new array."""
     if out is None:
         return np.empty(shape, like.dtype)
-    _checks.shape("out", out, shape)
-    _checks.same_dtype("out", out, "a", like)
-    _checks.c_contiguous("out", out)
-    return out
+    return _checks.output("out", out, shape, "a", like)
 
 
 def _check(a: np.ndarray, b: np.ndarray, transpose_b: bool) -> tuple[int, int, int]:

@@ -40,7 +40,7 @@ def dense_forward(
     if out is None:
         y, add = np.empty((n, t, w.shape[1]), x.dtype), False
     else:
-        y = _target("out", out, (n, t, w.shape[1]), x)
+        y = _checks.output("out", out, (n, t, w.shape[1]), "x", x)
     if b is not None:  # the product accumulates onto the bias: no second pass over y
         _checks.floating("b", b)
         _checks.shape("b", b, w.shape[1:])
@@ -54,14 +54,6 @@ def dense_forward(
         _rows(x), NO_TRANS, np.ascontiguousarray(w), NO_TRANS, rows, accumulate=add or b is not None
     )
     return y
-
-
-def _target(name: str, out: np.ndarray, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
-    """`out`, checked to be a C-contiguous array of `shape` in `like`'s dtype."""
-    _checks.shape(name, out, shape)
-    _checks.same_dtype(name, out, "x", like)
-    _checks.c_contiguous(name, out)
-    return out
 
 
 def dense_backward(
@@ -88,11 +80,11 @@ def dense_backward(
     dy2, x2 = _rows(dy), _rows(x)
     if dw is None:
         dw, add_dw = np.empty(w.shape, w.dtype), False
-    product(x2, TRANS, dy2, NO_TRANS, _target("dw", dw, w.shape, x), accumulate=add_dw)
+    product(x2, TRANS, dy2, NO_TRANS, _checks.output("dw", dw, w.shape, "x", x), accumulate=add_dw)
     if need_dx:  # against wᵀ made contiguous (weight-sized), the product runs untransposed
         if dx is None:
             dx, add_dx = np.empty(x.shape, x.dtype), False
-        rows = _target("dx", dx, x.shape, x).reshape(dy2.shape[0], -1)
+        rows = _checks.output("dx", dx, x.shape, "x", x).reshape(dy2.shape[0], -1)
         product(dy2, NO_TRANS, np.ascontiguousarray(w.T), NO_TRANS, rows, accumulate=add_dx)
     else:
         dx = None

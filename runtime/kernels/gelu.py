@@ -250,9 +250,7 @@ def _target(out: np.ndarray | None, like: np.ndarray) -> np.ndarray:
     and dtype), or a new array."""
     if out is None:
         return np.empty(like.size, like.dtype)
-    _checks.c_contiguous("out", out)
-    _checks.like("out", out, "the input", like)
-    return out.reshape(-1)
+    return _checks.output("out", out, like.shape, "the input", like).reshape(-1)
 
 
 def gelu_forward(

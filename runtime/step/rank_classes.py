@@ -46,7 +46,6 @@ from operator import sub
 import numpy as np
 
 from legion_nn.rect import Rect
-from partitioner import boxes
 from partitioner.layout import Layout
 from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
@@ -142,17 +141,12 @@ class _Told:
         column = np.zeros(self.n, np.int64)
         if not len(slots):
             return
-        if len(slots) == len(set(slots.tolist())):  # a row each
-            if (rows == rows[:1]).all():  # all alike (each rank's part of a data split)
-                column[slots] = 1
-            else:
-                ids: dict[bytes, int] = {}
-                for slot, row in zip(slots.tolist(), rows):
-                    column[slot] = ids.setdefault(row.tobytes(), len(ids) + 1)
+        order = np.argsort(slots, kind="stable")
+        slots, rows = slots[order], rows[order]
+        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+        if len(starts) == len(slots) and (rows == rows[:1]).all():
+            column[slots] = 1  # a row each, all alike (each rank's part of a data split)
         else:
-            order = np.argsort(slots, kind="stable")
-            slots, rows = slots[order], rows[order]
-            starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
             ends = np.r_[starts[1:], len(slots)]
             ids: dict[bytes, int] = {}
             for slot, start, end in zip(slots[starts].tolist(), starts.tolist(), ends.tolist()):
@@ -281,10 +275,8 @@ def _piece_rows(
     relative to the rank's frame of its tensor)."""
     counts = np.diff(piece_set.rank_ptr)
     pieces = np.repeat(np.arange(len(piece_set), dtype=np.int64), counts)
-    ranks = piece_set.ranks.astype(np.int64)
-    inside = ranks < len(slot_of)
-    slots = np.full(len(ranks), -1, np.int64)
-    slots[inside] = slot_of[ranks[inside]]
+    ranks = piece_set.ranks
+    slots = _slots(ranks, slot_of)
     keep = slots >= 0
     if len(ranks) > 1:  # a rank twice among a piece's ranks is told the piece once
         keep[1:] &= (pieces[1:] != pieces[:-1]) | (ranks[1:] != ranks[:-1])
@@ -317,20 +309,23 @@ def _piece_rows(
 
 
 def _held_cells(layout: Layout, slot_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(the slot of each holder of each cell, cell by cell, and the cells' corners) of `layout`,
-    for the holders among the ranks told."""
+    """(the slot of each holder of each cell, cell by cell, and the cells' corners) of `layout`
+    (`Layout.held_cells`), for the holders among the ranks told."""
     if not len(layout.holder_ranks):
         return np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64)
-    cells = np.repeat(np.arange(layout.ncells, dtype=np.int64), layout.holder_count)
-    coords = np.unravel_index(cells, boxes.grid_shape(layout.cut_arrays))
-    lo = np.stack([c[i] for c, i in zip(layout.cut_arrays, coords)], axis=1).astype(np.int64)
-    hi = np.stack([c[i + 1] for c, i in zip(layout.cut_arrays, coords)], axis=1).astype(np.int64)
-    ranks = layout.holder_ranks.astype(np.int64)
-    inside = ranks < len(slot_of)
-    slots = np.full(len(ranks), -1, np.int64)
-    slots[inside] = slot_of[ranks[inside]]
+    holders, lo, hi = layout.held_cells()
+    slots = _slots(holders, slot_of)
     keep = slots >= 0
-    return slots[keep], lo[keep].reshape(int(keep.sum()), -1), hi[keep].reshape(int(keep.sum()), -1)
+    return slots[keep], lo[keep].astype(np.int64), hi[keep].astype(np.int64)
+
+
+def _slots(ranks: np.ndarray, slot_of: np.ndarray) -> np.ndarray:
+    """Each rank's slot among the ranks told (`slot_of`), -1 for a rank not told."""
+    ranks = ranks.astype(np.int64)
+    slots = np.full(len(ranks), -1, np.int64)
+    inside = ranks < len(slot_of)
+    slots[inside] = slot_of[ranks[inside]]
+    return slots
 
 
 def _steps_its_gradients_rect(piece_set: PieceSet, pieces: np.ndarray) -> np.ndarray:

@@ -132,9 +132,6 @@ class PiecesByRank:
         #: per rank, its (set, piece) pairs in the plan's order
         self._index: dict[int, list[tuple[int, int]]] | None = None
         self._made: dict[tuple[int, int], Piece] = {}
-        self._made_of_set: dict[int, int] = {}
-        #: per set, its pieces made at once, once half of them were asked for one by one
-        self._whole: dict[int, list[Piece]] = {}
         #: every built rank's pieces, where `make_every_rank` made them
         self._every: dict[int, list[Piece]] | None = None
 
@@ -159,18 +156,9 @@ class PiecesByRank:
         return self._index
 
     def _piece(self, k: int, i: int) -> Piece:
-        whole = self._whole.get(k)
-        if whole is not None:
-            return whole[i]
         found = self._made.get((k, i))
         if found is None:
-            piece_set = self.piece_sets[k]
-            made = self._made_of_set.get(k, 0)
-            if 2 * made >= len(piece_set) > 2:
-                self._whole[k] = piece_set.pieces()
-                return self._whole[k][i]
-            found = self._made[(k, i)] = piece_set.piece(i)
-            self._made_of_set[k] = made + 1
+            found = self._made[(k, i)] = self.piece_sets[k].piece(i)
         return found
 
     def make_every_rank(self) -> None:
@@ -191,10 +179,6 @@ class PiecesByRank:
         if pairs is None:
             return default
         return [self._piece(k, i) for k, i in pairs]
-
-    def ranks(self) -> list[int]:
-        """The built ranks that compute some piece of the task."""
-        return list(self._pairs())
 
 
 def build_each(
