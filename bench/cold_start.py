@@ -8,6 +8,12 @@ run left (warm). The figure is the wall time of the whole command, from exec to 
 counts the interpreter's start, the imports, the compiling and the training; the median of the
 rounds is reported beside each run's own, and, for the warm runs, the ratio of the wall time to
 the training time the job reports (`done in T s`): what start-up and exit add to a job.
+
+Python writes its modules' bytecode beside them on a first run and reads it on the next, unless
+`PYTHONDONTWRITEBYTECODE` is set. A user's second run of the job finds that cache, so the
+children run with it by default (the variable is dropped from their environment), and the cold
+runs miss only Numba's cache. `--no-bytecode-cache` keeps the variable set for every child:
+each run then compiles every module it imports from source, as in an environment that sets it.
 """
 
 from __future__ import annotations
@@ -26,9 +32,13 @@ from bench.machine_facts import describe, machine_facts
 from legion_nn.atomic import write_text
 
 
-def timed(command: list[str], cache: str) -> tuple[float, float]:
+def timed(command: list[str], cache: str, bytecode: bool) -> tuple[float, float]:
     """The command's wall time, and the training time it reports."""
     env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+    if bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     start = time.perf_counter()
     done = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
@@ -46,16 +56,27 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--no-bytecode-cache",
+        dest="bytecode",
+        action="store_false",
+        help="run every child with PYTHONDONTWRITEBYTECODE=1 (no module's bytecode is cached)",
+    )
     parser.add_argument("train_args", nargs="*")
     args = parser.parse_args()
     results: dict = {"machine": machine_facts()}
+    results["bytecode_cache"] = args.bytecode
     print(describe(results["machine"]))
+    print(
+        "bytecode cache: "
+        + ("on, as Python's default" if args.bytecode else "off (PYTHONDONTWRITEBYTECODE=1)")
+    )
     for ranks in (int(v) for v in args.ranks.split(",")):
         cold, warm, ratios = [], [], []
         for _ in range(args.repeat):
             with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
-                cold.append(timed(command(ranks, args.train_args), cache)[0])
-                wall, reported = timed(command(ranks, args.train_args), cache)
+                cold.append(timed(command(ranks, args.train_args), cache, args.bytecode)[0])
+                wall, reported = timed(command(ranks, args.train_args), cache, args.bytecode)
                 warm.append(wall)
                 ratios.append(wall / reported)
         label = "1 process" if ranks == 1 else f"mpiexec -n {ranks}"
