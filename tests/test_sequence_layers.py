@@ -271,6 +271,39 @@ def test_products_written_in_place_or_added_equal_those_returned(transpose_b):
     np.testing.assert_array_equal(fresh_b, db)
 
 
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_products_read_strided_heads_where_they_lie(transpose_b):
+    """Operands as `split_heads` makes them (strided views of (N, T, H·D) features), reversed
+    (a negative stride, read from a copy), broadcast over heads or with spaced rows (read from
+    a copy) equal their C-contiguous copies bit for bit: the GEMM sums each element in one
+    order wherever its operands lie."""
+
+    def heads(features):
+        n, t, width = features.shape
+        return features.reshape(n, t, 3, width // 3).transpose(0, 2, 1, 3)
+
+    a = heads(RNG.standard_normal((2, 4, 15)))
+    b = heads(RNG.standard_normal((2, 6, 15)))
+    if not transpose_b:
+        b = b.transpose(0, 1, 3, 2)[:, :, :, :4]
+    reversed_a = a[:, :, ::-1]
+    broadcast_b = np.broadcast_to(b[:, :1], b.shape)
+    spaced_b = np.repeat(b, 2, axis=-1)[..., ::2]  # rows of stride 2: copied for the GEMM
+    for left, right in ((a, b), (reversed_a, b), (a, broadcast_b), (a, spaced_b)):
+        assert not (left.flags.c_contiguous and right.flags.c_contiguous)
+        copies = np.ascontiguousarray(left), np.ascontiguousarray(right)
+        out = matmul_forward(left, right, transpose_b, 0.3)
+        np.testing.assert_array_equal(out, matmul_forward(*copies, transpose_b, 0.3))
+        dy = heads(RNG.standard_normal((2, out.shape[2], 3 * out.shape[3])))
+        got = matmul_backward(dy, left, right, transpose_b, 0.3)
+        want = matmul_backward(np.ascontiguousarray(dy), *copies, transpose_b, 0.3)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    for n, h in np.ndindex(2, 3):
+        right = b[n, h].T if transpose_b else b[n, h]
+        assert_product_close(matmul_forward(a, b, transpose_b)[n, h], a[n, h], right)
+
+
 @pytest.mark.parametrize("first_row", [0, 2])
 def test_causal_row_softmax_matches_numpy_and_central_differences(first_row):
     x = RNG.standard_normal((2, 2, 3, 6)) * 2

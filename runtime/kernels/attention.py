@@ -1,8 +1,10 @@
 """Attention's kernels: products of two activations per head, and the softmax of rows of scores.
 
 `matmul_*` multiply (N, H, I, K) by (N, H, K, J) (or by (N, H, J, K) transposed) head by head,
-all heads in one parallel loop of the filters' and linear layer's GEMM (`microkernel`); an
-operand the GEMM must read transposed as its right side is copied so first, once for all heads. `row_softmax_*` work row by row in float64; a causal
+all heads in one parallel loop of the filters' and linear layer's GEMM (`microkernel`). The
+operands are read where they lie, the heads' strided views too; only one the GEMM must read
+transposed as its right side is copied (so, once for all heads, with the product's scale
+folded in where it can be). `row_softmax_*` work row by row in float64; a causal
 row i keeps the columns j ≤ i, where i counts from `first_row`, the piece's first query position,
 and the masked probabilities are exactly 0.
 """
@@ -18,43 +20,74 @@ from runtime.kernels.softmax import softmax_rows
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _batched(kernels, a, a_rs, a_cs, b, c, accumulate):
-    """c[i] (+)= op(a[i])·b[i] for every i of the batch, one product a task, on
-    `microkernel.tiled_gemm`: a (batch, ...) read through (a_rs, a_cs), b (batch, k, n) and
-    c (batch, m, n) C-contiguous."""
-    batch, m, n = c.shape
-    k = b.shape[1]
-    a_size = a.size // max(batch, 1)
-    for i in prange(batch):
-        tiled_gemm(kernels, m, n, k, a, i * a_size, a_rs, a_cs, b, i * k * n, n, accumulate, c,
-                   i * m * n, n)  # fmt: skip
+def _batched(kernels, batch, heads, m, n, k, a, a_n, a_h, a_rs, a_cs, b, b_n, b_h, ldb, c, c_n,
+             c_h, ldc, accumulate):  # fmt: skip
+    """c[i, j] (+)= a[i, j]·b[i, j] for every (i, j) of the (`batch`, `heads`) leading dims,
+    one product a task, on `microkernel.tiled_gemm`. Each operand is a flat array from its first
+    element, read through its strides in elements: per leading index (`*_n`, `*_h`), then per
+    row (a by `a_rs` and `a_cs`; b's and c's rows of unit stride, `ldb` and `ldc` apart)."""
+    for t in prange(batch * heads):
+        i, j = t // heads, t % heads
+        tiled_gemm(kernels, m, n, k, a, i * a_n + j * a_h, a_rs, a_cs, b, i * b_n + j * b_h, ldb,
+                   accumulate, c, i * c_n + j * c_h, ldc)  # fmt: skip
+
+
+def _in_place(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    """`x`'s elements as a flat array that starts at its first element, and its strides in
+    elements: the heads' views (`split_heads`) are read where they lie, without a copy. A copy
+    where `x` cannot be read so (a negative stride, or one that is not whole elements)."""
+    size = x.itemsize
+    if any(s % size or (s < 0 and d > 1) for s, d in zip(x.strides, x.shape)):
+        x = np.ascontiguousarray(x)
+    steps = tuple(s // size if d > 1 else 0 for s, d in zip(x.strides, x.shape))
+    span = 1 + sum((d - 1) * s for d, s in zip(x.shape, steps)) if x.size else 0
+    return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(size,)), steps
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """`x`, or a C-contiguous copy where its rows are not of unit stride (the GEMM reads its
+    right operand and its output by whole rows)."""
+    return x if x.shape[-1] < 2 or x.strides[-1] == x.itemsize else np.ascontiguousarray(x)
 
 
 def _product(
     a: np.ndarray, transpose_a: bool, b: np.ndarray, out: np.ndarray, add: bool = False
 ) -> None:
-    """out[i] (+)= op(a[i])·b[i] over the leading dims, each operand made C-contiguous; `out`
-    is C-contiguous."""
-    rows, columns = out.shape[-2:]
+    """out[i, j] (+)= op(a[i, j])·b[i, j] over the (N, H) leading dims, a and b read where
+    they lie (b copied only where its rows are not of unit stride); `out` is C-contiguous."""
+    heads, rows, columns = out.shape[1:]
     depth = b.shape[-2]
-    batch = out.size // max(rows * columns, 1)
-    a3 = np.ascontiguousarray(a).reshape(batch, -1)
-    strides = (1, rows) if transpose_a else (depth, 1)
-    b3 = np.ascontiguousarray(b).reshape(batch, depth, columns)
-    _batched(kernels(out.dtype), a3, *strides, b3, out.reshape(batch, rows, columns), add)
+    a_flat, (a_n, a_h, a_r, a_c) = _in_place(a)
+    a_rs, a_cs = (a_c, a_r) if transpose_a else (a_r, a_c)
+    b_flat, (b_n, b_h, ldb, _) = _in_place(_rows(b))
+    c_flat, (c_n, c_h, ldc, _) = _in_place(out)
+    _batched(kernels(out.dtype), out.shape[0], heads, rows, columns, depth, a_flat, a_n, a_h,
+             a_rs, a_cs, b_flat, b_n, b_h, ldb, c_flat, c_n, c_h, ldc, add)  # fmt: skip
 
 
 def _swapped(a: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """scale · `a` with its last two dims swapped, C-contiguous (one pass for every head)."""
-    return _scaled(np.swapaxes(a, -1, -2), scale)
+    """scale · `a` with its last two dims swapped, C-contiguous (one pass for every head): the
+    GEMM's right operand, which it reads by rows. NumPy's copy; a compiled loop down each
+    column of a head was no faster on the step's (contiguous) heads."""
+    swapped = np.swapaxes(a, -1, -2)
+    if scale == 1.0:
+        return np.ascontiguousarray(swapped)
+    return np.multiply(swapped, a.dtype.type(scale), out=np.empty(swapped.shape, a.dtype))
 
 
 def _scaled(a: np.ndarray, scale: float) -> np.ndarray:
-    """scale · `a`, C-contiguous, in one pass (`a` itself where it is so and scale is 1): the
-    products take their scale on an operand of T·D elements rather than on T·T scores."""
+    """scale · `a` in one pass, or `a` itself where scale is 1."""
     if scale == 1.0:
-        return np.ascontiguousarray(a)
+        return a
     return np.multiply(a, a.dtype.type(scale), out=np.empty(a.shape, a.dtype))
+
+
+def _scale_smaller(x: np.ndarray, y: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) with `scale` taken by the one of fewer elements: a product's scale on an operand
+    of T·D elements rather than on T·T scores."""
+    if x.size <= y.size:
+        return _scaled(x, scale), y
+    return x, _scaled(y, scale)
 
 
 def _target(out: np.ndarray | None, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
@@ -87,9 +120,8 @@ def matmul_forward(
     given, or added to what it holds with `add`."""
     rows, columns, _ = _check(a, b, transpose_b)
     target = _target(out, a.shape[:2] + (rows, columns), a)
-    _product(
-        _scaled(a, scale), False, _swapped(b) if transpose_b else b, target, add and out is not None
-    )
+    left, right = (a, _swapped(b, scale)) if transpose_b else _scale_smaller(a, b, scale)
+    _product(left, False, right, target, add and out is not None)
     return target
 
 
@@ -122,9 +154,10 @@ def matmul_backward(
     if need_db:
         given, db = db is not None, _target(db, b.shape, b)
         if transpose_b:
-            _product(dy, True, _scaled(a, scale), db, add_db and given)
+            left, right = _scale_smaller(dy, a, scale)
         else:
-            _product(_scaled(a, scale), True, dy, db, add_db and given)
+            left, right = _scale_smaller(a, dy, scale)
+        _product(left, True, right, db, add_db and given)
     else:
         db = None
     return da, db
