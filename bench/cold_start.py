@@ -9,18 +9,16 @@ counts the interpreter's start, the imports, the compiling and the training; the
 rounds is reported beside each run's own, and, for the warm runs, the ratio of the wall time to
 the training time the job reports (`done in T s`): what start-up and exit add to a job.
 
-Python writes its modules' bytecode beside them on a first run and reads it on the next, unless
-`PYTHONDONTWRITEBYTECODE` is set. A user's second run of the job finds that cache, so the
-children run with it by default (the variable is dropped from their environment), and the cold
-runs miss only Numba's cache. `--no-bytecode-cache` keeps the variable set for every child:
-each run then compiles every module it imports from source, as in an environment that sets it.
+A user's second run of the job finds Python's bytecode cache, so the children run with it
+(`bench.jobs.command_environment`), and the cold runs miss only Numba's cache.
+`--no-bytecode-cache` sets `PYTHONDONTWRITEBYTECODE` for every child: each run then compiles
+every module it imports from source, as in an environment that sets it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -28,17 +26,14 @@ import sys
 import tempfile
 import time
 
+from bench.jobs import command_environment
 from bench.machine_facts import describe, machine_facts
 from legion_nn.atomic import write_text
 
 
 def timed(command: list[str], cache: str, bytecode: bool) -> tuple[float, float]:
     """The command's wall time, and the training time it reports."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-    if bytecode:
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-    else:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env = dict(command_environment(bytecode), NUMBA_CACHE_DIR=cache)
     start = time.perf_counter()
     done = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start

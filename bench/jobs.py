@@ -21,6 +21,18 @@ from pathlib import Path
 
 from legion_nn.errors import LegionNNError
 
+
+def command_environment(bytecode: bool = True) -> dict[str, str]:
+    """The environment of a command whose whole wall time is measured, as a user's shell runs
+    it: Python writes its modules' bytecode on a first run and reads it on the next, unless
+    `PYTHONDONTWRITEBYTECODE` is set, which a user's shell does not set by default (and a
+    sandbox may): it is dropped here, or set where `bytecode` is False."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+    if not bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
 #: plain SGD keeps no optimizer state, so that four data-parallel replicas of seed-lcn's 1.2 GB of
 #: weights (with their gradients and reduction buffers) fit in a 24 GB machine
 OPTIMIZER = "sgd"

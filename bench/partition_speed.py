@@ -10,7 +10,9 @@ ranks with data parallelism (goal 3 s) and with `auto` (goal 6 s); seed-lcn on 1
 spatial splits, simulated rather than summed (goal 15 s); vgg19's `auto` on 1024 ranks, and in
 4 pipeline stages of 8 micro-batches (goal 3 s). Each figure is the best of `--repeat` runs,
 wall and CPU (user and system of the child); the machine's facts and the same run's SGEMM print
-beside them, since the machine is shared and its speed varies from minute to minute.
+beside them, since the machine is shared and its speed varies from minute to minute. The
+children read Python's cached bytecode, as a user's second command does
+(`bench.jobs.command_environment`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.jobs import command_environment
 from bench.kernels import sgemm_gflops
 from bench.machine_facts import describe, machine_facts
 
@@ -50,7 +53,12 @@ def run_once(command: list[str]) -> tuple[float, float, dict]:
         out = Path(tmp) / "plan.json"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
+        subprocess.run(
+            [*command, "--json", str(out)],
+            check=True,
+            capture_output=True,
+            env=command_environment(),
+        )
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
