@@ -17,6 +17,7 @@ from numba import njit, prange
 from runtime.kernels import _checks
 from runtime.kernels.microkernel import kernels, tiled_gemm
 from runtime.kernels.softmax import softmax_rows
+from runtime.kernels.transpose import transpose_heads
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -66,13 +67,14 @@ def _product(
 
 
 def _swapped(a: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """scale · `a` with its last two dims swapped, C-contiguous (one pass for every head): the
-    GEMM's right operand, which it reads by rows. NumPy's copy; a compiled loop down each
-    column of a head was no faster on the step's (contiguous) heads."""
-    swapped = np.swapaxes(a, -1, -2)
-    if scale == 1.0:
-        return np.ascontiguousarray(swapped)
-    return np.multiply(swapped, a.dtype.type(scale), out=np.empty(swapped.shape, a.dtype))
+    """scale · `a` with its last two dims swapped, C-contiguous: the GEMM's right operand,
+    which it reads by rows (`transpose.transpose_heads`, tiles transposed in registers)."""
+    n, h, rows, columns = a.shape
+    out = np.empty((n, h, columns, rows), a.dtype)
+    flat, (a_n, a_h, a_r, a_c) = _in_place(a)
+    transpose_heads(flat, a_n, a_h, a_r, a_c, n, h, rows, columns, a.dtype.type(scale),
+                    out.reshape(-1))  # fmt: skip
+    return out
 
 
 def _scaled(a: np.ndarray, scale: float) -> np.ndarray:

@@ -170,7 +170,7 @@ def _tile_step(builder, vty, fma, load, accs, rows, vectors, broadcast, a_rows, 
             builder.store(total, accs[i][v])
 
 
-def _element_pointer(context, builder, operand_type, operand, offset):
+def element_pointer(context, builder, operand_type, operand, offset):
     """The address of element `offset` of an array or a typed pointer."""
     if isinstance(operand_type, types.CPointer):
         return builder.gep(operand, [offset])
@@ -248,9 +248,9 @@ def _tile(
             b_block_,
         ) = args
         operand_types = signature.args
-        c_ptr = _element_pointer(context, builder, operand_types[3], c_, c_off_)
-        a_ptr = _element_pointer(context, builder, operand_types[6], a_, a_off_)
-        b_ptr = _element_pointer(context, builder, operand_types[10], b_, b_off_)
+        c_ptr = element_pointer(context, builder, operand_types[3], c_, c_off_)
+        a_ptr = element_pointer(context, builder, operand_types[6], a_, a_off_)
+        b_ptr = element_pointer(context, builder, operand_types[10], b_, b_off_)
         dtype = operand_types[3].dtype
         vty = ir.VectorType(context.get_value_type(dtype), lanes(dtype.bitwidth // 8))
         function = builder.function
@@ -321,7 +321,7 @@ def _prefetch(typingctx, a, offset):
         return None
 
     def codegen(context, builder, signature, args):
-        pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+        pointer = element_pointer(context, builder, signature.args[0], args[0], args[1])
         byte_ptr = builder.bitcast(pointer, ir.IntType(8).as_pointer())
         function = cgutils.get_or_insert_function(
             builder.module,
@@ -396,9 +396,9 @@ def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accu
          ldc_, next_off_, next_rows_, next_ld_, next_columns_, blocks_, a_block_,
          b_block_) = args  # fmt: skip
         operand_types = signature.args
-        a_ptr = _element_pointer(context, builder, operand_types[4], a_, a_off_)
-        b_ptr = _element_pointer(context, builder, operand_types[8], b_, b_off_)
-        c_ptr = _element_pointer(context, builder, operand_types[12], c_, c_off_)
+        a_ptr = element_pointer(context, builder, operand_types[4], a_, a_off_)
+        b_ptr = element_pointer(context, builder, operand_types[8], b_, b_off_)
+        c_ptr = element_pointer(context, builder, operand_types[12], c_, c_off_)
         index = m_.type
         pointer = a_ptr.type
         function_type = ir.FunctionType(
