@@ -8,9 +8,10 @@ by 1/√D, the context P·V, and their gradients. Beside them: the scores' GEMM 
 already laid out, without the transposing copy the call makes), `torch.matmul` on the same arrays where PyTorch is
 installed, and a 2048² SGEMM with the BLAS kernels OpenBLAS picks for the CPU (the benchmark
 runs itself again without `OPENBLAS_CORETYPE` where the environment pins them). The calls are
-interleaved round by round, each repeated on warm caches as `bench kernels` times the filter
-passes, and each figure is the best of `--rounds`, as GFLOP/s and as a fraction of the SGEMM of
-the same run: the machine is shared and its speed moves from minute to minute.
+interleaved round by round, each after a pause (the other calls' threads stop spinning) and
+repeated on warm caches as `bench kernels` times the filter passes, and each figure is the
+best of `--rounds`, as GFLOP/s and as a fraction of the SGEMM of the same run: the machine is
+shared and its speed moves from minute to minute.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ from bench.machine_facts import describe, machine_facts
 from runtime.kernels import attention
 
 DEFAULT_SHAPES = "16x4x128x64,8x16x512x64"
+#: the pause before each call: BLAS's and PyTorch's threads spin for a while after their calls,
+#: and took a core from the call timed next (the scores, after SGEMM, measured 27 ms at
+#: (8, 16, 512, 64) in the interleaved rounds, against 16 ms run alone)
+SETTLE_S = 0.2
+#: the calls run after the pause, before the one timed: the cores back at speed and the
+#: operands in cache, however short the call
+WARM_S = 0.05
 
 
 def calls(n: int, h: int, t: int, d: int) -> dict[str, tuple[Callable[[], object], float]]:
@@ -84,7 +92,10 @@ def main() -> int:
             call()
         for _ in range(args.rounds):
             for name, (call, _) in found.items():
-                call()
+                time.sleep(SETTLE_S)
+                warm_until = time.perf_counter() + WARM_S
+                while time.perf_counter() < warm_until:
+                    call()
                 start = time.perf_counter()
                 call()
                 best[name] = min(best[name], time.perf_counter() - start)
