@@ -48,6 +48,10 @@ def calls(n: int, h: int, t: int, d: int) -> dict[str, tuple[Callable[[], object
     p = rng.random((n, h, t, t), dtype=np.float32)
     ds = rng.standard_normal((n, h, t, t), dtype=np.float32)
     scores, context = np.empty((n, h, t, t), np.float32), np.empty((n, h, t, d), np.float32)
+    # the gradients go into buffers of their own, as the step's are: a fresh one of the scores'
+    # size a call would time its page faults (134 MB at (8, 16, 512, 64))
+    dq, dk, dv = (np.empty((n, h, t, d), np.float32) for _ in range(3))
+    dp = np.empty((n, h, t, t), np.float32)
     scale = 1 / np.sqrt(d)
     flops = 2.0 * n * h * t * t * d
     laid_k = attention._swapped(k, scale)
@@ -55,8 +59,14 @@ def calls(n: int, h: int, t: int, d: int) -> dict[str, tuple[Callable[[], object
         "scores": (lambda: attention.matmul_forward(q, k, True, scale, out=scores), flops),
         "scores, its GEMM": (lambda: attention._product(q, False, laid_k, scores), flops),
         "context": (lambda: attention.matmul_forward(p, v, False, 1.0, out=context), flops),
-        "scores' gradient": (lambda: attention.matmul_backward(ds, q, k, True, scale), 2 * flops),
-        "context's gradient": (lambda: attention.matmul_backward(dc, p, v), 2 * flops),
+        "scores' gradient": (
+            lambda: attention.matmul_backward(ds, q, k, True, scale, da=dq, db=dk),
+            2 * flops,
+        ),
+        "context's gradient": (
+            lambda: attention.matmul_backward(dc, p, v, da=dp, db=dv),
+            2 * flops,
+        ),
     }
     if torch_available():
         import torch
