@@ -5,8 +5,8 @@
 For each (N, H, T, D), float32, the four calls a GPT block makes of `runtime.kernels.attention`
 on (N, H, T, D) heads as the step's buffers hold them (C-contiguous): the scores Q·Kᵀ scaled
 by 1/√D, the context P·V, and their gradients. Beside them: the scores' GEMM alone (on Kᵀ
-already laid out, without the transposing copy the call makes), `torch.matmul` on the same arrays where PyTorch is
-installed, and a 2048² SGEMM with the BLAS kernels OpenBLAS picks for the CPU (the benchmark
+already laid out, without the transposing copy the call makes), `torch.matmul` on the same
+arrays where PyTorch is installed, and a 2048² SGEMM with the BLAS kernels OpenBLAS picks for the CPU (the benchmark
 runs itself again without `OPENBLAS_CORETYPE` where the environment pins them). The calls are
 interleaved round by round, each after a pause (the other calls' threads stop spinning) and
 repeated on warm caches as `bench kernels` times the filter passes, and each figure is the
@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernels import torch_available
+from bench.kernels import torch_available, unpinned_environment
 from bench.machine_facts import describe, machine_facts
 from runtime.kernels import attention
 
@@ -90,8 +90,7 @@ def main() -> int:
         print(f"attention_products: bad --shapes {args.shapes!r} or --rounds", file=sys.stderr)
         return 2
     if os.environ.get("OPENBLAS_CORETYPE"):
-        env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
-        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], unpinned_environment())
     print(describe(machine_facts()))
     square = np.random.default_rng(1).standard_normal((2048, 2048), dtype=np.float32)
     for shape in shapes:

@@ -160,6 +160,12 @@ def torch_sgemm_gflops(size: int = 2048, repeat: int = 5) -> float:
     return 2 * size**3 / best_seconds(lambda: a @ a, repeat) / 1e9
 
 
+def unpinned_environment() -> dict[str, str]:
+    """This environment without `OPENBLAS_CORETYPE`: a child of it loads the BLAS kernels
+    OpenBLAS picks for the CPU."""
+    return {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+
+
 def sgemm_native(size: int = 2048, repeat: int = 5) -> dict | None:
     """SGEMM with the BLAS kernels OpenBLAS picks for this CPU, measured in a child process
     without `OPENBLAS_CORETYPE`: {"gflops", "blas"}; None when the environment does not pin a
@@ -167,7 +173,7 @@ def sgemm_native(size: int = 2048, repeat: int = 5) -> dict | None:
     that names why."""
     if not os.environ.get("OPENBLAS_CORETYPE"):
         return None
-    env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_CORETYPE"}
+    env = unpinned_environment()
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
     code = f"from bench.kernels import _print_sgemm; _print_sgemm({size}, {repeat})"
