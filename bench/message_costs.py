@@ -128,7 +128,7 @@ STACK_PROBE_S = 0.25
 #: the messages of the stream it runs beside
 STACK_CHUNK = 4 << 20
 STACK_MAX_BYTES = 256 << 20
-#: streams each way, the least kept
+#: streams each way, the median kept
 STACK_ROUNDS = 3
 
 
@@ -154,10 +154,11 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
     (on another host) streams to it, then while it streams to `peer`. The stream is posted
     before the kernel starts, moved meanwhile by the transport's progress thread as in a
     training step, and sized to last half the kernel at the link's rate. The seconds until
-    both the kernel and the stream are done, beyond the kernel alone, over the stream's bytes:
-    the least of `STACK_ROUNDS` streams each way (as the kernel alone is the least of two: a
-    slow stretch of the machine during one kernel would be taken for the stack's cost), the
-    mean of both directions.
+    both the kernel and the stream are done, beyond the kernel alone timed just before, over
+    the stream's bytes: the median of `STACK_ROUNDS` streams each way, the mean of both
+    directions. Each stream is paired with a kernel alone next to it, and the median keeps one
+    slow stretch of the machine from reading as the stack's cost, or as its absence: a kernel
+    alone timed once at the start read 0 in a CI run whose VM sped up afterwards.
 
     That is what the simulator charges a task's compute for the bytes of its rank's transfers
     on the wire meanwhile (`runtime.step.simulator`), and by construction it gives this
@@ -180,14 +181,15 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
         while _timed_busy(rounds, values) < STACK_PROBE_S / 8:
             rounds *= 2
         rounds = int(rounds * STACK_PROBE_S / _timed_busy(rounds, values))
-        alone = min(_timed_busy(rounds, values) for _ in range(2))
-        nbytes = min(int(alone / 2 / seconds_per_byte), STACK_MAX_BYTES)
+        nbytes = min(int(_timed_busy(rounds, values) / 2 / seconds_per_byte), STACK_MAX_BYTES)
     else:
         nbytes = 0
     nbytes = mpi.broadcast(nbytes)
     chunks = max(nbytes // STACK_CHUNK, 1)
     costs: dict[tuple[int, int], list[float]] = {}
     for sender, receiver in ((peer, 0), (0, peer)) * STACK_ROUNDS:
+        # timed while the peer waits in the barrier, so that nothing moves beside it
+        alone = _timed_busy(rounds, values) if rank == 0 else 0.0
         mpi.idle_barrier()
         requests = []
         if rank in (sender, receiver):
@@ -211,4 +213,4 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
     mpi.idle_barrier()
     if rank != 0:
         return None
-    return statistics.mean(min(each) for each in costs.values()) * 1e9
+    return statistics.mean(statistics.median(each) for each in costs.values()) * 1e9
