@@ -10,7 +10,9 @@ Program order, which is the graph's meaning:
    contributions). Any other tensor that is reduced into (the loss, evaluate's sums) gets
    `<t>.set_zero` the same way;
 4. as soon as a layer's backward tasks are emitted, the update tasks of its parameters, so that a
-   runtime can overlap gradient reduction and updates with the rest of the backward pass.
+   runtime can overlap gradient reduction and updates with the rest of the backward pass;
+5. last, the tasks that write nothing (`evaluate.accuracy`, whose value is a future): nothing
+   waits for them, and the rank that runs one needs every rank's statistics first.
 
 Requirements are never written by hand: `task()` applies the op's access map to the task's space.
 """
@@ -187,4 +189,10 @@ class Lowering:
         for build in reversed(self._backward):
             build()
         self._backward.clear()
-        return TaskGraph(self.tensors.values(), self.tasks, network=self.network, batch=self.batch)
+        # a task that writes nothing (its value is a future: evaluate's accuracy) goes last:
+        # nothing waits for it, and in its forward place it held the rank that runs it until
+        # every rank's statistics had arrived, before that rank's backward could start
+        writes = [any(r.write_rect is not None for r in t.requirements) for t in self.tasks]
+        tasks = [t for t, w in zip(self.tasks, writes) if w]
+        tasks += [t for t, w in zip(self.tasks, writes) if not w]
+        return TaskGraph(self.tensors.values(), tasks, network=self.network, batch=self.batch)

@@ -6,19 +6,14 @@ listed hop sends elements [lo, hi) of the sender's vector to the receiver, which
 own (`add`) or overwrites them (a gathered final value). A rank starts a round only when it has
 received its hops of the round before, so the rounds of a ring are its steps.
 
-- `allreduce`: a ring, a reduce-scatter of p − 1 steps, after which participant i holds the
-  full sum of chunk i, then an all-gather of p − 1 steps; or, where the cost model predicts it
-  faster (`cost.allreduce_by_halving`: from 4 ranks up where messages cost latency), recursive
-  halving and doubling in 2·log2 q steps over the largest power of two q ≤ p, the other p − q
-  ranks folded into partners first (`_halving_doubling`). Either puts 2(p − 1)·n elements on
-  the wire;
+- `allreduce` (ring): a reduce-scatter of p − 1 steps, after which participant i holds the full
+  sum of chunk i, then an all-gather of p − 1 steps; 2(p − 1)·n elements on the wire;
 - `reduce_scatter` (ring): the same first half, with chunk i the targets owned by participant i
   (empty for participants that own nothing); (p − 1)·n elements;
 - `reduce` to one owner: a binomial tree, ⌈log2 p⌉ rounds of whole vectors, (p − 1)·n elements,
   unless the ring variant (reduce-scatter, then every participant sends its chunk to the owner)
-  is predicted faster on the machine (`cost.reduce_by_tree`): large vectors over many ranks.
-
-The cost model prices each collective as the algorithm chosen here, by the same functions.
+  is predicted faster on the machine (`cost.reduce_by_tree`, which the cost model prices by):
+  large vectors over many ranks.
 
 Chunks are the uneven `split_sizes(n, p)`. Hops that would carry no element are left out: they
 send nothing, and counting them would make the planned bytes disagree with the bytes sent.
@@ -34,7 +29,7 @@ from functools import cached_property
 import numpy as np
 
 from legion_nn.rect import split_sizes
-from partitioner.cost import allreduce_by_halving, reduce_by_tree
+from partitioner.cost import reduce_by_tree
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -184,59 +179,6 @@ def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
     return Schedule.of_rounds(rounds)
 
 
-def _halving_doubling(ranks: tuple[int, ...], n: int) -> Schedule:
-    """An all-reduce of n elements by recursive halving, then doubling, over the largest power
-    of two q ≤ p of the ranks (Rabenseifner's, as MPICH runs long vectors): 2·log2 q steps of
-    pairwise exchanges in place of a ring's 2(p − 1).
-
-    Where p > q, the first 2(p − q) ranks pair up, and the second of each pair adds its vector
-    into the first's, sits out, and receives the sum at the end. At halving step k, the ranks
-    whose index differs in bit k exchange halves of the segment both hold, each keeping the half
-    its bit names and adding its partner's part of it; after log2 q steps each holds the sum of
-    a segment of about n/q. Doubling retraces the steps from the last: each sends its partner
-    the segment it holds, and both then hold the segment they shared before that step. The
-    partners of the first steps, which carry the most, are neighbours in `ranks` (on one host,
-    where a host's ranks are consecutive), and those of the last steps the farthest."""
-    p = len(ranks)
-    q = 1 << (p.bit_length() - 1)
-    folded = p - q
-    active = np.asarray([ranks[2 * j] for j in range(folded)] + list(ranks[2 * folded :]))
-    parts: list[Schedule] = []
-    pairs = [(ranks[2 * j + 1], ranks[2 * j]) for j in range(folded)]
-    if pairs:
-        parts.append(Schedule.of_rounds([[Hop(s, d, 0, n, True) for s, d in pairs]]))
-    index = np.arange(q)
-    lo, hi = np.zeros(q, np.int64), np.full(q, n, np.int64)
-    held: list[tuple[np.ndarray, np.ndarray]] = []
-    distance = 1
-    while distance < q:
-        partner = index ^ distance
-        middle = lo + (hi - lo) // 2
-        lower = (index & distance) == 0
-        held.append((lo, hi))
-        lo, hi = np.where(lower, lo, middle), np.where(lower, middle, hi)
-        # each sends its partner the half the partner keeps
-        parts.append(_exchange(active, partner, lo[partner], hi[partner], True))
-        distance <<= 1
-    for before_lo, before_hi in reversed(held):
-        distance >>= 1
-        parts.append(_exchange(active, index ^ distance, lo, hi, False))
-        lo, hi = before_lo, before_hi
-    if pairs:
-        parts.append(Schedule.of_rounds([[Hop(d, s, 0, n, False) for s, d in pairs]]))
-    return Schedule.concat(*parts)
-
-
-def _exchange(
-    active: np.ndarray, partner: np.ndarray, lo: np.ndarray, hi: np.ndarray, add: bool
-) -> Schedule:
-    """One round: active[i] sends elements [lo[i], hi[i]) to active[partner[i]]; empty hops
-    are left out."""
-    keep = hi > lo
-    src, dst = active[keep], active[partner[keep]]
-    return Schedule(src, dst, lo[keep], hi[keep], np.full(len(src), add), [0, len(src)])
-
-
 def target_order(reduction: Reduction) -> list[int]:
     """Indices of `reduction.targets` in the order they are laid out in the flat vector."""
     order = list(range(len(reduction.targets)))
@@ -255,8 +197,6 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
     if p < 2 or n == 0:
         return Schedule.of_rounds([])
     if reduction.algorithm == "allreduce":
-        if allreduce_by_halving(p, n * reduction.itemsize, machine):
-            return _halving_doubling(ranks, n)
         chunks = _chunks(split_sizes(n, p))
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":

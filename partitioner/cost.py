@@ -7,9 +7,7 @@
   the larger of what it sends and what it receives, and the task waits for the busiest rank. A
   transfer to k > 1 destinations is a broadcast down a binomial tree: ⌈log2(k+1)⌉ rounds, and
   every byte still reaches each destination once (the bytes sent are k times the rect);
-- collectives, over p participants and n bytes: `allreduce` the better of a ring
-  2(p−1)α + 2(p−1)/p·nβ and recursive halving and doubling over the largest power of two
-  q ≤ p, 2·log2(q)α + 2(q−1)/q·nβ, plus 2(α + nβ) where p > q;
+- collectives, over p participants and n bytes: `allreduce` (ring) 2(p−1)α + 2(p−1)/p·nβ;
   `reduce_scatter` (ring) (p−1)α + (p−1)·bβ with b the largest owner's share; `reduce` to one
   owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter then gather
   2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire, summed;
@@ -173,9 +171,8 @@ def collective_cost(
     if p < 2 or n == 0:
         return 0.0, 0
     if algorithm == "allreduce":
-        # both algorithms put 2(p − 1)·n bytes on the wire: halving's 2(q − 1)·n, and the
-        # folded ranks' vectors there and back, 2(p − q)·n
-        return min(_allreduce_seconds(p, n, machine)), 2 * (p - 1) * n
+        local = 3 * (p - 1) / p * n
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * both + local * m, 2 * (p - 1) * n
     if algorithm == "reduce_scatter":
         local = 3 * n + 3 * p * largest
         return (p - 1) * (a + largest * both) + local * m, (p - 1) * n
@@ -183,45 +180,23 @@ def collective_cost(
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
 
-def _allreduce_seconds(p: int, n: int, machine: Machine) -> tuple[float, float]:
-    """(ring, halving-doubling) seconds of an all-reduce of `n` bytes over `p` ranks. The
-    ring: 2(p − 1) steps of n/p bytes. Recursive halving, then doubling, over the largest
-    power of two q ≤ p: 2·log2 q steps of n/2, n/4, ... n/q bytes and back, each a pairwise
-    exchange; where p > q, p − q ranks first hand their vectors to a partner and get the sum
-    back at the end (two more steps of n bytes, one way)."""
-    a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
-    both = machine.ring_beta
-    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * both + 3 * (p - 1) / p * n * m
-    q = 1 << (p.bit_length() - 1)
-    levels = q.bit_length() - 1
-    halving = 2 * levels * a + 2 * (q - 1) / q * n * both + 3 * (q - 1) / q * n * m
-    if q < p:
-        halving += 2 * (a + n * b) + 3 * n * m
-    return ring, halving
-
-
-def allreduce_by_halving(p: int, n: int, machine: Machine) -> bool:
-    """Whether an all-reduce of `n` bytes over `p` ranks runs as recursive halving and doubling
-    (`collectives`) rather than a ring: where it is predicted faster (a tie keeps the ring,
-    which is the same schedule on 2 ranks)."""
-    ring, halving = _allreduce_seconds(p, n, machine)
-    return halving < ring
-
-
 def _reduce_seconds(p: int, n: int, machine: Machine) -> tuple[float, float]:
     """(binomial tree, reduce-scatter then gather) seconds of a reduce of `n` bytes over `p`
     ranks to one owner."""
     a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
-    both = machine.ring_beta
     levels = math.ceil(math.log2(p))
     tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
-    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * both + (6 * n + 3 * (p - 1) / p * n) * m
+    ring = (
+        2 * (p - 1) * a
+        + 2 * (p - 1) / p * n * machine.ring_beta
+        + (6 * n + 3 * (p - 1) / p * n) * m
+    )
     return tree, ring
 
 
 def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:
     """Whether a reduce of `n` bytes over `p` ranks to one owner runs as a binomial tree rather
-    than a reduce-scatter then a gather (`collectives`): where it is predicted no slower."""
+    than a reduce-scatter then a gather (`collectives.schedule` runs what this prices)."""
     tree, ring = _reduce_seconds(p, n, machine)
     return tree <= ring
 

@@ -83,3 +83,26 @@ def test_branch_accumulates_without_ordering_the_two_reductions():
     )
     pairs = {(d.src, d.dst) for d in graph.dependences}
     assert pairs == {("x.grad.set_zero", "a.grad"), ("x.grad.set_zero", "b.grad")}
+
+
+def test_a_task_that_writes_nothing_runs_last_and_holds_no_rank_before_its_backward():
+    """evaluate's accuracy reads the step's statistics and writes nothing: it goes after every
+    update, so the rank that runs it (0) starts its backward without waiting for every rank's
+    forward to have sent it their sums."""
+    from partitioner.machine import Machine
+    from partitioner.plan import build_plan
+    from partitioner.strategy import builtin
+    from runtime.step.programs import build_programs
+
+    graph = load_network("seed-lcn-small").lower(batch=8)
+    assert graph.tasks[-1].name == "classifier.evaluate.accuracy"
+    assert [t.name for t in graph.tasks[:-1]] == [
+        t.name for t in load_network("seed-lcn-small").lower(batch=8).tasks if t.op != "accuracy"
+    ]
+    plan = build_plan(graph, builtin(graph, "data", 4), 4)
+    program = build_programs(graph, plan, Machine(), [0])[0]
+    backward = next(i for i, rt in enumerate(program.tasks) if rt.task.phase == "backward")
+    assert all(rt.complete_before == 0 for rt in program.tasks[: backward + 1])
+    (accuracy,) = [i for i, rt in enumerate(program.tasks) if rt.task.op == "accuracy"]
+    assert all(rt.task.phase != "backward" for rt in program.tasks[accuracy:])
+    assert program.tasks[accuracy].complete_before > 0  # where the statistics' sums are due

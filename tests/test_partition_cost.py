@@ -23,27 +23,19 @@ from runtime.step.memory import predict
 MACHINE = Machine(100, 12.5, 2, 16)
 
 
-def _all_reduce(n: int, p: int) -> Reduction:
-    ranks = tuple(range(p))
-    return Reduction("L1.W.grad", "allreduce", ranks, ((Rect.from_dims((n,)), ranks),), 4)
-
-
-def test_all_reduce_of_a_replicated_parameter():
+def test_ring_all_reduce_of_a_replicated_parameter():
     n = 64 * 64 * 7 * 7 * 27 * 27  # L1.W, float32
-    reduction = _all_reduce(n, 4)
+    reduction = Reduction(
+        "L1.W.grad", "allreduce", (0, 1, 2, 3), ((Rect.from_dims((n,)), (0, 1, 2, 3)),), 4
+    )
     seconds, wire = reduction_cost(reduction, MACHINE)
     assert wire == 2 * 3 * n * 4  # each of 4 ranks sends 2(p-1)/p of the bytes
-    # halving and doubling: 2·log2(4) steps where a ring takes 2(p − 1), the same bytes
-    assert seconds == pytest.approx(2 * 2 * 2e-6 + 2 * 3 / 4 * n * 4 / 12.5e9)
-    # where memory traffic is priced, the adds read two operands and write one
+    assert seconds == pytest.approx(2 * 3 * 2e-6 + 2 * 3 / 4 * n * 4 / 12.5e9)
+    # where memory traffic is priced, the ring's adds read two operands and write one
     roofline = Machine(100, 12.5, 2, 16, memory_gbytes_per_s=25)
     seconds, _ = reduction_cost(reduction, roofline)
     local = 3 * 3 / 4 * n * 4 / 25e9
-    assert seconds == pytest.approx(2 * 2 * 2e-6 + 2 * 3 / 4 * n * 4 / 12.5e9 + local)
-    # on 3 ranks the ring: halving over 2 would send the third rank's vector there and back
-    seconds, wire = reduction_cost(_all_reduce(n, 3), MACHINE)
-    assert wire == 2 * 2 * n * 4
-    assert seconds == pytest.approx(2 * 2 * 2e-6 + 2 * 2 / 3 * n * 4 / 12.5e9)
+    assert seconds == pytest.approx(2 * 3 * 2e-6 + 2 * 3 / 4 * n * 4 / 12.5e9 + local)
 
 
 def test_the_roofline_prices_bytes_and_the_overhead_per_task():
