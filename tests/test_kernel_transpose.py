@@ -4,7 +4,7 @@ NumPy's element-by-element copy bit for bit (one rounding of one product per ele
 import numpy as np
 import pytest
 
-from runtime.kernels.attention import _in_place
+from runtime.kernels.attention import in_place
 from runtime.kernels.transpose import LANES_FLOAT32, LANES_FLOAT64, _swap_masks, transpose_heads
 
 RNG = np.random.default_rng(7)
@@ -13,7 +13,7 @@ RNG = np.random.default_rng(7)
 def transposed(a: np.ndarray, scale: float) -> np.ndarray:
     n, h, rows, columns = a.shape
     out = np.full((n, h, columns, rows), np.nan, a.dtype)
-    flat, steps = _in_place(a)
+    flat, steps = in_place(a)
     transpose_heads(flat, *steps, n, h, rows, columns, a.dtype.type(scale), out.reshape(-1))
     return out
 

@@ -33,7 +33,7 @@ def _batched(kernels, batch, heads, m, n, k, a, a_n, a_h, a_rs, a_cs, b, b_n, b_
                    accumulate, c, i * c_n + j * c_h, ldc)  # fmt: skip
 
 
-def _in_place(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+def in_place(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     """`x`'s elements as a flat array that starts at its first element, and its strides in
     elements: the heads' views (`split_heads`) are read where they lie, without a copy. A copy
     where `x` cannot be read so (a negative stride, or one that is not whole elements)."""
@@ -58,10 +58,10 @@ def _product(
     they lie (b copied only where its rows are not of unit stride); `out` is C-contiguous."""
     heads, rows, columns = out.shape[1:]
     depth = b.shape[-2]
-    a_flat, (a_n, a_h, a_r, a_c) = _in_place(a)
+    a_flat, (a_n, a_h, a_r, a_c) = in_place(a)
     a_rs, a_cs = (a_c, a_r) if transpose_a else (a_r, a_c)
-    b_flat, (b_n, b_h, ldb, _) = _in_place(_rows(b))
-    c_flat, (c_n, c_h, ldc, _) = _in_place(out)
+    b_flat, (b_n, b_h, ldb, _) = in_place(_rows(b))
+    c_flat, (c_n, c_h, ldc, _) = in_place(out)
     _batched(kernels(out.dtype), out.shape[0], heads, rows, columns, depth, a_flat, a_n, a_h,
              a_rs, a_cs, b_flat, b_n, b_h, ldb, c_flat, c_n, c_h, ldc, add)  # fmt: skip
 
@@ -71,7 +71,7 @@ def _swapped(a: np.ndarray, scale: float = 1.0) -> np.ndarray:
     which it reads by rows (`transpose.transpose_heads`, tiles transposed in registers)."""
     n, h, rows, columns = a.shape
     out = np.empty((n, h, columns, rows), a.dtype)
-    flat, (a_n, a_h, a_r, a_c) = _in_place(a)
+    flat, (a_n, a_h, a_r, a_c) = in_place(a)
     transpose_heads(flat, a_n, a_h, a_r, a_c, n, h, rows, columns, a.dtype.type(scale),
                     out.reshape(-1))  # fmt: skip
     return out
