@@ -6,8 +6,9 @@ For each (N, H, T, D), float32, the four calls a GPT block makes of `runtime.ker
 on (N, H, T, D) heads as the step's buffers hold them (C-contiguous): the scores Q·Kᵀ scaled
 by 1/√D, the context P·V, and their gradients. Beside them: the scores' GEMM alone (on Kᵀ
 already laid out, without the transposing copy the call makes), `torch.matmul` on the same
-arrays where PyTorch is installed, and a 2048² SGEMM with the BLAS kernels OpenBLAS picks for the CPU (the benchmark
-runs itself again without `OPENBLAS_CORETYPE` where the environment pins them). The calls are
+arrays where PyTorch is installed, and a 2048² SGEMM with the BLAS kernels OpenBLAS picks for
+the CPU (the benchmark runs itself again without `OPENBLAS_CORETYPE` where the environment pins
+them). The calls are
 interleaved round by round, each after a pause (the other calls' threads stop spinning) and
 repeated on warm caches as `bench kernels` times the filter passes, and each figure is the
 best of `--rounds`, as GFLOP/s and as a fraction of the SGEMM of the same run: the machine is

@@ -224,11 +224,12 @@ def fit_burst(points: list[tuple[int, float]], latency: float, per_byte: float) 
     saving is counted only where it exceeds a tenth of the message's time).
 
     Where the messages the rate is fitted on (`SLOPE_FROM_BYTES` and up) that saved less than
-    themselves saved amounts more than `BUCKET_SPREAD` apart, the link is not a bucket but a rate that changes with the size, and none is counted:
-    an unshaped veth, whose host's core copies the bytes, ran 1 and 4 MiB at 1.25 GB/s and
-    64 MiB at 0.55 GB/s, savings of 0.6, 2.4 and 4.6 MB against the large messages' rate, which
-    read as a 4.5 MB bucket let a small network's messages cross the simulated link free
-    (tbf's savings: 240-247 KB at every size from 1 to 64 MiB)."""
+    themselves saved amounts more than `BUCKET_SPREAD` apart, the link is not a bucket but a
+    rate that changes with the size, and none is counted: an unshaped veth, whose host's core
+    copies the bytes, ran 1 and 4 MiB at 1.25 GB/s and 64 MiB at 0.55 GB/s, savings of 0.6, 2.4
+    and 4.6 MB against the large messages' rate, which read as a 4.5 MB bucket let a small
+    network's messages cross the simulated link free (tbf's savings: 240-247 KB at every size
+    from 1 to 64 MiB)."""
     saved = [
         (size, (latency + size * per_byte - t) / per_byte)
         for size, t in points

@@ -1,13 +1,14 @@
 """Transposing copies in registers: `transpose_heads` writes scale · aᵀ for every head of a
 batch, square tiles of one vector's lanes at a time.
 
-Attention's GEMM reads its right operand by rows, so the scores Q·Kᵀ need Kᵀ laid out, a copy of
-T·D elements a head. NumPy's copy reads each element a row of the head apart: in
+Attention's GEMM reads its right operand by rows, so the scores Q·Kᵀ need Kᵀ laid out, a copy
+of T·D elements a head. NumPy's copy reads each element a row of the head apart: in
 `bench/attention_products.py` on the AMD EPYC VM it took 0.24 ms beside the scores' 0.31 ms
-GEMM at (16, 4, 128, 64), and a compiled element loop was no faster. Here a tile of L×L elements (L = the lanes of the host's vector, 16 float32
-with AVX-512) is loaded as L row vectors, transposed by log₂ L rounds of shuffles (each round
-swaps the off-diagonal blocks of every 2s×2s block, s = L/2, …, 1), scaled, and stored as L
-row vectors of the output. The edges that do not fill a tile are copied element by element.
+GEMM at (16, 4, 128, 64), and a compiled element loop was no faster. Here a tile of L×L
+elements (L = the lanes of the host's vector, 16 float32 with AVX-512) is loaded as L row
+vectors, transposed by log₂ L rounds of shuffles (each round swaps the off-diagonal blocks of
+every 2s×2s block, s = L/2, …, 1), scaled, and stored as L row vectors of the output. The
+edges that do not fill a tile are copied element by element.
 """
 
 from __future__ import annotations
