@@ -34,7 +34,6 @@ peak.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,16 +179,17 @@ def collective_cost(
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
 
-def _reduce_seconds(p: int, n: int, machine: Machine) -> tuple[float, float]:
+def _reduce_seconds(p, n, machine: Machine):
     """(binomial tree, reduce-scatter then gather) seconds of a reduce of `n` bytes over `p`
-    ranks to one owner."""
+    ranks to one owner; `p` and `n` numbers, or arrays of many reduces (`collective_costs`)."""
     a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
-    levels = math.ceil(math.log2(p))
+    levels = np.ceil(np.log2(np.maximum(p, 1)))
     tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
+    ranks = np.maximum(p, 1)
     ring = (
         2 * (p - 1) * a
-        + 2 * (p - 1) / p * n * machine.ring_beta
-        + (6 * n + 3 * (p - 1) / p * n) * m
+        + 2 * (p - 1) / ranks * n * machine.ring_beta
+        + (6 * n + 3 * (p - 1) / ranks * n) * m
     )
     return tree, ring
 
@@ -206,18 +206,12 @@ def collective_costs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`collective_cost` of many collectives at once, float for float: collective k is a
     `reduce` where `reduce[k]`, else a `reduce_scatter`."""
-    a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
+    a, m = machine.alpha, machine.seconds_per_memory_byte
     both = machine.ring_beta
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
     scatter = less * (a + largest * both) + (3 * n + 3 * p * largest) * m
-    levels = np.ceil(np.log2(np.maximum(p, 1)))
-    tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
-    ring = (
-        2 * less * a
-        + 2 * less / np.maximum(p, 1) * n * both
-        + (6 * n + 3 * less / np.maximum(p, 1) * n) * m
-    )
+    tree, ring = _reduce_seconds(p, n, machine)
     by_tree = tree <= ring
     seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)
     wire = np.where(reduce & ~by_tree, 2 * less * n, less * n)
