@@ -49,8 +49,9 @@ optional; see the README's table of keys):
   messages at once. Where a host's cores move the bytes (a software link: veth, loopback, TCP
   without offloads) its network stack serves both directions, and each runs slower than alone;
   a link that is full duplex measures the one-way rate, and nothing changes (`stack_beta`);
-- what was measured and where, for the record: `"hosts"`, `"rank_cores"`, `"pingpong"` (the raw
-  points), `"measured_on"`.
+- `"pingpong"`: the raw ping-pong points, `{"pair", "bytes", "seconds"}`, which price each
+  message by the measured time of its size (`Machine.link_per_byte`);
+- what was measured and where, for the record: `"hosts"`, `"rank_cores"`, `"measured_on"`.
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ MEASURED_KEYS = (
     "loop_us",
     "host_cores",
 )
-#: measured by `bench machine` and kept for the record
+#: measured by `bench machine` and kept for the record (`pingpong` is also priced: `link_curves`)
 RECORD_KEYS = ("hosts", "rank_cores", "pingpong", "measured_on")
+#: the ping-pongs' pairs of ranks: on two hosts, and on one
+LINK_PAIRS = ("inter_host", "intra_host")
 #: how far below the one-way rate a link's measured duplex rate may be and the link still be
 #: full duplex: the two are fitted from separate ping-pongs, and on tbf-shaped links (full
 #: duplex by construction) they differ by up to 1% (1 Gbit/s: 0.1195 and 0.1191 GB/s on an AMD
@@ -131,6 +134,9 @@ class Machine:
     loop_us: float = 0.0
     #: the cores of a host, which its ranks share (None: each rank has its cores to itself)
     host_cores: int | None = None
+    #: per pair of `LINK_PAIRS` measured, the one-way seconds of messages by their bytes, in
+    #: ascending bytes (`pingpong`): what a message of each size takes (`link_per_byte`)
+    link_curves: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     #: the measured file's other keys, written back as they were read
     record: dict = field(default_factory=dict)
     #: the pieces as the file gave them, written back as they were read
@@ -225,6 +231,26 @@ class Machine:
             latency_us, gbytes = self.intra_host
             return latency_us * 1e-6, 1.0 / (gbytes * 1e9)
         return self.alpha, self.beta
+
+    def link_per_byte(self, nbytes: np.ndarray, within_host: bool) -> np.ndarray:
+        """Seconds per byte of messages of `nbytes` on the link between hosts or within one:
+        a message takes the link's latency plus its bytes at this rate. Where `bench machine`
+        measured the link (`link_curves`), the rate that gives each message the one-way time of
+        a measured one of its size: the points joined by straight lines, and beyond the largest
+        the fitted rate (`beta`). A link whose hosts' cores move the bytes runs messages that
+        stay in their caches faster than large ones (an unshaped veth: 1-4 MiB at 1.2 GB/s,
+        64 MiB at 0.55), and a rate fitted to the large ones prices a parameter's shards and a
+        spatial step's halos at the wrong one. A link between hosts that lets a burst through
+        (`link_burst_bytes`) is priced by its token bucket and rate instead: its small messages
+        cross fast only while the bucket is full. Without points, the fitted rate throughout."""
+        latency, per_byte = self.link(0, 0) if within_host else (self.alpha, self.beta)
+        points = self.link_curves.get("intra_host" if within_host else "inter_host")
+        nbytes = np.asarray(nbytes, np.float64)
+        if not points or (self.link_burst_bytes and not within_host):
+            return np.full(nbytes.shape, per_byte)
+        sizes, seconds = np.array(points, np.float64).T
+        one_way = np.interp(nbytes, sizes, seconds) + np.maximum(nbytes - sizes[-1], 0.0) * per_byte
+        return np.maximum(one_way - latency, 0.0) / np.maximum(nbytes, 1.0)
 
     def flops_per_second(self, op: str, pass_: str = "", variant: str = "") -> float:
         """FLOP/s of `pass_` of `op` (`variant`: "untied" or "tied"), by the most specific key."""
@@ -351,6 +377,8 @@ def _measured(data: dict, where: str) -> dict:
             _positive(intra, "latency_us", f"{where}: intra_host"),
             _positive(intra, "gbytes_per_s", f"{where}: intra_host"),
         )
+    if "pingpong" in data:
+        out["link_curves"] = _link_curves(data["pingpong"], where)
     for key in ("compute_factor", "loop_us"):
         if key in data:
             value = data[key]
@@ -382,6 +410,31 @@ def _measured(data: dict, where: str) -> dict:
         out["pieces"] = pieces
         out["piece_rows"] = tuple(rows)
     return out
+
+
+def _link_curves(rows: object, where: str) -> dict[str, tuple[tuple[int, float], ...]]:
+    """`pingpong`'s points per pair, ascending in bytes, one time per size (the least)."""
+    if not isinstance(rows, list):
+        raise LegionNNError(f"{where}: pingpong must be a list of measured ping-pongs")
+    found: dict[str, dict[int, float]] = {}
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict) or set(row) != {"pair", "bytes", "seconds"}:
+            raise LegionNNError(
+                f'{where}: pingpong[{index}] must be {{"pair", "bytes", "seconds"}}'
+            )
+        pair, size, seconds = row["pair"], row["bytes"], row["seconds"]
+        if pair not in LINK_PAIRS:
+            raise LegionNNError(
+                f"{where}: pingpong[{index}].pair must be one of {', '.join(LINK_PAIRS)}, "
+                f"got {pair!r}"
+            )
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise LegionNNError(f"{where}: pingpong[{index}].bytes must be a positive integer")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise LegionNNError(f"{where}: pingpong[{index}].seconds must be a positive number")
+        times = found.setdefault(pair, {})
+        times[size] = min(float(seconds), times.get(size, float("inf")))
+    return {pair: tuple(sorted(times.items())) for pair, times in found.items()}
 
 
 def load_machine(path: str | None) -> Machine:

@@ -5,12 +5,13 @@ states the model in Python. The two must give the same step, float-equal (the sa
 same order), on every kind of plan: data, model, spatial and auto, replicated and sharded homes,
 1 to 8 ranks, one rank per host and two (whose messages within a host take the host's own
 link), with memory traffic and a per-message overhead priced (so that packing, adding and each
-hop's overhead are all in the clocks), with a link's burst, and with the network stack's CPU
-and ranks sharing a core.
+hop's overhead are all in the clocks), with a link's burst, with links priced by the measured
+times of messages of each size, and with the network stack's CPU and ranks sharing a core.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,15 +34,34 @@ FIXTURES = ROOT / "tests" / "fixtures"
 #: per-message cost priced
 PRICED = {"link_gbytes_per_s": 0.5, "latency_us": 20.0, "memory_gbytes_per_s": 10.0,
           "message_overhead_us": 3.0, "task_overhead_us": 5.0}  # fmt: skip
+
+
+def _curve(latency_us: float, rates: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """Ping-pong points of a link whose messages of each size run at `rates[size]` GB/s."""
+    return ((8, latency_us * 1e-6),) + tuple(
+        (size, latency_us * 1e-6 + size / (gbytes * 1e9)) for size, gbytes in rates.items()
+    )
+
+
+#: a software link's measured times: messages that stay in cache cross faster than large ones
+CURVES = {
+    "inter_host": _curve(20.0, {1 << 16: 1.5, 1 << 20: 1.2, 1 << 24: 0.5}),
+    "intra_host": _curve(1.0, {1 << 16: 3.0, 1 << 20: 8.0}),
+}
 MACHINES = {
     "one-per-host": Machine(**PRICED),
-    "two-per-host": Machine(**PRICED, ranks_per_host=2, intra_host=(1.0, 8.0)),
+    # within a host and between hosts, messages priced by the measured times of their sizes
+    "two-per-host": Machine(**PRICED, ranks_per_host=2, intra_host=(1.0, 8.0), link_curves=CURVES),
     # a link that lets 64 KB through at once when idle (`link_burst_bytes`)
     "bursting": Machine(**PRICED, ranks_per_host=2, link_burst_bytes=65536.0),
     # a network stack that takes CPU from the kernels it runs beside, and two ranks a host on
     # one core, whose CPU work all takes twice as long (a third rank has its host to itself)
     "stack-cpu-shared-core": Machine(
         **PRICED, ranks_per_host=2, network_cpu_ns_per_byte=2.0, host_cores=1
+    ),
+    # a half-duplex software link priced by its measured times, its stack at their rates
+    "half-duplex-measured": Machine(
+        **PRICED, duplex_gbytes_per_s=0.3, network_cpu_ns_per_byte=1.0, link_curves=CURVES
     ),
     # a software link whose hosts' stacks move both ways at 0.3 GB/s each (0.5 alone), with a
     # burst
@@ -139,6 +159,12 @@ def test_the_cases_exercise_what_the_loop_models():
     assert steps["one-per-host"].seconds != steps["two-per-host"].seconds
     assert steps["stack-cpu-shared-core"].seconds > steps["two-per-host"].seconds
     assert steps["half-duplex"].seconds > steps["one-per-host"].seconds
+    # the measured times price the messages: the same links at their fitted rates differ
+    for name in ("two-per-host", "half-duplex-measured"):
+        fitted = replace(MACHINES[name], link_curves={})
+        graph, plan = _plan("seed-lcn-small", 8, "data", "replicated", 4, fitted)
+        programs = build_programs(graph, plan, fitted, range(4))
+        assert predict_step(graph, plan, fitted, programs=programs).seconds != steps[name].seconds
 
 
 def test_step_prediction_simulates_at_every_rank_count():

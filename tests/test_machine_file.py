@@ -4,6 +4,7 @@ hosts and within one, and compute read from the table of measured pieces."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -90,6 +91,17 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         ({"pieces": [PIECE | {"requirements": [1], "seconds": 1}]}, r"pieces\[0\] is malformed"),
         ({"pieces": [PIECE | {"seconds": -1}]}, r"pieces\[0\].seconds must be >= 0"),
         ({"link_gbps": 1}, "unknown key 'link_gbps'"),
+        ({"pingpong": {"inter_host": 1}}, "pingpong must be a list"),
+        ({"pingpong": [{"pair": "inter_host", "bytes": 8}]}, r"pingpong\[0\] must be"),
+        ({"pingpong": [{"pair": "wan", "bytes": 8, "seconds": 1e-5}]}, r"pingpong\[0\].pair"),
+        (
+            {"pingpong": [{"pair": "inter_host", "bytes": 0.5, "seconds": 1e-5}]},
+            r"pingpong\[0\].bytes must be a positive integer",
+        ),
+        (
+            {"pingpong": [{"pair": "inter_host", "bytes": 8, "seconds": 0}]},
+            r"pingpong\[0\].seconds must be a positive number",
+        ),
     ],
 )
 def test_a_bad_measured_key_is_one_line_naming_it(extra, message, tmp_path, capsys):
@@ -202,6 +214,58 @@ def test_a_links_burst_is_read_off_its_ping_pongs():
     tbf = [(8, 7.4e-6), (1024, 1.37e-5), (65536, 2.4e-5), (1 << 20, 6.714e-3),
            (4 << 20, 3.3055e-2), (16 << 20, 0.13832), (64 << 20, 0.55937)]  # fmt: skip
     assert 200_000 < fit_burst(tbf, *fit_link(tbf)) < 300_000
+
+
+#: an unshaped veth's ping-pong between hosts, measured (`bench machine` on `cluster --link
+#: unlimited`): messages that stay in the cores' caches cross at twice the large ones' rate
+VETH = [(8, 7.1e-6), (1024, 1.28e-5), (65536, 3.62e-5), (1 << 20, 8.58e-4),
+        (4 << 20, 3.35e-3), (16 << 20, 2.294e-2), (64 << 20, 0.1227)]  # fmt: skip
+
+
+def test_a_link_prices_each_message_at_the_measured_time_of_its_size():
+    from runtime.step.simulator import Links
+
+    latency, per_byte = fit_link(VETH)
+    intra = [(8, 1e-6), (65536, 2e-5), (1 << 20, 1.5e-4)]
+    data = {
+        **BASE,
+        "latency_us": latency * 1e6,
+        "link_gbytes_per_s": 1 / per_byte / 1e9,
+        "ranks_per_host": 2,
+        "intra_host": {"latency_us": 1.0, "gbytes_per_s": 8.0},
+        "pingpong": [{"pair": "inter_host", "bytes": n, "seconds": t} for n, t in VETH]
+        + [{"pair": "intra_host", "bytes": n, "seconds": t} for n, t in intra],
+    }
+    machine = machine_from_json(data)
+    assert machine.to_json() == data
+    for within, points, alpha in ((False, VETH, latency), (True, intra, 1e-6)):
+        sizes = np.array([n for n, _ in points])
+        seconds = alpha + sizes * machine.link_per_byte(sizes, within)
+        assert seconds == pytest.approx([t for _, t in points], rel=1e-12)
+        # between two points, between their times; beyond the last, the fitted rate
+        middle = (sizes[1:] + sizes[:-1]) // 2
+        between = alpha + middle * machine.link_per_byte(middle, within)
+        assert np.all(between > [t for _, t in points[:-1]])
+        assert np.all(between < [t for _, t in points[1:]])
+    beyond = np.array([128 << 20])
+    fitted_rate = machine.link_per_byte(beyond, False)
+    assert latency + (128 << 20) * fitted_rate[0] == pytest.approx(0.1227 + (64 << 20) * per_byte)
+    # mid-size messages cross at the rate they were measured at, not the large ones'
+    assert machine.link_per_byte(np.array([1 << 20]), False)[0] < 0.5 * per_byte
+    # the step simulators read the same rates, and the stack's at the link's for the size
+    stacked = replace(machine, duplex_gbytes_per_s=0.3)
+    links = Links.of(stacked, 4)
+    nbytes = np.array([1 << 20, 1 << 20, 64 << 20])
+    beta, stack = links.rates(nbytes, np.array([True, False, True]))
+    assert list(beta) == [*machine.link_per_byte(nbytes[:1], False),
+                          *machine.link_per_byte(nbytes[1:2], True),
+                          *machine.link_per_byte(nbytes[2:], False)]  # fmt: skip
+    assert stack[1] == 0.0
+    assert stack[0] / beta[0] == pytest.approx(stacked.stack_beta / stacked.beta)
+    # a link with a burst is its token bucket and rate; a link not measured, its rate
+    for plain in (replace(machine, link_burst_bytes=65536.0), machine_from_json(BASE)):
+        rates = plain.link_per_byte(np.array([8, 1 << 20, 64 << 20]), False)
+        assert list(rates) == [plain.beta] * 3
 
 
 def test_ranks_beyond_their_hosts_cores_time_share_them():

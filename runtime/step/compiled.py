@@ -428,6 +428,10 @@ def run_compiled(
     flat = flatten(programs, compute, links, pack, memory, slowdown)
     host = flat.host
     hosts = int(host.max()) + 1 if len(host) else 0
+    ends = (flat.src >= 0) & (flat.dst >= 0)
+    between = np.zeros(len(flat.src), bool)
+    between[ends] = host[flat.src[ends]] != host[flat.dst[ends]]
+    beta, stack_beta = links.rates(flat.nbytes, between)
     finish, waiting, computing, done = run_step(
         flat.ops,
         flat.op_ptr,
@@ -445,6 +449,8 @@ def run_compiled(
         flat.round_adds,
         flat.heap_room,
         np.asarray([slowdown[rank] for rank in flat.ranks], np.float64),
+        beta,
+        stack_beta,
         (links.alpha, links.beta, links.alpha_intra, links.beta_intra, memory, per_message,
          float(links.burst), network_cpu, links.stack_beta),
     )  # fmt: skip

@@ -29,10 +29,12 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #        scheduled, and the latest end of those that are), started (per transfer, when it
 #        starts on the link), wire, wire_at, wire_count (per rank, its transfers between hosts
 #        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]]),
-#        stack (per host, when its network stack is next free)
+#        stack (per host, when its network stack is next free), beta and stack_beta (per
+#        transfer, seconds per byte of its link and of the network stack at its ends,
+#        `simulator.Links.rates`)
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst, network_cpu,
-#           stack_beta
+#           stack_beta (the links' rates whatever a message's size: the token bucket's refill)
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
@@ -45,13 +47,14 @@ def _schedule(net, prices, blocked, heap, t, ready):
     s, d = src[t], dst[t]
     if host[s] == host[d]:  # shared memory: each rank copies one message at a time
         egress, ingress, a, b = net[4], net[5], s, d
-        alpha, beta = prices[2], prices[3]
+        alpha = prices[2]
     else:
         egress, ingress, a, b = net[6], net[7], host[s], host[d]
-        alpha, beta = prices[0], prices[1]
+        alpha = prices[0]
+    beta = net[22][t]
     start = max(ready, egress[a], ingress[b])
-    stack, stack_beta = net[21], prices[8]
-    stacked = stack_beta != 0.0 and host[s] != host[d]
+    stack, stack_beta = net[21], net[23][t]
+    stacked = prices[8] != 0.0 and host[s] != host[d]
     if stacked:
         start = max(start, stack[host[s]], stack[host[d]])
     burst = prices[6]
@@ -59,8 +62,8 @@ def _schedule(net, prices, blocked, heap, t, ready):
         # `_Simulator._schedule`'s token bucket at each end, the same sums in the same order
         tokens_out, tokens_in = net[12], net[13]
         left = min(
-            min(burst, tokens_out[a] + (start - egress[a]) / beta),
-            min(burst, tokens_in[b] + (start - ingress[b]) / beta),
+            min(burst, tokens_out[a] + (start - egress[a]) / prices[1]),
+            min(burst, tokens_in[b] + (start - ingress[b]) / prices[1]),
         )
         paid = max(nbytes[t] - left, 0.0)
         tokens_out[a] = max(left - nbytes[t], 0.0)
@@ -364,6 +367,8 @@ def run_step(
     round_adds,
     heap_room,
     slowdown,
+    beta,
+    stack_beta,
     prices,
 ):
     nranks = len(op_ptr) - 1
@@ -399,6 +404,8 @@ def run_step(
         wire_at,
         np.zeros(nranks, np.int64),
         np.zeros(max(hosts, 1), np.float64),
+        beta,
+        stack_beta,
     )
     heap = (
         np.full(nranks, np.inf),

@@ -53,8 +53,10 @@ import heapq
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from partitioner.machine import Machine
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds, sharing_core
@@ -78,6 +80,9 @@ class Links:
     burst: float = 0.0
     #: seconds per byte of a host's network stack, both ways (`Machine.stack_beta`; 0: none)
     stack_beta: float = 0.0
+    #: seconds per byte of messages by their bytes, between hosts (False) or within one
+    #: (`Machine.link_per_byte`); None: `beta` and `beta_intra` whatever their size
+    per_byte: Callable[[np.ndarray, bool], np.ndarray] | None = None
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -88,10 +93,23 @@ class Links:
         return cls(
             machine.alpha, machine.beta, alpha_intra, beta_intra, per_host,
             machine.link_burst_bytes, machine.stack_beta,
+            machine.link_per_byte if machine.link_curves else None,
         )  # fmt: skip
 
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host
+
+    def rates(self, nbytes: np.ndarray, between: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per message of `nbytes`, between hosts or not (`between`), the seconds per byte of its
+        link, and of the network stack at its ends (between hosts; 0 within one), which runs
+        at the link's rate for the message's size as it does for the large ones
+        (`stack_beta`): the host's cores copy the bytes either way."""
+        nbytes, between = np.asarray(nbytes), np.asarray(between, bool)
+        if self.per_byte is None:
+            beta = np.where(between, self.beta, self.beta_intra)
+        else:
+            beta = np.where(between, self.per_byte(nbytes, False), self.per_byte(nbytes, True))
+        return beta, np.where(between, self.stack_beta * (beta / self.beta), 0.0)
 
 
 @dataclass
@@ -215,10 +233,12 @@ class _Simulator:
         src_host, dst_host = links.host(transfer.src), links.host(transfer.dst)
         if src_host == dst_host:  # shared memory: each rank copies one message at a time
             out, into = ("rank", transfer.src), ("rank", transfer.dst)
-            alpha, beta = links.alpha_intra, links.beta_intra
+            alpha = links.alpha_intra
         else:
             out, into = ("host", src_host), ("host", dst_host)
-            alpha, beta = links.alpha, links.beta
+            alpha = links.alpha
+        between = src_host != dst_host
+        beta, stack_beta = (float(rate[0]) for rate in links.rates([transfer.nbytes], [between]))
         start = max(ready, self.egress[out], self.ingress[into])
         stacked = links.stack_beta and src_host != dst_host
         if stacked:
@@ -239,7 +259,7 @@ class _Simulator:
         transfer.end = start + alpha + paid * beta
         self.egress[out] = self.ingress[into] = transfer.end
         if stacked:
-            self.stack[src_host] = self.stack[dst_host] = start + paid * links.stack_beta
+            self.stack[src_host] = self.stack[dst_host] = start + paid * stack_beta
         if src_host != dst_host:
             for rank in (transfer.src, transfer.dst):
                 if rank in self.on_wire:
