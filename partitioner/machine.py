@@ -237,12 +237,14 @@ class Machine:
         a message takes the link's latency plus its bytes at this rate. Where `bench machine`
         measured the link (`link_curves`), the rate that gives each message the one-way time of
         a measured one of its size: the points joined by straight lines, and beyond the largest
-        the fitted rate (`beta`). A link whose hosts' cores move the bytes runs messages that
-        stay in their caches faster than large ones (an unshaped veth: 1-4 MiB at 1.2 GB/s,
-        64 MiB at 0.55), and a rate fitted to the large ones prices a parameter's shards and a
-        spatial step's halos at the wrong one. A link between hosts that lets a burst through
-        (`link_burst_bytes`) is priced by its token bucket and rate instead: its small messages
-        cross fast only while the bucket is full. Without points, the fitted rate throughout."""
+        the fitted rate (`beta`). A link whose hosts' cores move the bytes can run messages that
+        stay in their caches faster than large ones (an unshaped veth's medians: 64 KiB at 1.1
+        GB/s, 1 MiB at 0.56, 64 MiB at 0.45), and a rate fitted to the large ones prices a
+        parameter's shards and a spatial step's halos at the wrong one (deep-mlp's sharded plan
+        there: +27.1% at the fitted rate, +8.9% at the measured times). A link between hosts
+        that lets a burst through (`link_burst_bytes`) is priced by its token bucket and rate
+        instead: its small messages cross fast only while the bucket is full. Without points,
+        the fitted rate throughout."""
         latency, per_byte = self.link(0, 0) if within_host else (self.alpha, self.beta)
         points = self.link_curves.get("intra_host" if within_host else "inter_host")
         nbytes = np.asarray(nbytes, np.float64)
