@@ -15,12 +15,14 @@ post points and collective schedules the runtime runs:
   start its collectives, complete those due after it, post the copies due after it;
 - a message moves once both ends have posted it: on a link between hosts it takes the sending
   host's egress and the receiving host's ingress (full duplex per host, a non-blocking switch),
-  one message after another in the order they became ready, for latency + bytes / bandwidth,
-  less the burst the link has left (`link_burst_bytes`: a token bucket at each end, whose bytes
-  cross at once, refilled at the link's rate while it is idle); where the host's network
-  stack moves both directions' bytes (`Machine.stack_beta`), a message also holds the stack at
-  each end for its bytes at the stack's rate, so that a host sending and receiving at once
-  runs each way at the measured duplex rate;
+  one message after another in the order they became ready, for latency + bytes / bandwidth
+  (the bandwidth a message of its size crossed at, where `bench machine` timed the link's
+  messages by size: `Machine.link_per_byte`), less the burst the link has left
+  (`link_burst_bytes`: a token bucket at each end, whose bytes cross at once, refilled at the
+  link's rate while it is idle); where the host's network stack moves both directions' bytes
+  (`Machine.stack_beta`), a message also holds the stack at each end for its bytes at the
+  stack's rate, so that a host sending and receiving at once runs each way at the measured
+  duplex rate;
   within a host it takes latency + bytes / bandwidth of the host's own link (shared memory);
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
