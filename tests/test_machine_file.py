@@ -195,6 +195,12 @@ def test_partition_json_gives_the_simulated_step(tmp_path):
     assert report["predicted_step_seconds"] > 0 and report["bulk_synchronous_seconds"] > 0
 
 
+#: an unshaped veth's ping-pong between hosts, measured (`bench machine` on `cluster --link
+#: unlimited`): messages that stay in the cores' caches cross at twice the large ones' rate
+VETH = [(8, 7.1e-6), (1024, 1.28e-5), (65536, 3.62e-5), (1 << 20, 8.58e-4),
+        (4 << 20, 3.35e-3), (16 << 20, 2.294e-2), (64 << 20, 0.1227)]  # fmt: skip
+
+
 def test_a_links_burst_is_read_off_its_ping_pongs():
     from runtime.mpi_transport import fit_burst
 
@@ -207,19 +213,11 @@ def test_a_links_burst_is_read_off_its_ping_pongs():
     plain = [(n, latency + n * per_byte) for n in sizes]
     assert fit_burst(plain, *fit_link(plain)) == 0.0
     # a rate that changes with the size is no bucket: an unshaped veth's ping-pong, measured
-    veth = [(8, 7.1e-6), (1024, 1.28e-5), (65536, 3.62e-5), (1 << 20, 8.58e-4),
-            (4 << 20, 3.35e-3), (16 << 20, 2.294e-2), (64 << 20, 0.1227)]  # fmt: skip
-    assert fit_burst(veth, *fit_link(veth)) == 0.0
+    assert fit_burst(VETH, *fit_link(VETH)) == 0.0
     # and tbf's, 1 Gbit/s with its default burst, is one
     tbf = [(8, 7.4e-6), (1024, 1.37e-5), (65536, 2.4e-5), (1 << 20, 6.714e-3),
            (4 << 20, 3.3055e-2), (16 << 20, 0.13832), (64 << 20, 0.55937)]  # fmt: skip
     assert 200_000 < fit_burst(tbf, *fit_link(tbf)) < 300_000
-
-
-#: an unshaped veth's ping-pong between hosts, measured (`bench machine` on `cluster --link
-#: unlimited`): messages that stay in the cores' caches cross at twice the large ones' rate
-VETH = [(8, 7.1e-6), (1024, 1.28e-5), (65536, 3.62e-5), (1 << 20, 8.58e-4),
-        (4 << 20, 3.35e-3), (16 << 20, 2.294e-2), (64 << 20, 0.1227)]  # fmt: skip
 
 
 def test_a_link_prices_each_message_at_the_measured_time_of_its_size():

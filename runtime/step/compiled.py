@@ -451,8 +451,8 @@ def run_compiled(
         np.asarray([slowdown[rank] for rank in flat.ranks], np.float64),
         beta,
         stack_beta,
-        (links.alpha, links.beta, links.alpha_intra, links.beta_intra, memory, per_message,
-         float(links.burst), network_cpu, links.stack_beta),
+        (links.alpha, links.beta, links.alpha_intra, memory, per_message, float(links.burst),
+         network_cpu, links.stack_beta),
     )  # fmt: skip
     stuck = sorted(rank for i, rank in enumerate(flat.ranks) if not done[i])
     if stuck:

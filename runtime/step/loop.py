@@ -33,8 +33,8 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #        transfer, seconds per byte of its link and of the network stack at its ends,
 #        `simulator.Links.rates`)
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
-#   prices: alpha, beta, alpha_intra, beta_intra, memory, per_message, burst, network_cpu,
-#           stack_beta (the links' rates whatever a message's size: the token bucket's refill)
+#   prices: alpha, beta (the link's rate between hosts whatever a message's size: the token
+#           bucket's refill), alpha_intra, memory, per_message, burst, network_cpu, stack_beta
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
@@ -54,10 +54,10 @@ def _schedule(net, prices, blocked, heap, t, ready):
     beta = net[22][t]
     start = max(ready, egress[a], ingress[b])
     stack, stack_beta = net[21], net[23][t]
-    stacked = prices[8] != 0.0 and host[s] != host[d]
+    stacked = prices[7] != 0.0 and host[s] != host[d]
     if stacked:
         start = max(start, stack[host[s]], stack[host[d]])
-    burst = prices[6]
+    burst = prices[5]
     if burst and host[s] != host[d]:
         # `_Simulator._schedule`'s token bucket at each end, the same sums in the same order
         tokens_out, tokens_in = net[12], net[13]
@@ -138,7 +138,7 @@ def _post_round(net, prices, ranks, heap, rounds, rank, instance):
     lo, hi = 0, 0
     if r < count[instance]:
         lo, hi = round_lo[first[instance] + r], round_hi[first[instance] + r]
-    clock[rank] += (hi - lo) * prices[5] * ranks[3][rank]
+    clock[rank] += (hi - lo) * prices[4] * ranks[3][rank]
     for k in range(lo, hi):
         _post(net, prices, ranks[2], heap, rank, keys[k], clock[rank])
 
@@ -162,7 +162,7 @@ def _advance(net, prices, ranks, heap, rounds, rank):
             end = _round_end(keys, ended, scheduled, round_lo[cell], round_hi[cell])
             if end < 0.0 or end > now:
                 break
-            clock[rank] += 3 * adds[cell] * (prices[4] * ranks[3][rank])
+            clock[rank] += 3 * adds[cell] * (prices[3] * ranks[3][rank])
             current[instance] += 1
             _post_round(net, prices, ranks, heap, rounds, rank, instance)
         if current[instance] < count[instance]:
@@ -194,7 +194,7 @@ def _stretched(net, prices, rank, begin, seconds, slowdown):
     network stack's CPU for the bytes of the rank's transfers between hosts on the wire
     meanwhile (`rank_cpu.sharing_core`, point for point, with `slowdown` times the CPU a
     byte, the rank's); those ended before `begin` leave its list."""
-    cpu = prices[7]
+    cpu = prices[6]
     if cpu == 0.0:
         return seconds
     nbytes, ended, started = net[2], net[8], net[17]
@@ -394,8 +394,8 @@ def run_step(
         np.zeros(transfers, np.bool_),
         np.zeros(transfers, np.bool_),
         np.zeros(transfers, np.bool_),
-        np.full(max(hosts, 1), prices[6]),
-        np.full(max(hosts, 1), prices[6]),
+        np.full(max(hosts, 1), prices[5]),
+        np.full(max(hosts, 1), prices[5]),
         np.zeros(transfers, np.int8),
         np.zeros(nranks, np.int64),
         np.zeros(nranks, np.float64),

@@ -242,16 +242,19 @@ class _Simulator:
         between = src_host != dst_host
         beta, stack_beta = (float(rate[0]) for rate in links.rates([transfer.nbytes], [between]))
         start = max(ready, self.egress[out], self.ingress[into])
-        stacked = links.stack_beta and src_host != dst_host
+        stacked = links.stack_beta and between
         if stacked:
             start = max(start, self.stack[src_host], self.stack[dst_host])
         paid = transfer.nbytes
-        if links.burst and src_host != dst_host:
+        if links.burst and between:
             # a token bucket at each end: what the emptier has left crosses at once, the rest
             # at the rate; it refills at the rate while the link is idle
             ends = (("out", out, self.egress[out]), ("in", into, self.ingress[into]))
             left = min(
-                min(links.burst, self.tokens.get((way, end), links.burst) + (start - free) / beta)
+                min(
+                    links.burst,
+                    self.tokens.get((way, end), links.burst) + (start - free) / links.beta,
+                )
                 for way, end, free in ends
             )
             paid = max(transfer.nbytes - left, 0.0)
