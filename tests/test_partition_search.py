@@ -7,7 +7,7 @@ from itertools import product
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from plan_cases import networks, strategies, two_headed
 
@@ -18,7 +18,7 @@ from partitioner.plan import build_plan, task_rows
 from partitioner.search import frontier_dp
 from partitioner.search.auto import auto
 from partitioner.search.coupling import is_chain
-from partitioner.search.families import FAMILIES, family_grid
+from partitioner.search.families import FAMILIES, family_grid, grid_options
 from partitioner.search.frontier_dp import FrontierDP
 from partitioner.search.transitions import UnitPricer
 from partitioner.strategy import Strategy, builtin, find_units
@@ -261,6 +261,39 @@ def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nrank
     result = auto(graph, nranks, machine)
     assert result.note == "exact DP over all family pairs"
     assert sum(c.seconds for c in result.choices) == pytest.approx(min(best.values()), rel=1e-12)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    graph=networks(),
+    nranks=st.sampled_from([2, 3, 4, 6]),
+    machine=st.sampled_from([MACHINE, ROOFLINE]),
+)
+def test_partial_bounds_are_below_every_factor_and_the_lazy_dag_dp_is_exact(graph, nranks, machine):
+    """Every factor of a branching network priced: each row's bound, with its dependencies all
+    hidden or one of them known, is below the row under every assignment of their grids, and the
+    lazy DP, which prices only what those bounds leave open, finds the least sum of them all."""
+    assume(not chain(graph))
+    units = find_units(graph)
+    pricer = UnitPricer(graph, units, nranks, machine)
+    _, options = grid_options(units, nranks)
+    grids = [list(found) for found in options]
+    scopes = [tuple(sorted((*pricer.deps[i], i))) for i in range(len(units))]
+    factors = []
+    for i, scope in enumerate(scopes):
+        factor = np.empty([len(grids[j]) for j in scope])
+        for cell in product(*(range(len(grids[j])) for j in scope)):
+            assignment = {j: grids[j][k] for j, k in zip(scope, cell)}
+            factor[cell] = seconds = pricer.factor(i, assignment).seconds
+            assert pricer.bound(i, assignment[i]) <= seconds
+            for j in pricer.deps[i]:
+                assert pricer.bound(i, assignment[i], {j: assignment[j]}) <= seconds
+        factors.append(factor)
+    best = FrontierDP(scopes, [len(found) for found in grids]).solve(factors)
+    least = sum(f[tuple(best[j] for j in scope)] for f, scope in zip(factors, scopes))
+    result = auto(graph, nranks, machine)
+    assert result.note == "exact DP over the rows' dependencies"
+    assert sum(c.seconds for c in result.choices) == pytest.approx(least, rel=1e-12)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -35,7 +35,12 @@ statistics) a unit's row depends on the grids of the units in `UnitPricer.deps` 
 predecessor, the writers of what it reads, siblings that read the same tensor before it, the
 readers of its homes), and `UnitPricer.factor` prices it given those, exactly as the whole plan
 does. `frontier_dp.FrontierDP` then runs the same lazy DP over the *frontier*, the units some later row
-still depends on (on ResNet a block's input and the unit being chosen), so it is exact too. Only
+still depends on (on ResNet a block's input and the unit being chosen), so it is exact too. A row
+that depends on several units gets one more bound between its own and its price: the row with one
+of their grids known and the others hidden, for each of them (`UnitPricer.bound` with `known`),
+the cell taking the largest. ResNet-18's shortcut convolutions depend on four units, 13,824
+combinations each: without those bounds the DP priced 9,730 rows in 3,228 rounds at 64 ranks,
+with them 2,468 in 202 (search 8.2 s → 3.3 s). Only
 where the frontier would be too wide to tabulate (`FRONTIER_LIMIT`) does `auto` fall back to
 a local search over whole plans (`local.py`).
 
@@ -332,7 +337,8 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         ).copy()
         for i, scope in enumerate(scopes)
     ]
-    refined: set[tuple[int, Grid]] = set()
+    #: (unit, grid, known grids of its dependencies) whose bound raised its cells
+    refined: set[tuple] = set()
 
     def key_of(i: int, path: list[Grid]) -> tuple:
         return (i, tuple(path[j] for j in scopes[i]))
@@ -349,13 +355,36 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         lower[i][cell(key)] = found.seconds if found.fits(constant, capacity) else INF
         priced[i][cell(key)] = True
 
-    def refine(i: int, q: Grid) -> None:
-        refined.add((i, q))
-        bound = pricer.bound(i, q)
-        mine = [slice(None) if j != i else index[i][q] for j in scopes[i]]
-        on_q = np.zeros(lower[i].shape, bool)
-        on_q[tuple(mine)] = True
-        lower[i][on_q & ~priced[i]] = bound
+    def refine(i: int, q: Grid, known: tuple[tuple[int, Grid], ...] = ()) -> None:
+        """Raise the unpriced cells of unit i on grid q (and on the grids `known` of some of
+        its dependencies) to the row's bound with the others hidden."""
+        refined.add((i, q, known))
+        bound = pricer.bound(i, q, dict(known))
+        fixed = dict(known) | {i: q}
+        where = tuple(
+            slice(index[j][fixed[j]], index[j][fixed[j]] + 1) if j in fixed else slice(None)
+            for j in scopes[i]
+        )
+        view = lower[i][where]  # a view: the cells are raised in place
+        view[...] = np.where(priced[i][where], view, np.maximum(view, bound))
+
+    def next_bound(key: tuple) -> tuple | None:
+        """The refinement the lazy DP makes next for `key` before pricing it, if any: the row's
+        bound with every dependency hidden, then, where it has several, with one known at a
+        time (a residual block's shortcut depends on four units' grids: bounds of one known
+        grid each settle most of their combinations without pricing them)."""
+        i, assignment = key
+        q = assignment[scopes[i].index(i)]
+        if (i, q, ()) not in refined:
+            return (i, q, ())
+        if len(pricer.deps[i]) < 2:
+            return None
+        todo = [
+            ((j, g),)
+            for j, g in zip(scopes[i], assignment)
+            if j != i and (i, q, ((j, g),)) not in refined
+        ]
+        return (i, q, todo) if todo else None
 
     def path_of(solution: list[int]) -> list[Grid]:
         return [grids[i][k] for i, k in enumerate(solution)]
@@ -380,11 +409,14 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
             break
         for key in missing:
             changed.add(key[0])
-            q = key[1][scopes[key[0]].index(key[0])]
-            if (key[0], q) in refined:
+            step = next_bound(key)
+            if step is None:
                 price(key)
+            elif not step[2]:
+                refine(*step)
             else:
-                refine(key[0], q)
+                for known in step[2]:
+                    refine(step[0], step[1], known)
 
     def cost(path: list[Grid]) -> tuple[float, bool]:
         return _path_cost([table[key_of(i, path)] for i in range(len(units))], constant, capacity)

@@ -135,13 +135,20 @@ class UnitPricer(RowWindows):
         self.priced += 1
         return RowCost(*self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, ()))
 
-    def bound(self, i: int, q: Grid) -> float:
+    def bound(self, i: int, q: Grid, known: Mapping[int, Grid] | None = None) -> float:
         """A lower bound on unit i's row seconds on grid `q` whatever the grids of the units it
         depends on (`deps`, on a chain unit i − 1): the row's tasks without the messages and
         collectives whose layouts or copies come from their grids (a task's seconds only grow
         with what it moves), tasks run on their grids counted as 0. What it keeps is priced
-        exactly as in `transition`."""
-        return self._bounds.remember((i, q), lambda: self._bound(i, q))
+        exactly as in `transition`. `known`: the grids of some of those units, whose tasks are
+        then replayed as `factor` replays them; only the others' are hidden (the same argument
+        holds: every message kept is one the row moves with those grids)."""
+        known = dict(known or {})
+        hidden = tuple(d for d in self.deps[i] if d not in known)
+        if not hidden:
+            return self.factor(i, known | {i: q}).seconds
+        key = (i, q, tuple(sorted(known.items())))
+        return self._bounds.remember(key, lambda: self._bound(i, known | {i: q}, hidden))
 
     def compute_bound(self, i: int, q: Grid) -> float:
         """A lower bound on unit i's row seconds on grid `q` much cheaper than `bound`: what the
@@ -167,9 +174,8 @@ class UnitPricer(RowWindows):
 
         return self._bounds.remember(("compute", i, q), make)
 
-    def _bound(self, i: int, q: Grid) -> float:
-        hidden = self.deps[i]
-        return self._walk(self.window[i], self.costed[i], self.touched[i], {i: q}, i, hidden)[0]
+    def _bound(self, i: int, grids: Mapping[int, Grid], hidden: tuple[int, ...]) -> float:
+        return self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, hidden)[0]
 
     def constant(self) -> RowCost:
         """The rows of no unit (data loading) and the memory no unit's grid sets."""
