@@ -34,15 +34,17 @@ On other graphs (a residual block's add reading the block's input, a second head
 statistics) a unit's row depends on the grids of the units in `UnitPricer.deps` (its
 predecessor, the writers of what it reads, siblings that read the same tensor before it, the
 readers of its homes), and `UnitPricer.factor` prices it given those, exactly as the whole plan
-does. `frontier_dp.FrontierDP` then runs the same lazy DP over the *frontier*, the units some later row
-still depends on (on ResNet a block's input and the unit being chosen), so it is exact too. A row
+does. One DP serves both (`_lazy_dp`): each row is a factor over its *scope* (the unit and those
+it depends on; on a chain, its predecessor), and `frontier_dp.FrontierDP` tabulates the
+*frontier*, the units some later row still depends on (on a chain the unit being chosen, on
+ResNet a block's input and the unit being chosen), so the lazy DP is exact on any graph. A row
 that depends on several units gets one more bound between its own and its price: the row with one
 of their grids known and the others hidden, for each of them (`UnitPricer.bound` with `known`),
 the cell taking the largest. ResNet-18's shortcut convolutions depend on four units, 13,824
 combinations each: without those bounds the DP priced 9,730 rows in 3,228 rounds at 64 ranks,
-with them 2,468 in 202 (search 8.2 s → 3.3 s). Only
-where the frontier would be too wide to tabulate (`FRONTIER_LIMIT`) does `auto` fall back to
-a local search over whole plans (`local.py`).
+with them 2,468 in 202 (search 8.2 s → 3.3 s). Only where the frontier would be too wide to
+tabulate (`FRONTIER_LIMIT`) does `auto` fall back to a local search over whole plans
+(`local.py`).
 
 The strategy `auto` returns carries the pieces of the grids it chose (`Strategy.pieces`), which
 `build_plan` reuses. Planning at 1024 ranks (batch 256; `bench/planning.py`, CPU seconds on the
@@ -56,7 +58,6 @@ import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import pairwise, product
 
 import numpy as np
 
@@ -113,7 +114,7 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
         try:
             with _no_cycle_collection():
                 pricer = UnitPricer(graph, units, nranks, machine)
-                return (_chain_dp if chain else _dag_dp)(pricer, deadline)
+                return _lazy_dp(pricer, deadline, chain)
         except NotAChain:
             pass
     pricer = PlanPricer(graph, units, nranks, machine)
@@ -169,173 +170,31 @@ def _path_cost(rows: list[RowCost], constant: np.ndarray, capacity: float) -> tu
     return seconds, bool((constant + sum(r.memory for r in rows)).max(initial=0) <= capacity)
 
 
-def _chain_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
-    units, nranks = pricer.units, pricer.nranks
-    grid_of, options = families.grid_options(units, nranks)
-    grids = [list(found) for found in options]
-    total = len(grids[0]) + sum(len(a) * len(b) for a, b in pairwise(grids))
-    table: dict[Transition, RowCost] = {}
-    fits: dict[Transition, bool] = {}
-    constant = pricer.constant().memory
-    capacity = pricer.machine.memory_bytes
-
-    predecessors = [[None]] + grids[:-1]
-    lower: list[np.ndarray] = []  # per unit, the lazy DP's values by (predecessor's, own grid)
-
-    def price(key: Transition) -> None:
-        if key not in table:
-            table[key] = found = pricer.transition(*key)
-            fits[key] = found.fits(constant, capacity)
-            if lower:
-                i, p, q = key
-                lower[i][predecessors[i].index(p), grids[i].index(q)] = seconds(key)
-
-    def family_pair(x: str, y: str) -> None:
-        for i in range(len(units)):
-            price((i, grid_of[(i - 1, x)] if i else None, grid_of[(i, y)]))
-
-    def seconds(key: Transition) -> float:
-        """A priced row's seconds (infinite where it alone does not fit); None: unpriced."""
-        if key not in table:
-            return None
-        return table[key].seconds if fits[key] else INF
-
-    def values(value) -> list[np.ndarray]:
-        """`value(transition)` of every transition, per unit a (predecessor's, own) matrix."""
-        return [
-            np.array([[value((i, p, q)) for q in grids[i]] for p in predecessors[i]])
-            for i in range(len(units))
-        ]
-
-    def best_path(matrices: list[np.ndarray]) -> list[Grid] | None:
-        """The assignment of grids minimising the sum of the transitions' values (`values`);
-        on ties the first predecessor's and the first grid, in their families' order."""
-        cost = matrices[0][0]
-        back = []
-        for matrix in matrices[1:]:
-            total = cost[:, None] + matrix
-            best = total.argmin(axis=0)
-            cost = total[best, np.arange(total.shape[1])]
-            back.append(best)
-        chosen = [int(cost.argmin())]
-        if cost[chosen[0]] == INF:
-            return None
-        for best in reversed(back):
-            chosen.append(int(best[chosen[-1]]))
-        return [grids[i][k] for i, k in enumerate(reversed(chosen))]
-
-    refined: set[tuple[int, Grid]] = set()  # (unit, grid) whose `bound` replaced its compute_bound
-
-    def refine(i: int, q: Grid) -> None:
-        refined.add((i, q))
-        k = grids[i].index(q)
-        for row, p in enumerate(predecessors[i]):
-            if (i, p, q) not in table:
-                lower[i][row, k] = pricer.bound(i, q)
-
-    def exact(key: Transition) -> float:
-        found = seconds(key)
-        return INF if found is None else found
-
-    def keys(path: list[Grid]) -> list[Transition]:
-        return [(i, path[i - 1] if i else None, q) for i, q in enumerate(path)]
-
-    for family in BUILTIN:  # whatever the time limit
-        family_pair(family, family)
-    # Price lazily: a transition not yet priced counts at its lower bound; the cheapest
-    # assignment under those values has its transitions priced, until it needs none unpriced.
-    # It is then the cheapest under the exact values too, as every bound is below its price.
-    lower.extend(
-        values(
-            lambda key: pricer.compute_bound(key[0], key[2]) if key not in table else seconds(key)
-        )
-    )
-    proven = False
-    while time.monotonic() <= deadline:
-        path = best_path(lower)
-        missing = [] if path is None else [k for k in keys(path) if k not in table]
-        if not missing:
-            proven = True
-            break
-        for key in missing:  # a bound a step tighter: the row's, then its price
-            if (key[0], key[2]) in refined:
-                price(key)
-            else:
-                refine(key[0], key[2])
-
-    def cost(path: list[Grid]) -> tuple[float, bool]:
-        return _path_cost([table[key] for key in keys(path)], constant, capacity)
-
-    uniform = [
-        [grid_of[(i, f)] for i in range(len(units))]
-        for f in families.FAMILIES
-        if all(k in table for k in keys([grid_of[(i, f)] for i in range(len(units))]))
-    ]
-    candidates = [path for path in [best_path(values(exact))] if path is not None]
-    fits_cheapest = bool(candidates) and cost(candidates[0])[1]
-    if not fits_cheapest:
-        # the fastest assignment does not fit: price what is left, then trade seconds for
-        # memory, row by row
-        for x, y in product(families.FAMILIES, families.FAMILIES):
-            if time.monotonic() > deadline:
-                break
-            family_pair(x, y)
-        peak = {key: float(row.memory.max(initial=0)) for key, row in table.items()}
-        scale = max((r.seconds for r in table.values()), default=1.0) / max(capacity, 1.0)
-        for k in range(-8, 40):
-            penalty = scale * 2.0**k
-            path = best_path(values(lambda key, w=penalty: exact(key) + w * peak.get(key, 0.0)))
-            if path is not None and cost(path)[1]:
-                candidates.append(path)
-                break
-        candidates += uniform
-    feasible = [path for path in candidates if cost(path)[1]]
-    if feasible:
-        chosen = min(feasible, key=lambda path: cost(path)[0])
-    else:
-        # nothing fits in memory: the fastest of the uniform assignments, infeasible
-        chosen = min(uniform, key=lambda path: cost(path)[0])
-    note = "exact DP over all family pairs"
-    if not proven:
-        note = f"time limit: DP over {len(table)} of {total} unit transitions"
-    choices = []
-    for i, (unit, q) in enumerate(zip(units, chosen)):
-        p = chosen[i - 1] if i else None
-        data_p = grid_of[(i - 1, "data")] if i else None
-        data = table[(i, data_p, grid_of[(i, "data")])]
-        choices.append(Choice(unit.name, options[i][q], q, table[(i, p, q)].seconds, data.seconds))
-    result = _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
-    fixed = pricer.constant().seconds
-    for family in BUILTIN:
-        path = [grid_of[(i, family)] for i in range(len(units))]
-        if all(k in table for k in keys(path)):
-            result.bulk_seconds[family] = cost(path)[0] + fixed
-    result.bulk_seconds["auto"] = cost(chosen)[0] + fixed
-    return result
-
-
-def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
-    """`auto` on a graph that is not a chain: the lazy DP of `_chain_dp` over each row's
-    dependencies (`frontier_dp.FrontierDP`), each row priced by `UnitPricer.factor` given the
-    grids of the units it depends on, as the whole plan prices it."""
+def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
+    """The lazy DP of the module docstring over each row's *scope*, the unit and the units its
+    row depends on (`UnitPricer.deps`: on a chain, its predecessor), by `frontier_dp.FrontierDP`;
+    `chain` words the note."""
     units, nranks = pricer.units, pricer.nranks
     grid_of, options = families.grid_options(units, nranks)
     grids = [list(found) for found in options]
     index = [{g: k for k, g in enumerate(found)} for found in grids]
     scopes = [tuple(sorted((*pricer.deps[i], i))) for i in range(len(units))]
+    shapes = [tuple(len(grids[j]) for j in scope) for scope in scopes]
     dp = FrontierDP(scopes, [len(found) for found in grids])
     constant = pricer.constant().memory
     capacity = pricer.machine.memory_bytes
     table: dict[tuple, RowCost] = {}
-    priced = [np.zeros([len(grids[j]) for j in scope], bool) for scope in scopes]
+    priced = [np.zeros(shape, bool) for shape in shapes]
+    #: per unit, the lazy DP's values over its scope's grids: a row's price where priced, else
+    #: the tightest of its bounds found
     lower = [
         np.broadcast_to(
             np.array([pricer.compute_bound(i, q) for q in grids[i]]).reshape(
                 [len(grids[i]) if j == i else 1 for j in scope]
             ),
-            [len(grids[j]) for j in scope],
+            shape,
         ).copy()
-        for i, scope in enumerate(scopes)
+        for i, (scope, shape) in enumerate(zip(scopes, shapes))
     ]
     #: (unit, grid, known grids of its dependencies) whose bound raised its cells
     refined: set[tuple] = set()
@@ -389,21 +248,35 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
     def path_of(solution: list[int]) -> list[Grid]:
         return [grids[i][k] for i, k in enumerate(solution)]
 
+    def uniform(family: str) -> list[Grid]:
+        return [grid_of[(i, family)] for i in range(len(units))]
+
+    def complete(path: list[Grid]) -> bool:
+        return all(key_of(i, path) in table for i in range(len(units)))
+
+    def cost(path: list[Grid]) -> tuple[float, bool]:
+        return _path_cost([table[key_of(i, path)] for i in range(len(units))], constant, capacity)
+
+    def exact() -> list[np.ndarray]:
+        return [np.where(done, value, INF) for done, value in zip(priced, lower)]
+
     for family in BUILTIN:  # whatever the time limit
-        uniform = [grid_of[(i, family)] for i in range(len(units))]
+        path = uniform(family)
         for i in range(len(units)):
-            price(key_of(i, uniform))
+            price(key_of(i, path))
+    # Price lazily: a row not yet priced counts at its tightest bound; the cheapest assignment
+    # under those values has its rows bounded tighter, then priced, until it needs none
+    # unpriced. It is then the cheapest under the exact values too, as every bound is below
+    # its price.
     proven = False
     changed: set[int] | None = None  # the first solve works out every table
     while time.monotonic() <= deadline:
         solution = dp.solve(lower, changed)
         changed = set()
         path = None if solution is None else path_of(solution)
-        missing = (
-            []
-            if path is None
-            else [key_of(i, path) for i in range(len(units)) if key_of(i, path) not in table]
-        )
+        missing = [] if path is None else [
+            key_of(i, path) for i in range(len(units)) if key_of(i, path) not in table
+        ]  # fmt: skip
         if not missing:
             proven = True
             break
@@ -418,27 +291,40 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
                 for known in step[2]:
                     refine(step[0], step[1], known)
 
-    def cost(path: list[Grid]) -> tuple[float, bool]:
-        return _path_cost([table[key_of(i, path)] for i in range(len(units))], constant, capacity)
-
-    exact = [np.where(done, value, INF) for done, value in zip(priced, lower)]
-    candidates = []
-    solution = dp.solve(exact)
-    if solution is not None:
-        candidates.append(path_of(solution))
+    solution = dp.solve(exact())
+    candidates = [] if solution is None else [path_of(solution)]
     fits_cheapest = bool(candidates) and cost(candidates[0])[1]
-    for family in families.FAMILIES:
-        uniform = [grid_of[(i, family)] for i in range(len(units))]
-        if all(key_of(i, uniform) in table for i in range(len(units))):
-            candidates.append(uniform)
-    feasible = [p for p in candidates if cost(p)[1]]
-    chosen = min(feasible or candidates, key=lambda p: cost(p)[0])
-    note = "exact DP over the rows' dependencies"
-    if not proven:
-        note = f"time limit: DP over {len(table)} priced rows"
+    if not fits_cheapest:
+        # the fastest assignment does not fit: price what is left, while the time lasts, then
+        # trade seconds for memory, row by row, with weights growing until an assignment fits
+        for i, scope in enumerate(scopes):
+            for at in np.argwhere(~priced[i]).tolist():
+                if time.monotonic() > deadline:
+                    break
+                price((i, tuple(grids[j][k] for j, k in zip(scope, at))))
+        peaks = [np.zeros(shape) for shape in shapes]
+        for key, row in table.items():
+            peaks[key[0]][cell(key)] = float(row.memory.max(initial=0))
+        scale = max((r.seconds for r in table.values()), default=1.0) / max(capacity, 1.0)
+        values = exact()
+        for k in range(-8, 40):
+            penalty = scale * 2.0**k
+            solution = dp.solve([v + penalty * m for v, m in zip(values, peaks)])
+            if solution is not None and cost(path_of(solution))[1]:
+                candidates.append(path_of(solution))
+                break
+    uniforms = [uniform(f) for f in families.FAMILIES if complete(uniform(f))]
+    feasible = [path for path in candidates + uniforms if cost(path)[1]]
+    # where nothing fits, the fastest of the uniform assignments (which `memory_fit` shards)
+    chosen = min(feasible or uniforms, key=lambda path: cost(path)[0])
+    if proven:
+        note = "exact DP over " + ("all family pairs" if chain else "the rows' dependencies")
+    else:
+        total = sum(int(np.prod(shape)) for shape in shapes)
+        note = f"time limit: DP over {len(table)} of {total} rows"
     if not feasible:
         note += "; nothing fits in memory"
-    data = [grid_of[(i, "data")] for i in range(len(units))]
+    data = uniform("data")
     choices = [
         Choice(
             unit.name,
@@ -449,4 +335,9 @@ def _dag_dp(pricer: UnitPricer, deadline: float) -> SearchResult:
         )
         for i, (unit, q) in enumerate(zip(units, chosen))
     ]
-    return _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
+    result = _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
+    fixed = pricer.constant().seconds
+    for family in BUILTIN:
+        result.bulk_seconds[family] = cost(uniform(family))[0] + fixed
+    result.bulk_seconds["auto"] = cost(chosen)[0] + fixed
+    return result

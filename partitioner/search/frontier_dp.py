@@ -1,8 +1,10 @@
-"""The DP over units in program order when a row depends on units other than the one before it.
+"""The DP over units in program order: each row a factor over the grids of its unit and of the
+units it depends on.
 
-`search.py` prices each unit's row given the grids of the units it depends on
-(`transitions.UnitPricer.deps`); this module finds the assignment of grids minimising the sum of
-those rows, over arrays of their values, knowing nothing of grids or plans.
+`search.auto` prices each unit's row given the grids of the units it depends on
+(`transitions.UnitPricer.deps`: on a chain, the one before it); this module finds the
+assignment of grids minimising the sum of those rows, over arrays of their values, knowing
+nothing of grids or plans.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ FRONTIER_LIMIT = 1 << 18
 
 
 class FrontierDP:
-    """The DP over units in program order when a row depends on units other than the one before
-    it (`UnitPricer.deps`: a residual block's add on the block's input). Unit i's row is a
+    """The DP over units in program order, a row depending on the unit before it (a chain) or
+    on others too (`UnitPricer.deps`: a residual block's add on the block's input). Unit i's row is a
     factor over its *scope*, itself and the units it depends on, added to the table once the
     last unit of its scope has joined. The table holds, for every assignment of grids to the
     *frontier* (the units joined that a factor not yet added still names), the least sum of the
