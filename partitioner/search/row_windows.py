@@ -137,7 +137,18 @@ class RowWindows:
     def _windows(self) -> None:
         graph = self.graph
         index = {unit.name: i for i, unit in enumerate(self.units)}
-        self.constant_tasks = [t.name for t in graph.tasks if self.rows[t.name] not in index]
+        #: per row, the positions of its tasks in program order; per tensor, those of the tasks
+        #: not homed that touch it: a row's window is found from its own tasks and the tensors
+        #: they touch, not by a walk of the whole step per unit
+        positions: dict[str | None, list[int]] = defaultdict(list)
+        self._accessors: dict[str, list[int]] = defaultdict(list)
+        for position, task in enumerate(graph.tasks):
+            positions[self.rows[task.name]].append(position)
+            if task.name not in self.homed:
+                for tensor in dict.fromkeys(r.tensor for r in task.requirements):
+                    self._accessors[tensor].append(position)
+        constant = sorted(p for row, found in positions.items() if row not in index for p in found)
+        self.constant_tasks = [graph.tasks[p].name for p in constant]
         self.window: list[list[str]] = []
         self.costed: list[set[str]] = []
         self.touched: list[set[str]] = []
@@ -145,15 +156,21 @@ class RowWindows:
         #: before it)
         self.deps: list[tuple[int, ...]] = []
         for i, unit in enumerate(self.units):
-            costed = {t.name for t in graph.tasks if self.rows[t.name] == unit.name}
-            self.deps.append(self._dependencies(i, costed))
-            self.window.append(self._window(costed, {*self.deps[i], i, None}))
-            self.costed.append(costed)
-            self.touched.append(set(self._touched(costed)))
-        self.constant_window = self._window(set(self.constant_tasks), {None})
-        self.constant_touched = set(self._touched(set(self.constant_tasks)))
+            mine = positions.get(unit.name, [])
+            self.deps.append(self._dependencies(i, mine))
+            self.window.append(self._window(mine, {*self.deps[i], i, None}))
+            self.costed.append({graph.tasks[p].name for p in mine})
+            self.touched.append(set(self._touched(mine)))
+        self.constant_window = self._window(constant, {None})
+        self.constant_touched = set(self._touched(constant))
 
-    def _dependencies(self, i: int, costed: set[str]) -> tuple[int, ...]:
+    def _others(self, costed: list[int], tensors) -> list[int]:
+        """The positions, in program order, of the tasks not in `costed` (positions) and not
+        homed that touch one of `tensors`."""
+        mine = set(costed)
+        return sorted({p for tensor in tensors for p in self._accessors.get(tensor, ())} - mine)
+
+    def _dependencies(self, i: int, costed: list[int]) -> tuple[int, ...]:
         """The units other than i whose grids unit i's row depends on: the unit before it (whose
         reads of the row's tensors give copies), the units of the tasks that write what the row
         later reads or reduces into (its layouts) or read what the row's forward tasks later
@@ -161,29 +178,30 @@ class RowWindows:
         on another unit's grid (the zeroing of a gradient, on its producer's), and of every
         reader of a home the row touches or whose memory it counts. A backward task's read is
         not followed: its forward task read the same rect on the same grid before it, unless a
-        unit before that did, which the forward's row depends on (see the module docstring)."""
+        unit before that did, which the forward's row depends on (see the module docstring).
+        `costed`: the positions of the row's tasks, in program order."""
         graph = self.graph
         touched = self._touched(costed)
         found = {i - 1} if i else set()
         homes = {self.home_source[t] for t in self.home_terms.get(i, [])}
         first_read: dict[str, int] = {}  # by the row's forward tasks
-        for position, task in enumerate(graph.tasks):
-            if task.name in costed and task.phase == "forward" and task.name not in self.homed:
+        for position in costed:
+            task = graph.tasks[position]
+            if task.phase == "forward" and task.name not in self.homed:
                 for r in task.requirements:
                     if r.privilege.reads and not graph.tensors[r.tensor].resident:
                         first_read.setdefault(r.tensor, position)
-        for position, task in enumerate(graph.tasks):
-            if task.name in costed:
-                if task.name not in self.homed:
-                    found.add(self.unit_of[task.name])
-                homes |= {
-                    self.home_source[r.tensor]
-                    for r in task.requirements
-                    if r.tensor in self.home_source
-                }
-                continue
-            if task.name in self.homed:
-                continue
+        for position in costed:
+            task = graph.tasks[position]
+            if task.name not in self.homed:
+                found.add(self.unit_of[task.name])
+            homes |= {
+                self.home_source[r.tensor]
+                for r in task.requirements
+                if r.tensor in self.home_source
+            }
+        for position in self._others(costed, [*touched, *first_read]):
+            task = graph.tasks[position]
             if _lays_out_for(task, position, touched) or any(
                 r.privilege.reads and first_read.get(r.tensor, -1) > position
                 for r in task.requirements
@@ -193,33 +211,33 @@ class RowWindows:
             found |= self._reader_units(source)
         return tuple(sorted(found - {i, None}))
 
-    def _touched(self, costed: set[str]) -> dict[str, int]:
-        """The tensors the non-homed tasks in `costed` read or reduce into, each with the
-        position of its last such access."""
+    def _touched(self, costed: list[int]) -> dict[str, int]:
+        """The tensors the non-homed tasks at `costed` (positions, in program order) read or
+        reduce into, each with the position of its last such access."""
         touched: dict[str, int] = {}
-        for position, task in enumerate(self.graph.tasks):
-            if task.name in costed and task.name not in self.homed:
+        for position in costed:
+            task = self.graph.tasks[position]
+            if task.name not in self.homed:
                 for req in task.requirements:
                     if req.privilege.reads or req.privilege is Privilege.REDUCE:
                         touched[req.tensor] = position
         return touched
 
-    def _window(self, costed: set[str], allowed: set[int | None]) -> list[str]:
+    def _window(self, costed: list[int], allowed: set[int | None]) -> list[str]:
+        """The tasks a row's replay walks, in program order: its own (`costed`, positions in
+        program order) and those on the grids `allowed` that touch what it reads or reduces
+        into."""
         graph = self.graph
         touched = self._touched(costed)
+        mine = set(costed)
         window = []
-        for position, task in enumerate(graph.tasks):
-            if task.name in costed:
+        for position in sorted(mine.union(self._others(costed, touched))):
+            task = graph.tasks[position]
+            if position in mine:
                 if task.name not in self.homed and self.unit_of[task.name] not in allowed:
                     raise NotAChain(f"task {task.name} runs on the grid of another unit")
                 window.append(task.name)
-                continue
-            if task.name in self.homed:
-                continue
-            mine = [r for r in task.requirements if r.tensor in touched]
-            if not mine:
-                continue
-            if self.unit_of[task.name] in allowed:
+            elif self.unit_of[task.name] in allowed:
                 window.append(task.name)
             elif _lays_out_for(task, position, touched):
                 raise NotAChain(f"task {task.name} writes what another unit's row reads")
