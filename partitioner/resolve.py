@@ -113,7 +113,9 @@ def resolve_strategy(
     if searched.fastest:
         fastest, reasons = strategy, list(why)
     else:
-        unlimited = auto(graph, nranks, replace(machine, rank_memory_gib=math.inf), time_limit)
+        # the grids of least seconds, memory aside, within what is left of the time limit
+        room = replace(machine, rank_memory_gib=math.inf)
+        unlimited = auto(graph, nranks, room, max(deadline - time.monotonic(), 1.0))
         fastest, reasons = unlimited.strategy, why + _choice_rows(unlimited)
     known = searched.bulk_seconds
     limit = STEP_WITHIN * known.get("auto", math.inf)

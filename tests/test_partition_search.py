@@ -104,6 +104,8 @@ def test_a_spent_time_limit_still_prices_the_builtins_and_returns_the_best(graph
     else:  # the DP prices the builtins' rows, then it stops
         assert result.transitions_priced > 0 and result.plans_priced == 0
     assert step(graph, result.strategy, 8).step_seconds == pytest.approx(best_pure(graph, 8))
+    # it fits: no search with memory unlimited can find faster grids in the same time
+    assert result.fastest
 
 
 def test_local_search_keeps_plans_that_fit_in_memory():

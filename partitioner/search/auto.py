@@ -97,9 +97,10 @@ class SearchResult:
     #: whole plans built and costed (the local search)
     plans_priced: int
     note: str
-    #: unit transitions priced (the DP on chains; see `transitions.py`)
+    #: rows priced (the DP; see `transitions.py`)
     transitions_priced: int = 0
-    #: the DP proved this the cheapest assignment under the cost model, memory aside
+    #: the DP knows no faster assignment under the cost model, memory aside: it did not trade
+    #: seconds for memory (where the time limit stopped it, among the rows it priced)
     fastest: bool = False
     #: the cost model's step (`cost.plan_cost`'s bulk-synchronous seconds) of the chosen grids
     #: (`"auto"`) and of each built-in family the DP priced whole, where the DP prices rows
@@ -154,7 +155,7 @@ def _dp_result(
     fastest: bool,
 ) -> SearchResult:
     """A DP's result: the strategy of the grids `chosen`, carrying their pieces; `fastest`:
-    the DP proved them the cheapest assignment, memory aside."""
+    the DP knows no faster assignment, memory aside."""
     strategy = Strategy("auto", {u.name: q for u, q in zip(pricer.units, chosen)})
     pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
     object.__setattr__(strategy, "pieces", pieces)
@@ -335,7 +336,7 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
         )
         for i, (unit, q) in enumerate(zip(units, chosen))
     ]
-    result = _dp_result(pricer, chosen, choices, note, len(table), proven and fits_cheapest)
+    result = _dp_result(pricer, chosen, choices, note, len(table), fits_cheapest)
     fixed = pricer.constant().seconds
     for family in BUILTIN:
         result.bulk_seconds[family] = cost(uniform(family))[0] + fixed
