@@ -146,8 +146,8 @@ class RankTask:
     def tensors(self) -> frozenset[str]:
         """Every tensor the task touches: its pieces', messages', collectives' and parts'."""
         names = {req.tensor for piece in self.pieces for req in piece.requirements}
-        messages = (*self.copies_in, *self.partial_in, *self.partial_out, *self.post)
-        names.update(m.tensor for m in messages)
+        for messages in (self.copies_in, self.partial_in, self.partial_out, self.post):
+            names |= {m.tensor for m in messages}
         names.update(c.reduction.tensor for c in self.collectives)
         names.update(self.local_parts)
         names.update(tensor for tensor, _ in self.zero_first)
@@ -393,7 +393,10 @@ class Builder:
         done = 0
         prompt = 0  # collectives started so far that complete before the next task
         for rt in self.tasks:
-            touched = max((last.get(tensor, -1) for tensor in rt.tensors), default=-1)
+            # no collective started yet touches nothing (the task's tensors are found lazily)
+            touched = (
+                max((last.get(tensor, -1) for tensor in rt.tensors), default=-1) if last else -1
+            )
             done = rt.complete_before = max(done, touched + 1, prompt)
             for c in rt.collectives:
                 last[c.reduction.tensor] = started
