@@ -77,9 +77,6 @@ from partitioner.strategy import (
     find_units,
 )
 
-#: (unit index, predecessor's grid or None, the unit's grid)
-Transition = tuple
-
 
 @dataclass
 class Choice:
