@@ -272,8 +272,10 @@ def test_the_commands_take_param_homes_and_refuse_a_bad_one(tmp_path):
     assert lonely.returncode != 0 and "--param-homes needs --strategy" in lonely.stderr
 
 
-def test_sharded_homes_of_a_large_plan_verify_quickly():
-    """vgg19 at 256 data-parallel readers: each weight in 256 shards, fetched twice a step."""
+def test_a_large_plan_with_sharded_homes_covers_every_cell_once():
+    """vgg19 on 1024 data-parallel ranks: each weight in 1024 shards, fetched twice a step;
+    `verify_plan` raises where a piece, a shard or a message leaves a cell uncovered or covers
+    it twice."""
     graph = load_network("vgg19").lower(batch=256, optimizer="adam")
     plan = build_plan(graph, sharded(graph, "data", 1024), 1024)
     verify_plan(graph, plan)
