@@ -31,6 +31,7 @@ from partitioner.search.auto import SearchResult, auto
 from partitioner.search.memory_fit import (
     STEP_WITHIN,
     Fitted,
+    LowerFn,
     NoFit,
     PeakFn,
     StepFn,
@@ -75,6 +76,7 @@ def resolve_strategy(
     param_homes: str | None = None,
     peak: PeakFn | None = None,
     step: StepFn | None = None,
+    lower: LowerFn | None = None,
 ) -> tuple[Strategy, list[dict] | None]:
     """The strategy `name` stands for on `nranks` ranks with `--param-homes` (None: replicated),
     and auto's reasons (None otherwise); `note` hears why `auto` settled for `data` on a
@@ -89,7 +91,9 @@ def resolve_strategy(
     With `peak` (a plan's most bytes on any rank, as the runtime holds them: the commands pass
     `runtime.step.memory`'s) and no `param_homes`, `auto` also chooses each parameter's home
     and fits the step in the machine's memory (`memory_fit.fit`): one line (`NoFit`) where
-    nothing it tries fits."""
+    nothing it tries fits. `lower` (a bound below `step` found without a rank's program: the
+    commands pass `runtime.step.model.StepModel.step_lower_bound`) lets the fit leave out the
+    plans that cannot be the fastest before placing their memory."""
     deadline = time.monotonic() + time_limit
     if name == "auto" and stages_of(graph) > 1:
         return _auto_in_stages(graph, nranks, machine, param_homes, step), None
@@ -129,7 +133,9 @@ def resolve_strategy(
     budget = max(machine.memory_bytes - baseline, 1)  # for the buffers, which the DP counts
     for attempt in range(TIGHTER_SEARCHES + 1):
         try:
-            fitted = _fit_near(graph, nranks, machine, candidates, skipped, peak, deadline, step)
+            fitted = _fit_near(
+                graph, nranks, machine, candidates, skipped, peak, deadline, step, lower
+            )
             break
         except NoFit as exc:
             if attempt == TIGHTER_SEARCHES or time.monotonic() > deadline:
@@ -157,6 +163,7 @@ def _fit_near(
     peak: PeakFn,
     deadline: float,
     step: StepFn | None,
+    lower: LowerFn | None = None,
 ) -> Fitted:
     """`memory_fit.fit` of `candidates`, and of each `skipped` built-in (its bulk-synchronous
     seconds, which the search priced) only where it can matter: where nothing else fits, or
@@ -165,7 +172,7 @@ def _fit_near(
     homes to fit never makes a plan faster; planning a large plan is what `fit` spends its time
     on (vgg19 on 1024 ranks: 0.9 s a candidate)."""
     try:
-        fitted = fit(graph, nranks, machine, candidates, peak, deadline, step)
+        fitted = fit(graph, nranks, machine, candidates, peak, deadline, step, lower)
     except NoFit:
         if not skipped:
             raise
@@ -175,7 +182,7 @@ def _fit_near(
         if not late:
             return fitted
     more = [builtin(graph, f, nranks) for f in late]
-    return fit(graph, nranks, machine, candidates + more, peak, deadline, step)
+    return fit(graph, nranks, machine, candidates + more, peak, deadline, step, lower)
 
 
 def _reasons(
@@ -238,6 +245,7 @@ def resolve_stages(
     param_homes: str | None = None,
     peak: PeakFn | None = None,
     step: StepFn | None = None,
+    lower: LowerFn | None = None,
 ) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
     """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches
     (`micro_batches` where given) and cuts of least predicted step on `nranks` ranks, each stage
@@ -256,7 +264,7 @@ def resolve_stages(
 
     def predict(shape: PipelineChoice, candidate: TaskGraph) -> float:
         strategy, why = resolve_strategy(
-            candidate, name, nranks, machine, time_limit, note, param_homes, peak, step
+            candidate, name, nranks, machine, time_limit, note, param_homes, peak, step, lower
         )
         resolved[shape.key] = (candidate, strategy, why)
         plan = build_plan(candidate, strategy, nranks)

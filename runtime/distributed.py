@@ -97,6 +97,7 @@ def _choose_stages(config: TrainConfig, executor: RankExecutor, options: RunOpti
             options.param_homes,
             model.peak,
             model.step,
+            model.step_lower_bound,
         )
         chosen = search.chosen
         return chosen.stages, chosen.micro_batches, chosen.cuts, strategy

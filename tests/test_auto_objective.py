@@ -6,6 +6,9 @@ import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plan_cases import networks, strategies
 
 from cli.main import main
 from legion_nn.networks import load_network
@@ -14,7 +17,7 @@ from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.search.memory_fit import STEP_WITHIN
-from partitioner.strategy import BUILTIN, builtin
+from partitioner.strategy import BUILTIN, builtin, with_homes
 from runtime.step.model import StepModel
 
 SLOW = Machine(rank_gflops=20, link_gbytes_per_s=0.1, latency_us=50, memory_gbytes_per_s=20,
@@ -137,3 +140,57 @@ def test_on_more_ranks_than_it_simulates_the_model_keeps_the_plans_it_was_asked_
     other = replace(builtin(graph, "data", ranks), name="custom")  # not one the fit tried
     model.plan(graph, other, ranks)
     assert planned == ["custom"]  # a plan it was never asked about is planned
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    graph=networks(),
+    nranks=st.sampled_from([1, 2, 3, 4]),
+    machine=st.sampled_from([FAST, SLOW]),
+    homes=st.sampled_from(["replicated", "sharded"]),
+    data=st.data(),
+)
+def test_the_step_bound_is_below_every_simulated_step(graph, nranks, machine, homes, data):
+    """`StepModel.step_lower_bound`, found without a rank's program, is below the step the
+    model predicts, on random plans with either homes (it leaves out what homes change)."""
+    strategy = with_homes(graph, data.draw(strategies(graph, nranks)), homes)
+    plan = build_plan(graph, strategy, nranks)
+    model = StepModel(machine)
+    assert model.step_lower_bound(graph, plan) <= model.step(graph, plan)
+
+
+def test_a_machine_that_times_pieces_gives_no_bound():
+    """Its tasks may run in modes timed below the rows the bound adds up."""
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    plan = build_plan(graph, builtin(graph, "data", 2), 2)
+    timed = replace(FAST, pieces={("whatever",): 1e-3})
+    assert StepModel(FAST).step_lower_bound(graph, plan) > 0
+    assert StepModel(timed).step_lower_bound(graph, plan) is None
+
+
+@pytest.mark.parametrize("network,batch,ranks,machine", [*CASES, ("seed-lcn", 16, 4, FAST)])
+def test_the_fit_leaves_out_plans_that_cannot_be_fastest_and_chooses_the_same(
+    network, batch, ranks, machine
+):
+    """With the bound, the fit places no plan whose step is surely longer than the searched
+    grids' (seed-lcn at batch 16 on 4 ranks: spatial cuts, whose busiest rank computes longer
+    than auto's whole step) and picks what it picks without it."""
+    graph = load_network(network).lower(batch=batch, optimizer="sgd")
+    chosen, placed = [], []
+    for lower in (False, True):
+        model = StepModel(machine)
+        plans = []
+
+        def peak(graph, plan, model=model, plans=plans):
+            plans.append(plan.strategy)
+            return model.peak(graph, plan)
+
+        bound = model.step_lower_bound if lower else None
+        found, _ = resolve_strategy(graph, "auto", ranks, machine, 10.0, None, None, peak,
+                                    model.step, bound)  # fmt: skip
+        chosen.append((found.unit_grids, found.sharded))
+        placed.append(plans)
+    assert chosen[0] == chosen[1]
+    assert set(placed[1]) <= set(placed[0])
+    if network == "seed-lcn":
+        assert len(placed[1]) < len(placed[0])

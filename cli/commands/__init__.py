@@ -157,10 +157,12 @@ def resolve_step(
             args.param_homes,
             model.peak,
             model.step,
+            model.step_lower_bound,
         )
     chosen, why = resolve_strategy(
-        graph, name, nranks, machine, time_limit, note, args.param_homes, model.peak, model.step
-    )
+        graph, name, nranks, machine, time_limit, note, args.param_homes, model.peak, model.step,
+        model.step_lower_bound,
+    )  # fmt: skip
     return graph, chosen, why, None
 
 

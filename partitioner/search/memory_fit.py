@@ -38,6 +38,9 @@ PeakFn = Callable[[TaskGraph, Plan], int]
 #: a plan's predicted step, as `partition` reports it (the simulated step), given its
 #: bulk-synchronous sum where the caller has it (None: it is found where needed)
 StepFn = Callable[[TaskGraph, Plan, float | None], float]
+#: a bound below `StepFn`'s step of a plan with any parameters' homes, found without building
+#: its ranks' programs (None: no bound)
+LowerFn = Callable[[TaskGraph, Plan], float | None]
 #: the plans whose predicted steps `least_step` compares: those whose bulk-synchronous seconds
 #: are within this factor of the least. The simulator overlaps messages with compute, which the
 #: sum cannot; where they overlap wholly a plan's step is the longer of the two, and the sum is
@@ -71,24 +74,32 @@ def fit(
     peak: PeakFn,
     deadline: float,
     step: StepFn | None = None,
+    lower: LowerFn | None = None,
 ) -> Fitted:
     """The fastest of `candidates` (grids), each with the fewest parameters sharded that make it
     fit in `machine.memory_bytes`, by `step` where given (`least_step`), else by the cost model's
-    sum; raises `NoFit` where none does."""
+    sum; raises `NoFit` where none does. With `lower`, candidates that cannot be the fastest are
+    left out before their memory is placed (`_within_reach`)."""
     cache = PieceCache(graph)
     found: dict[tuple, Fitted] = {}
 
-    def evaluate(strategy: Strategy) -> tuple[Fitted, Plan]:
-        plan = build_plan(graph, strategy, nranks, cache=cache)
+    def evaluate(strategy: Strategy, plan: Plan | None = None) -> tuple[Fitted, Plan]:
+        plan = plan or build_plan(graph, strategy, nranks, cache=cache)
         fitted = Fitted(strategy, bulk_seconds(graph, plan, machine), peak(graph, plan))
         found[_key(strategy)] = fitted
         return fitted, plan
 
-    first: dict[tuple, tuple[Fitted, Plan]] = {}
+    planned: dict[tuple, tuple[Strategy, Plan]] = {}
     for strategy in candidates:  # each distinct one planned once
-        if _key(strategy) not in first:
-            first[_key(strategy)] = evaluate(strategy)
+        if _key(strategy) not in planned:
+            planned[_key(strategy)] = (strategy, build_plan(graph, strategy, nranks, cache=cache))
     capacity = machine.memory_bytes
+    first: dict[tuple, tuple[Fitted, Plan]] = {}
+    if step is not None and lower is not None:
+        planned = _within_reach(graph, machine, planned, first, evaluate, step, lower)
+    for key, (strategy, plan) in planned.items():
+        if key not in first:
+            first[key] = evaluate(strategy, plan)
     best: Fitted | None = None
     feasible: list[tuple[Fitted, Plan]] = []
     for key in sorted(first, key=lambda k: first[k][0].seconds):
@@ -128,6 +139,36 @@ def fit(
         )
     ]
     return fitted
+
+
+def _within_reach(
+    graph: TaskGraph,
+    machine: Machine,
+    planned: dict[tuple, tuple[Strategy, Plan]],
+    first: dict[tuple, tuple[Fitted, Plan]],
+    evaluate: Callable[[Strategy, Plan], tuple[Fitted, Plan]],
+    step: StepFn,
+    lower: LowerFn,
+) -> dict[tuple, tuple[Strategy, Plan]]:
+    """`planned` less the plans that cannot be chosen: where the first (the search's grids) has
+    the least bulk-synchronous sum of them all and fits as it is, its step S is among those
+    `least_step` compares whatever is sharded (sharding only adds to a sum), so a plan whose
+    step is surely longer than S (`lower`, which holds for any homes) is never chosen, nor any
+    of its sharded variants. The first is placed here (into `first`) to find out."""
+    sums = {key: bulk_seconds(graph, plan, machine) for key, (_, plan) in planned.items()}
+    lead = next(iter(planned))
+    if sums[lead] > min(sums.values()):
+        return planned
+    fitted, plan = first[lead] = evaluate(*planned[lead])
+    if fitted.peak > machine.memory_bytes:
+        return planned
+    best = step(graph, plan, fitted.seconds)
+    kept = {}
+    for key, (strategy, other) in planned.items():
+        bound = None if key == lead else lower(graph, other)
+        if bound is None or bound <= best:
+            kept[key] = (strategy, other)
+    return kept
 
 
 def least_step(bulk_seconds: list[float], step: Callable[[int], float]) -> int:

@@ -27,6 +27,7 @@ from partitioner.strategy import Strategy
 from runtime.step.memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
 from runtime.step.prediction import (
     OBJECTIVE_SIMULATE_MAX_RANKS,
+    compute_lower_bound,
     predict_step,
     simulate_compiled,
     simulated,
@@ -120,6 +121,13 @@ class StepModel:
                 bulk_seconds = cost.bulk_seconds(graph, plan, self.machine)
             return bulk_seconds + loop
         return self.simulated_seconds(graph, plan) + loop
+
+    def step_lower_bound(self, graph: TaskGraph, plan: Plan) -> float | None:
+        """A bound below `step` for `plan` with any parameters' homes, cheap beside it (no
+        rank's program is built): `prediction.compute_lower_bound` with the machine's time
+        outside the tasks; None where there is none."""
+        bound = compute_lower_bound(graph, plan, self.machine)
+        return None if bound is None else bound + self.machine.step_loop_seconds(plan.nranks)
 
     def peak(self, graph: TaskGraph, plan: Plan) -> int:
         """The most bytes a rank of `plan` holds with its baseline (`memory.plan_peak`):

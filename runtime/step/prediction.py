@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from functools import partial
 
+import numpy as np
+
 from legion_nn.graph import TaskGraph
 from legion_nn.micro_batches import schedule_of, stages_of
 from partitioner.cost import compute_per_rank
@@ -53,6 +55,22 @@ def predict_step(
         times = moded[id(program)][1]
         seconds[rank] = program_seconds(program, row, machine, times, float(share[rank]))
     return simulate(programs, seconds, machine)
+
+
+def compute_lower_bound(graph: TaskGraph, plan: Plan, machine: Machine) -> float | None:
+    """A bound below `plan`'s simulated step and its bulk-synchronous sum, whatever its
+    parameters' homes: the busiest rank's compute (`cost.compute_per_rank`), which its core runs
+    one task after another and which transfers only lengthen, without the zeroings (a first
+    contribution may make one needless) and the updates (a gradient's kernel may take one in, and
+    sharded homes shrink them). None where the machine times pieces (`Machine.pieces`): a
+    rank's tasks may then run in modes timed below the rows priced here."""
+    if machine.pieces:
+        return None
+    busy = np.zeros(plan.nranks)
+    for task, seconds in zip(graph.tasks, compute_per_rank(graph, plan, machine)):
+        if task.op not in ("set_zero", "update"):
+            busy += seconds
+    return float(busy.max(initial=0.0))
 
 
 def simulate_compiled(
