@@ -12,6 +12,10 @@ rows cannot express:
 - homes: for each of those, every parameter replicated, then the largest parameter held whole by
   several ranks sharded, then the next largest as well, and so on, until the plan fits.
 
+Placing a plan's memory means building every rank's program where the step is simulated, most
+of what fitting costs; a plan that cannot be the fastest is left out first (`_within_reach`:
+its busiest rank computes longer than the searched grids' whole step, where those fit).
+
 The fastest (grids, homes) that fits is returned. Sharding only adds messages (two gathers and a
 reduce-scatter where an all-reduce was), so grids no faster than the best fit so far are not
 sharded further, and the largest parameters go first because they save the most per gather. Where
