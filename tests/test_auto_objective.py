@@ -100,7 +100,8 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     monkeypatch.setattr(step_memory, "build_programs", counting)
     graph = load_network("seed-lcn-small").lower(batch=64, optimizer="sgd")
     model = StepModel(SLOW)
-    chosen, _ = resolve_strategy(graph, "auto", 2, SLOW, 10.0, peak=model.peak, step=model.step)
+    chosen, _ = resolve_strategy(graph, "auto", 2, SLOW, 10.0, peak=model.peak, step=model.step,
+                                 lower=model.step_lower_bound)  # fmt: skip
     compared = len(built)
     plan = model.plan(graph, chosen, 2)
     bulk = plan_cost(graph, plan, SLOW).step_seconds
