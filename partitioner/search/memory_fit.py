@@ -155,10 +155,11 @@ def _within_reach(
     lower: LowerFn,
 ) -> dict[tuple, tuple[Strategy, Plan]]:
     """`planned` less the plans that cannot be chosen: where the first (the search's grids) has
-    the least bulk-synchronous sum of them all and fits as it is, its step S is among those
-    `least_step` compares whatever is sharded (sharding only adds to a sum), so a plan whose
-    step is surely longer than S (`lower`, which holds for any homes) is never chosen, nor any
-    of its sharded variants. The first is placed here (into `first`) to find out."""
+    the least bulk-synchronous sum of them all and fits as it is, it is the best fit by sums
+    before any other is looked at, so `fit` shards none (it shards no plan whose sum is not below
+    the best fit's) and its step S is among those `least_step` compares; a plan whose step is
+    surely longer than S (`lower`) is then never chosen. The first is placed here (into
+    `first`) to find out."""
     sums = {key: bulk_seconds(graph, plan, machine) for key, (_, plan) in planned.items()}
     lead = next(iter(planned))
     if sums[lead] > min(sums.values()):
