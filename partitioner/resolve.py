@@ -96,7 +96,7 @@ def resolve_strategy(
     plans that cannot be the fastest before placing their memory."""
     deadline = time.monotonic() + time_limit
     if name == "auto" and stages_of(graph) > 1:
-        return _auto_in_stages(graph, nranks, machine, param_homes, step), None
+        return _auto_in_stages(graph, nranks, machine, param_homes, step, lower), None
     strategy, why, searched = _resolve(graph, name, nranks, machine, time_limit, note)
     homes = param_homes or "replicated"
     if searched is None or peak is None or param_homes is not None:
@@ -105,7 +105,7 @@ def resolve_strategy(
             return chosen, why
         candidates = [chosen, *(with_homes(graph, builtin(graph, f, nranks), homes)
                                 for f in BUILTIN)]  # fmt: skip
-        index = _fastest(graph, candidates, nranks, machine, step)
+        index = _fastest(graph, candidates, nranks, machine, step, lower)
         picked = candidates[index]
         return picked, why if index == 0 else _reasons(graph, picked, nranks, machine, why)
     if (
@@ -284,6 +284,7 @@ def _auto_in_stages(
     machine: Machine,
     param_homes: str | None,
     step: StepFn | None,
+    lower: LowerFn | None = None,
 ) -> Strategy:
     """`auto` in a pipeline's stages: of the built-in families that split every stage's layers
     over its ranks, and of the mixture giving each layer its family of least seconds in the cost
@@ -304,7 +305,7 @@ def _auto_in_stages(
         candidates.append(replace(candidates[0], name="auto", unit_grids=mixed))
         plans.append(build_plan(graph, candidates[-1], nranks, cache=cache))
         costs.append(task_costs(graph, plans[-1], machine))
-    return candidates[_least(graph, plans, [step_seconds(c) for c in costs], step)]
+    return candidates[_least(graph, plans, [step_seconds(c) for c in costs], step, lower)]
 
 
 def _fastest(
@@ -313,19 +314,27 @@ def _fastest(
     nranks: int,
     machine: Machine,
     step: StepFn | None,
+    lower: LowerFn | None = None,
 ) -> int:
     """The index of the candidate of least predicted step (`_least`)."""
     plans = [build_plan(graph, s, nranks) for s in candidates]
-    return _least(graph, plans, [bulk_seconds(graph, p, machine) for p in plans], step)
+    return _least(graph, plans, [bulk_seconds(graph, p, machine) for p in plans], step, lower)
 
 
-def _least(graph: TaskGraph, plans: list[Plan], bulk: list[float], step: StepFn | None) -> int:
+def _least(
+    graph: TaskGraph,
+    plans: list[Plan],
+    bulk: list[float],
+    step: StepFn | None,
+    lower: LowerFn | None = None,
+) -> int:
     """The index of the plan of least predicted step: by `step` among those whose
-    bulk-synchronous sums `bulk` are near the least (`memory_fit.least_step`), else by the
-    sum."""
+    bulk-synchronous sums `bulk` are near the least (`memory_fit.least_step`, sparing the steps
+    of plans `lower` rules out), else by the sum."""
     if step is None:
         return bulk.index(min(bulk))
-    return least_step(bulk, lambda i: step(graph, plans[i], bulk[i]))
+    bound = None if lower is None else (lambda i: lower(graph, plans[i]))
+    return least_step(bulk, lambda i: step(graph, plans[i], bulk[i]), bound)
 
 
 def _resolve(

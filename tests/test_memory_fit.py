@@ -6,12 +6,14 @@ import time
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from legion_nn.networks import load_network
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
-from partitioner.search.memory_fit import NoFit, fit
+from partitioner.search.memory_fit import NoFit, fit, least_step
 from partitioner.strategy import builtin
 from runtime.step.memory import predict
 from runtime.step.model import StepModel
@@ -133,3 +135,29 @@ def test_fit_near_leaves_out_only_what_cannot_be_chosen(memory_gib, monkeypatch)
     assert got.strategy == expected.strategy and got.seconds == expected.seconds
     if memory_gib == 16.0:
         assert "data" not in planned and "spatial" not in planned
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    count=st.integers(1, 6),
+)
+def test_least_step_with_a_bound_picks_what_it_picks_without_and_steps_fewer(data, count):
+    """Random sums, steps and bounds below the steps (some absent): the same index, ties to the
+    earlier, and no plan stepped whose bound is above the least step found before it."""
+    sums = data.draw(st.lists(st.floats(0.1, 10), min_size=count, max_size=count))
+    steps = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=count,
+                               max_size=count))  # fmt: skip
+    slack = data.draw(st.lists(st.sampled_from([None, 0.0, 0.5, 1.0]), min_size=count,
+                               max_size=count))  # fmt: skip
+    bounds = [None if s is None else max(step - s, 0.0) for step, s in zip(steps, slack)]
+    stepped = []
+
+    def step(i):
+        stepped.append(i)
+        return steps[i]
+
+    plain = least_step(sums, steps.__getitem__)
+    assert least_step(sums, step, bounds.__getitem__) == plain
+    for k, i in enumerate(stepped[1:], 1):
+        assert bounds[i] is None or bounds[i] <= min(steps[j] for j in stepped[:k])

@@ -176,14 +176,29 @@ def _within_reach(
     return kept
 
 
-def least_step(bulk_seconds: list[float], step: Callable[[int], float]) -> int:
+def least_step(
+    bulk_seconds: list[float],
+    step: Callable[[int], float],
+    bound: Callable[[int], float | None] | None = None,
+) -> int:
     """The index of the plan of least predicted step (`step(index)`), among those whose
-    bulk-synchronous seconds are within `STEP_WITHIN` of the least; ties go to the earlier."""
+    bulk-synchronous seconds are within `STEP_WITHIN` of the least; ties go to the earlier.
+    `bound(index)`, a bound below a plan's step (None: none), spares the step of a plan whose
+    bound is above the least step found so far: the plans are stepped in order of their sums."""
     least = min(bulk_seconds)
     near = [i for i, b in enumerate(bulk_seconds) if b <= least * STEP_WITHIN]
     if len(near) == 1:
         return near[0]
-    return min(near, key=step)
+    if bound is None:
+        return min(near, key=step)
+    best: tuple[float, int] | None = None
+    for i in sorted(near, key=lambda i: bulk_seconds[i]):
+        below = bound(i) if best is not None else None
+        if below is not None and below > best[0]:
+            continue  # its step is above the least found: neither the least nor a tie
+        found = (step(i), i)
+        best = found if best is None else min(best, found)
+    return best[1]
 
 
 def _key(strategy: Strategy) -> tuple:
