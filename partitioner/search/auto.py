@@ -179,7 +179,8 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
     scopes = [tuple(sorted((*pricer.deps[i], i))) for i in range(len(units))]
     shapes = [tuple(len(grids[j]) for j in scope) for scope in scopes]
     dp = FrontierDP(scopes, [len(found) for found in grids])
-    constant = pricer.constant().memory
+    fixed = pricer.constant()  # the rows of no unit, and the memory no unit's grid sets
+    constant = fixed.memory
     capacity = pricer.machine.memory_bytes
     table: dict[tuple, RowCost] = {}
     priced = [np.zeros(shape, bool) for shape in shapes]
@@ -225,23 +226,18 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
         view = lower[i][where]  # a view: the cells are raised in place
         view[...] = np.where(priced[i][where], view, np.maximum(view, bound))
 
-    def next_bound(key: tuple) -> tuple | None:
-        """The refinement the lazy DP makes next for `key` before pricing it, if any: the row's
-        bound with every dependency hidden, then, where it has several, with one known at a
-        time (a residual block's shortcut depends on four units' grids: bounds of one known
-        grid each settle most of their combinations without pricing them)."""
-        i, assignment = key
-        q = assignment[scopes[i].index(i)]
+    def refinements(i: int, q: Grid, assignment: tuple) -> list[tuple]:
+        """The `known` grids of the bounds the lazy DP finds next for unit i's row on grid q
+        under `assignment` before pricing it (none: price it): the row's bound with every
+        dependency hidden, then, where it has several, with one known at a time (a residual
+        block's shortcut depends on four units' grids: bounds of one known grid each settle most
+        of their combinations without pricing them)."""
         if (i, q, ()) not in refined:
-            return (i, q, ())
+            return [()]
         if len(pricer.deps[i]) < 2:
-            return None
-        todo = [
-            ((j, g),)
-            for j, g in zip(scopes[i], assignment)
-            if j != i and (i, q, ((j, g),)) not in refined
-        ]
-        return (i, q, todo) if todo else None
+            return []
+        known = [((j, g),) for j, g in zip(scopes[i], assignment) if j != i]
+        return [k for k in known if (i, q, k) not in refined]
 
     def path_of(solution: list[int]) -> list[Grid]:
         return [grids[i][k] for i, k in enumerate(solution)]
@@ -278,16 +274,14 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
         if not missing:
             proven = True
             break
-        for key in missing:
-            changed.add(key[0])
-            step = next_bound(key)
-            if step is None:
-                price(key)
-            elif not step[2]:
-                refine(*step)
-            else:
-                for known in step[2]:
-                    refine(step[0], step[1], known)
+        for i, assignment in missing:
+            changed.add(i)
+            q = assignment[scopes[i].index(i)]
+            todo = refinements(i, q, assignment)
+            for known in todo:
+                refine(i, q, known)
+            if not todo:
+                price((i, assignment))
 
     solution = dp.solve(exact())
     candidates = [] if solution is None else [path_of(solution)]
@@ -334,8 +328,7 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
         for i, (unit, q) in enumerate(zip(units, chosen))
     ]
     result = _dp_result(pricer, chosen, choices, note, len(table), fits_cheapest)
-    fixed = pricer.constant().seconds
     for family in BUILTIN:
-        result.bulk_seconds[family] = cost(uniform(family))[0] + fixed
-    result.bulk_seconds["auto"] = cost(chosen)[0] + fixed
+        result.bulk_seconds[family] = cost(uniform(family))[0] + fixed.seconds
+    result.bulk_seconds["auto"] = cost(chosen)[0] + fixed.seconds
     return result

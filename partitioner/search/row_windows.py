@@ -157,12 +157,14 @@ class RowWindows:
         self.deps: list[tuple[int, ...]] = []
         for i, unit in enumerate(self.units):
             mine = positions.get(unit.name, [])
-            self.deps.append(self._dependencies(i, mine))
-            self.window.append(self._window(mine, {*self.deps[i], i, None}))
+            touched = self._touched(mine)
+            self.deps.append(self._dependencies(i, mine, touched))
+            self.window.append(self._window(mine, touched, {*self.deps[i], i, None}))
             self.costed.append({graph.tasks[p].name for p in mine})
-            self.touched.append(set(self._touched(mine)))
-        self.constant_window = self._window(constant, {None})
-        self.constant_touched = set(self._touched(constant))
+            self.touched.append(set(touched))
+        touched = self._touched(constant)
+        self.constant_window = self._window(constant, touched, {None})
+        self.constant_touched = set(touched)
 
     def _others(self, costed: list[int], tensors) -> list[int]:
         """The positions, in program order, of the tasks not in `costed` (positions) and not
@@ -170,7 +172,7 @@ class RowWindows:
         mine = set(costed)
         return sorted({p for tensor in tensors for p in self._accessors.get(tensor, ())} - mine)
 
-    def _dependencies(self, i: int, costed: list[int]) -> tuple[int, ...]:
+    def _dependencies(self, i: int, costed: list[int], touched: dict[str, int]) -> tuple[int, ...]:
         """The units other than i whose grids unit i's row depends on: the unit before it (whose
         reads of the row's tensors give copies), the units of the tasks that write what the row
         later reads or reduces into (its layouts) or read what the row's forward tasks later
@@ -179,9 +181,9 @@ class RowWindows:
         reader of a home the row touches or whose memory it counts. A backward task's read is
         not followed: its forward task read the same rect on the same grid before it, unless a
         unit before that did, which the forward's row depends on (see the module docstring).
-        `costed`: the positions of the row's tasks, in program order."""
+        `costed`: the positions of the row's tasks, in program order; `touched`: their
+        `_touched`."""
         graph = self.graph
-        touched = self._touched(costed)
         found = {i - 1} if i else set()
         homes = {self.home_source[t] for t in self.home_terms.get(i, [])}
         first_read: dict[str, int] = {}  # by the row's forward tasks
@@ -223,12 +225,13 @@ class RowWindows:
                         touched[req.tensor] = position
         return touched
 
-    def _window(self, costed: list[int], allowed: set[int | None]) -> list[str]:
+    def _window(
+        self, costed: list[int], touched: dict[str, int], allowed: set[int | None]
+    ) -> list[str]:
         """The tasks a row's replay walks, in program order: its own (`costed`, positions in
         program order) and those on the grids `allowed` that touch what it reads or reduces
-        into."""
+        into (`touched`, their `_touched`)."""
         graph = self.graph
-        touched = self._touched(costed)
         mine = set(costed)
         window = []
         for position in sorted(mine.union(self._others(costed, touched))):

@@ -117,7 +117,6 @@ class UnitPricer(RowWindows):
         self.prices = TaskPrices(self.layouts, machine)
         self.cache = self.layouts.cache
         self._bounds = Memo()
-        self.priced = 0
 
     def _home_key(self, tensor: str, grids: Mapping[int, Grid]) -> Key:
         source = self.home_source[tensor]
@@ -132,7 +131,6 @@ class UnitPricer(RowWindows):
 
     def factor(self, i: int, grids: Mapping[int, Grid]) -> RowCost:
         """Unit i's row when each unit of `self.deps[i]`, and unit i, run on `grids`."""
-        self.priced += 1
         return RowCost(*self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, ()))
 
     def bound(self, i: int, q: Grid, known: Mapping[int, Grid] | None = None) -> float:
@@ -145,8 +143,6 @@ class UnitPricer(RowWindows):
         holds: every message kept is one the row moves with those grids)."""
         known = dict(known or {})
         hidden = tuple(d for d in self.deps[i] if d not in known)
-        if not hidden:
-            return self.factor(i, known | {i: q}).seconds
         key = (i, q, tuple(sorted(known.items())))
         return self._bounds.remember(key, lambda: self._bound(i, known | {i: q}, hidden))
 
