@@ -98,14 +98,15 @@ def test_programs_of_micro_batches_in_stages_moved_within_a_class_are_the_progra
 
 
 def test_ranks_alike_share_a_build():
-    """Data parallelism on 16 ranks: they differ only in the loss's holder and in the sizes of
-    the ring's chunks they add (a gradient of n elements cut into 16 chunks of ⌊n/16⌋ and
-    ⌈n/16⌉)."""
+    """Data parallelism on 16 ranks: rank 0 holds the loss, and the others are alike, though
+    they send and add different shares of the rings (a gradient of n elements cut into 16
+    chunks of ⌊n/16⌋ and ⌈n/16⌉), which their builders only add up."""
     graph = load_source_graph("seed-lcn", 32, 32)
     chosen, _ = resolve_strategy(graph, "data", 16, MACHINE, 5.0, None, "replicated")
     plan = build_plan(graph, chosen, 16)
-    _, _, classes = _programs(graph, plan, 16, False)
-    assert len(classes.members) <= 5
+    _, shared, classes = _programs(graph, plan, 16, False)
+    assert {rank: len(members) for rank, members in classes.members.items()} == {0: 1, 1: 15}
+    assert len({shared[rank].bytes_planned for rank in range(1, 16)}) > 1  # the rings' shares
 
 
 def test_build_programs_shares_by_default_and_gives_the_same_step():

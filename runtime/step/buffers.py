@@ -206,10 +206,22 @@ def step_slots(
             else:
                 size = sum(rect.volume for rect, _ in collective.targets) * itemsize
                 slots.append(Slot(("vector", collective.seq), size, index, done, SCRATCH))
-        for k, size in enumerate(collective.rounds.adding_sizes.get(program.rank, ())):
-            size = min(size, hop_segment(itemsize))
+        for k, size in enumerate(_hop_sizes(collective, program.rank)):
             slots.append(Slot(("hop", collective.seq, k), size * itemsize, index, done, MESSAGES))
     return slots + list(scratch.values())
+
+
+def _hop_sizes(collective: Collective, rank: int) -> tuple[int, ...]:
+    """Elements of each buffer `rank`'s adding hops of `collective` receive into."""
+    segment = hop_segment(collective.reduction.itemsize)
+    return tuple(min(size, segment) for size in collective.rounds.adding_sizes.get(rank, ()))
+
+
+def hop_buffers(program: RankProgram, rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per collective of `program`, the elements of each buffer `rank`'s adding hops receive
+    into, as `step_slots` places them: ranks that run one program (a class of
+    `runtime.step.rank_classes`) hold the same buffers where these agree."""
+    return tuple(_hop_sizes(collective, rank) for _, collective in program.collectives)
 
 
 def direct(graph: TaskGraph, program: RankProgram, m: Message, layouts) -> bool:

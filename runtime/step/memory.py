@@ -26,7 +26,7 @@ from partitioner.accounting import memory_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_storage_orders
-from runtime.step.buffers import StepBuffers, step_buffers
+from runtime.step.buffers import StepBuffers, hop_buffers, step_buffers
 from runtime.step.programs import build_programs
 from runtime.step.rank_classes import source
 from runtime.step.rank_program import RankProgram
@@ -95,19 +95,24 @@ def predict(
     if programs is None:
         programs = build_programs(graph, plan, machine, ranks)
     out = {}
-    #: per program placed, its resident bytes and buffers: a rank whose program is moved from
-    #: another's (`rank_classes.source`) holds buffers of the same sizes, used alike
-    placed: dict[int, tuple[dict[str, int], StepBuffers]] = {}
+    #: per program placed and its adding hops' buffers, its resident bytes and buffers: a
+    #: rank whose program is moved from another's (`rank_classes.source`) holds buffers of the
+    #: same sizes, used alike, but for the chunks of collectives it adds (`hop_buffers`)
+    placed: dict[tuple, tuple[dict[str, int], StepBuffers]] = {}
     for rank in ranks:
         program = source(programs, rank)
-        found = placed.get(id(program))
+        hops = hop_buffers(program, rank)
+        found = placed.get((id(program), hops))
         if found is None:
+            if program.rank != rank and hops != hop_buffers(program, program.rank):
+                program = programs[rank]  # its own, moved: its hops' buffers
             resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
             for name, box in program.boxes.items():
                 tensor = graph.tensors[name]
                 if tensor.resident:
                     resident[RESIDENT_PARTS[tensor.kind]] += box.volume * tensor.itemsize
-            found = placed[id(program)] = (resident, step_buffers(graph, program, layouts))
+            found = (resident, step_buffers(graph, program, layouts))
+            placed[id(source(programs, rank)), hops] = found
         out[rank] = RankMemory(
             rank,
             dict(found[0]),

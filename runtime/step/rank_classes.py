@@ -10,10 +10,13 @@ Those decisions do not change when every rect of a tensor moves by the same offs
 
 - Each rank's *signature* is everything its builder is told, in the order told (`task_events`):
   its pieces' requirements, its messages (its end of each, bytes, when posted), its part in each
-  collective (the bytes it sends, the buffers of the hops it adds, the targets and whether it
-  holds each) and the cells it holds of each layout. Each rect is written relative to the
-  *frame* of its tensor on that rank: the low corner of the first rect of that tensor the rank
-  is told of.
+  collective (the targets and whether it holds each) and the cells it holds of each layout.
+  The bytes its collectives' hops send, which its builder only adds up, are kept beside
+  (`RankClasses.hop_bytes`), so that the uneven chunks of a ring do not split the ranks of a
+  data-parallel step into classes; the memory model places a rank's buffers apart where its
+  adding hops' buffers differ from its class's (`buffers.hop_buffers`). Each rect is written
+  relative to the *frame* of its tensor on that rank: the low corner of the first rect of that
+  tensor the rank is told of.
 - The signatures are read task by task from the plan's arrays for every rank at once
   (`_piece_rows`, `_held_cells`, `_Frames.relative_rows`), not piece by piece: each task adds a
   column of ids to the ranks' table, one per distinct run of rows a rank is told (`_Told`), and
@@ -49,7 +52,6 @@ from legion_nn.rect import Rect
 from partitioner.layout import Layout
 from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
-from runtime.step.buffers import hop_segment
 from runtime.step.rank_program import Message, PieceWork, RankProgram, RankTask
 from runtime.step.task_events import TaskEvents
 
@@ -65,6 +67,10 @@ class RankClasses:
     _frames: _Frames
     #: per rank, the messages it was told of, in the order told (once per end it is)
     messages: dict[int, list[Message]]
+    #: per rank, the bytes its collectives' hops send: ranks of a class may send different
+    #: shares of a collective (a ring cuts n elements into chunks of ⌊n/p⌋ and ⌈n/p⌉), which
+    #: their builders only add up
+    hop_bytes: dict[int, int]
 
     def frames_of(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Per tensor `rank` was told of, the low corner of the first rect of it told."""
@@ -192,6 +198,7 @@ def rank_classes(
     told = np.zeros(len(ranks), np.int64)
     most = at_most * len(ranks)
     messages: dict[int, list[Message]] = {rank: [] for rank in ranks}
+    hop_bytes = dict.fromkeys(ranks, 0)
     requirement_ids: dict[tuple, int] = {}
 
     def held(now: _Told, holdings: Mapping[str, Layout]) -> None:
@@ -233,18 +240,14 @@ def rank_classes(
         told_collectives: dict[int, list[tuple]] = {}
         for ordinal, (collective, sent) in enumerate(event.collectives):
             tensor = collective.reduction.tensor
-            adding = collective.rounds.adding_sizes
-            segment = hop_segment(collective.reduction.itemsize)
             for rank in collective.reduction.participants:
                 slot = frames.slot.get(rank)
                 if slot is None:
                     continue
+                hop_bytes[rank] += sent.get(rank, 0)
                 told_collectives.setdefault(slot, []).append(
                     (
                         ordinal,
-                        sent.get(rank, 0),
-                        # the buffers its adding hops take (`buffers.step_slots`)
-                        tuple(min(size, segment) for size in adding.get(rank, ())),
                         *(
                             (frames.relative(slot, tensor, rect), rank in holders)
                             for rect, holders in collective.targets
@@ -259,7 +262,7 @@ def rank_classes(
     members: dict[int, list[int]] = defaultdict(list)
     for rank, found in zip(ranks, told.tolist()):
         members[found].append(rank)
-    return RankClasses({group[0]: group for group in members.values()}, frames, messages)
+    return RankClasses({group[0]: group for group in members.values()}, frames, messages, hop_bytes)
 
 
 def _piece_rows(
@@ -462,6 +465,6 @@ def _moved(
         tasks,
         mine(source.post_at_start),
         {t: move(t, r) for t, r in source.boxes.items()},
-        source.bytes_planned,
+        source.bytes_planned - classes.hop_bytes[source.rank] + classes.hop_bytes[rank],
         source.messages,
     )

@@ -207,6 +207,8 @@ class Builder:
         #: per tensor, its layout now (from the plan's record) and the cells this rank holds
         self.layouts: dict[str, Layout] = dict(plan.homes)
         self._held: dict[str, tuple[Layout, list[Rect]]] = {}
+        #: per tensor, its layout and the one box its cells here fill (None: they fill none)
+        self._held_box: dict[str, tuple[Layout, Rect | None]] = {}
         #: per tensor, the rects this rank zeroed and has not added to or written since
         self.zeroed: dict[str, list[Rect]] = defaultdict(list)
         #: per tensor zeroed by a `set_zero` task and not read, written or added to since, the
@@ -225,6 +227,23 @@ class Builder:
             found = self._held[tensor] = (layout, layout.held_by(self.rank))
         return found[1]
 
+    def holds(self, tensor: str, rect: Rect) -> bool:
+        """Whether this rank holds all of `rect` of `tensor` now. The cells of a layout are
+        disjoint, and most ranks' cells fill one box (their bounding box, where their volumes
+        add up to its volume): then this is whether the box contains `rect`."""
+        layout = self.layouts.get(tensor)
+        found = self._held_box.get(tensor)
+        if found is None or found[0] is not layout:
+            held = self.held(tensor)
+            box = Rect.bounding(held)
+            if box is not None and sum(cell.volume for cell in held) != box.volume:
+                box = None
+            found = self._held_box[tensor] = (layout, box)
+        box = found[1]
+        if box is not None:
+            return box.contains(rect)
+        return rect.covered_by_disjoint(self.held(tensor))
+
     def begin(self, position: int, task: Task, pieces: Iterable[Piece]) -> None:
         """Start the task at `position`: `pieces`, those of its pieces this rank computes, and
         the rects they touch. A reduction's rects are not yet touched: `end` adds what lands in
@@ -238,9 +257,7 @@ class Builder:
                 if req.privilege.reads:  # a read sees the zeros: they must be written
                     self.zeroed_at.pop(req.tensor, None)
                 if read is not None and not read.is_empty():
-                    if self.graph.tensors[req.tensor].resident and not read.covered_by_disjoint(
-                        self.held(req.tensor)
-                    ):
+                    if self.graph.tensors[req.tensor].resident and not self.holds(req.tensor, read):
                         window = current.windows.get(req.tensor, read)
                         current.windows[req.tensor] = window.union_bounds(read)
                     else:
