@@ -7,7 +7,10 @@ own (`add`) or overwrites them (a gathered final value). A rank starts a round o
 received its hops of the round before, so the rounds of a ring are its steps.
 
 - `allreduce` (ring): a reduce-scatter of p − 1 steps, after which participant i holds the full
-  sum of chunk i, then an all-gather of p − 1 steps; 2(p − 1)·n elements on the wire;
+  sum of chunk i, then an all-gather of p − 1 steps; 2(p − 1)·n elements on the wire. Where the
+  machine's latency outweighs the vector's bytes (`cost.allreduce_by_tree`), a binomial tree
+  instead: a `reduce` to the first participant, then a broadcast back down the same tree,
+  2⌈log2 p⌉ rounds of whole vectors and the same elements on the wire;
 - `reduce_scatter` (ring): the same first half, with chunk i the targets owned by participant i
   (empty for participants that own nothing); (p − 1)·n elements;
 - `reduce` to one owner: a binomial tree, ⌈log2 p⌉ rounds of whole vectors, (p − 1)·n elements,
@@ -29,7 +32,7 @@ from functools import cached_property
 import numpy as np
 
 from legion_nn.rect import split_sizes
-from partitioner.cost import reduce_by_tree
+from partitioner.cost import allreduce_by_tree, reduce_by_tree
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -125,13 +128,14 @@ class Schedule:
         dst, rounds, size = dst[order], rounds[order], (self.hi - self.lo)[adding][order]
         group = np.flatnonzero(np.r_[True, (dst[1:] != dst[:-1]) | (rounds[1:] != rounds[:-1])])
         k = np.arange(len(dst)) - np.repeat(group, np.diff(np.r_[group, len(dst)]))
-        out: dict[int, list[int]] = {}
-        for rank in np.unique(dst):
-            mine = dst == rank
-            sizes = np.zeros(int(k[mine].max()) + 1, np.int64)
-            np.maximum.at(sizes, k[mine], size[mine])
-            out[int(rank)] = [int(v) for v in sizes]
-        return out
+        ranks, which = np.unique(dst, return_inverse=True)
+        # per receiving rank (a row) and buffer k, the most any round's k-th hop brings
+        sizes = np.full((len(ranks), int(k.max()) + 1), -1, np.int64)
+        np.maximum.at(sizes, (which, k), size)
+        return {
+            rank: [v for v in row if v >= 0]  # a rank's buffers are 0..its largest k
+            for rank, row in zip(ranks.tolist(), sizes.tolist())
+        }
 
 
 def _chunks(sizes: list[int]) -> np.ndarray:
@@ -179,6 +183,23 @@ def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
     return Schedule.of_rounds(rounds)
 
 
+def _tree_broadcast(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
+    """`_tree_reduce`'s tree walked back down: each rank that sent its sum up a level receives
+    the total from the rank it sent to, copied over its own."""
+    p = len(ranks)
+    root = ranks.index(owner)
+    rounds = []
+    for level in reversed(range(math.ceil(math.log2(p)))):
+        step = 1 << level
+        rounds.append(
+            [
+                Hop(ranks[(root + rel - step) % p], ranks[(root + rel) % p], 0, n, False)
+                for rel in range(step, p, 2 * step)
+            ]
+        )
+    return Schedule.of_rounds(rounds)
+
+
 def target_order(reduction: Reduction) -> list[int]:
     """Indices of `reduction.targets` in the order they are laid out in the flat vector."""
     order = list(range(len(reduction.targets)))
@@ -197,6 +218,9 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
     if p < 2 or n == 0:
         return Schedule.of_rounds([])
     if reduction.algorithm == "allreduce":
+        if allreduce_by_tree(p, n * reduction.itemsize, machine):
+            root = ranks[0]
+            return Schedule.concat(_tree_reduce(ranks, root, n), _tree_broadcast(ranks, root, n))
         chunks = _chunks(split_sizes(n, p))
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":

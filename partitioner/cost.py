@@ -7,7 +7,8 @@
   the larger of what it sends and what it receives, and the task waits for the busiest rank. A
   transfer to k > 1 destinations is a broadcast down a binomial tree: ⌈log2(k+1)⌉ rounds, and
   every byte still reaches each destination once (the bytes sent are k times the rect);
-- collectives, over p participants and n bytes: `allreduce` (ring) 2(p−1)α + 2(p−1)/p·nβ;
+- collectives, over p participants and n bytes: `allreduce`, the better of a ring
+  2(p−1)α + 2(p−1)/p·nβ and a binomial tree's reduce then broadcast 2⌈log2 p⌉(α + nβ);
   `reduce_scatter` (ring) (p−1)α + (p−1)·bβ with b the largest owner's share; `reduce` to one
   owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter then gather
   2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire, summed;
@@ -34,6 +35,7 @@ peak.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -170,8 +172,7 @@ def collective_cost(
     if p < 2 or n == 0:
         return 0.0, 0
     if algorithm == "allreduce":
-        local = 3 * (p - 1) / p * n
-        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * both + local * m, 2 * (p - 1) * n
+        return min(_allreduce_seconds(p, n, machine)), 2 * (p - 1) * n
     if algorithm == "reduce_scatter":
         local = 3 * n + 3 * p * largest
         return (p - 1) * (a + largest * both) + local * m, (p - 1) * n
@@ -192,6 +193,27 @@ def _reduce_seconds(p, n, machine: Machine):
         + (6 * n + 3 * (p - 1) / ranks * n) * m
     )
     return tree, ring
+
+
+def _allreduce_seconds(p: int, n: int, machine: Machine) -> tuple[float, float]:
+    """(binomial tree, ring) seconds of an all-reduce of `n` bytes over `p` ranks, in place.
+    The tree reduces to one rank and broadcasts back down, ⌈log2 p⌉ rounds each of whole
+    vectors, every rank sending or receiving in a round, and adds at most once a round; the
+    ring's 2(p − 1) steps each send and receive a chunk at once (`Machine.ring_beta`). The
+    tree's latency wins on small vectors (a normalization's scales), the ring's bandwidth on
+    large ones, as MPI libraries choose (MPICH's short-message all-reduce)."""
+    a, m = machine.alpha, machine.seconds_per_memory_byte
+    levels = math.ceil(math.log2(p))
+    tree = 2 * levels * (a + n * machine.beta) + 3 * levels * n * m
+    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * machine.ring_beta + 3 * (p - 1) / p * n * m
+    return tree, ring
+
+
+def allreduce_by_tree(p: int, n: int, machine: Machine) -> bool:
+    """Whether an all-reduce of `n` bytes over `p` ranks runs as a binomial tree's reduce and
+    broadcast rather than a ring (`collectives.schedule` runs what this prices)."""
+    tree, ring = _allreduce_seconds(p, n, machine)
+    return tree < ring
 
 
 def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:
@@ -219,8 +241,9 @@ def collective_costs(
     return np.where(none, 0.0, seconds), np.where(none, 0, wire)
 
 
-def compute_seconds(task: Task, flops: float, machine: Machine) -> float:
-    """Seconds to compute `flops` of `task`, pass by pass (see `machine.py`)."""
+def compute_seconds(task: Task, flops, machine: Machine):
+    """Seconds to compute `flops` of `task` (a float, or an array of one per rank, each priced
+    as the float would be), pass by pass (see `machine.py`)."""
     variant, passes = rate_passes(task)
     rates = [(share, machine.flops_per_second(task.op, name, variant)) for name, share in passes]
     if len({rate for _, rate in rates}) == 1:
@@ -426,7 +449,7 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
         if found is not None:
             seconds = found * machine.compute_factor
         else:
-            seconds = np.array([compute_seconds(task, float(f), machine) for f in task_flops])
+            seconds = compute_seconds(task, np.asarray(task_flops, np.float64), machine)
             if moved is not None:
                 seconds = np.maximum(seconds, moved * per_byte)
         working = working_ranks(plan, index)

@@ -3,12 +3,16 @@ where the reduction says, and the arrays they are held as read back as the round
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from legion_nn.rect import Rect, split_sizes
 from partitioner.collectives import Hop, Schedule, schedule, target_order
+from partitioner.cost import collective_cost
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -100,7 +104,8 @@ def test_the_arrays_read_back_as_the_rounds_and_their_totals(p, data):
         "g", "allreduce", ranks, ((Rect((0,), (max(int(sizes.sum()), 1),)), ranks),), 4
     )
     if split_sizes(int(sizes.sum()), p) == sizes.tolist() and sizes.sum():
-        assert list(schedule(reduction, Machine())) == expected
+        # without latency a ring is never slower than a tree (`cost.allreduce_by_tree`)
+        assert list(schedule(reduction, Machine(latency_us=0.0))) == expected
     built = Schedule.of_rounds(expected)
     assert list(built) == expected and len(built) == len(expected)
     assert (
@@ -123,3 +128,25 @@ def test_the_arrays_read_back_as_the_rounds_and_their_totals(p, data):
     assert built.sent(4) == sent
     assert built.adding_sizes == adding
     assert built.hops == sum(len(hops) for hops in expected)
+
+
+@pytest.mark.parametrize("p", [2, 3, 8, 13, 64])
+def test_an_allreduce_runs_as_a_tree_where_latency_outweighs_its_bytes(p):
+    """A normalization's few scales over many ranks go up a binomial tree and back down,
+    2⌈log2 p⌉ rounds rather than the ring's 2(p − 1), with the same bytes on the wire as the
+    cost model counts, and priced as the faster; a large gradient keeps the ring."""
+    machine = Machine()  # 2 µs a message, 12.5 GB/s
+    ranks = tuple(range(p))
+    for elements, rounds in ((64, 2 * math.ceil(math.log2(p))), (2**24, 2 * (p - 1))):
+        reduction = Reduction("g", "allreduce", ranks, ((Rect((0,), (elements,)), ranks),), 4)
+        built = schedule(reduction, machine)
+        if p == 2:  # one level: the tree moves each byte one way at a time, the ring both ways
+            rounds = 2
+            assert not any(hop.lo == 0 and hop.hi == elements for hop in built[0])
+        assert len(built) == rounds
+        seconds, wire = collective_cost("allreduce", p, elements * 4, 0, machine)
+        assert sum(built.sent(4).values()) == wire
+        ring = 2 * (p - 1) * machine.alpha + 2 * (p - 1) / p * elements * 4 * machine.ring_beta
+        tree = 2 * math.ceil(math.log2(p)) * (machine.alpha + elements * 4 * machine.beta)
+        assert seconds == pytest.approx(min(ring, tree), rel=1e-12)
+        assert (seconds < ring) == (rounds < 2 * (p - 1))

@@ -42,17 +42,19 @@ def predict_step(
     if programs is None:
         programs = build_programs(graph, plan, machine, range(plan.nranks))
     index = {task.name: i for i, task in enumerate(graph.tasks)}
+    table = np.asarray(per_task, np.float64).reshape(len(graph.tasks), plan.nranks)
     share = machine.core_share(plan.nranks)
-    #: per program (held, so that its id is its own), its tasks timed in a mode: the ranks of a
-    #: class share their source's
-    moded: dict[int, tuple[RankProgram, dict[int, float]]] = {}
+    #: per program (held, so that its id is its own), its tasks' rows of `table` and its tasks
+    #: timed in a mode: the ranks of a class share their source's
+    moded: dict[int, tuple[RankProgram, np.ndarray, dict[int, float]]] = {}
     seconds = {}
     for rank in programs:
         program = source(programs, rank)  # a rank moved from another runs its tasks
-        row = [float(per_task[index[rt.task.name]][rank]) for rt in program.tasks]
         if id(program) not in moded:
-            moded[id(program)] = (program, moded_times(program, machine.pieces))
-        times = moded[id(program)][1]
+            rows = np.array([index[rt.task.name] for rt in program.tasks], np.int64)
+            moded[id(program)] = (program, rows, moded_times(program, machine.pieces))
+        _, rows, times = moded[id(program)]
+        row = table[rows, rank].tolist()
         seconds[rank] = program_seconds(program, row, machine, times, float(share[rank]))
     return simulate(programs, seconds, machine)
 
