@@ -8,6 +8,7 @@ activation, not a sum over the batch), `Mystery` x (64 bytes) -> v4 (80 bytes, s
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,10 @@ def test_seed_one_allreduce_per_parameter_gradient(seed, ranks):
         assert sent == 2 * (ranks - 1) * param.nbytes
         ring = 2 * (ranks - 1) * machine.alpha
         ring += 2 * (ranks - 1) / ranks * param.nbytes * machine.beta
-        assert seconds == pytest.approx(ring)
+        # a small gradient goes up a binomial tree and back down where that is faster
+        levels = math.ceil(math.log2(ranks))
+        tree = 2 * levels * (machine.alpha + param.nbytes * machine.beta)
+        assert seconds == pytest.approx(min(ring, tree))
         wire += sent
     assert sum(p.nbytes for p in params) == PARAM_BYTES
     # nothing else moves but the loss, 4 bytes summed onto rank 0
