@@ -201,9 +201,16 @@ def rank_classes(
     hop_bytes = dict.fromkeys(ranks, 0)
     requirement_ids: dict[tuple, int] = {}
 
+    #: per layout (by id: the plan and the events hold them), its held cells: a layout stays
+    #: a tensor's across the tasks that leave it as it is
+    cells_of: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
     def held(now: _Told, holdings: Mapping[str, Layout]) -> None:
         for name, layout in holdings.items():
-            slots, lo, hi = _held_cells(layout, slot_of)
+            found = cells_of.get(id(layout))
+            if found is None:
+                found = cells_of[id(layout)] = _held_cells(layout, slot_of)
+            slots, lo, hi = found
             if len(slots):
                 now.rows(slots, frames.relative_rows(name, slots, lo, hi))
 
