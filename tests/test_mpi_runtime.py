@@ -323,14 +323,16 @@ def single_gpt(tmp_path_factory):
     return losses(out / "log.jsonl"), parameters(out / "ckpt")
 
 
-def test_a_gpt_split_by_heads_equals_one_process(single_gpt, tmp_path, launcher):
+@pytest.mark.parametrize(("strategy", "nranks"), [("model", 2), ("auto", 4)])
+def test_a_gpt_split_by_heads_equals_one_process(single_gpt, tmp_path, launcher, strategy, nranks):
     """The PyTorch export of a GPT (`tiny_gpt.onnx`), its attention split by heads and its
-    dense layers by columns over 2 ranks: the one process's losses and parameters."""
-    skip_unless_spread(launcher, 2)
+    dense layers by columns over 2 ranks, or as auto plans it on 4: the one process's losses
+    and parameters."""
+    skip_unless_spread(launcher, nranks)
     log = tmp_path / "log.jsonl"
     result = mpiexec(
-        2, "train", GPT, *TRAIN, "--steps", "2", "--strategy", "model", "--log-json", str(log),
-        "--checkpoint", str(tmp_path / "ckpt"), launcher=launcher,
+        nranks, "train", GPT, *TRAIN, "--steps", "2", "--strategy", strategy, "--log-json",
+        str(log), "--checkpoint", str(tmp_path / "ckpt"), launcher=launcher,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert_equals_single(single_gpt, log, tmp_path / "ckpt")

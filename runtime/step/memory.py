@@ -101,18 +101,17 @@ def predict(
     placed: dict[tuple, tuple[dict[str, int], StepBuffers]] = {}
     for rank in ranks:
         program = source(programs, rank)
-        hops = hop_buffers(program, rank)
-        found = placed.get((id(program), hops))
+        key = (id(program), hop_buffers(program, rank))
+        found = placed.get(key)
         if found is None:
-            if program.rank != rank and hops != hop_buffers(program, program.rank):
+            if program.rank != rank and key[1] != hop_buffers(program, program.rank):
                 program = programs[rank]  # its own, moved: its hops' buffers
             resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
             for name, box in program.boxes.items():
                 tensor = graph.tensors[name]
                 if tensor.resident:
                     resident[RESIDENT_PARTS[tensor.kind]] += box.volume * tensor.itemsize
-            found = (resident, step_buffers(graph, program, layouts))
-            placed[id(source(programs, rank)), hops] = found
+            found = placed[key] = (resident, step_buffers(graph, program, layouts))
         out[rank] = RankMemory(
             rank,
             dict(found[0]),
