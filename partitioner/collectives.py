@@ -183,21 +183,12 @@ def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
     return Schedule.of_rounds(rounds)
 
 
-def _tree_broadcast(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
-    """`_tree_reduce`'s tree walked back down: each rank that sent its sum up a level receives
-    the total from the rank it sent to, copied over its own."""
-    p = len(ranks)
-    root = ranks.index(owner)
-    rounds = []
-    for level in reversed(range(math.ceil(math.log2(p)))):
-        step = 1 << level
-        rounds.append(
-            [
-                Hop(ranks[(root + rel - step) % p], ranks[(root + rel) % p], 0, n, False)
-                for rel in range(step, p, 2 * step)
-            ]
-        )
-    return Schedule.of_rounds(rounds)
+def _tree_broadcast(reduce: Schedule) -> Schedule:
+    """A tree reduce's (`_tree_reduce`) rounds walked back down: each rank that sent its sum up
+    a level receives the total from the rank it sent to, copied over its own."""
+    return Schedule.of_rounds(
+        [[Hop(h.dst, h.src, h.lo, h.hi, False) for h in hops] for hops in reversed(list(reduce))]
+    )
 
 
 def target_order(reduction: Reduction) -> list[int]:
@@ -219,8 +210,8 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
         return Schedule.of_rounds([])
     if reduction.algorithm == "allreduce":
         if allreduce_by_tree(p, n * reduction.itemsize, machine):
-            root = ranks[0]
-            return Schedule.concat(_tree_reduce(ranks, root, n), _tree_broadcast(ranks, root, n))
+            up = _tree_reduce(ranks, ranks[0], n)
+            return Schedule.concat(up, _tree_broadcast(up))
         chunks = _chunks(split_sizes(n, p))
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":

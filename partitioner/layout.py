@@ -42,6 +42,7 @@ class Layout:
         self.strides = boxes.grid_strides(cuts)
         self._holders: dict[int, tuple[int, ...]] | None = None
         self._by_rank: dict[int, list[Rect]] | None = None
+        self._boxes: dict[int, Rect | None] = {}
 
     @classmethod
     def from_arrays(cls, ndim: int, ranks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> Layout:
@@ -160,6 +161,17 @@ class Layout:
                 by_rank.setdefault(holder, []).append(rect)
             self._by_rank = by_rank
         return self._by_rank.get(rank, [])
+
+    def held_box(self, rank: int) -> Rect | None:
+        """The one box `rank`'s cells fill, where they fill one (the cells are disjoint: their
+        volumes add up to their bounding box's); None where they fill none, or it holds none."""
+        if rank not in self._boxes:
+            held = self.held_by(rank)
+            box = Rect.bounding(held)
+            if box is not None and sum(cell.volume for cell in held) != box.volume:
+                box = None
+            self._boxes[rank] = box
+        return self._boxes[rank]
 
     def held(self, rect: Rect) -> Iterator[tuple[Rect, tuple[int, ...]]]:
         """(part of `rect`, its holders) for each cell overlapping it; unheld parts give ()."""

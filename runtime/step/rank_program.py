@@ -207,8 +207,6 @@ class Builder:
         #: per tensor, its layout now (from the plan's record) and the cells this rank holds
         self.layouts: dict[str, Layout] = dict(plan.homes)
         self._held: dict[str, tuple[Layout, list[Rect]]] = {}
-        #: per tensor, its layout and the one box its cells here fill (None: they fill none)
-        self._held_box: dict[str, tuple[Layout, Rect | None]] = {}
         #: per tensor, the rects this rank zeroed and has not added to or written since
         self.zeroed: dict[str, list[Rect]] = defaultdict(list)
         #: per tensor zeroed by a `set_zero` task and not read, written or added to since, the
@@ -228,18 +226,10 @@ class Builder:
         return found[1]
 
     def holds(self, tensor: str, rect: Rect) -> bool:
-        """Whether this rank holds all of `rect` of `tensor` now. The cells of a layout are
-        disjoint, and most ranks' cells fill one box (their bounding box, where their volumes
-        add up to its volume): then this is whether the box contains `rect`."""
+        """Whether this rank holds all of `rect` of `tensor` now: where its cells fill one box
+        (most ranks' do, `Layout.held_box`), whether the box contains `rect`."""
         layout = self.layouts.get(tensor)
-        found = self._held_box.get(tensor)
-        if found is None or found[0] is not layout:
-            held = self.held(tensor)
-            box = Rect.bounding(held)
-            if box is not None and sum(cell.volume for cell in held) != box.volume:
-                box = None
-            found = self._held_box[tensor] = (layout, box)
-        box = found[1]
+        box = layout.held_box(self.rank) if layout is not None else None
         if box is not None:
             return box.contains(rect)
         return rect.covered_by_disjoint(self.held(tensor))
