@@ -57,7 +57,7 @@ def _programs(graph, plan, ranks: int, fused: bool):
     everyone = list(range(ranks))
     events, messages = task_events(graph, plan, MACHINE, everyone)
     alone = build_each(graph, plan, events, messages, everyone)
-    classes = rank_classes(plan, events, everyone, at_most=1.0)
+    classes = rank_classes(plan, events, everyone, most=len(everyone))
     built = build_each(graph, plan, events, messages, list(classes.members))
     if fused:
         for program in (*alone.values(), *built.values()):
@@ -133,7 +133,7 @@ def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(netwo
     plan = build_plan(graph, chosen, 16)
     everyone = list(range(16))
     events, messages = task_events(graph, plan, MACHINE, everyone)
-    classes = rank_classes(plan, events, everyone, at_most=1.0)
+    classes = rank_classes(plan, events, everyone, most=len(everyone))
     built = build_each(graph, plan, events, messages, list(classes.members))
     for program in built.values():
         fuse_into_gradients(graph, program)

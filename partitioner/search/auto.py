@@ -54,13 +54,12 @@ was priced as whole plans), vgg19 1.5 s (over a minute then, cut at the 30 s def
 
 from __future__ import annotations
 
-import gc
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from legion_nn.cycles import no_cycle_collection
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.pieces import chosen_pieces
@@ -110,7 +109,7 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
     if units:
         chain = is_chain(graph, units, task_rows(graph))
         try:
-            with _no_cycle_collection():
+            with no_cycle_collection():
                 pricer = UnitPricer(graph, units, nranks, machine)
                 return _lazy_dp(pricer, deadline, chain)
         except NotAChain:
@@ -127,20 +126,6 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
         for u, f in zip(units, chosen)
     ]
     return SearchResult(strategy, choices, pricer.priced, note)
-
-
-@contextmanager
-def _no_cycle_collection():
-    """The DP allocates some 10⁵ small objects (rects, dicts, tuples) and keeps many alive in
-    its tables; none forms a reference cycle, yet each allocation burst makes Python's cycle
-    collector walk them all. It is paused for the search and resumed after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _dp_result(

@@ -18,6 +18,7 @@ command makes one model per machine and asks it for the plan it reports (`plan`)
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from legion_nn.graph import TaskGraph
 from partitioner import cost
@@ -26,12 +27,12 @@ from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
 from runtime.step.memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
 from runtime.step.prediction import (
-    OBJECTIVE_SIMULATE_MAX_RANKS,
+    SIMULATE_MAX_WORK,
     compute_lower_bound,
+    objective_simulates,
     predict_step,
     simulate_compiled,
-    simulated,
-    step_prediction,
+    step_report,
 )
 from runtime.step.programs import build_programs
 from runtime.step.rank_program import RankProgram
@@ -50,9 +51,12 @@ class StepModel:
         self.machine = machine
         #: the graphs planned, by id (held, so that an id names one graph while the model lives)
         self._graphs: dict[int, TaskGraph] = {}
-        #: per plan (`_key`), the plan and every rank's program, the last `KEPT_PROGRAMS`
-        self._programs: OrderedDict[tuple, tuple[Plan, dict[int, RankProgram]]] = OrderedDict()
-        self._simulated: dict[tuple, SimulatedStep] = {}
+        #: per plan (`_key`), the plan and every rank's program (None: beyond the work a
+        #: simulation builds), the last `KEPT_PROGRAMS`
+        self._programs: OrderedDict[tuple, tuple[Plan, Mapping[int, RankProgram] | None]] = (
+            OrderedDict()
+        )
+        self._simulated: dict[tuple, SimulatedStep | None] = {}
         #: the last `KEPT_PLANS` plans asked about, by `_key`
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
 
@@ -79,48 +83,48 @@ class StepModel:
         while len(self._plans) > KEPT_PLANS:
             self._plans.popitem(last=False)
 
-    def programs(self, graph: TaskGraph, plan: Plan) -> dict[int, RankProgram]:
-        """Every rank's program of `plan`."""
+    def programs(
+        self, graph: TaskGraph, plan: Plan, most_built: int | None = None
+    ) -> Mapping[int, RankProgram] | None:
+        """Every rank's program of `plan`; None where `most_built` is given and building them
+        would take more (rank, task) pairs (`programs.build_programs`)."""
         key = self._plan_key(graph, plan)
         found = self._programs.get(key)
-        if found is None:
-            found = (plan, build_programs(graph, plan, self.machine, range(plan.nranks)))
-            self._programs[key] = found
+        if found is None or (found[1] is None and most_built is None):
+            built = build_programs(
+                graph, plan, self.machine, range(plan.nranks), most_built=most_built
+            )
+            found = self._programs[key] = (plan, built)
             while len(self._programs) > KEPT_PROGRAMS:
                 self._programs.popitem(last=False)
         self._programs.move_to_end(key)
         return found[1]
 
-    def simulated(self, graph: TaskGraph, plan: Plan) -> SimulatedStep:
-        """The simulated step of `plan`, without the machine's time outside the tasks."""
+    def simulated(self, graph: TaskGraph, plan: Plan) -> SimulatedStep | None:
+        """The simulated step of `plan`, without the machine's time outside the tasks; None
+        where its programs would take more than `SIMULATE_MAX_WORK` to build."""
         key = self._plan_key(graph, plan)
         if key not in self._simulated:
-            self._simulated[key] = predict_step(
-                graph,
-                plan,
-                self.machine,
-                programs=self.programs(graph, plan),
-                simulate=simulate_compiled,
-            )
+            programs = self.programs(graph, plan, SIMULATE_MAX_WORK)
+            self._simulated[key] = None if programs is None else predict_step(
+                graph, plan, self.machine, programs=programs, simulate=simulate_compiled
+            )  # fmt: skip
         return self._simulated[key]
 
-    def simulated_seconds(self, graph: TaskGraph, plan: Plan) -> float:
-        """The seconds of `simulated`."""
-        return self.simulated(graph, plan).seconds
-
     def step(self, graph: TaskGraph, plan: Plan, bulk_seconds: float | None = None) -> float:
-        """A plan's predicted step as `partition` reports it (the simulated step with the
-        machine's time outside the tasks), up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks and within
-        `prediction.SIMULATE_MAX_WORK`, and beyond them the bulk-synchronous sum
-        (`bulk_seconds`, where the caller has found it already): what `auto` chooses its plan
-        by (`partitioner.resolve`)."""
+        """A plan's predicted step as `auto` compares it (`partitioner.resolve`): the simulated
+        step with the machine's time outside the tasks where every plan of its graph and ranks
+        would be (`prediction.objective_simulates`), else the bulk-synchronous sum
+        (`bulk_seconds`, where the caller has found it already)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
-        if not self._simulates(graph, plan):
-            self._keep(graph, plan)
-            if bulk_seconds is None:
-                bulk_seconds = cost.bulk_seconds(graph, plan, self.machine)
-            return bulk_seconds + loop
-        return self.simulated_seconds(graph, plan) + loop
+        if objective_simulates(graph, plan):
+            found = self.simulated(graph, plan)
+            if found is not None:
+                return found.seconds + loop
+        self._keep(graph, plan)
+        if bulk_seconds is None:
+            bulk_seconds = cost.bulk_seconds(graph, plan, self.machine)
+        return bulk_seconds + loop
 
     def step_lower_bound(self, graph: TaskGraph, plan: Plan) -> float | None:
         """A bound below `step` for `plan` with any parameters' homes, cheap beside it (no
@@ -135,20 +139,18 @@ class StepModel:
         built here once for both (placing a few ranks' buffers alone costs most of what
         building them all does, since a plan's messages are found for every rank at once)."""
         found = self._programs.get(self._plan_key(graph, plan))
-        if found is not None or self._simulates(graph, plan):
-            return plan_peak(graph, plan, self.machine, self.programs(graph, plan))
+        programs = found[1] if found is not None else None
+        if programs is None and objective_simulates(graph, plan):
+            programs = self.programs(graph, plan, SIMULATE_MAX_WORK)
+        if programs is not None:
+            return plan_peak(graph, plan, self.machine, programs)
         self._keep(graph, plan)
         return plan_peak(graph, plan, self.machine)
 
-    @staticmethod
-    def _simulates(graph: TaskGraph, plan: Plan) -> bool:
-        """Whether `step` simulates `plan` (else it is the bulk-synchronous sum)."""
-        return plan.nranks <= OBJECTIVE_SIMULATE_MAX_RANKS and simulated(graph, plan)
-
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
-        """`prediction.step_prediction` of `plan`, its simulation made once."""
-        found = self.simulated(graph, plan) if simulated(graph, plan) else None
-        return step_prediction(graph, plan, self.machine, bulk_seconds, found)
+        """`prediction.step_report` of `plan`, its simulation made once: simulated wherever its
+        programs are within `prediction.SIMULATE_MAX_WORK`, whatever `step` compares."""
+        return step_report(graph, plan, self.machine, bulk_seconds, self.simulated(graph, plan))
 
     def memory_prediction(self, graph: TaskGraph, plan: Plan) -> dict:
         """`memory.memory_prediction` of `plan`, from the programs built already."""

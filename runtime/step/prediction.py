@@ -1,6 +1,7 @@
 """A plan's predicted step: every rank's program built, its tasks priced, and the step
 simulated (`runtime.step.simulator` states the rules; `runtime.step.compiled` runs them over
-flat arrays), or, beyond `SIMULATE_MAX_WORK`, the cost model's bulk-synchronous sum.
+flat arrays), or, where its programs would take more than `SIMULATE_MAX_WORK` to build, the
+cost model's bulk-synchronous sum.
 
 `partition`, `bench` and `auto` ask for predictions through `runtime.step.model.StepModel`,
 which keeps each plan's programs and simulation; the functions here make one prediction.
@@ -98,15 +99,19 @@ def simulate_compiled(
     return SimulatedStep(max(finish.values(), default=0.0), finish, waiting, compute=computing)
 
 
-#: plans of more (rank, task) pairs than this are priced by the bulk-synchronous sum alone:
-#: building every rank's program is most of what a simulation costs there (seed-lcn, 43 tasks,
-#: at 1024 ranks: about 10 s; vgg19's auto plan at 1024 ranks: 47 s, then 36 s to simulate)
+#: the most (rank, task) pairs whose programs a prediction builds to simulate a step: ranks told
+#: alike are built once (`rank_classes`), so a data-parallel plan is simulated on any number of
+#: ranks, while a plan beyond this whose ranks all differ is priced by the bulk-synchronous sum
+#: (a mixture of grids on 1024 ranks of vgg19 would build for about 40 s, then simulate for 36)
 SIMULATE_MAX_WORK = 50_000
 
 
-def simulated(graph: TaskGraph, plan: Plan) -> bool:
-    """Whether `step_prediction` simulates `plan` (within `SIMULATE_MAX_WORK`)."""
-    return plan.nranks * len(graph.tasks) <= SIMULATE_MAX_WORK
+def budgeted_programs(
+    graph: TaskGraph, plan: Plan, machine: Machine
+) -> Mapping[int, RankProgram] | None:
+    """Every rank's program of `plan`, or None where building them would take more than
+    `SIMULATE_MAX_WORK` (rank, task) pairs."""
+    return build_programs(graph, plan, machine, range(plan.nranks), most_built=SIMULATE_MAX_WORK)
 
 
 def step_prediction(
@@ -114,23 +119,34 @@ def step_prediction(
     plan: Plan,
     machine: Machine,
     bulk_seconds: float,
-    simulated_step: SimulatedStep | None = None,
 ) -> dict:
-    """The step `partition` and `bench scaling` predict: the simulated step (`simulate_compiled`)
-    where the plan is within `SIMULATE_MAX_WORK`, else the bulk-synchronous sum (`plan_cost`'s
+    """`step_report` of `plan`, simulated where its programs are within `SIMULATE_MAX_WORK`."""
+    programs = budgeted_programs(graph, plan, machine)
+    found = None
+    if programs is not None:
+        found = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
+    return step_report(graph, plan, machine, bulk_seconds, found)
+
+
+def step_report(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    bulk_seconds: float,
+    simulated_step: SimulatedStep | None,
+) -> dict:
+    """The step `partition` and `bench scaling` predict: the simulated step (`simulated_step`,
+    found by `simulate_compiled`) where there is one, else the bulk-synchronous sum (`plan_cost`'s
     `bulk_seconds`), which is reported beside it in any case, each with the machine's time
-    outside the tasks (`loop_us`). `simulated_step`: the simulation, where the caller has it
-    already (`runtime.step.model.StepModel`). A simulated step also gets `compute_fraction`, the
+    outside the tasks (`loop_us`). A simulated step also gets `compute_fraction`, the
     mean share of it a rank spends computing its tasks. A pipeline's also gets its bubble: the mean
     fraction of the simulated step its ranks wait, against (S − 1) / (M + S − 1), the bubble of
     S stages of equal work streaming M micro-batches with nothing else to wait for."""
     loop = machine.step_loop_seconds(plan.nranks)
     out = {"bulk_synchronous_seconds": bulk_seconds + loop}
-    if not simulated(graph, plan):
+    if simulated_step is None:
         summed = {"predicted_step_seconds": bulk_seconds + loop, "step_model": "bulk-synchronous"}
         return out | summed
-    if simulated_step is None:
-        simulated_step = predict_step(graph, plan, machine, simulate=simulate_compiled)
     predicted = simulated_step.seconds + loop
     out |= {
         "predicted_step_seconds": predicted,
@@ -148,3 +164,14 @@ def step_prediction(
 #: `auto` compares the candidates' simulated steps up to this many ranks and their sums beyond:
 #: building every rank's program of each candidate takes seconds at 1024 ranks
 OBJECTIVE_SIMULATE_MAX_RANKS = 64
+
+
+def objective_simulates(graph: TaskGraph, plan: Plan) -> bool:
+    """Whether `auto` compares plans of `graph` on `plan.nranks` ranks by their simulated steps:
+    up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks, where every candidate's programs are within
+    `SIMULATE_MAX_WORK` however many classes its ranks fall into, so that every plan compared
+    is simulated, or none."""
+    return (
+        plan.nranks <= OBJECTIVE_SIMULATE_MAX_RANKS
+        and plan.nranks * len(graph.tasks) <= SIMULATE_MAX_WORK
+    )

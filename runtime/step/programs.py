@@ -1,18 +1,18 @@
 """Every rank's program of a step, as `build_programs` gives them: the ranks' builders told each
-task once (`task_events.task_events`), one rank built per class of ranks told alike
+task once (`task_events.each_task_event`), one rank built per class of ranks told alike
 (`rank_classes`), the others' programs moved from it when asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.step.rank_classes import SharedPrograms, rank_classes
+from runtime.step.rank_classes import SHARED_AT_MOST, SharedPrograms, rank_classes
 from runtime.step.rank_program import RankProgram
-from runtime.step.task_events import build_each, task_events
+from runtime.step.task_events import TaskEvents, build_each, each_task_event, step_messages
 from runtime.step.update_fusion import fuse_into_gradients
 
 
@@ -24,21 +24,47 @@ def build_programs(
     include: Iterable[str] | None = None,
     fuse_updates: bool = True,
     share: bool = True,
-) -> Mapping[int, RankProgram]:
+    most_built: int | None = None,
+) -> Mapping[int, RankProgram] | None:
     """The programs of `ranks` for the tasks named in `include` (default: the whole step);
     `fuse_updates` lets a kernel that computes a gradient take the optimizer's step itself
     where nothing else reads the gradient (`runtime.step.update_fusion`); without it every gradient
     is stored, to read after the step. With `share`, ranks told the same things up to where
     their rects lie are built once and the others' programs moved there
-    (`runtime.step.rank_classes`): the same programs, built faster."""
+    (`runtime.step.rank_classes`): the same programs, built faster.
+
+    `most_built`: None where building them would take more than this many (rank, task) pairs
+    built, found as soon as the ranks fall into too many classes (a data-parallel step of
+    DenseNet-121 on 64 ranks builds 2 of them; a mixture of grids per layer on 1024 ranks, whose
+    ranks all differ, gives up at its first uneven split, having made that far)."""
     ranks = list(ranks)
-    events, messages = task_events(graph, plan, machine, ranks, include)
-    classes = rank_classes(plan, events, ranks) if share and len(ranks) > 2 else None
+    tasks = len(graph.tasks) if include is None else len(set(include))
+    stream = each_task_event(graph, plan, machine, ranks, include)
+    every = most_built is None or len(ranks) * tasks <= most_built
+    most = int(SHARED_AT_MOST * len(ranks))
+    if not every:
+        most = min(most, most_built // max(tasks, 1))
+    events: list[TaskEvents] = []
+    classes = None
+    if share and len(ranks) > 2:
+        classes = rank_classes(plan, _kept(stream, events), ranks, most)
+    if classes is None and not every:
+        return None
+    events += stream  # what telling the ranks apart left unread
     if classes is None:
         for event in events:
             event.mine.make_every_rank()
-    built = build_each(graph, plan, events, messages, list(classes.members) if classes else ranks)
+    built = build_each(
+        graph, plan, events, step_messages(events), list(classes.members) if classes else ranks
+    )
     if fuse_updates:
         for program in built.values():
             fuse_into_gradients(graph, program)
     return SharedPrograms(built, classes, events, ranks) if classes else built
+
+
+def _kept(stream: Iterator[TaskEvents], into: list[TaskEvents]) -> Iterator[TaskEvents]:
+    """`stream`'s events, each kept in `into` as it is read."""
+    for event in stream:
+        into.append(event)
+        yield event

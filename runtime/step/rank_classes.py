@@ -42,7 +42,7 @@ rank by rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import sub
 
@@ -183,20 +183,22 @@ SHARED_AT_MOST = 0.25
 
 def rank_classes(
     plan: Plan,
-    events: Sequence[TaskEvents],
+    events: Iterable[TaskEvents],
     ranks: Sequence[int],
-    at_most: float = SHARED_AT_MOST,
+    most: int | None = None,
 ) -> RankClasses | None:
     """The classes of `ranks` whose builders are told the same things up to where their rects
     lie: each rank's signature, following `task_events.build_each` call for call, task by task,
-    each task's told to every rank at once from the plan's arrays. None where there are more
-    than `at_most` of the ranks' count."""
+    each task's told to every rank at once from the plan's arrays. None, and no more of
+    `events` read, as soon as there are more than `most` (default: `SHARED_AT_MOST` of the
+    ranks' count)."""
     ranks = list(ranks)
     frames = _Frames(ranks)
     slot_of = np.full(max(ranks, default=0) + 1, -1, np.int64)
     slot_of[ranks] = np.arange(len(ranks))
     told = np.zeros(len(ranks), np.int64)
-    most = at_most * len(ranks)
+    if most is None:
+        most = int(SHARED_AT_MOST * len(ranks))
     messages: dict[int, list[Message]] = {rank: [] for rank in ranks}
     hop_bytes = dict.fromkeys(ranks, 0)
     requirement_ids: dict[tuple, int] = {}

@@ -6,7 +6,7 @@ record, `Plan.written_by`), and the collectives with their schedules.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,9 @@ class TaskEvents:
     messages: list[Message]
     #: the task's collectives, each with the bytes each participant's hops send
     collectives: list[tuple[Collective, dict[int, int]]]
+    #: the sequence number after the task's messages and hops: the step's message count, after
+    #: its last task
+    next_seq: int
 
 
 def task_events(
@@ -50,6 +53,24 @@ def task_events(
 ) -> tuple[list[TaskEvents], int]:
     """Per task of the step (in `step_order`, those named in `include`), what `build_programs`
     tells the builders of `ranks`; and the number of messages of the step."""
+    events = list(each_task_event(graph, plan, machine, ranks, include))
+    return events, step_messages(events)
+
+
+def step_messages(events: Sequence[TaskEvents]) -> int:
+    """The number of messages (and collective hops) of the step whose `events` these are."""
+    return events[-1].next_seq if events else 0
+
+
+def each_task_event(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    ranks: Iterable[int],
+    include: Iterable[str] | None = None,
+) -> Iterator[TaskEvents]:
+    """`task_events`' events one task at a time, each made when asked for: a reader that stops
+    early (`rank_classes`, where the ranks fall into too many classes) makes no more."""
     wanted = set(include) if include is not None else None
     built = set(ranks)
     indexed = [
@@ -66,7 +87,6 @@ def task_events(
         for name, tensor in graph.tensors.items()
         if tensor.kind == "grad" and name.removesuffix(".grad") in plan.sharded
     }
-    events = []
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         mine = PiecesByRank(task_plan.piece_sets, built)
@@ -110,14 +130,18 @@ def task_events(
             )
             seq += rounds.hops
             collectives.append((collective, rounds.sent(reduction.itemsize)))
-        events.append(
-            TaskEvents(
-                position, task, task_plan.holdings, task_plan.deferred, mine, messages, collectives
-            )
-        )
         for tensor, layout in task_plan.holdings.items():
             written[tensor] = (layout, plan.written_by[index][tensor].tolist())
-    return events, seq
+        yield TaskEvents(
+            position,
+            task,
+            task_plan.holdings,
+            task_plan.deferred,
+            mine,
+            messages,
+            collectives,
+            seq,
+        )
 
 
 class PiecesByRank:
@@ -129,13 +153,17 @@ class PiecesByRank:
     def __init__(self, piece_sets: Sequence[PieceSet], built: set[int]) -> None:
         self.piece_sets = piece_sets
         self._built = built
-        #: per rank, its (set, piece) pairs in the plan's order
-        self._index: dict[int, list[tuple[int, int]]] | None = None
+        #: the (rank, set, piece) triples of the built ranks, by rank, in the plan's order
+        #: within a rank, and where each rank's begin (`_sorted`)
+        self._index: tuple[np.ndarray, np.ndarray, dict[int, tuple[int, int]]] | None = None
         self._made: dict[tuple[int, int], Piece] = {}
         #: every built rank's pieces, where `make_every_rank` made them
         self._every: dict[int, list[Piece]] | None = None
 
-    def _pairs(self) -> dict[int, list[tuple[int, int]]]:
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, int]]]:
+        """(set of each triple, piece of each, per rank the span of its triples): found once
+        for every rank from the piece sets' arrays; each rank's pairs are made only where it
+        is asked for (one rank per class of alike ranks)."""
         if self._index is None:
             sets, pieces, ranks = [], [], []
             for k, piece_set in enumerate(self.piece_sets):
@@ -143,16 +171,26 @@ class PiecesByRank:
                 sets.append(np.full(len(piece_set.ranks), k, np.int64))
                 pieces.append(np.repeat(np.arange(len(piece_set), dtype=np.int64), counts))
                 ranks.append(piece_set.ranks.astype(np.int64))
-            index: dict[int, list[tuple[int, int]]] = {}
-            if sets:
-                set_of, piece_of, rank_of = (np.concatenate(a) for a in (sets, pieces, ranks))
-                order = np.argsort(rank_of, kind="stable")  # the plan's order within a rank
-                for rank, k, i in zip(*(a[order].tolist() for a in (rank_of, set_of, piece_of))):
-                    if rank in self._built:
-                        pairs = index.setdefault(rank, [])
-                        if not pairs or pairs[-1] != (k, i):  # a rank twice among a piece's
-                            pairs.append((k, i))
-            self._index = index
+            empty = np.zeros(0, np.int64)
+            set_of, piece_of, rank_of = (
+                (np.concatenate(a) for a in (sets, pieces, ranks)) if sets else (empty,) * 3
+            )
+            order = np.argsort(rank_of, kind="stable")  # the plan's order within a rank
+            set_of, piece_of, rank_of = set_of[order], piece_of[order], rank_of[order]
+            # a rank twice among a piece's ranks has the piece once
+            new = np.ones(len(rank_of), bool)
+            new[1:] = (
+                (rank_of[1:] != rank_of[:-1])
+                | (set_of[1:] != set_of[:-1])
+                | (piece_of[1:] != piece_of[:-1])
+            )
+            set_of, piece_of, rank_of = set_of[new], piece_of[new], rank_of[new]
+            starts = (
+                np.flatnonzero(np.r_[True, rank_of[1:] != rank_of[:-1]]) if len(rank_of) else empty
+            )
+            ends = np.r_[starts[1:], len(rank_of)]
+            spans = dict(zip(rank_of[starts].tolist(), zip(starts.tolist(), ends.tolist())))
+            self._index = (set_of, piece_of, spans)
         return self._index
 
     def _piece(self, k: int, i: int) -> Piece:
@@ -175,10 +213,17 @@ class PiecesByRank:
     def get(self, rank: int, default=()) -> list[Piece] | tuple:
         if self._every is not None:
             return self._every.get(rank, default)
-        pairs = self._pairs().get(rank)
-        if pairs is None:
+        if rank not in self._built:
             return default
-        return [self._piece(k, i) for k, i in pairs]
+        set_of, piece_of, spans = self._sorted()
+        span = spans.get(rank)
+        if span is None:
+            return default
+        start, end = span
+        return [
+            self._piece(k, i)
+            for k, i in zip(set_of[start:end].tolist(), piece_of[start:end].tolist())
+        ]
 
 
 def build_each(
