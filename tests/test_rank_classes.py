@@ -23,7 +23,7 @@ from runtime.step.programs import build_programs
 from runtime.step.rank_classes import SharedPrograms, rank_classes
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step.simulator import Links, simulate_step
-from runtime.step.task_events import build_each, task_events
+from runtime.step.task_events import build_each, each_task_event, task_events
 from runtime.step.update_fusion import fuse_into_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +107,32 @@ def test_ranks_alike_share_a_build():
     _, shared, classes = _programs(graph, plan, 16, False)
     assert {rank: len(members) for rank, members in classes.members.items()} == {0: 1, 1: 15}
     assert len({shared[rank].bytes_planned for rank in range(1, 16)}) > 1  # the rings' shares
+
+
+def test_telling_ranks_apart_stops_reading_events_once_they_are_too_many():
+    """The ranks of a model-parallel step all differ: allowed 2 classes, telling them apart
+    gives up within the step's first tasks, having made no more of its events, and a budget
+    of built (rank, task) pairs below every rank's gives no programs; a data-parallel step's
+    ranks fall into 2 classes, within the same budget."""
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    model = build_plan(graph, builtin(graph, "model", 8), 8)
+    made = []
+
+    def counted(events):
+        for event in events:
+            made.append(event.position)
+            yield event
+
+    stream = each_task_event(graph, model, MACHINE, range(8))
+    assert rank_classes(model, counted(stream), list(range(8)), most=2) is None
+    assert 0 < len(made) < len(graph.tasks) // 2
+    budget = 3 * len(graph.tasks)
+    assert build_programs(graph, model, MACHINE, range(8), most_built=budget) is None
+    data = build_plan(graph, builtin(graph, "data", 8), 8)
+    shared = build_programs(graph, data, MACHINE, range(8), most_built=budget)
+    assert len(shared.classes.members) == 2
+    alone = build_programs(graph, data, MACHINE, range(8), share=False)
+    assert [p.boxes for p in shared.values()] == [p.boxes for p in alone.values()]
 
 
 def test_build_programs_shares_by_default_and_gives_the_same_step():
