@@ -6,6 +6,7 @@ record, `Plan.written_by`), and the collectives with their schedules.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import numpy as np
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.rect import Rect
+from partitioner import boxes
 from partitioner.collectives import schedule, target_order
 from partitioner.layout import Layout
 from partitioner.machine import Machine
@@ -78,10 +80,7 @@ def each_task_event(
         for i in step_order(graph)
         if wanted is None or graph.tasks[i].name in wanted
     ]
-    position_of = {index: position for position, (index, _, _) in enumerate(indexed)}
-    #: per tensor written this step, its layout now and the task that last wrote each cell (the
-    #: plan's record); a tensor not written yet holds what the step started with
-    written: dict[str, tuple[Layout, list[int]]] = {}
+    last_writes = _LastWrites(len(graph.tasks), (index for index, _, _ in indexed))
     sharded_grads = {
         name
         for name, tensor in graph.tensors.items()
@@ -101,7 +100,7 @@ def each_task_event(
                 # a sharded home's part, fetched just before its reader and dropped after it
                 post_after = max(position - 1, STEP_START)
             else:
-                post_after = _last_write(written.get(transfer.tensor), transfer.rect, position_of)
+                post_after = last_writes.position(transfer.tensor, transfer.rect)
             for dst in transfer.dsts:
                 messages.append(
                     Message(
@@ -131,7 +130,7 @@ def each_task_event(
             seq += rounds.hops
             collectives.append((collective, rounds.sent(reduction.itemsize)))
         for tensor, layout in task_plan.holdings.items():
-            written[tensor] = (layout, plan.written_by[index][tensor].tolist())
+            last_writes.record(tensor, layout, plan.written_by[index][tensor])
         yield TaskEvents(
             position,
             task,
@@ -247,15 +246,40 @@ def build_each(
     return {rank: builder.program(messages) for rank, builder in programs.items()}
 
 
-def _last_write(
-    written: tuple[Layout, list[int]] | None, rect: Rect, position_of: Mapping[int, int]
-) -> int:
-    """The position of the task in view that last wrote some part of `rect`, from the plan's
-    record of who wrote each cell of the tensor's layout now (`Plan.written_by`)."""
-    if written is None:
-        return STEP_START
-    layout, writers = written
-    return max(
-        (position_of.get(writers[index], STEP_START) for index in layout.cell_indices(rect)),
-        default=STEP_START,
-    )
+class _LastWrites:
+    """Per tensor written this step, the position of the task in view that last wrote each cell
+    of its layout now (the plan's record, `Plan.written_by`), as an array over the layout's cell
+    grid; a tensor not written yet holds what the step started with."""
+
+    def __init__(self, ntasks: int, in_view: Iterable[int]) -> None:
+        #: per task index, its position in view (a task out of view, and -1, none: the last)
+        self._position = np.full(ntasks + 1, STEP_START, np.int64)
+        for position, index in enumerate(in_view):
+            self._position[index] = position
+        self._written: dict[str, tuple[Layout, np.ndarray]] = {}
+        self._grids: dict[str, np.ndarray] = {}
+
+    def record(self, tensor: str, layout: Layout, writers: np.ndarray) -> None:
+        """`tensor`'s layout after a task, and the index of the task that last wrote each cell."""
+        self._written[tensor] = (layout, writers)
+        self._grids.pop(tensor, None)
+
+    def position(self, tensor: str, rect: Rect) -> int:
+        """The position of the task in view that last wrote some part of `rect` of `tensor`:
+        the latest over the cells it overlaps (each cut interval it meets in every dim)."""
+        written = self._written.get(tensor)
+        if written is None:
+            return STEP_START
+        layout, writers = written
+        grid = self._grids.get(tensor)
+        if grid is None:
+            grid = self._position[writers].reshape(boxes.grid_shape(layout.cut_arrays))
+            self._grids[tensor] = grid
+        where = []
+        for cuts, lo, hi in zip(layout.cuts, rect.lo, rect.hi):
+            first = max(bisect_right(cuts, lo) - 1, 0)
+            last = min(bisect_left(cuts, hi), len(cuts) - 1)
+            if first >= last or lo >= hi:
+                return STEP_START
+            where.append(slice(first, last))
+        return int(grid[tuple(where)].max())
