@@ -192,15 +192,17 @@ def test_no_import_cycle():
 
 
 def test_planning_a_step_that_is_only_summed_loads_no_numba(tmp_path):
-    """`partition` beyond the ranks it simulates sums the step and counts the memory held: no
-    kernel, no compiled loop, so Numba's import (a fifth of a second) is not paid."""
+    """`partition` of a plan whose ranks all differ, beyond the programs a simulation builds
+    (vgg19's spatial plan on 1024 ranks: its uneven cuts tell every rank apart), sums the step
+    and counts the memory held: no kernel, no compiled loop, so Numba's import (a fifth of a
+    second) is not paid."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
         "from cli.main import main\n"
-        f"main(['partition', 'vgg19', '--ranks', '1024', '--strategy', 'data', '--json', "
+        f"main(['partition', 'vgg19', '--ranks', '1024', '--strategy', 'spatial', '--json', "
         f"{str(tmp_path / 'plan.json')!r}])\n"
         "assert 'numba' not in sys.modules, 'numba was imported'\n"
     )
