@@ -52,7 +52,7 @@ from legion_nn.rect import Rect
 from partitioner.layout import Layout
 from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
-from runtime.step.rank_program import Message, PieceWork, RankProgram, RankTask
+from runtime.step.rank_program import Collective, Message, PieceWork, RankProgram, RankTask
 from runtime.step.task_events import TaskEvents
 
 #: a rect's low and high corners relative to its tensor's frame
@@ -246,24 +246,11 @@ def rank_classes(
                     )
                 )
         now.tokens(told_messages)
-        told_collectives: dict[int, list[tuple]] = {}
-        for ordinal, (collective, sent) in enumerate(event.collectives):
-            tensor = collective.reduction.tensor
-            for rank in collective.reduction.participants:
-                slot = frames.slot.get(rank)
-                if slot is None:
-                    continue
-                hop_bytes[rank] += sent.get(rank, 0)
-                told_collectives.setdefault(slot, []).append(
-                    (
-                        ordinal,
-                        *(
-                            (frames.relative(slot, tensor, rect), rank in holders)
-                            for rect, holders in collective.targets
-                        ),
-                    )
-                )
-        now.tokens(told_collectives)
+        for collective, sent in event.collectives:
+            for rank, nbytes in sent.items():
+                if rank in hop_bytes:
+                    hop_bytes[rank] += nbytes
+            now.rows(*_collective_rows(collective, slot_of, frames))
         held(now, event.holdings)
         told = now.settle(told)
         if told.max(initial=0) + 1 > most:
@@ -272,6 +259,27 @@ def rank_classes(
     for rank, found in zip(ranks, told.tolist()):
         members[found].append(rank)
     return RankClasses({group[0]: group for group in members.values()}, frames, messages, hop_bytes)
+
+
+def _collective_rows(
+    collective: Collective, slot_of: np.ndarray, frames: _Frames
+) -> tuple[np.ndarray, np.ndarray]:
+    """(the slot of each participant told, and its row: per target, in order, the target's
+    rect relative to the participant's frame of the tensor and whether it holds the target)."""
+    participants = np.asarray(collective.reduction.participants, np.int64)
+    slots = _slots(participants, slot_of)
+    told = slots >= 0
+    participants, slots = participants[told], slots[told]
+    tensor = collective.reduction.tensor
+    columns = []
+    for rect, holders in collective.targets:
+        ndim = len(rect.lo)
+        lo = np.broadcast_to(np.asarray(rect.lo, np.int64), (len(slots), ndim))
+        hi = np.broadcast_to(np.asarray(rect.hi, np.int64), (len(slots), ndim))
+        columns.append(frames.relative_rows(tensor, slots, lo, hi))
+        columns.append(np.isin(participants, holders).astype(np.int64)[:, None])
+    rows = np.concatenate(columns, axis=1) if columns else np.zeros((len(slots), 0), np.int64)
+    return slots, rows
 
 
 def _piece_rows(
