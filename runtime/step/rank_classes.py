@@ -227,25 +227,9 @@ def rank_classes(
         for piece_set in event.mine.piece_sets:
             slots, rows = _piece_rows(piece_set, slot_of, frames, updates, requirement_ids)
             now.rows(slots, rows)
-        told_messages: dict[int, list[tuple]] = {}
-        for message in event.messages:
-            for rank in (message.src, message.dst):
-                slot = frames.slot.get(rank)
-                if slot is None:
-                    continue
-                messages[rank].append(message)
-                told_messages.setdefault(slot, []).append(
-                    (
-                        message.src == rank,
-                        message.dst == rank,
-                        message.tensor,
-                        frames.relative(slot, message.tensor, message.rect),
-                        message.nbytes,
-                        message.post_after,
-                        message.reduce,
-                    )
-                )
-        now.tokens(told_messages)
+        if event.messages:
+            for slots, rows in _message_rows(event.messages, slot_of, frames, messages):
+                now.rows(slots, rows)
         for collective, sent in event.collectives:
             for rank, nbytes in sent.items():
                 if rank in hop_bytes:
@@ -259,6 +243,51 @@ def rank_classes(
     for rank, found in zip(ranks, told.tolist()):
         members[found].append(rank)
     return RankClasses({group[0]: group for group in members.values()}, frames, messages, hop_bytes)
+
+
+def _message_rows(
+    told: Sequence[Message],
+    slot_of: np.ndarray,
+    frames: _Frames,
+    messages: dict[int, list[Message]],
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per tensor of a task's messages `told`, (the slot of each end told, in the order told,
+    and its row: its place among the ends its rank is told of the task, whether it is the
+    source and the destination, the rect relative to the rank's frame, the bytes, when it is
+    posted and whether it is a partial sum); each message also kept in `messages` for each end
+    it has among the ranks told, in the order told."""
+    ends = np.array([(m.src, m.dst) for m in told], np.int64).reshape(-1)
+    end_slots = _slots(ends, slot_of)
+    kept = np.flatnonzero(end_slots >= 0)
+    for at in kept.tolist():
+        messages[int(ends[at])].append(told[at // 2])
+    end_slots = end_slots[kept]
+    # an end's place among its rank's ends, so that ranks told the same messages in another
+    # order (across tensors) differ
+    order = np.argsort(end_slots, kind="stable")
+    sorted_slots = end_slots[order]
+    starts = np.flatnonzero(np.r_[True, sorted_slots[1:] != sorted_slots[:-1]])
+    place = np.empty(len(kept), np.int64)
+    place[order] = np.arange(len(kept)) - np.repeat(starts, np.diff(np.r_[starts, len(kept)]))
+    index = kept // 2
+    out = []
+    by_tensor: dict[str, list[int]] = defaultdict(list)
+    for k, i in enumerate(index.tolist()):
+        by_tensor[told[i].tensor].append(k)
+    for tensor, picked in by_tensor.items():
+        picked = np.asarray(picked, np.int64)
+        mine = [told[i] for i in index[picked].tolist()]
+        lo = np.array([m.rect.lo for m in mine], np.int64)
+        hi = np.array([m.rect.hi for m in mine], np.int64)
+        slots = end_slots[picked]
+        relative = frames.relative_rows(tensor, slots, lo, hi)
+        src = np.array([m.src for m in mine], np.int64)
+        dst = np.array([m.dst for m in mine], np.int64)
+        rank = ends[kept[picked]]
+        facts = np.array([(m.nbytes, m.post_after, m.reduce) for m in mine], np.int64)
+        rows = np.column_stack((place[picked], src == rank, dst == rank, relative, facts))
+        out.append((slots, rows.astype(np.int64)))
+    return out
 
 
 def _collective_rows(
