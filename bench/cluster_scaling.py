@@ -184,7 +184,7 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     if stages == AUTO_STAGES:
         graph, plan_strategy, why, search = resolve_stages(
             graph, name, ranks, machine, SEARCH_SECONDS, "1f1b", None, None, homes, model.peak,
-            model.step, model.step_lower_bound,
+            model.step, model.step_lower_bound, model.step_is_sum,
         )  # fmt: skip
         pipeline = search.chosen.label
     else:
@@ -193,6 +193,7 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
         plan_strategy, why = resolve_strategy(
             graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes,
             peak=model.peak, step=model.step, lower=model.step_lower_bound,
+            sums=model.step_is_sum,
         )  # fmt: skip
     chosen = ",".join(sorted({c["family"] for c in why})) if why else ""
     chosen = "; ".join(part for part in (chosen, pipeline) if part)

@@ -35,6 +35,7 @@ from partitioner.search.memory_fit import (
     NoFit,
     PeakFn,
     StepFn,
+    SumsFn,
     fit,
     least_step,
 )
@@ -77,6 +78,7 @@ def resolve_strategy(
     peak: PeakFn | None = None,
     step: StepFn | None = None,
     lower: LowerFn | None = None,
+    sums: SumsFn | None = None,
 ) -> tuple[Strategy, list[dict] | None]:
     """The strategy `name` stands for on `nranks` ranks with `--param-homes` (None: replicated),
     and auto's reasons (None otherwise); `note` hears why `auto` settled for `data` on a
@@ -93,7 +95,10 @@ def resolve_strategy(
     and fits the step in the machine's memory (`memory_fit.fit`): one line (`NoFit`) where
     nothing it tries fits. `lower` (a bound below `step` found without a rank's program: the
     commands pass `runtime.step.model.StepModel.step_lower_bound`) lets the fit leave out the
-    plans that cannot be the fastest before placing their memory."""
+    plans that cannot be the fastest before placing their memory. `sums` (whether `step`
+    compares the graph's plans on so many ranks by their bulk-synchronous sums, as the DP does:
+    the commands pass `StepModel.step_is_sum`) lets a search that proved its grids' sum the least
+    of all return them where they fit, as it does without `step`: no built-in's plan is made."""
     deadline = time.monotonic() + time_limit
     if name == "auto" and stages_of(graph) > 1:
         return _auto_in_stages(graph, nranks, machine, param_homes, step, lower), None
@@ -109,7 +114,7 @@ def resolve_strategy(
         picked = candidates[index]
         return picked, why if index == 0 else _reasons(graph, picked, nranks, machine, why)
     if (
-        step is None
+        (step is None or (sums is not None and sums(graph, nranks)))
         and searched.fastest
         and peak(graph, build_plan(graph, strategy, nranks)) <= machine.memory_bytes
     ):
@@ -246,6 +251,7 @@ def resolve_stages(
     peak: PeakFn | None = None,
     step: StepFn | None = None,
     lower: LowerFn | None = None,
+    sums: SumsFn | None = None,
 ) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
     """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches
     (`micro_batches` where given) and cuts of least predicted step on `nranks` ranks, each stage
@@ -264,8 +270,9 @@ def resolve_stages(
 
     def predict(shape: PipelineChoice, candidate: TaskGraph) -> float:
         strategy, why = resolve_strategy(
-            candidate, name, nranks, machine, time_limit, note, param_homes, peak, step, lower
-        )
+            candidate, name, nranks, machine, time_limit, note, param_homes, peak, step, lower,
+            sums,
+        )  # fmt: skip
         resolved[shape.key] = (candidate, strategy, why)
         plan = build_plan(candidate, strategy, nranks)
         if peak is not None and peak(candidate, plan) > machine.memory_bytes:

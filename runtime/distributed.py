@@ -98,6 +98,7 @@ def _choose_stages(config: TrainConfig, executor: RankExecutor, options: RunOpti
             model.peak,
             model.step,
             model.step_lower_bound,
+            model.step_is_sum,
         )
         chosen = search.chosen
         return chosen.stages, chosen.micro_batches, chosen.cuts, strategy

@@ -195,3 +195,38 @@ def test_the_fit_leaves_out_plans_that_cannot_be_fastest_and_chooses_the_same(
     assert set(placed[1]) <= set(placed[0])
     if network == "seed-lcn":
         assert len(placed[1]) < len(placed[0])
+
+
+def test_beyond_the_ranks_simulated_auto_returns_the_searchs_least_sum_without_planning_others(
+    monkeypatch,
+):
+    """On 128 ranks `step` is the bulk-synchronous sum, which the search's DP adds up exactly
+    and has proved least over every assignment of grids (the built-ins' too): with `sums` the
+    search's grids are returned as they fit, the built-ins never planned (deep-mlp at batch 1024
+    on a fast link: without it, data's and model's plans are made, within twice the search's
+    sum), the same strategy as fitting every candidate gives."""
+    import partitioner.resolve as resolve
+
+    machine = Machine(rank_gflops=20, link_gbytes_per_s=5, latency_us=5)
+    graph = load_network("deep-mlp").lower(batch=1024, optimizer="sgd")
+    model = StepModel(machine)
+    assert model.step_is_sum(graph, 128) and not model.step_is_sum(graph, 8)
+    fitted, _ = resolve_strategy(
+        graph, "auto", 128, machine, 10.0, peak=model.peak, step=model.step,
+        lower=model.step_lower_bound,
+    )  # fmt: skip
+    planned = []
+    plan_of = resolve.build_plan
+
+    def counted(graph, strategy, nranks, **options):
+        planned.append(strategy.name)
+        return plan_of(graph, strategy, nranks, **options)
+
+    monkeypatch.setattr(resolve, "build_plan", counted)
+    monkeypatch.setattr("partitioner.search.memory_fit.build_plan", counted)
+    quick, _ = resolve_strategy(
+        graph, "auto", 128, StepModel(machine).machine, 10.0, peak=model.peak, step=model.step,
+        lower=model.step_lower_bound, sums=model.step_is_sum,
+    )  # fmt: skip
+    assert quick.unit_grids == fitted.unit_grids and quick.sharded == fitted.sharded
+    assert planned == ["auto"]

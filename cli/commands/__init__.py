@@ -158,10 +158,11 @@ def resolve_step(
             model.peak,
             model.step,
             model.step_lower_bound,
+            model.step_is_sum,
         )
     chosen, why = resolve_strategy(
         graph, name, nranks, machine, time_limit, note, args.param_homes, model.peak, model.step,
-        model.step_lower_bound,
+        model.step_lower_bound, model.step_is_sum,
     )  # fmt: skip
     return graph, chosen, why, None
 

@@ -45,6 +45,9 @@ StepFn = Callable[[TaskGraph, Plan, float | None], float]
 #: a bound below `StepFn`'s step of a plan with any parameters' homes, found without building
 #: its ranks' programs (None: no bound)
 LowerFn = Callable[[TaskGraph, Plan], float | None]
+#: whether `StepFn` gives a graph's plans on so many ranks their bulk-synchronous sums (plus a
+#: constant for the ranks) rather than their simulated steps
+SumsFn = Callable[[TaskGraph, int], bool]
 #: the plans whose predicted steps `least_step` compares: those whose bulk-synchronous seconds
 #: are within this factor of the least. The simulator overlaps messages with compute, which the
 #: sum cannot; where they overlap wholly a plan's step is the longer of the two, and the sum is

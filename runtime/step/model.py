@@ -117,7 +117,7 @@ class StepModel:
         would be (`prediction.objective_simulates`), else the bulk-synchronous sum
         (`bulk_seconds`, where the caller has found it already)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
-        if objective_simulates(graph, plan):
+        if objective_simulates(graph, plan.nranks):
             found = self.simulated(graph, plan)
             if found is not None:
                 return found.seconds + loop
@@ -125,6 +125,11 @@ class StepModel:
         if bulk_seconds is None:
             bulk_seconds = cost.bulk_seconds(graph, plan, self.machine)
         return bulk_seconds + loop
+
+    def step_is_sum(self, graph: TaskGraph, nranks: int) -> bool:
+        """Whether `step` gives plans of `graph` on `nranks` ranks their bulk-synchronous sums
+        (with the machine's time outside the tasks), which `auto`'s DP adds up exactly."""
+        return not objective_simulates(graph, nranks)
 
     def step_lower_bound(self, graph: TaskGraph, plan: Plan) -> float | None:
         """A bound below `step` for `plan` with any parameters' homes, cheap beside it (no
@@ -140,7 +145,7 @@ class StepModel:
         building them all does, since a plan's messages are found for every rank at once)."""
         found = self._programs.get(self._plan_key(graph, plan))
         programs = found[1] if found is not None else None
-        if programs is None and objective_simulates(graph, plan):
+        if programs is None and objective_simulates(graph, plan.nranks):
             programs = self.programs(graph, plan, SIMULATE_MAX_WORK)
         if programs is not None:
             return plan_peak(graph, plan, self.machine, programs)

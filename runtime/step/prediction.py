@@ -166,12 +166,9 @@ def step_report(
 OBJECTIVE_SIMULATE_MAX_RANKS = 64
 
 
-def objective_simulates(graph: TaskGraph, plan: Plan) -> bool:
-    """Whether `auto` compares plans of `graph` on `plan.nranks` ranks by their simulated steps:
-    up to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks, where every candidate's programs are within
+def objective_simulates(graph: TaskGraph, nranks: int) -> bool:
+    """Whether `auto` compares plans of `graph` on `nranks` ranks by their simulated steps: up
+    to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks, where every candidate's programs are within
     `SIMULATE_MAX_WORK` however many classes its ranks fall into, so that every plan compared
     is simulated, or none."""
-    return (
-        plan.nranks <= OBJECTIVE_SIMULATE_MAX_RANKS
-        and plan.nranks * len(graph.tasks) <= SIMULATE_MAX_WORK
-    )
+    return nranks <= OBJECTIVE_SIMULATE_MAX_RANKS and nranks * len(graph.tasks) <= SIMULATE_MAX_WORK
