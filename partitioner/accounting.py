@@ -127,9 +127,16 @@ def task_flops(graph: TaskGraph, plan: Plan) -> dict[str, dict[int, float]]:
 
 
 def memory_by_unit(graph: TaskGraph, plan: Plan, once: bool = True) -> dict[str, np.ndarray]:
-    """Bytes each rank holds over the step, per table row (see the module docstring).
+    """Bytes each rank holds over the step, per table row (see the module docstring), kept on
+    the plan for the graph.
 
     With `once` false a part received twice counts twice: a quicker upper bound."""
+    return plan.derived(
+        f"memory_by_unit_{once}", (graph,), lambda: _memory_by_unit(graph, plan, once)
+    )
+
+
+def _memory_by_unit(graph: TaskGraph, plan: Plan, once: bool) -> dict[str, np.ndarray]:
     n = plan.nranks
     rows: dict[str, np.ndarray] = {}
     owner: dict[str, str] = {}

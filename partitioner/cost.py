@@ -273,7 +273,17 @@ def task_costs(
     graph: TaskGraph, plan: Plan, machine: Machine, measured: Mapping[str, float] | None = None
 ) -> list[TaskCost]:
     """The predicted cost of every task, without the memory accounting (`measured`: see
-    `plan_cost`)."""
+    `plan_cost`); kept on the plan for the graph and machine where nothing is `measured`."""
+    if measured is None:
+        return plan.derived(
+            "task_costs", (graph, machine), lambda: _task_costs(graph, plan, machine, None)
+        )
+    return _task_costs(graph, plan, machine, measured)
+
+
+def _task_costs(
+    graph: TaskGraph, plan: Plan, machine: Machine, measured: Mapping[str, float] | None
+) -> list[TaskCost]:
     if measured is None and machine.pieces:
         measured = {
             task.name: float(per.max(initial=0.0)) - machine.task_overhead

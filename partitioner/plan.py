@@ -105,6 +105,25 @@ class Plan:
     summed: dict[str, int] = field(default_factory=dict)
     #: the parameters whose homes are sharded (`Strategy.sharded`)
     sharded: frozenset[str] = frozenset()
+    #: values derived from the plan and the objects they were derived with (`derived`)
+    _derived: dict[str, tuple[tuple, object]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def derived(self, what: str, inputs: tuple, make: Callable[[], object]) -> object:
+        """`make()`, kept as `what` of this plan while asked with the same `inputs` (compared
+        by identity: the graph and machine it was derived with): the costs of its tasks and the
+        memory its ranks hold, which a command's search, fit and report each read, found once."""
+        found = self._derived.get(what)
+        if (
+            found is not None
+            and len(found[0]) == len(inputs)
+            and all(a is b for a, b in zip(found[0], inputs))
+        ):
+            return found[1]
+        value = make()
+        self._derived[what] = (inputs, value)
+        return value
 
     @property
     def label(self) -> str:
