@@ -18,10 +18,14 @@ Those decisions do not change when every rect of a tensor moves by the same offs
   relative to the *frame* of its tensor on that rank: the low corner of the first rect of that
   tensor the rank is told of.
 - The signatures are read task by task from the plan's arrays for every rank at once
-  (`_piece_rows`, `_held_cells`, `_Frames.relative_rows`), not piece by piece: each task adds a
-  column of ids to the ranks' table, one per distinct run of rows a rank is told (`_Told`), and
-  ranks whose columns and earlier class agree share a class after it. A rank's pieces are made
-  only where it is built (`task_events.PiecesByRank`).
+  (`_piece_rows`, `_message_rows`, `_collective_rows`, `_held_cells`, `_Frames.relative_rows`),
+  not piece by piece: each task adds columns of ids to the ranks' table, one per distinct run
+  of rows a rank is told (`_Told`), and ranks whose columns and earlier class agree share a
+  class after it. A message's row carries its end's place among the ends its rank is told of
+  the task, so that the order told is part of the signature across tensors too. A rank's
+  pieces are made only where it is built (`task_events.PiecesByRank`), and the step's events
+  are read as they are made (`task_events.each_task_event`): telling ranks apart stops, and no
+  more events are made, once they fall into too many classes.
 - Ranks with equal signatures form a class. Telling them the same things with every rect of a
   tensor moved by the difference of their frames, their builders make the same decisions: the
   program of one is that of another with its rects moved, and with each message replaced by the
@@ -44,7 +48,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import sub
 
 import numpy as np
 
@@ -54,9 +57,6 @@ from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
 from runtime.step.rank_program import Collective, Message, PieceWork, RankProgram, RankTask
 from runtime.step.task_events import TaskEvents
-
-#: a rect's low and high corners relative to its tensor's frame
-Relative = tuple[int, ...]
 
 
 @dataclass
@@ -111,19 +111,6 @@ class _Frames:
         at = frame[slots]
         return np.concatenate((lo - at, hi - at), axis=1)
 
-    def relative(self, slot: int, tensor: str, rect: Rect | None) -> Relative | None:
-        """One rect told to one rank, as `relative_rows` gives it."""
-        if rect is None:
-            return None
-        frame, known = self._arrays(tensor, len(rect.lo))
-        if known[slot]:
-            at = frame[slot].tolist()
-        else:
-            at = rect.lo
-            frame[slot] = at
-            known[slot] = True
-        return (*map(sub, rect.lo, at), *map(sub, rect.hi, at))
-
     def of_rank(self, rank: int) -> dict[str, tuple[int, ...]]:
         slot = self.slot[rank]
         return {
@@ -157,14 +144,6 @@ class _Told:
             ids: dict[bytes, int] = {}
             for slot, start, end in zip(slots[starts].tolist(), starts.tolist(), ends.tolist()):
                 column[slot] = ids.setdefault(rows[start:end].tobytes(), len(ids) + 1)
-        self.columns.append(column)
-
-    def tokens(self, per_slot: dict[int, list[tuple]]) -> None:
-        """A column from each rank's tokens (tuples), in the order told."""
-        column = np.zeros(self.n, np.int64)
-        ids: dict[tuple, int] = {}
-        for slot, tokens in per_slot.items():
-            column[slot] = ids.setdefault(tuple(tokens), len(ids) + 1)
         self.columns.append(column)
 
     def settle(self, told: np.ndarray) -> np.ndarray:
