@@ -307,11 +307,12 @@ def _reserved(nbytes: int) -> int:
     return size + PAGE if nbytes >= COLOURED else size
 
 
-def place(slots: list[Slot], length: int) -> StepBuffers:
+def place(slots: list[Slot], length: int, compiled_from: int | None = None) -> StepBuffers:
     """Offsets for `slots` in one arena: largest first, each at the lowest offset clear of the
-    placed slots whose lifetimes overlap its own."""
+    placed slots whose lifetimes overlap its own (by the compiled scan from `compiled_from`
+    slots, by default `COMPILED_FROM`)."""
     order = sorted(slots, key=lambda s: (-s.nbytes, s.first, s.key))
-    starts, size = _placement(tuple((s.nbytes, s.first, s.last) for s in order))
+    starts, size = _placement(tuple((s.nbytes, s.first, s.last) for s in order), compiled_from)
     offsets = {slot.key: start for slot, start in zip(order, starts)}
     return StepBuffers({s.key: s for s in slots}, offsets, size, length)
 
@@ -320,10 +321,16 @@ def place(slots: list[Slot], length: int) -> StepBuffers:
 #: DenseNet-121's program of 33,167 buffers is placed in 0.8 s. A run with fewer (the default
 #: job's few hundred) never compiles it, so a cold start does not wait for it
 COMPILED_FROM = 2000
+#: from this many slots on, the memory model's placements (`memory.predict`) run the compiled
+#: scan: a prediction places many ranks' programs, each of a thousand slots or more on 64 ranks
+#: of resnet18 with grids mixed per layer (0.5 s of its 1.4 s), where a run places its one
+PREDICTED_COMPILED_FROM = 500
 
 
 @lru_cache(maxsize=64)
-def _placement(order: tuple[tuple[int, int, int], ...]) -> tuple[list[int], int]:
+def _placement(
+    order: tuple[tuple[int, int, int], ...], compiled_from: int | None = None
+) -> tuple[list[int], int]:
     """Each slot's start and the arena's size, for slots (bytes, first, last) in placing
     order: a function of these alone, so ranks whose programs have the same buffers (a
     data-parallel plan's) place them once.
@@ -335,7 +342,7 @@ def _placement(order: tuple[tuple[int, int, int], ...]) -> tuple[list[int], int]
     the end gives the same)."""
     n = len(order)
     table = np.asarray(order, np.int64).reshape(n, 3)
-    if n >= COMPILED_FROM:
+    if n >= (COMPILED_FROM if compiled_from is None else compiled_from):
         from runtime.step.compiled_placement import first_fit
 
         starts, size = first_fit(table, LINE, PAGE, COLOURED, _COLOUR_STEP)
@@ -375,10 +382,13 @@ def step_buffers(
     layouts: Mapping[str, StorageOrder] | None = None,
     keep: bool = False,
     read_after: Collection[str] = (),
+    compiled_from: int | None = None,
 ) -> StepBuffers:
-    """The placed buffers of `program` on its rank (`keep`, `read_after`: see `step_slots`)."""
+    """The placed buffers of `program` on its rank (`keep`, `read_after`: see `step_slots`;
+    `compiled_from`: see `place`)."""
     staged = staging(graph, program, layouts or choose_storage_orders(graph))
-    placed = place(step_slots(graph, program, staged, keep, read_after), len(program.tasks))
+    slots = step_slots(graph, program, staged, keep, read_after)
+    placed = place(slots, len(program.tasks), compiled_from)
     return replace(placed, staging=staged)
 
 

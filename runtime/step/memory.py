@@ -26,7 +26,7 @@ from partitioner.accounting import memory_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_storage_orders
-from runtime.step.buffers import StepBuffers, hop_buffers, step_buffers
+from runtime.step.buffers import PREDICTED_COMPILED_FROM, StepBuffers, hop_buffers, step_buffers
 from runtime.step.programs import build_programs
 from runtime.step.rank_classes import source
 from runtime.step.rank_program import RankProgram
@@ -111,7 +111,8 @@ def predict(
                 tensor = graph.tensors[name]
                 if tensor.resident:
                     resident[RESIDENT_PARTS[tensor.kind]] += box.volume * tensor.itemsize
-            found = placed[key] = (resident, step_buffers(graph, program, layouts))
+            buffers = step_buffers(graph, program, layouts, compiled_from=PREDICTED_COMPILED_FROM)
+            found = placed[key] = (resident, buffers)
         out[rank] = RankMemory(
             rank,
             dict(found[0]),
