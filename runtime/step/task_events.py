@@ -152,8 +152,8 @@ class PiecesByRank:
     def __init__(self, piece_sets: Sequence[PieceSet], built: set[int]) -> None:
         self.piece_sets = piece_sets
         self._built = built
-        #: the (rank, set, piece) triples of the built ranks, by rank, in the plan's order
-        #: within a rank, and where each rank's begin (`_sorted`)
+        #: the (rank, set, piece) triples by rank, in the plan's order within a rank, and
+        #: where each rank's begin (`_sorted`)
         self._index: tuple[np.ndarray, np.ndarray, dict[int, tuple[int, int]]] | None = None
         self._made: dict[tuple[int, int], Piece] = {}
         #: every built rank's pieces, where `make_every_rank` made them
