@@ -205,7 +205,7 @@ def test_beyond_the_ranks_simulated_auto_returns_the_searchs_least_sum_without_p
     search's grids are returned as they fit, the built-ins never planned (deep-mlp at batch 1024
     on a fast link: without it, data's and model's plans are made, within twice the search's
     sum), the same strategy as fitting every candidate gives."""
-    import partitioner.resolve as resolve
+    from partitioner import resolve
 
     machine = Machine(rank_gflops=20, link_gbytes_per_s=5, latency_us=5)
     graph = load_network("deep-mlp").lower(batch=1024, optimizer="sgd")
