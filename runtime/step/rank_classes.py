@@ -164,20 +164,18 @@ def rank_classes(
     plan: Plan,
     events: Iterable[TaskEvents],
     ranks: Sequence[int],
-    most: int | None = None,
+    most: int,
 ) -> RankClasses | None:
     """The classes of `ranks` whose builders are told the same things up to where their rects
     lie: each rank's signature, following `task_events.build_each` call for call, task by task,
     each task's told to every rank at once from the plan's arrays. None, and no more of
-    `events` read, as soon as there are more than `most` (default: `SHARED_AT_MOST` of the
-    ranks' count)."""
+    `events` read, as soon as there are more than `most` (`programs.build_programs` allows
+    `SHARED_AT_MOST` of the ranks' count, or fewer within its budget)."""
     ranks = list(ranks)
     frames = _Frames(ranks)
     slot_of = np.full(max(ranks, default=0) + 1, -1, np.int64)
     slot_of[ranks] = np.arange(len(ranks))
     told = np.zeros(len(ranks), np.int64)
-    if most is None:
-        most = int(SHARED_AT_MOST * len(ranks))
     messages: dict[int, list[Message]] = {rank: [] for rank in ranks}
     hop_bytes = dict.fromkeys(ranks, 0)
     requirement_ids: dict[tuple, int] = {}
