@@ -57,7 +57,7 @@ def report_json(
     memory: dict | None = None,
 ) -> dict:
     """The `--json` object; `step` overrides `predicted_step_seconds` with the simulated step
-    (`runtime.step.prediction.step_prediction`: `predicted_step_seconds`, `step_model`,
+    (`runtime.step.model.StepModel.step_prediction`: `predicted_step_seconds`, `step_model`,
     `bulk_synchronous_seconds`), and `memory` the memory per rank with the runtime's
     (`runtime.step.memory.memory_prediction`). Without it, memory per rank is what the rows
     count (every tensor held all step); with it, that count stays as `memory_held_*`."""

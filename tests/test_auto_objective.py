@@ -87,7 +87,6 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     from runtime.step import memory as step_memory
     from runtime.step import model as step_model
     from runtime.step.memory import memory_prediction, plan_peak
-    from runtime.step.prediction import step_prediction
     from runtime.step.programs import build_programs
 
     built: list[tuple] = []
@@ -110,7 +109,7 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     assert all(built.count(key) == 1 for key in built)
     fresh = build_plan(graph, chosen, 2)
     assert report == (
-        step_prediction(graph, fresh, SLOW, bulk),
+        StepModel(SLOW).step_prediction(graph, fresh, bulk),
         memory_prediction(graph, fresh, SLOW),
     )
     assert model.peak(graph, plan) == plan_peak(graph, fresh, SLOW)

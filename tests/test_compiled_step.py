@@ -1,6 +1,6 @@
 """The compiled step loop (`runtime.step.compiled`) against the step simulator it stands for.
 
-`step_prediction` runs every plan's step through the compiled loop; `runtime.step.simulator`
+`StepModel.step_prediction` runs every plan's step through the compiled loop; `runtime.step.simulator`
 states the model in Python. The two must give the same step, float-equal (the same sums in the
 same order), on every kind of plan: data, model, spatial and auto, replicated and sharded homes,
 1 to 8 ranks, one rank per host and two (whose messages within a host take the host's own
@@ -22,7 +22,8 @@ from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
-from runtime.step.prediction import predict_step, simulate_compiled, step_prediction
+from runtime.step.model import StepModel
+from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.simulator import simulate_step
 
@@ -174,7 +175,7 @@ def test_step_prediction_simulates_at_every_rank_count():
     machine = MACHINES["one-per-host"]
     graph, plan = _plan("seed-lcn-small", 72, "data", "replicated", 72, machine)
     bulk = plan_cost(graph, plan, machine).step_seconds
-    step = step_prediction(graph, plan, machine, bulk)
+    step = StepModel(machine).step_prediction(graph, plan, bulk)
     assert step["step_model"] == "simulated"
     assert step["bulk_synchronous_seconds"] == bulk
     simulated = predict_step(graph, plan, machine, simulate=simulate_compiled)

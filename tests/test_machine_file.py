@@ -18,8 +18,9 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime.mpi_transport import fit_link
-from runtime.step import prediction
-from runtime.step.prediction import predict_step, step_prediction
+from runtime.step import model as step_model
+from runtime.step.model import StepModel
+from runtime.step.prediction import predict_step
 
 PIECE = {"op": "linear", "phase": "forward", "attrs": {}, "shape": [1], "requirements": []}
 BASE = {"rank_gflops": 10, "link_gbytes_per_s": 0.125, "latency_us": 30, "rank_memory_gib": 4}
@@ -174,7 +175,7 @@ def test_the_step_is_simulated_where_its_programs_are_few_enough_to_build(monkey
     graph, plan = _graph_and_plan()
     machine = Machine(**{**BASE, "loop_us": 500})
     cost = plan_cost(graph, plan, machine)
-    step = step_prediction(graph, plan, machine, cost.step_seconds)
+    step = StepModel(machine).step_prediction(graph, plan, cost.step_seconds)
     assert step["step_model"] == "simulated"
     assert step["predicted_step_seconds"] == pytest.approx(
         predict_step(graph, plan, machine).seconds + 5e-4, rel=1e-12
@@ -183,16 +184,17 @@ def test_the_step_is_simulated_where_its_programs_are_few_enough_to_build(monkey
     # room to build 3 ranks' programs of 8: a data-parallel step builds 2 (rank 0, which holds
     # the loss, and one for the 7 alike) and is simulated; the ranks of a model-parallel step all
     # differ, and it is summed
-    monkeypatch.setattr(prediction, "SIMULATE_MAX_WORK", 3 * len(graph.tasks))
+    room = 3 * len(graph.tasks)
+    monkeypatch.setattr(step_model, "SIMULATE_MAX_WORK", room)
     data = build_plan(graph, builtin(graph, "data", 8), 8)
-    step = step_prediction(graph, data, machine, 1.0)
+    step = StepModel(machine).step_prediction(graph, data, 1.0)
     assert step["step_model"] == "simulated"
     assert step["predicted_step_seconds"] == pytest.approx(
         predict_step(graph, data, machine).seconds + 5e-4, rel=1e-12
     )
     model = build_plan(graph, builtin(graph, "model", 8), 8)
-    assert prediction.budgeted_programs(graph, model, machine) is None
-    step = step_prediction(graph, model, machine, 1.0)
+    assert StepModel(machine).programs(graph, model, room) is None
+    step = StepModel(machine).step_prediction(graph, model, 1.0)
     assert step["step_model"] == "bulk-synchronous"
     assert step["predicted_step_seconds"] == step["bulk_synchronous_seconds"] == 1.0005
 

@@ -27,7 +27,7 @@ from partitioner.strategy import BUILTIN, builtin, find_units
 from partitioner.verify_plan import verify_plan
 from runtime.step.buffers import ACTIVATIONS, step_buffers
 from runtime.step.model import StepModel
-from runtime.step.prediction import predict_step, simulate_compiled, step_prediction
+from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.simulator import simulate_step
 from tests.test_rank_executor import (
@@ -334,9 +334,11 @@ def test_a_simulated_step_is_computing_or_waiting(stages, count, strategy, nrank
     )
     graph, _ = pipelined(small_network().lower(16), stages, count)
     plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
-    found = step_prediction(graph, plan, machine, 0.0)
+    found = StepModel(machine).step_prediction(graph, plan, 0.0)
     assert 0 < found["compute_fraction"] < 1
     assert 0.98 < found["compute_fraction"] + found["bubble_fraction"] <= 1 + 1e-12
     alone = small_network().lower(16)
     plan = build_plan(alone, builtin(alone, "data", 1), 1)
-    assert step_prediction(alone, plan, machine, 0.0)["compute_fraction"] == pytest.approx(1.0)
+    assert StepModel(machine).step_prediction(alone, plan, 0.0)[
+        "compute_fraction"
+    ] == pytest.approx(1.0)

@@ -2,7 +2,7 @@
 
 `auto` asks the same plans several things: the memory fit places each candidate's buffers
 (`peak`), the comparison of candidates simulates the near ones' steps (`step`), and the command
-then reports the plan it picked (`prediction.step_prediction`, `memory.memory_prediction`). Every one of those
+then reports the plan it picked (`step_prediction`, `memory_prediction`). Every one of those
 reads the plan's rank programs, the costliest thing to derive from a plan (a second and a half
 for resnet18's 64 ranks), and the simulation. A `StepModel` keeps them per plan, found by what
 makes the plan (its strategy's name and grids, its sharded homes, its ranks): the plan `auto`'s

@@ -106,28 +106,6 @@ def simulate_compiled(
 SIMULATE_MAX_WORK = 50_000
 
 
-def budgeted_programs(
-    graph: TaskGraph, plan: Plan, machine: Machine
-) -> Mapping[int, RankProgram] | None:
-    """Every rank's program of `plan`, or None where building them would take more than
-    `SIMULATE_MAX_WORK` (rank, task) pairs."""
-    return build_programs(graph, plan, machine, range(plan.nranks), most_built=SIMULATE_MAX_WORK)
-
-
-def step_prediction(
-    graph: TaskGraph,
-    plan: Plan,
-    machine: Machine,
-    bulk_seconds: float,
-) -> dict:
-    """`step_report` of `plan`, simulated where its programs are within `SIMULATE_MAX_WORK`."""
-    programs = budgeted_programs(graph, plan, machine)
-    found = None
-    if programs is not None:
-        found = predict_step(graph, plan, machine, programs=programs, simulate=simulate_compiled)
-    return step_report(graph, plan, machine, bulk_seconds, found)
-
-
 def step_report(
     graph: TaskGraph,
     plan: Plan,
@@ -135,10 +113,11 @@ def step_report(
     bulk_seconds: float,
     simulated_step: SimulatedStep | None,
 ) -> dict:
-    """The step `partition` and `bench scaling` predict: the simulated step (`simulated_step`,
-    found by `simulate_compiled`) where there is one, else the bulk-synchronous sum (`plan_cost`'s
-    `bulk_seconds`), which is reported beside it in any case, each with the machine's time
-    outside the tasks (`loop_us`). A simulated step also gets `compute_fraction`, the
+    """The step `partition` and `bench scaling` predict (`runtime.step.model.StepModel.
+    step_prediction`): the simulated step (`simulated_step`, found by `simulate_compiled` where a
+    plan's programs are within `SIMULATE_MAX_WORK`) where there is one, else the
+    bulk-synchronous sum (`plan_cost`'s `bulk_seconds`), which is reported beside it in any
+    case, each with the machine's time outside the tasks (`loop_us`). A simulated step also gets `compute_fraction`, the
     mean share of it a rank spends computing its tasks. A pipeline's also gets its bubble: the mean
     fraction of the simulated step its ranks wait, against (S − 1) / (M + S − 1), the bubble of
     S stages of equal work streaming M micro-batches with nothing else to wait for."""
