@@ -1,7 +1,5 @@
 """`python -m cli ARGS` runs `legion-nn ARGS`."""
 
-import sys
+from cli.main import entry
 
-from cli.main import main
-
-sys.exit(main())
+entry()

@@ -77,5 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `legion-nn` command: `main`, then the process's exit, which need not walk the
+    command's objects (`skip_collection_at_exit`)."""
+    from legion_nn.cycles import skip_collection_at_exit
+
+    code = main()
+    skip_collection_at_exit()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

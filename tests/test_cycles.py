@@ -1,0 +1,89 @@
+"""The cycle collector kept off planning's heaps: paused inside the work, what the work leaves
+alive aged into the oldest generation after it, and a command's objects left to its exit."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+import cli.main
+from legion_nn.cycles import no_cycle_collection
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other = self
+
+
+@pytest.fixture
+def collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    gc.unfreeze()
+    if not was:
+        gc.disable()
+
+
+def _in_generation(obj, generation: int) -> bool:
+    return any(o is obj for o in gc.get_objects(generation=generation))
+
+
+def test_paused_inside_and_resumed_after(collector_on):
+    with no_cycle_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_pause_inside_a_pause_leaves_the_collector_paused(collector_on):
+    with no_cycle_collection():
+        with no_cycle_collection():
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_what_the_work_keeps_is_aged_not_walked_as_it_resumes(collector_on):
+    started = []
+
+    def record(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    with no_cycle_collection():
+        kept = [[i] for i in range(20000)]
+        assert gc.get_count()[0] >= 20000  # the youngest generation holds them all
+        gc.callbacks.append(record)
+    gc.callbacks.remove(record)
+    assert started == []  # resuming would otherwise walk the 20,000 at the next allocation
+    assert gc.get_count()[0] < 1000
+    assert _in_generation(kept[0], 2)
+    assert gc.get_freeze_count() == 0  # aged, not exempt
+
+
+def test_a_cycle_made_inside_is_still_collected(collector_on):
+    with no_cycle_collection():
+        node = Node()
+        alive = weakref.ref(node)
+        del node
+        gc.collect()  # an explicit collection still runs while paused
+        assert alive() is None
+        node = Node()
+        alive = weakref.ref(node)
+        del node
+    assert alive() is not None
+    gc.collect()
+    assert alive() is None
+
+
+def test_the_command_exits_with_its_code_and_leaves_its_objects_to_the_exit(
+    collector_on, monkeypatch
+):
+    monkeypatch.setattr(cli.main, "main", lambda: 3)
+    gc.unfreeze()
+    with pytest.raises(SystemExit) as exited:
+        cli.main.entry()
+    assert exited.value.code == 3
+    assert gc.get_freeze_count() > 0
