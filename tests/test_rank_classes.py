@@ -16,11 +16,12 @@ from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
+from runtime.step import programs as programs_module
 from runtime.step.compiled import flatten
 from runtime.step.memory import predict
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
-from runtime.step.rank_classes import SharedPrograms, rank_classes
+from runtime.step.rank_classes import SharedPrograms, fewest_classes, rank_classes
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step.simulator import Links, simulate_step
 from runtime.step.task_events import build_each, each_task_event, task_events
@@ -85,8 +86,14 @@ def test_programs_moved_within_a_class_are_the_programs_built(
     chosen, _ = resolve_strategy(graph, strategy, ranks, MACHINE, 5.0, None, home)
     plan = build_plan(graph, chosen, ranks)
     for fused in (False, True):
-        alone, shared, _ = _programs(graph, plan, ranks, fused)
+        alone, shared, classes = _programs(graph, plan, ranks, fused)
         _equal(alone, shared)
+    assert fewest_classes(plan, range(ranks)) <= len(classes.members)
+    odd = list(range(1, ranks, 2))
+    some = range(0, len(graph.tasks), 3)
+    events, _ = task_events(graph, plan, MACHINE, odd, [graph.tasks[i].name for i in some])
+    told = rank_classes(plan, events, odd, most=len(odd))
+    assert fewest_classes(plan, odd, some) <= len(told.members)
 
 
 @pytest.mark.parametrize("strategy", ["data", "model"])
@@ -133,6 +140,29 @@ def test_telling_ranks_apart_stops_reading_events_once_they_are_too_many():
     assert len(shared.classes.members) == 2
     alone = build_programs(graph, data, MACHINE, range(8), share=False)
     assert [p.boxes for p in shared.values()] == [p.boxes for p in alone.values()]
+
+
+def test_ranks_bound_to_too_many_classes_are_not_told_apart(monkeypatch):
+    """The model-parallel step's 8 ranks differ in their pieces' shapes and their messages'
+    bytes, which the plan's arrays give at once: within a budget that allows 2 classes, no
+    events are made to tell them apart; a data-parallel step's bound allows its 2."""
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    model = build_plan(graph, builtin(graph, "model", 8), 8)
+    data = build_plan(graph, builtin(graph, "data", 8), 8)
+    assert fewest_classes(model, range(8)) > 2
+    assert fewest_classes(data, range(8)) <= 2
+    budget = 3 * len(graph.tasks)
+    told = []
+    real = programs_module.rank_classes
+    monkeypatch.setattr(
+        programs_module, "rank_classes", lambda *args: told.append(args) or real(*args)
+    )
+    assert build_programs(graph, model, MACHINE, range(8), most_built=budget) is None
+    assert told == []
+    assert (
+        len(build_programs(graph, data, MACHINE, range(8), most_built=budget).classes.members) == 2
+    )
+    assert len(told) == 1
 
 
 def test_build_programs_shares_by_default_and_gives_the_same_step():

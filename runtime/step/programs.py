@@ -10,7 +10,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.step.rank_classes import SHARED_AT_MOST, SharedPrograms, rank_classes
+from runtime.step.rank_classes import (
+    SHARED_AT_MOST,
+    SharedPrograms,
+    fewest_classes,
+    rank_classes,
+)
 from runtime.step.rank_program import RankProgram
 from runtime.step.task_events import TaskEvents, build_each, each_task_event, step_messages
 from runtime.step.update_fusion import fuse_into_gradients
@@ -47,7 +52,13 @@ def build_programs(
     events: list[TaskEvents] = []
     classes = None
     if share and len(ranks) > 2:
-        classes = rank_classes(plan, _kept(stream, events), ranks, most)
+        if include is None:
+            included = None
+        else:
+            wanted = set(include)
+            included = [i for i, task in enumerate(graph.tasks) if task.name in wanted]
+        if fewest_classes(plan, ranks, included) <= most:  # else told apart past `most`
+            classes = rank_classes(plan, _kept(stream, events), ranks, most)
     if classes is None and not every:
         return None
     events += stream  # what telling the ranks apart left unread
