@@ -4,7 +4,11 @@ Planning a step (the search's tables, a plan's pieces, every rank's program and 
 instructions) allocates some 10⁵ to 10⁶ rects, dicts and tuples and keeps most of them alive
 until it is done; none forms a reference cycle, yet each allocation burst makes the collector walk
 everything alive (a tenth of `partition`'s time on DenseNet-121's 64 ranks). Work that ends, like
-one `partition` command, pauses it and resumes it after; a training run does not.
+one `partition` command, pauses it and resumes it after. A training job pauses it while it starts
+(the imports, Numba's kernels loaded, the plan and the rank's program, which it keeps to the end:
+two full collections of 25–40 ms a rank in the default job) and collects as usual while it steps,
+the steps' garbage being what there is to collect, with what start-up made frozen out of the
+way (`collecting_past_setup`).
 
 Two walks would remain: the first collection after the pause, whose youngest generation holds
 everything the work allocated, and the interpreter's collections at exit, over everything still
@@ -35,6 +39,21 @@ def no_cycle_collection() -> Iterator[None]:
             gc.freeze()
             gc.unfreeze()
             gc.enable()
+
+
+@contextmanager
+def collecting_past_setup() -> Iterator[None]:
+    """Cycle collection on inside, with every object alive on entry (a run's setup, kept to its
+    end) exempt from its walks (`gc.freeze`) until the block ends; then as it was before."""
+    enabled = gc.isenabled()
+    gc.freeze()
+    gc.enable()
+    try:
+        yield
+    finally:
+        if not enabled:
+            gc.disable()
+        gc.unfreeze()
 
 
 def skip_collection_at_exit() -> None:

@@ -11,7 +11,6 @@ lowering takes a millisecond, and the executor shares parameters between them by
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import math
@@ -22,6 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from legion_nn.cycles import collecting_past_setup
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.lowering import OPTIMIZERS
@@ -329,12 +329,41 @@ class Trainer:
             self.before_first_step(graph, prepared)
         if start_step == 0 and c.network.initial:  # an imported model's parameters
             self.executor.load_resident(c.network.initial)
-        # What exists now (modules, Numba's compiled kernels, the graph and its program) lives
-        # until the process ends; in the permanent generation, no later collection, nor the
-        # interpreter's exit, walks it again (about 0.15 s of the default job's start-up).
-        gc.freeze()
         losses: list[float] = []
         started = time.perf_counter()
+        # What exists now (modules, Numba's compiled kernels, the graph and its program) lives
+        # through the steps: frozen out of the collections the steps' garbage calls for
+        with collecting_past_setup():
+            self._steps(start_step, epoch_stats, losses)
+        val_loss, val_accuracy = self.evaluate(c.dataset.val)
+        test_loss, test_accuracy = self.evaluate(c.dataset.test)
+        _, train_accuracy = self.evaluate(c.dataset.train)
+        seconds = time.perf_counter() - started
+        if c.save_onnx:
+            arrays = self.executor.resident()  # every rank takes part; rank 0 gets the arrays
+            if self.executor.is_root:
+                from legion_nn.importers.onnx_export import save_onnx
+
+                save_onnx(c.network.source, arrays, c.save_onnx)
+        self._write(
+            {
+                "event": "done",
+                "test_accuracy": test_accuracy,
+                "val_accuracy": val_accuracy,
+                "train_accuracy": train_accuracy,
+                "test_loss": test_loss,
+                "val_loss": val_loss,
+                "steps": self.total_steps,
+                "seconds": seconds,
+            }
+        )
+        return TrainResult(
+            losses, val_accuracy, test_accuracy, train_accuracy, self.total_steps, seconds
+        )
+
+    def _steps(self, start_step: int, epoch_stats: np.ndarray, losses: list[float]) -> None:
+        """Steps `start_step` on, each loss appended to `losses`."""
+        c = self.config
         for step in range(start_step, self.total_steps):
             tic = time.perf_counter()
             loss, stats = self.step(step)
@@ -364,31 +393,6 @@ class Trainer:
                 epoch_stats = np.zeros(4)
             if end_of_epoch or last or self._checkpoint_due(step + 1):
                 self._save(step + 1, epoch_stats)
-        val_loss, val_accuracy = self.evaluate(c.dataset.val)
-        test_loss, test_accuracy = self.evaluate(c.dataset.test)
-        _, train_accuracy = self.evaluate(c.dataset.train)
-        seconds = time.perf_counter() - started
-        if c.save_onnx:
-            arrays = self.executor.resident()  # every rank takes part; rank 0 gets the arrays
-            if self.executor.is_root:
-                from legion_nn.importers.onnx_export import save_onnx
-
-                save_onnx(c.network.source, arrays, c.save_onnx)
-        self._write(
-            {
-                "event": "done",
-                "test_accuracy": test_accuracy,
-                "val_accuracy": val_accuracy,
-                "train_accuracy": train_accuracy,
-                "test_loss": test_loss,
-                "val_loss": val_loss,
-                "steps": self.total_steps,
-                "seconds": seconds,
-            }
-        )
-        return TrainResult(
-            losses, val_accuracy, test_accuracy, train_accuracy, self.total_steps, seconds
-        )
 
     def _checkpoint_due(self, steps_done: int) -> bool:
         every = self.config.checkpoint_every

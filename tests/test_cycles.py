@@ -9,7 +9,9 @@ import weakref
 import pytest
 
 import cli.main
-from legion_nn.cycles import no_cycle_collection
+from legion_nn.cycles import collecting_past_setup, no_cycle_collection
+from runtime.rank_executor import RankExecutor
+from runtime.training import Trainer
 
 
 class Node:
@@ -87,3 +89,38 @@ def test_the_command_exits_with_its_code_and_leaves_its_objects_to_the_exit(
         cli.main.entry()
     assert exited.value.code == 3
     assert gc.get_freeze_count() > 0
+
+
+def test_inside_the_steps_collection_is_on_and_what_was_alive_is_exempt(collector_on):
+    gc.disable()
+    before = [[i] for i in range(1000)]
+    with collecting_past_setup():
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= len(before)
+        node = Node()
+        alive = weakref.ref(node)
+        del node
+        gc.collect()
+        assert alive() is None  # what the steps make is collected
+    assert not gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_training_job_collects_only_during_its_steps(collector_on, monkeypatch):
+    """`train`: no collection while it starts (imports, kernels, plan, program), collection on
+    with the start-up's objects frozen while it steps, and all as it was after."""
+    seen = {}
+    prepare, step = RankExecutor.prepare, Trainer.step
+
+    def preparing(self, graph):
+        seen.setdefault("setup", gc.isenabled())
+        return prepare(self, graph)
+
+    def stepping(self, i):
+        seen.setdefault("step", (gc.isenabled(), gc.get_freeze_count() > 0))
+        return step(self, i)
+
+    monkeypatch.setattr(RankExecutor, "prepare", preparing)
+    monkeypatch.setattr(Trainer, "step", stepping)
+    assert cli.main.main(["train", "--steps", "2", "--no-progress"]) == 0
+    assert seen == {"setup": False, "step": (True, True)}
+    assert gc.isenabled() and gc.get_freeze_count() == 0
