@@ -169,26 +169,38 @@ def _ring_allgather(ranks: tuple[int, ...], chunks: np.ndarray) -> Schedule:
 
 
 def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
+    """A binomial tree to `owner`: at level k, the rank 2^k·(2j + 1) places past the owner (in
+    `ranks`' order, round the ring) sends its whole vector to the rank 2^k places before it."""
     p = len(ranks)
+    ring = np.asarray(ranks, np.int64)
     root = ranks.index(owner)
-    rounds = []
-    for level in range(math.ceil(math.log2(p))):
-        step = 1 << level
-        hops = []
-        for rel in range(step, p, 2 * step):
-            src = ranks[(root + rel) % p]
-            dst = ranks[(root + rel - step) % p]
-            hops.append(Hop(src, dst, 0, n, True))
-        rounds.append(hops)
-    return Schedule.of_rounds(rounds)
+    steps = [1 << level for level in range(math.ceil(math.log2(p))) if p > 1]
+    rel = [np.arange(step, p, 2 * step) for step in steps]
+    src = np.concatenate([ring[(root + r) % p] for r in rel]) if rel else np.zeros(0, np.int64)
+    dst = (
+        np.concatenate([ring[(root + r - step) % p] for r, step in zip(rel, steps)])
+        if rel
+        else np.zeros(0, np.int64)
+    )
+    ptr = np.concatenate([[0], np.cumsum([len(r) for r in rel])]).astype(np.int64)
+    hops = len(src)
+    return Schedule(src, dst, np.zeros(hops), np.full(hops, n), np.ones(hops, bool), ptr)
 
 
 def _tree_broadcast(reduce: Schedule) -> Schedule:
     """A tree reduce's (`_tree_reduce`) rounds walked back down: each rank that sent its sum up
     a level receives the total from the rank it sent to, copied over its own."""
-    return Schedule.of_rounds(
-        [[Hop(h.dst, h.src, h.lo, h.hi, False) for h in hops] for hops in reversed(list(reduce))]
+    starts, ends = reduce.round_ptr[:-1][::-1], reduce.round_ptr[1:][::-1]
+    order = (
+        np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
+        if len(starts)
+        else np.zeros(0, np.int64)
     )
+    ptr = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+    return Schedule(
+        reduce.dst[order], reduce.src[order], reduce.lo[order], reduce.hi[order],
+        np.zeros(len(order), bool), ptr,
+    )  # fmt: skip
 
 
 def target_order(reduction: Reduction) -> list[int]:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from legion_nn.rect import Rect, split_sizes
 from partitioner.collectives import Hop, Schedule, schedule, target_order
-from partitioner.cost import collective_cost
+from partitioner.cost import allreduce_by_tree, collective_cost, reduce_by_tree
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -150,3 +150,37 @@ def test_an_allreduce_runs_as_a_tree_where_latency_outweighs_its_bytes(p):
         tree = 2 * math.ceil(math.log2(p)) * (machine.alpha + elements * 4 * machine.beta)
         assert seconds == pytest.approx(min(ring, tree), rel=1e-12)
         assert (seconds < ring) == (rounds < 2 * (p - 1))
+
+
+def _tree_reference(ranks, owner, n):
+    """A binomial tree's levels hop by hop: at level k, the rank 2^k·(2j + 1) places past the
+    owner sends its vector to the rank 2^k places before it; then the same hops walked back."""
+    p, root = len(ranks), ranks.index(owner)
+    up = []
+    step = 1
+    while step < p:
+        up.append(
+            [Hop(ranks[(root + r) % p], ranks[(root + r - step) % p], 0, n, True)
+             for r in range(step, p, 2 * step)]
+        )  # fmt: skip
+        step *= 2
+    down = [[Hop(h.dst, h.src, h.lo, h.hi, False) for h in hops] for hops in reversed(up)]
+    return up, down
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 70), st.data())
+def test_a_tree_is_its_levels_up_and_back_down(p, data):
+    """Small vectors go by a tree (`cost.allreduce_by_tree`, `reduce_by_tree`): a reduce to its
+    owner, and an all-reduce to the first participant and back down the same hops."""
+    ranks = tuple(data.draw(st.permutations(range(80)))[:p])
+    owner = data.draw(st.sampled_from(ranks))
+    n = data.draw(st.integers(1, 8))
+    machine = Machine()
+    assert reduce_by_tree(p, n * 4, machine)
+    reduce = Reduction("g", "reduce", ranks, ((Rect((0,), (n,)), (owner,)),), 4)
+    assert list(schedule(reduce, machine)) == _tree_reference(ranks, owner, n)[0]
+    allreduce = Reduction("g", "allreduce", ranks, ((Rect((0,), (n,)), ranks),), 4)
+    up, down = _tree_reference(ranks, ranks[0], n)
+    if allreduce_by_tree(p, n * 4, machine):  # not where a ring takes no more rounds
+        assert list(schedule(allreduce, machine)) == up + down
