@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+from contextlib import nullcontext
 
 #: Numba's OpenMP threads spin in a barrier for a while (GNU libgomp: 300,000 polls, about a
 #: millisecond) before they sleep. When another process holds one of the cores, a parallel loop
@@ -21,6 +22,12 @@ import sys
 #: busy process. libgomp reads the setting when Numba first loads it, at the first parallel loop,
 #: so the command sets it for its process before any kernel runs; a user's own setting wins.
 OPENMP_SPIN_POLLS = "3000"
+
+#: the commands that plan, predict or start a job: what each allocates it keeps to its end (the
+#: graph, plans, rank programs, a job's kernels), so the cycle collector is paused while it runs
+#: (`legion_nn.cycles`; a job's steps collect their own garbage, `runtime.training`), where
+#: `bench`, `cluster`, `launch` and `trace` keep it: they loop over jobs and their output
+PAUSES_COLLECTION = frozenset({"graph", "memory", "partition", "predict", "render", "train"})
 
 COMMANDS = (
     "bench",
@@ -56,13 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from legion_nn.cycles import no_cycle_collection
     from legion_nn.errors import LegionNNError
 
     os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_POLLS)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        with no_cycle_collection() if args.command in PAUSES_COLLECTION else nullcontext():
+            return int(args._run(args) or 0)
     except LegionNNError as exc:
         print(f"legion-nn {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -4,11 +4,11 @@ Planning a step (the search's tables, a plan's pieces, every rank's program and 
 instructions) allocates some 10⁵ to 10⁶ rects, dicts and tuples and keeps most of them alive
 until it is done; none forms a reference cycle, yet each allocation burst makes the collector walk
 everything alive (a tenth of `partition`'s time on DenseNet-121's 64 ranks). Work that ends, like
-one `partition` command, pauses it and resumes it after. A training job pauses it while it starts
-(the imports, Numba's kernels loaded, the plan and the rank's program, which it keeps to the end:
-two full collections of 25–40 ms a rank in the default job) and collects as usual while it steps,
-the steps' garbage being what there is to collect, with what start-up made frozen out of the
-way (`collecting_past_setup`).
+one planning command (`cli.main.PAUSES_COLLECTION`), pauses it and resumes it after. A training
+job is paused while it starts (the imports, Numba's kernels, the plan and the rank's program,
+kept to its end: two full collections of 25–40 ms a rank in the default job) and collects as
+usual while it steps, the steps' garbage being what there is to collect, with what start-up made
+frozen out of the way (`collecting_past_setup`).
 
 Two walks would remain: the first collection after the pause, whose youngest generation holds
 everything the work allocated, and the interpreter's collections at exit, over everything still

@@ -4,6 +4,7 @@ alive aged into the oldest generation after it, and a command's objects left to 
 from __future__ import annotations
 
 import gc
+import importlib
 import weakref
 
 import pytest
@@ -124,3 +125,23 @@ def test_a_training_job_collects_only_during_its_steps(collector_on, monkeypatch
     assert cli.main.main(["train", "--steps", "2", "--no-progress"]) == 0
     assert seen == {"setup": False, "step": (True, True)}
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize(
+    "command, paused",
+    [("partition", True), ("render", True), ("memory", True), ("bench", False), ("launch", False)],
+)
+def test_planning_commands_run_with_the_collector_paused(
+    collector_on, monkeypatch, command, paused
+):
+    """What a planning command allocates it keeps to its end; the commands that loop over jobs
+    (`bench`, `launch`) collect as usual."""
+    module = importlib.import_module(f"cli.commands.{command}")
+    seen = []
+    monkeypatch.setattr(module, "run", lambda args: seen.append(gc.isenabled()) or 0)
+    argv = {"partition": ["seed-lcn-small", "--ranks", "2"], "render": ["seed-lcn-small", "-o", "x.svg"],
+            "memory": ["seed-lcn-small"], "bench": ["kernels"],
+            "launch": ["-n", "1", "--", "true"]}[command]  # fmt: skip
+    assert cli.main.main([command, *argv]) == 0
+    assert seen == [not paused]
+    assert gc.isenabled()

@@ -90,7 +90,6 @@ def _ranks_list(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
-    from legion_nn.cycles import no_cycle_collection
     from legion_nn.errors import LegionNNError
     from legion_nn.verify import verify
     from partitioner.cost import plan_cost
@@ -119,22 +118,21 @@ def run(args: argparse.Namespace) -> int:
     counts = _ranks_list(args.sweep) if args.sweep else [args.ranks]
     model = StepModel(machine)
     reports = []
-    with no_cycle_collection():
-        for nranks in counts:
-            check_ranks(nranks)
-            graph, strategy, why, search = resolve_step(
-                args, loaded, nranks, machine, model, _note, args.time_limit
-            )
-            plan = model.plan(graph, strategy, nranks)
-            if args.verify:
-                verify_plan(graph, plan)
-            cost = plan_cost(graph, plan, machine)
-            step = model.step_prediction(graph, plan, cost.step_seconds)
-            memory = model.memory_prediction(graph, plan)
-            report = report_json(graph, plan, cost, why, step, memory)
-            if search is not None:
-                report["pipeline_search"] = [c.row() for c in search.tried]
-            reports.append(report)
+    for nranks in counts:
+        check_ranks(nranks)
+        graph, strategy, why, search = resolve_step(
+            args, loaded, nranks, machine, model, _note, args.time_limit
+        )
+        plan = model.plan(graph, strategy, nranks)
+        if args.verify:
+            verify_plan(graph, plan)
+        cost = plan_cost(graph, plan, machine)
+        step = model.step_prediction(graph, plan, cost.step_seconds)
+        memory = model.memory_prediction(graph, plan)
+        report = report_json(graph, plan, cost, why, step, memory)
+        if search is not None:
+            report["pipeline_search"] = [c.row() for c in search.tried]
+        reports.append(report)
     if args.sweep:
         sys.stdout.write(sweep_table(reports))
         payload = {"sweep": reports}

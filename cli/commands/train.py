@@ -149,18 +149,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from legion_nn.cycles import no_cycle_collection
+    from runtime.launch import rank_from_env, world_size_from_env
 
-    # start-up (imports, kernels, plan, program) makes what the job keeps: nothing to collect
-    # until the steps, which collect their own garbage (`runtime.training`)
-    with no_cycle_collection():
-        from runtime.launch import rank_from_env, world_size_from_env
+    if world_size_from_env() is not None:
+        from runtime.supervisor import start_watcher
 
-        if world_size_from_env() is not None:
-            from runtime.supervisor import start_watcher
-
-            return _run_rank(args, start_watcher(rank_from_env()))
-        return _run_single(args)
+        return _run_rank(args, start_watcher(rank_from_env()))
+    return _run_single(args)
 
 
 def _config(args: argparse.Namespace):
