@@ -11,7 +11,7 @@
    `batch4×row`) and with them; predicted steps and their ratio to data parallelism.
 
 Every figure is the planner's and cost model's (no step is run); the measured counterparts are
-`tests/test_reduction_split.py` (bytes by hand, runs equal to one process) and
+`tests/partitioner/test_reduction_split.py` (bytes by hand, runs equal to one process) and
 `legion-nn bench scaling --hosts 2 --strategies ...` (steps on the emulated cluster).
 """
 

@@ -2,7 +2,7 @@
 computed dim by dim (`grid_loads.py` says how) for the search (`task_prices.py`).
 
 `combine_loads` returns exactly what `link_loads` and the memory accounting make of the block and
-the collectives `messages.combine` returns (`tests/test_grid_loads.py` compares them), or None
+the collectives `messages.combine` returns (`tests/partitioner/test_grid_loads.py` compares them), or None
 where its preconditions do not hold: a cell held by several ranks, a rank touching one rect
 twice, rects that are not every combination of their intervals, too many intervals, or anything
 `combine` would reject. The caller then uses `combine`.

@@ -21,7 +21,7 @@ rects are boxes:
 
 Here are those sums (`per_cell`, `per_rect`) and the fetch; the combine, with its collectives, is
 `grid_combine.py`. `fetch_loads` returns exactly what `link_loads` and the memory accounting make
-of the block `fetch` returns (`tests/test_grid_loads.py` compares them), or None where its
+of the block `fetch` returns (`tests/partitioner/test_grid_loads.py` compares them), or None where its
 preconditions do not hold: a cell held by several ranks, a rank reading two rects, too many
 intervals, or a read `fetch` would reject (of a part nobody holds). The caller then uses `fetch`.
 """

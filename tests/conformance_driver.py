@@ -1,6 +1,6 @@
 """What the conformance suite asks of an executor, run by every rank of it.
 
-`exercise` is the same code for every executor value of `tests/test_conformance.py`: called with
+`exercise` is the same code for every executor value of `tests/runtime/test_conformance.py`: called with
 one rank's transport it runs, in float64,
 
 - a frozen step (SGD, lr 0) of `NETWORK` and the gradients it computes, as the updates read them
@@ -9,7 +9,7 @@ one rank's transport it runs, in float64,
 - one epoch of training with a checkpoint (written at this executor's rank count), the forward
   pass's losses and accuracies on the validation and test splits, and a second epoch resumed
   from a checkpoint written at another rank count;
-- a few steps of `tests.test_executor.MIXED` (dropout and BatchNorm) with its parameters and
+- a few steps of `tests.runtime.test_executor.MIXED` (dropout and BatchNorm) with its parameters and
   running statistics after them, and its evaluation.
 
 Rank 0 returns the results; the other ranks return None. In-process values call `exercise` from
@@ -37,7 +37,7 @@ from runtime.adapters import StepContext
 from runtime.rank_executor import RankExecutor
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import Transport, wait_object
-from tests.test_executor import MIXED
+from tests.runtime.test_executor import MIXED
 
 SEED = 4
 #: the gradient check's batch: uneven over 2, 3 and 4 ranks

@@ -21,13 +21,13 @@ import pytest
 
 #: modules whose every test starts MPI jobs or clusters, or measures the machine
 SERIAL_MODULES = {
-    "test_mpi_runtime",
-    "test_cluster",
-    "test_bench_machine",
-    "test_conformance",
-    "test_supervisor",
-    "test_bench_kernels",
-    "test_bench_step",
+    "tests.runtime.test_distributed",
+    "tests.runtime.test_cluster",
+    "tests.runtime.test_conformance",
+    "tests.runtime.test_supervisor",
+    "tests.bench.test_machine",
+    "tests.bench.test_kernels",
+    "tests.bench.test_step",
 }
 
 
@@ -38,9 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _is_serial(item: pytest.Item) -> bool:
-    return item.module.__name__.rpartition(".")[2] in SERIAL_MODULES or bool(
-        item.get_closest_marker("serial")
-    )
+    return item.module.__name__ in SERIAL_MODULES or bool(item.get_closest_marker("serial"))
 
 
 class _MachineLock:

@@ -4,7 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from error_bounds import assert_close_to, assert_product_close, gamma
+
+from tests.error_bounds import assert_close_to, assert_product_close, gamma
 
 
 def test_a_sum_in_any_order_is_within_the_bound_even_where_it_cancels():

@@ -16,7 +16,7 @@ Every step of the replay is the planner's own or computes exactly what it would,
 under a key naming what it depends on: the layouts and accesses by `layout_cache.py`, what a
 task's fetches and combines move and what the task costs by `task_prices.py`. So a row's seconds
 under a transition are, float for float, what `plan_cost` gives the row of any whole plan with
-those two grids (`tests/test_partition_search.py` checks this on random chains and rank counts),
+those two grids (`tests/partitioner/search/test_auto.py` checks this on random chains and rank counts),
 and the work a transition shares with others (everything of the row that does not depend on the
 predecessor's grid) is done once.
 
@@ -43,7 +43,7 @@ Graphs that are not chains. A row may depend on units other than its predecessor
 of a residual add's second input, a sibling branch that read the same tensor first, the readers
 of a home. `UnitPricer.deps[i]` lists them (on a chain, the predecessor alone), the row's window
 admits their tasks, and `UnitPricer.factor(i, grids)` prices the row given their grids, float
-for float as in any whole plan with those grids (`tests/test_partition_search.py` checks it on
+for float as in any whole plan with those grids (`tests/partitioner/search/test_auto.py` checks it on
 random networks with an add or a concat); `bound` hides all of them.
 """
 

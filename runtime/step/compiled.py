@@ -19,7 +19,7 @@ stretch of `_Simulator._program` between two points where it gives the clock bac
 and the compiled loop (`loop.run_step`) runs them with the simulator's very rules and
 tie-breaks: one heap of (time, counter, rank) wakes with stale entries left in it, links served
 in the order transfers became ready, collectives' rounds posted at MPI calls only. It returns what `simulate_step` does,
-float-equal; `tests/test_compiled_step.py` holds the two equal on every kind of plan the tests
+float-equal; `tests/runtime/step/test_compiled.py` holds the two equal on every kind of plan the tests
 plan. A change to the model goes into both (the test fails until it does).
 `prediction.simulate_compiled` is the entry point.
 

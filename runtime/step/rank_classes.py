@@ -38,7 +38,7 @@ Those decisions do not change when every rect of a tensor moves by the same offs
 - Telling ranks apart gives up once they fall into more classes than `SHARED_AT_MOST` of their
   count (a mixture of grids per layer, uneven spatial cuts): then every rank is built.
 
-`tests/test_rank_classes.py` holds the programs moved equal to the programs built, field for
+`tests/runtime/step/test_rank_classes.py` holds the programs moved equal to the programs built, field for
 field, on every kind of plan, and the step and memory read once per class equal to those read
 rank by rank.
 """

@@ -1,0 +1,251 @@
+"""Ranks built once per class (`runtime.step.rank_classes`): the programs moved from a class's first
+rank equal, field for field, the programs built rank by rank, on every kind of plan; and ranks
+that are alike do share a build."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from legion_nn.networks import load_network
+from legion_nn.sources import load_source_graph
+from partitioner.machine import Machine
+from partitioner.pipeline import pipelined
+from partitioner.plan import build_plan
+from partitioner.resolve import resolve_strategy
+from partitioner.strategy import builtin
+from runtime.step import programs as programs_module
+from runtime.step.compiled import flatten
+from runtime.step.memory import predict
+from runtime.step.prediction import predict_step, simulate_compiled
+from runtime.step.programs import build_programs
+from runtime.step.rank_classes import SharedPrograms, fewest_classes, rank_classes
+from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
+from runtime.step.simulator import Links, simulate_step
+from runtime.step.task_events import build_each, each_task_event, task_events
+from runtime.step.update_fusion import fuse_into_gradients
+from tests.paths import FIXTURES, ROOT
+
+MACHINE = Machine(link_gbytes_per_s=0.5, latency_us=20.0)
+
+#: (network, batch, strategies, homes, rank counts)
+CASES = [
+    ("seed-lcn-small", 16, ("data", "model", "spatial", "auto"), ("replicated", "sharded"), (4, 16)),
+    ("seed-lcn", 16, ("data", "spatial"), ("replicated",), (16,)),
+    (str(ROOT / "examples" / "megatron-mlp.json"), 8, ("data", "model", "auto"), ("sharded",), (8,)),
+    (str(FIXTURES / "residual_small.json"), 8, ("data", "model", "spatial"),
+     ("replicated", "sharded"), (6,)),
+    (str(FIXTURES / "digits_cnn.onnx"), 8, ("data", "spatial"), ("replicated",),
+     (8,)),
+]  # fmt: skip
+
+
+def _cases():
+    for network, batch, strategies, homes, counts in CASES:
+        for strategy in strategies:
+            for home in homes:
+                for ranks in counts:
+                    label = f"{Path(network).stem}-{strategy}-{home}-{ranks}"
+                    yield pytest.param(network, batch, strategy, home, ranks, id=label)
+
+
+def _programs(graph, plan, ranks: int, fused: bool):
+    """Every rank's programs built rank by rank and built once per class (each class's first
+    rank's fused, where `fused`, before the others' are moved from it), from one set of task
+    events (so that both hold the same collective objects)."""
+    everyone = list(range(ranks))
+    events, messages = task_events(graph, plan, MACHINE, everyone)
+    alone = build_each(graph, plan, events, messages, everyone)
+    classes = rank_classes(plan, events, everyone, most=len(everyone))
+    built = build_each(graph, plan, events, messages, list(classes.members))
+    if fused:
+        for program in (*alone.values(), *built.values()):
+            fuse_into_gradients(graph, program)
+    return alone, dict(SharedPrograms(built, classes, events, everyone)), classes
+
+
+def _equal(alone, shared):
+    assert list(alone) == list(shared)
+    for rank, program in alone.items():
+        moved = shared[rank]
+        assert moved.post_at_start == program.post_at_start, rank
+        assert moved.boxes == program.boxes, rank
+        assert (moved.bytes_planned, moved.messages) == (program.bytes_planned, program.messages)
+        for built, derived in zip(program.tasks, moved.tasks, strict=True):
+            assert derived == built, (rank, built.task.name)
+            assert derived.tensors == built.tensors, (rank, built.task.name)
+
+
+@pytest.mark.parametrize("network, batch, strategy, home, ranks", list(_cases()))
+def test_programs_moved_within_a_class_are_the_programs_built(
+    network, batch, strategy, home, ranks
+):
+    graph = load_source_graph(network, batch, batch)
+    chosen, _ = resolve_strategy(graph, strategy, ranks, MACHINE, 5.0, None, home)
+    plan = build_plan(graph, chosen, ranks)
+    for fused in (False, True):
+        alone, shared, classes = _programs(graph, plan, ranks, fused)
+        _equal(alone, shared)
+    assert fewest_classes(plan, range(ranks)) <= len(classes.members)
+    odd = list(range(1, ranks, 2))
+    some = range(0, len(graph.tasks), 3)
+    events, _ = task_events(graph, plan, MACHINE, odd, [graph.tasks[i].name for i in some])
+    told = rank_classes(plan, events, odd, most=len(odd))
+    assert fewest_classes(plan, odd, some) <= len(told.members)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model"])
+def test_programs_of_micro_batches_in_stages_moved_within_a_class_are_the_programs_built(strategy):
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4)
+    plan = build_plan(graph, builtin(graph, strategy, 8), 8)
+    alone, shared, _ = _programs(graph, plan, 8, True)
+    _equal(alone, shared)
+
+
+def test_ranks_alike_share_a_build():
+    """Data parallelism on 16 ranks: rank 0 holds the loss, and the others are alike, though
+    they send and add different shares of the rings (a gradient of n elements cut into 16
+    chunks of ⌊n/16⌋ and ⌈n/16⌉), which their builders only add up."""
+    graph = load_source_graph("seed-lcn", 32, 32)
+    chosen, _ = resolve_strategy(graph, "data", 16, MACHINE, 5.0, None, "replicated")
+    plan = build_plan(graph, chosen, 16)
+    _, shared, classes = _programs(graph, plan, 16, False)
+    assert {rank: len(members) for rank, members in classes.members.items()} == {0: 1, 1: 15}
+    assert len({shared[rank].bytes_planned for rank in range(1, 16)}) > 1  # the rings' shares
+
+
+def test_telling_ranks_apart_stops_reading_events_once_they_are_too_many():
+    """The ranks of a model-parallel step all differ: allowed 2 classes, telling them apart
+    gives up within the step's first tasks, having made no more of its events, and a budget
+    of built (rank, task) pairs below every rank's gives no programs; a data-parallel step's
+    ranks fall into 2 classes, within the same budget."""
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    model = build_plan(graph, builtin(graph, "model", 8), 8)
+    made = []
+
+    def counted(events):
+        for event in events:
+            made.append(event.position)
+            yield event
+
+    stream = each_task_event(graph, model, MACHINE, range(8))
+    assert rank_classes(model, counted(stream), list(range(8)), most=2) is None
+    assert 0 < len(made) < len(graph.tasks) // 2
+    budget = 3 * len(graph.tasks)
+    assert build_programs(graph, model, MACHINE, range(8), most_built=budget) is None
+    data = build_plan(graph, builtin(graph, "data", 8), 8)
+    shared = build_programs(graph, data, MACHINE, range(8), most_built=budget)
+    assert len(shared.classes.members) == 2
+    alone = build_programs(graph, data, MACHINE, range(8), share=False)
+    assert [p.boxes for p in shared.values()] == [p.boxes for p in alone.values()]
+
+
+def test_ranks_bound_to_too_many_classes_are_not_told_apart(monkeypatch):
+    """The model-parallel step's 8 ranks differ in their pieces' shapes and their messages'
+    bytes, which the plan's arrays give at once: within a budget that allows 2 classes, no
+    events are made to tell them apart; a data-parallel step's bound allows its 2."""
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    model = build_plan(graph, builtin(graph, "model", 8), 8)
+    data = build_plan(graph, builtin(graph, "data", 8), 8)
+    assert fewest_classes(model, range(8)) > 2
+    assert fewest_classes(data, range(8)) <= 2
+    budget = 3 * len(graph.tasks)
+    told = []
+    real = programs_module.rank_classes
+    monkeypatch.setattr(
+        programs_module, "rank_classes", lambda *args: told.append(args) or real(*args)
+    )
+    assert build_programs(graph, model, MACHINE, range(8), most_built=budget) is None
+    assert told == []
+    assert (
+        len(build_programs(graph, data, MACHINE, range(8), most_built=budget).classes.members) == 2
+    )
+    assert len(told) == 1
+
+
+def test_build_programs_shares_by_default_and_gives_the_same_step():
+    graph = load_source_graph("seed-lcn-small", 16, 16)
+    chosen, _ = resolve_strategy(graph, "data", 8, MACHINE, 5.0, None, "replicated")
+    plan = build_plan(graph, chosen, 8)
+    shared = build_programs(graph, plan, MACHINE, range(8))
+    alone = build_programs(graph, plan, MACHINE, range(8), share=False)
+    assert [p.boxes for p in shared.values()] == [p.boxes for p in alone.values()]
+    assert [p.bytes_planned for p in shared.values()] == [p.bytes_planned for p in alone.values()]
+
+
+@pytest.mark.parametrize(
+    ("network", "strategy", "home"),
+    [("seed-lcn", "data", "replicated"), ("seed-lcn-small", "data", "sharded"),
+     ("seed-lcn-small", "spatial", "replicated"), ("seed-lcn-small", "auto", "replicated")],
+)  # fmt: skip
+def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(network, strategy, home):
+    """The compiled simulation and the memory model read a class's program once for all its
+    ranks (`rank_classes.source`, `own_messages`): every rank's finish, wait and peak are those
+    of the programs built rank by rank."""
+    graph = load_source_graph(network, 16, 16)
+    chosen, _ = resolve_strategy(graph, strategy, 16, MACHINE, 5.0, None, home)
+    plan = build_plan(graph, chosen, 16)
+    everyone = list(range(16))
+    events, messages = task_events(graph, plan, MACHINE, everyone)
+    classes = rank_classes(plan, events, everyone, most=len(everyone))
+    built = build_each(graph, plan, events, messages, list(classes.members))
+    for program in built.values():
+        fuse_into_gradients(graph, program)
+    shared = SharedPrograms(built, classes, events, everyone)
+    alone = build_programs(graph, plan, MACHINE, everyone, share=False)
+    fast = predict_step(graph, plan, MACHINE, programs=shared, simulate=simulate_compiled)
+    for exact in (
+        predict_step(graph, plan, MACHINE, programs=alone, simulate=simulate_compiled),
+        predict_step(graph, plan, MACHINE, programs=alone, simulate=simulate_step),
+    ):
+        assert (fast.finish, fast.waiting, fast.compute) == (
+            exact.finish, exact.waiting, exact.compute
+        )  # fmt: skip
+    flat_shared, flat_alone = (_flat(graph, plan, p) for p in (shared, alone))
+    assert flat_shared.heap_room == flat_alone.heap_room  # each post and wait counted once
+    assert len(flat_shared.ops) == len(flat_alone.ops)
+    assert flat_shared.op_ptr.tolist() == flat_alone.op_ptr.tolist()
+    for rank, memory in predict(graph, plan, MACHINE, programs=shared).items():
+        built = predict(graph, plan, MACHINE, [rank], programs=alone)[rank]
+        assert memory.peak == built.peak, rank
+        assert memory.breakdown() == built.breakdown(), rank
+
+
+def _flat(graph, plan, programs):
+    """The compiled step's instructions for `programs`, as `simulate_compiled` makes them from
+    the seconds `predict_step` gives each rank's tasks."""
+
+    def flattened(programs, seconds, machine):
+        pack = partial(posting_seconds, memory=machine.seconds_per_memory_byte,
+                       per_message=machine.message_overhead)  # fmt: skip
+        links = Links.of(machine, plan.nranks)
+        return flatten(programs, seconds, links, pack, machine.seconds_per_memory_byte,
+                       cpu_slowdown(machine, programs))  # fmt: skip
+
+    return predict_step(graph, plan, MACHINE, programs=programs, simulate=flattened)
+
+
+@pytest.mark.parametrize(("strategy", "home"), [("data", "replicated"), ("spatial", "sharded")])
+def test_each_ranks_pieces_are_the_plans_in_its_order_made_lazily_or_at_once(strategy, home):
+    """`PiecesByRank` gives each rank the pieces of the task it computes, in the plan's order,
+    each rank once however many of a piece's ranks it is: piece by piece as asked for, or every
+    rank's at once."""
+    graph = load_source_graph("seed-lcn-small", 16, 16)
+    chosen, _ = resolve_strategy(graph, strategy, 4, MACHINE, 5.0, None, home)
+    plan = build_plan(graph, chosen, 4)
+    lazy, _ = task_events(graph, plan, MACHINE, range(4))
+    at_once, _ = task_events(graph, plan, MACHINE, range(4))
+    index = {task.name: i for i, task in enumerate(graph.tasks)}
+    replicated = 0
+    for one, other in zip(lazy, at_once, strict=True):
+        task_plan = plan.tasks[index[one.task.name]]
+        other.mine.make_every_rank()
+        for rank in range(4):
+            want = [p for p in task_plan.pieces if rank in p.ranks]
+            replicated += sum(len(p.ranks) > 1 for p in want)
+            assert list(one.mine.get(rank, [])) == want == list(other.mine.get(rank, []))
+        assert one.mine.get(7) == () == other.mine.get(7, ())  # not built
+    if home == "replicated":
+        assert replicated  # the updates of parameters every rank holds: run by every rank

@@ -1,0 +1,134 @@
+"""Compiling a run's kernels ahead: which units a graph needs, how they are shared among
+processes, and that a run after them compiles nothing (on an empty Numba cache)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from legion_nn.networks import load_network
+from partitioner.machine import Machine
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+from runtime.compile_ahead import UNITS, assign, cached, units_of, warm
+from runtime.step.programs import build_programs
+from tests.paths import ROOT
+
+
+def graph_of(name: str, optimizer: str = "adam"):
+    return load_network(name).lower(batch=4, dtype="float32", optimizer=optimizer)
+
+
+def test_a_graph_needs_the_units_of_its_ops_and_optimizer():
+    assert units_of(graph_of("seed-lcn-small")) == [
+        "filter.untied",
+        "filter.untied.gradient",
+        "filter.step",
+        "filterA",
+        "filterNL",
+        "linear",
+        "linear.step",
+        "softmax",
+        "update",
+        "update.parallel",
+    ]
+    assert units_of(graph_of("three-layer-convnet", "sgd")) == [
+        "filter.tied",
+        "filter.tied.gradient",
+        "filterNL",
+        "linear",
+        "linear.step",
+        "softmax",
+        "maxpool",
+        "update",
+        "update.parallel",
+    ]
+
+
+@pytest.mark.parametrize(
+    "strategy, nranks, stepped",
+    [("data", 1, True), ("data", 2, False)],
+)
+def test_a_rank_compiles_the_weight_gradient_kernels_its_program_calls(strategy, nranks, stepped):
+    """Where the program fuses the updates into the gradients' kernels, those kernels step the
+    weights and none stores a weight gradient; where the gradients are summed across ranks
+    (data parallel), they are stored and updated after."""
+    graph = graph_of("seed-lcn-small")
+    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
+    program = build_programs(graph, plan, Machine(), [0])[0]
+    units = set(units_of(graph, program))
+    assert (
+        {"filter.step", "linear.step"} <= units
+        if stepped
+        else not units & {"filter.step", "linear.step"}
+    )
+    assert ("filter.untied.gradient" in units) is not stepped
+    # L1.W's update runs as a task of its own, on a parallel loop, only where it is not fused
+    assert ("update.parallel" in units) is not stepped
+    assert {"filter.untied", "linear", "update"} <= units
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3, 5])
+def test_every_unit_goes_to_one_process_and_a_group_stays_together(processes):
+    units = list(UNITS)
+    shares = assign(units, processes)
+    assert len(shares) == processes
+    assert sorted(u for share in shares for u in share) == sorted(units)
+    owner = {u: i for i, share in enumerate(shares) for u in share}
+    assert owner["filter.untied"] == owner["filter.tied"] == 0  # the heaviest group, first
+    loads = [sum(UNITS[u].seconds for u in share) for share in shares]
+    # longest-first greedy: no process is more than its heaviest unit above the lightest
+    groups = {UNITS[u].group for u in units}
+    heaviest = max(sum(UNITS[u].seconds for u in units if UNITS[u].group == g) for g in groups)
+    assert max(loads) - min(loads) <= heaviest
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_unit_runs_its_kernels(dtype):
+    warm(list(UNITS), dtype)
+    assert cached(list(UNITS), dtype)
+
+
+@pytest.mark.parametrize("before", [["filter.untied"]])
+def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, before):
+    """On an empty cache, or one holding the main process's share (`before`): the main process
+    and one helper compile the default network's units between them; training then compiles no
+    kernel, and no helper is left running."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        from numba.core import event
+        from cli.main import main
+        from legion_nn.networks import load_network
+        from runtime.compile_ahead import cached, compile_ahead, units_of, warm
+
+        graph = load_network("seed-lcn-small").lower(batch=8, dtype="float32", optimizer="adam")
+        units = units_of(graph)
+        warm({before!r}, "float32")
+        assert not cached(units, "float32")
+        compile_ahead(units, "float32", helpers=1)
+        assert cached(units, "float32")
+        children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
+        assert not children, children
+        with event.install_recorder("numba:compile") as compiled:
+            main(["train", "--steps", "2", "--batch", "8", "--no-progress"])
+        names = [e.data["dispatcher"].py_func.__qualname__ for _, e in compiled.buffer if e.is_start]
+        assert not names, names
+        print("compiled nothing")
+        """
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled nothing" in result.stdout
