@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from itertools import product
 from operator import attrgetter, itemgetter
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -225,15 +226,29 @@ class PieceCache:
         return found
 
 
-def chosen_pieces(cache: PieceCache, grids: Mapping[str, tuple[int, ...]]) -> PieceCache:
-    """A cache holding what `cache` has of the tasks on `grids` (task name -> grid)."""
-    out = PieceCache(cache.graph)
-    out.memo = cache.memo
+#: per graph alive, the pieces its plans share (`graph_pieces`)
+_OF_GRAPH: WeakKeyDictionary[TaskGraph, PieceCache] = WeakKeyDictionary()
+
+
+def graph_pieces(graph: TaskGraph) -> PieceCache:
+    """The pieces that every plan of `graph` shares, found once per task and grid while the
+    graph lives: a command's search, its memory fit and its report plan the same tasks on the
+    same grids (`build_plan`'s default)."""
+    found = _OF_GRAPH.get(graph)
+    if found is None:
+        found = _OF_GRAPH[graph] = PieceCache(graph)
+    return found
+
+
+def keep_pieces(cache: PieceCache, grids: Mapping[str, tuple[int, ...]]) -> None:
+    """Add to `graph_pieces` what `cache` (a search's own, which holds every grid it tried) has
+    found of the tasks on `grids` (task name -> grid): the grids it chose, which the plans of
+    its result then take rather than find again."""
+    shared = graph_pieces(cache.graph)
     for name, grid in grids.items():
         found = cache._found.get((name, tuple(grid)))
         if found is not None:
-            out._found[(name, tuple(grid))] = found
-    return out
+            shared._found.setdefault((name, tuple(grid)), found)
 
 
 def _shape_key(graph: TaskGraph, task: Task, grid: tuple[int, ...]) -> tuple | None:

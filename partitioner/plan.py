@@ -70,7 +70,7 @@ from partitioner.accesses import Columns, TaskAccesses, task_accesses
 from partitioner.deferred_sums import defer_sums
 from partitioner.layout import Layout
 from partitioner.messages import Copies
-from partitioner.pieces import Piece, PieceCache, PieceSet, homed_pieces
+from partitioner.pieces import Piece, PieceCache, PieceSet, graph_pieces, homed_pieces
 from partitioner.plan_memo import PlanMemo
 from partitioner.strategy import (
     Grid,
@@ -167,8 +167,8 @@ def build_plan(
 
     `resident_homes` fixes the homes of parameters and state (and their gradients), for instance
     to those of the full-batch step while planning a run's smaller last batch, so that every rank
-    keeps updating the copies it holds. `cache` reuses pieces across plans of the same graph
-    (by default, those a search attached to `strategy`)."""
+    keeps updating the copies it holds. `cache` holds the pieces it reuses (by default the
+    graph's, `pieces.graph_pieces`, which a search adds the grids it chose to)."""
     grids, first_ranks = strategy.task_placement(graph)
     for name, grid in grids.items():
         used = 1
@@ -181,9 +181,7 @@ def build_plan(
             )
     homed = {task.name for task in graph.tasks if is_homed(graph, task)}
     if cache is None:
-        cache = getattr(strategy, "pieces", None)  # from the search that chose it
-        if cache is None or cache.graph is not graph:
-            cache = PieceCache(graph)
+        cache = graph_pieces(graph)
     pieces = {
         task.name: cache.get(graph, task, grids[task.name]).placed_from(first_ranks[task.name])
         for task in graph.tasks

@@ -25,7 +25,7 @@ from legion_nn.micro_batches import stages_of
 from legion_nn.op_records import has_access_map
 from partitioner.cost import bulk_seconds, step_seconds, task_costs, unit_seconds
 from partitioner.machine import Machine
-from partitioner.pieces import PieceCache
+from partitioner.pieces import graph_pieces
 from partitioner.plan import Plan, build_plan
 from partitioner.search.auto import SearchResult, auto
 from partitioner.search.memory_fit import (
@@ -299,7 +299,7 @@ def _auto_in_stages(
     homes = param_homes or "replicated"
     families = ["data"] if batch_only(graph) else list(BUILTIN)
     candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]
-    cache = PieceCache(graph)  # the mixture repeats most of its families' tasks: found once
+    cache = graph_pieces(graph)  # the mixture repeats most of its families' tasks: found once
     plans = [build_plan(graph, s, nranks, cache=cache) for s in candidates]
     costs = [task_costs(graph, p, machine) for p in plans]
     rows = [unit_seconds(c) for c in costs]

@@ -406,11 +406,6 @@ class Strategy:
         """`task_placement` of this strategy's grids and stages."""
         return task_placement(graph, self.unit_grids, self.unit_ranks)
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("pieces", None)
-        return state
-
 
 def builtin(graph: TaskGraph, name: str, nranks: int) -> Strategy:
     """`data`, `model` or `spatial` for `graph` on `nranks` ranks; in a pipeline's stages

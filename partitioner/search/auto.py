@@ -46,8 +46,8 @@ with them 2,468 in 202 (search 8.2 s → 3.3 s). Only where the frontier would b
 tabulate (`FRONTIER_LIMIT`) does `auto` fall back to a local search over whole plans
 (`local.py`).
 
-The strategy `auto` returns carries the pieces of the grids it chose (`Strategy.pieces`), which
-`build_plan` reuses. Planning at 1024 ranks (batch 256; `bench/planning.py`, CPU seconds on the
+The pieces of the grids `auto` chose are kept for the graph's plans (`pieces.graph_pieces`),
+which `build_plan` reuses. Planning at 1024 ranks (batch 256; `bench/planning.py`, CPU seconds on the
 2-core development machine, search and final plan): seed-lcn 0.4 s (7 s when every family pair
 was priced as whole plans), vgg19 1.5 s (over a minute then, cut at the 30 s default limit).
 """
@@ -62,7 +62,7 @@ import numpy as np
 from legion_nn.cycles import no_cycle_collection
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
-from partitioner.pieces import chosen_pieces
+from partitioner.pieces import keep_pieces
 from partitioner.plan import task_rows
 from partitioner.search import families
 from partitioner.search.coupling import is_chain
@@ -136,11 +136,10 @@ def _dp_result(
     priced: int,
     fastest: bool,
 ) -> SearchResult:
-    """A DP's result: the strategy of the grids `chosen`, carrying their pieces; `fastest`:
-    the DP knows no faster assignment, memory aside."""
+    """A DP's result: the strategy of the grids `chosen`, their pieces kept for the graph's
+    plans (`pieces.keep_pieces`); `fastest`: the DP knows no faster assignment, memory aside."""
     strategy = Strategy("auto", {u.name: q for u, q in zip(pricer.units, chosen)})
-    pieces = chosen_pieces(pricer.cache, strategy.task_grids(pricer.graph))
-    object.__setattr__(strategy, "pieces", pieces)
+    keep_pieces(pricer.cache, strategy.task_grids(pricer.graph))
     return SearchResult(strategy, choices, 0, note, priced, fastest)
 
 

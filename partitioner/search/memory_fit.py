@@ -33,7 +33,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from partitioner.cost import bulk_seconds
 from partitioner.machine import Machine
-from partitioner.pieces import PieceCache
+from partitioner.pieces import graph_pieces
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
 
@@ -87,7 +87,7 @@ def fit(
     fit in `machine.memory_bytes`, by `step` where given (`least_step`), else by the cost model's
     sum; raises `NoFit` where none does. With `lower`, candidates that cannot be the fastest are
     left out before their memory is placed (`_within_reach`)."""
-    cache = PieceCache(graph)
+    cache = graph_pieces(graph)  # the search's grids, and the report's plan after
     found: dict[tuple, Fitted] = {}
 
     def evaluate(strategy: Strategy, plan: Plan | None = None) -> tuple[Fitted, Plan]:

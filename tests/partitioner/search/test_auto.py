@@ -205,19 +205,26 @@ def test_the_dp_keeps_to_assignments_that_fit_in_memory(graph):
     assert fastest.step_seconds <= cost.step_seconds <= min(c.step_seconds for c in fitting)
 
 
-def test_auto_hands_its_pieces_to_the_plan_but_not_to_pickles():
+def test_the_plan_of_autos_grids_takes_the_pieces_its_search_found(monkeypatch):
+    """The search keeps the pieces of the grids it chose for the graph's plans
+    (`pieces.graph_pieces`): planning them finds no piece anew. The strategy itself is plain
+    data (it pickles whole), and another graph of the same network plans with its own pieces."""
     import pickle
+
+    from partitioner import pieces
 
     graph = load_network("seed-lcn-small").lower(batch=8)
     strategy = auto(graph, 4, MACHINE).strategy
-    plan = build_plan(graph, strategy, 4)
-    grids = strategy.task_grids(graph)
-    name = "L1.filter"
-    assert plan.tasks[[t.name for t in graph.tasks].index(name)].piece_sets[0] is (
-        strategy.pieces.get(graph, graph.task(name), grids[name])
-    )
+
+    def found_anew(*args, **kwargs):
+        raise AssertionError("a piece of auto's grids found again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(pieces, "grid_pieces", found_anew)
+        plan = build_plan(graph, strategy, 4)
+    verify_plan(graph, plan)
     copy = pickle.loads(pickle.dumps(strategy))
-    assert copy == strategy and not hasattr(copy, "pieces")
+    assert copy == strategy and vars(copy) == vars(strategy)
     other = load_network("seed-lcn-small").lower(batch=8)  # another graph: its own pieces
     verify_plan(other, build_plan(other, strategy, 4))
 
