@@ -15,7 +15,6 @@ import numpy as np
 
 from legion_nn.networks import load_network
 from runtime.adapters import StepContext
-from runtime.executor import NUMPY_DTYPES
 from runtime.process_memory import peak_rss_bytes, rss_bytes
 from runtime.rank_executor import one_process
 
@@ -29,7 +28,7 @@ def main() -> None:
 
     net = load_network(args.network)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((args.batch,) + net.input).astype(NUMPY_DTYPES[args.dtype])
+    x = rng.standard_normal((args.batch,) + net.input).astype(np.dtype(args.dtype))
     y = rng.integers(0, net.classes, args.batch).astype(np.int32)
     # Compile every kernel on a tiny batch first, so compilation does not count.
     small = net.lower(batch=2, dtype=args.dtype)

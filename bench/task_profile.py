@@ -33,8 +33,8 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
-from runtime.executor import run_on_views
 from runtime.kernels.blas import kernel_threading
+from runtime.piece_views import run_on_views
 from runtime.rank_executor import RankExecutor, one_process
 from runtime.step.piece_modes import fresh_roles, fused_steps, piece_mode
 from runtime.step.programs import build_programs

@@ -110,3 +110,13 @@ class TaskGraph:
             for t in self.tasks
             if any(r.tensor == tensor and r.read_rect is not None for r in t.requirements)
         ]
+
+
+def inference_tasks(graph: TaskGraph) -> list[Task]:
+    """The forward pass alone: forward tasks and the zeroing of the statistics they reduce into."""
+    return [
+        task
+        for task in graph.tasks
+        if task.phase == "forward"
+        or (task.phase == "set_zero" and graph.tensors[task.requirements[0].tensor].kind != "grad")
+    ]

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from legion_nn.errors import LegionNNError
-from legion_nn.graph import TaskGraph
+from legion_nn.graph import TaskGraph, inference_tasks
 from legion_nn.rect import Rect
 from partitioner.layout import Layout
 from partitioner.machine import Machine
@@ -43,8 +43,8 @@ from partitioner.strategy import Strategy, builtin
 from partitioner.verify_plan import verify_plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy, aligned_zeros
-from runtime.executor import NUMPY_DTYPES, inference_tasks, initial_part
 from runtime.grad_clipping import clip_factor, counted_gradients, first_update
+from runtime.initial_values import initial_part
 from runtime.instances import StorageOrder, choose_storage_orders
 from runtime.kernels.blas import kernel_threading
 from runtime.kernels.update import squared_norm
@@ -255,7 +255,7 @@ class RankExecutor:
                 self.arrays[name] = aligned_copy(layout.from_logical(part))
             else:
                 shape = layout.shape(box.shape)
-                self.arrays[name] = aligned_zeros(shape, NUMPY_DTYPES[tensor.dtype])
+                self.arrays[name] = aligned_zeros(shape, np.dtype(tensor.dtype))
             self.boxes[name] = box
             self._tensors[name] = tensor
 
@@ -275,7 +275,7 @@ class RankExecutor:
             for name, tensor in graph.tensors.items():
                 if ("tensor", name) in buffers.slots:
                     shape = self.layouts[name].shape(program.boxes[name].shape)
-                    dtype = NUMPY_DTYPES[tensor.dtype]
+                    dtype = np.dtype(tensor.dtype)
                     view = self.arena.view(buffers, ("tensor", name), shape, dtype)
                     views[1][name] = view
         for name, tensor in graph.tensors.items():
@@ -292,7 +292,7 @@ class RankExecutor:
     def view(self, name: str, rect: Rect) -> np.ndarray:
         if rect.is_empty():  # e.g. softmax.grad's empty read of the loss gradient
             layout = self.layouts.get(name, StorageOrder("logical"))
-            return np.zeros(layout.shape(rect.shape), NUMPY_DTYPES[self._known[name].dtype])
+            return np.zeros(layout.shape(rect.shape), np.dtype(self._known[name].dtype))
         box = self.boxes[name]
         if not box.contains(rect):
             raise AssertionError(f"{rect!r} of {name} lies outside this rank's {box!r}")
@@ -462,7 +462,7 @@ class RankExecutor:
         for request, sender in pending:
             parts.append(wait_object(request, sender, what, 0, self.stall_timeout))
         out = {
-            name: np.zeros(self._known[name].dims, NUMPY_DTYPES[self._known[name].dtype])
+            name: np.zeros(self._known[name].dims, np.dtype(self._known[name].dtype))
             for name in layouts
         }
         for name, part, block in parts:

@@ -27,7 +27,7 @@ from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.adapters import StepContext
-from runtime.executor import NUMPY_DTYPES, run_on_views
+from runtime.piece_views import run_on_views
 from runtime.running_collective import RunningCollective
 from runtime.step.piece_modes import fresh_roles, fused_steps
 from runtime.step.rank_program import Collective, Message, RankProgram, RankTask
@@ -113,7 +113,7 @@ class StepRun:
         self.compute_seconds = 0.0
 
     def _dtype(self, tensor: str):
-        return NUMPY_DTYPES[self.graph.tensors[tensor].dtype]
+        return np.dtype(self.graph.tensors[tensor].dtype)
 
     def _shape(self, tensor: str, rect: Rect) -> tuple[int, ...]:
         return self.ex.layouts[tensor].shape(rect.shape)

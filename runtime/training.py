@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -32,9 +32,45 @@ from runtime import checkpoint
 from runtime.adapters import StepContext
 from runtime.data_dir import Batch, NpyFile, Prefetcher
 from runtime.dataset import Dataset, Split
-from runtime.executor import Executor
 from runtime.lr_schedule import LRSchedule
 from runtime.rank_executor import one_process
+
+
+class Executor(Protocol):
+    """What `runtime.training.Trainer` needs of an executor: run steps of the graphs it lowers,
+    read small results, and take part in gathering log records and checkpoints.
+
+    Collective calls (`run`, `run_inference`, `gather`, `resident`) are made by every rank in the
+    same order; values that live on one rank come back on rank 0 (`is_root`) and None elsewhere.
+    """
+
+    @property
+    def is_root(self) -> bool: ...
+
+    def prepare(self, graph: TaskGraph) -> object:
+        """Plan `graph` and allocate what it needs (resident tensors once, for the whole run)."""
+
+    def run(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
+        """One training step of `graph`: forward, zeroing, backward and updates."""
+
+    def run_inference(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
+        """The forward pass of `graph` alone (`legion_nn.graph.inference_tasks`)."""
+
+    def value(self, name: str) -> np.ndarray | None:
+        """A whole small tensor (the loss, evaluate's sums) where it is held, else None."""
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's `value`, in rank order, on rank 0."""
+
+    def step_extras(self) -> dict[str, Any]:
+        """What the last step's log record adds: bytes sent and planned, the runtime's buffer
+        peak (`buffer_peak_bytes`) and the process's peak resident set (`rss_peak_bytes`)."""
+
+    def resident(self) -> dict[str, np.ndarray] | None:
+        """Parameters and state, whole and logical, on rank 0: what a checkpoint holds."""
+
+    def load_resident(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set parameters and state from whole logical arrays (a checkpoint)."""
 
 
 @dataclass

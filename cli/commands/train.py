@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
+    import numpy as np
+
     from legion_nn.errors import LegionNNError
     from legion_nn.micro_batches import check_micro_batches
     from legion_nn.networks import load_network
@@ -166,7 +168,6 @@ def _config(args: argparse.Namespace):
     from partitioner.pipeline import check_stage_count
     from runtime import data
     from runtime.distributed import RunOptions, strategy_spec
-    from runtime.executor import NUMPY_DTYPES
     from runtime.lr_schedule import LRSchedule
     from runtime.training import TrainConfig
 
@@ -207,7 +208,7 @@ def _config(args: argparse.Namespace):
         network.input,
         network.classes,
         args.seed,
-        NUMPY_DTYPES[args.dtype],
+        np.dtype(args.dtype),
         network.vocab,
     )
     config = TrainConfig(

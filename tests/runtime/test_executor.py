@@ -4,6 +4,7 @@ it): gradients, pieces, sparse updates, inference."""
 import numpy as np
 import pytest
 
+from legion_nn.graph import inference_tasks
 from legion_nn.layers import (
     Add,
     AvgPool,
@@ -25,7 +26,7 @@ from legion_nn.networks import load_network
 from legion_nn.op_records import reduction_dims, splittable_dims
 from legion_nn.privilege import Privilege
 from runtime.adapters import StepContext
-from runtime.executor import inference_tasks, run_task_piece
+from runtime.piece_views import run_task_piece
 from runtime.rank_executor import one_process
 
 #: a step whose update leaves every parameter as it was: forward, zeroing and backward only

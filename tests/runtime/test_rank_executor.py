@@ -262,7 +262,7 @@ def test_a_ranks_initial_part_is_that_part_of_the_whole_initial_value():
     import zlib
 
     from legion_nn.rect import Rect
-    from runtime.executor import initial_part, initial_value
+    from runtime.initial_values import initial_part, initial_value
 
     graph = load_network("seed-lcn-small").lower(batch=4)
     for name, tensor in graph.tensors.items():

@@ -29,9 +29,9 @@ from legion_nn.rect import Rect
 from legion_nn.spec import network_from_dict
 from partitioner.strategy import builtin
 from runtime.adapters import StepContext
-from runtime.executor import run_task_piece
 from runtime.kernels import group_conv as kernels
 from runtime.kernels.group_conv import group_conv_backward, group_conv_forward
+from runtime.piece_views import run_task_piece
 from tests.numeric_grad import numeric_grad
 from tests.runtime.test_rank_executor import assert_same, config, local_run, ranks_run
 
