@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from itertools import product
 from operator import attrgetter, itemgetter
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import numpy as np
 
@@ -190,13 +190,19 @@ class PieceCache:
     rects, so they share one computation of them."""
 
     def __init__(self, graph: TaskGraph) -> None:
-        self.graph = graph
+        # held weakly: the graph's own cache (`graph_pieces`) must not keep its graph alive
+        self._graph = ref(graph)
         #: the transfers and layouts its plans found, by content (`plan_memo`): plans of one
         #: graph under many strategies share the tasks whose grids they share
         self.memo = PlanMemo()
         self._found: dict[tuple[str, tuple[int, ...]], PieceSet] = {}
         self._shapes: dict[tuple, PieceSet] = {}
         self._memos: dict[tuple, dict] = {}
+
+    @property
+    def graph(self) -> TaskGraph | None:
+        """The graph it serves (None once that graph is gone)."""
+        return self._graph()
 
     def get(self, graph: TaskGraph, task: Task, grid: Sequence[int]) -> PieceSet:
         if graph is not self.graph:
@@ -232,8 +238,8 @@ _OF_GRAPH: WeakKeyDictionary[TaskGraph, PieceCache] = WeakKeyDictionary()
 
 def graph_pieces(graph: TaskGraph) -> PieceCache:
     """The pieces that every plan of `graph` shares, found once per task and grid while the
-    graph lives: a command's search, its memory fit and its report plan the same tasks on the
-    same grids (`build_plan`'s default)."""
+    graph lives (and gone with it): a command's search, its memory fit and its report plan the
+    same tasks on the same grids (`build_plan`'s default)."""
     found = _OF_GRAPH.get(graph)
     if found is None:
         found = _OF_GRAPH[graph] = PieceCache(graph)
