@@ -28,12 +28,12 @@ from partitioner.transfers import TransferBlock
 
 
 def digest(*arrays: np.ndarray) -> bytes:
-    """A 16-byte digest of the arrays' shapes, dtypes and bytes."""
-    h = hashlib.blake2b(digest_size=16)
+    """A 16-byte digest of the arrays' shapes, dtypes and bytes: the key of what they determine,
+    here and in the search's tables (`search.layout_cache`)."""
+    found = hashlib.blake2b(repr([(a.shape, a.dtype.str) for a in arrays]).encode(), digest_size=16)
     for array in arrays:
-        h.update(repr((array.shape, array.dtype.str)).encode())
-        h.update(np.ascontiguousarray(array).data)
-    return h.digest()
+        found.update(np.ascontiguousarray(array).data)
+    return found.digest()
 
 
 class PlanMemo:

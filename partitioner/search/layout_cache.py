@@ -18,7 +18,6 @@ cheaper than listing the messages.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -31,6 +30,7 @@ from partitioner.grid_loads import Geometry
 from partitioner.layout import Layout
 from partitioner.pieces import PieceCache, PieceSet
 from partitioner.plan import holdings_after, home_layout, resident_reads
+from partitioner.plan_memo import digest
 from partitioner.strategy import Grid
 
 #: what a replay names a layout, a fetch or a combine by (tuples of names, grids and digests)
@@ -184,13 +184,3 @@ class LayoutCache:
                 if t == source
             ]
         return found
-
-
-def digest(*arrays: np.ndarray) -> bytes:
-    """A 128-bit digest of arrays' shapes, types and contents (a key for what they determine)."""
-    found = hashlib.blake2b(digest_size=16)
-    for array in arrays:
-        array = np.ascontiguousarray(array)
-        found.update(f"{array.shape}{array.dtype}".encode())
-        found.update(array.view(np.uint8).reshape(-1))
-    return found.digest()

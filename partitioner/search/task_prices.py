@@ -28,7 +28,8 @@ from partitioner.machine import Machine
 from partitioner.messages import Accesses, combine, fetch
 from partitioner.pieces import homed_pieces
 from partitioner.plan import PlanError, reductions_of, task_rows
-from partitioner.search.layout_cache import Key, LayoutCache, Memo, digest
+from partitioner.plan_memo import digest
+from partitioner.search.layout_cache import Key, LayoutCache, Memo
 from partitioner.strategy import Grid
 from partitioner.transfers import TransferBlock, link_loads
 
