@@ -205,7 +205,7 @@ def _run_timeline(args: argparse.Namespace) -> int:
     from legion_nn.micro_batches import schedule_of, stages_of
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
-    from runtime.step.prediction import SIMULATE_MAX_WORK, predict_step
+    from runtime.step.prediction import every_rank_within_budget, predict_step
     from runtime.step.programs import build_programs
     from runtime.step.simulator import simulate_step
     from visualize.render_file import check_plot, write_figure
@@ -217,7 +217,7 @@ def _run_timeline(args: argparse.Namespace) -> int:
     graph = _load(args)
     verify(graph)
     graph, plan = _plan(args, graph)
-    if plan.nranks * len(graph.tasks) > SIMULATE_MAX_WORK:
+    if not every_rank_within_budget(graph, plan.nranks):
         raise LegionNNError(
             f"--timeline: {plan.nranks} ranks of {len(graph.tasks)} tasks is more than the step "
             "simulator draws"

@@ -150,4 +150,11 @@ def objective_simulates(graph: TaskGraph, nranks: int) -> bool:
     to `OBJECTIVE_SIMULATE_MAX_RANKS` ranks, where every candidate's programs are within
     `SIMULATE_MAX_WORK` however many classes its ranks fall into, so that every plan compared
     is simulated, or none."""
-    return nranks <= OBJECTIVE_SIMULATE_MAX_RANKS and nranks * len(graph.tasks) <= SIMULATE_MAX_WORK
+    return nranks <= OBJECTIVE_SIMULATE_MAX_RANKS and every_rank_within_budget(graph, nranks)
+
+
+def every_rank_within_budget(graph: TaskGraph, nranks: int) -> bool:
+    """Whether every rank's program of a step of `graph` on `nranks` ranks is within
+    `SIMULATE_MAX_WORK` rank-task pairs, however its ranks fall into classes: what a simulation
+    that walks every rank (`simulator.simulate_step`, which `render --timeline` draws) may take."""
+    return nranks * len(graph.tasks) <= SIMULATE_MAX_WORK

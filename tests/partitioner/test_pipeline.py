@@ -25,6 +25,7 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import BUILTIN, builtin, find_units
 from partitioner.verify_plan import verify_plan
+from runtime.step import prediction
 from runtime.step.buffers import ACTIVATIONS, step_buffers
 from runtime.step.model import StepModel
 from runtime.step.prediction import predict_step, simulate_compiled
@@ -303,6 +304,18 @@ def test_a_timeline_needs_ranks(tmp_path, capsys):
     assert main(argv) == 2
     assert "--timeline draws a plan's step: give --ranks R too" in capsys.readouterr().err
     assert not (tmp_path / "t.png").exists()
+
+
+def test_a_timeline_past_what_the_simulator_walks_is_refused(tmp_path, capsys, monkeypatch):
+    """The timeline's simulator walks every rank's program: a step past
+    `SIMULATE_MAX_WORK` rank-task pairs (here made small) gets one line and no file."""
+    graph = load_network("deep-mlp").lower(batch=16)
+    monkeypatch.setattr(prediction, "SIMULATE_MAX_WORK", 2 * len(graph.tasks) - 1)
+    out = tmp_path / "t.png"
+    argv = ["render", "deep-mlp", "--batch", "16", "--ranks", "2", "--timeline", "-o", str(out)]
+    assert main(argv) == 2
+    assert "more than the step simulator draws" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_auto_in_stages_takes_the_split_of_least_predicted_step():
