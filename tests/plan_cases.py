@@ -24,9 +24,10 @@ from partitioner.strategy import Strategy, factorizations, find_units
 
 
 @st.composite
-def networks(draw, merges: bool = True):
+def networks(draw, merges: bool = True, branching: bool = False):
     """A random network of one or two filter blocks and a classifier; with `merges`, perhaps a
-    1x1 filter beside the last block, merged with it by an add or a concat (not a chain)."""
+    1x1 filter beside the last block, merged with it by an add or a concat (not a chain), and
+    with `branching` always (a test of branching networks then rejects none for being chains)."""
     size = draw(st.integers(6, 11))
     layers = []
     for index in range(draw(st.integers(1, 2))):
@@ -44,7 +45,8 @@ def networks(draw, merges: bool = True):
         layers += [FilterA(), FilterNL(fn="relu")]
         if draw(st.booleans()):
             layers.append(MaxPool(f"P{index}", kernel=2, stride=draw(st.integers(1, 2))))
-    merge = draw(st.sampled_from([None, "add", "concat"])) if merges else None
+    kinds = ["add", "concat"] if branching else [None, "add", "concat"]
+    merge = draw(st.sampled_from(kinds)) if merges or branching else None
     if merge is not None:  # a 1x1 filter beside the identity, merged with it
         trunk = layers[-1].name
         channels = [layer.out_channels for layer in layers if layer.KIND == "filter"][-1]

@@ -280,7 +280,7 @@ def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nrank
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    graph=networks(),
+    graph=networks(branching=True),
     nranks=st.sampled_from([2, 3, 4, 6]),
     machine=st.sampled_from([MACHINE, ROOFLINE]),
 )
