@@ -10,12 +10,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.step.rank_classes import (
-    SHARED_AT_MOST,
-    SharedPrograms,
-    fewest_classes,
-    rank_classes,
-)
+from runtime.step.class_bound import fewest_classes
+from runtime.step.rank_classes import SHARED_AT_MOST, SharedPrograms, rank_classes
 from runtime.step.rank_program import RankProgram
 from runtime.step.task_events import TaskEvents, build_each, each_task_event, step_messages
 from runtime.step.update_fusion import fuse_into_gradients

@@ -38,8 +38,8 @@ Those decisions do not change when every rect of a tensor moves by the same offs
 - Telling ranks apart gives up once they fall into more classes than `SHARED_AT_MOST` of their
   count (a mixture of grids per layer, uneven spatial cuts): then every rank is built.
 
-`tests/runtime/step/test_rank_classes.py` holds the programs moved equal to the programs built, field for
-field, on every kind of plan, and the step and memory read once per class equal to those read
+`tests/runtime/step/test_rank_classes.py` holds the programs moved equal to the programs built,
+field for field, on every kind of plan, and the step and memory read once per class equal to those read
 rank by rank.
 """
 
@@ -222,85 +222,6 @@ def rank_classes(
     return RankClasses({group[0]: group for group in members.values()}, frames, messages, hop_bytes)
 
 
-#: the most tasks `fewest_classes` reads: the tasks of any subset give a bound, and 256 take some
-#: 30 ms on 1024 ranks, where telling the ranks apart takes 35 ms a task
-BOUND_TASKS_AT_MOST = 256
-_ODD = np.uint64(0x9E3779B97F4A7C15)  # multiplying by an odd word permutes the words
-_PRIME = np.uint64(1099511628211)
-
-
-def fewest_classes(plan: Plan, ranks: Sequence[int], tasks: Sequence[int] | None = None) -> int:
-    """At least as many classes as `rank_classes` finds for `ranks` over the tasks of `plan` at
-    the indices `tasks` (default: every task), found from the plan's arrays at once, without
-    the step's events, so that a plan whose ranks would fall into too many classes is known
-    before they are told apart (35 ms a task on 1024 ranks).
-
-    Ranks of one class are told rows that differ only in where their rects lie: the same
-    requirements with rects of the same shapes (a shape is the difference of a row's relative
-    corners), and the same messages, of the same bytes, at the same ends. So a function of
-    each task's rows, the same for every rank told them, tells apart no ranks of one class:
-    here, per task, the sum over a rank's pieces of a word of their requirements and shapes,
-    plus the sum over its messages of a word of their bytes and its ends. Ranks with different
-    words somewhere are in different classes; two words that collide only lower the bound.
-    Past `BOUND_TASKS_AT_MOST` tasks, that many spread over the step are read."""
-    ranks = list(ranks)
-    if tasks is None:
-        tasks = range(len(plan.tasks))
-    tasks = list(tasks)
-    if len(tasks) > BOUND_TASKS_AT_MOST:
-        picked = np.linspace(0, len(tasks) - 1, BOUND_TASKS_AT_MOST).astype(np.int64)
-        tasks = [tasks[i] for i in np.unique(picked).tolist()]
-    slot_of = np.full(max(ranks, default=0) + 1, -1, np.int64)
-    slot_of[ranks] = np.arange(len(ranks))
-    n = len(ranks)
-    words: dict[tuple, int] = {}
-    signature = np.zeros(n, np.uint64)
-    for index in tasks:
-        task_plan = plan.tasks[index]
-        told = np.zeros(n, np.uint64)
-        for piece_set in task_plan.piece_sets:
-            _add_words(told, *_piece_words(piece_set, slot_of, words))
-        for block in task_plan.transfer_set.blocks:
-            fanout = np.diff(block.dst_ptr)
-            sources = block.src.astype(np.int64)
-            destinations = block.dsts.astype(np.int64)
-            to_self = np.repeat(sources, fanout) == destinations
-            nbytes = np.repeat(block.nbytes.astype(np.uint64), fanout)
-            # each message's row at each of its ends: its bytes, and whether that end is the
-            # source and the destination
-            ends = np.concatenate((np.repeat(sources, fanout), destinations))
-            src_end = np.r_[np.ones(len(nbytes), bool), to_self]
-            dst_end = np.r_[to_self, np.ones(len(nbytes), bool)]
-            word = np.r_[nbytes, nbytes] * np.uint64(4) + src_end * np.uint64(2) + dst_end
-            _add_words(told, _slots(ends, slot_of), word * _ODD + np.uint64(1))
-        signature = signature * _PRIME + told
-    return len(np.unique(signature))
-
-
-def _piece_words(
-    piece_set: PieceSet, slot_of: np.ndarray, words: dict[tuple, int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """(the slot of each rank told a piece of `piece_set`, a word per such (piece, rank) of the
-    set's requirements and their rects' shapes), as `_piece_rows` tells them."""
-    counts = np.diff(piece_set.rank_ptr)
-    pieces = np.repeat(np.arange(len(piece_set), dtype=np.int64), counts)
-    ranks = piece_set.ranks.astype(np.int64)
-    keep = np.ones(len(ranks), bool)
-    if len(ranks) > 1:  # a rank twice among a piece's ranks is told the piece once
-        keep[1:] = (pieces[1:] != pieces[:-1]) | (ranks[1:] != ranks[:-1])
-    key = tuple((req.tensor, req.privilege, req.role) for req in piece_set.requirements)
-    word = np.full(len(piece_set), words.setdefault(key, len(words)) + 1, np.uint64)
-    for lo, hi in zip(piece_set.req_lo, piece_set.req_hi):
-        for d in range(lo.shape[1]):
-            word = word * np.uint64(1000003) + (hi[:, d] - lo[:, d]).astype(np.uint64)
-    return _slots(ranks[keep], slot_of), word[pieces[keep]] * _ODD
-
-
-def _add_words(told: np.ndarray, slots: np.ndarray, words: np.ndarray) -> None:
-    inside = slots >= 0
-    np.add.at(told, slots[inside], words[inside])
-
-
 def _message_rows(
     told: Sequence[Message],
     slot_of: np.ndarray,
@@ -313,7 +234,7 @@ def _message_rows(
     posted and whether it is a partial sum); each message also kept in `messages` for each end
     it has among the ranks told, in the order told."""
     ends = np.array([(m.src, m.dst) for m in told], np.int64).reshape(-1)
-    end_slots = _slots(ends, slot_of)
+    end_slots = told_slots(ends, slot_of)
     kept = np.flatnonzero(end_slots >= 0)
     for at in kept.tolist():
         messages[int(ends[at])].append(told[at // 2])
@@ -352,7 +273,7 @@ def _collective_rows(
     """(the slot of each participant told, and its row: per target, in order, the target's
     rect relative to the participant's frame of the tensor and whether it holds the target)."""
     participants = np.asarray(collective.reduction.participants, np.int64)
-    slots = _slots(participants, slot_of)
+    slots = told_slots(participants, slot_of)
     told = slots >= 0
     participants, slots = participants[told], slots[told]
     tensor = collective.reduction.tensor
@@ -378,15 +299,8 @@ def _piece_rows(
     ints per such (piece, rank): the set's requirements (tensors and privileges), whether an
     update steps its gradient's rect (`_steps_its_gradients_rect`), and each requirement's rect
     relative to the rank's frame of its tensor)."""
-    counts = np.diff(piece_set.rank_ptr)
-    pieces = np.repeat(np.arange(len(piece_set), dtype=np.int64), counts)
-    ranks = piece_set.ranks
-    slots = _slots(ranks, slot_of)
-    keep = slots >= 0
-    if len(ranks) > 1:  # a rank twice among a piece's ranks is told the piece once
-        keep[1:] &= (pieces[1:] != pieces[:-1]) | (ranks[1:] != ranks[:-1])
-    pieces, slots = pieces[keep], slots[keep]
-    key = tuple((req.tensor, req.privilege, req.role) for req in piece_set.requirements)
+    pieces, slots = told_pieces(piece_set, slot_of)
+    key = requirement_key(piece_set)
     columns = [
         np.full((len(pieces), 1), requirement_ids.setdefault(key, len(requirement_ids)), np.int64)
     ]
@@ -413,18 +327,36 @@ def _piece_rows(
     return slots, np.concatenate(columns, axis=1) if columns else np.zeros((len(slots), 0))
 
 
+def told_pieces(piece_set: PieceSet, slot_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the piece and the rank's slot of each (piece, rank) of `piece_set` told to a rank among
+    `slot_of`'s, in the plan's order): a rank twice among a piece's ranks is told it once."""
+    counts = np.diff(piece_set.rank_ptr)
+    pieces = np.repeat(np.arange(len(piece_set), dtype=np.int64), counts)
+    ranks = piece_set.ranks
+    slots = told_slots(ranks, slot_of)
+    keep = slots >= 0
+    if len(ranks) > 1:
+        keep[1:] &= (pieces[1:] != pieces[:-1]) | (ranks[1:] != ranks[:-1])
+    return pieces[keep], slots[keep]
+
+
+def requirement_key(piece_set: PieceSet) -> tuple:
+    """What a rank is told of `piece_set`'s requirements besides their rects."""
+    return tuple((req.tensor, req.privilege, req.role) for req in piece_set.requirements)
+
+
 def _held_cells(layout: Layout, slot_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the slot of each holder of each cell, cell by cell, and the cells' corners) of `layout`
     (`Layout.held_cells`), for the holders among the ranks told."""
     if not len(layout.holder_ranks):
         return np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64)
     holders, lo, hi = layout.held_cells()
-    slots = _slots(holders, slot_of)
+    slots = told_slots(holders, slot_of)
     keep = slots >= 0
     return slots[keep], lo[keep].astype(np.int64), hi[keep].astype(np.int64)
 
 
-def _slots(ranks: np.ndarray, slot_of: np.ndarray) -> np.ndarray:
+def told_slots(ranks: np.ndarray, slot_of: np.ndarray) -> np.ndarray:
     """Each rank's slot among the ranks told (`slot_of`), -1 for a rank not told."""
     ranks = ranks.astype(np.int64)
     slots = np.full(len(ranks), -1, np.int64)
