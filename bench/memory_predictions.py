@@ -4,7 +4,7 @@
         [--strategies data,model,spatial] [--homes replicated,sharded] [--machine F] [--json F]
 
 For every case (network at its batch, ranks, strategy, parameter homes) the prediction is
-`runtime.step.memory.predict` of the plan `partition` would make (Adam, float32, as `train` runs
+`runtime.step.rank_memory.predict` of the plan `partition` would make (Adam, float32, as `train` runs
 by default): each rank's buffers, placed as the runtime places them, and the process baseline of
 the machine file (the default's stated 200 MiB without `--machine`). The measurement is
 `mpiexec -n R legion-nn train --steps 2 --log-json` of the same job: each rank's
@@ -27,7 +27,7 @@ from legion_nn.networks import load_network
 from partitioner.machine import load_machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin, with_homes
-from runtime.step.memory import predict
+from runtime.step.rank_memory import predict
 
 STEPS = 2
 

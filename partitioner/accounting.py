@@ -18,7 +18,7 @@ and rank over the step) and the partial sums it holds for a reduction into a rec
 It adds up by layer, which the search needs to price rows apart, but it is not the runtime's
 peak: the runtime frees each buffer after its last use, and holds staging buffers this count
 leaves out (send and receive copies, collective vectors and hop buffers). What a rank of the
-runtime holds is `runtime.step.memory`'s placement, which `partition` reports and `auto` fits
+runtime holds is `runtime.step.rank_memory`'s placement, which `partition` reports and `auto` fits
 (`search/memory_fit.py`).
 
 Memory per layer splits that sum by table row (`memory_by_unit`), so the rows of a rank add up to

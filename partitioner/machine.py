@@ -27,7 +27,7 @@ Two optional keys price what FLOPs do not (`legion-nn bench scaling` measures bo
 
 `"process_baseline_mib"` is what a rank's process holds before its buffers (the interpreter,
 NumPy, Numba's compiled kernels, MPI), which the memory prediction adds to the buffers
-(`runtime.step.memory`). `bench machine` measures it; the default, `DEFAULT_BASELINE_MIB`, is what
+(`runtime.step.rank_memory`). `bench machine` measures it; the default, `DEFAULT_BASELINE_MIB`, is what
 a rank of `train` measured on the development machine.
 
 The default machine is the one above: 100 GFLOP/s per rank, a 100 Gb/s link (12.5 GB/s), 2 µs

@@ -59,7 +59,7 @@ def report_json(
     """The `--json` object; `step` overrides `predicted_step_seconds` with the simulated step
     (`runtime.step.model.StepModel.step_prediction`: `predicted_step_seconds`, `step_model`,
     `bulk_synchronous_seconds`), and `memory` the memory per rank with the runtime's
-    (`runtime.step.memory.memory_prediction`). Without it, memory per rank is what the rows
+    (`runtime.step.rank_memory.memory_prediction`). Without it, memory per rank is what the rows
     count (every tensor held all step); with it, that count stays as `memory_held_*`."""
     held = list(cost.memory.values())
     micro_batches, schedule = schedule_of(graph)

@@ -91,7 +91,7 @@ def resolve_strategy(
     `partition` prints.
 
     With `peak` (a plan's most bytes on any rank, as the runtime holds them: the commands pass
-    `runtime.step.memory`'s) and no `param_homes`, `auto` also chooses each parameter's home
+    `runtime.step.rank_memory`'s) and no `param_homes`, `auto` also chooses each parameter's home
     and fits the step in the machine's memory (`memory_fit.fit`): one line (`NoFit`) where
     nothing it tries fits. `lower` (a bound below `step` found without a rank's program: the
     commands pass `runtime.step.model.StepModel.step_lower_bound`) lets the fit leave out the

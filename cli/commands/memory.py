@@ -1,12 +1,12 @@
 """`legion-nn memory SOURCE [--ranks R] [--strategy S] [--batch B] [--json F] [--plot F]`.
 
 Without `--strategy`: the peak memory of one step of a Chainer graph dump or a network, per
-data-parallel rank, by the framework-neutral schedule analysis of `legion_nn.memory`. SOURCE is a
+data-parallel rank, by the framework-neutral schedule analysis of `legion_nn.liveness`. SOURCE is a
 dump when it names an existing file that is not a spec file (.json, .toml); otherwise a built-in
 network or a spec file, lowered at `--batch` (default 256).
 
 With `--strategy` (data, model, spatial, auto or a grids file): what legion-nn's runtime holds on
-each rank when it runs that plan (`runtime.step.memory`): each rank's peak, its parts (parameters,
+each rank when it runs that plan (`runtime.step.rank_memory`): each rank's peak, its parts (parameters,
 optimizer state, data, the activations, gradients, messages and scratch live at the peak, the
 arena's unused space, the process baseline) and, with `--plot`, the bytes held over the step.
 SOURCE is then anything `legion_nn.sources` reads. Every output is checked before any is written,
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _schedule(args: argparse.Namespace):
-    from legion_nn.memory import schedule_from_dump, schedule_from_graph
+    from legion_nn.liveness import schedule_from_dump, schedule_from_graph
     from legion_nn.sources import is_dump
 
     path = Path(args.source)
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         outputs.append((args.json, (json.dumps(result, indent=1) + "\n").encode()))
     if args.plot:
-        from visualize.memory import live_bytes_figure
+        from visualize.live_memory import live_bytes_figure
 
         buffer = io.BytesIO()
         live_bytes_figure(report).savefig(buffer, format=check_plot(args.plot))
@@ -142,8 +142,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from legion_nn.verify import verify
     from partitioner.machine import load_machine
     from partitioner.strategy import check_ranks
-    from runtime.step.memory import predict
     from runtime.step.model import StepModel
+    from runtime.step.rank_memory import predict
     from visualize.render_file import check_plot
 
     check_ranks(args.ranks)
@@ -187,7 +187,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         outputs.append((args.json, (json.dumps(result, indent=1) + "\n").encode()))
     if args.plot:
-        from visualize.memory import rank_live_figure
+        from visualize.live_memory import rank_live_figure
 
         buffer = io.BytesIO()
         figure = rank_live_figure(

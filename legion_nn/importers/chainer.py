@@ -26,7 +26,7 @@ record names the *forward* variables and the role says which buffer of that vari
 
 So "the gradient of v" is the buffer named by id v in a gradient role or a backward output; it has
 v's byte size. A `gradient` listing reads v's gradient only: the peak-memory analysis
-(`legion_nn.memory`) frees v's data after the last function that reads it as data, a forward
+(`legion_nn.liveness`) frees v's data after the last function that reads it as data, a forward
 function taking it as input or a backward record listing it as `input` or `output`.
 
 Each backward record is the backward of the forward record with the same type and rank whose

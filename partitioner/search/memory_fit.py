@@ -4,7 +4,7 @@
 add up, every tensor held all step (`accounting.memory_by_unit`). The runtime holds less: each
 buffer lives from its first use to its last, and a parameter with a sharded home is whole only
 while a task reads it. So `fit` takes the memory per rank of a plan from the caller (the
-runtime's placement, `runtime.step.memory`, with the process baseline) and searches what the
+runtime's placement, `runtime.step.rank_memory`, with the process baseline) and searches what the
 rows cannot express:
 
 - grids: auto's choice under the machine's memory, auto's choice with memory unlimited (the

@@ -25,7 +25,6 @@ from partitioner import cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
-from runtime.step.memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
 from runtime.step.prediction import (
     SIMULATE_MAX_WORK,
     compute_lower_bound,
@@ -35,6 +34,7 @@ from runtime.step.prediction import (
     step_report,
 )
 from runtime.step.programs import build_programs
+from runtime.step.rank_memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
 from runtime.step.rank_program import RankProgram
 from runtime.step.simulator import SimulatedStep
 

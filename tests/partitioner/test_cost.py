@@ -18,7 +18,7 @@ from partitioner.plan import build_plan
 from partitioner.search.auto import auto
 from partitioner.strategy import builtin
 from partitioner.task_plan import Reduction
-from runtime.step.memory import predict
+from runtime.step.rank_memory import predict
 
 MACHINE = Machine(100, 12.5, 2, 16)
 

@@ -15,7 +15,7 @@ import pytest
 
 from cli.main import main
 from legion_nn.importers import import_dump, parse_dump
-from legion_nn.memory import schedule_from_dump
+from legion_nn.liveness import schedule_from_dump
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from legion_nn.verify import verify

@@ -214,7 +214,7 @@ def test_a_window_is_fetched_just_before_its_reader_and_moves_with_no_staging_co
 @pytest.mark.parametrize("homes", ["replicated", "sharded"])
 def test_sharded_homes_hold_less_than_replicated_and_the_prediction_is_what_runs(homes):
     from runtime.rank_executor import RankExecutor
-    from runtime.step.memory import predict
+    from runtime.step.rank_memory import predict
     from runtime.training import Trainer
 
     cfg = config(small_network(), batch=8)
@@ -289,10 +289,10 @@ def test_a_large_plan_with_sharded_homes_covers_every_cell_once():
 
 def test_memory_of_a_plan_gives_each_ranks_peak_its_parts_and_a_plot(tmp_path):
     """`legion-nn memory --strategy`: the runtime's prediction per rank, whose parts add up to
-    its peak, and the live bytes over the step, the same as `runtime.step.memory` places them."""
+    its peak, and the live bytes over the step, the same as `runtime.step.rank_memory` places them."""
     import json
 
-    from runtime.step.memory import predict
+    from runtime.step.rank_memory import predict
 
     out, plot = tmp_path / "memory.json", tmp_path / "live.png"
     result = run_cli(

@@ -228,7 +228,7 @@ def test_1f1b_measures_fewer_bytes_than_gpipe_and_both_as_predicted():
     """2 stages of a rank each, 8 micro-batches: the runtime's buffers peak at exactly what
     `step_memory` predicts under both schedules, and lower under 1F1B on the first stage."""
     from runtime.rank_executor import RankExecutor
-    from runtime.step.memory import predict
+    from runtime.step.rank_memory import predict
     from runtime.training import Trainer
     from runtime.transport import run_threads
 

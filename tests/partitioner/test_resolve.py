@@ -84,10 +84,10 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
     picked plan is the one the fit built, its programs are built once (the fit's placement of
     its buffers reads them too, not a few ranks' built apart), and every prediction equals the
     one made from scratch."""
-    from runtime.step import memory as step_memory
     from runtime.step import model as step_model
-    from runtime.step.memory import memory_prediction, plan_peak
+    from runtime.step import rank_memory as step_memory
     from runtime.step.programs import build_programs
+    from runtime.step.rank_memory import memory_prediction, plan_peak
 
     built: list[tuple] = []
 

@@ -414,10 +414,10 @@ def test_a_residual_network_with_a_concat_equals_the_local_run(strategy, nranks)
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_the_step_records_the_buffer_peak_against_the_predicted_memory(strategy, nranks):
     """`buffer_peak_bytes` is what the runtime holds on each rank, the resident tensors and the
-    arena of its step buffers: exactly the prediction (`runtime.step.memory`), which places the
+    arena of its step buffers: exactly the prediction (`runtime.step.rank_memory`), which places the
     same buffers. Reusing the space of buffers after their last use holds less than keeping
     every step tensor all step. `rss_peak_bytes` is the process's high-water mark."""
-    from runtime.step.memory import predict
+    from runtime.step.rank_memory import predict
 
     cfg = config(small_network(), batch=8)
 

@@ -15,8 +15,8 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.search.memory_fit import NoFit, fit, least_step
 from partitioner.strategy import builtin
-from runtime.step.memory import predict
 from runtime.step.model import StepModel
+from runtime.step.rank_memory import predict
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Peak-memory analysis: figures derived by hand for small dumps and graphs, the seed pinned, the CLI.
 
-The hand derivations follow `legion_nn.memory`'s rule: v's data lives until the last function that
+The hand derivations follow `legion_nn.liveness`'s rule: v's data lives until the last function that
 reads it as data (a forward function taking it as input, a backward record listing it as `input`
 or `output`); a backward record listing `v gradient` reads v's gradient only. `_any_role` gives the
 issue's first wording, where that listing also kept v's data alive, for comparison.
@@ -81,7 +81,7 @@ from legion_nn.importers import import_dump, parse_dump
 from legion_nn.importers.chainer import GRADIENT_ROLE, Dump
 from legion_nn.importers.chainer_graph import tensor_name
 from legion_nn.ir import Requirement, Task, Tensor
-from legion_nn.memory import Schedule, schedule_from_dump, schedule_from_graph
+from legion_nn.liveness import Schedule, schedule_from_dump, schedule_from_graph
 from legion_nn.rect import Rect
 from tests.paths import FIXTURES, ROOT
 
