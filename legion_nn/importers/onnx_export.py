@@ -14,7 +14,7 @@ import numpy as np
 
 from legion_nn.importers.onnx_graph import (
     initializer_aliases,
-    layer_name,
+    layer_names,
     layer_nodes,
     node_attributes,
 )
@@ -42,6 +42,7 @@ def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path
         dims = stored_dims(name)
         values[name] = value.reshape(dims[::-1]).T if transposed else value.reshape(dims)
 
+    names = layer_names(graph, aliases)
     for index, node in enumerate(layer_nodes(graph, aliases)):
         inputs = [i for i in node.input if aliases.get(i, i) in stored and i in arrays]
         if node.op_type == "Gemm" and not node_attributes(node).get("transB", 0):
@@ -53,7 +54,7 @@ def save_onnx(source: str | Path, arrays: dict[str, np.ndarray], out: str | Path
             put(node.input[1], weights, transposed=weights.ndim != len(stored_dims(node.input[1])))
             inputs = []
         elif node.op_type == "BatchNormalization":
-            running = arrays[f"{layer_name(node, index)}.running"]
+            running = arrays[f"{names[index]}.running"]
             put(node.input[3], running[0])
             put(node.input[4], running[1])
         for name in inputs:

@@ -74,11 +74,47 @@ def node_attributes(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def layer_name(node, index: int) -> str:
-    """A layer (group) name from the node's: its characters legion-nn's names allow, and its
-    position, so that names stay distinct."""
-    name = re.sub(r"[^A-Za-z0-9_]+", "_", node.name).strip("_")
-    return f"{name or node.op_type.lower()}_{index}"
+#: names the reader gives layers of its own (the data input's group, an appended loss)
+RESERVED_NAMES = frozenset({"data", "softmax"})
+
+
+def layer_names(graph, aliases: dict[str, str]) -> list[str]:
+    """Each of `layer_nodes`' names, readable and distinct, as the module path a user knows:
+    the path its parameters' names carry (`layer1.0.conv1` of `layer1.0.conv1.weight`), else
+    its scoped node name's (`/layer1/layer1.0/relu_1/Relu`: `layer1.0.relu_1`), else its node
+    name, each in the characters legion-nn's names allow (letters, digits, `_` and `.`); an
+    unnamed node is its op and place (`conv_12`), and a name taken already gets `_1`, `_2`, …"""
+    params = {t.name for t in graph.initializer} | set(aliases)
+    taken = set(RESERVED_NAMES)
+    names = []
+    for index, node in enumerate(layer_nodes(graph, aliases)):
+        name = _module_path(node, params) or f"{node.op_type.lower()}_{index}"
+        unique, count = name, 0
+        while unique in taken:
+            count += 1
+            unique = f"{name}_{count}"
+        taken.add(unique)
+        names.append(unique)
+    return names
+
+
+def _module_path(node, params: set[str]) -> str:
+    for value in node.input:
+        if value in params and "." in value:
+            path = _allowed(value.rsplit(".", 1)[0])
+            if path:
+                return path
+    if node.name.startswith("/"):
+        path = ""
+        for scope in node.name.strip("/").split("/")[:-1]:  # the last is the op's own
+            path = scope if not path or scope.startswith(f"{path}.") else f"{path}.{scope}"
+        return _allowed(path)
+    return _allowed(node.name)
+
+
+def _allowed(name: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.]+", "_", name)
+    return re.sub(r"\.{2,}", ".", name).strip("._")
 
 
 def layer_nodes(graph, aliases: dict[str, str]) -> list:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from legion_nn.importers.onnx_graph import layer_name
 from legion_nn.layers import LRN, AvgPool, BatchNorm, Conv, Linear, MaxPool
 
 
@@ -121,7 +120,7 @@ class ImageOps:
 
     def _linear(self, node, weights: np.ndarray, bias: str | None, index: int) -> None:
         """A linear layer of `weights` (M, K) over a flat input of K features."""
-        name = layer_name(node, index)
+        name = self.layer_names[index]
         self.linear_count += 1
         out, features = weights.shape
         self._add(Linear(name, out=out, bias=bias is not None))

@@ -63,7 +63,7 @@ from legion_nn.importers.onnx_graph import (
     first_line,
     fixed_batch,
     initializer_aliases,
-    layer_name,
+    layer_names,
     layer_nodes,
     node_attributes,
     sample_shape,
@@ -169,6 +169,8 @@ class _Reader(ImageOps, ChannelOps, SequenceOps):
             n for n in folded.nodes if n.op_type != "Identity" or n.output[0] not in self.aliases
         ]
         self.index_of = {id(n): i for i, n in enumerate(layer_nodes(model.graph, self.aliases))}
+        #: each such node's layer name, by that place (`layer_names`)
+        self.layer_names = layer_names(model.graph, self.aliases)
         self.consumers: dict[str, list] = {}
         for node in self.nodes:
             for name in node.input:
@@ -303,7 +305,7 @@ class _Reader(ImageOps, ChannelOps, SequenceOps):
             raise self.fail(node, "reads one tensor twice; supported: distinct inputs")
         groups = [self.values[v][0] for v in data]
         shapes = [self.values[v][1] for v in data]
-        name = layer_name(node, index)
+        name = self.layer_names[index]
         if node.op_type in ("Add", "Sum"):
             if len(set(shapes)) != 1:
                 raise self.fail(
@@ -342,7 +344,7 @@ class _Reader(ImageOps, ChannelOps, SequenceOps):
         return first in (0, -1) or self.batches[0] == self.batches[1] == first
 
     def name_of(self, node) -> str:
-        return layer_name(node, self.index_of[id(node)])
+        return self.layer_names[self.index_of[id(node)]]
 
     def attributes(self, node) -> dict:
         return node_attributes(node)
@@ -352,7 +354,7 @@ class _Reader(ImageOps, ChannelOps, SequenceOps):
         self.initial[theirs] = value
 
     def _node(self, node, index: int, last: bool) -> None:
-        op, attrs, name = node.op_type, node_attributes(node), layer_name(node, index)
+        op, attrs, name = node.op_type, node_attributes(node), self.layer_names[index]
         if self._image_node(node, attrs, name, index):
             return
         if op in NONLINEAR:

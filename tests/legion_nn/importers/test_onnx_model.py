@@ -257,7 +257,7 @@ def refused(tmp: Path) -> dict[str, tuple[Path, str]]:
     return {
         "grouped Conv": (
             grouped,
-            "node 'g' (Conv): layer g_0 (conv): groups 3 must divide its 2 input channels",
+            "node 'g' (Conv): layer g (conv): groups 3 must divide its 2 input channels",
         ),
         "dilated Conv": (dilated, "node 'd' (Conv): dilated Conv is not supported"),
         "unsupported op": (elu, "node 'e' (Elu): op not supported; supported: Conv, LRN"),
