@@ -50,10 +50,11 @@ random networks with an add or a concat); `bound` hides all of them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from math import prod
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,23 +82,44 @@ class RowCost:
     """One unit's row under one transition."""
 
     seconds: float
-    #: at least `memory`, each part a rank receives counted once per fetch that brings it
-    #: (cheap: the searches settle most fits with it)
-    memory_bound: np.ndarray | None
-    #: makes `memory`
-    _exact_memory: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+    #: bytes per rank of the memory terms the transition sets before what its fetches bring
+    #: (None: no memory counted)
+    held: np.ndarray | None = None
+    #: the row's fetches that bring parts to a rank: per tensor, its reads' (mine, key) pairs
+    fetches: tuple[tuple[tuple[bool, Key], ...], ...] = ()
+    prices: TaskPrices | None = field(default=None, repr=False, compare=False)
 
     @cached_property
-    def memory(self) -> np.ndarray:
+    def memory_bound(self) -> np.ndarray | None:
+        """At least `memory`: each part a rank receives counted once per fetch that brings it
+        (cheap: the searches settle most fits with it)."""
+        bound = self.held
+        for each in self.fetches:
+            bound = bound + self.prices.received_bound(each)
+        return bound
+
+    @cached_property
+    def memory(self) -> np.ndarray | None:
         """Bytes per rank of the memory terms this transition sets (see the module
         docstring): each part a rank receives counted once, however many fetches bring it."""
-        return self._exact_memory() if self._exact_memory is not None else self.memory_bound
+        if self.held is None:
+            return None
+        return sum((self.prices.received(each) for each in self.fetches), self.held)
 
     def fits(self, base: np.ndarray, capacity: float) -> bool:
         """Whether `base` plus this row's memory is within `capacity` bytes on every rank."""
         if (base + self.memory_bound).max(initial=0) <= capacity:
             return True
         return bool((base + self.memory).max(initial=0) <= capacity)
+
+
+class _Replayed(NamedTuple):
+    """A window replayed (`UnitPricer._walk`): its costed tasks' seconds, the memory terms it
+    sets before what its fetches bring (None: not counted), and those fetches."""
+
+    seconds: float
+    held: np.ndarray | None
+    fetches: tuple[tuple[tuple[bool, Key], ...], ...]
 
 
 class UnitPricer(RowWindows):
@@ -131,7 +153,7 @@ class UnitPricer(RowWindows):
 
     def factor(self, i: int, grids: Mapping[int, Grid]) -> RowCost:
         """Unit i's row when each unit of `self.deps[i]`, and unit i, run on `grids`."""
-        return RowCost(*self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, ()))
+        return self._row(self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, ()))
 
     def bound(self, i: int, q: Grid, known: Mapping[int, Grid] | None = None) -> float:
         """A lower bound on unit i's row seconds on grid `q` whatever the grids of the units it
@@ -171,20 +193,18 @@ class UnitPricer(RowWindows):
         return self._bounds.remember(("compute", i, q), make)
 
     def _bound(self, i: int, grids: Mapping[int, Grid], hidden: tuple[int, ...]) -> float:
-        return self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, hidden)[0]
+        return self._walk(self.window[i], self.costed[i], self.touched[i], grids, i, hidden).seconds
 
     def constant(self) -> RowCost:
         """The rows of no unit (data loading) and the memory no unit's grid sets."""
-        return RowCost(
-            *self._walk(
-                self.constant_window,
-                set(self.constant_tasks),
-                self.constant_touched,
-                {},
-                None,
-                (),
+        return self._row(
+            self._walk(
+                self.constant_window, set(self.constant_tasks), self.constant_touched, {}, None, ()
             )
         )
+
+    def _row(self, replayed: _Replayed) -> RowCost:
+        return RowCost(replayed.seconds, replayed.held, replayed.fetches, self.prices)
 
     def _walk(
         self,
@@ -194,10 +214,10 @@ class UnitPricer(RowWindows):
         grids: Mapping[int, Grid],
         unit: int | None,
         hidden: tuple[int, ...],
-    ) -> tuple[float, np.ndarray | None, Callable[[], np.ndarray] | None]:
+    ) -> _Replayed:
         """The seconds of the `costed` tasks of `window`, replayed in program order, and the
-        memory terms `unit`'s transition sets: a bound counting each fetch's parts, and how to
-        count each part once (`RowCost`).
+        memory terms `unit`'s transition sets, with the fetches whose parts they count
+        (`RowCost`).
 
         `hidden` are the units whose grids are unknown, for `bound` (none: `transition`, every
         grid known): their tasks are left out, the tensors they write have unknown layouts and those
@@ -267,16 +287,9 @@ class UnitPricer(RowWindows):
             if memory is not None and held is not None:
                 memory = memory + held
         if memory is None:
-            return seconds, None, None
-        found = [tuple(f) for f in fetched.values() if any(mine for mine, _ in f)]
-        bound = memory
-        for each in found:
-            bound = bound + self.prices.received_bound(each)
-
-        def exact() -> np.ndarray:
-            return sum((self.prices.received(each) for each in found), memory)
-
-        return seconds, bound, exact
+            return _Replayed(seconds, None, ())
+        found = tuple(tuple(f) for f in fetched.values() if any(mine for mine, _ in f))
+        return _Replayed(seconds, memory, found)
 
     def _first_layout(
         self, name: str, tensor: str, grids: Mapping[int, Grid], bounding: bool, reduce: bool
