@@ -14,6 +14,7 @@ collective, whose participant lists are cached).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -152,42 +153,80 @@ def combine(
     fail: Fail,
 ) -> tuple[TransferBlock, list[tuple[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]]]]:
     """Partial-sum transfers and collectives (participants, [(target rect, holders)]) adding
-    `contributions` into `layout`; transfers are placed at `major` in the task's list."""
-    box, cell, part_lo, part_hi = boxes.grid_overlaps(
-        layout.cut_arrays, contributions.rect_lo, contributions.rect_hi
-    )
-    group, group_first = boxes.first_seen_ids(cell[:, None])
-    order = np.argsort(group, kind="stable")
-    box, cell, part_lo, part_hi, group = (
-        box[order],
-        cell[order],
-        part_lo[order],
-        part_hi[order],
-        group[order],
-    )
-    ngroups = len(group_first)
-    starts = np.searchsorted(group, np.arange(ngroups))
-    group_cell = cell[starts]
-    if np.any(layout.holder_count[group_cell] == 0):
+    `contributions` into `layout`; transfers are placed at `major` in the task's list.
+
+    The contributions' parts are grouped by the layout's cell they fall in (`_CellParts`), and
+    each cell is summed by the cheapest means that fits it: one contribution into a cell of one
+    holder is a partial sum unless it is the holder's own; differing parts into a cell of one
+    holder are each sent to it (`_single_holder_rows`); the rest, rare at scale, are
+    collectives, or partial sums into replicated cells (`_shared_cells`)."""
+    parts = _CellParts.of(layout, contributions)
+    if np.any(layout.holder_count[parts.group_cell] == 0):
         raise fail(f"reduces into {tensor} where nothing was zeroed")
-    lead = starts[group]
-    differs = np.any(part_lo != part_lo[lead], axis=1) | np.any(part_hi != part_hi[lead], axis=1)
-    equal = np.bincount(group, weights=differs, minlength=ngroups) == 0
-    entries = np.bincount(group, minlength=ngroups)
+    rows, handled = _single_holder_rows(parts, layout, contributions)
+    records, collectives = _shared_cells(parts, layout, contributions, np.flatnonzero(~handled))
+    block = _partial_sums(tensor, itemsize, parts.part_lo, parts.part_hi, rows, records, major)
+    return block, list(collectives.items())
+
+
+@dataclass(frozen=True)
+class _CellParts:
+    """The parts of contributions (`box`: which) within the layout's cells (`cell`), in order
+    of group (`group`: a cell's parts, numbered as first seen), the groups' first parts
+    (`starts`) and cells, whether every part of a group is the same rect (`equal`), and how many
+    parts each has (`entries`)."""
+
+    box: np.ndarray
+    cell: np.ndarray
+    part_lo: np.ndarray
+    part_hi: np.ndarray
+    group: np.ndarray
+    starts: np.ndarray
+    group_cell: np.ndarray
+    equal: np.ndarray
+    entries: np.ndarray
+
+    @classmethod
+    def of(cls, layout: Layout, contributions: Accesses) -> _CellParts:
+        box, cell, part_lo, part_hi = boxes.grid_overlaps(
+            layout.cut_arrays, contributions.rect_lo, contributions.rect_hi
+        )
+        group, group_first = boxes.first_seen_ids(cell[:, None])
+        order = np.argsort(group, kind="stable")
+        box, cell, part_lo, part_hi, group = (
+            box[order],
+            cell[order],
+            part_lo[order],
+            part_hi[order],
+            group[order],
+        )
+        ngroups = len(group_first)
+        starts = np.searchsorted(group, np.arange(ngroups))
+        lead = starts[group]
+        differs = np.any(part_lo != part_lo[lead], axis=1) | np.any(
+            part_hi != part_hi[lead], axis=1
+        )
+        equal = np.bincount(group, weights=differs, minlength=ngroups) == 0
+        entries = np.bincount(group, minlength=ngroups)
+        return cls(box, cell, part_lo, part_hi, group, starts, cell[starts], equal, entries)
+
+
+def _single_holder_rows(
+    parts: _CellParts, layout: Layout, contributions: Accesses
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The partial sums into cells of one holder, as rows (group, position, part, src, dst),
+    and which groups they handle."""
+    box, group, starts, equal = parts.box, parts.group, parts.starts, parts.equal
     ranks_per = np.diff(contributions.ptr)
-    holders_per = layout.holder_count[group_cell]
-    owner = layout.holder_ranks[layout.holder_ptr[group_cell]]
-    # transfers as (group, position, part row, src, dsts) collected, then ordered
-    records: list[tuple[int, int, int, int, tuple[int, ...]]] = []
-    rows: list[np.ndarray] = []
-    # 1. one contribution from one rank into a cell with one holder: a partial sum unless it is
-    #    the holder's own
-    simple = equal & (entries == 1) & (ranks_per[box[starts]] == 1) & (holders_per == 1)
+    holders_per = layout.holder_count[parts.group_cell]
+    owner = layout.holder_ranks[layout.holder_ptr[parts.group_cell]]
+    # one contribution from one rank: a partial sum unless it is the holder's own
+    simple = equal & (parts.entries == 1) & (ranks_per[box[starts]] == 1) & (holders_per == 1)
     g = np.flatnonzero(simple)
     lone = contributions.ranks[contributions.ptr[box[starts[g]]]]
     g, lone = g[lone != owner[g]], lone[lone != owner[g]]
-    rows.append(np.stack([g, np.zeros_like(g), starts[g], lone, owner[g]], axis=1))
-    # 2. differing parts, into cells with one holder: every contributor sends its part
+    rows = [np.stack([g, np.zeros_like(g), starts[g], lone, owner[g]], axis=1)]
+    # differing parts: every contributor sends its part
     split = ~equal & (holders_per == 1)
     pairs = np.flatnonzero(split[group])
     pair_ptr, senders = boxes.gather_ragged(contributions.ptr, contributions.ranks, box[pairs])
@@ -198,35 +237,40 @@ def combine(
     rows.append(
         np.stack([group[pair_of], position, pair_of, senders, owner[group[pair_of]]], axis=1)
     )
-    # 3. the rest, rare at scale: collectives, and partial sums into replicated cells
+    return rows, simple | split
+
+
+def _shared_cells(
+    parts: _CellParts, layout: Layout, contributions: Accesses, rest: np.ndarray
+) -> tuple[
+    list[tuple[int, int, int, int, tuple[int, ...]]],
+    dict[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]],
+]:
+    """The groups `rest` summed otherwise: records (group, position, part, src, dsts) of the
+    partial sums into replicated cells, and the collectives by participants. Each group's
+    contributors and holders take part; two of them with one holder is one partial sum."""
+    records: list[tuple[int, int, int, int, tuple[int, ...]]] = []
     collectives: dict[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]] = {}
     union: dict[tuple[int, ...], tuple[tuple[int, ...], frozenset[int]]] = {}
-    flat = contributions.ranks.tolist()
-    ptr = contributions.ptr.tolist()
     # the loop reads Python lists: indexing NumPy arrays element by element costs more than
     # the rest of an iteration, and vgg19's weight gradients at 1024 ranks take some 10⁴
-    rest = np.flatnonzero(~simple & ~split)
+    flat = contributions.ranks.tolist()
+    ptr = contributions.ptr.tolist()
     holder_ptr, holder_ranks = layout.holder_ptr.tolist(), layout.holder_ranks.tolist()
-    box_of = box.tolist()
-    firsts = starts[rest]
+    box_of = parts.box.tolist()
+    firsts = parts.starts[rest]
     for gi, cell_i, first, count, same, lead_lo, lead_hi in zip(
         rest.tolist(),
-        group_cell[rest].tolist(),
+        parts.group_cell[rest].tolist(),
         firsts.tolist(),
-        entries[rest].tolist(),
-        equal[rest].tolist(),
-        part_lo[firsts].tolist(),
-        part_hi[firsts].tolist(),
+        parts.entries[rest].tolist(),
+        parts.equal[rest].tolist(),
+        parts.part_lo[firsts].tolist(),
+        parts.part_hi[firsts].tolist(),
     ):
         holders = tuple(holder_ranks[holder_ptr[cell_i] : holder_ptr[cell_i + 1]])
-        members = range(first, first + count)
         if not same:
-            for k, p in enumerate(members):
-                u = box_of[p]
-                for rank in flat[ptr[u] : ptr[u + 1]]:
-                    dsts = tuple(h for h in holders if h != rank)
-                    if dsts:
-                        records.append((gi, k, p, rank, dsts))
+            records += _each_part_to_its_holders(gi, first, count, holders, box_of, flat, ptr)
             continue
         key = tuple(box_of[first : first + count])
         if key not in union:
@@ -245,8 +289,28 @@ def combine(
             continue
         part = boxes.to_rect(lead_lo, lead_hi)
         collectives.setdefault(participants, []).append((part, holders))
-    block = _partial_sums(tensor, itemsize, part_lo, part_hi, rows, records, major)
-    return block, list(collectives.items())
+    return records, collectives
+
+
+def _each_part_to_its_holders(
+    group: int,
+    first: int,
+    count: int,
+    holders: tuple[int, ...],
+    box_of: list[int],
+    flat: list[int],
+    ptr: list[int],
+) -> list[tuple[int, int, int, int, tuple[int, ...]]]:
+    """Group `group`'s differing parts (`first`, `count` of them): each contributor of each
+    sends it to every holder but itself."""
+    records = []
+    for k, p in enumerate(range(first, first + count)):
+        u = box_of[p]
+        for rank in flat[ptr[u] : ptr[u + 1]]:
+            dsts = tuple(h for h in holders if h != rank)
+            if dsts:
+                records.append((group, k, p, rank, dsts))
+    return records
 
 
 def _partial_sums(
