@@ -67,8 +67,8 @@ from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import PlanError
 from partitioner.search.layout_cache import Key, LayoutCache, Memo
-from partitioner.search.row_windows import NotAChain, RowWindows
 from partitioner.search.task_prices import TaskPrices
+from partitioner.search.unit_windows import NotAChain, UnitWindows
 from partitioner.strategy import (
     Grid,
     Unit,
@@ -122,7 +122,7 @@ class _Replayed(NamedTuple):
     fetches: tuple[tuple[tuple[bool, Key], ...], ...]
 
 
-class UnitPricer(RowWindows):
+class UnitPricer(UnitWindows):
     """Prices the rows of a chain's units under transitions (see the module docstring)."""
 
     def __init__(

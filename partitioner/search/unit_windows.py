@@ -30,7 +30,7 @@ class NotAChain(Exception):
     """The graph's costs do not split into rows over the units' dependencies."""
 
 
-class RowWindows:
+class UnitWindows:
     """The rows of `units` in `graph`: their dependencies, windows and memory terms."""
 
     def __init__(self, graph: TaskGraph, units: Sequence[Unit]) -> None:
