@@ -292,19 +292,46 @@ def test_bad_models_get_one_line_and_nothing_is_written(case, tmp_path):
 
 
 def test_every_command_takes_a_model(tmp_path):
+    """graph, partition, memory, render and train each read an ONNX model as a network: the
+    graph is the network's lowering, the plan covers every layer on the ranks asked, the peak
+    holds at least the parameters, the drawing has every task, and training runs its steps."""
     path = str(pool_matmul(tmp_path))
-    for args in (
-        ["graph", path, "--batch", "4", "--json", str(tmp_path / "g.json")],
-        ["partition", path, "--ranks", "3", "--strategy", "auto", "--batch", "6"],
-        ["memory", path, "--batch", "4"],
-        ["render", path, "-o", str(tmp_path / "m.dot"), "--batch", "2"],
-        ["train", path, "--data", "synthetic", "--steps", "2", "--batch", "4", "--no-progress"],
-    ):
+    network = load(path)
+
+    def cli(*args: str) -> str:
         result = subprocess.run(
             [sys.executable, "-m", "cli", *args],
             capture_output=True, text=True, check=False, cwd=ROOT,
         )  # fmt: skip
         assert result.returncode == 0, (args[0], result.stderr)
+        return result.stdout
+
+    cli("graph", path, "--batch", "4", "--json", str(tmp_path / "g.json"))
+    written = json.loads((tmp_path / "g.json").read_text())
+    assert [t["name"] for t in written["tasks"]] == [t.name for t in network.lower(4).tasks]
+
+    report = cli("partition", path, "--ranks", "3", "--strategy", "auto", "--batch", "6")
+    assert report.startswith("pool_matmul, batch 6: auto on 3 ranks")
+    rows = {line.split()[0] for line in report.splitlines() if line.strip()}
+    # the loss's rows are its tasks' (softmax, evaluate)
+    loss = ("softmax", "evaluate")
+    assert {layer.name for layer in network.layers if layer.KIND not in loss} <= rows
+    assert re.search(r"^step [0-9.]+ s, simulated", report, re.MULTILINE)
+
+    memory = cli("memory", path, "--batch", "4")
+    peak = int(re.search(r"peak\s+([0-9,]+) bytes", memory).group(1).replace(",", ""))
+    params = int(re.search(r"parameters\s+([0-9,]+) bytes", memory).group(1).replace(",", ""))
+    assert peak >= params == 4 * sum(v.size for v in network.initial.values())
+
+    cli("render", path, "-o", str(tmp_path / "m.dot"), "--batch", "2")
+    drawing = (tmp_path / "m.dot").read_text()
+    assert drawing.startswith("digraph pool_matmul")
+    assert f"{len(network.lower(2).tasks)} tasks" in drawing
+
+    trained = cli("train", path, "--data", "synthetic", "--steps", "2", "--batch", "4",
+                  "--no-progress")  # fmt: skip
+    assert "batch 4, 2 steps" in trained
+    assert re.search(r"^done in [0-9.]+ s: test accuracy [0-9.]+", trained, re.MULTILINE)
 
 
 @pytest.mark.parametrize(
