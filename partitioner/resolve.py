@@ -51,6 +51,10 @@ from partitioner.strategy import (
     with_homes,
 )
 
+#: told, before a search begins, the strategies whose plans it will ask a `StepFn` and a
+#: `PeakFn` about on so many ranks
+ForeseeFn = Callable[[TaskGraph, list[Strategy], int], None]
+
 
 def check_plannable(graph: TaskGraph) -> None:
     """Every task needs an access map to be cut into pieces (a hand-edited graph may lack one)."""
@@ -79,6 +83,7 @@ def resolve_strategy(
     step: StepFn | None = None,
     lower: LowerFn | None = None,
     sums: SumsFn | None = None,
+    foresee: ForeseeFn | None = None,
 ) -> tuple[Strategy, list[dict] | None]:
     """The strategy `name` stands for on `nranks` ranks with `--param-homes` (None: replicated),
     and auto's reasons (None otherwise); `note` hears why `auto` settled for `data` on a
@@ -98,10 +103,18 @@ def resolve_strategy(
     plans that cannot be the fastest before placing their memory. `sums` (whether `step`
     compares the graph's plans on so many ranks by their bulk-synchronous sums, as the DP does:
     the commands pass `StepModel.step_is_sum`) lets a search that proved its grids' sum the least
-    of all return them where they fit, as it does without `step`: no built-in's plan is made."""
+    of all return them where they fit, as it does without `step`: no built-in's plan is made.
+    `foresee` is told the built-ins' plans before the search begins, which `auto` with `step`
+    compares with its search's grids where they may be faster (the commands pass
+    `StepModel.foresee`, which works them out meanwhile on idle cores)."""
     deadline = time.monotonic() + time_limit
     if name == "auto" and stages_of(graph) > 1:
         return _auto_in_stages(graph, nranks, machine, param_homes, step, lower), None
+    if name == "auto" and foresee is not None and step is not None and not batch_only(graph):
+        homes = param_homes or "replicated"
+        foresee(
+            graph, [with_homes(graph, builtin(graph, f, nranks), homes) for f in BUILTIN], nranks
+        )
     strategy, why, searched = _resolve(graph, name, nranks, machine, time_limit, note)
     homes = param_homes or "replicated"
     if searched is None or peak is None or param_homes is not None:

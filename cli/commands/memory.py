@@ -151,7 +151,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     graph = load_planned(args, args.source, NETWORK_BATCH)
     verify(graph)
     model = StepModel(machine)
-    graph, strategy, _, _ = resolve_step(args, graph, args.ranks, machine, model, _note, 30.0)
+    with model.looking_ahead():
+        graph, strategy, _, _ = resolve_step(args, graph, args.ranks, machine, model, _note, 30.0)
     plan = model.plan(graph, strategy, args.ranks)
     memories = predict(graph, plan, machine, programs=model.programs(graph, plan))
     fullest = max(memories.values(), key=lambda m: m.peak)

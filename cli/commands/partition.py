@@ -120,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
     reports = []
     for nranks in counts:
         check_ranks(nranks)
-        graph, strategy, why, search = resolve_step(
-            args, loaded, nranks, machine, model, _note, args.time_limit
-        )
+        with model.looking_ahead():  # the built-ins' plans on idle cores, while auto searches
+            graph, strategy, why, search = resolve_step(
+                args, loaded, nranks, machine, model, _note, args.time_limit
+            )
         plan = model.plan(graph, strategy, nranks)
         if args.verify:
             verify_plan(graph, plan)

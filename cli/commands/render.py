@@ -135,9 +135,10 @@ def _plan(args: argparse.Namespace, graph):
         print(f"legion-nn render: {message}", file=sys.stderr)
 
     model = StepModel(machine)
-    graph, strategy, _, _ = resolve_step(
-        args, graph, args.ranks, machine, model, note, args.time_limit, args.strategy or "auto"
-    )
+    with model.looking_ahead():
+        graph, strategy, _, _ = resolve_step(
+            args, graph, args.ranks, machine, model, note, args.time_limit, args.strategy or "auto"
+        )
     return graph, model.plan(graph, strategy, args.ranks)
 
 

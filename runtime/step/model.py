@@ -18,13 +18,16 @@ command makes one model per machine and asks it for the plan it reports (`plan`)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from functools import partial
 
 from legion_nn.graph import TaskGraph
 from partitioner import cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
+from runtime.step.foresight import Foresight, spare_cores
 from runtime.step.prediction import (
     SIMULATE_MAX_WORK,
     compute_lower_bound,
@@ -59,6 +62,11 @@ class StepModel:
         self._simulated: dict[tuple, SimulatedStep | None] = {}
         #: the last `KEPT_PLANS` plans asked about, by `_key`
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        #: processes the model may fork to work out plans it was told of (`looking_ahead`)
+        self._workers = 0
+        self._foresight: Foresight | None = None
+        #: per plan (`_key`) worked out ahead, its (peak, step)
+        self._foreseen: dict[tuple, tuple[int, float]] = {}
 
     def _key(self, graph: TaskGraph, name: str, unit_grids, sharded, nranks: int) -> tuple:
         self._graphs.setdefault(id(graph), graph)
@@ -82,6 +90,58 @@ class StepModel:
         self._plans.move_to_end(key)
         while len(self._plans) > KEPT_PLANS:
             self._plans.popitem(last=False)
+
+    @contextmanager
+    def looking_ahead(self, workers: int | None = None) -> Iterator[StepModel]:
+        """Within the block, `foresee` works plans out in up to `workers` forked processes
+        (default: one per core beyond this process's); their processes end with the block."""
+        self._workers = spare_cores() if workers is None else workers
+        try:
+            yield self
+        finally:
+            self._workers = 0
+            if self._foresight is not None:
+                self._foresight.close()
+                self._foresight = None
+
+    def foresee(self, graph: TaskGraph, strategies: Sequence[Strategy], nranks: int) -> None:
+        """Start working out `peak` and `step` of the plans of `strategies` on `nranks` ranks,
+        which a search will ask for, in forked processes (`runtime.step.foresight`), where
+        `looking_ahead` allows them and the plans' steps are simulated (a sum costs nothing
+        to find): the values `peak` and `step` then give are the same, found meanwhile."""
+        if not self._workers or not objective_simulates(graph, nranks):
+            return
+        if self._foresight is not None:
+            self._foresight.close()
+        jobs = {
+            self._key(graph, s.name, s.unit_grids, s.sharded, nranks): partial(
+                self._work_out, graph, s, nranks
+            )
+            for s in strategies
+        }
+        self._foresight = Foresight(jobs, self._workers)
+
+    @property
+    def foreseen(self) -> list[str]:
+        """The strategies (by name) of the plans whose values processes worked out and `peak`
+        or `step` gave."""
+        return [key[1] for key in self._foreseen]
+
+    def _work_out(self, graph: TaskGraph, strategy: Strategy, nranks: int) -> tuple[int, float]:
+        """(peak, step) of a plan, in a process `foresee` forked."""
+        self._foresight = None  # this process's copy: it asks no one else
+        plan = build_plan(graph, strategy, nranks)
+        return self.peak(graph, plan), self.step(graph, plan)
+
+    def _ahead(self, graph: TaskGraph, plan: Plan) -> tuple[int, float] | None:
+        """(peak, step) of `plan` where a process `foresee` forked worked it out."""
+        key = self._plan_key(graph, plan)
+        found = self._foreseen.get(key)
+        if found is None and self._foresight is not None:
+            done, value = self._foresight.take(key)
+            if done:
+                found = self._foreseen[key] = value
+        return found
 
     def programs(
         self, graph: TaskGraph, plan: Plan, most_built: int | None = None
@@ -116,6 +176,9 @@ class StepModel:
         step with the machine's time outside the tasks where every plan of its graph and ranks
         would be (`prediction.objective_simulates`), else the bulk-synchronous sum
         (`bulk_seconds`, where the caller has found it already)."""
+        ahead = self._ahead(graph, plan)
+        if ahead is not None:
+            return ahead[1]
         loop = self.machine.step_loop_seconds(plan.nranks)
         if objective_simulates(graph, plan.nranks):
             found = self.simulated(graph, plan)
@@ -143,6 +206,9 @@ class StepModel:
         what `auto` fits in memory. Where `step` simulates the plan, from every rank's programs,
         built here once for both (placing a few ranks' buffers alone costs most of what
         building them all does, since a plan's messages are found for every rank at once)."""
+        ahead = self._ahead(graph, plan)
+        if ahead is not None:
+            return ahead[0]
         found = self._programs.get(self._plan_key(graph, plan))
         programs = found[1] if found is not None else None
         if programs is None and objective_simulates(graph, plan.nranks):

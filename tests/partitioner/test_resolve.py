@@ -229,3 +229,30 @@ def test_beyond_the_ranks_simulated_auto_returns_the_searchs_least_sum_without_p
     )  # fmt: skip
     assert quick.unit_grids == fitted.unit_grids and quick.sharded == fitted.sharded
     assert planned == ["auto"]
+
+
+@pytest.mark.parametrize("network,batch,ranks,machine", CASES[1:2] + CASES[3:])
+def test_the_built_ins_worked_out_ahead_give_auto_what_it_would_find_itself(
+    network, batch, ranks, machine
+):
+    """`partition` lets idle cores work out the built-ins' plans while auto searches: auto
+    chooses the same plan, from the same values, which forked processes found."""
+    import multiprocessing
+
+    graph = load_network(network).lower(batch=batch, optimizer="sgd")
+    alone = StepModel(machine)
+    expected = resolve_strategy(graph, "auto", ranks, machine, 10.0, peak=alone.peak,
+                                step=alone.step, lower=alone.step_lower_bound)  # fmt: skip
+    ahead = StepModel(machine)
+    with ahead.looking_ahead(workers=1):
+        chosen = resolve_strategy(graph, "auto", ranks, machine, 10.0, peak=ahead.peak,
+                                  step=ahead.step, lower=ahead.step_lower_bound,
+                                  foresee=ahead.foresee)  # fmt: skip
+    assert multiprocessing.active_children() == []
+    assert chosen == expected
+    assert ahead.foreseen  # some built-in was asked for, and a process had worked it out
+    for family in BUILTIN:
+        plan = build_plan(graph, builtin(graph, family, ranks), ranks)
+        if family in ahead.foreseen:
+            assert ahead.peak(graph, plan) == alone.peak(graph, plan)
+            assert ahead.step(graph, plan) == alone.step(graph, plan)

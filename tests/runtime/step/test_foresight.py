@@ -1,0 +1,140 @@
+"""Jobs worked out ahead in forked processes: their values, each job done once (by a process or
+by the caller, never both), and no process left when the `Foresight` is closed."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from runtime.step.foresight import Foresight
+
+WAIT = 60.0  # seconds, far beyond a fork on a loaded machine
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + WAIT
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.005)
+
+
+def _marked(folder: Path, name: str, value: object) -> tuple[object, int]:
+    """Leave a mark that the job began, and give its value and the process it ran in."""
+    (folder / name).touch()
+    return value, os.getpid()
+
+
+def _held(folder: Path, name: str, value: object) -> tuple[object, int]:
+    """`_marked`, then wait for the test to let it end."""
+    (folder / name).touch()
+    _wait_for(folder / f"{name}.release")
+    return value, os.getpid()
+
+
+def _raises(folder: Path) -> None:
+    (folder / "raises").touch()
+    raise ValueError("the caller meets this itself")
+
+
+def _dies(folder: Path) -> None:
+    (folder / "dies").touch()
+    os._exit(3)
+
+
+@pytest.fixture
+def closing():
+    made: list[Foresight] = []
+    yield made.append
+    for foresight in made:
+        foresight.close()
+
+
+def test_a_process_works_jobs_out_in_order_and_leaves_the_caller_those_none_began(
+    tmp_path, closing
+):
+    jobs = {
+        "a": partial(_held, tmp_path, "a", "A"),
+        "b": partial(_marked, tmp_path, "b", "B"),
+        "c": partial(_marked, tmp_path, "c", "C"),
+    }
+    foresight = Foresight(jobs, workers=1)
+    closing(foresight)
+    _wait_for(tmp_path / "a")  # the one process is at a; b and c wait
+    assert foresight.take("c") == (False, None)  # the caller's now
+    (tmp_path / "a.release").touch()
+    done, (value, pid) = foresight.take("a")
+    assert done and value == "A" and pid != os.getpid()
+    _wait_for(tmp_path / "b")  # the process went on to b, not to c
+    assert foresight.take("b") == (True, ("B", pid))
+    assert foresight.take("a") == (False, None)  # a job is taken once
+    assert foresight.take("unknown") == (False, None)
+    foresight.close()
+    assert not (tmp_path / "c").exists()
+    assert multiprocessing.active_children() == []
+
+
+def test_jobs_are_shared_by_the_processes(tmp_path, closing):
+    jobs = {name: partial(_held, tmp_path, name, name.upper()) for name in ("a", "b")}
+    foresight = Foresight(jobs, workers=2)
+    closing(foresight)
+    _wait_for(tmp_path / "a")
+    _wait_for(tmp_path / "b")  # both begun at once: one process each
+    for name in jobs:
+        (tmp_path / f"{name}.release").touch()
+    (done_a, (a, pid_a)), (done_b, (b, pid_b)) = foresight.take("a"), foresight.take("b")
+    assert done_a and done_b and (a, b) == ("A", "B")
+    assert len({pid_a, pid_b, os.getpid()}) == 3
+
+
+def test_a_job_that_raises_is_left_to_the_caller(tmp_path, closing):
+    foresight = Foresight({"raises": partial(_raises, tmp_path)}, workers=1)
+    closing(foresight)
+    _wait_for(tmp_path / "raises")
+    assert foresight.take("raises") == (False, None)
+
+
+def test_the_jobs_of_a_process_that_died_are_left_to_the_caller(tmp_path, closing):
+    jobs = {"dies": partial(_dies, tmp_path), "after": partial(_marked, tmp_path, "after", 1)}
+    foresight = Foresight(jobs, workers=1)
+    closing(foresight)
+    _wait_for(tmp_path / "dies")
+    assert foresight.take("dies") == (False, None)
+    assert foresight.take("after") == (False, None)  # no process is left to begin it
+    assert not (tmp_path / "after").exists()
+
+
+def test_closing_ends_a_process_at_its_job(tmp_path):
+    foresight = Foresight({"a": partial(_held, tmp_path, "a", "A")}, workers=1)
+    _wait_for(tmp_path / "a")
+    started = time.monotonic()
+    foresight.close()
+    assert multiprocessing.active_children() == []
+    assert time.monotonic() - started < WAIT / 2  # ended, not waited for
+    foresight.close()  # again: nothing to do
+    assert foresight.take("a") == (False, None)
+
+
+@pytest.mark.parametrize("reason", ["no spare core", "another thread runs"])
+def test_nothing_is_forked_without_a_spare_core_or_beside_another_thread(tmp_path, closing, reason):
+    jobs = {"a": partial(_marked, tmp_path, "a", "A")}
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    if reason == "another thread runs":
+        thread.start()
+    try:
+        foresight = Foresight(jobs, workers=0 if reason == "no spare core" else 2)
+        closing(foresight)
+        assert multiprocessing.active_children() == []
+        assert foresight.take("a") == (False, None)
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+    assert not (tmp_path / "a").exists()
