@@ -120,16 +120,15 @@ def run(args: argparse.Namespace) -> int:
     reports = []
     for nranks in counts:
         check_ranks(nranks)
-        with model.looking_ahead():  # the built-ins' plans on idle cores, while auto searches
+        with model.looking_ahead():  # idle cores: the built-ins while auto searches, then memory
             graph, strategy, why, search = resolve_step(
                 args, loaded, nranks, machine, model, _note, args.time_limit
             )
-        plan = model.plan(graph, strategy, nranks)
-        if args.verify:
-            verify_plan(graph, plan)
-        cost = plan_cost(graph, plan, machine)
-        step = model.step_prediction(graph, plan, cost.step_seconds)
-        memory = model.memory_prediction(graph, plan)
+            plan = model.plan(graph, strategy, nranks)
+            if args.verify:
+                verify_plan(graph, plan)
+            cost = plan_cost(graph, plan, machine)
+            step, memory = model.predictions(graph, plan, cost.step_seconds)
         report = report_json(graph, plan, cost, why, step, memory)
         if search is not None:
             report["pipeline_search"] = [c.row() for c in search.tried]

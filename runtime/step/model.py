@@ -18,7 +18,7 @@ command makes one model per machine and asks it for the plan it reports (`plan`)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -111,15 +111,21 @@ class StepModel:
         to find): the values `peak` and `step` then give are the same, found meanwhile."""
         if not self._workers or not objective_simulates(graph, nranks):
             return
-        if self._foresight is not None:
-            self._foresight.close()
         jobs = {
             self._key(graph, s.name, s.unit_grids, s.sharded, nranks): partial(
                 self._work_out, graph, s, nranks
             )
             for s in strategies
         }
+        self._look_ahead(jobs)
+
+    def _look_ahead(self, jobs: Mapping[tuple, Callable[[], object]]) -> Foresight:
+        """Processes for `jobs`, in place of those for the jobs given before (whose values
+        are no longer wanted)."""
+        if self._foresight is not None:
+            self._foresight.close()
         self._foresight = Foresight(jobs, self._workers)
+        return self._foresight
 
     @property
     def foreseen(self) -> list[str]:
@@ -227,3 +233,21 @@ class StepModel:
         """`memory.memory_prediction` of `plan`, from the programs built already."""
         programs = self.programs(graph, plan) if plan.nranks <= PLACED_MAX_RANKS else None
         return memory_prediction(graph, plan, self.machine, programs)
+
+    def predictions(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> tuple[dict, dict]:
+        """`step_prediction` and `memory_prediction` of `plan`, as a command reports it: where
+        `looking_ahead` allows a process and both are still to be found, the memory is placed
+        in a forked one while this one simulates the step (each reads the same programs, built
+        before the fork; DenseNet-121's data plan on 64 ranks simulates in 1.9 s and places in
+        1.2 s)."""
+        key = self._plan_key(graph, plan)
+        if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
+            self.programs(graph, plan, SIMULATE_MAX_WORK)
+            foresight = self._look_ahead({key: partial(self.memory_prediction, graph, plan)})
+            step = self.step_prediction(graph, plan, bulk_seconds)
+            done, memory = foresight.take(key)
+            if done:
+                return step, memory
+        else:
+            step = self.step_prediction(graph, plan, bulk_seconds)
+        return step, self.memory_prediction(graph, plan)

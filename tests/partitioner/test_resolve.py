@@ -256,3 +256,31 @@ def test_the_built_ins_worked_out_ahead_give_auto_what_it_would_find_itself(
         if family in ahead.foreseen:
             assert ahead.peak(graph, plan) == alone.peak(graph, plan)
             assert ahead.step(graph, plan) == alone.step(graph, plan)
+
+
+def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(monkeypatch, tmp_path):
+    """`partition` places the memory of the plan it reports in a forked process while it
+    simulates the step: the same predictions, the placing done elsewhere."""
+    import multiprocessing
+    import os
+
+    from runtime.step import model as step_model
+
+    placed = step_model.memory_prediction
+
+    def placing(*args, **kwargs):
+        (tmp_path / str(os.getpid())).touch()
+        return placed(*args, **kwargs)
+
+    graph = load_network("seed-lcn-small").lower(batch=32, optimizer="sgd")
+    plan = build_plan(graph, builtin(graph, "spatial", 4), 4)
+    bulk = plan_cost(graph, plan, FAST).step_seconds
+    expected = StepModel(FAST).predictions(graph, plan, bulk)
+    monkeypatch.setattr(step_model, "memory_prediction", placing)
+    ahead = StepModel(FAST)
+    with ahead.looking_ahead(workers=1):
+        got = ahead.predictions(graph, plan, bulk)
+    assert multiprocessing.active_children() == []
+    assert got == expected
+    placed_in = [int(p.name) for p in tmp_path.iterdir()]
+    assert placed_in and os.getpid() not in placed_in
