@@ -37,6 +37,7 @@ from runtime.step.prediction import (
     step_report,
 )
 from runtime.step.programs import build_programs
+from runtime.step.rank_classes import built
 from runtime.step.rank_memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
 from runtime.step.rank_program import RankProgram
 from runtime.step.simulator import SimulatedStep
@@ -45,6 +46,11 @@ from runtime.step.simulator import SimulatedStep
 KEPT_PROGRAMS = 6
 #: plans kept without their programs
 KEPT_PLANS = 4
+#: the fewest tasks of the programs built (one per class of ranks) whose memory `predictions`
+#: places in a forked process: placing costs 65-105 µs a task on the 2-core VM (ResNet-18's data
+#: plan on 64 ranks: 0.1 s), and the process some 0.35 s before it places (loading the compiled
+#: placement, copying the pages it writes)
+FORK_TO_PLACE = 5_000
 
 
 class StepModel:
@@ -239,10 +245,12 @@ class StepModel:
         `looking_ahead` allows a process and both are still to be found, the memory is placed
         in a forked one while this one simulates the step (each reads the same programs, built
         before the fork; DenseNet-121's data plan on 64 ranks simulates in 1.9 s and places in
-        1.2 s)."""
+        1.2 s), where it places enough to be worth a process (`FORK_TO_PLACE`)."""
         key = self._plan_key(graph, plan)
+        programs = None
         if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
-            self.programs(graph, plan, SIMULATE_MAX_WORK)
+            programs = self.programs(graph, plan, SIMULATE_MAX_WORK)
+        if programs is not None and sum(len(p.tasks) for p in built(programs)) >= FORK_TO_PLACE:
             foresight = self._look_ahead({key: partial(self.memory_prediction, graph, plan)})
             step = self.step_prediction(graph, plan, bulk_seconds)
             done, memory = foresight.take(key)

@@ -258,9 +258,13 @@ def test_the_built_ins_worked_out_ahead_give_auto_what_it_would_find_itself(
             assert ahead.step(graph, plan) == alone.step(graph, plan)
 
 
-def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(monkeypatch, tmp_path):
+@pytest.mark.parametrize("worth_a_process", [True, False])
+def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(
+    monkeypatch, tmp_path, worth_a_process
+):
     """`partition` places the memory of the plan it reports in a forked process while it
-    simulates the step: the same predictions, the placing done elsewhere."""
+    simulates the step: the same predictions, the placing done elsewhere; a plan whose placing
+    costs less than a process is placed here."""
     import multiprocessing
     import os
 
@@ -277,10 +281,15 @@ def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(mon
     bulk = plan_cost(graph, plan, FAST).step_seconds
     expected = StepModel(FAST).predictions(graph, plan, bulk)
     monkeypatch.setattr(step_model, "memory_prediction", placing)
+    if worth_a_process:
+        monkeypatch.setattr(step_model, "FORK_TO_PLACE", 1)
     ahead = StepModel(FAST)
     with ahead.looking_ahead(workers=1):
         got = ahead.predictions(graph, plan, bulk)
     assert multiprocessing.active_children() == []
     assert got == expected
     placed_in = [int(p.name) for p in tmp_path.iterdir()]
-    assert placed_in and os.getpid() not in placed_in
+    if worth_a_process:
+        assert placed_in and os.getpid() not in placed_in
+    else:
+        assert placed_in == [os.getpid()]
