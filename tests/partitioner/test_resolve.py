@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +19,7 @@ from partitioner.resolve import resolve_strategy
 from partitioner.search.memory_fit import STEP_WITHIN
 from partitioner.strategy import BUILTIN, builtin, with_homes
 from runtime.step.model import StepModel
+from tests.fresh_process import in_fresh_process
 from tests.plan_cases import networks, strategies
 
 SLOW = Machine(rank_gflops=20, link_gbytes_per_s=0.1, latency_us=50, memory_gbytes_per_s=20,
@@ -231,12 +233,11 @@ def test_beyond_the_ranks_simulated_auto_returns_the_searchs_least_sum_without_p
     assert planned == ["auto"]
 
 
-@pytest.mark.parametrize("network,batch,ranks,machine", CASES[1:2] + CASES[3:])
-def test_the_built_ins_worked_out_ahead_give_auto_what_it_would_find_itself(
-    network, batch, ranks, machine
-):
-    """`partition` lets idle cores work out the built-ins' plans while auto searches: auto
-    chooses the same plan, from the same values, which forked processes found."""
+# the next two run their bodies in a spawned interpreter (`tests.fresh_process`): the model
+# forks only from a process with no other thread, which this test worker may not be
+
+
+def _built_ins_worked_out_ahead(network: str, batch: int, ranks: int, machine: Machine) -> None:
     import multiprocessing
 
     graph = load_network(network).lower(batch=batch, optimizer="sgd")
@@ -258,13 +259,16 @@ def test_the_built_ins_worked_out_ahead_give_auto_what_it_would_find_itself(
             assert ahead.step(graph, plan) == alone.step(graph, plan)
 
 
-@pytest.mark.parametrize("worth_a_process", [True, False])
-def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(
-    monkeypatch, tmp_path, worth_a_process
+@pytest.mark.parametrize("network,batch,ranks,machine", CASES[1:2] + CASES[3:])
+def test_the_built_ins_worked_out_ahead_give_auto_what_it_would_find_itself(
+    network, batch, ranks, machine
 ):
-    """`partition` places the memory of the plan it reports in a forked process while it
-    simulates the step: the same predictions, the placing done elsewhere; a plan whose placing
-    costs less than a process is placed here."""
+    """`partition` lets idle cores work out the built-ins' plans while auto searches: auto
+    chooses the same plan, from the same values, which forked processes found."""
+    in_fresh_process(_built_ins_worked_out_ahead, network, batch, ranks, machine)
+
+
+def _memory_placed_ahead(folder: Path, worth_a_process: bool) -> None:
     import multiprocessing
     import os
 
@@ -273,23 +277,33 @@ def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(
     placed = step_model.memory_prediction
 
     def placing(*args, **kwargs):
-        (tmp_path / str(os.getpid())).touch()
+        (folder / str(os.getpid())).touch()
         return placed(*args, **kwargs)
 
     graph = load_network("seed-lcn-small").lower(batch=32, optimizer="sgd")
     plan = build_plan(graph, builtin(graph, "spatial", 4), 4)
     bulk = plan_cost(graph, plan, FAST).step_seconds
     expected = StepModel(FAST).predictions(graph, plan, bulk)
-    monkeypatch.setattr(step_model, "memory_prediction", placing)
+    step_model.memory_prediction = placing
     if worth_a_process:
-        monkeypatch.setattr(step_model, "FORK_TO_PLACE", 1)
+        step_model.FORK_TO_PLACE = 1
     ahead = StepModel(FAST)
     with ahead.looking_ahead(workers=1):
         got = ahead.predictions(graph, plan, bulk)
     assert multiprocessing.active_children() == []
     assert got == expected
-    placed_in = [int(p.name) for p in tmp_path.iterdir()]
+    placed_in = [int(p.name) for p in folder.iterdir()]
     if worth_a_process:
         assert placed_in and os.getpid() not in placed_in
     else:
         assert placed_in == [os.getpid()]
+
+
+@pytest.mark.parametrize("worth_a_process", [True, False])
+def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(
+    tmp_path, worth_a_process
+):
+    """`partition` places the memory of the plan it reports in a forked process while it
+    simulates the step: the same predictions, the placing done elsewhere; a plan whose placing
+    costs less than a process is placed here."""
+    in_fresh_process(_memory_placed_ahead, tmp_path, worth_a_process)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from runtime.step.foresight import Foresight
+from tests.fresh_process import in_fresh_process
 
 WAIT = 60.0  # seconds, far beyond a fork on a loaded machine
 
@@ -48,24 +49,13 @@ def _dies(folder: Path) -> None:
     os._exit(3)
 
 
-@pytest.fixture
-def closing():
-    made: list[Foresight] = []
-    yield made.append
-    for foresight in made:
-        foresight.close()
-
-
-def test_a_process_works_jobs_out_in_order_and_leaves_the_caller_those_none_began(
-    tmp_path, closing
-):
+def _works_jobs_out_in_order(tmp_path: Path) -> None:
     jobs = {
         "a": partial(_held, tmp_path, "a", "A"),
         "b": partial(_marked, tmp_path, "b", "B"),
         "c": partial(_marked, tmp_path, "c", "C"),
     }
     foresight = Foresight(jobs, workers=1)
-    closing(foresight)
     _wait_for(tmp_path / "a")  # the one process is at a; b and c wait
     assert foresight.take("c") == (False, None)  # the caller's now
     (tmp_path / "a.release").touch()
@@ -80,10 +70,9 @@ def test_a_process_works_jobs_out_in_order_and_leaves_the_caller_those_none_bega
     assert multiprocessing.active_children() == []
 
 
-def test_jobs_are_shared_by_the_processes(tmp_path, closing):
+def _shares_jobs(tmp_path: Path) -> None:
     jobs = {name: partial(_held, tmp_path, name, name.upper()) for name in ("a", "b")}
     foresight = Foresight(jobs, workers=2)
-    closing(foresight)
     _wait_for(tmp_path / "a")
     _wait_for(tmp_path / "b")  # both begun at once: one process each
     for name in jobs:
@@ -91,26 +80,27 @@ def test_jobs_are_shared_by_the_processes(tmp_path, closing):
     (done_a, (a, pid_a)), (done_b, (b, pid_b)) = foresight.take("a"), foresight.take("b")
     assert done_a and done_b and (a, b) == ("A", "B")
     assert len({pid_a, pid_b, os.getpid()}) == 3
+    foresight.close()
 
 
-def test_a_job_that_raises_is_left_to_the_caller(tmp_path, closing):
+def _leaves_a_raising_job(tmp_path: Path) -> None:
     foresight = Foresight({"raises": partial(_raises, tmp_path)}, workers=1)
-    closing(foresight)
     _wait_for(tmp_path / "raises")
     assert foresight.take("raises") == (False, None)
+    foresight.close()
 
 
-def test_the_jobs_of_a_process_that_died_are_left_to_the_caller(tmp_path, closing):
+def _leaves_a_dead_process_jobs(tmp_path: Path) -> None:
     jobs = {"dies": partial(_dies, tmp_path), "after": partial(_marked, tmp_path, "after", 1)}
     foresight = Foresight(jobs, workers=1)
-    closing(foresight)
     _wait_for(tmp_path / "dies")
     assert foresight.take("dies") == (False, None)
     assert foresight.take("after") == (False, None)  # no process is left to begin it
+    foresight.close()
     assert not (tmp_path / "after").exists()
 
 
-def test_closing_ends_a_process_at_its_job(tmp_path):
+def _ends_a_process_at_its_job(tmp_path: Path) -> None:
     foresight = Foresight({"a": partial(_held, tmp_path, "a", "A")}, workers=1)
     _wait_for(tmp_path / "a")
     started = time.monotonic()
@@ -121,8 +111,7 @@ def test_closing_ends_a_process_at_its_job(tmp_path):
     assert foresight.take("a") == (False, None)
 
 
-@pytest.mark.parametrize("reason", ["no spare core", "another thread runs"])
-def test_nothing_is_forked_without_a_spare_core_or_beside_another_thread(tmp_path, closing, reason):
+def _forks_nothing(tmp_path: Path, reason: str) -> None:
     jobs = {"a": partial(_marked, tmp_path, "a", "A")}
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)
@@ -130,11 +119,40 @@ def test_nothing_is_forked_without_a_spare_core_or_beside_another_thread(tmp_pat
         thread.start()
     try:
         foresight = Foresight(jobs, workers=0 if reason == "no spare core" else 2)
-        closing(foresight)
         assert multiprocessing.active_children() == []
         assert foresight.take("a") == (False, None)
+        foresight.close()
     finally:
         stop.set()
         if thread.is_alive():
             thread.join()
     assert not (tmp_path / "a").exists()
+
+
+# each runs in a spawned interpreter (`tests.fresh_process`): forking needs a process with no
+# other thread, which this test worker may not be
+
+
+def test_a_process_works_jobs_out_in_order_and_leaves_the_caller_those_none_began(tmp_path):
+    in_fresh_process(_works_jobs_out_in_order, tmp_path)
+
+
+def test_jobs_are_shared_by_the_processes(tmp_path):
+    in_fresh_process(_shares_jobs, tmp_path)
+
+
+def test_a_job_that_raises_is_left_to_the_caller(tmp_path):
+    in_fresh_process(_leaves_a_raising_job, tmp_path)
+
+
+def test_the_jobs_of_a_process_that_died_are_left_to_the_caller(tmp_path):
+    in_fresh_process(_leaves_a_dead_process_jobs, tmp_path)
+
+
+def test_closing_ends_a_process_at_its_job(tmp_path):
+    in_fresh_process(_ends_a_process_at_its_job, tmp_path)
+
+
+@pytest.mark.parametrize("reason", ["no spare core", "another thread runs"])
+def test_nothing_is_forked_without_a_spare_core_or_beside_another_thread(tmp_path, reason):
+    in_fresh_process(_forks_nothing, tmp_path, reason)
