@@ -41,7 +41,10 @@ class Layout:
         self.holder_count = np.diff(ptr)
         self.strides = boxes.grid_strides(cuts)
         self._holders: dict[int, tuple[int, ...]] | None = None
-        self._by_rank: dict[int, list[Rect]] | None = None
+        #: per rank asked for, the rects it holds (`held_by`)
+        self._by_rank: dict[int, list[Rect]] = {}
+        #: the held cells sorted by holder, (holder, low corner, high corner), on first asking
+        self._held_sorted: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._boxes: dict[int, Rect | None] = {}
 
     @classmethod
@@ -149,18 +152,20 @@ class Layout:
         return self.holder_ranks, lo.reshape(len(cells), -1), hi.reshape(len(cells), -1)
 
     def held_by(self, rank: int) -> list[Rect]:
-        """The cells `rank` holds, by index (every rank's found at once, on first asking: the
-        programs of a plan ask it of every rank)."""
-        if self._by_rank is None and not len(self.holder_ranks):
-            self._by_rank = {}
-        if self._by_rank is None:
-            _, lo, hi = self.held_cells()
-            rects = boxes.to_rects(lo, hi)
-            by_rank: dict[int, list[Rect]] = {}
-            for holder, rect in zip(self.holder_ranks.tolist(), rects):
-                by_rank.setdefault(holder, []).append(rect)
-            self._by_rank = by_rank
-        return self._by_rank.get(rank, [])
+        """The cells `rank` holds, by index: every rank's cells sorted by holder on first asking,
+        a rank's rects made when it is first asked for (programs built once per class of ranks
+        ask it of a few ranks: a data-parallel DenseNet-121 on 64 ranks made 38,000 rects of
+        replicated parameters for its 3 ranks built)."""
+        found = self._by_rank.get(rank)
+        if found is None:
+            if self._held_sorted is None:
+                holders, lo, hi = self.held_cells()
+                order = np.argsort(holders, kind="stable")
+                self._held_sorted = (holders[order], lo[order], hi[order])
+            holders, lo, hi = self._held_sorted
+            first, end = np.searchsorted(holders, (rank, rank + 1)).tolist()
+            found = self._by_rank[rank] = boxes.to_rects(lo[first:end], hi[first:end])
+        return found
 
     def held_box(self, rank: int) -> Rect | None:
         """The one box `rank`'s cells fill, where they fill one (the cells are disjoint: their
