@@ -241,11 +241,11 @@ class StepModel:
         return memory_prediction(graph, plan, self.machine, programs)
 
     def predictions(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> tuple[dict, dict]:
-        """`step_prediction` and `memory_prediction` of `plan`, as a command reports it: where
-        `looking_ahead` allows a process and both are still to be found, the memory is placed
-        in a forked one while this one simulates the step (each reads the same programs, built
-        before the fork; DenseNet-121's data plan on 64 ranks simulates in 1.9 s and places in
-        1.2 s), where it places enough to be worth a process (`FORK_TO_PLACE`)."""
+        """`step_prediction` and `memory_prediction` of `plan`, as a command reports it. The
+        memory is placed in a forked process while this one simulates the step (each reads the
+        same programs, built before the fork; DenseNet-121's data plan on 64 ranks simulates in
+        1.9 s and places in 1.2 s) where `looking_ahead` allows a process, neither is found yet,
+        and the programs to place are worth a process (`FORK_TO_PLACE`)."""
         key = self._plan_key(graph, plan)
         programs = None
         if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
