@@ -110,13 +110,12 @@ def resolve_strategy(
     deadline = time.monotonic() + time_limit
     if name == "auto" and stages_of(graph) > 1:
         return _auto_in_stages(graph, nranks, machine, param_homes, step, lower), None
+    homes = param_homes or "replicated"
     if name == "auto" and foresee is not None and step is not None and not batch_only(graph):
-        homes = param_homes or "replicated"
         foresee(
             graph, [with_homes(graph, builtin(graph, f, nranks), homes) for f in BUILTIN], nranks
         )
     strategy, why, searched = _resolve(graph, name, nranks, machine, time_limit, note)
-    homes = param_homes or "replicated"
     if searched is None or peak is None or param_homes is not None:
         chosen = with_homes(graph, strategy, homes)
         if searched is None or step is None:

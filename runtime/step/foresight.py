@@ -108,16 +108,17 @@ class Foresight:
         receiver = self._connections.get(worker)
         if receiver is None:
             return False
-        for ready in wait(list(self._connections.values())):
-            for w, connection in list(self._connections.items()):
-                if connection is ready:
-                    try:
-                        i, ok, value = connection.recv()
-                    except (EOFError, OSError):
-                        connection.close()
-                        del self._connections[w]
-                    else:
-                        self._done[i] = (ok, value)
+        ready = wait(list(self._connections.values()))
+        for w, connection in list(self._connections.items()):
+            if connection not in ready:
+                continue
+            try:
+                i, ok, value = connection.recv()
+            except (EOFError, OSError):
+                connection.close()
+                del self._connections[w]
+            else:
+                self._done[i] = (ok, value)
         return True
 
     def close(self) -> None:

@@ -81,10 +81,13 @@ class StepModel:
     def _plan_key(self, graph: TaskGraph, plan: Plan) -> tuple:
         return self._key(graph, plan.strategy, plan.unit_grids, plan.sharded, plan.nranks)
 
+    def _strategy_key(self, graph: TaskGraph, strategy: Strategy, nranks: int) -> tuple:
+        return self._key(graph, strategy.name, strategy.unit_grids, strategy.sharded, nranks)
+
     def plan(self, graph: TaskGraph, strategy: Strategy, nranks: int) -> Plan:
         """The plan of `strategy` on `nranks` ranks: the one whose programs were built, if
         they are kept."""
-        key = self._key(graph, strategy.name, strategy.unit_grids, strategy.sharded, nranks)
+        key = self._strategy_key(graph, strategy, nranks)
         found = self._programs.get(key)
         if found is not None:
             return found[0]
@@ -106,9 +109,7 @@ class StepModel:
             yield self
         finally:
             self._workers = 0
-            if self._foresight is not None:
-                self._foresight.close()
-                self._foresight = None
+            self._stop_looking_ahead()
 
     def foresee(self, graph: TaskGraph, strategies: Sequence[Strategy], nranks: int) -> None:
         """Start working out `peak` and `step` of the plans of `strategies` on `nranks` ranks,
@@ -118,9 +119,7 @@ class StepModel:
         if not self._workers or not objective_simulates(graph, nranks):
             return
         jobs = {
-            self._key(graph, s.name, s.unit_grids, s.sharded, nranks): partial(
-                self._work_out, graph, s, nranks
-            )
+            self._strategy_key(graph, s, nranks): partial(self._work_out, graph, s, nranks)
             for s in strategies
         }
         self._look_ahead(jobs)
@@ -128,10 +127,14 @@ class StepModel:
     def _look_ahead(self, jobs: Mapping[tuple, Callable[[], object]]) -> Foresight:
         """Processes for `jobs`, in place of those for the jobs given before (whose values
         are no longer wanted)."""
-        if self._foresight is not None:
-            self._foresight.close()
+        self._stop_looking_ahead()
         self._foresight = Foresight(jobs, self._workers)
         return self._foresight
+
+    def _stop_looking_ahead(self) -> None:
+        if self._foresight is not None:
+            self._foresight.close()
+            self._foresight = None
 
     @property
     def foreseen(self) -> list[str]:
@@ -247,15 +250,14 @@ class StepModel:
         1.9 s and places in 1.2 s) where `looking_ahead` allows a process, neither is found yet,
         and the programs to place are worth a process (`FORK_TO_PLACE`)."""
         key = self._plan_key(graph, plan)
-        programs = None
+        apart = None
         if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
             programs = self.programs(graph, plan, SIMULATE_MAX_WORK)
-        if programs is not None and sum(len(p.tasks) for p in built(programs)) >= FORK_TO_PLACE:
-            foresight = self._look_ahead({key: partial(self.memory_prediction, graph, plan)})
-            step = self.step_prediction(graph, plan, bulk_seconds)
-            done, memory = foresight.take(key)
+            if programs is not None and sum(len(p.tasks) for p in built(programs)) >= FORK_TO_PLACE:
+                apart = self._look_ahead({key: partial(self.memory_prediction, graph, plan)})
+        step = self.step_prediction(graph, plan, bulk_seconds)
+        if apart is not None:
+            done, memory = apart.take(key)
             if done:
                 return step, memory
-        else:
-            step = self.step_prediction(graph, plan, bulk_seconds)
         return step, self.memory_prediction(graph, plan)
