@@ -23,7 +23,8 @@ by `partitioner.resolve`, as `partition --strategy FILE` and `train --strategy F
 and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+sharded` after either
 (`data+sharded`) runs and predicts it with `--param-homes sharded`, and a last `+Sstages`
 (`data+2stages`) in a pipeline of S stages with 2·S micro-batches (`partitioner.pipeline`), or
-`+autostages` in the stages, micro-batches and cuts `--stages auto` chooses.
+`+autostages` in the stages, micro-batches and cuts `--stages auto` chooses; `-deferred` after
+either (`model+2stages-deferred`) under `--schedule 1f1b-deferred`.
 
 The rows give both, their error, the share of a step a rank computes (measured from the log's
 `compute_seconds`, the kernels' time, against the simulation's: where a prediction misses, this
@@ -70,8 +71,10 @@ SEARCH_SECONDS = 30.0
 #: after a strategy, `--param-homes sharded`
 SHARDED = "+sharded"
 #: last after a strategy, `+2stages`: `--stages 2` (with `--micro-batches` at its default, 2·S);
-#: `+autostages`: `--stages auto`
-STAGES = re.compile(r"\+(\d+|auto)stages$")
+#: `+autostages`: `--stages auto`; either with `-deferred` after it: `--schedule 1f1b-deferred`
+STAGES = re.compile(r"\+(\d+|auto)stages(-deferred)?$")
+#: the schedule of a pipeline as `--strategies` names it, without and with `-deferred`
+PIPELINE_SCHEDULES = ("1f1b", "1f1b-deferred")
 
 
 def split_stages(strategy: str) -> tuple[str, int | str]:
@@ -81,6 +84,12 @@ def split_stages(strategy: str) -> tuple[str, int | str]:
         return strategy, 1
     count = found.group(1)
     return strategy[: found.start()], count if count == AUTO_STAGES else int(count)
+
+
+def stage_schedule(strategy: str) -> str:
+    """`--schedule` of a strategy as `--strategies` gives it (`STAGES`)."""
+    found = STAGES.search(strategy)
+    return PIPELINE_SCHEDULES[bool(found and found.group(2))]
 
 
 def split_homes(strategy: str) -> tuple[str, str | None]:
@@ -93,7 +102,8 @@ def split_homes(strategy: str) -> tuple[str, str | None]:
 
 def _suffix(strategy: str) -> str:
     homes, stages = split_homes(strategy)[1], split_stages(strategy)[1]
-    return (SHARDED if homes else "") + (f"+{stages}stages" if stages != 1 else "")
+    deferred = "-deferred" if stage_schedule(strategy) != PIPELINE_SCHEDULES[0] else ""
+    return (SHARDED if homes else "") + (f"+{stages}stages{deferred}" if stages != 1 else "")
 
 
 def strategy_label(strategy: str) -> str:
@@ -106,8 +116,11 @@ def strategy_label(strategy: str) -> str:
 
 def _train_arguments(strategy: str) -> list[str]:
     homes, stages = split_homes(strategy)[1], split_stages(strategy)[1]
-    return (["--param-homes", homes] if homes else []) + (
-        ["--stages", str(stages)] if stages != 1 else []
+    schedule = stage_schedule(strategy)
+    return (
+        (["--param-homes", homes] if homes else [])
+        + (["--stages", str(stages)] if stages != 1 else [])
+        + (["--schedule", schedule] if schedule != PIPELINE_SCHEDULES[0] else [])
     )
 
 
@@ -181,15 +194,16 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
     name, homes = split_homes(strategy)
     model = StepModel(machine)
     pipeline = ""
+    schedule = stage_schedule(strategy)
     if stages == AUTO_STAGES:
         graph, plan_strategy, why, search = resolve_stages(
-            graph, name, ranks, machine, SEARCH_SECONDS, "1f1b", None, None, homes, model.peak,
+            graph, name, ranks, machine, SEARCH_SECONDS, schedule, None, None, homes, model.peak,
             model.step, model.step_lower_bound, model.step_is_sum,
         )  # fmt: skip
         pipeline = search.chosen.label
     else:
         if stages > 1:
-            graph = pipelined(graph, stages, 2 * stages)[0]
+            graph = pipelined(graph, stages, 2 * stages, schedule)[0]
         plan_strategy, why = resolve_strategy(
             graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes,
             peak=model.peak, step=model.step, lower=model.step_lower_bound,

@@ -22,6 +22,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
   FlexFlow's per-configuration measurement) into the `pieces` table; the pieces only
   micro-batches run are then read from traced one-rank steps in micro-batches
   (`micro_batch_pieces_in_step`), where each adds into a weight-sized gradient out of the caches;
+  micro-batches are timed under both `MICRO_SCHEDULES` where the network has weight gradients
+  to defer;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
@@ -119,10 +121,14 @@ def _layout(hosts: list[str]) -> tuple[int, int]:
 
 
 def _traced_training(
-    network: str, batch: int, micro_batches: int = 1, steps: int = CALIBRATION_STEPS
+    network: str,
+    batch: int,
+    micro_batches: int = 1,
+    steps: int = CALIBRATION_STEPS,
+    schedule: str = "1f1b",
 ) -> Job:
     """A traced one-rank training of `network` in this process for `steps` steps, its batch as
-    `micro_batches` micro-batches."""
+    `micro_batches` micro-batches in `schedule`'s order."""
     graph_network = load_network(network)
     dataset = data.load("synthetic", graph_network.input, graph_network.classes, 0, np.float32)
     config = TrainConfig(
@@ -132,6 +138,7 @@ def _traced_training(
         steps=steps,
         optimizer=OPTIMIZER,
         micro_batches=micro_batches,
+        schedule=schedule,
     )
     with tempfile.TemporaryDirectory(prefix="legion-nn-machine-") as tmp:
         trace_path = Path(tmp) / "trace.json"
@@ -211,6 +218,16 @@ def micro_batch_counts(batch: int, ranks: int, quick: bool = False) -> list[int]
     return sorted(m for m in counts if m <= batch)
 
 
+#: the schedules whose micro-batches' pieces are timed: each micro-batch adding into the
+#: weights' gradients, and the gradients deferred to one task over them all (the pieces differ)
+MICRO_SCHEDULES = ("1f1b", "1f1b-deferred")
+
+
+def defers(graph, count: int, schedule: str) -> bool:
+    """Whether `count` micro-batches of `graph` in `schedule` defer some weight gradient."""
+    return any("micro_rows" in t.attrs for t in micro_batched(graph, count, schedule).tasks)
+
+
 def measure_compute(
     network: str,
     batch: int,
@@ -246,15 +263,19 @@ def measure_compute(
     # of a one-rank step in micro-batches; the optimizers' updates are the whole batch's
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     whole = set(cache)
-    for count in counts:
-        micro = micro_batched(graph, count)
+    runs = [(count, schedule) for count in counts for schedule in MICRO_SCHEDULES]
+    runs = [(c, s) for c, s in runs if s == MICRO_SCHEDULES[0] or defers(graph, c, s)]
+    for count, schedule in runs:
+        micro = micro_batched(graph, count, schedule)
         plan = build_plan(micro, builtin(micro, "data", 1), 1)
         profile_plan(micro, plan, threads, sample_step(micro), cache)
     micro_only = set(cache) - whole  # which traced steps in micro-batches time
     fitted = calibrate_in_process(network, batch, threads, profiled_one)
     micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
-    for count in counts:
-        in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted, micro_steps)
+    for count, schedule in runs:
+        in_step = micro_batch_pieces_in_step(
+            network, batch, count, threads, fitted, micro_steps, schedule
+        )
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
 
@@ -266,6 +287,7 @@ def micro_batch_pieces_in_step(
     threads: int,
     fitted: dict,
     steps: int = CALIBRATION_STEPS,
+    schedule: str = "1f1b",
 ) -> dict[tuple[int, str], float]:
     """The pieces of a one-rank step in `count` micro-batches, as a traced training of it runs
     them (the median over its steps and over the micro-batches' copies of a task, less the
@@ -275,8 +297,10 @@ def micro_batch_pieces_in_step(
     out of the caches (a 32-row backward through a 2048-wide layer, 6.5 ms alone and 8.4 ms in
     a step, one core). The whole batch's pieces are left as timed: their gradients are
     written once a step, and `compute_factor` is fitted to them."""
-    job = _traced_training(network, batch, count, steps)
-    graph = micro_batched(load_network(network).lower(batch=batch, optimizer=OPTIMIZER), count)
+    job = _traced_training(network, batch, count, steps, schedule)
+    graph = micro_batched(
+        load_network(network).lower(batch=batch, optimizer=OPTIMIZER), count, schedule
+    )
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     spent = task_medians(job.trace)
     by_key: dict[tuple[int, str], list[float]] = defaultdict(list)

@@ -40,12 +40,19 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task, Tensor
 from legion_nn.rect import Rect, split_bounds
-from legion_nn.registry import piece_requirements
+from legion_nn.registry import piece_requirements, weight_grad_roles
 
 #: the orders in which one stage runs its micro-batches' forwards (F) and backwards (B):
 #: `1f1b` runs each micro-batch's backward right after its forward, so one micro-batch's
-#: activations are live at a time; `gpipe` runs every forward, then every backward
-SCHEDULES = ("1f1b", "gpipe")
+#: activations are live at a time; `gpipe` runs every forward, then every backward. With
+#: `DEFERRED` after either, the backwards compute the input gradients only where a layer's op
+#: can leave its weights' gradients apart (`registry`'s `weight_grad`: `linear`), and each
+#: stage ends with one task per such layer computing them over all its micro-batches' rows
+#: (zero-bubble pipelines' B and W passes): one product over the step's batch where each
+#: micro-batch's would read and write the whole gradient, its update fused into it as without
+#: micro-batches; the micro-batches' inputs and output gradients live until then
+DEFERRED = "-deferred"
+SCHEDULES = ("1f1b", "gpipe", "1f1b" + DEFERRED, "gpipe" + DEFERRED)
 
 #: the attributes that say where a micro-batch's task sits in the step, not what its kernel
 #: computes (the keys of a machine's piece table leave them out, `partitioner.machine`)
@@ -82,10 +89,22 @@ def micro_batched(
     before, after = _shared_tasks(graph, set(per_batch), batched)
     stage = {i: (stage_of or {}).get(graph.tasks[i].name, 0) for i in per_batch}
     stages = max(stage.values(), default=0) + 1
+    copied = {i: graph.tasks[i] for i in per_batch}
+    deferred: list[Task] = []
+    if schedule.endswith(DEFERRED):
+        sizes = tuple(hi - lo for lo, hi in rows)
+        for i in per_batch:
+            split = _deferred(graph.tasks[i], sizes, batched, tensors, schedule)
+            if split is not None:
+                copied[i], weights = split
+                if stage_of is not None:
+                    weights.attrs["stage"] = stage[i]
+                deferred.append(weights)
+    per_batch = [i for i in per_batch if copied[i] is not None]
     sliced = {}
     for m, (lo, hi) in enumerate(rows):
         for i in per_batch:
-            task = _sliced_task(graph, graph.tasks[i], m, lo, hi, batched, tensors, schedule)
+            task = _sliced_task(graph, copied[i], m, lo, hi, batched, tensors, schedule)
             if stage_of is not None:
                 task.attrs["stage"] = stage[i]
             sliced[m, i] = task
@@ -105,7 +124,7 @@ def micro_batched(
         for i in passes[kind, s]:
             order += [sliced[m, z] for z in anchored.get(i, ())]
             order.append(sliced[m, i])
-    order += [graph.tasks[i] for i in after]
+    order += deferred + [graph.tasks[i] for i in after]
     return TaskGraph(tensors.values(), order, network=graph.network, batch=graph.batch)
 
 
@@ -113,7 +132,7 @@ def stage_order(stage: int, stages: int, count: int, schedule: str) -> list[tupl
     """The passes stage `stage` of `stages` runs, in order: ("F", m) the forward of micro-batch
     m, ("B", m) its backward. GPipe: every forward, then every backward. 1F1B: `stages - 1 -
     stage` forwards ahead, then a forward and a backward in turn, then the backwards left."""
-    if schedule == "gpipe":
+    if schedule.removesuffix(DEFERRED) == "gpipe":
         return [("F", m) for m in range(count)] + [("B", m) for m in range(count)]
     ahead = min(stages - 1 - stage, count)
     out = [("F", m) for m in range(ahead)]
@@ -262,6 +281,45 @@ def _sliced_tensor(tensor: Tensor, micro_batch: int, rows: int, batch: int) -> T
         dims=(rows, *tensor.dims[1:]),
         nbytes_override=None if nbytes is None else nbytes * rows // batch,
     )
+
+
+def _deferred(
+    task: Task,
+    rows: tuple[int, ...],
+    batched: set[str],
+    tensors: Mapping[str, Tensor],
+    schedule: str,
+) -> tuple[Task | None, Task] | None:
+    """(what each micro-batch's copy of backward `task` computes, or None where that is
+    nothing; the task computing its weights' gradients over micro-batches of `rows` rows) where
+    its op can defer them (`registry`'s `weight_grad`), else None."""
+    roles = weight_grad_roles(task)
+    if task.phase != "backward" or roles is None:
+        return None
+    weight_roles, input_roles = roles
+    rest = [req for req in task.requirements if req.role in input_roles]
+    copy = None
+    if any(req.privilege.writes for req in rest):
+        copy = replace(task.with_requirements(tuple(rest)), attrs={**task.attrs, "need_dw": False})
+    needs = []
+    for req in task.requirements:
+        if req.role not in weight_roles:
+            continue
+        if req.tensor not in batched:
+            needs.append(req)
+            continue
+        for m in range(len(rows)):
+            needs.append(replace(req, tensor=micro_name(req.tensor, m), role=f"{req.role}@{m}"))
+    space = Rect((0, *task.space.lo[1:]), (max(rows), *task.space.hi[1:]))
+    weights = replace(
+        task,
+        requirements=tuple(needs),
+        space=space,
+        dist={role: rect for role, rect in task.dist.items() if role == "result"},
+        attrs={**task.attrs, "need_dx": False, "micro_rows": rows, "schedule": schedule},
+    )
+    weights = weights.with_requirements(piece_requirements(weights, tensors, space))
+    return copy, weights
 
 
 def _sliced_task(

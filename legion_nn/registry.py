@@ -15,6 +15,13 @@ A record says, for each phase the op runs in:
   storing it, turn straight into the optimizer's step of the parameter (`StepContext.steps`),
   or a function of the task's attrs giving it or None: where nothing else reads the gradient,
   the runtime fuses the update task into this one (`runtime.step.update_fusion`);
+- `weight_grad`: optionally, for a backward, `(weight roles, input roles)`: the roles its
+  parameters' gradients touch and those the rest (its input's gradient) touches. A
+  micro-batched step may then defer the parameters' gradients (`legion_nn.micro_batches`): each
+  micro-batch's copy has the input roles only (attr `need_dw` false), and one task over every
+  micro-batch's rows has the weight roles, `role@m` for what micro-batch m holds (attr
+  `micro_rows`: each micro-batch's rows), its access map this one's with each `role@m` cut to
+  micro-batch m's rows (`over_micro_batches`);
 
 and for the op as a whole:
 
@@ -88,6 +95,8 @@ class PhaseRecord:
     adapter: str | None
     box_map: BoxMap | None = None
     steps: str | Callable[[Mapping[str, Any]], str | None] | None = None
+    #: (the roles the parameters' gradients touch, the roles the input's gradient touches)
+    weight_grad: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,7 @@ def _phase_record(op: str, phase: str, fields: Mapping[str, Any]) -> PhaseRecord
     for name in PHASE_FIELDS:
         if name not in fields:
             raise RegistryError(f"op {op!r} phase {phase!r}: the record has no {name!r}")
-    unknown = set(fields) - set(PHASE_FIELDS) - {"box_map", "steps"}
+    unknown = set(fields) - set(PHASE_FIELDS) - {"box_map", "steps", "weight_grad"}
     if unknown:
         raise RegistryError(f"op {op!r} phase {phase!r}: unknown fields {sorted(unknown)}")
     for name in ("access", "flops"):
@@ -124,7 +133,77 @@ def _phase_record(op: str, phase: str, fields: Mapping[str, Any]) -> PhaseRecord
     adapter = fields["adapter"]
     if adapter is not None and not isinstance(adapter, str):
         raise RegistryError(f"op {op!r} phase {phase!r}: 'adapter' must be a name or None")
+    if fields.get("weight_grad") is not None:
+        fields = {**fields, "access": over_micro_batches(fields["access"])}
+        if fields.get("box_map") is not None:
+            fields["box_map"] = boxes_over_micro_batches(fields["box_map"])
     return PhaseRecord(**fields)
+
+
+def _base_roles(attrs: Mapping[str, Any], dims: Dims) -> tuple[dict, list]:
+    """The dims of the roles of a task whose roles `role@m` stand for micro-batch m's
+    (`weight_grad`), each base role as tall as the tallest micro-batch; and each role's (base
+    role, rows of its micro-batch or None)."""
+    rows = attrs["micro_rows"]
+    base: dict[str, tuple[int, ...]] = {}
+    parts = []
+    for role, shape in dims.items():
+        name, at, m = role.partition("@")
+        if at:
+            base[name] = (max(rows), *shape[1:])
+            parts.append((role, name, rows[int(m)]))
+        else:
+            base[name] = shape
+            parts.append((role, name, None))
+    return base, parts
+
+
+def over_micro_batches(access: AccessFn) -> AccessFn:
+    """`access` for a task whose roles `role@m` read micro-batch m (`weight_grad`): a piece
+    of rows [a, b) touches rows [a, b) of each, cut to the micro-batch's rows."""
+
+    def rects(attrs: Mapping[str, Any], dims: Dims, piece: Rect) -> dict[str, Rect]:
+        if "micro_rows" not in attrs:
+            return access(attrs, dims, piece)
+        base, parts = _base_roles(attrs, dims)
+        found = access(attrs, base, piece)
+        out = {}
+        for role, name, rows in parts:
+            rect = found[name]
+            if rows is not None and not rect.is_empty():
+                lo, hi = (
+                    (min(rect.lo[0], rows), *rect.lo[1:]),
+                    (min(rect.hi[0], rows), *rect.hi[1:]),
+                )
+                rect = Rect(lo, hi) if hi[0] > lo[0] else Rect.empty(rect.ndim)
+            out[role] = rect
+        return out
+
+    return rects
+
+
+def boxes_over_micro_batches(box_map: BoxMap) -> BoxMap:
+    """`over_micro_batches` over arrays of pieces."""
+
+    def boxes(attrs: Mapping[str, Any], dims: Dims, lo: np.ndarray, hi: np.ndarray) -> dict:
+        if "micro_rows" not in attrs:
+            return box_map(attrs, dims, lo, hi)
+        base, parts = _base_roles(attrs, dims)
+        found = box_map(attrs, base, lo, hi)
+        out = {}
+        for role, name, rows in parts:
+            low, high = found[name]
+            if rows is not None:
+                low, high = low.copy(), high.copy()
+                low[:, 0] = np.minimum(low[:, 0], rows)
+                high[:, 0] = np.minimum(high[:, 0], rows)
+                empty = high[:, 0] <= low[:, 0]
+                low[empty] = 0
+                high[empty] = 0
+            out[role] = (low, high)
+        return out
+
+    return boxes
 
 
 def register(op: str, **fields: Any) -> OpRecord:
@@ -176,6 +255,14 @@ def stepped_role(task: Task) -> str | None:
     entry = record.phases.get(task.phase) if record is not None else None
     steps = entry.steps if entry is not None else None
     return steps(task.attrs) if callable(steps) else steps
+
+
+def weight_grad_roles(task: Task) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(the roles `task`'s parameters' gradients touch, those its input's gradient touches)
+    where its op can defer the first (`weight_grad`), else None."""
+    record = find_record(task.op)
+    entry = record.phases.get(task.phase) if record is not None else None
+    return entry.weight_grad if entry is not None else None
 
 
 def has_access_map(op: str, phase: str) -> bool:

@@ -174,6 +174,10 @@ def find_units(graph: TaskGraph) -> list[Unit]:
         if "micro_batch" in group[0].attrs:
             forward = tuple(micro_name(_first_name(name), m) for m in copies for name in first)
         backward = tuple(f"{name}.grad" for name in forward if f"{name}.grad" in known)
+        if "micro_batch" in group[0].attrs:  # the micro-batches' weight gradients, deferred
+            backward += tuple(
+                f"{_first_name(n)}.grad" for n in first if f"{_first_name(n)}.grad" in known
+            )
         widest = max(group, key=lambda t: t.space.ndim)
         ndim = widest.space.ndim
         split = set(range(ndim))
@@ -194,6 +198,14 @@ def find_units(graph: TaskGraph) -> list[Unit]:
             )
         )
     return units
+
+
+def forward_of(graph: TaskGraph, backward: str) -> str:
+    """The forward task whose grid backward task `backward` follows: its own, or for the
+    micro-batches' weight gradients deferred into one task (`legion_nn.micro_batches`), the first
+    micro-batch's, whose space it has."""
+    name = backward.removesuffix(".grad")
+    return micro_name(name, 0) if "micro_rows" in graph.task(backward).attrs else name
 
 
 def _first_name(name: str) -> str:
@@ -337,7 +349,7 @@ def task_placement(
             grids[name] = unit_task_grid(graph, unit, name, grid)
             first[name] = unit_ranks.get(unit.name, 0)
         for name in unit.backward:
-            forward = name[: -len(".grad")]
+            forward = forward_of(graph, name)
             grids[name] = backward_grid(graph.task(forward), graph.task(name), grids[forward])
             first[name] = first[forward]
     producer: dict[str, str] = {}

@@ -7,7 +7,7 @@ import argparse
 DTYPES = ("float32", "float64")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 #: what `--schedule` takes (`legion_nn.micro_batches.SCHEDULES`)
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "1f1b-deferred", "gpipe-deferred")
 #: what `train --lr-schedule` takes (`runtime.lr_schedule.SCHEDULES`)
 LR_SCHEDULES = ("constant", "cosine", "step")
 
@@ -47,7 +47,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, optimizer: str = "adam")
         choices=SCHEDULES,
         help="the order of each pipeline stage's micro-batches: 1f1b runs S-1-s forwards ahead "
         "on stage s, then a forward and a backward in turn (default); gpipe every forward, then "
-        "every backward (with stages only)",
+        "every backward; -deferred after either: the backwards compute input gradients only, "
+        "and each stage ends computing its linear layers' weight gradients over all its "
+        "micro-batches at once (with stages only)",
     )
 
 

@@ -89,17 +89,25 @@ def product_roles(inputs, weights, bias, output) -> dict:
     }
 
 
+#: the roles of a product's backward that its weight gradients touch, and those its input's
+#: gradient touches (`registry`'s `weight_grad`)
+PRODUCT_WEIGHT_GRAD = ("input", "output.delta", "weights.delta", "b.delta")
+PRODUCT_INPUT_GRAD = ("output.delta", "weights", "input.delta")
+
+
 def record_product(
     op: str,
     access: registry.AccessFn,
     box_map: registry.BoxMap,
     sums_over: int,
     steps: str | None = None,
+    defers: bool = False,
 ) -> None:
     """Record a product of an input by weights (`linear`, `dense`): forward a multiply-add per
     (output, summed) pair of its space, backward the weights' gradient and, unless `need_dx`
     is false, the input's (`backward_factor`); `steps` names the gradient its adapter can step
-    the weights from (`registry`)."""
+    the weights from, and `defers` says its adapter computes the weights' gradients apart, over
+    several micro-batches' rows (`registry`'s `weight_grad`)."""
     backward = {"access": access, "box_map": box_map, "adapter": f"{op}.backward"}
     registry.register(
         op,
@@ -114,6 +122,7 @@ def record_product(
                 **backward,
                 "flops": lambda attrs, dims: backward_factor(attrs),
                 **({"steps": steps} if steps else {}),
+                **({"weight_grad": (PRODUCT_WEIGHT_GRAD, PRODUCT_INPUT_GRAD)} if defers else {}),
             },
         },
         splittable=registry.EVERY_DIM,
@@ -161,10 +170,16 @@ def moving_tasks(
     return y
 
 
-def backward_factor(attrs: dict[str, Any]) -> int:
-    """FLOPs of a backward per forward multiply-add pair: the weight gradient and, unless the
-    input needs none (`need_dx`), the input gradient."""
-    return 4 if attrs.get("need_dx", True) else 2
+def backward_factor(attrs: dict[str, Any]) -> float:
+    """FLOPs of a backward per forward multiply-add pair of its space: the input gradient unless
+    the input needs none (`need_dx`), and the weight gradient unless a micro-batched step
+    deferred it (`need_dw`); a deferred weight gradient's task sums every micro-batch's rows
+    (`micro_rows`) over a space as tall as the first."""
+    rows = attrs.get("micro_rows")
+    if rows:
+        return 2 * sum(rows) / max(rows)
+    weights = 2 if attrs.get("need_dw", True) else 0
+    return (2 if attrs.get("need_dx", True) else 0) + weights
 
 
 def layer_kind(kind: str):

@@ -71,7 +71,9 @@ def _linear_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -
     return {role: found[role] for role in dims}
 
 
-record_product("linear", _linear_rects, _linear_boxes, sums_over=3, steps="weights.delta")
+record_product(
+    "linear", _linear_rects, _linear_boxes, sums_over=3, steps="weights.delta", defers=True
+)
 
 
 @layer_kind("linear")

@@ -20,6 +20,7 @@ from partitioner.strategy import (
     Unit,
     aligned_grid,
     backward_grid,
+    forward_of,
     is_homed,
     param_of,
     unit_task_grid,
@@ -53,7 +54,7 @@ class UnitWindows:
                 self.unit_of[name], self.rule[name] = index, ("unit",)
             for name in unit.backward:
                 self.unit_of[name] = index
-                self.rule[name] = ("backward", name[: -len(".grad")])
+                self.rule[name] = ("backward", forward_of(graph, name))
         producer: dict[str, str] = {}
         reader: dict[str, str] = {}
         for task in graph.tasks:

@@ -19,10 +19,27 @@ def _linear(task, piece, views, dims, ctx):
     return {"output": linear.linear_forward(views["input"], views["weights"], views.get("b"))}
 
 
+def _micro_batches(views: dict, role: str, count: int) -> np.ndarray:
+    """A deferred weight gradient's rows of `role` from every micro-batch, as one array (a
+    piece reading none of a shorter micro-batch's rows is not given it)."""
+    parts = [views[f"{role}@{m}"] for m in range(count) if f"{role}@{m}" in views]
+    parts = [p for p in parts if p.shape[0]] or parts[:1]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 @adapter("linear.backward")
 def _linear_grad(task, piece, views, dims, ctx):
-    need_dx, grad = task.attrs["need_dx"], views.get("weights.delta")
-    dy, x, weights = views["output.delta"], views["input"], views["weights"]
+    rows = task.attrs.get("micro_rows")
+    if rows is not None:  # the micro-batches' weight gradients, deferred into one product
+        dy = _micro_batches(views, "output.delta", len(rows))
+        x = _micro_batches(views, "input", len(rows))
+        need_dx, weights = False, None
+    else:
+        dy, need_dx = views["output.delta"], task.attrs["need_dx"]
+        x, weights = views.get("input"), views["weights"]
+    if not task.attrs.get("need_dw", True):  # each micro-batch's input gradient alone
+        return {"input.delta": linear.linear_input_grad(dy, weights, views["input.delta"].shape)}
+    grad = views.get("weights.delta")
     step = ctx.steps.get("weights.delta")
     out = {}
     if step is not None or grad.flags.c_contiguous:
@@ -36,7 +53,8 @@ def _linear_grad(task, piece, views, dims, ctx):
         else:  # reduce straight into the gradient: no weight-sized temporary
             linear.linear_weight_grad_accumulate(dy, x, grad, "weights.delta" not in ctx.fresh)
         return out
-    dx, dw, db = linear.linear_backward(dy, x, weights, need_dx=need_dx, need_db="b.delta" in views)
+    shaped = grad if weights is None else weights  # a deferred gradient reads no weights
+    dx, dw, db = linear.linear_backward(dy, x, shaped, need_dx=need_dx, need_db="b.delta" in views)
     out["weights.delta"] = dw
     if dx is not None:
         out["input.delta"] = dx

@@ -214,11 +214,17 @@ def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monke
     labels = ["data", "megatron-col-row-2", "auto", "data+sharded"]
     assert [strategy_label(s) for s in strategies] == labels
     assert parse_strategies("examples/megatron-col-row-2.json+sharded") == [f"{COLUMN_ROW}+sharded"]
-    piped = parse_strategies("data+2stages,model+sharded+2stages,data+autostages")
-    assert piped == ["data+2stages", "model+sharded+2stages", "data+autostages"]
-    assert [_train_arguments(s) for s in piped] == [
-        ["--stages", "2"], ["--param-homes", "sharded", "--stages", "2"], ["--stages", "auto"]
+    piped = parse_strategies(
+        "data+2stages,model+sharded+2stages,data+autostages,model+2stages-deferred"
+    )
+    assert piped == [
+        "data+2stages", "model+sharded+2stages", "data+autostages", "model+2stages-deferred"
     ]  # fmt: skip
+    assert [_train_arguments(s) for s in piped] == [
+        ["--stages", "2"], ["--param-homes", "sharded", "--stages", "2"], ["--stages", "auto"],
+        ["--stages", "2", "--schedule", "1f1b-deferred"],
+    ]  # fmt: skip
+    assert strategy_label(piped[-1]) == "model+2stages-deferred"
     predicted = predict("deep-mlp", 16, 2, "data+2stages", Machine())
     whole = predict("deep-mlp", 16, 2, "data", Machine())
     assert predicted["bytes_planned"] < whole["bytes_planned"]  # activations, not gradients

@@ -8,11 +8,15 @@ gives must change the memory a rank holds: 1F1B keeps one micro-batch's activati
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from legion_nn.errors import LegionNNError, VerifyError
 from legion_nn.micro_batches import micro_batched, micro_name, schedule_of
 from legion_nn.networks import load_network
+from legion_nn.op_records import flops_per_element
+from legion_nn.rect import Rect
+from legion_nn.registry import access_map, box_map
 from legion_nn.spec import network_from_dict
 from legion_nn.verify import verify
 from partitioner.machine import Machine
@@ -48,6 +52,30 @@ def dropout_network():
             ],
         },
         "drop",
+    )
+
+
+def mlp_network():
+    """Linear layers on both sides of a cut, with and without biases: each defers its weights'
+    gradients under a `-deferred` schedule."""
+    return network_from_dict(
+        {
+            "name": "mlp",
+            "input": [6, 2, 2],
+            "classes": 4,
+            "layers": [
+                {"kind": "linear", "name": "fc1", "out": 16, "bias": True},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "linear", "name": "fc2", "out": 12},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "linear", "name": "fc3", "out": 10, "bias": True},
+                {"kind": "filterNL", "fn": "relu"},
+                {"kind": "linear", "name": "classifier", "out": 4},
+                {"kind": "softmax"},
+                {"kind": "evaluate"},
+            ],
+        },
+        "mlp",
     )
 
 
@@ -118,6 +146,65 @@ def test_a_layers_copies_make_one_unit_with_one_grid():
         assert unit.extents == (4, *whole[name].extents[1:])
 
 
+def _flops(graph) -> float:
+    return sum(flops_per_element(t, graph.tensors) * t.space.volume for t in graph.tasks)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-deferred", "gpipe-deferred"])
+def test_deferred_weight_gradients_run_once_over_every_micro_batch(schedule):
+    graph = mlp_network().lower(batch=7, dtype="float64")
+    split = micro_batched(graph, 3, schedule)
+    verify(split)
+    assert schedule_of(split) == (3, schedule)
+    order = [t.name for t in split.tasks]
+    last_backward = max(
+        i for i, t in enumerate(split.tasks) if t.phase == "backward" and "micro_batch" in t.attrs
+    )
+    for task in graph.tasks:
+        if task.op != "linear" or task.phase != "backward":
+            continue
+        weights = split.task(task.name)  # the whole batch's weight gradients, under its name
+        assert weights.attrs["micro_rows"] == (3, 2, 2)
+        assert order.index(task.name) > last_backward
+        written = {r.tensor for r in task.requirements if r.role in ("weights.delta", "b.delta")}
+        assert {r.tensor for r in weights.requirements if r.privilege.writes} == written
+        for m, rows in enumerate((3, 2, 2)):
+            for role in ("input", "output.delta"):
+                req = weights.requirement(f"{role}@{m}")
+                assert req.tensor == micro_name(task.requirement(role).tensor, m)
+                assert req.read_rect.shape[0] == rows
+            copy = micro_name(task.name, m)
+            if not task.attrs["need_dx"]:  # the first layer's input needs no gradient
+                assert copy not in order
+                continue
+            copied = split.task(copy)
+            assert copied.attrs["need_dw"] is False
+            assert not {r.tensor for r in copied.requirements} & written
+            assert order.index(copy) < order.index(task.name)
+    # the same products, grouped otherwise
+    assert _flops(split) == pytest.approx(_flops(micro_batched(graph, 3, "1f1b")), rel=1e-12)
+
+
+def test_a_deferred_gradients_boxes_are_its_rects():
+    """The access map of a deferred weight gradient cuts each `role@m` to micro-batch m's rows,
+    over arrays of pieces (the partitioner's form) as over one."""
+    split = micro_batched(mlp_network().lower(batch=7), 3, "1f1b-deferred")
+    task = split.task("fc3.linear3.grad")
+    dims = task.role_dims(split.tensors)
+    pieces = task.space.split((3, 2, 1, 1, 1, 1, 1))
+    lo = np.array([p.lo for p in pieces])
+    hi = np.array([p.hi for p in pieces])
+    boxes = box_map(task.op, task.phase)(task.attrs, dims, lo, hi)
+    rects = [access_map(task.op, task.phase)(task.attrs, dims, p) for p in pieces]
+    for role in dims:
+        for i, found in enumerate(rects):
+            box = Rect(boxes[role][0][i], boxes[role][1][i])
+            assert box == found[role] or (box.is_empty() and found[role].is_empty()), role
+    # micro-batch 0 has 3 rows, the others 2: the third piece of rows reads none of theirs
+    third = next(i for i, p in enumerate(pieces) if p.lo[0] == 2)
+    assert rects[third]["input@1"].is_empty() and not rects[third]["input@0"].is_empty()
+
+
 @pytest.mark.parametrize(
     ("count", "schedule", "message"),
     [
@@ -132,8 +219,11 @@ def test_bad_counts_and_schedules_are_named(count, schedule, message):
         micro_batched(graph, count, schedule)
 
 
-@pytest.mark.parametrize("network", [small_network, dropout_network])
-@pytest.mark.parametrize(("count", "schedule"), [(2, "1f1b"), (3, "gpipe"), (7, "1f1b")])
+@pytest.mark.parametrize("network", [small_network, dropout_network, mlp_network])
+@pytest.mark.parametrize(
+    ("count", "schedule"),
+    [(2, "1f1b"), (3, "gpipe"), (7, "1f1b"), (3, "1f1b-deferred"), (2, "gpipe-deferred")],
+)
 def test_one_process_equals_the_full_batch(network, count, schedule):
     full = local_run(config(network()))
     split = local_run(config(network(), micro_batches=count, schedule=schedule))
@@ -141,7 +231,9 @@ def test_one_process_equals_the_full_batch(network, count, schedule):
 
 
 @pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
-@pytest.mark.parametrize(("nranks", "count", "schedule"), [(2, 2, "1f1b"), (3, 3, "gpipe")])
+@pytest.mark.parametrize(
+    ("nranks", "count", "schedule"), [(2, 2, "1f1b"), (3, 3, "gpipe"), (2, 3, "1f1b-deferred")]
+)
 def test_ranks_equal_the_full_batch_in_one_process(strategy, nranks, count, schedule):
     full = local_run(config(small_network()))
     cfg = config(small_network(), micro_batches=count, schedule=schedule)

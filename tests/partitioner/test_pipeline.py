@@ -31,6 +31,7 @@ from runtime.step.model import StepModel
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.simulator import simulate_step
+from tests.legion_nn.test_micro_batches import mlp_network
 from tests.runtime.test_rank_executor import (
     assert_resumes,
     assert_same,
@@ -181,6 +182,10 @@ def test_each_stage_computes_on_its_own_ranks(strategy):
         (small_network, 3, "spatial", 3, 4, "1f1b"),
         (residual_network, 2, "data", 2, 4, "1f1b"),
         (residual_network, 4, "spatial", 2, 4, "gpipe"),
+        (mlp_network, 2, "data", 2, 3, "1f1b-deferred"),  # micro-batches of 3, 3 and 2
+        (mlp_network, 4, "model", 2, 3, "1f1b-deferred"),
+        (mlp_network, 4, "data", 2, 4, "gpipe-deferred"),
+        (residual_network, 2, "data", 2, 4, "1f1b-deferred"),
     ],
 )
 def test_ranks_in_stages_equal_the_full_batch_in_one_process(
@@ -251,6 +256,8 @@ def test_1f1b_measures_fewer_bytes_than_gpipe_and_both_as_predicted():
     one_f_one_b, gpipe = measured("1f1b"), measured("gpipe")
     assert one_f_one_b[0] == one_f_one_b[1] and gpipe[0] == gpipe[1]
     assert one_f_one_b[0][0] < gpipe[0][0]
+    deferred = measured("1f1b-deferred")  # the classifier's inputs kept to the stage's end
+    assert deferred[0] == deferred[1]
 
 
 @pytest.mark.parametrize(
