@@ -70,7 +70,7 @@ from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns
 from bench.task_profile import profile_as_run, profile_plan, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
-from legion_nn.micro_batches import micro_batched
+from legion_nn.micro_batches import defers_weight_grads, micro_batched
 from legion_nn.networks import load_network
 from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
@@ -223,11 +223,6 @@ def micro_batch_counts(batch: int, ranks: int, quick: bool = False) -> list[int]
 MICRO_SCHEDULES = ("1f1b", "1f1b-deferred")
 
 
-def defers(graph, count: int, schedule: str) -> bool:
-    """Whether `count` micro-batches of `graph` in `schedule` defer some weight gradient."""
-    return any("micro_rows" in t.attrs for t in micro_batched(graph, count, schedule).tasks)
-
-
 def measure_compute(
     network: str,
     batch: int,
@@ -264,7 +259,7 @@ def measure_compute(
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     whole = set(cache)
     runs = [(count, schedule) for count in counts for schedule in MICRO_SCHEDULES]
-    runs = [(c, s) for c, s in runs if s == MICRO_SCHEDULES[0] or defers(graph, c, s)]
+    runs = [(c, s) for c, s in runs if s == MICRO_SCHEDULES[0] or defers_weight_grads(graph)]
     for count, schedule in runs:
         micro = micro_batched(graph, count, schedule)
         plan = build_plan(micro, builtin(micro, "data", 1), 1)

@@ -128,6 +128,12 @@ def micro_batched(
     return TaskGraph(tensors.values(), order, network=graph.network, batch=graph.batch)
 
 
+def defers_weight_grads(graph: TaskGraph) -> bool:
+    """Whether a `DEFERRED` schedule changes `graph`'s step: some backward's op can leave its
+    weights' gradients apart."""
+    return any(t.phase == "backward" and weight_grad_roles(t) is not None for t in graph.tasks)
+
+
 def stage_order(stage: int, stages: int, count: int, schedule: str) -> list[tuple[str, int]]:
     """The passes stage `stage` of `stages` runs, in order: ("F", m) the forward of micro-batch
     m, ("B", m) its backward. GPipe: every forward, then every backward. 1F1B: `stages - 1 -

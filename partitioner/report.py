@@ -163,7 +163,7 @@ def table(report: dict) -> str:
     for row in report.get("pipeline_search", []):
         if row["predicted_seconds"] is None:
             continue
-        tried = pipeline_label(row["stages"], row["micro_batches"], row["cuts"])
+        tried = pipeline_label(row["stages"], row["micro_batches"], row["cuts"], row["schedule"])
         lines.append(f"  tried {tried}: {row['predicted_seconds']:.5f} s predicted")
     if not report["feasible"]:
         lines.append("INFEASIBLE: some rank needs more memory than it has")

@@ -256,7 +256,7 @@ def resolve_stages(
     nranks: int,
     machine: Machine,
     time_limit: float,
-    schedule: str,
+    schedule: str | None,
     micro_batches: int | None,
     note: Callable[[str], None] | None = None,
     param_homes: str | None = None,
@@ -266,7 +266,8 @@ def resolve_stages(
     sums: SumsFn | None = None,
 ) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
     """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches
-    (`micro_batches` where given) and cuts of least predicted step on `nranks` ranks, each stage
+    (`micro_batches` where given), cuts and schedule (`schedule` where given) of least
+    predicted step on `nranks` ranks, each stage
     split as `name` says (`search.stages.choose_pipeline`); that step's strategy and auto's reasons as
     `resolve_strategy` gives them; and the search."""
     if name not in BUILTIN and name != "auto":

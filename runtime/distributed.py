@@ -72,11 +72,11 @@ def strategy_spec(options: RunOptions) -> str | Callable[[TaskGraph, int], Strat
 
 
 def _choose_stages(config: TrainConfig, executor: RankExecutor, options: RunOptions) -> TrainConfig:
-    """`config` in the stages, micro-batches and cuts of least predicted step, and the executor
+    """`config` in the stages, micro-batches, cuts and schedule of least predicted step, and the executor
     set to the strategy planned with them: rank 0 chooses (`partitioner.resolve.resolve_stages`)
     and tells every rank."""
 
-    def choose() -> tuple[int, int, tuple[str, ...], Strategy]:
+    def choose() -> tuple[int, int, tuple[str, ...], str, Strategy]:
         machine = options.machine or Machine()
         model = StepModel(machine)
         graph = config.network.lower(
@@ -101,15 +101,15 @@ def _choose_stages(config: TrainConfig, executor: RankExecutor, options: RunOpti
             model.step_is_sum,
         )
         chosen = search.chosen
-        return chosen.stages, chosen.micro_batches, chosen.cuts, strategy
+        return chosen.stages, chosen.micro_batches, chosen.cuts, chosen.schedule, strategy
 
-    stages, count, cuts, strategy = executor.broadcast(choose, "the pipeline")
+    stages, count, cuts, schedule, strategy = executor.broadcast(choose, "the pipeline")
     executor.settle(strategy)
-    return replace(config, stages=stages, micro_batches=count, cuts=cuts)
+    return replace(config, stages=stages, micro_batches=count, cuts=cuts, schedule=schedule)
 
 
 def _pipeline_line(config: TrainConfig) -> str:
-    chosen = pipeline_label(config.stages, config.micro_batches, config.cuts or ())
+    chosen = pipeline_label(config.stages, config.micro_batches, config.cuts or (), config.schedule)
     return f"--stages auto: {chosen} (least predicted)"
 
 
@@ -186,7 +186,11 @@ def train_rank(
     if root and log is not None:
         for rank, record in enumerate(where):
             log.write(json.dumps({"event": "start", "rank": rank, **record}) + "\n")
-        pipeline = {"stages": config.stages, "micro_batches": config.micro_batches}
+        pipeline = {
+            "stages": config.stages,
+            "micro_batches": config.micro_batches,
+            "schedule": config.schedule,
+        }
         log.write(json.dumps({"event": "pipeline", **pipeline, "cuts": config.cuts}) + "\n")
         log.flush()
     trainer = Trainer(

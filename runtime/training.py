@@ -100,9 +100,10 @@ class TrainConfig:
     #: where to write the trained ONNX model (the network must have been read from one)
     save_onnx: str | None = None
     #: each step's batch runs as this many micro-batches, in `schedule`'s order
-    #: (`legion_nn.micro_batches`); a batch of fewer samples runs one per sample
+    #: (`legion_nn.micro_batches`; None under `--stages auto` until the search chooses it); a
+    #: batch of fewer samples runs one per sample
     micro_batches: int | None = 1
-    schedule: str = "1f1b"
+    schedule: str | None = "1f1b"
     #: pipeline stages the layers are cut into (`partitioner.pipeline`), each on its share of
     #: the ranks, the micro-batches streamed through them; `search.stages.AUTO_STAGES`: chosen
     #: with the micro-batches (where None) and the cuts by prediction, before the first step

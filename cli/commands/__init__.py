@@ -108,9 +108,10 @@ def step_shape(args: argparse.Namespace, graph) -> tuple[int, int, tuple[str, ..
     return stages, count, cuts_naming(graph, named, path) if stages > 1 else None
 
 
-def schedule(args: argparse.Namespace, stages: int | str) -> str:
-    """`--schedule`, 1f1b by default; given where the step has one stage, one line: it orders a
-    pipeline's stages (micro-batches alone run each forward, then its backward)."""
+def schedule(args: argparse.Namespace, stages: int | str) -> str | None:
+    """`--schedule`, 1f1b by default (None under `--stages auto`: the search chooses); given
+    where the step has one stage, one line: it orders a pipeline's stages (micro-batches alone
+    run each forward, then its backward)."""
     from legion_nn.errors import LegionNNError
 
     if args.schedule is not None and stages == 1:
@@ -118,6 +119,8 @@ def schedule(args: argparse.Namespace, stages: int | str) -> str:
             "--schedule orders the micro-batches of a pipeline's stages: give --stages S (or "
             "auto), or leave it out"
         )
+    if stages == AUTO_STAGES:
+        return args.schedule
     return args.schedule or SCHEDULES[0]
 
 

@@ -16,6 +16,7 @@ import argparse
 from cli.commands import (
     AUTO_STAGES,
     LR_SCHEDULES,
+    SCHEDULES,
     add_homes_argument,
     add_stall_timeout_argument,
     add_step_arguments,
@@ -202,7 +203,7 @@ def _config(args: argparse.Namespace):
             stages, count, cuts = step_shape(args, network.lower(batch=args.batch))
     order = schedule(args, stages)
     if count is not None:  # else --stages auto chooses it
-        check_micro_batches(count, args.batch, order)
+        check_micro_batches(count, args.batch, order or SCHEDULES[0])
     dataset = data.load(
         args.data,
         network.input,

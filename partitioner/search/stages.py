@@ -14,7 +14,8 @@ count M it may try (the one `--micro-batches` gives, else S, 2·S and 4·S up to
    (GPipe's and 1F1B's length alike, as in Alpa).
 
 The `TOP` candidates of least estimate, and the step without stages (S = 1), are then predicted
-by `predict`, the commands' prediction of the plan they would run (the step simulator's, which
+(each under every schedule tried: `--schedule`'s, else `AUTO_SCHEDULES` where the step has
+weight gradients to defer) by `predict`, the commands' prediction of the plan they would run (the step simulator's, which
 runs the schedule with its bubbles, its messages overlapping compute, and memory), and the least
 predicted is chosen. The estimate only ranks; nothing is chosen on it alone, so a pipeline is
 chosen exactly when its plan is predicted faster than every other tried, the unstaged one
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from legion_nn.graph import TaskGraph
-from legion_nn.micro_batches import check_micro_batches
+from legion_nn.micro_batches import DEFERRED, check_micro_batches, defers_weight_grads
 from partitioner.cost import task_costs, unit_seconds
 from partitioner.machine import Machine
 from partitioner.pipeline import cuts_of, stage_cuts, staged_units, step_graph
@@ -42,6 +43,10 @@ AUTO_STAGES = "auto"
 
 #: how many pipelines, of least estimate, the commands' prediction is asked about
 TOP = 3
+
+#: the schedules tried where `--schedule` is not given: the micro-batches' weight gradients
+#: each added in turn, or deferred to one task over them all (`legion_nn.micro_batches`)
+AUTO_SCHEDULES = ("1f1b", "1f1b" + DEFERRED)
 
 #: the step the plan of a candidate's step graph is predicted to take (math.inf where it does
 #: not fit)
@@ -58,15 +63,16 @@ class PipelineChoice:
     estimate: float
     #: `predict`'s seconds; None where it was not asked
     predicted: float | None = None
+    schedule: str = AUTO_SCHEDULES[0]
 
     @property
     def key(self) -> tuple:
-        """What makes the step graph: stages, micro-batches and cuts."""
-        return self.stages, self.micro_batches, self.cuts
+        """What makes the step graph: stages, micro-batches, cuts and schedule."""
+        return self.stages, self.micro_batches, self.cuts, self.schedule
 
     @property
     def label(self) -> str:
-        return pipeline_label(self.stages, self.micro_batches, self.cuts)
+        return pipeline_label(self.stages, self.micro_batches, self.cuts, self.schedule)
 
     def row(self) -> dict:
         """As `partition --json` reports it, under `"pipeline_search"`."""
@@ -74,16 +80,21 @@ class PipelineChoice:
             "stages": self.stages,
             "micro_batches": self.micro_batches,
             "cuts": list(self.cuts),
+            "schedule": self.schedule,
             "estimate_seconds": self.estimate,
             "predicted_seconds": self.predicted,
         }
 
 
-def pipeline_label(stages: int, micro_batches: int, cuts: Sequence[str]) -> str:
+def pipeline_label(
+    stages: int, micro_batches: int, cuts: Sequence[str], schedule: str = AUTO_SCHEDULES[0]
+) -> str:
     """A step's stages, cuts and micro-batches as the commands print them: `2 stages cut before
-    fc5, 4 micro-batches`, `no stages, 1 micro-batch`."""
+    fc5, 4 micro-batches`, `no stages, 1 micro-batch`, and `, weight gradients deferred` under a
+    `-deferred` schedule."""
     where = f"{stages} stages cut before {', '.join(cuts)}" if stages > 1 else "no stages"
-    return f"{where}, {micro_batches} micro-batch{'es' if micro_batches != 1 else ''}"
+    deferred = ", weight gradients deferred" if schedule.endswith(DEFERRED) and stages > 1 else ""
+    return f"{where}, {micro_batches} micro-batch{'es' if micro_batches != 1 else ''}{deferred}"
 
 
 @dataclass(frozen=True)
@@ -115,14 +126,19 @@ def choose_pipeline(
     nranks: int,
     families: Sequence[str],
     machine: Machine,
-    schedule: str,
+    schedule: str | None,
     micro_batches: int | None,
     predict: Predict,
 ) -> PipelineSearch:
-    """The stages, micro-batches and cuts of least predicted step for the unsplit step `graph`
-    on `nranks` ranks, each stage's layers split by one of `families` (see the module
-    docstring), and every candidate."""
-    check_micro_batches(1 if micro_batches is None else micro_batches, graph.batch, schedule)
+    """The stages, micro-batches, cuts and schedule (`schedule`, or where None the best of
+    `AUTO_SCHEDULES`) of least predicted step for the unsplit step `graph` on `nranks` ranks,
+    each stage's layers split by one of `families` (see the module docstring), and every
+    candidate."""
+    schedules = [schedule] if schedule is not None else list(AUTO_SCHEDULES)
+    if schedule is None and not defers_weight_grads(graph):
+        schedules = schedules[:1]  # the same step under each
+    for name in schedules:
+        check_micro_batches(1 if micro_batches is None else micro_batches, graph.batch, name)
     units = staged_units(graph)
     crossing = _crossing_bytes(graph, units)
     estimates: list[PipelineChoice] = []
@@ -138,14 +154,17 @@ def choose_pipeline(
                 loads[of_unit[unit.name]] += w
             estimate = sum(loads) + (count - 1) * max(loads)
             estimates.append(PipelineChoice(stages, count, cuts_of(of_unit), estimate))
+    estimates = [replace(c, schedule=schedules[0]) for c in estimates]
     estimates.sort(key=lambda c: c.estimate)
-    unstaged = PipelineChoice(1, micro_batches or 1, (), 0.0)
+    unstaged = PipelineChoice(1, micro_batches or 1, (), 0.0, schedule=schedules[0])
     tried = []
-    for candidate in (unstaged, *estimates[:TOP]):
-        step = step_graph(
-            graph, candidate.stages, candidate.micro_batches, schedule, candidate.cuts
-        )
-        tried.append(replace(candidate, predicted=predict(candidate, step)))
+    for shape in (unstaged, *estimates[:TOP]):
+        for name in schedules if shape.stages > 1 else schedules[:1]:
+            candidate = replace(shape, schedule=name)
+            step = step_graph(
+                graph, candidate.stages, candidate.micro_batches, name, candidate.cuts
+            )
+            tried.append(replace(candidate, predicted=predict(candidate, step)))
     best = min(tried, key=lambda c: (c.predicted, c.stages))
     return PipelineSearch(best, tried + estimates[TOP:])
 

@@ -34,7 +34,7 @@ from partitioner.pipeline import (
 )
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_stages, strategy_chooser
-from partitioner.search.stages import AUTO_STAGES, _crossing_bytes, stage_counts
+from partitioner.search.stages import AUTO_SCHEDULES, AUTO_STAGES, _crossing_bytes, stage_counts
 from partitioner.strategy import builtin
 from runtime.distributed import RunOptions, train_rank
 from runtime.step.model import StepModel
@@ -130,13 +130,32 @@ def test_a_cut_is_charged_what_the_planner_sends_across_it():
     assert crossing[names.index("C")] > crossing[names.index("B")]  # A's output rides along
 
 
-def _search(machine, nranks, strategy="data", micro_batches=None):
+def _search(machine, nranks, strategy="data", micro_batches=None, schedule="1f1b"):
     graph = mlp().lower(batch=16)
     model = StepModel(machine)
     return resolve_stages(
-        graph, strategy, nranks, machine, 10.0, "1f1b", micro_batches, None, None,
+        graph, strategy, nranks, machine, 10.0, schedule, micro_batches, None, None,
         model.peak, model.step,
     )  # fmt: skip
+
+
+def test_without_a_schedule_each_pipeline_is_predicted_under_both():
+    """The MLP's linear layers can defer their weight gradients: every staged candidate the
+    prediction sees is tried with and without, and the least predicted runs."""
+    step, strategy, _, search = _search(SLOW, 2, schedule=None)
+    predicted = [c for c in search.tried if c.predicted is not None]
+    staged = {c.key[:3] for c in predicted if c.stages > 1}
+    assert staged and {c.schedule for c in predicted if c.stages > 1} == set(AUTO_SCHEDULES)
+    assert all(
+        (*shape, s) in {c.key for c in predicted} for shape in staged for s in AUTO_SCHEDULES
+    )
+    assert search.chosen.predicted == min(c.predicted for c in predicted)
+    assert schedule_of(step) == (search.chosen.micro_batches, search.chosen.schedule)
+    model = StepModel(SLOW)
+    assert model.step(step, build_plan(step, strategy, 2)) == search.chosen.predicted
+    # a schedule given is the only one tried
+    _, _, _, given = _search(SLOW, 2, schedule="gpipe")
+    assert {c.schedule for c in given.tried} == {"gpipe"}
 
 
 def test_the_least_predicted_is_chosen_and_on_a_slow_link_it_is_a_pipeline():
@@ -170,19 +189,22 @@ def test_partition_reports_the_chosen_pipelines_prediction(tmp_path):
     assert report["predicted_step_seconds"] == best["predicted_seconds"]
     assert len(report["stages"]) == best["stages"] == 2
     assert report["micro_batches"] == best["micro_batches"]
+    assert report["schedule"] == best["schedule"]
     assert report["stages"][1]["layers"][0] == best["cuts"][0]
 
 
 def test_train_with_stages_auto_runs_the_chosen_pipeline_equal_to_one_process():
     network = mlp()
     full = local_run(config(network, batch=8), steps=2)
-    cfg = config(network, batch=8, steps=2, epochs=1, stages=AUTO_STAGES, micro_batches=None)
+    cfg = config(
+        network, batch=8, steps=2, epochs=1, stages=AUTO_STAGES, micro_batches=None, schedule=None
+    )
     options = RunOptions(strategy="data", machine=SLOW)
     log = io.StringIO()
     results = run_threads(2, lambda transport: train_rank(cfg, transport, options, log=log))
     np.testing.assert_allclose(results[0].losses, full[0], rtol=1e-9, atol=0)
     chosen = [json.loads(line) for line in log.getvalue().splitlines() if "pipeline" in line]
-    assert chosen[0]["stages"] == 2
+    assert chosen[0]["stages"] == 2 and chosen[0]["schedule"] in AUTO_SCHEDULES
 
 
 @pytest.mark.parametrize(
