@@ -86,10 +86,13 @@ def split_stages(strategy: str) -> tuple[str, int | str]:
     return strategy[: found.start()], count if count == AUTO_STAGES else int(count)
 
 
-def stage_schedule(strategy: str) -> str:
-    """`--schedule` of a strategy as `--strategies` gives it (`STAGES`)."""
+def stage_schedule(strategy: str) -> str | None:
+    """`--schedule` of a strategy as `--strategies` gives it (`STAGES`): None for `+autostages`
+    (`--stages auto` chooses it)."""
     found = STAGES.search(strategy)
-    return PIPELINE_SCHEDULES[bool(found and found.group(2))]
+    if found and found.group(2):
+        return PIPELINE_SCHEDULES[1]
+    return None if found and found.group(1) == AUTO_STAGES else PIPELINE_SCHEDULES[0]
 
 
 def split_homes(strategy: str) -> tuple[str, str | None]:
@@ -102,7 +105,7 @@ def split_homes(strategy: str) -> tuple[str, str | None]:
 
 def _suffix(strategy: str) -> str:
     homes, stages = split_homes(strategy)[1], split_stages(strategy)[1]
-    deferred = "-deferred" if stage_schedule(strategy) != PIPELINE_SCHEDULES[0] else ""
+    deferred = "-deferred" if stage_schedule(strategy) == PIPELINE_SCHEDULES[1] else ""
     return (SHARDED if homes else "") + (f"+{stages}stages{deferred}" if stages != 1 else "")
 
 
@@ -120,7 +123,7 @@ def _train_arguments(strategy: str) -> list[str]:
     return (
         (["--param-homes", homes] if homes else [])
         + (["--stages", str(stages)] if stages != 1 else [])
-        + (["--schedule", schedule] if schedule != PIPELINE_SCHEDULES[0] else [])
+        + (["--schedule", schedule] if schedule == PIPELINE_SCHEDULES[1] else [])
     )
 
 
@@ -203,7 +206,7 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
         pipeline = search.chosen.label
     else:
         if stages > 1:
-            graph = pipelined(graph, stages, 2 * stages, schedule)[0]
+            graph = pipelined(graph, stages, 2 * stages, schedule or PIPELINE_SCHEDULES[0])[0]
         plan_strategy, why = resolve_strategy(
             graph, name, ranks, machine, SEARCH_SECONDS, param_homes=homes,
             peak=model.peak, step=model.step, lower=model.step_lower_bound,

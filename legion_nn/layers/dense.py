@@ -64,7 +64,7 @@ def _dense_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) ->
     return {role: found[role] for role in dims}
 
 
-record_product("dense", _dense_rects, _dense_boxes, sums_over=1)
+record_product("dense", _dense_rects, _dense_boxes, sums_over=1, defers=True)
 
 
 @layer_kind("dense")

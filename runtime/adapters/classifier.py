@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from legion_nn.access import class_axis
-from runtime.adapters.registry import adapter
+from runtime.adapters.registry import adapter, micro_batches_joined
 from runtime.kernels import linear, softmax
 
 
@@ -19,24 +19,11 @@ def _linear(task, piece, views, dims, ctx):
     return {"output": linear.linear_forward(views["input"], views["weights"], views.get("b"))}
 
 
-def _micro_batches(views: dict, role: str, count: int) -> np.ndarray:
-    """A deferred weight gradient's rows of `role` from every micro-batch, as one array (a
-    piece reading none of a shorter micro-batch's rows is not given it)."""
-    parts = [views[f"{role}@{m}"] for m in range(count) if f"{role}@{m}" in views]
-    parts = [p for p in parts if p.shape[0]] or parts[:1]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
 @adapter("linear.backward")
 def _linear_grad(task, piece, views, dims, ctx):
-    rows = task.attrs.get("micro_rows")
-    if rows is not None:  # the micro-batches' weight gradients, deferred into one product
-        dy = _micro_batches(views, "output.delta", len(rows))
-        x = _micro_batches(views, "input", len(rows))
-        need_dx, weights = False, None
-    else:
-        dy, need_dx = views["output.delta"], task.attrs["need_dx"]
-        x, weights = views.get("input"), views["weights"]
+    views = micro_batches_joined(task, views)  # deferred weight gradients: every micro-batch
+    dy, x, weights = views["output.delta"], views.get("input"), views.get("weights")
+    need_dx = task.attrs["need_dx"]
     if not task.attrs.get("need_dw", True):  # each micro-batch's input gradient alone
         return {"input.delta": linear.linear_input_grad(dy, weights, views["input.delta"].shape)}
     grad = views.get("weights.delta")

@@ -7,7 +7,7 @@ the scatter-add into those columns of every row.
 
 from __future__ import annotations
 
-from runtime.adapters.registry import adapter, in_place
+from runtime.adapters.registry import adapter, in_place, micro_batches_joined
 from runtime.kernels import dense, embedding, layernorm
 
 
@@ -33,14 +33,19 @@ def _dense(task, piece, views, dims, ctx):
 
 @adapter("dense.backward")
 def _dense_grad(task, piece, views, dims, ctx):
-    need_db = "b.delta" in views and views["b.delta"].size > 0
+    views = micro_batches_joined(task, views)  # deferred weight gradients: every micro-batch
     need_dx = task.attrs["need_dx"]
-    dw, add_dw = in_place(task, views, ctx, "weights.delta")
     dx, add_dx = in_place(task, views, ctx, "input.delta") if need_dx else (None, False)
+    if not task.attrs.get("need_dw", True):  # each micro-batch's input gradient alone
+        shape = views["input.delta"].shape
+        got_dx = dense.dense_input_grad(views["output.delta"], views["weights"], shape, dx, add_dx)
+        return {} if dx is not None else {"input.delta": got_dx}
+    need_db = "b.delta" in views and views["b.delta"].size > 0
+    dw, add_dw = in_place(task, views, ctx, "weights.delta")
     got_dx, got_dw, db = dense.dense_backward(
         views["output.delta"],
         views["input"],
-        views["weights"],
+        views["weights"] if "weights" in views else views["weights.delta"],  # for its shape
         need_dx=need_dx,
         need_db=need_db,
         dw=dw,

@@ -81,12 +81,24 @@ def dense_backward(
     if dw is None:
         dw, add_dw = np.empty(w.shape, w.dtype), False
     product(x2, TRANS, dy2, NO_TRANS, _checks.output("dw", dw, w.shape, "x", x), accumulate=add_dw)
-    if need_dx:  # against wᵀ made contiguous (weight-sized), the product runs untransposed
-        if dx is None:
-            dx, add_dx = np.empty(x.shape, x.dtype), False
-        rows = _checks.output("dx", dx, x.shape, "x", x).reshape(dy2.shape[0], -1)
-        product(dy2, NO_TRANS, np.ascontiguousarray(w.T), NO_TRANS, rows, accumulate=add_dx)
-    else:
-        dx = None
+    dx = dense_input_grad(dy, w, x.shape, dx, add_dx) if need_dx else None
     db = dy2.sum(axis=0, dtype=np.float64).astype(dy.dtype) if need_db else None
     return dx, dw, db
+
+
+def dense_input_grad(
+    dy: np.ndarray,
+    w: np.ndarray,
+    input_shape: tuple[int, ...],
+    dx: np.ndarray | None = None,
+    add_dx: bool = False,
+) -> np.ndarray:
+    """dx (N, T, K) = dy·wᵀ, written into (or with `add_dx` added to) a C-contiguous `dx` where
+    given."""
+    if dx is None:
+        dx, add_dx = np.empty(input_shape, dy.dtype), False
+    dy2 = _rows(dy)
+    rows = _checks.output("dx", dx, input_shape, "dy", dy).reshape(dy2.shape[0], -1)
+    # against wᵀ made contiguous (weight-sized), the product runs untransposed
+    product(dy2, NO_TRANS, np.ascontiguousarray(w.T), NO_TRANS, rows, accumulate=add_dx)
+    return dx

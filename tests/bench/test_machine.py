@@ -205,7 +205,13 @@ MACHINE = {"rank_gflops": 50.0, "link_gbytes_per_s": 0.125, "latency_us": 60.0,
 
 
 def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monkeypatch):
-    from bench.cluster_scaling import _train_arguments, parse_strategies, predict, strategy_label
+    from bench.cluster_scaling import (
+        _train_arguments,
+        parse_strategies,
+        predict,
+        stage_schedule,
+        strategy_label,
+    )
 
     monkeypatch.chdir(ROOT)
     strategies = parse_strategies(" data, examples/megatron-col-row-2.json ,auto,data+sharded")
@@ -225,6 +231,7 @@ def test_strategies_take_names_and_files_labelled_by_their_stems(tmp_path, monke
         ["--stages", "2", "--schedule", "1f1b-deferred"],
     ]  # fmt: skip
     assert strategy_label(piped[-1]) == "model+2stages-deferred"
+    assert [stage_schedule(s) for s in piped] == ["1f1b", "1f1b", None, "1f1b-deferred"]
     predicted = predict("deep-mlp", 16, 2, "data+2stages", Machine())
     whole = predict("deep-mlp", 16, 2, "data", Machine())
     assert predicted["bytes_planned"] < whole["bytes_planned"]  # activations, not gradients

@@ -373,6 +373,18 @@ def test_a_gpt_split_over_ranks_equals_one_process(strategy, nranks):
     assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
 
 
+@pytest.mark.parametrize(("strategy", "nranks"), [("data", 2), ("model", 4)])
+def test_a_gpt_in_stages_with_deferred_weight_gradients_equals_one_process(strategy, nranks):
+    """2 stages of 3 micro-batches of a sample each: the dense layers' weight gradients are
+    computed once a stage over every micro-batch's tokens, written or added in place."""
+    full = local_run(tiny_gpt())
+    cfg = tiny_gpt(stages=2, micro_batches=3, schedule="1f1b-deferred")
+    graph = Trainer(cfg).graph(cfg.batch)
+    deferred = [t for t in graph.tasks if "micro_rows" in t.attrs]
+    assert "dense" in {t.op for t in deferred}
+    assert_same(full, ranks_run(cfg, nranks, strategy))
+
+
 @pytest.mark.parametrize(("grid", "nranks"), [((1, 1, 1, 2), 2), ((1, 1, 2, 2), 4)])
 def test_dense_layers_split_over_their_inputs_equal_one_process(grid, nranks):
     """Each dense layer's features cut (its reduction dim): every piece adds its partial sums
