@@ -150,9 +150,11 @@ def _tiled(
     else:
         depth = min(k, TILED_DEPTH)
         columns = max(64, STEP_BLOCK_BYTES // (depth * c.itemsize) // 64 * 64)
-    # enough row blocks for every thread where c is too narrow for a column block each
+    # enough row blocks for every thread where c is too narrow for a column block each: each
+    # row block reads all of b again
     column_blocks = -(-n // columns)
-    row_blocks = max(1, min(-(-m // 6), -(-TILED_TASKS // column_blocks)))
+    tasks = TILED_TASKS_PER_THREAD * numba.get_num_threads()
+    row_blocks = max(1, min(-(-m // 6), -(-tasks // column_blocks)))
     rows = -(-m // row_blocks)
     if step is None:
         _tiled_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth,
@@ -178,8 +180,11 @@ TILED_BLOCK_BYTES = 256 << 10
 TILED_COLUMNS = 256
 #: the stepped product's slice of the reduction (`STEP_BLOCK_BYTES`)
 TILED_DEPTH = 1024
-#: at least this many blocks of c where it has the rows for them, for threads to share
-TILED_TASKS = 16
+#: at least this many blocks of c per thread where it has the rows for them, for threads to
+#: share. Each row block reads all of b, so no more than the threads need: dy·w at 16 and 32
+#: rows (w 2048×2048, one thread, a pipeline stage's rank) took 0.60–0.75 of its time with 16
+#: blocks, the count before it was per thread (`bench/linear_blocks.py`)
+TILED_TASKS_PER_THREAD = 8
 
 
 @njit(cache=True, nogil=True, parallel=True)
