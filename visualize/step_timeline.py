@@ -22,13 +22,18 @@ from visualize.palette import rank_colour, tint
 
 #: the grey of tasks outside any micro-batch's forward or backward
 OTHER = "#9a9a9a"
+#: the weight gradients a `-deferred` schedule computes over every micro-batch at a stage's end
+WEIGHTS = "#5b5b8f"
 #: a bar narrower than this share of the step carries no label
 LABELLED = 0.02
 
 
 def pass_of(task: Task) -> tuple[str, int | None]:
-    """("F" or "B", micro-batch) of a task a micro-batch runs; ("", None) for any other."""
+    """("F" or "B", micro-batch) of a task a micro-batch runs, ("W", None) of weight gradients
+    deferred over every micro-batch (`legion_nn.micro_batches`); ("", None) for any other."""
     micro_batch = task.attrs.get("micro_batch")
+    if "micro_rows" in task.attrs:
+        return "W", None
     if task.phase == "forward":
         return "F", micro_batch
     if task.phase == "backward":
@@ -58,6 +63,8 @@ def timeline_figure(
         kind, micro_batch = pass_of(task)
         if not kind:
             colour = OTHER
+        elif kind == "W":
+            colour = WEIGHTS
         else:
             base = rank_colour(micro_batch or 0)
             colour = base if kind == "F" else tint(base, 0.55)
@@ -81,11 +88,16 @@ def timeline_figure(
         handles=[
             Patch(color=rank_colour(0), label="forward (colour: micro-batch)"),
             Patch(color=tint(rank_colour(0), 0.55), label="backward"),
+            *(
+                [Patch(color=WEIGHTS, label="weight gradients, deferred (W)")]
+                if any(pass_of(task)[0] == "W" for _, task, _, _ in bars)
+                else []
+            ),
             Patch(color=OTHER, label="other (updates, zeroing)"),
         ],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.3),
-        ncol=3,
+        ncol=4,
         fontsize=8,
     )
     return fig

@@ -188,6 +188,14 @@ def test_sharded_homes_equal_the_local_run(strategy, nranks):
     assert all(sent > 0 for _, _, traffic in ranks for sent, _ in traffic)
 
 
+def test_sharded_homes_in_stages_with_deferred_gradients_equal_the_local_run():
+    """2 stages of 2 ranks, the parameters sharded within each: the classifier's gradient,
+    deferred over every micro-batch, goes to its shards' homes."""
+    cfg = config(small_network(), batch=8, stages=2, micro_batches=4, schedule="1f1b-deferred")
+    choose = lambda graph, n: sharded(graph, "data", n)
+    assert_same(local_run(config(small_network(), batch=8)), ranks_run(cfg, 4, choose))
+
+
 def test_a_window_is_fetched_just_before_its_reader_and_moves_with_no_staging_copy():
     """The shards of a weight cut along its outermost axis go from the home and into the
     reader's window as they lie: no send or receive buffer."""

@@ -280,8 +280,9 @@ def test_a_checkpoint_of_two_stages_resumes_without_them(tmp_path):
     assert_resumes(tmp_path, (2, "data"), (2, "model"), stages=2, micro_batches=4)
 
 
-def test_the_timeline_draws_every_ranks_tasks_where_the_simulator_ran_them(tmp_path):
-    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4)
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-deferred"])
+def test_the_timeline_draws_every_ranks_tasks_where_the_simulator_ran_them(tmp_path, schedule):
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4, schedule)
     plan = build_plan(graph, builtin(graph, "data", 2), 2)
     machine = Machine(link_gbytes_per_s=0.1)
     programs = build_programs(graph, plan, machine, range(2))
@@ -300,6 +301,8 @@ def test_the_timeline_draws_every_ranks_tasks_where_the_simulator_ran_them(tmp_p
     assert len(ax.patches) == len(step.timeline)
     labels = {t.get_text() for t in ax.texts}
     assert {"F0", "F3", "B0", "B3"} <= labels
+    # each stage ends with its weight gradients over every micro-batch, one bar a stage
+    assert ("W" in labels) == (schedule == "1f1b-deferred")
     out = tmp_path / "timeline.png"
     argv = ["render", "deep-mlp", "--batch", "16", "--ranks", "2", "--strategy", "data",
             "--stages", "2", "--timeline", "-o", str(out)]  # fmt: skip
