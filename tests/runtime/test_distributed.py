@@ -342,7 +342,7 @@ def test_a_gpt_split_by_heads_equals_one_process(single_gpt, tmp_path, launcher,
     assert all(r["bytes_sent"] == r["bytes_planned"] > 0 for r in steps)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "1f1b-deferred"])
 def test_a_pipeline_equals_one_process(single, tmp_path, launcher, schedule):
     """Two stages, a rank each, streaming 4 micro-batches: the activations cross the cut as
     copies, their gradients come back as partial sums, and the run is the one process's."""
