@@ -46,7 +46,7 @@ from legion_nn.registry import piece_requirements, weight_grad_roles
 #: `1f1b` runs each micro-batch's backward right after its forward, so one micro-batch's
 #: activations are live at a time; `gpipe` runs every forward, then every backward. With
 #: `DEFERRED` after either, the backwards compute the input gradients only where a layer's op
-#: can leave its weights' gradients apart (`registry`'s `weight_grad`: `linear`), and each
+#: can leave its weights' gradients apart (`registry`'s `weight_grad`: `linear`, `dense`), and each
 #: stage ends with one task per such layer computing them over all its micro-batches' rows
 #: (zero-bubble pipelines' B and W passes): one product over the step's batch where each
 #: micro-batch's would read and write the whole gradient, its update fused into it as without
