@@ -28,9 +28,6 @@ that the cores of a host stay with the rank measuring), and writes the file:
   this process (`bench.calibration.calibrate`): per-task overhead, the factor by which a kernel in a
   step is slower than alone, the step's time outside its tasks (`loop_us`), the bandwidth its
   memory-bound tasks reach, and each op's rate for pieces the table lacks (`op_gflops`);
-- how much longer a kernel takes while the job's other ranks compute too (`corun_factor`,
-  `corun_factor()`): the traced one-rank step again, on every rank at once, where each rank has
-  a core of its own (ranks time-sharing cores are `Machine.core_share`'s);
 - what a message costs a rank beyond its link (`bench.message_costs`): the runtime's cost per
   message (`message_overhead_us`): every rank runs a job that is mostly
   messages, `MESSAGE_JOB` (a small network cut by channels over all ranks, its pieces timed
@@ -166,21 +163,6 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
     }
 
 
-def corun_factor(
-    network: str, batch: int, threads: int, fitted: dict | None, profiled: dict | None
-) -> float:
-    """On rank 0, how much longer its kernels take in its one-rank step while every other rank
-    of the job runs the same step than while they idle (`calibrate_in_process`, whose `fitted`
-    compute factor the same fit gives alone, with the plan's `profiled` pieces); 1.0 elsewhere.
-    Every rank calls it: ranks on one machine share its memory bandwidth and caches (on an
-    emulated cluster, every host's), which a kernel timed alone does not meet."""
-    job = _traced_training(network, batch)
-    if fitted is None or profiled is None:
-        return 1.0
-    beside = calibrate(job, threads, fitted["memory_gbytes_per_s"], profiled).compute_factor
-    return beside / fitted["compute_factor"] if fitted["compute_factor"] > 0 else 1.0
-
-
 #: steps of the fresh training whose resident set gives the process baseline
 BASELINE_STEPS = 2
 
@@ -248,11 +230,10 @@ def measure_compute(
     strategies: Sequence[str],
     threads: int,
     quick: bool = False,
-) -> tuple[list[dict], dict, dict]:
+) -> tuple[list[dict], dict]:
     """The pieces table of the network's plans on 1 and `ranks` ranks and of micro-batches on a
-    rank of their own (those only micro-batches run read from traced steps in them), the
-    calibration, and the one-rank plan's profile it was fitted with; `quick`: fewer micro-batch
-    counts and traced steps (`--quick`).
+    rank of their own (those only micro-batches run read from traced steps in them), and the
+    calibration; `quick`: fewer micro-batch counts and traced steps (`--quick`).
 
     The plans are profiled once per optimizer: a job may train with any of them, and only the
     update tasks differ (the other pieces are found in the table), so each optimizer adds its
@@ -291,7 +272,7 @@ def measure_compute(
             network, batch, count, threads, fitted, micro_steps, schedule
         )
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
-    return piece_rows(cache), fitted, profiled_one
+    return piece_rows(cache), fitted
 
 
 def micro_batch_pieces_in_step(
@@ -385,24 +366,9 @@ def measure(
                 out["duplex_gbytes_per_s"] = 1 / duplex_per_byte / 1e9
     if rank == 0:
         say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
-        pieces, fitted, profiled = measure_compute(network, batch, size, strategies, threads, quick)
+        pieces, fitted = measure_compute(network, batch, size, strategies, threads, quick)
         say(f"{network} batch {batch}: a process's baseline memory")
         baseline = process_baseline_mib(network, batch)
-    corun = 1.0
-    if distributed and size > 1:
-        mpi.idle_barrier()
-        own_cores = host_cores() >= per_host
-        if rank == 0:
-            say(
-                f"{network} batch {batch}: its one-rank step on every rank at once"
-                if own_cores
-                else "ranks share their host's cores: kernels beside each other not timed"
-            )
-        if own_cores:
-            corun = corun_factor(network, batch, threads, fitted if rank == 0 else None,
-                                 profiled if rank == 0 else None)  # fmt: skip
-        if rank == 0:
-            fitted["corun_factor"] = corun
     main = links.get("inter_host") or links.get("intra_host")
     latency, per_byte = main if main else (0.0, 0.0)
     per_message = stack = None
@@ -448,7 +414,6 @@ def measure(
         "op_gflops": rates,
         "ranks_per_host": per_host,
         "compute_factor": fitted["compute_factor"],
-        "corun_factor": corun,
         "loop_us": fitted["loop_us"],
         "pieces": pieces,
         "hosts": host_count,

@@ -71,7 +71,6 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
         profile_as_run(graph, one, threads, sample, cache)
         base = Machine(
             task_overhead_us=fitted["task_overhead_us"], compute_factor=fitted["compute_factor"],
-            corun_factor=fitted.get("corun_factor", 1.0),
             memory_gbytes_per_s=fitted["memory_gbytes_per_s"], host_cores=host_cores(),
             pieces={key: seconds for (_, key), seconds in cache.items()},
             **fitted["links"],

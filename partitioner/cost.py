@@ -452,17 +452,16 @@ def compute_per_rank(graph: TaskGraph, plan: Plan, machine: Machine) -> list[np.
     flops = flops_per_rank(graph, plan) if modelled else [None] * len(plan.tasks)
     traffic = bytes_per_rank(graph, plan) if modelled and per_byte else [None] * len(plan.tasks)
     share = machine.core_share(plan.nranks)
-    corun = machine.corun(plan.nranks)
     out = []
     for index, (task, found, task_flops, moved) in enumerate(
         zip(graph.tasks, measured, flops, traffic)
     ):
         if found is not None:
-            seconds = found * machine.compute_factor * corun
+            seconds = found * machine.compute_factor
         else:
-            seconds = compute_seconds(task, np.asarray(task_flops, np.float64), machine) * corun
+            seconds = compute_seconds(task, np.asarray(task_flops, np.float64), machine)
             if moved is not None:
-                seconds = np.maximum(seconds, moved * per_byte * corun)
+                seconds = np.maximum(seconds, moved * per_byte)
         working = working_ranks(plan, index)
         out.append(np.where(working, task_seconds(seconds, machine, share), 0.0))
     return out

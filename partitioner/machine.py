@@ -44,8 +44,7 @@ optional; see the README's table of keys):
   [[role, shape]], "seconds", "threads"}`, and `"mode"` where the piece was timed as a step
   runs it writing its gradient or taking its optimizer's step (`runtime.step.piece_modes`);
   `"compute_factor"` (a task's kernels in a running step take this many times their time
-  alone), `"corun_factor"` (and this many times more in a step of several ranks, each on a core
-  of its own, computing at once: they share the machine's memory bandwidth and caches) and `"loop_us"` (a step's time outside its tasks);
+  alone) and `"loop_us"` (a step's time outside its tasks);
 - `"duplex_gbytes_per_s"`: the rate each way while both directions of a link between hosts carry
   messages at once. Where a host's cores move the bytes (a software link: veth, loopback, TCP
   without offloads) its network stack serves both directions, and each runs slower than alone;
@@ -84,7 +83,6 @@ MEASURED_KEYS = (
     "intra_host",
     "pieces",
     "compute_factor",
-    "corun_factor",
     "loop_us",
     "host_cores",
 )
@@ -133,8 +131,6 @@ class Machine:
     #: seconds of a piece by `piece_key`
     pieces: dict[str, float] = field(default_factory=dict)
     compute_factor: float = 1.0
-    #: a kernel's time in a step of several ranks over its time in a one-rank step
-    corun_factor: float = 1.0
     loop_us: float = 0.0
     #: the cores of a host, which its ranks share (None: each rank has its cores to itself)
     host_cores: int | None = None
@@ -186,11 +182,6 @@ class Machine:
     @property
     def task_overhead(self) -> float:
         return self.task_overhead_us * 1e-6
-
-    def corun(self, nranks: int) -> float:
-        """How much longer a kernel takes in a step on `nranks` ranks than in a one-rank step
-        (`corun_factor`)."""
-        return self.corun_factor if nranks > 1 else 1.0
 
     def core_share(self, nranks: int) -> np.ndarray:
         """Per rank of a plan on `nranks` ranks, the part of its cores its CPU work gets while
@@ -298,8 +289,6 @@ class Machine:
         if self.piece_rows:
             out["pieces"] = list(self.piece_rows)
             out["compute_factor"] = self.compute_factor
-        if self.piece_rows or self.corun_factor != 1.0:
-            out["corun_factor"] = self.corun_factor
         if self.loop_us:
             out["loop_us"] = self.loop_us
         if self.host_cores is not None:
@@ -392,7 +381,7 @@ def _measured(data: dict, where: str) -> dict:
         )
     if "pingpong" in data:
         out["link_curves"] = _link_curves(data["pingpong"], where)
-    for key in ("compute_factor", "corun_factor", "loop_us"):
+    for key in ("compute_factor", "loop_us"):
         if key in data:
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

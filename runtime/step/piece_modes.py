@@ -112,19 +112,17 @@ def program_seconds(
     machine: Machine,
     moded: Mapping[int, float] | None = None,
     share: float = 1.0,
-    corun: float = 1.0,
 ) -> list[float]:
     """`seconds` of each task of `program` as the runtime runs them: an elided zeroing does not
     run; a task whose pieces run in a mode the machine's table has timed (`moded`, from
-    `moded_times`) takes that time, its fused updates' included, times the compute factor (and
-    `corun`, `Machine.corun` of the step's ranks) and
+    `moded_times`) takes that time, its fused updates' included, times the compute factor and
     priced as any task (`cost.task_seconds`, over `share`, the rank's share of its cores); an
     update fused into a task not timed so has its kernel's time added to that task's, without a
     task of its own (so without its overhead)."""
     out = list(seconds)
     moded = moded_times(program, machine.pieces) if moded is None else moded
     for position, found in moded.items():
-        out[position] = task_seconds(found * machine.compute_factor * corun, machine, share)
+        out[position] = task_seconds(found * machine.compute_factor, machine, share)
     for position, rt in enumerate(program.tasks):
         if rt.fused_into is not None and rt.fused_into not in moded:
             out[rt.fused_into] += max(out[position] - machine.task_overhead, 0.0)

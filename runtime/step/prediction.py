@@ -45,7 +45,6 @@ def predict_step(
     index = {task.name: i for i, task in enumerate(graph.tasks)}
     table = np.asarray(per_task, np.float64).reshape(len(graph.tasks), plan.nranks)
     share = machine.core_share(plan.nranks)
-    corun = machine.corun(plan.nranks)
     #: per program (held, so that its id is its own), its tasks' rows of `table` and its tasks
     #: timed in a mode: the ranks of a class share their source's
     moded: dict[int, tuple[RankProgram, np.ndarray, dict[int, float]]] = {}
@@ -57,7 +56,7 @@ def predict_step(
             moded[id(program)] = (program, rows, moded_times(program, machine.pieces))
         _, rows, times = moded[id(program)]
         row = table[rows, rank].tolist()
-        seconds[rank] = program_seconds(program, row, machine, times, float(share[rank]), corun)
+        seconds[rank] = program_seconds(program, row, machine, times, float(share[rank]))
     return simulate(programs, seconds, machine)
 
 

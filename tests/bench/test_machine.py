@@ -54,8 +54,6 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
     assert {p["pair"] for p in data["pingpong"]} == {"intra_host"}
     assert data["rank_memory_gib"] > 0 and data["rank_cores"] >= 1
     assert data["compute_factor"] > 0 and data["task_overhead_us"] >= 0 and data["loop_us"] > 0
-    # two ranks on two cores: the one-rank step timed again beside the other rank's
-    assert 0.5 < data["corun_factor"] < 3
     # a message costs the runtime something beyond the link: posting, polling, completing; far
     # less than a millisecond on one host
     assert 0 < data["message_overhead_us"] < 1000

@@ -55,7 +55,6 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         "intra_host": {"latency_us": 2, "gbytes_per_s": 8},
         "pieces": _rows(graph, plan, lambda k: 1e-4 * (k + 1)),
         "compute_factor": 1.25,
-        "corun_factor": 1.1,
         "loop_us": 300,
         "message_overhead_us": 120.0,
         "link_burst_bytes": 32768.0,
@@ -86,7 +85,6 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         ({"intra_host": {"latency_us": 2, "gbytes_per_s": 0}}, "gbytes_per_s must be a positive"),
         ({"compute_factor": -1}, "compute_factor must be a number >= 0"),
         ({"loop_us": "fast"}, "loop_us must be a number >= 0"),
-        ({"corun_factor": -0.5}, "corun_factor must be a number >= 0"),
         ({"message_overhead_us": -5}, "message_overhead_us must be a number >= 0"),
         ({"link_burst_bytes": "big"}, "link_burst_bytes must be a number >= 0"),
         ({"duplex_gbytes_per_s": 0}, "duplex_gbytes_per_s must be a positive number"),
@@ -302,26 +300,3 @@ def test_ranks_beyond_their_hosts_cores_time_share_them():
     assert list(shared.core_share(1)) == [1.0]
     with pytest.raises(LegionNNError, match="host_cores must be a positive integer"):
         machine_from_json({**BASE, "host_cores": 0})
-
-
-def test_kernels_beside_other_ranks_take_the_corun_factor_longer():
-    """`corun_factor` stretches every rank's kernels in a step of several ranks, measured or
-    modelled, and leaves a one-rank step and the per-task overhead as they are."""
-    graph, plan = _graph_and_plan()
-    rows = _rows(graph, plan, lambda k: 1e-4 * (k + 1))
-    alone = machine_from_json({**BASE, "task_overhead_us": 20, "pieces": rows})
-    beside = machine_from_json(
-        {**BASE, "task_overhead_us": 20, "pieces": rows, "corun_factor": 1.2}
-    )
-    assert plan.nranks > 1 and beside.corun(plan.nranks) == 1.2 and beside.corun(1) == 1.0
-    for a, b in zip(compute_per_rank(graph, plan, alone), compute_per_rank(graph, plan, beside)):
-        kernels = np.where(a > 0, a - 20e-6, 0.0)
-        np.testing.assert_allclose(b, np.where(a > 0, kernels * 1.2 + 20e-6, 0.0), rtol=1e-12)
-    one = build_plan(graph, builtin(graph, "data", 1), 1)
-    for a, b in zip(compute_per_rank(graph, one, alone), compute_per_rank(graph, one, beside)):
-        np.testing.assert_array_equal(a, b)
-    modelled = [machine_from_json({**BASE, "corun_factor": f}) for f in (1.0, 1.5)]
-    for a, b in zip(*(compute_per_rank(graph, plan, m) for m in modelled)):
-        np.testing.assert_allclose(b, a * 1.5, rtol=1e-12)
-    step = [predict_step(graph, plan, m).seconds for m in (alone, beside)]
-    assert step[1] > step[0]
