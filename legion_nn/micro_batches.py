@@ -131,7 +131,7 @@ def micro_batched(
 def defers_weight_grads(graph: TaskGraph) -> bool:
     """Whether a `DEFERRED` schedule changes `graph`'s step: some backward's op can leave its
     weights' gradients apart."""
-    return any(t.phase == "backward" and weight_grad_roles(t) is not None for t in graph.tasks)
+    return any(weight_grad_roles(t) is not None for t in graph.tasks)
 
 
 def stage_order(stage: int, stages: int, count: int, schedule: str) -> list[tuple[str, int]]:
@@ -299,8 +299,8 @@ def _deferred(
     """(what each micro-batch's copy of backward `task` computes, or None where that is
     nothing; the task computing its weights' gradients over micro-batches of `rows` rows) where
     its op can defer them (`registry`'s `weight_grad`), else None."""
-    roles = weight_grad_roles(task)
-    if task.phase != "backward" or roles is None:
+    roles = weight_grad_roles(task)  # a backward's, where its op can defer them
+    if roles is None:
         return None
     weight_roles, input_roles = roles
     rest = [req for req in task.requirements if req.role in input_roles]

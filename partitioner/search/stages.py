@@ -153,8 +153,9 @@ def choose_pipeline(
             for unit, w in zip(units, work, strict=True):
                 loads[of_unit[unit.name]] += w
             estimate = sum(loads) + (count - 1) * max(loads)
-            estimates.append(PipelineChoice(stages, count, cuts_of(of_unit), estimate))
-    estimates = [replace(c, schedule=schedules[0]) for c in estimates]
+            estimates.append(
+                PipelineChoice(stages, count, cuts_of(of_unit), estimate, schedule=schedules[0])
+            )
     estimates.sort(key=lambda c: c.estimate)
     unstaged = PipelineChoice(1, micro_batches or 1, (), 0.0, schedule=schedules[0])
     tried = []

@@ -73,21 +73,22 @@ def in_place(
 def micro_batches_joined(task: Task, views: Views) -> Views:
     """`views`, where `task` computes weight gradients deferred over micro-batches (attr
     `micro_rows`, `legion_nn.micro_batches`), with each `role@m`'s rows put together under the
-    role's name, micro-batch by micro-batch (a piece reading none of a shorter micro-batch's
-    rows has no view of it); the views as they are for any other task."""
+    role's name in the order of the task's requirements, the same for every role (a piece
+    reading none of a shorter micro-batch's rows has no view of it); the views as they are for
+    any other task."""
     if "micro_rows" not in task.attrs:
         return views
     joined: dict[str, np.ndarray] = {}
-    parts: dict[str, list[tuple[int, np.ndarray]]] = {}
+    parts: dict[str, list[np.ndarray]] = {}
     for role, view in views.items():
-        name, at, m = role.partition("@")
-        if not at:
+        name, at, _ = role.partition("@")
+        if at:
+            parts.setdefault(name, []).append(view)
+        else:
             joined[role] = view
-        elif view.shape[0] or name not in parts:
-            parts.setdefault(name, []).append((int(m), view))
     for name, found in parts.items():
-        found = sorted((m, v) for m, v in found if v.shape[0]) or found[:1]
-        joined[name] = found[0][1] if len(found) == 1 else np.concatenate([v for _, v in found])
+        rows = [v for v in found if v.shape[0]] or found[:1]
+        joined[name] = rows[0] if len(rows) == 1 else np.concatenate(rows)
     return joined
 
 
