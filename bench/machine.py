@@ -17,11 +17,11 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
   plans, on 1 rank and on R, and of micro-batches on a rank of their own (one process's 2, 4 and
   8, and a pipeline of R stages streaming R, 2·R and 4·R: a one-rank step at the micro-batch's
-  rows, `micro_batch_counts`), under every optimizer (their update tasks differ),
+  rows, `bench.traced_steps.micro_batch_counts`), under every optimizer (their update tasks differ),
   timed with the runtime's kernels on the rank's thread count (`bench.task_profile`,
   FlexFlow's per-configuration measurement) into the `pieces` table; the pieces only
   micro-batches run are then read from traced one-rank steps in micro-batches
-  (`micro_batch_pieces_in_step`), where each adds into a weight-sized gradient out of the caches;
+  (`bench.traced_steps.micro_batch_pieces_in_step`), where each adds into a weight-sized gradient out of the caches;
   micro-batches are timed under both `MICRO_SCHEDULES` where the network has weight gradients
   to defer;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
@@ -49,11 +49,9 @@ that the cores of a host stay with the rank measuring), and writes the file:
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,25 +60,25 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import numpy as np
-
-from bench.calibration import calibrate, memory_bandwidth, task_medians
-from bench.jobs import OPTIMIZER, Job, log_records, median_step
+from bench.calibration import calibrate, memory_bandwidth
+from bench.jobs import OPTIMIZER
 from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns_per_byte
 from bench.task_profile import profile_as_run, profile_plan, sample_step
+from bench.traced_steps import (
+    CALIBRATION_STEPS,
+    MICRO_SCHEDULES,
+    QUICK_MICRO_STEPS,
+    micro_batch_counts,
+    micro_batch_pieces_in_step,
+    traced_training,
+)
 from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import defers_weight_grads, micro_batched
 from legion_nn.networks import load_network
-from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
-from partitioner.search.stages import micro_batch_counts as pipeline_micro_batch_counts
 from partitioner.strategy import BUILTIN, builtin
-from runtime import data
-from runtime.distributed import RunOptions, train_rank
 from runtime.launch import host_cores, world_size_from_env
-from runtime.training import TrainConfig
-from runtime.transport import ThreadTransport
 
 #: up to 64 MiB: a gradient's hop is often tens of MB, and a software link's rate falls with
 #: size (a veth pair between namespaces: 2.8 GB/s at 1 MiB, 0.65 at 64 MiB), so the fitted
@@ -88,10 +86,6 @@ from runtime.transport import ThreadTransport
 LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 STRATEGIES = BUILTIN
-#: steps of the traced one-rank training that calibrates the runtime's own costs
-CALIBRATION_STEPS = 12
-#: the traced steps of each micro-batch count with `--quick` (two after the warm-up)
-QUICK_MICRO_STEPS = 4
 
 
 def _host_memory_gib() -> float:
@@ -120,38 +114,9 @@ def _layout(hosts: list[str]) -> tuple[int, int]:
     return len(names), per_host
 
 
-def _traced_training(
-    network: str,
-    batch: int,
-    micro_batches: int = 1,
-    steps: int = CALIBRATION_STEPS,
-    schedule: str = "1f1b",
-) -> Job:
-    """A traced one-rank training of `network` in this process for `steps` steps, its batch as
-    `micro_batches` micro-batches in `schedule`'s order."""
-    graph_network = load_network(network)
-    dataset = data.load("synthetic", graph_network.input, graph_network.classes, 0, np.float32)
-    config = TrainConfig(
-        network=graph_network,
-        dataset=dataset,
-        batch=batch,
-        steps=steps,
-        optimizer=OPTIMIZER,
-        micro_batches=micro_batches,
-        schedule=schedule,
-    )
-    with tempfile.TemporaryDirectory(prefix="legion-nn-machine-") as tmp:
-        trace_path = Path(tmp) / "trace.json"
-        log = io.StringIO()
-        (transport,) = ThreadTransport.group(1)
-        train_rank(config, transport, RunOptions(strategy="data", trace=str(trace_path)), log=log)
-        trace = json.loads(trace_path.read_text())
-    return Job(network, batch, 1, "data", median_step(log_records(log)), 0, trace)
-
-
 def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
     """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
-    job = _traced_training(network, batch)
+    job = traced_training(network, batch)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,
@@ -205,24 +170,6 @@ def piece_rows(cache: dict) -> list[dict]:
     return rows
 
 
-def micro_batch_counts(batch: int, ranks: int, quick: bool = False) -> list[int]:
-    """The micro-batch counts whose pieces are timed: 2, 4 and 8 in one process, and those
-    `--stages auto` tries in a pipeline of S = R stages, a rank each
-    (`partitioner.search.stages.micro_batch_counts`); at most the batch. `quick`: 2·R alone."""
-    if quick:  # `--quick`: the default pipeline's alone
-        counts = {2 * ranks}
-    else:
-        counts = {2, 4, 8} | set(
-            pipeline_micro_batch_counts(batch, ranks, None) if ranks > 1 else ()
-        )
-    return sorted(m for m in counts if m <= batch)
-
-
-#: the schedules whose micro-batches' pieces are timed: each micro-batch adding into the
-#: weights' gradients, and the gradients deferred to one task over them all (the pieces differ)
-MICRO_SCHEDULES = ("1f1b", "1f1b-deferred")
-
-
 def measure_compute(
     network: str,
     batch: int,
@@ -258,8 +205,8 @@ def measure_compute(
     # of a one-rank step in micro-batches; the optimizers' updates are the whole batch's
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
     whole = set(cache)
-    runs = [(count, schedule) for count in counts for schedule in MICRO_SCHEDULES]
-    runs = [(c, s) for c, s in runs if s == MICRO_SCHEDULES[0] or defers_weight_grads(graph)]
+    schedules = MICRO_SCHEDULES if defers_weight_grads(graph) else MICRO_SCHEDULES[:1]
+    runs = [(count, schedule) for count in counts for schedule in schedules]
     for count, schedule in runs:
         micro = micro_batched(graph, count, schedule)
         plan = build_plan(micro, builtin(micro, "data", 1), 1)
@@ -268,50 +215,10 @@ def measure_compute(
     fitted = calibrate_in_process(network, batch, threads, profiled_one)
     micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
     for count, schedule in runs:
-        in_step = micro_batch_pieces_in_step(
-            network, batch, count, threads, fitted, micro_steps, schedule
-        )
+        in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted, micro_steps,
+                                             schedule)  # fmt: skip
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
-
-
-def micro_batch_pieces_in_step(
-    network: str,
-    batch: int,
-    count: int,
-    threads: int,
-    fitted: dict,
-    steps: int = CALIBRATION_STEPS,
-    schedule: str = "1f1b",
-) -> dict[tuple[int, str], float]:
-    """The pieces of a one-rank step in `count` micro-batches, as a traced training of it runs
-    them (the median over its steps and over the micro-batches' copies of a task, less the
-    per-task overhead), over `fitted`'s compute factor: what the table holds, so that the
-    factor gives them back. Timed alone, a micro-batch's backward misses what the step costs
-    it: each adds into a weight-sized gradient that the micro-batch's other tasks have pushed
-    out of the caches (a 32-row backward through a 2048-wide layer, 6.5 ms alone and 8.4 ms in
-    a step, one core). The whole batch's pieces are left as timed: their gradients are
-    written once a step, and `compute_factor` is fitted to them."""
-    job = _traced_training(network, batch, count, steps, schedule)
-    graph = micro_batched(
-        load_network(network).lower(batch=batch, optimizer=OPTIMIZER), count, schedule
-    )
-    plan = build_plan(graph, builtin(graph, "data", 1), 1)
-    spent = task_medians(job.trace)
-    by_key: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for task, task_plan in zip(graph.tasks, plan.tasks):
-        if task.name not in spent or len(task_plan.pieces) != 1:
-            continue
-        piece = task_plan.pieces[0]
-        by_key[(threads, piece_key(task, piece.rect.shape, piece.requirements))].append(
-            spent[task.name]
-        )
-    overhead = fitted["task_overhead_us"] * 1e-6
-    factor = fitted["compute_factor"]
-    return {
-        key: max(statistics.median(times) - overhead, 1e-9) / factor
-        for key, times in by_key.items()
-    }
 
 
 def _gbytes(seconds_per_byte: float) -> float:

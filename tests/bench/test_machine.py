@@ -463,7 +463,7 @@ def test_micro_batch_pieces_are_read_from_a_traced_step_in_micro_batches():
     """Each forward and backward piece of a one-rank step in 4 micro-batches gets its in-step
     time (the trace's median less the overhead, over the factor), the copies of a layer's task
     one key; nothing else of the step is read from it."""
-    from bench.machine import micro_batch_pieces_in_step
+    from bench.traced_steps import micro_batch_pieces_in_step
     from partitioner.piece_times import piece_key
 
     fitted = {"task_overhead_us": 0.0, "compute_factor": 2.0}
