@@ -38,8 +38,8 @@ from runtime.piece_views import run_on_views
 from runtime.rank_executor import RankExecutor, one_process
 from runtime.step.piece_modes import fresh_roles, fused_steps, piece_mode
 from runtime.step.programs import build_programs
-from runtime.step.rank_classes import source
 from runtime.step.rank_program import RankProgram, RankTask
+from runtime.step.shared_programs import source
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
-from runtime.step.rank_classes import built, own_messages, source
 from runtime.step.rank_program import Collective, Message, RankProgram
+from runtime.step.shared_programs import built, own_messages, source
 from runtime.step.simulator import Links
 
 #: `rank_cpu.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
@@ -240,7 +240,7 @@ class _Flattener:
         own: Mapping[int, Message] | None = None,
     ) -> _Template:
         """`_Simulator._program`'s instructions for `rank`, which runs `program`; where that is
-        another rank's, moved (`rank_classes.source`), `own` gives `rank`'s own of its messages.
+        another rank's, moved (`shared_programs.source`), `own` gives `rank`'s own of its messages.
         Returns them as a template for the ranks moved from this one (`again`)."""
         slow = self.slowdown[rank]
         memory = self.memory * slow
@@ -392,7 +392,7 @@ class _Flattener:
 def _own(
     own: Mapping[int, Message], lists: Sequence[Sequence[Message]]
 ) -> tuple[list[Message], ...]:
-    """Each of `lists` of messages, each message the rank's own (`rank_classes.own_messages`)."""
+    """Each of `lists` of messages, each message the rank's own (`shared_programs.own_messages`)."""
     return tuple([own[m.seq] for m in messages] for messages in lists)
 
 

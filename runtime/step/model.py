@@ -37,9 +37,9 @@ from runtime.step.prediction import (
     step_report,
 )
 from runtime.step.programs import build_programs
-from runtime.step.rank_classes import built
 from runtime.step.rank_memory import PLACED_MAX_RANKS, memory_prediction, plan_peak
 from runtime.step.rank_program import RankProgram
+from runtime.step.shared_programs import built
 from runtime.step.simulator import SimulatedStep
 
 #: plans whose every rank's programs are kept (the candidates auto compares are fewer)

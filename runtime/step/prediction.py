@@ -21,9 +21,9 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.step.piece_modes import moded_times, program_seconds
 from runtime.step.programs import build_programs
-from runtime.step.rank_classes import source
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step.rank_program import RankProgram
+from runtime.step.shared_programs import source
 from runtime.step.simulator import Links, SimulatedStep, simulate_step
 
 

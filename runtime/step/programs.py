@@ -11,8 +11,9 @@ from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.step.class_bound import fewest_classes
-from runtime.step.rank_classes import SHARED_AT_MOST, SharedPrograms, rank_classes
+from runtime.step.rank_classes import SHARED_AT_MOST, rank_classes
 from runtime.step.rank_program import RankProgram
+from runtime.step.shared_programs import SharedPrograms
 from runtime.step.task_events import TaskEvents, build_each, each_task_event, step_messages
 from runtime.step.update_fusion import fuse_into_gradients
 

@@ -28,8 +28,8 @@ from partitioner.plan import Plan
 from runtime.instances import choose_storage_orders
 from runtime.step.buffers import PREDICTED_COMPILED_FROM, StepBuffers, hop_buffers, step_buffers
 from runtime.step.programs import build_programs
-from runtime.step.rank_classes import source
 from runtime.step.rank_program import RankProgram
+from runtime.step.shared_programs import source
 
 #: plans on more ranks are given the held-all-step count (`HELD`), not placed buffers
 PLACED_MAX_RANKS = 64
@@ -96,7 +96,7 @@ def predict(
         programs = build_programs(graph, plan, machine, ranks)
     out = {}
     #: per program placed and its adding hops' buffers, its resident bytes and buffers: a
-    #: rank whose program is moved from another's (`rank_classes.source`) holds buffers of the
+    #: rank whose program is moved from another's (`shared_programs.source`) holds buffers of the
     #: same sizes, used alike, but for the chunks of collectives it adds (`hop_buffers`)
     placed: dict[tuple, tuple[dict[str, int], StepBuffers]] = {}
     for rank in ranks:

@@ -21,9 +21,10 @@ from runtime.step.class_bound import fewest_classes
 from runtime.step.compiled import flatten
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
-from runtime.step.rank_classes import SharedPrograms, rank_classes
+from runtime.step.rank_classes import rank_classes
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step.rank_memory import predict
+from runtime.step.shared_programs import SharedPrograms
 from runtime.step.simulator import Links, simulate_step
 from runtime.step.task_events import build_each, each_task_event, task_events
 from runtime.step.update_fusion import fuse_into_gradients
@@ -183,7 +184,7 @@ def test_build_programs_shares_by_default_and_gives_the_same_step():
 )  # fmt: skip
 def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(network, strategy, home):
     """The compiled simulation and the memory model read a class's program once for all its
-    ranks (`rank_classes.source`, `own_messages`): every rank's finish, wait and peak are those
+    ranks (`shared_programs.source`, `own_messages`): every rank's finish, wait and peak are those
     of the programs built rank by rank."""
     graph = load_source_graph(network, 16, 16)
     chosen, _ = resolve_strategy(graph, strategy, 16, MACHINE, 5.0, None, home)

@@ -1,0 +1,138 @@
+"""Every rank's program from the one built per class of `rank_classes`: a rank's own is its
+class's first rank's program with each rect moved by the difference of the two ranks' frames and
+each message replaced by the rank's own told at the same point. The step's simulators and the
+memory model read a class's program once for all its ranks (`source`, `own_messages`, `built`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from legion_nn.rect import Rect
+from runtime.step.rank_classes import RankClasses
+from runtime.step.rank_program import Message, PieceWork, RankProgram, RankTask
+from runtime.step.task_events import TaskEvents
+
+
+class SharedPrograms(Mapping[int, RankProgram]):
+    """Every rank's program, from one built per class: a rank's own is moved from its class's
+    when first asked for. The simulators and the memory model read a class's program once for
+    all its ranks (`like`, `own_messages`) rather than asking for each."""
+
+    def __init__(
+        self,
+        built: Mapping[int, RankProgram],
+        classes: RankClasses,
+        events: Sequence[TaskEvents],
+        ranks: Sequence[int],
+    ) -> None:
+        self._programs: dict[int, RankProgram] = dict(built)
+        self.classes = classes
+        self._events = events
+        self._ranks = list(ranks)
+        self._like = {rank: rep for rep, members in classes.members.items() for rank in members}
+
+    def __getitem__(self, rank: int) -> RankProgram:
+        found = self._programs.get(rank)
+        if found is None:
+            source = self._programs[self._like[rank]]
+            found = self._programs[rank] = _moved(source, rank, self.classes, self._events)
+        return found
+
+    def __iter__(self):
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._like
+
+    def like(self, rank: int) -> int:
+        """The rank whose program `rank`'s is, moved (itself, for a class's first rank)."""
+        return self._like[rank]
+
+    def own_messages(self, rank: int) -> dict[int, Message] | None:
+        """Per message of `like(rank)`'s program (by sequence number), `rank`'s own at the same
+        point; None for a class's first rank."""
+        source = self._like[rank]
+        return None if source == rank else self.classes.own_messages(source, rank)
+
+
+def source(programs: Mapping[int, RankProgram], rank: int) -> RankProgram:
+    """The program `rank`'s is moved from (`SharedPrograms`), else `rank`'s own: it runs the
+    same tasks, with the same messages at the same points, and the same buffers."""
+    if isinstance(programs, SharedPrograms):
+        return programs[programs.like(rank)]
+    return programs[rank]
+
+
+def own_messages(programs: Mapping[int, RankProgram], rank: int) -> dict[int, Message] | None:
+    """Per message of `source(programs, rank)` (by sequence number), `rank`'s own at the same
+    point; None where that program is `rank`'s own."""
+    return programs.own_messages(rank) if isinstance(programs, SharedPrograms) else None
+
+
+def built(programs: Mapping[int, RankProgram]) -> list[RankProgram]:
+    """The programs of `programs` that were built, not moved: one per class."""
+    if isinstance(programs, SharedPrograms):
+        return [programs[rank] for rank in programs.classes.members]
+    return list(programs.values())
+
+
+def _moved(
+    source: RankProgram, rank: int, classes: RankClasses, events: Sequence[TaskEvents]
+) -> RankProgram:
+    """`source`'s program as `rank`'s: its rects moved by the difference of the two ranks'
+    frames, its messages `rank`'s own told at the same points, its pieces `rank`'s own."""
+    to, frames = classes.frames_of(rank), classes.frames_of(source.rank)
+    offsets = {
+        tensor: offset
+        for tensor, frame in frames.items()
+        if any(offset := tuple(a - b for a, b in zip(to[tensor], frame)))
+    }
+
+    def move(tensor: str, rect: Rect) -> Rect:
+        offset = offsets.get(tensor)
+        return rect if offset is None else rect.translate(offset)
+
+    own = classes.own_messages(source.rank, rank)
+
+    def mine(messages: list[Message]) -> list[Message]:
+        return [own[m.seq] for m in messages]
+
+    tasks = []
+    for rt, event in zip(source.tasks, events):
+        moved = RankTask(
+            rt.index,
+            rt.task,
+            [PieceWork(p.rect, p.requirements) for p in event.mine.get(rank, ())],
+            mine(rt.copies_in),
+            mine(rt.partial_out),
+            mine(rt.partial_in),
+            list(rt.collectives),
+            {t: [move(t, r) for r in rects] for t, rects in rt.local_parts.items()},
+            mine(rt.post),
+            set(rt.in_place),
+            [(t, move(t, r)) for t, r in rt.zero_first],
+            rt.complete_before,
+            rt.complete_after,
+            {t: move(t, r) for t, r in rt.windows.items()},
+            {t: [move(t, r) for r in rects] for t, rects in rt.window_home.items()},
+            set(rt.fresh),
+            rt.elided,
+            dict(rt.steps),
+            rt.fused_into,
+        )
+        # the tensors a task touches are the same names on every rank of the class
+        moved.__dict__["tensors"] = rt.tensors
+        tasks.append(moved)
+    return RankProgram(
+        rank,
+        source.nranks,
+        tasks,
+        mine(source.post_at_start),
+        {t: move(t, r) for t, r in source.boxes.items()},
+        source.bytes_planned - classes.hop_bytes[source.rank] + classes.hop_bytes[rank],
+        source.messages,
+    )
