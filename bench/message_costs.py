@@ -21,10 +21,10 @@ from numba import njit
 
 from bench.jobs import OPTIMIZER, log_records, median_step
 from bench.task_profile import profile_as_run, sample_step
+from bench.traced_steps import samples_read
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime import data
 from runtime.distributed import RunOptions, train_rank
 from runtime.launch import host_cores
 from runtime.training import TrainConfig
@@ -57,7 +57,7 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
 
     name, batch, strategy = MESSAGE_JOB
     network = load_network(name)
-    dataset = data.load("synthetic", network.input, network.classes, 0, np.float32)
+    dataset = samples_read(network, batch, MESSAGE_STEPS)
     config = TrainConfig(network=network, dataset=dataset, batch=batch, steps=MESSAGE_STEPS,
                          optimizer=OPTIMIZER)  # fmt: skip
     graph = network.lower(batch=batch, optimizer=OPTIMIZER)

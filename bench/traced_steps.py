@@ -15,6 +15,7 @@ import json
 import statistics
 import tempfile
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +23,14 @@ import numpy as np
 from bench.calibration import task_medians
 from bench.jobs import OPTIMIZER, Job, log_records, median_step
 from legion_nn.micro_batches import micro_batched
+from legion_nn.network import Network
 from legion_nn.networks import load_network
 from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.search.stages import micro_batch_counts as pipeline_micro_batch_counts
 from partitioner.strategy import builtin
 from runtime import data
+from runtime.dataset import Dataset, Split
 from runtime.distributed import RunOptions, train_rank
 from runtime.training import TrainConfig
 from runtime.transport import ThreadTransport
@@ -48,7 +51,7 @@ def traced_training(
     """A traced one-rank training of `network` in this process for `steps` steps, its batch as
     `micro_batches` micro-batches in `schedule`'s order."""
     graph_network = load_network(network)
-    dataset = data.load("synthetic", graph_network.input, graph_network.classes, 0, np.float32)
+    dataset = samples_read(graph_network, batch, steps)
     config = TrainConfig(
         network=graph_network,
         dataset=dataset,
@@ -65,6 +68,23 @@ def traced_training(
         train_rank(config, transport, RunOptions(strategy="data", trace=str(trace_path)), log=log)
         trace = json.loads(trace_path.read_text())
     return Job(network, batch, 1, "data", median_step(log_records(log)), 0, trace)
+
+
+def samples_read(network: Network, batch: int, steps: int) -> Dataset:
+    """Synthetic data for a timed training of `network`, cut to what it reads: its steps'
+    samples, and a batch of each split for the evaluations at its end (which read every sample
+    of the three splits, and took longer than the steps timed)."""
+    dataset = data.load("synthetic", network.input, network.classes, 0, np.float32)
+
+    def first(split: Split, count: int) -> Split:
+        return Split(split.x[:count], split.y[:count])
+
+    return replace(
+        dataset,
+        train=first(dataset.train, batch * steps),
+        val=first(dataset.val, batch),
+        test=first(dataset.test, batch),
+    )
 
 
 def micro_batch_counts(batch: int, ranks: int, quick: bool = False) -> list[int]:
