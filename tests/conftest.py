@@ -35,6 +35,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "serial: the test needs the machine to itself (see tests/conftest.py)"
     )
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        _compile_kernels_ahead()
+
+
+def _compile_kernels_ahead() -> None:
+    """Every kernel unit's whole-tensor specialisations in both dtypes, compiled into Numba's
+    cache before the workers start (`runtime.compile_ahead`, this process and a helper): on a
+    cold cache each worker, and each rank a test launches, would otherwise compile the same
+    kernels side by side. Nothing is compiled where the cache already holds them."""
+    from runtime.compile_ahead import UNITS, cached, compile_ahead
+
+    for dtype in ("float32", "float64"):
+        if not cached(list(UNITS), dtype):
+            compile_ahead(list(UNITS), dtype, helpers=1)
 
 
 def _is_serial(item: pytest.Item) -> bool:
