@@ -40,15 +40,31 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _compile_kernels_ahead() -> None:
-    """Every kernel unit's whole-tensor specialisations in both dtypes, compiled into Numba's
-    cache before the workers start (`runtime.compile_ahead`, this process and a helper): on a
+    """Every kernel unit's whole-tensor specialisations in both dtypes, and the step simulator's
+    compiled loop, compiled into Numba's cache before the workers start (`runtime.compile_ahead`, this process and a helper): on a
     cold cache each worker, and each rank a test launches, would otherwise compile the same
     kernels side by side. Nothing is compiled where the cache already holds them."""
+    import numpy as np
+
+    from legion_nn.networks import load_network
+    from partitioner.machine import Machine
+    from partitioner.plan import build_plan
+    from partitioner.strategy import builtin
+    from runtime.aligned import LINE, PAGE
     from runtime.compile_ahead import UNITS, cached, compile_ahead
+    from runtime.step.buffers import COLOURED
+    from runtime.step.compiled_placement import first_fit
+    from runtime.step.prediction import predict_step, simulate_compiled
 
     for dtype in ("float32", "float64"):
         if not cached(list(UNITS), dtype):
             compile_ahead(list(UNITS), dtype, helpers=1)
+    # and the step simulator's compiled loop and placement, which every partitioning test
+    # calls (12 s of compiling on an empty cache)
+    graph = load_network("seed-lcn-small").lower(batch=4)
+    predict_step(graph, build_plan(graph, builtin(graph, "data", 2), 2), Machine(),
+                 simulate=simulate_compiled)  # fmt: skip
+    first_fit(np.zeros((1, 3), np.int64), LINE, PAGE, COLOURED, 1)
 
 
 def _is_serial(item: pytest.Item) -> bool:
