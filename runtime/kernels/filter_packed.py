@@ -25,6 +25,12 @@ them), so any view whose (S, C) axes form one unit-stride row is an operand as i
 of positions `wp[p0:p1, :, q0:q1]` or of output channels `wp[:, :, :, k0:k1]` (a
 model-parallel piece) costs no copy. A weight gradient `out` may be such a view too.
 
+The untied backward-filter's result is as large as the weights (585 MB a call at the seed's L1
+shape, batch 64) and each element is only 2·N FLOPs: stored through the caches, every line it
+writes is first read, and the pass ran at 69% of SGEMM at batch 64. Its products store their
+tiles past the caches (`microkernel.STREAM`, where the gradient's rows are vector-aligned, as
+the runtime's buffers are).
+
 Parallelism (Numba threads, one thread per GEMM): forward and untied
 backward-filter split output positions, which write disjoint blocks; backward-data splits
 input rows, so the overlapping windows of one row accumulate on one thread; tied
@@ -43,6 +49,9 @@ from numba import njit, prange
 from runtime.aligned import aligned_empty
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
 from runtime.kernels.microkernel import (
+    ACCUMULATE,
+    STREAM,
+    WRITE,
     kernels,
     tiled_gemm,
     tiled_gemm_prefetching,
@@ -128,21 +137,23 @@ def _batch_major(x, xt, c_lo):
 
 
 @njit(cache=True, nogil=True)
-def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate, kernels):
+def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate, write,
+                        kernels):  # fmt: skip
     """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), one window
     row at a time (`_gradient_block`)."""
     for r in range(dw.shape[2]):
         _gradient_block(dy, xt, dw, i, j, r, p, q, r, stride, pad_top, pad_left, accumulate,
-                        kernels)  # fmt: skip
+                        write, kernels)  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
 def _gradient_block(dy, xt, dw, i, j, rr, p, q, r, stride, pad_top, pad_left, accumulate,
-                    kernels):  # fmt: skip
+                    write, kernels):  # fmt: skip
     """Window row r of output position (p, q)'s dW into dw[i, j, rr] (dw indexed (P, Q, R, K,
     S, Cs)), the K×(S·Cs) matrix addressed through dw's strides; `xt` holds the input's Cs
     channels in (H, N, W, Cs) (see `_batch_major`). A row or columns outside the input give
-    zeros (or add nothing)."""
+    zeros (or add nothing). `write`: how a block not added to is stored (`microkernel.WRITE`,
+    or `STREAM` past the caches)."""
     h, n, wd, cs = xt.shape
     k, s_size = dw.shape[3], dw.shape[4]
     size = xt.itemsize
@@ -161,7 +172,7 @@ def _gradient_block(dy, xt, dw, i, j, rr, p, q, r, stride, pad_top, pad_left, ac
         tiled_gemm(kernels, k, (s_hi - s_lo) * cs, n,
                    dy, p * gs0 + q * gs1, gs2, 1,
                    xt, row * ts0 + (w0 + s_lo) * ts2, ts1,
-                   add, dw, at + s_lo * ds4, ds3)  # fmt: skip
+                   ACCUMULATE if add else write, dw, at + s_lo * ds4, ds3)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -169,7 +180,10 @@ def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, k
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
         i, j = pq // q_out, pq % q_out
-        _filter_gradient_at(dy, xt, dw, i, j, i, j, stride, pad_top, pad_left, accumulate, kernels)
+        # the untied gradient is as large as the weights, written once and read by the update:
+        # past the caches (`microkernel.STREAM`)
+        _filter_gradient_at(dy, xt, dw, i, j, i, j, stride, pad_top, pad_left, accumulate, STREAM,
+                            kernels)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -187,7 +201,7 @@ def _step_untied(dy, xt, stride, pad_top, pad_left, kernels, rule, co, p, s1, s2
         i, r, j = block // (r_size * q_out), (block // q_out) % r_size, block % q_out
         thread = numba.get_thread_id()
         _gradient_block(dy, xt, scratch, thread, 0, 0, i, j, r, stride, pad_top, pad_left,
-                        False, kernels)  # fmt: skip
+                        False, WRITE, kernels)  # fmt: skip
         _step_block(rule, co, scratch, thread, p, s1, s2, i, j, r)
 
 
@@ -217,7 +231,7 @@ def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, thr
         p, q = pq // q_out, pq % q_out
         thread = numba.get_thread_id()
         _filter_gradient_at(
-            dy, xt, partial, thread, 0, p, q, stride, pad_top, pad_left, True, kernels
+            dy, xt, partial, thread, 0, p, q, stride, pad_top, pad_left, True, WRITE, kernels
         )
     total = partial.sum(axis=0)
     if accumulate:

@@ -70,12 +70,20 @@ def lanes(itemsize: int) -> int:
 
 _I32 = ir.IntType(32)
 
+#: `tiled_gemm`'s `accumulate` beyond False and True (C = A·B, C += A·B): C = A·B with C's
+#: whole vectors stored non-temporally, past the caches, where C is vector-aligned (else as
+#: False). For a product whose result is a stream far larger than the caches and not read
+#: again soon (the untied weight gradient: 585 MB a call at the seed's L1 shape): a store that
+#: misses first reads the line it writes, doubling the traffic, and the tiles wait on it.
+WRITE, ACCUMULATE, STREAM = 0, 1, 2
+
 
 def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth, accumulate,
-               blocks, a_block, b_block, tail):  # fmt: skip
+               stream, blocks, a_block, b_block, tail):  # fmt: skip
     """One tile: C (rows × vectors, the last vector's first `tail` lanes when `tail` is an IR
     value) (+)= A · B over `depth` steps, accumulators in SSA registers (allocas that LLVM's
-    mem2reg promotes)."""
+    mem2reg promotes); where `stream` (an IR boolean) holds, C's whole vectors are stored
+    non-temporally (`STREAM`)."""
     width = vty.count
     size = 4 if vty.element == ir.FloatType() else 8
     vptr = vty.as_pointer()
@@ -148,9 +156,21 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
         with cgutils.for_range(builder, depth) as loop:
             _tile_step(builder, vty, fma, load, accs, rows, vectors, broadcast, a_rows, a_cs,
                        b_first, ldb, a_first, loop.index)  # fmt: skip
-    for i in range(rows):
-        for v in range(vectors):
-            store(builder.load(accs[i][v]), c_rows[i], v)
+    nontemporal = module.add_metadata([ir.Constant(_I32, 1)])
+    with builder.if_else(stream) as (streamed, cached):
+        with streamed:
+            for i in range(rows):
+                for v in range(vectors):
+                    value = builder.load(accs[i][v])
+                    if mask is not None and v == vectors - 1:
+                        store(value, c_rows[i], v)
+                    else:
+                        written = builder.store(value, vector_at(c_rows[i], v), align=width * size)
+                        written.set_metadata("nontemporal", nontemporal)
+        with cached:
+            for i in range(rows):
+                for v in range(vectors):
+                    store(builder.load(accs[i][v]), c_rows[i], v)
 
 
 def _tile_step(builder, vty, fma, load, accs, rows, vectors, broadcast, a_rows, a_cs, b, ldb,
@@ -196,13 +216,15 @@ def _tile(
     ldb,
     depth,
     accumulate,
+    stream,
     blocks,
     a_block,
     b_block,
 ):
     """C[c_off:] (rows × vectors·lanes, row stride ldc) (+)= Σ A · B over `blocks` pairs of
     blocks (see `tiled_gemm_sum`), dispatched on (rows,
-    vectors) to a fully unrolled body; `tail` < lanes makes the (single) vector masked."""
+    vectors) to a fully unrolled body; `tail` < lanes makes the (single) vector masked;
+    `stream`: C's whole vectors stored non-temporally (they must be vector-aligned)."""
     if not (c.dtype == a.dtype == b.dtype and c.dtype in (types.float32, types.float64)):
         return None
     sig = types.void(
@@ -220,6 +242,7 @@ def _tile(
         types.intp,
         types.intp,
         types.intp,
+        types.boolean,
         types.boolean,
         types.intp,
         types.intp,
@@ -243,6 +266,7 @@ def _tile(
             ldb_,
             depth_,
             acc_,
+            stream_,
             blocks_,
             a_block_,
             b_block_,
@@ -260,8 +284,8 @@ def _tile(
         key = builder.add(builder.mul(rows_, ir.Constant(rows_.type, 16)), vectors_)
         key = builder.select(masked, builder.add(key, ir.Constant(key.type, 8)), key)
         switch = builder.switch(key, done)
-        operands = (c_ptr, ldc_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, depth_, acc_, blocks_, a_block_,
-                    b_block_)  # fmt: skip
+        operands = (c_ptr, ldc_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, depth_, acc_, stream_, blocks_,
+                    a_block_, b_block_)  # fmt: skip
         for r in range(1, MAX_ROWS + 1):
             # whole vectors (1..MAX_VECTORS of them), then one masked vector (key + 8)
             variants = [(v, None, f"{r}x{v}", r * 16 + v) for v in range(1, MAX_VECTORS + 1)]
@@ -286,7 +310,8 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
     block = MAX_VECTORS * width
     tiles = -(-m // MAX_ROWS) * -(-n // block)
     tile = 0
-    add = accumulate != 0
+    add = accumulate == ACCUMULATE
+    stream = accumulate == STREAM and _vector_aligned(c, ldc)
     # row tiles outermost: a tile's A rows (the weights, in the forward) are read once, while
     # B's rows, shared by every row tile, stay in cache
     for i0 in range(0, m, MAX_ROWS):
@@ -299,8 +324,29 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
                 _prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
                 tile += 1
             _tile(min(MAX_ROWS, m - i0), vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs,
-                  a_rs, a_cs, b, n0, ldb, k, add, blocks, a_block, b_block)  # fmt: skip
+                  a_rs, a_cs, b, n0, ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
             n0 += vectors * width if tail == width else tail
+
+
+@intrinsic
+def _vector_aligned(typingctx, pointer, ld):
+    """Whether every row of C, `ld` elements apart from `pointer` on, starts on a vector:
+    non-temporal stores of whole vectors need it."""
+
+    def codegen(context, builder, signature, args):
+        pointer_, ld_ = args
+        index = ld_.type
+        size = ir.Constant(index, signature.args[0].dtype.bitwidth // 8)
+        vector = ir.Constant(index, VECTOR_BYTES)
+        zero = ir.Constant(index, 0)
+        address = builder.ptrtoint(pointer_, index)
+        starts = builder.icmp_unsigned("==", builder.urem(address, vector), zero)
+        rows = builder.icmp_unsigned("==", builder.urem(builder.mul(ld_, size), vector), zero)
+        return builder.and_(starts, rows)
+
+    if not isinstance(pointer, types.CPointer):
+        return None
+    return types.boolean(pointer, types.intp), codegen
 
 
 @intrinsic
@@ -388,8 +434,10 @@ def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accu
     """Call the compiled GEMM at `address` on pointers into a, b and c."""
     if not (c.dtype == a.dtype == b.dtype and c.dtype in (types.float32, types.float64)):
         return None
+    if not isinstance(accumulate, (types.Boolean, types.Integer)):
+        return None
     i = types.intp
-    sig = types.void(i, i, i, i, a, i, i, i, b, i, i, types.boolean, c, i, i, i, i, i, i, i, i, i)
+    sig = types.void(i, i, i, i, a, i, i, i, b, i, i, accumulate, c, i, i, i, i, i, i, i, i, i)
 
     def codegen(context, builder, signature, args):
         (address_, m_, n_, k_, a_, a_off_, a_rs_, a_cs_, b_, b_off_, ldb_, acc_, c_, c_off_,
@@ -409,7 +457,8 @@ def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accu
         target = builder.inttoptr(address_, function_type.as_pointer())
         builder.call(
             target,
-            [m_, n_, k_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, builder.zext(acc_, index), c_ptr, ldc_,
+            [m_, n_, k_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_,
+             context.cast(builder, acc_, operand_types[11], types.intp), c_ptr, ldc_,
              next_off_, next_rows_, next_ld_, next_columns_, blocks_, a_block_, b_block_],
         )  # fmt: skip
         return context.get_dummy_value()

@@ -5,9 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime.aligned import aligned_empty
 from runtime.kernels.microkernel import (
     MAX_ROWS,
     MAX_VECTORS,
+    STREAM,
     kernels,
     lanes,
     tiled_gemm,
@@ -81,6 +83,34 @@ def test_every_tile_shape_and_width(dtype, a_transposed):
             for accumulate in (False, True):
                 c, before, expected = run(m, n, 5, dtype, a_transposed, accumulate, seed=m * n)
                 check(c, before, expected, m, n, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shift", [0, 1])
+def test_streamed_stores_write_the_product_and_nothing_else(dtype, shift):
+    """`STREAM` stores C's whole vectors past the caches where its rows start on vectors (shift
+    0: an aligned C whose rows are whole vectors apart), and as `WRITE` does elsewhere (shift
+    1): either way C is the product, on every tile shape and width, masked tails included, and
+    nothing around it changes."""
+    v = lanes(np.dtype(dtype).itemsize)
+    rng = np.random.default_rng(5)
+    k = 5
+    for m in range(1, 2 * MAX_ROWS + 2):
+        for n in widths(dtype):
+            a = rng.standard_normal((m, k)).astype(dtype)
+            b = rng.standard_normal((k, n)).astype(dtype)
+            ldc = -(-(n + 1) // v) * v
+            c = aligned_empty((m + 2, ldc), dtype)
+            c[:] = rng.standard_normal(c.shape)
+            before = c.copy()
+            tiled_gemm(kernels(dtype), m, n, k, a, 0, k, 1, b, 0, n, STREAM, c, ldc + shift, ldc)
+            expected = a.astype(np.float64) @ b.astype(np.float64)
+            block = (slice(1, m + 1), slice(shift, shift + n))
+            scale = max(1.0, float(np.abs(expected).max()))
+            np.testing.assert_allclose(c[block], expected, rtol=0, atol=TOL[dtype] * scale)
+            outside = np.ones(c.shape, bool)
+            outside[block] = False
+            np.testing.assert_array_equal(c[outside], before[outside])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
