@@ -30,6 +30,8 @@ environment's Haswell kernels.
 
 from __future__ import annotations
 
+import platform
+
 import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
@@ -326,6 +328,26 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
             _tile(min(MAX_ROWS, m - i0), vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs,
                   a_rs, a_cs, b, n0, ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
             n0 += vectors * width if tail == width else tail
+    if stream:
+        _store_fence()
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """Wait for this thread's non-temporal stores: they are ordered with nothing else (x86's
+    `sfence`; a full fence elsewhere), so whoever reads C after the kernel sees them."""
+
+    def codegen(context, builder, signature, args):
+        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+            sfence = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"
+            )
+            builder.call(sfence, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 @intrinsic
