@@ -30,8 +30,6 @@ environment's Haswell kernels.
 
 from __future__ import annotations
 
-import platform
-
 import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
@@ -39,6 +37,8 @@ from llvmlite import ir
 from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from runtime.kernels.llvm_memory import element_pointer, is_single, prefetch_rows, store_fence
 
 
 def _target_vector_bytes() -> int:
@@ -192,14 +192,6 @@ def _tile_step(builder, vty, fma, load, accs, rows, vectors, broadcast, a_rows, 
             builder.store(total, accs[i][v])
 
 
-def element_pointer(context, builder, operand_type, operand, offset):
-    """The address of element `offset` of an array or a typed pointer."""
-    if isinstance(operand_type, types.CPointer):
-        return builder.gep(operand, [offset])
-    data = context.make_array(operand_type)(context, builder, operand).data
-    return builder.gep(data, [offset])
-
-
 @intrinsic
 def _tile(
     typingctx,
@@ -308,7 +300,7 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
           next_columns, blocks, a_block, b_block):  # fmt: skip
     """The body of the compiled GEMM (see `tiled_gemm_prefetching` and `tiled_gemm_sum`), on
     typed pointers to the first element of each operand; `next_off` is relative to `a`."""
-    width = VECTOR_BYTES // (4 if _is_single(a) else 8)
+    width = VECTOR_BYTES // (4 if is_single(a) else 8)
     block = MAX_VECTORS * width
     tiles = -(-m // MAX_ROWS) * -(-n // block)
     tile = 0
@@ -323,31 +315,13 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
             vectors, tail = (min(MAX_VECTORS, left // width), width) if left >= width else (1, left)
             if next_rows > 0 and tile < tiles:
                 lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
-                _prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
+                prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
                 tile += 1
             _tile(min(MAX_ROWS, m - i0), vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs,
                   a_rs, a_cs, b, n0, ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
             n0 += vectors * width if tail == width else tail
     if stream:
-        _store_fence()
-
-
-@intrinsic
-def _store_fence(typingctx):
-    """Wait for this thread's non-temporal stores: they are ordered with nothing else (x86's
-    `sfence`; a full fence elsewhere), so whoever reads C after the kernel sees them."""
-
-    def codegen(context, builder, signature, args):
-        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-            sfence = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"
-            )
-            builder.call(sfence, [])
-        else:
-            builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
+        store_fence()
 
 
 @intrinsic
@@ -369,51 +343,6 @@ def _vector_aligned(typingctx, pointer, ld):
     if not isinstance(pointer, types.CPointer):
         return None
     return types.boolean(pointer, types.intp), codegen
-
-
-@intrinsic
-def _is_single(typingctx, pointer):
-    """Whether a typed pointer points at float32 (a constant of the compiled function)."""
-    single = pointer.dtype == types.float32
-
-    def codegen(context, builder, signature, args):
-        return ir.Constant(ir.IntType(1), int(single))
-
-    return types.boolean(pointer), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, a, offset):
-    """A hint to bring the cache line of a[offset] (in elements) into the caches."""
-    if not isinstance(a, types.CPointer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        pointer = element_pointer(context, builder, signature.args[0], args[0], args[1])
-        byte_ptr = builder.bitcast(pointer, ir.IntType(8).as_pointer())
-        function = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [byte_ptr.type, _I32, _I32, _I32]),
-            "llvm.prefetch.p0",
-        )
-        # read, keep in all levels, data cache
-        builder.call(
-            function, [byte_ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]
-        )
-        return context.get_dummy_value()
-
-    return types.void(a, types.intp), codegen
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _prefetch_rows(a, a_off, rows, ld, columns):
-    """Prefetch `rows` rows of `columns` elements, `ld` apart, from a[a_off:]: one hint per
-    cache line."""
-    step = 64 // (4 if _is_single(a) else 8)
-    for i in range(rows):
-        at = a_off + i * ld
-        for j in range(0, columns, step):
-            _prefetch(a, at + j)
 
 
 def _signature(dtype):

@@ -17,7 +17,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from runtime.kernels.microkernel import element_pointer, lanes
+from runtime.kernels.llvm_memory import element_pointer
+from runtime.kernels.microkernel import lanes
 
 LANES_FLOAT32 = lanes(4)
 LANES_FLOAT64 = lanes(8)
