@@ -41,9 +41,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _compile_kernels_ahead() -> None:
     """Every kernel unit's whole-tensor specialisations in both dtypes, and the step simulator's
-    compiled loop, compiled into Numba's cache before the workers start (`runtime.compile_ahead`, this process and a helper): on a
-    cold cache each worker, and each rank a test launches, would otherwise compile the same
-    kernels side by side. Nothing is compiled where the cache already holds them."""
+    compiled loop, compiled into Numba's cache before the workers start (`runtime.compile_ahead`,
+    this process and a helper): on a cold cache each worker, and each rank a test launches,
+    would otherwise compile the same kernels side by side. Nothing is compiled where the cache
+    already holds them."""
     import numpy as np
 
     from legion_nn.networks import load_network
