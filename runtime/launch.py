@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from legion_nn.cores import host_cores
+
 #: environment variables that launchers set to the job's rank count and this process's rank
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -16,13 +18,6 @@ _LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
 LAUNCHER_VARIABLES = frozenset(
     (*_SIZE_VARIABLES, *_RANK_VARIABLES, *_LOCAL_RANK_VARIABLES, "OMPI_COMM_WORLD_LOCAL_SIZE")
 )
-
-
-def host_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def share_cores(ranks_on_host: int) -> int:

@@ -297,10 +297,10 @@ def _compile_ahead(dtype: str, local_rank: int, local_size: int, barrier, helper
     core."""
 
     def run(graph, prepared) -> None:
+        from legion_nn.cores import spare_cores
         from runtime.compile_ahead import compile_ahead, units_of
-        from runtime.launch import host_cores
 
-        spare = max(0, host_cores() - 1) if helpers and local_size == 1 else 0
+        spare = spare_cores() if helpers and local_size == 1 else 0
         units = units_of(graph, getattr(prepared, "step", None))  # this rank's program
         compile_ahead(units, dtype, local_rank, local_size, barrier, spare)
 

@@ -24,33 +24,18 @@ whatever job they are at: a value not taken by then is not wanted.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
-import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from legion_nn.cores import can_fork
 
 #: a job's state in the shared array: not begun, taken by the command, or begun by process w
 #: (`BEGUN + w`)
 QUEUED, MINE, BEGUN = 0, 1, 2
 #: seconds the command waits for the jobs' states, which a process holds only to take a job
 LOCK_WAIT = 5.0
-
-
-def spare_cores() -> int:
-    """The cores this process may run on beyond the one it runs on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # a platform without affinity
-        cores = os.cpu_count() or 1
-    return max(cores - 1, 0)
-
-
-def can_fork() -> bool:
-    """Whether a copy of this process may be forked to work jobs out: the platform forks and
-    no other thread runs."""
-    return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
 
 
 class Foresight:

@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 
+from legion_nn.cores import spare_cores
 from legion_nn.graph import TaskGraph
 from partitioner import cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
-from runtime.step.foresight import Foresight, spare_cores
+from runtime.step.foresight import Foresight
 from runtime.step.prediction import (
     SIMULATE_MAX_WORK,
     compute_lower_bound,
