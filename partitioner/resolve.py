@@ -131,7 +131,7 @@ def resolve_strategy(
         and peak(graph, build_plan(graph, strategy, nranks)) <= machine.memory_bytes
     ):
         return strategy, _reasons(graph, strategy, nranks, machine, why)  # nothing is faster
-    if searched.fastest:
+    if searched.memory_aside:
         fastest, reasons = strategy, list(why)
     else:
         # the grids of least seconds, memory aside, within what is left of the time limit

@@ -66,9 +66,9 @@ from partitioner.pieces import keep_pieces
 from partitioner.plan import task_rows
 from partitioner.search import families
 from partitioner.search.coupling import is_chain
-from partitioner.search.frontier_dp import INF, FrontierDP
-from partitioner.search.local import PlanPricer, local_search
-from partitioner.search.transitions import NotAChain, RowCost, UnitPricer
+from partitioner.search.frontier_dp import INF, FrontierDP, FrontierTooWide
+from partitioner.search.local import FamilyPricer, PlanPricer, RowPricer, local_search
+from partitioner.search.transitions import NotAChain, RowCost, UnitPricer, assignment_cost
 from partitioner.strategy import (
     BUILTIN,
     Grid,
@@ -101,6 +101,9 @@ class SearchResult:
     #: the cost model's step (`cost.plan_cost`'s bulk-synchronous seconds) of the chosen grids
     #: (`"auto"`) and of each built-in family the DP priced whole, where the DP prices rows
     bulk_seconds: dict[str, float] = field(default_factory=dict)
+    #: the search would choose the same grids with no limit on memory: a DP's `fastest`, a
+    #: local search that priced no assignment too large to fit
+    memory_aside: bool = False
 
 
 def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30.0) -> SearchResult:
@@ -110,11 +113,20 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
         chain = is_chain(graph, units, task_rows(graph))
         try:
             with no_cycle_collection():
-                pricer = UnitPricer(graph, units, nranks, machine)
-                return _lazy_dp(pricer, deadline, chain)
+                rows = UnitPricer(graph, units, nranks, machine)
+                try:
+                    return _lazy_dp(rows, deadline, chain)
+                except FrontierTooWide:
+                    return _local(RowPricer(rows), deadline)
         except NotAChain:
             pass
-    pricer = PlanPricer(graph, units, nranks, machine)
+    return _local(PlanPricer(graph, units, nranks, machine), deadline)
+
+
+def _local(pricer: FamilyPricer, deadline: float) -> SearchResult:
+    """The local search's result (`local.py`); priced by rows (`RowPricer`), its grids' pieces
+    are kept as a DP's are, and its bulk-synchronous seconds given as a DP gives them."""
+    units = pricer.units
     chosen, note = local_search(pricer, deadline)
     strategy = pricer.strategy(chosen)
     final = pricer.price(chosen).unit_seconds
@@ -125,7 +137,18 @@ def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30
         )
         for u, f in zip(units, chosen)
     ]
-    return SearchResult(strategy, choices, pricer.priced, note)
+    aside = not pricer.met_memory_limit
+    if not isinstance(pricer, RowPricer):
+        return SearchResult(strategy, choices, pricer.priced, note, memory_aside=aside)
+    result = _dp_result(
+        pricer.rows, [strategy.unit_grids[u.name] for u in units], choices, note,
+        pricer.rows_priced, False,
+    )  # fmt: skip
+    result.plans_priced, result.memory_aside = pricer.priced, aside
+    for family in BUILTIN:
+        result.bulk_seconds[family] = pricer.price([family] * len(units)).step_seconds
+    result.bulk_seconds["auto"] = pricer.price(chosen).step_seconds
+    return result
 
 
 def _dp_result(
@@ -140,16 +163,7 @@ def _dp_result(
     plans (`pieces.keep_pieces`); `fastest`: the DP knows no faster assignment, memory aside."""
     strategy = Strategy("auto", {u.name: q for u, q in zip(pricer.units, chosen)})
     keep_pieces(pricer.cache, strategy.task_grids(pricer.graph))
-    return SearchResult(strategy, choices, 0, note, priced, fastest)
-
-
-def _path_cost(rows: list[RowCost], constant: np.ndarray, capacity: float) -> tuple[float, bool]:
-    """The seconds of an assignment's rows, and whether its memory per rank fits (settled by
-    the rows' memory bounds where they fit)."""
-    seconds = sum(r.seconds for r in rows)
-    if (constant + sum(r.memory_bound for r in rows)).max(initial=0) <= capacity:
-        return seconds, True
-    return seconds, bool((constant + sum(r.memory for r in rows)).max(initial=0) <= capacity)
+    return SearchResult(strategy, choices, 0, note, priced, fastest, memory_aside=fastest)
 
 
 def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
@@ -233,7 +247,9 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
         return all(key_of(i, path) in table for i in range(len(units)))
 
     def cost(path: list[Grid]) -> tuple[float, bool]:
-        return _path_cost([table[key_of(i, path)] for i in range(len(units))], constant, capacity)
+        return assignment_cost(
+            [table[key_of(i, path)] for i in range(len(units))], constant, capacity
+        )
 
     def exact() -> list[np.ndarray]:
         return [np.where(done, value, INF) for done, value in zip(priced, lower)]

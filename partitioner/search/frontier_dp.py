@@ -24,6 +24,11 @@ INF = float("inf")
 FRONTIER_LIMIT = 1 << 18
 
 
+class FrontierTooWide(NotAChain):
+    """The rows can be priced, but their DP would tabulate more than `FRONTIER_LIMIT`
+    assignments at some unit."""
+
+
 class FrontierDP:
     """The DP over units in program order, a row depending on the unit before it (a chain) or
     on others too (`UnitPricer.deps`: a residual block's add on the block's input). Unit i's row is a
@@ -50,7 +55,7 @@ class FrontierDP:
         for k in range(len(scopes)):
             joined = axes + [k]
             if prod(sizes[j] for j in joined) > FRONTIER_LIMIT:
-                raise NotAChain(f"unit {k}'s frontier {joined} is too wide to tabulate")
+                raise FrontierTooWide(f"unit {k}'s frontier {joined} is too wide to tabulate")
             factors = [
                 (i, [joined.index(j) for j in scopes[i]])
                 for i in range(len(scopes))

@@ -1,9 +1,16 @@
-"""`auto`'s fallback where no DP tabulates (a frontier too wide, `frontier_dp.FRONTIER_LIMIT`):
-a bounded local search over whole plans. It starts from the best uniform family (the three
-built-ins first, whatever the time limit), then visits the units, costliest first, trying each
-other family for that unit alone and keeping a change when the whole plan predicts a faster step
-that fits in memory, until a pass changes nothing or the time limit passes. It can stop at a
-local optimum.
+"""`auto`'s fallback where no DP tabulates: a bounded local search over assignments of families.
+It starts from the best uniform family (the three built-ins first, whatever the time limit),
+then visits the units, costliest first, trying each other family for that unit alone and keeping
+a change when the step it predicts is faster and fits in memory, until a pass changes nothing or
+the time limit passes. It can stop at a local optimum.
+
+An assignment is priced by `RowPricer` where the units' rows can be priced
+(`transitions.UnitPricer`) but their DP would tabulate too wide a frontier
+(`frontier_dp.FrontierTooWide`: Inception's and DenseNet's modules, whose branches read one
+input and concatenate): the sum of its units' rows, each priced once, is the cost model's step
+of its whole plan, and a change of one unit's family prices only the rows that depend on that
+unit. Elsewhere (a task on a unit's grid that another unit's row cannot replay: `NotAChain`)
+`PlanPricer` plans and costs each assignment whole.
 """
 
 from __future__ import annotations
@@ -18,49 +25,101 @@ from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import build_plan
 from partitioner.search import families
+from partitioner.search.transitions import RowCost, UnitPricer, assignment_cost
 from partitioner.strategy import BUILTIN, Grid, Strategy, Unit
 
 
 @dataclass(frozen=True)
 class Priced:
-    """What the search keeps of a costed plan."""
+    """What the search keeps of a costed assignment."""
 
     unit_seconds: dict[str, float]
     step_seconds: float
     feasible: bool
 
 
-class PlanPricer:
-    """Plans and costs strategies given as one family per unit, each distinct set of grids once."""
+class FamilyPricer:
+    """Prices strategies given as one family per unit, each distinct set of grids once
+    (`_price`, which the pricers below define)."""
 
     def __init__(self, graph: TaskGraph, units: list[Unit], nranks: int, machine: Machine):
         self.graph, self.units, self.nranks, self.machine = graph, units, nranks, machine
-        self.cache = PieceCache(graph)
         self._found: dict[tuple[Grid, ...], Priced] = {}
+        #: (unit index, family) -> the unit's grid under it
+        self.grid_of, _ = families.grid_options(units, nranks)
+        #: whether an assignment priced did not fit in memory (had none, the search would have
+        #: gone the same way with no limit on memory)
+        self.met_memory_limit = False
+
+    def grids(self, chosen: list[str]) -> tuple[Grid, ...]:
+        """Each unit's grid under its family in `chosen`."""
+        return tuple(self.grid_of[(i, f)] for i, f in enumerate(chosen))
 
     def strategy(self, chosen: list[str]) -> Strategy:
         """The strategy giving each unit the grid of its family in `chosen`."""
-        grids = {
-            u.name: families.family_grid(u, f, self.nranks) for u, f in zip(self.units, chosen)
-        }
-        return Strategy("auto", grids)
+        return Strategy("auto", {u.name: g for u, g in zip(self.units, self.grids(chosen))})
 
     def price(self, chosen: list[str]) -> Priced:
-        strategy = self.strategy(chosen)
-        key = tuple(strategy.unit_grids[u.name] for u in self.units)
-        if key not in self._found:
-            plan = build_plan(self.graph, strategy, self.nranks, cache=self.cache)
-            costs = task_costs(self.graph, plan, self.machine)
-            self._found[key] = Priced(
-                unit_seconds(costs),
-                step_seconds(costs),
-                fits(self.graph, plan, self.machine.memory_bytes),
-            )
-        return self._found[key]
+        key = self.grids(chosen)
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = self._price(self.strategy(chosen), key)
+            self.met_memory_limit |= not found.feasible
+        return found
+
+    def _price(self, strategy: Strategy, grids: tuple[Grid, ...]) -> Priced:
+        raise NotImplementedError
 
     @property
     def priced(self) -> int:
         return len(self._found)
+
+
+class PlanPricer(FamilyPricer):
+    """Each assignment's whole plan, built and costed."""
+
+    def __init__(self, graph: TaskGraph, units: list[Unit], nranks: int, machine: Machine):
+        super().__init__(graph, units, nranks, machine)
+        self.cache = PieceCache(graph)
+
+    def _price(self, strategy: Strategy, grids: tuple[Grid, ...]) -> Priced:
+        plan = build_plan(self.graph, strategy, self.nranks, cache=self.cache)
+        costs = task_costs(self.graph, plan, self.machine)
+        return Priced(
+            unit_seconds(costs),
+            step_seconds(costs),
+            fits(self.graph, plan, self.machine.memory_bytes),
+        )
+
+
+class RowPricer(FamilyPricer):
+    """Each assignment by its units' rows (`UnitPricer.factor`, each row once) and the rows of no
+    unit (`UnitPricer.constant`): seconds and memory as its whole plan's."""
+
+    def __init__(self, rows: UnitPricer):
+        super().__init__(rows.graph, list(rows.units), rows.nranks, rows.machine)
+        self.rows = rows
+        self._fixed = rows.constant()
+        self._scopes = [tuple(sorted((*rows.deps[i], i))) for i in range(len(self.units))]
+        self._table: dict[tuple, RowCost] = {}
+
+    @property
+    def rows_priced(self) -> int:
+        return len(self._table)
+
+    def _row(self, i: int, grids: tuple[Grid, ...]) -> RowCost:
+        key = (i, tuple(grids[j] for j in self._scopes[i]))
+        row = self._table.get(key)
+        if row is None:
+            row = self._table[key] = self.rows.factor(i, dict(zip(self._scopes[i], key[1])))
+        return row
+
+    def _price(self, strategy: Strategy, grids: tuple[Grid, ...]) -> Priced:
+        rows = [self._row(i, grids) for i in range(len(self.units))]
+        capacity = self.machine.memory_bytes
+        seconds, fit = assignment_cost(rows, self._fixed.memory, capacity)
+        by_unit = {u.name: row.seconds for u, row in zip(self.units, rows)}
+        return Priced(by_unit, seconds + self._fixed.seconds, fit)
 
 
 def _rank(cost: Priced) -> tuple[bool, float]:
@@ -68,7 +127,7 @@ def _rank(cost: Priced) -> tuple[bool, float]:
     return (not cost.feasible, cost.step_seconds)
 
 
-def local_search(pricer: PlanPricer, deadline: float) -> tuple[list[str], str]:
+def local_search(pricer: FamilyPricer, deadline: float) -> tuple[list[str], str]:
     n = len(pricer.units)
     pure = []
     for index, family in enumerate(families.FAMILIES):
@@ -83,17 +142,17 @@ def local_search(pricer: PlanPricer, deadline: float) -> tuple[list[str], str]:
         changed = False
         seconds = best.unit_seconds
         for i in sorted(range(n), key=lambda i: -seconds.get(pricer.units[i].name, 0.0)):
-            grid = families.family_grid(pricer.units[i], current[i], pricer.nranks)
+            grid = pricer.grid_of[(i, current[i])]
             for family in families.FAMILIES:
                 if time.monotonic() > deadline:
                     return current, f"time limit: local search, {pricer.priced} plans priced"
-                if families.family_grid(pricer.units[i], family, pricer.nranks) == grid:
+                if pricer.grid_of[(i, family)] == grid:
                     continue
                 trial = current[:i] + [family] + current[i + 1 :]
                 cost = pricer.price(trial)
                 if _rank(cost) < _rank(best):
                     current, best, changed = trial, cost, True
-                    grid = families.family_grid(pricer.units[i], family, pricer.nranks)
+                    grid = pricer.grid_of[(i, family)]
         if not changed:
             return current, (
                 f"not a chain: local search converged after {passes} passes, "

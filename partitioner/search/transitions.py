@@ -74,7 +74,7 @@ from partitioner.strategy import (
     Unit,
 )
 
-__all__ = ["NotAChain", "RowCost", "UnitPricer"]
+__all__ = ["NotAChain", "RowCost", "UnitPricer", "assignment_cost"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,18 @@ class RowCost:
         if (base + self.memory_bound).max(initial=0) <= capacity:
             return True
         return bool((base + self.memory).max(initial=0) <= capacity)
+
+
+def assignment_cost(
+    rows: Sequence[RowCost], constant: np.ndarray, capacity: float
+) -> tuple[float, bool]:
+    """The seconds of an assignment's rows, and whether its memory per rank (`constant`, the
+    terms no unit sets, and the rows' terms) fits in `capacity` bytes (settled by the rows'
+    memory bounds where they fit)."""
+    seconds = sum(r.seconds for r in rows)
+    if (constant + sum(r.memory_bound for r in rows)).max(initial=0) <= capacity:
+        return seconds, True
+    return seconds, bool((constant + sum(r.memory for r in rows)).max(initial=0) <= capacity)
 
 
 class _Replayed(NamedTuple):
