@@ -133,6 +133,8 @@ def resolve_strategy(
         return strategy, _reasons(graph, strategy, nranks, machine, why)  # nothing is faster
     if searched.memory_aside:
         fastest, reasons = strategy, list(why)
+    elif searched.unlimited is not None:
+        fastest, reasons = searched.unlimited.strategy, why + _choice_rows(searched.unlimited)
     else:
         # the grids of least seconds, memory aside, within what is left of the time limit
         room = replace(machine, rank_memory_gib=math.inf)

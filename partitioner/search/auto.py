@@ -104,6 +104,9 @@ class SearchResult:
     #: the search would choose the same grids with no limit on memory: a DP's `fastest`, a
     #: local search that priced no assignment too large to fit
     memory_aside: bool = False
+    #: the same search with no limit on memory, where it met one and repeated it on the rows it
+    #: had priced (the local search by rows); None: not repeated
+    unlimited: SearchResult | None = None
 
 
 def auto(graph: TaskGraph, nranks: int, machine: Machine, time_limit: float = 30.0) -> SearchResult:
@@ -148,6 +151,8 @@ def _local(pricer: FamilyPricer, deadline: float) -> SearchResult:
     for family in BUILTIN:
         result.bulk_seconds[family] = pricer.price([family] * len(units)).step_seconds
     result.bulk_seconds["auto"] = pricer.price(chosen).step_seconds
+    if not aside:
+        result.unlimited = _local(pricer.memory_aside(), deadline)
     return result
 
 

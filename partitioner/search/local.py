@@ -15,6 +15,8 @@ unit. Elsewhere (a task on a unit's grid that another unit's row cannot replay: 
 
 from __future__ import annotations
 
+import copy
+import math
 import time
 from dataclasses import dataclass
 
@@ -99,9 +101,16 @@ class RowPricer(FamilyPricer):
     def __init__(self, rows: UnitPricer):
         super().__init__(rows.graph, list(rows.units), rows.nranks, rows.machine)
         self.rows = rows
+        self.capacity = rows.machine.memory_bytes
         self._fixed = rows.constant()
         self._scopes = [tuple(sorted((*rows.deps[i], i))) for i in range(len(self.units))]
         self._table: dict[tuple, RowCost] = {}
+
+    def memory_aside(self) -> RowPricer:
+        """A pricer of the same rows (priced once for both) with no limit on memory."""
+        other = copy.copy(self)
+        other._found, other.capacity, other.met_memory_limit = {}, math.inf, False
+        return other
 
     @property
     def rows_priced(self) -> int:
@@ -116,8 +125,7 @@ class RowPricer(FamilyPricer):
 
     def _price(self, strategy: Strategy, grids: tuple[Grid, ...]) -> Priced:
         rows = [self._row(i, grids) for i in range(len(self.units))]
-        capacity = self.machine.memory_bytes
-        seconds, fit = assignment_cost(rows, self._fixed.memory, capacity)
+        seconds, fit = assignment_cost(rows, self._fixed.memory, self.capacity)
         by_unit = {u.name: row.seconds for u, row in zip(self.units, rows)}
         return Priced(by_unit, seconds + self._fixed.seconds, fit)
 

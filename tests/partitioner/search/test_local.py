@@ -79,3 +79,17 @@ def test_auto_beyond_the_frontier_limit_searches_by_rows_and_says_what_memory_di
     tight = auto(GRAPH, 8, tight_machine(8))
     assert not tight.memory_aside  # it priced plans too large: memory steered it
     assert step(GRAPH, tight.strategy, 8, tight_machine(8)).feasible
+
+
+def test_a_search_that_met_the_memory_limit_repeats_itself_on_its_rows_without_one(monkeypatch):
+    monkeypatch.setattr(frontier_dp, "FRONTIER_LIMIT", 1)
+    data = step(GRAPH, builtin(GRAPH, "data", 8), 8)  # the fastest plan, and the smallest
+    small = Machine(100, 12.5, 2, 0.95 * data.memory_max / 2**30)
+    tight = auto(GRAPH, 8, small)
+    roomy = auto(GRAPH, 8, Machine(100, 12.5, 2, float("inf")))
+    assert step(GRAPH, tight.strategy, 8, small).feasible
+    assert tight.strategy.unit_grids != roomy.strategy.unit_grids  # memory steered it
+    assert tight.unlimited is not None and tight.unlimited.memory_aside
+    assert tight.unlimited.strategy.unit_grids == roomy.strategy.unit_grids
+    assert tight.unlimited.bulk_seconds == pytest.approx(roomy.bulk_seconds, rel=1e-12)
+    assert auto(GRAPH, 8, MACHINE).unlimited is None  # it met no limit: nothing to repeat
