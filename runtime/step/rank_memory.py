@@ -16,7 +16,7 @@ up to `PLACED_MAX_RANKS` ranks, and beyond that the held count.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,16 +155,44 @@ def plan_peak(
     return max(m.peak for m in memories.values())
 
 
+@dataclass(frozen=True)
+class PlacedRanks:
+    """What `memory_prediction` reports of some of a plan's ranks, placed: each one's peak, and
+    the fullest one's (the first of the fullest) parts and the task at its peak."""
+
+    peaks: dict[int, int]
+    fullest: int
+    fullest_at: str
+    fullest_breakdown: dict[str, int]
+
+
+def placed_ranks(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    ranks: Iterable[int] | None = None,
+    programs: Mapping[int, RankProgram] | None = None,
+) -> PlacedRanks:
+    """`predict` of `ranks` (all ranks unless given), summed up as `memory_prediction` reports
+    them; small enough to send from the process that placed them."""
+    memories = predict(graph, plan, machine, ranks, programs)
+    top = max(memories.values(), key=lambda m: m.peak)
+    return PlacedRanks(
+        {rank: m.peak for rank, m in memories.items()}, top.rank, top.peak_task, top.breakdown()
+    )
+
+
 def memory_prediction(
     graph: TaskGraph,
     plan: Plan,
     machine: Machine,
     programs: Mapping[int, RankProgram] | None = None,
+    placed: Sequence[PlacedRanks] | None = None,
 ) -> dict:
     """What `partition` reports of a rank's memory: the peak over ranks of the runtime's buffers
     and baseline (`predict`, every rank's program placed: `programs`, where the caller has built
-    them), its mean, the fullest rank's parts; beyond `PLACED_MAX_RANKS` ranks the held count
-    with the baseline (`HELD`)."""
+    them, or `placed`, every rank placed in shares by the caller), its mean, the fullest rank's
+    parts; beyond `PLACED_MAX_RANKS` ranks the held count with the baseline (`HELD`)."""
     held = memory_per_rank(graph, plan)
     baseline = machine.process_baseline_bytes
     out = {
@@ -181,14 +209,15 @@ def memory_prediction(
             "memory_peak_rank": fullest,
         }
     else:
-        memories = predict(graph, plan, machine, programs=programs)
-        top = max(memories.values(), key=lambda m: m.peak)
+        placed = placed or [placed_ranks(graph, plan, machine, programs=programs)]
+        peaks = {rank: peak for share in placed for rank, peak in share.peaks.items()}
+        top = min(placed, key=lambda share: (-share.peaks[share.fullest], share.fullest))
         out |= {
-            "memory_per_rank_max": top.peak,
-            "memory_per_rank_mean": sum(m.peak for m in memories.values()) / len(memories),
+            "memory_per_rank_max": peaks[top.fullest],
+            "memory_per_rank_mean": sum(peaks.values()) / len(peaks),
             "memory_model": "placed, each live from its first use to its last",
-            "memory_peak_rank": top.rank,
-            "memory_peak_at": top.peak_task,
-            "memory_breakdown": top.breakdown(),
+            "memory_peak_rank": top.fullest,
+            "memory_peak_at": top.fullest_at,
+            "memory_breakdown": top.fullest_breakdown,
         }
     return out | {"feasible": out["memory_per_rank_max"] <= machine.memory_bytes}

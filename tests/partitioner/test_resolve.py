@@ -237,9 +237,15 @@ def test_beyond_the_ranks_simulated_auto_returns_the_searchs_least_sum_without_p
 # forks only from a process with no other thread, which this test worker may not be
 
 
-def _built_ins_worked_out_ahead(network: str, batch: int, ranks: int, machine: Machine) -> None:
+def _built_ins_worked_out_ahead(
+    network: str, batch: int, ranks: int, machine: Machine, simulated: bool = True
+) -> None:
     import multiprocessing
 
+    from runtime.step import model as step_model
+
+    if not simulated:  # as where the programs are past what a simulation builds
+        step_model.objective_simulates = lambda graph, nranks: False
     graph = load_network(network).lower(batch=batch, optimizer="sgd")
     alone = StepModel(machine)
     expected = resolve_strategy(graph, "auto", ranks, machine, 10.0, peak=alone.peak,
@@ -266,6 +272,12 @@ def test_the_built_ins_worked_out_ahead_give_auto_what_it_would_find_itself(
     """`partition` lets idle cores work out the built-ins' plans while auto searches: auto
     chooses the same plan, from the same values, which forked processes found."""
     in_fresh_process(_built_ins_worked_out_ahead, network, batch, ranks, machine)
+
+
+def test_the_built_ins_memory_worked_out_ahead_where_steps_are_summed():
+    """Where auto compares plans by their sums, their placed memory is still worth a process
+    (up to `PLACED_MAX_RANKS` ranks): the same plan chosen, from the same values."""
+    in_fresh_process(_built_ins_worked_out_ahead, *CASES[1], False)
 
 
 def _memory_placed_ahead(folder: Path, worth_a_process: bool) -> None:
@@ -307,3 +319,38 @@ def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(
     simulates the step: the same predictions, the placing done elsewhere; a plan whose placing
     costs less than a process is placed here."""
     in_fresh_process(_memory_placed_ahead, tmp_path, worth_a_process)
+
+
+def _memory_placed_in_shares(folder: Path) -> None:
+    import multiprocessing
+    import os
+
+    from runtime.step import model as step_model
+
+    placed = step_model.placed_ranks
+
+    def placing(graph, plan, machine, ranks=None, programs=None):
+        (folder / f"{os.getpid()}-{min(ranks)}").touch()
+        return placed(graph, plan, machine, ranks, programs)
+
+    graph = load_network("seed-lcn-small").lower(batch=32, optimizer="sgd")
+    plan = build_plan(graph, builtin(graph, "spatial", 4), 4)
+    expected = StepModel(FAST).memory_prediction(graph, plan)
+    step_model.placed_ranks = placing
+    ahead = StepModel(FAST)
+    with ahead.looking_ahead(workers=1):
+        got = ahead.memory_prediction(graph, plan)  # no program built yet: placed in shares
+    assert multiprocessing.active_children() == []
+    assert got == expected
+    by_first_rank = {}
+    for name in os.listdir(folder):
+        pid, first = name.split("-")
+        by_first_rank.setdefault(int(first), []).append(int(pid))
+    assert sorted(by_first_rank) == [0, 2]  # two shares of two ranks, each placed once
+    assert by_first_rank[2] == [os.getpid()] and len(by_first_rank[0]) == 1
+
+
+def test_a_reports_memory_placed_in_shares_of_ranks_is_what_one_process_places(tmp_path):
+    """Where a reported plan's programs are not built (beyond the work a simulation builds),
+    `partition` builds and places its ranks in shares, one per core: the same prediction."""
+    in_fresh_process(_memory_placed_in_shares, tmp_path)
