@@ -9,7 +9,9 @@ tasks whose privileges say exactly that:
   runtime normalises with `<g>.running` instead, which the task therefore also reads);
 - `<g>.batchnorm.running` folds the batch statistics into `<g>.running` (state, for inference);
 - backward, `<g>.batchnorm.grad` reduces Σdy and Σdy·x̂ into `beta.delta` and `gamma.delta`, and
-  `<g>.batchnorm.input_grad` computes the input gradient from those totals.
+  `<g>.batchnorm.stats.grad` computes the input gradient from those totals. It is named as the
+  backward of the statistics' task (whose space it has): a unit's backward tasks are its forward
+  tasks' `.grad`s (`partitioner.strategy.find_units`), and a task of none runs whole on one rank.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class BatchNorm(Layer):
             )
             if ctx.needs_grad(x):
                 ctx.task(
-                    f"{self.stem}.input_grad",
+                    f"{self.stem}.stats.grad",
                     "batchnorm_input",
                     "backward",
                     space,

@@ -231,4 +231,4 @@ def test_batchnorm_statistics_reduce_over_the_batch(spatial, stats):
     writes = {rects(graph, "bn.batchnorm.stats", h)["stats"].write_rect for h in halves}
     assert writes == {Rect.from_dims(stats)}
     names = [t.name for t in graph.tasks]
-    assert names.index("bn.batchnorm.grad") < names.index("bn.batchnorm.input_grad")
+    assert names.index("bn.batchnorm.grad") < names.index("bn.batchnorm.stats.grad")
