@@ -161,3 +161,30 @@ def test_least_step_with_a_bound_picks_what_it_picks_without_and_steps_fewer(dat
     assert least_step(sums, step, bounds.__getitem__) == plain
     for k, i in enumerate(stepped[1:], 1):
         assert bounds[i] is None or bounds[i] <= min(steps[j] for j in stepped[:k])
+
+
+def test_where_every_parameter_sharded_does_not_fit_no_fewer_are_tried(graph):
+    machine = Machine(rank_memory_gib=0.5)
+    model = StepModel(machine)
+    tried = []
+
+    def peak(g, plan):
+        tried.append((plan.strategy, plan.sharded))
+        return model.peak(g, plan)
+
+    candidates = [builtin(graph, name, 4) for name in ("data", "model", "spatial")]
+    with pytest.raises(NoFit):
+        fit(graph, 4, machine, candidates, peak, time.monotonic() + 60)
+    for name in ("data", "model", "spatial"):
+        homes = [sharded for strategy, sharded in tried if strategy == name]
+        assert len(homes) == 2 and homes[0] == frozenset() and homes[1]  # none, then every one
+
+
+def test_out_of_time_fit_shards_every_parameter_where_that_fits(graph):
+    """In 3 GiB data parallelism fits with two parameters sharded (found one at a time, above);
+    with no time left, every parameter is sharded rather than none tried further."""
+    machine = Machine(rank_memory_gib=3.0)
+    data = builtin(graph, "data", 4)
+    fitted = fit(graph, 4, machine, [data], StepModel(machine).peak, time.monotonic() - 1)
+    assert fitted.peak <= machine.memory_bytes
+    assert {"L1.W", "classifier.weights1"} < fitted.strategy.sharded
