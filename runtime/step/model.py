@@ -264,15 +264,16 @@ class StepModel:
 
     def placed_in_shares(self, graph: TaskGraph, plan: Plan) -> list[PlacedRanks]:
         """Every rank of `plan` built and placed (`rank_memory.placed_ranks`) in `_workers` + 1
-        contiguous shares, the last in this process while forked processes take the others:
+        contiguous shares (fewer where there are fewer ranks), the last in this process while
+        forked processes take the others:
         building a rank's program for Inception v2's auto plan on 64 ranks costs some 0.17 s,
         and the messages every share finds first some 2 s more."""
-        shares = np.array_split(np.arange(plan.nranks), self._workers + 1)
+        shares = np.array_split(np.arange(plan.nranks), min(self._workers + 1, plan.nranks))
         jobs = {
             k: partial(placed_ranks, graph, plan, self.machine, share.tolist())
             for k, share in enumerate(shares)
         }
-        apart = Foresight(jobs, self._workers)
+        apart = Foresight(jobs, len(shares) - 1)
         try:
             placed = {}
             for k in reversed(range(len(shares))):  # the processes take the first jobs

@@ -321,7 +321,7 @@ def test_a_reports_memory_placed_in_a_forked_process_is_what_this_one_places(
     in_fresh_process(_memory_placed_ahead, tmp_path, worth_a_process)
 
 
-def _memory_placed_in_shares(folder: Path) -> None:
+def _memory_placed_in_shares(folder: Path, nranks: int = 4, workers: int = 1) -> None:
     import multiprocessing
     import os
 
@@ -334,11 +334,11 @@ def _memory_placed_in_shares(folder: Path) -> None:
         return placed(graph, plan, machine, ranks, programs)
 
     graph = load_network("seed-lcn-small").lower(batch=32, optimizer="sgd")
-    plan = build_plan(graph, builtin(graph, "spatial", 4), 4)
+    plan = build_plan(graph, builtin(graph, "spatial", nranks), nranks)
     expected = StepModel(FAST).memory_prediction(graph, plan)
     step_model.placed_ranks = placing
     ahead = StepModel(FAST)
-    with ahead.looking_ahead(workers=1):
+    with ahead.looking_ahead(workers=workers):
         got = ahead.memory_prediction(graph, plan)  # no program built yet: placed in shares
     assert multiprocessing.active_children() == []
     assert got == expected
@@ -346,11 +346,21 @@ def _memory_placed_in_shares(folder: Path) -> None:
     for name in os.listdir(folder):
         pid, first = name.split("-")
         by_first_rank.setdefault(int(first), []).append(int(pid))
-    assert sorted(by_first_rank) == [0, 2]  # two shares of two ranks, each placed once
-    assert by_first_rank[2] == [os.getpid()] and len(by_first_rank[0]) == 1
+    shares = min(workers + 1, nranks)  # contiguous, of nranks // shares ranks here
+    assert sorted(by_first_rank) == list(range(0, nranks, nranks // shares))  # each placed once
+    last = max(by_first_rank)
+    assert by_first_rank[last] == [os.getpid()]
+    assert all(len(pids) == 1 for pids in by_first_rank.values())
 
 
 def test_a_reports_memory_placed_in_shares_of_ranks_is_what_one_process_places(tmp_path):
     """Where a reported plan's programs are not built (beyond the work a simulation builds),
     `partition` builds and places its ranks in shares, one per core: the same prediction."""
     in_fresh_process(_memory_placed_in_shares, tmp_path)
+
+
+@pytest.mark.parametrize("nranks, workers", [(1, 1), (2, 3)])
+def test_a_plan_of_fewer_ranks_than_processes_is_placed_in_one_share_a_rank(
+    tmp_path, nranks, workers
+):
+    in_fresh_process(_memory_placed_in_shares, tmp_path, nranks, workers)
