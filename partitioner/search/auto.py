@@ -43,8 +43,9 @@ of their grids known and the others hidden, for each of them (`UnitPricer.bound`
 the cell taking the largest. ResNet-18's shortcut convolutions depend on four units, 13,824
 combinations each: without those bounds the DP priced 9,730 rows in 3,228 rounds at 64 ranks,
 with them 2,468 in 202 (search 8.2 s → 3.3 s). Only where the frontier would be too wide to
-tabulate (`FRONTIER_LIMIT`) does `auto` fall back to a local search over whole plans
-(`local.py`).
+tabulate (`FRONTIER_LIMIT`: Inception's modules) does `auto` fall back to a local search, over
+assignments priced by the same rows (`local.RowPricer`), and over whole plans only where the rows
+cannot be priced apart (`local.py`).
 
 The pieces of the grids `auto` chose are kept for the graph's plans (`pieces.graph_pieces`),
 which `build_plan` reuses. Planning at 1024 ranks (batch 256; `bench/planning.py`, CPU seconds on the
