@@ -1,7 +1,7 @@
 """The cores this process may run on, and whether it may fork copies of itself onto them.
 
-Planning forks (`partitioner.search.row_workers`, `runtime.step.foresight`), training sizes its
-thread pools and compile helpers (`runtime.launch`), all from these.
+Planning forks (`runtime.step.foresight`, whose processes work out plans and place memory),
+training sizes its thread pools and compile helpers (`runtime.launch`), all from these.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
     grid_of, options = families.grid_options(units, nranks)
     grids = [list(found) for found in options]
     index = [{g: k for k, g in enumerate(found)} for found in grids]
-    scopes = [tuple(sorted((*pricer.deps[i], i))) for i in range(len(units))]
+    scopes = pricer.scopes
     shapes = [tuple(len(grids[j]) for j in scope) for scope in scopes]
     dp = FrontierDP(scopes, [len(found) for found in grids])
     fixed = pricer.constant()  # the rows of no unit, and the memory no unit's grid sets

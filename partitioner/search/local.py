@@ -59,17 +59,20 @@ class FamilyPricer:
 
     def strategy(self, chosen: list[str]) -> Strategy:
         """The strategy giving each unit the grid of its family in `chosen`."""
-        return Strategy("auto", {u.name: g for u, g in zip(self.units, self.grids(chosen))})
+        return self._strategy(self.grids(chosen))
+
+    def _strategy(self, grids: tuple[Grid, ...]) -> Strategy:
+        return Strategy("auto", {u.name: g for u, g in zip(self.units, grids)})
 
     def price(self, chosen: list[str]) -> Priced:
         key = self.grids(chosen)
         found = self._found.get(key)
         if found is None:
-            found = self._found[key] = self._price(self.strategy(chosen), key)
+            found = self._found[key] = self._price(key)
             self.met_memory_limit |= not found.feasible
         return found
 
-    def _price(self, strategy: Strategy, grids: tuple[Grid, ...]) -> Priced:
+    def _price(self, grids: tuple[Grid, ...]) -> Priced:
         raise NotImplementedError
 
     @property
@@ -84,8 +87,8 @@ class PlanPricer(FamilyPricer):
         super().__init__(graph, units, nranks, machine)
         self.cache = PieceCache(graph)
 
-    def _price(self, strategy: Strategy, grids: tuple[Grid, ...]) -> Priced:
-        plan = build_plan(self.graph, strategy, self.nranks, cache=self.cache)
+    def _price(self, grids: tuple[Grid, ...]) -> Priced:
+        plan = build_plan(self.graph, self._strategy(grids), self.nranks, cache=self.cache)
         costs = task_costs(self.graph, plan, self.machine)
         return Priced(
             unit_seconds(costs),
@@ -103,7 +106,6 @@ class RowPricer(FamilyPricer):
         self.rows = rows
         self.capacity = rows.machine.memory_bytes
         self._fixed = rows.constant()
-        self._scopes = [tuple(sorted((*rows.deps[i], i))) for i in range(len(self.units))]
         self._table: dict[tuple, RowCost] = {}
 
     def memory_aside(self) -> RowPricer:
@@ -117,13 +119,14 @@ class RowPricer(FamilyPricer):
         return len(self._table)
 
     def _row(self, i: int, grids: tuple[Grid, ...]) -> RowCost:
-        key = (i, tuple(grids[j] for j in self._scopes[i]))
+        scope = self.rows.scopes[i]
+        key = (i, tuple(grids[j] for j in scope))
         row = self._table.get(key)
         if row is None:
-            row = self._table[key] = self.rows.factor(i, dict(zip(self._scopes[i], key[1])))
+            row = self._table[key] = self.rows.factor(i, dict(zip(scope, key[1])))
         return row
 
-    def _price(self, strategy: Strategy, grids: tuple[Grid, ...]) -> Priced:
+    def _price(self, grids: tuple[Grid, ...]) -> Priced:
         rows = [self._row(i, grids) for i in range(len(self.units))]
         seconds, fit = assignment_cost(rows, self._fixed.memory, self.capacity)
         by_unit = {u.name: row.seconds for u, row in zip(self.units, rows)}

@@ -156,10 +156,13 @@ class UnitWindows:
         #: per unit, the other units whose grids its row's cost depends on (on a chain, the one
         #: before it)
         self.deps: list[tuple[int, ...]] = []
+        #: per unit, the units whose grids its row is a function of: itself and `deps`, sorted
+        self.scopes: list[tuple[int, ...]] = []
         for i, unit in enumerate(self.units):
             mine = positions.get(unit.name, [])
             touched = self._touched(mine)
             self.deps.append(self._dependencies(i, mine, touched))
+            self.scopes.append(tuple(sorted((*self.deps[i], i))))
             self.window.append(self._window(mine, touched, {*self.deps[i], i, None}))
             self.costed.append({graph.tasks[p].name for p in mine})
             self.touched.append(set(touched))
