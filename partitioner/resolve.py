@@ -52,8 +52,9 @@ from partitioner.strategy import (
 )
 
 #: told, before a search begins, the strategies whose plans it will ask a `StepFn` and a
-#: `PeakFn` about on so many ranks
-ForeseeFn = Callable[[TaskGraph, list[Strategy], int], None]
+#: `PeakFn` about on so many ranks; told again once it is done, those it still may ask about,
+#: and (`placing`) those whose step it simulates next, before their peak (see `StepModel.foresee`)
+ForeseeFn = Callable[..., None]
 
 
 def check_plannable(graph: TaskGraph) -> None:
@@ -148,6 +149,10 @@ def resolve_strategy(
         fastest,
         *(builtin(graph, f, nranks) for f in BUILTIN if f not in skipped),
     ]
+    if foresee is not None and step is not None and lower is not None:
+        foresee(
+            graph, candidates[2:], nranks, placing=[strategy]
+        )  # the fit's lead: `_within_reach`
     baseline = machine.process_baseline_bytes
     budget = max(machine.memory_bytes - baseline, 1)  # for the buffers, which the DP counts
     for attempt in range(TIGHTER_SEARCHES + 1):

@@ -169,15 +169,16 @@ def _within_reach(
     before any other is looked at, so `fit` shards none (it shards no plan whose sum is not below
     the best fit's) and its step S is among those `least_step` compares; a plan whose step is
     surely longer than S (`lower`) is then never chosen. The first is placed here (into
-    `first`) to find out."""
+    `first`) to find out, after its step is found (the step the caller may find while its
+    memory is placed elsewhere: `StepModel.foresee`'s `placing`)."""
     sums = {key: bulk_seconds(graph, plan, machine) for key, (_, plan) in planned.items()}
     lead = next(iter(planned))
     if sums[lead] > min(sums.values()):
         return planned
-    fitted, plan = first[lead] = evaluate(*planned[lead])
+    best = step(graph, planned[lead][1], sums[lead])
+    fitted, _ = first[lead] = evaluate(*planned[lead])
     if fitted.peak > machine.memory_bytes:
         return planned
-    best = step(graph, plan, fitted.seconds)
     kept = {}
     for key, (strategy, other) in planned.items():
         bound = None if key == lead else lower(graph, other)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -86,6 +86,37 @@ class Foresight:
             if not self._receive(worker):
                 return False, None
         return self._done.pop(i)
+
+    def forgo(self, keys: Iterable[Hashable]) -> None:
+        """The jobs `keys` are no longer wanted: those no process has begun never will be, and
+        a process at one is ended (the values it sent before are kept; the jobs it would have
+        gone on to are left to the caller, as a dead process's are)."""
+        if self._state is None:
+            return
+        lock = self._state.get_lock()
+        if not lock.acquire(timeout=LOCK_WAIT):
+            return
+        try:  # held, so that no process begins another job meanwhile
+            at: dict[int, int] = {}
+            for key in keys:
+                i = self._index.pop(key, None)
+                if i is None:
+                    continue
+                if self._state[i] == QUEUED:
+                    self._state[i] = MINE
+                else:
+                    at[i] = self._state[i] - BEGUN
+            self._drain()
+            for i, worker in at.items():
+                if self._done.pop(i, None) is None:
+                    self._processes[worker].terminate()
+        finally:
+            lock.release()
+
+    def _drain(self) -> None:
+        """Read every value the processes have sent so far, without waiting."""
+        while self._connections and wait(list(self._connections.values()), timeout=0):
+            self._receive(next(iter(self._connections)))
 
     def _receive(self, worker: int) -> bool:
         """Read what the processes have sent, waiting for some; False where `worker` has ended

@@ -51,6 +51,8 @@ from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import built
 from runtime.step.simulator import SimulatedStep
 
+#: a job of `foresee`'s that places a plan's every rank is keyed (PLACED, the plan's key)
+PLACED = "placed"
 #: plans whose every rank's programs are kept (the candidates auto compares are fewer)
 KEPT_PROGRAMS = 6
 #: plans kept without their programs
@@ -79,9 +81,14 @@ class StepModel:
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         #: processes the model may fork to work out plans it was told of (`looking_ahead`)
         self._workers = 0
-        self._foresight: Foresight | None = None
+        #: the processes at the jobs `foresee` gave, and the jobs still wanted, by key: a plan's
+        #: `_key` for its (peak, step), `(PLACED, _key)` for its every rank placed
+        self._foresights: list[Foresight] = []
+        self._wanted: set[tuple] = set()
         #: per plan (`_key`) worked out ahead, its (peak, step)
         self._foreseen: dict[tuple, tuple[int, float]] = {}
+        #: per plan (`_key`) whose every rank a process placed ahead, what it placed
+        self._placed: dict[tuple, PlacedRanks] = {}
 
     def _key(self, graph: TaskGraph, name: str, unit_grids, sharded, nranks: int) -> tuple:
         self._graphs.setdefault(id(graph), graph)
@@ -120,32 +127,63 @@ class StepModel:
             self._workers = 0
             self._stop_looking_ahead()
 
-    def foresee(self, graph: TaskGraph, strategies: Sequence[Strategy], nranks: int) -> None:
+    def foresee(
+        self,
+        graph: TaskGraph,
+        strategies: Sequence[Strategy],
+        nranks: int,
+        placing: Sequence[Strategy] = (),
+    ) -> None:
         """Start working out `peak` and `step` of the plans of `strategies` on `nranks` ranks,
         which a search will ask for, in forked processes (`runtime.step.foresight`), where
         `looking_ahead` allows them and the plans' steps are simulated (a sum costs nothing
         to find) or their buffers placed (`peak`, up to `PLACED_MAX_RANKS` ranks): the values
-        `peak` and `step` then give are the same, found meanwhile."""
+        `peak` and `step` then give are the same, found meanwhile.
+
+        Told again (auto once its search is done), the plans no longer among `strategies` are
+        not begun, and each plan of `placing` (up to `PLACED_MAX_RANKS` ranks) has its every
+        rank placed (`rank_memory.placed_ranks`), which `peak` and `memory_prediction` then
+        read, while this process simulates its step (resnet18's auto plan on 64 ranks: each
+        some 3 s, its programs built in both)."""
         worth = objective_simulates(graph, nranks) or nranks <= PLACED_MAX_RANKS
         if not self._workers or not worth:
             return
-        jobs = {
+        jobs: dict[tuple, Callable[[], object]] = {
             self._strategy_key(graph, s, nranks): partial(self._work_out, graph, s, nranks)
             for s in strategies
         }
-        self._look_ahead(jobs)
+        if nranks <= PLACED_MAX_RANKS:
+            for s in placing:
+                key = self._strategy_key(graph, s, nranks)
+                if key not in jobs:
+                    jobs[(PLACED, key)] = partial(self._place_every_rank, graph, s, nranks)
+        for foresight in self._foresights:
+            foresight.forgo(self._wanted - set(jobs))
+        new = {key: job for key, job in jobs.items() if key not in self._wanted}
+        self._wanted = set(jobs)
+        if new:
+            self._foresights.append(Foresight(new, self._workers))
 
     def _look_ahead(self, jobs: Mapping[tuple, Callable[[], object]]) -> Foresight:
         """Processes for `jobs`, in place of those for the jobs given before (whose values
         are no longer wanted)."""
         self._stop_looking_ahead()
-        self._foresight = Foresight(jobs, self._workers)
-        return self._foresight
+        self._foresights = [Foresight(jobs, self._workers)]
+        self._wanted = set(jobs)
+        return self._foresights[0]
 
     def _stop_looking_ahead(self) -> None:
-        if self._foresight is not None:
-            self._foresight.close()
-            self._foresight = None
+        for foresight in self._foresights:
+            foresight.close()
+        self._foresights, self._wanted = [], set()
+
+    def _take(self, key: tuple) -> tuple[bool, object]:
+        """(True, the value of job `key`) where a process worked it out, else (False, None)."""
+        for foresight in self._foresights:
+            done, value = foresight.take(key)
+            if done:
+                return done, value
+        return False, None
 
     @property
     def foreseen(self) -> list[str]:
@@ -155,18 +193,32 @@ class StepModel:
 
     def _work_out(self, graph: TaskGraph, strategy: Strategy, nranks: int) -> tuple[int, float]:
         """(peak, step) of a plan, in a process `foresee` forked."""
-        self._foresight = None  # this process's copy: it asks no one else
+        self._foresights = []  # this process's copy: it asks no one else
         plan = build_plan(graph, strategy, nranks)
         return self.peak(graph, plan), self.step(graph, plan)
+
+    def _place_every_rank(self, graph: TaskGraph, strategy: Strategy, nranks: int) -> PlacedRanks:
+        """Every rank of a plan placed, in a process `foresee` forked."""
+        return placed_ranks(graph, build_plan(graph, strategy, nranks), self.machine)
 
     def _ahead(self, graph: TaskGraph, plan: Plan) -> tuple[int, float] | None:
         """(peak, step) of `plan` where a process `foresee` forked worked it out."""
         key = self._plan_key(graph, plan)
         found = self._foreseen.get(key)
-        if found is None and self._foresight is not None:
-            done, value = self._foresight.take(key)
+        if found is None:
+            done, value = self._take(key)
             if done:
                 found = self._foreseen[key] = value
+        return found
+
+    def _placed_ahead(self, graph: TaskGraph, plan: Plan) -> PlacedRanks | None:
+        """Every rank of `plan` placed, where a process `foresee` forked placed them."""
+        key = self._plan_key(graph, plan)
+        found = self._placed.get(key)
+        if found is None:
+            done, value = self._take((PLACED, key))
+            if done:
+                found = self._placed[key] = value
         return found
 
     def programs(
@@ -235,6 +287,9 @@ class StepModel:
         ahead = self._ahead(graph, plan)
         if ahead is not None:
             return ahead[0]
+        placed = self._placed_ahead(graph, plan)
+        if placed is not None:
+            return plan_peak(graph, plan, self.machine, placed=placed)
         found = self._programs.get(self._plan_key(graph, plan))
         programs = found[1] if found is not None else None
         if programs is None and objective_simulates(graph, plan.nranks):
@@ -256,6 +311,9 @@ class StepModel:
         forked process (`placed_in_shares`)."""
         if plan.nranks > PLACED_MAX_RANKS:
             return memory_prediction(graph, plan, self.machine)
+        placed = self._placed_ahead(graph, plan)
+        if placed is not None:
+            return memory_prediction(graph, plan, self.machine, placed=[placed])
         found = self._programs.get(self._plan_key(graph, plan))
         if (found is None or found[1] is None) and self._workers and can_fork():
             placed = self.placed_in_shares(graph, plan)

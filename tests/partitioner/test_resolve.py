@@ -364,3 +364,43 @@ def test_a_plan_of_fewer_ranks_than_processes_is_placed_in_one_share_a_rank(
     tmp_path, nranks, workers
 ):
     in_fresh_process(_memory_placed_in_shares, tmp_path, nranks, workers)
+
+
+def _placed_ahead_while_stepping(folder: Path) -> None:
+    import multiprocessing
+    import os
+
+    from runtime.step import model as step_model
+
+    graph = load_network("seed-lcn-small").lower(batch=32, optimizer="sgd")
+    strategy = builtin(graph, "spatial", 4)
+    plan = build_plan(graph, strategy, 4)
+    alone = StepModel(FAST)
+    expected = (
+        alone.step(graph, plan),
+        alone.peak(graph, plan),
+        alone.memory_prediction(graph, plan),
+    )
+    placed = step_model.placed_ranks
+
+    def placing(*args, **kwargs):
+        (folder / str(os.getpid())).touch()
+        return placed(*args, **kwargs)
+
+    step_model.placed_ranks = placing
+    ahead = StepModel(FAST)
+    with ahead.looking_ahead(workers=1):
+        ahead.foresee(graph, [], 4, placing=[strategy])
+        got = ahead.step(graph, plan), ahead.peak(graph, plan), ahead.memory_prediction(graph, plan)
+    assert multiprocessing.active_children() == []
+    assert got == expected
+    placed_in = [int(p.name) for p in folder.iterdir()]
+    assert len(placed_in) == 1 and placed_in[0] != os.getpid()  # placed once, elsewhere
+
+
+def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory_while_its_step_is_simulated(
+    tmp_path,
+):
+    """Once auto's search is done, `partition` places its grids' every rank in a forked process
+    while it simulates their step: the same step, peak and memory, each rank placed once."""
+    in_fresh_process(_placed_ahead_while_stepping, tmp_path)

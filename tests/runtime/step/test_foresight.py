@@ -129,6 +129,41 @@ def _forks_nothing(tmp_path: Path, reason: str) -> None:
     assert not (tmp_path / "a").exists()
 
 
+def _skips_jobs_forgone(tmp_path: Path) -> None:
+    jobs = {name: partial(_held if name == "a" else _marked, tmp_path, name, name.upper())
+            for name in ("a", "b", "c")}  # fmt: skip
+    foresight = Foresight(jobs, workers=1)
+    _wait_for(tmp_path / "a")
+    foresight.forgo(["b"])  # not begun: never will be
+    (tmp_path / "a.release").touch()
+    done, (value, pid) = foresight.take("a")
+    assert done and value == "A" and pid != os.getpid()
+    assert foresight.take("c") == (True, ("C", pid))  # the process went on past b
+    assert not (tmp_path / "b").exists()
+    assert foresight.take("b") == (False, None)
+    foresight.close()
+
+
+def _ends_a_process_at_a_job_forgone(tmp_path: Path) -> None:
+    jobs = {
+        "a": partial(_marked, tmp_path, "a", "A"),
+        "b": partial(_held, tmp_path, "b", "B"),
+        "c": partial(_marked, tmp_path, "c", "C"),
+    }
+    foresight = Foresight(jobs, workers=1)
+    _wait_for(tmp_path / "b")  # a is done and sent; the process is at b
+    (process,) = multiprocessing.active_children()
+    foresight.forgo(["b"])
+    process.join(WAIT / 2)
+    assert not process.is_alive()  # ended at b, not waited for
+    done, (value, pid) = foresight.take("a")  # what it sent before is kept
+    assert done and value == "A" and pid == process.pid
+    assert foresight.take("c") == (False, None)  # no process is left to begin it
+    foresight.close()
+    assert not (tmp_path / "c").exists()
+    assert multiprocessing.active_children() == []
+
+
 # each runs in a spawned interpreter (`tests.fresh_process`): forking needs a process with no
 # other thread, which this test worker may not be
 
@@ -156,3 +191,11 @@ def test_closing_ends_a_process_at_its_job(tmp_path):
 @pytest.mark.parametrize("reason", ["no spare core", "another thread runs"])
 def test_nothing_is_forked_without_a_spare_core_or_beside_another_thread(tmp_path, reason):
     in_fresh_process(_forks_nothing, tmp_path, reason)
+
+
+def test_a_job_forgone_before_a_process_begins_it_is_never_begun(tmp_path):
+    in_fresh_process(_skips_jobs_forgone, tmp_path)
+
+
+def test_a_process_at_a_job_forgone_is_ended_and_what_it_sent_is_kept(tmp_path):
+    in_fresh_process(_ends_a_process_at_a_job_forgone, tmp_path)
