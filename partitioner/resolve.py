@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import replace
+from functools import partial
+from typing import Any
 
 from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
@@ -55,6 +57,9 @@ from partitioner.strategy import (
 #: `PeakFn` about on so many ranks; told again once it is done, those it still may ask about,
 #: and (`placing`) those whose step it simulates next, before their peak (see `StepModel.foresee`)
 ForeseeFn = Callable[..., None]
+#: every job's value (calls without arguments, by key), worked out at once where the caller
+#: has idle cores (`StepModel.share_out`)
+ShareFn = Callable[[Mapping[Hashable, Callable[[], Any]]], dict[Hashable, Any]]
 
 
 def check_plannable(graph: TaskGraph) -> None:
@@ -85,6 +90,7 @@ def resolve_strategy(
     lower: LowerFn | None = None,
     sums: SumsFn | None = None,
     foresee: ForeseeFn | None = None,
+    share: ShareFn | None = None,
 ) -> tuple[Strategy, list[dict] | None]:
     """The strategy `name` stands for on `nranks` ranks with `--param-homes` (None: replicated),
     and auto's reasons (None otherwise); `note` hears why `auto` settled for `data` on a
@@ -107,10 +113,13 @@ def resolve_strategy(
     of all return them where they fit, as it does without `step`: no built-in's plan is made.
     `foresee` is told the built-ins' plans before the search begins, which `auto` with `step`
     compares with its search's grids where they may be faster (the commands pass
-    `StepModel.foresee`, which works them out meanwhile on idle cores)."""
+    `StepModel.foresee`, which works them out meanwhile on idle cores). `share` works out jobs
+    at once on idle cores (the commands pass `StepModel.share_out`): `auto` in a pipeline's
+    stages prices its built-ins with it."""
     deadline = time.monotonic() + time_limit
     if name == "auto" and stages_of(graph) > 1:
-        return _auto_in_stages(graph, nranks, machine, param_homes, step, lower), None
+        strategy = _auto_in_stages(graph, nranks, machine, param_homes, step, lower, sums, share)
+        return strategy, None
     homes = param_homes or "replicated"
     if name == "auto" and foresee is not None and step is not None and not batch_only(graph):
         foresee(
@@ -312,17 +321,35 @@ def _auto_in_stages(
     param_homes: str | None,
     step: StepFn | None,
     lower: LowerFn | None = None,
+    sums: SumsFn | None = None,
+    share: ShareFn | None = None,
 ) -> Strategy:
     """`auto` in a pipeline's stages: of the built-in families that split every stage's layers
     over its ranks, and of the mixture giving each layer its family of least seconds in the cost
-    model's rows, the one of least predicted step (`_fastest`). The stages are the graph's."""
+    model's rows, the one of least predicted step (`_fastest`). The stages are the graph's.
+
+    Where the step compared is the sum (no `step`, or `sums` says so), the plans are needed for
+    their rows and sums alone, so `share` (where given) prices the built-ins at once on idle
+    cores (vgg19 on 1024 ranks: 0.6-0.9 s a plan); the plan chosen is then built here if it was
+    priced elsewhere."""
     homes = param_homes or "replicated"
     families = ["data"] if batch_only(graph) else list(BUILTIN)
     candidates = [with_homes(graph, builtin(graph, f, nranks), homes) for f in families]
     cache = graph_pieces(graph)  # the mixture repeats most of its families' tasks: found once
-    plans = [build_plan(graph, s, nranks, cache=cache) for s in candidates]
-    costs = [task_costs(graph, p, machine) for p in plans]
-    rows = [unit_seconds(c) for c in costs]
+    by_sum = step is None or (sums is not None and sums(graph, nranks))
+    plans: dict[int, Plan] = {}
+
+    def priced(i: int) -> tuple[dict[str, float], float]:
+        """Candidate i's rows (seconds per unit) and bulk-synchronous step; its plan kept (in
+        the process that priced it)."""
+        plans[i] = build_plan(graph, candidates[i], nranks, cache=cache)
+        costs = task_costs(graph, plans[i], machine)
+        return unit_seconds(costs), step_seconds(costs)
+
+    jobs = {i: partial(priced, i) for i in range(len(candidates))}
+    found = share(jobs) if share is not None and by_sum else {i: job() for i, job in jobs.items()}
+    rows = [found[i][0] for i in range(len(candidates))]
+    seconds = [found[i][1] for i in range(len(candidates))]
 
     def cheapest(unit: str) -> Strategy:
         return candidates[min(range(len(rows)), key=lambda i: rows[i].get(unit, 0.0))]
@@ -330,9 +357,15 @@ def _auto_in_stages(
     mixed = {unit: cheapest(unit).unit_grids[unit] for unit in candidates[0].unit_grids}
     if all(mixed != c.unit_grids for c in candidates):
         candidates.append(replace(candidates[0], name="auto", unit_grids=mixed))
-        plans.append(build_plan(graph, candidates[-1], nranks, cache=cache))
-        costs.append(task_costs(graph, plans[-1], machine))
-    return candidates[_least(graph, plans, [step_seconds(c) for c in costs], step, lower)]
+        seconds.append(priced(len(candidates) - 1)[1])
+    if not by_sum:
+        ordered = [plans[i] for i in range(len(candidates))]
+        return candidates[_least(graph, ordered, seconds, step, lower)]
+    chosen = seconds.index(min(seconds))
+    if step is not None:  # the step model keeps the plan it is asked about, for the command
+        plan = plans.get(chosen) or build_plan(graph, candidates[chosen], nranks, cache=cache)
+        step(graph, plan, seconds[chosen])
+    return candidates[chosen]
 
 
 def _fastest(

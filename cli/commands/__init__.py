@@ -167,7 +167,7 @@ def resolve_step(
         )
     chosen, why = resolve_strategy(
         graph, name, nranks, machine, time_limit, note, args.param_homes, model.peak, model.step,
-        model.step_lower_bound, model.step_is_sum, model.foresee,
+        model.step_lower_bound, model.step_is_sum, model.foresee, model.share_out,
     )  # fmt: skip
     return graph, chosen, why, None
 

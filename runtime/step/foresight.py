@@ -164,3 +164,19 @@ def _work(calls: Sequence[Callable[[], Any]], state, worker: int, sender: Connec
             sent = (i, False, None)
         sender.send(sent)
     sender.close()
+
+
+def shared_out(jobs: Mapping[Hashable, Callable[[], Any]], workers: int) -> dict[Hashable, Any]:
+    """Every job's value, worked out by this process and up to `workers` forked ones at once
+    (fewer where there are fewer jobs): the processes take the jobs from the first, this one
+    from the last, then each job nobody has begun, then waits for the others; a job whose
+    process died or raised is worked out here."""
+    ahead = Foresight(jobs, min(workers, len(jobs) - 1))
+    found: dict[Hashable, Any] = {}
+    try:
+        for key in reversed(list(jobs)):
+            done, value = ahead.take(key)
+            found[key] = value if done else jobs[key]()
+    finally:
+        ahead.close()
+    return {key: found[key] for key in jobs}

@@ -18,9 +18,10 @@ command makes one model per machine and asks it for the plan it reports (`plan`)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from partitioner import cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, build_plan
 from partitioner.strategy import Strategy
-from runtime.step.foresight import Foresight
+from runtime.step.foresight import Foresight, shared_out
 from runtime.step.prediction import (
     SIMULATE_MAX_WORK,
     compute_lower_bound,
@@ -331,15 +332,12 @@ class StepModel:
             k: partial(placed_ranks, graph, plan, self.machine, share.tolist())
             for k, share in enumerate(shares)
         }
-        apart = Foresight(jobs, len(shares) - 1)
-        try:
-            placed = {}
-            for k in reversed(range(len(shares))):  # the processes take the first jobs
-                done, value = apart.take(k)
-                placed[k] = value if done else jobs[k]()
-        finally:
-            apart.close()
-        return [placed[k] for k in range(len(shares))]
+        return list(self.share_out(jobs).values())
+
+    def share_out(self, jobs: Mapping[Hashable, Callable[[], Any]]) -> dict[Hashable, Any]:
+        """Every job's value, worked out here and, where `looking_ahead` allows, in forked
+        processes at once (`foresight.shared_out`)."""
+        return shared_out(jobs, self._workers)
 
     def predictions(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> tuple[dict, dict]:
         """`step_prediction` and `memory_prediction` of `plan`, as a command reports it. The

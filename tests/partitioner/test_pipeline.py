@@ -31,6 +31,7 @@ from runtime.step.model import StepModel
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.simulator import simulate_step
+from tests.fresh_process import in_fresh_process
 from tests.legion_nn.test_micro_batches import mlp_network
 from tests.runtime.test_rank_executor import (
     assert_resumes,
@@ -343,6 +344,47 @@ def test_auto_in_stages_takes_the_split_of_least_predicted_step():
     for unit, grid in chosen.unit_grids.items():
         assert grid in {s.unit_grids[unit] for s in uniform.values()}, unit
     assert all(chosen.unit_grids != s.unit_grids for s in uniform.values())
+
+
+def _auto_in_stages_shared(folder) -> None:
+    import multiprocessing
+    import os
+
+    from partitioner import resolve
+    from runtime.step import model as step_model
+
+    # the steps compared are sums, as beyond the ranks a step is simulated on
+    step_model.objective_simulates = lambda graph, nranks: False
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=32), 2, 4)
+    machine = Machine(link_gbytes_per_s=0.1, latency_us=50)
+    alone = StepModel(machine)
+    by_step, _ = resolve_strategy(graph, "auto", 4, machine, 10.0, step=alone.step)
+    by_sum, _ = resolve_strategy(
+        graph, "auto", 4, machine, 10.0, step=alone.step, sums=alone.step_is_sum
+    )
+    costs = resolve.task_costs
+
+    def pricing(graph, plan, machine):
+        (folder / f"{os.getpid()}-{plan.strategy}").touch()
+        return costs(graph, plan, machine)
+
+    resolve.task_costs = pricing
+    ahead = StepModel(machine)
+    with ahead.looking_ahead(workers=1):
+        shared, _ = resolve_strategy(graph, "auto", 4, machine, 10.0, step=ahead.step,
+                                     sums=ahead.step_is_sum, share=ahead.share_out)  # fmt: skip
+    assert multiprocessing.active_children() == []
+    assert shared == by_sum == by_step
+    priced = [name.split("-") for name in os.listdir(folder)]
+    assert sorted(family for _, family in priced) == sorted([*BUILTIN, "auto"])  # once each
+    assert len({pid for pid, _ in priced}) == 2  # here and in a forked process
+
+
+def test_auto_in_stages_prices_the_built_ins_at_once_on_idle_cores(tmp_path):
+    """Where the steps compared are sums, `auto` in a pipeline's stages needs the built-ins'
+    plans for their rows alone, and prices them on the cores `partition` has idle: the same
+    choice as one process makes, by sums or by steps, each plan priced once."""
+    in_fresh_process(_auto_in_stages_shared, tmp_path)
 
 
 @pytest.mark.parametrize(
