@@ -135,12 +135,11 @@ def resolve_strategy(
         index = _fastest(graph, candidates, nranks, machine, step, lower)
         picked = candidates[index]
         return picked, why if index == 0 else _reasons(graph, picked, nranks, machine, why)
-    if (
-        (step is None or (sums is not None and sums(graph, nranks)))
-        and searched.fastest
-        and peak(graph, build_plan(graph, strategy, nranks)) <= machine.memory_bytes
-    ):
-        return strategy, _reasons(graph, strategy, nranks, machine, why)  # nothing is faster
+    if (step is None or (sums is not None and sums(graph, nranks))) and searched.fastest:
+        if foresee is not None:  # reported where it fits, the built-ins then not compared
+            foresee(graph, [], nranks, placing=[strategy])
+        if peak(graph, build_plan(graph, strategy, nranks)) <= machine.memory_bytes:
+            return strategy, _reasons(graph, strategy, nranks, machine, why)  # nothing is faster
     if searched.memory_aside:
         fastest, reasons = strategy, list(why)
     elif searched.unlimited is not None:
@@ -158,10 +157,8 @@ def resolve_strategy(
         fastest,
         *(builtin(graph, f, nranks) for f in BUILTIN if f not in skipped),
     ]
-    if foresee is not None and step is not None and lower is not None:
-        foresee(
-            graph, candidates[2:], nranks, placing=[strategy]
-        )  # the fit's lead: `_within_reach`
+    if foresee is not None:  # the fit's lead, placed first where `_within_reach` places it
+        foresee(graph, candidates[2:], nranks, placing=[strategy])
     baseline = machine.process_baseline_bytes
     budget = max(machine.memory_bytes - baseline, 1)  # for the buffers, which the DP counts
     for attempt in range(TIGHTER_SEARCHES + 1):

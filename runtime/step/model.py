@@ -88,8 +88,10 @@ class StepModel:
         self._wanted: set[tuple] = set()
         #: per plan (`_key`) worked out ahead, its (peak, step)
         self._foreseen: dict[tuple, tuple[int, float]] = {}
-        #: per plan (`_key`) whose every rank a process placed ahead, what it placed
-        self._placed: dict[tuple, PlacedRanks] = {}
+        #: per plan (`_key`) whose every rank was placed ahead, what each share placed
+        self._placed: dict[tuple, list[PlacedRanks]] = {}
+        #: plans (`_key`) whose every rank is placed in shares when their peak is asked for
+        self._place_in_shares: set[tuple] = set()
 
     def _key(self, graph: TaskGraph, name: str, unit_grids, sharded, nranks: int) -> tuple:
         self._graphs.setdefault(id(graph), graph)
@@ -126,6 +128,7 @@ class StepModel:
             yield self
         finally:
             self._workers = 0
+            self._place_in_shares = set()
             self._stop_looking_ahead()
 
     def foresee(
@@ -142,10 +145,14 @@ class StepModel:
         `peak` and `step` then give are the same, found meanwhile.
 
         Told again (auto once its search is done), the plans no longer among `strategies` are
-        not begun, and each plan of `placing` (up to `PLACED_MAX_RANKS` ranks) has its every
-        rank placed (`rank_memory.placed_ranks`), which `peak` and `memory_prediction` then
-        read, while this process simulates its step (resnet18's auto plan on 64 ranks: each
-        some 3 s, its programs built in both)."""
+        not begun, and each plan of `placing` (up to `PLACED_MAX_RANKS` ranks: one a command
+        is likely to report) has its every rank placed (`rank_memory.placed_ranks`), which
+        `peak` and `memory_prediction` then read: where its step is simulated, by a process
+        while this one simulates the step (resnet18's auto plan on 64 ranks: each some 3 s,
+        its programs built in both), else in shares when its peak is asked for, which then
+        costs about what placing a few ranks here does (ResNet-50's auto plan on 64 ranks:
+        2.2 s for the 5 ranks of `rank_memory.sampled_ranks`, 4.8 s for all 64 in two
+        shares)."""
         worth = objective_simulates(graph, nranks) or nranks <= PLACED_MAX_RANKS
         if not self._workers or not worth:
             return
@@ -156,8 +163,12 @@ class StepModel:
         if nranks <= PLACED_MAX_RANKS:
             for s in placing:
                 key = self._strategy_key(graph, s, nranks)
-                if key not in jobs:
+                if key in jobs:
+                    continue
+                if objective_simulates(graph, nranks):
                     jobs[(PLACED, key)] = partial(self._place_every_rank, graph, s, nranks)
+                else:
+                    self._place_in_shares.add(key)
         for foresight in self._foresights:
             foresight.forgo(self._wanted - set(jobs))
         new = {key: job for key, job in jobs.items() if key not in self._wanted}
@@ -212,14 +223,17 @@ class StepModel:
                 found = self._foreseen[key] = value
         return found
 
-    def _placed_ahead(self, graph: TaskGraph, plan: Plan) -> PlacedRanks | None:
-        """Every rank of `plan` placed, where a process `foresee` forked placed them."""
+    def _placed_ahead(self, graph: TaskGraph, plan: Plan) -> list[PlacedRanks] | None:
+        """Every rank of `plan` placed, where `foresee` was told to place them: by a process
+        it forked, or in shares now."""
         key = self._plan_key(graph, plan)
         found = self._placed.get(key)
         if found is None:
             done, value = self._take((PLACED, key))
             if done:
-                found = self._placed[key] = value
+                found = self._placed[key] = [value]
+            elif key in self._place_in_shares and self._workers and can_fork():
+                found = self._placed[key] = self.placed_in_shares(graph, plan)
         return found
 
     def programs(
@@ -290,7 +304,8 @@ class StepModel:
             return ahead[0]
         placed = self._placed_ahead(graph, plan)
         if placed is not None:
-            return plan_peak(graph, plan, self.machine, placed=placed)
+            peaks = {rank: peak for share in placed for rank, peak in share.peaks.items()}
+            return plan_peak(graph, plan, self.machine, peaks=peaks)
         found = self._programs.get(self._plan_key(graph, plan))
         programs = found[1] if found is not None else None
         if programs is None and objective_simulates(graph, plan.nranks):
@@ -314,7 +329,7 @@ class StepModel:
             return memory_prediction(graph, plan, self.machine)
         placed = self._placed_ahead(graph, plan)
         if placed is not None:
-            return memory_prediction(graph, plan, self.machine, placed=[placed])
+            return memory_prediction(graph, plan, self.machine, placed=placed)
         found = self._programs.get(self._plan_key(graph, plan))
         if (found is None or found[1] is None) and self._workers and can_fork():
             placed = self.placed_in_shares(graph, plan)

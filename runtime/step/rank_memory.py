@@ -143,19 +143,19 @@ def plan_peak(
     plan: Plan,
     machine: Machine,
     programs: Mapping[int, RankProgram] | None = None,
-    placed: PlacedRanks | None = None,
+    peaks: Mapping[int, int] | None = None,
 ) -> int:
     """The most bytes a rank of a plan holds with its baseline: its buffers placed on the ranks
     `sampled_ranks` picks (from `programs`, where the caller has every rank's, or read from
-    `placed`, every rank placed), or beyond `PLACED_MAX_RANKS` the held count (`HELD`). What
+    `peaks`, every rank's placed), or beyond `PLACED_MAX_RANKS` the held count (`HELD`). What
     `auto` fits in memory (`partitioner.search.memory_fit`, through
     `runtime.step.model.StepModel.peak`)."""
     held = memory_per_rank(graph, plan)
     if plan.nranks > PLACED_MAX_RANKS:
         return max(held.values(), default=0) + machine.process_baseline_bytes
     sampled = sampled_ranks(held)
-    if placed is not None:
-        return max(placed.peaks[rank] for rank in sampled)
+    if peaks is not None:
+        return max(peaks[rank] for rank in sampled)
     memories = predict(graph, plan, machine, sampled, programs)
     return max(m.peak for m in memories.values())
 

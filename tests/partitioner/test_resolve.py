@@ -258,6 +258,14 @@ def _built_ins_worked_out_ahead(
     assert multiprocessing.active_children() == []
     assert chosen == expected
     assert ahead.foreseen  # some built-in was asked for, and a process had worked it out
+    if not simulated:  # a search that proves its sum the least is placed ahead and reported
+        summed = StepModel(machine)
+        with summed.looking_ahead(workers=1):
+            assert expected == resolve_strategy(
+                graph, "auto", ranks, machine, 10.0, peak=summed.peak, step=summed.step,
+                lower=summed.step_lower_bound, sums=summed.step_is_sum, foresee=summed.foresee,
+            )  # fmt: skip
+        assert multiprocessing.active_children() == []
     for family in BUILTIN:
         plan = build_plan(graph, builtin(graph, family, ranks), ranks)
         if family in ahead.foreseen:
@@ -366,12 +374,14 @@ def test_a_plan_of_fewer_ranks_than_processes_is_placed_in_one_share_a_rank(
     in_fresh_process(_memory_placed_in_shares, tmp_path, nranks, workers)
 
 
-def _placed_ahead_while_stepping(folder: Path) -> None:
+def _placed_ahead(folder: Path, simulated: bool) -> None:
     import multiprocessing
     import os
 
     from runtime.step import model as step_model
 
+    if not simulated:  # as where the programs are past what a simulation builds
+        step_model.objective_simulates = lambda graph, nranks: False
     graph = load_network("seed-lcn-small").lower(batch=32, optimizer="sgd")
     strategy = builtin(graph, "spatial", 4)
     plan = build_plan(graph, strategy, 4)
@@ -383,9 +393,9 @@ def _placed_ahead_while_stepping(folder: Path) -> None:
     )
     placed = step_model.placed_ranks
 
-    def placing(*args, **kwargs):
-        (folder / str(os.getpid())).touch()
-        return placed(*args, **kwargs)
+    def placing(graph, plan, machine, ranks=None, programs=None):
+        (folder / f"{os.getpid()}-{min(ranks) if ranks else 0}").touch()
+        return placed(graph, plan, machine, ranks, programs)
 
     step_model.placed_ranks = placing
     ahead = StepModel(FAST)
@@ -394,13 +404,18 @@ def _placed_ahead_while_stepping(folder: Path) -> None:
         got = ahead.step(graph, plan), ahead.peak(graph, plan), ahead.memory_prediction(graph, plan)
     assert multiprocessing.active_children() == []
     assert got == expected
-    placed_in = [int(p.name) for p in folder.iterdir()]
-    assert len(placed_in) == 1 and placed_in[0] != os.getpid()  # placed once, elsewhere
+    placed_in = sorted(name.split("-") for name in os.listdir(folder))
+    if simulated:  # every rank by a process while this one simulated the step
+        assert len(placed_in) == 1 and int(placed_in[0][0]) != os.getpid()
+    else:  # in two shares when the peak was asked for, the last here
+        assert sorted(int(first) for _, first in placed_in) == [0, 2]
+        assert {int(pid) for pid, first in placed_in if first == "2"} == {os.getpid()}
+        assert len({pid for pid, _ in placed_in}) == 2
 
 
-def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory_while_its_step_is_simulated(
-    tmp_path,
-):
-    """Once auto's search is done, `partition` places its grids' every rank in a forked process
-    while it simulates their step: the same step, peak and memory, each rank placed once."""
-    in_fresh_process(_placed_ahead_while_stepping, tmp_path)
+@pytest.mark.parametrize("simulated", [True, False])
+def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory(tmp_path, simulated):
+    """Once auto's search is done, `partition` places its grids' every rank ahead: in a forked
+    process while it simulates their step, or where the step is summed, in shares on every
+    core as the peak is asked for: the same step, peak and memory, each rank placed once."""
+    in_fresh_process(_placed_ahead, tmp_path, simulated)
