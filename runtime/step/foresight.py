@@ -113,6 +113,23 @@ class Foresight:
         finally:
             lock.release()
 
+    def busy(self) -> bool:
+        """Whether a process is at a job still wanted, or such a job waits for one: a job
+        forked beside it would share a core with it."""
+        if self._state is None:
+            return False
+        self._drain()
+        states = self._state[:]
+        return any(
+            states[i] == QUEUED
+            or (
+                states[i] >= BEGUN
+                and i not in self._done
+                and states[i] - BEGUN in self._connections
+            )
+            for i in self._index.values()
+        )
+
     def _drain(self) -> None:
         """Read every value the processes have sent so far, without waiting."""
         while self._connections and wait(list(self._connections.values()), timeout=0):

@@ -160,17 +160,21 @@ class StepModel:
             self._strategy_key(graph, s, nranks): partial(self._work_out, graph, s, nranks)
             for s in strategies
         }
+        for foresight in self._foresights:
+            foresight.forgo(
+                self._wanted
+                - set(jobs)
+                - {(PLACED, self._strategy_key(graph, s, nranks)) for s in placing}
+            )
         if nranks <= PLACED_MAX_RANKS:
             for s in placing:
                 key = self._strategy_key(graph, s, nranks)
                 if key in jobs:
                     continue
-                if objective_simulates(graph, nranks):
-                    jobs[(PLACED, key)] = partial(self._place_every_rank, graph, s, nranks)
-                else:
+                if not objective_simulates(graph, nranks):
                     self._place_in_shares.add(key)
-        for foresight in self._foresights:
-            foresight.forgo(self._wanted - set(jobs))
+                elif not self._busy():
+                    jobs[(PLACED, key)] = partial(self._place_every_rank, graph, s, nranks)
         new = {key: job for key, job in jobs.items() if key not in self._wanted}
         self._wanted = set(jobs)
         if new:
@@ -188,6 +192,11 @@ class StepModel:
         for foresight in self._foresights:
             foresight.close()
         self._foresights, self._wanted = [], set()
+
+    def _busy(self) -> bool:
+        """Whether a process works out a job still wanted (or one waits for it): a process
+        forked meanwhile would take a core from it."""
+        return any(foresight.busy() for foresight in self._foresights)
 
     def _take(self, key: tuple) -> tuple[bool, object]:
         """(True, the value of job `key`) where a process worked it out, else (False, None)."""
@@ -232,7 +241,7 @@ class StepModel:
             done, value = self._take((PLACED, key))
             if done:
                 found = self._placed[key] = [value]
-            elif key in self._place_in_shares and self._workers and can_fork():
+            elif key in self._place_in_shares and self._workers and can_fork() and not self._busy():
                 found = self._placed[key] = self.placed_in_shares(graph, plan)
         return found
 

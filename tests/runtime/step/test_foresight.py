@@ -164,6 +164,22 @@ def _ends_a_process_at_a_job_forgone(tmp_path: Path) -> None:
     assert multiprocessing.active_children() == []
 
 
+def _tells_when_busy(tmp_path: Path) -> None:
+    jobs = {name: partial(_held, tmp_path, name, name.upper()) for name in ("a", "b", "c")}
+    foresight = Foresight(jobs, workers=1)
+    _wait_for(tmp_path / "a")
+    assert foresight.busy()  # at a, with b and c waiting
+    (tmp_path / "a.release").touch()
+    assert foresight.take("a")[0]
+    _wait_for(tmp_path / "b")
+    foresight.forgo(["c"])
+    assert foresight.busy()  # at b, still wanted
+    foresight.forgo(["b"])
+    assert not foresight.busy()  # ended at b; c never begun
+    foresight.close()
+    assert not foresight.busy()
+
+
 # each runs in a spawned interpreter (`tests.fresh_process`): forking needs a process with no
 # other thread, which this test worker may not be
 
@@ -199,3 +215,7 @@ def test_a_job_forgone_before_a_process_begins_it_is_never_begun(tmp_path):
 
 def test_a_process_at_a_job_forgone_is_ended_and_what_it_sent_is_kept(tmp_path):
     in_fresh_process(_ends_a_process_at_a_job_forgone, tmp_path)
+
+
+def test_a_foresight_is_busy_while_a_process_is_at_a_job_still_wanted(tmp_path):
+    in_fresh_process(_tells_when_busy, tmp_path)
