@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import product
+from operator import le
 
 
 def split_sizes(extent: int, parts: int) -> list[int]:
@@ -60,7 +61,18 @@ class Rect:
             raise ValueError(f"Rect bounds differ in rank: lo has {len(lo)} dims, hi has {len(hi)}")
         _set_field(self, "lo", lo)
         _set_field(self, "hi", hi)
-        _set_field(self, "_empty", any(h <= low for low, h in zip(lo, hi)))
+        _set_field(self, "_empty", any(map(le, hi, lo)))
+
+    @staticmethod
+    def made(lo: tuple[int, ...], hi: tuple[int, ...], empty: bool | None = None) -> Rect:
+        """A rect of bounds the caller has as tuples of ints, of equal length, without
+        `__init__`'s conversions; `empty`, where the caller knows whether it is. The planner and
+        the rank programs make some 10⁶ rects a large plan."""
+        rect = object.__new__(Rect)
+        _set_field(rect, "lo", lo)
+        _set_field(rect, "hi", hi)
+        _set_field(rect, "_empty", any(map(le, hi, lo)) if empty is None else empty)
+        return rect
 
     @classmethod
     def from_dims(cls, dims: Iterable[int]) -> Rect:
@@ -103,11 +115,11 @@ class Rect:
 
     def intersect(self, other: Rect) -> Rect:
         self._check_rank(other)
-        lo = tuple(max(a, b) for a, b in zip(self.lo, other.lo))
-        hi = tuple(min(a, b) for a, b in zip(self.hi, other.hi))
-        if any(h <= lo_ for lo_, h in zip(lo, hi)):
+        lo = tuple(map(max, self.lo, other.lo))
+        hi = tuple(map(min, self.hi, other.hi))
+        if any(map(le, hi, lo)):
             return Rect.empty(self.ndim)
-        return Rect(lo, hi)
+        return Rect.made(lo, hi, False)
 
     def overlaps(self, other: Rect) -> bool:
         return not self.intersect(other).is_empty()
@@ -128,14 +140,14 @@ class Rect:
     def bounding(rects: Iterable[Rect]) -> Rect | None:
         """The smallest box holding every non-empty rect of `rects` (None if there is none):
         `union_bounds` over all of them, in one pass."""
-        nonempty = [r for r in rects if not r.is_empty()]
+        nonempty = [r for r in rects if not r._empty]
         if not nonempty:
             return None
         if len(nonempty) == 1:
             return nonempty[0]
-        lo = tuple(map(min, zip(*(r.lo for r in nonempty))))
-        hi = tuple(map(max, zip(*(r.hi for r in nonempty))))
-        return Rect(lo, hi)
+        lo = tuple(map(min, *(r.lo for r in nonempty)))
+        hi = tuple(map(max, *(r.hi for r in nonempty)))
+        return Rect.made(lo, hi, False)
 
     def contains(self, other: Rect) -> bool:
         """True when every point of `other` lies in self (an empty rect is contained anywhere)."""
@@ -176,9 +188,13 @@ class Rect:
         lo, hi = list(self.lo), list(self.hi)
         for d in range(self.ndim):
             if lo[d] < cut.lo[d]:
-                pieces.append(Rect(tuple(lo), tuple(hi[:d] + [cut.lo[d]] + hi[d + 1 :])))
+                pieces.append(
+                    Rect.made(tuple(lo), tuple(hi[:d] + [cut.lo[d]] + hi[d + 1 :]), False)
+                )
             if cut.hi[d] < hi[d]:
-                pieces.append(Rect(tuple(lo[:d] + [cut.hi[d]] + lo[d + 1 :]), tuple(hi)))
+                pieces.append(
+                    Rect.made(tuple(lo[:d] + [cut.hi[d]] + lo[d + 1 :]), tuple(hi), False)
+                )
             lo[d], hi[d] = cut.lo[d], cut.hi[d]
         return pieces
 

@@ -51,22 +51,17 @@ def nonempty(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def to_rect(lo: Sequence[int], hi: Sequence[int], empty: bool | None = None) -> Rect:
-    """A Rect from one row of each array (ints), without `Rect.__init__`'s conversions;
+    """A Rect from one row of each array (ints, as `tolist` gives them): `Rect.made`;
     `empty`, where the caller knows whether it is.
 
     Materialising a plan of 1024 ranks makes about a million of these."""
-    rect = object.__new__(Rect)
-    object.__setattr__(rect, "lo", tuple(lo))
-    object.__setattr__(rect, "hi", tuple(hi))
-    if empty is None:
-        empty = any(h <= low for low, h in zip(lo, hi))
-    object.__setattr__(rect, "_empty", empty)
-    return rect
+    return Rect.made(tuple(lo), tuple(hi), empty)
 
 
 def to_rects(lo: np.ndarray, hi: np.ndarray) -> list[Rect]:
     empty = (~nonempty(lo, hi)).tolist()
-    return [to_rect(a, b, e) for a, b, e in zip(lo.tolist(), hi.tolist(), empty)]
+    made = Rect.made
+    return [made(tuple(a), tuple(b), e) for a, b, e in zip(lo.tolist(), hi.tolist(), empty)]
 
 
 def first_seen_ids(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -29,18 +29,19 @@ def test_immutable_and_hashable():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(-3, 3), st.integers(-3, 3)), min_size=1, max_size=4))
 def test_emptiness_found_as_made_is_that_of_the_dims_however_made(bounds):
-    """A rect is empty where some dim has hi <= lo, whether made by `Rect`, from arrays
+    """A rect is empty where some dim has hi <= lo, whether made by `Rect`, `Rect.made`, from arrays
     (`boxes.to_rects`, which finds emptiness for all rows at once), from one row
     (`boxes.to_rect`) or by `dataclasses.replace`; emptiness takes no part in equality."""
     lo, hi = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
     empty = any(h <= low for low, h in bounds)
     made = [
         Rect(lo, hi),
+        Rect.made(lo, hi),
         box_arrays.to_rect(lo, hi),
         box_arrays.to_rects(np.array([lo]), np.array([hi]))[0],
         dataclasses.replace(Rect(lo, tuple(v + 5 for v in lo)), hi=hi),
     ]
-    assert [r.is_empty() for r in made] == [empty] * 4
+    assert [r.is_empty() for r in made] == [empty] * 5
     assert all(r == made[0] and hash(r) == hash(made[0]) for r in made)
     assert (made[0].volume == 0) == empty
 
