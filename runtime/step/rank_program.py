@@ -38,10 +38,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
@@ -98,6 +98,21 @@ class PieceWork:
     requirements: tuple[Requirement, ...]
 
 
+class _found_once:
+    """`functools.cached_property` without its lock, which Python 3.11 takes at every first
+    access: a step's rank tasks (resnet18's 64 ranks: 26,816 of them) ask two each. The value
+    is kept in the instance's `__dict__`, where later reads find it first."""
+
+    def __init__(self, find: Callable[[Any], Any]) -> None:
+        self.find, self.name, self.__doc__ = find, find.__name__, find.__doc__
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.find(instance)
+        return value
+
+
 @dataclass
 class RankTask:
     index: int
@@ -146,7 +161,7 @@ class RankTask:
         """Whether the task's pieces run here: not an elided zeroing, not a fused update."""
         return bool(self.pieces) and not self.elided and self.fused_into is None
 
-    @cached_property
+    @_found_once
     def tensors(self) -> frozenset[str]:
         """Every tensor the task touches: its pieces', messages', collectives' and parts'."""
         names = {req.tensor for piece in self.pieces for req in piece.requirements}
@@ -157,7 +172,7 @@ class RankTask:
         names.update(tensor for tensor, _ in self.zero_first)
         return frozenset(names)
 
-    @cached_property
+    @_found_once
     def sums_shards(self) -> bool:
         """Whether a collective the task starts sums a parameter's gradient onto shards of it
         (a sharded home's reduce-scatter): it completes before the next task, since its
