@@ -49,12 +49,15 @@ def _dies(folder: Path) -> None:
     os._exit(3)
 
 
+def _three_jobs(folder: Path, held: str) -> dict[str, partial]:
+    """Jobs a, b and c, each leaving its mark and giving its name in capitals; `held` then waits
+    for the test to let it end."""
+    return {name: partial(_held if name == held else _marked, folder, name, name.upper())
+            for name in "abc"}  # fmt: skip
+
+
 def _works_jobs_out_in_order(tmp_path: Path) -> None:
-    jobs = {
-        "a": partial(_held, tmp_path, "a", "A"),
-        "b": partial(_marked, tmp_path, "b", "B"),
-        "c": partial(_marked, tmp_path, "c", "C"),
-    }
+    jobs = _three_jobs(tmp_path, held="a")
     foresight = Foresight(jobs, workers=1)
     _wait_for(tmp_path / "a")  # the one process is at a; b and c wait
     assert foresight.take("c") == (False, None)  # the caller's now
@@ -130,8 +133,7 @@ def _forks_nothing(tmp_path: Path, reason: str) -> None:
 
 
 def _skips_jobs_forgone(tmp_path: Path) -> None:
-    jobs = {name: partial(_held if name == "a" else _marked, tmp_path, name, name.upper())
-            for name in ("a", "b", "c")}  # fmt: skip
+    jobs = _three_jobs(tmp_path, held="a")
     foresight = Foresight(jobs, workers=1)
     _wait_for(tmp_path / "a")
     foresight.forgo(["b"])  # not begun: never will be
@@ -145,11 +147,7 @@ def _skips_jobs_forgone(tmp_path: Path) -> None:
 
 
 def _ends_a_process_at_a_job_forgone(tmp_path: Path) -> None:
-    jobs = {
-        "a": partial(_marked, tmp_path, "a", "A"),
-        "b": partial(_held, tmp_path, "b", "B"),
-        "c": partial(_marked, tmp_path, "c", "C"),
-    }
+    jobs = _three_jobs(tmp_path, held="b")
     foresight = Foresight(jobs, workers=1)
     _wait_for(tmp_path / "b")  # a is done and sent; the process is at b
     (process,) = multiprocessing.active_children()
