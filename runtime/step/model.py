@@ -313,6 +313,7 @@ class StepModel:
             return ahead[0]
         placed = self._placed_ahead(graph, plan)
         if placed is not None:
+            self._keep(graph, plan)  # the plan a command likely reports: not planned again
             peaks = {rank: peak for share in placed for rank, peak in share.peaks.items()}
             return plan_peak(graph, plan, self.machine, peaks=peaks)
         found = self._programs.get(self._plan_key(graph, plan))
