@@ -120,18 +120,32 @@ class PieceSet:
         ranks = tuple(self.ranks[self.rank_ptr[i] : self.rank_ptr[i + 1]].tolist())
         return Piece(ranks, rect, requirements)
 
-    def pieces(self) -> list[Piece]:
+    def pieces(self, which: np.ndarray | None = None) -> list[Piece]:
+        """Every piece, in order, or those of the indices `which` (ascending)."""
         ranks = self.ranks.tolist()
         ptr = self.rank_ptr.tolist()
-        rects = boxes.to_rects(self.lo, self.hi)
+        index = range(len(self)) if which is None else which.tolist()
+
+        def rows(lo: np.ndarray, hi: np.ndarray) -> list[Rect]:
+            return boxes.to_rects(lo, hi) if which is None else boxes.to_rects(lo[which], hi[which])
+
+        rects = rows(self.lo, self.hi)
         columns = [
-            [_with_rect(req, rect) for rect in (rects if lo is self.lo else boxes.to_rects(lo, hi))]
+            [_with_rect(req, rect) for rect in (rects if lo is self.lo else rows(lo, hi))]
             for req, lo, hi in zip(self.requirements, self.req_lo, self.req_hi)
         ]
         return [
-            Piece(tuple(ranks[ptr[i] : ptr[i + 1]]), rect, tuple(col[i] for col in columns))
-            for i, rect in enumerate(rects)
+            Piece(tuple(ranks[ptr[i] : ptr[i + 1]]), rect, tuple(col[k] for col in columns))
+            for k, (i, rect) in enumerate(zip(index, rects))
         ]
+
+    def pieces_of(self, ranks: np.ndarray) -> list[Piece]:
+        """The pieces some rank of `ranks` computes, in order."""
+        mine = np.isin(self.ranks, ranks)
+        if mine.all():
+            return self.pieces()
+        piece_of = np.repeat(np.arange(len(self)), np.diff(self.rank_ptr))
+        return self.pieces(np.unique(piece_of[mine]))
 
 
 def _with_rect(req: Requirement, rect: Rect) -> Requirement:

@@ -202,8 +202,9 @@ class PiecesByRank:
         """Make every built rank's pieces now, all at once: where every rank is built, making
         them piece by piece as asked for would cost more."""
         by_rank: dict[int, list[Piece]] = {}
+        built = np.fromiter(self._built, np.int64, len(self._built))
         for piece_set in self.piece_sets:
-            for piece in piece_set.pieces():
+            for piece in piece_set.pieces_of(built):
                 for rank in dict.fromkeys(piece.ranks):
                     if rank in self._built:
                         by_rank.setdefault(rank, []).append(piece)

@@ -36,3 +36,22 @@ def test_a_graphs_pieces_go_with_it():
     del graph, plan
     gc.collect()
     assert kept() is None
+
+
+def test_the_pieces_some_ranks_compute_are_those_of_every_piece_they_share():
+    """A share of a plan's ranks has its pieces made alone (`PieceSet.pieces_of`): the pieces,
+    in order, equal to every piece made at once, with a homed piece that several ranks compute
+    made for any of them."""
+    import numpy as np
+
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    for family in ("data", "spatial", "model"):
+        plan = build_plan(graph, builtin(graph, family, 4), 4)
+        for task_plan in plan.tasks:
+            for piece_set in task_plan.piece_sets:
+                every = piece_set.pieces()
+                for share in ([0, 1], [3], [1, 2, 3]):
+                    expected = [p for p in every if set(p.ranks) & set(share)]
+                    assert piece_set.pieces_of(np.array(share)) == expected
+                which = np.arange(len(every))[::2]
+                assert piece_set.pieces(which) == every[::2]
