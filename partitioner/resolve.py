@@ -343,7 +343,10 @@ def _auto_in_stages(
         costs = task_costs(graph, plans[i], machine)
         return unit_seconds(costs), step_seconds(costs)
 
-    jobs = {i: partial(priced, i) for i in range(len(candidates))}
+    # the processes begin with the families that move activations, slower to plan; this
+    # process takes data parallelism's first (vgg19 on 1024 ranks: 0.55 s against 0.75-1.07 s)
+    order = sorted(range(len(candidates)), key=lambda i: families[i] == "data")
+    jobs = {i: partial(priced, i) for i in order}
     found = share(jobs) if share is not None and by_sum else {i: job() for i, job in jobs.items()}
     rows = [found[i][0] for i in range(len(candidates))]
     seconds = [found[i][1] for i in range(len(candidates))]
