@@ -147,9 +147,10 @@ class StepModel:
         Told again (auto once its search is done), the plans no longer among `strategies` are
         not begun, and each plan of `placing` (up to `PLACED_MAX_RANKS` ranks: one a command
         is likely to report) has its every rank placed (`rank_memory.placed_ranks`), which
-        `peak` and `memory_prediction` then read: where its step is simulated, by a process
-        while this one simulates the step (resnet18's auto plan on 64 ranks: each some 3 s,
-        its programs built in both), else in shares when its peak is asked for, which then
+        `peak` and `memory_prediction` then read: where its step is simulated and no process
+        is at a job still wanted, by a process while this one simulates the step (resnet18's
+        auto plan on 64 ranks: each some 3 s, its programs built in both), else in shares when
+        its peak is asked for (reading the programs built here, where they are), which then
         costs about what placing a few ranks here does (ResNet-50's auto plan on 64 ranks:
         2.2 s for the 5 ranks of `rank_memory.sampled_ranks`, 4.8 s for all 64 in two
         shares)."""
@@ -171,10 +172,10 @@ class StepModel:
                 key = self._strategy_key(graph, s, nranks)
                 if key in jobs:
                     continue
-                if not objective_simulates(graph, nranks):
-                    self._place_in_shares.add(key)
-                elif not self._busy():
+                if objective_simulates(graph, nranks) and not self._busy():
                     jobs[(PLACED, key)] = partial(self._place_every_rank, graph, s, nranks)
+                else:  # where no process may place it now: in shares once its peak is asked for
+                    self._place_in_shares.add(key)
         new = {key: job for key, job in jobs.items() if key not in self._wanted}
         self._wanted = set(jobs)
         if new:
@@ -347,14 +348,16 @@ class StepModel:
         return memory_prediction(graph, plan, self.machine, self.programs(graph, plan))
 
     def placed_in_shares(self, graph: TaskGraph, plan: Plan) -> list[PlacedRanks]:
-        """Every rank of `plan` built and placed (`rank_memory.placed_ranks`) in `_workers` + 1
-        contiguous shares (fewer where there are fewer ranks), the last in this process while
-        forked processes take the others:
+        """Every rank of `plan` built (unless built here already) and placed
+        (`rank_memory.placed_ranks`) in `_workers` + 1 contiguous shares (fewer where there are
+        fewer ranks), the last in this process while forked processes take the others:
         building a rank's program for Inception v2's auto plan on 64 ranks costs some 0.17 s,
         and the messages every share finds first some 2 s more."""
+        found = self._programs.get(self._plan_key(graph, plan))
+        programs = found[1] if found is not None else None  # built here: each share reads them
         shares = np.array_split(np.arange(plan.nranks), min(self._workers + 1, plan.nranks))
         jobs = {
-            k: partial(placed_ranks, graph, plan, self.machine, share.tolist())
+            k: partial(placed_ranks, graph, plan, self.machine, share.tolist(), programs)
             for k, share in enumerate(shares)
         }
         return list(self.share_out(jobs).values())

@@ -374,7 +374,7 @@ def test_a_plan_of_fewer_ranks_than_processes_is_placed_in_one_share_a_rank(
     in_fresh_process(_memory_placed_in_shares, tmp_path, nranks, workers)
 
 
-def _placed_ahead(folder: Path, simulated: bool) -> None:
+def _placed_ahead(folder: Path, simulated: bool, busy: bool = False) -> None:
     import multiprocessing
     import os
 
@@ -394,11 +394,15 @@ def _placed_ahead(folder: Path, simulated: bool) -> None:
     placed = step_model.placed_ranks
 
     def placing(graph, plan, machine, ranks=None, programs=None):
-        (folder / f"{os.getpid()}-{min(ranks) if ranks else 0}").touch()
+        built = "built" if programs is not None else "new"
+        (folder / f"{os.getpid()}-{min(ranks) if ranks else 0}-{built}").touch()
         return placed(graph, plan, machine, ranks, programs)
 
     step_model.placed_ranks = placing
     ahead = StepModel(FAST)
+    if busy:  # a process is at a job still wanted as the search ends, and idle by the peak
+        answers = iter([True])
+        ahead._busy = lambda: next(answers, False)
     with ahead.looking_ahead(workers=1):
         ahead.foresee(graph, [], 4, placing=[strategy])
         if simulated:  # the step simulated here while a process places the ranks
@@ -411,17 +415,20 @@ def _placed_ahead(folder: Path, simulated: bool) -> None:
     assert multiprocessing.active_children() == []
     assert got == expected
     placed_in = sorted(name.split("-") for name in os.listdir(folder))
-    if simulated:  # every rank by a process while this one simulated the step
+    if simulated and not busy:  # every rank by a process while this one simulated the step
         assert len(placed_in) == 1 and int(placed_in[0][0]) != os.getpid()
     else:  # in two shares when the peak was asked for, the last here
-        assert sorted(int(first) for _, first in placed_in) == [0, 2]
-        assert {int(pid) for pid, first in placed_in if first == "2"} == {os.getpid()}
-        assert len({pid for pid, _ in placed_in}) == 2
+        assert sorted(int(first) for _, first, _ in placed_in) == [0, 2]
+        assert {int(pid) for pid, first, _ in placed_in if first == "2"} == {os.getpid()}
+        assert len({pid for pid, _, _ in placed_in}) == 2
+        # from the programs the simulated step built here, where it was simulated
+        assert {built for _, _, built in placed_in} == {"built" if simulated else "new"}
 
 
-@pytest.mark.parametrize("simulated", [True, False])
-def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory(tmp_path, simulated):
+@pytest.mark.parametrize("simulated, busy", [(True, False), (False, False), (True, True)])
+def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory(tmp_path, simulated, busy):
     """Once auto's search is done, `partition` places its grids' every rank ahead: in a forked
-    process while it simulates their step, or where the step is summed, in shares on every
-    core as the peak is asked for: the same step, peak and memory, each rank placed once."""
-    in_fresh_process(_placed_ahead, tmp_path, simulated)
+    process while it simulates their step where a process is free, else in shares on every
+    core as the peak is asked for (from the programs built for the step, where they are): the
+    same step, peak and memory, each rank placed once."""
+    in_fresh_process(_placed_ahead, tmp_path, simulated, busy)
