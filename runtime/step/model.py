@@ -161,17 +161,12 @@ class StepModel:
             self._strategy_key(graph, s, nranks): partial(self._work_out, graph, s, nranks)
             for s in strategies
         }
-        for foresight in self._foresights:
-            foresight.forgo(
-                self._wanted
-                - set(jobs)
-                - {(PLACED, self._strategy_key(graph, s, nranks)) for s in placing}
-            )
+        keyed = {self._strategy_key(graph, s, nranks): s for s in placing}
+        to_place = {key: s for key, s in keyed.items() if key not in jobs}
+        for foresight in self._foresights:  # a placement begun before stays wanted
+            foresight.forgo(self._wanted - set(jobs) - {(PLACED, key) for key in to_place})
         if nranks <= PLACED_MAX_RANKS:
-            for s in placing:
-                key = self._strategy_key(graph, s, nranks)
-                if key in jobs:
-                    continue
+            for key, s in to_place.items():
                 if objective_simulates(graph, nranks) and not self._busy():
                     jobs[(PLACED, key)] = partial(self._place_every_rank, graph, s, nranks)
                 else:  # where no process may place it now: in shares once its peak is asked for
@@ -315,8 +310,7 @@ class StepModel:
         placed = self._placed_ahead(graph, plan)
         if placed is not None:
             self._keep(graph, plan)  # the plan a command likely reports: not planned again
-            peaks = {rank: peak for share in placed for rank, peak in share.peaks.items()}
-            return plan_peak(graph, plan, self.machine, peaks=peaks)
+            return plan_peak(graph, plan, self.machine, placed=placed)
         found = self._programs.get(self._plan_key(graph, plan))
         programs = found[1] if found is not None else None
         if programs is None and objective_simulates(graph, plan.nranks):

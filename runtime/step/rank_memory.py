@@ -143,18 +143,19 @@ def plan_peak(
     plan: Plan,
     machine: Machine,
     programs: Mapping[int, RankProgram] | None = None,
-    peaks: Mapping[int, int] | None = None,
+    placed: Sequence[PlacedRanks] | None = None,
 ) -> int:
     """The most bytes a rank of a plan holds with its baseline: its buffers placed on the ranks
     `sampled_ranks` picks (from `programs`, where the caller has every rank's, or read from
-    `peaks`, every rank's placed), or beyond `PLACED_MAX_RANKS` the held count (`HELD`). What
+    `placed`, every rank placed in shares), or beyond `PLACED_MAX_RANKS` the held count (`HELD`). What
     `auto` fits in memory (`partitioner.search.memory_fit`, through
     `runtime.step.model.StepModel.peak`)."""
     held = memory_per_rank(graph, plan)
     if plan.nranks > PLACED_MAX_RANKS:
         return max(held.values(), default=0) + machine.process_baseline_bytes
     sampled = sampled_ranks(held)
-    if peaks is not None:
+    if placed is not None:
+        peaks = every_peak(placed)
         return max(peaks[rank] for rank in sampled)
     memories = predict(graph, plan, machine, sampled, programs)
     return max(m.peak for m in memories.values())
@@ -169,6 +170,11 @@ class PlacedRanks:
     fullest: int
     fullest_at: str
     fullest_breakdown: dict[str, int]
+
+
+def every_peak(placed: Sequence[PlacedRanks]) -> dict[int, int]:
+    """Each rank's peak, from the shares that placed them."""
+    return {rank: peak for share in placed for rank, peak in share.peaks.items()}
 
 
 def placed_ranks(
@@ -215,7 +221,7 @@ def memory_prediction(
         }
     else:
         placed = placed or [placed_ranks(graph, plan, machine, programs=programs)]
-        peaks = {rank: peak for share in placed for rank, peak in share.peaks.items()}
+        peaks = every_peak(placed)
         top = min(placed, key=lambda share: (-share.peaks[share.fullest], share.fullest))
         out |= {
             "memory_per_rank_max": peaks[top.fullest],
