@@ -54,9 +54,10 @@ from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine, load_machine
 from partitioner.pipeline import pipelined
-from partitioner.resolve import check_strategy_name, read_grids, resolve_stages, resolve_strategy
+from partitioner.resolve import resolve_stages, resolve_strategy
 from partitioner.search.stages import AUTO_STAGES
 from partitioner.strategy import STRATEGY_NAMES
+from partitioner.strategy_file import check_strategy_name, read_grids
 from runtime import cluster, cluster_links
 from runtime.step.model import StepModel
 

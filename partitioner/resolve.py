@@ -1,7 +1,6 @@
 """A `--strategy` argument as the commands take it: `data`, `model`, `spatial`, `auto` or a file.
 
-A strategy file is JSON, `{"grids": {unit: [parts per dim], ...}}`, one grid per unit cutting it
-into exactly R pieces (`strategy.from_grids`). `auto` searches under the cost model of a machine
+A strategy file (`strategy_file`) names a grid per unit. `auto` searches under the cost model of a machine
 (`search.auto`) and also returns why it chose each grid. `legion-nn partition` and
 `legion-nn render --ranks` resolve the argument here, and `legion-nn train` chooses with it
 (`strategy_chooser`, which checks the argument before MPI starts), so all mean the same plan by it.
@@ -13,7 +12,6 @@ refused with one line rather than quietly planned as `data`.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -44,14 +42,13 @@ from partitioner.search.memory_fit import (
 from partitioner.search.stages import PipelineChoice, PipelineSearch, choose_pipeline
 from partitioner.strategy import (
     BUILTIN,
-    STRATEGY_NAMES,
     Strategy,
     builtin,
     check_param_homes,
     find_units,
-    from_grids,
     with_homes,
 )
+from partitioner.strategy_file import check_strategy_name, grids_strategy, read_grids
 
 #: told, before a search begins, the strategies whose plans it will ask a `StepFn` and a
 #: `PeakFn` about on so many ranks; told again once it is done, those it still may ask about,
@@ -456,54 +453,3 @@ def strategy_chooser(
         )[0]
 
     return choose
-
-
-def check_strategy_name(name: str) -> None:
-    """A built-in, `auto`, or a JSON file of grids; anything else is one line."""
-    if name not in STRATEGY_NAMES and not name.endswith(".json"):
-        raise LegionNNError(
-            f"--strategy: unknown strategy {name!r}; choose one of "
-            f"{', '.join(STRATEGY_NAMES)}, or a JSON file of grids"
-        )
-
-
-def read_grids(path: str) -> dict:
-    """The `{unit: [parts, ...]}` of a strategy file `{"grids": ...}`."""
-    return _strategy_file(path)["grids"]
-
-
-def read_stages(path: str) -> list[list[str]] | None:
-    """The stages a strategy file names, each its layers in order (`"stages": [[layer, ...],
-    ...]`, or each stage `{"layers": [...]}` as `partition --json` reports them); None where it
-    names none. Its grids then cut each layer over its stage's ranks."""
-    stages = _strategy_file(path).get("stages")
-    if stages is None:
-        return None
-    out = []
-    for stage in stages if isinstance(stages, list) else [None]:
-        layers = stage.get("layers") if isinstance(stage, dict) else stage
-        if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
-            raise LegionNNError(
-                f'{path}: "stages" is a list of stages, each a list of layers (or {{"layers": '
-                "[...]}})"
-            )
-        out.append(layers)
-    return out
-
-
-def _strategy_file(path: str) -> dict:
-    try:
-        with open(path) as handle:
-            spec = json.load(handle)
-    except json.JSONDecodeError as exc:
-        raise LegionNNError(f"{path}: not JSON ({exc.msg})") from None
-    if not isinstance(spec, dict) or not isinstance(spec.get("grids"), dict):
-        raise LegionNNError(f'{path}: a strategy file is {{"grids": {{unit: [parts, ...]}}}}')
-    return spec
-
-
-def grids_strategy(graph: TaskGraph, path: str, grids: dict, nranks: int) -> Strategy:
-    try:
-        return from_grids(graph, grids, nranks)
-    except LegionNNError as exc:
-        raise LegionNNError(f"{path}: {exc}") from None

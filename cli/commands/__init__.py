@@ -91,11 +91,11 @@ def load_step(args: argparse.Namespace, source: str, default_batch: int):
 
 def step_shape(args: argparse.Namespace, graph) -> tuple[int, int, tuple[str, ...] | None]:
     """The stages, micro-batches and cuts of the step: `--stages` and `--micro-batches`, or the
-    stages a `--strategy` file names (`partitioner.resolve.read_stages`), cut where it cuts them
+    stages a `--strategy` file names (`partitioner.strategy_file.read_stages`), cut where it cuts them
     (None: where the FLOPs balance); `graph` is the unsplit step."""
     from legion_nn.errors import LegionNNError
     from partitioner.pipeline import cuts_naming
-    from partitioner.resolve import read_stages
+    from partitioner.strategy_file import read_stages
 
     path = getattr(args, "strategy", None) or ""
     named = read_stages(path) if path.endswith(".json") else None
