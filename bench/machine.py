@@ -70,6 +70,7 @@ from bench.traced_steps import (
     QUICK_MICRO_STEPS,
     micro_batch_counts,
     micro_batch_pieces_in_step,
+    timed_training,
     traced_training,
 )
 from legion_nn.errors import LegionNNError
@@ -114,9 +115,12 @@ def _layout(hosts: list[str]) -> tuple[int, int]:
     return len(names), per_host
 
 
-def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
-    """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
-    job = traced_training(network, batch)
+def calibrate_in_process(
+    network: str, batch: int, threads: int, profiled: dict, timed: bool = True
+) -> dict:
+    """Fit the runtime's per-task costs to a traced one-rank training run in this process,
+    timed as a measured job is (`traced_steps.timed_training`) unless `timed` is False."""
+    job = timed_training(network, batch) if timed else traced_training(network, batch)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,
@@ -212,11 +216,11 @@ def measure_compute(
         plan = build_plan(micro, builtin(micro, "data", 1), 1)
         profile_plan(micro, plan, threads, sample_step(micro), cache)
     micro_only = set(cache) - whole  # which traced steps in micro-batches time
-    fitted = calibrate_in_process(network, batch, threads, profiled_one)
+    fitted = calibrate_in_process(network, batch, threads, profiled_one, timed=not quick)
     micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
     for count, schedule in runs:
         in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted, micro_steps,
-                                             schedule)  # fmt: skip
+                                             schedule, timed=not quick)  # fmt: skip
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
 

@@ -20,3 +20,43 @@ def test_a_timed_training_reads_its_steps_samples_and_a_batch_of_each_split():
     # a training longer than the set keeps it whole
     longer = samples_read(network, batch=64, steps=100)
     assert len(longer.train) == len(whole.train)
+
+
+def _fake_trainings(monkeypatch, step_seconds):
+    """`traced_training` replaced by one whose runs take `step_seconds` in turn; the steps each
+    run was given are recorded."""
+    from bench import traced_steps
+    from bench.jobs import Job
+
+    given = []
+    times = iter(step_seconds)
+
+    def traced(network, batch, micro_batches=1, steps=12, schedule="1f1b"):
+        given.append(steps)
+        return Job(network, batch, 1, "data", next(times), 0, {"run": len(given)})
+
+    monkeypatch.setattr(traced_steps, "traced_training", traced)
+    return given
+
+
+def test_a_calibration_is_timed_as_a_measured_job(monkeypatch):
+    """A step too short to time `MIN_TIMED_S` in the given steps has them raised, and that first
+    run is discarded; of the runs kept, the one of least median step is the calibration's."""
+    from bench.jobs import MIN_TIMED_S, WARMUP
+    from bench.traced_steps import timed_training
+
+    given = _fake_trainings(monkeypatch, [0.010, 0.009, 0.008])
+    job = timed_training("seed-lcn-small", 64, steps=12, runs=2)
+    raised = WARMUP + int(np.ceil(MIN_TIMED_S / 0.010))
+    assert given == [12, raised, raised]
+    assert (job.step_seconds, job.trace["run"]) == (0.008, 3)
+    assert (raised - WARMUP) * 0.010 >= MIN_TIMED_S
+
+
+def test_a_calibration_long_enough_keeps_its_first_run(monkeypatch):
+    from bench.traced_steps import timed_training
+
+    given = _fake_trainings(monkeypatch, [0.5, 0.6])
+    job = timed_training("deep-mlp", 128, steps=12, runs=2)
+    assert given == [12, 12]
+    assert (job.step_seconds, job.trace["run"]) == (0.5, 1)
