@@ -17,6 +17,7 @@ import math
 import statistics
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,19 +82,26 @@ def timed_training(
     steps: int = CALIBRATION_STEPS,
     schedule: str = "1f1b",
     runs: int = TIMED_RUNS,
+    between: Callable[[], object] | None = None,
 ) -> Job:
     """`traced_training` timed as `jobs.best_jobs` times a measured job: at least `MIN_TIMED_S`
     of steps after the warm-up (a first run of `steps` measures the step, and is discarded
-    where it timed less), the run of least median step of `runs`. The machine file's costs are
-    fitted to this run, and its predictions are checked against jobs timed so: a dozen steps of
-    seed-lcn-small at batch 64 (8 ms each) measured 6.3-11.2 ms a step in consecutive runs of
-    one process, 150 steps 8.9-9.8 ms."""
+    where it timed less), the run of least median step of `runs`, the first of them before
+    `between` is called and the others after it, so that one slow stretch of the machine cannot
+    take them all (`best_jobs` takes a job's runs round-robin for the same reason). The machine
+    file's costs are fitted to this run, and its predictions are checked against jobs timed so:
+    a dozen steps of seed-lcn-small at batch 64 (8 ms each) measured 6.3-11.2 ms a step in
+    consecutive runs of one process, 150 steps 8.9-9.8 ms."""
     kept: list[Job] = []
     probe = traced_training(network, batch, micro_batches, steps, schedule)
     if probe.step_seconds * (steps - WARMUP) >= MIN_TIMED_S:
         kept.append(probe)
     else:
         steps = WARMUP + math.ceil(MIN_TIMED_S / max(probe.step_seconds, 1e-6))
+    if between is not None:
+        if not kept:
+            kept.append(traced_training(network, batch, micro_batches, steps, schedule))
+        between()
     while len(kept) < runs:
         kept.append(traced_training(network, batch, micro_batches, steps, schedule))
     return min(kept, key=lambda job: job.step_seconds)

@@ -60,3 +60,15 @@ def test_a_calibration_long_enough_keeps_its_first_run(monkeypatch):
     job = timed_training("deep-mlp", 128, steps=12, runs=2)
     assert given == [12, 12]
     assert (job.step_seconds, job.trace["run"]) == (0.5, 1)
+
+
+def test_a_calibration_times_a_run_before_and_after_the_work_between(monkeypatch):
+    """The runs are apart in time: one before `between` (the profiling), the others after, so
+    that one slow stretch of the machine cannot take them all."""
+    from bench.traced_steps import timed_training
+
+    given = _fake_trainings(monkeypatch, [0.010, 0.012, 0.009, 0.011])
+    order = []
+    job = timed_training("seed-lcn-small", 64, runs=3, between=lambda: order.append(len(given)))
+    assert order == [2]  # the probe, discarded as too short, and one run before
+    assert len(given) == 4 and (job.step_seconds, job.trace["run"]) == (0.009, 3)
