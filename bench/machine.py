@@ -61,7 +61,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from bench.calibration import calibrate, memory_bandwidth
-from bench.jobs import OPTIMIZER, Job
+from bench.jobs import OPTIMIZER
 from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns_per_byte
 from bench.task_profile import profile_as_run, profile_plan, sample_step
 from bench.traced_steps import (
@@ -70,7 +70,6 @@ from bench.traced_steps import (
     QUICK_MICRO_STEPS,
     micro_batch_counts,
     micro_batch_pieces_in_step,
-    timed_training,
     traced_training,
 )
 from legion_nn.errors import LegionNNError
@@ -115,9 +114,9 @@ def _layout(hosts: list[str]) -> tuple[int, int]:
     return len(names), per_host
 
 
-def calibrate_in_process(job: Job, threads: int, profiled: dict) -> dict:
-    """The runtime's per-task costs fitted to `job`, a traced one-rank training run in this
-    process (`traced_steps.timed_training`), and `profiled`, its plan's pieces timed alone."""
+def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
+    """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
+    job = traced_training(network, batch)
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,
@@ -188,45 +187,36 @@ def measure_compute(
     updates' pieces and no more. Micro-batches add pieces of their rows alone, the same under
     every optimizer, so they are profiled under one."""
     cache: dict = {}
-    profiled: dict = {}
-
-    def profile() -> None:
-        for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
-            graph = load_network(network).lower(batch=batch, optimizer=optimizer)
-            sample = sample_step(graph)
-            one = profile_as_run(graph, build_plan(graph, builtin(graph, "data", 1), 1),
-                                 threads, sample, cache)  # fmt: skip
-            if optimizer == OPTIMIZER:
-                profiled["one rank"] = one
-            for count in sorted({ranks} - {1}):
-                for strategy in strategies:
-                    plan = build_plan(graph, builtin(graph, strategy, count), count)
-                    profile_as_run(graph, plan, threads, sample, cache)
-            del sample, graph
-        whole = set(cache)
-        for count, schedule in runs:
-            micro = micro_batched(graph_of_batch, count, schedule)
-            plan = build_plan(micro, builtin(micro, "data", 1), 1)
-            profile_plan(micro, plan, threads, sample_step(micro), cache)
-        profiled["micro only"] = set(cache) - whole  # which traced steps in micro-batches time
-
+    profiled_one: dict = {}
+    for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
+        graph = load_network(network).lower(batch=batch, optimizer=optimizer)
+        sample = sample_step(graph)
+        one = profile_as_run(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
+                             sample, cache)  # fmt: skip
+        if optimizer == OPTIMIZER:
+            profiled_one = one
+        for count in sorted({ranks} - {1}):
+            for strategy in strategies:
+                plan = build_plan(graph, builtin(graph, strategy, count), count)
+                profile_as_run(graph, plan, threads, sample, cache)
+        del sample, graph
     counts = micro_batch_counts(batch, ranks, quick)
     # micro-batches on a rank of their own (a pipeline's stage, or one process) run the pieces
     # of a one-rank step in micro-batches; the optimizers' updates are the whole batch's
-    graph_of_batch = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
-    schedules = MICRO_SCHEDULES if defers_weight_grads(graph_of_batch) else MICRO_SCHEDULES[:1]
+    graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+    whole = set(cache)
+    schedules = MICRO_SCHEDULES if defers_weight_grads(graph) else MICRO_SCHEDULES[:1]
     runs = [(count, schedule) for count in counts for schedule in schedules]
-    if quick:
-        profile()
-        job = traced_training(network, batch)
-    else:  # the calibration's runs before and after the profiling, apart in time
-        job = timed_training(network, batch, between=profile)
-    fitted = calibrate_in_process(job, threads, profiled["one rank"])
-    micro_only = profiled["micro only"]
+    for count, schedule in runs:
+        micro = micro_batched(graph, count, schedule)
+        plan = build_plan(micro, builtin(micro, "data", 1), 1)
+        profile_plan(micro, plan, threads, sample_step(micro), cache)
+    micro_only = set(cache) - whole  # which traced steps in micro-batches time
+    fitted = calibrate_in_process(network, batch, threads, profiled_one)
     micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
     for count, schedule in runs:
         in_step = micro_batch_pieces_in_step(network, batch, count, threads, fitted, micro_steps,
-                                             schedule, timed=not quick)  # fmt: skip
+                                             schedule)  # fmt: skip
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
 

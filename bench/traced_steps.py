@@ -2,8 +2,7 @@
 pieces only micro-batches run, timed as a running step runs them.
 
 `traced_training` runs `legion-nn train` of a network on one rank in this process with a trace,
-in micro-batches where asked, and `timed_training` times it as `bench scaling` times the jobs
-the machine file's predictions are checked against (`jobs.best_jobs`). `bench machine` fits the runtime's own costs to it
+in micro-batches where asked. `bench machine` fits the runtime's own costs to it
 (`bench.machine.calibrate_in_process`) and reads from traced steps in micro-batches the pieces
 only micro-batches run (`micro_batch_pieces_in_step`), at the counts a job may stream
 (`micro_batch_counts`) and under both `MICRO_SCHEDULES`.
@@ -13,18 +12,16 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import statistics
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from bench.calibration import task_medians
-from bench.jobs import MIN_TIMED_S, OPTIMIZER, WARMUP, Job, log_records, median_step
+from bench.jobs import OPTIMIZER, Job, log_records, median_step
 from legion_nn.micro_batches import micro_batched
 from legion_nn.network import Network
 from legion_nn.networks import load_network
@@ -42,8 +39,6 @@ from runtime.transport import ThreadTransport
 CALIBRATION_STEPS = 12
 #: the traced steps of each micro-batch count with `--quick` (two after the warm-up)
 QUICK_MICRO_STEPS = 4
-#: traced trainings `timed_training` keeps the fastest of
-TIMED_RUNS = 2
 
 
 def traced_training(
@@ -73,38 +68,6 @@ def traced_training(
         train_rank(config, transport, RunOptions(strategy="data", trace=str(trace_path)), log=log)
         trace = json.loads(trace_path.read_text())
     return Job(network, batch, 1, "data", median_step(log_records(log)), 0, trace)
-
-
-def timed_training(
-    network: str,
-    batch: int,
-    micro_batches: int = 1,
-    steps: int = CALIBRATION_STEPS,
-    schedule: str = "1f1b",
-    runs: int = TIMED_RUNS,
-    between: Callable[[], object] | None = None,
-) -> Job:
-    """`traced_training` timed as `jobs.best_jobs` times a measured job: at least `MIN_TIMED_S`
-    of steps after the warm-up (a first run of `steps` measures the step, and is discarded
-    where it timed less), the run of least median step of `runs`, the first of them before
-    `between` is called and the others after it, so that one slow stretch of the machine cannot
-    take them all (`best_jobs` takes a job's runs round-robin for the same reason). The machine
-    file's costs are fitted to this run, and its predictions are checked against jobs timed so:
-    a dozen steps of seed-lcn-small at batch 64 (8 ms each) measured 6.3-11.2 ms a step in
-    consecutive runs of one process, 150 steps 8.9-9.8 ms."""
-    kept: list[Job] = []
-    probe = traced_training(network, batch, micro_batches, steps, schedule)
-    if probe.step_seconds * (steps - WARMUP) >= MIN_TIMED_S:
-        kept.append(probe)
-    else:
-        steps = WARMUP + math.ceil(MIN_TIMED_S / max(probe.step_seconds, 1e-6))
-    if between is not None:
-        if not kept:
-            kept.append(traced_training(network, batch, micro_batches, steps, schedule))
-        between()
-    while len(kept) < runs:
-        kept.append(traced_training(network, batch, micro_batches, steps, schedule))
-    return min(kept, key=lambda job: job.step_seconds)
 
 
 def samples_read(network: Network, batch: int, steps: int) -> Dataset:
@@ -150,7 +113,6 @@ def micro_batch_pieces_in_step(
     fitted: dict,
     steps: int = CALIBRATION_STEPS,
     schedule: str = "1f1b",
-    timed: bool = True,
 ) -> dict[tuple[int, str], float]:
     """The pieces of a one-rank step in `count` micro-batches, as a traced training of it runs
     them (the median over its steps and over the micro-batches' copies of a task, less the
@@ -160,8 +122,7 @@ def micro_batch_pieces_in_step(
     out of the caches (a 32-row backward through a 2048-wide layer, 6.5 ms alone and 8.4 ms in
     a step, one core). The whole batch's pieces are left as timed: their gradients are
     written once a step, and `compute_factor` is fitted to them."""
-    trained = timed_training if timed else traced_training
-    job = trained(network, batch, count, steps, schedule)
+    job = traced_training(network, batch, count, steps, schedule)
     graph = micro_batched(
         load_network(network).lower(batch=batch, optimizer=OPTIMIZER), count, schedule
     )

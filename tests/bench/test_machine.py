@@ -467,7 +467,7 @@ def test_micro_batch_pieces_are_read_from_a_traced_step_in_micro_batches():
     from partitioner.piece_times import piece_key
 
     fitted = {"task_overhead_us": 0.0, "compute_factor": 2.0}
-    found = micro_batch_pieces_in_step("seed-lcn-small", 8, 4, 1, fitted, steps=4, timed=False)
+    found = micro_batch_pieces_in_step("seed-lcn-small", 8, 4, 1, fitted, steps=4)
     graph = micro_batched(load_network("seed-lcn-small").lower(batch=8), 4)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     expected = {
