@@ -121,11 +121,12 @@ def calibrate(
     per-task overhead. The overhead is read off the small tasks, by a least-squares fit over
     the tasks in relative terms (`_fit_task_times`); the factor is then the one that makes the
     step's kernels sum to what the traced step spent in them (`_step_factor`). The factor is
-    the difference between a kernel in isolation, run five times over the same buffers, and the
-    same kernel in a step, whose operands the tasks before it have pushed out of the caches;
-    the profile cannot see it, and an overhead alone cannot carry it: it grows with the task.
-    It also absorbs a profile that ran in a slower or faster stretch of the machine than the
-    job. It is not the same for every task: seed-lcn at batch 16 on one core traced its
+    the difference between a kernel profiled on evicted caches (`task_profile.evict_caches`)
+    and the same kernel in a step, where some of its operands are still cached from the tasks
+    before it (below 1: 0.82-0.84 for seed-lcn-small at batch 64 on one core); an overhead
+    alone cannot carry it: it grows with the task. It also absorbs a profile that ran in a
+    slower or faster stretch of the machine than the job. It is not the same for every task
+    (profiled on warm caches, before the eviction): seed-lcn at batch 16 on one core traced its
     tenth-of-a-second kernels at 0.98-1.24 times their profiles and its sub-millisecond ones at
     1.4-3.4. A factor fitted task by task, each alike, took the small tasks' 1.43 and
     over-predicted the step by 17%; the step's own factor (1.15 there) is the large tasks',

@@ -49,6 +49,29 @@ def _selected(setting: str | None) -> str | None:
     return setting
 
 
+#: the last-level cache assumed where the system does not say (a server CPU's L3 is 16-64 MiB)
+FALLBACK_LAST_LEVEL_CACHE_BYTES = 32 << 20
+
+
+#: where Linux lists the first CPU's caches, one `indexN` folder each
+CPU0_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = CPU0_CACHES) -> int:
+    """The largest of the caches listed in `caches` (sysfs: "32768K"), else
+    `FALLBACK_LAST_LEVEL_CACHE_BYTES`."""
+    sizes = []
+    for index in caches.glob("index*"):
+        text = _read(str(index / "size"))
+        if text and text[:-1].isdigit():
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper())
+            if unit:
+                sizes.append(int(text[:-1]) * unit)
+        elif text and text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=FALLBACK_LAST_LEVEL_CACHE_BYTES)
+
+
 def blas_in_use() -> dict[str, str]:
     """The BLAS libraries in the process, each with the core type its kernels were chosen for:
     "kernels", SciPy's, which Numba's BLAS calls would reach (no kernel makes one: the filter and
@@ -87,6 +110,7 @@ def machine_facts() -> dict:
         "clock_mhz": float(info["cpu MHz"]) if "cpu MHz" in info else None,
         "max_clock_mhz": int(max_khz) / 1000 if max_khz else None,
         "numba_threads": numba.config.NUMBA_NUM_THREADS,
+        "last_level_cache_mib": last_level_cache_bytes() / 2**20,
         "transparent_hugepages": _selected(_read("/sys/kernel/mm/transparent_hugepage/enabled")),
         "transparent_hugepages_defrag": _selected(
             _read("/sys/kernel/mm/transparent_hugepage/defrag")
@@ -103,7 +127,13 @@ def describe(facts: dict) -> str:
     clock = f", {facts['clock_mhz']:.0f} MHz" if facts.get("clock_mhz") else ""
     return (
         f"machine: {facts['cpu']} ({' '.join(facts['vector_flags']) or 'no AVX'}), "
-        f"{facts['cores']} cores{clock}, {facts['numba_threads']} Numba threads; "
+        f"{facts['cores']} cores{clock}, {facts['numba_threads']} Numba threads"
+        + (
+            f", {facts['last_level_cache_mib']:g} MiB last-level cache"
+            if "last_level_cache_mib" in facts
+            else ""
+        )
+        + "; "
         f"transparent huge pages {facts['transparent_hugepages']} "
         f"(defrag {facts['transparent_hugepages_defrag']})\n"
         f"software: BLAS {facts['blas']['ceiling']} (NumPy), {facts['blas']['kernels']} (SciPy); "

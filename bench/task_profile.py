@@ -11,6 +11,16 @@ each requirement's rect copied into its own buffer, placed and laid out as the r
 and lays out a rank's buffers (`runtime.aligned`, `runtime.instances`), and sums a rank's
 pieces per task.
 
+Each run of a piece starts with its operands out of the caches (`evict_caches`), as a step's
+other tasks leave them. Timed on warm caches (five runs over the same buffers), a piece read
+faster the smaller it was, and by more than a step gives back: seed-lcn-small at batch 64 on one
+core, a traced step's pieces over their profile summed to 1.07-1.52 for a one-rank step and to
+1.31-2.10 for each rank of a two-rank one on the same host (data, model and spatial plans), so
+one factor fitted to the one-rank trace (`Machine.compute_factor`) left the two-rank data and
+spatial steps 38-58% short in their kernels; and profiles of the same plan minutes apart
+differed by 30%. With the caches evicted before each run the ratios were 0.82-0.84 and
+0.87-0.94 in the same runs, and the profiles agreed within 3%.
+
 What it leaves out is what the cost model adds: messages, reductions and collectives, and the
 runtime's per-task bookkeeping (`Machine.task_overhead_us`). `partitioner.cost.plan_cost` takes
 the result as its `measured` compute.
@@ -18,6 +28,7 @@ the result as its `measured` compute.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import defaultdict
@@ -26,7 +37,9 @@ from dataclasses import replace
 
 import numba
 import numpy as np
+from numba import njit, prange
 
+from bench.machine_facts import last_level_cache_bytes
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.piece_times import piece_key
@@ -43,6 +56,26 @@ from runtime.step.shared_programs import source
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5
+#: what `evict_caches` writes, in last-level caches: enough that little of what was there stays
+EVICTED_CACHES = 2
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _write_all(buffer: np.ndarray) -> None:
+    for i in prange(buffer.shape[0]):
+        buffer[i] += 1.0
+
+
+@functools.cache
+def _eviction_buffer() -> np.ndarray:
+    return np.zeros(EVICTED_CACHES * last_level_cache_bytes() // 8)
+
+
+def evict_caches() -> None:
+    """Write `EVICTED_CACHES` times the last-level cache, on the Numba threads the kernels run
+    on (each core's own caches, and the shared one): what a piece reads next comes from memory."""
+    _write_all(_eviction_buffer())
+
 
 PieceKey = tuple
 
@@ -151,8 +184,8 @@ def _time_piece(
     program: RankProgram | None = None,
     rt: RankTask | None = None,
 ) -> float:
-    """The median seconds of `piece`'s kernel: adding into its reductions, or as `rt` of
-    `program` runs it (`runtime.step.piece_modes`)."""
+    """The median seconds of `piece`'s kernel, each run on evicted caches: adding into its
+    reductions, or as `rt` of `program` runs it (`runtime.step.piece_modes`)."""
 
     def copied(tensor, rect):
         # a copy even where the view is whole: a piece that writes must not change the sample
@@ -172,6 +205,7 @@ def _time_piece(
         ctx = replace(ctx, fresh=fresh_roles(rt, piece), steps=steps)
     seconds = []
     for _ in range(REPEAT + 1):
+        evict_caches()
         start = time.perf_counter()
         run_on_views(task, piece.rect, piece.requirements, views, graph.tensors, ctx)
         seconds.append(time.perf_counter() - start)

@@ -163,3 +163,14 @@ def test_a_pass_moves_its_operands_and_result():
     moved = bench_kernels.pass_bytes(x, w, dy)
     assert set(moved) == set(bench_kernels.PASSES)
     assert all(b == x.nbytes + w.nbytes + dy.nbytes for b in moved.values())
+
+
+def test_the_last_level_cache_is_the_largest_listed_and_a_default_where_none_is(tmp_path):
+    for index, size in enumerate(("48K", "1024K", "32768K", "garbage")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert machine_facts.last_level_cache_bytes(tmp_path) == 32 << 20
+    assert (
+        machine_facts.last_level_cache_bytes(tmp_path / "missing")
+        == machine_facts.FALLBACK_LAST_LEVEL_CACHE_BYTES
+    )

@@ -7,7 +7,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from bench import task_profile
+from bench import machine_facts, task_profile
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
@@ -66,3 +66,29 @@ def test_placed_arrays_start_on_distinct_cache_lines():
     assert copy.flags.c_contiguous and copy.ctypes.data % LINE == 0
     np.testing.assert_array_equal(copy, source)
     assert aligned_empty((0, 3), np.float64).shape == (0, 3)
+
+
+def test_each_timed_run_of_a_piece_starts_on_evicted_caches(small, monkeypatch):
+    graph, sample = small
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    events = []
+    monkeypatch.setattr(task_profile, "evict_caches", lambda: events.append("evict"))
+    real_run = task_profile.run_on_views
+
+    def run(*args, **kwargs):
+        events.append("run")
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(task_profile, "run_on_views", run)
+    cache: dict = {}
+    task_profile.profile_plan(graph, plan, 1, sample, cache)
+    assert len(cache) > 0
+    assert events == ["evict", "run"] * (task_profile.REPEAT + 1) * len(cache)
+
+
+def test_the_eviction_writes_every_byte_of_twice_the_last_level_cache():
+    buffer = task_profile._eviction_buffer()
+    assert buffer.nbytes >= task_profile.EVICTED_CACHES * machine_facts.last_level_cache_bytes()
+    before = buffer.copy()
+    task_profile.evict_caches()
+    np.testing.assert_array_equal(buffer, before + 1.0)
