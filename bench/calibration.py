@@ -123,7 +123,7 @@ def calibrate(
     step's kernels sum to what the traced step spent in them (`_step_factor`). The factor is
     the difference between a kernel profiled on evicted caches (`task_profile.evict_caches`)
     and the same kernel in a step, where some of its operands are still cached from the tasks
-    before it (below 1: 0.82-0.84 for seed-lcn-small at batch 64 on one core); an overhead
+    before it (below 1: 0.82-0.96 for seed-lcn-small at batch 64 on one core); an overhead
     alone cannot carry it: it grows with the task. It also absorbs a profile that ran in a
     slower or faster stretch of the machine than the job. It is not the same for every task
     (profiled on warm caches, before the eviction): seed-lcn at batch 16 on one core traced its
@@ -166,11 +166,11 @@ def calibrate(
     return Calibration(threads, rates, compute, memory_gbytes_per_s, overhead * 1e6, factor, loop)
 
 
-def task_medians(trace: dict) -> dict[str, float]:
-    """Per task of a one-rank job's trace, its median seconds over the steps after the warm-up
+def task_medians(trace: dict, rank: int = 0) -> dict[str, float]:
+    """Per task of `rank` in a job's trace, its median seconds over the steps after the warm-up
     (a long job's steps include each epoch's short last batch, which a mean would average in)."""
     by_step: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for event in _step_events(trace):
+    for event in _step_events(trace, rank):
         by_step[event["name"]][event["args"]["step"]] += event["dur"] * 1e-6
     return {name: statistics.median(per.values()) for name, per in by_step.items()}
 

@@ -13,13 +13,14 @@ pieces per task.
 
 Each run of a piece starts with its operands out of the caches (`evict_caches`), as a step's
 other tasks leave them. Timed on warm caches (five runs over the same buffers), a piece read
-faster the smaller it was, and by more than a step gives back: seed-lcn-small at batch 64 on one
-core, a traced step's pieces over their profile summed to 1.07-1.52 for a one-rank step and to
-1.31-2.10 for each rank of a two-rank one on the same host (data, model and spatial plans), so
-one factor fitted to the one-rank trace (`Machine.compute_factor`) left the two-rank data and
-spatial steps 38-58% short in their kernels; and profiles of the same plan minutes apart
-differed by 30%. With the caches evicted before each run the ratios were 0.82-0.84 and
-0.87-0.94 in the same runs, and the profiles agreed within 3%.
+faster the smaller it was, and by more than a step gives back (`bench/step_factor.py`, on
+seed-lcn-small at batch 64, one core a rank, in five runs): a one-rank step's traced tasks over
+their profile summed to 1.07-1.52, each rank's of a two-rank plan on the same host to 1.31-2.10
+(data, model and spatial plans), so one factor fitted to the one-rank step
+(`Machine.compute_factor`) priced a two-rank step's kernels up to 58% short (29% off on
+average); and profiles of the same plan minutes apart differed by 30%. With the caches evicted,
+in the same runs, 0.82-0.96 and 0.69-0.94: priced from 27% long to 12% short (13% off on
+average), the profiles within 3% of each other.
 
 What it leaves out is what the cost model adds: messages, reductions and collectives, and the
 runtime's per-task bookkeeping (`Machine.task_overhead_us`). `partitioner.cost.plan_cost` takes
@@ -67,14 +68,15 @@ def _write_all(buffer: np.ndarray) -> None:
 
 
 @functools.cache
-def _eviction_buffer() -> np.ndarray:
-    return np.zeros(EVICTED_CACHES * last_level_cache_bytes() // 8)
+def _eviction_buffer(caches: int = EVICTED_CACHES) -> np.ndarray:
+    return np.zeros(caches * last_level_cache_bytes() // 8)
 
 
 def evict_caches() -> None:
     """Write `EVICTED_CACHES` times the last-level cache, on the Numba threads the kernels run
-    on (each core's own caches, and the shared one): what a piece reads next comes from memory."""
-    _write_all(_eviction_buffer())
+    on (each core's own caches, and the shared one): what a piece reads next comes from memory.
+    With `EVICTED_CACHES` 0 nothing is written (`bench/step_factor.py --warm`)."""
+    _write_all(_eviction_buffer(EVICTED_CACHES))
 
 
 PieceKey = tuple
@@ -159,8 +161,17 @@ def profile_as_run(
 
 def _profile_as_run(graph, programs, threads, executor, ctx, cache) -> dict[str, float]:
     per_task: dict[str, dict[int, float]] = {task.name: {} for task in graph.tasks}
+    for rank, seconds in _rank_task_seconds(graph, programs, threads, executor, ctx, cache):
+        for name, total in seconds.items():
+            per_task[name][rank] = total
+    return {name: max(per.values(), default=0.0) for name, per in per_task.items()}
+
+
+def _rank_task_seconds(graph, programs, threads, executor, ctx, cache):
+    """(rank, {task: seconds of its pieces as the rank's program runs them}) per rank."""
     for rank in programs:
         program = source(programs, rank)
+        seconds = {}
         for rt in program.tasks:
             if not rt.runs:
                 continue
@@ -171,8 +182,29 @@ def _profile_as_run(graph, programs, threads, executor, ctx, cache) -> dict[str,
                 if key not in cache:
                     cache[key] = _time_piece(graph, rt.task, piece, executor, ctx, program, rt)
                 total += cache[key]
-            per_task[rt.task.name][rank] = total
-    return {name: max(per.values(), default=0.0) for name, per in per_task.items()}
+            seconds[rt.task.name] = total
+        yield rank, seconds
+
+
+def profile_ranks(
+    graph: TaskGraph,
+    plan: Plan,
+    threads: int,
+    sample: tuple[RankExecutor, StepContext] | None = None,
+    cache: MutableMapping[PieceKey, float] | None = None,
+) -> dict[int, dict[str, float]]:
+    """Per rank of `plan`, per task it runs, the seconds of its pieces as its program runs them
+    (`profile_as_run` keeps the busiest rank's)."""
+    executor, ctx = sample if sample is not None else sample_step(graph)
+    cache = {} if cache is None else cache
+    programs = build_programs(graph, plan, Machine(), range(plan.nranks))
+    previous = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        with kernel_threading():
+            return dict(_rank_task_seconds(graph, programs, threads, executor, ctx, cache))
+    finally:
+        numba.set_num_threads(previous)
 
 
 def _time_piece(

@@ -188,3 +188,19 @@ def test_the_computing_share_is_the_median_steps_mean_over_ranks_of_kernel_time(
     assert median_compute_fraction(records) == pytest.approx(0.5)  # of 0.25, 0.5 and 0.9
     del records[-1]["compute_seconds"]
     assert median_compute_fraction(records) is None
+
+
+def test_task_medians_read_one_ranks_steps_after_the_warm_up():
+    from bench.calibration import task_medians
+    from bench.jobs import WARMUP
+
+    def event(rank, name, step, us, cat="compute"):
+        return {"ph": "X", "pid": rank, "cat": cat, "name": name, "dur": us,
+                "args": {"step": step}}  # fmt: skip
+
+    events = [event(0, "a", s, 100 * (s + 1)) for s in range(WARMUP + 3)]
+    events += [event(1, "a", s, 7) for s in range(WARMUP + 3)]
+    events += [event(1, "b", WARMUP, 5), event(1, "b", WARMUP, 6), event(1, "c", WARMUP, 9, "wait")]
+    trace = {"traceEvents": events}
+    assert task_medians(trace) == {"a": pytest.approx(100 * (WARMUP + 2) * 1e-6)}
+    assert task_medians(trace, 1) == {"a": pytest.approx(7e-6), "b": pytest.approx(11e-6)}

@@ -87,8 +87,22 @@ def test_each_timed_run_of_a_piece_starts_on_evicted_caches(small, monkeypatch):
 
 
 def test_the_eviction_writes_every_byte_of_twice_the_last_level_cache():
-    buffer = task_profile._eviction_buffer()
+    buffer = task_profile._eviction_buffer(task_profile.EVICTED_CACHES)
     assert buffer.nbytes >= task_profile.EVICTED_CACHES * machine_facts.last_level_cache_bytes()
     before = buffer.copy()
     task_profile.evict_caches()
     np.testing.assert_array_equal(buffer, before + 1.0)
+
+
+def test_each_ranks_profile_sums_its_own_pieces_and_the_busiest_is_the_plans(small, monkeypatch):
+    graph, sample = small
+    plan = build_plan(graph, builtin(graph, "spatial", 3), 3)
+    monkeypatch.setattr(
+        task_profile, "_time_piece", lambda graph, task, piece, *rest: float(piece.rect.volume)
+    )
+    per_rank = task_profile.profile_ranks(graph, plan, 1, sample)
+    assert sorted(per_rank) == [0, 1, 2]
+    assert len({tuple(sorted(seconds.items())) for seconds in per_rank.values()}) > 1
+    busiest = task_profile.profile_as_run(graph, plan, 1, sample)
+    for name, seconds in busiest.items():
+        assert seconds == max((r.get(name, 0.0) for r in per_rank.values()), default=0.0)

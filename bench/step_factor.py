@@ -1,0 +1,84 @@
+"""Benchmark: how much longer a plan's kernels take in a traced training step than profiled,
+on one rank and on each rank of an R-rank plan on this host.
+
+    python bench/step_factor.py [--network seed-lcn-small] [--batch 64] [--ranks 2]
+                                [--strategies data,model,spatial] [--steps 400] [--warm]
+
+The cost model prices a rank's kernels as its profiled pieces times one factor fitted to a
+one-rank step (`Machine.compute_factor`, `bench.calibration`). That holds on more ranks only if
+the step's time over the profile does not depend on the pieces' sizes. Per strategy, a one-rank
+training and an R-rank one (`mpiexec -n R`, one Numba thread a rank), each traced; then each
+rank's pieces profiled as its program runs them (`task_profile.profile_ranks`, on evicted
+caches, or with `--warm` on caches the piece's earlier runs left). Printed per rank: the sum of
+its tasks' median times in the traced steps (the per-task overhead included), the sum of its
+profiled pieces, and their ratio beside the one-rank step's. Where the ratios agree, a factor
+fitted on one rank prices R. The machine's facts print beside them: the ratios move with the
+caches and with the machine's other tenants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import task_profile
+from bench.calibration import task_medians
+from bench.jobs import OPTIMIZER, run_job
+from bench.machine_facts import describe, machine_facts
+from legion_nn.networks import load_network
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+
+
+def step_over_profile(trace: dict, rank: int, profiled: dict[str, float]) -> tuple[float, float]:
+    """(seconds of `rank`'s tasks in the traced step, seconds of their profiled pieces)."""
+    spent = task_medians(trace, rank)
+    return sum(spent.values()), sum(profiled.get(name, 0.0) for name in spent)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--network", default="seed-lcn-small")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--strategies", default="data,model,spatial")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warm", action="store_true", help="profile without evicting caches")
+    args = parser.parse_args()
+    if args.warm:
+        task_profile.EVICTED_CACHES = 0
+    print(describe(machine_facts()))
+    graph = load_network(args.network).lower(batch=args.batch, optimizer=OPTIMIZER)
+    sample = task_profile.sample_step(graph)
+    cache: dict = {}
+    one_plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    print(f"{args.network} batch {args.batch}, {'warm' if args.warm else 'evicted'} caches")
+    print(f"{'plan':>10} {'rank':>4} {'step ms':>8} {'profile ms':>10} {'ratio':>6}")
+    for strategy in args.strategies.split(","):
+        with tempfile.TemporaryDirectory(prefix="legion-nn-step-factor-") as tmp:
+            jobs = []
+            for ranks in (1, args.ranks):
+                work = Path(tmp) / f"r{ranks}"
+                work.mkdir()
+                name = "data" if ranks == 1 else strategy
+                jobs.append(run_job(args.network, args.batch, ranks, name, args.steps, work,
+                                    threads=1, traced=True))  # fmt: skip
+        plan = build_plan(graph, builtin(graph, strategy, args.ranks), args.ranks)
+        one = task_profile.profile_ranks(graph, one_plan, 1, sample, cache)
+        many = task_profile.profile_ranks(graph, plan, 1, sample, cache)
+        rows = [("1 rank", 0, jobs[0].trace, one[0])]
+        rows += [(strategy, rank, jobs[1].trace, many[rank]) for rank in sorted(many)]
+        for label, rank, trace, profiled in rows:
+            step, profile = step_over_profile(trace, rank, profiled)
+            print(f"{label:>10} {rank:>4} {step * 1e3:8.2f} {profile * 1e3:10.2f} "
+                  f"{step / max(profile, 1e-12):6.3f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
