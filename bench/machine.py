@@ -15,13 +15,18 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - the layout: hosts, ranks per host (ranks are placed in blocks), the cores a rank has and its
   share of its host's memory (`rank_memory_gib`);
 - compute on the named network's shapes: every distinct piece of its data, model and spatial
-  plans, on 1 rank and on R, and of micro-batches on a rank of their own (one process's 2, 4 and
-  8, and a pipeline of R stages streaming R, 2·R and 4·R: a one-rank step at the micro-batch's
-  rows, `bench.traced_steps.micro_batch_counts`), under every optimizer (their update tasks differ),
+  plans, on 1 rank and on R (with parameters replicated and sharded: a sharded plan updates
+  its shards in tasks of their own, which the FLOP model priced at the one-rank step's rate for
+  updates fused into their gradients' kernels, 0.035 GFLOP/s: seed-lcn-small's sharded data
+  plan on 2 ranks 10.6 ms of compute a rank against 6.2 ms replicated), and of micro-batches
+  on a rank of their own (one process's 2, 4 and 8, and a pipeline of R stages streaming R,
+  2·R and 4·R: a one-rank step at the micro-batch's rows,
+  `bench.traced_steps.micro_batch_counts`), under every optimizer (their update tasks differ),
   timed with the runtime's kernels on the rank's thread count (`bench.task_profile`,
   FlexFlow's per-configuration measurement) into the `pieces` table; the pieces only
   micro-batches run are then read from traced one-rank steps in micro-batches
-  (`bench.traced_steps.micro_batch_pieces_in_step`), where each adds into a weight-sized gradient out of the caches;
+  (`bench.traced_steps.micro_batch_pieces_in_step`), where each adds into a weight-sized
+  gradient out of the caches;
   micro-batches are timed under both `MICRO_SCHEDULES` where the network has weight gradients
   to defer;
 - the runtime's costs outside its kernels, from a traced one-rank training of the network in
@@ -77,7 +82,7 @@ from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import defers_weight_grads, micro_batched
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
-from partitioner.strategy import BUILTIN, builtin
+from partitioner.strategy import BUILTIN, PARAM_HOMES, builtin, with_homes
 from runtime.launch import host_cores, world_size_from_env
 
 #: up to 64 MiB: a gradient's hop is often tens of MB, and a software link's rate falls with
@@ -197,8 +202,10 @@ def measure_compute(
             profiled_one = one
         for count in sorted({ranks} - {1}):
             for strategy in strategies:
-                plan = build_plan(graph, builtin(graph, strategy, count), count)
-                profile_as_run(graph, plan, threads, sample, cache)
+                for homes in PARAM_HOMES:  # sharded: each rank's updates of its shards
+                    chosen = with_homes(graph, builtin(graph, strategy, count), homes)
+                    profile_as_run(graph, build_plan(graph, chosen, count), threads, sample,
+                                   cache)  # fmt: skip
         del sample, graph
     counts = micro_batch_counts(batch, ranks, quick)
     # micro-batches on a rank of their own (a pipeline's stage, or one process) run the pieces

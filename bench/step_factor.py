@@ -28,11 +28,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench import task_profile
 from bench.calibration import task_medians
+from bench.cluster_scaling import split_homes
 from bench.jobs import OPTIMIZER, run_job
 from bench.machine_facts import describe, machine_facts
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
-from partitioner.strategy import builtin
+from partitioner.strategy import builtin, with_homes
 
 
 def step_over_profile(trace: dict, rank: int, profiled: dict[str, float]) -> tuple[float, float]:
@@ -46,7 +47,9 @@ def main() -> int:
     parser.add_argument("--network", default="seed-lcn-small")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--strategies", default="data,model,spatial")
+    parser.add_argument(
+        "--strategies", default="data,model,spatial", help="built-ins, each perhaps +sharded"
+    )
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warm", action="store_true", help="profile without evicting caches")
     args = parser.parse_args()
@@ -60,15 +63,20 @@ def main() -> int:
     print(f"{args.network} batch {args.batch}, {'warm' if args.warm else 'evicted'} caches")
     print(f"{'plan':>10} {'rank':>4} {'step ms':>8} {'profile ms':>10} {'ratio':>6}")
     for strategy in args.strategies.split(","):
+        name, homes = split_homes(strategy)
         with tempfile.TemporaryDirectory(prefix="legion-nn-step-factor-") as tmp:
             jobs = []
             for ranks in (1, args.ranks):
                 work = Path(tmp) / f"r{ranks}"
                 work.mkdir()
-                name = "data" if ranks == 1 else strategy
-                jobs.append(run_job(args.network, args.batch, ranks, name, args.steps, work,
-                                    threads=1, traced=True))  # fmt: skip
-        plan = build_plan(graph, builtin(graph, strategy, args.ranks), args.ranks)
+                many = ranks > 1
+                extra = ["--param-homes", homes] if homes and many else []
+                jobs.append(run_job(args.network, args.batch, ranks, name if many else "data",
+                                    args.steps, work, threads=1, traced=True, extra=extra))  # fmt: skip
+        chosen = builtin(graph, name, args.ranks)
+        if homes:
+            chosen = with_homes(graph, chosen, homes)
+        plan = build_plan(graph, chosen, args.ranks)
         one = task_profile.profile_ranks(graph, one_plan, 1, sample, cache)
         many = task_profile.profile_ranks(graph, plan, 1, sample, cache)
         rows = [("1 rank", 0, jobs[0].trace, one[0])]

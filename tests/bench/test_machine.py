@@ -22,7 +22,7 @@ from legion_nn.networks import load_network
 from partitioner.machine import Machine, load_machine
 from partitioner.piece_times import piece_key, task_piece_times
 from partitioner.plan import build_plan
-from partitioner.strategy import builtin
+from partitioner.strategy import BUILTIN, PARAM_HOMES, builtin, with_homes
 from runtime.step.piece_modes import piece_mode
 from runtime.step.programs import build_programs
 from tests.paths import ROOT
@@ -66,11 +66,15 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
     # optimizer (a job trains with any of them, and only their updates differ)
     for optimizer in OPTIMIZERS:
         graph = load_network("seed-lcn-small").lower(batch=BATCH, optimizer=optimizer)
-        for strategy, ranks in (("data", 1), ("data", 2), ("model", 2), ("spatial", 2)):
-            plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
+        cases = [("data", 1, "replicated")] + [
+            (strategy, 2, homes) for strategy in BUILTIN for homes in PARAM_HOMES
+        ]
+        for strategy, ranks, homes in cases:
+            chosen = with_homes(graph, builtin(graph, strategy, ranks), homes)
+            plan = build_plan(graph, chosen, ranks)
             times = task_piece_times(graph, plan, machine.pieces)
             missing = [t.name for t, s in zip(graph.tasks, times) if s is None]
-            assert not missing, (optimizer, strategy, ranks, missing)
+            assert not missing, (optimizer, strategy, ranks, homes, missing)
             # and as every rank's program runs them: written, or stepping fused updates
             programs = build_programs(graph, plan, Machine(), range(ranks))
             for rank in programs:
