@@ -33,7 +33,8 @@ import functools
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numba
@@ -105,6 +106,18 @@ def sample_step(graph: TaskGraph, seed: int = 0) -> tuple[RankExecutor, StepCont
     return executor, StepContext(1, training=True, inputs=inputs, labels=labels)
 
 
+@contextmanager
+def _on_threads(threads: int) -> Iterator[None]:
+    """The kernels on `threads` Numba threads meanwhile, as a rank of that many runs them."""
+    previous = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        with kernel_threading():
+            yield
+    finally:
+        numba.set_num_threads(previous)
+
+
 def profile_plan(
     graph: TaskGraph,
     plan: Plan,
@@ -125,24 +138,19 @@ def profile_plan(
     as run: those pieces' times, nothing for an elided zeroing or a fused update."""
     executor, ctx = sample if sample is not None else sample_step(graph)
     cache = {} if cache is None else cache
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
     out: dict[str, float] = {}
-    try:
-        with kernel_threading():
-            for task, task_plan in zip(graph.tasks, plan.tasks):
-                per_rank: dict[int, float] = defaultdict(float)
-                for piece in task_plan.pieces:
-                    key = (threads, piece_key(task, piece.rect.shape, piece.requirements))
-                    if key not in cache:
-                        cache[key] = _time_piece(graph, task, piece, executor, ctx)
-                    for rank in piece.ranks:
-                        per_rank[rank] += cache[key]
-                out[task.name] = max(per_rank.values(), default=0.0)
-            if programs is not None:
-                out = _profile_as_run(graph, programs, threads, executor, ctx, cache)
-    finally:
-        numba.set_num_threads(previous)
+    with _on_threads(threads):
+        for task, task_plan in zip(graph.tasks, plan.tasks):
+            per_rank: dict[int, float] = defaultdict(float)
+            for piece in task_plan.pieces:
+                key = (threads, piece_key(task, piece.rect.shape, piece.requirements))
+                if key not in cache:
+                    cache[key] = _time_piece(graph, task, piece, executor, ctx)
+                for rank in piece.ranks:
+                    per_rank[rank] += cache[key]
+            out[task.name] = max(per_rank.values(), default=0.0)
+        if programs is not None:
+            out = _profile_as_run(graph, programs, threads, executor, ctx, cache)
     return out
 
 
@@ -198,13 +206,8 @@ def profile_ranks(
     executor, ctx = sample if sample is not None else sample_step(graph)
     cache = {} if cache is None else cache
     programs = build_programs(graph, plan, Machine(), range(plan.nranks))
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
-    try:
-        with kernel_threading():
-            return dict(_rank_task_seconds(graph, programs, threads, executor, ctx, cache))
-    finally:
-        numba.set_num_threads(previous)
+    with _on_threads(threads):
+        return dict(_rank_task_seconds(graph, programs, threads, executor, ctx, cache))
 
 
 def _time_piece(
