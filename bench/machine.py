@@ -346,6 +346,9 @@ def measure(
             "legion_nn": _version(),
         },
     }
+    for key in ("task_overhead_us", "loop_us"):  # a cost the fit found none of is left out,
+        if not out[key]:  # as `Machine.to_json` leaves it (0 is the default)
+            del out[key]
     if "intra_host" in links and "inter_host" in links:
         latency, per_byte = links["intra_host"]
         out["intra_host"] = {"latency_us": latency * 1e6, "gbytes_per_s": _gbytes(per_byte)}
@@ -399,8 +402,8 @@ def format_summary(machine: dict) -> str:
         by_op[f"{row['op']}.{row['phase']}"] += row["seconds"]
     lines.append(
         f"{len(machine['pieces'])} pieces timed; per-task overhead "
-        f"{machine['task_overhead_us']:.1f} us, kernels in a step x{machine['compute_factor']:.2f}, "
-        f"{machine['loop_us']:.0f} us a step outside tasks, memory "
+        f"{machine.get('task_overhead_us', 0.0):.1f} us, kernels in a step x{machine['compute_factor']:.2f}, "
+        f"{machine.get('loop_us', 0.0):.0f} us a step outside tasks, memory "
         f"{machine['memory_gbytes_per_s']:.1f} GB/s"
         + (
             f", {machine['message_overhead_us']:.0f} us a message"

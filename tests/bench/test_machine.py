@@ -53,7 +53,9 @@ def test_bench_machine_under_mpiexec_writes_a_file_partition_prices_from(tmp_pat
     assert data["measured_on"]["links_measured"] == ["intra_host"]
     assert {p["pair"] for p in data["pingpong"]} == {"intra_host"}
     assert data["rank_memory_gib"] > 0 and data["rank_cores"] >= 1
-    assert data["compute_factor"] > 0 and data["task_overhead_us"] >= 0 and data["loop_us"] > 0
+    # the calibration's costs, left out where the fit found none (as `Machine.to_json` does)
+    assert data["compute_factor"] > 0 and data.get("task_overhead_us", 1.0) > 0
+    assert data.get("loop_us", 1.0) > 0
     # a message costs the runtime something beyond the link: posting, polling, completing; far
     # less than a millisecond on one host
     assert 0 < data["message_overhead_us"] < 1000
