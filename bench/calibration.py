@@ -123,7 +123,7 @@ def calibrate(
     step's kernels sum to what the traced step spent in them (`_step_factor`). The factor is
     the difference between a kernel profiled on evicted caches (`task_profile.evict_caches`)
     and the same kernel in a step, where some of its operands are still cached from the tasks
-    before it (below 1: 0.82-0.96 for seed-lcn-small at batch 64 on one core); an overhead
+    before it (below 1: 0.76-0.96 for seed-lcn-small at batch 64 on one core); an overhead
     alone cannot carry it: it grows with the task. It also absorbs a profile that ran in a
     slower or faster stretch of the machine than the job. It is not the same for every task
     (profiled on warm caches, before the eviction): seed-lcn at batch 16 on one core traced its

@@ -19,8 +19,8 @@ their profile summed to 1.07-1.52, each rank's of a two-rank plan on the same ho
 (data, model and spatial plans), so one factor fitted to the one-rank step
 (`Machine.compute_factor`) priced a two-rank step's kernels up to 58% short (29% off on
 average); and profiles of the same plan minutes apart differed by 30%. With the caches evicted,
-in the same runs, 0.82-0.96 and 0.69-0.94: priced from 27% long to 12% short (13% off on
-average), the profiles within 3% of each other.
+in the same runs, 0.76-0.96 and 0.69-0.94: priced from 27% long to 12% short (13% off on
+average), the one-rank profile 8.35-8.90 ms in six runs and 10.5 ms in a seventh.
 
 What it leaves out is what the cost model adds: messages, reductions and collectives, and the
 runtime's per-task bookkeeping (`Machine.task_overhead_us`). `partitioner.cost.plan_cost` takes
@@ -69,7 +69,7 @@ def _write_all(buffer: np.ndarray) -> None:
 
 
 @functools.cache
-def _eviction_buffer(caches: int = EVICTED_CACHES) -> np.ndarray:
+def _eviction_buffer(caches: int) -> np.ndarray:
     return np.zeros(caches * last_level_cache_bytes() // 8)
 
 
