@@ -137,7 +137,8 @@ def calibrate(
     runtime's passes over a weight reach less than a streaming add does, and messages and
     collectives of weight-sized gradients must be priced at the rate the runtime gets. Each
     FLOP-priced op's rate, for the FLOP model, is its FLOPs over its time less the overhead,
-    summed over its tasks; `compute_gflops`, the rate of an op no key prices, their median
+    summed over its tasks whose kernels were profiled (a fused update's ran in its gradient's:
+    its own few microseconds read as 0.035 GFLOP/s); `compute_gflops`, the rate of an op no key prices, their median
     weighted by FLOPs."""
     graph = load_network(job.network).lower(batch=job.batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
@@ -156,7 +157,9 @@ def calibrate(
     seconds: dict[str, float] = defaultdict(float)
     work: dict[str, float] = defaultdict(float)
     for name, t in spent.items():
-        if flops.get(name):
+        # a task whose kernels run in another's (an update fused into its gradient's product)
+        # spends only its bookkeeping here: its FLOPs over that time is no rate of its op
+        if flops.get(name) and profiled.get(name, 0.0) > 0:
             for key in rate_keys(tasks[name]):
                 seconds[key] += max(t - overhead, 1e-9)
                 work[key] += flops[name]

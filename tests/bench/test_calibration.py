@@ -68,6 +68,24 @@ def test_the_rate_of_unpriced_ops_is_that_of_the_networks_flops():
     assert calibration.compute_gflops == pytest.approx(RATE / 1e9, rel=0.1)
 
 
+def test_fused_updates_give_their_op_no_rate():
+    """An update fused into its gradient's product (`runtime.step.update_fusion`) is profiled at
+    0 and traces only its bookkeeping: its FLOPs over those microseconds read as 0.035 GFLOP/s
+    and priced a sharded plan's shard updates at seconds. Only tasks whose kernels ran give a
+    rate; the others' ops fall to the network's."""
+    job, profiled = synthetic_job("seed-lcn-small", 8)
+    updates = {e["name"] for e in job.trace["traceEvents"] if e["name"].startswith("update_")}
+    assert updates
+    for event in job.trace["traceEvents"]:
+        if event["name"] in updates:
+            event["dur"] = OVERHEAD_S * 1e6  # bookkeeping alone
+    profiled = {name: 0.0 if name in updates else t for name, t in profiled.items()}
+    calibration = calibrate(job, 1, STREAMING, profiled)
+    assert "update.update" not in calibration.op_gflops
+    for rate in calibration.op_gflops.values():
+        assert rate == pytest.approx(RATE / 1e9, rel=0.02)
+
+
 def test_without_large_zeroing_the_streaming_bandwidth_stands():
     """seed-lcn-small zeroes nothing weight-sized: its small tasks say nothing of bandwidth."""
     job, profiled = synthetic_job("seed-lcn-small", 8)
