@@ -52,30 +52,38 @@ def _schedule(net, prices, blocked, heap, t, ready):
         egress, ingress, a, b = net[6], net[7], host[s], host[d]
         alpha = prices[0]
     beta = net[22][t]
-    start = max(ready, egress[a], ingress[b])
+    between = host[s] != host[d]
+    # `_Simulator._schedule`: between hosts a sender's egress does not wait for a busy ingress
+    if between:
+        start = max(ready, egress[a])
+    else:
+        start = max(ready, egress[a], ingress[b])
     stack, stack_beta = net[21], net[23][t]
-    stacked = prices[7] != 0.0 and host[s] != host[d]
+    stacked = prices[7] != 0.0 and between
     if stacked:
-        start = max(start, stack[host[s]], stack[host[d]])
+        start = max(start, stack[host[s]])
+    arrive = max(start, ingress[b])
+    if stacked:
+        arrive = max(arrive, stack[host[d]])
     burst = prices[5]
-    if burst and host[s] != host[d]:
+    if burst and between:
         # `_Simulator._schedule`'s token bucket at each end, the same sums in the same order
         tokens_out, tokens_in = net[12], net[13]
         left = min(
             min(burst, tokens_out[a] + (start - egress[a]) / prices[1]),
-            min(burst, tokens_in[b] + (start - ingress[b]) / prices[1]),
+            min(burst, tokens_in[b] + (arrive - ingress[b]) / prices[1]),
         )
         paid = max(nbytes[t] - left, 0.0)
         tokens_out[a] = max(left - nbytes[t], 0.0)
         tokens_in[b] = max(left - nbytes[t], 0.0)
     else:
         paid = float(nbytes[t])
-    end = start + alpha + paid * beta
-    egress[a] = end
+    end = arrive + alpha + paid * beta
+    egress[a] = start + alpha + paid * beta
     ingress[b] = end
     if stacked:
         stack[host[s]] = start + paid * stack_beta
-        stack[host[d]] = start + paid * stack_beta
+        stack[host[d]] = arrive + paid * stack_beta
     net[8][t] = end
     net[9][t] = True
     net[17][t] = start

@@ -13,16 +13,20 @@ post points and collective schedules the runtime runs:
   program's completion points, `RankTask.complete_before`), post its partial-sum receives, wait
   for its copies, compute (the given seconds), send its partial sums, wait for those it holds,
   start its collectives, complete those due after it, post the copies due after it;
-- a message moves once both ends have posted it: on a link between hosts it takes the sending
-  host's egress and the receiving host's ingress (full duplex per host, a non-blocking switch),
-  one message after another in the order they became ready, for latency + bytes / bandwidth
-  (the bandwidth a message of its size crossed at, where `bench machine` timed the link's
-  messages by size: `Machine.link_per_byte`), less the burst the link has left
-  (`link_burst_bytes`: a token bucket at each end, whose bytes cross at once, refilled at the
-  link's rate while it is idle); where the host's network stack moves both directions' bytes
-  (`Machine.stack_beta`), a message also holds the stack at each end for its bytes at the
-  stack's rate, so that a host sending and receiving at once runs each way at the measured
-  duplex rate;
+- a message moves once both ends have posted it: on a link between hosts it leaves the sending
+  host's egress and then enters the receiving host's ingress (full duplex per host, a
+  non-blocking switch that queues a message for a busy port), each end serving one message after
+  another in the order they became ready, for latency + bytes / bandwidth (the bandwidth a
+  message of its size crossed at, where `bench machine` timed the link's messages by size:
+  `Machine.link_per_byte`), less the burst the link has left (`link_burst_bytes`: a token
+  bucket at each end, whose bytes cross at once, refilled at the link's rate while it is idle).
+  A sender whose message waits for a busy destination goes on to its next (MPI's sends to
+  several peers progress at once; holding the egress meanwhile convoyed a many-to-many exchange:
+  vgg19's 512-rank mixture simulated 79% over its bulk-synchronous sum, 2% with the queue);
+  between two hosts the two rules give the same step. Where the host's network stack moves both
+  directions' bytes (`Machine.stack_beta`), a message also holds the stack at each end for its
+  bytes at the stack's rate (the sender's as it leaves, the receiver's as it enters), so that a
+  host sending and receiving at once runs each way at the measured duplex rate;
   within a host it takes latency + bytes / bandwidth of the host's own link (shared memory);
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
@@ -241,30 +245,40 @@ class _Simulator:
             alpha = links.alpha
         between = src_host != dst_host
         beta, stack_beta = (float(rate[0]) for rate in links.rates([transfer.nbytes], [between]))
-        start = max(ready, self.egress[out], self.ingress[into])
+        # between hosts the switch queues a message for a busy destination: its sender's egress
+        # goes on to the next message meanwhile (MPI's sends to several peers progress at once)
+        start = (
+            max(ready, self.egress[out])
+            if between
+            else max(ready, self.egress[out], self.ingress[into])
+        )
         stacked = links.stack_beta and between
         if stacked:
-            start = max(start, self.stack[src_host], self.stack[dst_host])
+            start = max(start, self.stack[src_host])
+        arrive = max(start, self.ingress[into])
+        if stacked:
+            arrive = max(arrive, self.stack[dst_host])
         paid = transfer.nbytes
         if links.burst and between:
             # a token bucket at each end: what the emptier has left crosses at once, the rest
             # at the rate; it refills at the rate while the link is idle
-            ends = (("out", out, self.egress[out]), ("in", into, self.ingress[into]))
+            ends = (("out", out, self.egress[out], start), ("in", into, self.ingress[into], arrive))
             left = min(
                 min(
-                    links.burst,
-                    self.tokens.get((way, end), links.burst) + (start - free) / links.beta,
+                    links.burst, self.tokens.get((way, end), links.burst) + (at - free) / links.beta
                 )
-                for way, end, free in ends
+                for way, end, free, at in ends
             )
             paid = max(transfer.nbytes - left, 0.0)
-            for way, end, _ in ends:
+            for way, end, _, _ in ends:
                 self.tokens[way, end] = max(left - transfer.nbytes, 0.0)
         transfer.start = start
-        transfer.end = start + alpha + paid * beta
-        self.egress[out] = self.ingress[into] = transfer.end
+        transfer.end = arrive + alpha + paid * beta
+        self.egress[out] = start + alpha + paid * beta
+        self.ingress[into] = transfer.end
         if stacked:
-            self.stack[src_host] = self.stack[dst_host] = start + paid * stack_beta
+            self.stack[src_host] = start + paid * stack_beta
+            self.stack[dst_host] = arrive + paid * stack_beta
         if src_host != dst_host:
             for rank in (transfer.src, transfer.dst):
                 if rank in self.on_wire:
