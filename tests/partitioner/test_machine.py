@@ -300,3 +300,17 @@ def test_ranks_beyond_their_hosts_cores_time_share_them():
     assert list(shared.core_share(1)) == [1.0]
     with pytest.raises(LegionNNError, match="host_cores must be a positive integer"):
         machine_from_json({**BASE, "host_cores": 0})
+
+
+def test_the_stacks_cpu_a_byte_is_at_most_its_time_a_byte_both_ways():
+    """On a link whose stack takes the whole core, both directions at once run at the duplex
+    rate d each: a byte of an exchange then costs the core 1 / 2d, whatever a one-way stream
+    beside a kernel measured. On a full-duplex link, or below that bound, the measure stands."""
+    veth = Machine(link_gbytes_per_s=0.5, duplex_gbytes_per_s=0.35, network_cpu_ns_per_byte=1.9)
+    assert veth.stack_beta == pytest.approx(1 / 0.7e9)
+    assert veth.network_cpu_seconds_per_byte == pytest.approx(1 / 0.7e9)
+    cheap = Machine(link_gbytes_per_s=0.5, duplex_gbytes_per_s=0.35, network_cpu_ns_per_byte=1.0)
+    assert cheap.network_cpu_seconds_per_byte == pytest.approx(1.0e-9)
+    nic = Machine(link_gbytes_per_s=0.125, duplex_gbytes_per_s=0.125, network_cpu_ns_per_byte=1.9)
+    assert nic.stack_beta == 0.0
+    assert nic.network_cpu_seconds_per_byte == pytest.approx(1.9e-9)
