@@ -163,7 +163,9 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
     That is what the simulator charges a task's compute for the bytes of its rank's transfers
     on the wire meanwhile (`runtime.step.simulator`), and by construction it gives this
     experiment's measured time: with the stream on the wire during the kernel, the simulated
-    kernel takes its seconds plus the stream's bytes at this cost. Both ways the stack can take
+    kernel takes its seconds plus the stream's bytes at this cost (bounded, where the host's
+    stack serves both directions at once, by its time a byte then:
+    `Machine.network_cpu_seconds_per_byte`). Both ways the stack can take
     a core show in it: the CPU its copies, checksums and interrupts take from the kernel, and
     the bytes that cannot move until the kernel gives the core back. On a link the host's
     core drives (an unshaped veth, measured on 2 emulated hosts of one core each) the stream
