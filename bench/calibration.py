@@ -138,8 +138,8 @@ def calibrate(
     collectives of weight-sized gradients must be priced at the rate the runtime gets. Each
     FLOP-priced op's rate, for the FLOP model, is its FLOPs over its time less the overhead,
     summed over its tasks whose kernels were profiled (a fused update's ran in its gradient's:
-    its own few microseconds read as 0.035 GFLOP/s); `compute_gflops`, the rate of an op no key prices, their median
-    weighted by FLOPs."""
+    its own few microseconds read as 0.035 GFLOP/s); `compute_gflops`, the rate of an op no key
+    prices, their median weighted by FLOPs."""
     graph = load_network(job.network).lower(batch=job.batch, optimizer=OPTIMIZER)
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     flops = {name: sum(per.values()) for name, per in task_flops(graph, plan).items()}

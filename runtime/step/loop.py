@@ -45,19 +45,17 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 def _schedule(net, prices, blocked, heap, t, ready):
     src, dst, nbytes, host = net[0], net[1], net[2], net[3]
     s, d = src[t], dst[t]
-    if host[s] == host[d]:  # shared memory: each rank copies one message at a time
+    between = host[s] != host[d]
+    if not between:  # shared memory: each rank copies one message at a time
         egress, ingress, a, b = net[4], net[5], s, d
         alpha = prices[2]
     else:
         egress, ingress, a, b = net[6], net[7], host[s], host[d]
         alpha = prices[0]
     beta = net[22][t]
-    between = host[s] != host[d]
-    # `_Simulator._schedule`: between hosts a sender's egress does not wait for a busy ingress
-    if between:
-        start = max(ready, egress[a])
-    else:
-        start = max(ready, egress[a], ingress[b])
+    start = max(ready, egress[a])
+    if not between:  # `_Simulator._schedule`: between hosts the switch queues for the ingress
+        start = max(start, ingress[b])
     stack, stack_beta = net[21], net[23][t]
     stacked = prices[7] != 0.0 and between
     if stacked:
@@ -87,7 +85,7 @@ def _schedule(net, prices, blocked, heap, t, ready):
     net[8][t] = end
     net[9][t] = True
     net[17][t] = start
-    if host[s] != host[d]:
+    if between:
         wire, wire_at, wire_count = net[18], net[19], net[20]
         wire[wire_at[s] + wire_count[s]] = t
         wire_count[s] += 1

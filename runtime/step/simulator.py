@@ -20,14 +20,11 @@ post points and collective schedules the runtime runs:
   message of its size crossed at, where `bench machine` timed the link's messages by size:
   `Machine.link_per_byte`), less the burst the link has left (`link_burst_bytes`: a token
   bucket at each end, whose bytes cross at once, refilled at the link's rate while it is idle).
-  A sender whose message waits for a busy destination goes on to its next (MPI's sends to
-  several peers progress at once; holding the egress meanwhile convoyed a many-to-many exchange:
-  vgg19's 512-rank mixture simulated 79% over its bulk-synchronous sum, 2% with the queue);
-  between two hosts the two rules give the same step. Where the host's network stack moves both
-  directions' bytes (`Machine.stack_beta`), a message also holds the stack at each end for its
-  bytes at the stack's rate (the sender's as it leaves, the receiver's as it enters), so that a
-  host sending and receiving at once runs each way at the measured duplex rate;
-  within a host it takes latency + bytes / bandwidth of the host's own link (shared memory);
+  A sender whose message waits for a busy destination goes on to its next, as MPI's sends to
+  several peers do (holding its egress convoyed many-to-many exchanges). Where the host's stack
+  moves both directions' bytes (`Machine.stack_beta`), a message holds it at each end as it
+  leaves or enters, so a host sending and receiving at once runs at the duplex rate; within a
+  host, latency + bytes / bandwidth of the host's own link (shared memory);
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
   once; while it computes, the next round waits for the end of the task. Data already posted
@@ -237,21 +234,17 @@ class _Simulator:
     def _schedule(self, transfer: _Transfer, ready: float) -> None:
         links = self.links
         src_host, dst_host = links.host(transfer.src), links.host(transfer.dst)
-        if src_host == dst_host:  # shared memory: each rank copies one message at a time
+        between = src_host != dst_host
+        if not between:  # shared memory: each rank copies one message at a time
             out, into = ("rank", transfer.src), ("rank", transfer.dst)
             alpha = links.alpha_intra
         else:
             out, into = ("host", src_host), ("host", dst_host)
             alpha = links.alpha
-        between = src_host != dst_host
         beta, stack_beta = (float(rate[0]) for rate in links.rates([transfer.nbytes], [between]))
-        # between hosts the switch queues a message for a busy destination: its sender's egress
-        # goes on to the next message meanwhile (MPI's sends to several peers progress at once)
-        start = (
-            max(ready, self.egress[out])
-            if between
-            else max(ready, self.egress[out], self.ingress[into])
-        )
+        start = max(ready, self.egress[out])
+        if not between:  # a copy in shared memory holds both ranks; the switch queues the rest
+            start = max(start, self.ingress[into])
         stacked = links.stack_beta and between
         if stacked:
             start = max(start, self.stack[src_host])
@@ -279,7 +272,7 @@ class _Simulator:
         if stacked:
             self.stack[src_host] = start + paid * stack_beta
             self.stack[dst_host] = arrive + paid * stack_beta
-        if src_host != dst_host:
+        if between:
             for rank in (transfer.src, transfer.dst):
                 if rank in self.on_wire:
                     self.on_wire[rank].append(transfer)
