@@ -48,7 +48,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.cluster_matrix import Case, Variant
-from bench.jobs import OPTIMIZER, WARMUP, best_jobs
+from bench.jobs import MIN_TIMED_STEPS, OPTIMIZER, WARMUP, best_jobs
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
@@ -274,6 +274,7 @@ def run_cluster_scaling(
             for v in variants
         ],
         "min_steps": steps,
+        "min_timed_steps": MIN_TIMED_STEPS,
         "warmup": WARMUP,
         "repeat": repeat,
         "machines": machines,

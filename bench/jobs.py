@@ -144,6 +144,12 @@ def median_compute_fraction(records: list[dict]) -> float | None:
 #: a measured job times at least this long: a few steps of a small network would be a sample
 #: of 50 ms, inside one of the machine's slow or fast stretches
 MIN_TIMED_S = 1.0
+#: and at least this many steps: the VM's slow stretches last a few steps of a large network
+#: too (seed-lcn at batch 16 on 2 emulated hosts, 12 steps of 0.27-0.37 s, runs of 2-4 steps
+#: at 0.34-0.37 s between runs at 0.27-0.30 s), so that the median of 4 could fall within one
+#: and set the job's time: the same plan measured 0.273-0.280 s in one row and 0.306-0.356 s
+#: in another in three matrices
+MIN_TIMED_STEPS = 8
 
 
 def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], None]) -> list:
@@ -154,8 +160,9 @@ def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], N
     5.6 ms and, in a calibration run seconds before, 7.2 ms; a 2-rank job here spends stretches
     of a second or more at twice its usual step time, with nothing else running and each rank
     bound to its own core (the host's other tenants). So a job times at least `MIN_TIMED_S` of
-    steps: a first run with the spec's steps measures the step, and a job that timed less than
-    that has its steps raised (the spec is updated) and that run discarded. The repeats go
+    steps, and at least `MIN_TIMED_STEPS` steps: a first run with the spec's steps measures the
+    step, and a job that timed less than that has its steps raised (the spec is updated) and
+    that run discarded. The repeats go
     round-robin over the specs, so a job's runs are far apart in time and one slow stretch
     cannot take them all. The best of a few runs is the machine as the model sees it, for
     calibration jobs and measured jobs alike."""
@@ -183,12 +190,12 @@ def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], N
         probe = run(index, "first run")
         if probe is None:
             continue
-        timed = probe.step_seconds * (spec["steps"] - WARMUP)
-        if timed >= MIN_TIMED_S:
+        needed = max(MIN_TIMED_STEPS, math.ceil(MIN_TIMED_S / probe.step_seconds))
+        if spec["steps"] - WARMUP >= needed:
             best[index] = probe
             runs_left[index] -= 1
         else:
-            spec["steps"] = WARMUP + math.ceil(MIN_TIMED_S / probe.step_seconds)
+            spec["steps"] = WARMUP + needed
     for attempt in range(repeat):
         for index in range(len(specs)):
             if runs_left[index] == 0 or isinstance(best[index], LegionNNError):

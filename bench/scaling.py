@@ -1,7 +1,7 @@
 """`legion-nn bench scaling`: measured step time on 1, 2 and 4 ranks beside the cost model's.
 
 For each network (at a reduced batch), rank count and strategy, real `mpiexec -n R legion-nn
-train` jobs run at least `MIN_TIMED_S` of steps on synthetic data with `--log-json` (and plain
+train` jobs run at least `MIN_TIMED_S` of steps and `MIN_TIMED_STEPS` steps on synthetic data with `--log-json` (and plain
 SGD, so that four data-parallel replicas of seed-lcn fit in memory). A job's step time is the
 median over its steps after the first two (compilation and first touch) of the slowest rank's
 step; each job runs `repeat` times and the fastest run counts (`best_jobs` says why). The bytes are the sum over ranks
@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.calibration import Calibration, calibrate, memory_bandwidth
-from bench.jobs import MIN_TIMED_S, OPTIMIZER, best_jobs
+from bench.jobs import MIN_TIMED_S, MIN_TIMED_STEPS, OPTIMIZER, best_jobs
 from bench.task_profile import profile_as_run, sample_step
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
@@ -212,6 +212,7 @@ def run_scaling(
         "cores": cores,
         "min_steps": steps,
         "min_timed_s": MIN_TIMED_S,
+        "min_timed_steps": MIN_TIMED_STEPS,
         "repeat": repeat,
         "link": {"latency_us": link[0] * 1e6, "gbytes_per_s": 1.0 / link[1] / 1e9},
         "memory_gbytes_per_s": bandwidth,

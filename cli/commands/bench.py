@@ -147,9 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps",
         metavar="S",
         type=_positive,
-        default=6,
+        default=10,
         help="scaling: the fewest training steps per job, the first 2 untimed; a job gets more where "
-        "its timed steps would take under 1 s (default: 6)",
+        "its timed steps would take under 1 s or number under 8 (default: 10)",
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from bench import jobs
 from bench.calibration import calibrate
-from bench.jobs import OPTIMIZER, WARMUP, Job, best_jobs
+from bench.jobs import MIN_TIMED_STEPS, OPTIMIZER, WARMUP, Job, best_jobs
 from bench.scaling import format_table
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
@@ -156,10 +156,15 @@ def test_the_table_gives_both_predictions_and_failed_jobs():
 
 
 def test_best_jobs_lengthen_short_jobs_go_round_robin_and_keep_the_fastest(monkeypatch, tmp_path):
-    """A fake `run_job`: job "short" takes 10 ms a step, "long" 0.5 s, "broken" fails. Each
-    run's step is the base times the next factor of its job's sequence."""
-    base = {"short": 0.010, "long": 0.5}
-    factors = {"short": iter([1.0, 1.3, 0.9, 1.1]), "long": iter([1.2, 1.0, 1.4])}
+    """A fake `run_job`: job "short" takes 10 ms a step, "long" and "few" 0.5 s, "broken"
+    fails. Each run's step is the base times the next factor of its job's sequence. "long" is
+    given enough steps; "few" times 1.5 s, but in fewer than `MIN_TIMED_STEPS` steps."""
+    base = {"short": 0.010, "long": 0.5, "few": 0.5}
+    factors = {
+        "short": iter([1.0, 1.3, 0.9, 1.1]),
+        "long": iter([1.2, 1.0, 1.4]),
+        "few": iter([0.8, 1.1, 1.0, 1.2]),
+    }
     calls = []
 
     def fake_run_job(network, batch, ranks, strategy, steps, work, threads=None, traced=False):
@@ -171,23 +176,27 @@ def test_best_jobs_lengthen_short_jobs_go_round_robin_and_keep_the_fastest(monke
         return Job(network, batch, ranks, strategy, seconds, 0, {})
 
     monkeypatch.setattr(jobs, "run_job", fake_run_job)
+    enough = WARMUP + MIN_TIMED_STEPS
+    given = {"short": 8, "long": enough, "few": WARMUP + 3, "broken": 8}
     specs = [
-        {"network": name, "batch": 4, "ranks": 1, "strategy": "data", "steps": 8}
-        for name in ("short", "long", "broken")
+        {"network": name, "batch": 4, "ranks": 1, "strategy": "data", "steps": steps}
+        for name, steps in given.items()
     ]
     best = best_jobs(specs, 3, tmp_path, lambda line: None)
     short_steps = WARMUP + 100  # 1 s of 10 ms steps
-    assert specs[0]["steps"] == short_steps and specs[1]["steps"] == 8
-    # first runs; then round-robin: the short job's probe is discarded, the long job's counts
+    assert [spec["steps"] for spec in specs] == [short_steps, enough, enough, 8]
+    # first runs; then round-robin: the short and few jobs' probes are discarded, the long
+    # job's counts
     assert calls == [
-        ("short", 8), ("long", 8), ("broken", 8),
-        ("short", short_steps), ("long", 8),
-        ("short", short_steps), ("long", 8),
-        ("short", short_steps),
+        ("short", 8), ("long", enough), ("few", WARMUP + 3), ("broken", 8),
+        ("short", short_steps), ("long", enough), ("few", enough),
+        ("short", short_steps), ("long", enough), ("few", enough),
+        ("short", short_steps), ("few", enough),
     ]  # fmt: skip
     assert best[0].step_seconds == pytest.approx(0.009)  # not the discarded probe's 0.010
     assert best[1].step_seconds == pytest.approx(0.5)
-    assert isinstance(best[2], LegionNNError)
+    assert best[2].step_seconds == pytest.approx(0.5)  # not the discarded probe's 0.4
+    assert isinstance(best[3], LegionNNError)
 
 
 def test_the_computing_share_is_the_median_steps_mean_over_ranks_of_kernel_time():
