@@ -1,11 +1,12 @@
 """`legion-nn bench scaling`: measured step time on 1, 2 and 4 ranks beside the cost model's.
 
 For each network (at a reduced batch), rank count and strategy, real `mpiexec -n R legion-nn
-train` jobs run at least `MIN_TIMED_S` of steps and `MIN_TIMED_STEPS` steps on synthetic data with `--log-json` (and plain
-SGD, so that four data-parallel replicas of seed-lcn fit in memory). A job's step time is the
-median over its steps after the first two (compilation and first touch) of the slowest rank's
-step; each job runs `repeat` times and the fastest run counts (`best_jobs` says why). The bytes are the sum over ranks
-of one step's `bytes_sent` (equal to `bytes_planned`).
+train` jobs run at least `MIN_TIMED_S` of steps and `MIN_TIMED_STEPS` steps on synthetic data
+with `--log-json` (and plain SGD, so that four data-parallel replicas of seed-lcn fit in
+memory). A job's step time is the median over its steps after the first two (compilation and
+first touch) of the slowest rank's step; each job runs `repeat` times and the fastest run
+counts (`best_jobs` says why). The bytes are the sum over ranks of one step's `bytes_sent`
+(equal to `bytes_planned`).
 
 The prediction is the cost model's step time (`partitioner.cost.plan_cost`) with each task's
 compute measured rather than modelled, on a machine calibrated from what this benchmark measures,
