@@ -11,8 +11,8 @@ link):
    network's pieces, its per-task overhead, memory bandwidth, cores and memory per rank;
 2. each strategy's step is predicted from that file alone, as `legion-nn partition --machine F`
    predicts it (`auto` is the plan the search picks on that machine), and so is one rank's on one
-   host (the "one host" row, measured once per network: it has no link), the step data
-   parallelism must beat to pay;
+   host (the "one host" row, measured on each variant beside the file whose calibration it
+   checks), the step data parallelism must beat to pay;
 3. each strategy's step is measured: `legion-nn train --strategy S` (auto with `--machine F`) on
    the same cluster, timed as `bench scaling` times its jobs (`best_jobs`: at least a second of
    steps, the best of `repeat` runs taken round-robin, a step being its slowest rank's).
@@ -242,7 +242,6 @@ def run_cluster_scaling(
     say = progress or (lambda line: None)
     check_strategies([(c.network, c.batch) for c in cases], ranks or hosts, strategies)
     rows, machines = [], []
-    one_host: dict[tuple, object] = {}
     name = f"s{os.getpid() % 10_000_000}"
     with (
         cluster.terminated_cleanly(),
@@ -261,7 +260,7 @@ def run_cluster_scaling(
                 try:
                     rows += _run_cases(
                         made.name, variant, link, bits, hosts, count, group, strategies, steps,
-                        repeat, Path(tmp), one_host, machines, say,
+                        repeat, Path(tmp), machines, say,
                     )  # fmt: skip
                 finally:
                     cluster.down(name)
@@ -287,7 +286,7 @@ def run_cluster_scaling(
 def _run_cases(
     name: str, variant: Variant, link: str, bits: float | None, hosts: int, ranks: int,
     cases: Sequence[Case], strategies: Sequence[str], steps: int, repeat: int, tmp: Path,
-    one_host: dict, machines: list, say: Callable[[str], None],
+    machines: list, say: Callable[[str], None],
 ) -> list[dict]:  # fmt: skip
     rows = []
     launch = _cli("cluster", "run", "--on", name, "-n", str(ranks), "--")
@@ -315,20 +314,14 @@ def _run_cases(
         ]  # fmt: skip
         labels = [strategy_label(s) for s in strategies]
         named = dict(zip(labels, strategies))
-        # no link in it: measured once per network and cores of a host
-        alone_key = (network, batch, variant.options.cores_per_host)
-        if alone_key not in one_host:
-            labels.append(ONE_HOST)
-            specs.append(
-                {"network": network, "batch": batch, "ranks": 1, "strategy": "data",
-                 "steps": steps, "launch": _cli("cluster", "run", "--on", name, "-n", "1", "--")}
-            )  # fmt: skip
+        # measured beside each variant's machine file, whose calibration it checks: measured
+        # once for every variant, it read one file's calibration 41% long, 25 minutes later
+        labels.append(ONE_HOST)
+        specs.append(
+            {"network": network, "batch": batch, "ranks": 1, "strategy": "data",
+             "steps": steps, "launch": _cli("cluster", "run", "--on", name, "-n", "1", "--")}
+        )  # fmt: skip
         jobs = best_jobs(specs, repeat, where / "jobs", say)
-        if ONE_HOST in labels:
-            one_host[alone_key] = jobs[-1]
-        else:
-            labels.append(ONE_HOST)
-            jobs.append(one_host[alone_key])
         for label, job in zip(labels, jobs):
             count = 1 if label == ONE_HOST else ranks
             strategy = "data" if label == ONE_HOST else named[label]

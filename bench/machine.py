@@ -58,6 +58,7 @@ import json
 import os
 import socket
 import subprocess
+import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -91,6 +92,8 @@ from runtime.launch import host_cores, world_size_from_env
 LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 STRATEGIES = BUILTIN
+#: passes over the plans' pieces, each timing every piece (`measure_compute`)
+PROFILE_PASSES = 3
 
 
 def _host_memory_gib() -> float:
@@ -185,40 +188,30 @@ def measure_compute(
 ) -> tuple[list[dict], dict]:
     """The pieces table of the network's plans on 1 and `ranks` ranks and of micro-batches on a
     rank of their own (those only micro-batches run read from traced steps in them), and the
-    calibration; `quick`: fewer micro-batch counts and traced steps (`--quick`).
+    calibration; `quick`: one pass, fewer micro-batch counts and traced steps (`--quick`).
+
+    Every piece is timed in each of `PROFILE_PASSES` passes over all the plans, and the table
+    keeps the median of its passes: the VM this was built on runs minutes-long slow stretches,
+    and a piece timed in one of them (each piece's runs are a fraction of a second together)
+    read 40% slow. The one-rank plan's pieces, timed one after another, fix the factor
+    (`Machine.compute_factor`) that prices every other plan's: one slow stretch over them put
+    deep-mlp's model plan 18% short on one cluster variant and 1% on the next.
 
     The plans are profiled once per optimizer: a job may train with any of them, and only the
     update tasks differ (the other pieces are found in the table), so each optimizer adds its
     updates' pieces and no more. Micro-batches add pieces of their rows alone, the same under
     every optimizer, so they are profiled under one."""
-    cache: dict = {}
-    profiled_one: dict = {}
-    for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
-        graph = load_network(network).lower(batch=batch, optimizer=optimizer)
-        sample = sample_step(graph)
-        one = profile_as_run(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
-                             sample, cache)  # fmt: skip
-        if optimizer == OPTIMIZER:
-            profiled_one = one
-        for count in sorted({ranks} - {1}):
-            for strategy in strategies:
-                for homes in PARAM_HOMES:  # sharded: each rank's updates of its shards
-                    chosen = with_homes(graph, builtin(graph, strategy, count), homes)
-                    profile_as_run(graph, build_plan(graph, chosen, count), threads, sample,
-                                   cache)  # fmt: skip
-        del sample, graph
     counts = micro_batch_counts(batch, ranks, quick)
-    # micro-batches on a rank of their own (a pipeline's stage, or one process) run the pieces
-    # of a one-rank step in micro-batches; the optimizers' updates are the whole batch's
     graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
-    whole = set(cache)
     schedules = MICRO_SCHEDULES if defers_weight_grads(graph) else MICRO_SCHEDULES[:1]
     runs = [(count, schedule) for count in counts for schedule in schedules]
-    for count, schedule in runs:
-        micro = micro_batched(graph, count, schedule)
-        plan = build_plan(micro, builtin(micro, "data", 1), 1)
-        profile_plan(micro, plan, threads, sample_step(micro), cache)
-    micro_only = set(cache) - whole  # which traced steps in micro-batches time
+    passes = [_profile_pass(network, batch, ranks, strategies, threads, runs)
+              for _ in range(1 if quick else PROFILE_PASSES)]  # fmt: skip
+    cache = {key: statistics.median(times[key] for times, _ in passes) for key in passes[0][0]}
+    micro_only = set(cache) - passes[0][1]
+    # the one-rank plan's per-task seconds from the table's medians: what the factor is fitted to
+    profiled_one = profile_as_run(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads,
+                                  sample_step(graph), cache)  # fmt: skip
     fitted = calibrate_in_process(network, batch, threads, profiled_one)
     micro_steps = QUICK_MICRO_STEPS if quick else CALIBRATION_STEPS
     for count, schedule in runs:
@@ -226,6 +219,36 @@ def measure_compute(
                                              schedule)  # fmt: skip
         cache.update((key, seconds) for key, seconds in in_step.items() if key in micro_only)
     return piece_rows(cache), fitted
+
+
+def _profile_pass(
+    network: str, batch: int, ranks: int, strategies: Sequence[str], threads: int, runs: list
+) -> tuple[dict, set]:
+    """One pass of `measure_compute`'s profile: every piece of the plans under every optimizer
+    and of the micro-batch `runs` (count, schedule) timed once (`task_profile.REPEAT` runs),
+    and which of them the whole batch's plans run."""
+    cache: dict = {}
+    for optimizer in (OPTIMIZER, *(o for o in OPTIMIZERS if o != OPTIMIZER)):
+        graph = load_network(network).lower(batch=batch, optimizer=optimizer)
+        sample = sample_step(graph)
+        profile_as_run(graph, build_plan(graph, builtin(graph, "data", 1), 1), threads, sample,
+                       cache)  # fmt: skip
+        for count in sorted({ranks} - {1}):
+            for strategy in strategies:
+                for homes in PARAM_HOMES:  # sharded: each rank's updates of its shards
+                    chosen = with_homes(graph, builtin(graph, strategy, count), homes)
+                    profile_as_run(graph, build_plan(graph, chosen, count), threads, sample,
+                                   cache)  # fmt: skip
+        del sample, graph
+    whole = set(cache)
+    # micro-batches on a rank of their own (a pipeline's stage, or one process) run the pieces
+    # of a one-rank step in micro-batches; the optimizers' updates are the whole batch's
+    graph = load_network(network).lower(batch=batch, optimizer=OPTIMIZER)
+    for count, schedule in runs:
+        micro = micro_batched(graph, count, schedule)
+        plan = build_plan(micro, builtin(micro, "data", 1), 1)
+        profile_plan(micro, plan, threads, sample_step(micro), cache)
+    return cache, whole
 
 
 def _gbytes(seconds_per_byte: float) -> float:

@@ -394,6 +394,12 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
     assert {s["ranks"] for s in ran if s["strategy"] != "data" or s["ranks"] > 1} == {2, 4}
     rows = [r for r in report["results"] if r["strategy"] != cluster_scaling.ONE_HOST]
     assert len(rows) == 2 * 2 * 3 and {r["variant"] for r in rows} == {"nic", "two"}
+    # one rank on one host beside each variant's file for each case: its calibration's check
+    alone = [r for r in report["results"] if r["strategy"] == cluster_scaling.ONE_HOST]
+    assert sum(s["ranks"] == 1 for s in ran) == 4
+    assert sorted((r["variant"], r["batch"]) for r in alone) == [
+        ("nic", 8), ("nic", 16), ("two", 8), ("two", 16)
+    ]
     summary = report["summary"]
     errors = [abs(r["error"]) for r in report["results"]]
     assert summary["predictions"] == len(errors)
@@ -487,3 +493,42 @@ def test_micro_batch_pieces_are_read_from_a_traced_step_in_micro_batches():
     first = [t for t in graph.tasks if t.phase == "forward" and t.attrs.get("micro_batch") == 0]
     forward = [k for k in found if json.loads(k[1])[1] == "forward"]
     assert len(forward) <= len(first)  # a task's copies over the micro-batches share a key
+
+
+def test_the_pieces_table_keeps_each_piece_s_median_over_the_passes(monkeypatch):
+    """`measure_compute` times every piece once in each of its passes over the plans and keeps
+    the median (not the first pass's, nor the mean): a slow stretch of the machine during one
+    pass moves no piece; the calibration's one-rank seconds are the medians' too."""
+    from bench import machine as bench_machine
+    from bench import task_profile
+    from bench.task_profile import profile_as_run, sample_step
+
+    passes = iter([1.0, 5.0, 2.0])  # each pass's time for every piece
+    now = {}
+    real_pass = bench_machine._profile_pass
+
+    def one_pass(*args):
+        now["seconds"] = next(passes)
+        return real_pass(*args)
+
+    fitted = {"compute_factor": 1.0, "task_overhead_us": 0.0}
+    calibrated = {}
+
+    def calibrate(network, batch, threads, profiled):
+        calibrated.update(profiled)
+        return fitted
+
+    monkeypatch.setattr(bench_machine, "PROFILE_PASSES", 3)
+    monkeypatch.setattr(bench_machine, "_profile_pass", one_pass)
+    monkeypatch.setattr(task_profile, "_time_piece", lambda *args: now["seconds"])
+    monkeypatch.setattr(bench_machine, "calibrate_in_process", calibrate)
+    monkeypatch.setattr(bench_machine, "micro_batch_pieces_in_step", lambda *args: {})
+    rows, got = bench_machine.measure_compute("seed-lcn-small", BATCH, 2, ("data",), 1)
+    assert got is fitted and rows
+    assert {row["seconds"] for row in rows} == {2.0}
+    graph = load_network("seed-lcn-small").lower(batch=BATCH)
+    plan = build_plan(graph, builtin(graph, "data", 1), 1)
+    cache = {}
+    monkeypatch.setattr(task_profile, "_time_piece", lambda *args: 2.0)
+    assert calibrated == profile_as_run(graph, plan, 1, sample_step(graph), cache)
+    assert any(seconds > 0 for seconds in calibrated.values())
