@@ -57,8 +57,8 @@ import datetime
 import json
 import os
 import socket
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections import defaultdict

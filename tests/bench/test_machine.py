@@ -398,7 +398,10 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
     alone = [r for r in report["results"] if r["strategy"] == cluster_scaling.ONE_HOST]
     assert sum(s["ranks"] == 1 for s in ran) == 4
     assert sorted((r["variant"], r["batch"]) for r in alone) == [
-        ("nic", 8), ("nic", 16), ("two", 8), ("two", 16)
+        ("nic", 8),
+        ("nic", 16),
+        ("two", 8),
+        ("two", 16),
     ]
     summary = report["summary"]
     errors = [abs(r["error"]) for r in report["results"]]
