@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -67,7 +68,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from bench.calibration import calibrate, memory_bandwidth
-from bench.jobs import OPTIMIZER
+from bench.jobs import MIN_TIMED_S, OPTIMIZER
 from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns_per_byte
 from bench.task_profile import profile_as_run, profile_plan, sample_step
 from bench.traced_steps import (
@@ -94,6 +95,8 @@ QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 STRATEGIES = BUILTIN
 #: passes over the plans' pieces, each timing every piece (`measure_compute`)
 PROFILE_PASSES = 3
+#: the most steps the calibration's traced training runs (`calibrate_in_process`)
+MAX_CALIBRATION_STEPS = 1000
 
 
 def _host_memory_gib() -> float:
@@ -123,8 +126,13 @@ def _layout(hosts: list[str]) -> tuple[int, int]:
 
 
 def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict) -> dict:
-    """Fit the runtime's per-task costs to a traced one-rank training run in this process."""
-    job = traced_training(network, batch)
+    """Fit the runtime's per-task costs to a traced one-rank training run in this process:
+    `CALIBRATION_STEPS` steps, or as many as the profiled step takes to fill `MIN_TIMED_S`,
+    the least a measured job times. 12 steps of seed-lcn-small at batch 64 are 90 ms, which
+    one slow stretch of the VM fills: its file's calibration then read the step 31% long."""
+    step = sum(profiled.values())
+    steps = max(CALIBRATION_STEPS, math.ceil(MIN_TIMED_S / step) if step > 0 else 0)
+    job = traced_training(network, batch, steps=min(steps, MAX_CALIBRATION_STEPS))
     fitted = calibrate(job, threads, memory_bandwidth(), profiled)
     return {
         "compute_gflops": fitted.compute_gflops,

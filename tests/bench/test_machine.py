@@ -535,3 +535,27 @@ def test_the_pieces_table_keeps_each_piece_s_median_over_the_passes(monkeypatch)
     monkeypatch.setattr(task_profile, "_time_piece", lambda *args: 2.0)
     assert calibrated == profile_as_run(graph, plan, 1, sample_step(graph), cache)
     assert any(seconds > 0 for seconds in calibrated.values())
+
+
+@pytest.mark.parametrize(
+    "profiled,steps",
+    [({"a": 0.002, "b": 0.003}, 200), ({"a": 0.5}, 12), ({"a": 1e-7}, 1000), ({}, 12)],
+)
+def test_the_calibration_traces_a_second_of_steps_at_least(profiled, steps, monkeypatch):
+    """The traced one-rank training the calibration fits spans `MIN_TIMED_S` of the profiled
+    step (a short step's 12 steps fit inside one slow stretch of the machine), at least
+    `CALIBRATION_STEPS` and at most `MAX_CALIBRATION_STEPS`."""
+    from types import SimpleNamespace
+
+    from bench import machine as bench_machine
+
+    traced = []
+    monkeypatch.setattr(
+        bench_machine, "traced_training", lambda network, batch, steps: traced.append(steps)
+    )
+    fitted = SimpleNamespace(compute_gflops=1.0, op_gflops={}, memory_gbytes_per_s=1.0,
+                             task_overhead_us=0.0, compute_factor=1.0, loop_seconds=0.0)  # fmt: skip
+    monkeypatch.setattr(bench_machine, "calibrate", lambda *args: fitted)
+    monkeypatch.setattr(bench_machine, "memory_bandwidth", lambda: 1.0)
+    bench_machine.calibrate_in_process("seed-lcn-small", 8, 1, profiled)
+    assert traced == [steps]
