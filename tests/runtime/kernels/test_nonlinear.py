@@ -23,7 +23,7 @@ def _away_from_zero(shape, seed=0):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("fn", sorted(REFERENCE))
-@pytest.mark.parametrize("shape", [(1, 3, 4, 5), (4, 1, 2, 1)])
+@pytest.mark.parametrize("shape", [(1, 3, 4, 5), (4, 1, 2, 1), (3, 7, 40, 41)])
 def test_matches_numpy(fn, shape, dtype):
     x = _away_from_zero(shape)
     y = filterNL_forward(x.astype(dtype), fn)
@@ -65,3 +65,17 @@ def test_bad_arguments():
         filterNL_forward(x[None], "relu")
     with pytest.raises(ValueError, match="y must have shape"):
         filterNL_backward(x, x[:, :1], "tanh")
+
+
+@pytest.mark.parametrize("fn", sorted(REFERENCE))
+def test_a_strided_view_matches_numpy(fn):
+    """A piece's view need not be contiguous (every other channel of a tensor here): the
+    kernels read it as it is laid out."""
+    whole = _away_from_zero((2, 6, 5, 3), seed=7)
+    x = whole[:, ::2]
+    y = filterNL_forward(x, fn)
+    forward, derivative = REFERENCE[fn]
+    np.testing.assert_allclose(y, forward(x), rtol=1e-12)
+    dy = np.random.default_rng(8).standard_normal((2, 12, 5, 3))[:, ::4]
+    np.testing.assert_allclose(filterNL_backward(dy, y[:, :, :, :], fn), dy * derivative(x),
+                               rtol=1e-10, atol=1e-12)  # fmt: skip
