@@ -163,8 +163,8 @@ def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], N
     steps, and at least `MIN_TIMED_STEPS` steps: a first run with the spec's steps measures the
     step, and a job that timed less than that has its steps raised (the spec is updated) and
     that run discarded. The repeats go round-robin over the specs, so a job's runs are far
-    apart in time and one slow stretch cannot take them all. The best of a few runs is the machine as the model sees it, for
-    calibration jobs and measured jobs alike."""
+    apart in time and one slow stretch cannot take them all. The best of a few runs is the
+    machine as the model sees it, for calibration jobs and measured jobs alike."""
     best: list = [None] * len(specs)
     runs_left = [repeat] * len(specs)
 

@@ -42,8 +42,7 @@ def _forward(x, code, y):
         xs, ys = x[lo : lo + m], y[lo : lo + m]
         if code == 0:
             for k in range(m):
-                v = xs[k]
-                ys[k] = max(zero, v)
+                ys[k] = max(zero, xs[k])
         elif code == 1:
             for k in range(m):
                 ys[k] = np.tanh(xs[k])
