@@ -1,9 +1,12 @@
 """Benchmark: the linear kernels under two values of one of their block settings, side by side in
 one process: b read in blocks of `TILED_COLUMNS` columns, 256 (the default) against 64 (the
 block before), or c cut into `TILED_TASKS_PER_THREAD` blocks a thread, 8 (the default) against
-16 (one thread's before the count was per thread: each row block reads all of b again).
+16 (one thread's before the count was per thread: each row block reads all of b again), or the
+input's gradient computed transposed at up to `INPUT_GRAD_TRANSPOSED_ROWS` rows (64) against
+never (0).
 
-    python bench/linear_blocks.py [--setting columns|tasks] [--rows 16,32,64,128,256] [--repeat 9]
+    python bench/linear_blocks.py [--setting columns|tasks|transposed] [--rows 16,32,64,128,256]
+        [--repeat 9]
 
 Each line is one shape (rows, inputs, outputs) and pass (the forward x·wᵀ, the input's gradient
 dy·w, the weight gradient's accumulation dyᵀ·x), the median of `--repeat` calls alternated
@@ -34,6 +37,7 @@ SHAPES = ((2048, 2048), (4096, 1024), (1024, 4096), (512, 512), (46656, 3034))
 SETTINGS = {
     "columns": ("TILED_COLUMNS", (64, linear.TILED_COLUMNS)),
     "tasks": ("TILED_TASKS_PER_THREAD", (16, linear.TILED_TASKS_PER_THREAD)),
+    "transposed": ("INPUT_GRAD_TRANSPOSED_ROWS", (0, linear.INPUT_GRAD_TRANSPOSED_ROWS)),
 }
 
 

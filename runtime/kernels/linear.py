@@ -44,7 +44,7 @@ from numba import njit, prange
 from runtime.aligned import aligned_empty
 from runtime.kernels import _checks
 from runtime.kernels.blas import NO_TRANS, TRANS
-from runtime.kernels.microkernel import kernels, tiled_gemm
+from runtime.kernels.microkernel import VECTOR_BYTES, kernels, tiled_gemm
 from runtime.kernels.update import OptimizerStep, run_view, step_elements
 
 #: at or below this many rows the streaming loop replaces the forward's GEMM
@@ -178,6 +178,14 @@ TILED_BLOCK_BYTES = 256 << 10
 #: deep (1.0 for 512×512), and the weight gradients 0.64–0.95; a b of 64 columns or fewer (the
 #: forward's xᵀ) is read as before
 TILED_COLUMNS = 256
+#: the input's gradient dy·w is computed as dxᵀ = wᵀ·dyᵀ (`transposes_input_grad`) at or below
+#: this many rows, where the tiled product of dy·w reads all of w for each few rows of dy (one
+#: block of rows a thread). Measured on 2 cores (`bench/linear_blocks.py --setting transposed`,
+#: 1 and 2 threads): at 32 and 64 rows 0.71–0.92 of the time with w 2048×2048, 0.61–0.89 with
+#: the seed classifier's, 0.83–1.10 with w 1024 × 4096 inputs; at 128 rows 0.94–1.01
+INPUT_GRAD_TRANSPOSED_ROWS = 64
+#: ... with weights of at least these bytes: a 512×512 layer's, in cache, took 1.0–1.4× the time
+TRANSPOSED_WEIGHT_BYTES = 4 << 20
 #: the stepped product's slice of the reduction (`STEP_BLOCK_BYTES`)
 TILED_DEPTH = 1024
 #: at least this many blocks of c per thread where it has the rows for them, for threads to
@@ -261,11 +269,26 @@ def _check_dy(dy: np.ndarray, x: np.ndarray, m: int) -> None:
     _checks.same_dtype("dy", dy, "x", x)
 
 
+def transposes_input_grad(n: int, w: np.ndarray) -> bool:
+    """Whether the input's gradient of n rows with the weights w is computed transposed: few
+    rows, large weights, and rows enough for two of the microkernel's vectors (16 float32 rows
+    on AVX-512, with a tile one vector wide, took 1.2–1.7× the time)."""
+    vector_rows = 2 * VECTOR_BYTES // w.itemsize
+    return vector_rows <= n <= INPUT_GRAD_TRANSPOSED_ROWS and w.nbytes >= TRANSPOSED_WEIGHT_BYTES
+
+
 def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...]) -> np.ndarray:
     """dx (N, C, H, W) = dy·w for dy (N, M, 1, 1) and w (M, C, H, W)."""
     n, m = dy.shape[0], w.shape[0]
     dx = np.empty(input_shape, w.dtype)
     flat = dx.reshape(n, math.prod(input_shape[1:]))
+    if transposes_input_grad(n, w):
+        # dxᵀ = wᵀ·dyᵀ: the weights are A, read in place by the microkernel as the forward reads
+        # them, and the few rows of dy are its B, kept in cache
+        transposed = np.empty((flat.shape[1], n), w.dtype)
+        _tiled(_matrix(w, m), TRANS, np.ascontiguousarray(_matrix(dy, n).T), transposed, False)
+        flat[...] = transposed.T
+        return dx
     product(_matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat)
     return dx
 

@@ -180,3 +180,30 @@ def test_the_tiled_products_agree_across_blocks_and_slices(dtype, monkeypatch):
     dw = np.ones_like(w)
     linear.linear_weight_grad_accumulate(dy, x, dw)
     assert_product_close(dw.reshape(130, 90), dym.T, xm, offset=1.0, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_the_input_gradient_agrees_in_both_forms(dtype, transposed, monkeypatch):
+    """dy·w computed as is and as (wᵀ·dyᵀ)ᵀ, with ragged blocks and slices in both, against
+    the product's error bound; the rule takes the transposed form only for few rows and large
+    weights."""
+    monkeypatch.setattr(linear, "TILED_COLUMNS", 64)
+    monkeypatch.setattr(linear, "TILED_BLOCK_BYTES", 7 * 64 * np.dtype(dtype).itemsize)
+    monkeypatch.setattr(linear, "transposes_input_grad", lambda n, w: transposed)
+    x, w, _ = _inputs(37, 130, (3, 5, 6), dtype, seed=6)
+    dy = np.random.default_rng(9).standard_normal((37, 130, 1, 1)).astype(dtype)
+    dx = linear.linear_input_grad(dy, w, x.shape)
+    assert dx.shape == x.shape and dx.dtype == dtype and dx.flags.c_contiguous
+    assert_product_close(dx.reshape(37, 90), dy.reshape(37, 130), w.reshape(130, 90), dtype=dtype)
+
+
+def test_the_input_gradient_is_transposed_for_few_rows_of_large_weights():
+    large = np.empty((linear.TRANSPOSED_WEIGHT_BYTES // 4096, 1024), np.float32)
+    small = np.empty((512, 512), np.float32)
+    vector_rows = 2 * linear.VECTOR_BYTES // 4
+    assert linear.transposes_input_grad(vector_rows, large)
+    assert linear.transposes_input_grad(linear.INPUT_GRAD_TRANSPOSED_ROWS, large)
+    assert not linear.transposes_input_grad(vector_rows - 1, large)
+    assert not linear.transposes_input_grad(linear.INPUT_GRAD_TRANSPOSED_ROWS + 1, large)
+    assert not linear.transposes_input_grad(vector_rows, small)
