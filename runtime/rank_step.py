@@ -262,9 +262,11 @@ class StepRun:
         self._progress()
 
     def _wait_sends(self, rt: RankTask) -> None:
-        """Wait for the sends whose consumer is `rt` (or earlier): their buffers' lifetimes end
-        here (`runtime.step.buffers`), and by now their receivers have posted them."""
-        due = [(request, peer) for request, peer, _, m, _ in self.sends if m and m.task <= rt.index]
+        """Wait for the sends released at `rt` (or earlier, `RankProgram.send_released`): their
+        buffers' lifetimes end here (`runtime.step.buffers`), and by now their receivers have
+        posted them."""
+        released = self.program.send_released
+        due = [(req, peer) for req, peer, _, m, _ in self.sends if m and released(m) <= rt.index]
         if due:
             wait(
                 due,

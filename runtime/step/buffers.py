@@ -8,11 +8,13 @@ its program (`runtime.step.rank_program`):
   last, or to the completion of the last collective that sums into it; the statistics the training
   loop reads after the step (the loss, evaluate's sums) to the step's end;
 - a copy's receive buffer from the point both sides post it to its consumer, and its send buffer
-  from that point to the consumer too (the step waits for the send there);
+  from that point to the end of the first task after the consumer that computes on the sending
+  rank (the step waits for the send there, `RankProgram.send_released`);
 - a window of a sharded parameter (`RankTask.windows`), for its reading task, and from the point
   the copies it receives straight into are posted; a part of a sharded home that is one
   contiguous block moves with no send or receive buffer (`direct`);
-- a partial sum's send and receive buffers, within their task;
+- a partial sum's receive buffer within its task, and its send buffer from its task to where the
+  step waits for it (`RankProgram.send_released`);
 - a reduction's scratch within its task, or until its collective completes when the collective
   reduces it in place; a collective's flat vector and the buffers its adding hops receive into,
   from its task until it completes (`RankProgram.completions`).
@@ -180,17 +182,21 @@ def step_slots(
             if m.dst == program.rank:  # received into its reader's window: open from here
                 windows[m.task, m.tensor] = min(windows[m.task, m.tensor], start)
             continue
-        key = ("send" if m.src == program.rank else "recv", m.seq)
-        slots.append(Slot(key, m.nbytes, start, m.task, MESSAGES))
+        if m.src == program.rank:
+            slots.append(Slot(("send", m.seq), m.nbytes, start, program.send_released(m), MESSAGES))
+        else:
+            slots.append(Slot(("recv", m.seq), m.nbytes, start, m.task, MESSAGES))
     for (index, name), first in windows.items():
         nbytes = program.tasks[index].windows[name].volume * tensors[name].itemsize
         slots.append(Slot(("window", index, name), nbytes, first, index, PARAMETERS))
     rects = staged.scratch
     scratch: dict[tuple[int, str], Slot] = {}
     for rt in program.tasks:
-        for m in (*rt.partial_in, *rt.partial_out):
-            key = ("recv" if m.dst == program.rank else "send", m.seq)
-            slots.append(Slot(key, m.nbytes, rt.index, rt.index, MESSAGES))
+        for m in rt.partial_in:
+            slots.append(Slot(("recv", m.seq), m.nbytes, rt.index, rt.index, MESSAGES))
+        for m in rt.partial_out:
+            released = program.send_released(m)
+            slots.append(Slot(("send", m.seq), m.nbytes, rt.index, released, MESSAGES))
         for name, rect in rects[rt.index].items():
             nbytes = rect.volume * tensors[name].itemsize
             key = ("scratch", rt.index, name)

@@ -217,6 +217,30 @@ def test_both_simulators_run_the_pipeline_alike(strategy):
         assert max(exact.waiting.values()) > 0  # the bubble
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-deferred"])
+def test_a_stage_waits_for_its_sends_where_it_next_computes(schedule):
+    """The last stage sums each micro-batch's gradient at the cut back into the first stage's
+    rank and goes on to its next task: it waits for the send at the end of the first task it
+    computes after the message's consumer (the sending task itself), not at the consumer, where
+    it had waited for the message's whole time on the wire; its send buffer lives until then.
+    The first stage's copies of the activations at the cut are waited for alike."""
+    graph, _ = pipelined(load_network("deep-mlp").lower(batch=16), 2, 4, schedule)
+    plan = build_plan(graph, builtin(graph, "model", 2), 2)
+    programs = build_programs(graph, plan, Machine(), range(2))
+    for rank, kind, expected in ((1, "partial_out", 4), (0, "post", 4)):
+        program = programs[rank]
+        buffers = step_buffers(graph, program)
+        sent = [
+            m for rt in program.tasks for m in getattr(rt, kind) if m.src == rank and m.nbytes > 64
+        ]
+        assert len(sent) == expected, (rank, kind)
+        for m in sent:
+            released = program.send_released(m)
+            assert released > m.task and program.tasks[released].runs
+            assert not any(program.tasks[i].runs for i in range(m.task + 1, released))
+            assert buffers.slots["send", m.seq].last == released
+
+
 def test_1f1b_holds_fewer_activations_than_gpipe_on_the_first_stage():
     base = load_network("seed-lcn-small").lower(batch=64)
 
