@@ -107,9 +107,17 @@ def _matrix(a: np.ndarray, rows: int) -> np.ndarray:
 
 
 def product(
-    a: np.ndarray, trans_a, b: np.ndarray, trans_b, c: np.ndarray, accumulate: bool = False
+    a: np.ndarray,
+    trans_a,
+    b: np.ndarray,
+    trans_b,
+    c: np.ndarray,
+    accumulate: bool = False,
+    transposed: bool = False,
 ) -> None:
-    """c (m×n, C-contiguous) (+)= op(a)·op(b) for C-contiguous matrices a and b."""
+    """c (m×n, C-contiguous) (+)= op(a)·op(b) for C-contiguous matrices a and b; computed as
+    cᵀ = op(b)ᵀ·op(a)ᵀ where b is transposed, or where `transposed` asks (few rows of a against
+    a large b, which the microkernel then reads in place)."""
     m, n = c.shape
     k = a.shape[0] if trans_a == TRANS else a.shape[1]
     if m == 0 or n == 0:
@@ -118,14 +126,14 @@ def product(
         if not accumulate:
             c[...] = 0
         return
-    if trans_b == TRANS:  # as cᵀ = b·op(a)ᵀ, whose right operand op(a)ᵀ is made unit-stride
+    if trans_b == TRANS or transposed:  # op(b)ᵀ read through strides; op(a)ᵀ made unit-stride
         right = a if trans_a == TRANS else np.ascontiguousarray(a.T)
-        transposed = np.empty((n, m), c.dtype)
-        _tiled(b, NO_TRANS, right, transposed, False)
+        result = np.empty((n, m), c.dtype)
+        _tiled(b, NO_TRANS if trans_b == TRANS else TRANS, right, result, False)
         if accumulate:
-            c += transposed.T
+            c += result.T
         else:
-            c[...] = transposed.T
+            c[...] = result.T
         return
     _tiled(a, trans_a, b, c, accumulate)
 
@@ -282,14 +290,10 @@ def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...
     n, m = dy.shape[0], w.shape[0]
     dx = np.empty(input_shape, w.dtype)
     flat = dx.reshape(n, math.prod(input_shape[1:]))
-    if transposes_input_grad(n, w):
-        # dxᵀ = wᵀ·dyᵀ: the weights are A, read in place by the microkernel as the forward reads
-        # them, and the few rows of dy are its B, kept in cache
-        transposed = np.empty((flat.shape[1], n), w.dtype)
-        _tiled(_matrix(w, m), TRANS, np.ascontiguousarray(_matrix(dy, n).T), transposed, False)
-        flat[...] = transposed.T
-        return dx
-    product(_matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat)
+    product(
+        _matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat,
+        transposed=transposes_input_grad(n, w),
+    )  # fmt: skip
     return dx
 
 
