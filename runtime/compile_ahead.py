@@ -20,11 +20,13 @@ compiled when first called, as without this module.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from legion_nn.graph import TaskGraph
@@ -44,6 +46,7 @@ from runtime.kernels import (
     softmax,
     update,
 )
+from runtime.kernels.threaded import ThreadedKernel
 from runtime.step.rank_program import RankProgram
 
 
@@ -288,8 +291,11 @@ def cached(units: list[str], dtype) -> bool:
     source (Numba's index is stamped with it)."""
     name = np.dtype(dtype).name
     for unit in units:
+        probe = UNITS[unit].probe
+        if isinstance(probe, ThreadedKernel):  # the twin this process's thread count runs
+            probe = probe.current()
         try:
-            index = UNITS[unit].probe._cache._cache_file._load_index()
+            index = probe._cache._cache_file._load_index()
         except (AttributeError, OSError):  # no cache, or a Numba without this layout
             return False
         if not any(name in str(key[0]) for key in index):
@@ -335,6 +341,8 @@ def _with_helpers(units: list[str], dtype, helpers: int) -> None:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # the twins of `runtime.kernels.threaded` this run calls: its thread count's
+            env={**os.environ, "NUMBA_NUM_THREADS": str(numba.get_num_threads())},
         )
         for share in shares[1:]
         if share and not cached(share, dtype)

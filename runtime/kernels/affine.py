@@ -10,12 +10,13 @@ rounded to the input dtype.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _forward(x, a, b, y):
     n, k, p, q = x.shape
     for nk in prange(n * k):
@@ -25,7 +26,7 @@ def _forward(x, a, b, y):
                 y[i, c, r, s] = a * x[i, c, r, s] + b[0, c, r, s]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward(dy, x, a, need_dx, dx, da_parts, db):
     n, k, p, q = dy.shape
     # One channel per iteration: each writes its own slice of db (float64, zeroed by the caller)

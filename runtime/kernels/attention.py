@@ -12,15 +12,16 @@ and the masked probabilities are exactly 0.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels import _checks
 from runtime.kernels.microkernel import kernels, tiled_gemm
 from runtime.kernels.softmax import softmax_rows
+from runtime.kernels.threaded import threaded
 from runtime.kernels.transpose import transpose_heads
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _batched(kernels, batch, heads, m, n, k, a, a_n, a_h, a_rs, a_cs, b, b_n, b_h, ldb, c, c_n,
              c_h, ldc, accumulate):  # fmt: skip
     """c[i, j] (+)= a[i, j]·b[i, j] for every (i, j) of the (`batch`, `heads`) leading dims,
@@ -165,7 +166,7 @@ def matmul_backward(
     return da, db
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _softmax_rows_backward(dy, y, dx):
     n, h, rows, columns = y.shape
     for r in prange(n * h * rows):

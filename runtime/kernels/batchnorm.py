@@ -19,12 +19,13 @@ Per-channel coefficients are prepared in NumPy (C values) and the Numba loops ap
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _stats(x, out):
     n, c, h, w = x.shape
     for j in prange(c):
@@ -40,7 +41,7 @@ def _stats(x, out):
         out[1, j] = s2
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _channel_affine(x, scale, shift, y):
     n, c, h, w = x.shape
     for nc in prange(n * c):
@@ -50,7 +51,7 @@ def _channel_affine(x, scale, shift, y):
                 y[i, j, r, q] = x[i, j, r, q] * scale[j] + shift[j]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _param_backward(dy, x, mean, invstd, out):
     n, c, h, w = x.shape
     for j in prange(c):
@@ -66,7 +67,7 @@ def _param_backward(dy, x, mean, invstd, out):
         out[1, j] = sb
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _input_backward(dy, x, mean, invstd, coef, count, dgamma, dbeta, dx):
     n, c, h, w = x.shape
     for nc in prange(n * c):

@@ -17,12 +17,13 @@ and where the block its view holds starts.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _affine_forward(x, scale, shift, y):
     n, c, h, w = x.shape
     for nc in prange(n * c):
@@ -33,7 +34,7 @@ def _affine_forward(x, scale, shift, y):
                 y[i, k, r, q] = x[i, k, r, q] * s + b
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _affine_backward(dy, x, scale, need_dx, dx, dscale_parts, dshift_parts):
     n, c, h, w = dy.shape
     # One (sample, channel) plane per iteration, each writing its own entry of the float64

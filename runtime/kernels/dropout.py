@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -47,7 +48,7 @@ def _uniform(key, index):
     return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _apply(x, ratio, scale, seed, step, origin, dims, y):
     n, c, h, w = x.shape
     key = _stream(seed, step)

@@ -57,6 +57,7 @@ from runtime.kernels.microkernel import (
     tiled_gemm_prefetching,
     tiled_gemm_sum,
 )
+from runtime.kernels.threaded import threaded
 from runtime.kernels.update import OptimizerStep, run_view, step_elements
 
 
@@ -66,7 +67,7 @@ def _clip(start, size, extent):
     return max(0, -start), min(size, extent - start)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _forward(x, w, y, stride, pad_top, pad_left, untied, kernels):
     h, wd, c, n = x.shape
     p_out, q_out, k, _ = y.shape
@@ -91,7 +92,7 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied, kernels):
                        False, y, p * ys0 + q * ys1, ys2)  # fmt: skip
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied, kernels):
     h, wd, c, n = dx.shape
     p_out, q_out, k, _ = dy.shape
@@ -123,7 +124,7 @@ def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied, kernels):
                                        w_at + ws1 + r * ws2, ahead, ws3, s_size * c)  # fmt: skip
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _batch_major(x, xt, c_lo):
     """xt (H, N, W, Cs) = channels c_lo:c_lo + Cs of x (H, W, C, N): the backward-filter's B
     operand, whose rows (one per example) run along a window row's (S, Cs) elements, the weight
@@ -175,7 +176,7 @@ def _gradient_block(dy, xt, dw, i, j, rr, p, q, r, stride, pad_top, pad_left, ac
                    ACCUMULATE if add else write, dw, at + s_lo * ds4, ds3)  # fmt: skip
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, kernels):
     q_out = dy.shape[1]
     for pq in prange(dy.shape[0] * q_out):
@@ -186,7 +187,7 @@ def _backward_filter_untied(dy, xt, dw, stride, pad_top, pad_left, accumulate, k
                             kernels)  # fmt: skip
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _step_untied(dy, xt, stride, pad_top, pad_left, kernels, rule, co, p, s1, s2, scratch):
     """The optimizer's `rule` steps the weights p (and their state s1, s2, all indexed (P, Q,
     R, K, S, C)) by their gradient, which is not stored: each block of it (a position's window
@@ -222,7 +223,7 @@ def _step_block(rule, co, g, thread, p, s1, s2, i, j, r):
                       run_view(s1, p_at, run), run_view(s2, p_at, run))  # fmt: skip
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, threads, kernels):
     q_out = dy.shape[1]
     r_size, k, s_size, cs = dw.shape[2:]

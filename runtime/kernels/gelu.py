@@ -34,6 +34,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 #: PyTorch's names for the two forms
 APPROXIMATIONS = {"none": 0, "tanh": 1}
@@ -183,7 +184,7 @@ def _tanh_slope(v):
     )
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath={"contract"})
+@threaded(fastmath={"contract"})
 def _forward(x, code, tables, y, add):
     n = x.size
     for chunk in prange((n + CHUNK - 1) // CHUNK):
@@ -208,7 +209,7 @@ def _forward(x, code, tables, y, add):
             y[lo:hi] = into
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath={"contract"})
+@threaded(fastmath={"contract"})
 def _backward(dy, x, code, tables, dx, add):
     n = x.size
     for chunk in prange((n + CHUNK - 1) // CHUNK):

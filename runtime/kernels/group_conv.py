@@ -26,6 +26,7 @@ from numba import njit, prange
 
 from runtime.kernels.filter import filter_backward, filter_forward
 from runtime.kernels.geometry import check_dtypes, check_ndim, normalize_pad, normalize_stride
+from runtime.kernels.threaded import threaded
 
 #: input channels per group from which the GEMM path is the faster. Measured on one core, float32,
 #: forward plus backward: at 4 channels the direct loops win about 2× on 1×1 and 3×3 windows, at 8
@@ -180,7 +181,7 @@ def _dot(a, b):
     return total
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _forward_direct(x, w, bias, offsets, stride, top, left, rows, cols, y):
     batch = x.shape[0]
     kp, cp, kr, ks = w.shape
@@ -203,7 +204,7 @@ def _forward_direct(x, w, bias, offsets, stride, top, left, rows, cols, y):
         _from_rows(acc, cols, y[n, k])
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward_data_direct(dy, w, offsets, run_lo, run_hi, stride, top, left, rows, cols, dx):
     # a run's output channels all add into their group's input channels: one thread per
     # (sample, run) owns those channels of dx, so no two threads add into the same element
@@ -230,7 +231,7 @@ def _backward_data_direct(dy, w, offsets, run_lo, run_hi, stride, top, left, row
             _phase_copy(dx[n, offsets[run_lo[g]] + c], top, left, stride, rows, cols, phases, False)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward_filter_direct(dy, x, offsets, stride, top, left, rows, cols, blocks, partial):
     # partial[b, k] holds the sum over sample block b: blocks × output channels are the
     # parallel units, so a few output channels still keep every core busy

@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 #: tokens per block of the parameter gradients' partial sums
 ROW_BLOCK = 64
@@ -33,7 +34,7 @@ def _statistics(x, eps):
     return mean, 1.0 / math.sqrt(var / d + eps)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _forward(x, gamma, beta, eps, y):
     rows, d = x.shape
     for i in prange(rows):
@@ -42,7 +43,7 @@ def _forward(x, gamma, beta, eps, y):
             y[i, k] = (np.float64(x[i, k]) - mean) * inv * gamma[k] + beta[k]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward(dy, x, gamma, eps, need_dx, dx, dgamma_blocks, dbeta_blocks):
     rows, d = x.shape
     blocks = dgamma_blocks.shape[0]

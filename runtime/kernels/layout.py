@@ -32,10 +32,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.aligned import aligned_empty
 from runtime.kernels.geometry import check_ndim
+from runtime.kernels.threaded import threaded
 
 #: packed weight axis i holds axis WEIGHT_AXES[i] of the logical (K, 1, 1, C, R, S, P, Q)
 WEIGHT_AXES = (6, 4, 7, 0, 5, 3)
@@ -80,7 +81,7 @@ LARGE_ACTIVATIONS = 1 << 20
 # One input row per task: the row's block of the (H, W, C, N) side, W·C·N elements (540 KB at
 # the seed's first layer), stays in the core's cache while the other side's N·C rows of W
 # elements are read or written whole.
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _to_hwcn(x, xp):
     n_n, c_n, h_n, w_n = x.shape
     for h in prange(h_n):
@@ -90,7 +91,7 @@ def _to_hwcn(x, xp):
                     xp[h, w, c, n] = x[n, c, h, w]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _to_nchw(xp, x):
     n_n, c_n, h_n, w_n = x.shape
     for h in prange(h_n):
@@ -127,7 +128,7 @@ def unpack_weights(wp: np.ndarray) -> np.ndarray:
 # Both transposes walk one (k, r, s) at a time, and within it every (p, q) over all c: the c
 # elements of one (p, q) are contiguous in the packed layout and lie on c pages of the logical
 # one, the same c pages for every (p, q) of the tile, which stay in the TLB and the cache.
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _pack(w, wp):
     k_n, c_n, r_n, s_n, p_n, q_n = w.shape
     for k in prange(k_n):
@@ -139,7 +140,7 @@ def _pack(w, wp):
                             wp[p, r, q, k, s, c] = w[k, c, r, s, p, q]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _unpack(wp, w):
     k_n, c_n, r_n, s_n, p_n, q_n = w.shape
     for k in prange(k_n):

@@ -39,12 +39,13 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.aligned import aligned_empty
 from runtime.kernels import _checks
 from runtime.kernels.blas import NO_TRANS, TRANS
 from runtime.kernels.microkernel import VECTOR_BYTES, kernels, tiled_gemm
+from runtime.kernels.threaded import threaded
 from runtime.kernels.update import OptimizerStep, run_view, step_elements
 
 #: at or below this many rows the streaming loop replaces the forward's GEMM
@@ -60,7 +61,7 @@ STREAMING_DOTS = 256
 _FAST = {"reassoc", "contract"}  # vectorised sums; no change to infinities or NaNs
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+@threaded(fastmath=_FAST)
 def _streaming_forward(x, w, chunk):
     """(N, M) float64 = x (N, F) · w (M, F)ᵀ, a chunk of F per task, chunks added in order."""
     n, features = x.shape
@@ -203,7 +204,7 @@ TILED_DEPTH = 1024
 TILED_TASKS_PER_THREAD = 8
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns, rows):
     """c (m×n) (+)= A·b on `microkernel.tiled_gemm`, for C-contiguous b (k×n) and c, A (m×k)
     read through the strides (a_rs, a_cs): a block of `rows` × `columns` of c per task (each
@@ -219,7 +220,7 @@ def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, col
                        i0 * n + j0, n)  # fmt: skip
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _stepped_product(kernels, m, n, k, a, a_rs, a_cs, b, depth, columns, rows, rule, co, p,
                      s1, s2, scratch):  # fmt: skip
     """`_tiled_product`'s A·b as the gradient of the parameter p (m×n, with its state s1,

@@ -25,6 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 
 def window(size: int) -> tuple[int, int]:
@@ -64,7 +65,7 @@ def _inverse_power(s, beta):
 # denominators of the whole piece would double an activation's memory (AlexNet's first LRN).
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _forward(x, x_first, first, channels, below, above, scale, bias, beta, y):
     """y of tensor channels [first, first + y.shape[1])."""
     n, k, h, w = y.shape
@@ -79,7 +80,7 @@ def _forward(x, x_first, first, channels, below, above, scale, bias, beta, y):
                 )
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward(dy, dy_first, x, x_first, lo, first, channels, below, above, scale, bias, beta, dx):
     """dx of tensor channels [first, first + dx.shape[1]), from the outputs [lo, lo + ...)
     whose windows reach them."""

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 FUNCTIONS = {"relu": 0, "tanh": 1, "sigmoid": 2}
 
@@ -29,7 +30,7 @@ def _sigmoid(v):
 BLOCK = 16384
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _forward(x, code, y):
     # flat and contiguous, a block's slices indexed from 0 and the function chosen outside the
     # inner loop, so that it vectorizes (indexing by (row, channel) took an integer division
@@ -51,7 +52,7 @@ def _forward(x, code, y):
                 ys[k] = _sigmoid(xs[k])
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward(dy, y, code, dx):
     zero = dy.dtype.type(0)
     one = dy.dtype.type(1)

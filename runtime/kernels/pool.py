@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 
 @njit(cache=True, nogil=True)
@@ -37,7 +38,7 @@ def _argmax(x, i, j, r0, s0, kh, kw):
     return best_r, best_s
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _forward(x, kh, kw, sh, sw, top, left, y):
     n, c = x.shape[0], x.shape[1]
     ho, wo = y.shape[2], y.shape[3]
@@ -49,7 +50,7 @@ def _forward(x, kh, kw, sh, sw, top, left, y):
                 y[i, j, p, q] = x[i, j, r, s]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward(dy, x, kh, kw, sh, sw, top, left, dx):
     n, c = x.shape[0], x.shape[1]
     ho, wo = dy.shape[2], dy.shape[3]
@@ -61,7 +62,7 @@ def _backward(dy, x, kh, kw, sh, sw, top, left, dx):
                 dx[i, j, r, s] += dy[i, j, p, q]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _average(x, kh, kw, sh, sw, top, left, y):
     n, c, h, w = x.shape
     ho, wo = y.shape[2], y.shape[3]
@@ -78,7 +79,7 @@ def _average(x, kh, kw, sh, sw, top, left, y):
                 y[i, j, p, q] = total / ((r_hi - r_lo) * (s_hi - s_lo))
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _average_backward(dy, kh, kw, sh, sw, top, left, dx):
     n, c, h, w = dx.shape
     ho, wo = dy.shape[2], dy.shape[3]

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from runtime.kernels import _checks
+from runtime.kernels.threaded import threaded
 
 TOP_K = 5
 
@@ -29,7 +30,7 @@ def _row_end(columns, causal, rows_per_matrix, first_row, row):
     return min(columns, first_row + row % rows_per_matrix + 1) if causal else columns
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _shifted_rows(x, causal, rows_per_matrix, first_row, offset, shifted, tops):
     """shifted[r, j] = x[r, j] − max_j x[r, j] in float64 over row offset + r's columns, 0
     past them (exp's fast path: −inf there took NumPy's exp three times as long)."""
@@ -46,7 +47,7 @@ def _shifted_rows(x, causal, rows_per_matrix, first_row, offset, shifted, tops):
         tops[r] = top
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _normalised_rows(exps, causal, rows_per_matrix, first_row, offset, totals, y):
     rows, columns = exps.shape
     for r in prange(rows):
@@ -95,7 +96,7 @@ def softmax_rows(
     return tops, totals
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _backward(prob, labels, scale, dx):
     n, k = prob.shape[0], prob.shape[1]
     for i in prange(n):

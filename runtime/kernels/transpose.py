@@ -14,11 +14,12 @@ edges that do not fill a tile are copied element by element.
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
 
 from runtime.kernels.llvm_memory import element_pointer
 from runtime.kernels.microkernel import lanes
+from runtime.kernels.threaded import threaded
 
 LANES_FLOAT32 = lanes(4)
 LANES_FLOAT64 = lanes(8)
@@ -82,7 +83,7 @@ def _tile(typingctx, src, src_off, src_rs, dst, dst_off, dst_rs, scale):
     return sig, codegen
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def transpose_heads(a, a_n, a_h, a_r, a_c, batch, heads, rows, columns, scale, out):
     """out[i, j] = scale · a[i, j]ᵀ for every (i, j) of the (`batch`, `heads`) leading dims: `a`
     a flat array from its first element read through its strides in elements (per leading

@@ -39,6 +39,7 @@ from numba.np.arrayobj import make_array, populate_array
 
 from runtime.kernels._checks import floating, same_dtype
 from runtime.kernels._checks import shape as check_shape
+from runtime.kernels.threaded import threaded
 
 #: the rules, as the compiled kernels take them
 SGD, MOMENTUM, ADAM = 0, 1, 2
@@ -108,7 +109,7 @@ def step_elements(rule, co, g, p, s1, s2):
             p[i] -= lr * (g[i] * scale + wd * p[i])
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _apply(rule, co, g, p, s1, s2):
     n = p.shape[0]
     for chunk in prange((n + CHUNK - 1) // CHUNK):
@@ -234,7 +235,7 @@ def _sum_squares(a):
     return total
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@threaded
 def _sum_squares_chunked(a):
     n = a.shape[0]
     partial = np.zeros((n + CHUNK - 1) // CHUNK)

@@ -1,6 +1,7 @@
 """Every kernel loop is compiled: a function of `runtime.kernels` whose body runs a `prange` loop
-is a Numba dispatcher, never plain Python (which would compute the same values a thousand times
-slower, and no value test could tell)."""
+is a Numba dispatcher, or a `ThreadedKernel` of two (parallel and plain loops), never plain
+Python (which would compute the same values a thousand times slower, and no value test could
+tell)."""
 
 import ast
 import importlib
@@ -10,6 +11,7 @@ from pathlib import Path
 from numba.core.registry import CPUDispatcher
 
 import runtime.kernels
+from runtime.kernels.threaded import ThreadedKernel
 
 ROOT = Path(runtime.kernels.__file__).parent
 
@@ -36,4 +38,11 @@ def test_every_function_with_a_parallel_loop_is_compiled():
     for module, function in found:
         assert module in names
         kernel = getattr(importlib.import_module(f"runtime.kernels.{module}"), function)
-        assert isinstance(kernel, CPUDispatcher), f"runtime.kernels.{module}.{function}"
+        where = f"runtime.kernels.{module}.{function}"
+        if isinstance(kernel, ThreadedKernel):
+            assert isinstance(kernel.parallel, CPUDispatcher), where
+            assert isinstance(kernel.serial, CPUDispatcher), where
+            assert kernel.parallel.targetoptions.get("parallel"), where
+            assert not kernel.serial.targetoptions.get("parallel"), where
+        else:
+            assert isinstance(kernel, CPUDispatcher), where
