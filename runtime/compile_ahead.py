@@ -266,24 +266,38 @@ HELPER_START_S = 1.0
 
 def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str]]:
     """The units of each process: groups, longest first, each to the least loaded process;
-    every process but the first starts `late` seconds behind it (a helper's start)."""
+    every process but the first starts `late` seconds behind it (a helper's start).
+
+    The compiled GEMM (`microkernel.kernels`, `GEMM_SECONDS`) is compiled once: by the process
+    that takes the first of its callers' groups, which compiles them first. Every other
+    process puts its GEMM callers last, by which time the GEMM is in Numba's cache: two ranks
+    of the default job had each compiled it at once, one with the filters, the other with the
+    classifier."""
     groups: dict[str, list[str]] = {}
     for name in units:
         groups.setdefault(UNITS[name].group, []).append(name)
     load = [0.0] + [late] * (processes - 1)
     shares: list[list[str]] = [[] for _ in range(processes)]
     weight = {key: sum(UNITS[n].seconds for n in names) for key, names in groups.items()}
+    gemm_at = None
     for key in sorted(groups, key=lambda key: -weight[key]):
         target = load.index(min(load))
         shares[target] += groups[key]
         load[target] += weight[key]
-    # the GEMM's units last in each share: the process that reaches the GEMM first compiles
-    # it and the others may find it in the cache by the time they get there (1.5 s each)
-    return [sorted(share, key=lambda name: UNITS[name].group in GEMM_GROUPS) for share in shares]
+        if key in GEMM_GROUPS and gemm_at is None:
+            gemm_at = target
+            load[target] += GEMM_SECONDS
+    return [
+        sorted(share, key=lambda name: (UNITS[name].group in GEMM_GROUPS) != (i == gemm_at))
+        for i, share in enumerate(shares)
+    ]
 
 
 #: the groups whose kernels call the compiled GEMM (`microkernel.kernels`)
 GEMM_GROUPS = ("gemm", "step")
+#: what compiling the GEMM takes, once per dtype (its 30 unrolled tile bodies), beyond its
+#: callers' `Unit.seconds`
+GEMM_SECONDS = 1.5
 
 
 def cached(units: list[str], dtype) -> bool:

@@ -13,7 +13,7 @@ from legion_nn.networks import load_network
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.compile_ahead import UNITS, assign, cached, units_of, warm
+from runtime.compile_ahead import GEMM_GROUPS, GEMM_SECONDS, UNITS, assign, cached, units_of, warm
 from runtime.step.programs import build_programs
 from tests.paths import ROOT
 
@@ -83,7 +83,25 @@ def test_every_unit_goes_to_one_process_and_a_group_stays_together(processes):
     # longest-first greedy: no process is more than its heaviest unit above the lightest
     groups = {UNITS[u].group for u in units}
     heaviest = max(sum(UNITS[u].seconds for u in units if UNITS[u].group == g) for g in groups)
-    assert max(loads) - min(loads) <= heaviest
+    assert max(loads) - min(loads) <= heaviest + GEMM_SECONDS
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.parametrize("late", [0.0, 1.0])
+def test_one_process_compiles_the_gemm_first_and_the_others_reach_it_last(processes, late):
+    """The default job's units on its two ranks (and with a helper): the process holding the
+    first GEMM callers starts with them; every other process's callers come after the rest of
+    its share, so the GEMM is in the cache when it gets there."""
+    units = ["filter.untied", "filter.untied.gradient", "filterA", "filterNL", "linear",
+             "softmax", "update", "update.parallel"]  # fmt: skip
+    shares = assign(units, processes, late)
+    calls = [[UNITS[u].group in GEMM_GROUPS for u in share] for share in shares]
+    first = [i for i, share in enumerate(calls) if share and share[0]]
+    assert len(first) == 1
+    for i, share in enumerate(calls):
+        if i != first[0] and any(share):
+            assert share == sorted(share), shares  # the rest, then the GEMM's callers
+    assert "filter.untied" in shares[first[0]]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
