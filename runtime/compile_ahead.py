@@ -8,8 +8,10 @@ is known before its first step, from the ops of its task graph, its dtype and it
 Each *unit* compiles one op's kernels by calling them, through the same wrappers the adapters
 use, on arrays of a few elements laid out as a whole-tensor or batch piece is: the same argument
 types, hence the same compiled code, which the run then loads from the cache. The units are cut
-among the processes of the host by longest-first greedy assignment; units that share compiled
-code (the filter passes and their GEMM) stay together. Under `mpiexec` the ranks of a host take
+among the processes of the host by longest-first greedy assignment; units that share kernels
+(a filter's tied and untied passes) stay together, and the GEMM they and the linear layers call
+is compiled by one process, first (`assign`). A rank with one thread compiles its kernels'
+plain loops (`runtime.kernels.threaded`). Under `mpiexec` the ranks of a host take
 a share each and wait for one another; a run in one process starts helper processes
 (`python -m runtime.compile_ahead DTYPE UNIT...`) for the others' shares whose kernels are not
 in Numba's cache yet, and waits for them: they compile what it would otherwise compile itself.
@@ -195,10 +197,10 @@ UNITS: dict[str, Unit] = {
     "filter.untied": Unit(lambda d: _filter(d, True), 2.0, "gemm", filter_packed._forward),
     "filter.tied": Unit(lambda d: _filter(d, False), 2.0, "gemm", filter_packed._forward),
     "filter.untied.gradient": Unit(
-        lambda d: _filter_gradient(d, True), 1.8, "gemm", filter_packed._backward_filter_untied
+        lambda d: _filter_gradient(d, True), 1.8, "gradient", filter_packed._backward_filter_untied
     ),
     "filter.tied.gradient": Unit(
-        lambda d: _filter_gradient(d, False), 1.8, "gemm", filter_packed._backward_filter_tied
+        lambda d: _filter_gradient(d, False), 1.8, "gradient", filter_packed._backward_filter_tied
     ),
     "filter.step": Unit(_filter_step, 4.0, "step", filter_packed._step_untied),
     "filterA": Unit(_affine, 1.5, "filterA", affine._forward),
@@ -294,7 +296,7 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
 
 
 #: the groups whose kernels call the compiled GEMM (`microkernel.kernels`)
-GEMM_GROUPS = ("gemm", "step")
+GEMM_GROUPS = ("gemm", "gradient", "step")
 #: what compiling the GEMM takes, once per dtype (its 30 unrolled tile bodies), beyond its
 #: callers' `Unit.seconds`
 GEMM_SECONDS = 1.5

@@ -78,11 +78,15 @@ def test_every_unit_goes_to_one_process_and_a_group_stays_together(processes):
     assert len(shares) == processes
     assert sorted(u for share in shares for u in share) == sorted(units)
     owner = {u: i for i, share in enumerate(shares) for u in share}
-    assert owner["filter.untied"] == owner["filter.tied"] == 0  # the heaviest group, first
+    groups = {UNITS[u].group for u in units}
+    weight = {g: sum(UNITS[u].seconds for u in units if UNITS[u].group == g) for g in groups}
+    for group in groups:  # together
+        assert len({owner[u] for u in units if UNITS[u].group == group}) == 1, group
+    first = max(groups, key=weight.__getitem__)
+    assert {owner[u] for u in units if UNITS[u].group == first} == {0}  # the heaviest, first
     loads = [sum(UNITS[u].seconds for u in share) for share in shares]
     # longest-first greedy: no process is more than its heaviest unit above the lightest
-    groups = {UNITS[u].group for u in units}
-    heaviest = max(sum(UNITS[u].seconds for u in units if UNITS[u].group == g) for g in groups)
+    heaviest = max(weight.values())
     assert max(loads) - min(loads) <= heaviest + GEMM_SECONDS
 
 
