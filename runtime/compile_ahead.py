@@ -183,42 +183,56 @@ def _update(dtype: np.dtype, elements: int) -> None:
 
 @dataclass(frozen=True)
 class Unit:
-    """One op's kernels: `warm(dtype)` compiles them; `seconds` is their compile time on a
-    cold cache on the development machine, the weight of the assignment; units of one `group`
-    go to one process; `probe` is one of the kernels, whose cache entry stands for the unit's."""
+    """One op's kernels: `warm(dtype)` compiles them; `seconds` is their compile time on an
+    empty cache on the development machine (the GEMM already compiled), by a process with one
+    thread (plain loops, `runtime.kernels.threaded`) and with more (parallel loops): the weight
+    of the assignment (`weight`); units of one `group` go to one process; `probe` is one of the
+    kernels, whose cache entry stands for the unit's."""
 
     warm: Callable[[np.dtype], None]
-    seconds: float
+    seconds: tuple[float, float]
     group: str
     probe: object
 
+    def weight(self) -> float:
+        """Its compile time at this process's thread count."""
+        return self.seconds[0 if numba.get_num_threads() == 1 else 1]
+
 
 UNITS: dict[str, Unit] = {
-    "filter.untied": Unit(lambda d: _filter(d, True), 2.0, "gemm", filter_packed._forward),
-    "filter.tied": Unit(lambda d: _filter(d, False), 2.0, "gemm", filter_packed._forward),
+    "filter.untied": Unit(lambda d: _filter(d, True), (1.0, 2.2), "gemm", filter_packed._forward),
+    "filter.tied": Unit(lambda d: _filter(d, False), (1.5, 2.1), "gemm", filter_packed._forward),
     "filter.untied.gradient": Unit(
-        lambda d: _filter_gradient(d, True), 1.8, "gradient", filter_packed._backward_filter_untied
+        lambda d: _filter_gradient(d, True),
+        (1.3, 2.9),
+        "gradient",
+        filter_packed._backward_filter_untied,
     ),
     "filter.tied.gradient": Unit(
-        lambda d: _filter_gradient(d, False), 1.8, "gradient", filter_packed._backward_filter_tied
+        lambda d: _filter_gradient(d, False),
+        (6.8, 8.5),
+        "gradient",
+        filter_packed._backward_filter_tied,
     ),
-    "filter.step": Unit(_filter_step, 4.0, "step", filter_packed._step_untied),
-    "filterA": Unit(_affine, 1.5, "filterA", affine._forward),
-    "filterNL": Unit(_nonlinear, 1.3, "filterNL", nonlinear._forward),
-    "gelu": Unit(_gelu, 1.0, "gelu", gelu._forward),
-    "linear": Unit(_linear, 0.9, "step", linear._tiled_product),
-    "linear.step": Unit(_linear_step, 0.9, "step", linear._stepped_product),
-    "softmax": Unit(_softmax, 0.5, "softmax", softmax._shifted_rows),
-    "embedding": Unit(_embedding, 0.3, "embedding", embedding._scatter_add),
-    "layernorm": Unit(_layernorm, 1.0, "layernorm", layernorm._backward),
-    "matmul": Unit(_matmul, 0.6, "step", attention._batched),
-    "row_softmax": Unit(_row_softmax, 0.8, "row_softmax", attention._softmax_rows_backward),
-    "maxpool": Unit(_maxpool, 1.5, "maxpool", pool._forward),
-    "avgpool": Unit(_avgpool, 1.5, "avgpool", pool._average),
-    "dropout": Unit(_dropout, 1.0, "dropout", dropout._apply),
-    "batchnorm": Unit(_batchnorm, 3.0, "batchnorm", batchnorm._stats),
-    "update": Unit(lambda d: _update(d, 6), 0.3, "update", update.step_elements),
-    "update.parallel": Unit(lambda d: _update(d, update.CHUNK + 1), 0.6, "update", update._apply),
+    "filter.step": Unit(_filter_step, (2.0, 3.5), "step", filter_packed._step_untied),
+    "filterA": Unit(_affine, (0.6, 1.4), "filterA", affine._forward),
+    "filterNL": Unit(_nonlinear, (0.9, 1.8), "filterNL", nonlinear._forward),
+    "gelu": Unit(_gelu, (3.9, 3.9), "gelu", gelu._forward),
+    "linear": Unit(_linear, (0.7, 0.9), "step", linear._tiled_product),
+    "linear.step": Unit(_linear_step, (1.0, 2.1), "step", linear._stepped_product),
+    "softmax": Unit(_softmax, (1.0, 2.3), "softmax", softmax._shifted_rows),
+    "embedding": Unit(_embedding, (0.2, 0.2), "embedding", embedding._scatter_add),
+    "layernorm": Unit(_layernorm, (0.6, 2.5), "layernorm", layernorm._backward),
+    "matmul": Unit(_matmul, (0.9, 1.7), "step", attention._batched),
+    "row_softmax": Unit(_row_softmax, (1.0, 2.5), "row_softmax", attention._softmax_rows_backward),
+    "maxpool": Unit(_maxpool, (0.9, 1.7), "maxpool", pool._forward),
+    "avgpool": Unit(_avgpool, (0.6, 1.7), "avgpool", pool._average),
+    "dropout": Unit(_dropout, (0.4, 1.1), "dropout", dropout._apply),
+    "batchnorm": Unit(_batchnorm, (0.8, 3.5), "batchnorm", batchnorm._stats),
+    "update": Unit(lambda d: _update(d, 6), (0.4, 0.3), "update", update.step_elements),
+    "update.parallel": Unit(
+        lambda d: _update(d, update.CHUNK + 1), (0.6, 1.1), "update", update._apply
+    ),
 }
 
 
@@ -280,7 +294,7 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
         groups.setdefault(UNITS[name].group, []).append(name)
     load = [0.0] + [late] * (processes - 1)
     shares: list[list[str]] = [[] for _ in range(processes)]
-    weight = {key: sum(UNITS[n].seconds for n in names) for key, names in groups.items()}
+    weight = {key: sum(UNITS[n].weight() for n in names) for key, names in groups.items()}
     gemm_at = None
     for key in sorted(groups, key=lambda key: -weight[key]):
         target = load.index(min(load))
@@ -298,7 +312,7 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
 #: the groups whose kernels call the compiled GEMM (`microkernel.kernels`)
 GEMM_GROUPS = ("gemm", "gradient", "step")
 #: what compiling the GEMM takes, once per dtype (its 30 unrolled tile bodies), beyond its
-#: callers' `Unit.seconds`
+#: callers' `Unit.seconds`, with plain loops or parallel ones alike (a C function of its own)
 GEMM_SECONDS = 1.5
 
 
