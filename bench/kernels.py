@@ -80,17 +80,22 @@ class LayerShape:
 SEED_L1 = LayerShape(c=64, k=64, r=7, s=7, p=27, q=27)
 
 
-def best_seconds(fn: Callable[[], object], repeat: int, warm: bool = True) -> float:
-    """Best wall time of `repeat` calls, after one untimed call (compilation, page faults)
-    unless `warm` is False (the caller made it)."""
+def call_seconds(fn: Callable[[], object], repeat: int, warm: bool = True) -> list[float]:
+    """The wall time of each of `repeat` calls, after one untimed call (compilation, page
+    faults) unless `warm` is False (the caller made it)."""
     if warm:
         fn()
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def best_seconds(fn: Callable[[], object], repeat: int, warm: bool = True) -> float:
+    """Best wall time of `repeat` calls (`call_seconds`)."""
+    return min(call_seconds(fn, repeat, warm))
 
 
 @dataclass(frozen=True)

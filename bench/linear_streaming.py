@@ -11,24 +11,14 @@ product's time over the loop's (above 1: the loop wins) and the loop's own time.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from bench.kernels import best_seconds
 from runtime.kernels import linear
 from runtime.kernels.blas import NO_TRANS, TRANS
 
 FEATURES = (3200, 32768, 131072, 262144, 1 << 20)
-
-
-def best_seconds(call, repeat: int) -> float:
-    call()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def measure(n: int, m: int, features: int, repeat: int) -> dict[str, float]:

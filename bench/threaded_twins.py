@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __name__ == "__main__":  # before Numba loads: the whole run on one thread
@@ -28,18 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
+from bench.kernels import call_seconds
 from bench.machine_facts import describe, machine_facts
 from runtime.kernels import filter_packed, layout, linear, nonlinear, update
-
-
-def _median_call(call, repeat: int) -> float:
-    call()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def cases(rng: np.random.Generator) -> list[tuple[str, object, str, object]]:
@@ -92,7 +82,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for twin, taken in times.items():
                     setattr(module, name, getattr(kernel, twin))
-                    taken.append(_median_call(call, args.repeat))
+                    taken.append(statistics.median(call_seconds(call, args.repeat)))
         finally:
             setattr(module, name, kernel)
         plain, parallel = (statistics.median(times[t]) for t in ("serial", "parallel"))
