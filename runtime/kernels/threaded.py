@@ -6,7 +6,8 @@ parallel loops still cost it their compile (each `prange` loop is outlined and c
 for the threading layer): the default job under `mpiexec -n 2` took 12.0-13.5 s on an empty
 cache with parallel loops and 8.2-9.0 s with plain ones, its warm runs alike (4.0-4.4 s). Run on
 one thread the two compile the same arithmetic in the same order (a parallel loop on one
-thread takes the whole range as one chunk), so a result does not depend on which one ran.
+thread takes the whole range as one chunk), so a result does not depend on which one ran
+(`tests/runtime/kernels/test_threaded.py`, a loop whose sums LLVM may reassociate among them).
 
 Each twin has a cache entry of its own: Numba names one by the function's qualified name, so
 the plain loops' copy of the function is named `<name>_serial`.

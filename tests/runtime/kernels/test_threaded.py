@@ -5,7 +5,7 @@ import numba
 import numpy as np
 import pytest
 
-from runtime.kernels import filter_packed, layout, nonlinear, softmax, update
+from runtime.kernels import filter_packed, layout, linear, nonlinear, softmax, update
 from runtime.kernels.threaded import threaded
 
 
@@ -57,10 +57,14 @@ def test_on_one_thread_the_twins_compute_the_same_bits(dtype, monkeypatch):
     xp, wp = layout.pack_activations(x), layout.pack_weights(w)
     flat = rng.standard_normal(40_000).astype(dtype)
     long = rng.standard_normal(3 * update.CHUNK + 5).astype(dtype)
+    rows = rng.standard_normal((3, 40_000)).astype(dtype)
+    columns = rng.standard_normal((10, 40_000)).astype(dtype)
     cases = [
         (filter_packed, "_forward", lambda: filter_packed.forward_packed(xp, wp, 1, 0)),
         (nonlinear, "_forward", lambda: nonlinear.filterNL_forward(flat, "tanh")),
         (update, "_sum_squares_chunked", lambda: update._sum_squares_chunked(long)),
+        # fastmath's reassoc: LLVM may vectorise each twin's sums its own way
+        (linear, "_streaming_forward", lambda: linear._streaming_forward(rows, columns, 4096)),
     ]
     for module, name, call in cases:
         kernel = getattr(module, name)
