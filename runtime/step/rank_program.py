@@ -199,9 +199,17 @@ class RankProgram:
         return [(rt.index, c) for rt in self.tasks for c in rt.collectives]
 
     @cached_property
-    def computing(self) -> list[int]:
-        """The positions of the tasks whose pieces run here (`RankTask.runs`), in order."""
-        return [rt.index for rt in self.tasks if rt.runs]
+    def _next_computing(self) -> list[int]:
+        """Per position, the first later position whose task's pieces run here
+        (`RankTask.runs`), else the step's last: `send_released`'s answer for each consumer,
+        found once, since the step asks it for every send in flight at every task."""
+        found = [len(self.tasks) - 1] * len(self.tasks)
+        following = len(self.tasks) - 1
+        for rt in reversed(self.tasks):
+            found[rt.index] = following
+            if rt.runs:
+                following = rt.index
+        return found
 
     def send_released(self, message: Message) -> int:
         """The position at whose end this rank, having sent `message`, waits for it to leave:
@@ -211,8 +219,7 @@ class RankProgram:
         consumer of a partial sum is the task that sends it, and a copy's may be a task of
         another pipeline stage that the sender only passes by (a micro-batch's gradient at a
         2-stage pipeline's cut, 256 KiB at 1 Gbit/s: about 3 ms before each forward)."""
-        at = bisect_right(self.computing, message.task)
-        return self.computing[at] if at < len(self.computing) else len(self.tasks) - 1
+        return self._next_computing[message.task]
 
     @cached_property
     def completions(self) -> list[int]:
