@@ -135,6 +135,19 @@ class TrainConfig:
     def total_steps(self) -> int:
         return self.steps if self.steps is not None else self.epochs * self.steps_per_epoch
 
+    @property
+    def evaluation_batches(self) -> int:
+        """The forward passes the run's evaluations make (`Trainer`): the validation split at
+        the end of every epoch the steps reach and of the last step, then the validation, test
+        and training splits once more, each in batches of `batch`."""
+
+        def batches(split: Split) -> int:
+            return math.ceil(len(split) / self.batch)
+
+        epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        data = self.dataset
+        return (epochs + 1) * batches(data.val) + batches(data.test) + batches(data.train)
+
 
 @dataclass
 class TrainResult:

@@ -40,11 +40,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _compile_kernels_ahead() -> None:
-    """Every kernel unit's whole-tensor specialisations in both dtypes, and the step simulator's
-    compiled loop, compiled into Numba's cache before the workers start (`runtime.compile_ahead`,
-    this process and a helper): on a cold cache each worker, and each rank a test launches,
+    """Every kernel unit's whole-tensor specialisations in both dtypes, with parallel and with
+    plain loops, and the step simulator's compiled loop, compiled into Numba's cache before the
+    workers start (`runtime.compile_ahead`, this process and a helper): on a cold cache each
+    worker, and each rank a test launches,
     would otherwise compile the same kernels side by side. Nothing is compiled where the cache
     already holds them."""
+    import numba
     import numpy as np
 
     from legion_nn.networks import load_network
@@ -57,9 +59,15 @@ def _compile_kernels_ahead() -> None:
     from runtime.step.compiled_placement import first_fit
     from runtime.step.prediction import predict_step, simulate_compiled
 
-    for dtype in ("float32", "float64"):
-        if not cached(list(UNITS), dtype):
-            compile_ahead(list(UNITS), dtype, helpers=1)
+    # with one thread too: the plain loops that a rank of `mpiexec` on two cores and a short run
+    # in one process call (`runtime.kernels.threaded`, `compile_ahead.threads_worth_compiling`)
+    threads = numba.get_num_threads()
+    for count in sorted({1, threads}):
+        numba.set_num_threads(count)
+        for dtype in ("float32", "float64"):
+            if not cached(list(UNITS), dtype):
+                compile_ahead(list(UNITS), dtype, helpers=1)
+    numba.set_num_threads(threads)
     # and the step simulator's compiled loop and placement, which every partitioning test
     # calls (12 s of compiling on an empty cache)
     graph = load_network("seed-lcn-small").lower(batch=4)

@@ -12,6 +12,8 @@ outputs. Without a launcher it trains on one process; `--trace` then records tha
 from __future__ import annotations
 
 import argparse
+import os
+from typing import TYPE_CHECKING
 
 from cli.commands import (
     AUTO_STAGES,
@@ -25,6 +27,9 @@ from cli.commands import (
     stall_timeout,
     step_shape,
 )
+
+if TYPE_CHECKING:
+    from runtime.training import TrainConfig
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
@@ -291,10 +296,20 @@ class _Console:
         )
 
 
-def _compile_ahead(dtype: str, local_rank: int, local_size: int, barrier, helpers: bool = True):
+def _compile_ahead(
+    dtype: str,
+    local_rank: int,
+    local_size: int,
+    barrier,
+    helpers: bool = True,
+    alone: TrainConfig | None = None,
+    machine=None,
+):
     """What a rank does before its first step: compile the run's kernels, its host's share of
     them among its `local_size` ranks, or alone on its host with a helper process per spare
-    core."""
+    core. `alone`: the config of a run in one process, which first chooses the threads its
+    kernels run on (`compile_ahead.threads_worth_compiling`, priced on `machine`), unless
+    `NUMBA_NUM_THREADS` says."""
 
     def run(graph, prepared) -> None:
         from legion_nn.cores import spare_cores
@@ -302,9 +317,26 @@ def _compile_ahead(dtype: str, local_rank: int, local_size: int, barrier, helper
 
         spare = spare_cores() if helpers and local_size == 1 else 0
         units = units_of(graph, getattr(prepared, "step", None))  # this rank's program
+        plan = getattr(prepared, "plan", None)
+        if alone is not None and plan is not None and "NUMBA_NUM_THREADS" not in os.environ:
+            _choose_threads(graph, plan, units, alone, machine, 1 + spare)
         compile_ahead(units, dtype, local_rank, local_size, barrier, spare)
 
     return run
+
+
+def _choose_threads(graph, plan, units: list[str], config: TrainConfig, machine, processes: int):
+    import numba
+
+    from partitioner.machine import Machine
+    from runtime.compile_ahead import run_kernel_seconds, threads_worth_compiling
+
+    machine = machine or Machine()
+    seconds = run_kernel_seconds(
+        graph, plan, machine, config.total_steps, config.evaluation_batches
+    )
+    threads = numba.get_num_threads()
+    numba.set_num_threads(threads_worth_compiling(units, seconds, threads, processes))
 
 
 def _run_single(args: argparse.Namespace) -> int:
@@ -326,7 +358,7 @@ def _run_single(args: argparse.Namespace) -> int:
             log,
             console.on_step,
             console.on_epoch,
-            _compile_ahead(config.dtype, 0, 1, None),
+            _compile_ahead(config.dtype, 0, 1, None, alone=config, machine=options.machine),
         )
         console.done(result)
     finally:

@@ -2,6 +2,7 @@
 
 import json
 
+import numba
 import numpy as np
 import pytest
 
@@ -199,3 +200,59 @@ def test_a_network_with_batchnorm_and_dropout_trains_in_one_process():
     assert len(result.losses) == 6 and all(np.isfinite(result.losses))
     running = trainer.executor.resident()["bn0.running"]
     assert not np.allclose(running[0], 0.0) and not np.allclose(running[1], 1.0)
+
+
+@pytest.mark.parametrize("steps", [7, 6])
+def test_a_configs_evaluation_batches_are_the_forward_passes_its_run_makes(steps):
+    """7 steps of 3 a epoch end the third epoch early (its validation once, at the last step),
+    6 end the second on its last step (once, not twice)."""
+    cfg = config(batch=4, steps=steps)
+    cfg.dataset.train = Split(cfg.dataset.train.x[:10], cfg.dataset.train.y[:10])
+    cfg.dataset.val = Split(cfg.dataset.val.x[:5], cfg.dataset.val.y[:5])
+    cfg.dataset.test = Split(cfg.dataset.test.x[:3], cfg.dataset.test.y[:3])
+    trainer = Trainer(cfg)
+    passes = []
+    run_inference = trainer.executor.run_inference
+
+    def counted(graph, ctx):
+        passes.append(len(ctx.inputs))
+        return run_inference(graph, ctx)
+
+    trainer.executor.run_inference = counted
+    trainer.run()
+    epochs = -(-steps // 3)
+    assert cfg.evaluation_batches == len(passes) == (epochs + 1) * 2 + 1 + 3
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="Numba has one thread here")
+@pytest.mark.parametrize(
+    ("steps", "environment", "threads"),
+    [(2, None, 1), (10**8, None, 2), (2, "2", 2)],
+)
+def test_a_run_in_one_process_chooses_its_threads_before_compiling(
+    monkeypatch, steps, environment, threads
+):
+    """Two steps of seed-lcn-small would not repay compiling its parallel loops, a hundred
+    million would; `NUMBA_NUM_THREADS` in the environment is left as it says."""
+    from cli.commands.train import _compile_ahead
+
+    if environment is None:
+        monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("NUMBA_NUM_THREADS", environment)
+    compiled = []
+    monkeypatch.setattr(
+        "runtime.compile_ahead.compile_ahead", lambda *args, **kw: compiled.append(args[0])
+    )
+    cfg = config(batch=8, steps=steps)
+    trainer = Trainer(cfg)
+    graph = trainer.graph(8)
+    prepared = trainer.executor.prepare(graph)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        _compile_ahead("float32", 0, 1, None, helpers=False, alone=cfg)(graph, prepared)
+        assert numba.get_num_threads() == threads
+    finally:
+        numba.set_num_threads(before)
+    assert compiled and "filter.untied" in compiled[0]
