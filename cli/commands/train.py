@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
 
 from cli.commands import (
     AUTO_STAGES,
@@ -27,9 +26,6 @@ from cli.commands import (
     stall_timeout,
     step_shape,
 )
-
-if TYPE_CHECKING:
-    from runtime.training import TrainConfig
 
 NAME = "train"
 HELP = "train a network (default: seed-lcn-small on the bundled digits) and report accuracy"
@@ -302,12 +298,12 @@ def _compile_ahead(
     local_size: int,
     barrier,
     helpers: bool = True,
-    alone: TrainConfig | None = None,
+    alone=None,
     machine=None,
 ):
     """What a rank does before its first step: compile the run's kernels, its host's share of
     them among its `local_size` ranks, or alone on its host with a helper process per spare
-    core. `alone`: the config of a run in one process, which first chooses the threads its
+    core. `alone`: the `TrainConfig` of a run in one process, which first chooses the threads its
     kernels run on (`compile_ahead.threads_worth_compiling`, priced on `machine`), unless
     `NUMBA_NUM_THREADS` says."""
 
@@ -325,7 +321,7 @@ def _compile_ahead(
     return run
 
 
-def _choose_threads(graph, plan, units: list[str], config: TrainConfig, machine, processes: int):
+def _choose_threads(graph, plan, units: list[str], config, machine, processes: int) -> None:
     import numba
 
     from partitioner.machine import Machine
@@ -341,11 +337,14 @@ def _choose_threads(graph, plan, units: list[str], config: TrainConfig, machine,
 
 def _run_single(args: argparse.Namespace) -> int:
     """One process: a one-rank run of the distributed runtime over an in-process transport."""
+    import numba
+
     from runtime.distributed import train_rank
     from runtime.transport import ThreadTransport
 
     config, options = _config(args)
     log = _open_log(args) if args.log_json else None
+    threads = numba.get_num_threads()  # the run may choose fewer (`_choose_threads`)
     try:
         console = _Console(args.no_progress)
         console.start(config, config.total_steps, 1, options.label)
@@ -362,6 +361,7 @@ def _run_single(args: argparse.Namespace) -> int:
         )
         console.done(result)
     finally:
+        numba.set_num_threads(threads)
         if log is not None:
             log.close()
     return 0

@@ -256,3 +256,29 @@ def test_a_run_in_one_process_chooses_its_threads_before_compiling(
     finally:
         numba.set_num_threads(before)
     assert compiled and "filter.untied" in compiled[0]
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="Numba has one thread here")
+def test_a_train_command_compiles_for_the_threads_it_chose_and_leaves_them_as_it_found_them(
+    monkeypatch, capsys
+):
+    import runtime.compile_ahead
+
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    seen = []
+    compile_ahead = runtime.compile_ahead.compile_ahead
+
+    def recorded(*args, **kwargs):
+        seen.append(numba.get_num_threads())
+        return compile_ahead(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.compile_ahead, "compile_ahead", recorded)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        args = ["train", "--data", "synthetic", "--steps", "2", "--batch", "8", "--no-progress"]
+        assert main(args) == 0
+        assert seen == [1]  # two steps of seed-lcn-small: its plain loops
+        assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(before)

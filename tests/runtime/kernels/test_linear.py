@@ -141,8 +141,7 @@ def test_both_paths_agree_with_einsum_across_chunks(n, dtype, streaming, monkeyp
 def test_the_loops_stream_only_large_weights_that_blas_cannot_split():
     big = np.empty((10, linear.STREAMING_WEIGHT_BYTES // 40 + 1), np.float32)
     small = np.empty((10, 100, 1, 1), np.float32)
-    several_threads = numba.get_num_threads() > 1
-    assert linear.streams(2, big) == several_threads
+    assert linear.streams(2, big)  # on any thread count: the caller's threads do not decide it
     assert not linear.streams(2, small)
     assert not linear.streams(STREAMING_BATCH + 1, big)
     assert not linear.streams(0, big)
