@@ -15,6 +15,8 @@ plain loops (`runtime.kernels.threaded`). Under `mpiexec` the ranks of a host ta
 a share each and wait for one another; a run in one process starts helper processes
 (`python -m runtime.compile_ahead DTYPE UNIT...`) for the others' shares whose kernels are not
 in Numba's cache yet, and waits for them: they compile what it would otherwise compile itself.
+On a cold cache a one-process run starts its helpers with the command (`Helpers`), so that
+they import the kernels' modules while it loads its data and plans.
 
 A piece laid out otherwise (a spatial piece, a non-contiguous view) gets its own specialisation,
 compiled when first called, as without this module.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -362,16 +365,11 @@ def run_kernel_seconds(
 def cached(units: list[str], dtype) -> bool:
     """Whether Numba's cache holds each unit's probe kernel for `dtype`, for the current
     source (Numba's index is stamped with it)."""
-    name = np.dtype(dtype).name
     for unit in units:
         probe = UNITS[unit].probe
         if isinstance(probe, ThreadedKernel):  # the twin this process's thread count runs
             probe = probe.current()
-        try:
-            index = probe._cache._cache_file._load_index()
-        except (AttributeError, OSError):  # no cache, or a Numba without this layout
-            return False
-        if not any(name in str(key[0]) for key in index):
+        if not _holds(probe, dtype):
             return False
     return True
 
@@ -406,20 +404,107 @@ def compile_ahead(
         barrier()
 
 
-def _with_helpers(units: list[str], dtype, helpers: int) -> None:
-    shares = assign(units, 1 + helpers, HELPER_START_S)
-    started = [
-        subprocess.Popen(
-            [sys.executable, "-m", "runtime.compile_ahead", np.dtype(dtype).name, *share],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            # the twins of `runtime.kernels.threaded` this run calls: its thread count's
-            env={**os.environ, "NUMBA_NUM_THREADS": str(numba.get_num_threads())},
-        )
-        for share in shares[1:]
-        if share and not cached(share, dtype)
-    ]
+class Helpers:
+    """Helper processes started before a run knows what it compiles (`python -m
+    runtime.compile_ahead --wait`): each imports the kernels' modules meanwhile, then compiles
+    the share it reads on its stdin (`give`), or exits on an empty line. Leaving the block ends
+    every one still running, whatever happened in it."""
+
+    def __init__(self, count: int) -> None:
+        self.started = time.monotonic()
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "runtime.compile_ahead", WAIT],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for _ in range(count)
+        ]
+
+    @staticmethod
+    def worth_starting(dtype) -> bool:
+        """Whether Numba's cache is cold for `dtype`: it holds neither twin of the linear
+        layer's product, which almost every network calls (on a warmer cache `compile_ahead`
+        starts a helper only for a share it misses, when it knows the shares)."""
+        probe = UNITS["linear"].probe
+        return not any(_holds(twin, dtype) for twin in (probe.serial, probe.parallel))
+
+    def __len__(self) -> int:
+        return len(self.processes)
+
+    def __enter__(self) -> Helpers:  # noqa: PYI034 (Python 3.10 has no typing.Self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def starting_for(self) -> float:
+        """Seconds the helpers may still spend importing (`HELPER_START_S` since they began)."""
+        return max(HELPER_START_S - (time.monotonic() - self.started), 0.0)
+
+    def give(self, shares: list[list[str]], dtype) -> list[subprocess.Popen]:
+        """Each helper its share, to compile with this process's thread count (the twins it
+        calls); a share in Numba's cache already, or none, ends its helper. The helpers given
+        work."""
+        busy = []
+        for process, share in zip(self.processes, shares):
+            work = bool(share) and not cached(share, dtype)
+            line = f"{np.dtype(dtype).name} {numba.get_num_threads()} {' '.join(share)}"
+            try:
+                process.stdin.write((line if work else "") + "\n")
+                process.stdin.close()
+            except OSError:  # it has died: the run compiles that share when it calls it
+                continue
+            if work:
+                busy.append(process)
+        return busy
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            if process.stdin is not None and not process.stdin.closed:
+                try:
+                    process.stdin.close()
+                except OSError:
+                    pass
+
+
+#: the argument that starts a helper waiting for its share on stdin (`Helpers`)
+WAIT = "--wait"
+
+
+def _holds(dispatcher, dtype) -> bool:
+    """Whether Numba's cache holds `dispatcher` compiled for `dtype` (for the current source)."""
+    name = np.dtype(dtype).name
+    try:
+        index = dispatcher._cache._cache_file._load_index()
+    except (AttributeError, OSError):  # no cache, or a Numba without this layout
+        return False
+    return any(name in str(key[0]) for key in index)
+
+
+def _with_helpers(units: list[str], dtype, helpers: int | Helpers) -> None:
+    if isinstance(helpers, Helpers):
+        shares = assign(units, 1 + len(helpers), helpers.starting_for())
+        started = helpers.give(shares[1:], dtype)
+    else:
+        shares = assign(units, 1 + helpers, HELPER_START_S)
+        started = [
+            subprocess.Popen(
+                [sys.executable, "-m", "runtime.compile_ahead", np.dtype(dtype).name, *share],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                # the twins of `runtime.kernels.threaded` this run calls: its thread count's
+                env={**os.environ, "NUMBA_NUM_THREADS": str(numba.get_num_threads())},
+            )
+            for share in shares[1:]
+            if share and not cached(share, dtype)
+        ]
     try:
         warm(shares[0], dtype)
         for process in started:
@@ -435,11 +520,25 @@ def _with_helpers(units: list[str], dtype, helpers: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    usage = (
+        f"usage: python -m runtime.compile_ahead float32|float64 [{'|'.join(UNITS)}]...\n"
+        f"       python -m runtime.compile_ahead {WAIT}  (then DTYPE THREADS UNIT... on stdin)"
+    )
+    if argv == [WAIT]:
+        told = sys.stdin.readline().split()
+        if not told:
+            return 0
+        if len(told) < 2 or not told[1].isdigit():
+            print(usage, file=sys.stderr)
+            return 2
+        argv = [told[0], *told[2:]]
+        threads = int(told[1])
+        if not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
+            print(usage, file=sys.stderr)
+            return 2
+        numba.set_num_threads(threads)
     if not argv or argv[0] not in ("float32", "float64") or any(n not in UNITS for n in argv[1:]):
-        print(
-            f"usage: python -m runtime.compile_ahead float32|float64 [{'|'.join(UNITS)}]...",
-            file=sys.stderr,
-        )
+        print(usage, file=sys.stderr)
         return 2
     warm(argv[1:], argv[0])
     return 0

@@ -300,12 +300,14 @@ def _compile_ahead(
     helpers: bool = True,
     alone=None,
     machine=None,
+    started=None,
 ):
     """What a rank does before its first step: compile the run's kernels, its host's share of
     them among its `local_size` ranks, or alone on its host with a helper process per spare
-    core. `alone`: the `TrainConfig` of a run in one process, which first chooses the threads its
-    kernels run on (`compile_ahead.threads_worth_compiling`, priced on `machine`), unless
-    `NUMBA_NUM_THREADS` says."""
+    core (`started`: those begun with the command, `compile_ahead.Helpers`). `alone`: the
+    `TrainConfig` of a run in one process, which first chooses the threads its kernels run on
+    (`compile_ahead.threads_worth_compiling`, priced on `machine`), unless `NUMBA_NUM_THREADS`
+    says."""
 
     def run(graph, prepared) -> None:
         from legion_nn.cores import spare_cores
@@ -316,7 +318,8 @@ def _compile_ahead(
         plan = getattr(prepared, "plan", None)
         if alone is not None and plan is not None and "NUMBA_NUM_THREADS" not in os.environ:
             _choose_threads(graph, plan, units, alone, machine, 1 + spare)
-        compile_ahead(units, dtype, local_rank, local_size, barrier, spare)
+        ahead = started if started and local_size == 1 else spare  # none begun: as needed
+        compile_ahead(units, dtype, local_rank, local_size, barrier, ahead)
 
     return run
 
@@ -337,6 +340,15 @@ def _choose_threads(graph, plan, units: list[str], config, machine, processes: i
 
 def _run_single(args: argparse.Namespace) -> int:
     """One process: a one-rank run of the distributed runtime over an in-process transport."""
+    from legion_nn.cores import spare_cores
+    from runtime.compile_ahead import Helpers
+
+    # on a cold cache the helpers that compile beside this process import meanwhile
+    with Helpers(spare_cores() if Helpers.worth_starting(args.dtype) else 0) as started:
+        return _train_single(args, started)
+
+
+def _train_single(args: argparse.Namespace, started) -> int:
     import numba
 
     from runtime.distributed import train_rank
@@ -357,7 +369,9 @@ def _run_single(args: argparse.Namespace) -> int:
             log,
             console.on_step,
             console.on_epoch,
-            _compile_ahead(config.dtype, 0, 1, None, alone=config, machine=options.machine),
+            _compile_ahead(
+                config.dtype, 0, 1, None, alone=config, machine=options.machine, started=started
+            ),
         )
         console.done(result)
     finally:

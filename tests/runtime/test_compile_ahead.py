@@ -17,6 +17,8 @@ from runtime.compile_ahead import (
     GEMM_GROUPS,
     GEMM_SECONDS,
     UNITS,
+    WAIT,
+    Helpers,
     assign,
     cached,
     run_kernel_seconds,
@@ -127,11 +129,12 @@ def test_every_unit_runs_its_kernels(dtype):
     assert cached(list(UNITS), dtype)
 
 
-@pytest.mark.parametrize("before", [["filter.untied"]])
-def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, before):
-    """On an empty cache, or one holding the main process's share (`before`): the main process
-    and one helper compile the default network's units between them; training then compiles no
-    kernel, and no helper is left running."""
+@pytest.mark.parametrize(("before", "begun"), [([], True), (["filter.untied"], False)])
+def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, before, begun):
+    """On an empty cache, with a helper begun before the units are known (`Helpers`), or on one
+    holding the main process's share (`before`), with a helper started for the rest: the main
+    process and the helper compile the default network's units between them; training then
+    compiles no kernel, and no helper is left running."""
     script = textwrap.dedent(
         f"""
         import os
@@ -139,15 +142,21 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         from numba.core import event
         from cli.main import main
         from legion_nn.networks import load_network
-        from runtime.compile_ahead import cached, compile_ahead, units_of, warm
+        from runtime.compile_ahead import Helpers, cached, compile_ahead, units_of, warm
 
         graph = load_network("seed-lcn-small").lower(batch=8, dtype="float32", optimizer="adam")
         units = units_of(graph)
         numba.set_num_threads(1)  # the plain loops, which a run of two steps chooses
         warm({before!r}, "float32")
         assert not cached(units, "float32")
-        compile_ahead(units, "float32", helpers=1)
+        if {begun!r}:
+            assert Helpers.worth_starting("float32")  # the cache is cold
+            with Helpers(1) as helpers:
+                compile_ahead(units, "float32", helpers=helpers)
+        else:
+            compile_ahead(units, "float32", helpers=1)
         assert cached(units, "float32")
+        assert not Helpers.worth_starting("float32")
         children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
         assert not children, children
         with event.install_recorder("numba:compile") as compiled:
@@ -197,3 +206,32 @@ def test_a_runs_kernel_seconds_leave_out_the_overhead_per_task_and_count_forward
     assert run_kernel_seconds(graph, plan, slow_python, 3, 5) == pytest.approx(
         3 * step + 5 * forward
     )
+
+
+def test_helpers_given_nothing_exit_and_helpers_never_given_a_share_are_ended():
+    with Helpers(2) as helpers:
+        assert len(helpers) == 2
+        assert helpers.give([[], []], "float32") == []
+        for process in helpers.processes:
+            assert process.wait(timeout=120) == 0  # an empty line: nothing to compile
+    unused = Helpers(1)
+    unused.close()  # as a run that fails before it compiles leaves its block
+    assert unused.processes[0].poll() is not None
+    assert not Helpers(0)
+
+
+@pytest.mark.parametrize(
+    "told", ["float32 x filterA", "float32 0 filterA", "int8 1", "float32 1 conv9"]
+)
+def test_a_waiting_helper_told_nonsense_exits_2_naming_its_usage(told):
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime.compile_ahead", WAIT],
+        input=told + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: python -m runtime.compile_ahead")
