@@ -422,9 +422,15 @@ def tiled_gemm(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate
     """C[c_off:] (m×n, row stride ldc) = A·B (+ C if `accumulate`), offsets and strides in
     elements: A (m×k) has element (i, l) at a_off + i·a_rs + l·a_cs, B (k×n) is row-major with
     unit-stride rows. With k = 0 it writes zeros (or leaves C as it is). `kernels` is
-    `kernels(dtype)` for the operands' dtype."""
-    tiled_gemm_prefetching(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
-                           c_off, ldc, 0, 0, 0, 0)  # fmt: skip
+    `kernels(dtype)` for the operands' dtype.
+
+    It calls the GEMM itself rather than through `tiled_gemm_prefetching` with nothing to
+    prefetch: each wrapper is compiled once per caller's operand types, and a call through the
+    other compiled both (0.1-0.3 s each on an empty cache)."""
+    if m <= 0 or n <= 0:
+        return
+    _call(_address(kernels, a), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
+          c_off, ldc, 0, 0, 0, 0, 1, 0, 0)  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
