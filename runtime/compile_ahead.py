@@ -303,7 +303,9 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
     that takes the first of its callers' groups, which compiles them first. Every other
     process puts its GEMM callers last, by which time the GEMM is in Numba's cache: two ranks
     of the default job had each compiled it at once, one with the filters, the other with the
-    classifier."""
+    classifier. For the same reason every other process starts with the optimizer's step
+    (`STEP_GROUPS`), which the GEMM callers' fused updates call: a one-process run's helper had
+    compiled it while the main process compiled it again inside the filter's fused step."""
     groups: dict[str, list[str]] = {}
     for name in units:
         groups.setdefault(UNITS[name].group, []).append(name)
@@ -318,14 +320,23 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
         if key in GEMM_GROUPS and gemm_at is None:
             gemm_at = target
             load[target] += GEMM_SECONDS
+
+    def order(name: str, first: bool) -> tuple[bool, bool]:
+        group = UNITS[name].group
+        if first:
+            return (group not in GEMM_GROUPS, False)
+        return (group in GEMM_GROUPS, group not in STEP_GROUPS)
+
     return [
-        sorted(share, key=lambda name: (UNITS[name].group in GEMM_GROUPS) != (i == gemm_at))
-        for i, share in enumerate(shares)
+        sorted(share, key=lambda name: order(name, i == gemm_at)) for i, share in enumerate(shares)
     ]
 
 
 #: the groups whose kernels call the compiled GEMM (`microkernel.kernels`)
 GEMM_GROUPS = ("gemm", "gradient", "step")
+#: the groups whose kernels the GEMM callers' kernels call in their fused optimizer steps
+#: (`update.step_elements`)
+STEP_GROUPS = ("update",)
 #: what compiling the GEMM takes, once per dtype (its 30 unrolled tile bodies), beyond its
 #: callers' `Unit.seconds`, with plain loops or parallel ones alike (a C function of its own)
 GEMM_SECONDS = 1.5

@@ -16,6 +16,7 @@ from partitioner.strategy import builtin
 from runtime.compile_ahead import (
     GEMM_GROUPS,
     GEMM_SECONDS,
+    STEP_GROUPS,
     UNITS,
     WAIT,
     Helpers,
@@ -117,6 +118,9 @@ def test_one_process_compiles_the_gemm_first_and_the_others_reach_it_last(proces
     for i, share in enumerate(calls):
         if i != first[0] and any(share):
             assert share == sorted(share), shares  # the rest, then the GEMM's callers
+        steps = [UNITS[u].group in STEP_GROUPS for u in shares[i]]
+        if i != first[0] and any(steps):  # the optimizer's step first, which the callers call
+            assert steps == sorted(steps, reverse=True), shares
     gemm = [u for u in units if UNITS[u].group in GEMM_GROUPS]
     heaviest = max(gemm, key=lambda u: sum(
         UNITS[v].weight() for v in gemm if UNITS[v].group == UNITS[u].group))  # fmt: skip
