@@ -21,14 +21,6 @@ they import the kernels' modules while it loads its data and plans.
 A piece laid out otherwise (a spatial piece, a non-contiguous view) gets its own specialisation,
 compiled when first called, as without this module.
 
-Which loops a run in one process compiles (`threads_worth_compiling`): a kernel's parallel loops
-compile in about twice its plain loops' time (`Unit.seconds`), once per machine, and save at
-most (1 − 1/T) of its time on T threads, every step. A run whose kernels, as the cost model
-prices its steps and its evaluations' forward passes on one thread (`run_kernel_seconds`), would
-save less than that compiling adds runs on one thread, its kernels' plain loops: the default
-job (400 steps of 0.3 ms of kernels) on two threads spent 5 s more on an empty cache, and its
-warm run was no faster (3.00 s against 2.73 s). The choice reads the run, not the cache, so that
-a run computes the same numbers on a cold cache as on a warm one.
 """
 
 from __future__ import annotations
@@ -44,9 +36,6 @@ import numba
 import numpy as np
 
 from legion_nn.graph import TaskGraph
-from partitioner.cost import compute_per_rank
-from partitioner.machine import Machine
-from partitioner.plan import Plan
 from runtime.kernels import (
     affine,
     attention,
@@ -340,37 +329,6 @@ STEP_GROUPS = ("update",)
 #: what compiling the GEMM takes, once per dtype (its 30 unrolled tile bodies), beyond its
 #: callers' `Unit.seconds`, with plain loops or parallel ones alike (a C function of its own)
 GEMM_SECONDS = 1.5
-
-
-def threads_worth_compiling(
-    units: list[str], kernel_seconds: float, threads: int, processes: int
-) -> int:
-    """The Numba threads a run in one process should run its kernels on: `threads` where the
-    most their parallel loops can save it, (1 − 1/threads) of `kernel_seconds` (its kernels'
-    seconds on one thread, `run_kernel_seconds`), is more than compiling those loops adds on an
-    empty cache beyond the plain ones (`Unit.seconds`, compiled by `processes` at once), else 1.
-    """
-    if threads <= 1:
-        return 1
-    extra = sum(max(UNITS[u].seconds[1] - UNITS[u].seconds[0], 0.0) for u in units)
-    saved = kernel_seconds * (1.0 - 1.0 / threads)
-    return threads if saved > extra / max(processes, 1) else 1
-
-
-def run_kernel_seconds(
-    graph: TaskGraph, plan: Plan, machine: Machine, steps: int, forward_passes: int
-) -> float:
-    """The seconds a one-rank run's kernels take, as the cost model prices them
-    (`cost.compute_per_rank`, less the runtime's overhead per task, which is Python's and no
-    thread shortens): `steps` steps of the whole graph and `forward_passes` of its forward tasks
-    (its evaluations, `runtime.training.TrainConfig.evaluation_batches`)."""
-    step = forward = 0.0
-    for task, seconds in zip(graph.tasks, compute_per_rank(graph, plan, machine)):
-        kernel = max(float(seconds.max(initial=0.0)) - machine.task_overhead, 0.0)
-        step += kernel
-        if task.phase == "forward":
-            forward += kernel
-    return steps * step + forward_passes * forward
 
 
 def cached(units: list[str], dtype) -> bool:

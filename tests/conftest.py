@@ -60,7 +60,7 @@ def _compile_kernels_ahead() -> None:
     from runtime.step.prediction import predict_step, simulate_compiled
 
     # with one thread too: the plain loops that a rank of `mpiexec` on two cores and a short run
-    # in one process call (`runtime.kernels.threaded`, `compile_ahead.threads_worth_compiling`)
+    # in one process call (`runtime.kernels.threaded`, `runtime.kernel_threads`)
     threads = numba.get_num_threads()
     for count in sorted({1, threads}):
         numba.set_num_threads(count)

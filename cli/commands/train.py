@@ -12,7 +12,6 @@ outputs. Without a launcher it trains on one process; `--trace` then records tha
 from __future__ import annotations
 
 import argparse
-import os
 
 from cli.commands import (
     AUTO_STAGES,
@@ -306,36 +305,23 @@ def _compile_ahead(
     them among its `local_size` ranks, or alone on its host with a helper process per spare
     core (`started`: those begun with the command, `compile_ahead.Helpers`). `alone`: the
     `TrainConfig` of a run in one process, which first chooses the threads its kernels run on
-    (`compile_ahead.threads_worth_compiling`, priced on `machine`), unless `NUMBA_NUM_THREADS`
-    says."""
+    (`runtime.kernel_threads`, priced on `machine`), unless `NUMBA_NUM_THREADS` says."""
 
     def run(graph, prepared) -> None:
         from legion_nn.cores import spare_cores
         from runtime.compile_ahead import compile_ahead, units_of
+        from runtime.kernel_threads import choose_threads
 
         spare = spare_cores() if helpers and local_size == 1 else 0
         units = units_of(graph, getattr(prepared, "step", None))  # this rank's program
         plan = getattr(prepared, "plan", None)
-        if alone is not None and plan is not None and "NUMBA_NUM_THREADS" not in os.environ:
-            _choose_threads(graph, plan, units, alone, machine, 1 + spare)
+        if alone is not None and plan is not None:
+            steps, passes = alone.total_steps, alone.evaluation_batches
+            choose_threads(graph, plan, units, steps, passes, machine, 1 + spare)
         ahead = started if started and local_size == 1 else spare  # none begun: as needed
         compile_ahead(units, dtype, local_rank, local_size, barrier, ahead)
 
     return run
-
-
-def _choose_threads(graph, plan, units: list[str], config, machine, processes: int) -> None:
-    import numba
-
-    from partitioner.machine import Machine
-    from runtime.compile_ahead import run_kernel_seconds, threads_worth_compiling
-
-    machine = machine or Machine()
-    seconds = run_kernel_seconds(
-        graph, plan, machine, config.total_steps, config.evaluation_batches
-    )
-    threads = numba.get_num_threads()
-    numba.set_num_threads(threads_worth_compiling(units, seconds, threads, processes))
 
 
 def _run_single(args: argparse.Namespace) -> int:
@@ -356,7 +342,7 @@ def _train_single(args: argparse.Namespace, started) -> int:
 
     config, options = _config(args)
     log = _open_log(args) if args.log_json else None
-    threads = numba.get_num_threads()  # the run may choose fewer (`_choose_threads`)
+    threads = numba.get_num_threads()  # the run may choose fewer (`kernel_threads`)
     try:
         console = _Console(args.no_progress)
         console.start(config, config.total_steps, 1, options.label)
