@@ -1,284 +1,28 @@
 """Compile a run's kernels before its first step, shared among the processes of a host.
 
-Numba compiles a kernel the first time it is called with new argument types, in the calling
-process and one at a time (a process-wide lock), and then keeps it in its on-disk cache. On a
-cold cache the default job spent 10 of its 12.6 s so, on one core of two. What a run will call
-is known before its first step, from the ops of its task graph, its dtype and its optimizer.
-
-Each *unit* compiles one op's kernels by calling them, through the same wrappers the adapters
-use, on arrays of a few elements laid out as a whole-tensor or batch piece is: the same argument
-types, hence the same compiled code, which the run then loads from the cache. The units are cut
-among the processes of the host by longest-first greedy assignment; units that share kernels
-(a filter's tied and untied passes) stay together, and the GEMM they and the linear layers call
-is compiled by one process, first (`assign`). A rank with one thread compiles its kernels'
-plain loops (`runtime.kernels.threaded`). Under `mpiexec` the ranks of a host take
-a share each and wait for one another; a run in one process starts helper processes
-(`python -m runtime.compile_ahead DTYPE UNIT...`) for the others' shares whose kernels are not
-in Numba's cache yet, and waits for them: they compile what it would otherwise compile itself.
-On a cold cache a one-process run starts its helpers with the command (`Helpers`), so that
-they import the kernels' modules while it loads its data and plans.
-
-A piece laid out otherwise (a spatial piece, a non-contiguous view) gets its own specialisation,
-compiled when first called, as without this module.
-
+On a cold cache the default job spent 10 of its 12.6 s compiling (`runtime.compile_units`), on
+one core of two. The run's units are cut among the processes of the host by longest-first
+greedy assignment; units that share kernels (a filter's tied and untied passes) stay together,
+and the GEMM they and the linear layers call is compiled by one process, first (`assign`).
+Under `mpiexec` the ranks of a host take a share each and wait for one another; a run in one
+process starts helper processes (`Helpers`, `python -m runtime.compile_ahead --wait`, each told
+its share on stdin) for the others' shares whose kernels are not in Numba's cache yet, and waits
+for them: they compile what it would otherwise compile itself. On a cold cache a one-process run
+starts its helpers with the command, so that they import the kernels' modules while it loads
+its data and plans.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numba
 import numpy as np
 
-from legion_nn.graph import TaskGraph
-from runtime.kernels import (
-    affine,
-    attention,
-    batchnorm,
-    dropout,
-    embedding,
-    filter_packed,
-    gelu,
-    layernorm,
-    layout,
-    linear,
-    nonlinear,
-    pool,
-    softmax,
-    update,
-)
-from runtime.kernels.threaded import ThreadedKernel
-from runtime.step.rank_program import RankProgram
-
-
-def _filter_operands(dtype: np.dtype, untied: bool):
-    """x (H, W, C, N), weights, the output's gradient (P, Q, K, N), the window and padding."""
-    n, c, h, k, r = 2, 2, 4, 2, 3
-    xp = layout.pack_activations(np.zeros((n, c, h, h), dtype))
-    p = h if untied else 1
-    wp = np.zeros((p, r, p, k, r, c), dtype)
-    return xp, wp, np.zeros((h, h, k, n), dtype), (r, r), (1, 1, 1, 1)
-
-
-def _filter(dtype: np.dtype, untied: bool) -> None:
-    xp, wp, _, _, pads = _filter_operands(dtype, untied)
-    yp = filter_packed.forward_packed(xp, wp, 1, pads)
-    layout.unpack_activations(yp)
-    filter_packed.backward_data_packed(yp, wp, xp.shape[:2], 1, pads)
-
-
-def _filter_gradient(dtype: np.dtype, untied: bool) -> None:
-    """The weight gradient stored (a data-parallel run sums it across ranks)."""
-    xp, wp, dyp, window, pads = _filter_operands(dtype, untied)
-    grad = np.zeros_like(wp)
-    filter_packed.backward_filter_packed(dyp, xp, window, 1, pads, untied, None, grad, True)
-
-
-def _filter_step(dtype: np.dtype) -> None:
-    """The weight gradient stepped by the optimizer in the kernel (an update fused in)."""
-    xp, wp, dyp, window, pads = _filter_operands(dtype, True)
-    step = update.sgd_step(wp, 0.1)
-    filter_packed.backward_filter_packed(dyp, xp, window, 1, pads, True, step=step)
-
-
-def _affine(dtype: np.dtype) -> None:
-    x = np.zeros((2, 2, 3, 3), dtype)
-    a = np.ones(1, dtype)
-    y = affine.filterA_forward(x, a, np.zeros((1, 2, 3, 3), dtype))
-    affine.filterA_backward(y, x, a, need_dx=True)
-
-
-def _gelu(dtype: np.dtype) -> None:
-    x = np.ones((2, 2, 2, 2), dtype)  # either form runs the one compiled loop
-    gelu.gelu_backward(gelu.gelu_forward(x), x)
-
-
-def _nonlinear(dtype: np.dtype) -> None:
-    x = np.zeros((2, 2, 3, 3), dtype)
-    y = nonlinear.filterNL_forward(x, "tanh")
-    nonlinear.filterNL_backward(x, y, "tanh")
-
-
-def _linear(dtype: np.dtype) -> None:
-    x = np.zeros((2, 2, 3, 3), dtype)
-    w = np.zeros((3, 2, 3, 3), dtype)
-    dy = linear.linear_forward(x, w)
-    linear.linear_weight_grad_accumulate(dy, x, np.zeros_like(w))
-    linear.linear_input_grad(dy, w, x.shape)
-
-
-def _linear_step(dtype: np.dtype) -> None:
-    x = np.zeros((2, 2, 3, 3), dtype)
-    w = np.zeros((3, 2, 3, 3), dtype)
-    linear.linear_weight_grad_step(np.zeros((2, 3, 1, 1), dtype), x, update.sgd_step(w, 0.1))
-
-
-def _embedding(dtype: np.dtype) -> None:
-    ids = np.zeros((2, 3), np.int32)
-    embedding.embedding_backward(ids, embedding.embedding_forward(ids, np.zeros((4, 2), dtype)), 4)
-
-
-def _layernorm(dtype: np.dtype) -> None:
-    x = np.ones((2, 3, 4), dtype)
-    gamma = np.ones(4, dtype)
-    y = layernorm.layernorm_forward(x, gamma, gamma)
-    layernorm.layernorm_backward(y, x, gamma)
-
-
-def _matmul(dtype: np.dtype) -> None:
-    a = np.zeros((1, 2, 3, 4), dtype)
-    out = attention.matmul_forward(a, a, transpose_b=True)
-    attention.matmul_backward(out, a, a, transpose_b=True)
-
-
-def _row_softmax(dtype: np.dtype) -> None:
-    x = np.zeros((1, 2, 3, 3), dtype)
-    attention.row_softmax_backward(x, attention.row_softmax_forward(x, True))
-
-
-def _softmax(dtype: np.dtype) -> None:
-    x = np.zeros((2, 3, 1, 1), dtype)
-    labels = np.zeros((2, 1, 1, 1), np.int32)
-    prob, _ = softmax.softmax_forward(x, labels, 2)
-    softmax.softmax_backward(prob, labels, 2)
-    softmax.evaluate_forward(prob, labels)
-
-
-def _maxpool(dtype: np.dtype) -> None:
-    x = np.zeros((2, 2, 4, 4), dtype)
-    y = pool.maxpool_forward(x, (2, 2), 2, (0, 0, 0, 0))
-    pool.maxpool_backward(y, x, (2, 2), 2, (0, 0, 0, 0))
-
-
-def _avgpool(dtype: np.dtype) -> None:
-    x = np.zeros((2, 2, 4, 4), dtype)
-    y = pool.avgpool_forward(x, (2, 2), 2, (0, 0, 0, 0))
-    pool.avgpool_backward(y, x.shape, (2, 2), 2, (0, 0, 0, 0))
-
-
-def _dropout(dtype: np.dtype) -> None:
-    x = np.zeros((2, 2, 3, 3), dtype)
-    dropout.dropout_forward(x, 0.5, 1, 0, (0, 0, 0, 0), x.shape)
-    dropout.dropout_backward(x, 0.5, 1, 0, (0, 0, 0, 0), x.shape)
-
-
-def _batchnorm(dtype: np.dtype) -> None:
-    x = np.ones((2, 2, 3, 3), dtype)
-    gamma, beta = np.ones((1, 2, 1, 1), dtype), np.zeros((1, 2, 1, 1), dtype)
-    stats = batchnorm.batchnorm_stats(x).astype(dtype)
-    count = 18.0
-    batchnorm.batchnorm_forward(x, stats, count, gamma, beta, 1e-5)
-    dgamma, dbeta = batchnorm.batchnorm_param_backward(x, x, stats, count, 1e-5)
-    batchnorm.batchnorm_input_backward(x, x, stats, count, gamma, dgamma, dbeta, 1e-5)
-    batchnorm.batchnorm_inference(x, stats, gamma, beta, 1e-5)
-
-
-def _update(dtype: np.dtype, elements: int) -> None:
-    """Every optimizer's update of `elements`: one kernel, which takes the rule as an
-    argument; past `update.CHUNK` elements, its parallel loop."""
-    p, g, s1, s2 = (np.zeros(elements, dtype) for _ in range(4))
-    update.adam_step(p, s1, s2, 0.1, 0.9, 0.999, 1e-8, 1).apply(g)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One op's kernels: `warm(dtype)` compiles them; `seconds` is their compile time on an
-    empty cache on the development machine (the GEMM already compiled), by a process with one
-    thread (plain loops, `runtime.kernels.threaded`) and with more (parallel loops): the weight
-    of the assignment (`weight`); units of one `group` go to one process; `probe` is one of the
-    kernels, whose cache entry stands for the unit's."""
-
-    warm: Callable[[np.dtype], None]
-    seconds: tuple[float, float]
-    group: str
-    probe: object
-
-    def weight(self) -> float:
-        """Its compile time at this process's thread count."""
-        return self.seconds[0 if numba.get_num_threads() == 1 else 1]
-
-
-UNITS: dict[str, Unit] = {
-    "filter.untied": Unit(lambda d: _filter(d, True), (1.0, 2.2), "gemm", filter_packed._forward),
-    "filter.tied": Unit(lambda d: _filter(d, False), (1.5, 2.1), "gemm", filter_packed._forward),
-    "filter.untied.gradient": Unit(
-        lambda d: _filter_gradient(d, True),
-        (1.3, 2.9),
-        "gradient",
-        filter_packed._backward_filter_untied,
-    ),
-    "filter.tied.gradient": Unit(
-        lambda d: _filter_gradient(d, False),
-        (6.8, 8.5),
-        "gradient",
-        filter_packed._backward_filter_tied,
-    ),
-    "filter.step": Unit(_filter_step, (2.0, 3.5), "step", filter_packed._step_untied),
-    "filterA": Unit(_affine, (0.6, 1.4), "filterA", affine._forward),
-    "filterNL": Unit(_nonlinear, (0.9, 1.8), "filterNL", nonlinear._forward),
-    "gelu": Unit(_gelu, (3.9, 3.9), "gelu", gelu._forward),
-    "linear": Unit(_linear, (0.7, 0.9), "step", linear._tiled_product),
-    "linear.step": Unit(_linear_step, (1.0, 2.1), "step", linear._stepped_product),
-    "softmax": Unit(_softmax, (1.0, 2.3), "softmax", softmax._shifted_rows),
-    "embedding": Unit(_embedding, (0.2, 0.2), "embedding", embedding._scatter_add),
-    "layernorm": Unit(_layernorm, (0.6, 2.5), "layernorm", layernorm._backward),
-    "matmul": Unit(_matmul, (0.9, 1.7), "step", attention._batched),
-    "row_softmax": Unit(_row_softmax, (1.0, 2.5), "row_softmax", attention._softmax_rows_backward),
-    "maxpool": Unit(_maxpool, (0.9, 1.7), "maxpool", pool._forward),
-    "avgpool": Unit(_avgpool, (0.6, 1.7), "avgpool", pool._average),
-    "dropout": Unit(_dropout, (0.4, 1.1), "dropout", dropout._apply),
-    "batchnorm": Unit(_batchnorm, (0.8, 3.5), "batchnorm", batchnorm._stats),
-    "update": Unit(lambda d: _update(d, 6), (0.4, 0.3), "update", update.step_elements),
-    "update.parallel": Unit(
-        lambda d: _update(d, update.CHUNK + 1), (0.6, 1.1), "update", update._apply
-    ),
-}
-
-
-def units_of(graph: TaskGraph, program: RankProgram | None = None) -> list[str]:
-    """The units a run of `graph` calls, in the order of UNITS. Given the rank's `program`,
-    a weight gradient's kernel is the one that steps the weights where the program fuses the
-    update into it (`RankTask.steps`), and the one that stores the gradient elsewhere; without
-    it, both."""
-    stepping = {rt.task.name for rt in program.tasks if rt.steps} if program else None
-    fused = {rt.task.name for rt in program.tasks if rt.fused_into is not None} if program else ()
-
-    def steps(task) -> bool:
-        return stepping is None or task.name in stepping
-
-    used = set()
-    for task in graph.tasks:
-        if task.op in ("filter", "conv"):
-            untied = bool(task.attrs.get("untied"))
-            kind = "filter.untied" if untied else "filter.tied"
-            used.add(kind)
-            if task.phase == "backward":
-                if untied and steps(task):
-                    used.add("filter.step")
-                if not untied or stepping is None or not steps(task):
-                    used.add(f"{kind}.gradient")  # a tied filter's step takes it whole
-        elif task.op in ("linear", "dense"):  # dense runs on the linear layer's GEMM
-            used.add("linear")
-            if task.op == "linear" and task.phase == "backward" and steps(task):
-                used.add("linear.step")
-        elif task.op == "update":
-            used.add("update")
-            large = graph.tensors[task.requirement("params").tensor].volume > update.CHUNK
-            if large and (stepping is None or task.name not in fused):
-                used.add("update.parallel")
-        elif task.op == "evaluate":
-            used.add("softmax")
-        elif task.op.startswith("batchnorm"):
-            used.add("batchnorm")
-        elif task.op in UNITS:
-            used.add(task.op)
-    return [name for name in UNITS if name in used]
-
+from runtime.compile_units import UNITS, cached, in_cache, warm
 
 #: seconds a helper process takes to start and import the kernels' modules before it compiles
 HELPER_START_S = 1.0
@@ -331,25 +75,6 @@ STEP_GROUPS = ("update",)
 GEMM_SECONDS = 1.5
 
 
-def cached(units: list[str], dtype) -> bool:
-    """Whether Numba's cache holds each unit's probe kernel for `dtype`, for the current
-    source (Numba's index is stamped with it)."""
-    for unit in units:
-        probe = UNITS[unit].probe
-        if isinstance(probe, ThreadedKernel):  # the twin this process's thread count runs
-            probe = probe.current()
-        if not _holds(probe, dtype):
-            return False
-    return True
-
-
-def warm(units: list[str], dtype) -> None:
-    """Compile (or load) the units' kernels in this process."""
-    dtype = np.dtype(dtype)
-    for name in units:
-        UNITS[name].warm(dtype)
-
-
 #: how long a run waits for a helper before it goes on and compiles what is left itself
 HELPER_TIMEOUT_S = 300.0
 
@@ -360,11 +85,11 @@ def compile_ahead(
     local_rank: int = 0,
     local_size: int = 1,
     barrier: Callable[[], None] | None = None,
-    helpers: int = 0,
+    helpers: int | Helpers = 0,
 ) -> None:
     """Compile `units` among the `local_size` ranks of this host (this one is `local_rank`), or,
-    alone on it, with `helpers` helper processes; then wait at `barrier` (every rank of a job
-    calls it, whatever its host's rank count)."""
+    alone on it, with `helpers` helper processes (or those begun with the command, `Helpers`);
+    then wait at `barrier` (every rank of a job calls it, whatever its host's rank count)."""
     if local_size > 1:
         warm(assign(units, local_size)[local_rank], dtype)
     else:
@@ -398,7 +123,7 @@ class Helpers:
         layer's product, which almost every network calls (on a warmer cache `compile_ahead`
         starts a helper only for a share it misses, when it knows the shares)."""
         probe = UNITS["linear"].probe
-        return not any(_holds(twin, dtype) for twin in (probe.serial, probe.parallel))
+        return not any(in_cache(twin, dtype) for twin in (probe.serial, probe.parallel))
 
     def __len__(self) -> int:
         return len(self.processes)
@@ -446,43 +171,31 @@ class Helpers:
 WAIT = "--wait"
 
 
-def _holds(dispatcher, dtype) -> bool:
-    """Whether Numba's cache holds `dispatcher` compiled for `dtype` (for the current source)."""
-    name = np.dtype(dtype).name
-    try:
-        index = dispatcher._cache._cache_file._load_index()
-    except (AttributeError, OSError):  # no cache, or a Numba without this layout
-        return False
-    return any(name in str(key[0]) for key in index)
-
-
 def _with_helpers(units: list[str], dtype, helpers: int | Helpers) -> None:
+    """Compile `units` here and in helper processes: those begun with the command (`Helpers`),
+    each given its share, or `helpers` of them, started now for the shares Numba's cache
+    misses."""
     if isinstance(helpers, Helpers):
         shares = assign(units, 1 + len(helpers), helpers.starting_for())
-        started = helpers.give(shares[1:], dtype)
-    else:
-        shares = assign(units, 1 + helpers, HELPER_START_S)
-        started = [
-            subprocess.Popen(
-                [sys.executable, "-m", "runtime.compile_ahead", np.dtype(dtype).name, *share],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                # the twins of `runtime.kernels.threaded` this run calls: its thread count's
-                env={**os.environ, "NUMBA_NUM_THREADS": str(numba.get_num_threads())},
-            )
-            for share in shares[1:]
-            if share and not cached(share, dtype)
-        ]
+        _compile_beside(shares[0], dtype, helpers.give(shares[1:], dtype))
+        return
+    shares = assign(units, 1 + helpers, HELPER_START_S)
+    missed = [share for share in shares[1:] if share and not cached(share, dtype)]
+    with Helpers(len(missed)) as started:
+        _compile_beside(shares[0], dtype, started.give(missed, dtype))
+
+
+def _compile_beside(mine: list[str], dtype, busy: list[subprocess.Popen]) -> None:
+    """Compile `mine` while the helpers `busy` compile theirs, and wait for them."""
     try:
-        warm(shares[0], dtype)
-        for process in started:
+        warm(mine, dtype)
+        for process in busy:
             try:
                 process.wait(timeout=HELPER_TIMEOUT_S)
             except subprocess.TimeoutExpired:  # the run compiles what is left itself
                 pass
     finally:
-        for process in started:
+        for process in busy:
             if process.poll() is None:
                 process.kill()
                 process.wait()

@@ -2,7 +2,7 @@
 parallel loops would not repay compiling them (`threads_worth_compiling`).
 
 A kernel's parallel loops compile in about twice its plain loops' time
-(`compile_ahead.Unit.seconds`), once per Numba cache, and save at most (1 − 1/T) of its time on
+(`compile_units.Unit.seconds`), once per Numba cache, and save at most (1 − 1/T) of its time on
 T threads, every step. A run whose kernels, as the cost model prices its steps and its
 evaluations' forward passes on one thread (`run_kernel_seconds`), would save less than that
 compiling adds runs on one thread, its kernels' plain loops (`runtime.kernels.threaded`): the
@@ -22,7 +22,7 @@ from legion_nn.graph import TaskGraph
 from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from runtime.compile_ahead import UNITS
+from runtime.compile_units import UNITS
 
 
 def choose_threads(

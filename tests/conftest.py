@@ -54,7 +54,8 @@ def _compile_kernels_ahead() -> None:
     from partitioner.plan import build_plan
     from partitioner.strategy import builtin
     from runtime.aligned import LINE, PAGE
-    from runtime.compile_ahead import UNITS, cached, compile_ahead
+    from runtime.compile_ahead import compile_ahead
+    from runtime.compile_units import UNITS, cached
     from runtime.step.buffers import COLOURED
     from runtime.step.compiled_placement import first_fit
     from runtime.step.prediction import predict_step, simulate_compiled

@@ -309,7 +309,8 @@ def _compile_ahead(
 
     def run(graph, prepared) -> None:
         from legion_nn.cores import spare_cores
-        from runtime.compile_ahead import compile_ahead, units_of
+        from runtime.compile_ahead import compile_ahead
+        from runtime.compile_units import units_of
         from runtime.kernel_threads import choose_threads
 
         spare = spare_cores() if helpers and local_size == 1 else 0

@@ -184,7 +184,7 @@ def _tanh_slope(v):
 
 
 # parallel loops only, unlike the kernels of `runtime.kernels.threaded`: with plain loops these
-# compiled in 4.6-5.3 s against 3.9 s with parallel ones (`compile_ahead`'s gelu unit on an empty
+# compiled in 4.6-5.3 s against 3.9 s with parallel ones (`compile_units`'s gelu unit on an empty
 # cache), so a rank with one thread runs the parallel ones
 @njit(cache=True, nogil=True, parallel=True, fastmath={"contract"})
 def _forward(x, code, tables, y, add):

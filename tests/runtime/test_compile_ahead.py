@@ -1,85 +1,21 @@
-"""Compiling a run's kernels ahead: which units a graph needs, how they are shared among
-processes, and that a run after them compiles nothing (on an empty Numba cache)."""
+"""Compiling a run's kernels ahead: how its units are shared among processes, the helpers that
+compile beside a run, and that a run after them compiles nothing (on an empty Numba cache)."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 from legion_nn.networks import load_network
-from partitioner.machine import Machine
-from partitioner.plan import build_plan
-from partitioner.strategy import builtin
-from runtime.compile_ahead import (
-    GEMM_GROUPS,
-    GEMM_SECONDS,
-    STEP_GROUPS,
-    UNITS,
-    WAIT,
-    Helpers,
-    assign,
-    cached,
-    units_of,
-    warm,
-)
-from runtime.step.programs import build_programs
+from runtime.compile_ahead import GEMM_GROUPS, GEMM_SECONDS, STEP_GROUPS, WAIT, Helpers, assign
+from runtime.compile_units import UNITS
 from tests.paths import ROOT
 
 
 def graph_of(name: str, optimizer: str = "adam"):
     return load_network(name).lower(batch=4, dtype="float32", optimizer=optimizer)
-
-
-def test_a_graph_needs_the_units_of_its_ops_and_optimizer():
-    assert units_of(graph_of("seed-lcn-small")) == [
-        "filter.untied",
-        "filter.untied.gradient",
-        "filter.step",
-        "filterA",
-        "filterNL",
-        "linear",
-        "linear.step",
-        "softmax",
-        "update",
-        "update.parallel",
-    ]
-    assert units_of(graph_of("three-layer-convnet", "sgd")) == [
-        "filter.tied",
-        "filter.tied.gradient",
-        "filterNL",
-        "linear",
-        "linear.step",
-        "softmax",
-        "maxpool",
-        "update",
-        "update.parallel",
-    ]
-
-
-@pytest.mark.parametrize(
-    "strategy, nranks, stepped",
-    [("data", 1, True), ("data", 2, False)],
-)
-def test_a_rank_compiles_the_weight_gradient_kernels_its_program_calls(strategy, nranks, stepped):
-    """Where the program fuses the updates into the gradients' kernels, those kernels step the
-    weights and none stores a weight gradient; where the gradients are summed across ranks
-    (data parallel), they are stored and updated after."""
-    graph = graph_of("seed-lcn-small")
-    plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
-    program = build_programs(graph, plan, Machine(), [0])[0]
-    units = set(units_of(graph, program))
-    assert (
-        {"filter.step", "linear.step"} <= units
-        if stepped
-        else not units & {"filter.step", "linear.step"}
-    )
-    assert ("filter.untied.gradient" in units) is not stepped
-    # L1.W's update runs as a task of its own, on a parallel loop, only where it is not fused
-    assert ("update.parallel" in units) is not stepped
-    assert {"filter.untied", "linear", "update"} <= units
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 5])
@@ -125,12 +61,6 @@ def test_one_process_compiles_the_gemm_first_and_the_others_reach_it_last(proces
     assert heaviest in shares[first[0]]  # the group that took the GEMM's compile with it
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_every_unit_runs_its_kernels(dtype):
-    warm(list(UNITS), dtype)
-    assert cached(list(UNITS), dtype)
-
-
 @pytest.mark.parametrize(("before", "begun"), [([], True), (["filter.untied"], False)])
 def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, before, begun):
     """On an empty cache, with a helper begun before the units are known (`Helpers`), or on one
@@ -144,7 +74,8 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         from numba.core import event
         from cli.main import main
         from legion_nn.networks import load_network
-        from runtime.compile_ahead import Helpers, cached, compile_ahead, units_of, warm
+        from runtime.compile_ahead import Helpers, compile_ahead
+        from runtime.compile_units import cached, units_of, warm
 
         graph = load_network("seed-lcn-small").lower(batch=8, dtype="float32", optimizer="adam")
         units = units_of(graph)

@@ -7,7 +7,7 @@ from legion_nn.networks import load_network
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.compile_ahead import UNITS
+from runtime.compile_units import UNITS
 from runtime.kernel_threads import run_kernel_seconds, threads_worth_compiling
 
 
