@@ -30,7 +30,7 @@ successive cache-line colours within a page, for the reason `runtime.aligned` gi
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
@@ -223,11 +223,11 @@ def _hop_sizes(collective: Collective, rank: int) -> tuple[int, ...]:
     return tuple(min(size, segment) for size in collective.rounds.adding_sizes.get(rank, ()))
 
 
-def hop_buffers(program: RankProgram, rank: int) -> tuple[tuple[int, ...], ...]:
-    """Per collective of `program`, the elements of each buffer `rank`'s adding hops receive
-    into, as `step_slots` places them: ranks that run one program (a class of
-    `runtime.step.rank_classes`) hold the same buffers where these agree."""
-    return tuple(_hop_sizes(collective, rank) for _, collective in program.collectives)
+def hop_buffers(collectives: Iterable[Collective], rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per collective `rank` joins (`shared_programs.collectives_of`), the elements of each buffer
+    its adding hops receive into, as `step_slots` places them: ranks that run one program (a
+    class of `runtime.step.rank_classes`) hold the same buffers where these agree."""
+    return tuple(_hop_sizes(collective, rank) for collective in collectives)
 
 
 def direct(graph: TaskGraph, program: RankProgram, m: Message, layouts) -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 
 from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
 from runtime.step.rank_program import Collective, Message, RankProgram
-from runtime.step.shared_programs import built, own_messages, source
+from runtime.step.shared_programs import built, own_collectives, own_messages, source
 from runtime.step.simulator import Links
 
 #: `rank_cpu.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
@@ -242,10 +242,11 @@ class _Flattener:
         program: RankProgram,
         compute: Sequence[float],
         own: Mapping[int, Message] | None = None,
+        joined: Mapping[int, Collective] | None = None,
     ) -> _Template:
         """`_Simulator._program`'s instructions for `rank`, which runs `program`; where that is
-        another rank's, moved (`shared_programs.source`), `own` gives `rank`'s own of its messages.
-        Returns them as a template for the ranks moved from this one (`again`)."""
+        another rank's, moved (`shared_programs.source`), `own` gives `rank`'s own of its messages
+        and `joined` of its collectives. Returns them as a template for the ranks moved from this one (`again`)."""
         slow = self.slowdown[rank]
         memory = self.memory * slow
         first, waits = len(self.ops), self.waits
@@ -298,7 +299,8 @@ class _Flattener:
                 self.ops.append((SYNC, 0, 0))
                 self.wait([])
             for collective in rt.collectives:
-                self.ops.append((START, self.collective(collective)[rank], 0))
+                mine = collective if joined is None else joined[collective.seq]
+                self.ops.append((START, self.collective(mine)[rank], 0))
                 patches.append((len(self.ops) - 1 - first, START, collective))
                 started += 1
             if rt.complete_after - completed > 0:
@@ -322,16 +324,22 @@ class _Flattener:
         lo = self._add_key_array(everything)
         return lo, lo + len(everything)
 
-    def again(self, template: _Template, rank: int, own: Mapping[int, Message]) -> None:
+    def again(
+        self,
+        template: _Template,
+        rank: int,
+        own: Mapping[int, Message],
+        joined: Mapping[int, Collective],
+    ) -> None:
         """`program`'s instructions for `rank`, whose program, compute and CPU share are those
-        `template` was made with, moved from another rank's: the template's, each message
-        `rank`'s own and each collective `rank`'s instance of it."""
+        `template` was made with, moved from another rank's: the template's, each message and
+        collective `rank`'s own (its instance of the collective)."""
         start = len(self.ops)
         self.ops.extend(template.ops)
         ops = self.ops
         for at, code, what in template.patches:
             if code == START:
-                ops[start + at] = (START, self.collective(what)[rank], 0)
+                ops[start + at] = (START, self.collective(joined[what.seq])[rank], 0)
                 continue
             mine = [own[m.seq] for m in what]
             if code == _EVERY_SEND:
@@ -350,6 +358,7 @@ class _Flattener:
         templates: dict[int, _Template] = {}
         for rank in self.programs:
             own = own_messages(self.programs, rank)
+            joined = own_collectives(self.programs, rank)
             program = source(self.programs, rank)
             template = templates.get(program.rank) if own is not None else None
             if (
@@ -357,9 +366,9 @@ class _Flattener:
                 and template.slowdown == self.slowdown[rank]
                 and list(template.compute) == list(compute[rank])
             ):
-                self.again(template, rank, own)
+                self.again(template, rank, own, joined)
             else:
-                made = self.program(rank, program, compute[rank], own)
+                made = self.program(rank, program, compute[rank], own, joined)
                 if own is None:
                     templates[rank] = made
             op_ptr.append(len(self.ops))

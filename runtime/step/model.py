@@ -65,6 +65,14 @@ KEPT_PLANS = 4
 FORK_TO_PLACE = 5_000
 
 
+def simulation_budget(nranks: int) -> int | None:
+    """The most (rank, task) pairs whose programs `StepModel.simulated` builds to simulate a
+    plan on `nranks` ranks: no limit up to `PLACED_MAX_RANKS` ranks, where the memory a command
+    reports is placed from every rank's program anyway (so a simulated step costs only its
+    simulation), else `SIMULATE_MAX_WORK`."""
+    return None if nranks <= PLACED_MAX_RANKS else SIMULATE_MAX_WORK
+
+
 class StepModel:
     """Predictions of plans on `machine`, kept per plan (see the module docstring)."""
 
@@ -265,10 +273,10 @@ class StepModel:
 
     def simulated(self, graph: TaskGraph, plan: Plan) -> SimulatedStep | None:
         """The simulated step of `plan`, without the machine's time outside the tasks; None
-        where its programs would take more than `SIMULATE_MAX_WORK` to build."""
+        where its programs would take more to build than `simulation_budget` allows."""
         key = self._plan_key(graph, plan)
         if key not in self._simulated:
-            programs = self.programs(graph, plan, SIMULATE_MAX_WORK)
+            programs = self.programs(graph, plan, simulation_budget(plan.nranks))
             self._simulated[key] = None if programs is None else predict_step(
                 graph, plan, self.machine, programs=programs, simulate=simulate_compiled
             )  # fmt: skip
@@ -326,7 +334,7 @@ class StepModel:
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
         """`prediction.step_report` of `plan`, its simulation made once: simulated wherever its
-        programs are within `prediction.SIMULATE_MAX_WORK`, whatever `step` compares."""
+        programs are within `simulation_budget`, whatever `step` compares."""
         return step_report(graph, plan, self.machine, bulk_seconds, self.simulated(graph, plan))
 
     def memory_prediction(self, graph: TaskGraph, plan: Plan) -> dict:
@@ -372,7 +380,7 @@ class StepModel:
         key = self._plan_key(graph, plan)
         apart = None
         if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
-            programs = self.programs(graph, plan, SIMULATE_MAX_WORK)
+            programs = self.programs(graph, plan, simulation_budget(plan.nranks))
             if programs is not None and sum(len(p.tasks) for p in built(programs)) >= FORK_TO_PLACE:
                 apart = self._look_ahead({key: partial(self.memory_prediction, graph, plan)})
         step = self.step_prediction(graph, plan, bulk_seconds)

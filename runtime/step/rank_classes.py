@@ -10,7 +10,9 @@ Those decisions do not change when every rect of a tensor moves by the same offs
 
 - Each rank's *signature* is everything its builder is told, in the order told (`task_events`):
   its pieces' requirements, its messages (its end of each, bytes, when posted), its part in each
-  collective (the targets and whether it holds each) and the cells it holds of each layout.
+  collective it joins (the targets and whether it holds each, in the order it joins them: not
+  which of a task's collectives it joins, so that the ranks of a batch group's channel sums
+  are alike whatever their group) and the cells it holds of each layout.
   The bytes its collectives' hops send, which its builder only adds up, are kept beside
   (`RankClasses.hop_bytes`), so that the uneven chunks of a ring do not split the ranks of a
   data-parallel step into classes; the memory model places a rank's buffers apart where its
@@ -29,7 +31,8 @@ Those decisions do not change when every rect of a tensor moves by the same offs
 - Ranks with equal signatures form a class. Telling them the same things with every rect of a
   tensor moved by the difference of their frames, their builders make the same decisions: the
   program of one is that of another with its rects moved, and with each message replaced by the
-  rank's own message told at the same point.
+  rank's own message told at the same point, and each collective by the rank's own joined at the
+  same point.
 - `shared_programs.SharedPrograms` moves those programs from the class's first rank's when asked for. Pieces
   are the rank's own. Fusing updates into their gradients' kernels compares rects of two
   tensors once (an update's parameters against its gradient), and that comparison is part of
@@ -66,6 +69,8 @@ class RankClasses:
     _frames: _Frames
     #: per rank, the messages it was told of, in the order told (once per end it is)
     messages: dict[int, list[Message]]
+    #: per rank, the collectives it joins, in the order told
+    collectives: dict[int, list[Collective]]
     #: per rank, the bytes its collectives' hops send: ranks of a class may send different
     #: shares of a collective (a ring cuts n elements into chunks of ⌊n/p⌋ and ⌈n/p⌉), which
     #: their builders only add up
@@ -79,6 +84,11 @@ class RankClasses:
         """Per message `source` was told of (by sequence number), the message `rank` of its
         class was told at the same point."""
         return dict(zip((m.seq for m in self.messages[source]), self.messages[rank]))
+
+    def own_collectives(self, source: int, rank: int) -> dict[int, Collective]:
+        """Per collective `source` joins (by sequence number), the collective `rank` of its
+        class joins at the same point."""
+        return dict(zip((c.seq for c in self.collectives[source]), self.collectives[rank]))
 
 
 class _Frames:
@@ -154,9 +164,12 @@ class _Told:
         return np.array([ids.setdefault(row, len(ids)) for row in rows], np.int64)
 
 
-#: sharing gives up once the ranks fall into more classes than this share of them: building
-#: each would cost little more than building them all, and telling them apart costs on
-SHARED_AT_MOST = 0.25
+#: sharing gives up once the ranks fall into more classes than this share of them, where
+#: building one per class saves too little to repay telling them apart: on DenseNet-121's 64
+#: ranks telling them apart takes about 1.4 s, about what building 7 ranks' programs does, and
+#: a mixture of its data-parallel layers with a classifier cut 4 by batch and 16 by channels
+#: has 17 classes (the channel sums' 16 places in a group, rank 0 apart)
+SHARED_AT_MOST = 0.5
 
 
 def rank_classes(
@@ -176,8 +189,10 @@ def rank_classes(
     slot_of[ranks] = np.arange(len(ranks))
     told = np.zeros(len(ranks), np.int64)
     messages: dict[int, list[Message]] = {rank: [] for rank in ranks}
+    collectives: dict[int, list[Collective]] = {rank: [] for rank in ranks}
     hop_bytes = dict.fromkeys(ranks, 0)
     requirement_ids: dict[tuple, int] = {}
+    collective_row_ids: dict[tuple, int] = {}
 
     #: per layout (by id: the plan and the events hold them), its held cells: a layout stays
     #: a tensor's across the tasks that leave it as it is
@@ -206,11 +221,22 @@ def rank_classes(
         if event.messages:
             for slots, rows in _message_rows(event.messages, slot_of, frames, messages):
                 now.rows(slots, rows)
-        for collective, sent in event.collectives:
-            for rank, nbytes in sent.items():
-                if rank in hop_bytes:
-                    hop_bytes[rank] += nbytes
-            now.rows(*_collective_rows(collective, slot_of, frames))
+        if event.collectives:
+            joined = []
+            for collective, sent in event.collectives:
+                for rank, nbytes in sent.items():
+                    if rank in hop_bytes:
+                        hop_bytes[rank] += nbytes
+                slots, rows = _collective_rows(collective, slot_of, frames)
+                for slot in slots.tolist():
+                    collectives[ranks[slot]].append(collective)
+                joined.append((slots, _row_ids(rows, collective_row_ids)))
+            # one column for all the task's collectives: a rank's part in each it joins, in
+            # order, whichever of them it joins
+            now.rows(
+                np.concatenate([slots for slots, _ in joined]),
+                np.concatenate([ids for _, ids in joined])[:, None],
+            )
         held(now, event.holdings)
         told = now.settle(told)
         if told.max(initial=0) + 1 > most:
@@ -218,7 +244,19 @@ def rank_classes(
     members: dict[int, list[int]] = defaultdict(list)
     for rank, found in zip(ranks, told.tolist()):
         members[found].append(rank)
-    return RankClasses({group[0]: group for group in members.values()}, frames, messages, hop_bytes)
+    return RankClasses(
+        {group[0]: group for group in members.values()}, frames, messages, collectives, hop_bytes
+    )
+
+
+def _row_ids(rows: np.ndarray, ids: dict[tuple, int]) -> np.ndarray:
+    """An id per row of `rows`, equal for equal rows of any array given the same `ids`."""
+    if not rows.size:
+        return np.full(len(rows), ids.setdefault((rows.shape[1], b""), len(ids) + 1), np.int64)
+    unique, inverse = np.unique(rows, axis=0, return_inverse=True)
+    width = rows.shape[1]
+    found = [ids.setdefault((width, row.tobytes()), len(ids) + 1) for row in unique]
+    return np.asarray(found, np.int64)[inverse.reshape(-1)]
 
 
 def _message_rows(

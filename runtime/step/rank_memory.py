@@ -29,7 +29,7 @@ from runtime.instances import choose_storage_orders
 from runtime.step.buffers import PREDICTED_COMPILED_FROM, StepBuffers, hop_buffers, step_buffers
 from runtime.step.programs import build_programs
 from runtime.step.rank_program import RankProgram
-from runtime.step.shared_programs import source
+from runtime.step.shared_programs import collectives_of, source
 
 #: plans on more ranks are given the held-all-step count (`HELD`), not placed buffers
 PLACED_MAX_RANKS = 64
@@ -97,14 +97,16 @@ def predict(
     out = {}
     #: per program placed and its adding hops' buffers, its resident bytes and buffers: a
     #: rank whose program is moved from another's (`shared_programs.source`) holds buffers of the
-    #: same sizes, used alike, but for the chunks of collectives it adds (`hop_buffers`)
+    #: same sizes, used alike, but for the chunks of collectives it adds (`hop_buffers`, of
+    #: the collectives it joins)
     placed: dict[tuple, tuple[dict[str, int], StepBuffers]] = {}
     for rank in ranks:
         program = source(programs, rank)
-        key = (id(program), hop_buffers(program, rank))
+        key = (id(program), hop_buffers(collectives_of(programs, rank), rank))
         found = placed.get(key)
         if found is None:
-            if program.rank != rank and key[1] != hop_buffers(program, program.rank):
+            mine = [c for _, c in program.collectives]
+            if program.rank != rank and key[1] != hop_buffers(mine, program.rank):
                 program = programs[rank]  # its own, moved: its hops' buffers
             resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
             for name, box in program.boxes.items():

@@ -1,7 +1,8 @@
 """Every rank's program from the one built per class of `rank_classes`: a rank's own is its
 class's first rank's program with each rect moved by the difference of the two ranks' frames and
-each message replaced by the rank's own told at the same point. The step's simulators and the
-memory model read a class's program once for all its ranks (`source`, `own_messages`, `built`).
+each message and collective replaced by the rank's own told at the same point. The step's
+simulators and the memory model read a class's program once for all its ranks (`source`,
+`own_messages`, `own_collectives`, `collectives_of`, `built`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from legion_nn.rect import Rect
 from runtime.step.rank_classes import RankClasses
-from runtime.step.rank_program import Message, PieceWork, RankProgram, RankTask
+from runtime.step.rank_program import Collective, Message, PieceWork, RankProgram, RankTask
 from runtime.step.task_events import TaskEvents
 
 
@@ -58,6 +59,12 @@ class SharedPrograms(Mapping[int, RankProgram]):
         source = self._like[rank]
         return None if source == rank else self.classes.own_messages(source, rank)
 
+    def own_collectives(self, rank: int) -> dict[int, Collective] | None:
+        """Per collective of `like(rank)`'s program (by sequence number), `rank`'s own at the
+        same point; None for a class's first rank."""
+        source = self._like[rank]
+        return None if source == rank else self.classes.own_collectives(source, rank)
+
 
 def source(programs: Mapping[int, RankProgram], rank: int) -> RankProgram:
     """The program `rank`'s is moved from (`SharedPrograms`), else `rank`'s own: it runs the
@@ -71,6 +78,21 @@ def own_messages(programs: Mapping[int, RankProgram], rank: int) -> dict[int, Me
     """Per message of `source(programs, rank)` (by sequence number), `rank`'s own at the same
     point; None where that program is `rank`'s own."""
     return programs.own_messages(rank) if isinstance(programs, SharedPrograms) else None
+
+
+def own_collectives(programs: Mapping[int, RankProgram], rank: int) -> dict[int, Collective] | None:
+    """Per collective of `source(programs, rank)` (by sequence number), `rank`'s own at the same
+    point; None where that program is `rank`'s own."""
+    return programs.own_collectives(rank) if isinstance(programs, SharedPrograms) else None
+
+
+def collectives_of(programs: Mapping[int, RankProgram], rank: int) -> list[Collective]:
+    """The collectives `rank` joins, in the order it starts them, without moving its program."""
+    program = source(programs, rank)
+    own = own_collectives(programs, rank)
+    if own is None:
+        return [c for _, c in program.collectives]
+    return [own[c.seq] for _, c in program.collectives]
 
 
 def built(programs: Mapping[int, RankProgram]) -> list[RankProgram]:
@@ -97,6 +119,7 @@ def _moved(
         return rect if offset is None else rect.translate(offset)
 
     own = classes.own_messages(source.rank, rank)
+    own_collectives = classes.own_collectives(source.rank, rank)
 
     def mine(messages: list[Message]) -> list[Message]:
         return [own[m.seq] for m in messages]
@@ -110,7 +133,7 @@ def _moved(
             mine(rt.copies_in),
             mine(rt.partial_out),
             mine(rt.partial_in),
-            list(rt.collectives),
+            [own_collectives[c.seq] for c in rt.collectives],
             {t: [move(t, r) for r in rects] for t, rects in rt.local_parts.items()},
             mine(rt.post),
             set(rt.in_place),

@@ -181,18 +181,25 @@ def test_the_step_is_simulated_where_its_programs_are_few_enough_to_build(monkey
         predict_step(graph, plan, machine).seconds + 5e-4, rel=1e-12
     )
     assert step["bulk_synchronous_seconds"] == pytest.approx(cost.step_seconds + 5e-4)
-    # room to build 3 ranks' programs of 8: a data-parallel step builds 2 (rank 0, which holds
-    # the loss, and one for the 7 alike) and is simulated; the ranks of a model-parallel step all
-    # differ, and it is summed
+    # room to build 3 ranks' programs of 8: up to `PLACED_MAX_RANKS` ranks, whose memory is
+    # placed from every rank's program anyway, no limit applies; beyond (here made 4), a
+    # data-parallel step builds 2 (rank 0, which holds the loss, and one for the 7 alike) and is
+    # simulated, and the ranks of a model-parallel step all differ, and it is summed
     room = 3 * len(graph.tasks)
     monkeypatch.setattr(step_model, "SIMULATE_MAX_WORK", room)
+    model = build_plan(graph, builtin(graph, "model", 8), 8)
+    step = StepModel(machine).step_prediction(graph, model, 1.0)
+    assert step["step_model"] == "simulated"
+    assert step["predicted_step_seconds"] == pytest.approx(
+        predict_step(graph, model, machine).seconds + 5e-4, rel=1e-12
+    )
+    monkeypatch.setattr(step_model, "PLACED_MAX_RANKS", 4)
     data = build_plan(graph, builtin(graph, "data", 8), 8)
     step = StepModel(machine).step_prediction(graph, data, 1.0)
     assert step["step_model"] == "simulated"
     assert step["predicted_step_seconds"] == pytest.approx(
         predict_step(graph, data, machine).seconds + 5e-4, rel=1e-12
     )
-    model = build_plan(graph, builtin(graph, "model", 8), 8)
     assert StepModel(machine).programs(graph, model, room) is None
     step = StepModel(machine).step_prediction(graph, model, 1.0)
     assert step["step_model"] == "bulk-synchronous"

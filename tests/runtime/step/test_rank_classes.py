@@ -15,7 +15,7 @@ from partitioner.machine import Machine
 from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
-from partitioner.strategy import builtin
+from partitioner.strategy import builtin, from_grids
 from runtime.step import programs as programs_module
 from runtime.step.class_bound import fewest_classes
 from runtime.step.compiled import flatten
@@ -153,7 +153,7 @@ def test_ranks_bound_to_too_many_classes_are_not_told_apart(monkeypatch):
     data = build_plan(graph, builtin(graph, "data", 8), 8)
     assert fewest_classes(model, range(8)) > 2
     assert fewest_classes(data, range(8)) <= 2
-    budget = 3 * len(graph.tasks)
+    budget = 2 * len(graph.tasks)
     told = []
     real = programs_module.rank_classes
     monkeypatch.setattr(
@@ -188,8 +188,11 @@ def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(netwo
     of the programs built rank by rank."""
     graph = load_source_graph(network, 16, 16)
     chosen, _ = resolve_strategy(graph, strategy, 16, MACHINE, 5.0, None, home)
-    plan = build_plan(graph, chosen, 16)
-    everyone = list(range(16))
+    _assert_read_once_per_class_as_every_rank(graph, build_plan(graph, chosen, 16))
+
+
+def _assert_read_once_per_class_as_every_rank(graph, plan):
+    everyone = list(range(plan.nranks))
     events, messages = task_events(graph, plan, MACHINE, everyone)
     classes = rank_classes(plan, events, everyone, most=len(everyone))
     built = build_each(graph, plan, events, messages, list(classes.members))
@@ -213,6 +216,29 @@ def test_a_step_and_its_memory_read_once_per_class_are_those_of_every_rank(netwo
         built = predict(graph, plan, MACHINE, [rank], programs=alone)[rank]
         assert memory.peak == built.peak, rank
         assert memory.breakdown() == built.breakdown(), rank
+
+
+def _grouped_sums_plan():
+    """seed-lcn-small on 8 ranks, data-parallel but for its classifier, cut 2 by batch and 4 by
+    its input channels: each batch half's channel sums are a collective of its own."""
+    graph = load_source_graph("seed-lcn-small", 16, 16)
+    grids = dict(builtin(graph, "data", 8).unit_grids)
+    grids["classifier.linear1"] = (2, 1, 1, 1, 4, 1, 1)
+    return graph, build_plan(graph, from_grids(graph, grids, 8), 8)
+
+
+def test_ranks_of_different_groups_collectives_share_a_class_and_their_programs_are_built():
+    """A rank's part in the collectives it joins is told in order, not which of a task's it
+    joins: ranks 1 and 5, at the same place of the two batch halves' channel sums, are alike,
+    and each moved program joins its own half's collective."""
+    graph, plan = _grouped_sums_plan()
+    assert any(len(task.reductions) > 1 for task in plan.tasks)  # the halves' own sums
+    for fused in (False, True):
+        alone, shared, classes = _programs(graph, plan, 8, fused)
+        _equal(alone, shared)
+    assert [1, 5] in classes.members.values()
+    assert {c.seq for _, c in shared[5].collectives} != {c.seq for _, c in shared[1].collectives}
+    _assert_read_once_per_class_as_every_rank(graph, plan)
 
 
 def _flat(graph, plan, programs):
