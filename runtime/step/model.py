@@ -246,6 +246,9 @@ class StepModel:
             if done:
                 found = self._placed[key] = [value]
             elif key in self._place_in_shares and self._workers and can_fork() and not self._busy():
+                # built here first: the report simulates the step from them, and every share
+                # reads them rather than building its ranks' again
+                self.programs(graph, plan, simulation_budget(plan.nranks))
                 found = self._placed[key] = self.placed_in_shares(graph, plan)
         return found
 

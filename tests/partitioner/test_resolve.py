@@ -422,14 +422,14 @@ def _placed_ahead(folder: Path, simulated: bool, busy: bool = False) -> None:
         assert sorted(int(first) for _, first, _ in placed_in) == [0, 2]
         assert {int(pid) for pid, first, _ in placed_in if first == "2"} == {os.getpid()}
         assert len({pid for pid, _, _ in placed_in}) == 2
-        # from the programs the simulated step built here, where it was simulated
-        assert {built for _, _, built in placed_in} == {"built" if simulated else "new"}
+        # from the programs built here, from which the report simulates the step
+        assert {built for _, _, built in placed_in} == {"built"}
 
 
 @pytest.mark.parametrize("simulated, busy", [(True, False), (False, False), (True, True)])
 def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory(tmp_path, simulated, busy):
     """Once auto's search is done, `partition` places its grids' every rank ahead: in a forked
     process while it simulates their step where a process is free, else in shares on every
-    core as the peak is asked for (from the programs built for the step, where they are): the
-    same step, peak and memory, each rank placed once."""
+    core as the peak is asked for (from every rank's programs built here first, which the
+    report's simulated step reads): the same step, peak and memory, each rank placed once."""
     in_fresh_process(_placed_ahead, tmp_path, simulated, busy)
