@@ -70,9 +70,10 @@ GEMM_GROUPS = ("gemm", "gradient", "step")
 #: the groups whose kernels the GEMM callers' kernels call in their fused optimizer steps
 #: (`update.step_elements`)
 STEP_GROUPS = ("update",)
-#: what compiling the GEMM takes, once per dtype (its 30 unrolled tile bodies), beyond its
-#: callers' `Unit.seconds`, with plain loops or parallel ones alike (a C function of its own)
-GEMM_SECONDS = 1.5
+#: what compiling the GEMM takes, once per dtype (its 20 unrolled tile bodies), beyond its
+#: callers' `Unit.seconds`, with plain loops or parallel ones alike (a C function of its own;
+#: `bench/unit_compile_seconds.py`)
+GEMM_SECONDS = 0.8
 
 
 #: how long a run waits for a helper before it goes on and compiles what is left itself

@@ -174,10 +174,12 @@ def _update(dtype: np.dtype, elements: int) -> None:
 @dataclass(frozen=True)
 class Unit:
     """One op's kernels: `warm(dtype)` compiles them; `seconds` is their compile time on an
-    empty cache on the development machine (the GEMM already compiled), by a process with one
-    thread (plain loops, `runtime.kernels.threaded`) and with more (parallel loops): the weight
-    of the assignment (`weight`); units of one `group` go to one process; `probe` is one of the
-    kernels, whose cache entry stands for the unit's."""
+    empty cache (the GEMM and the units of its group listed before it already compiled), by a
+    process with one thread (plain loops, `runtime.kernels.threaded`) and with more (parallel
+    loops), as `bench/unit_compile_seconds.py` measures it (on the 2-core AMD EPYC VM; a unit
+    with no plain twin, GELU's and the embedding's, one figure for both): the
+    weight of the assignment (`weight`); units of one `group` go to one process; `probe` is one
+    of the kernels, whose cache entry stands for the unit's."""
 
     warm: Callable[[np.dtype], None]
     seconds: tuple[float, float]
@@ -190,38 +192,40 @@ class Unit:
 
 
 UNITS: dict[str, Unit] = {
-    "filter.untied": Unit(lambda d: _filter(d, True), (1.0, 2.2), "gemm", filter_packed._forward),
-    "filter.tied": Unit(lambda d: _filter(d, False), (1.5, 2.1), "gemm", filter_packed._forward),
+    "filter.untied": Unit(lambda d: _filter(d, True), (0.84, 1.77), "gemm", filter_packed._forward),
+    "filter.tied": Unit(lambda d: _filter(d, False), (0.79, 1.72), "gemm", filter_packed._forward),
     "filter.untied.gradient": Unit(
         lambda d: _filter_gradient(d, True),
-        (1.3, 2.9),
+        (1.03, 2.42),
         "gradient",
         filter_packed._backward_filter_untied,
     ),
     "filter.tied.gradient": Unit(
         lambda d: _filter_gradient(d, False),
-        (6.8, 8.5),
+        (4.54, 6.60),
         "gradient",
         filter_packed._backward_filter_tied,
     ),
-    "filter.step": Unit(_filter_step, (2.0, 3.5), "step", filter_packed._step_untied),
-    "filterA": Unit(_affine, (0.6, 1.4), "filterA", affine._forward),
-    "filterNL": Unit(_nonlinear, (0.9, 1.8), "filterNL", nonlinear._forward),
-    "gelu": Unit(_gelu, (3.9, 3.9), "gelu", gelu._forward),
-    "linear": Unit(_linear, (0.7, 0.9), "step", linear._tiled_product),
-    "linear.step": Unit(_linear_step, (1.0, 2.1), "step", linear._stepped_product),
-    "softmax": Unit(_softmax, (1.0, 2.3), "softmax", softmax._shifted_rows),
-    "embedding": Unit(_embedding, (0.2, 0.2), "embedding", embedding._scatter_add),
-    "layernorm": Unit(_layernorm, (0.6, 2.5), "layernorm", layernorm._backward),
-    "matmul": Unit(_matmul, (0.9, 1.7), "step", attention._batched),
-    "row_softmax": Unit(_row_softmax, (1.0, 2.5), "row_softmax", attention._softmax_rows_backward),
-    "maxpool": Unit(_maxpool, (0.9, 1.7), "maxpool", pool._forward),
-    "avgpool": Unit(_avgpool, (0.6, 1.7), "avgpool", pool._average),
-    "dropout": Unit(_dropout, (0.4, 1.1), "dropout", dropout._apply),
-    "batchnorm": Unit(_batchnorm, (0.8, 3.5), "batchnorm", batchnorm._stats),
-    "update": Unit(lambda d: _update(d, 6), (0.4, 0.3), "update", update.step_elements),
+    "filter.step": Unit(_filter_step, (1.28, 2.70), "step", filter_packed._step_untied),
+    "filterA": Unit(_affine, (0.36, 1.31), "filterA", affine._forward),
+    "filterNL": Unit(_nonlinear, (0.50, 1.31), "filterNL", nonlinear._forward),
+    "gelu": Unit(_gelu, (3.17, 3.17), "gelu", gelu._forward),
+    "linear": Unit(_linear, (0.37, 0.59), "step", linear._tiled_product),
+    "linear.step": Unit(_linear_step, (0.30, 1.00), "step", linear._stepped_product),
+    "softmax": Unit(_softmax, (0.77, 1.94), "softmax", softmax._shifted_rows),
+    "embedding": Unit(_embedding, (0.10, 0.10), "embedding", embedding._scatter_add),
+    "layernorm": Unit(_layernorm, (0.57, 1.59), "layernorm", layernorm._backward),
+    "matmul": Unit(_matmul, (0.48, 1.21), "step", attention._batched),
+    "row_softmax": Unit(
+        _row_softmax, (0.65, 1.97), "row_softmax", attention._softmax_rows_backward
+    ),
+    "maxpool": Unit(_maxpool, (0.56, 1.40), "maxpool", pool._forward),
+    "avgpool": Unit(_avgpool, (0.52, 1.47), "avgpool", pool._average),
+    "dropout": Unit(_dropout, (0.39, 0.76), "dropout", dropout._apply),
+    "batchnorm": Unit(_batchnorm, (0.67, 2.37), "batchnorm", batchnorm._stats),
+    "update": Unit(lambda d: _update(d, 6), (0.21, 0.20), "update", update.step_elements),
     "update.parallel": Unit(
-        lambda d: _update(d, update.CHUNK + 1), (0.6, 1.1), "update", update._apply
+        lambda d: _update(d, update.CHUNK + 1), (0.23, 0.72), "update", update._apply
     ),
 }
 

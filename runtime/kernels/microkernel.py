@@ -63,6 +63,22 @@ VECTOR_BYTES = _target_vector_bytes()
 #: registers, 12 with the 16 of AVX2 or SSE, leaving room for B's vectors and a broadcast
 MAX_ROWS = 6
 MAX_VECTORS = 4 if VECTOR_BYTES == 64 else 2
+#: the row counts a tile body is unrolled for: a last row tile of 5 or 3 rows runs as 4 + 1 or
+#: 2 + 1, so that the GEMM has 4 row counts' bodies to compile rather than 6 (each of its
+#: bodies is some 40 ms of a cold start's compiling)
+TILE_ROWS = (6, 4, 2, 1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tile_rows(left):
+    """The rows of the next row tile with `left` rows of C to go: the most of `TILE_ROWS`."""
+    if left >= 6:
+        return 6
+    if left >= 4:
+        return 4
+    if left >= 2:
+        return 2
+    return 1
 
 
 def lanes(itemsize: int) -> int:
@@ -280,7 +296,7 @@ def _tile(
         switch = builder.switch(key, done)
         operands = (c_ptr, ldc_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, depth_, acc_, stream_, blocks_,
                     a_block_, b_block_)  # fmt: skip
-        for r in range(1, MAX_ROWS + 1):
+        for r in TILE_ROWS:
             # whole vectors (1..MAX_VECTORS of them), then one masked vector (key + 8)
             variants = [(v, None, f"{r}x{v}", r * 16 + v) for v in range(1, MAX_VECTORS + 1)]
             variants.append((1, tail_, f"{r}x1.masked", r * 16 + 1 + 8))
@@ -308,7 +324,9 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
     stream = accumulate == STREAM and _vector_aligned(c, ldc)
     # row tiles outermost: a tile's A rows (the weights, in the forward) are read once, while
     # B's rows, shared by every row tile, stay in cache
-    for i0 in range(0, m, MAX_ROWS):
+    i0 = 0
+    while i0 < m:
+        rows = _tile_rows(m - i0)
         n0 = 0
         while n0 < n:
             left = n - n0
@@ -317,9 +335,10 @@ def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_row
                 lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
                 prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
                 tile += 1
-            _tile(min(MAX_ROWS, m - i0), vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs,
-                  a_rs, a_cs, b, n0, ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
+            _tile(rows, vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs, a_rs, a_cs, b, n0,
+                  ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
             n0 += vectors * width if tail == width else tail
+        i0 += rows
     if stream:
         store_fence()
 
@@ -361,7 +380,7 @@ def kernels(dtype) -> np.ndarray:
 
     The GEMM is one C-callable function per element type, compiled (or loaded from Numba's
     cache) the first time a run asks for that type, and called through its address. Inlined
-    into each filter kernel, as it was, its 30 unrolled tile bodies were optimised by LLVM once
+    into each filter kernel, as it was, its unrolled tile bodies (30 then) were optimised by LLVM once
     per caller and per array layout, which made most of a cold start's 30 s of compiling."""
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
