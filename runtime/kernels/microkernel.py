@@ -380,8 +380,9 @@ def kernels(dtype) -> np.ndarray:
 
     The GEMM is one C-callable function per element type, compiled (or loaded from Numba's
     cache) the first time a run asks for that type, and called through its address. Inlined
-    into each filter kernel, as it was, its unrolled tile bodies (30 then) were optimised by LLVM once
-    per caller and per array layout, which made most of a cold start's 30 s of compiling."""
+    into each filter kernel, as it was, its unrolled tile bodies (30 then) were optimised by
+    LLVM once per caller and per array layout, which made most of a cold start's 30 s of
+    compiling."""
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise TypeError(f"tiled_gemm: float32 or float64, got {dtype}")
@@ -436,23 +437,23 @@ def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accu
     return sig, codegen
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def tiled_gemm(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc):
     """C[c_off:] (m×n, row stride ldc) = A·B (+ C if `accumulate`), offsets and strides in
     elements: A (m×k) has element (i, l) at a_off + i·a_rs + l·a_cs, B (k×n) is row-major with
     unit-stride rows. With k = 0 it writes zeros (or leaves C as it is). `kernels` is
     `kernels(dtype)` for the operands' dtype.
 
-    It calls the GEMM itself rather than through `tiled_gemm_prefetching` with nothing to
-    prefetch: each wrapper is compiled once per caller's operand types, and a call through the
-    other compiled both (0.1-0.3 s each on an empty cache)."""
-    if m <= 0 or n <= 0:
-        return
-    _call(_address(kernels, a), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
-          c_off, ldc, 0, 0, 0, 0, 1, 0, 0)  # fmt: skip
+    The wrappers are inlined into their callers: compiled apart, each was compiled once per
+    caller's operand types (0.1–0.2 s each on an empty cache, four of them in the default job).
+    Nothing in them may leave a caller's `prange` body but through its end (`_address` raises
+    in a call of its own)."""
+    if m > 0 and n > 0:
+        _call(_address(kernels, a.itemsize), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb,
+              accumulate, c, c_off, ldc, 0, 0, 0, 0, 1, 0, 0)  # fmt: skip
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def tiled_gemm_prefetching(
     kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
     next_off, next_rows, next_ld, next_columns,
@@ -465,13 +466,13 @@ def tiled_gemm_prefetching(
     one cache line each), which the hardware prefetchers do not follow, and it ran at 65–70%
     of SGEMM against 90% with the block hinted in ahead, spread over the tiles so that the
     hints do not overflow the core's queue of outstanding misses."""
-    if m <= 0 or n <= 0:
-        return
-    _call(_address(kernels, a), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
-          c_off, ldc, next_off - a_off, next_rows, next_ld, next_columns, 1, 0, 0)  # fmt: skip
+    if m > 0 and n > 0:
+        _call(_address(kernels, a.itemsize), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb,
+              accumulate, c, c_off, ldc, next_off - a_off, next_rows, next_ld, next_columns, 1,
+              0, 0)  # fmt: skip
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def tiled_gemm_sum(kernels, m, n, k, blocks, a, a_off, a_rs, a_cs, a_block, b, b_off, ldb,
                    b_block, accumulate, c, c_off, ldc):  # fmt: skip
     """C[c_off:] = Σ_j A_j·B_j (+ C if `accumulate`) over j < `blocks`, where A_j and B_j are
@@ -479,15 +480,17 @@ def tiled_gemm_sum(kernels, m, n, k, blocks, a, a_off, a_rs, a_cs, a_block, b, b
     blocks·k whose tiles stay in registers throughout. A filter's forward sums its window rows
     so, which with the seed's one-channel first layer (k = 9) stores each tile once instead of
     nine times."""
-    if m <= 0 or n <= 0:
-        return
-    _call(_address(kernels, a), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
-          c_off, ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
+    if m > 0 and n > 0:
+        _call(_address(kernels, a.itemsize), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb,
+              accumulate, c, c_off, ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _address(kernels, a):
-    address = kernels[0 if a.itemsize == 4 else 1]
+@njit(cache=True, nogil=True)
+def _address(kernels, itemsize):
+    """The GEMM's address for elements of `itemsize` bytes. Not inlined into the wrappers, which
+    are: a raise inside a caller's `prange` body would keep its loop from running in
+    parallel, and its one signature is compiled once for every caller."""
+    address = kernels[0 if itemsize == 4 else 1]
     if address == 0:
         raise ValueError("tiled_gemm: no GEMM compiled for this dtype; pass kernels(dtype)")
     return address
