@@ -192,40 +192,40 @@ class Unit:
 
 
 UNITS: dict[str, Unit] = {
-    "filter.untied": Unit(lambda d: _filter(d, True), (0.84, 1.77), "gemm", filter_packed._forward),
-    "filter.tied": Unit(lambda d: _filter(d, False), (0.79, 1.72), "gemm", filter_packed._forward),
+    "filter.untied": Unit(lambda d: _filter(d, True), (0.73, 1.74), "gemm", filter_packed._forward),
+    "filter.tied": Unit(lambda d: _filter(d, False), (0.65, 1.60), "gemm", filter_packed._forward),
     "filter.untied.gradient": Unit(
         lambda d: _filter_gradient(d, True),
-        (1.03, 2.42),
+        (1.00, 2.47),
         "gradient",
         filter_packed._backward_filter_untied,
     ),
     "filter.tied.gradient": Unit(
         lambda d: _filter_gradient(d, False),
-        (4.54, 6.60),
+        (4.57, 6.97),
         "gradient",
         filter_packed._backward_filter_tied,
     ),
-    "filter.step": Unit(_filter_step, (1.28, 2.70), "step", filter_packed._step_untied),
-    "filterA": Unit(_affine, (0.36, 1.31), "filterA", affine._forward),
-    "filterNL": Unit(_nonlinear, (0.50, 1.31), "filterNL", nonlinear._forward),
-    "gelu": Unit(_gelu, (3.17, 3.17), "gelu", gelu._forward),
-    "linear": Unit(_linear, (0.37, 0.59), "step", linear._tiled_product),
-    "linear.step": Unit(_linear_step, (0.30, 1.00), "step", linear._stepped_product),
-    "softmax": Unit(_softmax, (0.77, 1.94), "softmax", softmax._shifted_rows),
+    "filter.step": Unit(_filter_step, (1.37, 2.78), "step", filter_packed._step_untied),
+    "filterA": Unit(_affine, (0.38, 1.37), "filterA", affine._forward),
+    "filterNL": Unit(_nonlinear, (0.54, 1.38), "filterNL", nonlinear._forward),
+    "gelu": Unit(_gelu, (3.40, 3.40), "gelu", gelu._forward),
+    "linear": Unit(_linear, (0.27, 0.56), "step", linear._tiled_product),
+    "linear.step": Unit(_linear_step, (0.34, 1.12), "step", linear._stepped_product),
+    "softmax": Unit(_softmax, (0.74, 1.93), "softmax", softmax._shifted_rows),
     "embedding": Unit(_embedding, (0.10, 0.10), "embedding", embedding._scatter_add),
-    "layernorm": Unit(_layernorm, (0.57, 1.59), "layernorm", layernorm._backward),
-    "matmul": Unit(_matmul, (0.48, 1.21), "step", attention._batched),
+    "layernorm": Unit(_layernorm, (0.52, 1.56), "layernorm", layernorm._backward),
+    "matmul": Unit(_matmul, (0.37, 1.16), "step", attention._batched),
     "row_softmax": Unit(
-        _row_softmax, (0.65, 1.97), "row_softmax", attention._softmax_rows_backward
+        _row_softmax, (0.59, 1.88), "row_softmax", attention._softmax_rows_backward
     ),
-    "maxpool": Unit(_maxpool, (0.56, 1.40), "maxpool", pool._forward),
-    "avgpool": Unit(_avgpool, (0.52, 1.47), "avgpool", pool._average),
-    "dropout": Unit(_dropout, (0.39, 0.76), "dropout", dropout._apply),
-    "batchnorm": Unit(_batchnorm, (0.67, 2.37), "batchnorm", batchnorm._stats),
-    "update": Unit(lambda d: _update(d, 6), (0.21, 0.20), "update", update.step_elements),
+    "maxpool": Unit(_maxpool, (0.58, 1.33), "maxpool", pool._forward),
+    "avgpool": Unit(_avgpool, (0.49, 1.40), "avgpool", pool._average),
+    "dropout": Unit(_dropout, (0.39, 0.74), "dropout", dropout._apply),
+    "batchnorm": Unit(_batchnorm, (0.68, 2.47), "batchnorm", batchnorm._stats),
+    "update": Unit(lambda d: _update(d, 6), (0.22, 0.21), "update", update.step_elements),
     "update.parallel": Unit(
-        lambda d: _update(d, update.CHUNK + 1), (0.23, 0.72), "update", update._apply
+        lambda d: _update(d, update.CHUNK + 1), (0.25, 0.68), "update", update._apply
     ),
 }
 
