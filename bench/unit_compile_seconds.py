@@ -53,8 +53,8 @@ def measure(unit: str, threads: int) -> dict[str, float]:
     names = list(UNITS)
     before = [name for name in names[: names.index(unit)] if UNITS[name].group == UNITS[unit].group]
     with tempfile.TemporaryDirectory(prefix="legion-nn-units-") as cache:
+        # `python -c` in the repository's root imports its packages from there
         env = {**os.environ, "NUMBA_CACHE_DIR": cache, "NUMBA_NUM_THREADS": str(threads)}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         done = subprocess.run(
             [sys.executable, "-c", _CHILD, unit, *before],
             env=env,

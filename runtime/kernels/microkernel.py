@@ -72,12 +72,9 @@ TILE_ROWS = (6, 4, 2, 1)
 @njit(cache=True, nogil=True, inline="always")
 def _tile_rows(left):
     """The rows of the next row tile with `left` rows of C to go: the most of `TILE_ROWS`."""
-    if left >= 6:
-        return 6
-    if left >= 4:
-        return 4
-    if left >= 2:
-        return 2
+    for rows in TILE_ROWS:
+        if left >= rows:
+            return rows
     return 1
 
 

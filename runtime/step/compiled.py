@@ -246,7 +246,8 @@ class _Flattener:
     ) -> _Template:
         """`_Simulator._program`'s instructions for `rank`, which runs `program`; where that is
         another rank's, moved (`shared_programs.source`), `own` gives `rank`'s own of its messages
-        and `joined` of its collectives. Returns them as a template for the ranks moved from this one (`again`)."""
+        and `joined` of its collectives. Returns them as a template for the ranks moved from this
+        one (`again`)."""
         slow = self.slowdown[rank]
         memory = self.memory * slow
         first, waits = len(self.ops), self.waits

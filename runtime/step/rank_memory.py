@@ -105,8 +105,9 @@ def predict(
         key = (id(program), hop_buffers(collectives_of(programs, rank), rank))
         found = placed.get(key)
         if found is None:
-            mine = [c for _, c in program.collectives]
-            if program.rank != rank and key[1] != hop_buffers(mine, program.rank):
+            if program.rank != rank and key[1] != hop_buffers(
+                collectives_of(programs, program.rank), program.rank
+            ):
                 program = programs[rank]  # its own, moved: its hops' buffers
             resident: dict[str, int] = {part: 0 for part in RESIDENT_PARTS.values()}
             for name, box in program.boxes.items():
