@@ -7,25 +7,23 @@ and the GEMM they and the linear layers call is compiled by one process, first (
 Under `mpiexec` the ranks of a host take a share each and wait for one another; a run in one
 process starts helper processes (`Helpers`, `python -m runtime.compile_ahead --wait`, each told
 its share on stdin) for the others' shares whose kernels are not in Numba's cache yet, and waits
-for them: they compile what it would otherwise compile itself. On a cold cache a one-process run
-starts its helpers with the command, so that they import the kernels' modules while it loads
-its data and plans.
+for them: they compile what it would otherwise compile itself. A one-process run starts its
+helpers first thing (`runtime.compile_helpers`), so that they import the kernels' modules while
+it imports them, loads its data and plans, and ends them where Numba's cache proves warm
+(`cache_is_cold`).
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import numba
 import numpy as np
 
+from runtime.compile_helpers import HELPER_START_S, WAIT, Helpers
 from runtime.compile_units import UNITS, cached, in_cache, warm
-
-#: seconds a helper process takes to start and import the kernels' modules before it compiles
-HELPER_START_S = 1.0
 
 
 def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str]]:
@@ -99,91 +97,39 @@ def compile_ahead(
         barrier()
 
 
-class Helpers:
-    """Helper processes started before a run knows what it compiles (`python -m
-    runtime.compile_ahead --wait`): each imports the kernels' modules meanwhile, then compiles
-    the share it reads on its stdin (`give`), or exits on an empty line. Leaving the block ends
-    every one still running, whatever happened in it."""
-
-    def __init__(self, count: int) -> None:
-        self.started = time.monotonic()
-        self.processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "runtime.compile_ahead", WAIT],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            for _ in range(count)
-        ]
-
-    @staticmethod
-    def worth_starting(dtype) -> bool:
-        """Whether Numba's cache is cold for `dtype`: it holds neither twin of the linear
-        layer's product, which almost every network calls (on a warmer cache `compile_ahead`
-        starts a helper only for a share it misses, when it knows the shares)."""
-        probe = UNITS["linear"].probe
-        return not any(in_cache(twin, dtype) for twin in (probe.serial, probe.parallel))
-
-    def __len__(self) -> int:
-        return len(self.processes)
-
-    def __enter__(self) -> Helpers:  # noqa: PYI034 (Python 3.10 has no typing.Self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def starting_for(self) -> float:
-        """Seconds the helpers may still spend importing (`HELPER_START_S` since they began)."""
-        return max(HELPER_START_S - (time.monotonic() - self.started), 0.0)
-
-    def give(self, shares: list[list[str]], dtype) -> list[subprocess.Popen]:
-        """Each helper its share, to compile with this process's thread count (the twins it
-        calls); a share in Numba's cache already, or none, ends its helper. The helpers given
-        work."""
-        busy = []
-        for process, share in zip(self.processes, shares):
-            work = bool(share) and not cached(share, dtype)
-            line = f"{np.dtype(dtype).name} {numba.get_num_threads()} {' '.join(share)}"
-            try:
-                process.stdin.write((line if work else "") + "\n")
-                process.stdin.close()
-            except OSError:  # it has died: the run compiles that share when it calls it
-                continue
-            if work:
-                busy.append(process)
-        return busy
-
-    def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-            if process.stdin is not None and not process.stdin.closed:
-                try:
-                    process.stdin.close()
-                except OSError:
-                    pass
-
-
-#: the argument that starts a helper waiting for its share on stdin (`Helpers`)
-WAIT = "--wait"
-
-
 def _with_helpers(units: list[str], dtype, helpers: int | Helpers) -> None:
     """Compile `units` here and in helper processes: those begun with the command (`Helpers`),
     each given its share, or `helpers` of them, started now for the shares Numba's cache
     misses."""
     if isinstance(helpers, Helpers):
         shares = assign(units, 1 + len(helpers), helpers.starting_for())
-        _compile_beside(shares[0], dtype, helpers.give(shares[1:], dtype))
+        _compile_beside(shares[0], dtype, helpers.give(orders(shares[1:], dtype)))
         return
     shares = assign(units, 1 + helpers, HELPER_START_S)
     missed = [share for share in shares[1:] if share and not cached(share, dtype)]
     with Helpers(len(missed)) as started:
-        _compile_beside(shares[0], dtype, started.give(missed, dtype))
+        _compile_beside(shares[0], dtype, started.give(orders(missed, dtype)))
+
+
+def orders(shares: list[list[str]], dtype) -> list[str]:
+    """What `Helpers.give` tells each helper: its share of units, for `dtype` and this process's
+    thread count (the twins it calls), or nothing where the share is empty or in Numba's cache
+    already."""
+    threads = numba.get_num_threads()
+    name = np.dtype(dtype).name
+    return [
+        f"{name} {threads} {' '.join(share)}" if share and not cached(share, dtype) else ""
+        for share in shares
+    ]
+
+
+def cache_is_cold(dtype) -> bool:
+    """Whether Numba's cache is cold for `dtype`: it holds neither twin of the linear layer's
+    product, which almost every network calls (helpers begun with a command are ended where it
+    is warm; on a warmer cache `compile_ahead` starts a helper only for a share it misses, when
+    it knows the shares)."""
+    probe = UNITS["linear"].probe
+    return not any(in_cache(twin, dtype) for twin in (probe.serial, probe.parallel))
 
 
 def _compile_beside(mine: list[str], dtype, busy: list[subprocess.Popen]) -> None:

@@ -212,7 +212,7 @@ UNITS: dict[str, Unit] = {
     "gelu": Unit(_gelu, (3.40, 3.40), "gelu", gelu._forward),
     "linear": Unit(_linear, (0.27, 0.56), "step", linear._tiled_product),
     "linear.step": Unit(_linear_step, (0.34, 1.12), "step", linear._stepped_product),
-    "softmax": Unit(_softmax, (0.74, 1.93), "softmax", softmax._shifted_rows),
+    "softmax": Unit(_softmax, (0.46, 1.29), "softmax", softmax._shifted_rows),
     "embedding": Unit(_embedding, (0.10, 0.10), "embedding", embedding._scatter_add),
     "layernorm": Unit(_layernorm, (0.52, 1.56), "layernorm", layernorm._backward),
     "matmul": Unit(_matmul, (0.37, 1.16), "step", attention._batched),

@@ -303,7 +303,7 @@ def _compile_ahead(
 ):
     """What a rank does before its first step: compile the run's kernels, its host's share of
     them among its `local_size` ranks, or alone on its host with a helper process per spare
-    core (`started`: those begun with the command, `compile_ahead.Helpers`). `alone`: the
+    core (`started`: those begun with the command, `compile_helpers.Helpers`). `alone`: the
     `TrainConfig` of a run in one process, which first chooses the threads its kernels run on
     (`runtime.kernel_threads`, priced on `machine`), unless `NUMBA_NUM_THREADS` says."""
 
@@ -328,10 +328,15 @@ def _compile_ahead(
 def _run_single(args: argparse.Namespace) -> int:
     """One process: a one-rank run of the distributed runtime over an in-process transport."""
     from legion_nn.cores import spare_cores
-    from runtime.compile_ahead import Helpers
+    from runtime.compile_helpers import Helpers
 
-    # on a cold cache the helpers that compile beside this process import meanwhile
-    with Helpers(spare_cores() if Helpers.worth_starting(args.dtype) else 0) as started:
+    # begun before this process imports the kernels, which they import meanwhile: on a cold
+    # cache they compile beside it, on a warm one they are ended at once
+    with Helpers(spare_cores()) as started:
+        from runtime.compile_ahead import cache_is_cold
+
+        if not cache_is_cold(args.dtype):
+            started.close()
         return _train_single(args, started)
 
 

@@ -9,7 +9,8 @@ import textwrap
 import pytest
 
 from legion_nn.networks import load_network
-from runtime.compile_ahead import GEMM_GROUPS, GEMM_SECONDS, STEP_GROUPS, WAIT, Helpers, assign
+from runtime.compile_ahead import GEMM_GROUPS, GEMM_SECONDS, STEP_GROUPS, assign
+from runtime.compile_helpers import WAIT, Helpers
 from runtime.compile_units import UNITS
 from tests.paths import ROOT
 
@@ -74,7 +75,8 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         from numba.core import event
         from cli.main import main
         from legion_nn.networks import load_network
-        from runtime.compile_ahead import Helpers, compile_ahead
+        from runtime.compile_ahead import cache_is_cold, compile_ahead
+        from runtime.compile_helpers import Helpers
         from runtime.compile_units import cached, units_of, warm
 
         graph = load_network("seed-lcn-small").lower(batch=8, dtype="float32", optimizer="adam")
@@ -83,13 +85,13 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         warm({before!r}, "float32")
         assert not cached(units, "float32")
         if {begun!r}:
-            assert Helpers.worth_starting("float32")  # the cache is cold
+            assert cache_is_cold("float32")
             with Helpers(1) as helpers:
                 compile_ahead(units, "float32", helpers=helpers)
         else:
             compile_ahead(units, "float32", helpers=1)
         assert cached(units, "float32")
-        assert not Helpers.worth_starting("float32")
+        assert not cache_is_cold("float32")
         children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
         assert not children, children
         with event.install_recorder("numba:compile") as compiled:
@@ -116,12 +118,14 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
 def test_helpers_given_nothing_exit_and_helpers_never_given_a_share_are_ended():
     with Helpers(2) as helpers:
         assert len(helpers) == 2
-        assert helpers.give([[], []], "float32") == []
+        assert helpers.give(["", ""]) == []
         for process in helpers.processes:
             assert process.wait(timeout=120) == 0  # an empty line: nothing to compile
     unused = Helpers(1)
-    unused.close()  # as a run that fails before it compiles leaves its block
-    assert unused.processes[0].poll() is not None
+    (process,) = unused.processes
+    unused.close()  # as a run that fails before it compiles, or finds the cache warm
+    assert process.poll() is not None
+    assert not unused  # none left to give work to
     assert not Helpers(0)
 
 
@@ -140,3 +144,31 @@ def test_a_waiting_helper_told_nonsense_exits_2_naming_its_usage(told):
     )
     assert done.returncode == 2
     assert done.stderr.startswith("usage: python -m runtime.compile_ahead")
+
+
+def test_helpers_are_begun_without_importing_numba():
+    """A one-process run starts its helpers before it imports the kernels (0.3 s of its cold
+    start), so their module must not import them itself."""
+    script = (
+        "import sys, runtime.compile_helpers; print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('numba', 'numpy', 'llvmlite')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=True,
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def test_each_helper_is_told_its_share_unless_it_is_empty_or_cached(monkeypatch):
+    import numba
+
+    from runtime import compile_ahead
+
+    monkeypatch.setattr(compile_ahead, "cached", lambda share, dtype: share == ["filterA"])
+    told = compile_ahead.orders([["softmax", "filterNL"], [], ["filterA"]], "float64")
+    assert told == [f"float64 {numba.get_num_threads()} softmax filterNL", "", ""]

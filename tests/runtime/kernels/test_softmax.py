@@ -137,3 +137,30 @@ def test_rows_in_blocks_equal_the_whole(monkeypatch, causal, block):
         np.testing.assert_allclose(y[r, :last], e / e.sum(), rtol=1e-14)
         assert not y[r, last:].any()
         assert tops[r] == z.max() and totals[r] == pytest.approx(e.sum(), rel=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradient_and_statistics_over_row_blocks_equal_one_block(monkeypatch, dtype):
+    """A language model's piece has many rows: they are taken a block at a time, here 3 rows
+    of 6 classes (with a last block of 1), with ties so that their order by index counts."""
+    from runtime.kernels import softmax
+
+    x, labels = _inputs(10, 6, dtype, seed=7)
+    x[2, :, 0, 0] = x[2, 0, 0, 0]  # every class tied: only those at lower indices rank ahead
+    prob, _ = softmax_forward(x, labels, 10)
+    whole = softmax_backward(prob, labels, 10), evaluate_forward(prob, labels)
+    monkeypatch.setattr(softmax, "ROWS_BLOCK_ELEMENTS", 18)
+    blocked = softmax_backward(prob, labels, 10), evaluate_forward(prob, labels)
+    np.testing.assert_array_equal(blocked[0], whole[0])  # row by row the same float64 sums
+    np.testing.assert_array_equal(blocked[1][1:], whole[1][1:])  # counts
+    assert_close_to(blocked[1][0], whole[1][0], whole[1][0], 10)  # a sum, in another order
+    p, y = prob[:, :, 0, 0].astype(np.float64), labels.ravel()
+    expected = np.array(p)
+    expected[np.arange(10), y] -= 1.0
+    np.testing.assert_array_equal(blocked[0][:, :, 0, 0], (expected * 0.1).astype(dtype))
+    ahead = [
+        sum(p[i, j] > p[i, y[i]] or (p[i, j] == p[i, y[i]] and j < y[i]) for j in range(6))
+        for i in range(10)
+    ]
+    assert blocked[1][1, 0, 0, 0] == sum(a < 1 for a in ahead)
+    assert blocked[1][2, 0, 0, 0] == sum(a < 5 for a in ahead) < 10
