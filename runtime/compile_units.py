@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 
-from legion_nn.graph import TaskGraph
 from runtime.kernels import (
     affine,
     attention,
@@ -39,7 +39,10 @@ from runtime.kernels import (
     update,
 )
 from runtime.kernels.threaded import ThreadedKernel
-from runtime.step.rank_program import RankProgram
+
+if TYPE_CHECKING:  # a helper process imports this module to compile: nothing else
+    from legion_nn.graph import TaskGraph
+    from runtime.step.rank_program import RankProgram
 
 
 def _filter_operands(dtype: np.dtype, untied: bool):

@@ -328,11 +328,11 @@ def _compile_ahead(
 def _run_single(args: argparse.Namespace) -> int:
     """One process: a one-rank run of the distributed runtime over an in-process transport."""
     from legion_nn.cores import spare_cores
-    from runtime.compile_helpers import Helpers
+    from runtime.compile_helpers import Helpers, cache_may_be_warm
 
-    # begun before this process imports the kernels, which they import meanwhile: on a cold
-    # cache they compile beside it, on a warm one they are ended at once
-    with Helpers(spare_cores()) as started:
+    # begun before this process imports the kernels, which they import meanwhile, where the
+    # cache looks cold: if it is warm after all they are ended at once
+    with Helpers(0 if cache_may_be_warm() else spare_cores()) as started:
         from runtime.compile_ahead import cache_is_cold
 
         if not cache_is_cold(args.dtype):

@@ -172,3 +172,44 @@ def test_each_helper_is_told_its_share_unless_it_is_empty_or_cached(monkeypatch)
     monkeypatch.setattr(compile_ahead, "cached", lambda share, dtype: share == ["filterA"])
     told = compile_ahead.orders([["softmax", "filterNL"], [], ["filterA"]], "float64")
     assert told == [f"float64 {numba.get_num_threads()} softmax filterNL", "", ""]
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_the_probes_cache_index_is_where_numba_keeps_it_and_tells_a_warm_cache(tmp_path, given):
+    """`cache_may_be_warm` finds Numba's index of the probe by its file name, without Numba:
+    the folder and name are the ones Numba's own cache uses (with `NUMBA_CACHE_DIR` or in the
+    source tree), and on an empty cache it says cold until the probe's unit is compiled."""
+    script = textwrap.dedent(
+        """
+        import os
+        from runtime.compile_helpers import cache_may_be_warm, probe_cache_folders
+        from runtime.compile_ahead import cache_is_cold
+        from runtime.compile_units import UNITS, warm
+
+        probe = UNITS["linear"].probe
+        for twin in (probe.serial, probe.parallel):
+            index = twin._cache._cache_file._index_path
+            assert os.path.dirname(index) in map(str, probe_cache_folders()), index
+            assert os.path.basename(index).startswith(("linear._tiled_product",)), index
+        if os.environ.get("NUMBA_CACHE_DIR"):
+            assert not cache_may_be_warm() and cache_is_cold("float32")
+            warm(["linear"], "float32")
+            assert cache_may_be_warm() and not cache_is_cold("float32")
+        print("agreed")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    if given:
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "agreed" in done.stdout
