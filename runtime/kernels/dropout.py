@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels import _checks
-from runtime.kernels.threaded import threaded
+from runtime.kernels.threaded import inner, threaded
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -30,19 +30,19 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _MASK64 = (1 << 64) - 1
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _mix(z):
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _stream(seed, step):
     return _mix(_mix(seed + _GAMMA) ^ (step * _GAMMA))
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _uniform(key, index):
     h = _mix(key + (index + np.uint64(1)) * _GAMMA)
     return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)

@@ -57,7 +57,7 @@ from runtime.kernels.microkernel import (
     tiled_gemm_prefetching,
     tiled_gemm_sum,
 )
-from runtime.kernels.threaded import threaded
+from runtime.kernels.threaded import inner, threaded
 from runtime.kernels.update import OptimizerStep, run_view, step_elements
 
 
@@ -137,7 +137,7 @@ def _batch_major(x, xt, c_lo):
                 xt[row, b, col, ch] = x[row, col, c_lo + ch, b]
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accumulate, write,
                         kernels):  # fmt: skip
     """dW of output position (p, q) into dw[i, j] (indexed (P, Q, R, K, S, Cs)), one window
@@ -147,7 +147,7 @@ def _filter_gradient_at(dy, xt, dw, i, j, p, q, stride, pad_top, pad_left, accum
                         write, kernels)  # fmt: skip
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _gradient_block(dy, xt, dw, i, j, rr, p, q, r, stride, pad_top, pad_left, accumulate,
                     write, kernels):  # fmt: skip
     """Window row r of output position (p, q)'s dW into dw[i, j, rr] (dw indexed (P, Q, R, K,
@@ -206,7 +206,7 @@ def _step_untied(dy, xt, stride, pad_top, pad_left, kernels, rule, co, p, s1, s2
         _step_block(rule, co, scratch, thread, p, s1, s2, i, j, r)
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _step_block(rule, co, g, thread, p, s1, s2, i, j, r):
     """The step of weights p[i, j, r] from their gradient, block `thread` of g: one run of
     K·S·C elements where the rows of the output channels are contiguous, as in the packed

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels.filter import filter_backward, filter_forward
 from runtime.kernels.geometry import check_dtypes, check_ndim, normalize_pad, normalize_stride
-from runtime.kernels.threaded import threaded
+from runtime.kernels.threaded import inner, threaded
 
 #: input channels per group from which the GEMM path is the faster. Measured on one core, float32,
 #: forward plus backward: at 4 channels the direct loops win about 2× on 1×1 and 3×3 windows, at 8
@@ -119,13 +119,13 @@ def _phase_size(x, w4, stride: int, pads, out_h: int, out_w: int) -> tuple[int, 
     return rows, cols
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _phase_at(r, s, stride, rows, cols):
     """Where window element (r, s)'s run starts in the phase buffer."""
     return ((r % stride) * stride + s % stride) * rows * cols + (r // stride) * cols + s // stride
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _phase_copy(plane, top, left, stride, rows, cols, phases, into_phases):
     """An input plane (H, W) into the phase buffer (`into_phases`; its padding elements stay as
     they are), or the buffer's input-plane elements back into the plane: the one index map
@@ -150,7 +150,7 @@ def _phase_copy(plane, top, left, stride, rows, cols, phases, into_phases):
                     strided[v] = buffered[v]
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _to_rows(out, cols, flat):
     """An output plane (P, Q) into rows cols wide (the scratch columns are left alone)."""
     out_h, out_w = out.shape
@@ -161,7 +161,7 @@ def _to_rows(out, cols, flat):
             dst[q] = src[q]
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _from_rows(flat, cols, out):
     out_h, out_w = out.shape
     for p in range(out_h):
@@ -171,7 +171,7 @@ def _from_rows(flat, cols, out):
             dst[q] = src[q]
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+@inner(fastmath={"reassoc", "contract"})
 def _dot(a, b):
     # a sum in any order is within the same γ(n) bound; reassociation lets LLVM keep one
     # partial sum per vector lane instead of adding every product in turn

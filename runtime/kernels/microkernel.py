@@ -39,6 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runtime.kernels.llvm_memory import element_pointer, is_single, prefetch_rows, store_fence
+from runtime.kernels.threaded import inner
 
 
 def _target_vector_bytes() -> int:
@@ -482,7 +483,7 @@ def tiled_gemm_sum(kernels, m, n, k, blocks, a, a_off, a_rs, a_cs, a_block, b, b
               accumulate, c, c_off, ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _address(kernels, itemsize):
     """The GEMM's address for elements of `itemsize` bytes. Not inlined into the wrappers, which
     are: a raise inside a caller's `prange` body would keep its loop from running in

@@ -9,15 +9,15 @@ so one compiled loop serves all three.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels import _checks
-from runtime.kernels.threaded import threaded
+from runtime.kernels.threaded import inner, threaded
 
 FUNCTIONS = {"relu": 0, "tanh": 1, "sigmoid": 2}
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _sigmoid(v):
     # Split by sign so exp never overflows.
     if v >= 0:

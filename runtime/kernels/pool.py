@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.kernels import _checks
-from runtime.kernels.threaded import threaded
+from runtime.kernels.threaded import inner, threaded
 
 
-@njit(cache=True, nogil=True)
+@inner
 def _argmax(x, i, j, r0, s0, kh, kw):
     h, w = x.shape[2], x.shape[3]
     r_lo, r_hi = max(r0, 0), min(r0 + kh, h)

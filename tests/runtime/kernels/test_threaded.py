@@ -74,3 +74,15 @@ def test_on_one_thread_the_twins_compute_the_same_bits(dtype, monkeypatch):
             found.append(_on_threads(1, call))
         monkeypatch.setattr(module, name, kernel)
         np.testing.assert_array_equal(found[0], found[1], err_msg=f"{module.__name__}.{name}")
+
+
+def test_an_inner_kernel_runs_inside_kernels_and_refuses_a_call_from_python():
+    """The sigmoid is compiled without a wrapper for Python's arguments: the nonlinearity's
+    loops call it, and a call from Python is a TypeError rather than a crash."""
+    x = np.array([-800.0, -1.5, 0.0, 2.0, 800.0]).reshape(5, 1, 1, 1)
+    y = nonlinear.filterNL_forward(x, "sigmoid")
+    with np.errstate(over="ignore"):
+        expected = 1.0 / (1.0 + np.exp(-x))
+    np.testing.assert_allclose(y, expected, rtol=4 * np.finfo(np.float64).eps, atol=0)
+    with pytest.raises(TypeError, match="other kernels only"):
+        nonlinear._sigmoid(0.5)
