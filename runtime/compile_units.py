@@ -195,23 +195,23 @@ class Unit:
 
 
 UNITS: dict[str, Unit] = {
-    "filter.untied": Unit(lambda d: _filter(d, True), (0.73, 1.74), "gemm", filter_packed._forward),
+    "filter.untied": Unit(lambda d: _filter(d, True), (0.75, 1.73), "gemm", filter_packed._forward),
     "filter.tied": Unit(lambda d: _filter(d, False), (0.65, 1.60), "gemm", filter_packed._forward),
     "filter.untied.gradient": Unit(
         lambda d: _filter_gradient(d, True),
-        (1.00, 2.47),
+        (0.88, 2.33),
         "gradient",
         filter_packed._backward_filter_untied,
     ),
     "filter.tied.gradient": Unit(
         lambda d: _filter_gradient(d, False),
-        (4.57, 6.97),
+        (4.65, 6.95),
         "gradient",
         filter_packed._backward_filter_tied,
     ),
-    "filter.step": Unit(_filter_step, (1.37, 2.78), "step", filter_packed._step_untied),
+    "filter.step": Unit(_filter_step, (1.16, 2.62), "step", filter_packed._step_untied),
     "filterA": Unit(_affine, (0.38, 1.37), "filterA", affine._forward),
-    "filterNL": Unit(_nonlinear, (0.54, 1.38), "filterNL", nonlinear._forward),
+    "filterNL": Unit(_nonlinear, (0.54, 1.46), "filterNL", nonlinear._forward),
     "gelu": Unit(_gelu, (3.40, 3.40), "gelu", gelu._forward),
     "linear": Unit(_linear, (0.27, 0.56), "step", linear._tiled_product),
     "linear.step": Unit(_linear_step, (0.34, 1.12), "step", linear._stepped_product),
@@ -222,9 +222,9 @@ UNITS: dict[str, Unit] = {
     "row_softmax": Unit(
         _row_softmax, (0.59, 1.88), "row_softmax", attention._softmax_rows_backward
     ),
-    "maxpool": Unit(_maxpool, (0.58, 1.33), "maxpool", pool._forward),
+    "maxpool": Unit(_maxpool, (0.57, 1.41), "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, (0.49, 1.40), "avgpool", pool._average),
-    "dropout": Unit(_dropout, (0.39, 0.74), "dropout", dropout._apply),
+    "dropout": Unit(_dropout, (0.28, 0.74), "dropout", dropout._apply),
     "batchnorm": Unit(_batchnorm, (0.68, 2.47), "batchnorm", batchnorm._stats),
     "update": Unit(lambda d: _update(d, 6), (0.22, 0.21), "update", update.step_elements),
     "update.parallel": Unit(
