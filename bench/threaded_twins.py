@@ -53,12 +53,12 @@ def cases(rng: np.random.Generator) -> list[tuple[str, object, str, object]]:
     big = rng.standard_normal(4_000_000).astype(np.float32)
     relu = nonlinear.filterNL_forward(big, "relu")
     found.append(
-        ("relu 4M", nonlinear, "_forward", lambda: nonlinear.filterNL_forward(big, "relu"))
+        ("relu 4M", nonlinear, "_elementwise", lambda: nonlinear.filterNL_forward(big, "relu"))
     )
-    found.append(("relu gradient 4M", nonlinear, "_backward",
+    found.append(("relu gradient 4M", nonlinear, "_elementwise",
                   lambda: nonlinear.filterNL_backward(big, relu, "relu")))  # fmt: skip
     found.append(
-        ("tanh 4M", nonlinear, "_forward", lambda: nonlinear.filterNL_forward(big, "tanh"))
+        ("tanh 4M", nonlinear, "_elementwise", lambda: nonlinear.filterNL_forward(big, "tanh"))
     )
     params, first, second = big.copy(), np.zeros_like(big), np.zeros_like(big)
     adam = update.adam_step(params, first, second, 0.1, 0.9, 0.999, 1e-8, 1)

@@ -211,7 +211,7 @@ UNITS: dict[str, Unit] = {
     ),
     "filter.step": Unit(_filter_step, (1.16, 2.62), "step", filter_packed._step_untied),
     "filterA": Unit(_affine, (0.38, 1.37), "filterA", affine._forward),
-    "filterNL": Unit(_nonlinear, (0.54, 1.46), "filterNL", nonlinear._forward),
+    "filterNL": Unit(_nonlinear, (0.41, 1.15), "filterNL", nonlinear._elementwise),
     "gelu": Unit(_gelu, (3.40, 3.40), "gelu", gelu._forward),
     "linear": Unit(_linear, (0.27, 0.56), "step", linear._tiled_product),
     "linear.step": Unit(_linear_step, (0.34, 1.12), "step", linear._stepped_product),

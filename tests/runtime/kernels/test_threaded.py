@@ -61,7 +61,7 @@ def test_on_one_thread_the_twins_compute_the_same_bits(dtype, monkeypatch):
     columns = rng.standard_normal((10, 40_000)).astype(dtype)
     cases = [
         (filter_packed, "_forward", lambda: filter_packed.forward_packed(xp, wp, 1, 0)),
-        (nonlinear, "_forward", lambda: nonlinear.filterNL_forward(flat, "tanh")),
+        (nonlinear, "_elementwise", lambda: nonlinear.filterNL_forward(flat, "tanh")),
         (update, "_sum_squares_chunked", lambda: update._sum_squares_chunked(long)),
         # fastmath's reassoc: LLVM may vectorise each twin's sums its own way
         (linear, "_streaming_forward", lambda: linear._streaming_forward(rows, columns, 4096)),
