@@ -215,12 +215,12 @@ UNITS: dict[str, Unit] = {
     "gelu": Unit(_gelu, (3.40, 3.40), "gelu", gelu._forward),
     "linear": Unit(_linear, (0.27, 0.56), "step", linear._tiled_product),
     "linear.step": Unit(_linear_step, (0.34, 1.12), "step", linear._stepped_product),
-    "softmax": Unit(_softmax, (0.46, 1.29), "softmax", softmax._shifted_rows),
+    "softmax": Unit(_softmax, (0.32, 1.05), "softmax", softmax._row_pass),
     "embedding": Unit(_embedding, (0.10, 0.10), "embedding", embedding._scatter_add),
     "layernorm": Unit(_layernorm, (0.52, 1.56), "layernorm", layernorm._backward),
     "matmul": Unit(_matmul, (0.37, 1.16), "step", attention._batched),
     "row_softmax": Unit(
-        _row_softmax, (0.59, 1.88), "row_softmax", attention._softmax_rows_backward
+        _row_softmax, (0.55, 1.71), "row_softmax", attention._softmax_rows_backward
     ),
     "maxpool": Unit(_maxpool, (0.57, 1.41), "maxpool", pool._forward),
     "avgpool": Unit(_avgpool, (0.49, 1.40), "avgpool", pool._average),

@@ -31,35 +31,34 @@ def _row_end(columns, causal, rows_per_matrix, first_row, row):
 
 
 @threaded
-def _shifted_rows(x, causal, rows_per_matrix, first_row, offset, shifted, tops):
-    """shifted[r, j] = x[r, j] − max_j x[r, j] in float64 over row offset + r's columns, 0
-    past them (exp's fast path: −inf there took NumPy's exp three times as long)."""
-    rows, columns = x.shape
+def _row_pass(x, normalise, causal, rows_per_matrix, first_row, offset, shifted, per_row, y):
+    """One of the two passes over a block of rows around NumPy's exponentials, over row
+    offset + r's columns (`_row_end`) and 0 past them: shifted[r, j] = x[r, j] − max_j x[r, j]
+    in float64, the maximum into per_row (exp's fast path: −inf past the columns took NumPy's
+    exp three times as long); or, `normalise`, y[r, j] = shifted[r, j] / Σ_j shifted[r, j],
+    the sum into per_row. One compiled loop for both (two had been two compiles on a cold
+    cache)."""
+    rows, columns = shifted.shape
     for r in prange(rows):
         last = _row_end(columns, causal, rows_per_matrix, first_row, offset + r)
-        top = -np.inf
-        for j in range(last):
-            top = max(top, np.float64(x[r, j]))
-        for j in range(last):
-            shifted[r, j] = np.float64(x[r, j]) - top
-        for j in range(last, columns):
-            shifted[r, j] = 0.0
-        tops[r] = top
-
-
-@threaded
-def _normalised_rows(exps, causal, rows_per_matrix, first_row, offset, totals, y):
-    rows, columns = exps.shape
-    for r in prange(rows):
-        last = _row_end(columns, causal, rows_per_matrix, first_row, offset + r)
-        total = 0.0
-        for j in range(last):
-            total += exps[r, j]
-        for j in range(last):
-            y[r, j] = exps[r, j] / total
-        for j in range(last, columns):
-            y[r, j] = 0.0
-        totals[r] = total
+        if normalise:
+            total = 0.0
+            for j in range(last):
+                total += shifted[r, j]
+            for j in range(last):
+                y[r, j] = shifted[r, j] / total
+            for j in range(last, columns):
+                y[r, j] = 0.0
+            per_row[r] = total
+        else:
+            top = -np.inf
+            for j in range(last):
+                top = max(top, np.float64(x[r, j]))
+            for j in range(last):
+                shifted[r, j] = np.float64(x[r, j]) - top
+            for j in range(last, columns):
+                shifted[r, j] = 0.0
+            per_row[r] = top
 
 
 #: elements of the float64 rows exponentiated at a time: 512 KiB, which stay in the caches
@@ -77,7 +76,7 @@ def softmax_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """y = the softmax of each row of the matrix x (rows, columns), computed in float64 and
     stored in y's dtype; causal: of each row's columns j ≤ its row in its matrix (see
-    `_shifted_rows`), the others 0. Returns each row's maximum and Σ exp(x − max), in float64.
+    `_row_pass`), the others 0. Returns each row's maximum and Σ exp(x − max), in float64.
 
     The exponentials are NumPy's, which run on the CPU's vector units (1 ns an element in
     float64 here), where Numba's loops call libm's scalar exp (7 ns an element a core): a block
@@ -90,9 +89,9 @@ def softmax_rows(
         hi = min(rows, lo + block)
         part = shifted[: hi - lo]
         shape = (bool(causal), int(rows_per_matrix), int(first_row), lo)
-        _shifted_rows(x[lo:hi], *shape, part, tops[lo:hi])
+        _row_pass(x[lo:hi], False, *shape, part, tops[lo:hi], y[lo:hi])
         np.exp(part, out=part)
-        _normalised_rows(part, *shape, totals[lo:hi], y[lo:hi])
+        _row_pass(x[lo:hi], True, *shape, part, totals[lo:hi], y[lo:hi])
     return tops, totals
 
 

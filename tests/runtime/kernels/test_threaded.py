@@ -41,7 +41,7 @@ def test_a_call_runs_the_plain_loops_on_one_thread_and_the_parallel_ones_on_more
 def test_the_twins_are_cached_apart():
     """Numba names a cache entry by the function's qualified name: one name for both would load
     one twin's code for the other."""
-    kernel = softmax._shifted_rows
+    kernel = softmax._row_pass
     assert kernel.serial.py_func.__qualname__ == kernel.parallel.py_func.__qualname__ + "_serial"
     assert kernel.serial.py_func.__code__ is kernel.parallel.py_func.__code__
     assert kernel.serial._cache._cache_file._index_name != (
