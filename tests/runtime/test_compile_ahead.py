@@ -102,17 +102,7 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         """
     )
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "compiled nothing" in result.stdout
+    assert "compiled nothing" in _python(script, env)
 
 
 def test_helpers_given_nothing_exit_and_helpers_never_given_a_share_are_ended():
@@ -201,7 +191,13 @@ def test_the_probes_cache_index_is_where_numba_keeps_it_and_tells_a_warm_cache(t
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     if given:
         env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    assert "agreed" in _python(script, env)
+
+
+def _python(script: str, env: dict[str, str]) -> str:
+    """The stdout of `script` run by a child Python that imports this checkout, which must
+    succeed."""
+    env = dict(env, PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     done = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -212,4 +208,4 @@ def test_the_probes_cache_index_is_where_numba_keeps_it_and_tells_a_warm_cache(t
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "agreed" in done.stdout
+    return done.stdout
