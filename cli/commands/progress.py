@@ -44,7 +44,10 @@ class Progress:
         if not disable and self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=None, unit="step", file=self.stream)
+            # without tqdm's monitor thread (it only loosens `miniters` for a bar updated
+            # rarely), so that a run may still fork its compile helpers (`cores.can_fork`)
+            bar = type("Bar", (tqdm,), {"monitor_interval": 0})
+            self.bar = bar(total=None, unit="step", file=self.stream)
         self.done = 0
         self._last: tuple[float, int] | None = None  # (time, steps done) of the last line
 

@@ -299,13 +299,12 @@ def _compile_ahead(
     helpers: bool = True,
     alone=None,
     machine=None,
-    started=None,
 ):
     """What a rank does before its first step: compile the run's kernels, its host's share of
     them among its `local_size` ranks, or alone on its host with a helper process per spare
-    core (`started`: those begun with the command, `compile_helpers.Helpers`). `alone`: the
-    `TrainConfig` of a run in one process, which first chooses the threads its kernels run on
-    (`runtime.kernel_threads`, priced on `machine`), unless `NUMBA_NUM_THREADS` says."""
+    core (`runtime.compile_ahead`). `alone`: the `TrainConfig` of a run in one process, which
+    first chooses the threads its kernels run on (`runtime.kernel_threads`, priced on
+    `machine`), unless `NUMBA_NUM_THREADS` says."""
 
     def run(graph, prepared) -> None:
         from legion_nn.cores import spare_cores
@@ -319,28 +318,13 @@ def _compile_ahead(
         if alone is not None and plan is not None:
             steps, passes = alone.total_steps, alone.evaluation_batches
             choose_threads(graph, plan, units, steps, passes, machine, 1 + spare)
-        ahead = started if started and local_size == 1 else spare  # none begun: as needed
-        compile_ahead(units, dtype, local_rank, local_size, barrier, ahead)
+        compile_ahead(units, dtype, local_rank, local_size, barrier, spare)
 
     return run
 
 
 def _run_single(args: argparse.Namespace) -> int:
     """One process: a one-rank run of the distributed runtime over an in-process transport."""
-    from legion_nn.cores import spare_cores
-    from runtime.compile_helpers import Helpers, cache_may_be_warm
-
-    # begun before this process imports the kernels, which they import meanwhile, where the
-    # cache looks cold: if it is warm after all they are ended at once
-    with Helpers(0 if cache_may_be_warm() else spare_cores()) as started:
-        from runtime.compile_ahead import cache_is_cold
-
-        if not cache_is_cold(args.dtype):
-            started.close()
-        return _train_single(args, started)
-
-
-def _train_single(args: argparse.Namespace, started) -> int:
     import numba
 
     from runtime.distributed import train_rank
@@ -361,9 +345,7 @@ def _train_single(args: argparse.Namespace, started) -> int:
             log,
             console.on_step,
             console.on_epoch,
-            _compile_ahead(
-                config.dtype, 0, 1, None, alone=config, machine=options.machine, started=started
-            ),
+            _compile_ahead(config.dtype, 0, 1, None, alone=config, machine=options.machine),
         )
         console.done(result)
     finally:

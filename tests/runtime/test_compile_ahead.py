@@ -9,8 +9,7 @@ import textwrap
 import pytest
 
 from legion_nn.networks import load_network
-from runtime.compile_ahead import GEMM_GROUPS, GEMM_SECONDS, STEP_GROUPS, assign
-from runtime.compile_helpers import WAIT, Helpers
+from runtime.compile_ahead import GEMM_GROUPS, GEMM_SECONDS, STEP_GROUPS, WAIT, Helpers, assign
 from runtime.compile_units import UNITS
 from tests.paths import ROOT
 
@@ -62,12 +61,12 @@ def test_one_process_compiles_the_gemm_first_and_the_others_reach_it_last(proces
     assert heaviest in shares[first[0]]  # the group that took the GEMM's compile with it
 
 
-@pytest.mark.parametrize(("before", "begun"), [([], True), (["filter.untied"], False)])
-def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, before, begun):
-    """On an empty cache, with a helper begun before the units are known (`Helpers`), or on one
-    holding the main process's share (`before`), with a helper started for the rest: the main
-    process and the helper compile the default network's units between them; training then
-    compiles no kernel, and no helper is left running."""
+@pytest.mark.parametrize(("before", "forks"), [([], True), ([], False), (["filter.untied"], True)])
+def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, before, forks):
+    """On an empty cache, or on one holding some of the units (`before`), with a helper
+    forked from the process or, where it may not fork, a new interpreter: the main process and
+    the helper compile the default network's units between them; training then compiles no
+    kernel, and no helper is left running."""
     script = textwrap.dedent(
         f"""
         import os
@@ -75,8 +74,7 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         from numba.core import event
         from cli.main import main
         from legion_nn.networks import load_network
-        from runtime.compile_ahead import cache_is_cold, compile_ahead
-        from runtime.compile_helpers import Helpers
+        from runtime import compile_ahead as ahead
         from runtime.compile_units import cached, units_of, warm
 
         graph = load_network("seed-lcn-small").lower(batch=8, dtype="float32", optimizer="adam")
@@ -84,14 +82,14 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
         numba.set_num_threads(1)  # the plain loops, which a run of two steps chooses
         warm({before!r}, "float32")
         assert not cached(units, "float32")
-        if {begun!r}:
-            assert cache_is_cold("float32")
-            with Helpers(1) as helpers:
-                compile_ahead(units, "float32", helpers=helpers)
-        else:
-            compile_ahead(units, "float32", helpers=1)
+        forked = []
+        fork = ahead._forked
+        ahead._forked = lambda share, dtype: forked.append(share) or fork(share, dtype)
+        if not {forks!r}:
+            ahead.can_fork = lambda: False
+        ahead.compile_ahead(units, "float32", helpers=1)
         assert cached(units, "float32")
-        assert not cache_is_cold("float32")
+        assert len(forked) == (1 if {forks!r} else 0), forked  # the other share
         children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
         assert not children, children
         with event.install_recorder("numba:compile") as compiled:
@@ -105,6 +103,42 @@ def test_a_run_after_compiling_ahead_with_a_helper_compiles_nothing(tmp_path, be
     assert "compiled nothing" in _python(script, env)
 
 
+def test_a_forked_helper_that_fails_or_hangs_is_reaped_and_the_run_goes_on():
+    """A copy that raises exits without running the run's exit handlers, reaped; one that outlives
+    `HELPER_TIMEOUT_S` is killed; neither is left behind (in a child Python: pytest's workers
+    run threads, which a fork must not copy)."""
+    script = textwrap.dedent(
+        """
+        import atexit, os, time
+        from runtime import compile_ahead as ahead
+
+        atexit.register(lambda: print("exit handler ran in", os.getpid()))
+        def warm(share, dtype):
+            if share == ["hang"]:
+                time.sleep(60)
+            raise RuntimeError("no such unit")
+        ahead.warm = warm
+        ahead.HELPER_TIMEOUT_S = 0.5
+        failing, hanging = ahead._forked(["fail"], "float32"), ahead._forked(["hang"], "float32")
+        started = time.monotonic()
+        ahead._wait_for([failing, hanging])
+        waited = time.monotonic() - started
+        assert 0.5 <= waited < 5, waited
+        try:
+            os.waitpid(failing, os.WNOHANG)
+            raise AssertionError("the failing copy was not reaped")
+        except ChildProcessError:
+            pass
+        ahead._end([hanging])
+        children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+        assert not children, children
+        print("reaped", os.getpid())
+        """
+    )
+    out = _python(script, dict(os.environ))
+    assert out.count("exit handler ran in") == 1 and "reaped" in out  # the parent's, once
+
+
 def test_helpers_given_nothing_exit_and_helpers_never_given_a_share_are_ended():
     with Helpers(2) as helpers:
         assert len(helpers) == 2
@@ -113,7 +147,7 @@ def test_helpers_given_nothing_exit_and_helpers_never_given_a_share_are_ended():
             assert process.wait(timeout=120) == 0  # an empty line: nothing to compile
     unused = Helpers(1)
     (process,) = unused.processes
-    unused.close()  # as a run that fails before it compiles, or finds the cache warm
+    unused.close()  # as a run that fails before it gives them their shares
     assert process.poll() is not None
     assert not unused  # none left to give work to
     assert not Helpers(0)
@@ -136,24 +170,6 @@ def test_a_waiting_helper_told_nonsense_exits_2_naming_its_usage(told):
     assert done.stderr.startswith("usage: python -m runtime.compile_ahead")
 
 
-def test_helpers_are_begun_without_importing_numba():
-    """A one-process run starts its helpers before it imports the kernels (0.3 s of its cold
-    start), so their module must not import them itself."""
-    script = (
-        "import sys, runtime.compile_helpers; print(sorted(m for m in sys.modules "
-        "if m.split('.')[0] in ('numba', 'numpy', 'llvmlite')))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        check=True,
-    )
-    assert done.stdout.strip() == "[]"
-
-
 def test_each_helper_is_told_its_share_unless_it_is_empty_or_cached(monkeypatch):
     import numba
 
@@ -162,36 +178,6 @@ def test_each_helper_is_told_its_share_unless_it_is_empty_or_cached(monkeypatch)
     monkeypatch.setattr(compile_ahead, "cached", lambda share, dtype: share == ["filterA"])
     told = compile_ahead.orders([["softmax", "filterNL"], [], ["filterA"]], "float64")
     assert told == [f"float64 {numba.get_num_threads()} softmax filterNL", "", ""]
-
-
-@pytest.mark.parametrize("given", [True, False])
-def test_the_probes_cache_index_is_where_numba_keeps_it_and_tells_a_warm_cache(tmp_path, given):
-    """`cache_may_be_warm` finds Numba's index of the probe by its file name, without Numba:
-    the folder and name are the ones Numba's own cache uses (with `NUMBA_CACHE_DIR` or in the
-    source tree), and on an empty cache it says cold until the probe's unit is compiled."""
-    script = textwrap.dedent(
-        """
-        import os
-        from runtime.compile_helpers import cache_may_be_warm, probe_cache_folders
-        from runtime.compile_ahead import cache_is_cold
-        from runtime.compile_units import UNITS, warm
-
-        probe = UNITS["linear"].probe
-        for twin in (probe.serial, probe.parallel):
-            index = twin._cache._cache_file._index_path
-            assert os.path.dirname(index) in map(str, probe_cache_folders()), index
-            assert os.path.basename(index).startswith(("linear._tiled_product",)), index
-        if os.environ.get("NUMBA_CACHE_DIR"):
-            assert not cache_may_be_warm() and cache_is_cold("float32")
-            warm(["linear"], "float32")
-            assert cache_may_be_warm() and not cache_is_cold("float32")
-        print("agreed")
-        """
-    )
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
-    if given:
-        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
-    assert "agreed" in _python(script, env)
 
 
 def _python(script: str, env: dict[str, str]) -> str:
