@@ -8,8 +8,10 @@ Under `mpiexec` the ranks of a host take a share each and wait for one another; 
 process has helper processes compile the others' shares whose kernels are not in Numba's cache
 yet, and waits for them: they compile what it would otherwise compile itself. A helper is a copy
 of the run forked once it knows its units (`_forked`): it has the kernels' modules imported
-already and starts compiling at once. Where the run may not fork (another thread runs, or the
-platform cannot), it starts a new interpreter instead (`Helpers`), which
+already and starts compiling at once. Where the run may not fork (another thread runs, the
+platform cannot, or the run's kernels run parallel loops, which GNU OpenMP does not allow a
+copy of a process that has started its threads), it starts a new interpreter instead
+(`Helpers`), which
 imports them first (`HELPER_START_S`). Forked, the default job's compiling ended 0.1-0.5 s
 sooner than with an interpreter started with the command, which had also slowed the run's own
 imports by importing beside them.
@@ -109,7 +111,9 @@ def compile_ahead(
 def _with_helpers(units: list[str], dtype, helpers: int) -> None:
     """Compile `units` here and in `helpers` helper processes, one for each other share that
     Numba's cache misses: copies of this process where it may fork, else new interpreters."""
-    forking = helpers > 0 and can_fork()
+    # a copy running parallel loops ends at its first (GNU OpenMP's handler: this process has
+    # started Numba's threading layer, as asking its thread count does): copies only for plain
+    forking = helpers > 0 and can_fork() and numba.get_num_threads() == 1
     shares = assign(units, 1 + helpers, 0.0 if forking else HELPER_START_S)
     missed = [share for share in shares[1:] if share and not cached(share, dtype)]
     if forking:

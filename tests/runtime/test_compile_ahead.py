@@ -139,6 +139,37 @@ def test_a_forked_helper_that_fails_or_hangs_is_reaped_and_the_run_goes_on():
     assert out.count("exit handler ran in") == 1 and "reaped" in out  # the parent's, once
 
 
+def test_a_run_on_more_threads_starts_new_interpreters_rather_than_forking(tmp_path):
+    """GNU OpenMP ends a forked copy of a process that has started its threads once the copy
+    runs a parallel loop (and asking Numba's thread count starts them): a run on two threads
+    compiles beside a new interpreter; the copy it would have forked dies as said."""
+    script = textwrap.dedent(
+        """
+        import os
+        import numba, numpy as np
+        from runtime import compile_ahead as ahead
+        from runtime.compile_units import cached, warm
+
+        forked = []
+        fork = ahead._forked
+        ahead._forked = lambda share, dtype: forked.append(share) or fork(share, dtype)
+        numba.set_num_threads(2)
+        units = ["filterA", "softmax", "maxpool", "avgpool"]
+        ahead.compile_ahead(units, "float32", helpers=1)
+        assert not forked and cached(units, "float32")
+        if numba.threading_layer() == "omp":  # what a copy on two threads would meet
+            copy = os.fork()
+            if copy == 0:
+                warm(["dropout"], "float32")
+                os._exit(0)
+            assert os.waitpid(copy, 0)[1] != 0
+        print("new interpreters")
+        """
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), NUMBA_NUM_THREADS="2")
+    assert "new interpreters" in _python(script, env)
+
+
 def test_helpers_given_nothing_exit_and_helpers_never_given_a_share_are_ended():
     with Helpers(2) as helpers:
         assert len(helpers) == 2
