@@ -117,12 +117,12 @@ def _with_helpers(units: list[str], dtype, helpers: int) -> None:
     shares = assign(units, 1 + helpers, 0.0 if forking else HELPER_START_S)
     missed = [share for share in shares[1:] if share and not cached(share, dtype)]
     if forking:
-        children = [_forked(share, dtype) for share in missed]
+        running = {_forked(share, dtype) for share in missed}
         try:
             warm(shares[0], dtype)
-            _wait_for(children)
+            _wait_for(running)
         finally:
-            _end(children)
+            _end(running)
         return
     with Helpers(len(missed)) as started:
         _compile_beside(shares[0], dtype, started.give(orders(missed, dtype)))
@@ -141,28 +141,25 @@ def _forked(share: list[str], dtype) -> int:
     return pid
 
 
-def _wait_for(children: list[int]) -> None:
-    """Until every child has exited, or `HELPER_TIMEOUT_S` has passed (the run then compiles
-    what is left itself, as it calls it)."""
+def _wait_for(running: set[int]) -> None:
+    """Reap the children `running` as they exit, each leaving the set, until none is left or
+    `HELPER_TIMEOUT_S` has passed (the run then compiles what is left itself, as it calls it)."""
     deadline = time.monotonic() + HELPER_TIMEOUT_S
-    waiting = list(children)
-    while waiting and time.monotonic() < deadline:
-        waiting = [pid for pid in waiting if os.waitpid(pid, os.WNOHANG) == (0, 0)]
-        if waiting:
+    while running and time.monotonic() < deadline:
+        for pid in list(running):
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                running.discard(pid)
+        if running:
             time.sleep(0.005)
 
 
-def _end(children: list[int]) -> None:
-    """Every child still running killed, and every one reaped, whatever ended the wait."""
-    for pid in children:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:  # reaped by `_wait_for`
-            pass
+def _end(running: set[int]) -> None:
+    """Kill and reap the children `running`, whatever ended the wait. Only children not yet
+    reaped: until it is, a child's pid cannot name another process."""
+    for pid in running:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    running.clear()
 
 
 def orders(shares: list[list[str]], dtype) -> list[str]:

@@ -120,16 +120,19 @@ def test_a_forked_helper_that_fails_or_hangs_is_reaped_and_the_run_goes_on():
         ahead.warm = warm
         ahead.HELPER_TIMEOUT_S = 0.5
         failing, hanging = ahead._forked(["fail"], "float32"), ahead._forked(["hang"], "float32")
+        running = {failing, hanging}
         started = time.monotonic()
-        ahead._wait_for([failing, hanging])
+        ahead._wait_for(running)
         waited = time.monotonic() - started
         assert 0.5 <= waited < 5, waited
+        assert running == {hanging}, running  # the failing one reaped
         try:
             os.waitpid(failing, os.WNOHANG)
             raise AssertionError("the failing copy was not reaped")
         except ChildProcessError:
             pass
-        ahead._end([hanging])
+        ahead._end(running)
+        assert not running
         children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
         assert not children, children
         print("reaped", os.getpid())
