@@ -29,7 +29,7 @@ import numba
 import numpy as np
 
 from legion_nn.cores import can_fork
-from runtime.compile_units import UNITS, cached, warm
+from runtime.compile_units import UNITS, cached, parallel_only, warm
 
 
 def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str]]:
@@ -116,6 +116,10 @@ def _with_helpers(units: list[str], dtype, helpers: int) -> None:
     forking = helpers > 0 and can_fork() and numba.get_num_threads() == 1
     shares = assign(units, 1 + helpers, 0.0 if forking else HELPER_START_S)
     missed = [share for share in shares[1:] if share and not cached(share, dtype)]
+    if forking and any(parallel_only(share) for share in missed):
+        forking = False
+        shares = assign(units, 1 + helpers, HELPER_START_S)
+        missed = [share for share in shares[1:] if share and not cached(share, dtype)]
     if forking:
         running = {_forked(share, dtype) for share in missed}
         try:

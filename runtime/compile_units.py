@@ -285,6 +285,16 @@ def cached(units: list[str], dtype) -> bool:
     return True
 
 
+def parallel_only(units: list[str]) -> bool:
+    """Whether some unit's kernels run parallel loops whatever the thread count: compiled with
+    `parallel=True` and no plain twin (GELU's)."""
+    for unit in units:
+        probe = UNITS[unit].probe
+        if not isinstance(probe, ThreadedKernel) and probe.targetoptions.get("parallel"):
+            return True
+    return False
+
+
 def warm(units: list[str], dtype) -> None:
     """Compile (or load) the units' kernels in this process."""
     dtype = np.dtype(dtype)

@@ -173,6 +173,33 @@ def test_a_run_on_more_threads_starts_new_interpreters_rather_than_forking(tmp_p
     assert "new interpreters" in _python(script, env)
 
 
+def test_units_without_plain_loops_are_not_given_to_a_copy(tmp_path):
+    """GELU's kernels run parallel loops on one thread too, which a copy of a process that has
+    started its threads may not: a run whose helper's share holds them starts a new
+    interpreter, and one whose shares do not still forks."""
+    script = textwrap.dedent(
+        """
+        import numba
+        from runtime import compile_ahead as ahead
+        from runtime.compile_units import cached, parallel_only
+
+        assert parallel_only(["gelu"]) and not parallel_only(["filterA", "softmax", "embedding"])
+        forked = []
+        fork = ahead._forked
+        ahead._forked = lambda share, dtype: forked.append(share) or fork(share, dtype)
+        numba.set_num_threads(1)
+        ahead.assign = lambda units, processes, late=0.0: [units[1:], units[:1]]  # the first
+        ahead.compile_ahead(["gelu", "filterA"], "float32", helpers=1)  # to the helper
+        assert not forked and cached(["gelu", "filterA"], "float32"), forked
+        ahead.compile_ahead(["softmax", "maxpool"], "float32", helpers=1)
+        assert forked == [["softmax"]] and cached(["softmax", "maxpool"], "float32"), forked
+        print("forked without gelu")
+        """
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    assert "forked without gelu" in _python(script, env)
+
+
 def test_helpers_given_nothing_exit_and_helpers_never_given_a_share_are_ended():
     with Helpers(2) as helpers:
         assert len(helpers) == 2
