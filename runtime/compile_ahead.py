@@ -11,15 +11,15 @@ of the run forked once it knows its units (`_forked`): it has the kernels' modul
 already and starts compiling at once. Where the run may not fork (another thread runs, the
 platform cannot, or the run's kernels run parallel loops, which GNU OpenMP does not allow a
 copy of a process that has started its threads), it starts a new interpreter instead
-(`Helpers`), which
-imports them first (`HELPER_START_S`). Forked, the default job's compiling ended 0.1-0.5 s
-sooner than with an interpreter started with the command, which had also slowed the run's own
-imports by importing beside them.
+(`Helpers`), which imports them first (`HELPER_START_S`). Forked, the default job's compiling
+ended 0.1-0.5 s sooner than with an interpreter started with the command, which had also
+slowed the run's own imports by importing beside them.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -114,26 +114,35 @@ def _with_helpers(units: list[str], dtype, helpers: int) -> None:
     # a copy running parallel loops ends at its first (GNU OpenMP's handler: this process has
     # started Numba's threading layer, as asking its thread count does): copies only for plain
     forking = helpers > 0 and can_fork() and numba.get_num_threads() == 1
-    shares = assign(units, 1 + helpers, 0.0 if forking else HELPER_START_S)
-    missed = [share for share in shares[1:] if share and not cached(share, dtype)]
+    mine, missed = _shares(units, dtype, helpers, forking)
     if forking and any(parallel_only(share) for share in missed):
         forking = False
-        shares = assign(units, 1 + helpers, HELPER_START_S)
-        missed = [share for share in shares[1:] if share and not cached(share, dtype)]
+        mine, missed = _shares(units, dtype, helpers, forking)
     if forking:
         running = {_forked(share, dtype) for share in missed}
         try:
-            warm(shares[0], dtype)
+            warm(mine, dtype)
             _wait_for(running)
         finally:
             _end(running)
         return
     with Helpers(len(missed)) as started:
-        _compile_beside(shares[0], dtype, started.give(orders(missed, dtype)))
+        _compile_beside(mine, dtype, started.give(orders(missed, dtype)))
+
+
+def _shares(
+    units: list[str], dtype, helpers: int, forking: bool
+) -> tuple[list[str], list[list[str]]]:
+    """This process's share of `units` beside `helpers` helpers, and the helpers' shares that
+    Numba's cache misses: a copy starts with this process, a new interpreter `HELPER_START_S`
+    late."""
+    shares = assign(units, 1 + helpers, 0.0 if forking else HELPER_START_S)
+    return shares[0], [share for share in shares[1:] if share and not cached(share, dtype)]
 
 
 def _forked(share: list[str], dtype) -> int:
-    """The pid of a copy of this process that compiles `share` and exits, 0 where it did."""
+    """The pid of a copy of this process that compiles `share` and exits, with status 0 where
+    that succeeded."""
     pid = os.fork()
     if pid == 0:  # the copy: nothing of the run's but the compiling, and no exit handlers
         code = 1
@@ -161,7 +170,7 @@ def _end(running: set[int]) -> None:
     """Kill and reap the children `running`, whatever ended the wait. Only children not yet
     reaped: until it is, a child's pid cannot name another process."""
     for pid in running:
-        os.kill(pid, 9)
+        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     running.clear()
 
