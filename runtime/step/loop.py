@@ -56,13 +56,7 @@ def _schedule(net, prices, blocked, heap, t, ready):
     start = max(ready, egress[a])
     if not between:  # `_Simulator._schedule`: between hosts the switch queues for the ingress
         start = max(start, ingress[b])
-    stack, stack_beta = net[21], net[23][t]
-    stacked = prices[7] != 0.0 and between
-    if stacked:
-        start = max(start, stack[host[s]])
     arrive = max(start, ingress[b])
-    if stacked:
-        arrive = max(arrive, stack[host[d]])
     burst = prices[5]
     if burst and between:
         # `_Simulator._schedule`'s token bucket at each end, the same sums in the same order
@@ -76,12 +70,16 @@ def _schedule(net, prices, blocked, heap, t, ready):
         tokens_in[b] = max(left - nbytes[t], 0.0)
     else:
         paid = float(nbytes[t])
-    end = arrive + alpha + paid * beta
     egress[a] = start + alpha + paid * beta
+    if prices[7] != 0.0 and between:
+        stack, stack_beta = net[21], net[23][t]
+        # `_Simulator._schedule`: each end's stack takes the bytes after what it took before
+        stack[host[s]] = max(start, stack[host[s]]) + paid * stack_beta
+        stack[host[d]] = max(arrive, stack[host[d]]) + paid * stack_beta
+        end = alpha + max(arrive + paid * beta, max(stack[host[s]], stack[host[d]]))
+    else:
+        end = arrive + alpha + paid * beta
     ingress[b] = end
-    if stacked:
-        stack[host[s]] = start + paid * stack_beta
-        stack[host[d]] = arrive + paid * stack_beta
     net[8][t] = end
     net[9][t] = True
     net[17][t] = start

@@ -22,9 +22,13 @@ post points and collective schedules the runtime runs:
   bucket at each end, whose bytes cross at once, refilled at the link's rate while it is idle).
   A sender whose message waits for a busy destination goes on to its next, as MPI's sends to
   several peers do (holding its egress convoyed many-to-many exchanges). Where the host's stack
-  moves both directions' bytes (`Machine.stack_beta`), a message holds it at each end as it
-  leaves or enters, so a host sending and receiving at once runs at the duplex rate; within a
-  host, latency + bytes / bandwidth of the host's own link (shared memory);
+  moves both directions' bytes (`Machine.stack_beta`), it takes a message's bytes at each end
+  after those it took before them, and the message ends when its link and both stacks are
+  through with it: a message leaves when its link is free (a stack is not a port), and one
+  that meets a busy stack ends late, so two hosts exchanging b bytes both ways at once finish
+  at b / the duplex rate, as `bench machine` measured them (while a lone stream runs at the
+  link's rate); within a host, latency + bytes / bandwidth of the host's own link (shared
+  memory);
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
   once; while it computes, the next round waits for the end of the task. Data already posted
@@ -245,12 +249,7 @@ class _Simulator:
         start = max(ready, self.egress[out])
         if not between:  # a copy in shared memory holds both ranks; the switch queues the rest
             start = max(start, self.ingress[into])
-        stacked = links.stack_beta and between
-        if stacked:
-            start = max(start, self.stack[src_host])
         arrive = max(start, self.ingress[into])
-        if stacked:
-            arrive = max(arrive, self.stack[dst_host])
         paid = transfer.nbytes
         if links.burst and between:
             # a token bucket at each end: what the emptier has left crosses at once, the rest
@@ -266,12 +265,17 @@ class _Simulator:
             for way, end, _, _ in ends:
                 self.tokens[way, end] = max(left - transfer.nbytes, 0.0)
         transfer.start = start
-        transfer.end = arrive + alpha + paid * beta
         self.egress[out] = start + alpha + paid * beta
+        if links.stack_beta and between:
+            # each end's stack takes the bytes as they cross, after what it took before them
+            self.stack[src_host] = max(start, self.stack[src_host]) + paid * stack_beta
+            self.stack[dst_host] = max(arrive, self.stack[dst_host]) + paid * stack_beta
+            transfer.end = alpha + max(
+                arrive + paid * beta, self.stack[src_host], self.stack[dst_host]
+            )
+        else:
+            transfer.end = arrive + alpha + paid * beta
         self.ingress[into] = transfer.end
-        if stacked:
-            self.stack[src_host] = start + paid * stack_beta
-            self.stack[dst_host] = arrive + paid * stack_beta
         if between:
             for rank in (transfer.src, transfer.dst):
                 if rank in self.on_wire:
