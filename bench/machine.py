@@ -87,10 +87,12 @@ from partitioner.plan import build_plan
 from partitioner.strategy import BUILTIN, PARAM_HOMES, builtin, with_homes
 from runtime.launch import host_cores, world_size_from_env
 
-#: up to 64 MiB: a gradient's hop is often tens of MB, and a software link's rate falls with
-#: size (a veth pair between namespaces: 2.8 GB/s at 1 MiB, 0.65 at 64 MiB), so the fitted
-#: slope must see messages that large
-LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+#: up to 256 MiB: a gradient's hop is often tens or hundreds of MB (seed-lcn's classifier on
+#: 2-4 ranks: 142-283 MB), and a software link's rate falls with size (a veth pair between
+#: namespaces: 2.8 GB/s at 1 MiB, 0.65 at 64 MiB; with two ranks a host, exchanges of 16 MiB
+#: each way at 0.45 GB/s, of 64-142 MiB at 0.25-0.27), so the fitted slope and the duplex rate
+#: must see messages that large
+LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20)
 QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 STRATEGIES = BUILTIN
 #: passes over the plans' pieces, each timing every piece (`measure_compute`)
