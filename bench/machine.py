@@ -309,6 +309,9 @@ def measure(
                 burst = mpi.fit_burst(list(zip(sizes, times)), *links[name])
                 out["link_burst_bytes"] = burst
             if duplex is not None:  # each way's rate, fitted as the link's is
+                pingpong += [
+                    {"pair": "duplex", "bytes": s, "seconds": t} for s, t in zip(large, duplex)
+                ]
                 _, duplex_per_byte = mpi.fit_link(list(zip(large, duplex)))
                 out["duplex_gbytes_per_s"] = 1 / duplex_per_byte / 1e9
     if rank == 0:

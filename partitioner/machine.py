@@ -88,8 +88,9 @@ MEASURED_KEYS = (
 )
 #: measured by `bench machine` and kept for the record (`pingpong` is also priced: `link_curves`)
 RECORD_KEYS = ("hosts", "rank_cores", "pingpong", "measured_on")
-#: the ping-pongs' pairs of ranks: on two hosts, and on one
-LINK_PAIRS = ("inter_host", "intra_host")
+#: the ping-pongs' pairs of ranks: on two hosts, on one, and on two hosts sending both ways at
+#: once (`duplex`: the seconds of an exchange of `bytes` each way)
+LINK_PAIRS = ("inter_host", "intra_host", "duplex")
 #: how far below the one-way rate a link's measured duplex rate may be and the link still be
 #: full duplex: the two are fitted from separate ping-pongs, and on tbf-shaped links (full
 #: duplex by construction) they differ by up to 1% (1 Gbit/s: 0.1195 and 0.1191 GB/s on an AMD
@@ -135,7 +136,8 @@ class Machine:
     #: the cores of a host, which its ranks share (None: each rank has its cores to itself)
     host_cores: int | None = None
     #: per pair of `LINK_PAIRS` measured, the one-way seconds of messages by their bytes, in
-    #: ascending bytes (`pingpong`): what a message of each size takes (`link_per_byte`)
+    #: ascending bytes (`pingpong`): what a message of each size takes (`link_per_byte`,
+    #: `stack_per_byte`)
     link_curves: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     #: the measured file's other keys, written back as they were read
     record: dict = field(default_factory=dict)
@@ -262,6 +264,30 @@ class Machine:
         sizes, seconds = np.array(points, np.float64).T
         one_way = np.interp(nbytes, sizes, seconds) + np.maximum(nbytes - sizes[-1], 0.0) * per_byte
         return np.maximum(one_way - latency, 0.0) / np.maximum(nbytes, 1.0)
+
+    def stack_per_byte(self, nbytes: np.ndarray) -> np.ndarray:
+        """Seconds per byte a host's network stack takes for messages of `nbytes` between
+        hosts, where it serves both directions (`stack_beta`; else 0): half an exchange's
+        seconds per byte each way at that size, where `bench machine` timed exchanges
+        (`link_curves["duplex"]`, joined by straight lines, beyond the largest the fitted duplex
+        rate), so that an exchange of any measured size takes its measured time; never more than
+        the link's own (`link_per_byte`: one way runs at the link's rate). Without those points
+        `stack_beta` at the link's rate for the size, as for the large messages. With two ranks
+        a host, an unshaped veth's exchanges ran 16 MiB at 0.45 GB/s each way and 64-142 MiB
+        at 0.25-0.27, and one rate scaled by the one-way curve priced deep-mlp's 8 MiB gathers
+        at 0.54."""
+        nbytes = np.asarray(nbytes, np.float64)
+        if not self.stack_beta:
+            return np.zeros(nbytes.shape)
+        link = self.link_per_byte(nbytes, False)
+        points = self.link_curves.get("duplex")
+        if not points:
+            return self.stack_beta * (link / self.beta)
+        sizes, seconds = np.array(points, np.float64).T
+        beyond = np.maximum(nbytes - sizes[-1], 0.0) / (self.duplex_gbytes_per_s * 1e9)
+        exchange = np.interp(nbytes, sizes, seconds) + beyond
+        per_byte = np.maximum(exchange - self.alpha, 0.0) / np.maximum(nbytes, 1.0)
+        return np.minimum(per_byte / 2, link)
 
     def flops_per_second(self, op: str, pass_: str = "", variant: str = "") -> float:
         """FLOP/s of `pass_` of `op` (`variant`: "untied" or "tied"), by the most specific key."""

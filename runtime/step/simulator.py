@@ -90,6 +90,9 @@ class Links:
     #: seconds per byte of messages by their bytes, between hosts (False) or within one
     #: (`Machine.link_per_byte`); None: `beta` and `beta_intra` whatever their size
     per_byte: Callable[[np.ndarray, bool], np.ndarray] | None = None
+    #: the stack's seconds per byte of messages between hosts by their bytes
+    #: (`Machine.stack_per_byte`); None: `stack_beta` at the link's rate for the size
+    stack_per_byte: Callable[[np.ndarray], np.ndarray] | None = None
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -101,6 +104,7 @@ class Links:
             machine.alpha, machine.beta, alpha_intra, beta_intra, per_host,
             machine.link_burst_bytes, machine.stack_beta,
             machine.link_per_byte if machine.link_curves else None,
+            machine.stack_per_byte if machine.stack_beta else None,
         )  # fmt: skip
 
     def host(self, rank: int) -> int:
@@ -108,14 +112,16 @@ class Links:
 
     def rates(self, nbytes: np.ndarray, between: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per message of `nbytes`, between hosts or not (`between`), the seconds per byte of its
-        link, and of the network stack at its ends (between hosts; 0 within one), which runs
-        at the link's rate for the message's size as it does for the large ones
-        (`stack_beta`): the host's cores copy the bytes either way."""
+        link, and of the network stack at its ends (between hosts; 0 within one): as measured
+        for its size (`stack_per_byte`), else `stack_beta` at the link's rate for the size as
+        for the large ones (the host's cores copy the bytes either way)."""
         nbytes, between = np.asarray(nbytes), np.asarray(between, bool)
         if self.per_byte is None:
             beta = np.where(between, self.beta, self.beta_intra)
         else:
             beta = np.where(between, self.per_byte(nbytes, False), self.per_byte(nbytes, True))
+        if self.stack_per_byte is not None:
+            return beta, np.where(between, self.stack_per_byte(nbytes), 0.0)
         return beta, np.where(between, self.stack_beta * (beta / self.beta), 0.0)
 
 

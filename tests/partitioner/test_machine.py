@@ -286,6 +286,49 @@ def test_a_link_prices_each_message_at_the_measured_time_of_its_size():
         assert list(rates) == [plain.beta] * 3
 
 
+def test_the_stack_prices_each_exchange_at_the_measured_time_of_its_size():
+    """Exchanges timed by size (`pingpong`'s `duplex` pair): the stack takes half an
+    exchange's seconds a byte at each measured size, so a simulated exchange takes the measured
+    time; between sizes the points are joined, beyond the largest the fitted duplex rate; never
+    slower than the link one way. Without those points, the fitted rate at the link's rate for
+    the size; on a full-duplex link, nothing."""
+    latency, per_byte = fit_link(VETH)
+    duplex = [(1 << 20, 2.5e-3), (16 << 20, 0.037), (64 << 20, 0.2), (256 << 20, 0.98)]
+    data = {
+        **BASE,
+        "latency_us": latency * 1e6,
+        "link_gbytes_per_s": 1 / per_byte / 1e9,
+        "duplex_gbytes_per_s": 0.27,
+        "pingpong": [{"pair": "inter_host", "bytes": n, "seconds": t} for n, t in VETH]
+        + [{"pair": "duplex", "bytes": n, "seconds": t} for n, t in duplex],
+    }
+    machine = machine_from_json(data)
+    assert machine.to_json() == data
+    sizes = np.array([n for n, _ in duplex], np.float64)
+    stack = machine.stack_per_byte(sizes)
+    link = machine.link_per_byte(sizes, False)
+    measured = np.array([t for _, t in duplex])
+    assert np.all(stack <= link)
+    below = stack < link  # where the exchange is slower than two one-way messages' halves
+    assert list(below) == [False, True, True, True]  # 1 MiB: capped at the link
+    assert (machine.alpha + 2 * sizes * stack)[below] == pytest.approx(measured[below], rel=1e-12)
+    middle = np.array([32 << 20], np.float64)
+    assert 0.037 < machine.alpha + 2 * middle[0] * machine.stack_per_byte(middle)[0] < 0.2
+    far = np.array([512 << 20], np.float64)
+    assert machine.alpha + 2 * far[0] * machine.stack_per_byte(far)[0] == pytest.approx(
+        0.98 + (256 << 20) / 0.27e9
+    )
+    unmeasured = replace(machine, link_curves={"inter_host": machine.link_curves["inter_host"]})
+    assert unmeasured.stack_per_byte(sizes) == pytest.approx(
+        unmeasured.stack_beta * link / unmeasured.beta
+    )
+    full = replace(machine, duplex_gbytes_per_s=1 / per_byte / 1e9)
+    assert list(full.stack_per_byte(sizes)) == [0.0] * 4
+    bad = {**data, "pingpong": [{"pair": "both", "bytes": 8, "seconds": 1e-5}]}
+    with pytest.raises(LegionNNError, match="pair must be one of inter_host, intra_host, duplex"):
+        machine_from_json(bad)
+
+
 def test_ranks_beyond_their_hosts_cores_time_share_them():
     """Two ranks a host on one core: each rank's kernels, and the runtime's Python around them
     (per task and per step), take twice their time alone (they were timed with the rank alone);

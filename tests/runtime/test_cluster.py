@@ -418,6 +418,11 @@ def test_bench_machine_measures_the_link_between_hosts(clean, tmp_path):
     assert 0 < data["link_gbytes_per_s"] <= 0.05 * 1.1
     assert 0 < data["duplex_gbytes_per_s"] <= 0.05 * 1.1
     assert "intra_host" not in data
+    # the exchanges are kept by size, each at most the tbf rate each way
+    exchanges = [p for p in data["pingpong"] if p["pair"] == "duplex"]
+    assert {p["pair"] for p in data["pingpong"]} == {"inter_host", "duplex"}
+    assert exchanges and all(p["bytes"] >= 1 << 20 for p in exchanges)
+    assert all(p["bytes"] / p["seconds"] <= 0.05e9 * 1.1 for p in exchanges)
     # the default build's burst: two 16 KiB segments (what tbf lets through at once)
     assert 8 * 1024 < data["link_burst_bytes"] < 128 * 1024
     # moving bytes costs a host's core something, and far less than the link's time for them

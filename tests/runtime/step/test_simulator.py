@@ -315,6 +315,26 @@ def test_a_host_whose_stack_serves_both_ways_sends_and_receives_at_the_duplex_ra
         assert one_way.finish[1] == pytest.approx(2.0)
 
 
+def test_an_exchange_between_hosts_takes_the_time_bench_machine_measured_for_its_size():
+    """A machine file's exchanges timed by size (`duplex` ping-pongs): two hosts copying 16 or
+    64 MiB to each other at once finish at the measured exchange's time, in both simulators,
+    whatever the one-way curve (here faster each way than half an exchange)."""
+    one_way = [(8, 1e-5), (1 << 20, 1.5e-3), (16 << 20, 0.028), (64 << 20, 0.125)]
+    duplex = [(1 << 20, 3e-3), (16 << 20, 0.037), (64 << 20, 0.24)]
+    machine = Machine(
+        link_gbytes_per_s=0.55, latency_us=10.0, duplex_gbytes_per_s=0.27,
+        memory_gbytes_per_s=None,
+        link_curves={"inter_host": tuple(one_way), "duplex": tuple(duplex)},
+    )  # fmt: skip
+    links = Links.of(machine, 2)
+    for nbytes, measured in duplex[1:]:
+        both = copies([(0, 1), (1, 0)], nbytes, 2)
+        zero = {r: [0.0, 0.0] for r in range(2)}
+        for simulate in (simulate_step, simulate_compiled):
+            step = simulate(both, zero, machine, links)
+            assert sorted(step.finish.values()) == pytest.approx([measured, measured], rel=1e-9)
+
+
 def test_the_stack_rate_comes_from_the_duplex_rate_and_never_binds_one_way():
     link = {"link_gbytes_per_s": 1.0, "memory_gbytes_per_s": None}
     assert Machine(**link).stack_beta == 0.0
