@@ -89,9 +89,9 @@ from runtime.launch import host_cores, world_size_from_env
 
 #: up to 256 MiB: a gradient's hop is often tens or hundreds of MB (seed-lcn's classifier on
 #: 2-4 ranks: 142-283 MB), and a software link's rate falls with size (a veth pair between
-#: namespaces: 2.8 GB/s at 1 MiB, 0.65 at 64 MiB; with two ranks a host, exchanges of 16 MiB
-#: each way at 0.45 GB/s, of 64-142 MiB at 0.25-0.27), so the fitted slope and the duplex rate
-#: must see messages that large
+#: namespaces: 2.8 GB/s at 1 MiB, 0.65 at 64 MiB; with two ranks a host, exchanges at 0.41-0.42
+#: GB/s each way up to 64 MiB and 0.35 at 256 MiB), so the fitted slope and the exchanges'
+#: times must see messages that large
 LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20)
 QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
 STRATEGIES = BUILTIN

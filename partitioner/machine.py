@@ -50,7 +50,8 @@ optional; see the README's table of keys):
   without offloads) its network stack serves both directions, and each runs slower than alone;
   a link that is full duplex measures the one-way rate, and nothing changes (`stack_beta`);
 - `"pingpong"`: the raw ping-pong points, `{"pair", "bytes", "seconds"}`, which price each
-  message by the measured time of its size (`Machine.link_per_byte`);
+  message by the measured time of its size (`Machine.link_per_byte`), and the exchanges
+  between hosts (`"duplex"`) the stack's time a byte at each size (`Machine.stack_per_byte`);
 - what was measured and where, for the record: `"hosts"`, `"rank_cores"`, `"measured_on"`.
 """
 
@@ -272,10 +273,9 @@ class Machine:
         (`link_curves["duplex"]`, joined by straight lines, beyond the largest the fitted duplex
         rate), so that an exchange of any measured size takes its measured time; never more than
         the link's own (`link_per_byte`: one way runs at the link's rate). Without those points
-        `stack_beta` at the link's rate for the size, as for the large messages. With two ranks
-        a host, an unshaped veth's exchanges ran 16 MiB at 0.45 GB/s each way and 64-142 MiB
-        at 0.25-0.27, and one rate scaled by the one-way curve priced deep-mlp's 8 MiB gathers
-        at 0.54."""
+        `stack_beta` at the link's rate for the size, as for the large messages: on an unshaped
+        veth whose exchanges ran at 0.41-0.43 GB/s each way from 1 to 256 MiB, that priced
+        deep-mlp's 8 MiB gathers at 0.54, the one-way curve being faster there."""
         nbytes = np.asarray(nbytes, np.float64)
         if not self.stack_beta:
             return np.zeros(nbytes.shape)
