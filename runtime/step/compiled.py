@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.step.links import Links
 from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
 from runtime.step.rank_program import Collective, Message, RankProgram
 from runtime.step.shared_programs import built, own_collectives, own_messages, source
-from runtime.step.simulator import Links
 
 #: `rank_cpu.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
 #: (messages, rank) -> seconds

@@ -31,7 +31,7 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]]),
 #        stack (per host, when its network stack is next free), beta and stack_beta (per
 #        transfer, seconds per byte of its link and of the network stack at its ends,
-#        `simulator.Links.rates`)
+#        `links.Links.rates`)
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta (the link's rate between hosts whatever a message's size: the token
 #           bucket's refill), alpha_intra, memory, per_message, burst, network_cpu, stack_beta

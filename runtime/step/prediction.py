@@ -19,12 +19,13 @@ from legion_nn.micro_batches import schedule_of, stages_of
 from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
+from runtime.step.links import Links
 from runtime.step.piece_modes import moded_times, program_seconds
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import source
-from runtime.step.simulator import Links, SimulatedStep, simulate_step
+from runtime.step.simulator import SimulatedStep, simulate_step
 
 
 def predict_step(

@@ -60,69 +60,15 @@ import heapq
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from partitioner.machine import Machine
+from runtime.step.links import Links
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds, sharing_core
 from runtime.step.rank_program import Collective, Message, RankProgram
 
 Key = tuple  # ("m", seq) for a message, ("h", seq) for a collective's hop
-
-
-@dataclass
-class Links:
-    """Latency and seconds per byte between hosts and within one; ranks sit on hosts in blocks
-    of `ranks_per_host` (a machine that does not say has one rank per host: its link is
-    between ranks, as the cost model reads it)."""
-
-    alpha: float
-    beta: float
-    alpha_intra: float
-    beta_intra: float
-    ranks_per_host: int
-    #: bytes a link between hosts lets through at once when idle, refilled at its rate
-    burst: float = 0.0
-    #: seconds per byte of a host's network stack, both ways (`Machine.stack_beta`; 0: none)
-    stack_beta: float = 0.0
-    #: seconds per byte of messages by their bytes, between hosts (False) or within one
-    #: (`Machine.link_per_byte`); None: `beta` and `beta_intra` whatever their size
-    per_byte: Callable[[np.ndarray, bool], np.ndarray] | None = None
-    #: the stack's seconds per byte of messages between hosts by their bytes
-    #: (`Machine.stack_per_byte`); None: `stack_beta` at the link's rate for the size
-    stack_per_byte: Callable[[np.ndarray], np.ndarray] | None = None
-
-    @classmethod
-    def of(cls, machine: Machine, nranks: int) -> Links:
-        per_host = machine.ranks_per_host or 1
-        alpha_intra, beta_intra = (
-            machine.link(0, 0) if per_host > 1 else (machine.alpha, machine.beta)
-        )
-        return cls(
-            machine.alpha, machine.beta, alpha_intra, beta_intra, per_host,
-            machine.link_burst_bytes, machine.stack_beta,
-            machine.link_per_byte if machine.link_curves else None,
-            machine.stack_per_byte if machine.stack_beta else None,
-        )  # fmt: skip
-
-    def host(self, rank: int) -> int:
-        return rank // self.ranks_per_host
-
-    def rates(self, nbytes: np.ndarray, between: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per message of `nbytes`, between hosts or not (`between`), the seconds per byte of its
-        link, and of the network stack at its ends (between hosts; 0 within one): as measured
-        for its size (`stack_per_byte`), else `stack_beta` at the link's rate for the size as
-        for the large ones (the host's cores copy the bytes either way)."""
-        nbytes, between = np.asarray(nbytes), np.asarray(between, bool)
-        if self.per_byte is None:
-            beta = np.where(between, self.beta, self.beta_intra)
-        else:
-            beta = np.where(between, self.per_byte(nbytes, False), self.per_byte(nbytes, True))
-        if self.stack_per_byte is not None:
-            return beta, np.where(between, self.stack_per_byte(nbytes), 0.0)
-        return beta, np.where(between, self.stack_beta * (beta / self.beta), 0.0)
 
 
 @dataclass

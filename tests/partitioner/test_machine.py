@@ -241,7 +241,7 @@ def test_a_links_burst_is_read_off_its_ping_pongs():
 
 
 def test_a_link_prices_each_message_at_the_measured_time_of_its_size():
-    from runtime.step.simulator import Links
+    from runtime.step.links import Links
 
     latency, per_byte = fit_link(VETH)
     intra = [(8, 1e-6), (65536, 2e-5), (1 << 20, 1.5e-4)]

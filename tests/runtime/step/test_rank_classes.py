@@ -19,13 +19,14 @@ from partitioner.strategy import builtin, from_grids
 from runtime.step import programs as programs_module
 from runtime.step.class_bound import fewest_classes
 from runtime.step.compiled import flatten
+from runtime.step.links import Links
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.rank_classes import rank_classes
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step.rank_memory import predict
 from runtime.step.shared_programs import SharedPrograms
-from runtime.step.simulator import Links, simulate_step
+from runtime.step.simulator import simulate_step
 from runtime.step.task_events import build_each, each_task_event, task_events
 from runtime.step.update_fusion import fuse_into_gradients
 from tests.paths import FIXTURES, ROOT

@@ -15,11 +15,12 @@ from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from partitioner.task_plan import Reduction
+from runtime.step.links import Links
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import sharing_core
 from runtime.step.rank_program import Collective, Message, RankProgram, RankTask
-from runtime.step.simulator import Links, simulate_step
+from runtime.step.simulator import simulate_step
 
 MACHINE = Machine(memory_gbytes_per_s=None)
 
