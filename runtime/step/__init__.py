@@ -3,8 +3,7 @@ builders told each task, `task_events`, once per class of alike ranks, `rank_cla
 order every rank shares, `order`, with updates fused into their gradients' kernels,
 `update_fusion`), its buffers placed in one arena (`buffers`), and the predictions made from
 them: the step simulated (`simulator`, and its compiled loop, `compiled` and `loop`, over the
-prices its messages see, `links`, with the
-CPU the network stack takes, `rank_cpu`, and pieces priced as they run, `piece_modes`), each
-rank's memory (`memory`), and both kept per plan (`model`, `prediction`). The executor runs
+prices its messages see, `links`, with the CPU the network stack takes, `rank_cpu`, and pieces
+priced as they run, `piece_modes`), each rank's memory (`memory`), and both kept per plan (`model`, `prediction`). The executor runs
 these programs (`runtime.rank_step`); nothing here runs a kernel or sends a byte.
 """
