@@ -4,6 +4,7 @@ order every rank shares, `order`, with updates fused into their gradients' kerne
 `update_fusion`), its buffers placed in one arena (`buffers`), and the predictions made from
 them: the step simulated (`simulator`, and its compiled loop, `compiled` and `loop`, over the
 prices its messages see, `links`, with the CPU the network stack takes, `rank_cpu`, and pieces
-priced as they run, `piece_modes`), each rank's memory (`memory`), and both kept per plan (`model`, `prediction`). The executor runs
-these programs (`runtime.rank_step`); nothing here runs a kernel or sends a byte.
+priced as they run, `piece_modes`), each rank's memory (`memory`), and both kept per plan
+(`model`, `prediction`). The executor runs these programs (`runtime.rank_step`); nothing here
+runs a kernel or sends a byte.
 """
