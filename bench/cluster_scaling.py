@@ -52,7 +52,8 @@ from bench.jobs import MIN_TIMED_STEPS, OPTIMIZER, WARMUP, best_jobs
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
-from partitioner.machine import Machine, load_machine
+from partitioner.machine import Machine
+from partitioner.machine_file import load_machine
 from partitioner.pipeline import pipelined
 from partitioner.resolve import resolve_stages, resolve_strategy
 from partitioner.search.stages import AUTO_STAGES

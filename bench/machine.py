@@ -48,7 +48,7 @@ that the cores of a host stay with the rank measuring), and writes the file:
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.
 
 `partition --machine F`, `render --machine F` and `train --strategy auto --machine F` read it
-(`partitioner.machine`).
+(`partitioner.machine_file`).
 """
 
 from __future__ import annotations

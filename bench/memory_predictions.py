@@ -24,7 +24,7 @@ from pathlib import Path
 
 from legion_nn.atomic import write_text
 from legion_nn.networks import load_network
-from partitioner.machine import load_machine
+from partitioner.machine_file import load_machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin, with_homes
 from runtime.step.rank_memory import predict

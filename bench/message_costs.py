@@ -1,5 +1,5 @@
 """What a message costs a rank beyond its link, measured on every rank of a running job (`bench
-machine`'s last two measurements; `partitioner.machine` names the keys):
+machine`'s last two measurements; `partitioner.machine_file` names the keys):
 
 - `message_overhead_us`: the runtime's bookkeeping and MPI calls per message endpoint, fitted so
   that the simulated step of a job made mostly of messages (`MESSAGE_JOB`) equals its measured

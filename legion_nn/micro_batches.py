@@ -55,7 +55,7 @@ DEFERRED = "-deferred"
 SCHEDULES = ("1f1b", "gpipe", "1f1b" + DEFERRED, "gpipe" + DEFERRED)
 
 #: the attributes that say where a micro-batch's task sits in the step, not what its kernel
-#: computes (the keys of a machine's piece table leave them out, `partitioner.machine`)
+#: computes (the keys of a machine's piece table leave them out, `partitioner.machine_file`)
 PLACEMENT_ATTRS = ("micro_batch", "schedule", "batch_offset", "batch_rows", "stage")
 
 #: the tensor kinds that carry the batch in dim 0

@@ -23,7 +23,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
-from partitioner.machine import piece_key_of
+from partitioner.machine_file import piece_key_of
 from partitioner.plan import Plan
 
 PieceKey = str

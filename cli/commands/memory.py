@@ -140,7 +140,7 @@ def _note(message: str) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_bytes
     from legion_nn.verify import verify
-    from partitioner.machine import load_machine
+    from partitioner.machine_file import load_machine
     from partitioner.strategy import check_ranks
     from runtime.step.model import StepModel
     from runtime.step.rank_memory import predict

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.errors import LegionNNError
     from legion_nn.verify import verify
     from partitioner.cost import plan_cost
-    from partitioner.machine import load_calibrated, load_machine
+    from partitioner.machine_file import load_calibrated, load_machine
     from partitioner.report import report_json, sweep_table, table
     from partitioner.strategy import check_ranks
     from partitioner.verify_plan import verify_plan

@@ -72,7 +72,7 @@ def _job(args: argparse.Namespace):
     `LegionNNError` naming its file, key or flag, before anything runs or is written."""
     from legion_nn.errors import LegionNNError
     from legion_nn.networks import load_network
-    from partitioner.machine import load_machine
+    from partitioner.machine_file import load_machine
     from runtime.distributed import RunOptions, strategy_spec
 
     if args.batch < 1:

@@ -124,7 +124,7 @@ def _load(args: argparse.Namespace):
 def _plan(args: argparse.Namespace, graph):
     """The step graph and its plan on `--ranks` (`graph`: `_load`'s)."""
     from legion_nn.errors import LegionNNError
-    from partitioner.machine import load_machine
+    from partitioner.machine_file import load_machine
     from runtime.step.model import StepModel
 
     if args.ranks < 1:
@@ -205,7 +205,7 @@ def _run_timeline(args: argparse.Namespace) -> int:
     from legion_nn.errors import LegionNNError
     from legion_nn.micro_batches import schedule_of, stages_of
     from legion_nn.verify import verify
-    from partitioner.machine import load_machine
+    from partitioner.machine_file import load_machine
     from runtime.step.prediction import every_rank_within_budget, predict_step
     from runtime.step.programs import build_programs
     from runtime.step.simulator import simulate_step

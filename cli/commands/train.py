@@ -165,7 +165,7 @@ def _config(args: argparse.Namespace):
     from legion_nn.errors import LegionNNError
     from legion_nn.micro_batches import check_micro_batches
     from legion_nn.networks import load_network
-    from partitioner.machine import load_machine
+    from partitioner.machine_file import load_machine
     from partitioner.pipeline import check_stage_count
     from runtime import data
     from runtime.distributed import RunOptions, strategy_spec

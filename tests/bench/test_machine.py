@@ -19,7 +19,8 @@ from legion_nn.errors import LegionNNError
 from legion_nn.lowering import OPTIMIZERS
 from legion_nn.micro_batches import micro_batched
 from legion_nn.networks import load_network
-from partitioner.machine import Machine, load_machine
+from partitioner.machine import Machine
+from partitioner.machine_file import load_machine
 from partitioner.piece_times import piece_key, task_piece_times
 from partitioner.plan import build_plan
 from partitioner.strategy import BUILTIN, PARAM_HOMES, builtin, with_homes
@@ -277,7 +278,7 @@ def test_a_strategy_file_is_predicted_as_partition_predicts_it(network, batch, p
     """`bench scaling --hosts` prices a strategy file as `partition --strategy FILE --machine F`
     does: the same step, the same bytes."""
     from bench.cluster_scaling import predict
-    from partitioner.machine import load_machine
+    from partitioner.machine_file import load_machine
 
     machine_file = tmp_path / "machine.json"
     machine_file.write_text(json.dumps(MACHINE))
@@ -305,7 +306,8 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     from bench import cluster_matrix, cluster_scaling
     from bench.cluster_scaling import ONE_HOST, format_table, predict
     from bench.jobs import Job
-    from partitioner.machine import Machine, load_machine
+    from partitioner.machine import Machine
+    from partitioner.machine_file import load_machine
 
     def fake_up(name, hosts, bits, options):
         return type("Made", (), {"name": name})()
@@ -352,7 +354,7 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
     whether the measured order of the strategies was predicted."""
     from bench import cluster_matrix, cluster_scaling
     from bench.jobs import Job
-    from partitioner.machine import load_machine
+    from partitioner.machine_file import load_machine
     from runtime.cluster_links import LinkOptions
 
     built = []

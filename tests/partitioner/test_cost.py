@@ -13,7 +13,8 @@ from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.accounting import bytes_per_rank, fits, memory_by_unit, memory_per_rank
 from partitioner.cost import plan_cost, reduction_cost
-from partitioner.machine import Machine, calibrate, load_machine, machine_from_json
+from partitioner.machine import Machine
+from partitioner.machine_file import calibrate, load_machine, machine_from_json
 from partitioner.plan import build_plan
 from partitioner.search.auto import auto
 from partitioner.strategy import builtin

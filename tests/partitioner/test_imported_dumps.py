@@ -21,7 +21,7 @@ from legion_nn.rect import Rect
 from legion_nn.verify import verify
 from partitioner.accounting import memory_per_rank
 from partitioner.cost import plan_cost, reduction_cost
-from partitioner.machine import load_machine
+from partitioner.machine_file import load_machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from partitioner.verify_plan import verify_plan

@@ -13,7 +13,8 @@ from cli.main import main
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import compute_per_rank, plan_cost
-from partitioner.machine import Machine, machine_from_json, piece_key_of
+from partitioner.machine import Machine
+from partitioner.machine_file import machine_from_json, piece_key_of
 from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin

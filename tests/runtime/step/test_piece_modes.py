@@ -12,7 +12,8 @@ from bench import task_profile
 from bench.machine import piece_rows
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
-from partitioner.machine import Machine, machine_from_json
+from partitioner.machine import Machine
+from partitioner.machine_file import machine_from_json
 from partitioner.piece_times import piece_key
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
