@@ -40,9 +40,11 @@ that the cores of a host stay with the rank measuring), and writes the file:
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency
   (the median of `MESSAGE_ROUNDS` runs, each in `measured_on`);
 - what the network stack costs a rank's kernels per byte it sends or receives between hosts
-  (`network_cpu_ns_per_byte`): a kernel timed alone, and with a stream each way beside it until
-  both are done (the simulator has a task's compute share its core with the bytes on the wire
-  meanwhile);
+  (`network_cpu_ns_per_byte`), and how fast those bytes cross while the kernel runs
+  (`computing_gbytes_per_s`, where slower than the link): a kernel timed alone, and with a
+  stream each way beside it, whose messages done when the kernel ends are counted (the
+  simulators hold a kernel's transfers to that rate and have it share its core with their
+  bytes);
 - what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
   NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.
@@ -69,7 +71,7 @@ from pathlib import Path
 
 from bench.calibration import calibrate, memory_bandwidth
 from bench.jobs import MIN_TIMED_S, OPTIMIZER
-from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_cpu_ns_per_byte
+from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_stack_costs
 from bench.task_profile import profile_as_run, profile_plan, sample_step
 from bench.traced_steps import (
     CALIBRATION_STEPS,
@@ -341,7 +343,7 @@ def measure(
             if host_count > 1:
                 if rank == 0:
                     say("the network stack's CPU: a kernel beside a stream, each way")
-                stack = network_cpu_ns_per_byte(transport, per_host, per_byte)
+                stack = network_stack_costs(transport, per_host, per_byte)
         finally:
             transport.stop_progress()
     if distributed:
@@ -359,7 +361,12 @@ def measure(
         "memory_gbytes_per_s": fitted["memory_gbytes_per_s"],
         "task_overhead_us": fitted["task_overhead_us"],
         **({"message_overhead_us": per_message["us"]} if per_message is not None else {}),
-        **({"network_cpu_ns_per_byte": stack} if stack is not None else {}),
+        **({"network_cpu_ns_per_byte": stack.cpu_ns_per_byte} if stack is not None else {}),
+        **(
+            {"computing_gbytes_per_s": stack.computing_gbytes_per_s}
+            if stack is not None and stack.computing_gbytes_per_s is not None
+            else {}
+        ),
         "process_baseline_mib": baseline,
         "op_gflops": rates,
         "ranks_per_host": per_host,
@@ -426,6 +433,11 @@ def format_summary(machine: dict) -> str:
         + (
             f", {machine['network_cpu_ns_per_byte']:.2f} ns of CPU a byte"
             if "network_cpu_ns_per_byte" in machine
+            else ""
+        )
+        + (
+            f", {machine['computing_gbytes_per_s']:.3f} GB/s beside a kernel"
+            if "computing_gbytes_per_s" in machine
             else ""
         ),
     ]

@@ -4,9 +4,9 @@ machine`'s last two measurements; `partitioner.machine_file` names the keys):
 - `message_overhead_us`: the runtime's bookkeeping and MPI calls per message endpoint, fitted so
   that the simulated step of a job made mostly of messages (`MESSAGE_JOB`) equals its measured
   one, the median of `MESSAGE_ROUNDS` runs;
-- `network_cpu_ns_per_byte`: what the network stack costs a rank's kernels per byte it sends or
-  receives between hosts, from a kernel timed alone and, with a stream each way beside it, until
-  both are done.
+- `network_cpu_ns_per_byte` and `computing_gbytes_per_s`: what the network stack costs a rank's
+  kernels per byte it sends or receives between hosts, and how fast those bytes cross while the
+  kernel runs, from a kernel timed alone and with a stream each way beside it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import njit
@@ -125,11 +125,31 @@ def _fitted_overhead_us(graph, plan, programs, base, target: float) -> float:
 
 #: the kernel whose slowdown prices the network stack: about this long alone
 STACK_PROBE_S = 0.25
-#: the messages of the stream it runs beside
-STACK_CHUNK = 4 << 20
-STACK_MAX_BYTES = 256 << 20
+#: the stream beside it lasts this many times the kernel at the link's rate, so that it is still
+#: crossing when the kernel ends
+STACK_STREAM_SPAN = 1.5
+STACK_MAX_BYTES = 512 << 20
+#: the stream's messages: this many, each of at least `STACK_MIN_CHUNK` bytes (large enough to
+#: go by MPI's rendezvous, so that a send is done when its bytes have left)
+STACK_CHUNKS = 64
+STACK_MIN_CHUNK = 1 << 20
 #: streams each way, the median kept
 STACK_ROUNDS = 3
+#: a rate while the kernel runs within this share of the link's own is the link's: nothing holds
+#: the stream back (the count of messages done is good to a message, and the stream's first
+#: message waits for MPI's handshake; a link the progress thread keeps up with, 400 Mbit/s tbf,
+#: read 0.9 of its rate)
+HELD_BELOW = 0.25
+
+
+@dataclass(frozen=True)
+class StackCosts:
+    """What the bytes crossing between hosts do to a rank that computes meanwhile."""
+
+    #: CPU taken from the kernel per byte that crossed while it ran (`network_cpu_ns_per_byte`)
+    cpu_ns_per_byte: float
+    #: how fast they crossed meanwhile (`computing_gbytes_per_s`), None where the link's rate
+    computing_gbytes_per_s: float | None
 
 
 @njit(nogil=True)
@@ -148,31 +168,28 @@ def _timed_busy(rounds: int, values: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> float | None:
-    """What moving bytes between hosts costs a rank that computes meanwhile, in ns per byte it
-    sends or receives (on rank 0; None elsewhere): rank 0 runs a kernel alone, then while `peer`
-    (on another host) streams to it, then while it streams to `peer`. The stream is posted
-    before the kernel starts, moved meanwhile by the transport's progress thread as in a
-    training step, and sized to last half the kernel at the link's rate. The seconds until
-    both the kernel and the stream are done, beyond the kernel alone timed just before, over
-    the stream's bytes: the median of `STACK_ROUNDS` streams each way, the mean of both
-    directions. Each stream is paired with a kernel alone next to it, and the median keeps one
-    slow stretch of the machine from reading as the stack's cost, or as its absence: a kernel
-    alone timed once at the start read 0 in a CI run whose VM sped up afterwards.
+def network_stack_costs(transport, peer: int, seconds_per_byte: float) -> StackCosts | None:
+    """What moving bytes between hosts costs a rank that computes meanwhile (on rank 0; None
+    elsewhere): rank 0 runs a kernel alone, then while `peer` (on another host) streams to it,
+    then while it streams to `peer`. The stream is posted before the kernel starts, moved
+    meanwhile by the transport's progress thread as in a training step, and sized to outlast
+    the kernel at the link's rate. When the kernel ends, rank 0 counts the stream's messages
+    done: the bytes that crossed while it ran. Their rate over the kernel's time is how fast
+    a message moves while a rank computes; the kernel's time beyond the kernel alone timed
+    just before, over those bytes, what each cost its core. Each the median of `STACK_ROUNDS`
+    streams each way, the mean of both directions.
 
-    That is what the simulator charges a task's compute for the bytes of its rank's transfers
-    on the wire meanwhile (`runtime.step.simulator`), and by construction it gives this
-    experiment's measured time: with the stream on the wire during the kernel, the simulated
-    kernel takes its seconds plus the stream's bytes at this cost (bounded, where the host's
-    stack serves both directions at once, by its time a byte then:
-    `Machine.network_cpu_seconds_per_byte`). Both ways the stack can take
-    a core show in it: the CPU its copies, checksums and interrupts take from the kernel, and
-    the bytes that cannot move until the kernel gives the core back. On a link the host's
-    core drives (an unshaped veth, measured on 2 emulated hosts of one core each) the stream
-    barely moves while the kernel runs and finishes after it, which slows the kernel little:
-    the kernel's own slowdown read 0.12 ns a byte there, against 0.8-1.2 ns by this measure,
-    and deep-mlp's data-parallel step, which moves its gradients beside the backward pass, was
-    predicted 40% short."""
+    Those are what the simulators charge (`runtime.step.simulator`): a kernel's transfers
+    between hosts move at most that rate while it runs, and it takes its seconds plus that
+    CPU for each byte on the wire meanwhile, so by construction they give this experiment's
+    kernel. MPI moves a message over TCP only when its ranks call into MPI, and a rank in a
+    kernel leaves that to the progress thread's calls, each moving what the sockets' buffers
+    take: on an unshaped veth with offloads (2 emulated hosts of one core each, an AMD EPYC
+    VM) 0.25-0.5 GB/s while the kernel ran, 1.4-1.6 GB/s each way while the ranks waited.
+    Timed until both kernel and stream were done instead, the stack's CPU read 0.5-1.2 ns a
+    byte, and the simulators had the kernel wait for the stream at the link's rate: seed-lcn's
+    data-parallel step there was predicted 10% short, its all-reduce running beside the
+    backward pass in the prediction and mostly after it in the run."""
     from runtime import mpi_transport as mpi
 
     rank = transport.rank
@@ -183,19 +200,22 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
         while _timed_busy(rounds, values) < STACK_PROBE_S / 8:
             rounds *= 2
         rounds = int(rounds * STACK_PROBE_S / _timed_busy(rounds, values))
-        nbytes = min(int(_timed_busy(rounds, values) / 2 / seconds_per_byte), STACK_MAX_BYTES)
+        span = _timed_busy(rounds, values) * STACK_STREAM_SPAN
+        nbytes = min(int(span / seconds_per_byte), STACK_MAX_BYTES)
     else:
         nbytes = 0
     nbytes = mpi.broadcast(nbytes)
-    chunks = max(nbytes // STACK_CHUNK, 1)
+    chunk = max(nbytes // STACK_CHUNKS, STACK_MIN_CHUNK)
+    chunks = max(nbytes // chunk, 1)
     costs: dict[tuple[int, int], list[float]] = {}
+    rates: dict[tuple[int, int], list[float]] = {}
     for sender, receiver in ((peer, 0), (0, peer)) * STACK_ROUNDS:
         # timed while the peer waits in the barrier, so that nothing moves beside it
         alone = _timed_busy(rounds, values) if rank == 0 else 0.0
         mpi.idle_barrier()
         requests = []
         if rank in (sender, receiver):
-            buffers = [np.ones(STACK_CHUNK, np.uint8) for _ in range(chunks)]
+            buffers = [np.ones(chunk, np.uint8) for _ in range(chunks)]
             for index, buffer in enumerate(buffers):
                 if rank == sender:
                     requests.append(transport.isend(buffer, receiver, transport.data_tag(index)))
@@ -205,14 +225,18 @@ def network_cpu_ns_per_byte(transport, peer: int, seconds_per_byte: float) -> fl
             start = time.perf_counter()
             with transport.computing():
                 _busy(rounds, values)
+            took = time.perf_counter() - start
+            # a pair's messages cross in order: those done lead the list
+            crossed = next((i for i, r in enumerate(requests) if not r.test()), chunks) * chunk
+            key = (sender, receiver)
+            rates.setdefault(key, []).append(crossed / took)
+            costs.setdefault(key, []).append(max(took - alone, 0.0) / max(crossed, chunk))
         while not all(r.test() for r in requests):
             time.sleep(1e-4)
-        if rank == 0:
-            both = time.perf_counter() - start
-            costs.setdefault((sender, receiver), []).append(
-                max(both - alone, 0.0) / (chunks * STACK_CHUNK)
-            )
     mpi.idle_barrier()
     if rank != 0:
         return None
-    return statistics.mean(statistics.median(each) for each in costs.values()) * 1e9
+    rate = statistics.mean(statistics.median(each) for each in rates.values())
+    cpu = statistics.mean(statistics.median(each) for each in costs.values())
+    held = rate < (1.0 - HELD_BELOW) / seconds_per_byte
+    return StackCosts(cpu * 1e9, rate / 1e9 if held else None)

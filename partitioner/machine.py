@@ -50,6 +50,11 @@ class Machine:
     network_cpu_ns_per_byte: float = 0.0
     #: GB/s each way while both directions of a link between hosts are busy (None: as alone)
     duplex_gbytes_per_s: float | None = None
+    #: GB/s at most a message between hosts moves while a rank at either end runs a kernel
+    #: (None: as fast as its link): MPI moves a message over TCP only when its ranks call into
+    #: MPI, and while a rank computes only its progress thread does, every
+    #: `mpi_transport.PROGRESS_INTERVAL_US`, each call moving what the sockets' buffers take
+    computing_gbytes_per_s: float | None = None
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -94,6 +99,12 @@ class Machine:
         return min(1.0 / (2 * duplex * 1e9), self.beta)
 
     @property
+    def computing_bytes_per_s(self) -> float:
+        """`computing_gbytes_per_s` in bytes a second; 0 where a message is not held back."""
+        rate = self.computing_gbytes_per_s
+        return rate * 1e9 if rate is not None else 0.0
+
+    @property
     def ring_beta(self) -> float:
         """Seconds per byte of a collective's ring step, in which every rank sends and receives
         as many bytes at once: the link's, or the stack's for both ways where it is slower."""
@@ -130,7 +141,8 @@ class Machine:
     @property
     def network_cpu_seconds_per_byte(self) -> float:
         """The CPU the network stack takes from a kernel per byte its rank sends or receives
-        between hosts: `network_cpu_ns_per_byte`, measured beside a one-way stream, but never
+        between hosts: `network_cpu_ns_per_byte`, measured beside a one-way stream (per byte
+        crossing while the kernel ran), but never
         more than the stack's own time per byte where it serves both directions at once
         (`stack_beta`). A stack that takes the whole core (an unshaped veth) moves both ways at
         the duplex rate d, so a byte of an exchange costs the core 1 / 2d, less than the
@@ -234,6 +246,8 @@ class Machine:
             out["network_cpu_ns_per_byte"] = self.network_cpu_ns_per_byte
         if self.duplex_gbytes_per_s is not None:
             out["duplex_gbytes_per_s"] = self.duplex_gbytes_per_s
+        if self.computing_gbytes_per_s is not None:
+            out["computing_gbytes_per_s"] = self.computing_gbytes_per_s
         if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
             out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:

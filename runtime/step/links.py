@@ -1,7 +1,8 @@
 """The prices a simulated step's messages see (`runtime.step.simulator`, the compiled loop of
 `runtime.step.compiled`): latency and seconds per byte between hosts and within one, by
 message size where `bench machine` measured the links, the burst a link lets through, and the
-network stack's time a byte where a host's stack serves both directions.
+network stack's time a byte where a host's stack serves both directions, and how fast a
+message moves while its ranks compute.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Links:
     #: the stack's seconds per byte of messages between hosts by their bytes
     #: (`Machine.stack_per_byte`); None: `stack_beta` at the link's rate for the size
     stack_per_byte: Callable[[np.ndarray], np.ndarray] | None = None
+    #: bytes a second at most a message between hosts moves while a rank at either end
+    #: computes (`Machine.computing_bytes_per_s`; 0: as fast as its link)
+    computing_rate: float = 0.0
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -47,6 +51,7 @@ class Links:
             machine.link_burst_bytes, machine.stack_beta,
             machine.link_per_byte if machine.link_curves else None,
             machine.stack_per_byte if machine.stack_beta else None,
+            machine.computing_bytes_per_s,
         )  # fmt: skip
 
     def host(self, rank: int) -> int:

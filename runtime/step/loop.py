@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from runtime.step.loop_cpu import held_back, put_back, stretched
 from runtime.step.wake_heap import HELPER, pop_earliest, wake
 
 #: the instructions' codes (`compiled`'s module docstring)
@@ -31,10 +32,12 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #        in the order they were scheduled, in wire[wire_at[i]:wire_at[i] + wire_count[i]]),
 #        stack (per host, when its network stack is next free), beta and stack_beta (per
 #        transfer, seconds per byte of its link and of the network stack at its ends,
-#        `links.Links.rates`)
+#        `links.Links.rates`), computing_until (per rank, when its latest kernel ends),
+#        block_lo and block_hi (per rank, the keys it is blocked on: keys[lo:hi])
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta (the link's rate between hosts whatever a message's size: the token
-#           bucket's refill), alpha_intra, memory, per_message, burst, network_cpu, stack_beta
+#           bucket's refill), alpha_intra, memory, per_message, burst, network_cpu, stack_beta,
+#           computing_rate (`links.Links.computing_rate`)
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
@@ -80,7 +83,13 @@ def _schedule(net, prices, blocked, heap, t, ready):
     else:
         end = arrive + alpha + paid * beta
     ingress[b] = end
+    rate = prices[8]
     net[8][t] = end
+    if between and rate != 0.0:
+        # `_Simulator._schedule`: held back while a kernel runs at either end
+        held = held_back(start, end, nbytes[t], start, max(net[24][s], net[24][d]), rate)
+        put_back(net, t, held)
+        end = net[8][t]
     net[9][t] = True
     net[17][t] = start
     if between:
@@ -193,53 +202,6 @@ def _next_round_end(net, ranks, rounds, rank):
 
 
 @HELPER
-def _stretched(net, prices, rank, begin, seconds, slowdown):
-    """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
-    network stack's CPU for the bytes of the rank's transfers between hosts on the wire
-    meanwhile (`rank_cpu.sharing_core`, point for point, with `slowdown` times the CPU a
-    byte, the rank's); those ended before `begin` leave its list."""
-    cpu = prices[6]
-    if cpu == 0.0:
-        return seconds
-    nbytes, ended, started = net[2], net[8], net[17]
-    wire, base, count = net[18], net[19][rank], net[20][rank]
-    kept = 0
-    for k in range(count):
-        t = wire[base + k]
-        if ended[t] > begin:
-            wire[base + kept] = t
-            kept += 1
-    net[20][rank] = kept
-    if seconds == 0.0:
-        return 0.0
-    cpu = cpu * slowdown
-    moved = 0.0
-    low = 0.0
-    while True:
-        # the next point past `low` where a transfer starts or ends
-        high = -1.0
-        for k in range(kept):
-            t = wire[base + k]
-            for point in (max(started[t] - begin, 0.0), max(ended[t] - begin, 0.0)):
-                if point > low and (high < 0.0 or point < high):
-                    high = point
-        if high < 0.0:
-            return seconds + cpu * moved
-        rate = 0.0
-        for k in range(kept):
-            t = wire[base + k]
-            a, b = started[t] - begin, ended[t] - begin
-            if a <= low and b >= high and b > a:
-                rate += nbytes[t] / (b - a)
-        if cpu * rate < 1.0:
-            found = (seconds + cpu * (moved - rate * low)) / (1.0 - cpu * rate)
-            if found <= high:
-                return found
-        moved += rate * (high - low)
-        low = high
-
-
-@HELPER
 def _poll(net, prices, ranks, heap, rounds, rank, now):
     """`_Simulator._poll`; True where the wait is over (the caller runs the rank on). The keys
     still awaited are counted, not rescanned: a key once ended by a rank's clock stays ended,
@@ -274,6 +236,7 @@ def _block(net, prices, ranks, heap, rounds, rank, lo, hi):
     unscheduled, pending_end = net[15], net[16]
     unscheduled[rank] = 0
     pending_end[rank] = 0.0
+    net[25][rank], net[26][rank] = lo, hi
     for k in range(lo, hi):
         t = keys[k]
         if scheduled[t]:
@@ -316,7 +279,9 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
             pc[rank] = p + 1
         elif code == COMPUTE:
             pc[rank] = p + 1
-            took = _stretched(net, prices, rank, clock[rank], amounts[a], ranks[3][rank])
+            took = stretched(
+                net, prices, ranks[2], keys, rank, clock[rank], amounts[a], ranks[3][rank]
+            )
             clock[rank] += took
             ranks[4][rank] += took
         elif code == PROGRESS:
@@ -410,6 +375,9 @@ def run_step(
         np.zeros(max(hosts, 1), np.float64),
         beta,
         stack_beta,
+        np.zeros(nranks, np.float64),
+        np.zeros(nranks, np.int64),
+        np.zeros(nranks, np.int64),
     )
     heap = (
         np.full(nranks, np.inf),

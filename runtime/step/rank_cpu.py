@@ -8,6 +8,8 @@ them point for point) price it by.
   (`posting_seconds`).
 - A kernel shares its core with the network stack's work for the bytes crossing between hosts
   while it runs (`sharing_core`).
+- While a kernel runs, the rank's messages between hosts move at most the rate its progress
+  thread moves them (`held_spread`, `held_back`).
 """
 
 from __future__ import annotations
@@ -56,3 +58,36 @@ def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, 
                 return found
         moved += rate * (high - low)
     return seconds + cpu * moved
+
+
+# The two below are also compiled, as they stand, for the compiled loop (`runtime.step.loop`):
+# both simulators hold a message back by the same arithmetic.
+
+
+def held_spread(
+    start: float, end: float, nbytes: int, begin: float, rate: float
+) -> tuple[float, float, float]:
+    """How a transfer moving `nbytes` evenly from `start` to `end` crosses from `begin` on while
+    it moves `rate` bytes a second at most (a kernel runs at one of its ends; 0: no limit):
+    (start, end, bytes) relative to `begin`, what is left at `begin` spread at the rate
+    (`sharing_core`'s wire). A transfer that is slower anyway crosses as it would."""
+    if rate <= 0.0 or nbytes <= 0 or end <= start or rate * (end - start) >= nbytes:
+        return start - begin, end - begin, float(nbytes)
+    keep = rate * (end - start) / nbytes  # the share of its own speed it keeps
+    at = max(start, begin)
+    return at - begin, at - begin + (end - at) / keep, nbytes * (end - at) / (end - start)
+
+
+def held_back(
+    start: float, end: float, nbytes: int, begin: float, until: float, rate: float
+) -> float:
+    """When a transfer moving `nbytes` evenly from `start` to `end` ends where, from `begin` to
+    `until` (a kernel at one of its ends), it moves `rate` bytes a second at most, and after
+    that at its own speed again."""
+    at = max(start, begin)
+    if rate <= 0.0 or nbytes <= 0 or until <= at or end <= at or rate * (end - start) >= nbytes:
+        return end
+    keep = rate * (end - start) / nbytes
+    if at + (end - at) / keep <= until:
+        return at + (end - at) / keep
+    return until + (end - at) - keep * (until - at)

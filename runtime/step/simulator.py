@@ -32,7 +32,12 @@ post points and collective schedules the runtime runs:
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
   once; while it computes, the next round waits for the end of the task. Data already posted
-  moves in the background (the transport's threads and the kernel's socket buffers carry it);
+  moves in the background, but between hosts, while a kernel runs at either end, no faster
+  than the rank's progress thread moves it (`Links.computing_rate`: each of its calls moves
+  what the sockets' buffers take): from a kernel's start to its end its rank's transfers
+  cross at that rate at most (each transfer's bytes spread evenly over its time), and after
+  it at their own speed again; a transfer that is held back holds its link till it ends, so
+  the next message on that link waits for it;
 - where the machine prices memory traffic, a rank also pays its local passes: packing a send and
   unpacking a receive (two bytes a byte each), adding a received partial sum (three);
 - posting its end of a message or of a collective's hop costs a rank the machine's
@@ -41,7 +46,8 @@ post points and collective schedules the runtime runs:
   the network stack's copies, checksums and interrupts). A rank pays it only where it competes
   with a kernel: a task's compute of c seconds from t takes the least s with s = c + the CPU of
   the bytes of that rank's transfers between hosts on the wire during [t, t + s] (each
-  transfer's bytes spread evenly over its time on the link; `rank_cpu.sharing_core`). The
+  transfer's bytes spread evenly over its time on the link, held back as above;
+  `rank_cpu.sharing_core`, `rank_cpu.held_spread`). The
   bytes that cross while the stack holds the kernel back cost the core too, so where the
   transfers would take the whole core the kernel waits for them. While a rank waits, the stack
   has the core;
@@ -65,7 +71,13 @@ from dataclasses import dataclass, field
 
 from partitioner.machine import Machine
 from runtime.step.links import Links
-from runtime.step.rank_cpu import cpu_slowdown, posting_seconds, sharing_core
+from runtime.step.rank_cpu import (
+    cpu_slowdown,
+    held_back,
+    held_spread,
+    posting_seconds,
+    sharing_core,
+)
 from runtime.step.rank_program import Collective, Message, RankProgram
 
 Key = tuple  # ("m", seq) for a message, ("h", seq) for a collective's hop
@@ -147,6 +159,8 @@ class _Simulator:
         #: per rank, its transfers between hosts in the order they were scheduled, those ended
         #: before its clock dropped (`_stretched`)
         self.on_wire: dict[int, list[_Transfer]] = {rank: [] for rank in programs}
+        #: per rank, when its latest kernel ends (its messages between hosts held back till then)
+        self.computing_until: dict[int, float] = {rank: 0.0 for rank in programs}
         self.transfers: dict[Key, _Transfer] = {}
         #: when each host's link (or, within a host, each rank) is next free, each way
         self.egress: dict[tuple[str, int], float] = defaultdict(float)
@@ -228,6 +242,13 @@ class _Simulator:
         else:
             transfer.end = arrive + alpha + paid * beta
         self.ingress[into] = transfer.end
+        if between and links.computing_rate:
+            # held back while a kernel runs at either end
+            until = max(self.computing_until.get(r, 0.0) for r in (transfer.src, transfer.dst))
+            self._put_back(
+                transfer,
+                held_back(start, transfer.end, transfer.nbytes, start, until, links.computing_rate),
+            )
         if between:
             for rank in (transfer.src, transfer.dst):
                 if rank in self.on_wire:
@@ -352,16 +373,38 @@ class _Simulator:
 
     def _stretched(self, rank: int, seconds: float) -> float:
         """`seconds` of compute from the rank's clock on, with the network stack's CPU for the
-        bytes of its transfers between hosts on the wire meanwhile (see the module docstring)."""
-        if not self.network_cpu:
+        bytes of its transfers between hosts on the wire meanwhile, which move no faster than
+        its progress thread moves them till it ends (see the module docstring)."""
+        rate = self.links.computing_rate
+        if not self.network_cpu and not rate:
             return seconds
         begin = self.clock[rank]
         wire = self.on_wire[rank] = [t for t in self.on_wire[rank] if t.end > begin]
-        return sharing_core(
-            seconds,
-            self.network_cpu * self.slowdown[rank],
-            [(t.start - begin, t.end - begin, t.nbytes) for t in wire],
-        )
+        if seconds == 0.0:
+            return 0.0  # no kernel runs
+        took = seconds
+        if self.network_cpu:
+            took = sharing_core(
+                seconds,
+                self.network_cpu * self.slowdown[rank],
+                [held_spread(t.start, t.end, t.nbytes, begin, rate) for t in wire],
+            )
+        if rate:
+            until = self.computing_until[rank] = begin + took
+            for t in wire:
+                self._put_back(t, held_back(t.start, t.end, t.nbytes, begin, until, rate))
+        return took
+
+    def _put_back(self, transfer: _Transfer, end: float) -> None:
+        """`transfer` (between hosts) ends at `end`, no earlier than it would: its link moves
+        its bytes till then, and what comes after it on the link waits for that."""
+        if end == transfer.end:
+            return
+        transfer.end = end
+        out = ("host", self.links.host(transfer.src))
+        into = ("host", self.links.host(transfer.dst))
+        self.egress[out] = max(self.egress[out], end)
+        self.ingress[into] = max(self.ingress[into], end)
 
     def _complete(self, rank: int, count: int) -> Generator[object, None, None]:
         """Complete the rank's `count` oldest collectives in flight, in the order they started:

@@ -427,5 +427,7 @@ def test_bench_machine_measures_the_link_between_hosts(clean, tmp_path):
     assert 8 * 1024 < data["link_burst_bytes"] < 128 * 1024
     # moving bytes costs a host's core something, and far less than the link's time for them
     assert 0 < data["network_cpu_ns_per_byte"] < 1e9 / (0.05e9) / 2
+    # the progress thread keeps up with a slow link while a kernel runs: nothing is held back
+    assert "computing_gbytes_per_s" not in data
     rounds = data["measured_on"]["message_overhead_rounds_us"]
     assert len(rounds) == 3 and data["message_overhead_us"] == sorted(rounds)[1] >= 0

@@ -6,7 +6,8 @@ same order), on every kind of plan: data, model, spatial and auto, replicated an
 1 to 8 ranks, one rank per host and two (whose messages within a host take the host's own
 link), with memory traffic and a per-message overhead priced (so that packing, adding and each
 hop's overhead are all in the clocks), with a link's burst, with links priced by the measured
-times of messages of each size, and with the network stack's CPU and ranks sharing a core.
+times of messages of each size, with the network stack's CPU and ranks sharing a core, and with
+messages held back while kernels run.
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ MACHINES = {
     # burst
     "half-duplex": Machine(
         **PRICED, duplex_gbytes_per_s=0.3, link_burst_bytes=65536.0, network_cpu_ns_per_byte=1.0
+    ),
+    # messages between hosts held to 0.1 GB/s while a kernel runs at either end (the progress
+    # thread's cadence), on a half-duplex link whose stack takes CPU from the kernels
+    "held-by-kernels": Machine(
+        **PRICED,
+        ranks_per_host=2,
+        duplex_gbytes_per_s=0.3,
+        network_cpu_ns_per_byte=1.0,
+        computing_gbytes_per_s=0.1,
+        link_burst_bytes=65536.0,
     ),
 }
 
@@ -159,6 +170,12 @@ def test_the_cases_exercise_what_the_loop_models():
     assert steps["one-per-host"].seconds != steps["two-per-host"].seconds
     assert steps["stack-cpu-shared-core"].seconds > steps["two-per-host"].seconds
     assert steps["half-duplex"].seconds > steps["one-per-host"].seconds
+    # held back while the kernels run, the all-reduces end later
+    unheld = replace(MACHINES["held-by-kernels"], computing_gbytes_per_s=None)
+    graph, plan = _plan("seed-lcn-small", 8, "data", "replicated", 4, unheld)
+    programs = build_programs(graph, plan, unheld, range(4))
+    free = predict_step(graph, plan, unheld, programs=programs)
+    assert steps["held-by-kernels"].seconds > free.seconds
     # the measured times price the messages: the same links at their fitted rates differ
     for name in ("two-per-host", "half-duplex-measured"):
         fitted = replace(MACHINES[name], link_curves={})

@@ -1,0 +1,111 @@
+"""A rank's CPU in the compiled step loop (`runtime.step.loop`): `runtime.step.rank_cpu`'s rules
+for a kernel beside its rank's transfers between hosts, point for point as the Python simulator
+(`runtime.step.simulator`) applies them: the kernel shares its core with their bytes, and they
+move no faster than the progress thread moves them till it ends. The arrays are the loop's
+(`net` and `prices`, as `runtime.step.loop` lists them).
+"""
+
+from __future__ import annotations
+
+from runtime.step import rank_cpu
+from runtime.step.wake_heap import HELPER
+
+# the Python simulator's arithmetic for a message held back while a kernel runs, compiled
+held_spread = HELPER(rank_cpu.held_spread)
+held_back = HELPER(rank_cpu.held_back)
+
+
+@HELPER
+def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
+    """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
+    network stack's CPU for the bytes of the rank's transfers between hosts on the wire
+    meanwhile (`rank_cpu.sharing_core`, point for point, with `slowdown` times the CPU a
+    byte, the rank's), which move no faster than `computing_rate` till it ends (their ends
+    put back, and the latest end a blocked peer waits for with them); those ended before
+    `begin` leave its list."""
+    cpu, rate = prices[6], prices[8]
+    if cpu == 0.0 and rate == 0.0:
+        return seconds
+    src, dst, nbytes, ended, started = net[0], net[1], net[2], net[8], net[17]
+    wire, base, count = net[18], net[19][rank], net[20][rank]
+    kept = 0
+    for k in range(count):
+        t = wire[base + k]
+        if ended[t] > begin:
+            wire[base + kept] = t
+            kept += 1
+    net[20][rank] = kept
+    if seconds == 0.0:
+        return 0.0
+    took = seconds
+    if cpu != 0.0:
+        took = _sharing_core(net, rank, kept, begin, seconds, cpu * slowdown, rate)
+    if rate != 0.0:
+        until = begin + took
+        net[24][rank] = until
+        for k in range(kept):
+            t = wire[base + k]
+            later = held_back(started[t], ended[t], nbytes[t], begin, until, rate)
+            if later != ended[t]:
+                put_back(net, t, later)
+                other = dst[t] if src[t] == rank else src[t]
+                if blocked[other]:
+                    _pending_again(net, keys, other)
+    return took
+
+
+@HELPER
+def _sharing_core(net, rank, kept, begin, seconds, cpu, rate):
+    """`rank_cpu.sharing_core` over the rank's first `kept` transfers on the wire, each as
+    `rank_cpu.held_spread` has it cross from `begin`."""
+    nbytes, ended, started = net[2], net[8], net[17]
+    wire, base = net[18], net[19][rank]
+    moved = 0.0
+    low = 0.0
+    while True:
+        # the next point past `low` where a transfer starts or ends
+        high = -1.0
+        for k in range(kept):
+            t = wire[base + k]
+            a, b, _ = held_spread(started[t], ended[t], nbytes[t], begin, rate)
+            for point in (max(a, 0.0), max(b, 0.0)):
+                if point > low and (high < 0.0 or point < high):
+                    high = point
+        if high < 0.0:
+            return seconds + cpu * moved
+        flow = 0.0
+        for k in range(kept):
+            t = wire[base + k]
+            a, b, n = held_spread(started[t], ended[t], nbytes[t], begin, rate)
+            if a <= low and b >= high and b > a:
+                flow += n / (b - a)
+        if cpu * flow < 1.0:
+            found = (seconds + cpu * (moved - flow * low)) / (1.0 - cpu * flow)
+            if found <= high:
+                return found
+        moved += flow * (high - low)
+        low = high
+
+
+@HELPER
+def put_back(net, t, end):
+    """`_Simulator._put_back`: transfer `t` between hosts ends at `end`, and what comes after
+    it on its link waits for that."""
+    if end == net[8][t]:
+        return
+    net[8][t] = end
+    host = net[3]
+    a, b = host[net[0][t]], host[net[1][t]]
+    net[6][a] = max(net[6][a], end)
+    net[7][b] = max(net[7][b], end)
+
+
+@HELPER
+def _pending_again(net, keys, rank):
+    """The latest end of the scheduled keys blocked `rank` waits for, after one was put back."""
+    scheduled, ended = net[9], net[8]
+    latest = 0.0
+    for k in range(net[25][rank], net[26][rank]):
+        if scheduled[keys[k]]:
+            latest = max(latest, ended[keys[k]])
+    net[16][rank] = latest
