@@ -12,6 +12,7 @@ machine`'s last two measurements; `partitioner.machine_file` names the keys):
 from __future__ import annotations
 
 import io
+import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -148,7 +149,8 @@ class StackCosts:
 
     #: CPU taken from the kernel per byte that crossed while it ran (`network_cpu_ns_per_byte`)
     cpu_ns_per_byte: float
-    #: how fast they crossed meanwhile (`computing_gbytes_per_s`), None where the link's rate
+    #: how fast those it received crossed meanwhile (`computing_gbytes_per_s`), None where at
+    #: the link's rate
     computing_gbytes_per_s: float | None
 
 
@@ -174,22 +176,26 @@ def network_stack_costs(transport, peer: int, seconds_per_byte: float) -> StackC
     then while it streams to `peer`. The stream is posted before the kernel starts, moved
     meanwhile by the transport's progress thread as in a training step, and sized to outlast
     the kernel at the link's rate. When the kernel ends, rank 0 counts the stream's messages
-    done: the bytes that crossed while it ran. Their rate over the kernel's time is how fast
-    a message moves while a rank computes; the kernel's time beyond the kernel alone timed
-    just before, over those bytes, what each cost its core. Each the median of `STACK_ROUNDS`
-    streams each way, the mean of both directions.
+    done: the bytes that crossed while it ran. Their rate over the kernel's time, where rank 0
+    receives, is how fast a message moves while the rank it goes to computes (unbounded where
+    the stream was done first); the kernel's time beyond the kernel alone timed just before,
+    over those bytes, what each cost its core, both ways. The median of `STACK_ROUNDS` streams
+    each way, the CPU the mean of both directions.
 
-    Those are what the simulators charge (`runtime.step.simulator`): a kernel's transfers
-    between hosts move at most that rate while it runs, and it takes its seconds plus that
-    CPU for each byte on the wire meanwhile, so by construction they give this experiment's
-    kernel. MPI moves a message over TCP only when its ranks call into MPI, and a rank in a
-    kernel leaves that to the progress thread's calls, each moving what the sockets' buffers
-    take: on an unshaped veth with offloads (2 emulated hosts of one core each, an AMD EPYC
-    VM) 0.25-0.5 GB/s while the kernel ran, 1.4-1.6 GB/s each way while the ranks waited.
-    Timed until both kernel and stream were done instead, the stack's CPU read 0.5-1.2 ns a
-    byte, and the simulators had the kernel wait for the stream at the link's rate: seed-lcn's
-    data-parallel step there was predicted 10% short, its all-reduce running beside the
-    backward pass in the prediction and mostly after it in the run."""
+    Those are what the simulators charge (`runtime.step.simulator`): the transfers a kernel's
+    rank receives between hosts move at most that rate while it runs, and it takes its seconds
+    plus that CPU for each byte on the wire meanwhile, so by construction they give this
+    experiment's kernel. MPI takes a message in over TCP only when its rank calls into MPI,
+    and a rank in a kernel leaves that to the progress thread's calls, each reading what the
+    socket's buffer holds. Measured on 2 emulated hosts of one core each (an AMD EPYC VM): an
+    unshaped veth with offloads took in 0.27-0.37 GB/s while the kernel ran, and sent about as
+    slowly, against 1.4-1.6 GB/s each way while the ranks waited; without offloads it took in
+    0.18-0.23 GB/s, while a stream it sent crossed at the link's rate and stretched the kernel
+    from 0.25 to 0.55 s (the host's core moves both ends' bytes). Timed until both kernel and
+    stream were done instead, the stack's CPU read 0.5-1.2 ns a byte, and the simulators had
+    the kernel wait for the stream at the link's rate: seed-lcn's data-parallel step with
+    offloads was predicted 10% short, its all-reduce running beside the backward pass in the
+    prediction and mostly after it in the run."""
     from runtime import mpi_transport as mpi
 
     rank = transport.rank
@@ -208,7 +214,7 @@ def network_stack_costs(transport, peer: int, seconds_per_byte: float) -> StackC
     chunk = max(nbytes // STACK_CHUNKS, STACK_MIN_CHUNK)
     chunks = max(nbytes // chunk, 1)
     costs: dict[tuple[int, int], list[float]] = {}
-    rates: dict[tuple[int, int], list[float]] = {}
+    rates: dict[int, list[float]] = {}
     for sender, receiver in ((peer, 0), (0, peer)) * STACK_ROUNDS:
         # timed while the peer waits in the barrier, so that nothing moves beside it
         alone = _timed_busy(rounds, values) if rank == 0 else 0.0
@@ -227,16 +233,19 @@ def network_stack_costs(transport, peer: int, seconds_per_byte: float) -> StackC
                 _busy(rounds, values)
             took = time.perf_counter() - start
             # a pair's messages cross in order: those done lead the list
-            crossed = next((i for i, r in enumerate(requests) if not r.test()), chunks) * chunk
-            key = (sender, receiver)
-            rates.setdefault(key, []).append(crossed / took)
-            costs.setdefault(key, []).append(max(took - alone, 0.0) / max(crossed, chunk))
+            done = next((i for i, r in enumerate(requests) if not r.test()), chunks)
+            crossed = done * chunk
+            costs.setdefault((sender, receiver), []).append(
+                max(took - alone, 0.0) / max(crossed, chunk)
+            )
+            if receiver == 0:  # a stream done within the kernel was not held back
+                rates.setdefault(sender, []).append(crossed / took if done < chunks else math.inf)
         while not all(r.test() for r in requests):
             time.sleep(1e-4)
     mpi.idle_barrier()
     if rank != 0:
         return None
-    rate = statistics.mean(statistics.median(each) for each in rates.values())
+    rate = statistics.median(rates[peer])
     cpu = statistics.mean(statistics.median(each) for each in costs.values())
     held = rate < (1.0 - HELD_BELOW) / seconds_per_byte
     return StackCosts(cpu * 1e9, rate / 1e9 if held else None)

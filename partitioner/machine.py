@@ -50,10 +50,10 @@ class Machine:
     network_cpu_ns_per_byte: float = 0.0
     #: GB/s each way while both directions of a link between hosts are busy (None: as alone)
     duplex_gbytes_per_s: float | None = None
-    #: GB/s at most a message between hosts moves while a rank at either end runs a kernel
-    #: (None: as fast as its link): MPI moves a message over TCP only when its ranks call into
-    #: MPI, and while a rank computes only its progress thread does, every
-    #: `mpi_transport.PROGRESS_INTERVAL_US`, each call moving what the sockets' buffers take
+    #: GB/s at most a message between hosts moves while the rank it goes to runs a kernel
+    #: (None: as fast as its link): MPI takes a message in over TCP only when its rank calls
+    #: into MPI, and while a rank computes only its progress thread does, every
+    #: `mpi_transport.PROGRESS_INTERVAL_US`, each call reading what the socket's buffer holds
     computing_gbytes_per_s: float | None = None
     #: None: one rank per host
     ranks_per_host: int | None = None

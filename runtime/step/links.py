@@ -36,8 +36,8 @@ class Links:
     #: the stack's seconds per byte of messages between hosts by their bytes
     #: (`Machine.stack_per_byte`); None: `stack_beta` at the link's rate for the size
     stack_per_byte: Callable[[np.ndarray], np.ndarray] | None = None
-    #: bytes a second at most a message between hosts moves while a rank at either end
-    #: computes (`Machine.computing_bytes_per_s`; 0: as fast as its link)
+    #: bytes a second at most a message between hosts moves while the rank it goes to runs a
+    #: kernel (`Machine.computing_bytes_per_s`; 0: as fast as its link)
     computing_rate: float = 0.0
 
     @classmethod

@@ -86,8 +86,8 @@ def _schedule(net, prices, blocked, heap, t, ready):
     rate = prices[8]
     net[8][t] = end
     if between and rate != 0.0:
-        # `_Simulator._schedule`: held back while a kernel runs at either end
-        held = held_back(start, end, nbytes[t], start, max(net[24][s], net[24][d]), rate)
+        # `_Simulator._schedule`: held back while a kernel runs at its destination
+        held = held_back(start, end, nbytes[t], start, net[24][d], rate)
         put_back(net, t, held)
         end = net[8][t]
     net[9][t] = True

@@ -1,8 +1,8 @@
 """A rank's CPU in the compiled step loop (`runtime.step.loop`): `runtime.step.rank_cpu`'s rules
 for a kernel beside its rank's transfers between hosts, point for point as the Python simulator
-(`runtime.step.simulator`) applies them: the kernel shares its core with their bytes, and they
-move no faster than the progress thread moves them till it ends. The arrays are the loop's
-(`net` and `prices`, as `runtime.step.loop` lists them).
+(`runtime.step.simulator`) applies them: the kernel shares its core with their bytes, and those
+it receives move no faster than its progress thread takes them in till it ends. The arrays are
+the loop's (`net` and `prices`, as `runtime.step.loop` lists them).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
     """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
     network stack's CPU for the bytes of the rank's transfers between hosts on the wire
     meanwhile (`rank_cpu.sharing_core`, point for point, with `slowdown` times the CPU a
-    byte, the rank's), which move no faster than `computing_rate` till it ends (their ends
-    put back, and the latest end a blocked peer waits for with them); those ended before
-    `begin` leave its list."""
+    byte, the rank's), those it receives moving no faster than `computing_rate` till it ends
+    (their ends put back, and the latest end a blocked sender waits for with them); those
+    ended before `begin` leave its list."""
     cpu, rate = prices[6], prices[8]
     if cpu == 0.0 and rate == 0.0:
         return seconds
@@ -45,20 +45,21 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
         net[24][rank] = until
         for k in range(kept):
             t = wire[base + k]
+            if dst[t] != rank:
+                continue
             later = held_back(started[t], ended[t], nbytes[t], begin, until, rate)
             if later != ended[t]:
                 put_back(net, t, later)
-                other = dst[t] if src[t] == rank else src[t]
-                if blocked[other]:
-                    _pending_again(net, keys, other)
+                if blocked[src[t]]:
+                    _pending_again(net, keys, src[t])
     return took
 
 
 @HELPER
 def _sharing_core(net, rank, kept, begin, seconds, cpu, rate):
     """`rank_cpu.sharing_core` over the rank's first `kept` transfers on the wire, each as
-    `rank_cpu.held_spread` has it cross from `begin`."""
-    nbytes, ended, started = net[2], net[8], net[17]
+    `rank_cpu.held_spread` has it cross from `begin` (those it receives held to `rate`)."""
+    dst, nbytes, ended, started = net[1], net[2], net[8], net[17]
     wire, base = net[18], net[19][rank]
     moved = 0.0
     low = 0.0
@@ -67,7 +68,8 @@ def _sharing_core(net, rank, kept, begin, seconds, cpu, rate):
         high = -1.0
         for k in range(kept):
             t = wire[base + k]
-            a, b, _ = held_spread(started[t], ended[t], nbytes[t], begin, rate)
+            held = rate if dst[t] == rank else 0.0
+            a, b, _ = held_spread(started[t], ended[t], nbytes[t], begin, held)
             for point in (max(a, 0.0), max(b, 0.0)):
                 if point > low and (high < 0.0 or point < high):
                     high = point
@@ -76,7 +78,8 @@ def _sharing_core(net, rank, kept, begin, seconds, cpu, rate):
         flow = 0.0
         for k in range(kept):
             t = wire[base + k]
-            a, b, n = held_spread(started[t], ended[t], nbytes[t], begin, rate)
+            held = rate if dst[t] == rank else 0.0
+            a, b, n = held_spread(started[t], ended[t], nbytes[t], begin, held)
             if a <= low and b >= high and b > a:
                 flow += n / (b - a)
         if cpu * flow < 1.0:

@@ -32,12 +32,12 @@ post points and collective schedules the runtime runs:
 - MPI progress: a collective's next round is posted only when the rank calls into MPI. While it
   waits (for a message or a collective) it polls, so a round that completes then is followed at
   once; while it computes, the next round waits for the end of the task. Data already posted
-  moves in the background, but between hosts, while a kernel runs at either end, no faster
-  than the rank's progress thread moves it (`Links.computing_rate`: each of its calls moves
-  what the sockets' buffers take): from a kernel's start to its end its rank's transfers
-  cross at that rate at most (each transfer's bytes spread evenly over its time), and after
-  it at their own speed again; a transfer that is held back holds its link till it ends, so
-  the next message on that link waits for it;
+  moves in the background, but between hosts, while a kernel runs at its destination, no
+  faster than that rank's progress thread takes it in (`Links.computing_rate`: each of its
+  calls reads what the socket's buffer holds): from a kernel's start to its end the
+  transfers its rank receives cross at that rate at most (each transfer's bytes spread
+  evenly over its time), and after it at their own speed again; a transfer that is held
+  back holds its link till it ends, so the next message on that link waits for it;
 - where the machine prices memory traffic, a rank also pays its local passes: packing a send and
   unpacking a receive (two bytes a byte each), adding a received partial sum (three);
 - posting its end of a message or of a collective's hop costs a rank the machine's
@@ -243,8 +243,8 @@ class _Simulator:
             transfer.end = arrive + alpha + paid * beta
         self.ingress[into] = transfer.end
         if between and links.computing_rate:
-            # held back while a kernel runs at either end
-            until = max(self.computing_until.get(r, 0.0) for r in (transfer.src, transfer.dst))
+            # held back while a kernel runs at its destination
+            until = self.computing_until.get(transfer.dst, 0.0)
             self._put_back(
                 transfer,
                 held_back(start, transfer.end, transfer.nbytes, start, until, links.computing_rate),
@@ -373,8 +373,9 @@ class _Simulator:
 
     def _stretched(self, rank: int, seconds: float) -> float:
         """`seconds` of compute from the rank's clock on, with the network stack's CPU for the
-        bytes of its transfers between hosts on the wire meanwhile, which move no faster than
-        its progress thread moves them till it ends (see the module docstring)."""
+        bytes of its transfers between hosts on the wire meanwhile, those it receives moving
+        no faster than its progress thread takes them in till it ends (see the module
+        docstring)."""
         rate = self.links.computing_rate
         if not self.network_cpu and not rate:
             return seconds
@@ -387,12 +388,16 @@ class _Simulator:
             took = sharing_core(
                 seconds,
                 self.network_cpu * self.slowdown[rank],
-                [held_spread(t.start, t.end, t.nbytes, begin, rate) for t in wire],
+                [
+                    held_spread(t.start, t.end, t.nbytes, begin, rate if t.dst == rank else 0.0)
+                    for t in wire
+                ],
             )
         if rate:
             until = self.computing_until[rank] = begin + took
             for t in wire:
-                self._put_back(t, held_back(t.start, t.end, t.nbytes, begin, until, rate))
+                if t.dst == rank:
+                    self._put_back(t, held_back(t.start, t.end, t.nbytes, begin, until, rate))
         return took
 
     def _put_back(self, transfer: _Transfer, end: float) -> None:

@@ -388,59 +388,71 @@ def test_a_burst_refills_while_the_link_is_idle():
     assert step.finish[1] == pytest.approx(0.55 + 0.1)
 
 
-def _held_programs(sender_first: float, receiver_first: float) -> dict[int, RankProgram]:
-    """Rank 0 computes `sender_first` s, posts 1 MB to rank 1 and computes 0.5 s; rank 1
-    computes `receiver_first` s, posts its end and reads the message in a task of 0.1 s."""
-    m = Message(0, "x", Rect((0,), (1,)), 0, 1, 1_000_000, 1, 0, False)
-    return {
-        0: program(0, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"))]),
-        1: program(1, [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"), copies_in=[m])]),
-    }
+def _held_programs(tasks_0: list[RankTask], tasks_1: list[RankTask]) -> dict[int, RankProgram]:
+    return {0: program(0, tasks_0), 1: program(1, tasks_1)}
 
 
-def test_a_message_between_hosts_moves_at_the_computing_rate_while_a_kernel_runs_at_an_end():
-    """MPI moves a message over TCP only when its ranks call into it, which a rank in a kernel
-    leaves to its progress thread (`Machine.computing_gbytes_per_s`). A 1 MB message on a
-    1 us/byte link takes 1 s alone; held to 0.25 MB/s while its sender's kernel of 0.5 s runs
-    it moves a quarter as fast meanwhile, then at the link's rate again, in both simulators:
+def _message(seq: int) -> Message:
+    return Message(seq, "x", Rect((0,), (1,)), 0, 1, 1_000_000, 1, 0, False)
 
-    - posted at 0.2 s before a kernel from 0.2 to 0.7: 0.125 s of its bytes cross in the kernel,
-      so it ends at 0.7 + (1 - 0.125) = 1.575 s (put back after it was scheduled, while its
-      reader waits for it);
-    - posted by the reader at 0.3 s, in the sender's kernel from 0 to 0.5: 0.05 s of its bytes
-      cross by 0.5 s, so it ends at 0.5 + (1 - 0.05) = 1.45 s (held as it is scheduled).
 
-    Unheld, the two end at 1.2 and 1.3 s."""
+def test_a_message_between_hosts_moves_at_the_computing_rate_while_a_kernel_runs_where_it_goes():
+    """MPI takes a message in over TCP only when its rank calls into it, which a rank in a
+    kernel leaves to its progress thread (`Machine.computing_gbytes_per_s`). A 1 MB message on
+    a 1 us/byte link takes 1 s alone; held to 0.25 MB/s while its receiver's kernel of 0.5 s
+    runs, it moves a quarter as fast meanwhile, then at the link's rate again, in both
+    simulators:
+
+    - posted by the receiver at 0.2 s, before its kernel from 0.2 to 0.7: 0.125 s of its bytes
+      cross in the kernel, so it ends at 0.7 + (1 - 0.125) = 1.575 s (put back after it was
+      scheduled, while its sender waits to see it off);
+    - posted by the sender at 0.3 s, in the receiver's kernel from 0 to 0.5: 0.05 s of its
+      bytes cross by 0.5 s, so it ends at 0.5 + (1 - 0.05) = 1.45 s (held as it is scheduled);
+    - a kernel at its sender holds nothing back.
+
+    The receiver reads it in a task of 0.1 s."""
+    m = _message(0)
     free = links(alpha=0.0)
     held = Links(0.0, 1e-6, 0.0, 1e-9, 1, computing_rate=250_000.0)
+    fast = Links(0.0, 1e-6, 0.0, 1e-9, 1, computing_rate=2e6)  # above the message's own rate
+    first = _held_programs(
+        [RankTask(0, task("a"), post=[m])],
+        [RankTask(0, task("a"), post=[m]), RankTask(1, task("b")),
+         RankTask(2, task("c"), copies_in=[m])],
+    )  # fmt: skip
+    receiving = {0: [0.0], 1: [0.2, 0.5, 0.1]}
+    sending = {0: [0.3], 1: [0.0, 0.5, 0.1]}
+    at_sender = _held_programs(
+        [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"))],
+        [RankTask(0, task("a"), post=[m]), RankTask(1, task("b"), copies_in=[m])],
+    )
     for simulate in (simulate_step, simulate_compiled):
-        programs = _held_programs(0.2, 0.0)
-        compute = {0: [0.2, 0.5], 1: [0.0, 0.1]}
-        assert simulate(programs, compute, MACHINE, free).finish[1] == pytest.approx(1.3)
-        step = simulate(programs, compute, MACHINE, held)
+        assert simulate(first, receiving, MACHINE, free).finish[1] == pytest.approx(1.2 + 0.1)
+        step = simulate(first, receiving, MACHINE, held)
         assert step.finish[1] == pytest.approx(1.575 + 0.1)
         assert step.finish[0] == pytest.approx(1.575)  # its send seen off
-        later = {0: [0.0, 0.5], 1: [0.3, 0.1]}
-        assert simulate(programs, later, MACHINE, free).finish[1] == pytest.approx(1.3 + 0.1)
-        assert simulate(programs, later, MACHINE, held).finish[1] == pytest.approx(1.45 + 0.1)
-        # a rate above the message's own holds nothing back
-        fast = Links(0.0, 1e-6, 0.0, 1e-9, 1, computing_rate=2e6)
-        assert simulate(programs, compute, MACHINE, fast).finish[1] == pytest.approx(1.3)
+        assert simulate(first, receiving, MACHINE, fast).finish[1] == pytest.approx(1.3)
+        assert simulate(first, sending, MACHINE, free).finish[1] == pytest.approx(1.3 + 0.1)
+        assert simulate(first, sending, MACHINE, held).finish[1] == pytest.approx(1.45 + 0.1)
+        kernel_at_sender = {0: [0.0, 0.5], 1: [0.0, 0.1]}
+        assert simulate(at_sender, kernel_at_sender, MACHINE, held).finish[1] == pytest.approx(1.1)
 
 
 def test_what_follows_a_held_message_on_its_link_waits_for_it():
     """Two 1 MB messages from host 0 to host 1 on a 1 us/byte link, the first held to a
-    quarter of its speed by a kernel of 0.4 s at its sender: the second, posted after the
-    kernel, leaves when the first is through (1.3 s), and ends at 2.3 s."""
-    first = Message(0, "x", Rect((0,), (1,)), 0, 1, 1_000_000, 1, 0, False)
-    second = Message(1, "y", Rect((0,), (1,)), 0, 1, 1_000_000, 1, 0, False)
-    programs = {
-        0: program(0, [RankTask(0, task("a"), post=[first]), RankTask(1, task("b"), post=[second])]),
-        1: program(1, [RankTask(0, task("a"), post=[first, second]),
-                       RankTask(1, task("b"), copies_in=[first, second])]),
-    }  # fmt: skip
-    compute = {0: [0.0, 0.4], 1: [0.0, 0.0]}
+    quarter of its speed by a kernel of 0.4 s at its receiver: the second, posted at 0.5 s,
+    leaves when the first is through (1.3 s), and ends at 2.3 s."""
+    first, second = _message(0), _message(1)
+    programs = _held_programs(
+        [RankTask(0, task("a"), post=[first]), RankTask(1, task("b"), post=[second])],
+        [RankTask(0, task("a"), post=[first, second]), RankTask(1, task("b")),
+         RankTask(2, task("c"), copies_in=[first, second])],
+    )  # fmt: skip
+    compute = {0: [0.0, 0.5], 1: [0.0, 0.4, 0.0]}
     held = Links(0.0, 1e-6, 0.0, 1e-9, 1, computing_rate=250_000.0)
     for simulate in (simulate_step, simulate_compiled):
         # the first crosses 0.1 s of its bytes in the kernel and ends at 0.4 + 0.9 = 1.3 s
         assert simulate(programs, compute, MACHINE, held).finish[1] == pytest.approx(2.3)
+        # unheld, the second leaves at 1.0 s
+        unheld = simulate(programs, compute, MACHINE, links(alpha=0.0))
+        assert unheld.finish[1] == pytest.approx(2.0)
