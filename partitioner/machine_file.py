@@ -52,8 +52,9 @@ optional; see the README's table of keys):
 - `"computing_gbytes_per_s"`: the most a message between hosts moves while the rank it goes to
   runs a kernel. MPI takes a message in over TCP only when its rank calls into MPI, and a rank
   in a kernel leaves that to its progress thread, every 10 ms (`LEGION_NN_PROGRESS_US`): on
-  unshaped veths 0.2-0.35 GB/s against 0.4-1.6 GB/s each way while the rank waits. Without it
-  a message moves at its link's rate whatever its ranks do;
+  unshaped veths 0.2-0.35 GB/s against 0.4-1.6 GB/s each way while the rank waits (what one
+  call takes in, this rate times the interval, crosses at the link's speed). Without it a
+  message moves at its link's rate whatever its ranks do;
 - `"pingpong"`: the raw ping-pong points, `{"pair", "bytes", "seconds"}`, which price each
   message by the measured time of its size (`Machine.link_per_byte`), and the exchanges
   between hosts (`"duplex"`) the stack's time a byte at each size (`Machine.stack_per_byte`);

@@ -13,7 +13,7 @@ on the emulated cluster (250 Mbit/s): a 4 MiB send posted before 0.3 s of comput
 receiver 386 ms after it was posted, against 138 ms with the sender polling meanwhile; a rank
 spends most of a step in kernels, so a halo or a gradient posted before one would wait for its
 end. So while the rank computes (`computing`), a thread calls `Iprobe` every
-`LEGION_NN_PROGRESS_US` (default `PROGRESS_INTERVAL_US`; 0 turns it off) on a communicator
+`LEGION_NN_PROGRESS_US` (default `transport.PROGRESS_INTERVAL_US`; 0 turns it off) on a communicator
 of its own (the kernels release the GIL). MPICH's own
 progress thread (`MPIR_CVAR_ASYNC_PROGRESS`) spins without pause: with one core per host it made
 seed-lcn-small's steps 2.5-4x slower. Measured on 2 emulated hosts at 3 Gbit/s, seed-lcn at
@@ -23,7 +23,6 @@ polling every 0.5 / 2 / 10 ms; model-parallel 0.74 without, 1.03 / 0.74 / 0.62.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from runtime.transport import CONTROL_TAGS
+from runtime.transport import CONTROL_TAGS, progress_interval
 
 
 class _Request:
@@ -75,16 +74,6 @@ class _ObjectRecv:
             if message is not None:
                 self.value, self.done = message.recv(), True
         return self.done
-
-
-#: how often the progress thread calls into MPI while the rank computes, by default
-PROGRESS_INTERVAL_US = 10_000
-
-
-def progress_interval() -> float:
-    """Seconds between the progress thread's calls (`LEGION_NN_PROGRESS_US`; 0: no thread)."""
-    text = os.environ.get("LEGION_NN_PROGRESS_US", "")
-    return (int(text) if text.isdigit() else PROGRESS_INTERVAL_US) * 1e-6
 
 
 class _ProgressThread(threading.Thread):

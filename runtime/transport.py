@@ -74,6 +74,18 @@ class ObjectRequest(Protocol):
     def test(self) -> bool: ...
 
 
+#: how often the MPI transport's progress thread calls into MPI while the rank computes, by
+#: default (`runtime.mpi_transport`; each call moves what the sockets' buffers take, which the
+#: step simulators price: `runtime.step.links.Links.computing_free_bytes`)
+PROGRESS_INTERVAL_US = 10_000
+
+
+def progress_interval() -> float:
+    """Seconds between the progress thread's calls (`LEGION_NN_PROGRESS_US`; 0: no thread)."""
+    text = os.environ.get("LEGION_NN_PROGRESS_US", "")
+    return (int(text) if text.isdigit() else PROGRESS_INTERVAL_US) * 1e-6
+
+
 #: how long `wait` polls, yielding the core between polls, before it starts sleeping
 YIELDING_WAIT_S = 0.005
 

@@ -466,7 +466,8 @@ def run_compiled(
         beta,
         stack_beta,
         (links.alpha, links.beta, links.alpha_intra, memory, per_message, float(links.burst),
-         network_cpu, links.stack_beta, float(links.computing_rate)),
+         network_cpu, links.stack_beta, float(links.computing_rate),
+         float(links.computing_free_bytes)),
     )  # fmt: skip
     stuck = sorted(rank for i, rank in enumerate(flat.ranks) if not done[i])
     if stuck:

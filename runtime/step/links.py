@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.machine import Machine
+from runtime.transport import progress_interval
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Links:
     #: bytes a second at most a message between hosts moves while the rank it goes to runs a
     #: kernel (`Machine.computing_bytes_per_s`; 0: as fast as its link)
     computing_rate: float = 0.0
+    #: bytes of such a message that cross at its own speed first: what the progress thread
+    #: moves in one call, the rate times its interval (`transport.progress_interval`)
+    computing_free_bytes: float = 0.0
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -52,6 +56,7 @@ class Links:
             machine.link_per_byte if machine.link_curves else None,
             machine.stack_per_byte if machine.stack_beta else None,
             machine.computing_bytes_per_s,
+            machine.computing_bytes_per_s * progress_interval(),
         )  # fmt: skip
 
     def host(self, rank: int) -> int:

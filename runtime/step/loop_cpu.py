@@ -39,7 +39,7 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
         return 0.0
     took = seconds
     if cpu != 0.0:
-        took = _sharing_core(net, rank, kept, begin, seconds, cpu * slowdown, rate)
+        took = _sharing_core(net, rank, kept, begin, seconds, cpu * slowdown, rate, prices[9])
     if rate != 0.0:
         until = begin + took
         net[24][rank] = until
@@ -47,7 +47,7 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
             t = wire[base + k]
             if dst[t] != rank:
                 continue
-            later = held_back(started[t], ended[t], nbytes[t], begin, until, rate)
+            later = held_back(started[t], ended[t], nbytes[t], begin, until, rate, prices[9])
             if later != ended[t]:
                 put_back(net, t, later)
                 if blocked[src[t]]:
@@ -56,7 +56,7 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
 
 
 @HELPER
-def _sharing_core(net, rank, kept, begin, seconds, cpu, rate):
+def _sharing_core(net, rank, kept, begin, seconds, cpu, rate, free):
     """`rank_cpu.sharing_core` over the rank's first `kept` transfers on the wire, each as
     `rank_cpu.held_spread` has it cross from `begin` (those it receives held to `rate`)."""
     dst, nbytes, ended, started = net[1], net[2], net[8], net[17]
@@ -69,7 +69,7 @@ def _sharing_core(net, rank, kept, begin, seconds, cpu, rate):
         for k in range(kept):
             t = wire[base + k]
             held = rate if dst[t] == rank else 0.0
-            a, b, _ = held_spread(started[t], ended[t], nbytes[t], begin, held)
+            a, b, _ = held_spread(started[t], ended[t], nbytes[t], begin, held, free)
             for point in (max(a, 0.0), max(b, 0.0)):
                 if point > low and (high < 0.0 or point < high):
                     high = point
@@ -79,7 +79,7 @@ def _sharing_core(net, rank, kept, begin, seconds, cpu, rate):
         for k in range(kept):
             t = wire[base + k]
             held = rate if dst[t] == rank else 0.0
-            a, b, n = held_spread(started[t], ended[t], nbytes[t], begin, held)
+            a, b, n = held_spread(started[t], ended[t], nbytes[t], begin, held, free)
             if a <= low and b >= high and b > a:
                 flow += n / (b - a)
         if cpu * flow < 1.0:

@@ -65,29 +65,38 @@ def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, 
 
 
 def held_spread(
-    start: float, end: float, nbytes: int, begin: float, rate: float
+    start: float, end: float, nbytes: int, begin: float, rate: float, free: float
 ) -> tuple[float, float, float]:
     """How a transfer moving `nbytes` evenly from `start` to `end` crosses from `begin` on while
-    it moves `rate` bytes a second at most (a kernel runs at one of its ends; 0: no limit):
-    (start, end, bytes) relative to `begin`, what is left at `begin` spread at the rate
-    (`sharing_core`'s wire). A transfer that is slower anyway crosses as it would."""
-    if rate <= 0.0 or nbytes <= 0 or end <= start or rate * (end - start) >= nbytes:
-        return start - begin, end - begin, float(nbytes)
-    keep = rate * (end - start) / nbytes  # the share of its own speed it keeps
+    the rank it goes to computes: its first `free` bytes left at `begin` at its own speed (what
+    the sockets' buffers take at once), the rest at `rate` bytes a second at most (0: no limit).
+    (start, end, bytes) relative to `begin`, what is left at `begin` spread evenly over that
+    time (`sharing_core`'s wire). A transfer that is slower anyway crosses as it would."""
     at = max(start, begin)
-    return at - begin, at - begin + (end - at) / keep, nbytes * (end - at) / (end - start)
+    if rate <= 0.0 or nbytes <= 0 or end <= at or rate * (end - start) >= nbytes:
+        return start - begin, end - begin, float(nbytes)
+    left = nbytes * (end - at) / (end - start)
+    if left <= free:
+        return start - begin, end - begin, float(nbytes)
+    speed = nbytes / (end - start)
+    return at - begin, at - begin + free / speed + (left - free) / rate, left
 
 
 def held_back(
-    start: float, end: float, nbytes: int, begin: float, until: float, rate: float
+    start: float, end: float, nbytes: int, begin: float, until: float, rate: float, free: float
 ) -> float:
     """When a transfer moving `nbytes` evenly from `start` to `end` ends where, from `begin` to
-    `until` (a kernel at one of its ends), it moves `rate` bytes a second at most, and after
-    that at its own speed again."""
+    `until` (a kernel where it goes), its first `free` bytes left at `begin` move at its own
+    speed and the rest at `rate` bytes a second at most, and after `until` at its own speed
+    again."""
     at = max(start, begin)
-    if rate <= 0.0 or nbytes <= 0 or until <= at or end <= at or rate * (end - start) >= nbytes:
+    if rate <= 0.0 or nbytes <= 0 or end <= at or rate * (end - start) >= nbytes:
         return end
-    keep = rate * (end - start) / nbytes
+    speed = nbytes / (end - start)
+    at = at + free / speed  # the free bytes through
+    if until <= at or end <= at:
+        return end
+    keep = rate / speed  # the share of its own speed it keeps
     if at + (end - at) / keep <= until:
         return at + (end - at) / keep
     return until + (end - at) - keep * (until - at)

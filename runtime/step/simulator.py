@@ -36,8 +36,10 @@ post points and collective schedules the runtime runs:
   faster than that rank's progress thread takes it in (`Links.computing_rate`: each of its
   calls reads what the socket's buffer holds): from a kernel's start to its end the
   transfers its rank receives cross at that rate at most (each transfer's bytes spread
-  evenly over its time), and after it at their own speed again; a transfer that is held
-  back holds its link till it ends, so the next message on that link waits for it;
+  evenly over its time), but for what one call takes in (`Links.computing_free_bytes`),
+  which crosses first at its own speed, and after the kernel at their own speed again; a
+  transfer that is held back holds its link till it ends, so the next message on that link
+  waits for it;
 - where the machine prices memory traffic, a rank also pays its local passes: packing a send and
   unpacking a receive (two bytes a byte each), adding a received partial sum (three);
 - posting its end of a message or of a collective's hop costs a rank the machine's
@@ -245,9 +247,9 @@ class _Simulator:
         if between and links.computing_rate:
             # held back while a kernel runs at its destination
             until = self.computing_until.get(transfer.dst, 0.0)
+            rate, free = links.computing_rate, links.computing_free_bytes
             self._put_back(
-                transfer,
-                held_back(start, transfer.end, transfer.nbytes, start, until, links.computing_rate),
+                transfer, held_back(start, transfer.end, transfer.nbytes, start, until, rate, free)
             )
         if between:
             for rank in (transfer.src, transfer.dst):
@@ -376,7 +378,7 @@ class _Simulator:
         bytes of its transfers between hosts on the wire meanwhile, those it receives moving
         no faster than its progress thread takes them in till it ends (see the module
         docstring)."""
-        rate = self.links.computing_rate
+        rate, free = self.links.computing_rate, self.links.computing_free_bytes
         if not self.network_cpu and not rate:
             return seconds
         begin = self.clock[rank]
@@ -389,7 +391,9 @@ class _Simulator:
                 seconds,
                 self.network_cpu * self.slowdown[rank],
                 [
-                    held_spread(t.start, t.end, t.nbytes, begin, rate if t.dst == rank else 0.0)
+                    held_spread(
+                        t.start, t.end, t.nbytes, begin, rate if t.dst == rank else 0.0, free
+                    )
                     for t in wire
                 ],
             )
@@ -397,7 +401,8 @@ class _Simulator:
             until = self.computing_until[rank] = begin + took
             for t in wire:
                 if t.dst == rank:
-                    self._put_back(t, held_back(t.start, t.end, t.nbytes, begin, until, rate))
+                    later = held_back(t.start, t.end, t.nbytes, begin, until, rate, free)
+                    self._put_back(t, later)
         return took
 
     def _put_back(self, transfer: _Transfer, end: float) -> None:

@@ -69,14 +69,15 @@ MACHINES = {
     "half-duplex": Machine(
         **PRICED, duplex_gbytes_per_s=0.3, link_burst_bytes=65536.0, network_cpu_ns_per_byte=1.0
     ),
-    # messages between hosts held to 0.1 GB/s while a kernel runs where they go (the progress
-    # thread's cadence), on a half-duplex link whose stack takes CPU from the kernels
+    # messages between hosts held to 5 MB/s while a kernel runs where they go (the progress
+    # thread's cadence: 50 KB a call), on a half-duplex link whose stack takes CPU from the
+    # kernels
     "held-by-kernels": Machine(
         **PRICED,
         ranks_per_host=2,
         duplex_gbytes_per_s=0.3,
         network_cpu_ns_per_byte=1.0,
-        computing_gbytes_per_s=0.1,
+        computing_gbytes_per_s=0.005,
         link_burst_bytes=65536.0,
     ),
 }

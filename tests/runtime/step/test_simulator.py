@@ -3,6 +3,8 @@ real plan must respect."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -436,6 +438,13 @@ def test_a_message_between_hosts_moves_at_the_computing_rate_while_a_kernel_runs
         assert simulate(first, sending, MACHINE, held).finish[1] == pytest.approx(1.45 + 0.1)
         kernel_at_sender = {0: [0.0, 0.5], 1: [0.0, 0.1]}
         assert simulate(at_sender, kernel_at_sender, MACHINE, held).finish[1] == pytest.approx(1.1)
+        # what the progress thread moves in one call crosses first at the link's speed: with
+        # 0.25 MB of it, held from 0.45 s to 0.7 s, 0.0625 s of its bytes cross meanwhile, so it
+        # ends at 0.7 + (1.2 - 0.45 - 0.0625) = 1.3875 s; with the whole 1 MB, not at all
+        for at_once, ends in ((250_000.0, 1.3875), (1_000_000.0, 1.2)):
+            buffered = replace(held, computing_free_bytes=at_once)
+            step = simulate(first, receiving, MACHINE, buffered)
+            assert step.finish[1] == pytest.approx(ends + 0.1)
 
 
 def test_what_follows_a_held_message_on_its_link_waits_for_it():
