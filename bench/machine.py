@@ -41,7 +41,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
   (the median of `MESSAGE_ROUNDS` runs, each in `measured_on`);
 - what the network stack costs a rank's kernels per byte it sends or receives between hosts
   (`network_cpu_ns_per_byte`), and how fast those bytes cross while the kernel runs
-  (`computing_gbytes_per_s`, where slower than the link): a kernel timed alone, and with a
+  (`computing_gbytes_per_s` into the kernel's rank and `computing_send_gbytes_per_s` out of
+  it, where slower than the link): a kernel timed alone, and with a
   stream each way beside it, whose messages done when the kernel ends are counted (the
   simulators hold a kernel's transfers to that rate and have it share its core with their
   bytes);
@@ -362,11 +363,11 @@ def measure(
         "task_overhead_us": fitted["task_overhead_us"],
         **({"message_overhead_us": per_message["us"]} if per_message is not None else {}),
         **({"network_cpu_ns_per_byte": stack.cpu_ns_per_byte} if stack is not None else {}),
-        **(
-            {"computing_gbytes_per_s": stack.computing_gbytes_per_s}
-            if stack is not None and stack.computing_gbytes_per_s is not None
-            else {}
-        ),
+        **{
+            key: getattr(stack, key)
+            for key in ("computing_gbytes_per_s", "computing_send_gbytes_per_s")
+            if stack is not None and getattr(stack, key) is not None
+        },
         "process_baseline_mib": baseline,
         "op_gflops": rates,
         "ranks_per_host": per_host,
@@ -436,8 +437,13 @@ def format_summary(machine: dict) -> str:
             else ""
         )
         + (
-            f", {machine['computing_gbytes_per_s']:.3f} GB/s beside a kernel"
+            f", {machine['computing_gbytes_per_s']:.3f} GB/s into a kernel's rank"
             if "computing_gbytes_per_s" in machine
+            else ""
+        )
+        + (
+            f", {machine['computing_send_gbytes_per_s']:.3f} GB/s out of it"
+            if "computing_send_gbytes_per_s" in machine
             else ""
         ),
     ]

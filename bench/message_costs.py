@@ -152,6 +152,8 @@ class StackCosts:
     #: how fast those it received crossed meanwhile (`computing_gbytes_per_s`), None where at
     #: the link's rate
     computing_gbytes_per_s: float | None
+    #: and those it sent (`computing_send_gbytes_per_s`)
+    computing_send_gbytes_per_s: float | None
 
 
 @njit(nogil=True)
@@ -176,14 +178,16 @@ def network_stack_costs(transport, peer: int, seconds_per_byte: float) -> StackC
     then while it streams to `peer`. The stream is posted before the kernel starts, moved
     meanwhile by the transport's progress thread as in a training step, and sized to outlast
     the kernel at the link's rate. When the kernel ends, rank 0 counts the stream's messages
-    done: the bytes that crossed while it ran. Their rate over the kernel's time, where rank 0
-    receives, is how fast a message moves while the rank it goes to computes (unbounded where
-    the stream was done first); the kernel's time beyond the kernel alone timed just before,
+    done: the bytes that crossed while it ran. Their rate over the kernel's time is how fast a
+    message moves while the rank it goes to computes (rank 0 receives), and while the rank it
+    leaves does (rank 0 sends; unbounded where the stream was done first); the kernel's time
+    beyond the kernel alone timed just before,
     over those bytes, what each cost its core, both ways. The median of `STACK_ROUNDS` streams
     each way, the CPU the mean of both directions.
 
     Those are what the simulators charge (`runtime.step.simulator`): the transfers a kernel's
-    rank receives between hosts move at most that rate while it runs, and it takes its seconds
+    rank receives and sends between hosts move at most those rates while it runs, and it takes
+    its seconds
     plus that CPU for each byte on the wire meanwhile, so by construction they give this
     experiment's kernel. MPI takes a message in over TCP only when its rank calls into MPI,
     and a rank in a kernel leaves that to the progress thread's calls, each reading what the
@@ -238,14 +242,18 @@ def network_stack_costs(transport, peer: int, seconds_per_byte: float) -> StackC
             costs.setdefault((sender, receiver), []).append(
                 max(took - alone, 0.0) / max(crossed, chunk)
             )
-            if receiver == 0:  # a stream done within the kernel was not held back
-                rates.setdefault(sender, []).append(crossed / took if done < chunks else math.inf)
+            # a stream done within the kernel was not held back
+            rates.setdefault(sender, []).append(crossed / took if done < chunks else math.inf)
         while not all(r.test() for r in requests):
             time.sleep(1e-4)
     mpi.idle_barrier()
     if rank != 0:
         return None
-    rate = statistics.median(rates[peer])
     cpu = statistics.mean(statistics.median(each) for each in costs.values())
-    held = rate < (1.0 - HELD_BELOW) / seconds_per_byte
-    return StackCosts(cpu * 1e9, rate / 1e9 if held else None)
+
+    def held(rate: float) -> float | None:
+        return rate / 1e9 if rate < (1.0 - HELD_BELOW) / seconds_per_byte else None
+
+    return StackCosts(
+        cpu * 1e9, held(statistics.median(rates[peer])), held(statistics.median(rates[0]))
+    )

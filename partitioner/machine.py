@@ -55,6 +55,9 @@ class Machine:
     #: into MPI, and while a rank computes only its progress thread does, every
     #: `mpi_transport.PROGRESS_INTERVAL_US`, each call reading what the socket's buffer holds
     computing_gbytes_per_s: float | None = None
+    #: GB/s at most a message between hosts moves while the rank it leaves runs a kernel (None:
+    #: as fast as its link; where the host's core moves the bytes, the kernel waits instead)
+    computing_send_gbytes_per_s: float | None = None
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -102,6 +105,12 @@ class Machine:
     def computing_bytes_per_s(self) -> float:
         """`computing_gbytes_per_s` in bytes a second; 0 where a message is not held back."""
         rate = self.computing_gbytes_per_s
+        return rate * 1e9 if rate is not None else 0.0
+
+    @property
+    def computing_send_bytes_per_s(self) -> float:
+        """`computing_send_gbytes_per_s` in bytes a second; 0 where not held back."""
+        rate = self.computing_send_gbytes_per_s
         return rate * 1e9 if rate is not None else 0.0
 
     @property
@@ -248,6 +257,8 @@ class Machine:
             out["duplex_gbytes_per_s"] = self.duplex_gbytes_per_s
         if self.computing_gbytes_per_s is not None:
             out["computing_gbytes_per_s"] = self.computing_gbytes_per_s
+        if self.computing_send_gbytes_per_s is not None:
+            out["computing_send_gbytes_per_s"] = self.computing_send_gbytes_per_s
         if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
             out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:

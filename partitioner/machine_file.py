@@ -55,6 +55,9 @@ optional; see the README's table of keys):
   unshaped veths 0.2-0.35 GB/s against 0.4-1.6 GB/s each way while the rank waits (what one
   call takes in, this rate times the interval, crosses at the link's speed). Without it a
   message moves at its link's rate whatever its ranks do;
+- `"computing_send_gbytes_per_s"`: the same for a message leaving a rank that runs a kernel
+  (with offloads 0.2-0.5 GB/s; without, the stream crossed at the link's rate while the
+  kernel waited for the host's core, and the key is left out);
 - `"pingpong"`: the raw ping-pong points, `{"pair", "bytes", "seconds"}`, which price each
   message by the measured time of its size (`Machine.link_per_byte`), and the exchanges
   between hosts (`"duplex"`) the stack's time a byte at each size (`Machine.stack_per_byte`);
@@ -80,6 +83,7 @@ OPTIONAL_KEYS = (
     "network_cpu_ns_per_byte",
     "duplex_gbytes_per_s",
     "computing_gbytes_per_s",
+    "computing_send_gbytes_per_s",
 )
 #: measured by `bench machine`, priced by the cost model and the step simulator
 MEASURED_KEYS = (
@@ -144,6 +148,11 @@ def machine_from_json(data: object, where: str = "machine") -> Machine:
         computing_gbytes_per_s=(
             _positive(data, "computing_gbytes_per_s", where)
             if "computing_gbytes_per_s" in data
+            else None
+        ),
+        computing_send_gbytes_per_s=(
+            _positive(data, "computing_send_gbytes_per_s", where)
+            if "computing_send_gbytes_per_s" in data
             else None
         ),
         process_baseline_mib=(

@@ -43,6 +43,10 @@ class Links:
     #: bytes of such a message that cross at its own speed first: what the progress thread
     #: moves in one call, the rate times its interval (`transport.progress_interval`)
     computing_free_bytes: float = 0.0
+    #: the same for a message while the rank it leaves computes
+    #: (`Machine.computing_send_bytes_per_s`)
+    computing_send_rate: float = 0.0
+    computing_send_free_bytes: float = 0.0
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -57,6 +61,8 @@ class Links:
             machine.stack_per_byte if machine.stack_beta else None,
             machine.computing_bytes_per_s,
             machine.computing_bytes_per_s * progress_interval(),
+            machine.computing_send_bytes_per_s,
+            machine.computing_send_bytes_per_s * progress_interval(),
         )  # fmt: skip
 
     def host(self, rank: int) -> int:

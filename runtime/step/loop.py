@@ -37,7 +37,8 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta (the link's rate between hosts whatever a message's size: the token
 #           bucket's refill), alpha_intra, memory, per_message, burst, network_cpu, stack_beta,
-#           computing_rate, computing_free_bytes (`links.Links`)
+#           computing_rate, computing_free_bytes, computing_send_rate,
+#           computing_send_free_bytes (`links.Links`)
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
@@ -83,11 +84,11 @@ def _schedule(net, prices, blocked, heap, t, ready):
     else:
         end = arrive + alpha + paid * beta
     ingress[b] = end
-    rate = prices[8]
     net[8][t] = end
-    if between and rate != 0.0:
-        # `_Simulator._schedule`: held back while a kernel runs at its destination
-        held = held_back(start, end, nbytes[t], start, net[24][d], rate, prices[9])
+    if between and (prices[8] != 0.0 or prices[10] != 0.0):
+        # `_Simulator._schedule`: held back while a kernel runs at its destination, then source
+        held = held_back(start, end, nbytes[t], start, net[24][d], prices[8], prices[9])
+        held = held_back(start, held, nbytes[t], start, net[24][s], prices[10], prices[11])
         put_back(net, t, held)
         end = net[8][t]
     net[9][t] = True

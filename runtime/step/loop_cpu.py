@@ -1,7 +1,7 @@
 """A rank's CPU in the compiled step loop (`runtime.step.loop`): `runtime.step.rank_cpu`'s rules
 for a kernel beside its rank's transfers between hosts, point for point as the Python simulator
 (`runtime.step.simulator`) applies them: the kernel shares its core with their bytes, and those
-it receives move no faster than its progress thread takes them in till it ends. The arrays are
+it receives and sends move no faster than its progress thread moves them till it ends. The arrays are
 the loop's (`net` and `prices`, as `runtime.step.loop` lists them).
 """
 
@@ -20,10 +20,10 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
     """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
     network stack's CPU for the bytes of the rank's transfers between hosts on the wire
     meanwhile (`rank_cpu.sharing_core`, point for point, with `slowdown` times the CPU a
-    byte, the rank's), those it receives moving no faster than `computing_rate` till it ends
-    (their ends put back, and the latest end a blocked sender waits for with them); those
-    ended before `begin` leave its list."""
-    cpu, rate = prices[6], prices[8]
+    byte, the rank's), those it receives and sends moving no faster than `computing_rate` and
+    `computing_send_rate` till it ends (their ends put back, and the latest end a blocked peer
+    waits for with them); those ended before `begin` leave its list."""
+    cpu, rate = prices[6], max(prices[8], prices[10])
     if cpu == 0.0 and rate == 0.0:
         return seconds
     src, dst, nbytes, ended, started = net[0], net[1], net[2], net[8], net[17]
@@ -39,26 +39,27 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
         return 0.0
     took = seconds
     if cpu != 0.0:
-        took = _sharing_core(net, rank, kept, begin, seconds, cpu * slowdown, rate, prices[9])
+        took = _sharing_core(net, prices, rank, kept, begin, seconds, cpu * slowdown)
     if rate != 0.0:
         until = begin + took
         net[24][rank] = until
         for k in range(kept):
             t = wire[base + k]
-            if dst[t] != rank:
-                continue
-            later = held_back(started[t], ended[t], nbytes[t], begin, until, rate, prices[9])
+            got = dst[t] == rank
+            held, free = (prices[8], prices[9]) if got else (prices[10], prices[11])
+            later = held_back(started[t], ended[t], nbytes[t], begin, until, held, free)
             if later != ended[t]:
                 put_back(net, t, later)
-                if blocked[src[t]]:
-                    _pending_again(net, keys, src[t])
+                other = src[t] if got else dst[t]
+                if blocked[other]:
+                    _pending_again(net, keys, other)
     return took
 
 
 @HELPER
-def _sharing_core(net, rank, kept, begin, seconds, cpu, rate, free):
+def _sharing_core(net, prices, rank, kept, begin, seconds, cpu):
     """`rank_cpu.sharing_core` over the rank's first `kept` transfers on the wire, each as
-    `rank_cpu.held_spread` has it cross from `begin` (those it receives held to `rate`)."""
+    `rank_cpu.held_spread` has it cross from `begin`."""
     dst, nbytes, ended, started = net[1], net[2], net[8], net[17]
     wire, base = net[18], net[19][rank]
     moved = 0.0
@@ -68,7 +69,7 @@ def _sharing_core(net, rank, kept, begin, seconds, cpu, rate, free):
         high = -1.0
         for k in range(kept):
             t = wire[base + k]
-            held = rate if dst[t] == rank else 0.0
+            held, free = (prices[8], prices[9]) if dst[t] == rank else (prices[10], prices[11])
             a, b, _ = held_spread(started[t], ended[t], nbytes[t], begin, held, free)
             for point in (max(a, 0.0), max(b, 0.0)):
                 if point > low and (high < 0.0 or point < high):
@@ -78,7 +79,7 @@ def _sharing_core(net, rank, kept, begin, seconds, cpu, rate, free):
         flow = 0.0
         for k in range(kept):
             t = wire[base + k]
-            held = rate if dst[t] == rank else 0.0
+            held, free = (prices[8], prices[9]) if dst[t] == rank else (prices[10], prices[11])
             a, b, n = held_spread(started[t], ended[t], nbytes[t], begin, held, free)
             if a <= low and b >= high and b > a:
                 flow += n / (b - a)

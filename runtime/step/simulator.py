@@ -39,7 +39,9 @@ post points and collective schedules the runtime runs:
   evenly over its time), but for what one call takes in (`Links.computing_free_bytes`),
   which crosses first at its own speed, and after the kernel at their own speed again; a
   transfer that is held back holds its link till it ends, so the next message on that link
-  waits for it;
+  waits for it. A transfer leaving a rank in a kernel is held the same way where the machine
+  says (`Links.computing_send_rate`: with offloads; without, the host's core moves the bytes
+  at the link's rate and the kernel waits for it instead, below);
 - where the machine prices memory traffic, a rank also pays its local passes: packing a send and
   unpacking a receive (two bytes a byte each), adding a received partial sum (three);
 - posting its end of a message or of a collective's hop costs a rank the machine's
@@ -244,13 +246,19 @@ class _Simulator:
         else:
             transfer.end = arrive + alpha + paid * beta
         self.ingress[into] = transfer.end
-        if between and links.computing_rate:
-            # held back while a kernel runs at its destination
-            until = self.computing_until.get(transfer.dst, 0.0)
-            rate, free = links.computing_rate, links.computing_free_bytes
-            self._put_back(
-                transfer, held_back(start, transfer.end, transfer.nbytes, start, until, rate, free)
-            )
+        if between and (links.computing_rate or links.computing_send_rate):
+            # held back while a kernel runs at its destination, then at its source
+            end = held_back(
+                start, transfer.end, transfer.nbytes, start,
+                self.computing_until.get(transfer.dst, 0.0),
+                links.computing_rate, links.computing_free_bytes,
+            )  # fmt: skip
+            end = held_back(
+                start, end, transfer.nbytes, start,
+                self.computing_until.get(transfer.src, 0.0),
+                links.computing_send_rate, links.computing_send_free_bytes,
+            )  # fmt: skip
+            self._put_back(transfer, end)
         if between:
             for rank in (transfer.src, transfer.dst):
                 if rank in self.on_wire:
@@ -375,10 +383,14 @@ class _Simulator:
 
     def _stretched(self, rank: int, seconds: float) -> float:
         """`seconds` of compute from the rank's clock on, with the network stack's CPU for the
-        bytes of its transfers between hosts on the wire meanwhile, those it receives moving
-        no faster than its progress thread takes them in till it ends (see the module
-        docstring)."""
-        rate, free = self.links.computing_rate, self.links.computing_free_bytes
+        bytes of its transfers between hosts on the wire meanwhile, which move no faster than
+        its progress thread moves them till it ends (see the module docstring)."""
+        links = self.links
+        held = {  # (rate, free bytes) of what the rank receives, and of what it sends
+            True: (links.computing_rate, links.computing_free_bytes),
+            False: (links.computing_send_rate, links.computing_send_free_bytes),
+        }
+        rate = links.computing_rate or links.computing_send_rate
         if not self.network_cpu and not rate:
             return seconds
         begin = self.clock[rank]
@@ -390,19 +402,13 @@ class _Simulator:
             took = sharing_core(
                 seconds,
                 self.network_cpu * self.slowdown[rank],
-                [
-                    held_spread(
-                        t.start, t.end, t.nbytes, begin, rate if t.dst == rank else 0.0, free
-                    )
-                    for t in wire
-                ],
+                [held_spread(t.start, t.end, t.nbytes, begin, *held[t.dst == rank]) for t in wire],
             )
         if rate:
             until = self.computing_until[rank] = begin + took
             for t in wire:
-                if t.dst == rank:
-                    later = held_back(t.start, t.end, t.nbytes, begin, until, rate, free)
-                    self._put_back(t, later)
+                later = held_back(t.start, t.end, t.nbytes, begin, until, *held[t.dst == rank])
+                self._put_back(t, later)
         return took
 
     def _put_back(self, transfer: _Transfer, end: float) -> None:

@@ -63,6 +63,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         "rank_cores": 1,
         "duplex_gbytes_per_s": 0.12,
         "computing_gbytes_per_s": 0.04,
+        "computing_send_gbytes_per_s": 0.05,
         "pingpong": [{"pair": "inter_host", "bytes": 8, "seconds": 3e-5}],
         "measured_on": {"network": "seed-lcn-small", "batch": 8},
     }
@@ -72,6 +73,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
     assert machine.loop_seconds == pytest.approx(3e-4)
     assert machine.message_overhead == pytest.approx(1.2e-4)
     assert machine.computing_bytes_per_s == pytest.approx(4e7)
+    assert machine.computing_send_bytes_per_s == pytest.approx(5e7)
     assert machine_from_json(BASE).computing_bytes_per_s == 0.0  # not held back
     assert [machine.host(r) for r in range(5)] == [0, 0, 1, 1, 2]
     assert machine.link(0, 1) == pytest.approx((2e-6, 1 / 8e9))
@@ -93,6 +95,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         ({"link_burst_bytes": "big"}, "link_burst_bytes must be a number >= 0"),
         ({"duplex_gbytes_per_s": 0}, "duplex_gbytes_per_s must be a positive number"),
         ({"computing_gbytes_per_s": -1}, "computing_gbytes_per_s must be a positive number"),
+        ({"computing_send_gbytes_per_s": "x"}, "computing_send_gbytes_per_s must be a positive"),
         ({"pieces": {"a": 1}}, "pieces must be a list"),
         ({"pieces": [{"op": "linear"}]}, r"pieces\[0\] needs op, phase"),
         ({"pieces": [PIECE | {"requirements": [1], "seconds": 1}]}, r"pieces\[0\] is malformed"),

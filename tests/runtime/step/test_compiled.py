@@ -69,15 +69,16 @@ MACHINES = {
     "half-duplex": Machine(
         **PRICED, duplex_gbytes_per_s=0.3, link_burst_bytes=65536.0, network_cpu_ns_per_byte=1.0
     ),
-    # messages between hosts held to 5 MB/s while a kernel runs where they go (the progress
-    # thread's cadence: 50 KB a call), on a half-duplex link whose stack takes CPU from the
-    # kernels
+    # messages between hosts held to 5 MB/s while a kernel runs where they go and 8 MB/s where
+    # they leave (the progress thread's cadence: 50 and 80 KB a call), on a half-duplex link
+    # whose stack takes CPU from the kernels
     "held-by-kernels": Machine(
         **PRICED,
         ranks_per_host=2,
         duplex_gbytes_per_s=0.3,
         network_cpu_ns_per_byte=1.0,
         computing_gbytes_per_s=0.005,
+        computing_send_gbytes_per_s=0.008,
         link_burst_bytes=65536.0,
     ),
 }
@@ -172,7 +173,9 @@ def test_the_cases_exercise_what_the_loop_models():
     assert steps["stack-cpu-shared-core"].seconds > steps["two-per-host"].seconds
     assert steps["half-duplex"].seconds > steps["one-per-host"].seconds
     # held back while the kernels run, the all-reduces end later
-    unheld = replace(MACHINES["held-by-kernels"], computing_gbytes_per_s=None)
+    unheld = replace(
+        MACHINES["held-by-kernels"], computing_gbytes_per_s=None, computing_send_gbytes_per_s=None
+    )
     graph, plan = _plan("seed-lcn-small", 8, "data", "replicated", 4, unheld)
     programs = build_programs(graph, plan, unheld, range(4))
     free = predict_step(graph, plan, unheld, programs=programs)

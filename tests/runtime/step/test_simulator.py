@@ -438,6 +438,11 @@ def test_a_message_between_hosts_moves_at_the_computing_rate_while_a_kernel_runs
         assert simulate(first, sending, MACHINE, held).finish[1] == pytest.approx(1.45 + 0.1)
         kernel_at_sender = {0: [0.0, 0.5], 1: [0.0, 0.1]}
         assert simulate(at_sender, kernel_at_sender, MACHINE, held).finish[1] == pytest.approx(1.1)
+        # unless the machine holds what a kernel's rank sends too: 0.125 s of its bytes cross
+        # by 0.5 s, so it ends at 0.5 + 0.875 = 1.375 s
+        sends_held = replace(held, computing_rate=0.0, computing_send_rate=250_000.0)
+        step = simulate(at_sender, kernel_at_sender, MACHINE, sends_held)
+        assert step.finish[1] == pytest.approx(1.375 + 0.1)
         # what the progress thread moves in one call crosses first at the link's speed: with
         # 0.25 MB of it, held from 0.45 s to 0.7 s, 0.0625 s of its bytes cross meanwhile, so it
         # ends at 0.7 + (1.2 - 0.45 - 0.0625) = 1.3875 s; with the whole 1 MB, not at all
