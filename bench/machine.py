@@ -42,10 +42,9 @@ that the cores of a host stay with the rank measuring), and writes the file:
 - what the network stack costs a rank's kernels per byte it sends or receives between hosts
   (`network_cpu_ns_per_byte`), and how fast those bytes cross while the kernel runs
   (`computing_gbytes_per_s` into the kernel's rank and `computing_send_gbytes_per_s` out of
-  it, where slower than the link): a kernel timed alone, and with a
-  stream each way beside it, whose messages done when the kernel ends are counted (the
-  simulators hold a kernel's transfers to that rate and have it share its core with their
-  bytes);
+  it, where slower than the link): a kernel timed alone, and with a stream each way beside it,
+  whose messages done when the kernel ends are counted (the simulators hold a kernel's
+  transfers to those rates and have it share its core with their bytes);
 - what a rank's process holds besides its buffers (`process_baseline_mib`: the interpreter,
   NumPy, Numba's compiled kernels, the allocator's slack), from a fresh one-process training of
   the network: its peak resident set less its buffers' peak, as `train --log-json` records them.

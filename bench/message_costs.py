@@ -181,15 +181,13 @@ def network_stack_costs(transport, peer: int, seconds_per_byte: float) -> StackC
     done: the bytes that crossed while it ran. Their rate over the kernel's time is how fast a
     message moves while the rank it goes to computes (rank 0 receives), and while the rank it
     leaves does (rank 0 sends; unbounded where the stream was done first); the kernel's time
-    beyond the kernel alone timed just before,
-    over those bytes, what each cost its core, both ways. The median of `STACK_ROUNDS` streams
-    each way, the CPU the mean of both directions.
+    beyond the kernel alone timed just before, over those bytes, what each cost its core, both
+    ways. The median of `STACK_ROUNDS` streams each way, the CPU the mean of both directions.
 
     Those are what the simulators charge (`runtime.step.simulator`): the transfers a kernel's
     rank receives and sends between hosts move at most those rates while it runs, and it takes
-    its seconds
-    plus that CPU for each byte on the wire meanwhile, so by construction they give this
-    experiment's kernel. MPI takes a message in over TCP only when its rank calls into MPI,
+    its seconds plus that CPU for each byte on the wire meanwhile, so by construction they give
+    this experiment's kernel. MPI takes a message in over TCP only when its rank calls into MPI,
     and a rank in a kernel leaves that to the progress thread's calls, each reading what the
     socket's buffer holds. Measured on 2 emulated hosts of one core each (an AMD EPYC VM): an
     unshaped veth with offloads took in 0.27-0.37 GB/s while the kernel ran, and sent about as

@@ -76,7 +76,7 @@ class ObjectRequest(Protocol):
 
 #: how often the MPI transport's progress thread calls into MPI while the rank computes, by
 #: default (`runtime.mpi_transport`; each call moves what the sockets' buffers take, which the
-#: step simulators price: `runtime.step.links.Links.computing_free_bytes`)
+#: step simulators price: `runtime.step.links.Links.held`)
 PROGRESS_INTERVAL_US = 10_000
 
 

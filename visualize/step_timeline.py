@@ -1,7 +1,7 @@
 """The `legion-nn render --timeline` figure: a plan's simulated step, a lane per rank.
 
 Each task a rank computes is a bar from its start to its end in the step simulator (the
-command reads them from `runtime.step.simulator.SimulatedStep.timeline`): forwards in the colour
+command reads them from `runtime.step.simulated_step.SimulatedStep.timeline`): forwards in the colour
 of their micro-batch, backwards in a lighter tint of it, the optimizer's updates and the rest
 grey. Whatever is not a bar is the rank waiting (for copies, partial sums, collectives): a
 pipeline's bubbles. A run of a pass's bars wide enough carries its pass and micro-batch (`F2`,

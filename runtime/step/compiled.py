@@ -466,9 +466,8 @@ def run_compiled(
         beta,
         stack_beta,
         (links.alpha, links.beta, links.alpha_intra, memory, per_message, float(links.burst),
-         network_cpu, links.stack_beta, float(links.computing_rate),
-         float(links.computing_free_bytes), float(links.computing_send_rate),
-         float(links.computing_send_free_bytes)),
+         network_cpu, links.stack_beta, *map(float, links.held(True)),
+         *map(float, links.held(False))),
     )  # fmt: skip
     stuck = sorted(rank for i, rank in enumerate(flat.ranks) if not done[i])
     if stuck:

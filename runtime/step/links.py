@@ -40,13 +40,12 @@ class Links:
     #: bytes a second at most a message between hosts moves while the rank it goes to runs a
     #: kernel (`Machine.computing_bytes_per_s`; 0: as fast as its link)
     computing_rate: float = 0.0
-    #: bytes of such a message that cross at its own speed first: what the progress thread
-    #: moves in one call, the rate times its interval (`transport.progress_interval`)
-    computing_free_bytes: float = 0.0
     #: the same for a message while the rank it leaves computes
     #: (`Machine.computing_send_bytes_per_s`)
     computing_send_rate: float = 0.0
-    computing_send_free_bytes: float = 0.0
+    #: seconds between the progress thread's calls (`transport.progress_interval`), each
+    #: moving a held message's bytes at that rate times it at once (`held`)
+    progress_s: float = 0.0
 
     @classmethod
     def of(cls, machine: Machine, nranks: int) -> Links:
@@ -59,14 +58,24 @@ class Links:
             machine.link_burst_bytes, machine.stack_beta,
             machine.link_per_byte if machine.link_curves else None,
             machine.stack_per_byte if machine.stack_beta else None,
-            machine.computing_bytes_per_s,
-            machine.computing_bytes_per_s * progress_interval(),
-            machine.computing_send_bytes_per_s,
-            machine.computing_send_bytes_per_s * progress_interval(),
+            machine.computing_bytes_per_s, machine.computing_send_bytes_per_s,
+            progress_interval(),
         )  # fmt: skip
 
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host
+
+    @property
+    def holds(self) -> bool:
+        """Whether a message between hosts is held back while a kernel runs at an end."""
+        return bool(self.computing_rate or self.computing_send_rate)
+
+    def held(self, receives: bool) -> tuple[float, float]:
+        """(bytes a second at most, bytes first at its own speed) of a message between hosts
+        while the rank it goes to (`receives`) or leaves computes: the rate, and what one call
+        of the progress thread moves (0, 0: not held)."""
+        rate = self.computing_rate if receives else self.computing_send_rate
+        return rate, rate * self.progress_s
 
     def rates(self, nbytes: np.ndarray, between: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per message of `nbytes`, between hosts or not (`between`), the seconds per byte of its

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from runtime.step.loop_cpu import held_back, put_back, stretched
+from runtime.step.loop_cpu import held_back, held_of, put_back, stretched
 from runtime.step.wake_heap import HELPER, pop_earliest, wake
 
 #: the instructions' codes (`compiled`'s module docstring)
@@ -37,8 +37,8 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta (the link's rate between hosts whatever a message's size: the token
 #           bucket's refill), alpha_intra, memory, per_message, burst, network_cpu, stack_beta,
-#           computing_rate, computing_free_bytes, computing_send_rate,
-#           computing_send_free_bytes (`links.Links`)
+#           and a held message's rate and bytes at once into a computing rank, then out of
+#           it (`links.Links.held`)
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
 #           started, instances_of, head, tail, live (per rank, in start order, the instances
@@ -87,8 +87,10 @@ def _schedule(net, prices, blocked, heap, t, ready):
     net[8][t] = end
     if between and (prices[8] != 0.0 or prices[10] != 0.0):
         # `_Simulator._schedule`: held back while a kernel runs at its destination, then source
-        held = held_back(start, end, nbytes[t], start, net[24][d], prices[8], prices[9])
-        held = held_back(start, held, nbytes[t], start, net[24][s], prices[10], prices[11])
+        held = end
+        for rank, receives in ((d, True), (s, False)):
+            rate, free = held_of(prices, receives)
+            held = held_back(start, held, nbytes[t], start, net[24][rank], rate, free)
         put_back(net, t, held)
         end = net[8][t]
     net[9][t] = True

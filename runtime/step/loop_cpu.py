@@ -1,8 +1,8 @@
 """A rank's CPU in the compiled step loop (`runtime.step.loop`): `runtime.step.rank_cpu`'s rules
 for a kernel beside its rank's transfers between hosts, point for point as the Python simulator
 (`runtime.step.simulator`) applies them: the kernel shares its core with their bytes, and those
-it receives and sends move no faster than its progress thread moves them till it ends. The arrays are
-the loop's (`net` and `prices`, as `runtime.step.loop` lists them).
+it receives and sends move no faster than its progress thread moves them till it ends. The
+arrays are the loop's (`net` and `prices`, as `runtime.step.loop` lists them).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
     """`_Simulator._stretched`: `seconds` of compute from `begin`, sharing the core with the
     network stack's CPU for the bytes of the rank's transfers between hosts on the wire
     meanwhile (`rank_cpu.sharing_core`, point for point, with `slowdown` times the CPU a
-    byte, the rank's), those it receives and sends moving no faster than `computing_rate` and
-    `computing_send_rate` till it ends (their ends put back, and the latest end a blocked peer
-    waits for with them); those ended before `begin` leave its list."""
+    byte, the rank's), those it receives and sends held back till it ends (`held_of`: their
+    ends put back, and the latest end a blocked peer waits for with them); those ended
+    before `begin` leave its list."""
     cpu, rate = prices[6], max(prices[8], prices[10])
     if cpu == 0.0 and rate == 0.0:
         return seconds
@@ -46,7 +46,7 @@ def stretched(net, prices, blocked, keys, rank, begin, seconds, slowdown):
         for k in range(kept):
             t = wire[base + k]
             got = dst[t] == rank
-            held, free = (prices[8], prices[9]) if got else (prices[10], prices[11])
+            held, free = held_of(prices, got)
             later = held_back(started[t], ended[t], nbytes[t], begin, until, held, free)
             if later != ended[t]:
                 put_back(net, t, later)
@@ -69,7 +69,7 @@ def _sharing_core(net, prices, rank, kept, begin, seconds, cpu):
         high = -1.0
         for k in range(kept):
             t = wire[base + k]
-            held, free = (prices[8], prices[9]) if dst[t] == rank else (prices[10], prices[11])
+            held, free = held_of(prices, dst[t] == rank)
             a, b, _ = held_spread(started[t], ended[t], nbytes[t], begin, held, free)
             for point in (max(a, 0.0), max(b, 0.0)):
                 if point > low and (high < 0.0 or point < high):
@@ -79,7 +79,7 @@ def _sharing_core(net, prices, rank, kept, begin, seconds, cpu):
         flow = 0.0
         for k in range(kept):
             t = wire[base + k]
-            held, free = (prices[8], prices[9]) if dst[t] == rank else (prices[10], prices[11])
+            held, free = held_of(prices, dst[t] == rank)
             a, b, n = held_spread(started[t], ended[t], nbytes[t], begin, held, free)
             if a <= low and b >= high and b > a:
                 flow += n / (b - a)
@@ -89,6 +89,12 @@ def _sharing_core(net, prices, rank, kept, begin, seconds, cpu):
                 return found
         moved += flow * (high - low)
         low = high
+
+
+@HELPER
+def held_of(prices, receives):
+    """`Links.held`: (rate, bytes at once) of a held message into a computing rank, or out."""
+    return (prices[8], prices[9]) if receives else (prices[10], prices[11])
 
 
 @HELPER

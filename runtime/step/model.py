@@ -50,7 +50,7 @@ from runtime.step.rank_memory import (
 )
 from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import built
-from runtime.step.simulator import SimulatedStep
+from runtime.step.simulated_step import SimulatedStep
 
 #: a job of `foresee`'s that places a plan's every rank is keyed (PLACED, the plan's key)
 PLACED = "placed"

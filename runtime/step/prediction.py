@@ -25,7 +25,8 @@ from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
 from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import source
-from runtime.step.simulator import SimulatedStep, simulate_step
+from runtime.step.simulated_step import SimulatedStep
+from runtime.step.simulator import simulate_step
 
 
 def predict_step(

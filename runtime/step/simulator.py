@@ -36,7 +36,7 @@ post points and collective schedules the runtime runs:
   faster than that rank's progress thread takes it in (`Links.computing_rate`: each of its
   calls reads what the socket's buffer holds): from a kernel's start to its end the
   transfers its rank receives cross at that rate at most (each transfer's bytes spread
-  evenly over its time), but for what one call takes in (`Links.computing_free_bytes`),
+  evenly over its time), but for what one call takes in (`Links.held`),
   which crosses first at its own speed, and after the kernel at their own speed again; a
   transfer that is held back holds its link till it ends, so the next message on that link
   waits for it. A transfer leaving a rank in a kernel is held the same way where the machine
@@ -71,7 +71,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from partitioner.machine import Machine
 from runtime.step.links import Links
@@ -83,6 +83,7 @@ from runtime.step.rank_cpu import (
     sharing_core,
 )
 from runtime.step.rank_program import Collective, Message, RankProgram
+from runtime.step.simulated_step import SimulatedStep
 
 Key = tuple  # ("m", seq) for a message, ("h", seq) for a collective's hop
 
@@ -110,36 +111,6 @@ class _Running:
     round_end: float | None = None
 
 
-@dataclass
-class SimulatedStep:
-    seconds: float
-    #: per rank, when it finished the step
-    finish: dict[int, float]
-    #: per rank, seconds spent waiting (for messages, partial sums and collectives)
-    waiting: dict[int, float] = field(default_factory=dict)
-    #: (rank, position in its program, start, end) of every task's compute that takes time, in
-    #: the order the simulation ran them (`simulate_step` only; the compiled loop leaves it
-    #: empty): what `render --timeline` draws
-    timeline: list[tuple[int, int, float, float]] = field(default_factory=list)
-    #: per rank, seconds in its tasks' compute (each task's, the per-task overhead included,
-    #: stretched by the network stack's CPU meanwhile as the clock is)
-    compute: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def waiting_fraction(self) -> float:
-        """The mean over ranks of the share of the step each waits: a pipeline's bubble."""
-        if not self.waiting or not self.seconds:
-            return 0.0
-        return sum(self.waiting.values()) / len(self.waiting) / self.seconds
-
-    def compute_fraction(self, step: float) -> float:
-        """The mean over ranks of the share of a step of `step` seconds each computes: what a
-        run measures as `compute_seconds` over its step (`bench scaling`)."""
-        if not self.compute or step <= 0:
-            return 0.0
-        return sum(self.compute.values()) / len(self.compute) / step
-
-
 _SYNC = "sync"  # the rank's clock moved on: resume it when the simulation gets there
 _PROGRESS = "progress"  # a call into MPI between tasks: collectives move on
 
@@ -165,6 +136,8 @@ class _Simulator:
         self.on_wire: dict[int, list[_Transfer]] = {rank: [] for rank in programs}
         #: per rank, when its latest kernel ends (its messages between hosts held back till then)
         self.computing_until: dict[int, float] = {rank: 0.0 for rank in programs}
+        #: (rate, bytes at once) of a held message a computing rank receives (True) or sends
+        self.held = {receives: self.links.held(receives) for receives in (True, False)}
         self.transfers: dict[Key, _Transfer] = {}
         #: when each host's link (or, within a host, each rank) is next free, each way
         self.egress: dict[tuple[str, int], float] = defaultdict(float)
@@ -246,18 +219,12 @@ class _Simulator:
         else:
             transfer.end = arrive + alpha + paid * beta
         self.ingress[into] = transfer.end
-        if between and (links.computing_rate or links.computing_send_rate):
+        if between and links.holds:
             # held back while a kernel runs at its destination, then at its source
-            end = held_back(
-                start, transfer.end, transfer.nbytes, start,
-                self.computing_until.get(transfer.dst, 0.0),
-                links.computing_rate, links.computing_free_bytes,
-            )  # fmt: skip
-            end = held_back(
-                start, end, transfer.nbytes, start,
-                self.computing_until.get(transfer.src, 0.0),
-                links.computing_send_rate, links.computing_send_free_bytes,
-            )  # fmt: skip
+            end = transfer.end
+            for rank, receives in ((transfer.dst, True), (transfer.src, False)):
+                until = self.computing_until.get(rank, 0.0)
+                end = held_back(start, end, transfer.nbytes, start, until, *self.held[receives])
             self._put_back(transfer, end)
         if between:
             for rank in (transfer.src, transfer.dst):
@@ -385,13 +352,7 @@ class _Simulator:
         """`seconds` of compute from the rank's clock on, with the network stack's CPU for the
         bytes of its transfers between hosts on the wire meanwhile, which move no faster than
         its progress thread moves them till it ends (see the module docstring)."""
-        links = self.links
-        held = {  # (rate, free bytes) of what the rank receives, and of what it sends
-            True: (links.computing_rate, links.computing_free_bytes),
-            False: (links.computing_send_rate, links.computing_send_free_bytes),
-        }
-        rate = links.computing_rate or links.computing_send_rate
-        if not self.network_cpu and not rate:
+        if not self.network_cpu and not self.links.holds:
             return seconds
         begin = self.clock[rank]
         wire = self.on_wire[rank] = [t for t in self.on_wire[rank] if t.end > begin]
@@ -402,13 +363,16 @@ class _Simulator:
             took = sharing_core(
                 seconds,
                 self.network_cpu * self.slowdown[rank],
-                [held_spread(t.start, t.end, t.nbytes, begin, *held[t.dst == rank]) for t in wire],
+                [
+                    held_spread(t.start, t.end, t.nbytes, begin, *self.held[t.dst == rank])
+                    for t in wire
+                ],
             )
-        if rate:
+        if self.links.holds:
             until = self.computing_until[rank] = begin + took
             for t in wire:
-                later = held_back(t.start, t.end, t.nbytes, begin, until, *held[t.dst == rank])
-                self._put_back(t, later)
+                held = self.held[t.dst == rank]
+                self._put_back(t, held_back(t.start, t.end, t.nbytes, begin, until, *held))
         return took
 
     def _put_back(self, transfer: _Transfer, end: float) -> None:

@@ -447,7 +447,7 @@ def test_a_message_between_hosts_moves_at_the_computing_rate_while_a_kernel_runs
         # 0.25 MB of it, held from 0.45 s to 0.7 s, 0.0625 s of its bytes cross meanwhile, so it
         # ends at 0.7 + (1.2 - 0.45 - 0.0625) = 1.3875 s; with the whole 1 MB, not at all
         for at_once, ends in ((250_000.0, 1.3875), (1_000_000.0, 1.2)):
-            buffered = replace(held, computing_free_bytes=at_once)
+            buffered = replace(held, progress_s=at_once / held.computing_rate)
             step = simulate(first, receiving, MACHINE, buffered)
             assert step.finish[1] == pytest.approx(ends + 0.1)
 
