@@ -69,7 +69,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from bench.calibration import calibrate, memory_bandwidth
+from bench.calibration import buffer_pass_rates, calibrate, memory_bandwidth
 from bench.jobs import MIN_TIMED_S, OPTIMIZER
 from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_stack_costs
 from bench.task_profile import profile_as_run, profile_plan, sample_step
@@ -145,6 +145,7 @@ def calibrate_in_process(network: str, batch: int, threads: int, profiled: dict)
         "task_overhead_us": fitted.task_overhead_us,
         "compute_factor": fitted.compute_factor,
         "loop_us": fitted.loop_seconds * 1e6,
+        "buffer_gbytes_per_s": buffer_pass_rates(),
     }
 
 
@@ -359,6 +360,7 @@ def measure(
         "latency_us": latency * 1e6 if main else 2.0,
         "rank_memory_gib": _host_memory_gib() / per_host,
         "memory_gbytes_per_s": fitted["memory_gbytes_per_s"],
+        "buffer_gbytes_per_s": fitted["buffer_gbytes_per_s"],
         "task_overhead_us": fitted["task_overhead_us"],
         **({"message_overhead_us": per_message["us"]} if per_message is not None else {}),
         **({"network_cpu_ns_per_byte": stack.cpu_ns_per_byte} if stack is not None else {}),
@@ -458,6 +460,13 @@ def format_summary(machine: dict) -> str:
         f"{machine.get('task_overhead_us', 0.0):.1f} us, kernels in a step x{machine['compute_factor']:.2f}, "
         f"{machine.get('loop_us', 0.0):.0f} us a step outside tasks, memory "
         f"{machine['memory_gbytes_per_s']:.1f} GB/s"
+        + (
+            ", the runtime's "
+            + ", ".join(f"{k} {v:.1f}" for k, v in machine["buffer_gbytes_per_s"].items())
+            + " GB/s"
+            if "buffer_gbytes_per_s" in machine
+            else ""
+        )
         + (
             f", {machine['message_overhead_us']:.0f} us a message"
             if "message_overhead_us" in machine

@@ -16,6 +16,9 @@ import numpy as np
 
 #: the keys every machine file gives
 KEYS = ("rank_gflops", "link_gbytes_per_s", "latency_us", "rank_memory_gib")
+#: the runtime's passes over its buffers (`Machine.buffer_seconds_per_byte`), each with the bytes
+#: of memory traffic it makes per byte of data: a copy, an add into another buffer, a zeroing
+BUFFER_PASSES = {"copy": 2, "add": 3, "zero": 1}
 #: a rank's resident set before its buffers, measured under `mpiexec -n 2 legion-nn train`
 DEFAULT_BASELINE_MIB = 200.0
 #: how far below the one-way rate a link's measured duplex rate may be and the link still be
@@ -58,6 +61,10 @@ class Machine:
     #: GB/s at most a message between hosts moves while the rank it leaves runs a kernel (None:
     #: as fast as its link; where the host's core moves the bytes, the kernel waits instead)
     computing_send_gbytes_per_s: float | None = None
+    #: GB/s of data the runtime's own passes over buffers beyond the cache move, by kind
+    #: (`BUFFER_PASSES`: a copy, an add into another buffer, a zeroing), as `bench machine` timed its
+    #: NumPy passes; a kind not given is priced as memory traffic (`buffer_seconds_per_byte`)
+    buffer_gbytes_per_s: dict[str, float] = field(default_factory=dict)
     #: None: one rank per host
     ranks_per_host: int | None = None
     #: (latency us, GB/s) within a host; None: the link's
@@ -125,6 +132,14 @@ class Machine:
         if self.memory_gbytes_per_s is None:
             return 0.0
         return 1.0 / (self.memory_gbytes_per_s * 1e9)
+
+    def buffer_seconds_per_byte(self, kind: str) -> float:
+        """Seconds per byte of data of the runtime's pass `kind` (one of `BUFFER_PASSES`): as
+        measured, else the memory traffic it makes (a copy reads and writes each byte, an add
+        reads two and writes one, a zeroing writes one; 0 where memory is not priced)."""
+        if kind in self.buffer_gbytes_per_s:
+            return 1.0 / (self.buffer_gbytes_per_s[kind] * 1e9)
+        return BUFFER_PASSES[kind] * self.seconds_per_memory_byte
 
     @property
     def task_overhead(self) -> float:
@@ -259,6 +274,8 @@ class Machine:
             out["computing_gbytes_per_s"] = self.computing_gbytes_per_s
         if self.computing_send_gbytes_per_s is not None:
             out["computing_send_gbytes_per_s"] = self.computing_send_gbytes_per_s
+        if self.buffer_gbytes_per_s:
+            out["buffer_gbytes_per_s"] = dict(self.buffer_gbytes_per_s)
         if self.process_baseline_mib != DEFAULT_BASELINE_MIB:
             out["process_baseline_mib"] = self.process_baseline_mib
         if self.op_gflops:

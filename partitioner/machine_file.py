@@ -58,6 +58,12 @@ optional; see the README's table of keys):
 - `"computing_send_gbytes_per_s"`: the same for a message leaving a rank that runs a kernel
   (with offloads 0.2-0.5 GB/s; without, the stream crossed at the link's rate while the
   kernel waited for the host's core, and the key is left out);
+- `"buffer_gbytes_per_s"`: `{"copy", "add", "zero"}`, the GB/s of data the runtime's own
+  passes over its buffers move beyond the cache (a message packed or unpacked, a window filled;
+  a received or kept partial sum added in; a scratch or a summed rect zeroed), timed as its NumPy
+  passes run them (`runtime.step.local_passes`): on a 2-core AMD EPYC VM about 8-16, 11 and
+  17 GB/s, where a streaming add's memory traffic (`memory_gbytes_per_s`) had priced a copy at 21
+  and an add at 14 GB/s, and the windows, zeroings and kept parts at nothing;
 - `"pingpong"`: the raw ping-pong points, `{"pair", "bytes", "seconds"}`, which price each
   message by the measured time of its size (`Machine.link_per_byte`), and the exchanges
   between hosts (`"duplex"`) the stack's time a byte at each size (`Machine.stack_per_byte`);
@@ -72,7 +78,7 @@ from pathlib import Path
 
 from legion_nn.errors import LegionNNError
 from legion_nn.micro_batches import PLACEMENT_ATTRS
-from partitioner.machine import DEFAULT_BASELINE_MIB, KEYS, Machine
+from partitioner.machine import BUFFER_PASSES, DEFAULT_BASELINE_MIB, KEYS, Machine
 
 OPTIONAL_KEYS = (
     "memory_gbytes_per_s",
@@ -87,6 +93,7 @@ OPTIONAL_KEYS = (
 )
 #: measured by `bench machine`, priced by the cost model and the step simulator
 MEASURED_KEYS = (
+    "buffer_gbytes_per_s",
     "ranks_per_host",
     "intra_host",
     "pieces",
@@ -182,6 +189,14 @@ def piece_key_of(
 
 def _measured(data: dict, where: str) -> dict:
     out: dict = {}
+    if "buffer_gbytes_per_s" in data:
+        rates = data["buffer_gbytes_per_s"]
+        kinds = ", ".join(BUFFER_PASSES)
+        if not isinstance(rates, dict) or not set(rates) <= set(BUFFER_PASSES):
+            raise LegionNNError(f"{where}: buffer_gbytes_per_s must map some of {kinds} to GB/s")
+        out["buffer_gbytes_per_s"] = {
+            kind: _positive(rates, kind, f"{where}: buffer_gbytes_per_s") for kind in rates
+        }
     for key in ("ranks_per_host", "host_cores"):
         if key in data:
             value = data[key]

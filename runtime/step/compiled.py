@@ -29,19 +29,16 @@ in hop order, and the bytes it adds at the end of each), not hop by hop in Pytho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.step.links import Links
+from runtime.step.local_passes import PassPrices, TaskPasses
 from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
 from runtime.step.rank_program import Collective, Message, RankProgram
 from runtime.step.shared_programs import built, own_collectives, own_messages, source
-
-#: `rank_cpu.posting_seconds`'s pricing of a task's messages on a rank, its prices bound:
-#: (messages, rank) -> seconds
-Pack = Callable[[Sequence[Message], int], float]
 
 
 @dataclass
@@ -92,8 +89,7 @@ class _Flattener:
     def __init__(
         self,
         programs: Mapping[int, RankProgram],
-        pack: Pack,
-        memory: float,
+        passes: Mapping[int, TaskPasses],
         slowdown: Mapping[int, float],
     ) -> None:
         self.programs = programs
@@ -114,9 +110,8 @@ class _Flattener:
         self.keys: list[int] = []
         self.key_arrays: list[np.ndarray] = []
         self.key_count = 0
-        #: the simulator's own pricing of a task's messages, so that a change there is one here
-        self.pack = pack
-        self.memory = memory
+        #: per rank, its own passes around each task, as the Python simulator reads them
+        self.passes = passes
         #: per collective (by sequence number): its participants' instances
         self.instances: dict[int, dict[int, int]] = {}
         self.round_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -249,12 +244,9 @@ class _Flattener:
         and `joined` of its collectives. Returns them as a template for the ranks moved from this
         one (`again`)."""
         slow = self.slowdown[rank]
-        memory = self.memory * slow
+        passes = self.passes[rank]
         first, waits = len(self.ops), self.waits
         patches: list[tuple[int, int, object]] = []
-
-        def pack(messages) -> float:
-            return self.pack(messages, rank) * slow
 
         def post(messages: Sequence[Message]) -> None:
             if messages:
@@ -269,7 +261,7 @@ class _Flattener:
         at_start = program.post_at_start
         if own is not None:
             at_start = [own[m.seq] for m in at_start]
-        self.add(pack(at_start))
+        self.add(passes.at_start * slow)
         self.ops.append((SYNC, 0, 0))
         post(at_start)
         sends = [m for m in at_start if m.src == rank]
@@ -283,22 +275,17 @@ class _Flattener:
             if rt.complete_before - completed > 0:
                 self.ops.append((COMPLETE, rt.complete_before - completed, 0))
             completed = max(completed, rt.complete_before)
-            if copies_in or partial_in or partial_out or posted:
-                self.add(pack(partial_in))
-                post(partial_in)
-                wait(copies_in)
-                self.add(sum(2 * m.nbytes * memory for m in copies_in))
-                self.add(compute[position], COMPUTE)
-                self.add(pack(partial_out) + pack(posted))
-                self.ops.append((SYNC, 0, 0))
-                post(partial_out)
-                wait(partial_in)
-                self.add(sum(3 * m.nbytes * memory for m in partial_in))
-            else:  # the same instructions, with nothing to post, pack, wait for or add
-                self.wait([])
-                self.add(compute[position], COMPUTE)
-                self.ops.append((SYNC, 0, 0))
-                self.wait([])
+            self.add(passes.before_copies[position] * slow)
+            post(partial_in)
+            wait(copies_in)
+            self.add(passes.after_copies[position] * slow)
+            self.add(compute[position], COMPUTE)
+            self.add(passes.after_compute[position] * slow)
+            self.ops.append((SYNC, 0, 0))
+            post(partial_out)
+            self.add(passes.after_partial_out[position] * slow)
+            wait(partial_in)
+            self.add(passes.after_partial_in[position] * slow)
             for collective in rt.collectives:
                 mine = collective if joined is None else joined[collective.seq]
                 self.ops.append((START, self.collective(mine)[rank], 0))
@@ -414,32 +401,31 @@ def flatten(
     programs: Mapping[int, RankProgram],
     compute: Mapping[int, Sequence[float]],
     links: Links,
-    pack: Pack,
-    memory: float,
+    passes: Mapping[int, TaskPasses],
     slowdown: Mapping[int, float],
 ) -> FlatStep:
-    """Every rank's program as instructions (see the module docstring): `pack` prices a task's
-    messages on a rank, `memory` is seconds per byte of memory traffic, each rank's CPU work
-    taking `slowdown[rank]` times as long (`rank_cpu.cpu_slowdown`)."""
-    return _Flattener(programs, pack, memory, slowdown).flat(compute, links)
+    """Every rank's program as instructions (see the module docstring): `passes` gives each
+    rank's own passes around its tasks (`local_passes`), each rank's CPU work taking
+    `slowdown[rank]` times as long (`rank_cpu.cpu_slowdown`)."""
+    return _Flattener(programs, passes, slowdown).flat(compute, links)
 
 
 def run_compiled(
     programs: Mapping[int, RankProgram],
     compute: Mapping[int, Sequence[float]],
     links: Links,
-    pack: Pack,
-    memory: float,
-    per_message: float,
+    passes: Mapping[int, TaskPasses],
+    prices: PassPrices,
     network_cpu: float,
     slowdown: Mapping[int, float],
 ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
     """Per rank, when it finished the step, how long it waited and how long it computed (each
     task's compute as stretched), by the compiled loop
-    (`prediction.simulate_compiled` makes the step of them); `network_cpu`: seconds of a
-    rank's CPU per byte of its transfers between hosts; `slowdown`: per rank, how much longer
-    its CPU work takes than alone on its cores."""
-    flat = flatten(programs, compute, links, pack, memory, slowdown)
+    (`prediction.simulate_compiled` makes the step of them); `passes`: each rank's own passes
+    around its tasks, `prices` those of a collective's hops (a byte added, a hop posted);
+    `network_cpu`: seconds of a rank's CPU per byte of its transfers between hosts;
+    `slowdown`: per rank, how much longer its CPU work takes than alone on its cores."""
+    flat = flatten(programs, compute, links, passes, slowdown)
     host = flat.host
     hosts = int(host.max()) + 1 if len(host) else 0
     ends = (flat.src >= 0) & (flat.dst >= 0)
@@ -465,7 +451,8 @@ def run_compiled(
         np.asarray([slowdown[rank] for rank in flat.ranks], np.float64),
         beta,
         stack_beta,
-        (links.alpha, links.beta, links.alpha_intra, memory, per_message, float(links.burst),
+        (links.alpha, links.beta, links.alpha_intra, prices.add, prices.per_message,
+         float(links.burst),
          network_cpu, links.stack_beta, *map(float, links.held(True)),
          *map(float, links.held(False))),
     )  # fmt: skip

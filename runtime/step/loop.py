@@ -36,7 +36,8 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #        block_lo and block_hi (per rank, the keys it is blocked on: keys[lo:hi])
 #   heap: wake_at, heap_time, heap_order, heap_rank, state (heap size, counter)
 #   prices: alpha, beta (the link's rate between hosts whatever a message's size: the token
-#           bucket's refill), alpha_intra, memory, per_message, burst, network_cpu, stack_beta,
+#           bucket's refill), alpha_intra, add (a byte added in), per_message, burst,
+#           network_cpu, stack_beta,
 #           and a held message's rate and bytes at once into a computing rank, then out of
 #           it (`links.Links.held`)
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
@@ -178,7 +179,7 @@ def _advance(net, prices, ranks, heap, rounds, rank):
             end = _round_end(keys, ended, scheduled, round_lo[cell], round_hi[cell])
             if end < 0.0 or end > now:
                 break
-            clock[rank] += 3 * adds[cell] * (prices[3] * ranks[3][rank])
+            clock[rank] += adds[cell] * prices[3] * ranks[3][rank]
             current[instance] += 1
             _post_round(net, prices, ranks, heap, rounds, rank, instance)
         if current[instance] < count[instance]:

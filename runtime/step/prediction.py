@@ -10,7 +10,6 @@ which keeps each plan's programs and simulation; the functions here make one pre
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import partial
 
 import numpy as np
 
@@ -19,10 +18,12 @@ from legion_nn.micro_batches import schedule_of, stages_of
 from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
+from runtime.instances import choose_storage_orders
 from runtime.step.links import Links
+from runtime.step.local_passes import PassPrices, TaskPasses, task_passes
 from runtime.step.piece_modes import moded_times, program_seconds
 from runtime.step.programs import build_programs
-from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
+from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import source
 from runtime.step.simulated_step import SimulatedStep
@@ -47,19 +48,21 @@ def predict_step(
     index = {task.name: i for i, task in enumerate(graph.tasks)}
     table = np.asarray(per_task, np.float64).reshape(len(graph.tasks), plan.nranks)
     share = machine.core_share(plan.nranks)
-    #: per program (held, so that its id is its own), its tasks' rows of `table` and its tasks
-    #: timed in a mode: the ranks of a class share their source's
-    moded: dict[int, tuple[RankProgram, np.ndarray, dict[int, float]]] = {}
-    seconds = {}
+    prices, layouts = PassPrices.of(machine), choose_storage_orders(graph)
+    #: per program (held, so that its id is its own), its tasks' rows of `table`, its tasks
+    #: timed in a mode and its own passes around them: the ranks of a class share their source's
+    moded: dict[int, tuple[RankProgram, np.ndarray, dict[int, float], TaskPasses]] = {}
+    seconds, passes = {}, {}
     for rank in programs:
         program = source(programs, rank)  # a rank moved from another runs its tasks
         if id(program) not in moded:
             rows = np.array([index[rt.task.name] for rt in program.tasks], np.int64)
-            moded[id(program)] = (program, rows, moded_times(program, machine.pieces))
-        _, rows, times = moded[id(program)]
+            own = task_passes(program, program.rank, prices, graph, layouts)
+            moded[id(program)] = (program, rows, moded_times(program, machine.pieces), own)
+        _, rows, times, passes[rank] = moded[id(program)]
         row = table[rows, rank].tolist()
         seconds[rank] = program_seconds(program, row, machine, times, float(share[rank]))
-    return simulate(programs, seconds, machine)
+    return simulate(programs, seconds, machine, passes=passes)
 
 
 def compute_lower_bound(graph: TaskGraph, plan: Plan, machine: Machine) -> float | None:
@@ -83,6 +86,7 @@ def simulate_compiled(
     compute: Mapping[int, Sequence[float]],
     machine: Machine,
     links: Links | None = None,
+    passes: Mapping[int, TaskPasses] | None = None,
 ) -> SimulatedStep:
     """What `simulate_step` returns, float-equal, by a compiled loop over the programs
     flattened (`runtime.step.compiled`): a data-parallel resnet18 step on 64 ranks in about a
@@ -92,10 +96,12 @@ def simulate_compiled(
     from runtime.step.compiled import run_compiled
 
     links = links or Links.of(machine, max(programs) + 1)
-    memory, per_message = machine.seconds_per_memory_byte, machine.message_overhead
-    pack = partial(posting_seconds, memory=memory, per_message=per_message)
+    prices = PassPrices.of(machine)
+    passes = passes or {
+        rank: task_passes(program, rank, prices) for rank, program in programs.items()
+    }
     finish, waiting, computing = run_compiled(
-        programs, compute, links, pack, memory, per_message, machine.network_cpu_seconds_per_byte,
+        programs, compute, links, passes, prices, machine.network_cpu_seconds_per_byte,
         cpu_slowdown(machine, programs),
     )  # fmt: skip
     return SimulatedStep(max(finish.values(), default=0.0), finish, waiting, compute=computing)

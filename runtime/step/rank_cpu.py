@@ -4,8 +4,6 @@ them point for point) price it by.
 
 - Ranks beyond their host's cores time-share them: all of a rank's CPU work takes 1/share as
   long (`cpu_slowdown`).
-- Posting messages costs a rank its packing and the runtime's cost per message
-  (`posting_seconds`).
 - A kernel shares its core with the network stack's work for the bytes crossing between hosts
   while it runs (`sharing_core`).
 - While a kernel runs, the rank's messages between hosts move at most the rate its progress
@@ -18,7 +16,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from partitioner.machine import Machine
-from runtime.step.rank_program import Message, RankProgram
+from runtime.step.rank_program import RankProgram
 
 
 def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:
@@ -27,16 +25,6 @@ def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[
     compute (`cost.compute_per_rank`) is priced."""
     share = machine.core_share(max(programs, default=0) + 1)
     return {rank: 1.0 / float(share[rank]) for rank in programs}
-
-
-def posting_seconds(
-    messages: Sequence[Message], rank: int, memory: float, per_message: float
-) -> float:
-    """Seconds for `rank` to copy its sends among `messages` into send buffers (`memory`
-    seconds a byte, two passes) and to post its ends of them (`per_message` each: the runtime's
-    cost per message). The Python simulator and the compiled loop both price a post by it."""
-    mine = [m for m in messages if rank in (m.src, m.dst)]
-    return sum(2 * m.nbytes * memory for m in mine if m.src == rank) + len(mine) * per_message
 
 
 def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, int]]) -> float:

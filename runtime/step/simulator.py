@@ -42,8 +42,10 @@ post points and collective schedules the runtime runs:
   waits for it. A transfer leaving a rank in a kernel is held the same way where the machine
   says (`Links.computing_send_rate`: with offloads; without, the host's core moves the bytes
   at the link's rate and the kernel waits for it instead, below);
-- where the machine prices memory traffic, a rank also pays its local passes: packing a send and
-  unpacking a receive (two bytes a byte each), adding a received partial sum (three);
+- a rank also pays its own passes over memory around each task, as the runtime makes them
+  (`local_passes`: packing a send and unpacking a receive where a staging buffer holds it,
+  filling a window, zeroing a scratch, adding a partial sum in), and those of the collectives'
+  hops it adds in;
 - posting its end of a message or of a collective's hop costs a rank the machine's
   `message_overhead_us`, on its own clock (the runtime's bookkeeping and MPI calls per message);
 - bytes crossing between hosts take CPU from the ranks at their ends (`network_cpu_ns_per_byte`:
@@ -75,11 +77,11 @@ from dataclasses import dataclass
 
 from partitioner.machine import Machine
 from runtime.step.links import Links
+from runtime.step.local_passes import PassPrices, TaskPasses, task_passes
 from runtime.step.rank_cpu import (
     cpu_slowdown,
     held_back,
     held_spread,
-    posting_seconds,
     sharing_core,
 )
 from runtime.step.rank_program import Collective, Message, RankProgram
@@ -122,12 +124,19 @@ class _Simulator:
         compute: Mapping[int, Sequence[float]],
         machine: Machine,
         links: Links | None = None,
+        passes: Mapping[int, TaskPasses] | None = None,
     ) -> None:
         self.programs = programs
         self.compute = compute
         self.links = links or Links.of(machine, max(programs) + 1)
-        self.memory = machine.seconds_per_memory_byte
-        self.per_message = machine.message_overhead
+        prices = PassPrices.of(machine)
+        #: seconds a byte of a collective's hop added in, and per message or hop posted
+        self.add = prices.add
+        self.per_message = prices.per_message
+        #: per rank, its own passes around each task (`local_passes`)
+        self.passes = passes or {
+            rank: task_passes(program, rank, prices) for rank, program in programs.items()
+        }
         self.network_cpu = machine.network_cpu_seconds_per_byte
         #: per rank, how much longer its CPU work takes than alone on its cores
         self.slowdown = cpu_slowdown(machine, programs)
@@ -282,7 +291,7 @@ class _Simulator:
                 end = self._ends(running.rounds[running.round])
                 if end is None or end > now:
                     break
-                self.clock[rank] += 3 * running.adds[running.round] * self._memory(rank)
+                self.clock[rank] += running.adds[running.round] * self.add * self.slowdown[rank]
                 running.round += 1
                 self._post_round(rank, running)
 
@@ -302,12 +311,6 @@ class _Simulator:
             self.wake_at[rank] = at
             heapq.heappush(self.events, (at, next(self.counter), rank))
 
-    def _pack(self, messages: Sequence[Message], rank: int) -> float:
-        return posting_seconds(messages, rank, self.memory, self.per_message) * self.slowdown[rank]
-
-    def _memory(self, rank: int) -> float:
-        return self.memory * self.slowdown[rank]
-
     def _messages(self, rank: int, messages: Sequence[Message]) -> None:
         for m in messages:
             self._transfer(("m", m.seq), m.src, m.dst, m.nbytes)
@@ -317,28 +320,30 @@ class _Simulator:
         """The rank's step. It yields `_SYNC` when its clock has moved on, `_PROGRESS` at a
         call into MPI between tasks, and a list of keys to wait for (polling meanwhile)."""
         program = self.programs[rank]
-        self.clock[rank] += self._pack(program.post_at_start, rank)
+        passes, slow = self.passes[rank], self.slowdown[rank]
+        self.clock[rank] += passes.at_start * slow
         yield _SYNC
         self._messages(rank, program.post_at_start)
         completed = 0
         for position, rt in enumerate(program.tasks):
             yield from self._complete(rank, rt.complete_before - completed)
             completed = max(completed, rt.complete_before)
-            self.clock[rank] += self._pack(rt.partial_in, rank)
+            self.clock[rank] += passes.before_copies[position] * slow
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
-            self.clock[rank] += sum(2 * m.nbytes * self._memory(rank) for m in rt.copies_in)
+            self.clock[rank] += passes.after_copies[position] * slow
             start = self.clock[rank]
             took = self._stretched(rank, self.compute[rank][position])
             self.clock[rank] += took
             self.computing[rank] += took
             if self.clock[rank] > start:
                 self.timeline.append((rank, position, start, self.clock[rank]))
-            self.clock[rank] += self._pack(rt.partial_out, rank) + self._pack(rt.post, rank)
+            self.clock[rank] += passes.after_compute[position] * slow
             yield _SYNC
             self._messages(rank, rt.partial_out)
+            self.clock[rank] += passes.after_partial_out[position] * slow
             yield [("m", m.seq) for m in rt.partial_in]
-            self.clock[rank] += sum(3 * m.nbytes * self._memory(rank) for m in rt.partial_in)
+            self.clock[rank] += passes.after_partial_in[position] * slow
             for collective in rt.collectives:
                 self._start_collective(rank, collective)
             yield from self._complete(rank, rt.complete_after - completed)
@@ -472,8 +477,10 @@ def simulate_step(
     compute: Mapping[int, Sequence[float]],
     machine: Machine,
     links: Links | None = None,
+    passes: Mapping[int, TaskPasses] | None = None,
 ) -> SimulatedStep:
     """The step of every rank's `programs`, with `compute[rank][i]` seconds for the i-th task
     of its program (kernels and the runtime's per-task cost), on `machine`'s links (or
-    `links`)."""
-    return _Simulator(programs, compute, machine, links).run()
+    `links`), each rank's own passes over memory around its tasks as `passes` gives them
+    (default: `local_passes.task_passes` of the programs alone, every copy staged)."""
+    return _Simulator(programs, compute, machine, links, passes).run()

@@ -64,6 +64,7 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         "duplex_gbytes_per_s": 0.12,
         "computing_gbytes_per_s": 0.04,
         "computing_send_gbytes_per_s": 0.05,
+        "buffer_gbytes_per_s": {"copy": 12.0, "add": 11.0, "zero": 17.0},
         "pingpong": [{"pair": "inter_host", "bytes": 8, "seconds": 3e-5}],
         "measured_on": {"network": "seed-lcn-small", "batch": 8},
     }
@@ -75,6 +76,13 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
     assert machine.computing_bytes_per_s == pytest.approx(4e7)
     assert machine.computing_send_bytes_per_s == pytest.approx(5e7)
     assert machine_from_json(BASE).computing_bytes_per_s == 0.0  # not held back
+    assert machine.buffer_seconds_per_byte("add") == pytest.approx(1 / 11e9)
+    # a pass not measured is priced as the memory traffic it makes, or not at all
+    assert machine_from_json(BASE).buffer_seconds_per_byte("copy") == 0.0
+    streaming = machine_from_json({**BASE, "memory_gbytes_per_s": 10.0})
+    assert streaming.buffer_seconds_per_byte("copy") == pytest.approx(2 / 10e9)
+    assert streaming.buffer_seconds_per_byte("add") == pytest.approx(3 / 10e9)
+    assert streaming.buffer_seconds_per_byte("zero") == pytest.approx(1 / 10e9)
     assert [machine.host(r) for r in range(5)] == [0, 0, 1, 1, 2]
     assert machine.link(0, 1) == pytest.approx((2e-6, 1 / 8e9))
     assert machine.link(1, 2) == pytest.approx((30e-6, 1 / 0.125e9))
@@ -96,6 +104,9 @@ def test_the_measured_keys_round_trip_and_place_ranks_on_hosts():
         ({"duplex_gbytes_per_s": 0}, "duplex_gbytes_per_s must be a positive number"),
         ({"computing_gbytes_per_s": -1}, "computing_gbytes_per_s must be a positive number"),
         ({"computing_send_gbytes_per_s": "x"}, "computing_send_gbytes_per_s must be a positive"),
+        ({"buffer_gbytes_per_s": {"move": 3}}, "buffer_gbytes_per_s must map some of copy"),
+        ({"buffer_gbytes_per_s": 12}, "buffer_gbytes_per_s must map some of copy"),
+        ({"buffer_gbytes_per_s": {"copy": 0}}, "buffer_gbytes_per_s: copy must be a positive"),
         ({"pieces": {"a": 1}}, "pieces must be a list"),
         ({"pieces": [{"op": "linear"}]}, r"pieces\[0\] needs op, phase"),
         ({"pieces": [PIECE | {"requirements": [1], "seconds": 1}]}, r"pieces\[0\] is malformed"),

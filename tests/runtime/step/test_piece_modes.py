@@ -132,7 +132,7 @@ def test_a_step_is_priced_from_moded_rows_where_the_table_has_them(one_rank):
     def task_seconds(machine):
         seen = {}
 
-        def capture(programs, compute, machine):
+        def capture(programs, compute, machine, passes):
             seen.update(compute)
 
         predict_step(graph, plan, machine, programs=programs, simulate=capture)

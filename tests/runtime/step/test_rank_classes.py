@@ -4,7 +4,6 @@ that are alike do share a build."""
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from runtime.step.links import Links
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.rank_classes import rank_classes
-from runtime.step.rank_cpu import cpu_slowdown, posting_seconds
+from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.rank_memory import predict
 from runtime.step.shared_programs import SharedPrograms
 from runtime.step.simulator import simulate_step
@@ -246,12 +245,9 @@ def _flat(graph, plan, programs):
     """The compiled step's instructions for `programs`, as `simulate_compiled` makes them from
     the seconds `predict_step` gives each rank's tasks."""
 
-    def flattened(programs, seconds, machine):
-        pack = partial(posting_seconds, memory=machine.seconds_per_memory_byte,
-                       per_message=machine.message_overhead)  # fmt: skip
+    def flattened(programs, seconds, machine, passes):
         links = Links.of(machine, plan.nranks)
-        return flatten(programs, seconds, links, pack, machine.seconds_per_memory_byte,
-                       cpu_slowdown(machine, programs))  # fmt: skip
+        return flatten(programs, seconds, links, passes, cpu_slowdown(machine, programs))
 
     return predict_step(graph, plan, MACHINE, programs=programs, simulate=flattened)
 
