@@ -387,6 +387,7 @@ def measure(
             "threads_per_rank": threads,
             "links_measured": [name for name, _, _ in pairs] or "none (one process)",
             **({"message_overhead_rounds_us": per_message["rounds"]} if per_message else {}),
+            **({"network_stack_rounds": stack.rounds} if stack is not None else {}),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "legion_nn": _version(),
         },
