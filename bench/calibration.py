@@ -7,7 +7,6 @@ bandwidth its memory-bound tasks reach, and each op's rate for the FLOP model (`
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from bench.jobs import OPTIMIZER, WARMUP, Job
+from bench.timing import call_seconds
 from legion_nn.ir import Task
 from legion_nn.networks import load_network
 from legion_nn.op_records import rate_passes
@@ -109,16 +109,10 @@ def buffer_pass_rates(megabytes: int = 256, repeat: int = 5) -> dict[str, float]
     def zero():
         dst.fill(0)
 
-    rates = {}
-    for kind, run in (("copy", copy), ("add", add), ("zero", zero)):
-        run()
-        seconds = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            run()
-            seconds.append(time.perf_counter() - start)
-        rates[kind] = src.nbytes / statistics.median(seconds) / 1e9
-    return rates
+    runs = (("copy", copy), ("add", add), ("zero", zero))
+    return {
+        kind: src.nbytes / statistics.median(call_seconds(run, repeat)) / 1e9 for kind, run in runs
+    }
 
 
 def memory_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
@@ -136,12 +130,7 @@ def memory_bandwidth(megabytes: int = 256, repeat: int = 5) -> float:
     a, b, c, d = (rng.random(n, dtype=np.float32) for _ in range(4))
     rates = []
     for run, arrays, streams in ((_add, (a, b, c), 3), (_update_mix, (a, b, c, d), 7)):
-        run(*arrays)
-        seconds = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            run(*arrays)
-            seconds.append(time.perf_counter() - start)
+        seconds = call_seconds(lambda run=run, arrays=arrays: run(*arrays), repeat)
         rates.append(streams * a.nbytes / statistics.median(seconds) / 1e9)
     return max(rates)
 

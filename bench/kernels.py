@@ -29,7 +29,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 
 from bench.calibration import memory_bandwidth
 from bench.machine_facts import blas_in_use, describe, machine_facts
+from bench.timing import call_seconds
 from runtime.aligned import aligned_empty
 from runtime.kernels import reference
 from runtime.kernels.filter_packed import (
@@ -78,19 +78,6 @@ class LayerShape:
 
 
 SEED_L1 = LayerShape(c=64, k=64, r=7, s=7, p=27, q=27)
-
-
-def call_seconds(fn: Callable[[], object], repeat: int, warm: bool = True) -> list[float]:
-    """The wall time of each of `repeat` calls, after one untimed call (compilation, page
-    faults) unless `warm` is False (the caller made it)."""
-    if warm:
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def best_seconds(fn: Callable[[], object], repeat: int, warm: bool = True) -> float:

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from bench.kernels import call_seconds
 from bench.machine_facts import describe, machine_facts
+from bench.timing import call_seconds
 from runtime.kernels import filter_packed, layout, linear, nonlinear, update
 
 
