@@ -24,7 +24,7 @@ kept half in, none of which the step had priced, and 17-80 ms to pack the half s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,14 +67,12 @@ class TaskPasses:
 
 
 def posting_seconds(
-    messages: Sequence[Message], rank: int, prices: PassPrices, staged: frozenset[int] | None
+    messages: Sequence[Message], rank: int, prices: PassPrices, direct: frozenset[int]
 ) -> float:
-    """Seconds for `rank` to copy its sends among `messages` into send buffers (all but those
-    not `staged`, where that is given) and to post its ends of them."""
+    """Seconds for `rank` to copy its sends among `messages` into send buffers (all but the
+    `direct` ones, sent from their home) and to post its ends of them."""
     mine = [m for m in messages if rank in (m.src, m.dst)]
-    packed = sum(
-        m.nbytes for m in mine if m.src == rank and (staged is None or m.seq not in staged)
-    )
+    packed = sum(m.nbytes for m in mine if m.src == rank and m.seq not in direct)
     return packed * prices.copy + len(mine) * prices.per_message
 
 
@@ -121,3 +119,9 @@ def task_passes(
     return TaskPasses(
         post(program.post_at_start), before, after_copies, after_compute, kept, after_partial
     )
+
+
+def passes_alone(programs: Mapping[int, RankProgram], prices: PassPrices) -> dict[int, TaskPasses]:
+    """Each rank's passes where the simulators are given none (programs made by hand, without
+    their graph: `task_passes`)."""
+    return {rank: task_passes(program, rank, prices) for rank, program in programs.items()}

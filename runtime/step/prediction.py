@@ -20,7 +20,7 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.instances import choose_storage_orders
 from runtime.step.links import Links
-from runtime.step.local_passes import PassPrices, TaskPasses, task_passes
+from runtime.step.local_passes import PassPrices, TaskPasses, passes_alone, task_passes
 from runtime.step.piece_modes import moded_times, program_seconds
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown
@@ -97,9 +97,7 @@ def simulate_compiled(
 
     links = links or Links.of(machine, max(programs) + 1)
     prices = PassPrices.of(machine)
-    passes = passes or {
-        rank: task_passes(program, rank, prices) for rank, program in programs.items()
-    }
+    passes = passes or passes_alone(programs, prices)
     finish, waiting, computing = run_compiled(
         programs, compute, links, passes, prices, machine.network_cpu_seconds_per_byte,
         cpu_slowdown(machine, programs),

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 
 from partitioner.machine import Machine
 from runtime.step.links import Links
-from runtime.step.local_passes import PassPrices, TaskPasses, task_passes
+from runtime.step.local_passes import PassPrices, TaskPasses, passes_alone
 from runtime.step.rank_cpu import (
     cpu_slowdown,
     held_back,
@@ -134,9 +134,7 @@ class _Simulator:
         self.add = prices.add
         self.per_message = prices.per_message
         #: per rank, its own passes around each task (`local_passes`)
-        self.passes = passes or {
-            rank: task_passes(program, rank, prices) for rank, program in programs.items()
-        }
+        self.passes = passes or passes_alone(programs, prices)
         self.network_cpu = machine.network_cpu_seconds_per_byte
         #: per rank, how much longer its CPU work takes than alone on its cores
         self.slowdown = cpu_slowdown(machine, programs)
@@ -482,5 +480,5 @@ def simulate_step(
     """The step of every rank's `programs`, with `compute[rank][i]` seconds for the i-th task
     of its program (kernels and the runtime's per-task cost), on `machine`'s links (or
     `links`), each rank's own passes over memory around its tasks as `passes` gives them
-    (default: `local_passes.task_passes` of the programs alone, every copy staged)."""
+    (default: `local_passes.passes_alone`, every copy staged)."""
     return _Simulator(programs, compute, machine, links, passes).run()
