@@ -63,8 +63,8 @@ class Transport(Protocol):
     def data_tag(self, seq: int) -> int: ...
 
     def computing(self) -> AbstractContextManager[None]:
-        """Around a task's kernels: where the transport must be driven to move messages, it
-        drives them meanwhile."""
+        """Around a rank's work in a task (its kernels and its passes over its buffers): where
+        the transport must be driven to move messages, it drives them meanwhile."""
         ...
 
 

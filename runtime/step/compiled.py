@@ -9,8 +9,9 @@ stretch of `_Simulator._program` between two points where it gives the clock bac
 
 - `ADD c`: the rank's clock moves on by `c` (packing, unpacking; each sum formed exactly as the
   simulator forms it, so the clocks agree to the last bit);
-- `COMPUTE c`: a task's compute, stretched by the network stack's CPU for the bytes of the
-  rank's transfers between hosts on the wire meanwhile (`_Simulator._stretched`);
+- `COMPUTE c k`: CPU work of `c` seconds (a task's compute, `k` of them, and the rank's passes
+  around it), stretched by the network stack's CPU for the bytes of the rank's transfers between
+  hosts on the wire meanwhile (`_Simulator._stretched`);
 - `SYNC`: wake me at my clock; `PROGRESS`: a call into MPI (`_advance`);
 - `POST keys`, `WAIT keys`: post my ends of these transfers; block until they have ended;
 - `START i`: start collective instance `i` (this rank's rounds of one collective);
@@ -157,10 +158,16 @@ class _Flattener:
             self.dst[m.seq] = index.get(m.dst, -1)
             self.nbytes[m.seq] = m.nbytes
 
-    def add(self, amount: float, code: int = ADD) -> None:
-        if amount:  # adding zero leaves a clock as it is (and stretches nothing)
-            self.ops.append((code, len(self.amounts), 0))
+    def add(self, amount: float) -> None:
+        if amount:  # adding zero leaves a clock as it is
+            self.ops.append((ADD, len(self.amounts), 0))
             self.amounts.append(amount)
+
+    def busy(self, amount: float, kernel: float = 0.0) -> None:
+        """CPU work of `amount` seconds, stretched, of which `kernel` are a task's compute."""
+        if amount:  # stretching nothing leaves a clock as it is
+            self.ops.append((COMPUTE, len(self.amounts), len(self.amounts) + 1))
+            self.amounts += [amount, kernel]
 
     def post(self, messages: Sequence[Message]) -> None:
         if messages:
@@ -278,14 +285,13 @@ class _Flattener:
             self.add(passes.before_copies[position] * slow)
             post(partial_in)
             wait(copies_in)
-            self.add(passes.after_copies[position] * slow)
-            self.add(compute[position], COMPUTE)
-            self.add(passes.after_compute[position] * slow)
+            before, kernel = passes.after_copies[position] * slow, compute[position]
+            self.busy(before + kernel + passes.after_compute[position] * slow, kernel)
             self.ops.append((SYNC, 0, 0))
             post(partial_out)
-            self.add(passes.after_partial_out[position] * slow)
+            self.busy(passes.after_partial_out[position] * slow)
             wait(partial_in)
-            self.add(passes.after_partial_in[position] * slow)
+            self.busy(passes.after_partial_in[position] * slow)
             for collective in rt.collectives:
                 mine = collective if joined is None else joined[collective.seq]
                 self.ops.append((START, self.collective(mine)[rank], 0))

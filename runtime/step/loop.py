@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from runtime.step.loop_cpu import held_back, held_of, put_back, stretched
+from runtime.step.loop_cpu import held_back, held_of, kernel_share, put_back, stretched
 from runtime.step.wake_heap import HELPER, pop_earliest, wake
 
 #: the instructions' codes (`compiled`'s module docstring)
@@ -287,7 +287,8 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
                 net, prices, ranks[2], keys, rank, clock[rank], amounts[a], ranks[3][rank]
             )
             clock[rank] += took
-            ranks[4][rank] += took
+            if amounts[b]:
+                ranks[4][rank] += kernel_share(took, amounts[b], amounts[a])
         elif code == PROGRESS:
             pc[rank] = p + 1
             _advance(net, prices, ranks, heap, rounds, rank)

@@ -13,6 +13,7 @@ from runtime.step.wake_heap import HELPER
 # the Python simulator's arithmetic for a message held back while a kernel runs, compiled
 held_spread = HELPER(rank_cpu.held_spread)
 held_back = HELPER(rank_cpu.held_back)
+kernel_share = HELPER(rank_cpu.kernel_share)
 
 
 @HELPER

@@ -4,10 +4,13 @@ them point for point) price it by.
 
 - Ranks beyond their host's cores time-share them: all of a rank's CPU work takes 1/share as
   long (`cpu_slowdown`).
-- A kernel shares its core with the network stack's work for the bytes crossing between hosts
-  while it runs (`sharing_core`).
-- While a kernel runs, the rank's messages between hosts move at most the rate its progress
-  thread moves them (`held_spread`, `held_back`).
+- A kernel, and the rank's own passes over its buffers around it (which the runtime makes with
+  its progress thread on, as it runs its kernels: `RankStep.task`), share the core with the
+  network stack's work for the bytes crossing between hosts meanwhile (`sharing_core`).
+- Meanwhile the rank's messages between hosts move at most the rate its progress thread moves
+  them (`held_spread`, `held_back`).
+- Where a kernel and its passes are stretched as one, the kernel's part of the time they took
+  is its part of their seconds (`kernel_share`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, 
     return seconds + cpu * moved
 
 
-# The two below are also compiled, as they stand, for the compiled loop (`runtime.step.loop`):
-# both simulators hold a message back by the same arithmetic.
+# The three below are also compiled, as they stand, for the compiled loop (`runtime.step.loop`):
+# both simulators hold a message back, and share out a stretch, by the same arithmetic.
 
 
 def held_spread(
@@ -88,3 +91,9 @@ def held_back(
     if at + (end - at) / keep <= until:
         return at + (end - at) / keep
     return until + (end - at) - keep * (until - at)
+
+
+def kernel_share(took: float, part: float, whole: float) -> float:
+    """The part of `took` seconds (`whole` seconds of CPU work, stretched) that `part` of them
+    took: in proportion, and exactly `took` where the part is the whole."""
+    return took if part == whole else took * part / whole

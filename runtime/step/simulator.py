@@ -45,12 +45,14 @@ post points and collective schedules the runtime runs:
 - a rank also pays its own passes over memory around each task, as the runtime makes them
   (`local_passes`: packing a send and unpacking a receive where a staging buffer holds it,
   filling a window, zeroing a scratch, adding a partial sum in), and those of the collectives'
-  hops it adds in;
+  hops it adds in. The runtime makes a task's passes with its progress thread on, as it runs
+  its kernels, so they hold messages and share the core as a kernel does (below): a task's
+  unpacking, compute and packing are stretched as one, and its adds after it;
 - posting its end of a message or of a collective's hop costs a rank the machine's
   `message_overhead_us`, on its own clock (the runtime's bookkeeping and MPI calls per message);
 - bytes crossing between hosts take CPU from the ranks at their ends (`network_cpu_ns_per_byte`:
   the network stack's copies, checksums and interrupts). A rank pays it only where it competes
-  with a kernel: a task's compute of c seconds from t takes the least s with s = c + the CPU of
+  with a kernel or its passes: c seconds of them from t take the least s with s = c + the CPU of
   the bytes of that rank's transfers between hosts on the wire during [t, t + s] (each
   transfer's bytes spread evenly over its time on the link, held back as above;
   `rank_cpu.sharing_core`, `rank_cpu.held_spread`). The
@@ -82,6 +84,7 @@ from runtime.step.rank_cpu import (
     cpu_slowdown,
     held_back,
     held_spread,
+    kernel_share,
     sharing_core,
 )
 from runtime.step.rank_program import Collective, Message, RankProgram
@@ -329,19 +332,22 @@ class _Simulator:
             self.clock[rank] += passes.before_copies[position] * slow
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
-            self.clock[rank] += passes.after_copies[position] * slow
+            before = passes.after_copies[position] * slow
+            kernel = self.compute[rank][position]
+            busy = before + kernel + passes.after_compute[position] * slow
             start = self.clock[rank]
-            took = self._stretched(rank, self.compute[rank][position])
+            took = self._stretched(rank, busy)
+            if kernel:
+                kernel_start = start + kernel_share(took, before, busy)
+                kernel_took = kernel_share(took, kernel, busy)
+                self.computing[rank] += kernel_took
+                self.timeline.append((rank, position, kernel_start, kernel_start + kernel_took))
             self.clock[rank] += took
-            self.computing[rank] += took
-            if self.clock[rank] > start:
-                self.timeline.append((rank, position, start, self.clock[rank]))
-            self.clock[rank] += passes.after_compute[position] * slow
             yield _SYNC
             self._messages(rank, rt.partial_out)
-            self.clock[rank] += passes.after_partial_out[position] * slow
+            self.clock[rank] += self._stretched(rank, passes.after_partial_out[position] * slow)
             yield [("m", m.seq) for m in rt.partial_in]
-            self.clock[rank] += passes.after_partial_in[position] * slow
+            self.clock[rank] += self._stretched(rank, passes.after_partial_in[position] * slow)
             for collective in rt.collectives:
                 self._start_collective(rank, collective)
             yield from self._complete(rank, rt.complete_after - completed)

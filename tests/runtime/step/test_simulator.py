@@ -18,6 +18,7 @@ from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from partitioner.task_plan import Reduction
 from runtime.step.links import Links
+from runtime.step.local_passes import TaskPasses
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import sharing_core
@@ -450,6 +451,41 @@ def test_a_message_between_hosts_moves_at_the_computing_rate_while_a_kernel_runs
             buffered = replace(held, progress_s=at_once / held.computing_rate)
             step = simulate(first, receiving, MACHINE, buffered)
             assert step.finish[1] == pytest.approx(ends + 0.1)
+
+
+def _passes(after_copies: list[float], after_compute: list[float]) -> TaskPasses:
+    n = len(after_copies)
+    return TaskPasses(0.0, [0.0] * n, after_copies, after_compute, [0.0] * n, [0.0] * n)
+
+
+def test_a_ranks_passes_around_its_kernel_hold_its_messages_and_share_its_core_as_the_kernel():
+    """The runtime packs, unpacks, fills windows and zeroes with its progress thread on, as it
+    runs its kernels (`RankStep.task`), so the simulators stretch and hold a task's passes and
+    its compute as one. The first case of the test above with the receiver's 0.5 s task made of
+    0.1 s unpacking, a 0.3 s kernel and 0.1 s packing ends as that one does (1.575 + 0.1 s; held
+    in the kernel alone, 1.425 + 0.1), of which its kernel took 0.3 s. With the network stack
+    taking 0.5 us of the core a byte (the message unheld, 0.2 s to 1.2 s), a task of 0.2 s
+    unpacking, a 0.6 s kernel and 0.2 s packing from 0.2 s takes s = 1 + 0.5 × 1 = 1.5 s, the
+    kernel 0.9 s of it (stretched in the kernel alone, 0.2 + 1.0 + 0.2 = 1.4 s)."""
+    m = _message(0)
+    programs = _held_programs(
+        [RankTask(0, task("a"), post=[m])],
+        [RankTask(0, task("a"), post=[m]), RankTask(1, task("b")),
+         RankTask(2, task("c"), copies_in=[m])],
+    )  # fmt: skip
+    held = Links(0.0, 1e-6, 0.0, 1e-9, 1, computing_rate=250_000.0)
+    stack = Machine(memory_gbytes_per_s=None, network_cpu_ns_per_byte=500.0)
+    for simulate in (simulate_step, simulate_compiled):
+        passes = {0: _passes([0.0], [0.0]), 1: _passes([0.0, 0.1, 0.0], [0.0, 0.1, 0.0])}
+        compute = {0: [0.0], 1: [0.2, 0.3, 0.1]}
+        step = simulate(programs, compute, MACHINE, held, passes)
+        assert step.finish[1] == pytest.approx(1.575 + 0.1)
+        assert step.compute[1] == pytest.approx(0.2 + 0.3 + 0.1)
+        passes = {0: _passes([0.0], [0.0]), 1: _passes([0.0, 0.2, 0.0], [0.0, 0.2, 0.0])}
+        compute = {0: [0.0], 1: [0.2, 0.6, 0.1]}
+        step = simulate(programs, compute, stack, links(alpha=0.0), passes)
+        assert step.finish[1] == pytest.approx(0.2 + 1.5 + 0.1)
+        assert step.compute[1] == pytest.approx(0.2 + 0.9 + 0.1)
 
 
 def test_what_follows_a_held_message_on_its_link_waits_for_it():
