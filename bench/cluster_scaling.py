@@ -66,6 +66,8 @@ DEFAULT_CASES = (("seed-lcn-small", 64), ("seed-lcn", 16))
 STRATEGIES = STRATEGY_NAMES
 #: the row of one rank on one host: the step data parallelism must beat to pay
 ONE_HOST = "one host"
+#: the keys each saved machine file of a run is given, naming its case (`bench/repredict.py`)
+CASE_KEYS = ("variant", "link", "network", "batch")
 #: auto's search on the benchmark's machine: the same limit `train` gives it
 SEARCH_SECONDS = 30.0
 
@@ -299,10 +301,8 @@ def _run_cases(
         say(f"{network} batch {batch}: bench machine on {ranks} ranks")
         machine_file = where / "machine.json"
         machine = measure_machine(name, ranks, network, batch, machine_file)
-        machines.append(
-            {"variant": variant.name, "link": link, "network": network, "batch": batch}
-            | json.loads(machine_file.read_text())
-        )
+        case_keys = dict(zip(CASE_KEYS, (variant.name, link, network, batch)))
+        machines.append(case_keys | json.loads(machine_file.read_text()))
         specs = [
             {
                 "network": network, "batch": batch, "ranks": ranks,
