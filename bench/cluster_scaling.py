@@ -363,7 +363,7 @@ def summarize(rows: Sequence[dict]) -> dict:
     (the one-host row and auto, which is one of the others, left out) and how far auto's
     measured step is from the best measured."""
     done = [r for r in rows if "measured_s" in r]
-    errors = [abs(r["error"]) for r in done]
+    errors = [r["error"] for r in done]
     cases = []
     for (variant, network, batch, link), group in _groups(done).items():
         fixed = [r for r in group if r["strategy"] not in ("auto", ONE_HOST)]
@@ -389,12 +389,18 @@ def summarize(rows: Sequence[dict]) -> dict:
             entry["auto_against_best"] = chosen[0]["measured_s"] / best["measured_s"] - 1.0
             entry["best"] = best["strategy"]
         cases.append(entry)
+    return error_verdicts(errors) | {"cases": cases}
+
+
+def error_verdicts(errors: Sequence[float]) -> dict:
+    """How many predictions, their mean and largest absolute error, and how many within 15%
+    (the cost model's goal), of `errors` (predicted over measured, less one; either sign)."""
+    errors = [abs(e) for e in errors]
     return {
         "predictions": len(errors),
         "mean_abs_error": sum(errors) / len(errors) if errors else None,
         "max_abs_error": max(errors, default=None),
         "within_15_percent": sum(e <= 0.15 for e in errors),
-        "cases": cases,
     }
 
 

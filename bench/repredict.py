@@ -24,11 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cluster_scaling import CASE_KEYS, ONE_HOST, predict
+from bench.cluster_scaling import CASE_KEYS, ONE_HOST, error_verdicts, predict
 from partitioner.machine_file import machine_from_json
-
-#: the error within which a prediction counts as holding (the cost model's goal)
-WITHIN = 0.15
 
 
 def repredicted(run: dict, where: str) -> list[dict]:
@@ -57,9 +54,11 @@ def repredicted(run: dict, where: str) -> list[dict]:
 
 
 def summary(errors: list[float]) -> str:
-    mean = sum(abs(e) for e in errors) / len(errors)
-    within = sum(abs(e) <= WITHIN for e in errors)
-    return f"mean absolute error {100 * mean:.1f}%, {within} of {len(errors)} within 15%"
+    verdicts = error_verdicts(errors)
+    return (
+        f"mean absolute error {100 * verdicts['mean_abs_error']:.1f}%, "
+        f"{verdicts['within_15_percent']} of {verdicts['predictions']} within 15%"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
