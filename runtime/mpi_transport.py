@@ -12,9 +12,9 @@ MPI moves a large message only while its sender calls into MPI. Over TCP between
 on the emulated cluster (250 Mbit/s): a 4 MiB send posted before 0.3 s of compute reached its
 receiver 386 ms after it was posted, against 138 ms with the sender polling meanwhile; a rank
 spends most of a step in kernels, so a halo or a gradient posted before one would wait for its
-end. So while the rank computes or passes over its buffers (`computing`), a thread calls `Iprobe` every
-`LEGION_NN_PROGRESS_US` (default `transport.PROGRESS_INTERVAL_US`; 0 turns it off) on a
-communicator of its own (the kernels and NumPy's passes release the GIL). MPICH's own
+end. So while the rank computes or passes over its buffers (`computing`), a thread calls
+`Iprobe` every `LEGION_NN_PROGRESS_US` (default `transport.PROGRESS_INTERVAL_US`; 0 turns it
+off) on a communicator of its own (the kernels and NumPy's passes release the GIL). MPICH's own
 progress thread (`MPIR_CVAR_ASYNC_PROGRESS`) spins without pause: with one core per host it made
 seed-lcn-small's steps 2.5-4x slower. Measured on 2 emulated hosts at 3 Gbit/s, seed-lcn at
 batch 16 (median of 4 steps, s): data-parallel 5.36 without the thread, 4.79 / 4.97 / 4.76
