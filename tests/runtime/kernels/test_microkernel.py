@@ -9,6 +9,8 @@ from runtime.aligned import aligned_empty
 from runtime.kernels.microkernel import (
     MAX_ROWS,
     MAX_VECTORS,
+    PANEL_BYTES,
+    PANEL_LEAST_DEPTH,
     STREAM,
     kernels,
     lanes,
@@ -208,3 +210,33 @@ def test_a_sum_over_blocks_is_the_sum_of_the_products(dtype, blocks, accumulate)
     scale = max(1.0, float(np.abs(expected).max()))
     np.testing.assert_allclose(c[:, :n], expected, rtol=0, atol=TOL[dtype] * scale * 4)
     np.testing.assert_array_equal(c[:, n:], before[:, n:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True, STREAM])
+def test_panels_of_the_reduction_sum_to_the_product(dtype, accumulate):
+    """A reduction deeper than a panel (`PANEL_LEAST_DEPTH` rows of B here, B's rows as wide as
+    `PANEL_BYTES` holds that many of) runs panel by panel, each over every tile: whole blocks
+    several to a panel, a block in parts, with a last panel short of the others (a streamed
+    result in one panel). Each is the sum of the blocks' products (written, accumulated or
+    streamed), and a product of no blocks writes zeros."""
+    itemsize = np.dtype(dtype).itemsize
+    depth = PANEL_LEAST_DEPTH
+    n = PANEL_BYTES // (depth * itemsize)
+    m = MAX_ROWS + 1
+    rng = np.random.default_rng(11)
+    cases = [(depth // 3, 5), (depth, 3), (depth + 1, 2), (2 * depth + 7, 3), (2 * depth + 7, 0),
+             (0, 4), (depth + 1, 1)]  # fmt: skip
+    for k, blocks in cases:
+        a = rng.standard_normal((max(blocks, 1), m, k)).astype(dtype)
+        b = rng.standard_normal((max(blocks, 1), k, n)).astype(dtype)
+        c = aligned_empty((m, n), dtype)
+        c[:] = rng.standard_normal(c.shape)
+        before = c.copy()
+        tiled_gemm_sum(kernels(dtype), m, n, k, blocks, a, 0, k, 1, m * k, b, 0, n, k * n,
+                       accumulate, c, 0, n)  # fmt: skip
+        expected = np.einsum("jmk,jkn->mn", a[:blocks].astype(np.float64), b[:blocks])
+        if accumulate is True:
+            expected += before
+        scale = max(1.0, float(np.abs(expected).max()))
+        np.testing.assert_allclose(c, expected, rtol=0, atol=TOL[dtype] * scale * max(k, 1))
