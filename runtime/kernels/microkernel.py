@@ -313,57 +313,53 @@ def _tile(
 def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_rows, next_ld,
           next_columns, blocks, a_block, b_block):  # fmt: skip
     """The body of the compiled GEMM (see `tiled_gemm_prefetching` and `tiled_gemm_sum`), on
-    typed pointers to the first element of each operand; `next_off` is relative to `a`.
-
-    The reduction runs in panels of depth (`_panels`) whose rows of B fit in `PANEL_BYTES`,
-    each over all of C's tiles, row tiles outermost: a tile's rows of A (the weights, in the
-    forward) are read once per panel, so once in all, while the panel's rows of B, shared by
-    every row tile, stay in the core's L2. C's tiles are loaded and stored once per panel."""
+    typed pointers to the first element of each operand; `next_off` is relative to `a`."""
     width = VECTOR_BYTES // (4 if is_single(a) else 8)
     block = MAX_VECTORS * width
-    itemsize = 4 if is_single(a) else 8
-    stream_c = accumulate == STREAM and _vector_aligned(c, ldc)
-    per_block, steps, panels = _panels(n * itemsize, k, blocks, stream_c)
-    tiles = -(-m // MAX_ROWS) * -(-n // block) * panels
+    tiles = -(-m // MAX_ROWS) * -(-n // block)
     tile = 0
-    # hints for the next panel's rows of A, spread over this panel's tiles, where the caller
-    # names no next operand and A's rows are unit-stride: the untied forward streams its
-    # weights from memory once, and at batch 64 ran 2-4 points of SGEMM faster with them
-    ahead = next_rows == 0 and panels > 1 and a_cs == 1
-    panel_tiles = tiles // panels
-    next_depth, next_at = 0, 0
-    for panel in range(panels):
-        count, depth, a_at, b_at = _panel(panel, per_block, steps, k, blocks, a_cs, ldb, a_block,
-                                          b_block)  # fmt: skip
-        if ahead and panel + 1 < panels:
-            _, next_depth, next_at, _ = _panel(panel + 1, per_block, steps, k, blocks, a_cs, ldb,
-                                               a_block, b_block)  # fmt: skip
-        add = accumulate == ACCUMULATE or panel > 0
-        stream = stream_c and panel == panels - 1
-        within = 0
-        i0 = 0
-        while i0 < m:
-            rows = _tile_rows(m - i0)
-            n0 = 0
-            while n0 < n:
-                left = n - n0
-                vectors, tail = (
-                    (min(MAX_VECTORS, left // width), width) if left >= width else (1, left)
-                )
-                if next_rows > 0 and tile < tiles:
-                    lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
-                    prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
-                    tile += 1
-                elif ahead and panel + 1 < panels and within < panel_tiles:
-                    lo, hi = m * within // panel_tiles, m * (within + 1) // panel_tiles
-                    prefetch_rows(a, next_at + lo * a_rs, hi - lo, a_rs, next_depth)
-                    within += 1
-                _tile(rows, vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs + a_at, a_rs, a_cs,
-                      b, b_at + n0, ldb, depth, add, stream, count, a_block, b_block)  # fmt: skip
-                n0 += vectors * width if tail == width else tail
-            i0 += rows
-    if stream_c:
+    add = accumulate == ACCUMULATE
+    stream = accumulate == STREAM and _vector_aligned(c, ldc)
+    # row tiles outermost: a tile's A rows (the weights, in the forward) are read once, while
+    # B's rows, shared by every row tile, stay in cache
+    i0 = 0
+    while i0 < m:
+        rows = _tile_rows(m - i0)
+        n0 = 0
+        while n0 < n:
+            left = n - n0
+            vectors, tail = (min(MAX_VECTORS, left // width), width) if left >= width else (1, left)
+            if next_rows > 0 and tile < tiles:
+                lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
+                prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
+                tile += 1
+            _tile(rows, vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs, a_rs, a_cs, b, n0,
+                  ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
+            n0 += vectors * width if tail == width else tail
+        i0 += rows
+    if stream:
         store_fence()
+
+
+@intrinsic
+def _vector_aligned(typingctx, pointer, ld):
+    """Whether every row of C, `ld` elements apart from `pointer` on, starts on a vector:
+    non-temporal stores of whole vectors need it."""
+
+    def codegen(context, builder, signature, args):
+        pointer_, ld_ = args
+        index = ld_.type
+        size = ir.Constant(index, signature.args[0].dtype.bitwidth // 8)
+        vector = ir.Constant(index, VECTOR_BYTES)
+        zero = ir.Constant(index, 0)
+        address = builder.ptrtoint(pointer_, index)
+        starts = builder.icmp_unsigned("==", builder.urem(address, vector), zero)
+        rows = builder.icmp_unsigned("==", builder.urem(builder.mul(ld_, size), vector), zero)
+        return builder.and_(starts, rows)
+
+    if not isinstance(pointer, types.CPointer):
+        return None
+    return types.boolean(pointer, types.intp), codegen
 
 
 #: the bytes of B's rows one panel of the reduction reads (`_gemm`): within the L2 of every
@@ -404,27 +400,6 @@ def _panels(row_bytes, k, blocks, whole):
         return per_block, 1, max(1, -(-blocks // per_block))
     steps = -(-k // fit)
     return 0, steps, max(1, blocks * steps)
-
-
-@intrinsic
-def _vector_aligned(typingctx, pointer, ld):
-    """Whether every row of C, `ld` elements apart from `pointer` on, starts on a vector:
-    non-temporal stores of whole vectors need it."""
-
-    def codegen(context, builder, signature, args):
-        pointer_, ld_ = args
-        index = ld_.type
-        size = ir.Constant(index, signature.args[0].dtype.bitwidth // 8)
-        vector = ir.Constant(index, VECTOR_BYTES)
-        zero = ir.Constant(index, 0)
-        address = builder.ptrtoint(pointer_, index)
-        starts = builder.icmp_unsigned("==", builder.urem(address, vector), zero)
-        rows = builder.icmp_unsigned("==", builder.urem(builder.mul(ld_, size), vector), zero)
-        return builder.and_(starts, rows)
-
-    if not isinstance(pointer, types.CPointer):
-        return None
-    return types.boolean(pointer, types.intp), codegen
 
 
 def _signature(dtype):
@@ -501,6 +476,40 @@ def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accu
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
+              next_off, next_rows, next_ld, next_columns, blocks, a_block, b_block):  # fmt: skip
+    """The GEMM of the wrappers below, its reduction in panels of depth (`_panels`) whose
+    rows of B fit in `PANEL_BYTES`, one call of the compiled GEMM each: within a call row
+    tiles are outermost, so a tile's rows of A (the weights, in the forward) are read once
+    while the panel's rows of B, shared by every row tile, stay in the core's L2. Later panels
+    add to C; a streamed result is one panel. The caller's next operand (`next_off`, absolute)
+    is hinted a share a panel; where it names none and A's rows are unit-stride, each panel
+    hints the next panel's rows of A: the untied forward streams its weights from memory once,
+    and at batch 64 ran 2-4 points of SGEMM faster with them. The loop is here rather than in
+    the compiled GEMM, which it would have LLVM copy (its 20 tile bodies compiled in 1.6-2.1 s
+    against 1.1) and whose weight-gradient products, one panel each, then ran 3-5% slower."""
+    first = accumulate + 0
+    per_block, steps, panels = _panels(n * a.itemsize, k, blocks, first == STREAM)
+    ahead = next_rows == 0 and panels > 1 and a_cs == 1
+    address = _address(kernels, a.itemsize)
+    for panel in range(panels):
+        count, depth, a_at, b_at = _panel(panel, per_block, steps, k, blocks, a_cs, ldb, a_block,
+                                          b_block)  # fmt: skip
+        hint_at, hint_rows, hint_ld, hint_columns = 0, 0, 0, 0
+        if next_rows > 0:
+            lo, hi = next_rows * panel // panels, next_rows * (panel + 1) // panels
+            hint_at, hint_rows = next_off - a_off + lo * next_ld, hi - lo
+            hint_ld, hint_columns = next_ld, next_columns
+        elif ahead and panel + 1 < panels:
+            _, hint_columns, hint_at, _ = _panel(panel + 1, per_block, steps, k, blocks, a_cs,
+                                                 ldb, a_block, b_block)  # fmt: skip
+            hint_rows, hint_ld = m, a_rs
+        _call(address, m, n, depth, a, a_off + a_at, a_rs, a_cs, b, b_off + b_at, ldb,
+              first if panel == 0 else ACCUMULATE, c, c_off, ldc, hint_at - a_at, hint_rows,
+              hint_ld, hint_columns, count, a_block, b_block)  # fmt: skip
+
+
+@njit(cache=True, nogil=True, inline="always")
 def tiled_gemm(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc):
     """C[c_off:] (m×n, row stride ldc) = A·B (+ C if `accumulate`), offsets and strides in
     elements: A (m×k) has element (i, l) at a_off + i·a_rs + l·a_cs, B (k×n) is row-major with
@@ -512,8 +521,8 @@ def tiled_gemm(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate
     Nothing in them may leave a caller's `prange` body but through its end (`_address` raises
     in a call of its own)."""
     if m > 0 and n > 0:
-        _call(_address(kernels, a.itemsize), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb,
-              accumulate, c, c_off, ldc, 0, 0, 0, 0, 1, 0, 0)  # fmt: skip
+        _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
+                  ldc, 0, 0, 0, 0, 1, 0, 0)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -530,9 +539,8 @@ def tiled_gemm_prefetching(
     of SGEMM against 90% with the block hinted in ahead, spread over the tiles so that the
     hints do not overflow the core's queue of outstanding misses."""
     if m > 0 and n > 0:
-        _call(_address(kernels, a.itemsize), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb,
-              accumulate, c, c_off, ldc, next_off - a_off, next_rows, next_ld, next_columns, 1,
-              0, 0)  # fmt: skip
+        _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
+                  ldc, next_off, next_rows, next_ld, next_columns, 1, 0, 0)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -544,8 +552,8 @@ def tiled_gemm_sum(kernels, m, n, k, blocks, a, a_off, a_rs, a_cs, a_block, b, b
     so, which with the seed's one-channel first layer (k = 9) stores each tile once instead of
     nine times."""
     if m > 0 and n > 0:
-        _call(_address(kernels, a.itemsize), m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb,
-              accumulate, c, c_off, ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
+        _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
+                  ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
 
 
 @inner
