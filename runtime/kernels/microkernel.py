@@ -310,10 +310,43 @@ def _tile(
     return sig, codegen
 
 
-def _gemm(m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_rows, next_ld,
-          next_columns, blocks, a_block, b_block):  # fmt: skip
+def _gemm(itself, m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, next_rows,
+          next_ld, next_columns, blocks, a_block, b_block):  # fmt: skip
     """The body of the compiled GEMM (see `tiled_gemm_prefetching` and `tiled_gemm_sum`), on
-    typed pointers to the first element of each operand; `next_off` is relative to `a`."""
+    typed pointers to the first element of each operand; `next_off` is relative to `a`.
+
+    Its reduction runs in panels of depth (`_panels`) whose rows of B fit in `PANEL_BYTES`:
+    where there are several, the GEMM calls itself once a panel through its own address
+    (`itself`; 0 in those calls), each call every tile of C over its panel, row tiles
+    outermost: a tile's rows of A (the weights, in the forward) are read once while the
+    panel's rows of B, shared by every row tile, stay in the core's L2. Later panels add to C;
+    a streamed result is one panel. The caller's next operand is hinted a share a panel; where
+    it names none and A's rows are unit-stride, each panel hints the next panel's rows of A:
+    the untied forward streams its weights from memory once, and at batch 64 ran 2-4 points of
+    SGEMM faster with them. (A loop over panels around the tiles had LLVM copy their 20 bodies,
+    1.6-2.1 s of compiling against 1.1, and run the one-panel weight gradients 3-5% slower; a
+    second compiled function for the loop cost 0.4 s more.)"""
+    if itself != 0:
+        itemsize = 4 if is_single(a) else 8
+        per_block, steps, panels = _panels(n * itemsize, k, blocks, accumulate == STREAM)
+        if panels > 1:
+            ahead = next_rows == 0 and a_cs == 1
+            for panel in range(panels):
+                count, depth, a_at, b_at = _panel(panel, per_block, steps, k, blocks, a_cs, ldb,
+                                                  a_block, b_block)  # fmt: skip
+                hint_at, hint_rows, hint_ld, hint_columns = 0, 0, 0, 0
+                if next_rows > 0:
+                    lo, hi = next_rows * panel // panels, next_rows * (panel + 1) // panels
+                    hint_at, hint_rows = next_off + lo * next_ld, hi - lo
+                    hint_ld, hint_columns = next_ld, next_columns
+                elif ahead and panel + 1 < panels:
+                    _, hint_columns, hint_at, _ = _panel(panel + 1, per_block, steps, k, blocks,
+                                                         a_cs, ldb, a_block, b_block)  # fmt: skip
+                    hint_rows, hint_ld = m, a_rs
+                _call(itself, 0, m, n, depth, a, a_at, a_rs, a_cs, b, b_at, ldb,
+                      accumulate if panel == 0 else ACCUMULATE, c, 0, ldc, hint_at - a_at,
+                      hint_rows, hint_ld, hint_columns, count, a_block, b_block)  # fmt: skip
+            return
     width = VECTOR_BYTES // (4 if is_single(a) else 8)
     block = MAX_VECTORS * width
     tiles = -(-m // MAX_ROWS) * -(-n // block)
@@ -405,7 +438,7 @@ def _panels(row_bytes, k, blocks, whole):
 def _signature(dtype):
     pointer = types.CPointer(dtype)
     i = types.intp
-    return types.void(i, i, i, pointer, i, i, pointer, i, i, pointer, i, i, i, i, i, i, i, i)
+    return types.void(i, i, i, i, pointer, i, i, pointer, i, i, pointer, i, i, i, i, i, i, i, i)
 
 
 #: the compiled GEMM's address per element size, 0 until `kernels` compiles it
@@ -437,76 +470,43 @@ def _slot(itemsize: int) -> int:
 
 
 @intrinsic
-def _call(typingctx, address, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c,
-          c_off, ldc, next_off, next_rows, next_ld, next_columns, blocks, a_block,
+def _call(typingctx, address, lead, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate,
+          c, c_off, ldc, next_off, next_rows, next_ld, next_columns, blocks, a_block,
           b_block):  # fmt: skip
-    """Call the compiled GEMM at `address` on pointers into a, b and c."""
+    """Call the compiled GEMM at `address` on pointers into a, b and c, with `lead` its first
+    argument (`_gemm`'s `itself`)."""
     if not (c.dtype == a.dtype == b.dtype and c.dtype in (types.float32, types.float64)):
         return None
     if not isinstance(accumulate, (types.Boolean, types.Integer)):
         return None
     i = types.intp
-    sig = types.void(i, i, i, i, a, i, i, i, b, i, i, accumulate, c, i, i, i, i, i, i, i, i, i)
+    sig = types.void(i, i, i, i, i, a, i, i, i, b, i, i, accumulate, c, i, i, i, i, i, i, i, i, i)
 
     def codegen(context, builder, signature, args):
-        (address_, m_, n_, k_, a_, a_off_, a_rs_, a_cs_, b_, b_off_, ldb_, acc_, c_, c_off_,
-         ldc_, next_off_, next_rows_, next_ld_, next_columns_, blocks_, a_block_,
+        (address_, lead_, m_, n_, k_, a_, a_off_, a_rs_, a_cs_, b_, b_off_, ldb_, acc_, c_,
+         c_off_, ldc_, next_off_, next_rows_, next_ld_, next_columns_, blocks_, a_block_,
          b_block_) = args  # fmt: skip
         operand_types = signature.args
-        a_ptr = element_pointer(context, builder, operand_types[4], a_, a_off_)
-        b_ptr = element_pointer(context, builder, operand_types[8], b_, b_off_)
-        c_ptr = element_pointer(context, builder, operand_types[12], c_, c_off_)
+        a_ptr = element_pointer(context, builder, operand_types[5], a_, a_off_)
+        b_ptr = element_pointer(context, builder, operand_types[9], b_, b_off_)
+        c_ptr = element_pointer(context, builder, operand_types[13], c_, c_off_)
         index = m_.type
         pointer = a_ptr.type
         function_type = ir.FunctionType(
             ir.VoidType(),
-            [index, index, index, pointer, index, index, pointer, index, index, pointer, index,
-             index, index, index, index, index, index, index],
+            [index, index, index, index, pointer, index, index, pointer, index, index, pointer,
+             index, index, index, index, index, index, index, index],
         )  # fmt: skip
         target = builder.inttoptr(address_, function_type.as_pointer())
         builder.call(
             target,
-            [m_, n_, k_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_,
-             context.cast(builder, acc_, operand_types[11], types.intp), c_ptr, ldc_,
+            [lead_, m_, n_, k_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_,
+             context.cast(builder, acc_, operand_types[12], types.intp), c_ptr, ldc_,
              next_off_, next_rows_, next_ld_, next_columns_, blocks_, a_block_, b_block_],
         )  # fmt: skip
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off, ldc,
-              next_off, next_rows, next_ld, next_columns, blocks, a_block, b_block):  # fmt: skip
-    """The GEMM of the wrappers below, its reduction in panels of depth (`_panels`) whose
-    rows of B fit in `PANEL_BYTES`, one call of the compiled GEMM each: within a call row
-    tiles are outermost, so a tile's rows of A (the weights, in the forward) are read once
-    while the panel's rows of B, shared by every row tile, stay in the core's L2. Later panels
-    add to C; a streamed result is one panel. The caller's next operand (`next_off`, absolute)
-    is hinted a share a panel; where it names none and A's rows are unit-stride, each panel
-    hints the next panel's rows of A: the untied forward streams its weights from memory once,
-    and at batch 64 ran 2-4 points of SGEMM faster with them. The loop is here rather than in
-    the compiled GEMM, which it would have LLVM copy (its 20 tile bodies compiled in 1.6-2.1 s
-    against 1.1) and whose weight-gradient products, one panel each, then ran 3-5% slower."""
-    first = accumulate + 0
-    per_block, steps, panels = _panels(n * a.itemsize, k, blocks, first == STREAM)
-    ahead = next_rows == 0 and panels > 1 and a_cs == 1
-    address = _address(kernels, a.itemsize)
-    for panel in range(panels):
-        count, depth, a_at, b_at = _panel(panel, per_block, steps, k, blocks, a_cs, ldb, a_block,
-                                          b_block)  # fmt: skip
-        hint_at, hint_rows, hint_ld, hint_columns = 0, 0, 0, 0
-        if next_rows > 0:
-            lo, hi = next_rows * panel // panels, next_rows * (panel + 1) // panels
-            hint_at, hint_rows = next_off - a_off + lo * next_ld, hi - lo
-            hint_ld, hint_columns = next_ld, next_columns
-        elif ahead and panel + 1 < panels:
-            _, hint_columns, hint_at, _ = _panel(panel + 1, per_block, steps, k, blocks, a_cs,
-                                                 ldb, a_block, b_block)  # fmt: skip
-            hint_rows, hint_ld = m, a_rs
-        _call(address, m, n, depth, a, a_off + a_at, a_rs, a_cs, b, b_off + b_at, ldb,
-              first if panel == 0 else ACCUMULATE, c, c_off, ldc, hint_at - a_at, hint_rows,
-              hint_ld, hint_columns, count, a_block, b_block)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -521,8 +521,9 @@ def tiled_gemm(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate
     Nothing in them may leave a caller's `prange` body but through its end (`_address` raises
     in a call of its own)."""
     if m > 0 and n > 0:
-        _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
-                  ldc, 0, 0, 0, 0, 1, 0, 0)  # fmt: skip
+        gemm = _address(kernels, a.itemsize)
+        _call(gemm, gemm, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
+              ldc, 0, 0, 0, 0, 1, 0, 0)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -539,8 +540,9 @@ def tiled_gemm_prefetching(
     of SGEMM against 90% with the block hinted in ahead, spread over the tiles so that the
     hints do not overflow the core's queue of outstanding misses."""
     if m > 0 and n > 0:
-        _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
-                  ldc, next_off, next_rows, next_ld, next_columns, 1, 0, 0)  # fmt: skip
+        gemm = _address(kernels, a.itemsize)
+        _call(gemm, gemm, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
+              ldc, next_off - a_off, next_rows, next_ld, next_columns, 1, 0, 0)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -552,8 +554,9 @@ def tiled_gemm_sum(kernels, m, n, k, blocks, a, a_off, a_rs, a_cs, a_block, b, b
     so, which with the seed's one-channel first layer (k = 9) stores each tile once instead of
     nine times."""
     if m > 0 and n > 0:
-        _panelled(kernels, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
-                  ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
+        gemm = _address(kernels, a.itemsize)
+        _call(gemm, gemm, m, n, k, a, a_off, a_rs, a_cs, b, b_off, ldb, accumulate, c, c_off,
+              ldc, 0, 0, 0, 0, blocks, a_block, b_block)  # fmt: skip
 
 
 @inner
