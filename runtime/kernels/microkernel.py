@@ -324,8 +324,8 @@ def _gemm(itself, m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, 
     it names none and A's rows are unit-stride, each panel hints the next panel's rows of A:
     the untied forward streams its weights from memory once, and at batch 64 ran 2-4 points of
     SGEMM faster with them. (A loop over panels around the tiles had LLVM copy their 20 bodies,
-    1.6-2.1 s of compiling against 1.1, and run the one-panel weight gradients 3-5% slower; a
-    second compiled function for the loop cost 0.4 s more.)"""
+    1.6-2.9 s of compiling against 1.1, and run the one-panel weight gradients 3-5% slower;
+    called through the address, the loop adds some 0.45 s to the GEMM's compile.)"""
     if itself != 0:
         itemsize = 4 if is_single(a) else 8
         per_block, steps, panels = _panels(n * itemsize, k, blocks, accumulate == STREAM)
