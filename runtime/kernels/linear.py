@@ -44,7 +44,8 @@ from numba import prange
 from runtime.aligned import aligned_empty
 from runtime.kernels import _checks
 from runtime.kernels.blas import NO_TRANS, TRANS
-from runtime.kernels.microkernel import VECTOR_BYTES, kernels, tiled_gemm
+from runtime.kernels.gemm_tile import VECTOR_BYTES
+from runtime.kernels.microkernel import kernels, tiled_gemm
 from runtime.kernels.threaded import threaded
 from runtime.kernels.update import OptimizerStep, run_view, step_elements
 

@@ -1,4 +1,4 @@
-"""The memory side of the generated kernels (`microkernel`, `transpose`): element pointers,
+"""The memory side of the generated kernels (`gemm_tile`, `microkernel`, `transpose`): element pointers,
 whether a pointer is to float32, cache-line prefetch hints and the fence after non-temporal
 stores, as Numba intrinsics that emit one LLVM instruction or call each."""
 

@@ -17,8 +17,8 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
+from runtime.kernels.gemm_tile import lanes
 from runtime.kernels.llvm_memory import element_pointer
-from runtime.kernels.microkernel import lanes
 from runtime.kernels.threaded import threaded
 
 LANES_FLOAT32 = lanes(4)

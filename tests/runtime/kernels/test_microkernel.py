@@ -6,14 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.aligned import aligned_empty
+from runtime.kernels.gemm_tile import MAX_ROWS, MAX_VECTORS, lanes
 from runtime.kernels.microkernel import (
-    MAX_ROWS,
-    MAX_VECTORS,
     PANEL_BYTES,
     PANEL_LEAST_DEPTH,
     STREAM,
     kernels,
-    lanes,
     tiled_gemm,
     tiled_gemm_prefetching,
     tiled_gemm_sum,
@@ -164,18 +162,6 @@ def test_prefetching_the_next_operand_changes_nothing(dtype):
         kernels(dtype), 13, 70, 11, a, 0, 11, 1, b, 0, 70, False, c, 0, 70, 13 * 11, 13, 11, 11
     )
     np.testing.assert_allclose(c, a[0] @ b, rtol=0, atol=TOL[dtype] * 10)
-
-
-def test_vector_width_follows_numbas_target(monkeypatch):
-    from runtime.kernels import microkernel
-
-    monkeypatch.setattr(microkernel.numba.config, "CPU_FEATURES", "+avx,+avx2,+fma")
-    assert microkernel._target_vector_bytes() == 32
-    monkeypatch.setattr(microkernel.numba.config, "CPU_FEATURES", "+avx512f,+avx2")
-    assert microkernel._target_vector_bytes() == 64
-    monkeypatch.setattr(microkernel.numba.config, "CPU_FEATURES", "")
-    monkeypatch.setattr(microkernel.numba.config, "CPU_NAME", "generic")
-    assert microkernel._target_vector_bytes() == 16
 
 
 def test_a_dtype_without_its_compiled_gemm_is_refused():
