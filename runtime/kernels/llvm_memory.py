@@ -1,6 +1,6 @@
-"""The memory side of the generated kernels (`gemm_tile`, `microkernel`, `transpose`): element pointers,
-whether a pointer is to float32, cache-line prefetch hints and the fence after non-temporal
-stores, as Numba intrinsics that emit one LLVM instruction or call each."""
+"""The memory side of the generated kernels (`gemm_tile`, `microkernel`, `transpose`): element
+pointers, whether a pointer is to float32, cache-line prefetch hints and the fence after
+non-temporal stores, as Numba intrinsics that emit one LLVM instruction or call each."""
 
 from __future__ import annotations
 

@@ -91,8 +91,8 @@ def _gemm(itself, m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, 
                 lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
                 prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
                 tile += 1
-            tile_product(rows, vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs, a_rs, a_cs, b, n0,
-                  ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
+            tile_product(rows, vectors, tail, c, i0 * ldc + n0, ldc, a, i0 * a_rs, a_rs, a_cs, b,
+                         n0, ldb, k, add, stream, blocks, a_block, b_block)  # fmt: skip
             n0 += vectors * width if tail == width else tail
         i0 += rows
     if stream:
