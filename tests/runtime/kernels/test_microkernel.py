@@ -8,9 +8,12 @@ from hypothesis import strategies as st
 from runtime.aligned import aligned_empty
 from runtime.kernels.gemm_tile import MAX_ROWS, MAX_VECTORS, lanes
 from runtime.kernels.microkernel import (
+    COLUMN_BLOCKS_BEYOND,
     PANEL_BYTES,
     PANEL_LEAST_DEPTH,
     STREAM,
+    _block_columns,
+    _panels,
     kernels,
     tiled_gemm,
     tiled_gemm_prefetching,
@@ -226,3 +229,50 @@ def test_panels_of_the_reduction_sum_to_the_product(dtype, accumulate):
             expected += before
         scale = max(1.0, float(np.abs(expected).max()))
         np.testing.assert_allclose(c, expected, rtol=0, atol=TOL[dtype] * scale * max(k, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True, STREAM])
+def test_blocks_of_columns_of_a_wide_result_sum_to_the_product(dtype, accumulate):
+    """Where a panel's rows of B outgrow `PANEL_BYTES` and several row tiles read them, C is
+    swept in blocks of columns (`_block_columns`), each over every row tile: shallow and wide
+    (a weight gradient by its batch), panels and column blocks at once, whole blocks several
+    to a panel, a last block of columns short and ending in a masked tail. C beside the
+    product is left as it was."""
+    itemsize = np.dtype(dtype).itemsize
+    block = MAX_VECTORS * lanes(itemsize)
+    m = 2 * MAX_ROWS + 1
+    rng = np.random.default_rng(12)
+    for k, blocks in [(8, 1), (PANEL_LEAST_DEPTH, 1), (2 * PANEL_LEAST_DEPTH + 7, 1), (8, 3)]:
+        per_block, steps, _ = _panels(1 << 20, k, blocks, accumulate == STREAM)  # B wide
+        rows_read = min(per_block, blocks) * k if per_block else -(-k // steps)
+        n = COLUMN_BLOCKS_BEYOND // (rows_read * itemsize) + block + 1  # wide enough to be cut
+        columns = _block_columns(m, n, rows_read, itemsize)
+        n += n % columns == 0
+        assert columns < n and n % columns  # several blocks of columns, the last one short
+        a = rng.standard_normal((blocks, m, k)).astype(dtype)
+        b = rng.standard_normal((blocks, k, n)).astype(dtype)
+        c = aligned_empty((m + 1, n + block), dtype)
+        c[:] = rng.standard_normal(c.shape)
+        before = c.copy()
+        tiled_gemm_sum(kernels(dtype), m, n, k, blocks, a, 0, k, 1, m * k, b, 0, n, k * n,
+                       accumulate, c, c.shape[1], c.shape[1])  # fmt: skip
+        expected = np.einsum("jmk,jkn->mn", a.astype(np.float64), b)
+        if accumulate is True:
+            expected += before[1:, :n]
+        scale = max(1.0, float(np.abs(expected).max()))
+        tolerance = TOL[dtype] * scale * k * blocks
+        np.testing.assert_allclose(c[1:, :n], expected, rtol=0, atol=tolerance)
+        np.testing.assert_array_equal(c[0], before[0])
+        np.testing.assert_array_equal(c[1:, n:], before[1:, n:])
+
+
+def test_a_wide_result_is_cut_into_blocks_of_columns_only_where_that_saves_reading_b():
+    """`_block_columns`: a strip of a weight gradient that steps its weights (16 rows, 8192
+    columns, depth 64, float32: B 2 MiB) sweeps B in blocks of `PANEL_BYTES`; one row tile
+    reads B once, a B within `COLUMN_BLOCKS_BEYOND` (a forward's panel at its least depth) is
+    read whole, and an A too large to read again from L2 keeps the sweep whole."""
+    assert _block_columns(16, 8192, 64, 4) == PANEL_BYTES // (64 * 4)
+    assert _block_columns(MAX_ROWS, 8192, 64, 4) == 8192
+    assert _block_columns(64, 256, PANEL_LEAST_DEPTH, 4) == 256
+    assert _block_columns(PANEL_BYTES // (64 * 4) + 1, 8192, 64, 4) == 8192
