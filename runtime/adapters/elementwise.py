@@ -7,6 +7,8 @@ Adam step count is the global step, so a resumed run continues the same bias cor
 
 from __future__ import annotations
 
+import numpy as np
+
 from legion_nn.layers.common_access import per_token_labels
 from legion_nn.micro_batches import in_step_batch
 from runtime.adapters.registry import adapter, in_place
@@ -29,32 +31,48 @@ def _data(task, piece, views, dims, ctx):
     return out
 
 
+def _written_in_place(task, views, ctx, role: str) -> np.ndarray | None:
+    """The step's buffer of `role` a kernel writes its result straight into, or None where it
+    returns the result instead: a strided view, or a sum over pieces that adds to what the
+    buffer holds (`in_place`), which these kernels do not."""
+    view, adds = in_place(task, views, ctx, role)
+    return None if adds else view
+
+
 @adapter("filterA.forward")
 def _affine(task, piece, views, dims, ctx):
-    return {"output": affine.filterA_forward(views["input"], views["a"], views["b"])}
+    y = _written_in_place(task, views, ctx, "output")
+    found = affine.filterA_forward(views["input"], views["a"], views["b"], out=y)
+    return {} if y is not None else {"output": found}
 
 
 @adapter("filterA.backward")
 def _affine_grad(task, piece, views, dims, ctx):
     need_dx = "input.delta" in views
-    dx, da, db = affine.filterA_backward(
-        views["output.delta"], views["input"], views["a"], need_dx=need_dx
+    dx = _written_in_place(task, views, ctx, "input.delta") if need_dx else None
+    found, da, db = affine.filterA_backward(
+        views["output.delta"], views["input"], views["a"], need_dx=need_dx, out=dx
     )
     out = {"a.delta": da, "b.delta": db}
-    if need_dx:
-        out["input.delta"] = dx
+    if need_dx and dx is None:
+        out["input.delta"] = found
     return out
 
 
 @adapter("filterNL.forward")
 def _nonlinear(task, piece, views, dims, ctx):
-    return {"output": nonlinear.filterNL_forward(views["input"], task.attrs["fn"])}
+    y = _written_in_place(task, views, ctx, "output")
+    found = nonlinear.filterNL_forward(views["input"], task.attrs["fn"], out=y)
+    return {} if y is not None else {"output": found}
 
 
 @adapter("filterNL.backward")
 def _nonlinear_grad(task, piece, views, dims, ctx):
-    dx = nonlinear.filterNL_backward(views["output.delta"], views["output"], task.attrs["fn"])
-    return {"input.delta": dx}
+    dx = _written_in_place(task, views, ctx, "input.delta")
+    found = nonlinear.filterNL_backward(
+        views["output.delta"], views["output"], task.attrs["fn"], out=dx
+    )
+    return {} if dx is not None else {"input.delta": found}
 
 
 @adapter("gelu.forward")

@@ -31,17 +31,20 @@ def _backward(dy, x, a, need_dx, dx, da_parts, db):
     n, k, p, q = dy.shape
     # One channel per iteration: each writes its own slice of db (float64, zeroed by the caller)
     # and of da_parts, so there are no races; the batch loop is outside to stream rows of dy.
+    # da's products are summed per position first, elementwise, and those sums added after: a
+    # running scalar sum in the loop kept it from vectorising (4.1-4.7 ms at the seed's L0
+    # shape, batch 64, against 1.5 ms for its bytes)
     for c in prange(k):
-        acc = 0.0
+        products = np.zeros((p, q))
         for i in range(n):
             for r in range(p):
                 for s in range(q):
                     g = dy[i, c, r, s]
-                    acc += g * np.float64(x[i, c, r, s])
+                    products[r, s] += g * np.float64(x[i, c, r, s])
                     db[0, c, r, s] += g
                     if need_dx:
                         dx[i, c, r, s] = a * g
-        da_parts[c] = acc
+        da_parts[c] = products.sum()
 
 
 def _check(x: np.ndarray, a: np.ndarray, x_name: str = "x") -> None:
@@ -50,24 +53,37 @@ def _check(x: np.ndarray, a: np.ndarray, x_name: str = "x") -> None:
     _checks.shape("a", a, (1,))
 
 
-def filterA_forward(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """y = a·x + b for x (N, K, P, Q), a (1,), b (1, K, P, Q); y has x's dtype."""
+def filterA_forward(
+    x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """y = a·x + b for x (N, K, P, Q), a (1,), b (1, K, P, Q); y has x's dtype, and is `out`
+    where given (a step's buffer: no copy of the result after)."""
     _check(x, a)
     _checks.floating("b", b)
     _checks.shape("b", b, (1, *x.shape[1:]))
-    y = np.empty(x.shape, x.dtype)
+    y = np.empty(x.shape, x.dtype) if out is None else _checks.output("out", out, x.shape, "x", x)
     _forward(x, x.dtype.type(a[0]), b.astype(x.dtype, copy=False), y)
     return y
 
 
 def filterA_backward(
-    dy: np.ndarray, x: np.ndarray, a: np.ndarray, need_dx: bool = True
+    dy: np.ndarray,
+    x: np.ndarray,
+    a: np.ndarray,
+    need_dx: bool = True,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-    """(dx, da, db): dx = a·dy (None unless need_dx), da (1,) = Σ dy·x, db (1, K, P, Q) = Σ_n dy."""
+    """(dx, da, db): dx = a·dy (None unless need_dx; into `out` where given), da (1,) = Σ dy·x,
+    db (1, K, P, Q) = Σ_n dy."""
     _check(dy, a, "dy")
     _checks.like("x", x, "dy", dy)
     _, k, p, q = dy.shape
-    dx = np.empty(dy.shape if need_dx else (0, 0, 0, 0), dy.dtype)
+    if not need_dx:
+        dx = np.empty((0, 0, 0, 0), dy.dtype)
+    elif out is None:
+        dx = np.empty(dy.shape, dy.dtype)
+    else:
+        dx = _checks.output("out", out, dy.shape, "dy", dy)
     da_parts = np.zeros(k, np.float64)
     db = np.zeros((1, k, p, q), np.float64)
     _backward(dy, x, dy.dtype.type(a[0]), bool(need_dx), dx, da_parts, db)

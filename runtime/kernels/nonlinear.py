@@ -72,21 +72,32 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1)
 
 
-def filterNL_forward(x: np.ndarray, fn: str) -> np.ndarray:
-    """y = fn(x) elementwise for an x of rank 1 to 4; fn is "relu", "tanh" or "sigmoid"."""
+def _target(out: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+    """The flat array a kernel writes into: `out`'s elements (C-contiguous, of `like`'s shape
+    and dtype), or a new array."""
+    if out is None:
+        return np.empty(like.size, like.dtype)
+    return _checks.output("out", out, like.shape, "the input", like).reshape(-1)
+
+
+def filterNL_forward(x: np.ndarray, fn: str, out: np.ndarray | None = None) -> np.ndarray:
+    """y = fn(x) elementwise for an x of rank 1 to 4; fn is "relu", "tanh" or "sigmoid". Into
+    `out` where given (a step's buffer: no copy of the result after)."""
     code = _checks.code("fn", fn, FUNCTIONS)
     _checks.four_d("x", x)
-    y = np.empty(x.shape, x.dtype)
     flat = _flat(x)
-    _elementwise(flat, flat, code, y.reshape(-1))
-    return y
+    y = _target(out, x)
+    _elementwise(flat, flat, code, y)
+    return y.reshape(x.shape)
 
 
-def filterNL_backward(dy: np.ndarray, y: np.ndarray, fn: str) -> np.ndarray:
-    """dx = dy·fn'(x), computed from the forward output y."""
+def filterNL_backward(
+    dy: np.ndarray, y: np.ndarray, fn: str, out: np.ndarray | None = None
+) -> np.ndarray:
+    """dx = dy·fn'(x), computed from the forward output y; into `out` where given."""
     code = _checks.code("fn", fn, FUNCTIONS)
     _checks.four_d("dy", dy)
     _checks.like("y", y, "dy", dy)
-    dx = np.empty(dy.shape, dy.dtype)
-    _elementwise(_flat(dy), _flat(y), BACKWARD + code, dx.reshape(-1))
-    return dx
+    dx = _target(out, dy)
+    _elementwise(_flat(dy), _flat(y), BACKWARD + code, dx)
+    return dx.reshape(dy.shape)

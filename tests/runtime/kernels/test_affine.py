@@ -84,3 +84,22 @@ def test_bad_arguments():
         filterA_forward(x.astype(np.int32), a, b)
     with pytest.raises(ValueError, match="x must have shape"):
         filterA_backward(x, x[:1], a)
+
+
+def test_written_into_a_given_buffer():
+    """With `out` (a step's buffer), the forward's y and the backward's dx are written there,
+    equal to what the calls return otherwise; a buffer of another shape is refused."""
+    x, a, b = _inputs((2, 3, 4, 5), np.float32)
+    dy = np.random.default_rng(3).standard_normal(x.shape).astype(np.float32)
+    y = np.full(x.shape, np.nan, np.float32)
+    assert np.shares_memory(filterA_forward(x, a, b, out=y), y)
+    np.testing.assert_array_equal(y, filterA_forward(x, a, b))
+    dx = np.full(x.shape, np.nan, np.float32)
+    got, da, db = filterA_backward(dy, x, a, out=dx)
+    assert np.shares_memory(got, dx)
+    want, want_da, want_db = filterA_backward(dy, x, a)
+    np.testing.assert_array_equal(dx, want)
+    np.testing.assert_array_equal(da, want_da)
+    np.testing.assert_array_equal(db, want_db)
+    with pytest.raises(ValueError, match="out"):
+        filterA_forward(x, a, b, out=np.empty((2, 3, 5, 4), np.float32))

@@ -79,3 +79,21 @@ def test_a_strided_view_matches_numpy(fn):
     dy = np.random.default_rng(8).standard_normal((2, 12, 5, 3))[:, ::4]
     np.testing.assert_allclose(filterNL_backward(dy, y, fn), dy * derivative(x),
                                rtol=1e-10, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("fn", sorted(REFERENCE))
+def test_written_into_a_given_buffer(fn):
+    """With `out` (a step's buffer), both directions write their result there, equal to the
+    result they return otherwise, and refuse a buffer of another shape or a strided one."""
+    x = _away_from_zero((2, 3, 5, 4)).astype(np.float32)
+    dy = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32)
+    y = np.full(x.shape, np.nan, np.float32)
+    assert np.shares_memory(filterNL_forward(x, fn, out=y), y)
+    np.testing.assert_array_equal(y, filterNL_forward(x, fn))
+    dx = np.full(x.shape, np.nan, np.float32)
+    filterNL_backward(dy, y, fn, out=dx)
+    np.testing.assert_array_equal(dx, filterNL_backward(dy, y, fn))
+    with pytest.raises(ValueError, match="out"):
+        filterNL_forward(x, fn, out=np.empty(x.size, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        filterNL_backward(dy, y, fn, out=np.empty(x.shape[::-1], np.float32).T)
