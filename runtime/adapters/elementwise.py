@@ -7,11 +7,9 @@ Adam step count is the global step, so a resumed run continues the same bias cor
 
 from __future__ import annotations
 
-import numpy as np
-
 from legion_nn.layers.common_access import per_token_labels
 from legion_nn.micro_batches import in_step_batch
-from runtime.adapters.registry import adapter, in_place
+from runtime.adapters.registry import adapter, in_place, written_in_place
 from runtime.kernels import affine, dropout, gelu, nonlinear, update
 
 
@@ -31,17 +29,9 @@ def _data(task, piece, views, dims, ctx):
     return out
 
 
-def _written_in_place(task, views, ctx, role: str) -> np.ndarray | None:
-    """The step's buffer of `role` a kernel writes its result straight into, or None where it
-    returns the result instead: a strided view, or a sum over pieces that adds to what the
-    buffer holds (`in_place`), which these kernels do not."""
-    view, adds = in_place(task, views, ctx, role)
-    return None if adds else view
-
-
 @adapter("filterA.forward")
 def _affine(task, piece, views, dims, ctx):
-    y = _written_in_place(task, views, ctx, "output")
+    y = written_in_place(task, views, ctx, "output")
     found = affine.filterA_forward(views["input"], views["a"], views["b"], out=y)
     return {} if y is not None else {"output": found}
 
@@ -49,7 +39,7 @@ def _affine(task, piece, views, dims, ctx):
 @adapter("filterA.backward")
 def _affine_grad(task, piece, views, dims, ctx):
     need_dx = "input.delta" in views
-    dx = _written_in_place(task, views, ctx, "input.delta") if need_dx else None
+    dx = written_in_place(task, views, ctx, "input.delta") if need_dx else None
     found, da, db = affine.filterA_backward(
         views["output.delta"], views["input"], views["a"], need_dx=need_dx, out=dx
     )
@@ -61,14 +51,14 @@ def _affine_grad(task, piece, views, dims, ctx):
 
 @adapter("filterNL.forward")
 def _nonlinear(task, piece, views, dims, ctx):
-    y = _written_in_place(task, views, ctx, "output")
+    y = written_in_place(task, views, ctx, "output")
     found = nonlinear.filterNL_forward(views["input"], task.attrs["fn"], out=y)
     return {} if y is not None else {"output": found}
 
 
 @adapter("filterNL.backward")
 def _nonlinear_grad(task, piece, views, dims, ctx):
-    dx = _written_in_place(task, views, ctx, "input.delta")
+    dx = written_in_place(task, views, ctx, "input.delta")
     found = nonlinear.filterNL_backward(
         views["output.delta"], views["output"], task.attrs["fn"], out=dx
     )

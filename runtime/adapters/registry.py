@@ -70,6 +70,14 @@ def in_place(
     return view, adds
 
 
+def written_in_place(task: Task, views: Views, ctx: StepContext, role: str) -> np.ndarray | None:
+    """The view of `role` a kernel that only writes (never adds) puts its result straight into,
+    or None where the adapter returns the result instead: a strided view, or a sum over pieces
+    that adds to what the view holds (`in_place`)."""
+    view, adds = in_place(task, views, ctx, role)
+    return None if adds else view
+
+
 def micro_batches_joined(task: Task, views: Views) -> Views:
     """`views`, where `task` computes weight gradients deferred over micro-batches (attr
     `micro_rows`, `legion_nn.micro_batches`), with each `role@m`'s rows put together under the

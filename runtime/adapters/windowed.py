@@ -14,7 +14,7 @@ import numpy as np
 
 from legion_nn.access import input_dims, window_padding
 from legion_nn.rect import Rect
-from runtime.adapters.registry import Dims, adapter
+from runtime.adapters.registry import Dims, adapter, written_in_place
 from runtime.kernels import filter_packed, group_conv, layout, pool
 
 
@@ -30,13 +30,14 @@ def _pads(task, piece: Rect, dims: Dims) -> tuple[int, int, int, int]:
     return rows + cols
 
 
-def _packed_filter_forward(task, piece, views, dims) -> np.ndarray:
-    """The filter of a piece, weights in the packed instance (see runtime.instances)."""
+def _packed_filter_forward(task, piece, views, dims, out=None) -> np.ndarray:
+    """The filter of a piece, weights in the packed instance (see runtime.instances), converted
+    back into `out` where given (the step's buffer)."""
     xp = layout.pack_activations(views["input"])
     yp = filter_packed.forward_packed(
         xp, views["filters"], task.attrs["stride"], _pads(task, piece, dims)
     )
-    return layout.unpack_activations(yp)
+    return layout.unpack_activations(yp, out)
 
 
 def _packed_filter_backward(task, piece, views, dims, ctx) -> dict[str, np.ndarray]:
@@ -49,7 +50,10 @@ def _packed_filter_backward(task, piece, views, dims, ctx) -> dict[str, np.ndarr
     out: dict[str, np.ndarray] = {}
     if task.attrs["need_dx"]:  # first: a fused step (below) changes the weights it reads
         dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
-        out["input.delta"] = layout.unpack_activations(dxp)
+        dx = written_in_place(task, views, ctx, "input.delta")
+        found = layout.unpack_activations(dxp, dx)
+        if dx is None:
+            out["input.delta"] = found
     channels = _piece_channels(task, piece)
     window = tuple(task.attrs["kernel"])
     untied = task.attrs["untied"]
@@ -94,7 +98,9 @@ def _piece_channels(task, piece: Rect) -> tuple[int, int] | None:
 @adapter("filter.forward")
 def _filter(task, piece, views, dims, ctx):
     # every executor keeps filter weights packed (`runtime.instances.choose_storage_orders`)
-    return {"output": _packed_filter_forward(task, piece, views, dims)}
+    y = written_in_place(task, views, ctx, "output")
+    found = _packed_filter_forward(task, piece, views, dims, y)
+    return {} if y is not None else {"output": found}
 
 
 @adapter("filter.backward")
@@ -105,7 +111,7 @@ def _filter_grad(task, piece, views, dims, ctx):
 @adapter("conv.forward")
 def _conv(task, piece, views, dims, ctx):
     """A tied filter plus a bias per output channel."""
-    y = _filter(task, piece, views, dims, ctx)["output"]
+    y = _packed_filter_forward(task, piece, views, dims)
     if "b" in views:
         y += views["b"]
     return {"output": y}

@@ -213,11 +213,12 @@ def test_large_weights_convert_by_the_compiled_transposes_exactly(monkeypatch, s
 def test_large_activations_convert_by_the_compiled_transposes_exactly(monkeypatch, dtype):
     """Activations from `LARGE_ACTIVATIONS` elements take the compiled transposes: NumPy's
     transposed copy, both ways, from a view that is not contiguous (a batch piece of a larger
-    array with a channel left out)."""
+    array with a channel left out), the batch in several blocks of a cache line and a short
+    last one."""
     from runtime.kernels import layout
 
-    whole = np.random.default_rng(2).standard_normal((7, 4, 5, 6)).astype(dtype)
-    x = whole[1:6, 1:]
+    whole = np.random.default_rng(2).standard_normal((40, 4, 5, 6)).astype(dtype)
+    x = whole[1:38, 1:]
     monkeypatch.setattr(layout, "LARGE_ACTIVATIONS", 0)
     xp = pack_activations(x)
     np.testing.assert_array_equal(xp, x.transpose(2, 3, 1, 0))
@@ -225,6 +226,21 @@ def test_large_activations_convert_by_the_compiled_transposes_exactly(monkeypatc
     back = layout.unpack_activations(xp[:, :, 1:])  # a channel piece of a packed tensor
     np.testing.assert_array_equal(back, x[:, 1:])
     assert back.flags.c_contiguous
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_activations_unpack_into_a_given_buffer(monkeypatch, large):
+    """`unpack_activations(xp, out)` writes the (N, C, H, W) result into `out` (a step's
+    buffer), by NumPy or by the compiled transpose, and refuses a buffer it does not fit."""
+    from runtime.kernels import layout
+
+    monkeypatch.setattr(layout, "LARGE_ACTIVATIONS", 0 if large else 1 << 30)
+    x = np.random.default_rng(4).standard_normal((19, 3, 4, 5)).astype(np.float32)
+    out = np.full(x.shape, np.nan, np.float32)
+    assert layout.unpack_activations(pack_activations(x), out) is out
+    np.testing.assert_array_equal(out, x)
+    with pytest.raises(ValueError, match="out"):
+        layout.unpack_activations(pack_activations(x), np.empty((19, 3, 5, 4), np.float32))
 
 
 def test_layout_round_trips():
