@@ -19,23 +19,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def median_seconds(call: Callable[[], object], repeat: int) -> float:
-    call()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def passes(rows: int, inputs: int, outputs: int) -> dict[str, tuple[Callable, Callable | None]]:
@@ -87,6 +76,7 @@ def main() -> int:
     sys.path[:0] = [str(args.tree.resolve()), str(ROOT)]  # the tree's kernels, before any import
     from bench.kernels import sgemm_gflops
     from bench.machine_facts import describe, machine_facts
+    from bench.timing import call_seconds
 
     print(describe(machine_facts()))
     sgemm = sgemm_gflops()
@@ -95,10 +85,10 @@ def main() -> int:
           f"inputs {args.inputs}, outputs {args.outputs}")  # fmt: skip
     print(f"{'pass':24s} {'legion-nn ms':>12s} {'%SGEMM':>7s} {'BLAS ms':>8s} {'%SGEMM':>7s}")
     for name, (ours, blas) in passes(args.rows, args.inputs, args.outputs).items():
-        seconds = median_seconds(ours, args.repeat)
+        seconds = statistics.median(call_seconds(ours, args.repeat))
         line = f"{name:24s} {seconds * 1e3:12.2f} {flop / seconds / 1e9 / sgemm:7.0%}"
         if blas is not None:
-            theirs = median_seconds(blas, args.repeat)
+            theirs = statistics.median(call_seconds(blas, args.repeat))
             line += f" {theirs * 1e3:8.2f} {flop / theirs / 1e9 / sgemm:7.0%}"
         print(line, flush=True)
     return 0
