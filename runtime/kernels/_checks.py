@@ -70,6 +70,16 @@ def output(
     return out
 
 
+def output_or_new(
+    out: np.ndarray | None, expected: Sequence[int], ref_name: str, ref: np.ndarray
+) -> np.ndarray:
+    """The array a kernel writes its result into: `out` as `output` requires it (named "out"),
+    or, where none is given, a new one of `expected` shape in `ref`'s dtype."""
+    if out is None:
+        return np.empty(expected, ref.dtype)
+    return output("out", out, expected, ref_name, ref)
+
+
 def c_contiguous(name: str, a: np.ndarray, why: str = "") -> None:
     """Require a C-contiguous array (an output a product writes or adds into in place)."""
     if not a.flags.c_contiguous:

@@ -59,7 +59,7 @@ def filterA_forward(
     _check(x, a)
     _checks.floating("b", b)
     _checks.shape("b", b, (1, *x.shape[1:]))
-    y = np.empty(x.shape, x.dtype) if out is None else _checks.output("out", out, x.shape, "x", x)
+    y = _checks.output_or_new(out, x.shape, "x", x)
     _forward(x, x.dtype.type(a[0]), b.astype(x.dtype, copy=False), y)
     return y
 
@@ -76,12 +76,10 @@ def filterA_backward(
     _check(dy, a, "dy")
     _checks.like("x", x, "dy", dy)
     _, k, p, q = dy.shape
-    if not need_dx:
-        dx = np.empty((0, 0, 0, 0), dy.dtype)
-    elif out is None:
-        dx = np.empty(dy.shape, dy.dtype)
+    if need_dx:
+        dx = _checks.output_or_new(out, dy.shape, "dy", dy)
     else:
-        dx = _checks.output("out", out, dy.shape, "dy", dy)
+        dx = np.empty((0, 0, 0, 0), dy.dtype)
     products = np.zeros((k, p, q), np.float64)
     db = np.zeros((1, k, p, q), np.float64)
     _backward(dy, x, dy.dtype.type(a[0]), bool(need_dx), dx, products, db)

@@ -93,13 +93,6 @@ def _scale_smaller(x: np.ndarray, y: np.ndarray, scale: float) -> tuple[np.ndarr
     return x, _scaled(y, scale)
 
 
-def _target(out: np.ndarray | None, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
-    """`out` (C-contiguous, of `shape` and `like`'s dtype), or a new array."""
-    if out is None:
-        return np.empty(shape, like.dtype)
-    return _checks.output("out", out, shape, "a", like)
-
-
 def _check(a: np.ndarray, b: np.ndarray, transpose_b: bool) -> tuple[int, int, int]:
     _checks.floating("a", a, 4)
     _checks.floating("b", b, 4)
@@ -122,7 +115,7 @@ def matmul_forward(
     """out (N, H, I, J) = (scale · a)·b, or (scale · a)·bᵀ with `transpose_b`; into `out` where
     given, or added to what it holds with `add`."""
     rows, columns, _ = _check(a, b, transpose_b)
-    target = _target(out, a.shape[:2] + (rows, columns), a)
+    target = _checks.output_or_new(out, a.shape[:2] + (rows, columns), "a", a)
     left, right = (a, _swapped(b, scale)) if transpose_b else _scale_smaller(a, b, scale)
     _product(left, False, right, target, add and out is not None)
     return target
@@ -150,12 +143,12 @@ def matmul_backward(
     _checks.same_dtype("dy", dy, "a", a)
     if need_da:
         right = _scaled(b, scale) if transpose_b else _swapped(b, scale)
-        given, da = da is not None, _target(da, a.shape, a)
+        given, da = da is not None, _checks.output_or_new(da, a.shape, "a", a)
         _product(dy, False, right, da, add_da and given)
     else:
         da = None
     if need_db:
-        given, db = db is not None, _target(db, b.shape, b)
+        given, db = db is not None, _checks.output_or_new(db, b.shape, "a", b)
         if transpose_b:
             left, right = _scale_smaller(dy, a, scale)
         else:

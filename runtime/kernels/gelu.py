@@ -248,21 +248,13 @@ def _kernel_code(approximate: str, dtype: np.dtype) -> int:
     return EXACT_FLOAT32 if code == 0 and dtype == np.float32 else code
 
 
-def _target(out: np.ndarray | None, like: np.ndarray) -> np.ndarray:
-    """The flat array a kernel writes into: `out`'s elements (C-contiguous, of `like`'s shape
-    and dtype), or a new array."""
-    if out is None:
-        return np.empty(like.size, like.dtype)
-    return _checks.output("out", out, like.shape, "the input", like).reshape(-1)
-
-
 def gelu_forward(
     x: np.ndarray, approximate: str = "none", out: np.ndarray | None = None, add: bool = False
 ) -> np.ndarray:
     """y = gelu(x) elementwise, into `out` where given, or added to what it holds with `add`."""
     flat = _flat("x", x)
     code = _kernel_code(approximate, flat.dtype)
-    y = _target(out, x)
+    y = _checks.output_or_new(out, x.shape, "the input", x).reshape(-1)
     _forward(flat, code, TABLES, y, add and out is not None)
     return y.reshape(x.shape)
 
@@ -279,6 +271,6 @@ def gelu_backward(
     flat = _flat("dy", dy)
     code = _kernel_code(approximate, flat.dtype)
     _checks.like("x", x, "dy", dy)
-    dx = _target(out, dy)
+    dx = _checks.output_or_new(out, dy.shape, "the input", dy).reshape(-1)
     _backward(flat, _flat("x", x), code, TABLES, dx, add and out is not None)
     return dx.reshape(dy.shape)

@@ -72,21 +72,13 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1)
 
 
-def _target(out: np.ndarray | None, like: np.ndarray) -> np.ndarray:
-    """The flat array a kernel writes into: `out`'s elements (C-contiguous, of `like`'s shape
-    and dtype), or a new array."""
-    if out is None:
-        return np.empty(like.size, like.dtype)
-    return _checks.output("out", out, like.shape, "the input", like).reshape(-1)
-
-
 def filterNL_forward(x: np.ndarray, fn: str, out: np.ndarray | None = None) -> np.ndarray:
     """y = fn(x) elementwise for an x of rank 1 to 4; fn is "relu", "tanh" or "sigmoid". Into
     `out` where given (a step's buffer: no copy of the result after)."""
     code = _checks.code("fn", fn, FUNCTIONS)
     _checks.four_d("x", x)
     flat = _flat(x)
-    y = _target(out, x)
+    y = _checks.output_or_new(out, x.shape, "the input", x).reshape(-1)
     _elementwise(flat, flat, code, y)
     return y.reshape(x.shape)
 
@@ -98,6 +90,6 @@ def filterNL_backward(
     code = _checks.code("fn", fn, FUNCTIONS)
     _checks.four_d("dy", dy)
     _checks.like("y", y, "dy", dy)
-    dx = _target(out, dy)
+    dx = _checks.output_or_new(out, dy.shape, "the input", dy).reshape(-1)
     _elementwise(_flat(dy), _flat(y), BACKWARD + code, dx)
     return dx.reshape(dy.shape)
