@@ -54,8 +54,7 @@ def _gemm(itself, m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, 
     if itself != 0:
         itemsize = 4 if is_single(a) else 8
         per_block, steps, panels = _panels(n * itemsize, k, blocks, accumulate == STREAM)
-        rows_read = min(per_block, max(blocks, 1)) * k if per_block > 0 else -(-k // steps)
-        columns = _block_columns(m, n, rows_read, itemsize)
+        columns = _block_columns(m, n, _rows_read(per_block, steps, k, blocks), itemsize)
         calls = panels * -(-n // columns)
         if calls > 1:
             ahead = next_rows == 0 and a_cs == 1
@@ -163,6 +162,13 @@ def _panels(row_bytes, k, blocks, whole):
         return per_block, 1, max(1, -(-blocks // per_block))
     steps = -(-k // fit)
     return 0, steps, max(1, blocks * steps)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rows_read(per_block, steps, k, blocks):
+    """The most rows of B one panel of `_panels`' cut reads: its whole blocks' (no more than
+    there are), else its part of one block's depth."""
+    return min(per_block, max(blocks, 1)) * k if per_block > 0 else -(-k // steps)
 
 
 #: a panel's rows of B beyond these bytes are swept in blocks of columns (`_block_columns`):

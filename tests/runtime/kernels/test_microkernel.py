@@ -14,6 +14,7 @@ from runtime.kernels.microkernel import (
     STREAM,
     _block_columns,
     _panels,
+    _rows_read,
     kernels,
     tiled_gemm,
     tiled_gemm_prefetching,
@@ -234,18 +235,18 @@ def test_panels_of_the_reduction_sum_to_the_product(dtype, accumulate):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("accumulate", [False, True, STREAM])
 def test_blocks_of_columns_of_a_wide_result_sum_to_the_product(dtype, accumulate):
-    """Where a panel's rows of B outgrow `PANEL_BYTES` and several row tiles read them, C is
-    swept in blocks of columns (`_block_columns`), each over every row tile: shallow and wide
-    (a weight gradient by its batch), panels and column blocks at once, whole blocks several
-    to a panel, a last block of columns short and ending in a masked tail. C beside the
-    product is left as it was."""
+    """Where a panel's rows of B outgrow `COLUMN_BLOCKS_BEYOND` and several row tiles read
+    them, C is swept in blocks of columns (`_block_columns`), each over every row tile: shallow
+    and wide (a weight gradient by its batch), panels and column blocks at once, whole blocks
+    several to a panel, a last block of columns short and ending in a masked tail. C beside
+    the product is left as it was."""
     itemsize = np.dtype(dtype).itemsize
     block = MAX_VECTORS * lanes(itemsize)
     m = 2 * MAX_ROWS + 1
     rng = np.random.default_rng(12)
     for k, blocks in [(8, 1), (PANEL_LEAST_DEPTH, 1), (2 * PANEL_LEAST_DEPTH + 7, 1), (8, 3)]:
         per_block, steps, _ = _panels(1 << 20, k, blocks, accumulate == STREAM)  # B wide
-        rows_read = min(per_block, blocks) * k if per_block else -(-k // steps)
+        rows_read = _rows_read(per_block, steps, k, blocks)
         n = COLUMN_BLOCKS_BEYOND // (rows_read * itemsize) + block + 1  # wide enough to be cut
         columns = _block_columns(m, n, rows_read, itemsize)
         n += n % columns == 0
