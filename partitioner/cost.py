@@ -7,8 +7,10 @@
   the larger of what it sends and what it receives, and the task waits for the busiest rank. A
   transfer to k > 1 destinations is a broadcast down a binomial tree: ⌈log2(k+1)⌉ rounds, and
   every byte still reaches each destination once (the bytes sent are k times the rect);
-- collectives, over p participants and n bytes: `allreduce`, the better of a ring
-  2(p−1)α + 2(p−1)/p·nβ and a binomial tree's reduce then broadcast 2⌈log2 p⌉(α + nβ);
+- collectives, over p participants and n bytes: `allreduce`, the best of a ring
+  2(p−1)α + 2(p−1)/p·nβ, halving-doubling 2·log2 p'·α + 2(p'−1)/p'·nβ over the largest power
+  of two p' ≤ p (plus 2(α + nβ) to fold the others in and out) and a binomial tree's reduce
+  then broadcast 2⌈log2 p⌉(α + nβ);
   `reduce_scatter` (ring) (p−1)α + (p−1)·bβ with b the largest owner's share; `reduce` to one
   owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter then gather
   2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire, summed;
@@ -172,7 +174,7 @@ def collective_cost(
     if p < 2 or n == 0:
         return 0.0, 0
     if algorithm == "allreduce":
-        return min(_allreduce_seconds(p, n, machine)), 2 * (p - 1) * n
+        return allreduce_algorithm(p, n, machine)[1], 2 * (p - 1) * n
     if algorithm == "reduce_scatter":
         local = 3 * n + 3 * p * largest
         return (p - 1) * (a + largest * both) + local * m, (p - 1) * n
@@ -195,25 +197,42 @@ def _reduce_seconds(p, n, machine: Machine):
     return tree, ring
 
 
-def _allreduce_seconds(p: int, n: int, machine: Machine) -> tuple[float, float]:
-    """(binomial tree, ring) seconds of an all-reduce of `n` bytes over `p` ranks, in place.
-    The tree reduces to one rank and broadcasts back down, ⌈log2 p⌉ rounds each of whole
-    vectors, every rank sending or receiving in a round, and adds at most once a round; the
-    ring's 2(p − 1) steps each send and receive a chunk at once (`Machine.ring_beta`). The
-    tree's latency wins on small vectors (a normalization's scales), the ring's bandwidth on
-    large ones, as MPI libraries choose (MPICH's short-message all-reduce)."""
+def _allreduce_seconds(p: int, n: int, machine: Machine) -> dict[str, float]:
+    """Seconds of an all-reduce of `n` bytes over `p` ranks, in place, by each algorithm, in
+    the order `allreduce_algorithm` prefers them where they price alike. The tree reduces to
+    one rank and broadcasts back down, ⌈log2 p⌉ rounds each of whole vectors, every rank
+    sending or receiving in a round, and adds at most once a round; the ring's 2(p − 1) steps
+    each send and receive a chunk at once (`Machine.ring_beta`); halving-doubling
+    (Rabenseifner's) folds the p − p' ranks beyond the largest power of two p' into partners (a
+    whole vector one way, then back at the end) and halves, then doubles, the vector among the
+    p' others in 2·log2 p' exchanges: the ring's bytes in far fewer rounds. The tree's latency
+    wins on small vectors (a normalization's scales), halving-doubling on many ranks, the
+    ring's bandwidth on large vectors over ranks that are not a power of two, as MPI libraries
+    choose (MPICH's all-reduce)."""
     a, m = machine.alpha, machine.seconds_per_memory_byte
     levels = math.ceil(math.log2(p))
     tree = 2 * levels * (a + n * machine.beta) + 3 * levels * n * m
     ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * machine.ring_beta + 3 * (p - 1) / p * n * m
-    return tree, ring
+    powers = 1 << (p.bit_length() - 1)
+    halving = (
+        2 * (powers.bit_length() - 1) * a
+        + 2 * (powers - 1) / powers * n * machine.ring_beta  # the ring's sums, bit for bit
+        + 3 * (powers - 1) / powers * n * m
+    )
+    if powers < p:
+        halving += 2 * (a + n * machine.beta) + 3 * n * m
+    return {"ring": ring, "halving": halving, "tree": tree}
 
 
-def allreduce_by_tree(p: int, n: int, machine: Machine) -> bool:
-    """Whether an all-reduce of `n` bytes over `p` ranks runs as a binomial tree's reduce and
-    broadcast rather than a ring (`collectives.schedule` runs what this prices)."""
-    tree, ring = _allreduce_seconds(p, n, machine)
-    return tree < ring
+def allreduce_algorithm(p: int, n: int, machine: Machine) -> tuple[str, float]:
+    """(the algorithm, "ring", "halving" or "tree", and its seconds) an all-reduce of `n` bytes
+    over `p` ranks runs: the one `_allreduce_seconds` prices least (`collectives.schedule` runs
+    what this prices)."""
+    seconds = _allreduce_seconds(p, n, machine)
+    if p == 2:  # halving-doubling is the ring's two hops: priced apart, they may round apart
+        del seconds["halving"]
+    name = min(seconds, key=seconds.__getitem__)
+    return name, seconds[name]
 
 
 def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from legion_nn.rect import Rect, split_sizes
 from partitioner.collectives import Hop, Schedule, schedule, target_order
-from partitioner.cost import allreduce_by_tree, collective_cost, reduce_by_tree
+from partitioner.cost import allreduce_algorithm, collective_cost, reduce_by_tree
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -56,7 +56,9 @@ def reductions(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(reductions(), st.sampled_from([Machine(), Machine(latency_us=0.0)]))
+@given(
+    reductions(), st.sampled_from([Machine(), Machine(latency_us=0.0), Machine(latency_us=50.0)])
+)
 def test_a_schedule_leaves_every_sum_where_its_targets_say(reduction, machine):
     rng = np.random.default_rng(0)
     order = target_order(reduction)
@@ -104,7 +106,8 @@ def test_the_arrays_read_back_as_the_rounds_and_their_totals(p, data):
         "g", "allreduce", ranks, ((Rect((0,), (max(int(sizes.sum()), 1),)), ranks),), 4
     )
     if split_sizes(int(sizes.sum()), p) == sizes.tolist() and sizes.sum():
-        # without latency a ring is never slower than a tree (`cost.allreduce_by_tree`)
+        # without latency a ring is never slower than a tree or halving-doubling
+        # (`cost.allreduce_algorithm`)
         assert list(schedule(reduction, Machine(latency_us=0.0))) == expected
     built = Schedule.of_rounds(expected)
     assert list(built) == expected and len(built) == len(expected)
@@ -134,10 +137,14 @@ def test_the_arrays_read_back_as_the_rounds_and_their_totals(p, data):
 def test_an_allreduce_runs_as_a_tree_where_latency_outweighs_its_bytes(p):
     """A normalization's few scales over many ranks go up a binomial tree and back down,
     2⌈log2 p⌉ rounds rather than the ring's 2(p − 1), with the same bytes on the wire as the
-    cost model counts, and priced as the faster; a large gradient keeps the ring."""
+    cost model counts, and priced as the fastest; a large gradient keeps the ring where the
+    ranks are not a power of two (halving-doubling would move it whole to fold them), and goes
+    by halving-doubling where they are (the ring's bytes in 2·log2 p rounds)."""
     machine = Machine()  # 2 µs a message, 12.5 GB/s
     ranks = tuple(range(p))
-    for elements, rounds in ((64, 2 * math.ceil(math.log2(p))), (2**24, 2 * (p - 1))):
+    power = p & (p - 1) == 0
+    large = 2 * int(math.log2(p)) if power and p > 2 else 2 * (p - 1)
+    for elements, rounds in ((64, 2 * math.ceil(math.log2(p))), (2**24, large)):
         reduction = Reduction("g", "allreduce", ranks, ((Rect((0,), (elements,)), ranks),), 4)
         built = schedule(reduction, machine)
         if p == 2:  # one level: the tree moves each byte one way at a time, the ring both ways
@@ -146,10 +153,51 @@ def test_an_allreduce_runs_as_a_tree_where_latency_outweighs_its_bytes(p):
         assert len(built) == rounds
         seconds, wire = collective_cost("allreduce", p, elements * 4, 0, machine)
         assert sum(built.sent(4).values()) == wire
-        ring = 2 * (p - 1) * machine.alpha + 2 * (p - 1) / p * elements * 4 * machine.ring_beta
-        tree = 2 * math.ceil(math.log2(p)) * (machine.alpha + elements * 4 * machine.beta)
-        assert seconds == pytest.approx(min(ring, tree), rel=1e-12)
+        nbytes, a = elements * 4, machine.alpha
+        ring = 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes * machine.ring_beta
+        tree = 2 * math.ceil(math.log2(p)) * (a + nbytes * machine.beta)
+        powers = 2 ** int(math.log2(p))
+        halving = 2 * math.log2(powers) * a + 2 * (powers - 1) / powers * nbytes * machine.ring_beta
+        if powers < p:
+            halving += 2 * (a + nbytes * machine.beta)
+        assert seconds == pytest.approx(min(ring, tree, halving), rel=1e-12)
         assert (seconds < ring) == (rounds < 2 * (p - 1))
+
+
+@pytest.mark.parametrize("p", [4, 5, 8, 12, 784])
+def test_halving_doubling_exchanges_a_bit_at_a_time_nearest_first(p):
+    """Halving-doubling's rounds: the ranks beyond the largest power of two p' fold into the
+    first of each leading pair and are copied the sum at the end; in between, log2 p' rounds
+    of halving (adding) and log2 p' of doubling (copying), each a pairwise exchange with the
+    rank one bit of its place away among those that halve, nearest bit first, the halves
+    shrinking by two each round and growing back."""
+    n = 1 << 12
+    ranks = tuple(range(100, 100 + p))
+    reduction = Reduction("g", "allreduce", ranks, ((Rect((0,), (n,)), ranks),), 4)
+    machine = Machine(latency_us=50.0)
+    assert allreduce_algorithm(p, n * 4, machine)[0] == "halving"
+    built = schedule(reduction, machine)
+    powers = 2 ** int(math.log2(p))
+    folded, levels = p - powers, int(math.log2(powers))
+    halving = [*ranks[0 : 2 * folded : 2], *ranks[2 * folded :]]
+    rounds = list(built)
+    if folded:
+        fold, unfold = rounds[0], rounds[-1]
+        rounds = rounds[1:-1]
+        pairs = [(ranks[2 * i + 1], ranks[2 * i]) for i in range(folded)]
+        assert [(h.src, h.dst, h.lo, h.hi, h.add) for h in fold] == [
+            (*x, 0, n, True) for x in pairs
+        ]
+        assert [(h.src, h.dst, h.lo, h.hi, h.add) for h in unfold] == [
+            (d, s, 0, n, False) for s, d in pairs
+        ]
+    assert len(rounds) == 2 * levels
+    for k, hops in enumerate(rounds):
+        bit = k if k < levels else 2 * levels - 1 - k
+        assert len(hops) == powers
+        for v, hop in enumerate(hops):
+            assert (hop.src, hop.dst) == (halving[v], halving[v ^ (1 << bit)])
+            assert hop.hi - hop.lo == n >> (bit + 1) and hop.add == (k < levels)
 
 
 def _tree_reference(ranks, owner, n):
@@ -171,7 +219,7 @@ def _tree_reference(ranks, owner, n):
 @settings(max_examples=100, deadline=None)
 @given(st.integers(2, 70), st.data())
 def test_a_tree_is_its_levels_up_and_back_down(p, data):
-    """Small vectors go by a tree (`cost.allreduce_by_tree`, `reduce_by_tree`): a reduce to its
+    """Small vectors go by a tree (`cost.allreduce_algorithm`, `reduce_by_tree`): a reduce to its
     owner, and an all-reduce to the first participant and back down the same hops."""
     ranks = tuple(data.draw(st.permutations(range(80)))[:p])
     owner = data.draw(st.sampled_from(ranks))
@@ -182,5 +230,5 @@ def test_a_tree_is_its_levels_up_and_back_down(p, data):
     assert list(schedule(reduce, machine)) == _tree_reference(ranks, owner, n)[0]
     allreduce = Reduction("g", "allreduce", ranks, ((Rect((0,), (n,)), ranks),), 4)
     up, down = _tree_reference(ranks, ranks[0], n)
-    if allreduce_by_tree(p, n * 4, machine):  # not where a ring takes no more rounds
+    if allreduce_algorithm(p, n * 4, machine)[0] == "tree":  # not where another has fewer rounds
         assert list(schedule(allreduce, machine)) == up + down

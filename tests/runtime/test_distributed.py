@@ -208,6 +208,8 @@ def single(tmp_path_factory):
         (3, "spatial", "replicated"),
         (4, "auto", "replicated"),
         (3, "data", "replicated"),
+        # halving-doubling all-reduces, one rank folded in and out (`collectives`)
+        (5, "data", "replicated"),
         (3, "data", "sharded"),
         (2, "spatial", "sharded"),
     ],

@@ -189,7 +189,8 @@ def test_the_chosen_rows_are_what_the_plan_costs_and_fit_in_memory():
 
 @pytest.mark.parametrize(
     "graph",
-    [load_network("seed-lcn-small").lower(batch=4), two_headed(batch=8)],
+    # at batch 8 the dag's fastest assignment is data parallelism, the least memory of all
+    [load_network("seed-lcn-small").lower(batch=4), two_headed(batch=4)],
     ids=["chain", "dag"],
 )
 def test_the_dp_keeps_to_assignments_that_fit_in_memory(graph):
