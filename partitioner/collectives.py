@@ -18,8 +18,10 @@ received its hops of the round before, so the rounds of a ring are its steps.
   - where the machine's latency outweighs the vector's bytes, a binomial tree: a `reduce` to
     the first participant, then a broadcast back down the same tree, 2⌈log2 p⌉ rounds of whole
     vectors;
-- `reduce_scatter` (ring): the same first half, with chunk i the targets owned by participant i
-  (empty for participants that own nothing); (p − 1)·n elements;
+- `reduce_scatter`: a ring's first half, with chunk i the targets owned by participant i (empty
+  for participants that own nothing), or, where the machine prices it less
+  (`cost.reduce_scatter_algorithm`), halving-doubling's halving, the targets laid out by the
+  chunk each owner's place ends with; (p − 1)·n elements either way;
 - `reduce` to one owner: a binomial tree, ⌈log2 p⌉ rounds of whole vectors, (p − 1)·n elements,
   unless the ring variant (reduce-scatter, then every participant sends its chunk to the owner)
   is predicted faster on the machine (`cost.reduce_by_tree`, which the cost model prices by):
@@ -32,14 +34,13 @@ send nothing, and counting them would make the planned bytes disagree with the b
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from legion_nn.rect import split_sizes
-from partitioner.cost import allreduce_algorithm, reduce_by_tree
+from partitioner.cost import allreduce_algorithm, reduce_by_tree, reduce_scatter_algorithm
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -175,41 +176,118 @@ def _ring_allgather(ranks: tuple[int, ...], chunks: np.ndarray) -> Schedule:
     return _ring(ranks, chunks, 0, False)
 
 
-def _halving_doubling(ranks: tuple[int, ...], n: int) -> Schedule:
-    """Rabenseifner's all-reduce of `n` elements over `ranks` (see the module docstring). Where
-    the ranks that halve are numbered v = 0..p' − 1, v ends with chunk j = v's bits reversed:
-    exchanging with the nearest partner first (v XOR 1) then keeps every half contiguous, and
-    between hosts of consecutive ranks moves the fewest bytes."""
-    p = len(ranks)
-    ring = np.asarray(ranks, np.int64)
+def _halving_places(p: int) -> tuple[int, int, np.ndarray]:
+    """(p', the largest power of two ≤ p; log2 p'; per place v among the p' ranks that halve,
+    the chunk it ends with: v's bits reversed). Exchanging with the nearest partner first
+    (v XOR 1) then keeps every half contiguous, and between hosts of consecutive ranks moves
+    the fewest bytes."""
     powers = 1 << (p.bit_length() - 1)
     levels = powers.bit_length() - 1
-    folded = p - powers
-    firsts, seconds = ring[0 : 2 * folded : 2], ring[1 : 2 * folded : 2]
-    halving = np.concatenate([firsts, ring[2 * folded :]])
     place = np.arange(powers, dtype=np.int64)
     chunk = np.zeros(powers, np.int64)
     for bit in range(levels):
         chunk |= ((place >> bit) & 1) << (levels - 1 - bit)
-    edges = np.concatenate([[0], np.cumsum(split_sizes(n, powers))]).astype(np.int64)
-    whole = (np.zeros(folded, np.int64), np.full(folded, n, np.int64))
-    rounds = [(seconds, firsts, *whole, True)] if folded else []
-    for bit, gathering in [*((b, False) for b in range(levels)),
-                           *((b, True) for b in reversed(range(levels)))]:  # fmt: skip
+    return powers, levels, chunk
+
+
+def _halving_place(p: int) -> np.ndarray:
+    """Per participant's position, its place among the ranks that halve: the first p − p' pairs
+    share one (the second folded into the first), the others one each."""
+    powers, _, _ = _halving_places(p)
+    folded = p - powers
+    position = np.arange(p, dtype=np.int64)
+    return np.where(position < 2 * folded, position // 2, position - folded)
+
+
+def _folded(ranks: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the first and the second of each pair folded into one place, and the ranks that halve,
+    by place: each pair's first, then the ranks beyond the pairs; `_halving_place`)."""
+    ring = np.asarray(ranks, np.int64)
+    folded = len(ranks) - _halving_places(len(ranks))[0]
+    firsts, seconds = ring[0 : 2 * folded : 2], ring[1 : 2 * folded : 2]
+    return firsts, seconds, np.concatenate([firsts, ring[2 * folded :]])
+
+
+#: a round of hops as arrays: (src, dst, lo, hi, add)
+_Round = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]
+
+
+def _halving_rounds(halving: np.ndarray, edges: np.ndarray, gathering: bool) -> list[_Round]:
+    """The rounds among the ranks that halve (`halving`, by place), chunk j of their vector
+    being elements edges[j]:edges[j + 1]: halving (adding the partner's half), nearest
+    partner first, or doubling back (copying its own), farthest first."""
+    powers, levels, chunk = _halving_places(len(halving))
+    place = np.arange(powers, dtype=np.int64)
+    rounds = []
+    for bit in reversed(range(levels)) if gathering else range(levels):
         half = powers >> (bit + 1)
         kept = chunk >> (levels - 1 - bit) << (levels - 1 - bit)  # the half it keeps, by chunk
         sent = kept if gathering else kept ^ half  # halving sends the partner's half
         partner = halving[place ^ (1 << bit)]
         rounds.append((halving, partner, edges[sent], edges[sent + half], not gathering))
-    if folded:
-        rounds.append((firsts, seconds, *whole, False))
+    return rounds
+
+
+def _of_rounds(rounds: list[_Round]) -> Schedule:
+    """The schedule of rounds of hops as arrays, those that would carry nothing left out."""
     keep = [hi > lo for _, _, lo, hi, _ in rounds]
     src, dst, lo, hi = (
-        np.concatenate([r[k][kept] for r, kept in zip(rounds, keep)]) for k in range(4)
+        np.concatenate([r[k][kept] for r, kept in zip(rounds, keep)])
+        if rounds
+        else np.zeros(0, np.int64)
+        for k in range(4)
     )
-    add = np.concatenate([np.full(int(kept.sum()), r[4]) for r, kept in zip(rounds, keep)])
-    ptr = np.concatenate([[0], np.cumsum([int(kept.sum()) for kept in keep])])
+    add = np.concatenate(
+        [np.full(int(kept.sum()), r[4]) for r, kept in zip(rounds, keep)] or [np.zeros(0, bool)]
+    )
+    ptr = np.concatenate([[0], np.cumsum([int(kept.sum()) for kept in keep])]).astype(np.int64)
     return Schedule(src, dst, lo, hi, add, ptr)
+
+
+def _halving_doubling(ranks: tuple[int, ...], n: int) -> Schedule:
+    """Rabenseifner's all-reduce of `n` elements over `ranks` (see the module docstring): the
+    folded ranks send their whole vectors in and get the whole sum back."""
+    firsts, seconds, halving = _folded(ranks)
+    folded = len(seconds)
+    edges = np.concatenate([[0], np.cumsum(split_sizes(n, len(halving)))]).astype(np.int64)
+    whole = (np.zeros(folded, np.int64), np.full(folded, n, np.int64))
+    rounds = [(seconds, firsts, *whole, True)] if folded else []
+    rounds += _halving_rounds(halving, edges, gathering=False)
+    rounds += _halving_rounds(halving, edges, gathering=True)
+    if folded:
+        rounds.append((firsts, seconds, *whole, False))
+    return _of_rounds(rounds)
+
+
+def _halving_scatter(ranks: tuple[int, ...], owned: np.ndarray) -> Schedule:
+    """A reduce-scatter by recursive halving over `ranks`, participant i owning `owned[i]`
+    elements of the vector, laid out as `target_order` lays them for it (by the chunk each
+    place ends with, a folded pair's shares side by side). A folded rank sends its partner all
+    but its own share, and gets back the sum of the others' contributions to it, which it adds
+    to its own: each of them moves n elements, as in the ring."""
+    p = len(ranks)
+    powers, _, chunk = _halving_places(p)
+    firsts, seconds, halving = _folded(ranks)
+    folded = len(seconds)
+    order = np.lexsort((np.arange(p), chunk[_halving_place(p)]))
+    start = np.zeros(p, np.int64)
+    start[order] = np.concatenate([[0], np.cumsum(owned[order])[:-1]]).astype(np.int64)
+    n = int(owned.sum())
+    block = np.bincount(chunk[_halving_place(p)], weights=owned, minlength=powers)
+    edges = np.concatenate([[0], np.cumsum(block)]).astype(np.int64)
+    own_lo = start[1 : 2 * folded : 2]
+    own_hi = own_lo + owned[1 : 2 * folded : 2]
+    rounds: list[_Round] = []
+    if folded:
+        zeros, ends = np.zeros(folded, np.int64), np.full(folded, n, np.int64)
+        rounds.append((
+            np.concatenate([seconds, seconds]), np.concatenate([firsts, firsts]),
+            np.concatenate([zeros, own_hi]), np.concatenate([own_lo, ends]), True,
+        ))  # fmt: skip
+    rounds += _halving_rounds(halving, edges, gathering=False)
+    if folded:
+        rounds.append((firsts, seconds, own_lo, own_hi, True))
+    return _of_rounds(rounds)
 
 
 def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
@@ -247,21 +325,45 @@ def _tree_broadcast(reduce: Schedule) -> Schedule:
     )  # fmt: skip
 
 
-def target_order(reduction: Reduction) -> list[int]:
-    """Indices of `reduction.targets` in the order they are laid out in the flat vector."""
+def target_order(reduction: Reduction, machine: Machine) -> list[int]:
+    """Indices of `reduction.targets` in the order they are laid out in the flat vector: a
+    reduce-scatter's by their owners' places in the ring, or where it halves, by the chunk
+    each owner's place ends with (`_halving_scatter`)."""
     order = list(range(len(reduction.targets)))
     if reduction.algorithm == "reduce_scatter":
         position = {rank: i for i, rank in enumerate(reduction.participants)}
-        order.sort(key=lambda t: position[reduction.targets[t][1][0]])
+        key = np.arange(len(position))
+        if _scatter_halves(reduction, machine):
+            p = len(position)
+            key = _halving_places(p)[2][_halving_place(p)] * p + key
+        order.sort(key=lambda t: key[position[reduction.targets[t][1][0]]])
     return order
+
+
+def _owned(reduction: Reduction) -> np.ndarray:
+    """Per participant's position, the elements of a reduce-scatter's targets it owns."""
+    position = {rank: i for i, rank in enumerate(reduction.participants)}
+    owned = np.zeros(len(position), np.int64)
+    for rect, holders in reduction.targets:
+        owned[position[holders[0]]] += rect.volume
+    return owned
+
+
+def _scatter_halves(reduction: Reduction, machine: Machine) -> bool:
+    """Whether a reduce-scatter runs by recursive halving rather than the ring."""
+    owned = _owned(reduction)
+    if len(owned) < 2 or not owned.sum():
+        return False
+    size = reduction.itemsize
+    nbytes, largest = int(owned.sum()) * size, int(owned.max()) * size
+    return reduce_scatter_algorithm(len(owned), nbytes, largest, machine)[0] == "halving"
 
 
 def schedule(reduction: Reduction, machine: Machine) -> Schedule:
     """The rounds of hops that carry out `reduction` (element ranges of its flat vector)."""
     ranks = reduction.participants
     p = len(ranks)
-    volumes = [reduction.targets[t][0].volume for t in target_order(reduction)]
-    n = sum(volumes)
+    n = sum(rect.volume for rect, _ in reduction.targets)
     if p < 2 or n == 0:
         return Schedule.of_rounds([])
     if reduction.algorithm == "allreduce":
@@ -274,12 +376,10 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
         chunks = _chunks(split_sizes(n, p))
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":
-        owned: dict[int, int] = defaultdict(int)
-        for t in target_order(reduction):
-            rect, holders = reduction.targets[t]
-            owned[holders[0]] += rect.volume
-        chunks = _chunks([owned.get(rank, 0) for rank in ranks])
-        return _ring_reduce_scatter(ranks, chunks)
+        owned = _owned(reduction)
+        if _scatter_halves(reduction, machine):
+            return _halving_scatter(ranks, owned)
+        return _ring_reduce_scatter(ranks, _chunks(owned.tolist()))
     if reduction.algorithm == "reduce":
         owner = reduction.targets[0][1][0]
         if reduce_by_tree(p, n * reduction.itemsize, machine):

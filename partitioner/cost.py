@@ -11,7 +11,8 @@
   2(p−1)α + 2(p−1)/p·nβ, halving-doubling 2·log2 p'·α + 2(p'−1)/p'·nβ over the largest power
   of two p' ≤ p (plus 2(α + nβ) to fold the others in and out) and a binomial tree's reduce
   then broadcast 2⌈log2 p⌉(α + nβ);
-  `reduce_scatter` (ring) (p−1)α + (p−1)·bβ with b the largest owner's share; `reduce` to one
+  `reduce_scatter`, the better of a ring (p−1)α + (p−1)·bβ with b the largest owner's share and
+  halving log2 p'·α + (p'−1)·bβ (2b for blocks two folded ranks share, plus 2α + nβ to fold); `reduce` to one
   owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter then gather
   2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire, summed;
 - where memory traffic is priced, messages and collectives also pay their local passes: two per
@@ -169,15 +170,12 @@ def collective_cost(
 ) -> tuple[float, int]:
     """(seconds, bytes on the wire) of a collective of `algorithm` over `p` participants and
     `n` bytes; `largest` is, for a reduce-scatter, the largest owner's share of them."""
-    a, m = machine.alpha, machine.seconds_per_memory_byte
-    both = machine.ring_beta  # a ring's every step sends and receives at once
     if p < 2 or n == 0:
         return 0.0, 0
     if algorithm == "allreduce":
         return allreduce_algorithm(p, n, machine)[1], 2 * (p - 1) * n
     if algorithm == "reduce_scatter":
-        local = 3 * n + 3 * p * largest
-        return (p - 1) * (a + largest * both) + local * m, (p - 1) * n
+        return reduce_scatter_algorithm(p, n, largest, machine)[1], (p - 1) * n
     tree, ring = _reduce_seconds(p, n, machine)
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
@@ -235,6 +233,35 @@ def allreduce_algorithm(p: int, n: int, machine: Machine) -> tuple[str, float]:
     return name, seconds[name]
 
 
+def _reduce_scatter_seconds(p, n, largest, machine: Machine):
+    """(ring, halving) seconds of a reduce-scatter of `n` bytes over `p` ranks whose largest
+    owner's share is `largest` bytes; numbers, or arrays of many (`collective_costs`). The
+    ring's p − 1 steps each send and receive a share at once (`Machine.ring_beta`); halving
+    (`collectives`) folds the p − p' ranks beyond the largest power of two p' into partners
+    (each sends what it does not own, and gets its share's sum back) and halves the vector
+    log2 p' times among the others: a half of round k holds p'/2^(k+1) of their blocks, each
+    at most `largest` bytes, or twice that where two ranks share a block. Both zero and fill a
+    flat vector (3n) and add each share into its tensor (3 bytes a byte)."""
+    a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
+    both = machine.ring_beta
+    local = 3 * n + 3 * p * largest
+    ring = (p - 1) * (a + largest * both) + local * m
+    powers = np.exp2(np.floor(np.log2(np.maximum(p, 1))))
+    folded = powers < p
+    block = np.where(folded, 2 * largest, largest)
+    halving = np.log2(powers) * a + (powers - 1) * block * both + local * m
+    halving = halving + np.where(folded, 2 * a + n * b + 3 * n * m, 0.0)
+    return ring, halving
+
+
+def reduce_scatter_algorithm(p: int, n: int, largest: int, machine: Machine) -> tuple[str, float]:
+    """(the algorithm, "ring" or "halving", and its seconds) a reduce-scatter of `n` bytes over
+    `p` ranks, the largest owner's share `largest`, runs: the one `_reduce_scatter_seconds`
+    prices less, the ring where they tie (on two ranks they are the same hops)."""
+    ring, halving = (float(x) for x in _reduce_scatter_seconds(p, n, largest, machine))
+    return ("halving", halving) if p > 2 and halving < ring else ("ring", ring)
+
+
 def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:
     """Whether a reduce of `n` bytes over `p` ranks to one owner runs as a binomial tree rather
     than a reduce-scatter then a gather (`collectives.schedule` runs what this prices)."""
@@ -247,11 +274,10 @@ def collective_costs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`collective_cost` of many collectives at once, float for float: collective k is a
     `reduce` where `reduce[k]`, else a `reduce_scatter`."""
-    a, m = machine.alpha, machine.seconds_per_memory_byte
-    both = machine.ring_beta
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
-    scatter = less * (a + largest * both) + (3 * n + 3 * p * largest) * m
+    ring_scatter, halving = _reduce_scatter_seconds(p, n, largest, machine)
+    scatter = np.where((p > 2) & (halving < ring_scatter), halving, ring_scatter)
     tree, ring = _reduce_seconds(p, n, machine)
     by_tree = tree <= ring
     seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)

@@ -118,7 +118,7 @@ def each_task_event(
                 seq += 1
         collectives = []
         for reduction in task_plan.reductions:
-            order = target_order(reduction)
+            order = target_order(reduction, machine)
             rounds = schedule(reduction, machine)
             collective = Collective(
                 reduction,

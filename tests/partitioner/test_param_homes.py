@@ -246,7 +246,10 @@ def test_sharded_homes_hold_less_than_replicated_and_the_prediction_is_what_runs
         params = sum(t.nbytes for t in graph.tensors.values() if t.kind in ("param", "state"))
         for rank, memory in predicted.items():
             saved = replicated[rank].buffer_bytes - memory.buffer_bytes
-            assert saved > params / 2  # 3/4 of the parameters and moments, less one window
+            # 3/4 of the parameters and moments, less one window, and less what halving's
+            # reduce-scatters hold that the ring's would not: its first round adds half a
+            # gradient where the ring adds a quarter (`collectives`)
+            assert saved > params / 3
 
 
 def test_a_sharded_checkpoint_resumes_replicated_on_another_rank_count(tmp_path):

@@ -210,7 +210,8 @@ def single(tmp_path_factory):
         (3, "data", "replicated"),
         # halving-doubling all-reduces, one rank folded in and out (`collectives`)
         (5, "data", "replicated"),
-        (3, "data", "sharded"),
+        # reduce-scatters by the ring and by halving, two ranks folded in (`collectives`)
+        (6, "data", "sharded"),
         (2, "spatial", "sharded"),
     ],
 )
