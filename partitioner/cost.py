@@ -12,9 +12,10 @@
   of two p' ≤ p (plus 2(α + nβ) to fold the others in and out) and a binomial tree's reduce
   then broadcast 2⌈log2 p⌉(α + nβ);
   `reduce_scatter`, the better of a ring (p−1)α + (p−1)·bβ with b the largest owner's share and
-  halving log2 p'·α + (p'−1)·bβ (2b for blocks two folded ranks share, plus 2α + nβ to fold); `reduce` to one
-  owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter then gather
-  2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire, summed;
+  halving log2 p'·α + (p'−1)·bβ (2b for blocks two folded ranks share, plus 2α + nβ to fold);
+  `reduce` to one owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter
+  then gather 2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire,
+  summed;
 - where memory traffic is priced, messages and collectives also pay their local passes: two per
   byte sent or received (packing, unpacking), three per byte added (two reads, one write);
 - a task's time is compute, then its incoming transfers, then its reductions, one after another;

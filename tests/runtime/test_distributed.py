@@ -224,9 +224,7 @@ def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy
         ("data", "replicated"),
         ("data", "sharded"),
     ):
-        pytest.skip(
-            "on 2 hosts already (sharded homes by spatial); 3 hosts keep auto (4 ranks, a host with two)"
-        )
+        pytest.skip("on 2 hosts already; 3 hosts keep auto (4 ranks, a host with two)")
     log = tmp_path / "log.jsonl"
     result = mpiexec(
         nranks, "train", *TRAIN, "--steps", "4", "--strategy", strategy,
