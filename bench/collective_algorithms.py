@@ -1,6 +1,6 @@
 """Benchmark tool: a plan's simulated step with its all-reduces run by each algorithm in turn
 (the ring, halving-doubling, the binomial tree) and by the one the machine's prices choose
-(`cost.allreduce_algorithm`), beside the step the cost model sums.
+(`collective_prices.allreduce_algorithm`), beside the step the cost model sums.
 
     python bench/collective_algorithms.py NETWORK:RANKS:STRATEGY[:BATCH] ... [--machine F]
 

@@ -7,7 +7,7 @@ own (`add`) or overwrites them (a gathered final value). A rank starts a round o
 received its hops of the round before, so the rounds of a ring are its steps.
 
 - `allreduce`, by whichever of three algorithms the machine prices least
-  (`cost.allreduce_algorithm`), each with 2(p − 1)·n elements on the wire:
+  (`collective_prices.allreduce_algorithm`), each with 2(p − 1)·n elements on the wire:
   - a ring: a reduce-scatter of p − 1 steps, after which participant i holds the full sum of
     chunk i, then an all-gather of p − 1 steps;
   - halving-doubling (Rabenseifner's): the p − p' participants beyond the largest power of two
@@ -20,11 +20,11 @@ received its hops of the round before, so the rounds of a ring are its steps.
     vectors;
 - `reduce_scatter`: a ring's first half, with chunk i the targets owned by participant i (empty
   for participants that own nothing), or, where the machine prices it less
-  (`cost.reduce_scatter_algorithm`), halving-doubling's halving, the targets laid out by the
+  (`collective_prices.reduce_scatter_algorithm`), halving-doubling's halving, the targets laid out by the
   chunk each owner's place ends with; (p − 1)·n elements either way;
 - `reduce` to one owner: a binomial tree, ⌈log2 p⌉ rounds of whole vectors, (p − 1)·n elements,
   unless the ring variant (reduce-scatter, then every participant sends its chunk to the owner)
-  is predicted faster on the machine (`cost.reduce_by_tree`, which the cost model prices by):
+  is predicted faster on the machine (`collective_prices.reduce_by_tree`, which the cost model prices by):
   large vectors over many ranks.
 
 Chunks are the uneven `split_sizes(n, p)`. Hops that would carry no element are left out: they
@@ -40,7 +40,11 @@ from functools import cached_property
 import numpy as np
 
 from legion_nn.rect import split_sizes
-from partitioner.cost import allreduce_algorithm, reduce_by_tree, reduce_scatter_algorithm
+from partitioner.collective_prices import (
+    allreduce_algorithm,
+    reduce_by_tree,
+    reduce_scatter_algorithm,
+)
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -190,18 +194,18 @@ def _halving_places(p: int) -> tuple[int, int, np.ndarray]:
     return powers, levels, chunk
 
 
-def _halving_place(p: int) -> np.ndarray:
-    """Per participant's position, its place among the ranks that halve: the first p − p' pairs
-    share one (the second folded into the first), the others one each."""
-    powers, _, _ = _halving_places(p)
+def _position_chunks(p: int) -> np.ndarray:
+    """Per participant's position, the chunk its place among the ranks that halve ends with: the
+    first p − p' pairs share a place (the second folded into the first), the others one each."""
+    powers, _, chunk = _halving_places(p)
     folded = p - powers
     position = np.arange(p, dtype=np.int64)
-    return np.where(position < 2 * folded, position // 2, position - folded)
+    return chunk[np.where(position < 2 * folded, position // 2, position - folded)]
 
 
 def _folded(ranks: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the first and the second of each pair folded into one place, and the ranks that halve,
-    by place: each pair's first, then the ranks beyond the pairs; `_halving_place`)."""
+    by place: each pair's first, then the ranks beyond the pairs; `_position_chunks`)."""
     ring = np.asarray(ranks, np.int64)
     folded = len(ranks) - _halving_places(len(ranks))[0]
     firsts, seconds = ring[0 : 2 * folded : 2], ring[1 : 2 * folded : 2]
@@ -266,14 +270,14 @@ def _halving_scatter(ranks: tuple[int, ...], owned: np.ndarray) -> Schedule:
     but its own share, and gets back the sum of the others' contributions to it, which it adds
     to its own: each of them moves n elements, as in the ring."""
     p = len(ranks)
-    powers, _, chunk = _halving_places(p)
     firsts, seconds, halving = _folded(ranks)
     folded = len(seconds)
-    order = np.lexsort((np.arange(p), chunk[_halving_place(p)]))
+    chunks = _position_chunks(p)
+    order = np.lexsort((np.arange(p), chunks))
     start = np.zeros(p, np.int64)
     start[order] = np.concatenate([[0], np.cumsum(owned[order])[:-1]]).astype(np.int64)
     n = int(owned.sum())
-    block = np.bincount(chunk[_halving_place(p)], weights=owned, minlength=powers)
+    block = np.bincount(chunks, weights=owned, minlength=len(halving))
     edges = np.concatenate([[0], np.cumsum(block)]).astype(np.int64)
     own_lo = start[1 : 2 * folded : 2]
     own_hi = own_lo + owned[1 : 2 * folded : 2]
@@ -332,10 +336,10 @@ def target_order(reduction: Reduction, machine: Machine) -> list[int]:
     order = list(range(len(reduction.targets)))
     if reduction.algorithm == "reduce_scatter":
         position = {rank: i for i, rank in enumerate(reduction.participants)}
-        key = np.arange(len(position))
-        if _scatter_halves(reduction, machine):
-            p = len(position)
-            key = _halving_places(p)[2][_halving_place(p)] * p + key
+        p = len(position)
+        key = np.arange(p)
+        if _scatter_halves(_owned(reduction), reduction.itemsize, machine):
+            key = _position_chunks(p) * p + key
         order.sort(key=lambda t: key[position[reduction.targets[t][1][0]]])
     return order
 
@@ -349,13 +353,12 @@ def _owned(reduction: Reduction) -> np.ndarray:
     return owned
 
 
-def _scatter_halves(reduction: Reduction, machine: Machine) -> bool:
-    """Whether a reduce-scatter runs by recursive halving rather than the ring."""
-    owned = _owned(reduction)
+def _scatter_halves(owned: np.ndarray, itemsize: int, machine: Machine) -> bool:
+    """Whether a reduce-scatter whose participants own `owned` elements (`_owned`) runs by
+    recursive halving rather than the ring."""
     if len(owned) < 2 or not owned.sum():
         return False
-    size = reduction.itemsize
-    nbytes, largest = int(owned.sum()) * size, int(owned.max()) * size
+    nbytes, largest = int(owned.sum()) * itemsize, int(owned.max()) * itemsize
     return reduce_scatter_algorithm(len(owned), nbytes, largest, machine)[0] == "halving"
 
 
@@ -377,7 +380,7 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":
         owned = _owned(reduction)
-        if _scatter_halves(reduction, machine):
+        if _scatter_halves(owned, reduction.itemsize, machine):
             return _halving_scatter(ranks, owned)
         return _ring_reduce_scatter(ranks, _chunks(owned.tolist()))
     if reduction.algorithm == "reduce":

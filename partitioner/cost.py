@@ -7,15 +7,10 @@
   the larger of what it sends and what it receives, and the task waits for the busiest rank. A
   transfer to k > 1 destinations is a broadcast down a binomial tree: ⌈log2(k+1)⌉ rounds, and
   every byte still reaches each destination once (the bytes sent are k times the rect);
-- collectives, over p participants and n bytes: `allreduce`, the best of a ring
-  2(p−1)α + 2(p−1)/p·nβ, halving-doubling 2·log2 p'·α + 2(p'−1)/p'·nβ over the largest power
-  of two p' ≤ p (plus 2(α + nβ) to fold the others in and out) and a binomial tree's reduce
-  then broadcast 2⌈log2 p⌉(α + nβ);
-  `reduce_scatter`, the better of a ring (p−1)α + (p−1)·bβ with b the largest owner's share and
-  halving log2 p'·α + (p'−1)·bβ (2b for blocks two folded ranks share, plus 2α + nβ to fold);
-  `reduce` to one owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter
-  then gather 2(p−1)α + 2(p−1)/p·nβ. The bytes sent are those each algorithm puts on the wire,
-  summed;
+- collectives, over p participants and n bytes, by the algorithm the machine prices least
+  (`collective_prices`: ring, halving-doubling or binomial-tree all-reduce, ring or halving
+  reduce-scatter, binomial-tree or ring reduce); the bytes sent are those each algorithm puts
+  on the wire, summed;
 - where memory traffic is priced, messages and collectives also pay their local passes: two per
   byte sent or received (packing, unpacking), three per byte added (two reads, one write);
 - a task's time is compute, then its incoming transfers, then its reductions, one after another;
@@ -39,7 +34,6 @@ peak.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,9 +46,9 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.op_records import rate_passes
 from partitioner.accounting import bytes_per_rank, flops_per_rank, memory_by_unit
+from partitioner.collective_prices import reduction_cost
 from partitioner.machine import Machine
 from partitioner.plan import Plan, Transfer
-from partitioner.task_plan import Reduction
 from partitioner.transfers import TransferBlock, TransferSet, link_loads
 
 
@@ -145,146 +139,6 @@ def loads_time(
     if per_byte:
         seconds = seconds + 2 * (sent + received) * per_byte
     return float(np.max(seconds))
-
-
-def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
-    """(seconds, bytes on the wire) of one collective."""
-    p = len(reduction.participants)
-    n = reduction.nbytes
-    largest = 0
-    if reduction.algorithm == "reduce_scatter" and p >= 2 and n:
-        share: dict[int, int] = defaultdict(int)
-        for rect, holders in reduction.targets:
-            share[holders[0]] += rect.volume * reduction.itemsize
-        largest = max(share.values())
-    return collective_cost(reduction.algorithm, p, n, largest, machine)
-
-
-# Local memory traffic of a collective, in bytes per rank, where the machine prices it (as the
-# runtime runs them): every add reads two operands and writes one (3 bytes a byte); an all-reduce
-# sums the gradient in place; the others first zero and fill a flat vector (3n) and finally add
-# the rank's share into the tensor (3 bytes a byte again).
-
-
-def collective_cost(
-    algorithm: str, p: int, n: int, largest: int, machine: Machine
-) -> tuple[float, int]:
-    """(seconds, bytes on the wire) of a collective of `algorithm` over `p` participants and
-    `n` bytes; `largest` is, for a reduce-scatter, the largest owner's share of them."""
-    if p < 2 or n == 0:
-        return 0.0, 0
-    if algorithm == "allreduce":
-        return allreduce_algorithm(p, n, machine)[1], 2 * (p - 1) * n
-    if algorithm == "reduce_scatter":
-        return reduce_scatter_algorithm(p, n, largest, machine)[1], (p - 1) * n
-    tree, ring = _reduce_seconds(p, n, machine)
-    return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
-
-
-def _reduce_seconds(p, n, machine: Machine):
-    """(binomial tree, reduce-scatter then gather) seconds of a reduce of `n` bytes over `p`
-    ranks to one owner; `p` and `n` numbers, or arrays of many reduces (`collective_costs`)."""
-    a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
-    levels = np.ceil(np.log2(np.maximum(p, 1)))
-    tree = levels * (a + n * b) + (6 * n + 3 * levels * n) * m
-    ranks = np.maximum(p, 1)
-    ring = (
-        2 * (p - 1) * a
-        + 2 * (p - 1) / ranks * n * machine.ring_beta
-        + (6 * n + 3 * (p - 1) / ranks * n) * m
-    )
-    return tree, ring
-
-
-def _allreduce_seconds(p: int, n: int, machine: Machine) -> dict[str, float]:
-    """Seconds of an all-reduce of `n` bytes over `p` ranks, in place, by each algorithm, in
-    the order `allreduce_algorithm` prefers them where they price alike. The tree reduces to
-    one rank and broadcasts back down, ⌈log2 p⌉ rounds each of whole vectors, every rank
-    sending or receiving in a round, and adds at most once a round; the ring's 2(p − 1) steps
-    each send and receive a chunk at once (`Machine.ring_beta`); halving-doubling
-    (Rabenseifner's) folds the p − p' ranks beyond the largest power of two p' into partners (a
-    whole vector one way, then back at the end) and halves, then doubles, the vector among the
-    p' others in 2·log2 p' exchanges: the ring's bytes in far fewer rounds. The tree's latency
-    wins on small vectors (a normalization's scales), halving-doubling on many ranks, the
-    ring's bandwidth on large vectors over ranks that are not a power of two, as MPI libraries
-    choose (MPICH's all-reduce)."""
-    a, m = machine.alpha, machine.seconds_per_memory_byte
-    levels = math.ceil(math.log2(p))
-    tree = 2 * levels * (a + n * machine.beta) + 3 * levels * n * m
-    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * machine.ring_beta + 3 * (p - 1) / p * n * m
-    powers = 1 << (p.bit_length() - 1)
-    halving = (
-        2 * (powers.bit_length() - 1) * a
-        + 2 * (powers - 1) / powers * n * machine.ring_beta  # the ring's sums, bit for bit
-        + 3 * (powers - 1) / powers * n * m
-    )
-    if powers < p:
-        halving += 2 * (a + n * machine.beta) + 3 * n * m
-    return {"ring": ring, "halving": halving, "tree": tree}
-
-
-def allreduce_algorithm(p: int, n: int, machine: Machine) -> tuple[str, float]:
-    """(the algorithm, "ring", "halving" or "tree", and its seconds) an all-reduce of `n` bytes
-    over `p` ranks runs: the one `_allreduce_seconds` prices least (`collectives.schedule` runs
-    what this prices)."""
-    seconds = _allreduce_seconds(p, n, machine)
-    if p == 2:  # halving-doubling is the ring's two hops: priced apart, they may round apart
-        del seconds["halving"]
-    name = min(seconds, key=seconds.__getitem__)
-    return name, seconds[name]
-
-
-def _reduce_scatter_seconds(p, n, largest, machine: Machine):
-    """(ring, halving) seconds of a reduce-scatter of `n` bytes over `p` ranks whose largest
-    owner's share is `largest` bytes; numbers, or arrays of many (`collective_costs`). The
-    ring's p − 1 steps each send and receive a share at once (`Machine.ring_beta`); halving
-    (`collectives`) folds the p − p' ranks beyond the largest power of two p' into partners
-    (each sends what it does not own, and gets its share's sum back) and halves the vector
-    log2 p' times among the others: a half of round k holds p'/2^(k+1) of their blocks, each
-    at most `largest` bytes, or twice that where two ranks share a block. Both zero and fill a
-    flat vector (3n) and add each share into its tensor (3 bytes a byte)."""
-    a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
-    both = machine.ring_beta
-    local = 3 * n + 3 * p * largest
-    ring = (p - 1) * (a + largest * both) + local * m
-    powers = np.exp2(np.floor(np.log2(np.maximum(p, 1))))
-    folded = powers < p
-    block = np.where(folded, 2 * largest, largest)
-    halving = np.log2(powers) * a + (powers - 1) * block * both + local * m
-    halving = halving + np.where(folded, 2 * a + n * b + 3 * n * m, 0.0)
-    return ring, halving
-
-
-def reduce_scatter_algorithm(p: int, n: int, largest: int, machine: Machine) -> tuple[str, float]:
-    """(the algorithm, "ring" or "halving", and its seconds) a reduce-scatter of `n` bytes over
-    `p` ranks, the largest owner's share `largest`, runs: the one `_reduce_scatter_seconds`
-    prices less, the ring where they tie (on two ranks they are the same hops)."""
-    ring, halving = (float(x) for x in _reduce_scatter_seconds(p, n, largest, machine))
-    return ("halving", halving) if p > 2 and halving < ring else ("ring", ring)
-
-
-def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:
-    """Whether a reduce of `n` bytes over `p` ranks to one owner runs as a binomial tree rather
-    than a reduce-scatter then a gather (`collectives.schedule` runs what this prices)."""
-    tree, ring = _reduce_seconds(p, n, machine)
-    return tree <= ring
-
-
-def collective_costs(
-    reduce: np.ndarray, p: np.ndarray, n: np.ndarray, largest: np.ndarray, machine: Machine
-) -> tuple[np.ndarray, np.ndarray]:
-    """`collective_cost` of many collectives at once, float for float: collective k is a
-    `reduce` where `reduce[k]`, else a `reduce_scatter`."""
-    p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
-    less = p - 1
-    ring_scatter, halving = _reduce_scatter_seconds(p, n, largest, machine)
-    scatter = np.where((p > 2) & (halving < ring_scatter), halving, ring_scatter)
-    tree, ring = _reduce_seconds(p, n, machine)
-    by_tree = tree <= ring
-    seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)
-    wire = np.where(reduce & ~by_tree, 2 * less * n, less * n)
-    none = (p < 2) | (n == 0)
-    return np.where(none, 0.0, seconds), np.where(none, 0, wire)
 
 
 def compute_seconds(task: Task, flops, machine: Machine):

@@ -21,7 +21,8 @@ import numpy as np
 from legion_nn.ir import Task
 from partitioner import boxes
 from partitioner.accounting import pieces_bytes, pieces_flops, received_once, reductions_memory
-from partitioner.cost import busy_seconds, collective_costs, compute_time, reduction_cost, task_cost
+from partitioner.collective_prices import collective_costs, reduction_cost
+from partitioner.cost import busy_seconds, compute_time, task_cost
 from partitioner.grid_combine import Collectives, combine_loads
 from partitioner.grid_loads import Moved, RectSet, fetch_loads
 from partitioner.machine import Machine

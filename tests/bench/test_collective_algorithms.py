@@ -17,7 +17,7 @@ def test_each_algorithm_is_simulated_and_the_chosen_one_is_what_the_prices_pick(
     assert collectives.allreduce_algorithm is original
     found = collective_algorithms.compare("seed-lcn-small", 4, "data", 8, machine)
     assert collectives.allreduce_algorithm is original
-    # on 4 ranks the weights' gradients halve and double (`cost.allreduce_algorithm`)
+    # on 4 ranks the weights' gradients halve and double (`collective_prices.allreduce_algorithm`)
     assert found["chosen"] == found["halving"]
     assert found["ring"] != found["halving"] and found["tree"] != found["halving"]
     assert all(found[name] > 0 for name in ("chosen", "ring", "halving", "tree", "summed"))

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from legion_nn.rect import Rect, split_sizes
+from partitioner.collective_prices import allreduce_algorithm, collective_cost, reduce_by_tree
 from partitioner.collectives import Hop, Schedule, schedule, target_order
-from partitioner.cost import allreduce_algorithm, collective_cost, reduce_by_tree
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
 
@@ -107,7 +107,7 @@ def test_the_arrays_read_back_as_the_rounds_and_their_totals(p, data):
     )
     if split_sizes(int(sizes.sum()), p) == sizes.tolist() and sizes.sum():
         # without latency a ring is never slower than a tree or halving-doubling
-        # (`cost.allreduce_algorithm`)
+        # (`collective_prices.allreduce_algorithm`)
         assert list(schedule(reduction, Machine(latency_us=0.0))) == expected
     built = Schedule.of_rounds(expected)
     assert list(built) == expected and len(built) == len(expected)
@@ -219,7 +219,7 @@ def _tree_reference(ranks, owner, n):
 @settings(max_examples=100, deadline=None)
 @given(st.integers(2, 70), st.data())
 def test_a_tree_is_its_levels_up_and_back_down(p, data):
-    """Small vectors go by a tree (`cost.allreduce_algorithm`, `reduce_by_tree`): a reduce to its
+    """Small vectors go by a tree (`collective_prices.allreduce_algorithm`, `reduce_by_tree`): a reduce to its
     owner, and an all-reduce to the first participant and back down the same hops."""
     ranks = tuple(data.draw(st.permutations(range(80)))[:p])
     owner = data.draw(st.sampled_from(ranks))
@@ -236,7 +236,7 @@ def test_a_tree_is_its_levels_up_and_back_down(p, data):
 
 @pytest.mark.parametrize("p", [3, 4, 6, 8, 13])
 def test_a_reduce_scatter_halves_where_latency_outweighs_its_bytes(p):
-    """Over many ranks and small shares a reduce-scatter halves (`cost.reduce_scatter_algorithm`):
+    """Over many ranks and small shares a reduce-scatter halves (`collective_prices.reduce_scatter_algorithm`):
     log2 p' rounds of pairwise exchanges, and where p is not a power of two a round to fold
     the extra ranks in (each sends all but its own share) and one to give them their share
     back; the ring's (p − 1)·n elements on the wire either way, as the cost model counts. Its

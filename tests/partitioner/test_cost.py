@@ -12,7 +12,8 @@ from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from legion_nn.rect import Rect
 from partitioner.accounting import bytes_per_rank, fits, memory_by_unit, memory_per_rank
-from partitioner.cost import plan_cost, reduction_cost
+from partitioner.collective_prices import reduction_cost
+from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.machine_file import calibrate, load_machine, machine_from_json
 from partitioner.plan import build_plan
@@ -25,7 +26,7 @@ MACHINE = Machine(100, 12.5, 2, 16)
 
 
 def test_all_reduce_of_a_replicated_parameter():
-    """Over 4 ranks by halving-doubling (`cost.allreduce_algorithm`): the ring's bytes, each of
+    """Over 4 ranks by halving-doubling (`collective_prices.allreduce_algorithm`): the ring's bytes, each of
     4 ranks sending 2(p − 1)/p of them, in 2·log2 4 exchanges rather than the ring's 6; over
     3 ranks by the ring, which moves no vector whole."""
     n = 64 * 64 * 7 * 7 * 27 * 27  # L1.W, float32
@@ -311,7 +312,7 @@ def test_fits_agrees_with_the_exact_memory_count(name):
 
 
 def test_collective_costs_of_many_equal_those_of_each():
-    from partitioner.cost import collective_cost, collective_costs
+    from partitioner.collective_prices import collective_cost, collective_costs
 
     rng = np.random.default_rng(7)
     for machine in (MACHINE, Machine(7, 0.3, 17, 1)):

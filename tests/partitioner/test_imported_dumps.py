@@ -20,7 +20,8 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from legion_nn.verify import verify
 from partitioner.accounting import memory_per_rank
-from partitioner.cost import plan_cost, reduction_cost
+from partitioner.collective_prices import reduction_cost
+from partitioner.cost import plan_cost
 from partitioner.machine_file import load_machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin

@@ -36,7 +36,8 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.accounting import bytes_per_rank, flops_per_element
-from partitioner.cost import plan_cost, reduction_cost
+from partitioner.collective_prices import reduction_cost
+from partitioner.cost import plan_cost
 from partitioner.machine import Machine
 from partitioner.pieces import Piece, grid_pieces
 from partitioner.plan import build_plan
