@@ -148,7 +148,7 @@ def matmul_backward(
     else:
         da = None
     if need_db:
-        given, db = db is not None, _checks.output_or_new(db, b.shape, "a", b)
+        given, db = db is not None, _checks.output_or_new(db, b.shape, "b", b)
         if transpose_b:
             left, right = _scale_smaller(dy, a, scale)
         else:
