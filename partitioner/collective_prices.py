@@ -19,7 +19,6 @@ again).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import numpy as np
 
@@ -33,11 +32,17 @@ def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     n = reduction.nbytes
     largest = 0
     if reduction.algorithm == "reduce_scatter" and p >= 2 and n:
-        share: dict[int, int] = defaultdict(int)
-        for rect, holders in reduction.targets:
-            share[holders[0]] += rect.volume * reduction.itemsize
-        largest = max(share.values())
+        largest = int(owned_elements(reduction).max()) * reduction.itemsize
     return collective_cost(reduction.algorithm, p, n, largest, machine)
+
+
+def owned_elements(reduction: Reduction) -> np.ndarray:
+    """Per participant's position, the elements of a reduce-scatter's targets it owns."""
+    position = {rank: i for i, rank in enumerate(reduction.participants)}
+    owned = np.zeros(len(position), np.int64)
+    for rect, holders in reduction.targets:
+        owned[position[holders[0]]] += rect.volume
+    return owned
 
 
 def collective_cost(

@@ -20,12 +20,12 @@ received its hops of the round before, so the rounds of a ring are its steps.
     vectors;
 - `reduce_scatter`: a ring's first half, with chunk i the targets owned by participant i (empty
   for participants that own nothing), or, where the machine prices it less
-  (`collective_prices.reduce_scatter_algorithm`), halving-doubling's halving, the targets laid out by the
-  chunk each owner's place ends with; (p − 1)·n elements either way;
+  (`collective_prices.reduce_scatter_algorithm`), halving-doubling's halving, the targets laid
+  out by the chunk each owner's place ends with; (p − 1)·n elements either way;
 - `reduce` to one owner: a binomial tree, ⌈log2 p⌉ rounds of whole vectors, (p − 1)·n elements,
   unless the ring variant (reduce-scatter, then every participant sends its chunk to the owner)
-  is predicted faster on the machine (`collective_prices.reduce_by_tree`, which the cost model prices by):
-  large vectors over many ranks.
+  is predicted faster on the machine (`collective_prices.reduce_by_tree`, which the cost model
+  prices by): large vectors over many ranks.
 
 Chunks are the uneven `split_sizes(n, p)`. Hops that would carry no element are left out: they
 send nothing, and counting them would make the planned bytes disagree with the bytes sent.
@@ -42,6 +42,7 @@ import numpy as np
 from legion_nn.rect import split_sizes
 from partitioner.collective_prices import (
     allreduce_algorithm,
+    owned_elements,
     reduce_by_tree,
     reduce_scatter_algorithm,
 )
@@ -338,24 +339,15 @@ def target_order(reduction: Reduction, machine: Machine) -> list[int]:
         position = {rank: i for i, rank in enumerate(reduction.participants)}
         p = len(position)
         key = np.arange(p)
-        if _scatter_halves(_owned(reduction), reduction.itemsize, machine):
+        if _scatter_halves(owned_elements(reduction), reduction.itemsize, machine):
             key = _position_chunks(p) * p + key
         order.sort(key=lambda t: key[position[reduction.targets[t][1][0]]])
     return order
 
 
-def _owned(reduction: Reduction) -> np.ndarray:
-    """Per participant's position, the elements of a reduce-scatter's targets it owns."""
-    position = {rank: i for i, rank in enumerate(reduction.participants)}
-    owned = np.zeros(len(position), np.int64)
-    for rect, holders in reduction.targets:
-        owned[position[holders[0]]] += rect.volume
-    return owned
-
-
 def _scatter_halves(owned: np.ndarray, itemsize: int, machine: Machine) -> bool:
-    """Whether a reduce-scatter whose participants own `owned` elements (`_owned`) runs by
-    recursive halving rather than the ring."""
+    """Whether a reduce-scatter whose participants own `owned` elements (`owned_elements`) runs
+    by recursive halving rather than the ring."""
     if len(owned) < 2 or not owned.sum():
         return False
     nbytes, largest = int(owned.sum()) * itemsize, int(owned.max()) * itemsize
@@ -379,7 +371,7 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
         chunks = _chunks(split_sizes(n, p))
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":
-        owned = _owned(reduction)
+        owned = owned_elements(reduction)
         if _scatter_halves(owned, reduction.itemsize, machine):
             return _halving_scatter(ranks, owned)
         return _ring_reduce_scatter(ranks, _chunks(owned.tolist()))
