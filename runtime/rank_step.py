@@ -105,8 +105,8 @@ class StepRun:
         self.sends: list[tuple[Any, int, np.ndarray, Message | None, float]] = []
         #: collectives started and not yet complete, in the order they started
         self.collectives: list[RunningCollective] = []
-        #: how many collectives have completed
-        self.completed = 0
+        #: every collective started this step, in the order they started
+        self.started: list[RunningCollective] = []
         self.stall_timeout = executor.stall_timeout
         #: seconds this rank spent in its pieces' kernels this step (the rest it spent waiting,
         #: posting and copying): what `bench scaling` compares with the simulated compute
@@ -203,7 +203,7 @@ class StepRun:
 
     def task(self, rt: RankTask) -> None:
         task = rt.task
-        self._complete_through(rt.complete_before)
+        self._complete(rt.complete_before)
         self.post(rt.partial_in)
         self._wait_messages(rt.copies_in, task, "halo and copies")
         # The rank's own passes around its kernels move as much memory as a kernel (a sharded
@@ -218,7 +218,7 @@ class StepRun:
                     self.ex.view(m.tensor, m.rect)[...] += buffer
         for collective in rt.collectives:
             self._collective(rt, collective, scratch)
-        self._complete_through(rt.complete_after)  # a copy of a sum carries the whole sum
+        self._complete(rt.complete_after)  # a copy of a sum carries the whole sum
         if rt.post:
             with self.transport.computing():
                 self.post(rt.post)
@@ -345,19 +345,21 @@ class StepRun:
         running = RunningCollective(self, rt, collective, vector)
         running.post_round()
         self.collectives.append(running)
+        self.started.append(running)
 
-    def _complete_through(self, count: int) -> None:
-        """Complete the oldest collectives in flight until `count` have completed since the step
-        began (the program's completion points, `RankProgram.completions`), in the order they
-        started: every rank does the same, so the oldest collective anyone is blocked in never
-        waits on a rank blocked in a younger one."""
-        while self.completed < count:
-            self.collectives.pop(0).complete()
-            self.completed += 1
+    def _complete(self, ordinals: tuple[int, ...]) -> None:
+        """Complete the collectives `ordinals` names (in start order: the program's completion
+        points, `RankTask.complete_before`); the others stay in flight, moved on meanwhile."""
+        for ordinal in ordinals:
+            running = self.started[ordinal]
+            if running in self.collectives:  # else completed with all (clipping's norm)
+                running.complete()
+                self.collectives.remove(running)
 
     def complete_collectives(self) -> None:
-        """Complete every collective started so far, in the order they started."""
-        self._complete_through(self.completed + len(self.collectives))
+        """Complete every collective still in flight, in the order they started."""
+        while self.collectives:
+            self.collectives.pop(0).complete()
 
     def advance_collectives(self, skip: RunningCollective | None = None) -> None:
         for running in self.collectives:

@@ -15,14 +15,14 @@ stretch of `_Simulator._program` between two points where it gives the clock bac
 - `SYNC`: wake me at my clock; `PROGRESS`: a call into MPI (`_advance`);
 - `POST keys`, `WAIT keys`: post my ends of these transfers; block until they have ended;
 - `START i`: start collective instance `i` (this rank's rounds of one collective);
-- `COMPLETE n`: complete the `n` oldest collectives in flight, waiting on each round;
+- `COMPLETE i`: complete the `i`-th collective the rank started, waiting on each round;
 
 and the compiled loop (`loop.run_step`) runs them with the simulator's very rules and
 tie-breaks: one heap of (time, counter, rank) wakes with stale entries left in it, links served
-in the order transfers became ready, collectives' rounds posted at MPI calls only. It returns what `simulate_step` does,
-float-equal; `tests/runtime/step/test_compiled.py` holds the two equal on every kind of plan the tests
-plan. A change to the model goes into both (the test fails until it does).
-`prediction.simulate_compiled` is the entry point.
+in the order transfers became ready, collectives' rounds posted at MPI calls only. It returns
+what `simulate_step` does, float-equal; `tests/runtime/step/test_compiled.py` holds the two
+equal on every kind of plan the tests plan. A change to the model goes into both (the test
+fails until it does). `prediction.simulate_compiled` is the entry point.
 
 A collective's rounds are flattened per participant with NumPy (a rank's keys in every round,
 in hop order, and the bytes it adds at the end of each), not hop by hop in Python.
@@ -279,9 +279,8 @@ class _Flattener:
             )  # fmt: skip
             if own is not None and any(moved):
                 copies_in, partial_in, partial_out, posted = _own(own, moved)
-            if rt.complete_before - completed > 0:
-                self.ops.append((COMPLETE, rt.complete_before - completed, 0))
-            completed = max(completed, rt.complete_before)
+            self.ops += [(COMPLETE, ordinal, 0) for ordinal in rt.complete_before]
+            completed += len(rt.complete_before)
             self.add(passes.before_copies[position] * slow)
             post(partial_in)
             wait(copies_in)
@@ -297,15 +296,15 @@ class _Flattener:
                 self.ops.append((START, self.collective(mine)[rank], 0))
                 patches.append((len(self.ops) - 1 - first, START, collective))
                 started += 1
-            if rt.complete_after - completed > 0:
-                self.ops.append((COMPLETE, rt.complete_after - completed, 0))
-            completed = max(completed, rt.complete_after)
+            self.ops += [(COMPLETE, ordinal, 0) for ordinal in rt.complete_after]
+            completed += len(rt.complete_after)
             post(posted)
             self.ops.append((PROGRESS, 0, 0))
             if partial_out or posted:
                 sends += [m for m in (*partial_out, *posted) if m.src == rank]
-        if started - completed > 0:
-            self.ops.append((COMPLETE, started - completed, 0))
+        if started > completed:  # what is left, in start order
+            due = {o for rt in program.tasks for o in (*rt.complete_before, *rt.complete_after)}
+            self.ops += [(COMPLETE, ordinal, 0) for ordinal in range(started) if ordinal not in due]
         self.ops.append((WAIT, *self._every_send(rank, [m.seq for m in sends])))
         self.waits += 1
         patches.append((len(self.ops) - 1 - first, _EVERY_SEND, sends))

@@ -42,8 +42,9 @@ AWAITED_BY_SRC, AWAITED_BY_DST = 1, 2
 #           it (`links.Links.held`)
 #   ranks: clock, waiting, blocked, slowdown (how much longer its CPU work takes than alone)
 #   rounds: keys, round_first, round_count, round_lo, round_hi, round_adds, current_round,
-#           started, instances_of, head, tail, live (per rank, in start order, the instances
-#           with rounds left to post), live_count
+#           started, instances_of, tail (per rank, its instances in start order are
+#           started[instances_of[i]:instances_of[i] + tail[i]]), live (per rank, in start
+#           order, the instances with rounds left to post), live_count
 
 
 @HELPER
@@ -166,7 +167,7 @@ def _advance(net, prices, ranks, heap, rounds, rank):
     the order they started. A collective whose rounds are all posted leaves the rank's live
     list (most of those in flight late in a step have: scanning them was most of the loop)."""
     keys, first, count, round_lo, round_hi, adds, current = rounds[:7]
-    instances_of, live, live_count = rounds[8], rounds[11], rounds[12]
+    instances_of, live, live_count = rounds[8], rounds[10], rounds[11]
     ended, scheduled = net[8], net[9]
     clock = ranks[0]
     now = clock[rank]
@@ -191,7 +192,7 @@ def _advance(net, prices, ranks, heap, rounds, rank):
 @HELPER
 def _next_round_end(net, ranks, rounds, rank):
     keys, first, round_lo, round_hi = rounds[0], rounds[1], rounds[3], rounds[4]
-    current, instances_of, live, live_count = rounds[6], rounds[8], rounds[11], rounds[12]
+    current, instances_of, live, live_count = rounds[6], rounds[8], rounds[10], rounds[11]
     ended, scheduled = net[8], net[9]
     now = ranks[0][rank]
     base = instances_of[rank]
@@ -259,9 +260,9 @@ def _block(net, prices, ranks, heap, rounds, rank, lo, hi):
 @HELPER
 def _run(program, net, prices, ranks, heap, rounds, rank):
     """`_Simulator._run`: go on with `rank` at its clock until it waits, syncs or ends."""
-    ops, op_ptr, amounts, pc, completing, done, finish = program
+    ops, op_ptr, amounts, pc, done, finish = program
     keys, first, count, round_lo, round_hi = rounds[:5]
-    current, started, instances_of, head, tail, live, live_count = rounds[6:13]
+    current, started, instances_of, tail, live, live_count = rounds[6:12]
     clock = ranks[0]
     while True:
         p = pc[rank]
@@ -304,14 +305,8 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
                 live[instances_of[rank] + live_count[rank]] = a
                 live_count[rank] += 1
             _post_round(net, prices, ranks, heap, rounds, rank, a)
-        else:  # COMPLETE: the `a` oldest in flight, round by round (`_Simulator._complete`)
-            if completing[rank] < 0:
-                completing[rank] = a
-            if completing[rank] == 0:
-                completing[rank] = -1
-                pc[rank] = p + 1
-                continue
-            instance = started[instances_of[rank] + head[rank]]
+        else:  # COMPLETE: the `a`-th the rank started, round by round (`_Simulator._complete`)
+            instance = started[instances_of[rank] + a]
             if current[instance] < count[instance]:
                 cell = first[instance] + current[instance]
                 if not _block(
@@ -319,8 +314,7 @@ def _run(program, net, prices, ranks, heap, rounds, rank):
                 ):
                     return
             else:
-                head[rank] += 1
-                completing[rank] -= 1
+                pc[rank] = p + 1
 
 
 @njit(cache=True)
@@ -398,7 +392,7 @@ def run_step(
         slowdown,
         np.zeros(nranks, np.float64),
     )
-    # per rank, its instances in start order: START takes the next, COMPLETE drops the oldest
+    # per rank, its instances in start order: START takes the next, COMPLETE names one
     instances_of = np.zeros(nranks + 1, np.int64)
     for i in range(nranks):
         instances_of[i + 1] = instances_of[i] + np.sum(ops[op_ptr[i] : op_ptr[i + 1], 0] == START)
@@ -413,7 +407,6 @@ def run_step(
         np.zeros(max(instances_of[nranks], 1), np.int64),
         instances_of,
         np.zeros(nranks, np.int64),
-        np.zeros(nranks, np.int64),
         np.zeros(max(instances_of[nranks], 1), np.int64),
         np.zeros(nranks, np.int64),
     )
@@ -424,7 +417,6 @@ def run_step(
         op_ptr,
         amounts,
         op_ptr[:-1].copy(),
-        np.full(nranks, -1, np.int64),
         done,
         finish,
     )

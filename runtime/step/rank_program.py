@@ -30,13 +30,13 @@ posted), are read from the plan's record: the homes before the first task, then 
 the hops of every collective this rank sends. The executor counts what its calls actually send
 and the two must agree.
 
-Here are the program's parts and its `Builder`; `runtime.step.task_events` finds what each task tells
-the builders, once for all ranks, and `runtime.step.programs.build_programs` builds every rank's.
+Here are the program's parts and its `Builder`; `runtime.step.task_events` finds what each task
+tells the builders, once for all ranks, and `runtime.step.programs.build_programs` builds every
+rank's.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -135,10 +135,11 @@ class RankTask:
     #: the rects this rank holds of outputs whose partial sums the task adds up (a grid cutting
     #: a reduction dim, `partitioner.reduction_split`): zeroed before its pieces run
     zero_first: list[tuple[str, Rect]] = field(default_factory=list)
-    #: how many of the collectives this rank started (in start order) must be complete before
-    #: the task runs, and before the copies due after it are posted (`RankProgram.completions`)
-    complete_before: int = 0
-    complete_after: int = 0
+    #: the collectives (by their ordinal in this rank's start order, ascending) to complete
+    #: before the task runs, and before the copies due after it are posted
+    #: (`Builder._completion_points`, `RankProgram.completions`)
+    complete_before: tuple[int, ...] = ()
+    complete_after: tuple[int, ...] = ()
     #: per resident tensor the task reads beyond this rank's home (a sharded parameter), the
     #: bounding box of those reads: a buffer of the step, filled from the home and the copies
     #: fetched for this task, and dropped after it
@@ -224,16 +225,12 @@ class RankProgram:
     @cached_property
     def completions(self) -> list[int]:
         """Per collective, in start order, the position of the task at which it is complete at
-        the latest: the first that touches its tensor or a later collective's, or the step's
-        last task (the step completes what is left at its end). The counts complete before and
-        after each task never fall along the step (`Builder._completion_points`), so the first
-        point past a collective's start that has completed it is found by bisection."""
-        points = [n for rt in self.tasks for n in (rt.complete_before, rt.complete_after)]
-        last = len(self.tasks) - 1
-        out = []
-        for ordinal, (start, _) in enumerate(self.collectives):
-            at = bisect_right(points, ordinal, lo=2 * start + 1)
-            out.append(at // 2 if at < len(points) else last)
+        the latest: the first whose completion points name it (`Builder._completion_points`),
+        or the step's last task (the step completes what is left at its end)."""
+        out = [len(self.tasks) - 1] * len(self.collectives)
+        for rt in self.tasks:
+            for ordinal in (*rt.complete_before, *rt.complete_after):
+                out[ordinal] = rt.index
         return out
 
 
@@ -431,30 +428,36 @@ class Builder:
         )
 
     def _completion_points(self) -> None:
-        """Set each task's `complete_before` and `complete_after`. Collectives complete in the
-        order they started, each before the first task that touches its tensor and before a copy
-        of its tensor is sent (the copy carries the sum): the rule every rank follows, so that
-        no rank blocks in a collective another rank has not reached. Fixed here, the same on
-        every run, so that the buffers a collective holds have a known last use."""
+        """Set each task's `complete_before` and `complete_after`: a collective completes before
+        the first task that touches its tensor and before a copy of its tensor is sent (the copy
+        carries the sum); a sharded home's reduce-scatter before the next task
+        (`RankTask.sums_shards`). Those due at one point complete in the order they started,
+        and the others stay in flight: a weight's all-reduce goes on past the partial sums of
+        the input gradient below it, which the next task needs now.
+
+        No rank blocks for good: collectives start at the same task on all their ranks, and a
+        rank that waits, for a message or a collective, moves on every collective it has
+        started. So in a cycle of ranks each waiting, at point P_i of the step, for a collective
+        C_i that the next has not started (start(C_i) > P_{i+1} ≥ start(C_{i+1})), the start
+        points would fall all round the cycle. Fixed
+        here, the same on every run, so that the buffers a collective holds have a known last
+        use."""
         started = 0
-        #: per tensor, the ordinal of the last collective started on it
-        last: dict[str, int] = {}
-        done = 0
-        prompt = 0  # collectives started so far that complete before the next task
+        #: per tensor, the ordinals of its collectives started and not yet complete
+        pending: dict[str, list[int]] = defaultdict(list)
+        prompt: list[int] = []  # sharded sums started by the task before
         for rt in self.tasks:
-            # no collective started yet touches nothing (the task's tensors are found lazily)
-            touched = (
-                max((last.get(tensor, -1) for tensor in rt.tensors), default=-1) if last else -1
-            )
-            done = rt.complete_before = max(done, touched + 1, prompt)
+            touched = rt.tensors & pending.keys() if pending else ()  # (found lazily)
+            rt.complete_before = _complete(pending, touched, prompt)
+            prompt = []
             for c in rt.collectives:
-                last[c.reduction.tensor] = started
+                pending[c.reduction.tensor].append(started)
+                if c.sharded:
+                    prompt.append(started)
                 started += 1
-            if rt.sums_shards:
-                prompt = started
-            sending = {m.tensor for m in rt.post if m.src == self.rank}
-            touched = max((last.get(tensor, -1) for tensor in sending), default=-1)
-            done = rt.complete_after = max(done, touched + 1)
+            sending = {m.tensor for m in rt.post if m.src == self.rank} & pending.keys()
+            rt.complete_after = _complete(pending, sending, ())
+            prompt = [o for o in prompt if o not in rt.complete_after]
 
     def program(self, messages: int) -> RankProgram:
         self._completion_points()
@@ -466,3 +469,19 @@ class Builder:
         return RankProgram(
             self.rank, self.nranks, self.tasks, self.at_start, boxes, self.bytes_planned, messages
         )
+
+
+def _complete(
+    pending: dict[str, list[int]], tensors: Iterable[str], ordinals: Iterable[int]
+) -> tuple[int, ...]:
+    """Take out of `pending` the collectives on `tensors` and those `ordinals` name; returns
+    them in start order."""
+    now = {o for tensor in tensors for o in pending.pop(tensor)}
+    named = set(ordinals) - now
+    if named:
+        now |= named
+        for tensor in [t for t, listed in pending.items() if named.intersection(listed)]:
+            pending[tensor] = [o for o in pending[tensor] if o not in named]
+            if not pending[tensor]:
+                del pending[tensor]
+    return tuple(sorted(now))

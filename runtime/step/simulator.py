@@ -105,7 +105,7 @@ class _Transfer:
     end: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # each is itself: two alike in flight are two collectives
 class _Running:
     """A rank's collective in flight: the keys of each round that concern this rank."""
 
@@ -161,6 +161,8 @@ class _Simulator:
         self.computing = {rank: 0.0 for rank in programs}
         self.timeline: list[tuple[int, int, float, float]] = []
         self.running: dict[int, list[_Running]] = {rank: [] for rank in programs}
+        #: per rank, every collective it started, in start order (`RankTask.complete_before`)
+        self.started: dict[int, list[_Running]] = {rank: [] for rank in programs}
         self.sends: dict[int, list[Key]] = {rank: [] for rank in programs}
         #: per rank, the keys it is blocked on (None while it runs)
         self.blocked: dict[int, list[Key] | None] = {rank: None for rank in programs}
@@ -276,6 +278,7 @@ class _Simulator:
             adds.append(added)
         running = _Running(rounds, adds)
         self.running[rank].append(running)
+        self.started[rank].append(running)
         self._post_round(rank, running)
 
     def _post_round(self, rank: int, running: _Running) -> None:
@@ -325,10 +328,8 @@ class _Simulator:
         self.clock[rank] += passes.at_start * slow
         yield _SYNC
         self._messages(rank, program.post_at_start)
-        completed = 0
         for position, rt in enumerate(program.tasks):
-            yield from self._complete(rank, rt.complete_before - completed)
-            completed = max(completed, rt.complete_before)
+            yield from self._complete(rank, [self.started[rank][o] for o in rt.complete_before])
             self.clock[rank] += passes.before_copies[position] * slow
             self._messages(rank, rt.partial_in)
             yield [("m", m.seq) for m in rt.copies_in]
@@ -350,11 +351,10 @@ class _Simulator:
             self.clock[rank] += self._stretched(rank, passes.after_partial_in[position] * slow)
             for collective in rt.collectives:
                 self._start_collective(rank, collective)
-            yield from self._complete(rank, rt.complete_after - completed)
-            completed = max(completed, rt.complete_after)
+            yield from self._complete(rank, [self.started[rank][o] for o in rt.complete_after])
             self._messages(rank, rt.post)
             yield _PROGRESS
-        yield from self._complete(rank, len(self.running[rank]))
+        yield from self._complete(rank, list(self.running[rank]))
         yield list(self.sends[rank])
 
     def _stretched(self, rank: int, seconds: float) -> float:
@@ -395,14 +395,13 @@ class _Simulator:
         self.egress[out] = max(self.egress[out], end)
         self.ingress[into] = max(self.ingress[into], end)
 
-    def _complete(self, rank: int, count: int) -> Generator[object, None, None]:
-        """Complete the rank's `count` oldest collectives in flight, in the order they started:
-        the program's completion points (`RankTask.complete_before`), as the runtime does."""
-        for _ in range(max(count, 0)):
-            running = self.running[rank][0]  # still in the list, which `_advance` moves on
-            while running.round < len(running.rounds):
+    def _complete(self, rank: int, due: list[_Running]) -> Generator[object, None, None]:
+        """Complete the rank's collectives `due`, one after another, as the runtime does at the
+        program's completion points (`RankTask.complete_before`); the others stay in flight."""
+        for running in due:
+            while running.round < len(running.rounds):  # `_advance` moves it on meanwhile
                 yield list(running.rounds[running.round])
-            self.running[rank].pop(0)
+            self.running[rank].remove(running)
 
     def _run(self, rank: int) -> None:
         """Go on with `rank` at its clock until it waits, syncs or ends."""

@@ -102,6 +102,49 @@ def test_a_collective_round_follows_only_when_the_rank_calls_into_mpi(middle):
     assert step.seconds == pytest.approx(expected)
 
 
+def reads(tensor: str) -> Task:
+    from legion_nn.ir import Requirement
+    from legion_nn.privilege import Privilege
+
+    read = Requirement(tensor, "input", Privilege.READ, Rect((0,), (1,)), None)
+    return Task(f"reads {tensor}", "relu", "backward", (1,), {}, (read,), Rect((0,), (1,)))
+
+
+@pytest.mark.parametrize("simulate", [simulate_step, simulate_compiled])
+@pytest.mark.parametrize("in_start_order", [False, True])
+def test_a_collective_completes_where_it_is_due_while_an_older_one_goes_on(
+    simulate, in_start_order
+):
+    """A weight's two-round all-reduce (1 MB a hop, 0.5 s) starts at task 0; task 1 computes
+    0.2 s and starts a one-round exchange of 1 kB on `h`, which task 2 reads (1 s of compute);
+    the update reads the weight's sum. `h`'s hops queue behind the weight's first round, to
+    0.5005, and the weight's second round goes out after them, to 1.0005. Due where it is
+    read, `h` completes at 0.5005 and task 2 runs while the weight's round is on the wire:
+    1.5005 s. Completed in start order, task 2 waited for the weight first: 2.0005."""
+    weight = two_round_allreduce(1_000_000)
+    n = 250
+    reduction = Reduction("h", "allreduce", (0, 1), ((Rect((0,), (n,)), (0, 1)),), 4)
+    exchange = Collective(
+        reduction, reduction.targets, [[Hop(0, 1, 0, n, True), Hop(1, 0, 0, n, True)]], 200
+    )
+    before_h, before_update = ((0, 1), ()) if in_start_order else ((1,), (0,))
+    programs = {
+        rank: program(
+            rank,
+            [
+                RankTask(0, task("backward"), collectives=[weight]),
+                RankTask(1, task("below"), collectives=[exchange]),
+                RankTask(2, reads("h"), complete_before=before_h),
+                RankTask(3, update_of_g(), complete_before=before_update),
+            ],
+        )
+        for rank in (0, 1)
+    }
+    compute = {rank: [0.0, 0.2, 1.0, 0.0] for rank in (0, 1)}
+    step = simulate(programs, compute, MACHINE, links(alpha=0.0, beta=1e-6 / 2))
+    assert step.seconds == pytest.approx(2.0005 if in_start_order else 1.5005)
+
+
 @pytest.mark.parametrize("simulate", [simulate_step, simulate_compiled])
 @pytest.mark.parametrize("middle", [5.0, 0.2])
 def test_the_network_stack_takes_cpu_from_a_kernel_only_while_both_run(middle, simulate):
