@@ -100,7 +100,7 @@ class PieceWork:
 
 class _found_once:
     """`functools.cached_property` without its lock, which Python 3.11 takes at every first
-    access: a step's rank tasks (resnet18's 64 ranks: 26,816 of them) ask two each. The value
+    access: a step's rank tasks (resnet18's 64 ranks: 26,816 of them) ask it once each. The value
     is kept in the instance's `__dict__`, where later reads find it first."""
 
     def __init__(self, find: Callable[[Any], Any]) -> None:
@@ -172,13 +172,6 @@ class RankTask:
         names.update(self.local_parts)
         names.update(tensor for tensor, _ in self.zero_first)
         return frozenset(names)
-
-    @_found_once
-    def sums_shards(self) -> bool:
-        """Whether a collective the task starts sums a parameter's gradient onto shards of it
-        (a sharded home's reduce-scatter): it completes before the next task, since its
-        buffers are the size of the whole gradient, which a sharded home exists not to hold."""
-        return any(c.sharded for c in self.collectives)
 
 
 @dataclass
@@ -430,18 +423,18 @@ class Builder:
     def _completion_points(self) -> None:
         """Set each task's `complete_before` and `complete_after`: a collective completes before
         the first task that touches its tensor and before a copy of its tensor is sent (the copy
-        carries the sum); a sharded home's reduce-scatter before the next task
-        (`RankTask.sums_shards`). Those due at one point complete in the order they started,
-        and the others stay in flight: a weight's all-reduce goes on past the partial sums of
-        the input gradient below it, which the next task needs now.
+        carries the sum); a sharded home's reduce-scatter before the next task, since its
+        buffers are the size of the whole gradient, which a sharded home exists not to hold.
+        Those due at one point complete in the order they started, and the others stay in
+        flight: a weight's all-reduce goes on past the partial sums of the input gradient below
+        it, which the next task needs now.
 
         No rank blocks for good: collectives start at the same task on all their ranks, and a
         rank that waits, for a message or a collective, moves on every collective it has
         started. So in a cycle of ranks each waiting, at point P_i of the step, for a collective
         C_i that the next has not started (start(C_i) > P_{i+1} ≥ start(C_{i+1})), the start
-        points would fall all round the cycle. Fixed
-        here, the same on every run, so that the buffers a collective holds have a known last
-        use."""
+        points would fall all round the cycle. Fixed here, the same on every run, so that the
+        buffers a collective holds have a known last use."""
         started = 0
         #: per tensor, the ordinals of its collectives started and not yet complete
         pending: dict[str, list[int]] = defaultdict(list)
