@@ -102,12 +102,18 @@ def _allreduce_seconds(p: int, n: int, machine: Machine) -> dict[str, float]:
     return {"ring": ring, "halving": halving, "tree": tree}
 
 
+def _may_halve(p):
+    """Whether a collective over `p` ranks (a number or an array of them) may run by halving: not
+    on two, where halving is the ring's own hops, which priced apart might round apart."""
+    return np.asarray(p) > 2
+
+
 def allreduce_algorithm(p: int, n: int, machine: Machine) -> tuple[str, float]:
     """(the algorithm, "ring", "halving" or "tree", and its seconds) an all-reduce of `n` bytes
     over `p` ranks runs: the one `_allreduce_seconds` prices least (`collectives.schedule` runs
     what this prices)."""
     seconds = _allreduce_seconds(p, n, machine)
-    if p == 2:  # halving-doubling is the ring's two hops: priced apart, they may round apart
+    if not _may_halve(p):
         del seconds["halving"]
     name = min(seconds, key=seconds.__getitem__)
     return name, seconds[name]
@@ -139,7 +145,7 @@ def reduce_scatter_algorithm(p: int, n: int, largest: int, machine: Machine) -> 
     `p` ranks, the largest owner's share `largest`, runs: the one `_reduce_scatter_seconds`
     prices less, the ring where they tie (on two ranks they are the same hops)."""
     ring, halving = (float(x) for x in _reduce_scatter_seconds(p, n, largest, machine))
-    return ("halving", halving) if p > 2 and halving < ring else ("ring", ring)
+    return ("halving", halving) if _may_halve(p) and halving < ring else ("ring", ring)
 
 
 def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:
@@ -157,7 +163,7 @@ def collective_costs(
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
     ring_scatter, halving = _reduce_scatter_seconds(p, n, largest, machine)
-    scatter = np.where((p > 2) & (halving < ring_scatter), halving, ring_scatter)
+    scatter = np.where(_may_halve(p) & (halving < ring_scatter), halving, ring_scatter)
     tree, ring = _reduce_seconds(p, n, machine)
     by_tree = tree <= ring
     seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)
