@@ -63,20 +63,33 @@ def compare(network: str, nranks: int, strategy: str, batch: int, machine: Machi
     return out
 
 
+#: how a case is written on the command line (the batch 256 where left out)
+CASE_FORM = "NETWORK:RANKS:STRATEGY[:BATCH]"
+
+
+def plan_case(text: str) -> tuple[str, int, str, int] | None:
+    """(network, ranks, strategy, batch) of a case written as `CASE_FORM`, else None."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[1].isdigit():
+        return None
+    if len(parts) == 4 and not parts[3].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 256
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cases", nargs="+", help="NETWORK:RANKS:STRATEGY[:BATCH] (batch 256)")
+    parser.add_argument("cases", nargs="+", help=f"{CASE_FORM} (batch 256)")
     parser.add_argument("--machine", default=None, help="a machine file (default: built-in)")
     args = parser.parse_args(argv)
     machine = load_machine(args.machine)
     print(f"{'case':34s} {'chosen':>10s} " + " ".join(f"{a:>8s}" for a in ALGORITHMS) + "  summed")
     for case in args.cases:
-        parts = case.split(":")
-        if len(parts) not in (3, 4) or not parts[1].isdigit():
-            print(f"collective_algorithms: {case!r} is not NETWORK:RANKS:STRATEGY[:BATCH]")
+        parsed = plan_case(case)
+        if parsed is None:
+            print(f"collective_algorithms: {case!r} is not {CASE_FORM}")
             return 2
-        batch = int(parts[3]) if len(parts) == 4 else 256
-        found = compare(parts[0], int(parts[1]), parts[2], batch, machine)
+        found = compare(*parsed, machine)
         chosen = found["chosen"]
         ratios = " ".join(
             f"{found[a] / chosen:7.3f}x" if found[a] and chosen else f"{'-':>8s}"

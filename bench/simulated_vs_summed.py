@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.collective_algorithms import CASE_FORM, plan_case
 from legion_nn.networks import load_network
 from partitioner.cost import bulk_seconds
 from partitioner.machine import Machine
@@ -47,18 +48,17 @@ def compare(network: str, nranks: int, strategy: str, batch: int, machine: Machi
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cases", nargs="+", help="NETWORK:RANKS:STRATEGY[:BATCH] (batch 256)")
+    parser.add_argument("cases", nargs="+", help=f"{CASE_FORM} (batch 256)")
     parser.add_argument("--machine", default=None, help="a machine file (default: built-in)")
     args = parser.parse_args(argv)
     machine = load_machine(args.machine)
     print(f"{'case':30s} {'summed':>10s} {'simulated':>10s} {'ratio':>7s} {'took':>8s}")
     for case in args.cases:
-        parts = case.split(":")
-        if len(parts) not in (3, 4) or not parts[1].isdigit():
-            print(f"simulated_vs_summed: {case!r} is not NETWORK:RANKS:STRATEGY[:BATCH]")
+        parsed = plan_case(case)
+        if parsed is None:
+            print(f"simulated_vs_summed: {case!r} is not {CASE_FORM}")
             return 2
-        batch = int(parts[3]) if len(parts) == 4 else 256
-        found = compare(parts[0], int(parts[1]), parts[2], batch, machine)
+        found = compare(*parsed, machine)
         ratio = found["simulated"] / found["summed"]
         print(
             f"{case:30s} {found['summed']:9.4f}s {found['simulated']:9.4f}s {ratio:6.3f}x"
