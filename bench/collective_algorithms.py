@@ -77,18 +77,31 @@ def plan_case(text: str) -> tuple[str, int, str, int] | None:
     return parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 256
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cases_and_machine(
+    tool: str, description: str, argv: list[str] | None
+) -> tuple[list[tuple[str, tuple[str, int, str, int]]], Machine]:
+    """A plan tool's command line: its cases, each as written and parsed (`plan_case`), and
+    its machine (`--machine F`, default the built-in one). A case not in `CASE_FORM` ends the
+    tool with one line and exit 2."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("cases", nargs="+", help=f"{CASE_FORM} (batch 256)")
     parser.add_argument("--machine", default=None, help="a machine file (default: built-in)")
     args = parser.parse_args(argv)
-    machine = load_machine(args.machine)
-    print(f"{'case':34s} {'chosen':>10s} " + " ".join(f"{a:>8s}" for a in ALGORITHMS) + "  summed")
-    for case in args.cases:
-        parsed = plan_case(case)
+    cases = []
+    for text in args.cases:
+        parsed = plan_case(text)
         if parsed is None:
-            print(f"collective_algorithms: {case!r} is not {CASE_FORM}")
-            return 2
+            print(f"{tool}: {text!r} is not {CASE_FORM}", file=sys.stderr)
+            raise SystemExit(2)
+        cases.append((text, parsed))
+    return cases, load_machine(args.machine)
+
+
+def main(argv: list[str] | None = None) -> int:
+    description = __doc__.split("\n\n")[0]
+    cases, machine = cases_and_machine("collective_algorithms", description, argv)
+    print(f"{'case':34s} {'chosen':>10s} " + " ".join(f"{a:>8s}" for a in ALGORITHMS) + "  summed")
+    for case, parsed in cases:
         found = compare(*parsed, machine)
         chosen = found["chosen"]
         ratios = " ".join(

@@ -13,18 +13,16 @@ simulation took (building the programs included). STRATEGY is a built-in or `aut
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.collective_algorithms import CASE_FORM, plan_case
+from bench.collective_algorithms import cases_and_machine
 from legion_nn.networks import load_network
 from partitioner.cost import bulk_seconds
 from partitioner.machine import Machine
-from partitioner.machine_file import load_machine
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin
@@ -47,17 +45,10 @@ def compare(network: str, nranks: int, strategy: str, batch: int, machine: Machi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cases", nargs="+", help=f"{CASE_FORM} (batch 256)")
-    parser.add_argument("--machine", default=None, help="a machine file (default: built-in)")
-    args = parser.parse_args(argv)
-    machine = load_machine(args.machine)
+    description = __doc__.split("\n\n")[0]
+    cases, machine = cases_and_machine("simulated_vs_summed", description, argv)
     print(f"{'case':30s} {'summed':>10s} {'simulated':>10s} {'ratio':>7s} {'took':>8s}")
-    for case in args.cases:
-        parsed = plan_case(case)
-        if parsed is None:
-            print(f"simulated_vs_summed: {case!r} is not {CASE_FORM}")
-            return 2
+    for case, parsed in cases:
         found = compare(*parsed, machine)
         ratio = found["simulated"] / found["summed"]
         print(
