@@ -79,10 +79,10 @@ def plan_case(text: str) -> tuple[str, int, str, int] | None:
 
 def cases_and_machine(
     tool: str, description: str, argv: list[str] | None
-) -> tuple[list[tuple[str, tuple[str, int, str, int]]], Machine]:
+) -> tuple[list[tuple[str, tuple[str, int, str, int]]], Machine] | None:
     """A plan tool's command line: its cases, each as written and parsed (`plan_case`), and
-    its machine (`--machine F`, default the built-in one). A case not in `CASE_FORM` ends the
-    tool with one line and exit 2."""
+    its machine (`--machine F`, default the built-in one); None, after one line naming it,
+    where a case is not in `CASE_FORM` (the tool exits 2)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("cases", nargs="+", help=f"{CASE_FORM} (batch 256)")
     parser.add_argument("--machine", default=None, help="a machine file (default: built-in)")
@@ -92,14 +92,17 @@ def cases_and_machine(
         parsed = plan_case(text)
         if parsed is None:
             print(f"{tool}: {text!r} is not {CASE_FORM}", file=sys.stderr)
-            raise SystemExit(2)
+            return None
         cases.append((text, parsed))
     return cases, load_machine(args.machine)
 
 
 def main(argv: list[str] | None = None) -> int:
     description = __doc__.split("\n\n")[0]
-    cases, machine = cases_and_machine("collective_algorithms", description, argv)
+    command_line = cases_and_machine("collective_algorithms", description, argv)
+    if command_line is None:
+        return 2
+    cases, machine = command_line
     print(f"{'case':34s} {'chosen':>10s} " + " ".join(f"{a:>8s}" for a in ALGORITHMS) + "  summed")
     for case, parsed in cases:
         found = compare(*parsed, machine)

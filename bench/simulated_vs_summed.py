@@ -46,7 +46,10 @@ def compare(network: str, nranks: int, strategy: str, batch: int, machine: Machi
 
 def main(argv: list[str] | None = None) -> int:
     description = __doc__.split("\n\n")[0]
-    cases, machine = cases_and_machine("simulated_vs_summed", description, argv)
+    command_line = cases_and_machine("simulated_vs_summed", description, argv)
+    if command_line is None:
+        return 2
+    cases, machine = command_line
     print(f"{'case':30s} {'summed':>10s} {'simulated':>10s} {'ratio':>7s} {'took':>8s}")
     for case, parsed in cases:
         found = compare(*parsed, machine)
