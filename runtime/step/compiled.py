@@ -272,7 +272,7 @@ class _Flattener:
         self.ops.append((SYNC, 0, 0))
         post(at_start)
         sends = [m for m in at_start if m.src == rank]
-        completed = started = 0
+        started = 0
         for position, rt in enumerate(program.tasks):
             moved = copies_in, partial_in, partial_out, posted = (
                 rt.copies_in, rt.partial_in, rt.partial_out, rt.post
@@ -280,7 +280,6 @@ class _Flattener:
             if own is not None and any(moved):
                 copies_in, partial_in, partial_out, posted = _own(own, moved)
             self.ops += [(COMPLETE, ordinal, 0) for ordinal in rt.complete_before]
-            completed += len(rt.complete_before)
             self.add(passes.before_copies[position] * slow)
             post(partial_in)
             wait(copies_in)
@@ -297,14 +296,12 @@ class _Flattener:
                 patches.append((len(self.ops) - 1 - first, START, collective))
                 started += 1
             self.ops += [(COMPLETE, ordinal, 0) for ordinal in rt.complete_after]
-            completed += len(rt.complete_after)
             post(posted)
             self.ops.append((PROGRESS, 0, 0))
             if partial_out or posted:
                 sends += [m for m in (*partial_out, *posted) if m.src == rank]
-        if started > completed:  # what is left, in start order
-            due = {o for rt in program.tasks for o in (*rt.complete_before, *rt.complete_after)}
-            self.ops += [(COMPLETE, ordinal, 0) for ordinal in range(started) if ordinal not in due]
+        due = {o for rt in program.tasks for o in (*rt.complete_before, *rt.complete_after)}
+        self.ops += [(COMPLETE, o, 0) for o in range(started) if o not in due]  # the rest, in order
         self.ops.append((WAIT, *self._every_send(rank, [m.seq for m in sends])))
         self.waits += 1
         patches.append((len(self.ops) - 1 - first, _EVERY_SEND, sends))
