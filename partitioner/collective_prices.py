@@ -145,7 +145,13 @@ def reduce_scatter_algorithm(p: int, n: int, largest: int, machine: Machine) -> 
     `p` ranks, the largest owner's share `largest`, runs: the one `_reduce_scatter_seconds`
     prices less, the ring where they tie (on two ranks they are the same hops)."""
     ring, halving = (float(x) for x in _reduce_scatter_seconds(p, n, largest, machine))
-    return ("halving", halving) if _may_halve(p) and halving < ring else ("ring", ring)
+    return ("halving", halving) if _halving_wins(p, ring, halving) else ("ring", ring)
+
+
+def _halving_wins(p, ring, halving):
+    """Whether a reduce-scatter over `p` ranks whose ring and halving take `ring` and `halving`
+    seconds (numbers, or arrays of many) halves: where it may, and prices less."""
+    return _may_halve(p) & (halving < ring)
 
 
 def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:
@@ -163,7 +169,7 @@ def collective_costs(
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
     ring_scatter, halving = _reduce_scatter_seconds(p, n, largest, machine)
-    scatter = np.where(_may_halve(p) & (halving < ring_scatter), halving, ring_scatter)
+    scatter = np.where(_halving_wins(p, ring_scatter, halving), halving, ring_scatter)
     tree, ring = _reduce_seconds(p, n, machine)
     by_tree = tree <= ring
     seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)
