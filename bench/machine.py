@@ -38,7 +38,8 @@ that the cores of a host stay with the rank measuring), and writes the file:
   messages, `MESSAGE_JOB` (a small network cut by channels over all ranks, its pieces timed
   first), and the cost is what makes the simulated step (`runtime.step.simulator`) equal the
   measured one: each rank's bookkeeping and MPI calls per message, beyond the link's latency
-  (the median of `MESSAGE_ROUNDS` runs, each in `measured_on`);
+  (the median of `MESSAGE_ROUNDS` runs, each fit and each run's measured and one-rank steps
+  in `measured_on`);
 - what the network stack costs a rank's kernels per byte it sends or receives between hosts
   (`network_cpu_ns_per_byte`), and how fast those bytes cross while the kernel runs
   (`computing_gbytes_per_s` into the kernel's rank and `computing_send_gbytes_per_s` out of
@@ -71,7 +72,13 @@ from pathlib import Path
 
 from bench.calibration import buffer_pass_rates, calibrate, memory_bandwidth
 from bench.jobs import MIN_TIMED_S, OPTIMIZER
-from bench.message_costs import MESSAGE_JOB, message_overhead_us, network_stack_costs
+from bench.message_costs import (
+    MESSAGE_JOB,
+    MESSAGE_ROUNDS,
+    QUICK_MESSAGE_ROUNDS,
+    message_overhead_us,
+    network_stack_costs,
+)
 from bench.task_profile import profile_as_run, profile_plan, sample_step
 from bench.traced_steps import (
     CALIBRATION_STEPS,
@@ -340,7 +347,10 @@ def measure(
             }  # fmt: skip
         transport = mpi.MPITransport()
         try:
-            per_message = message_overhead_us(transport, fitted if rank == 0 else {}, threads)
+            per_message = message_overhead_us(
+                transport, fitted if rank == 0 else {}, threads,
+                QUICK_MESSAGE_ROUNDS if quick else MESSAGE_ROUNDS,
+            )  # fmt: skip
             if host_count > 1:
                 if rank == 0:
                     say("the network stack's CPU: a kernel beside a stream, each way")
@@ -387,6 +397,7 @@ def measure(
             "threads_per_rank": threads,
             "links_measured": [name for name, _, _ in pairs] or "none (one process)",
             **({"message_overhead_rounds_us": per_message["rounds"]} if per_message else {}),
+            **({"message_job_steps_s": per_message["steps"]} if per_message else {}),
             **({"network_stack_rounds": stack.rounds} if stack is not None else {}),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "legion_nn": _version(),

@@ -37,12 +37,21 @@ MESSAGE_JOB = ("seed-lcn-small", 4, "model")
 MESSAGE_STEPS = 40
 #: the message job's measurements, each fitted on its own: the cost is their median. One job's
 #: fit moved from 57 to 91 us in five runs on a quiet emulated cluster (and to over 300 us with
-#: other work beside it), since it is the difference of two measured steps over their messages
-MESSAGE_ROUNDS = 3
+#: other work beside it), since it is the difference of two measured steps over their messages.
+#: Its step moves between two speeds from run to run (on nic-egress, 3.4-3.8 ms, or 5.0-6.2 ms
+#: where a rank's kernels took 3.4-3.6 ms a step where they take 2.0-2.3: ten runs of 40 steps,
+#: the job alone beside each at 2.1-2.3 ms), so three runs fitted 208, 20 and 30 us in one file
+#: and 212, 209 and 120 in another made minutes before; seed-lcn-small's model plan at batch 64
+#: was then predicted 26% short on the first. Nine runs, as two files of eight: 117 and 154 us.
+MESSAGE_ROUNDS = 9
+#: and `bench machine --quick`'s (the tests')
+QUICK_MESSAGE_ROUNDS = 3
 
 
-def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
-    """Run `MESSAGE_JOB` on every rank of `transport`, `MESSAGE_ROUNDS` times, and on rank 0
+def message_overhead_us(
+    transport, fitted: dict, threads: int, rounds: int = MESSAGE_ROUNDS
+) -> dict | None:
+    """Run `MESSAGE_JOB` on every rank of `transport`, `rounds` times, and on rank 0
     fit the runtime's cost per message endpoint to each, in us: the cost at which the simulated
     step of the job's plan falls short of its measured step (the median over its steps of the
     slowest rank's) by as much as the job's simulated step on one rank falls short of its own,
@@ -50,7 +59,8 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
     calibration's, `fitted`), found by bisection (the simulated step grows with it). The job's
     pieces are timed on rank 0, so that its compute is measured, not modelled, and the
     simulation shares the cores as the job's ranks did (`host_cores`). Rank 0 returns
-    `{"us": the median, "rounds": each round's}`; the others None."""
+    `{"us": the median, "rounds": each round's, "steps": each round's measured step, one-rank
+    step and one-rank simulated step}`; the others None."""
     from partitioner.machine import Machine
     from runtime import mpi_transport as mpi
     from runtime.step.prediction import predict_step
@@ -79,8 +89,8 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
         # a plan's programs follow its links, not the cost per message: built once for the fit
         programs = build_programs(graph, plan, base, range(plan.nranks))
         alone_simulated = predict_step(graph, one, base).seconds
-    rounds = []
-    for _ in range(MESSAGE_ROUNDS):
+    fits, steps = [], []
+    for _ in range(rounds):
         mpi.idle_barrier()
         log = io.StringIO()
         train_rank(config, transport, RunOptions(strategy=strategy), log=log)
@@ -98,10 +108,11 @@ def message_overhead_us(transport, fitted: dict, threads: int) -> dict | None:
         # what the one-rank step takes beyond its simulated tasks (the loop, the job's own
         # per-task costs at these sizes) the R-rank step takes too, as it runs the same tasks
         target = measured - (measured_alone - alone_simulated)
-        rounds.append(_fitted_overhead_us(graph, plan, programs, base, target))
+        fits.append(_fitted_overhead_us(graph, plan, programs, base, target))
+        steps.append([measured, measured_alone, alone_simulated])
     if transport.rank != 0:
         return None
-    return {"us": statistics.median(rounds), "rounds": rounds}
+    return {"us": statistics.median(fits), "rounds": fits, "steps": steps}
 
 
 def _fitted_overhead_us(graph, plan, programs, base, target: float) -> float:

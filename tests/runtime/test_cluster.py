@@ -431,3 +431,6 @@ def test_bench_machine_measures_the_link_between_hosts(clean, tmp_path):
     assert "computing_gbytes_per_s" not in data and "computing_send_gbytes_per_s" not in data
     rounds = data["measured_on"]["message_overhead_rounds_us"]
     assert len(rounds) == 3 and data["message_overhead_us"] == sorted(rounds)[1] >= 0
+    # each fit's job: its measured step, and its step alone measured and simulated
+    steps = data["measured_on"]["message_job_steps_s"]
+    assert len(steps) == 3 and all(len(row) == 3 and min(row) > 0 for row in steps)
