@@ -415,6 +415,37 @@ def _computing(row: dict) -> str:
     return f"{measured:.0%}/{predicted:.0%}"
 
 
+def kernel_ratio(row: dict) -> float | None:
+    """A row's kernel seconds a step, measured over predicted (its computing shares times its
+    steps); None where either share is unknown. Kernels the calibration of one rank prices
+    (`Machine.compute_factor`) that run slower beside a step's messages show here."""
+    measured, predicted = (
+        row.get("compute_fraction_measured"),
+        row.get("compute_fraction_predicted"),
+    )
+    if not measured or not predicted or "measured_s" not in row or not row["predicted_s"]:
+        return None
+    return measured * row["measured_s"] / (predicted * row["predicted_s"])
+
+
+def _kernels(row: dict) -> str:
+    ratio = kernel_ratio(row)
+    return "-" if ratio is None else f"x{ratio:.2f}"
+
+
+def _kernel_spread(rows: list[dict]) -> str | None:
+    """The range of the rows' kernel ratios, one host apart from the rest."""
+    parts = []
+    for label, alone in (("one host", True), ("the rest", False)):
+        found = sorted(
+            r for row in rows if (row["strategy"] == ONE_HOST) == alone
+            if (r := kernel_ratio(row)) is not None
+        )  # fmt: skip
+        if found:
+            parts.append(f"{label} x{found[0]:.2f}-{found[-1]:.2f}")
+    return f"kernels measured over predicted: {', '.join(parts)}" if parts else None
+
+
 def format_table(report: dict) -> str:
     # a strategy file's stem, or a network's spec file, may be longer than the built-ins' names
     rows = report["results"]
@@ -427,7 +458,7 @@ def format_table(report: dict) -> str:
         (
             f"{'variant':{vary}s} {'link':>9s} {'network':{wide}s} {'batch':>5s} "
             f"{'strategy':{width}s} {'measured':>10s} {'predicted':>10s} {'error':>7s} "
-            f"{'computing':>9s} {'bytes/step':>14s}  auto chose"
+            f"{'computing':>9s} {'kernels':>7s} {'bytes/step':>14s}  auto chose"
         ),
     ]
     for row in rows:
@@ -440,7 +471,8 @@ def format_table(report: dict) -> str:
             continue
         lines.append(
             f"{head} {row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "
-            f"{_computing(row):>9s} {row['bytes_per_step']:14,d}  {row['auto_chose']}"
+            f"{_computing(row):>9s} {_kernels(row):>7s} {row['bytes_per_step']:14,d}"
+            f"  {row['auto_chose']}"
         )
     summary = report.get("summary") or summarize(rows)
     for case in summary["cases"]:
@@ -458,6 +490,9 @@ def format_table(report: dict) -> str:
                 f"({case['best']})"
             )
         lines.append(line)
+    kernels = _kernel_spread([row for row in rows if "failed" not in row])
+    if kernels:
+        lines.append(kernels)
     if summary["predictions"]:
         lines.append(
             f"{summary['predictions']} predictions: mean absolute error "

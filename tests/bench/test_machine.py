@@ -344,6 +344,11 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     assert table[3].split()[:5] == ["1gbit", "1gbit", MLP, "8", "megatron-col-row-2"]
     # the share of the step a rank computes, measured (the log's) against predicted
     assert f"40%/{predicted_share:.0%}" in table[3].split()
+    # and its kernels' seconds a step, measured over predicted
+    kernels = 0.4 * 0.5 / (predicted_share * expected["predicted_s"])
+    assert f"x{kernels:.2f}" in table[3].split()
+    spread = next(line for line in table if line.startswith("kernels measured over predicted"))
+    assert "one host x" in spread and "the rest x" in spread
     # the columns line up under the longer label and network
     assert table[1].index("measured") + len("measured") == table[3].index("0.5000s") + 7
 
