@@ -417,8 +417,8 @@ def _computing(row: dict) -> str:
 
 def kernel_ratio(row: dict) -> float | None:
     """A row's kernel seconds a step, measured over predicted (its computing shares times its
-    steps); None where either share is unknown. Kernels the calibration of one rank prices
-    (`Machine.compute_factor`) that run slower beside a step's messages show here."""
+    steps); None where either share is unknown. Far from 1, the step's kernels ran other than
+    the one-rank calibration (`Machine.compute_factor`) and the stack's CPU a byte price them."""
     measured, predicted = (
         row.get("compute_fraction_measured"),
         row.get("compute_fraction_predicted"),

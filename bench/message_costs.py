@@ -38,7 +38,7 @@ MESSAGE_STEPS = 40
 #: the message job's measurements, each fitted on its own: the cost is their median. One job's
 #: fit moved from 57 to 91 us in five runs on a quiet emulated cluster (and to over 300 us with
 #: other work beside it), since it is the difference of two measured steps over their messages.
-#: Its step moves between two speeds from run to run (on nic-egress, 3.4-3.8 ms, or 5.0-6.2 ms
+#: Its step moves between two speeds from run to run (on nic-egress, 3.4-4.7 ms, or 5.0-6.3 ms
 #: where a rank's kernels took 3.4-3.6 ms a step where they take 2.0-2.3: ten runs of 40 steps,
 #: the job alone beside each at 2.1-2.3 ms), so three runs fitted 208, 20 and 30 us in one file
 #: and 212, 209 and 120 in another made minutes before; seed-lcn-small's model plan at batch 64
