@@ -8,7 +8,8 @@ A change to the model is checked against runs, and one cluster variant's run tak
 minutes of a machine that must do nothing else meanwhile; its measured steps do not depend on
 the model, so a saved run checks a model change in seconds. Each row prints the measured step,
 the prediction the run made and the one made now (`cluster_scaling.predict`, as `bench scaling`
-makes it), and the errors; the mean absolute error and the count within 15% close the table.
+makes it), the errors, and the run's kernel seconds a step over those predicted now
+(`cluster_scaling.kernel_ratio`); the mean absolute error and the count within 15% close the table.
 A change to the runtime, or to what `bench machine` measures, needs the runs made again. `auto`
 searches again: where it now chooses other families than the run's, the row says so, and its
 measured step is that of the plan chosen then. Strategy files named by a run must still be where
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cluster_scaling import CASE_KEYS, ONE_HOST, error_verdicts, predict
+from bench.cluster_scaling import CASE_KEYS, ONE_HOST, error_verdicts, kernel_ratio, predict
 from partitioner.machine_file import machine_from_json
 
 
@@ -48,6 +49,14 @@ def repredicted(run: dict, where: str) -> list[dict]:
                 "predicted_now_s": now["predicted_s"],
                 "error_now": now["predicted_s"] / row["measured_s"] - 1.0,
                 "auto_chose_now": now["auto_chose"],
+                # the run's kernel seconds over those predicted now (None: not measured)
+                "kernels_now": kernel_ratio(
+                    row
+                    | {
+                        "predicted_s": now["predicted_s"],
+                        "compute_fraction_predicted": now["compute_fraction_predicted"],
+                    }
+                ),
             }
         )
     return rows
@@ -70,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += repredicted(json.loads(Path(path).read_text()), path)
     print(
         f"{'variant':12} {'network':16} {'batch':>5} {'strategy':14} {'measured':>9} "
-        f"{'then':>9} {'now':>9} {'error then':>10} {'error now':>9}"
+        f"{'then':>9} {'now':>9} {'error then':>10} {'error now':>9} {'kernels':>7}"
     )
     for r in rows:
         moved = (
@@ -81,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['variant']:12} {r['network']:16} {r['batch']:5d} {r['strategy']:14} "
             f"{r['measured_s']:8.4f}s {r['predicted_s']:8.4f}s {r['predicted_now_s']:8.4f}s "
-            f"{100 * r['error_then']:+9.1f}% {100 * r['error_now']:+8.1f}%{moved}"
+            f"{100 * r['error_then']:+9.1f}% {100 * r['error_now']:+8.1f}% "
+            f"{'-' if r['kernels_now'] is None else format(r['kernels_now'], '7.2f')}{moved}"
         )
     print(f"then: {summary([r['error_then'] for r in rows])}")
     print(f"now:  {summary([r['error_now'] for r in rows])}")

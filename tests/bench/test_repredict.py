@@ -18,7 +18,9 @@ CASE = {"variant": "tbf-both", "link": "1gbit", "network": "seed-lcn-small", "ba
 
 def saved_run() -> dict:
     rows = [
-        CASE | {"ranks": 2, "strategy": "data", "predicted_s": 0.5, "measured_s": 0.02},
+        CASE
+        | {"ranks": 2, "strategy": "data", "predicted_s": 0.5, "measured_s": 0.02}
+        | {"compute_fraction_measured": 0.25},
         CASE | {"ranks": 1, "strategy": ONE_HOST, "predicted_s": 0.5, "measured_s": 0.01},
         CASE | {"ranks": 2, "strategy": "model", "failed": "no memory"},
     ]
@@ -35,6 +37,11 @@ def test_each_measured_case_is_predicted_from_its_own_file_as_bench_scaling_pred
         assert row["error_now"] == pytest.approx(now / row["measured_s"] - 1.0)
     # what the run predicted then is kept beside
     assert rows[0]["predicted_s"] == 0.5
+    # the run's kernel seconds a step over those predicted now, where the run measured them
+    now = predict("seed-lcn-small", 8, 2, "data", machine)
+    expected = 0.25 * 0.02 / (now["compute_fraction_predicted"] * now["predicted_s"])
+    assert rows[0]["kernels_now"] == pytest.approx(expected, rel=1e-12)
+    assert rows[1]["kernels_now"] is None
 
 
 def test_the_table_ends_with_both_errors(tmp_path, capsys):
