@@ -9,7 +9,7 @@ minutes of a machine that must do nothing else meanwhile; its measured steps do 
 the model, so a saved run checks a model change in seconds. Each row prints the measured step,
 the prediction the run made and the one made now (`cluster_scaling.predict`, as `bench scaling`
 makes it), the errors, and the run's kernel seconds a step over those predicted now
-(`cluster_scaling.kernel_ratio`); the mean absolute error and the count within 15% close the table.
+(`cluster_report.kernel_ratio`); the mean absolute error and the count within 15% close the table.
 A change to the runtime, or to what `bench machine` measures, needs the runs made again. `auto`
 searches again: where it now chooses other families than the run's, the row says so, and its
 measured step is that of the plan chosen then. Strategy files named by a run must still be where
@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cluster_scaling import CASE_KEYS, ONE_HOST, error_verdicts, kernel_ratio, predict
+from bench.cluster_report import ONE_HOST, error_verdicts, kernel_ratio
+from bench.cluster_scaling import CASE_KEYS, predict
 from partitioner.machine_file import machine_from_json
 
 

@@ -265,6 +265,7 @@ def _machine(args: argparse.Namespace, say) -> int:
 def _cluster_scaling(args: argparse.Namespace, say) -> int:
     from bench import cluster_matrix
     from bench import cluster_scaling as bench_cluster
+    from bench.cluster_report import format_table as format_cluster_table
     from runtime import cluster, cluster_links
     from visualize.render_file import check_plot, write_figure
 
@@ -313,7 +314,7 @@ def _cluster_scaling(args: argparse.Namespace, say) -> int:
         )
     except cluster.Terminated:  # its clusters and files are gone: nothing more to say
         return 128 + signal.SIGTERM
-    _emit(args, report, bench_cluster.format_table(report))
+    _emit(args, report, format_cluster_table(report))
     if args.plot:
         from visualize.link_sweep import link_sweep_figure
 

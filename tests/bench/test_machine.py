@@ -160,7 +160,7 @@ def _row(link: str, bits: float, strategy: str, measured: float, predicted: floa
 
 
 def test_the_cluster_table_and_figure_put_auto_against_the_best_and_one_host_apart():
-    from bench.cluster_scaling import ONE_HOST, format_table
+    from bench.cluster_report import ONE_HOST, format_table
     from visualize.link_sweep import link_sweep_figure
 
     rows = []
@@ -304,7 +304,8 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     """`run_cluster_scaling` with the cluster, `bench machine` and the jobs faked: `train` gets
     the file's path, the rows its stem, and the prediction is `predict`'s for the file."""
     from bench import cluster_matrix, cluster_scaling
-    from bench.cluster_scaling import ONE_HOST, format_table, predict
+    from bench.cluster_report import ONE_HOST, format_table
+    from bench.cluster_scaling import predict
     from bench.jobs import Job
     from partitioner.machine import Machine
     from partitioner.machine_file import load_machine
@@ -357,7 +358,7 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
     """Each variant builds its cluster with its options, once per link its cases need; the
     ranks follow its ranks per host; the summary gives the mean absolute error and, per case,
     whether the measured order of the strategies was predicted."""
-    from bench import cluster_matrix, cluster_scaling
+    from bench import cluster_matrix, cluster_report, cluster_scaling
     from bench.jobs import Job
     from partitioner.machine_file import load_machine
     from runtime.cluster_links import LinkOptions
@@ -399,10 +400,10 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
     # nic at each case's link, then `two` once, its link replacing both cases'
     assert built == [(1e9, nic), (5e8, nic), (None, LinkOptions())]
     assert {s["ranks"] for s in ran if s["strategy"] != "data" or s["ranks"] > 1} == {2, 4}
-    rows = [r for r in report["results"] if r["strategy"] != cluster_scaling.ONE_HOST]
+    rows = [r for r in report["results"] if r["strategy"] != cluster_report.ONE_HOST]
     assert len(rows) == 2 * 2 * 3 and {r["variant"] for r in rows} == {"nic", "two"}
     # one rank on one host beside each variant's file for each case: its calibration's check
-    alone = [r for r in report["results"] if r["strategy"] == cluster_scaling.ONE_HOST]
+    alone = [r for r in report["results"] if r["strategy"] == cluster_report.ONE_HOST]
     assert sum(s["ranks"] == 1 for s in ran) == 4
     assert sorted((r["variant"], r["batch"]) for r in alone) == [
         ("nic", 8),
@@ -424,7 +425,7 @@ def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkey
         }
         assert case["order_predicted"] == (predicted["model"] < predicted["data"])
         assert case["auto_against_best"] == pytest.approx(0.41 / 0.4 - 1)
-    table = cluster_scaling.format_table(report)
+    table = cluster_report.format_table(report)
     assert "mean absolute error" in table and "order " in table
 
 

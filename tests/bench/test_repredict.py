@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from bench.cluster_scaling import ONE_HOST, predict
+from bench.cluster_report import ONE_HOST
+from bench.cluster_scaling import predict
 from bench.repredict import main, repredicted
 from partitioner.machine_file import machine_from_json
 
