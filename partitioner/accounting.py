@@ -14,12 +14,16 @@ Memory per rank is everything the rank holds at any point of the step, with no r
 every tensor's layouts (activations, gradients, the homes of data, parameters, their gradients and
 optimizer state, replicated or not; read from the plan's record of who holds what, `Plan.homes`
 and `Plan.layouts`) plus the parts it receives for a read (once per tensor, rect
-and rank over the step) and the partial sums it holds for a reduction into a rect it does not own.
-It adds up by layer, which the search needs to price rows apart, but it is not the runtime's
-peak: the runtime frees each buffer after its last use, and holds staging buffers this count
-leaves out (send and receive copies, collective vectors and hop buffers). What a rank of the
-runtime holds is `runtime.step.rank_memory`'s placement, which `partition` reports and `auto` fits
-(`search/memory_fit.py`).
+and rank over the step) and the partial sums it holds for a reduction into a rect it does not own,
+plus the staging its messages need (`staged_bytes`, `reductions_memory`): a copy's send buffer
+at its source, one per destination; a partial sum's receive buffer at its destination; and, for
+each collective it joins, a buffer of the collective's whole vector (where its hops arrive, or
+the vector it sums). It adds up by layer, which the search needs to price rows apart. It is not
+the runtime's peak, which frees each buffer after its last use (`runtime.step.rank_memory`'s
+placement, which `partition` reports and `auto` fits, `search/memory_fit.py`), but it is above
+it: every buffer the runtime places is one of these terms, so what `auto`'s search counts as
+fitting fits as placed (`tests/runtime/step/test_rank_memory.py` holds the placed peak below
+the count on every built-in network and strategy).
 
 Memory per layer splits that sum by table row (`memory_by_unit`), so the rows of a rank add up to
 its total: a tensor's cells count in the row of the first task that touches it (an activation in
@@ -159,9 +163,12 @@ def _memory_by_unit(graph: TaskGraph, plan: Plan, once: bool) -> dict[str, np.nd
     received: dict[str, list[tuple[str, object]]] = defaultdict(list)
     for task_plan in plan.tasks:
         for block in task_plan.transfer_set.blocks:
+            if not len(block):
+                continue
+            rows[task_plan.unit] += staged_bytes(block, n)
             if block.reduce:
                 rows[task_plan.unit] += _per_rank(block.src, block.nbytes, n)
-            elif len(block):
+            else:
                 received[block.tensor].append((task_plan.unit, block))
         if task_plan.reductions:
             rows[task_plan.unit] += reductions_memory(task_plan.reductions, n)
@@ -174,15 +181,30 @@ def _memory_by_unit(graph: TaskGraph, plan: Plan, once: bool) -> dict[str, np.nd
     return rows
 
 
+#: vectors a collective's participant holds, counted whole: its partial sum (a scratch, or the
+#: target itself where it owns it, which the layouts count), and the buffer its adding hops
+#: receive into or the flat vector it sums (`runtime.step.buffers`: at most the vector)
+COLLECTIVE_BUFFERS = 2
+
+
+def staged_bytes(block: TransferBlock, n: int) -> np.ndarray:
+    """Bytes each of ranks 0..n-1 stages for `block`'s messages: a copy's send buffer at its
+    source, one per destination; a partial sum's receive buffer at its destination."""
+    if block.reduce:
+        return _per_rank(block.dsts, np.repeat(block.nbytes, block.fanout), n)
+    return _per_rank(block.src, block.nbytes * block.fanout, n)
+
+
 def reductions_memory(reductions: Iterable[Reduction], n: int) -> np.ndarray:
     """Bytes each of ranks 0..n-1 holds for `reductions` (`plan.Reduction`s): a participant
-    holds the partial sum of every target it does not own."""
+    holds the partial sum of every target it does not own, and a buffer of the collective's
+    vector (`COLLECTIVE_BUFFERS`)."""
     # gathered as lists and added at once: a plan of 1024 ranks has thousands of collectives
     ranks: list[int] = []
     amounts: list[int] = []
     for reduction in reductions:
         ranks += reduction.participants
-        amounts += [reduction.nbytes] * len(reduction.participants)
+        amounts += [COLLECTIVE_BUFFERS * reduction.nbytes] * len(reduction.participants)
         for rect, holders in reduction.targets:
             ranks += holders
             amounts += [-rect.volume * reduction.itemsize] * len(holders)

@@ -89,7 +89,7 @@ class PlanCost:
 
     @property
     def feasible(self) -> bool:
-        return self.memory_max <= self.machine.memory_bytes
+        return self.memory_max <= self.machine.buffer_capacity
 
     def unit_seconds(self) -> dict[str, float]:
         return unit_seconds(self.tasks)

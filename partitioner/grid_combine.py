@@ -164,10 +164,8 @@ def combine_loads(
         received += gather.received
         rounds += gather.rounds
         collectives = gather.collectives()
-    sent = sent.astype(boxes.INDEX)
-    moved = Moved(
-        sent, received.astype(boxes.INDEX), rounds.astype(boxes.INDEX), sent, int(sent.sum())
-    )
+    sent, received = sent.astype(boxes.INDEX), received.astype(boxes.INDEX)
+    moved = Moved(sent, received, rounds.astype(boxes.INDEX), sent, received, int(sent.sum()))
     return moved, collectives
 
 

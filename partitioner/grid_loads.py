@@ -44,14 +44,16 @@ LIMIT = 1 << 16
 @dataclass
 class Moved:
     """Per rank (int64 arrays over ranks 0..n-1): bytes sent, bytes received, message rounds
-    (`transfers.link_loads` of the block, as integers), and bytes held because of the block
-    (received parts for a fetch, partial sums sent for a combine); `wire` is the bytes the
-    transfers carry, counted per destination."""
+    (`transfers.link_loads` of the block, as integers), bytes held because of the block
+    (received parts for a fetch, partial sums sent for a combine) and bytes its messages stage
+    (`accounting.staged_bytes`); `wire` is the bytes the transfers carry, counted per
+    destination."""
 
     sent: np.ndarray
     received: np.ndarray
     rounds: np.ndarray
     held: np.ndarray
+    staged: np.ndarray
     wire: int
 
     @property
@@ -234,7 +236,7 @@ def intersection_volumes(lo_a, hi_a, lo_b, hi_b) -> np.ndarray:
 
 def _zero(n: int) -> Moved:
     zero = np.zeros(n, boxes.INDEX)
-    return Moved(zero, zero, zero, zero, 0)
+    return Moved(zero, zero, zero, zero, zero, 0)
 
 
 def fetch_loads(
@@ -296,9 +298,12 @@ def fetch_loads(
     received += np.bincount(ranks, weights=away * itemsize, minlength=n)
     rounds = np.zeros(n)
     rounds += np.bincount(ranks, weights=rounds_in, minlength=n)
-    # a cell's holder sends each fresh rect's part once (to all its readers), ...
+    # a cell's holder sends each fresh rect's part once (to all its readers), and stages it
+    # once per reader, ...
     part_bytes = per_cell(rects, dims, (readers > 0).astype(boxes.INDEX), volume=True)
     part_rounds = per_cell(rects, dims, full, volume=False)
+    several = readers.max(initial=0) > 1
+    each_bytes = per_cell(rects, dims, readers, volume=True) if several else None
     # ... except to itself: a part whose only fresh reader holds it is not sent
     if len(which):
         alone = readers[u] == 1
@@ -308,10 +313,24 @@ def fetch_loads(
         part_rounds = part_rounds - np.bincount(
             cells, weights=full[u] - less[u], minlength=grid.ncells
         ).astype(boxes.INDEX)
+        if several:
+            each_bytes = each_bytes - np.bincount(
+                cells, weights=local, minlength=grid.ncells
+            ).astype(boxes.INDEX)
+    if not several:
+        each_bytes = part_bytes
     held = grid.owner >= 0
     sent = np.zeros(n)
     sent += np.bincount(grid.owner[held], weights=part_bytes[held] * itemsize, minlength=n)[:n]
+    staged = np.bincount(grid.owner[held], weights=each_bytes[held] * itemsize, minlength=n)[:n]
     rounds += np.bincount(grid.owner[held], weights=part_rounds[held], minlength=n)[:n]
     received = received.astype(boxes.INDEX)
     wire = int(away.sum()) * itemsize
-    return Moved(sent.astype(boxes.INDEX), received, rounds.astype(boxes.INDEX), received, wire)
+    return Moved(
+        sent.astype(boxes.INDEX),
+        received,
+        rounds.astype(boxes.INDEX),
+        received,
+        staged.astype(boxes.INDEX),
+        wire,
+    )

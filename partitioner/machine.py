@@ -185,6 +185,12 @@ class Machine:
         return self.rank_memory_gib * 2**30
 
     @property
+    def buffer_capacity(self) -> float:
+        """What a rank's buffers may take: its memory less the process's own
+        (`process_baseline_bytes`), which the runtime's peak adds to them."""
+        return self.memory_bytes - self.process_baseline_bytes
+
+    @property
     def loop_seconds(self) -> float:
         """A step's time outside its tasks (the training loop), a rank alone on its cores."""
         return self.loop_us * 1e-6

@@ -60,7 +60,8 @@ def report_json(
     (`runtime.step.model.StepModel.step_prediction`: `predicted_step_seconds`, `step_model`,
     `bulk_synchronous_seconds`), and `memory` the memory per rank with the runtime's
     (`runtime.step.rank_memory.memory_prediction`). Without it, memory per rank is what the rows
-    count (every tensor held all step); with it, that count stays as `memory_held_*`."""
+    count (every tensor and staging buffer held all step); with it, that count stays as
+    `memory_held_*`."""
     held = list(cost.memory.values())
     micro_batches, schedule = schedule_of(graph)
     out = {

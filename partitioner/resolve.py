@@ -156,29 +156,10 @@ def resolve_strategy(
     ]
     if foresee is not None:  # the fit's lead, placed first where `_within_reach` places it
         foresee(graph, candidates[2:], nranks, placing=[strategy])
-    baseline = machine.process_baseline_bytes
-    budget = max(machine.memory_bytes - baseline, 1)  # for the buffers, which the DP counts
-    for attempt in range(TIGHTER_SEARCHES + 1):
-        try:
-            fitted = _fit_near(
-                graph, nranks, machine, candidates, skipped, peak, deadline, step, lower
-            )
-            break
-        except NoFit as exc:
-            if attempt == TIGHTER_SEARCHES or time.monotonic() > deadline:
-                raise
-            # the DP trades seconds for the memory it counts (every tensor held all step): ask
-            # it for less, by as much as the runtime's least buffers overshot the room for them
-            budget *= (machine.memory_bytes - baseline) / max(exc.least - baseline, 1)
-            room = replace(machine, rank_memory_gib=budget / 2**30)
-            tighter = auto(graph, nranks, room, max(deadline - time.monotonic(), 1.0))
-            candidates.append(tighter.strategy)
-            reasons += _choice_rows(tighter)
+    # the DP's count is above the placed buffers (`accounting`), so grids it found to fit fit
+    # as placed, and where `fit` finds nothing, no grids the DP could find in less memory would
+    fitted = _fit_near(graph, nranks, machine, candidates, skipped, peak, deadline, step, lower)
     return fitted.strategy, _reasons(graph, fitted.strategy, nranks, machine, reasons)
-
-
-#: where nothing fits, how many more times auto's DP is asked for grids within a smaller memory
-TIGHTER_SEARCHES = 3
 
 
 def _fit_near(

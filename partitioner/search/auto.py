@@ -185,7 +185,7 @@ def _lazy_dp(pricer: UnitPricer, deadline: float, chain: bool) -> SearchResult:
     dp = FrontierDP(scopes, [len(found) for found in grids])
     fixed = pricer.constant()  # the rows of no unit, and the memory no unit's grid sets
     constant = fixed.memory
-    capacity = pricer.machine.memory_bytes
+    capacity = pricer.machine.buffer_capacity
     table: dict[tuple, RowCost] = {}
     priced = [np.zeros(shape, bool) for shape in shapes]
     #: per unit, the lazy DP's values over its scope's grids: a row's price where priced, else

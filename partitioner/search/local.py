@@ -93,7 +93,7 @@ class PlanPricer(FamilyPricer):
         return Priced(
             unit_seconds(costs),
             step_seconds(costs),
-            fits(self.graph, plan, self.machine.memory_bytes),
+            fits(self.graph, plan, self.machine.buffer_capacity),
         )
 
 
@@ -104,7 +104,7 @@ class RowPricer(FamilyPricer):
     def __init__(self, rows: UnitPricer):
         super().__init__(rows.graph, list(rows.units), rows.nranks, rows.machine)
         self.rows = rows
-        self.capacity = rows.machine.memory_bytes
+        self.capacity = rows.machine.buffer_capacity
         self._fixed = rows.constant()
         self._table: dict[tuple, RowCost] = {}
 

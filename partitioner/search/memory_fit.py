@@ -1,11 +1,12 @@
 """Fitting a step in a rank's memory: `auto`'s grids and each parameter's home.
 
 `search.auto` chooses grids by the cost model's seconds, and prices memory by the count its rows
-add up, every tensor held all step (`accounting.memory_by_unit`). The runtime holds less: each
-buffer lives from its first use to its last, and a parameter with a sharded home is whole only
-while a task reads it. So `fit` takes the memory per rank of a plan from the caller (the
-runtime's placement, `runtime.step.rank_memory`, with the process baseline) and searches what the
-rows cannot express:
+add up, every tensor and staging buffer held all step (`accounting.memory_by_unit`), within the
+machine's memory less the process's own (`Machine.buffer_capacity`). The runtime holds less
+(each buffer lives from its first use to its last, and a parameter with a sharded home is whole
+only while a task reads it), so grids the search found to fit fit as placed. `fit` takes the
+memory per rank of a plan from the caller (the runtime's placement, `runtime.step.rank_memory`,
+with the process baseline) and searches what the rows cannot express:
 
 - grids: auto's choice under the machine's memory, auto's choice with memory unlimited (the
   fastest), and the uniform families (`data`, `model`, `spatial`), each priced by the cost model;

@@ -20,7 +20,14 @@ import numpy as np
 
 from legion_nn.ir import Task
 from partitioner import boxes
-from partitioner.accounting import pieces_bytes, pieces_flops, received_once, reductions_memory
+from partitioner.accounting import (
+    COLLECTIVE_BUFFERS,
+    pieces_bytes,
+    pieces_flops,
+    received_once,
+    reductions_memory,
+    staged_bytes,
+)
 from partitioner.collective_prices import collective_costs, reduction_cost
 from partitioner.cost import busy_seconds, compute_time, task_cost
 from partitioner.grid_combine import Collectives, combine_loads
@@ -46,7 +53,7 @@ class _Moved:
     #: its collectives, in order, as `cost.busy_seconds` takes them: (groups of ranks, each
     #: one's group, each one's extra rank or -1, each one's seconds); None: none
     collectives: tuple | None
-    #: bytes held per rank for it: partial sums sent, collective buffers
+    #: bytes held per rank for it: partial sums sent, staging, collective buffers
     memory: np.ndarray | None
     #: for a fetch that moves anything, the bytes of the parts each rank receives, each once
     received: np.ndarray | None
@@ -150,13 +157,15 @@ class TaskPrices:
             if fast is not None:
                 if fast.empty:
                     return _NOTHING
-                return _Moved(_floats(fast), fast.wire, None, None, fast.held)
+                return _Moved(_floats(fast), fast.wire, None, fast.staged, fast.held)
             block = self._block(key)
             if not len(block):
                 return _NOTHING
-            loads = link_loads([block], self.nranks)
-            received = received_once([block], self.nranks)[0]
-            return _Moved(loads, int(np.dot(block.nbytes, block.fanout)), None, None, received)
+            n = self.nranks
+            loads = link_loads([block], n)
+            received = received_once([block], n)[0]
+            wire = int(np.dot(block.nbytes, block.fanout))
+            return _Moved(loads, wire, None, staged_bytes(block, n), received)
 
         return self._memo.remember(content, make)
 
@@ -181,7 +190,7 @@ class TaskPrices:
             if fast is not None:
                 moved, found = fast
                 loads = None if moved.empty else _floats(moved)
-                memory, wire = moved.held.copy(), moved.wire
+                memory, wire = moved.held + moved.staged, moved.wire
                 if len(found):
                     seconds, on_wire = collective_costs(
                         found.reduce, found.sizes(), found.total, found.largest, machine
@@ -198,7 +207,7 @@ class TaskPrices:
                 loads = None
                 if len(block):
                     loads = link_loads([block], n)
-                    memory += _per_rank(block.src, block.nbytes, n)
+                    memory += _per_rank(block.src, block.nbytes, n) + staged_bytes(block, n)
                 wire = int(np.dot(block.nbytes, block.fanout))
                 reductions = reductions_of(tensor, itemsize, found)
                 if reductions:
@@ -337,14 +346,16 @@ _NOTHING = _Moved(None, 0, None, None, None)
 
 
 def _group_bytes(found: Collectives, n: int) -> np.ndarray:
-    """Bytes per rank its collectives hold: each participant the whole of each one's targets."""
+    """Bytes per rank its collectives hold: each participant the whole of each one's targets,
+    `COLLECTIVE_BUFFERS` times."""
     sizes = np.array([len(g) for g in found.groups], boxes.INDEX)
     per_group = np.bincount(found.group, weights=found.total, minlength=len(found.groups))
     ranks = np.concatenate(found.groups + [np.maximum(found.extra, 0)])
     weights = np.concatenate(
         (np.repeat(per_group, sizes), np.where(found.extra >= 0, found.total, 0))
     )
-    return np.bincount(ranks, weights=weights, minlength=n).astype(boxes.INDEX)
+    held = np.bincount(ranks, weights=weights, minlength=n).astype(boxes.INDEX)
+    return COLLECTIVE_BUFFERS * held
 
 
 def _floats(moved: Moved) -> Loads:

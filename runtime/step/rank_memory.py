@@ -9,9 +9,10 @@ bytes (`train --log-json`'s `buffer_peak_bytes`), since the runtime allocates by
 placement; the three together predict its peak resident set.
 
 The prediction builds every rank's program, so it costs about what planning all the ranks does;
-`partitioner.accounting` gives the quicker count the search prices, by layer (every tensor held
-all step, no staging buffers). `memory_prediction` is what `partition` reports: every rank placed
-up to `PLACED_MAX_RANKS` ranks, and beyond that the held count.
+`partitioner.accounting` gives the quicker count the search prices, by layer (every tensor and
+staging buffer held all step), which is above the placed buffers. `memory_prediction` is what
+`partition` reports: every rank placed up to `PLACED_MAX_RANKS` ranks, and beyond that the held
+count, at most what the runtime holds.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def predict(
 SAMPLED_RANKS = 4
 #: what a rank holds on more ranks than `PLACED_MAX_RANKS`: placing even a few ranks' programs
 #: walks every message of the plan (a minute for vgg19 at 1024 ranks), so the count of every
-#: tensor held all step stands in
-HELD = "held all step (every tensor, no staging buffers), beyond 64 ranks"
+#: tensor and staging buffer held all step, which is above the placement, stands in
+HELD = "at most: every tensor and staging buffer held all step, beyond 64 ranks"
 
 
 def sampled_ranks(held: dict[int, int]) -> list[int]:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from partitioner import boxes
-from partitioner.accounting import received_once
+from partitioner.accounting import received_once, staged_bytes
 from partitioner.grid_combine import combine_loads
 from partitioner.grid_loads import fetch_loads
 from partitioner.layout import Layout
@@ -118,6 +118,7 @@ def test_fetch_loads_are_those_of_the_messages(case):
     assert fast.wire == int(np.dot(block.nbytes, block.fanout))
     held = received_once([block], nranks)[0] if len(block) else np.zeros(nranks)
     assert fast.held.tolist() == held.astype(np.int64).tolist()
+    assert fast.staged.tolist() == staged_bytes(block, nranks).tolist()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -141,6 +142,7 @@ def test_combine_loads_are_those_of_the_partial_sums_and_collectives(case):
     )
     sent = np.bincount(block.src, weights=block.nbytes, minlength=nranks).astype(np.int64)
     assert moved.held.tolist() == sent.tolist()
+    assert moved.staged.tolist() == staged_bytes(block, nranks).tolist()
     assert moved.wire == int(np.dot(block.nbytes, block.fanout))
     reductions = reductions_of("t", itemsize, found)
     assert len(collectives) == len(reductions)

@@ -162,7 +162,9 @@ def test_seed_one_allreduce_per_parameter_gradient(seed, ranks):
 def test_seed_plan_memory_against_the_memory_analysis(seed, ranks):
     """Different measures: the plan holds every buffer at once (no reuse), `legion-nn memory`
     finds the peak of the live ones. The plan's parameters are exactly the dump's, and what it
-    holds is the memory analysis's buffers all at once, each rank with its rows."""
+    holds is the memory analysis's buffers all at once, each rank with its rows, and the
+    staging of its messages: a buffer of each gradient's all-reduce, and a few bytes for the
+    loss's sum."""
     dump, graph = seed
     plan = data_plan(graph, ranks)
     memory = memory_per_rank(graph, plan)
@@ -181,10 +183,11 @@ def test_seed_plan_memory_against_the_memory_analysis(seed, ranks):
         return sum(b.nbytes // BATCH * rows if b.scalable else b.nbytes for b in schedule.buffers)
 
     sizes = SPLITS[ranks]
-    assert memory[0] == no_reuse(sizes[0])
-    for rank in range(1, ranks):
+    for rank in range(ranks):
         # the loss and its gradient live on rank 0; the others hold a 4-byte partial loss
-        assert memory[rank] == no_reuse(sizes[rank]) - 4
+        tensors = no_reuse(sizes[rank]) - (4 if rank else 0)
+        all_reduced = PARAM_BYTES if ranks > 1 else 0
+        assert 0 <= memory[rank] - tensors - all_reduced <= 2 * 4
     assert report["peak_bytes"] < memory[0]
 
 

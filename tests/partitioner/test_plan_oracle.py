@@ -12,8 +12,9 @@ task element by element:
 - reductions: every contributor's partial sum of an element reaches every other holder of the
   element exactly once, by a `reduce` transfer or by a collective both take part in; a
   collective's targets name exactly the ranks holding them;
-- costs: FLOPs, bytes sent, link times and memory per rank equal a recomputation over the
-  `Piece`, `Transfer` and `Reduction` objects, the way the model was first written.
+- costs: FLOPs, bytes sent, link times and memory per rank (with the messages' staging) equal
+  a recomputation over the `Piece`, `Transfer` and `Reduction` objects, the way the model was
+  first written.
 """
 
 from __future__ import annotations
@@ -240,13 +241,18 @@ def check_costs(graph, plan) -> None:
                     for rect, holders in reduction.targets
                     if rank in holders
                 )
-                memory[rank] += reduction.nbytes - owned
+                # its partial sum where it owns none of it, and its collective's buffer
+                memory[rank] += 2 * reduction.nbytes - owned
         comm += max(busy.values(), default=0.0)
         assert task_cost.bytes_sent == sent
         assert task_cost.comm_s == pytest.approx(comm, rel=1e-12, abs=1e-15)
         for t in transfers:
-            if t.reduce:
+            if t.reduce:  # a partial sum, and its receive buffers
                 memory[t.src] += t.nbytes
+                for dst in t.dsts:
+                    memory[dst] += t.nbytes
+            else:  # a send buffer per destination
+                memory[t.src] += t.nbytes * len(t.dsts)
             for dst in t.dsts if not t.reduce else ():
                 if (t.tensor, t.rect, dst) not in seen:
                     seen.add((t.tensor, t.rect, dst))

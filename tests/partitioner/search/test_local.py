@@ -13,7 +13,7 @@ from partitioner.search.families import FAMILIES
 from partitioner.search.local import PlanPricer, RowPricer, local_search
 from partitioner.search.transitions import UnitPricer
 from partitioner.strategy import builtin, find_units
-from tests.partitioner.search.test_auto import MACHINE, step
+from tests.partitioner.search.test_auto import MACHINE, buffers_within, step
 from tests.plan_cases import two_headed
 
 GRAPH = two_headed(batch=8)
@@ -33,7 +33,7 @@ def tight_machine(nranks: int) -> Machine:
         step(GRAPH, builtin(GRAPH, n, nranks), nranks).memory_max
         for n in ("data", "model", "spatial")
     )
-    return Machine(100, 12.5, 2, (sizes[1] + 1) / 2**30)
+    return buffers_within(sizes[1] + 1)
 
 
 @pytest.mark.parametrize("nranks", [4, 8])
@@ -84,7 +84,7 @@ def test_auto_beyond_the_frontier_limit_searches_by_rows_and_says_what_memory_di
 def test_a_search_that_met_the_memory_limit_repeats_itself_on_its_rows_without_one(monkeypatch):
     monkeypatch.setattr(frontier_dp, "FRONTIER_LIMIT", 1)
     data = step(GRAPH, builtin(GRAPH, "data", 8), 8)  # the fastest plan, and the smallest
-    small = Machine(100, 12.5, 2, 0.95 * data.memory_max / 2**30)
+    small = buffers_within(0.95 * data.memory_max)
     tight = auto(GRAPH, 8, small)
     roomy = auto(GRAPH, 8, Machine(100, 12.5, 2, float("inf")))
     assert step(GRAPH, tight.strategy, 8, small).feasible
