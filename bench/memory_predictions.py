@@ -1,7 +1,8 @@
 """Benchmark: each rank's memory as `partition` predicts it, against what `train` holds.
 
     python bench/memory_predictions.py [--cases seed-lcn-small:8,seed-lcn:16] [--ranks 1,2,4]
-        [--strategies data,model,spatial] [--homes replicated,sharded] [--machine F] [--json F]
+        [--strategies data,model,spatial] [--homes replicated,sharded] [--optimizer adam]
+        [--machine F] [--json F] [--no-run]
 
 For every case (network at its batch, ranks, strategy, parameter homes) the prediction is
 `runtime.step.rank_memory.predict` of the plan `partition` would make (Adam, float32, as `train` runs
@@ -10,7 +11,10 @@ the machine file (the default's stated 200 MiB without `--machine`). The measure
 `mpiexec -n R legion-nn train --steps 2 --log-json` of the same job: each rank's
 `buffer_peak_bytes` (the runtime's own count of its resident tensors and arena) and
 `rss_peak_bytes` (the kernel's high-water mark of the process's resident set, `ru_maxrss`). Each
-figure is the worst rank's ratio of measured to predicted.
+figure is the worst rank's ratio of measured to predicted. Beside them, the fullest rank's placed
+buffers over `auto`'s count of them (`accounting.memory_per_rank`, every tensor and staging
+buffer held all step), which must stay at most 1 for what `auto` counts as fitting to fit as
+placed; `--no-run` prints that alone, with no job run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from legion_nn.atomic import write_text
 from legion_nn.networks import load_network
+from partitioner.accounting import memory_per_rank
 from partitioner.machine_file import load_machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin, with_homes
@@ -54,12 +59,20 @@ def measure(network: str, batch: int, ranks: int, strategy: str, homes: str, tmp
     return out
 
 
-def case_row(network: str, batch: int, ranks: int, strategy: str, homes: str, machine, tmp) -> dict:
-    graph = load_network(network).lower(batch=batch, optimizer="adam")
+def case_row(
+    network: str, batch: int, ranks: int, strategy: str, homes: str, machine, args, tmp
+) -> dict:
+    graph = load_network(network).lower(batch=batch, optimizer=args.optimizer)
     plan = build_plan(graph, with_homes(graph, builtin(graph, strategy, ranks), homes), ranks)
     predicted = predict(graph, plan, machine)
+    counted = memory_per_rank(graph, plan)
     row = {"network": network, "batch": batch, "ranks": ranks, "strategy": strategy}
     row |= {"homes": homes, "predicted_peak_max": max(m.peak for m in predicted.values())}
+    row["placed_over_counted"] = max(
+        m.buffer_bytes / max(counted[r], 1) for r, m in predicted.items()
+    )
+    if args.no_run:
+        return row
     measured = measure(network, batch, ranks, strategy, homes, tmp)
     if "failed" in measured:
         return row | measured
@@ -75,14 +88,18 @@ def case_row(network: str, batch: int, ranks: int, strategy: str, homes: str, ma
 def table(rows: list[dict]) -> str:
     head = (
         f"{'network':16s} {'batch':>5s} {'ranks':>5s} {'strategy':8s} {'homes':10s} "
-        f"{'predicted':>10s} {'RSS':>10s} {'buffers':>8s} {'RSS':>7s}"
+        f"{'predicted':>10s} {'placed/counted':>14s} {'RSS':>10s} {'buffers':>8s} {'RSS':>7s}"
     )
     lines = [head]
     for row in rows:
         head = (
             f"{row['network']:16s} {row['batch']:5d} {row['ranks']:5d} {row['strategy']:8s} "
-            f"{row['homes']:10s} {row['predicted_peak_max'] / 2**30:9.3f}G"
+            f"{row['homes']:10s} {row['predicted_peak_max'] / 2**30:9.3f}G "
+            f"{row['placed_over_counted']:14.3f}"
         )
+        if "measured_rss_max" not in row and "failed" not in row:
+            lines.append(head)
+            continue
         if "failed" in row:
             lines.append(f"{head} failed: {row['failed']}")
             continue
@@ -99,7 +116,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--strategies", default="data,model,spatial")
     parser.add_argument("--homes", default="replicated,sharded")
+    parser.add_argument("--optimizer", default="adam", choices=["sgd", "momentum", "adam"])
     parser.add_argument("--machine", metavar="F", help="machine JSON (its process baseline)")
+    parser.add_argument("--no-run", action="store_true", help="predict and count; run no job")
     parser.add_argument("--json", metavar="F")
     args = parser.parse_args()
     machine = load_machine(args.machine)
@@ -111,7 +130,7 @@ def main() -> None:
                 for strategy in args.strategies.split(","):
                     for homes in args.homes.split(","):
                         row = case_row(
-                            network, int(batch), ranks, strategy, homes, machine, Path(tmp)
+                            network, int(batch), ranks, strategy, homes, machine, args, Path(tmp)
                         )
                         rows.append(row)
                         print(table([row]).splitlines()[-1], flush=True)

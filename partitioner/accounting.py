@@ -21,9 +21,11 @@ each collective it joins, a buffer of the collective's whole vector (where its h
 the vector it sums). It adds up by layer, which the search needs to price rows apart. It is not
 the runtime's peak, which frees each buffer after its last use (`runtime.step.rank_memory`'s
 placement, which `partition` reports and `auto` fits, `search/memory_fit.py`), but it is above
-it: every buffer the runtime places is one of these terms, so what `auto`'s search counts as
-fitting fits as placed (`tests/runtime/step/test_rank_memory.py` holds the placed peak below
-the count on every built-in network and strategy).
+it on every rank of every plan tested (`tests/runtime/step/test_rank_memory.py`: every built-in
+network under every built-in strategy and mixtures of them, sharded homes, pipeline stages):
+what the count leaves out (a copy's receive buffer, live only until its reader runs; the
+arena's alignment) is less than what the reuse saves. So what `auto`'s search counts as fitting
+fits as placed.
 
 Memory per layer splits that sum by table row (`memory_by_unit`), so the rows of a rank add up to
 its total: a tensor's cells count in the row of the first task that touches it (an activation in
