@@ -213,11 +213,11 @@ def test_large_weights_convert_by_the_compiled_transposes_exactly(monkeypatch, s
 def test_large_activations_convert_by_the_compiled_transposes_exactly(monkeypatch, dtype):
     """Activations from `LARGE_ACTIVATIONS` elements take the compiled transposes: NumPy's
     transposed copy, both ways, from a view that is not contiguous (a batch piece of a larger
-    array with a channel left out), the batch in several blocks of a cache line and a short
-    last one."""
+    array with a channel left out), the batch and the columns in several whole tiles and a
+    short last one."""
     from runtime.kernels import layout
 
-    whole = np.random.default_rng(2).standard_normal((40, 4, 5, 6)).astype(dtype)
+    whole = np.random.default_rng(2).standard_normal((40, 4, 5, 35)).astype(dtype)
     x = whole[1:38, 1:]
     monkeypatch.setattr(layout, "LARGE_ACTIVATIONS", 0)
     xp = pack_activations(x)
