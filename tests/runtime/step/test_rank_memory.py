@@ -45,21 +45,24 @@ def _strategies(graph, nranks: int):
         yield f"mixed {seed}", _mixed(graph, nranks, seed)
 
 
+def assert_counted_above_placed(graph, plan, where: str) -> None:
+    """Every rank's placed buffers within the search's count of them."""
+    held = memory_per_rank(graph, plan)
+    for rank, memory in predict(graph, plan, Machine()).items():
+        assert memory.buffer_bytes <= held[rank], f"{where}, rank {rank}"
+
+
 @pytest.mark.parametrize(("network", "batch"), NETWORKS)
 def test_the_search_counts_at_least_what_every_rank_places(network, batch):
     """SGD holds no optimizer state, so a step's staging (send buffers, partial sums, collective
     vectors and hops) is most of what its placement adds to the tensors; 3 ranks fold a
     collective's odd rank in and out; sharded homes add parameter windows and gradient scratch."""
-    machine = Machine()
     graph = load_network(network).lower(batch=batch, optimizer="sgd")
     for nranks in (3, 4):
         for label, strategy in _strategies(graph, nranks):
             for homes in ("replicated", "sharded"):
                 plan = build_plan(graph, with_homes(graph, strategy, homes), nranks)
-                held = memory_per_rank(graph, plan)
-                for rank, memory in predict(graph, plan, machine).items():
-                    where = f"{network} on {nranks} ranks, {label}, {homes}, rank {rank}"
-                    assert memory.buffer_bytes <= held[rank], where
+                assert_counted_above_placed(graph, plan, f"{nranks} ranks, {label}, {homes}")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "1f1b-deferred"])
@@ -67,13 +70,10 @@ def test_the_count_bounds_pipelines_too(schedule):
     """A stage's rank holding its layers' parameters, Adam's state and gradients all step, where
     the count and the placement are closest (placed over counted 0.994 for deep-mlp's stages of
     2 micro-batches), and stages of two ranks, whose micro-batches' activations cross."""
-    machine = Machine()
     graph = load_network("deep-mlp").lower(batch=16, optimizer="adam")
     for stages, micro_batches, nranks in ((2, 2, 2), (2, 4, 4)):
         staged, _ = pipelined(graph, stages, micro_batches, schedule)
         for family in ("data", "model"):
             plan = build_plan(staged, builtin(staged, family, nranks), nranks)
-            held = memory_per_rank(staged, plan)
-            for rank, memory in predict(staged, plan, machine).items():
-                where = f"{stages} stages of {micro_batches} on {nranks} ranks, {family}, {rank}"
-                assert memory.buffer_bytes <= held[rank], where
+            where = f"{stages} stages of {micro_batches} on {nranks} ranks, {family}"
+            assert_counted_above_placed(staged, plan, where)
