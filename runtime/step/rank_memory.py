@@ -12,7 +12,7 @@ The prediction builds every rank's program, so it costs about what planning all 
 `partitioner.accounting` gives the quicker count the search prices, by layer (every tensor and
 staging buffer held all step), which is above the placed buffers. `memory_prediction` is what
 `partition` reports: every rank placed up to `PLACED_MAX_RANKS` ranks, and beyond that the held
-count, at most what the runtime holds.
+count, which the runtime's buffers stay within.
 """
 
 from __future__ import annotations
