@@ -97,11 +97,11 @@ def table(rows: list[dict]) -> str:
             f"{row['homes']:10s} {row['predicted_peak_max'] / 2**30:9.3f}G "
             f"{row['placed_over_counted']:14.3f}"
         )
-        if "measured_rss_max" not in row and "failed" not in row:
-            lines.append(head)
-            continue
         if "failed" in row:
             lines.append(f"{head} failed: {row['failed']}")
+            continue
+        if "measured_rss_max" not in row:  # --no-run
+            lines.append(head)
             continue
         lines.append(
             f"{head} {row['measured_rss_max'] / 2**30:9.3f}G {row['buffers_ratio']:8.4f} "

@@ -302,8 +302,6 @@ def fetch_loads(
     # once per reader, ...
     part_bytes = per_cell(rects, dims, (readers > 0).astype(boxes.INDEX), volume=True)
     part_rounds = per_cell(rects, dims, full, volume=False)
-    several = readers.max(initial=0) > 1
-    each_bytes = per_cell(rects, dims, readers, volume=True) if several else None
     # ... except to itself: a part whose only fresh reader holds it is not sent
     if len(which):
         alone = readers[u] == 1
@@ -313,11 +311,13 @@ def fetch_loads(
         part_rounds = part_rounds - np.bincount(
             cells, weights=full[u] - less[u], minlength=grid.ncells
         ).astype(boxes.INDEX)
-        if several:
+    if readers.max(initial=0) > 1:  # a part staged once per reader that does not hold it
+        each_bytes = per_cell(rects, dims, readers, volume=True)
+        if len(which):
             each_bytes = each_bytes - np.bincount(
                 cells, weights=local, minlength=grid.ncells
             ).astype(boxes.INDEX)
-    if not several:
+    else:  # one fresh reader a rect: each part staged as it is sent
         each_bytes = part_bytes
     held = grid.owner >= 0
     sent = np.zeros(n)
