@@ -92,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     from legion_nn.atomic import write_text
     from legion_nn.errors import LegionNNError
     from legion_nn.verify import verify
-    from partitioner.cost import plan_cost
     from partitioner.machine_file import load_calibrated, load_machine
     from partitioner.report import report_json, sweep_table, table
     from partitioner.strategy import check_ranks
@@ -127,8 +126,7 @@ def run(args: argparse.Namespace) -> int:
             plan = model.plan(graph, strategy, nranks)
             if args.verify:
                 verify_plan(graph, plan)
-            cost = plan_cost(graph, plan, machine)
-            step, memory = model.predictions(graph, plan, cost.step_seconds)
+            cost, step, memory = model.predictions(graph, plan)
         report = report_json(graph, plan, cost, why, step, memory)
         if search is not None:
             report["pipeline_search"] = [c.row() for c in search.tried]

@@ -374,21 +374,28 @@ class StepModel:
         processes at once (`foresight.shared_out`)."""
         return shared_out(jobs, self._workers)
 
-    def predictions(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> tuple[dict, dict]:
-        """`step_prediction` and `memory_prediction` of `plan`, as a command reports it. The
-        memory is placed in a forked process while this one simulates the step (each reads the
-        same programs, built before the fork; DenseNet-121's data plan on 64 ranks simulates in
-        1.9 s and places in 1.2 s) where `looking_ahead` allows a process, neither is found yet,
-        and the programs to place are worth a process (`FORK_TO_PLACE`)."""
+    def predictions(self, graph: TaskGraph, plan: Plan) -> tuple[cost.PlanCost, dict, dict]:
+        """`cost.plan_cost`, `step_prediction` and `memory_prediction` of `plan`, as a command
+        reports it. The cost and the memory are found in a forked process while this one
+        simulates the step (each reads the same programs, built before the fork; DenseNet-121's
+        data plan on 64 ranks simulates in 1.5 s, and costs and places in 1.3 s) where
+        `looking_ahead` allows a process, neither is found yet, and the programs to place are
+        worth a process (`FORK_TO_PLACE`)."""
         key = self._plan_key(graph, plan)
         apart = None
         if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
             programs = self.programs(graph, plan, simulation_budget(plan.nranks))
             if programs is not None and sum(len(p.tasks) for p in built(programs)) >= FORK_TO_PLACE:
-                apart = self._look_ahead({key: partial(self.memory_prediction, graph, plan)})
-        step = self.step_prediction(graph, plan, bulk_seconds)
+                apart = self._look_ahead({key: partial(self._cost_and_memory, graph, plan)})
+        simulated = self.simulated(graph, plan)
         if apart is not None:
-            done, memory = apart.take(key)
+            done, found = apart.take(key)
             if done:
-                return step, memory
-        return step, self.memory_prediction(graph, plan)
+                summed, memory = found
+                step = step_report(graph, plan, self.machine, summed.step_seconds, simulated)
+                return summed, step, memory
+        summed, memory = self._cost_and_memory(graph, plan)
+        return summed, self.step_prediction(graph, plan, summed.step_seconds), memory
+
+    def _cost_and_memory(self, graph: TaskGraph, plan: Plan) -> tuple[cost.PlanCost, dict]:
+        return cost.plan_cost(graph, plan, self.machine), self.memory_prediction(graph, plan)

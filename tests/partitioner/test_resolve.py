@@ -303,16 +303,16 @@ def _memory_placed_ahead(folder: Path, worth_a_process: bool) -> None:
 
     graph = load_network("seed-lcn-small").lower(batch=32, optimizer="sgd")
     plan = build_plan(graph, builtin(graph, "spatial", 4), 4)
-    bulk = plan_cost(graph, plan, FAST).step_seconds
-    expected = StepModel(FAST).predictions(graph, plan, bulk)
+    expected = StepModel(FAST).predictions(graph, plan)
     step_model.memory_prediction = placing
     if worth_a_process:
         step_model.FORK_TO_PLACE = 1
     ahead = StepModel(FAST)
     with ahead.looking_ahead(workers=1):
-        got = ahead.predictions(graph, plan, bulk)
+        got = ahead.predictions(graph, plan)
     assert multiprocessing.active_children() == []
-    assert got == expected
+    assert got[1:] == expected[1:]
+    assert got[0].tasks == expected[0].tasks and got[0].memory == expected[0].memory
     placed_in = [int(p.name) for p in folder.iterdir()]
     if worth_a_process:
         assert placed_in and os.getpid() not in placed_in
