@@ -76,10 +76,15 @@ _EVERY_SEND = -1
 class _Template:
     """One rank's instructions (`_Flattener.program`), to give again to a rank moved from it."""
 
-    ops: list[tuple[int, int, int]]
-    #: (position in `ops`, what to put there): START's collective, POST's or WAIT's messages,
-    #: or `_EVERY_SEND`'s sends, each the rank's own where the template is given again
+    #: the instructions, a row (code, a, b) each
+    ops: np.ndarray
+    #: (position in `ops`, what to put there): POST's or WAIT's messages, or `_EVERY_SEND`'s
+    #: sends, each the rank's own where the template is given again
     patches: list[tuple[int, int, object]]
+    #: the positions in `ops` of its STARTs, and the collective each starts, whose instance is
+    #: the rank's own where the template is given again
+    start_at: np.ndarray
+    started: list[Collective]
     compute: Sequence[float]
     slowdown: float
     #: the waits among `ops` (a collective's posts are counted once, where it is first met)
@@ -106,7 +111,10 @@ class _Flattener:
         self.src = np.full(self.transfers, -1, np.int64)
         self.dst = np.full(self.transfers, -1, np.int64)
         self.nbytes = np.zeros(self.transfers, np.int64)
+        #: the instructions of the rank being flattened; those of the ranks before, as arrays
         self.ops: list[tuple[int, int, int]] = []
+        self.op_chunks: list[np.ndarray] = []
+        self.op_count = 0
         self.amounts: list[float] = []
         self.keys: list[int] = []
         self.key_arrays: list[np.ndarray] = []
@@ -119,8 +127,12 @@ class _Flattener:
         self.round_first: list[int] = []
         self.round_count: list[int] = []
         self.rounds_total = 0
-        #: per rank index, the hops it sends (for its last wait, on every send)
-        self.hop_sends: dict[int, list[np.ndarray]] = {i: [] for i in range(len(self.ranks))}
+        #: per collective, the rank index sending each of its hops and the hop's sequence
+        #: number, in hop order (for each rank's last wait, on every send)
+        self.hop_sends: list[tuple[np.ndarray, np.ndarray]] = []
+        #: per rank, its last wait, made once every collective is: (its instructions, the
+        #: wait's position among them, the rank's sends but its hops)
+        self.last_waits: list[tuple[np.ndarray, int, list[int]]] = []
         self.waits = 0
         self.posts = 0
 
@@ -129,6 +141,16 @@ class _Flattener:
         self.keys.extend(keys)
         self.key_count += len(keys)
         return lo, self.key_count
+
+    def _flush_ops(self, chunk: np.ndarray | None = None) -> np.ndarray:
+        """The instructions of the rank being flattened (`chunk`, else those in `ops`), kept
+        as an array; `ops` is left empty for the next rank."""
+        if chunk is None:
+            chunk = np.asarray(self.ops, np.int64).reshape(-1, 3)
+        self.ops = []
+        self.op_chunks.append(chunk)
+        self.op_count += len(chunk)
+        return chunk
 
     def _flush_keys(self) -> None:
         if self.keys:
@@ -188,10 +210,11 @@ class _Flattener:
         found = self.instances.get(collective.seq)
         if found is not None:
             return found
-        participants = [r for r in collective.reduction.participants if r in self.index]
+        index = self.lookup[np.asarray(collective.reduction.participants, np.int64)]
+        simulated = index >= 0
+        participants = np.asarray(collective.reduction.participants)[simulated].tolist()
         where = np.full(len(self.ranks), -1, np.int64)
-        for k, rank in enumerate(participants):
-            where[self.index[rank]] = k
+        where[index[simulated]] = np.arange(len(participants))
         rounds = collective.rounds
         nrounds = len(rounds)
         round_of = rounds.round_of
@@ -221,19 +244,13 @@ class _Flattener:
             target = where[dst[adding]] * nrounds + round_of[adding]
             np.add.at(added, target, nbytes[adding])
         self.round_parts.append((lo, lo + counts, added))
-        mine = {}
-        for k, rank in enumerate(participants):
-            mine[rank] = len(self.round_first)
-            self.round_first.append(self.rounds_total + k * nrounds)
-            self.round_count.append(nrounds)
+        first = len(self.round_first)
+        mine = dict(zip(participants, range(first, first + len(participants))))
+        self.round_first += [self.rounds_total + k * nrounds for k in range(len(participants))]
+        self.round_count += [nrounds] * len(participants)
         self.rounds_total += cells
-        # each sender's hops in hop order, grouped by one sort: a ring over p ranks has
-        # 2p(p − 1) hops, and picking each sender's out by a scan costs p passes over them
         sending = np.flatnonzero((src >= 0) & (where[np.maximum(src, 0)] >= 0))
-        by_sender = sending[np.argsort(src[sending], kind="stable")]
-        senders, starts = np.unique(src[by_sender], return_index=True)
-        for i, hops in zip(senders.tolist(), np.split(seqs[by_sender], starts[1:])):
-            self.hop_sends[i].append(hops)
+        self.hop_sends.append((src[sending], seqs[sending]))
         self.instances[collective.seq] = mine
         self.posts += 2 * rounds.hops
         return mine
@@ -254,6 +271,8 @@ class _Flattener:
         passes = self.passes[rank]
         first, waits = len(self.ops), self.waits
         patches: list[tuple[int, int, object]] = []
+        start_at: list[int] = []
+        started_collectives: list[Collective] = []
 
         def post(messages: Sequence[Message]) -> None:
             if messages:
@@ -293,7 +312,8 @@ class _Flattener:
             for collective in rt.collectives:
                 mine = collective if joined is None else joined[collective.seq]
                 self.ops.append((START, self.collective(mine)[rank], 0))
-                patches.append((len(self.ops) - 1 - first, START, collective))
+                start_at.append(len(self.ops) - 1 - first)
+                started_collectives.append(collective)
                 started += 1
             self.ops += [(COMPLETE, ordinal, 0) for ordinal in rt.complete_after]
             post(posted)
@@ -302,17 +322,33 @@ class _Flattener:
                 sends += [m for m in (*partial_out, *posted) if m.src == rank]
         due = {o for rt in program.tasks for o in (*rt.complete_before, *rt.complete_after)}
         self.ops += [(COMPLETE, o, 0) for o in range(started) if o not in due]  # the rest, in order
-        self.ops.append((WAIT, *self._every_send(rank, [m.seq for m in sends])))
+        self.ops.append((WAIT, 0, 0))  # made by `_last_waits`
         self.waits += 1
         patches.append((len(self.ops) - 1 - first, _EVERY_SEND, sends))
-        return _Template(self.ops[first:], patches, compute, slow, self.waits - waits)
+        ops = self._flush_ops()[first:]
+        self.last_waits.append((ops, len(ops) - 1, [m.seq for m in sends]))
+        return _Template(
+            ops, patches, np.asarray(start_at, np.int64), started_collectives, compute, slow,
+            self.waits - waits,
+        )  # fmt: skip
 
-    def _every_send(self, rank: int, sends: list[int]) -> tuple[int, int]:
-        """The keys of the step's last wait: every send of the rank's, its hops' included."""
-        hop_sends = self.hop_sends[self.index[rank]]
-        everything = np.concatenate([np.asarray(sends, np.int64), *hop_sends])
-        lo = self._add_key_array(everything)
-        return lo, lo + len(everything)
+    def _last_waits(self) -> None:
+        """Each rank's last wait, once every collective is flattened: on every send of the
+        rank's, then on the hops it sends, collective by collective in the order they were
+        flattened, each's in hop order (grouped by one stable sort: a ring over p ranks has
+        2p(p − 1) hops, and picking each sender's out by a scan costs p passes over them)."""
+        if self.hop_sends:
+            sender = np.concatenate([s for s, _ in self.hop_sends])
+            order = np.argsort(sender, kind="stable")
+            seqs = np.concatenate([q for _, q in self.hop_sends])[order]
+            bounds = np.searchsorted(sender[order], np.arange(len(self.ranks) + 1))
+        else:
+            seqs, bounds = np.zeros(0, np.int64), np.zeros(len(self.ranks) + 1, np.int64)
+        for i, (ops, at, sends) in enumerate(self.last_waits):
+            hops = seqs[bounds[i] : bounds[i + 1]]
+            everything = np.concatenate([np.asarray(sends, np.int64), hops])
+            lo = self._add_key_array(everything)
+            ops[at] = (WAIT, lo, lo + len(everything))
 
     def again(
         self,
@@ -324,21 +360,22 @@ class _Flattener:
         """`program`'s instructions for `rank`, whose program, compute and CPU share are those
         `template` was made with, moved from another rank's: the template's, each message and
         collective `rank`'s own (its instance of the collective)."""
-        start = len(self.ops)
-        self.ops.extend(template.ops)
-        ops = self.ops
+        ops = template.ops.copy()
+        instances, collective = self.instances, self.collective
+        ops[template.start_at, 1] = [
+            (instances.get((mine := joined[c.seq]).seq) or collective(mine))[rank]
+            for c in template.started
+        ]
         for at, code, what in template.patches:
-            if code == START:
-                ops[start + at] = (START, self.collective(joined[what.seq])[rank], 0)
-                continue
             mine = [own[m.seq] for m in what]
             if code == _EVERY_SEND:
-                ops[start + at] = (WAIT, *self._every_send(rank, [m.seq for m in mine]))
+                self.last_waits.append((ops, at, [m.seq for m in mine]))
                 continue
             if code == POST:
                 self._messages(mine)
                 self.posts += len(mine)
-            ops[start + at] = (code, *self._add_keys([m.seq for m in mine]))
+            ops[at] = (code, *self._add_keys([m.seq for m in mine]))
+        self._flush_ops(ops)
         self.waits += template.waits
 
     def flat(self, compute: Mapping[int, Sequence[float]], links: Links) -> FlatStep:
@@ -361,7 +398,8 @@ class _Flattener:
                 made = self.program(rank, program, compute[rank], own, joined)
                 if own is None:
                     templates[rank] = made
-            op_ptr.append(len(self.ops))
+            op_ptr.append(self.op_count)
+        self._last_waits()
         self._flush_keys()
         keys = np.concatenate(self.key_arrays) if self.key_arrays else np.zeros(0, np.int64)
         if self.round_parts:
@@ -370,7 +408,7 @@ class _Flattener:
             round_adds = np.concatenate([p[2] for p in self.round_parts])
         else:
             round_lo = round_hi = round_adds = np.zeros(0, np.int64)
-        ops = np.asarray(self.ops, np.int64).reshape(-1, 3)
+        ops = np.concatenate(self.op_chunks) if self.op_chunks else np.zeros((0, 3), np.int64)
         syncs = int(np.count_nonzero(ops[:, 0] == SYNC)) if len(ops) else 0
         heap_room = syncs + self.waits + self.rounds_total + 2 * self.posts + len(self.ranks) + 1
         return FlatStep(
