@@ -64,6 +64,28 @@ def to_rects(lo: np.ndarray, hi: np.ndarray) -> list[Rect]:
     return [made(tuple(a), tuple(b), e) for a, b, e in zip(lo.tolist(), hi.tolist(), empty)]
 
 
+def run_starts(changed: np.ndarray) -> np.ndarray:
+    """The index of the first element of each run of a sorted or grouped array, from `changed`:
+    whether each element but the first differs from the one before it (`a[1:] != a[:-1]`)."""
+    first = np.empty(len(changed) + 1, bool)
+    first[0] = True
+    first[1:] = changed
+    return np.flatnonzero(first)
+
+
+def run_ends(starts: np.ndarray, n: int) -> np.ndarray:
+    """The index past the last element of each run of `run_starts` over `n` elements."""
+    ends = np.empty(len(starts), INDEX)
+    ends[:-1] = starts[1:]
+    ends[-1:] = n
+    return ends
+
+
+def places_in_runs(starts: np.ndarray, n: int) -> np.ndarray:
+    """Each of `n` elements' place within its run of `run_starts`: 0 for a run's first."""
+    return np.arange(n, dtype=INDEX) - np.repeat(starts, run_ends(starts, n) - starts)
+
+
 def first_seen_ids(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(id of each row, index of each id's first row), ids numbered in order of first appearance.
 

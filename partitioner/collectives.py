@@ -40,6 +40,7 @@ from functools import cached_property
 import numpy as np
 
 from legion_nn.rect import split_sizes
+from partitioner import boxes
 from partitioner.collective_prices import (
     allreduce_algorithm,
     owned_elements,
@@ -139,8 +140,8 @@ class Schedule:
         dst, rounds = self.dst[adding], self.round_of[adding]
         order = np.lexsort((adding, rounds, dst))
         dst, rounds, size = dst[order], rounds[order], (self.hi - self.lo)[adding][order]
-        group = np.flatnonzero(np.r_[True, (dst[1:] != dst[:-1]) | (rounds[1:] != rounds[:-1])])
-        k = np.arange(len(dst)) - np.repeat(group, np.diff(np.r_[group, len(dst)]))
+        group = boxes.run_starts((dst[1:] != dst[:-1]) | (rounds[1:] != rounds[:-1]))
+        k = boxes.places_in_runs(group, len(dst))
         ranks, which = np.unique(dst, return_inverse=True)
         # per receiving rank (a row) and buffer k, the most any round's k-th hop brings
         sizes = np.full((len(ranks), int(k.max()) + 1), -1, np.int64)

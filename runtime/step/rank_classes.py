@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from partitioner import boxes
 from partitioner.layout import Layout
 from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
@@ -98,6 +99,8 @@ class _Frames:
     def __init__(self, ranks: Sequence[int]) -> None:
         self.slot = {rank: slot for slot, rank in enumerate(ranks)}
         self._by_tensor: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        #: the tensors every rank has a frame of
+        self._every_known: set[str] = set()
 
     def _arrays(self, tensor: str, ndim: int) -> tuple[np.ndarray, np.ndarray]:
         found = self._by_tensor.get(tensor)
@@ -112,11 +115,14 @@ class _Frames:
         """Rows of rects told in this order to the ranks in `slots`, each as its low and high
         corners relative to its rank's frame, which the first of them sets where it has none."""
         frame, known = self._arrays(tensor, lo.shape[1])
-        new = ~known[slots]
-        if new.any():
-            first_slots, first_rows = np.unique(slots[new], return_index=True)
-            frame[first_slots] = lo[new][first_rows]
-            known[first_slots] = True
+        if tensor not in self._every_known:
+            new = ~known[slots]
+            if new.any():
+                first_slots, first_rows = np.unique(slots[new], return_index=True)
+                frame[first_slots] = lo[new][first_rows]
+                known[first_slots] = True
+                if known.all():
+                    self._every_known.add(tensor)
         at = frame[slots]
         return np.concatenate((lo - at, hi - at), axis=1)
 
@@ -143,13 +149,21 @@ class _Told:
         column = np.zeros(self.n, np.int64)
         if not len(slots):
             return
-        order = np.argsort(slots, kind="stable")
-        slots, rows = slots[order], rows[order]
-        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
-        if len(starts) == len(slots) and (rows == rows[:1]).all():
-            column[slots] = 1  # a row each, all alike (each rank's part of a data split)
+        ascending = slots[1:] > slots[:-1]
+        if ascending.all():  # told in rank order, a row each
+            if (rows == rows[:1]).all():  # all alike (each rank's part of a data split)
+                column[slots] = 1
+                self.columns.append(column)
+                return
+            starts = np.arange(len(slots))
         else:
-            ends = np.r_[starts[1:], len(slots)]
+            order = np.argsort(slots, kind="stable")
+            slots, rows = slots[order], rows[order]
+            starts = boxes.run_starts(slots[1:] != slots[:-1])
+        if len(starts) == len(slots) and (rows == rows[:1]).all():
+            column[slots] = 1  # a row each, all alike
+        else:
+            ends = boxes.run_ends(starts, len(slots))
             ids: dict[bytes, int] = {}
             for slot, start, end in zip(slots[starts].tolist(), starts.tolist(), ends.tolist()):
                 column[slot] = ids.setdefault(rows[start:end].tobytes(), len(ids) + 1)
@@ -159,9 +173,7 @@ class _Told:
         """Each rank's class after this task: ranks told the same before and now share one."""
         if not self.columns:
             return told
-        ids: dict[tuple, int] = {}
-        rows = zip(told.tolist(), *(column.tolist() for column in self.columns))
-        return np.array([ids.setdefault(row, len(ids)) for row in rows], np.int64)
+        return boxes.first_seen_ids(np.stack([told, *self.columns], axis=1))[0]
 
 
 #: sharing gives up once the ranks fall into more classes than this share of them, where
@@ -280,9 +292,9 @@ def _message_rows(
     # order (across tensors) differ
     order = np.argsort(end_slots, kind="stable")
     sorted_slots = end_slots[order]
-    starts = np.flatnonzero(np.r_[True, sorted_slots[1:] != sorted_slots[:-1]])
+    starts = boxes.run_starts(sorted_slots[1:] != sorted_slots[:-1])
     place = np.empty(len(kept), np.int64)
-    place[order] = np.arange(len(kept)) - np.repeat(starts, np.diff(np.r_[starts, len(kept)]))
+    place[order] = boxes.places_in_runs(starts, len(kept))
     index = kept // 2
     out = []
     by_tensor: dict[str, list[int]] = defaultdict(list)
@@ -348,6 +360,11 @@ def _piece_rows(
         by_tensor[req.tensor].append(j)
     relative: dict[int, np.ndarray] = {}
     for tensor, slots_of_tensor in by_tensor.items():
+        if len(slots_of_tensor) == 1:
+            j = slots_of_tensor[0]
+            lo, hi = piece_set.req_lo[j][pieces], piece_set.req_hi[j][pieces]
+            relative[j] = frames.relative_rows(tensor, slots, lo, hi)
+            continue
         # one tensor in several requirements: its rects told piece by piece, in their order
         lo = np.stack([piece_set.req_lo[j][pieces] for j in slots_of_tensor], axis=1)
         hi = np.stack([piece_set.req_hi[j][pieces] for j in slots_of_tensor], axis=1)

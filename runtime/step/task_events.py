@@ -163,6 +163,8 @@ class PiecesByRank:
         """(set of each triple, piece of each, per rank the span of its triples): found once
         for every rank from the piece sets' arrays; each rank's pairs are made only where it
         is asked for (one rank per class of alike ranks)."""
+        if self._index is None and len(self.piece_sets) == 1:
+            self._index = _one_set_sorted(self.piece_sets[0])
         if self._index is None:
             sets, pieces, ranks = [], [], []
             for k, piece_set in enumerate(self.piece_sets):
@@ -184,10 +186,8 @@ class PiecesByRank:
                 | (piece_of[1:] != piece_of[:-1])
             )
             set_of, piece_of, rank_of = set_of[new], piece_of[new], rank_of[new]
-            starts = (
-                np.flatnonzero(np.r_[True, rank_of[1:] != rank_of[:-1]]) if len(rank_of) else empty
-            )
-            ends = np.r_[starts[1:], len(rank_of)]
+            starts = boxes.run_starts(rank_of[1:] != rank_of[:-1]) if len(rank_of) else empty
+            ends = boxes.run_ends(starts, len(rank_of))
             spans = dict(zip(rank_of[starts].tolist(), zip(starts.tolist(), ends.tolist())))
             self._index = (set_of, piece_of, spans)
         return self._index
@@ -224,6 +224,21 @@ class PiecesByRank:
             self._piece(k, i)
             for k, i in zip(set_of[start:end].tolist(), piece_of[start:end].tolist())
         ]
+
+
+def _one_set_sorted(
+    piece_set: PieceSet,
+) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, int]]] | None:
+    """`PiecesByRank._sorted` of one piece set whose pieces each have one rank, in ascending
+    order (a split over the batch): each rank's span its piece; None for any other set."""
+    if len(piece_set) == 0 or not (np.diff(piece_set.rank_ptr) == 1).all():
+        return None
+    ranks = piece_set.ranks.astype(np.int64)
+    if not (ranks[1:] > ranks[:-1]).all():
+        return None
+    n = len(ranks)
+    spans = dict(zip(ranks.tolist(), zip(range(n), range(1, n + 1))))
+    return np.zeros(n, np.int64), np.arange(n, dtype=np.int64), spans
 
 
 def build_each(

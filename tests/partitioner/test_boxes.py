@@ -1,4 +1,5 @@
-"""`partitioner.boxes.first_seen_ids` numbers equal rows alike, in order of first appearance."""
+"""`partitioner.boxes.first_seen_ids` numbers equal rows alike, in order of first appearance;
+`run_starts`, `run_ends` and `places_in_runs` find the runs of a grouped array as a walk does."""
 
 import numpy as np
 import pytest
@@ -25,3 +26,27 @@ def test_first_seen_ids_match_a_sort_of_the_rows(scale):
         expected_ids, expected_first = _reference(rows)
         assert np.array_equal(ids, expected_ids)
         assert np.array_equal(first, expected_first)
+
+
+def _runs_walked(values):
+    """(start, end) of each run of equal neighbours, and each element's place in its run."""
+    runs, places = [], []
+    for i, value in enumerate(values):
+        if i == 0 or value != values[i - 1]:
+            runs.append([i, i])
+        runs[-1][1] = i + 1
+        places.append(i - runs[-1][0])
+    return runs, places
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_runs_are_found_as_a_walk_finds_them(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(1, 60))
+        values = np.sort(rng.integers(0, int(rng.integers(1, 8)), n))
+        starts = boxes.run_starts(values[1:] != values[:-1])
+        ends = boxes.run_ends(starts, n)
+        runs, places = _runs_walked(values.tolist())
+        assert [[a, b] for a, b in zip(starts.tolist(), ends.tolist())] == runs
+        assert boxes.places_in_runs(starts, n).tolist() == places
