@@ -137,3 +137,19 @@ def columns(n: int, *values) -> np.ndarray:
 def elementwise_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
     """`elementwise` over arrays: every role touches the piece."""
     return {role: (lo, hi) for role in dims}
+
+
+def channel_boxes(lo: np.ndarray, hi: np.ndarray, rows: int, positions: bool = False) -> tuple:
+    """Per piece of (N, C, H, W) activations, the (rows, C, 1, 1) entries of its channels (with
+    `positions`, the (rows, C, H, W) entries of its channels and positions), as arrays of
+    pieces: a batch normalisation's statistics and parameters, a channel affine's parameters.
+    An empty piece touches none (all zeros, as `Rect.empty`)."""
+    out_lo, out_hi = np.zeros((len(lo), 4), np.int64), np.zeros((len(lo), 4), np.int64)
+    out_hi[:, 0] = rows
+    if positions:
+        out_lo[:, 1:], out_hi[:, 1:] = lo[:, 1:], hi[:, 1:]
+    else:
+        out_lo[:, 1], out_hi[:, 1], out_hi[:, 2:] = lo[:, 1], hi[:, 1], 1
+    empty = np.any(hi <= lo, axis=1)
+    out_lo[empty], out_hi[empty] = 0, 0
+    return out_lo, out_hi

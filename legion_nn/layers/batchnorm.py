@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from legion_nn import registry
+from legion_nn.access import channel_boxes, elementwise_boxes
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -55,16 +56,26 @@ def _batchnorm_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece:
     }
 
 
+def _batchnorm_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
+    """`_batchnorm_rects` over arrays of pieces."""
+    positions = dims["stats"][2:] != (1, 1)
+    stats, param = channel_boxes(lo, hi, 2, positions), channel_boxes(lo, hi, 1, positions)
+    entries = {"stats": stats, "running": stats, "gamma": param, "beta": param}
+    entries |= {"gamma.delta": param, "beta.delta": param}
+    return {role: entries.get(role, (lo, hi)) for role in dims}
+
+
 def _running_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
     return {"stats": piece, "running": piece}
 
 
-def _record(op: str, flops: dict[str, float], splittable=registry.EVERY_DIM, access=None) -> None:
+def _record(op: str, flops: dict[str, float], splittable=registry.EVERY_DIM, running=False) -> None:
     registry.register(
         op,
         phases={
             phase: {
-                "access": access or _batchnorm_rects,
+                "access": _running_rects if running else _batchnorm_rects,
+                "box_map": elementwise_boxes if running else _batchnorm_boxes,
                 "flops": registry.per_element(count),
                 "adapter": f"{op}.{phase}",
             }
@@ -86,7 +97,7 @@ _record("batchnorm_stats", {"forward": 3})
 _record("batchnorm", {"forward": 4, "backward": 5})
 _record("batchnorm_input", {"backward": 6})
 # mean and var stay together: the statistics' rows are not cut
-_record("batchnorm_running", {"forward": 3}, splittable=(1, 2, 3), access=_running_rects)
+_record("batchnorm_running", {"forward": 3}, splittable=(1, 2, 3), running=True)
 
 
 @layer_kind("batchnorm")

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from legion_nn import registry
+from legion_nn.access import channel_boxes
 from legion_nn.errors import ShapeError
 from legion_nn.layers.base import COPY, Layer, Shape, layer_kind, moving_tasks, record_grid_op
 from legion_nn.privilege import Privilege
@@ -55,8 +56,17 @@ def _affine_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Re
     }
 
 
+def _affine_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, hi) -> dict:
+    """`_affine_rects` over arrays of pieces."""
+    param = channel_boxes(lo, hi, 1)
+    entries = {"scale": param, "shift": param, "scale.delta": param, "shift.delta": param}
+    return {role: entries.get(role, (lo, hi)) for role in dims}
+
+
 # forward a multiply and an add per element; backward dy·scale, and dy·x and dy summed
-record_grid_op("channel_affine", _affine_rects, {"forward": 2, "backward": 4})
+record_grid_op(
+    "channel_affine", _affine_rects, {"forward": 2, "backward": 4}, box_map=_affine_boxes
+)
 
 
 def shuffle_sources(channels: int, groups: int, first: int, last: int) -> np.ndarray:

@@ -5,7 +5,15 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from legion_nn.layers import Conv, Filter, Linear, MaxPool, Softmax
+from legion_nn.layers import (
+    BatchNorm,
+    ChannelAffine,
+    Conv,
+    Filter,
+    Linear,
+    MaxPool,
+    Softmax,
+)
 from legion_nn.network import Network
 from legion_nn.networks import load_network
 from legion_nn.op_records import access_map, box_map
@@ -29,7 +37,22 @@ def _graphs():
             Softmax(),
         ],
     )
+    normed = Network(
+        "normed",
+        (3, 6, 5),
+        4,
+        [
+            Conv("C0", out_channels=4, kernel=3, pad=1),
+            BatchNorm("B0"),
+            ChannelAffine("A0"),
+            BatchNorm("B1", spatial=False),
+            ChannelAffine("A1", shift=False),
+            Linear("c", out=4, bias=True),
+            Softmax(),
+        ],
+    )
     return [
+        normed.lower(batch=6),
         load_network("seed-lcn-small").lower(batch=5),
         load_network("vgg19").lower(batch=3),
         odd.lower(batch=7),
@@ -66,8 +89,8 @@ def test_box_maps_match_the_access_maps_on_random_pieces(graph):
     assert checked
 
 
-def test_grid_pieces_with_and_without_box_maps_agree():
-    graph = load_network("vgg19").lower(batch=4)
+@pytest.mark.parametrize("graph", [_graphs()[0], _graphs()[2]], ids=lambda g: g.network)
+def test_grid_pieces_with_and_without_box_maps_agree(graph):
     for task in graph.tasks[:40]:
         if box_map(task.op, task.phase) is None:
             continue
