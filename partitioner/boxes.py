@@ -34,9 +34,16 @@ def from_rects(rects: Sequence[Rect], ndim: int) -> tuple[np.ndarray, np.ndarray
     )
 
 
+#: the most boxes whose volumes and emptiness are found by one reduction along their rows;
+#: beyond, column by column, several times faster over many short rows (on 64 boxes of 4 dims
+#: the reduction takes 2-3 µs, the columns 5-8; on 20,000 the columns 80 µs, the reduction 400)
+ROW_REDUCTION_AT_MOST = 256
+
+
 def volumes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Elements of each box (0 for an empty one)."""
-    # column by column: several times faster than np.prod(axis=1) over a few short rows
+    if len(lo) <= ROW_REDUCTION_AT_MOST:
+        return np.multiply.reduce(np.maximum(hi - lo, 0), axis=1, dtype=INDEX)
     out = np.ones(len(lo), INDEX)
     for d in range(lo.shape[1]):
         out *= np.maximum(hi[:, d] - lo[:, d], 0)
@@ -44,6 +51,8 @@ def volumes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def nonempty(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    if len(lo) <= ROW_REDUCTION_AT_MOST:
+        return np.logical_and.reduce(hi > lo, axis=1)
     out = np.ones(len(lo), bool)
     for d in range(lo.shape[1]):
         out &= hi[:, d] > lo[:, d]

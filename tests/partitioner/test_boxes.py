@@ -50,3 +50,16 @@ def test_runs_are_found_as_a_walk_finds_them(seed):
         runs, places = _runs_walked(values.tolist())
         assert [[a, b] for a, b in zip(starts.tolist(), ends.tolist())] == runs
         assert boxes.places_in_runs(starts, n).tolist() == places
+
+
+@pytest.mark.parametrize(
+    "n", [0, 1, 7, boxes.ROW_REDUCTION_AT_MOST, boxes.ROW_REDUCTION_AT_MOST + 1, 2000]
+)
+def test_volumes_and_emptiness_agree_with_the_rows_extents(n):
+    rng = np.random.default_rng(n)
+    for ndim in (0, 1, 4, 8):
+        lo = rng.integers(-5, 5, (n, ndim))
+        hi = lo + rng.integers(-2, 4, (n, ndim))
+        extents = np.maximum(hi - lo, 0)
+        assert boxes.volumes(lo, hi).tolist() == [int(np.prod(row)) for row in extents]
+        assert boxes.nonempty(lo, hi).tolist() == [bool((row > 0).all()) for row in hi - lo]
