@@ -95,12 +95,33 @@ def places_in_runs(starts: np.ndarray, n: int) -> np.ndarray:
     return np.arange(n, dtype=INDEX) - np.repeat(starts, run_ends(starts, n) - starts)
 
 
+#: the most rows `first_seen_ids` numbers through a dict of their bytes, 4-5x faster than the
+#: sort of their keys on a hundred rows (12 against 50 µs) and as fast on a thousand
+FIRST_SEEN_BY_DICT_AT_MOST = 512
+
+
+def _first_seen_by_dict(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`first_seen_ids` of a few rows: each row's bytes looked up in a dict of those seen."""
+    n, k = rows.shape
+    if k == 0:
+        return np.zeros(n, INDEX), np.zeros(1, INDEX)
+    rows = np.ascontiguousarray(rows, INDEX)
+    keys = rows.view(np.dtype((np.void, rows.itemsize * k))).ravel().tolist()
+    seen: dict[bytes, int] = {}
+    ids = np.asarray([seen.setdefault(key, len(seen)) for key in keys], INDEX)
+    # numbered as first met, so the most id so far grows exactly at each id's first row
+    most = np.maximum.accumulate(ids)
+    return ids, run_starts(most[1:] != most[:-1])
+
+
 def first_seen_ids(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(id of each row, index of each id's first row), ids numbered in order of first appearance.
 
     `rows` is (n, k) int64; equal rows get equal ids."""
     if len(rows) == 0:
         return np.zeros(0, INDEX), np.zeros(0, INDEX)
+    if len(rows) <= FIRST_SEEN_BY_DICT_AT_MOST:
+        return _first_seen_by_dict(rows)
     # One int64 key per row, column by column in mixed radix; when the next column would
     # overflow it, the key is first renumbered densely (ids < n). Sorting int64 keys is several
     # times faster than np.unique(axis=0)'s sort of the rows as byte strings.

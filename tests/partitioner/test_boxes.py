@@ -19,7 +19,8 @@ def _reference(rows):
 def test_first_seen_ids_match_a_sort_of_the_rows(scale):
     rng = np.random.default_rng(scale % 97)
     for _ in range(60):
-        n, k = int(rng.integers(1, 200)), int(rng.integers(1, 12))
+        # both ways: a dict of the rows' bytes up to FIRST_SEEN_BY_DICT_AT_MOST rows, a sort beyond
+        n, k = int(rng.integers(1, 3 * boxes.FIRST_SEEN_BY_DICT_AT_MOST)), int(rng.integers(1, 12))
         rows = rng.integers(0, scale, (n, k), dtype=np.int64) if scale > 1 else np.zeros((n, k))
         rows = rows.astype(np.int64)[rng.integers(0, n, n)]  # with repeats
         ids, first = boxes.first_seen_ids(rows)
