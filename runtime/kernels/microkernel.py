@@ -17,10 +17,17 @@ environment's Haswell kernels.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import cfunc, njit, types
+from numba.core.caching import FunctionCache
 from numba.extending import intrinsic
 
 from runtime.kernels.gemm_tile import MAX_ROWS, MAX_VECTORS, VECTOR_BYTES, tile_product, tile_rows
@@ -220,10 +227,47 @@ def kernels(dtype) -> np.ndarray:
         raise TypeError(f"tiled_gemm: float32 or float64, got {dtype}")
     slot = _slot(dtype.itemsize)
     if slot not in _COMPILED:
-        compiled = cfunc(_signature(numba.from_dtype(dtype)), cache=True)(_gemm)
+        with _compiled_once(dtype):
+            compiled = cfunc(_signature(numba.from_dtype(dtype)), cache=True)(_gemm)
         _COMPILED[slot] = compiled
         _ADDRESSES[slot] = compiled.address
     return _ADDRESSES
+
+
+#: how long a process waits for another process's compiling of the GEMM before it compiles the
+#: GEMM itself (the other has hung; one that dies releases its lock at once)
+GEMM_LOCK_WAIT_S = 120.0
+
+
+@contextmanager
+def _compiled_once(dtype: np.dtype) -> Iterator[None]:
+    """Held while this process compiles the GEMM for `dtype`, or loads it from Numba's cache: a
+    lock on a file beside that cache, so that the processes of a host compile it once (the ranks
+    under `mpiexec`, a run and its helpers: `runtime.compile_ahead`) and the others load what
+    the first wrote. A helper that reached its GEMM callers a tenth of a second before the run
+    had written the GEMM compiled it again, 1.4 s of the default job's cold start. Without a
+    lock to take (a platform without `flock`, a cache it cannot write) each compiles its own."""
+    try:
+        import fcntl
+
+        folder = Path(FunctionCache(_gemm)._cache_path)
+        handle = os.open(folder / f"microkernel._gemm.{dtype.name}.lock", os.O_RDWR | os.O_CREAT)
+    except (ImportError, OSError, AttributeError, RuntimeError):
+        yield
+        return
+    try:
+        deadline = time.monotonic() + GEMM_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(handle)  # and with it the lock
 
 
 def _slot(itemsize: int) -> int:

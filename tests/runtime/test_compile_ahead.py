@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -256,3 +257,36 @@ def _python(script: str, env: dict[str, str]) -> str:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def test_processes_of_a_host_compile_the_gemm_once(tmp_path):
+    """Two processes asking for the GEMM at once on an empty cache: one compiles it and the
+    other waits for it and loads what the first wrote (`microkernel._compiled_once`), where
+    each had compiled it when one reached it before the other had written it."""
+    script = textwrap.dedent(
+        """
+        import sys, time
+        import numpy as np
+        from runtime.kernels import microkernel
+
+        start = float(sys.argv[1])
+        time.sleep(max(start - time.time(), 0.0))  # both ask at once
+        microkernel.kernels(np.float32)
+        print("hits", microkernel._COMPILED[0].cache_hits)
+        """
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=str(ROOT))
+    start = f"{time.time() + 3.0:.3f}"
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, start],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    hits = sorted(child.communicate(timeout=300)[0].split()[-1] for child in children)
+    assert [child.returncode for child in children] == [0, 0]
+    assert hits == ["0", "1"]  # one compiled, the other loaded
