@@ -139,11 +139,21 @@ def elementwise_boxes(attrs: Mapping[str, Any], dims: Mapping[str, tuple], lo, h
     return {role: (lo, hi) for role in dims}
 
 
+def channel_rect(piece: Rect, rows: int, positions: bool = False) -> Rect:
+    """The (rows, C, 1, 1) entries of the channels of a piece of (N, C, H, W) activations (with
+    `positions`, the (rows, C, H, W) entries of its channels and positions): a batch
+    normalisation's statistics and parameters, a channel affine's parameters. An empty piece
+    touches none."""
+    if piece.is_empty():
+        return Rect.empty(4)
+    if positions:
+        return Rect((0,) + piece.lo[1:], (rows,) + piece.hi[1:])
+    return Rect((0, piece.lo[1], 0, 0), (rows, piece.hi[1], 1, 1))
+
+
 def channel_boxes(lo: np.ndarray, hi: np.ndarray, rows: int, positions: bool = False) -> tuple:
-    """Per piece of (N, C, H, W) activations, the (rows, C, 1, 1) entries of its channels (with
-    `positions`, the (rows, C, H, W) entries of its channels and positions), as arrays of
-    pieces: a batch normalisation's statistics and parameters, a channel affine's parameters.
-    An empty piece touches none (all zeros, as `Rect.empty`)."""
+    """`channel_rect` of each piece of arrays of pieces (an empty one's all zeros, as
+    `Rect.empty`)."""
     out_lo, out_hi = np.zeros((len(lo), 4), np.int64), np.zeros((len(lo), 4), np.int64)
     out_hi[:, 0] = rows
     if positions:

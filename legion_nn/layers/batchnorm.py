@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from legion_nn import registry
-from legion_nn.access import channel_boxes, elementwise_boxes
+from legion_nn.access import channel_boxes, channel_rect, elementwise_boxes
 from legion_nn.layers.base import Layer, Shape, layer_kind
 from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
@@ -29,19 +29,10 @@ from legion_nn.rect import Rect
 R_, W_, RW, RD = Privilege.READ, Privilege.WRITE, Privilege.READ_WRITE, Privilege.REDUCE
 
 
-def _stat_rect(piece: Rect, stat_dims: tuple, rows: int) -> Rect:
-    """The statistics entries (`rows` of them) of the channels (and, vanilla, positions) of piece."""
-    if piece.is_empty():
-        return Rect.empty(4)
-    if stat_dims[2:] == (1, 1):
-        return Rect((0, piece.lo[1], 0, 0), (rows, piece.hi[1], 1, 1))
-    return Rect((0,) + piece.lo[1:], (rows,) + piece.hi[1:])
-
-
 def _batchnorm_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    stat_dims = dims["stats"]
-    stats = _stat_rect(piece, stat_dims, 2)
-    param = _stat_rect(piece, stat_dims, 1)
+    # the statistics and parameters of the piece's channels (vanilla: and positions)
+    positions = dims["stats"][2:] != (1, 1)
+    stats, param = channel_rect(piece, 2, positions), channel_rect(piece, 1, positions)
     return {
         "input": piece,
         "output": piece,

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from legion_nn import registry
-from legion_nn.access import channel_boxes
+from legion_nn.access import channel_boxes, channel_rect
 from legion_nn.errors import ShapeError
 from legion_nn.layers.base import COPY, Layer, Shape, layer_kind, moving_tasks, record_grid_op
 from legion_nn.privilege import Privilege
@@ -35,15 +35,8 @@ from legion_nn.rect import Rect
 R_, W_, RD = Privilege.READ, Privilege.WRITE, Privilege.REDUCE
 
 
-def _channels_of(piece: Rect) -> Rect:
-    """The (1, C, 1, 1) parameter entries of the piece's channels."""
-    if piece.is_empty():
-        return Rect.empty(4)
-    return Rect((0, piece.lo[1], 0, 0), (1, piece.hi[1], 1, 1))
-
-
 def _affine_rects(attrs: Mapping[str, Any], dims: Mapping[str, tuple], piece: Rect) -> dict:
-    param = _channels_of(piece)
+    param = channel_rect(piece, 1)  # the (1, C, 1, 1) entries of the piece's channels
     return {
         "input": piece,
         "output": piece,

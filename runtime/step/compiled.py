@@ -130,9 +130,9 @@ class _Flattener:
         #: per collective, the rank index sending each of its hops and the hop's sequence
         #: number, in hop order (for each rank's last wait, on every send)
         self.hop_sends: list[tuple[np.ndarray, np.ndarray]] = []
-        #: per rank, its last wait, made once every collective is: (its instructions, the
-        #: wait's position among them, the rank's sends but its hops)
-        self.last_waits: list[tuple[np.ndarray, int, list[int]]] = []
+        #: per rank, its last wait, made once every collective is: (the rank's index, its
+        #: instructions, the wait's position among them, the rank's sends but its hops)
+        self.last_waits: list[tuple[int, np.ndarray, int, list[int]]] = []
         self.waits = 0
         self.posts = 0
 
@@ -326,7 +326,7 @@ class _Flattener:
         self.waits += 1
         patches.append((len(self.ops) - 1 - first, _EVERY_SEND, sends))
         ops = self._flush_ops()[first:]
-        self.last_waits.append((ops, len(ops) - 1, [m.seq for m in sends]))
+        self.last_waits.append((self.index[rank], ops, len(ops) - 1, [m.seq for m in sends]))
         return _Template(
             ops, patches, np.asarray(start_at, np.int64), started_collectives, compute, slow,
             self.waits - waits,
@@ -344,7 +344,7 @@ class _Flattener:
             bounds = np.searchsorted(sender[order], np.arange(len(self.ranks) + 1))
         else:
             seqs, bounds = np.zeros(0, np.int64), np.zeros(len(self.ranks) + 1, np.int64)
-        for i, (ops, at, sends) in enumerate(self.last_waits):
+        for i, ops, at, sends in self.last_waits:
             hops = seqs[bounds[i] : bounds[i + 1]]
             everything = np.concatenate([np.asarray(sends, np.int64), hops])
             lo = self._add_key_array(everything)
@@ -369,7 +369,7 @@ class _Flattener:
         for at, code, what in template.patches:
             mine = [own[m.seq] for m in what]
             if code == _EVERY_SEND:
-                self.last_waits.append((ops, at, [m.seq for m in mine]))
+                self.last_waits.append((self.index[rank], ops, at, [m.seq for m in mine]))
                 continue
             if code == POST:
                 self._messages(mine)

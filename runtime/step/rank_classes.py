@@ -149,19 +149,14 @@ class _Told:
         column = np.zeros(self.n, np.int64)
         if not len(slots):
             return
-        ascending = slots[1:] > slots[:-1]
-        if ascending.all():  # told in rank order, a row each
-            if (rows == rows[:1]).all():  # all alike (each rank's part of a data split)
-                column[slots] = 1
-                self.columns.append(column)
-                return
+        if (slots[1:] > slots[:-1]).all():  # told in rank order, a row each: no sort
             starts = np.arange(len(slots))
         else:
             order = np.argsort(slots, kind="stable")
             slots, rows = slots[order], rows[order]
             starts = boxes.run_starts(slots[1:] != slots[:-1])
         if len(starts) == len(slots) and (rows == rows[:1]).all():
-            column[slots] = 1  # a row each, all alike
+            column[slots] = 1  # a row each, all alike (each rank's part of a data split)
         else:
             ends = boxes.run_ends(starts, len(slots))
             ids: dict[bytes, int] = {}

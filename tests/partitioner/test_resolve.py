@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -393,9 +394,17 @@ def _placed_ahead(folder: Path, simulated: bool, busy: bool = False) -> None:
         alone.memory_prediction(graph, plan),
     )
     placed = step_model.placed_ranks
+    command = os.getpid()
 
     def placing(graph, plan, machine, ranks=None, programs=None):
         built = "built" if programs is not None else "new"
+        if ranks and min(ranks) > 0 and os.getpid() == command:
+            # the command's own share waits till the forked process has begun the other, which
+            # the command would take itself on a machine too loaded to start the process soon
+            deadline = time.monotonic() + 60.0
+            while not any("-0-" in name for name in os.listdir(folder)):
+                assert time.monotonic() < deadline, "the forked process never began its share"
+                time.sleep(0.01)
         (folder / f"{os.getpid()}-{min(ranks) if ranks else 0}-{built}").touch()
         return placed(graph, plan, machine, ranks, programs)
 
