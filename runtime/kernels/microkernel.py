@@ -245,8 +245,10 @@ def _compiled_once(dtype: np.dtype) -> Iterator[None]:
     lock on a file beside that cache, so that the processes of a host compile it once (the ranks
     under `mpiexec`, a run and its helpers: `runtime.compile_ahead`) and the others load what
     the first wrote. A helper that reached its GEMM callers a tenth of a second before the run
-    had written the GEMM compiled it again, 1.4 s of the default job's cold start. Without a
-    lock to take (a platform without `flock`, a cache it cannot write) each compiles its own."""
+    had written the GEMM compiled it again, 1.4 s of the default job's cold start. The file
+    stays with the cache, as the cache's own files do. Without a lock to take (a platform
+    without `flock`, a cache it cannot write, a file system without locks) each compiles its
+    own."""
     try:
         import fcntl
 
@@ -265,6 +267,8 @@ def _compiled_once(dtype: np.dtype) -> Iterator[None]:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.005)
+            except OSError:  # a file system without locks (some shared ones): compile here
+                break
         yield
     finally:
         os.close(handle)  # and with it the lock
