@@ -15,7 +15,7 @@ import numpy as np
 from legion_nn.access import input_dims, window_padding
 from legion_nn.rect import Rect
 from runtime.adapters.registry import Dims, adapter, written_in_place
-from runtime.kernels import filter_packed, group_conv, layout, pool
+from runtime.kernels import conv, filter_packed, group_conv, layout, pool
 
 
 def _pads(task, piece: Rect, dims: Dims) -> tuple[int, int, int, int]:
@@ -110,8 +110,13 @@ def _filter_grad(task, piece, views, dims, ctx):
 
 @adapter("conv.forward")
 def _conv(task, piece, views, dims, ctx):
-    """A tied filter plus a bias per output channel."""
-    y = _packed_filter_forward(task, piece, views, dims)
+    """A tied filter plus a bias per output channel; a 1×1 one without padding as a product
+    per sample (`conv.pointwise_forward`)."""
+    attrs = task.attrs
+    if conv.runs_pointwise(attrs["kernel"], attrs["pad"]):
+        y = conv.pointwise_forward(views["input"], views["filters"], attrs["stride"])
+    else:
+        y = _packed_filter_forward(task, piece, views, dims)
     if "b" in views:
         y += views["b"]
     return {"output": y}

@@ -76,3 +76,37 @@ def test_rejects_untied_weights_and_bad_bias():
         conv_forward(x, w, b.reshape(4), stride, pad)
     with pytest.raises(ValueError, match="b: dtype float32 differs"):
         conv_forward(x, w, b.astype(np.float32), stride, pad)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("stride", [1, 2, (2, 1)])
+def test_a_pointwise_conv_is_a_product_per_sample(dtype, stride):
+    """A 1×1 window without padding, run as weights times each sample's channels by positions,
+    equals the reference convolution (bias aside), at every stride."""
+    from runtime.kernels.conv import pointwise_forward, runs_pointwise
+
+    rows, columns = (stride, stride) if isinstance(stride, int) else stride
+    rng = np.random.default_rng(rows * 10 + columns)
+    x = rng.standard_normal((3, 5, 7, 6)).astype(dtype)
+    w = rng.standard_normal((4, 1, 1, 5, 1, 1, 1, 1)).astype(dtype)
+    zero = np.zeros((1, 4, 1, 1), dtype)
+    want = reference.conv_forward(x[:, :, ::rows, ::columns], w, zero, 1, 0)
+    close(pointwise_forward(x, pack_weights(w), stride), want, dtype)
+    # a piece's view: input channels 1..4 of the weights' and the input's, not contiguous
+    close(
+        pointwise_forward(x[:, 1:4], pack_weights(w[:, :, :, 1:4]), stride),
+        reference.conv_forward(x[:, 1:4, ::rows, ::columns], w[:, :, :, 1:4], zero, 1, 0),
+        dtype,
+    )
+    assert runs_pointwise((1, 1), (0, 0, 0, 0))
+    assert not runs_pointwise((1, 1), (0, 1, 0, 0))
+    assert not runs_pointwise((3, 3), (0, 0, 0, 0))
+    assert not runs_pointwise((1, 1), (0, 0, 0, 0), untied=True)
+
+
+def test_a_pointwise_conv_refuses_a_wider_window():
+    from runtime.kernels.conv import pointwise_forward
+
+    x = np.zeros((1, 2, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="wp"):
+        pointwise_forward(x, np.zeros((1, 3, 1, 4, 3, 2), np.float32))
