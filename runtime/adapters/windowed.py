@@ -49,9 +49,16 @@ def _packed_filter_backward(task, piece, views, dims, ctx) -> dict[str, np.ndarr
     dyp, xp = layout.pack_activations(views["output.delta"]), layout.pack_activations(x)
     out: dict[str, np.ndarray] = {}
     if task.attrs["need_dx"]:  # first: a fused step (below) changes the weights it reads
-        dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
         dx = written_in_place(task, views, ctx, "input.delta")
-        found = layout.unpack_activations(dxp, dx)
+        if task.op == "conv" and conv.runs_pointwise(task.attrs["kernel"], task.attrs["pad"]):
+            found = conv.pointwise_backward_data(
+                views["output.delta"], weights, x.shape[2:], stride
+            )
+            if dx is not None:
+                dx[...] = found
+        else:
+            dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
+            found = layout.unpack_activations(dxp, dx)
         if dx is None:
             out["input.delta"] = found
     channels = _piece_channels(task, piece)

@@ -7,15 +7,17 @@ array in both layouts: it broadcasts over (N, K, P, Q) as (1, K, 1, 1) and over 
 A 1×1 window without padding (ResNet's bottlenecks and shortcuts) is a product per sample,
 weights (K × C) by the sample's channels and positions (C × P·Q, every stride-th row and
 column), which `pointwise_forward` takes in the logical layout on the linear layer's tiled
-product (`linear.product`): the packed kernel takes one product a position, as wide as the batch,
-and ran ResNet-50's 1×1 convs at batch 8 at 26–61 GFLOP/s on a 2-core VM whose SGEMM is 199.
+product (`linear.product`), and its input's gradient (`pointwise_backward_data`) the transposed
+weights by the output gradient's: the packed kernel takes one product a position, as wide as the
+batch, and ran ResNet-50's 1×1 convs at batch 8 at 26–61 GFLOP/s on a 2-core VM whose SGEMM is
+199 (at batch 64, 43–117 GFLOP/s, where these ran at 112–186).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from runtime.kernels.blas import NO_TRANS
+from runtime.kernels.blas import NO_TRANS, TRANS
 from runtime.kernels.filter import filter_backward, filter_forward, filter_geometry
 from runtime.kernels.filter_packed import (
     backward_data_packed,
@@ -107,3 +109,31 @@ def pointwise_forward(x: np.ndarray, wp: np.ndarray, stride=1) -> np.ndarray:
         inputs = np.ascontiguousarray(x[sample]).reshape(c, p * q)
         product(weights, NO_TRANS, inputs, NO_TRANS, y[sample].reshape(k, p * q))
     return y
+
+
+def pointwise_backward_data(
+    dy: np.ndarray, wp: np.ndarray, input_size: tuple[int, int], stride=1
+) -> np.ndarray:
+    """dx (N, C, H, W) of a 1×1 conv without padding (`pointwise_forward`) from dy (N, K, P,
+    Q): dx[n] = wᵀ · dy[n] at every stride-th row and column, zero between."""
+    check_ndim("dy", dy, 4, "(N, K, P, Q)")
+    check_ndim("wp", wp, 6, "(1, 1, 1, K, 1, C)")
+    if wp.shape[:3] != (1, 1, 1) or wp.shape[4] != 1 or wp.shape[3] != dy.shape[1]:
+        raise ValueError(f"wp: expected (1, 1, 1, {dy.shape[1]}, 1, C), got shape {wp.shape}")
+    dtype = check_dtypes(dy=dy, wp=wp)
+    rows, columns = (stride, stride) if isinstance(stride, int) else stride
+    n, k, p, q = dy.shape
+    c = wp.shape[5]
+    weights = np.ascontiguousarray(wp[0, 0, 0, :, 0, :])
+    dense = (rows, columns) == (1, 1)
+    dx = np.empty((n, c, *input_size), dtype) if dense else np.zeros((n, c, *input_size), dtype)
+    if dense and input_size != (p, q):
+        raise ValueError(f"dy: {p}×{q} positions for a {input_size[0]}×{input_size[1]} input")
+    part = None if dense else np.empty((c, p * q), dtype)
+    for sample in range(n):
+        grads = np.ascontiguousarray(dy[sample]).reshape(k, p * q)
+        into = dx[sample].reshape(c, p * q) if dense else part
+        product(weights, TRANS, grads, NO_TRANS, into)
+        if not dense:
+            dx[sample][:, ::rows, ::columns] = part.reshape(c, p, q)
+    return dx

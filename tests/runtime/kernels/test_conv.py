@@ -110,3 +110,25 @@ def test_a_pointwise_conv_refuses_a_wider_window():
     x = np.zeros((1, 2, 4, 4), np.float32)
     with pytest.raises(ValueError, match="wp"):
         pointwise_forward(x, np.zeros((1, 3, 1, 4, 3, 2), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("stride", [1, 2, (2, 1)])
+def test_a_pointwise_convs_input_gradient_is_a_product_per_sample(dtype, stride):
+    """The input's gradient of a 1×1 window without padding, the transposed weights times each
+    sample's output gradient, equals the reference's, zero between the strided positions."""
+    from runtime.kernels.conv import pointwise_backward_data
+
+    rows, columns = (stride, stride) if isinstance(stride, int) else stride
+    rng = np.random.default_rng(rows * 10 + columns + 1)
+    x = rng.standard_normal((3, 5, 7, 6)).astype(dtype)
+    w = rng.standard_normal((4, 1, 1, 5, 1, 1, 1, 1)).astype(dtype)
+    dy = rng.standard_normal((3, 4, -(-7 // rows), -(-6 // columns))).astype(dtype)
+    want = np.zeros(x.shape, np.float64)  # dx[n, c, h·s, w·t] = Σ_k w[k, c] dy[n, k, h, w]
+    want[:, :, ::rows, ::columns] = np.einsum(
+        "kc,nkpq->ncpq", w.reshape(4, 5).astype(np.float64), dy.astype(np.float64)
+    )
+    close(pointwise_backward_data(dy, pack_weights(w), (7, 6), stride), want.astype(dtype), dtype)
+    if stride == 1:  # the reference convolution's, where it takes the stride
+        close(pointwise_backward_data(dy, pack_weights(w), (7, 6)), reference.conv_backward(
+            dy, x, w, 1, 0)[0], dtype)  # fmt: skip
