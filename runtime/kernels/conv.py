@@ -24,7 +24,7 @@ from runtime.kernels.filter_packed import (
     backward_filter_packed,
     forward_packed,
 )
-from runtime.kernels.geometry import check_dtypes, check_ndim
+from runtime.kernels.geometry import check_dtypes, check_ndim, stride_pair
 from runtime.kernels.linear import product
 
 
@@ -91,19 +91,27 @@ def runs_pointwise(kernel, pad, untied: bool = False) -> bool:
     return not untied and tuple(kernel) == (1, 1) and not any(pad)
 
 
+def _pointwise_weights(wp: np.ndarray, filters: int | None = None, channels: int | None = None):
+    """The (K × C) matrix of packed 1×1 weights (1, 1, 1, K, 1, C), C-contiguous, checked
+    against the `filters` (K) and `channels` (C) of the operand it multiplies."""
+    check_ndim("wp", wp, 6, "(1, 1, 1, K, 1, C)")
+    k, c = wp.shape[3], wp.shape[5]
+    if wp.shape != (1, 1, 1, k, 1, c) or filters not in (None, k) or channels not in (None, c):
+        expected = (1, 1, 1, filters or "K", 1, channels or "C")
+        raise ValueError(f"wp: expected {expected}, got shape {wp.shape}")
+    return np.ascontiguousarray(wp[0, 0, 0, :, 0, :])
+
+
 def pointwise_forward(x: np.ndarray, wp: np.ndarray, stride=1) -> np.ndarray:
     """y (N, K, P, Q) of x (N, C, H, W) under packed 1×1 weights (1, 1, 1, K, 1, C), without
     padding: y[n] = w · x[n] over every stride-th row and column (`runs_pointwise`)."""
     check_ndim("x", x, 4, "(N, C, H, W)")
-    check_ndim("wp", wp, 6, "(1, 1, 1, K, 1, C)")
-    if wp.shape[:3] != (1, 1, 1) or wp.shape[4] != 1 or wp.shape[5] != x.shape[1]:
-        raise ValueError(f"wp: expected (1, 1, 1, K, 1, {x.shape[1]}), got shape {wp.shape}")
+    weights = _pointwise_weights(wp, channels=x.shape[1])
     dtype = check_dtypes(x=x, wp=wp)
-    rows, columns = (stride, stride) if isinstance(stride, int) else stride
+    rows, columns = stride_pair(stride)
     x = x[:, :, ::rows, ::columns]
     n, c, p, q = x.shape
-    k = wp.shape[3]
-    weights = np.ascontiguousarray(wp[0, 0, 0, :, 0, :])
+    k = weights.shape[0]
     y = np.empty((n, k, p, q), dtype)
     for sample in range(n):
         inputs = np.ascontiguousarray(x[sample]).reshape(c, p * q)
@@ -117,14 +125,11 @@ def pointwise_backward_data(
     """dx (N, C, H, W) of a 1×1 conv without padding (`pointwise_forward`) from dy (N, K, P,
     Q): dx[n] = wᵀ · dy[n] at every stride-th row and column, zero between."""
     check_ndim("dy", dy, 4, "(N, K, P, Q)")
-    check_ndim("wp", wp, 6, "(1, 1, 1, K, 1, C)")
-    if wp.shape[:3] != (1, 1, 1) or wp.shape[4] != 1 or wp.shape[3] != dy.shape[1]:
-        raise ValueError(f"wp: expected (1, 1, 1, {dy.shape[1]}, 1, C), got shape {wp.shape}")
+    weights = _pointwise_weights(wp, filters=dy.shape[1])
     dtype = check_dtypes(dy=dy, wp=wp)
-    rows, columns = (stride, stride) if isinstance(stride, int) else stride
+    rows, columns = stride_pair(stride)
     n, k, p, q = dy.shape
-    c = wp.shape[5]
-    weights = np.ascontiguousarray(wp[0, 0, 0, :, 0, :])
+    c = weights.shape[1]
     dense = (rows, columns) == (1, 1)
     dx = np.empty((n, c, *input_size), dtype) if dense else np.zeros((n, c, *input_size), dtype)
     if dense and input_size != (p, q):
