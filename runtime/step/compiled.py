@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.step.links import Links
-from runtime.step.local_passes import PassPrices, TaskPasses
-from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT, run_step
+from runtime.step.local_passes import TaskPasses
+from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT
 from runtime.step.rank_program import Collective, Message, RankProgram
 from runtime.step.shared_programs import built, own_collectives, own_messages, source
 
@@ -68,23 +68,21 @@ class FlatStep:
     heap_room: int
 
 
-#: a template's patch: the step's last wait, on every send of the rank's
-_EVERY_SEND = -1
-
-
 @dataclass
 class _Template:
     """One rank's instructions (`_Flattener.program`), to give again to a rank moved from it."""
 
     #: the instructions, a row (code, a, b) each
     ops: np.ndarray
-    #: (position in `ops`, what to put there): POST's or WAIT's messages, or `_EVERY_SEND`'s
-    #: sends, each the rank's own where the template is given again
+    #: (position in `ops`, what to put there): POST's or WAIT's messages, each the rank's own
+    #: where the template is given again
     patches: list[tuple[int, int, object]]
     #: the positions in `ops` of its STARTs, and the collective each starts, whose instance is
     #: the rank's own where the template is given again
     start_at: np.ndarray
     started: list[Collective]
+    #: the rank's sends but its hops, on which (and its hops) its last instruction waits
+    sends: list[Message]
     compute: Sequence[float]
     slowdown: float
     #: the waits among `ops` (a collective's posts are counted once, where it is first met)
@@ -131,8 +129,8 @@ class _Flattener:
         #: number, in hop order (for each rank's last wait, on every send)
         self.hop_sends: list[tuple[np.ndarray, np.ndarray]] = []
         #: per rank, its last wait, made once every collective is: (the rank's index, its
-        #: instructions, the wait's position among them, the rank's sends but its hops)
-        self.last_waits: list[tuple[int, np.ndarray, int, list[int]]] = []
+        #: instructions, the last of them that wait, the rank's sends but its hops)
+        self.last_waits: list[tuple[int, np.ndarray, list[int]]] = []
         self.waits = 0
         self.posts = 0
 
@@ -269,7 +267,7 @@ class _Flattener:
         one (`again`)."""
         slow = self.slowdown[rank]
         passes = self.passes[rank]
-        first, waits = len(self.ops), self.waits
+        waits = self.waits  # `ops` holds this rank's instructions alone (`_flush_ops`)
         patches: list[tuple[int, int, object]] = []
         start_at: list[int] = []
         started_collectives: list[Collective] = []
@@ -277,12 +275,12 @@ class _Flattener:
         def post(messages: Sequence[Message]) -> None:
             if messages:
                 self.post(messages)
-                patches.append((len(self.ops) - 1 - first, POST, messages))
+                patches.append((len(self.ops) - 1, POST, messages))
 
         def wait(messages: Sequence[Message]) -> None:
             self.wait([m.seq for m in messages])
             if messages:
-                patches.append((len(self.ops) - 1 - first, WAIT, messages))
+                patches.append((len(self.ops) - 1, WAIT, messages))
 
         at_start = program.post_at_start
         if own is not None:
@@ -312,7 +310,7 @@ class _Flattener:
             for collective in rt.collectives:
                 mine = collective if joined is None else joined[collective.seq]
                 self.ops.append((START, self.collective(mine)[rank], 0))
-                start_at.append(len(self.ops) - 1 - first)
+                start_at.append(len(self.ops) - 1)
                 started_collectives.append(collective)
                 started += 1
             self.ops += [(COMPLETE, ordinal, 0) for ordinal in rt.complete_after]
@@ -324,12 +322,11 @@ class _Flattener:
         self.ops += [(COMPLETE, o, 0) for o in range(started) if o not in due]  # the rest, in order
         self.ops.append((WAIT, 0, 0))  # made by `_last_waits`
         self.waits += 1
-        patches.append((len(self.ops) - 1 - first, _EVERY_SEND, sends))
-        ops = self._flush_ops()[first:]
-        self.last_waits.append((self.index[rank], ops, len(ops) - 1, [m.seq for m in sends]))
+        ops = self._flush_ops()
+        self.last_waits.append((self.index[rank], ops, [m.seq for m in sends]))
         return _Template(
-            ops, patches, np.asarray(start_at, np.int64), started_collectives, compute, slow,
-            self.waits - waits,
+            ops, patches, np.asarray(start_at, np.int64), started_collectives, sends, compute,
+            slow, self.waits - waits,
         )  # fmt: skip
 
     def _last_waits(self) -> None:
@@ -344,11 +341,11 @@ class _Flattener:
             bounds = np.searchsorted(sender[order], np.arange(len(self.ranks) + 1))
         else:
             seqs, bounds = np.zeros(0, np.int64), np.zeros(len(self.ranks) + 1, np.int64)
-        for i, ops, at, sends in self.last_waits:
+        for i, ops, sends in self.last_waits:
             hops = seqs[bounds[i] : bounds[i + 1]]
             everything = np.concatenate([np.asarray(sends, np.int64), hops])
             lo = self._add_key_array(everything)
-            ops[at] = (WAIT, lo, lo + len(everything))
+            ops[-1] = (WAIT, lo, lo + len(everything))
 
     def again(
         self,
@@ -368,14 +365,12 @@ class _Flattener:
         ]
         for at, code, what in template.patches:
             mine = [own[m.seq] for m in what]
-            if code == _EVERY_SEND:
-                self.last_waits.append((self.index[rank], ops, at, [m.seq for m in mine]))
-                continue
             if code == POST:
                 self._messages(mine)
                 self.posts += len(mine)
             ops[at] = (code, *self._add_keys([m.seq for m in mine]))
         self._flush_ops(ops)
+        self.last_waits.append((self.index[rank], ops, [own[m.seq].seq for m in template.sends]))
         self.waits += template.waits
 
     def flat(self, compute: Mapping[int, Sequence[float]], links: Links) -> FlatStep:
@@ -448,59 +443,3 @@ def flatten(
     rank's own passes around its tasks (`local_passes`), each rank's CPU work taking
     `slowdown[rank]` times as long (`rank_cpu.cpu_slowdown`)."""
     return _Flattener(programs, passes, slowdown).flat(compute, links)
-
-
-def run_compiled(
-    programs: Mapping[int, RankProgram],
-    compute: Mapping[int, Sequence[float]],
-    links: Links,
-    passes: Mapping[int, TaskPasses],
-    prices: PassPrices,
-    network_cpu: float,
-    slowdown: Mapping[int, float],
-) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-    """Per rank, when it finished the step, how long it waited and how long it computed (each
-    task's compute as stretched), by the compiled loop
-    (`prediction.simulate_compiled` makes the step of them); `passes`: each rank's own passes
-    around its tasks, `prices` those of a collective's hops (a byte added, a hop posted);
-    `network_cpu`: seconds of a rank's CPU per byte of its transfers between hosts;
-    `slowdown`: per rank, how much longer its CPU work takes than alone on its cores."""
-    flat = flatten(programs, compute, links, passes, slowdown)
-    host = flat.host
-    hosts = int(host.max()) + 1 if len(host) else 0
-    ends = (flat.src >= 0) & (flat.dst >= 0)
-    between = np.zeros(len(flat.src), bool)
-    between[ends] = host[flat.src[ends]] != host[flat.dst[ends]]
-    beta, stack_beta = links.rates(flat.nbytes, between)
-    finish, waiting, computing, done = run_step(
-        flat.ops,
-        flat.op_ptr,
-        flat.amounts,
-        flat.keys,
-        flat.src,
-        flat.dst,
-        flat.nbytes,
-        host,
-        hosts,
-        flat.round_first,
-        flat.round_count,
-        flat.round_lo,
-        flat.round_hi,
-        flat.round_adds,
-        flat.heap_room,
-        np.asarray([slowdown[rank] for rank in flat.ranks], np.float64),
-        beta,
-        stack_beta,
-        (links.alpha, links.beta, links.alpha_intra, prices.add, prices.per_message,
-         float(links.burst),
-         network_cpu, links.stack_beta, *map(float, links.held(True)),
-         *map(float, links.held(False))),
-    )  # fmt: skip
-    stuck = sorted(rank for i, rank in enumerate(flat.ranks) if not done[i])
-    if stuck:
-        raise RuntimeError(f"step simulation: ranks {stuck} never finished (a deadlock)")
-    return (
-        {rank: float(finish[i]) for i, rank in enumerate(flat.ranks)},
-        {rank: float(waiting[i]) for i, rank in enumerate(flat.ranks)},
-        {rank: float(computing[i]) for i, rank in enumerate(flat.ranks)},
-    )

@@ -88,21 +88,46 @@ def simulate_compiled(
     links: Links | None = None,
     passes: Mapping[int, TaskPasses] | None = None,
 ) -> SimulatedStep:
-    """What `simulate_step` returns, float-equal, by a compiled loop over the programs
-    flattened (`runtime.step.compiled`): a data-parallel resnet18 step on 64 ranks in about a
-    second rather than a minute."""
+    """What `simulate_step` returns, float-equal, by the compiled loop (`runtime.step.loop`)
+    over the programs flattened into instructions (`runtime.step.compiled`): a data-parallel
+    resnet18 step on 64 ranks in about a second rather than a minute. Each rank's CPU work takes
+    `cpu_slowdown` times as long as alone on its cores, and the network stack's CPU a byte of
+    its transfers between hosts is the machine's."""
     # here, not at the top: a plan whose step is only summed (beyond the ranks simulated)
     # loads no Numba
-    from runtime.step.compiled import run_compiled
+    from runtime.step.compiled import flatten
+    from runtime.step.loop import run_step
 
     links = links or Links.of(machine, max(programs) + 1)
     prices = PassPrices.of(machine)
     passes = passes or passes_alone(programs, prices)
-    finish, waiting, computing = run_compiled(
-        programs, compute, links, passes, prices, machine.network_cpu_seconds_per_byte,
-        cpu_slowdown(machine, programs),
+    slowdown = cpu_slowdown(machine, programs)
+    flat = flatten(programs, compute, links, passes, slowdown)
+    host = flat.host
+    hosts = int(host.max()) + 1 if len(host) else 0
+    ends = (flat.src >= 0) & (flat.dst >= 0)
+    between = np.zeros(len(flat.src), bool)
+    between[ends] = host[flat.src[ends]] != host[flat.dst[ends]]
+    beta, stack_beta = links.rates(flat.nbytes, between)
+    finish, waiting, computing, done = run_step(
+        flat.ops, flat.op_ptr, flat.amounts, flat.keys, flat.src, flat.dst, flat.nbytes, host,
+        hosts, flat.round_first, flat.round_count, flat.round_lo, flat.round_hi,
+        flat.round_adds, flat.heap_room,
+        np.asarray([slowdown[rank] for rank in flat.ranks], np.float64), beta, stack_beta,
+        (links.alpha, links.beta, links.alpha_intra, prices.add, prices.per_message,
+         float(links.burst), machine.network_cpu_seconds_per_byte, links.stack_beta,
+         *map(float, links.held(True)), *map(float, links.held(False))),
     )  # fmt: skip
-    return SimulatedStep(max(finish.values(), default=0.0), finish, waiting, compute=computing)
+    stuck = sorted(rank for i, rank in enumerate(flat.ranks) if not done[i])
+    if stuck:
+        raise RuntimeError(f"step simulation: ranks {stuck} never finished (a deadlock)")
+    ended = dict(zip(flat.ranks, finish.tolist()))
+    return SimulatedStep(
+        max(ended.values(), default=0.0),
+        ended,
+        dict(zip(flat.ranks, waiting.tolist())),
+        compute=dict(zip(flat.ranks, computing.tolist())),
+    )
 
 
 #: the most (rank, task) pairs whose programs a prediction builds to simulate a step: ranks told
