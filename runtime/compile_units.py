@@ -248,7 +248,7 @@ def units_of(graph: TaskGraph, program: RankProgram | None = None) -> list[str]:
     used = set()
     for task in graph.tasks:
         if task.op == "conv" and conv.runs_pointwise(task.attrs["kernel"], task.attrs["pad"]):
-            used.add("linear")  # its forward: the linear layer's product, a sample at a time
+            used.add("linear")  # its forward and input gradient: the linear layer's product
         if task.op in ("filter", "conv"):
             untied = bool(task.attrs.get("untied"))
             kind = "filter.untied" if untied else "filter.tied"

@@ -52,10 +52,8 @@ def _packed_filter_backward(task, piece, views, dims, ctx) -> dict[str, np.ndarr
         dx = written_in_place(task, views, ctx, "input.delta")
         if task.op == "conv" and conv.runs_pointwise(task.attrs["kernel"], task.attrs["pad"]):
             found = conv.pointwise_backward_data(
-                views["output.delta"], weights, x.shape[2:], stride
+                views["output.delta"], weights, x.shape[2:], stride, out=dx
             )
-            if dx is not None:
-                dx[...] = found
         else:
             dxp = filter_packed.backward_data_packed(dyp, weights, x.shape[2:], stride, pads)
             found = layout.unpack_activations(dxp, dx)

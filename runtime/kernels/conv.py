@@ -120,10 +120,16 @@ def pointwise_forward(x: np.ndarray, wp: np.ndarray, stride=1) -> np.ndarray:
 
 
 def pointwise_backward_data(
-    dy: np.ndarray, wp: np.ndarray, input_size: tuple[int, int], stride=1
+    dy: np.ndarray,
+    wp: np.ndarray,
+    input_size: tuple[int, int],
+    stride=1,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """dx (N, C, H, W) of a 1×1 conv without padding (`pointwise_forward`) from dy (N, K, P,
-    Q): dx[n] = wᵀ · dy[n] at every stride-th row and column, zero between."""
+    Q): dx[n] = wᵀ · dy[n] at every stride-th row and column, zero between; written into `out`
+    where given (the step's buffer), each sample's product straight into it where its rows are
+    contiguous."""
     check_ndim("dy", dy, 4, "(N, K, P, Q)")
     weights = _pointwise_weights(wp, filters=dy.shape[1])
     dtype = check_dtypes(dy=dy, wp=wp)
@@ -131,14 +137,17 @@ def pointwise_backward_data(
     n, k, p, q = dy.shape
     c = weights.shape[1]
     dense = (rows, columns) == (1, 1)
-    dx = np.empty((n, c, *input_size), dtype) if dense else np.zeros((n, c, *input_size), dtype)
-    if dense and input_size != (p, q):
+    if dense and tuple(input_size) != (p, q):
         raise ValueError(f"dy: {p}×{q} positions for a {input_size[0]}×{input_size[1]} input")
-    part = None if dense else np.empty((c, p * q), dtype)
+    dx = np.empty((n, c, *input_size), dtype) if out is None else out
+    if not dense:
+        dx[...] = 0
+    part = np.empty((c, p * q), dtype)
     for sample in range(n):
         grads = np.ascontiguousarray(dy[sample]).reshape(k, p * q)
-        into = dx[sample].reshape(c, p * q) if dense else part
+        direct = dense and dx[sample].flags.c_contiguous
+        into = dx[sample].reshape(c, p * q) if direct else part
         product(weights, TRANS, grads, NO_TRANS, into)
-        if not dense:
+        if not direct:
             dx[sample][:, ::rows, ::columns] = part.reshape(c, p, q)
     return dx

@@ -129,6 +129,18 @@ def test_a_pointwise_convs_input_gradient_is_a_product_per_sample(dtype, stride)
         "kc,nkpq->ncpq", w.reshape(4, 5).astype(np.float64), dy.astype(np.float64)
     )
     close(pointwise_backward_data(dy, pack_weights(w), (7, 6), stride), want.astype(dtype), dtype)
+    # into a buffer given: a batch slice of a larger one (contiguous samples), and a channel
+    # slice of one (samples not contiguous), each left as found around the slice
+    for buffer, view in (
+        (np.ones((5, 5, 7, 6), dtype), np.s_[1:4]),
+        (np.ones((3, 7, 7, 6), dtype), np.s_[:, 1:6]),
+    ):
+        target = buffer[view]
+        assert pointwise_backward_data(dy, pack_weights(w), (7, 6), stride, out=target) is target
+        close(buffer[view], want.astype(dtype), dtype)
+        around = np.ones(buffer.shape, bool)
+        around[view] = False
+        assert (buffer[around] == 1).all()
     if stride == 1:  # the reference convolution's, where it takes the stride
         close(pointwise_backward_data(dy, pack_weights(w), (7, 6)), reference.conv_backward(
             dy, x, w, 1, 0)[0], dtype)  # fmt: skip
