@@ -18,6 +18,7 @@ slowed the run's own imports by importing beside them.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -33,30 +34,29 @@ from runtime.compile_units import UNITS, cached, parallel_only, warm
 
 
 def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str]]:
-    """The units of each process: groups, longest first, each to the least loaded process;
-    every process but the first starts `late` seconds behind it (a helper's start).
+    """The units of each process, in the order it compiles them; every process but the first
+    starts `late` seconds behind it (a new interpreter's start). Units of one group go to one
+    process: they share kernels.
 
-    The compiled GEMM (`microkernel.kernels`, `GEMM_SECONDS`) is compiled once: by the process
-    that takes the first of its callers' groups, which compiles them first. Every other
-    process puts its GEMM callers last, by which time the GEMM is in Numba's cache: two ranks
-    of the default job had each compiled it at once, one with the filters, the other with the
-    classifier. For the same reason every other process starts with the optimizer's step
-    (`STEP_GROUPS`), which the GEMM callers' fused updates call: a one-process run's helper had
-    compiled it while the main process compiled it again inside the filter's fused step."""
+    The compiled GEMM (`microkernel.kernels`, `GEMM_SECONDS`) is compiled once a host
+    (`microkernel._compiled_once`): by one process, which compiles its GEMM callers first.
+    Every other process compiles its GEMM callers last and, where the GEMM is not in Numba's
+    cache yet, waits there for it; before them it compiles the optimizer's step
+    (`STEP_GROUPS`), which the callers' fused updates call: a one-process run's helper had
+    compiled it while the main process compiled it again inside the filter's fused step.
+
+    The groups are placed where the compiling ends soonest as `_ends` times it (the GEMM, and
+    the wait for it, included): of every placement where there are few (`_placement`). The
+    default job had its filters' fused step, the GEMM and the
+    classifier's two products in one process, 0.3-0.6 s after its helper had finished: the
+    balance by summed seconds alone had kept the classifier with the step as one group, and
+    knew no wait."""
     groups: dict[str, list[str]] = {}
     for name in units:
         groups.setdefault(UNITS[name].group, []).append(name)
-    load = [0.0] + [late] * (processes - 1)
-    shares: list[list[str]] = [[] for _ in range(processes)]
     weight = {key: sum(UNITS[n].weight() for n in names) for key, names in groups.items()}
-    gemm_at = None
-    for key in sorted(groups, key=lambda key: -weight[key]):
-        target = load.index(min(load))
-        shares[target] += groups[key]
-        load[target] += weight[key]
-        if key in GEMM_GROUPS and gemm_at is None:
-            gemm_at = target
-            load[target] += GEMM_SECONDS
+    placed = _placement(sorted(groups, key=lambda key: -weight[key]), weight, processes, late)
+    gemm_at = _gemm_process(placed, weight, late)
 
     def order(name: str, first: bool) -> tuple[bool, bool]:
         group = UNITS[name].group
@@ -65,19 +65,109 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
         return (group in GEMM_GROUPS, group not in STEP_GROUPS)
 
     return [
-        sorted(share, key=lambda name: order(name, i == gemm_at)) for i, share in enumerate(shares)
+        sorted((n for key in keys for n in groups[key]), key=lambda n: order(n, i == gemm_at))
+        for i, keys in enumerate(placed)
     ]
 
 
+#: up to how many placements of the groups on the processes `_placement` tries every one (the
+#: default job's 6 groups on 2 processes: 64)
+EVERY_PLACEMENT_UP_TO = 4096
+
+
+def _placement(
+    keys: list[str], weight: dict[str, float], processes: int, late: float
+) -> list[list[str]]:
+    """The groups `keys` of each process: of every placement where there are at most
+    `EVERY_PLACEMENT_UP_TO`, the first whose compiling ends soonest (`_ends`); beyond, each
+    group longest first where it ends soonest, then `_improved`."""
+    if processes ** len(keys) <= EVERY_PLACEMENT_UP_TO:
+        every = itertools.product(range(processes), repeat=len(keys))
+        placements = ([[k for k, p in zip(keys, places) if p == i] for i in range(processes)]
+                      for places in every)  # fmt: skip
+        return min(placements, key=lambda placed: _ends(placed, weight, late))
+    placed: list[list[str]] = [[] for _ in range(processes)]
+    for key in keys:
+        target = min(range(processes), key=lambda i: _ends(_with(placed, key, i), weight, late))
+        placed[target].append(key)
+    return _improved(placed, weight, late)
+
+
+def _with(placed: list[list[str]], key: str, target: int) -> list[list[str]]:
+    return [keys + [key] if i == target else keys for i, keys in enumerate(placed)]
+
+
+def _improved(placed: list[list[str]], weight: dict[str, float], late: float) -> list[list[str]]:
+    """`placed` after moving a group to another process, or swapping two groups of two
+    processes, while the best such change ends the compiling sooner (`_ends`)."""
+    best = _ends(placed, weight, late)
+    while True:
+        changes = []
+        for a, keys in enumerate(placed):
+            for key in keys:
+                for b in range(len(placed)):
+                    if b == a:
+                        continue
+                    moved = [list(k) for k in placed]
+                    moved[a].remove(key)
+                    moved[b].append(key)
+                    changes.append(moved)
+                    for other in placed[b] if b > a else ():
+                        swapped = [list(k) for k in moved]
+                        swapped[b].remove(other)
+                        swapped[a].append(other)
+                        changes.append(swapped)
+        found = min(changes, key=lambda c: _ends(c, weight, late), default=None)
+        if found is None or _ends(found, weight, late) >= best:
+            return placed
+        placed, best = found, _ends(found, weight, late)
+
+
+def _gemm_process(placed: list[list[str]], weight: dict[str, float], late: float) -> int | None:
+    """The process that compiles the GEMM: of those with GEMM callers, the one with which the
+    compiling ends soonest (`_ends`); None where no process calls it."""
+    callers = [i for i, keys in enumerate(placed) if any(k in GEMM_GROUPS for k in keys)]
+    if not callers:
+        return None
+    return min(callers, key=lambda g: _ends_with_gemm_at(placed, weight, late, g))
+
+
+def _ends(placed: list[list[str]], weight: dict[str, float], late: float) -> tuple[float, ...]:
+    """When each process ends compiling its groups, latest first, with the GEMM compiled where
+    that ends soonest: what the placement minimises, in this order (the last end first)."""
+    gemm_at = _gemm_process(placed, weight, late)
+    return _ends_with_gemm_at(placed, weight, late, gemm_at)
+
+
+def _ends_with_gemm_at(
+    placed: list[list[str]], weight: dict[str, float], late: float, gemm_at: int | None
+) -> tuple[float, ...]:
+    """`_ends` with process `gemm_at` compiling the GEMM at its start (`GEMM_SECONDS`): every
+    other process's callers start once the rest of its share is compiled and the GEMM is."""
+    ready = (0.0 if gemm_at == 0 else late) + GEMM_SECONDS
+    ends = []
+    for i, keys in enumerate(placed):
+        start = 0.0 if i == 0 else late
+        calling = sum(weight[k] for k in keys if k in GEMM_GROUPS)
+        rest = sum(weight[k] for k in keys if k not in GEMM_GROUPS)
+        if i == gemm_at:
+            ends.append(start + GEMM_SECONDS + calling + rest)
+        elif calling:
+            ends.append(max(start + rest, ready) + calling)
+        else:
+            ends.append(start + rest)
+    return tuple(sorted(ends, reverse=True))
+
+
 #: the groups whose kernels call the compiled GEMM (`microkernel.kernels`)
-GEMM_GROUPS = ("gemm", "gradient", "step")
+GEMM_GROUPS = ("gemm", "gradient", "step", "linear", "matmul")
 #: the groups whose kernels the GEMM callers' kernels call in their fused optimizer steps
 #: (`update.step_elements`)
 STEP_GROUPS = ("update",)
 #: what compiling the GEMM takes, once per dtype (its 20 unrolled tile bodies), beyond its
 #: callers' `Unit.seconds`, with plain loops or parallel ones alike (a C function of its own;
 #: `bench/unit_compile_seconds.py`)
-GEMM_SECONDS = 0.8
+GEMM_SECONDS = 1.3
 
 
 #: seconds a new interpreter takes to start and import the kernels' modules before it compiles
@@ -119,6 +209,8 @@ def _with_helpers(units: list[str], dtype, helpers: int) -> None:
         forking = False
         mine, missed = _shares(units, dtype, helpers, forking)
     if forking:
+        if missed:
+            _set_up_numba()
         running = {_forked(share, dtype) for share in missed}
         try:
             warm(mine, dtype)
@@ -138,6 +230,13 @@ def _shares(
     late."""
     shares = assign(units, 1 + helpers, 0.0 if forking else HELPER_START_S)
     return shares[0], [share for share in shares[1:] if share and not cached(share, dtype)]
+
+
+def _set_up_numba() -> None:
+    """Pay here what a process's first compile costs beside its own (Numba's typing and target
+    contexts, LLVM's, the first array's types: 0.3-0.45 s on the 2-core AMD EPYC VM), so that
+    the copies forked after it inherit it rather than each paying it again."""
+    numba.njit(lambda x: x[0])(np.zeros(1))
 
 
 def _forked(share: list[str], dtype) -> int:

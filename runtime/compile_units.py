@@ -214,12 +214,12 @@ UNITS: dict[str, Unit] = {
     "filterA": Unit(_affine, (0.38, 1.37), "filterA", affine._forward),
     "filterNL": Unit(_nonlinear, (0.41, 1.15), "filterNL", nonlinear._elementwise),
     "gelu": Unit(_gelu, (3.40, 3.40), "gelu", gelu._forward),
-    "linear": Unit(_linear, (0.27, 0.56), "step", linear._tiled_product),
-    "linear.step": Unit(_linear_step, (0.34, 1.12), "step", linear._stepped_product),
+    "linear": Unit(_linear, (0.27, 0.56), "linear", linear._tiled_product),
+    "linear.step": Unit(_linear_step, (0.34, 1.12), "linear", linear._stepped_product),
     "softmax": Unit(_softmax, (0.32, 1.05), "softmax", softmax._row_pass),
     "embedding": Unit(_embedding, (0.10, 0.10), "embedding", embedding._scatter_add),
     "layernorm": Unit(_layernorm, (0.52, 1.56), "layernorm", layernorm._backward),
-    "matmul": Unit(_matmul, (0.37, 1.16), "step", attention._batched),
+    "matmul": Unit(_matmul, (0.37, 1.16), "matmul", attention._batched),
     "row_softmax": Unit(
         _row_softmax, (0.55, 1.71), "row_softmax", attention._softmax_rows_backward
     ),
