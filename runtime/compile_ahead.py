@@ -47,10 +47,9 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
 
     The groups are placed where the compiling ends soonest as `_ends` times it (the GEMM, and
     the wait for it, included): of every placement where there are few (`_placement`). The
-    default job had its filters' fused step, the GEMM and the
-    classifier's two products in one process, 0.3-0.6 s after its helper had finished: the
-    balance by summed seconds alone had kept the classifier with the step as one group, and
-    knew no wait."""
+    default job had its filters' fused step, the GEMM and the classifier's two products in one
+    process, 0.4-0.6 s after its helper had finished: the balance by summed seconds alone had
+    kept the classifier with the step as one group, and knew no wait."""
     groups: dict[str, list[str]] = {}
     for name in units:
         groups.setdefault(UNITS[name].group, []).append(name)
@@ -71,8 +70,9 @@ def assign(units: list[str], processes: int, late: float = 0.0) -> list[list[str
 
 
 #: up to how many placements of the groups on the processes `_placement` tries every one (the
-#: default job's 6 groups on 2 processes: 64)
-EVERY_PLACEMENT_UP_TO = 4096
+#: default job's 6 groups on 2 processes: 64, in 4 ms; 1024 take some 60 ms, which a warm run
+#: pays too)
+EVERY_PLACEMENT_UP_TO = 1024
 
 
 def _placement(
