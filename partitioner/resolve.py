@@ -285,7 +285,12 @@ def resolve_stages(
             return bulk_seconds(candidate, plan, machine)
         return step(candidate, plan, None)
 
-    search = choose_pipeline(graph, nranks, families, machine, schedule, micro_batches, predict)
+    def simulates(candidate: TaskGraph) -> bool:
+        return step is not None and not (sums is not None and sums(candidate, nranks))
+
+    search = choose_pipeline(
+        graph, nranks, families, machine, schedule, micro_batches, predict, simulates
+    )
     return *resolved[search.chosen.key], search
 
 

@@ -130,12 +130,12 @@ def test_a_cut_is_charged_what_the_planner_sends_across_it():
     assert crossing[names.index("C")] > crossing[names.index("B")]  # A's output rides along
 
 
-def _search(machine, nranks, strategy="data", micro_batches=None, schedule="1f1b"):
+def _search(machine, nranks, strategy="data", micro_batches=None, schedule="1f1b", sums=None):
     graph = mlp().lower(batch=16)
     model = StepModel(machine)
     return resolve_stages(
         graph, strategy, nranks, machine, 10.0, schedule, micro_batches, None, None,
-        model.peak, model.step,
+        model.peak, model.step, None, sums,
     )  # fmt: skip
 
 
@@ -156,6 +156,17 @@ def test_without_a_schedule_each_pipeline_is_predicted_under_both():
     # a schedule given is the only one tried
     _, _, _, given = _search(SLOW, 2, schedule="gpipe")
     assert {c.schedule for c in given.tried} == {"gpipe"}
+
+
+def test_where_the_steps_are_summed_each_pipeline_is_predicted_under_one_schedule():
+    """A bulk-synchronous sum counts a step's work, not the bubbles or the order its schedule
+    gives it: each staged candidate is summed once, under the first of `AUTO_SCHEDULES`."""
+    _, _, _, search = _search(SLOW, 2, schedule=None, sums=lambda graph, nranks: True)
+    predicted = [c for c in search.tried if c.predicted is not None]
+    staged = [c.key[:3] for c in predicted if c.stages > 1]
+    assert staged and len(staged) == len(set(staged))
+    assert {c.schedule for c in predicted} == {AUTO_SCHEDULES[0]}
+    assert search.chosen.predicted == min(c.predicted for c in predicted)
 
 
 def test_the_least_predicted_is_chosen_and_on_a_slow_link_it_is_a_pipeline():
