@@ -117,10 +117,11 @@ def _improved(placed: list[list[str]], weight: dict[str, float], late: float) ->
                         swapped[b].remove(other)
                         swapped[a].append(other)
                         changes.append(swapped)
-        found = min(changes, key=lambda c: _ends(c, weight, late), default=None)
-        if found is None or _ends(found, weight, late) >= best:
+        scored = [(_ends(change, weight, late), change) for change in changes]
+        ends, found = min(scored, key=lambda pair: pair[0], default=(best, placed))
+        if ends >= best:
             return placed
-        placed, best = found, _ends(found, weight, late)
+        placed, best = found, ends
 
 
 def _gemm_process(placed: list[list[str]], weight: dict[str, float], late: float) -> int | None:
@@ -234,7 +235,7 @@ def _shares(
 
 def _set_up_numba() -> None:
     """Pay here what a process's first compile costs beside its own (Numba's typing and target
-    contexts, LLVM's, the first array's types: 0.3-0.45 s on the 2-core AMD EPYC VM), so that
+    contexts, LLVM's, the first array's types: 0.25-0.45 s on the 2-core AMD EPYC VM), so that
     the copies forked after it inherit it rather than each paying it again."""
     numba.njit(lambda x: x[0])(np.zeros(1))
 
