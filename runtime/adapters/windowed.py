@@ -15,15 +15,14 @@ import numpy as np
 from legion_nn.access import input_dims, window_padding
 from legion_nn.rect import Rect
 from runtime.adapters.registry import Dims, adapter, written_in_place
-from runtime.kernels import conv, filter_packed, group_conv, layout, pool
-from runtime.kernels.geometry import stride_pair
+from runtime.kernels import _checks, conv, filter_packed, group_conv, layout, pool
 
 
 def _pads(task, piece: Rect, dims: Dims) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) zero padding of this piece's halo."""
     _, _, height, width = input_dims(dims)
     kernel = task.attrs["kernel"]
-    rows_stride, cols_stride = stride_pair(task.attrs["stride"])
+    rows_stride, cols_stride = _checks.pair("stride", task.attrs["stride"])
     top, _, left, _ = task.attrs["pad"]
     rows = window_padding(piece.lo[2], piece.hi[2], rows_stride, top, kernel[0], height)
     cols = window_padding(piece.lo[3], piece.hi[3], cols_stride, left, kernel[1], width)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.kernels import _checks
 from runtime.kernels.blas import NO_TRANS, TRANS
 from runtime.kernels.filter import filter_backward, filter_forward, filter_geometry
 from runtime.kernels.filter_packed import (
@@ -24,7 +25,7 @@ from runtime.kernels.filter_packed import (
     backward_filter_packed,
     forward_packed,
 )
-from runtime.kernels.geometry import check_dtypes, check_ndim, stride_pair
+from runtime.kernels.geometry import check_dtypes, check_ndim
 from runtime.kernels.linear import product
 
 
@@ -108,7 +109,7 @@ def pointwise_forward(x: np.ndarray, wp: np.ndarray, stride=1) -> np.ndarray:
     check_ndim("x", x, 4, "(N, C, H, W)")
     weights = _pointwise_weights(wp, channels=x.shape[1])
     dtype = check_dtypes(x=x, wp=wp)
-    rows, columns = stride_pair(stride)
+    rows, columns = _checks.pair("stride", stride)
     x = x[:, :, ::rows, ::columns]
     n, c, p, q = x.shape
     k = weights.shape[0]
@@ -133,7 +134,7 @@ def pointwise_backward_data(
     check_ndim("dy", dy, 4, "(N, K, P, Q)")
     weights = _pointwise_weights(wp, filters=dy.shape[1])
     dtype = check_dtypes(dy=dy, wp=wp)
-    rows, columns = stride_pair(stride)
+    rows, columns = _checks.pair("stride", stride)
     n, k, p, q = dy.shape
     c = weights.shape[1]
     dense = (rows, columns) == (1, 1)

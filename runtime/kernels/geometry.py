@@ -36,11 +36,6 @@ def normalize_stride(stride: int) -> int:
     return int(stride)
 
 
-def stride_pair(stride) -> tuple[int, int]:
-    """(rows, columns) of a window's stride, given as one int or a pair (an ONNX conv's)."""
-    return (stride, stride) if isinstance(stride, (int, np.integer)) else tuple(stride)
-
-
 def check_dtypes(**arrays: np.ndarray) -> np.dtype:
     """The common float dtype of the named arrays; a ValueError names the odd one out."""
     first = None
