@@ -127,17 +127,20 @@ def _improved(placed: list[list[str]], weight: dict[str, float], late: float) ->
 def _gemm_process(placed: list[list[str]], weight: dict[str, float], late: float) -> int | None:
     """The process that compiles the GEMM: of those with GEMM callers, the one with which the
     compiling ends soonest (`_ends`); None where no process calls it."""
-    callers = [i for i, keys in enumerate(placed) if any(k in GEMM_GROUPS for k in keys)]
-    if not callers:
-        return None
-    return min(callers, key=lambda g: _ends_with_gemm_at(placed, weight, late, g))
+    return min(
+        _callers(placed), key=lambda g: _ends_with_gemm_at(placed, weight, late, g), default=None
+    )
 
 
 def _ends(placed: list[list[str]], weight: dict[str, float], late: float) -> tuple[float, ...]:
     """When each process ends compiling its groups, latest first, with the GEMM compiled where
     that ends soonest: what the placement minimises, in this order (the last end first)."""
-    gemm_at = _gemm_process(placed, weight, late)
-    return _ends_with_gemm_at(placed, weight, late, gemm_at)
+    return min(_ends_with_gemm_at(placed, weight, late, g) for g in _callers(placed) or [None])
+
+
+def _callers(placed: list[list[str]]) -> list[int]:
+    """The processes with GEMM callers."""
+    return [i for i, keys in enumerate(placed) if any(k in GEMM_GROUPS for k in keys)]
 
 
 def _ends_with_gemm_at(
