@@ -157,11 +157,11 @@ class StepModel:
         is likely to report) has its every rank placed (`rank_memory.placed_ranks`), which
         `peak` and `memory_prediction` then read: where its step is simulated and no process
         is at a job still wanted, by a process while this one simulates the step (resnet18's
-        auto plan on 64 ranks: each some 3 s, its programs built in both), else in shares when
-        its peak is asked for (reading the programs built here, where they are), which then
-        costs about what placing a few ranks here does (ResNet-50's auto plan on 64 ranks:
-        2.2 s for the 5 ranks of `rank_memory.sampled_ranks`, 4.8 s for all 64 in two
-        shares)."""
+        auto plan on 64 ranks: each some 3 s, its programs built in both), else when its peak
+        is asked for, from the programs built here then: by a process while this one simulates
+        the step (`_placed_while_simulating`), or in shares where the step was simulated
+        already (ResNet-50's auto plan on 64 ranks: 2.2 s for the 5 ranks of
+        `rank_memory.sampled_ranks` before, 4.8 s for all 64 in two shares)."""
         worth = objective_simulates(graph, nranks) or nranks <= PLACED_MAX_RANKS
         if not self._workers or not worth:
             return
@@ -247,10 +247,31 @@ class StepModel:
                 found = self._placed[key] = [value]
             elif key in self._place_in_shares and self._workers and can_fork() and not self._busy():
                 # built here first: the report simulates the step from them, and every share
-                # reads them rather than building its ranks' again
-                self.programs(graph, plan, simulation_budget(plan.nranks))
-                found = self._placed[key] = self.placed_in_shares(graph, plan)
+                # (or the process placing them all) reads them rather than building its own
+                programs = self.programs(graph, plan, simulation_budget(plan.nranks))
+                if programs is not None and key not in self._simulated:
+                    found = self._placed[key] = [self._placed_while_simulating(graph, plan)]
+                else:
+                    found = self._placed[key] = self.placed_in_shares(graph, plan)
         return found
+
+    def _placed_while_simulating(self, graph: TaskGraph, plan: Plan) -> PlacedRanks:
+        """Every rank of `plan` placed by a forked process while this one simulates the step,
+        which the command reports next (`simulated`, kept): each process then loads Numba's
+        compiled placement or loop once (about 0.6 s), where placing in shares had both load
+        it for the placement, which then costs about what placing every rank does (a rank of
+        each class in each share: ResNet-50's auto plan on 64 ranks, 17 classes, places all
+        its ranks in 0.33 s and either half in 0.28 s), and simulated after."""
+        key = self._plan_key(graph, plan)
+        programs = self._built(graph, plan)
+        job = partial(placed_ranks, graph, plan, self.machine, None, programs)
+        apart = Foresight({key: job}, 1)
+        try:
+            self.simulated(graph, plan)
+            done, value = apart.take(key)
+        finally:
+            apart.close()
+        return value if done else job()
 
     def _built(self, graph: TaskGraph, plan: Plan) -> Mapping[int, RankProgram] | None:
         """Every rank's program of `plan` where they were built here and kept, else None."""

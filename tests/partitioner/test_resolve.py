@@ -376,7 +376,9 @@ def test_a_plan_of_fewer_ranks_than_processes_is_placed_in_one_share_a_rank(
     in_fresh_process(_memory_placed_in_shares, tmp_path, nranks, workers)
 
 
-def _placed_ahead(folder: Path, simulated: bool, busy: bool = False) -> None:
+def _placed_ahead(
+    folder: Path, simulated: bool, busy: bool = False, peak_first: bool = False
+) -> None:
     import multiprocessing
     import os
 
@@ -415,30 +417,38 @@ def _placed_ahead(folder: Path, simulated: bool, busy: bool = False) -> None:
         ahead._busy = lambda: next(answers, False)
     with ahead.looking_ahead(workers=1):
         ahead.foresee(graph, [], 4, placing=[strategy])
-        if simulated:  # the step simulated here while a process places the ranks
+        if simulated and not peak_first:  # the step simulated here while a process places
             step = ahead.step(graph, plan)
         peak = ahead.peak(graph, plan)
         assert ahead.plan(graph, strategy, 4) is plan  # kept for the report: not planned again
-        if not simulated:
+        if not simulated or peak_first:
             step = ahead.step(graph, plan)
         got = step, peak, ahead.memory_prediction(graph, plan)
     assert multiprocessing.active_children() == []
     assert got == expected
     placed_in = sorted(name.split("-") for name in os.listdir(folder))
-    if simulated and not busy:  # every rank by a process while this one simulated the step
-        assert len(placed_in) == 1 and int(placed_in[0][0]) != os.getpid()
-    else:  # in two shares when the peak was asked for, the last here
+    if simulated and busy and not peak_first:  # in two shares when the peak was asked for
         assert sorted(int(first) for _, first, _ in placed_in) == [0, 2]
         assert {int(pid) for pid, first, _ in placed_in if first == "2"} == {os.getpid()}
         assert len({pid for pid, _, _ in placed_in}) == 2
         # from the programs built here, from which the report simulates the step
         assert {built for _, _, built in placed_in} == {"built"}
+    else:  # every rank by a process while this one simulated the step
+        assert len(placed_in) == 1 and int(placed_in[0][0]) != os.getpid()
+        # placed as the search ended, or as the peak was asked for from the programs built
+        # here, whose step this process simulated meanwhile
+        assert placed_in[0][2] == ("new" if simulated and not busy else "built")
 
 
-@pytest.mark.parametrize("simulated, busy", [(True, False), (False, False), (True, True)])
-def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory(tmp_path, simulated, busy):
+@pytest.mark.parametrize(
+    "simulated, busy, peak_first",
+    [(True, False, False), (False, False, False), (True, True, False), (True, True, True)],
+)
+def test_a_plans_ranks_placed_ahead_give_its_peak_and_memory(tmp_path, simulated, busy, peak_first):
     """Once auto's search is done, `partition` places its grids' every rank ahead: in a forked
     process while it simulates their step where a process is free, else in shares on every
-    core as the peak is asked for (from every rank's programs built here first, which the
-    report's simulated step reads): the same step, peak and memory, each rank placed once."""
-    in_fresh_process(_placed_ahead, tmp_path, simulated, busy)
+    core as the peak is asked for where the step was simulated before it (from every rank's
+    programs built here first, which the report's simulated step reads), else by a forked
+    process from those programs while this one simulates the step the report gives, whether or
+    not auto compared simulated steps: the same step, peak and memory, each rank placed once."""
+    in_fresh_process(_placed_ahead, tmp_path, simulated, busy, peak_first)
