@@ -236,7 +236,7 @@ class TaskPrices:
             task = self.graph.task(name)
             n = self.nranks
             pieces = self.layouts.pieces(name, grid)
-            found = [(k, self._fetch(k) if k[0] == "fetch" else self._combine(k)) for k in keys]
+            found = [(k, self._moved(k)) for k in keys]
             found = [(k, m) for k, m in found if m is not _NOTHING]  # keys stay with their loads
             traffic = self._traffic(task, [pieces])
             flops = self._flops(name, grid)
@@ -251,7 +251,7 @@ class TaskPrices:
             memory = None
             for key, moved in found:
                 if moved.loads is not None:
-                    into = incoming if key[0] == "fetch" else partial
+                    into = partial if key[0] == "combine" else incoming
                     for total, part in zip(into, moved.loads):
                         total += part
                 if moved.collectives is not None:
@@ -278,6 +278,31 @@ class TaskPrices:
             return cost.seconds, memory
 
         return self._memo.remember(("task", name, grid, keys), make)
+
+    def _moved(self, key: Key) -> _Moved:
+        """What a fetch, a combine or the least of several fetches moves."""
+        if key[0] == "fetch":
+            return self._fetch(key)
+        if key[0] == "least":
+            return self._least(key)
+        return self._combine(key)
+
+    def _least(self, key: Key) -> _Moved:
+        """("least", fetch keys...): per rank, the least bytes sent, bytes received and message
+        rounds over the fetches (a bound's read from a layout of one of several grids,
+        `transitions.UnitPricer._least_fetch`); nothing where one of them moves nothing."""
+
+        def make() -> _Moved:
+            loads = []
+            for fetch_key in key[1:]:
+                moved = self._fetch(fetch_key)
+                if moved.loads is None:
+                    return _NOTHING
+                loads.append(moved.loads)
+            least = tuple(np.minimum.reduce([found[c] for found in loads]) for c in range(3))
+            return _Moved(least, 0, None, None, None)
+
+        return self._memo.remember(key, make)
 
     def _flops(self, name: str, grid: Grid) -> np.ndarray:
         """FLOPs per rank of task `name` on `grid`, kept: its cost is made once per set of

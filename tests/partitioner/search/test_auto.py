@@ -284,6 +284,30 @@ def test_bounds_are_below_every_transition_and_the_lazy_dp_is_exact(graph, nrank
     assert sum(c.seconds for c in result.choices) == pytest.approx(min(best.values()), rel=1e-12)
 
 
+@pytest.mark.parametrize("network, nranks", [("seed-lcn-small", 8), ("deep-mlp", 4)])
+def test_a_bound_counts_the_least_fetch_of_its_input_over_the_predecessors_grids(
+    network, nranks, monkeypatch
+):
+    """A row's bound counts its input's fetch at the least, per rank, over every grid the
+    search offers the predecessor: at least the bound that drops it, below the row after each
+    of those grids, and above it where every grid of the predecessor leaves something to fetch
+    (the built-in networks' rows after a differently split layer)."""
+    graph = load_network(network).lower(batch=16)
+    units = find_units(graph)
+    options = [sorted({family_grid(u, f, nranks) for f in FAMILIES}) for u in units]
+    tight = UnitPricer(graph, units, nranks, MACHINE)
+    loose = UnitPricer(graph, units, nranks, MACHINE)
+    monkeypatch.setattr(loose, "_least_fetch", lambda *args: None)  # the fetch dropped
+    raised = 0
+    for i in range(1, len(units)):
+        for q in options[i]:
+            bound, dropped = tight.bound(i, q), loose.bound(i, q)
+            least = min(tight.transition(i, p, q).seconds for p in options[i - 1])
+            assert dropped <= bound <= least
+            raised += bound > dropped
+    assert raised
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     graph=networks(branching=True),
