@@ -255,12 +255,16 @@ def resolve_stages(
     step: StepFn | None = None,
     lower: LowerFn | None = None,
     sums: SumsFn | None = None,
+    share: ShareFn | None = None,
 ) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
     """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches
     (`micro_batches` where given), cuts and schedule (`schedule` where given) of least
     predicted step on `nranks` ranks, each stage
     split as `name` says (`search.stages.choose_pipeline`); that step's strategy and auto's reasons as
-    `resolve_strategy` gives them; and the search."""
+    `resolve_strategy` gives them; and the search. `share` works the candidates out on idle
+    cores at once (the commands pass `StepModel.share_out`): each is planned and predicted
+    alone, in one process, so the second core had stood idle (deep-mlp on 8 ranks: seven
+    candidates of 2-3 s each)."""
     if name not in BUILTIN and name != "auto":
         raise LegionNNError(
             f"--strategy {name} with --stages auto: a grids file fixes its grids' ranks, and "
@@ -272,25 +276,37 @@ def resolve_stages(
         families = ["data"] if batch_only(graph) else list(BUILTIN)
     resolved: dict[tuple, tuple[TaskGraph, Strategy, list[dict] | None]] = {}
 
-    def predict(shape: PipelineChoice, candidate: TaskGraph) -> float:
+    def priced(candidate: TaskGraph) -> tuple[float, Strategy, list[dict] | None]:
+        """The candidate's predicted step, strategy and reasons, in whichever process."""
         strategy, why = resolve_strategy(
             candidate, name, nranks, machine, time_limit, note, param_homes, peak, step, lower,
             sums,
         )  # fmt: skip
-        resolved[shape.key] = (candidate, strategy, why)
         plan = build_plan(candidate, strategy, nranks)
         if peak is not None and peak(candidate, plan) > machine.memory_bytes:
-            return math.inf
+            return math.inf, strategy, why
         if step is None:
-            return bulk_seconds(candidate, plan, machine)
-        return step(candidate, plan, None)
+            return bulk_seconds(candidate, plan, machine), strategy, why
+        return step(candidate, plan, None), strategy, why
+
+    def predict(shape: PipelineChoice, candidate: TaskGraph) -> float:
+        seconds, strategy, why = priced(candidate)
+        resolved[shape.key] = (candidate, strategy, why)
+        return seconds
+
+    def predict_each(trying) -> list[float]:
+        found = share({k: partial(priced, candidate) for k, (_, candidate) in enumerate(trying)})
+        for (shape, candidate), (_, strategy, why) in zip(trying, found.values(), strict=True):
+            resolved[shape.key] = (candidate, strategy, why)
+        return [seconds for seconds, _, _ in found.values()]
 
     def simulates(candidate: TaskGraph) -> bool:
         return step is not None and not (sums is not None and sums(candidate, nranks))
 
     search = choose_pipeline(
-        graph, nranks, families, machine, schedule, micro_batches, predict, simulates
-    )
+        graph, nranks, families, machine, schedule, micro_batches, predict, simulates,
+        predict_each if share is not None else None,
+    )  # fmt: skip
     return *resolved[search.chosen.key], search
 
 

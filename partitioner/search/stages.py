@@ -54,6 +54,9 @@ AUTO_SCHEDULES = ("1f1b", "1f1b" + DEFERRED)
 #: the step the plan of a candidate's step graph is predicted to take (math.inf where it does
 #: not fit)
 Predict = Callable[["PipelineChoice", TaskGraph], float]
+#: `Predict` of each candidate and its step graph, in order (the commands work them out on
+#: every core at once)
+PredictEach = Callable[[Sequence[tuple["PipelineChoice", TaskGraph]]], list[float]]
 
 
 @dataclass(frozen=True)
@@ -133,12 +136,14 @@ def choose_pipeline(
     micro_batches: int | None,
     predict: Predict,
     simulates: Callable[[TaskGraph], bool] = lambda step: True,
+    predict_each: PredictEach | None = None,
 ) -> PipelineSearch:
     """The stages, micro-batches, cuts and schedule (`schedule`, or where None the best of
     `AUTO_SCHEDULES`) of least predicted step for the unsplit step `graph` on `nranks` ranks,
     each stage's layers split by one of `families` (see the module docstring), and every
     candidate. `simulates` says whether `predict` simulates a step graph, rather than sum it:
-    a sum tries one schedule."""
+    a sum tries one schedule. `predict_each` predicts the candidates tried all at once, each
+    as `predict` would (default: one after another by `predict`)."""
     schedules = [schedule] if schedule is not None else list(AUTO_SCHEDULES)
     if schedule is None and not defers_weight_grads(graph):
         schedules = schedules[:1]  # the same step under each
@@ -163,16 +168,21 @@ def choose_pipeline(
             )
     estimates.sort(key=lambda c: c.estimate)
     unstaged = PipelineChoice(1, micro_batches or 1, (), 0.0, schedule=schedules[0])
-    tried = []
+    trying: list[tuple[PipelineChoice, TaskGraph]] = []
     for shape in (unstaged, *estimates[:TOP]):
         for name in schedules if shape.stages > 1 else schedules[:1]:
             candidate = replace(shape, schedule=name)
             step = step_graph(
                 graph, candidate.stages, candidate.micro_batches, name, candidate.cuts
             )
-            tried.append(replace(candidate, predicted=predict(candidate, step)))
+            trying.append((candidate, step))
             if not simulates(step):
                 break
+    if predict_each is None:
+        predicted = [predict(candidate, step) for candidate, step in trying]
+    else:
+        predicted = predict_each(trying)
+    tried = [replace(c, predicted=p) for (c, _), p in zip(trying, predicted, strict=True)]
     best = min(tried, key=lambda c: (c.predicted, c.stages))
     return PipelineSearch(best, tried + estimates[TOP:])
 

@@ -39,6 +39,7 @@ from partitioner.strategy import builtin
 from runtime.distributed import RunOptions, train_rank
 from runtime.step.model import StepModel
 from runtime.transport import run_threads
+from tests.fresh_process import in_fresh_process
 from tests.partitioner.test_pipeline import residual_network
 from tests.runtime.test_rank_executor import assert_same, config, local_run, ranks_run
 
@@ -156,6 +157,40 @@ def test_without_a_schedule_each_pipeline_is_predicted_under_both():
     # a schedule given is the only one tried
     _, _, _, given = _search(SLOW, 2, schedule="gpipe")
     assert {c.schedule for c in given.tried} == {"gpipe"}
+
+
+def _shared_search(folder) -> tuple:
+    """`_search` with the candidates shared out over this process and a forked one (a process
+    without other threads: `tests.fresh_process`), each recording its process id."""
+    import os
+
+    graph = mlp().lower(batch=16)
+    model = StepModel(SLOW)
+    step = model.step
+
+    def stepping(*args):
+        (folder / str(os.getpid())).touch()
+        return step(*args)
+
+    with model.looking_ahead(workers=1):
+        found = resolve_stages(
+            graph, "data", 2, SLOW, 10.0, None, None, None, None, model.peak, stepping, None,
+            None, model.share_out,
+        )  # fmt: skip
+    ran_in = {int(p.name) for p in folder.iterdir()}
+    return found[1], found[3], len(ran_in), os.getpid() in ran_in
+
+
+def test_the_candidates_shared_out_over_the_cores_are_predicted_as_one_process_does(tmp_path):
+    """`--stages auto` predicts its candidates on every core at once (`StepModel.share_out`):
+    the same predictions, the same pipeline and grids chosen as one after another."""
+    _, strategy, _, search = _search(SLOW, 2, schedule=None)
+    shared_strategy, shared, processes, here = in_fresh_process(_shared_search, tmp_path)
+    assert processes == 2 and here
+    assert [(c.key, c.predicted) for c in shared.tried] == [
+        (c.key, c.predicted) for c in search.tried
+    ]
+    assert shared.chosen == search.chosen and shared_strategy == strategy
 
 
 def test_where_the_steps_are_summed_each_pipeline_is_predicted_under_one_schedule():
