@@ -4,6 +4,7 @@ plans price them, local search elsewhere, and its time limit."""
 from __future__ import annotations
 
 from itertools import product
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from partitioner.search.auto import auto
 from partitioner.search.coupling import is_chain
 from partitioner.search.families import FAMILIES, family_grid, grid_options
 from partitioner.search.frontier_dp import FrontierDP
+from partitioner.search.local import RowPricer
 from partitioner.search.transitions import UnitPricer
 from partitioner.strategy import Strategy, builtin, find_units
 from partitioner.verify_plan import verify_plan
@@ -92,6 +94,39 @@ def test_local_search_on_a_branching_network_beats_every_pure_strategy(monkeypat
         sum(cost.unit_seconds()[c.unit] for c in result.choices)
     )
     verify_plan(graph, build_plan(graph, result.strategy, 8))
+
+
+def _local_searches(graph, nranks: int, machine: Machine):
+    """`auto` by the local search over rows (the DP's table made too wide), with the changes
+    its rows' bounds rule out skipped, and without."""
+    with mock.patch.object(frontier_dp, "FRONTIER_LIMIT", 1):
+        pruned = auto(graph, nranks, machine)
+        with mock.patch.object(RowPricer, "cannot_improve", lambda *args: False):
+            full = auto(graph, nranks, machine)
+    assert pruned.note.startswith("not a chain: local search")
+    return pruned, full
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    graph=networks(branching=True),
+    nranks=st.sampled_from([2, 4, 6]),
+    machine=st.sampled_from([MACHINE, ROOFLINE]),
+)
+def test_the_local_search_skips_the_changes_bounds_rule_out_and_goes_the_same_way(
+    graph, nranks, machine
+):
+    """A change whose rows' bounds already add up to more than the rows it replaces is not
+    priced (`RowPricer.cannot_improve`): the search chooses the same grids, pricing no more."""
+    pruned, full = _local_searches(graph, nranks, machine)
+    assert pruned.strategy.unit_grids == full.strategy.unit_grids
+    assert pruned.transitions_priced <= full.transitions_priced
+
+
+def test_the_local_search_prices_fewer_rows_where_bounds_rule_changes_out():
+    pruned, full = _local_searches(two_headed(batch=8), 8, MACHINE)
+    assert pruned.strategy.unit_grids == full.strategy.unit_grids
+    assert pruned.transitions_priced < full.transitions_priced
 
 
 @pytest.mark.parametrize("graph", [two_headed(batch=8), load_network("seed-lcn-small").lower(8)])
