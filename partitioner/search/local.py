@@ -9,7 +9,11 @@ An assignment is priced by `RowPricer` where the units' rows can be priced
 (`frontier_dp.FrontierTooWide`: Inception's and DenseNet's modules, whose branches read one
 input and concatenate): the sum of its units' rows, each priced once, is the cost model's step
 of its whole plan, and a change of one unit's family prices only the rows that depend on that
-unit. Elsewhere (a task on a unit's grid that another unit's row cannot replay: `NotAChain`)
+unit, and not even those where the unit's own row on the new grid and the others' bounds with the
+unit hidden (`UnitPricer.bound`, once for all the unit's families) already add up to more than
+the rows now (`RowPricer.cannot_improve`: where the current plan fits, such a change is never
+kept, so the search goes the same way; Inception v2 on 64 ranks prices 3,632 rows, 5,772
+before). Elsewhere (a task on a unit's grid that another unit's row cannot replay: `NotAChain`)
 `PlanPricer` plans and costs each assignment whole.
 """
 
