@@ -250,27 +250,41 @@ class StepModel:
                 # (or the process placing them all) reads them rather than building its own
                 programs = self.programs(graph, plan, simulation_budget(plan.nranks))
                 if programs is not None and key not in self._simulated:
-                    found = self._placed[key] = [self._placed_while_simulating(graph, plan)]
+                    found = self._placed[key] = [
+                        self._placed_while_simulating(graph, plan, key, programs)
+                    ]
                 else:
                     found = self._placed[key] = self.placed_in_shares(graph, plan)
         return found
 
-    def _placed_while_simulating(self, graph: TaskGraph, plan: Plan) -> PlacedRanks:
-        """Every rank of `plan` placed by a forked process while this one simulates the step,
-        which the command reports next (`simulated`, kept): each process then loads Numba's
+    def _placed_while_simulating(
+        self, graph: TaskGraph, plan: Plan, key: tuple, programs: Mapping[int, RankProgram]
+    ) -> PlacedRanks:
+        """Every rank of `plan` (keyed `key`) placed from `programs` by a forked process while
+        this one simulates the step (`_beside_simulation`): each process then loads Numba's
         compiled placement or loop once (about 0.6 s), where placing in shares had both load
         it for the placement, which then costs about what placing every rank does (a rank of
         each class in each share: ResNet-50's auto plan on 64 ranks, 17 classes, places all
         its ranks in 0.33 s and either half in 0.28 s), and simulated after."""
-        key = self._plan_key(graph, plan)
-        programs = self._built(graph, plan)
         job = partial(placed_ranks, graph, plan, self.machine, None, programs)
         apart = Foresight({key: job}, 1)
         try:
-            self.simulated(graph, plan)
-            done, value = apart.take(key)
+            return self._beside_simulation(graph, plan, apart, key, job)
         finally:
             apart.close()
+
+    def _beside_simulation(
+        self,
+        graph: TaskGraph,
+        plan: Plan,
+        apart: Foresight | None,
+        key: tuple,
+        job: Callable[[], Any],
+    ) -> Any:
+        """`job`'s value, worked out by `apart`'s process (None: none) while this one simulates
+        the step of `plan` that the command reports (`simulated`, kept), else here after it."""
+        self.simulated(graph, plan)
+        done, value = apart.take(key) if apart is not None else (False, None)
         return value if done else job()
 
     def _built(self, graph: TaskGraph, plan: Plan) -> Mapping[int, RankProgram] | None:
@@ -403,19 +417,13 @@ class StepModel:
         `looking_ahead` allows a process, neither is found yet, and the programs to place are
         worth a process (`FORK_TO_PLACE`)."""
         key = self._plan_key(graph, plan)
+        job = partial(self._cost_and_memory, graph, plan)
         apart = None
         if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
             programs = self.programs(graph, plan, simulation_budget(plan.nranks))
             if programs is not None and sum(len(p.tasks) for p in built(programs)) >= FORK_TO_PLACE:
-                apart = self._look_ahead({key: partial(self._cost_and_memory, graph, plan)})
-        simulated = self.simulated(graph, plan)
-        if apart is not None:
-            done, found = apart.take(key)
-            if done:
-                summed, memory = found
-                step = step_report(graph, plan, self.machine, summed.step_seconds, simulated)
-                return summed, step, memory
-        summed, memory = self._cost_and_memory(graph, plan)
+                apart = self._look_ahead({key: job})
+        summed, memory = self._beside_simulation(graph, plan, apart, key, job)
         return summed, self.step_prediction(graph, plan, summed.step_seconds), memory
 
     def _cost_and_memory(self, graph: TaskGraph, plan: Plan) -> tuple[cost.PlanCost, dict]:
