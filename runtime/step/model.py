@@ -38,6 +38,7 @@ from runtime.step.prediction import (
     objective_simulates,
     predict_step,
     simulate_compiled,
+    simulates_every_rank,
     step_report,
 )
 from runtime.step.programs import build_programs
@@ -50,6 +51,7 @@ from runtime.step.rank_memory import (
 )
 from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import built
+from runtime.step.simulated_in_shares import simulate_in_shares
 from runtime.step.simulated_step import SimulatedStep
 
 #: a job of `foresee`'s that places a plan's every rank is keyed (PLACED, the plan's key)
@@ -310,14 +312,22 @@ class StepModel:
         return found[1]
 
     def simulated(self, graph: TaskGraph, plan: Plan) -> SimulatedStep | None:
-        """The simulated step of `plan`, without the machine's time outside the tasks; None
-        where its programs would take more to build than `simulation_budget` allows."""
+        """The simulated step of `plan`, without the machine's time outside the tasks: from
+        its programs where they are within `simulation_budget`, else from every rank's own
+        built in shares (`simulated_in_shares`, on the cores `looking_ahead` allows) where
+        they are within `prediction.SIMULATE_EVERY_RANK_MAX_WORK`; else None."""
         key = self._plan_key(graph, plan)
         if key not in self._simulated:
             programs = self.programs(graph, plan, simulation_budget(plan.nranks))
-            self._simulated[key] = None if programs is None else predict_step(
-                graph, plan, self.machine, programs=programs, simulate=simulate_compiled
-            )  # fmt: skip
+            if programs is not None:
+                self._simulated[key] = predict_step(
+                    graph, plan, self.machine, programs=programs, simulate=simulate_compiled
+                )
+            elif simulates_every_rank(graph, plan):
+                workers = 0 if self._busy() else self._workers
+                self._simulated[key] = simulate_in_shares(graph, plan, self.machine, workers)
+            else:
+                self._simulated[key] = None
         return self._simulated[key]
 
     def step(self, graph: TaskGraph, plan: Plan, bulk_seconds: float | None = None) -> float:
@@ -371,8 +381,8 @@ class StepModel:
         return plan_peak(graph, plan, self.machine)
 
     def step_prediction(self, graph: TaskGraph, plan: Plan, bulk_seconds: float) -> dict:
-        """`prediction.step_report` of `plan`, its simulation made once: simulated wherever its
-        programs are within `simulation_budget`, whatever `step` compares."""
+        """`prediction.step_report` of `plan`, its simulation made once: simulated wherever
+        `simulated` simulates it, whatever `step` compares."""
         return step_report(graph, plan, self.machine, bulk_seconds, self.simulated(graph, plan))
 
     def memory_prediction(self, graph: TaskGraph, plan: Plan) -> dict:

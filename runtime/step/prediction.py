@@ -1,6 +1,7 @@
 """A plan's predicted step: every rank's program built, its tasks priced, and the step
 simulated (`runtime.step.simulator` states the rules; `runtime.step.compiled` runs them over
-flat arrays), or, where its programs would take more than `SIMULATE_MAX_WORK` to build, the
+flat arrays), or, where its programs would take more to build than `SIMULATE_MAX_WORK` (one per
+class of ranks alike) and `SIMULATE_EVERY_RANK_MAX_WORK` (every rank's, in shares) allow, the
 cost model's bulk-synchronous sum.
 
 `partition`, `bench` and `auto` ask for predictions through `runtime.step.model.StepModel`,
@@ -10,6 +11,7 @@ which keeps each plan's programs and simulation; the functions here make one pre
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +31,9 @@ from runtime.step.shared_programs import source
 from runtime.step.simulated_step import SimulatedStep
 from runtime.step.simulator import simulate_step
 
+if TYPE_CHECKING:
+    from runtime.step.compiled import FlatStep
+
 
 def predict_step(
     graph: TaskGraph,
@@ -45,8 +50,22 @@ def predict_step(
     per_task = compute if compute is not None else compute_per_rank(graph, plan, machine)
     if programs is None:
         programs = build_programs(graph, plan, machine, range(plan.nranks))
-    index = {task.name: i for i, task in enumerate(graph.tasks)}
     table = np.asarray(per_task, np.float64).reshape(len(graph.tasks), plan.nranks)
+    seconds, passes = priced(graph, plan, machine, programs, table)
+    return simulate(programs, seconds, machine, passes=passes)
+
+
+def priced(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    programs: Mapping[int, RankProgram],
+    table: np.ndarray,
+) -> tuple[dict[int, list[float]], dict[int, TaskPasses]]:
+    """Per rank of `programs`, the seconds of its tasks (`table[i, rank]` for task i of the
+    graph, in the mode each runs in here: `piece_modes`) and its own passes around them
+    (`local_passes.task_passes`)."""
+    index = {task.name: i for i, task in enumerate(graph.tasks)}
     share = machine.core_share(plan.nranks)
     prices, layouts = PassPrices.of(machine), choose_storage_orders(graph)
     #: per program (held, so that its id is its own), its tasks' rows of `table`, its tasks
@@ -62,7 +81,7 @@ def predict_step(
         _, rows, times, passes[rank] = moded[id(program)]
         row = table[rows, rank].tolist()
         seconds[rank] = program_seconds(program, row, machine, times, float(share[rank]))
-    return simulate(programs, seconds, machine, passes=passes)
+    return seconds, passes
 
 
 def compute_lower_bound(graph: TaskGraph, plan: Plan, machine: Machine) -> float | None:
@@ -96,13 +115,21 @@ def simulate_compiled(
     # here, not at the top: a plan whose step is only summed (beyond the ranks simulated)
     # loads no Numba
     from runtime.step.compiled import flatten
-    from runtime.step.loop import run_step
 
     links = links or Links.of(machine, max(programs) + 1)
     prices = PassPrices.of(machine)
     passes = passes or passes_alone(programs, prices)
     slowdown = cpu_slowdown(machine, programs)
-    flat = flatten(programs, compute, links, passes, slowdown)
+    return run_flat(flatten(programs, compute, links, passes, slowdown), machine, links, slowdown)
+
+
+def run_flat(
+    flat: FlatStep, machine: Machine, links: Links, slowdown: Mapping[int, float]
+) -> SimulatedStep:
+    """The step of the ranks whose instructions `flat` holds, run by the compiled loop."""
+    from runtime.step.loop import run_step
+
+    prices = PassPrices.of(machine)
     host = flat.host
     hosts = int(host.max()) + 1 if len(host) else 0
     ends = (flat.src >= 0) & (flat.dst >= 0)
@@ -130,11 +157,31 @@ def simulate_compiled(
     )
 
 
-#: the most (rank, task) pairs whose programs a prediction builds to simulate a step: ranks told
-#: alike are built once (`rank_classes`), so a data-parallel plan is simulated on any number of
-#: ranks, while a plan beyond this whose ranks all differ is priced by the bulk-synchronous sum
-#: (a mixture of grids on 1024 ranks of vgg19 would build for about 40 s, then simulate for 36)
+#: the most (rank, task) pairs whose programs a prediction builds, one per class of ranks alike,
+#: to simulate a step (`rank_classes`): a data-parallel plan is simulated so on any number of
+#: ranks, while a plan beyond this whose ranks all differ has every rank's program built in
+#: shares (`SIMULATE_EVERY_RANK_MAX_WORK`)
 SIMULATE_MAX_WORK = 50_000
+
+
+#: the most work, in (rank, task) pairs, of a step whose ranks fall into more classes than
+#: `SIMULATE_MAX_WORK` builds that a prediction builds one by one, every rank's own program, to
+#: simulate it (`simulated_in_shares`, a share of the ranks per core); beyond this, the
+#: bulk-synchronous sum. Messages count too (`MESSAGE_WORK`): on the 2-core VM vgg19's plans on
+#: 1024 ranks, 221,184 (rank, task) pairs each, simulate in about 9 s with spatial splits
+#: (175,268 messages), 14 s with `auto`'s mixture (993,646) and 40 s with model parallelism
+#: (5.3 million), about 38 µs a pair and 6 µs a message
+SIMULATE_EVERY_RANK_MAX_WORK = 400_000
+#: what a message costs to build, price and flatten at both ends, in (rank, task) pairs
+MESSAGE_WORK = 1 / 6
+
+
+def simulates_every_rank(graph: TaskGraph, plan: Plan) -> bool:
+    """Whether the step of `plan` is simulated however many classes its ranks fall into: its
+    every rank's program built, within `SIMULATE_EVERY_RANK_MAX_WORK`."""
+    messages = sum(len(b.dsts) for task in plan.tasks for b in task.transfer_set.blocks)
+    work = plan.nranks * len(graph.tasks) + MESSAGE_WORK * messages
+    return work <= SIMULATE_EVERY_RANK_MAX_WORK
 
 
 def step_report(
@@ -146,7 +193,7 @@ def step_report(
 ) -> dict:
     """The step `partition` and `bench scaling` predict (`runtime.step.model.StepModel.
     step_prediction`): the simulated step (`simulated_step`, found by `simulate_compiled` where a
-    plan's programs are within `SIMULATE_MAX_WORK`) where there is one, else the
+    plan's programs are within the work a prediction builds) where there is one, else the
     bulk-synchronous sum (`plan_cost`'s `bulk_seconds`), which is reported beside it in any
     case, each with the machine's time outside the tasks (`loop_us`). A simulated step also gets `compute_fraction`, the
     mean share of it a rank spends computing its tasks. A pipeline's also gets its bubble: the mean

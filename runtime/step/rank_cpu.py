@@ -16,18 +16,21 @@ them point for point) price it by.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from partitioner.machine import Machine
-from runtime.step.rank_program import RankProgram
 
 
-def cpu_slowdown(machine: Machine, programs: Mapping[int, RankProgram]) -> dict[int, float]:
-    """Per rank of `programs`, how much longer its CPU work (posting, packing, adding, the
-    network stack's) takes than with its cores to itself: 1 / `Machine.core_share`, as its
-    compute (`cost.compute_per_rank`) is priced."""
-    share = machine.core_share(max(programs, default=0) + 1)
-    return {rank: 1.0 / float(share[rank]) for rank in programs}
+def cpu_slowdown(
+    machine: Machine, programs: Iterable[int], nranks: int | None = None
+) -> dict[int, float]:
+    """Per rank of `programs` (or any ranks) of a step on `nranks` ranks (default: one past the
+    last of them), how much longer its CPU work (posting, packing, adding, the network
+    stack's) takes than with its cores to itself: 1 / `Machine.core_share`, as its compute
+    (`cost.compute_per_rank`) is priced."""
+    ranks = list(programs)
+    share = machine.core_share(max(ranks, default=0) + 1 if nranks is None else nranks)
+    return {rank: 1.0 / float(share[rank]) for rank in ranks}
 
 
 def sharing_core(seconds: float, cpu: float, wire: Sequence[tuple[float, float, int]]) -> float:

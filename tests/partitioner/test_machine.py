@@ -20,6 +20,7 @@ from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime.mpi_transport import fit_link
 from runtime.step import model as step_model
+from runtime.step import prediction
 from runtime.step.model import StepModel
 from runtime.step.prediction import predict_step
 
@@ -219,7 +220,16 @@ def test_the_step_is_simulated_where_its_programs_are_few_enough_to_build(monkey
     assert step["predicted_step_seconds"] == pytest.approx(
         predict_step(graph, data, machine).seconds + 5e-4, rel=1e-12
     )
+    # past the classes it builds, every rank's own program is built, in shares
+    # (`simulated_in_shares`), and the step is the same; past `SIMULATE_EVERY_RANK_MAX_WORK`
+    # (here made 8 ranks' less one pair), it is summed
     assert StepModel(machine).programs(graph, model, room) is None
+    step = StepModel(machine).step_prediction(graph, model, 1.0)
+    assert step["step_model"] == "simulated"
+    assert step["predicted_step_seconds"] == pytest.approx(
+        predict_step(graph, model, machine).seconds + 5e-4, rel=1e-12
+    )
+    monkeypatch.setattr(prediction, "SIMULATE_EVERY_RANK_MAX_WORK", 8 * len(graph.tasks) - 1)
     step = StepModel(machine).step_prediction(graph, model, 1.0)
     assert step["step_model"] == "bulk-synchronous"
     assert step["predicted_step_seconds"] == step["bulk_synchronous_seconds"] == 1.0005

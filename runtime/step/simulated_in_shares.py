@@ -1,0 +1,77 @@
+"""A step whose ranks' programs all differ, simulated from programs built and flattened in shares
+of its ranks, one share per core.
+
+Ranks told alike are built once (`rank_classes`), so a data-parallel plan's step costs about one
+rank's program whatever its rank count. A plan whose grids change from layer to layer over
+different rank counts has no two ranks alike: vgg19's `auto` plan on 1024 ranks (layers on 4×16×16,
+14×14 and 4×14×14 grids, a classifier cut 4 by batch and 256 by rows) builds 1024 programs of 216
+tasks each, about 13 s on one core of the 2-core VM, and prices and flattens them in about 6 s
+more. Every rank's program, its tasks' seconds, its passes and its instructions depend on the plan
+alone, so each share of the ranks is built, priced and flattened (`compiled.flat_part`) by a
+process of its own, forked (`foresight.Foresight`: nothing pickled or imported again), and the
+command merges the parts (`compiled.merged`) and runs the compiled loop over them: the same
+instructions, so the same step, float for float, as flattening every rank in one process
+(`tests/runtime/step/test_simulated_in_shares.py`).
+
+Only the parts cross between processes: arrays of instructions, seconds, keys and the messages'
+ends, and the collectives each part starts (the programs themselves, objects per task and
+message, would take longer to pickle than to build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+
+from legion_nn.graph import TaskGraph
+from partitioner.cost import compute_per_rank
+from partitioner.machine import Machine
+from partitioner.plan import Plan
+from runtime.step.foresight import shared_out
+from runtime.step.links import Links
+from runtime.step.prediction import priced, run_flat
+from runtime.step.programs import build_programs
+from runtime.step.rank_cpu import cpu_slowdown
+from runtime.step.simulated_step import SimulatedStep
+
+
+def simulate_in_shares(
+    graph: TaskGraph, plan: Plan, machine: Machine, workers: int
+) -> SimulatedStep:
+    """The simulated step of `plan` (`prediction.simulate_compiled`'s), its ranks built and
+    flattened in `workers + 1` contiguous shares, by this process and up to `workers` forked
+    ones at once (`foresight.shared_out`; none: every share here, one after another)."""
+    from runtime.step.compiled import merged  # loads Numba: before the processes fork
+
+    nranks = plan.nranks
+    table = np.asarray(compute_per_rank(graph, plan, machine), np.float64).reshape(
+        len(graph.tasks), nranks
+    )
+    slowdown = cpu_slowdown(machine, range(nranks), nranks)
+    shares = np.array_split(np.arange(nranks), min(workers + 1, nranks))
+    jobs = {
+        k: partial(_flattened, graph, plan, machine, table, slowdown, share.tolist())
+        for k, share in enumerate(shares)
+    }
+    parts = list(shared_out(jobs, workers).values())
+    links = Links.of(machine, nranks)
+    return run_flat(merged(parts, links), machine, links, slowdown)
+
+
+def _flattened(
+    graph: TaskGraph,
+    plan: Plan,
+    machine: Machine,
+    table: np.ndarray,
+    slowdown: dict[int, float],
+    ranks: Sequence[int],
+):
+    """The instructions of `ranks` (`compiled.flat_part`): their programs built, priced and
+    flattened."""
+    from runtime.step.compiled import flat_part
+
+    programs = build_programs(graph, plan, machine, ranks)
+    seconds, passes = priced(graph, plan, machine, programs, table)
+    return flat_part(programs, seconds, passes, slowdown)

@@ -1,0 +1,126 @@
+"""A step simulated from its ranks flattened in shares (`runtime.step.simulated_in_shares`,
+`compiled.flat_part`, `compiled.merged`): the same step, float for float, as every rank flattened
+at once, whether the shares' programs are built apart (by forked processes) or read from one
+build, on plans whose ranks all differ and on plans whose ranks share a class's program."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from legion_nn.sources import load_source_graph
+from partitioner.cost import compute_per_rank
+from partitioner.machine import Machine
+from partitioner.plan import build_plan
+from partitioner.resolve import resolve_strategy
+from runtime.step.compiled import flat_part, flatten, merged
+from runtime.step.links import Links
+from runtime.step.loop import ADD, COMPUTE, POST, START, WAIT
+from runtime.step.prediction import predict_step, priced, run_flat, simulate_compiled
+from runtime.step.programs import build_programs
+from runtime.step.rank_cpu import cpu_slowdown
+from runtime.step.shared_programs import SharedPrograms
+from runtime.step.simulated_in_shares import simulate_in_shares
+from tests.paths import FIXTURES
+
+#: a slow link shared by two ranks a host, with memory traffic and a per-message cost priced:
+#: messages, hops and passes all shape the step
+MACHINE = Machine(
+    link_gbytes_per_s=0.5,
+    latency_us=20.0,
+    memory_gbytes_per_s=10.0,
+    message_overhead_us=3.0,
+    task_overhead_us=5.0,
+    ranks_per_host=2,
+    network_cpu_ns_per_byte=1.0,
+)
+
+#: (network, batch, strategy, home, ranks): model and spatial splits and auto's mixtures, whose
+#: ranks differ, and a data-parallel plan, whose ranks share a class's program within a share
+CASES = [
+    ("seed-lcn-small", 16, "model", "replicated", 8),
+    ("seed-lcn-small", 16, "data", "replicated", 16),
+    (str(FIXTURES / "residual_small.json"), 8, "auto", "replicated", 6),
+    (str(FIXTURES / "digits_cnn.onnx"), 8, "spatial", "replicated", 8),
+    (str(FIXTURES / "mlp_small.json"), 8, "model", "sharded", 5),
+]
+
+
+def _plan(network, batch, strategy, home, ranks):
+    graph = load_source_graph(network, batch, batch)
+    chosen, _ = resolve_strategy(graph, strategy, ranks, MACHINE, 5.0, None, home)
+    return graph, build_plan(graph, chosen, ranks)
+
+
+def _ids():
+    return [f"{Path(c[0]).stem}-{c[2]}-{c[3]}-{c[4]}" for c in CASES]
+
+
+def _same_step(one, other):
+    assert one.seconds == other.seconds
+    assert one.finish == other.finish
+    assert one.waiting == other.waiting
+    assert one.compute == other.compute
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids())
+def test_parts_merged_are_every_rank_flattened_at_once(case):
+    """Flattened in three shares and merged, the instructions are those of every rank at once
+    (their keys and seconds elsewhere in their arrays, each collective's instances numbered
+    alike), and the compiled loop runs the same step over them."""
+    graph, plan = _plan(*case)
+    nranks = plan.nranks
+    programs = build_programs(graph, plan, MACHINE, range(nranks))
+    table = np.asarray(compute_per_rank(graph, plan, MACHINE)).reshape(-1, nranks)
+    seconds, passes = priced(graph, plan, MACHINE, programs, table)
+    slowdown = cpu_slowdown(MACHINE, programs, nranks)
+    links = Links.of(MACHINE, nranks)
+    whole = flatten(programs, seconds, links, passes, slowdown)
+    shares = np.array_split(np.arange(nranks), 3)
+    parts = [flat_part(programs, seconds, passes, slowdown, s.tolist()) for s in shares]
+    split = merged(parts, links)
+    assert split.ranks == whole.ranks == list(range(nranks))
+    for name in ("op_ptr", "src", "dst", "nbytes", "host", "round_first", "round_count",
+                 "round_adds"):  # fmt: skip
+        assert np.array_equal(getattr(split, name), getattr(whole, name)), name
+    assert np.array_equal(split.ops[:, 0], whole.ops[:, 0])
+    # the same seconds for each ADD and COMPUTE (a share makes its own first rank of a class)
+    for code, columns in ((ADD, [1]), (COMPUTE, [1, 2])):
+        at = whole.ops[:, 0] == code
+        for column in columns:
+            assert np.array_equal(
+                whole.amounts[whole.ops[at, column]], split.amounts[split.ops[at, column]]
+            )
+    assert np.array_equal(split.ops[split.ops[:, 0] == START], whole.ops[whole.ops[:, 0] == START])
+    assert split.heap_room == whole.heap_room
+    # every key range names the same transfers in the same order
+    keyed = np.isin(whole.ops[:, 0], [POST, WAIT])
+    for (lo, hi), (lo2, hi2) in zip(whole.ops[keyed, 1:], split.ops[keyed, 1:], strict=True):
+        assert np.array_equal(whole.keys[lo:hi], split.keys[lo2:hi2])
+    for lo, hi, lo2, hi2 in zip(whole.round_lo, whole.round_hi, split.round_lo, split.round_hi):
+        assert np.array_equal(whole.keys[lo:hi], split.keys[lo2:hi2])
+    _same_step(run_flat(whole, MACHINE, links, slowdown), run_flat(split, MACHINE, links, slowdown))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids())
+def test_a_step_simulated_in_shares_is_the_step(case):
+    """Each share's programs built, priced and flattened by a forked process of its own (two
+    here, and the third share by this one), or every share here one after another: the step
+    `predict_step` simulates from every rank's programs built at once."""
+    graph, plan = _plan(*case)
+    want = predict_step(graph, plan, MACHINE, simulate=simulate_compiled)
+    for workers in (2, 0):
+        _same_step(simulate_in_shares(graph, plan, MACHINE, workers), want)
+
+
+def test_the_cases_cover_ranks_that_differ_and_ranks_alike():
+    """The cases hold a plan whose every rank is built and one whose shares build a class's
+    program once, so that both ways of flattening a rank (made, and given again) are merged."""
+    kinds = set()
+    for case in CASES:
+        graph, plan = _plan(*case)
+        built = build_programs(graph, plan, MACHINE, range(plan.nranks))
+        kinds.add(isinstance(built, SharedPrograms))
+    assert kinds == {True, False}
