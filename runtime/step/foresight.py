@@ -183,14 +183,22 @@ def _work(calls: Sequence[Callable[[], Any]], state, worker: int, sender: Connec
     sender.close()
 
 
-def shared_out(jobs: Mapping[Hashable, Callable[[], Any]], workers: int) -> dict[Hashable, Any]:
+def shared_out(
+    jobs: Mapping[Hashable, Callable[[], Any]],
+    workers: int,
+    meanwhile: Callable[[], Any] | None = None,
+) -> dict[Hashable, Any]:
     """Every job's value, worked out by this process and up to `workers` forked ones at once
     (fewer where there are fewer jobs): the processes take the jobs from the first, this one
     from the last, then each job nobody has begun, then waits for the others; a job whose
-    process died or raised is worked out here."""
+    process died or raised is worked out here. `meanwhile` is called here once the processes
+    are forked, before this process's first job (what it alone will need next: the others
+    would work it out for nothing)."""
     ahead = Foresight(jobs, min(workers, len(jobs) - 1))
     found: dict[Hashable, Any] = {}
     try:
+        if meanwhile is not None:
+            meanwhile()
         for key in reversed(list(jobs)):
             done, value = ahead.take(key)
             found[key] = value if done else jobs[key]()

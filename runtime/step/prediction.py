@@ -157,6 +157,16 @@ def run_flat(
     )
 
 
+def load_the_loop(machine: Machine) -> None:
+    """Load the compiled loop (`loop.run_step`) from Numba's cache, as `run_flat` will call it
+    (about 0.3 s), by running it over no ranks: a process that waits for others can load it
+    meanwhile."""
+    from runtime.step.compiled import merged
+
+    links = Links.of(machine, 1)
+    run_flat(merged([], links), machine, links, {})
+
+
 #: the most (rank, task) pairs whose programs a prediction builds, one per class of ranks alike,
 #: to simulate a step (`rank_classes`): a data-parallel plan is simulated so on any number of
 #: ranks, while a plan beyond this whose ranks all differ has every rank's program built in

@@ -31,7 +31,7 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.step.foresight import shared_out
 from runtime.step.links import Links
-from runtime.step.prediction import priced, run_flat
+from runtime.step.prediction import load_the_loop, priced, run_flat
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.simulated_step import SimulatedStep
@@ -55,7 +55,8 @@ def simulate_in_shares(
         k: partial(_flattened, graph, plan, machine, table, slowdown, share.tolist())
         for k, share in enumerate(shares)
     }
-    parts = list(shared_out(jobs, workers).values())
+    # the loop loaded from Numba's cache while the other processes build their shares
+    parts = list(shared_out(jobs, workers, partial(load_the_loop, machine)).values())
     links = Links.of(machine, nranks)
     return run_flat(merged(parts, links), machine, links, slowdown)
 
