@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.step.foresight import Foresight
+from runtime.step.foresight import Foresight, shared_out
 from tests.fresh_process import in_fresh_process
 
 WAIT = 60.0  # seconds, far beyond a fork on a loaded machine
@@ -84,6 +84,22 @@ def _shares_jobs(tmp_path: Path) -> None:
     assert done_a and done_b and (a, b) == ("A", "B")
     assert len({pid_a, pid_b, os.getpid()}) == 3
     foresight.close()
+
+
+def _shares_out_with_something_meanwhile(tmp_path: Path) -> None:
+    """`shared_out` with two jobs and one process: the process takes the first, this one the
+    last, after calling `meanwhile` once, here, while the process is at its job."""
+    called = []
+
+    def meanwhile() -> None:
+        _wait_for(tmp_path / "a")  # the process began its job
+        called.append(os.getpid())
+        (tmp_path / "a.release").touch()
+
+    jobs = {"a": partial(_held, tmp_path, "a", "A"), "b": partial(_marked, tmp_path, "b", "B")}
+    found = shared_out(jobs, 1, meanwhile)
+    assert list(found) == ["a", "b"] and [v for v, _ in found.values()] == ["A", "B"]
+    assert called == [os.getpid()] == [found["b"][1]] != [found["a"][1]]
 
 
 def _leaves_a_raising_job(tmp_path: Path) -> None:
@@ -191,6 +207,10 @@ def test_a_process_works_jobs_out_in_order_and_leaves_the_caller_those_none_bega
 
 def test_jobs_are_shared_by_the_processes(tmp_path):
     in_fresh_process(_shares_jobs, tmp_path)
+
+
+def test_jobs_shared_out_leave_this_process_its_own_work_meanwhile(tmp_path):
+    in_fresh_process(_shares_out_with_something_meanwhile, tmp_path)
 
 
 def test_a_job_that_raises_is_left_to_the_caller(tmp_path):
