@@ -7,10 +7,13 @@ for `auto`, every rank's program, the simulated step and the placed memory): the
 speed goals are stated for it. The cases are the cost model's speed goals: torchvision's
 ResNet-18 at 64×64 (`bench/resnet18_onnx.py`, written to a temporary file), batch 64, on 64
 ranks with data parallelism (goal 3 s) and with `auto` (goal 6 s); seed-lcn on 1024 ranks with
-spatial splits, simulated rather than summed (goal 15 s); vgg19's `auto` on 1024 ranks (goal
-2 s), and in 4 pipeline stages of 8 micro-batches (goal 3 s); and vgg19's data plan on 1024
-ranks, simulated since its ranks are built once per class. Each figure is the best of `--repeat` runs,
-wall and CPU (user and system of the child); the machine's facts and the same run's SGEMM print
+spatial splits, simulated rather than summed (goal 15 s); vgg19's `auto` on 1024 ranks, whose
+planning (the search, the fit and the built-ins compared: the report's `planning_seconds`) has
+a goal of 2 s, its report simulated since every rank's program is built in shares
+(`runtime.step.simulated_in_shares`), and in 4 pipeline stages of 8 micro-batches (goal 3 s);
+and vgg19's data plan on 1024 ranks, simulated since its ranks are built once per class. Each
+figure is the best of `--repeat` runs, wall and CPU (user and system of the child), with the
+report's planning and prediction seconds; the machine's facts and the same run's SGEMM print
 beside them, since the machine is shared and its speed varies from minute to minute. The
 children read Python's cached bytecode, as a user's second command does
 (`bench.jobs.command_environment`).
@@ -34,19 +37,22 @@ from bench.jobs import command_environment
 from bench.kernels import sgemm_gflops
 from bench.machine_facts import describe, machine_facts
 
-#: name -> (network, extra arguments of `partition`, goal in seconds or None)
+#: name -> (network, extra arguments of `partition`, goal in seconds or None, what the goal is
+#: of: the command's wall time, or its planning alone)
 CASES = {
-    "resnet18-data": ("resnet18", ["--batch", "64", "--ranks", "64", "--strategy", "data"], 3.0),
-    "resnet18-auto": ("resnet18", ["--batch", "64", "--ranks", "64", "--strategy", "auto"], 6.0),
-    "seed-lcn-spatial": ("seed-lcn", ["--ranks", "1024", "--strategy", "spatial"], 15.0),
-    "vgg19-auto": ("vgg19", ["--ranks", "1024", "--strategy", "auto"], 2.0),
-    "vgg19-data": ("vgg19", ["--ranks", "1024", "--strategy", "data"], None),
-    "vgg19-auto-4stages": (
-        "vgg19",
-        ["--ranks", "1024", "--stages", "4", "--strategy", "auto"],
-        3.0,
+    "resnet18-data": (
+        "resnet18", ["--batch", "64", "--ranks", "64", "--strategy", "data"], 3.0, "wall"
     ),
-}
+    "resnet18-auto": (
+        "resnet18", ["--batch", "64", "--ranks", "64", "--strategy", "auto"], 6.0, "wall"
+    ),
+    "seed-lcn-spatial": ("seed-lcn", ["--ranks", "1024", "--strategy", "spatial"], 15.0, "wall"),
+    "vgg19-auto": ("vgg19", ["--ranks", "1024", "--strategy", "auto"], 2.0, "planning"),
+    "vgg19-data": ("vgg19", ["--ranks", "1024", "--strategy", "data"], None, "wall"),
+    "vgg19-auto-4stages": (
+        "vgg19", ["--ranks", "1024", "--stages", "4", "--strategy", "auto"], 3.0, "wall"
+    ),
+}  # fmt: skip
 
 
 def run_once(command: list[str]) -> tuple[float, float, dict]:
@@ -90,17 +96,25 @@ def main() -> int:
                 check=True,
                 capture_output=True,
             )
-        print(f"{'case':18} {'wall':>8} {'cpu':>8} {'goal':>6}  step model")
+        print(
+            f"{'case':18} {'wall':>8} {'cpu':>8} {'planning':>8} {'predict':>8} {'goal':>13}"
+            "  step model"
+        )
         for name in names:
-            network, extra, goal = CASES[name]
+            network, extra, goal, goal_of = CASES[name]
             source = str(resnet) if network == "resnet18" else network
             command = [sys.executable, "-m", "cli", "partition", source, *extra]
             runs = [run_once(command) for _ in range(args.repeat)]
             wall = min(r[0] for r in runs)
             cpu = min(r[1] for r in runs)
+            planning = min(r[2]["planning_seconds"] for r in runs)
+            predicting = min(r[2]["prediction_seconds"] for r in runs)
             report = runs[-1][2]
-            goal_text = f"{goal:.0f} s" if goal else "-"
-            print(f"{name:18} {wall:7.2f}s {cpu:7.2f}s {goal_text:>6}  {report['step_model']}")
+            goal_text = f"{goal:.0f} s {goal_of}" if goal else "-"
+            print(
+                f"{name:18} {wall:7.2f}s {cpu:7.2f}s {planning:7.2f}s {predicting:7.2f}s "
+                f"{goal_text:>13}  {report['step_model']}"
+            )
     print(f"SGEMM after: {sgemm_gflops():.0f} GFLOP/s")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from cli.commands import (
     add_homes_argument,
@@ -119,15 +120,22 @@ def run(args: argparse.Namespace) -> int:
     reports = []
     for nranks in counts:
         check_ranks(nranks)
+        started = time.perf_counter()
         with model.looking_ahead():  # idle cores: the built-ins while auto searches, then memory
             graph, strategy, why, search = resolve_step(
                 args, loaded, nranks, machine, model, _note, args.time_limit
             )
             plan = model.plan(graph, strategy, nranks)
+            planned = time.perf_counter()
             if args.verify:
                 verify_plan(graph, plan)
+            predicting = time.perf_counter()
             cost, step, memory = model.predictions(graph, plan)
+            predicted = time.perf_counter()
         report = report_json(graph, plan, cost, why, step, memory)
+        # where the command's time went: choosing the plan, then predicting its step and memory
+        report["planning_seconds"] = planned - started
+        report["prediction_seconds"] = predicted - predicting
         if search is not None:
             report["pipeline_search"] = [c.row() for c in search.tried]
         reports.append(report)

@@ -242,6 +242,8 @@ def test_partition_json_gives_the_simulated_step(tmp_path):
     report = json.loads(out.read_text())
     assert report["step_model"] == "simulated"
     assert report["predicted_step_seconds"] > 0 and report["bulk_synchronous_seconds"] > 0
+    # where the command's time went, planning and predicting apart
+    assert report["planning_seconds"] > 0 and report["prediction_seconds"] > 0
 
 
 #: an unshaped veth's ping-pong between hosts, measured (`bench machine` on `cluster --link
