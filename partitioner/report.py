@@ -148,11 +148,6 @@ def table(report: dict) -> str:
             f"the machine's links); {report['bulk_synchronous_seconds']:.5f} s as the rows' "
             "bulk-synchronous sum"
         )
-    if "planning_seconds" in report:
-        lines.append(
-            f"planned in {report['planning_seconds']:.2f} s; its step and memory predicted in "
-            f"{report['prediction_seconds']:.2f} s"
-        )
     for number, stage in enumerate(report.get("stages", [])):
         ranks = stage["ranks"]
         lines.append(

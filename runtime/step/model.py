@@ -41,7 +41,7 @@ from runtime.step.prediction import (
     simulates_every_rank,
     step_report,
 )
-from runtime.step.programs import build_programs
+from runtime.step.programs import build_programs, ranks_all_differ
 from runtime.step.rank_memory import (
     PLACED_MAX_RANKS,
     PlacedRanks,
@@ -51,7 +51,10 @@ from runtime.step.rank_memory import (
 )
 from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import built
-from runtime.step.simulated_in_shares import simulate_in_shares
+from runtime.step.simulated_in_shares import (
+    simulate_in_shares,
+    simulated_and_placed_in_shares,
+)
 from runtime.step.simulated_step import SimulatedStep
 
 #: a job of `foresee`'s that places a plan's every rank is keyed (PLACED, the plan's key)
@@ -430,11 +433,31 @@ class StepModel:
         job = partial(self._cost_and_memory, graph, plan)
         apart = None
         if self._workers and key not in self._simulated and plan.nranks <= PLACED_MAX_RANKS:
-            programs = self.programs(graph, plan, simulation_budget(plan.nranks))
-            if programs is not None and sum(len(p.tasks) for p in built(programs)) >= FORK_TO_PLACE:
-                apart = self._look_ahead({key: job})
+            if self._in_shares(graph, plan, key):
+                self._simulated[key], self._placed[key] = simulated_and_placed_in_shares(
+                    graph, plan, self.machine, self._workers
+                )
+            else:
+                programs = self.programs(graph, plan, simulation_budget(plan.nranks))
+                tasks = 0 if programs is None else sum(len(p.tasks) for p in built(programs))
+                if tasks >= FORK_TO_PLACE:
+                    apart = self._look_ahead({key: job})
         summed, memory = self._beside_simulation(graph, plan, apart, key, job)
         return summed, self.step_prediction(graph, plan, summed.step_seconds), memory
+
+    def _in_shares(self, graph: TaskGraph, plan: Plan, key: tuple) -> bool:
+        """Whether `predictions` builds every rank's own program of `plan` (keyed `key`) in
+        shares, each share simulated and placed by a process of its own
+        (`simulated_and_placed_in_shares`): its ranks all differ (`programs.ranks_all_differ`:
+        DenseNet-121's spatial plan on 64 ranks builds for 10 s on one core), neither its
+        programs nor its placement are found yet, and no process is at a job still wanted."""
+        return (
+            self._built(graph, plan) is None
+            and key not in self._placed
+            and can_fork()
+            and not self._busy()
+            and ranks_all_differ(plan, range(plan.nranks))
+        )
 
     def _cost_and_memory(self, graph: TaskGraph, plan: Plan) -> tuple[cost.PlanCost, dict]:
         return cost.plan_cost(graph, plan, self.machine), self.memory_prediction(graph, plan)

@@ -5,7 +5,7 @@ task once (`task_events.each_task_event`), one rank built per class of ranks tol
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
@@ -69,6 +69,13 @@ def build_programs(
         for program in built.values():
             fuse_into_gradients(graph, program)
     return SharedPrograms(built, classes, events, ranks) if classes else built
+
+
+def ranks_all_differ(plan: Plan, ranks: Sequence[int]) -> bool:
+    """Whether `build_programs` builds every one of `ranks`' own program: they fall into more
+    classes than it shares (`SHARED_AT_MOST` of them), found from the plan's arrays
+    (`fewest_classes`) before any is told apart."""
+    return len(ranks) > 2 and fewest_classes(plan, ranks) > int(SHARED_AT_MOST * len(ranks))
 
 
 def _kept(stream: Iterator[TaskEvents], into: list[TaskEvents]) -> Iterator[TaskEvents]:

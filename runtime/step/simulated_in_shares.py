@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,7 +35,11 @@ from runtime.step.links import Links
 from runtime.step.prediction import load_the_loop, priced, run_flat
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown
+from runtime.step.rank_memory import PlacedRanks, placed_ranks
 from runtime.step.simulated_step import SimulatedStep
+
+if TYPE_CHECKING:
+    from runtime.step.compiled import FlatPart
 
 
 def simulate_in_shares(
@@ -43,6 +48,22 @@ def simulate_in_shares(
     """The simulated step of `plan` (`prediction.simulate_compiled`'s), its ranks built and
     flattened in `workers + 1` contiguous shares, by this process and up to `workers` forked
     ones at once (`foresight.shared_out`; none: every share here, one after another)."""
+    return _in_shares(graph, plan, machine, workers, False)[0]
+
+
+def simulated_and_placed_in_shares(
+    graph: TaskGraph, plan: Plan, machine: Machine, workers: int
+) -> tuple[SimulatedStep, list[PlacedRanks]]:
+    """`simulate_in_shares`, each share's ranks also placed (`rank_memory.placed_ranks`) from
+    the programs built for the step: what `partition` reports of a plan on up to
+    `rank_memory.PLACED_MAX_RANKS` ranks, every rank's program built once."""
+    step, placed = _in_shares(graph, plan, machine, workers, True)
+    return step, placed
+
+
+def _in_shares(
+    graph: TaskGraph, plan: Plan, machine: Machine, workers: int, place: bool
+) -> tuple[SimulatedStep, list[PlacedRanks] | None]:
     from runtime.step.compiled import merged  # loads Numba: before the processes fork
 
     nranks = plan.nranks
@@ -52,13 +73,14 @@ def simulate_in_shares(
     slowdown = cpu_slowdown(machine, range(nranks), nranks)
     shares = np.array_split(np.arange(nranks), min(workers + 1, nranks))
     jobs = {
-        k: partial(_flattened, graph, plan, machine, table, slowdown, share.tolist())
+        k: partial(_flattened, graph, plan, machine, table, slowdown, share.tolist(), place)
         for k, share in enumerate(shares)
     }
     # the loop loaded from Numba's cache while the other processes build their shares
-    parts = list(shared_out(jobs, workers, partial(load_the_loop, machine)).values())
+    found = list(shared_out(jobs, workers, partial(load_the_loop, machine)).values())
     links = Links.of(machine, nranks)
-    return run_flat(merged(parts, links), machine, links, slowdown)
+    step = run_flat(merged([part for part, _ in found], links), machine, links, slowdown)
+    return step, [placed for _, placed in found] if place else None
 
 
 def _flattened(
@@ -68,11 +90,13 @@ def _flattened(
     table: np.ndarray,
     slowdown: dict[int, float],
     ranks: Sequence[int],
-):
+    place: bool,
+) -> tuple[FlatPart, PlacedRanks | None]:
     """The instructions of `ranks` (`compiled.flat_part`): their programs built, priced and
-    flattened."""
+    flattened; and, where `place`, the ranks placed from those programs."""
     from runtime.step.compiled import flat_part
 
     programs = build_programs(graph, plan, machine, ranks)
+    placed = placed_ranks(graph, plan, machine, ranks, programs) if place else None
     seconds, passes = priced(graph, plan, machine, programs, table)
-    return flat_part(programs, seconds, passes, slowdown)
+    return flat_part(programs, seconds, passes, slowdown), placed

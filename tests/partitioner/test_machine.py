@@ -4,6 +4,7 @@ hosts and within one, and compute read from the table of measured pieces."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -235,15 +236,19 @@ def test_the_step_is_simulated_where_its_programs_are_few_enough_to_build(monkey
     assert step["predicted_step_seconds"] == step["bulk_synchronous_seconds"] == 1.0005
 
 
-def test_partition_json_gives_the_simulated_step(tmp_path):
+def test_partition_json_gives_the_simulated_step(tmp_path, capsys):
     out = tmp_path / "p.json"
     argv = ["partition", "seed-lcn-small", "--ranks", "2", "--strategy", "model", "--json"]
     assert main([*argv, str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["step_model"] == "simulated"
     assert report["predicted_step_seconds"] > 0 and report["bulk_synchronous_seconds"] > 0
-    # where the command's time went, planning and predicting apart
-    assert report["planning_seconds"] > 0 and report["prediction_seconds"] > 0
+    # where the command's time went, printed (the JSON stays the same from run to run)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(
+        r"planned in \d+\.\d\d s; its step and memory predicted in \d+\.\d\d s", last
+    )
+    assert not {"planning_seconds", "prediction_seconds"} & set(report)
 
 
 #: an unshaped veth's ping-pong between hosts, measured (`bench machine` on `cluster --link

@@ -18,11 +18,12 @@ from partitioner.resolve import resolve_strategy
 from runtime.step.compiled import flat_part, flatten, merged
 from runtime.step.links import Links
 from runtime.step.loop import ADD, COMPUTE, POST, START, WAIT
+from runtime.step.model import StepModel
 from runtime.step.prediction import predict_step, priced, run_flat, simulate_compiled
-from runtime.step.programs import build_programs
+from runtime.step.programs import build_programs, ranks_all_differ
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.shared_programs import SharedPrograms
-from runtime.step.simulated_in_shares import simulate_in_shares
+from runtime.step.simulated_in_shares import simulate_in_shares, simulated_and_placed_in_shares
 from tests.paths import FIXTURES
 
 #: a slow link shared by two ranks a host, with memory traffic and a per-message cost priced:
@@ -124,3 +125,22 @@ def test_the_cases_cover_ranks_that_differ_and_ranks_alike():
         built = build_programs(graph, plan, MACHINE, range(plan.nranks))
         kinds.add(isinstance(built, SharedPrograms))
     assert kinds == {True, False}
+
+
+@pytest.mark.parametrize("case", CASES[2:4], ids=_ids()[2:4])
+def test_a_report_whose_ranks_all_differ_is_built_placed_and_simulated_in_shares(case):
+    """`partition`'s report of a plan whose ranks all differ, on up to 64 ranks: each share's
+    programs built once, by a process of its own, for both its placed memory and its part of
+    the step, gives the report every rank's programs built here give."""
+    graph, plan = _plan(*case)
+    assert ranks_all_differ(plan, range(plan.nranks))
+    alone = StepModel(MACHINE).predictions(graph, plan)
+    model = StepModel(MACHINE)
+    with model.looking_ahead(workers=1):
+        shared = model.predictions(graph, plan)
+    assert model._built(graph, plan) is None  # no rank's program built here
+    assert shared == alone
+    step, placed = simulated_and_placed_in_shares(graph, plan, MACHINE, 2)
+    assert len(placed) == 3
+    assert sorted(r for share in placed for r in share.peaks) == list(range(plan.nranks))
+    _same_step(step, predict_step(graph, plan, MACHINE, simulate=simulate_compiled))
