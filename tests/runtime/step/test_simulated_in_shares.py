@@ -12,7 +12,6 @@ import pytest
 
 from legion_nn.sources import load_source_graph
 from partitioner.cost import compute_per_rank
-from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from runtime.step.compiled import flat_part, flatten, merged
@@ -25,18 +24,12 @@ from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.shared_programs import SharedPrograms
 from runtime.step.simulated_in_shares import simulate_in_shares, simulated_and_placed_in_shares
 from tests.paths import FIXTURES
+from tests.runtime.step.test_compiled import MACHINES
 
-#: a slow link shared by two ranks a host, with memory traffic and a per-message cost priced:
-#: messages, hops and passes all shape the step
-MACHINE = Machine(
-    link_gbytes_per_s=0.5,
-    latency_us=20.0,
-    memory_gbytes_per_s=10.0,
-    message_overhead_us=3.0,
-    task_overhead_us=5.0,
-    ranks_per_host=2,
-    network_cpu_ns_per_byte=1.0,
-)
+#: two ranks a host on a slow, half-duplex, bursting link whose stack takes CPU from the kernels
+#: and whose messages are held while kernels run, with memory traffic and a per-message cost
+#: priced: messages, hops and passes all shape the step
+MACHINE = MACHINES["held-by-kernels"]
 
 #: (network, batch, strategy, home, ranks): model and spatial splits and auto's mixtures, whose
 #: ranks differ, and a data-parallel plan, whose ranks share a class's program within a share
