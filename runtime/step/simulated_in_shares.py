@@ -15,7 +15,12 @@ instructions, so the same step, float for float, as flattening every rank in one
 
 Only the parts cross between processes: arrays of instructions, seconds, keys and the messages'
 ends, and the collectives each part starts (the programs themselves, objects per task and
-message, would take longer to pickle than to build).
+message, take about as long to pickle and unpickle as to build: 2.3 s against 1.7 s for 128 of
+vgg19's).
+
+On up to `rank_memory.PLACED_MAX_RANKS` ranks, where `partition` reports memory placed from every
+rank's program, each share also places its ranks from the programs it built
+(`simulated_and_placed_in_shares`), so that no program is built twice.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def simulated_and_placed_in_shares(
     the programs built for the step: what `partition` reports of a plan on up to
     `rank_memory.PLACED_MAX_RANKS` ranks, every rank's program built once."""
     step, placed = _in_shares(graph, plan, machine, workers, True)
+    assert placed is not None
     return step, placed
 
 
