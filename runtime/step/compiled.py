@@ -471,12 +471,14 @@ class _Merged:
         # bound in the order met, rank by rank: each collective's instances numbered as one
         # process flattening every rank would number them
         starting = np.flatnonzero(ops[:, 0] == START)
-        rank_of = np.searchsorted(op_ptr, starting, side="right") - 1
-        at = 0
-        for part in parts:
-            for collective in part.started:
-                ops[starting[at], 1] = self.collective(collective)[self.ranks[rank_of[at]]]
-                at += 1
+        rank_of = (np.searchsorted(op_ptr, starting, side="right") - 1).tolist()
+        ranks, instances, bound = self.ranks, self.instances, []
+        for collective in (c for part in parts for c in part.started):
+            mine = instances.get(collective.seq)
+            if mine is None:
+                mine = self.collective(collective)
+            bound.append(mine[ranks[rank_of[len(bound)]]])
+        ops[starting, 1] = bound
         self._last_waits(ops, op_ptr, sends)
         keys = np.concatenate(self.key_arrays) if self.key_arrays else np.zeros(0, np.int64)
         if self.round_parts:
