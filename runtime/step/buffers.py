@@ -33,6 +33,7 @@ import os
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from itertools import chain
 
 import numpy as np
 
@@ -87,7 +88,13 @@ def staging(graph: TaskGraph, program: RankProgram, layouts: Mapping[str, Storag
                     c.targets[0] for c in rt.collectives if c.reduction.tensor == tensor
                 )
                 placed.setdefault(rt.index, {})[tensor] = target
-    messages = [*program.post_at_start, *(m for rt in program.tasks for m in rt.post)]
+    # only a resident tensor's copy may move with no staging buffer (`direct`)
+    resident = {name for name, tensor in graph.tensors.items() if tensor.resident}
+    messages = [
+        m
+        for m in chain(program.post_at_start, *(rt.post for rt in program.tasks))
+        if m.tensor in resident
+    ]
     summed = set()
     for index, collective in program.collectives:
         mine = scratch[index].get(collective.reduction.tensor)

@@ -71,9 +71,15 @@ def posting_seconds(
 ) -> float:
     """Seconds for `rank` to copy its sends among `messages` into send buffers (all but the
     `direct` ones, sent from their home) and to post its ends of them."""
-    mine = [m for m in messages if rank in (m.src, m.dst)]
-    packed = sum(m.nbytes for m in mine if m.src == rank and m.seq not in direct)
-    return packed * prices.copy + len(mine) * prices.per_message
+    packed = ends = 0
+    for m in messages:
+        if m.src == rank:
+            ends += 1
+            if m.seq not in direct:
+                packed += m.nbytes
+        elif m.dst == rank:
+            ends += 1
+    return packed * prices.copy + ends * prices.per_message
 
 
 def task_passes(
