@@ -26,6 +26,13 @@ fails until it does). `prediction.simulate_compiled` is the entry point.
 
 A collective's rounds are flattened per participant with NumPy (a rank's keys in every round,
 in hop order, and the bytes it adds at the end of each), not hop by hop in Python.
+
+Ranks are flattened in parts (`flat_part`: some ranks' instructions, each START naming the
+collective it starts) and the parts merged (`merged`: each moved past the ones before, each
+START bound to its rank's instance, each rank's last wait made), so that processes may flatten
+shares of a step's ranks apart (`runtime.step.simulated_in_shares`). The instances are bound in
+the order one part of every rank meets them, so every way of cutting the ranks into parts gives
+the same instructions (`tests/runtime/step/test_simulated_in_shares.py`).
 """
 
 from __future__ import annotations
