@@ -165,7 +165,8 @@ def table(report: dict) -> str:
         if row["predicted_seconds"] is None:
             continue
         tried = pipeline_label(row["stages"], row["micro_batches"], row["cuts"], row["schedule"])
-        lines.append(f"  tried {tried}: {row['predicted_seconds']:.5f} s predicted")
+        summed = ", summed" if row.get("step_model") == "bulk-synchronous" else ""
+        lines.append(f"  tried {tried}: {row['predicted_seconds']:.5f} s predicted{summed}")
     if not report["feasible"]:
         lines.append("INFEASIBLE: some rank needs more memory than it has")
     for item in report.get("why", []):

@@ -70,6 +70,9 @@ class PipelineChoice:
     #: `predict`'s seconds; None where it was not asked
     predicted: float | None = None
     schedule: str = AUTO_SCHEDULES[0]
+    #: how `predict` found them: "simulated", or "bulk-synchronous" where it sums the step
+    #: (beyond the ranks whose steps `auto` simulates); None where it was not asked
+    step_model: str | None = None
 
     @property
     def key(self) -> tuple:
@@ -89,6 +92,7 @@ class PipelineChoice:
             "schedule": self.schedule,
             "estimate_seconds": self.estimate,
             "predicted_seconds": self.predicted,
+            "step_model": self.step_model,
         }
 
 
@@ -182,7 +186,10 @@ def choose_pipeline(
         predicted = [predict(candidate, step) for candidate, step in trying]
     else:
         predicted = predict_each(trying)
-    tried = [replace(c, predicted=p) for (c, _), p in zip(trying, predicted, strict=True)]
+    tried = [
+        replace(c, predicted=p, step_model="simulated" if simulates(step) else "bulk-synchronous")
+        for (c, step), p in zip(trying, predicted, strict=True)
+    ]
     best = min(tried, key=lambda c: (c.predicted, c.stages))
     return PipelineSearch(best, tried + estimates[TOP:])
 

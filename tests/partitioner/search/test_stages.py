@@ -37,6 +37,7 @@ from partitioner.resolve import resolve_stages, strategy_chooser
 from partitioner.search.stages import AUTO_SCHEDULES, AUTO_STAGES, _crossing_bytes, stage_counts
 from partitioner.strategy import builtin
 from runtime.distributed import RunOptions, train_rank
+from runtime.step import prediction
 from runtime.step.model import StepModel
 from runtime.transport import run_threads
 from tests.fresh_process import in_fresh_process
@@ -237,6 +238,26 @@ def test_partition_reports_the_chosen_pipelines_prediction(tmp_path):
     assert report["micro_batches"] == best["micro_batches"]
     assert report["schedule"] == best["schedule"]
     assert report["stages"][1]["layers"][0] == best["cuts"][0]
+    # each candidate tried says how it was predicted: on 2 ranks, simulated
+    assert {r["step_model"] for r in rows} == {"simulated"}
+
+
+def test_candidates_compared_by_their_sums_say_so(tmp_path, capsys, monkeypatch):
+    """Where `auto` compares steps by their sums (beyond `OBJECTIVE_SIMULATE_MAX_RANKS`, here
+    made 1), each candidate tried is reported as summed, in the JSON and the table, while the
+    step reported of the one chosen is simulated."""
+    monkeypatch.setattr(prediction, "OBJECTIVE_SIMULATE_MAX_RANKS", 1)
+    machine = tmp_path / "slow.json"
+    machine.write_text(json.dumps(SLOW.to_json()))
+    out = tmp_path / "p.json"
+    argv = ["partition", "deep-mlp", "--ranks", "2", "--batch", "16", "--stages", "auto",
+            "--strategy", "data", "--machine", str(machine), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    rows = [r for r in report["pipeline_search"] if r["predicted_seconds"] is not None]
+    assert rows and {r["step_model"] for r in rows} == {"bulk-synchronous"}
+    assert report["step_model"] == "simulated"
+    assert "s predicted, summed" in capsys.readouterr().out
 
 
 def test_train_with_stages_auto_runs_the_chosen_pipeline_equal_to_one_process():
