@@ -18,11 +18,21 @@ from runtime.step.compiled import flat_part, flatten, merged
 from runtime.step.links import Links
 from runtime.step.loop import ADD, COMPUTE, POST, START, WAIT
 from runtime.step.model import StepModel
-from runtime.step.prediction import predict_step, priced, run_flat, simulate_compiled
+from runtime.step.prediction import (
+    MESSAGE_WORK,
+    predict_step,
+    priced,
+    run_flat,
+    simulate_compiled,
+)
 from runtime.step.programs import build_programs, ranks_all_differ
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.shared_programs import SharedPrograms
-from runtime.step.simulated_in_shares import simulate_in_shares, simulated_and_placed_in_shares
+from runtime.step.simulated_in_shares import (
+    balanced_shares,
+    simulate_in_shares,
+    simulated_and_placed_in_shares,
+)
 from tests.paths import FIXTURES
 from tests.runtime.step.test_compiled import MACHINES
 
@@ -137,3 +147,21 @@ def test_a_report_whose_ranks_all_differ_is_built_placed_and_simulated_in_shares
     assert len(placed) == 3
     assert sorted(r for share in placed for r in share.peaks) == list(range(plan.nranks))
     _same_step(step, predict_step(graph, plan, MACHINE, simulate=simulate_compiled))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids())
+def test_shares_cover_the_ranks_in_order_each_about_an_equal_part_of_the_work(case):
+    """Contiguous shares of the ranks, in order, none past an equal part of the work (a rank's
+    tasks and its ends of the messages) by more than one rank's."""
+    graph, plan = _plan(*case)
+    work = np.full(plan.nranks, float(len(graph.tasks)))
+    for task_plan in plan.tasks:
+        for transfer in task_plan.transfers:
+            work[transfer.src] += MESSAGE_WORK / 2 * len(transfer.dsts)
+            work[list(transfer.dsts)] += MESSAGE_WORK / 2
+    for count in (2, 3):
+        shares = balanced_shares(graph, plan, count)
+        assert np.array_equal(np.concatenate(shares), np.arange(plan.nranks))
+        assert all(len(share) for share in shares) and len(shares) <= count
+        for share in shares:
+            assert work[share].sum() <= work.sum() / count + work.max() + 1e-9
