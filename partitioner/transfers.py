@@ -12,7 +12,7 @@ made anew from transfers (`TransferSet.from_transfers`), and every reader sees t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,9 +83,15 @@ class TransferSet:
                         b.tensor, rect, src, tuple(dsts[ptr[i] : ptr[i + 1]]), nbytes, b.reduce
                     )
                 )
-        major = np.concatenate([b.major for b in blocks])
-        minor = np.concatenate([b.minor for b in blocks])
-        return [made[i] for i in np.lexsort((minor, major)).tolist()]
+        return [made[i] for i in _order(blocks).tolist()]
+
+    def in_order(self, per_block: Sequence[np.ndarray]) -> np.ndarray:
+        """Values given per transfer of each non-empty block (in `blocks`' order), as one array
+        in the order of `transfers`."""
+        blocks = [b for b in self.blocks if len(b)]
+        if not blocks:
+            return np.zeros(0, np.int64)
+        return np.concatenate(per_block)[_order(blocks)]
 
     @classmethod
     def from_transfers(cls, transfers: Iterable[Transfer]) -> TransferSet:
@@ -115,6 +121,13 @@ class TransferSet:
                 )
             )
         return cls(tuple(blocks))
+
+
+def _order(blocks: Sequence[TransferBlock]) -> np.ndarray:
+    """The transfers of `blocks` (concatenated) in the task's order."""
+    major = np.concatenate([b.major for b in blocks])
+    minor = np.concatenate([b.minor for b in blocks])
+    return np.lexsort((minor, major))
 
 
 def _transfer(

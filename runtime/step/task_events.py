@@ -6,7 +6,6 @@ record, `Plan.written_by`), and the collectives with their schedules.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,13 +13,13 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
-from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.collectives import schedule, target_order
 from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.pieces import Piece, PieceSet
 from partitioner.plan import Plan
+from partitioner.transfers import TransferSet
 from runtime.step.order import step_order
 from runtime.step.rank_program import STEP_START, Builder, Collective, Message, RankProgram
 
@@ -90,7 +89,8 @@ def each_task_event(
     for position, (index, task, task_plan) in enumerate(indexed):
         mine = PiecesByRank(task_plan.piece_sets, built)
         messages = []
-        for transfer in task_plan.transfers:
+        written = _written_positions(task_plan.transfer_set, last_writes, graph)
+        for k, transfer in enumerate(task_plan.transfers):
             if transfer.src not in built and not any(d in built for d in transfer.dsts):
                 seq += len(transfer.dsts)  # numbered alike on every rank, built here or not
                 continue
@@ -100,7 +100,7 @@ def each_task_event(
                 # a sharded home's part, fetched just before its reader and dropped after it
                 post_after = max(position - 1, STEP_START)
             else:
-                post_after = last_writes.position(transfer.tensor, transfer.rect)
+                post_after = int(written[k])
             for dst in transfer.dsts:
                 messages.append(
                     Message(
@@ -141,6 +141,23 @@ def each_task_event(
             collectives,
             seq,
         )
+
+
+def _written_positions(
+    transfer_set: TransferSet, last_writes: _LastWrites, graph: TaskGraph
+) -> np.ndarray:
+    """Per transfer of a task (in the order of `TransferSet.transfers`), the position of the
+    task that last wrote some part of its rect (`_LastWrites.positions`), found a block of one
+    tensor at once; STEP_START for a partial sum's and a resident tensor's, posted otherwise."""
+    return transfer_set.in_order(
+        [
+            np.full(len(b), STEP_START, np.int64)
+            if b.reduce or graph.tensors[b.tensor].resident
+            else last_writes.positions(b.tensor, b.lo, b.hi)
+            for b in transfer_set.blocks
+            if len(b)
+        ]
+    )
 
 
 class PiecesByRank:
@@ -280,22 +297,29 @@ class _LastWrites:
         self._written[tensor] = (layout, writers)
         self._grids.pop(tensor, None)
 
-    def position(self, tensor: str, rect: Rect) -> int:
-        """The position of the task in view that last wrote some part of `rect` of `tensor`:
-        the latest over the cells it overlaps (each cut interval it meets in every dim)."""
+    def positions(self, tensor: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Per rect (`lo[i]`, `hi[i]`) of `tensor`, the position of the task in view that last
+        wrote some part of it: the latest over the layout's cells it overlaps (each cut
+        interval it meets in every dim), STEP_START for an empty rect or a tensor not written
+        yet. A rect within one cell in every dim (a halo, a part of a neighbour's block) is
+        read off the grid with the others at once, any other by its slab's max."""
+        out = np.full(len(lo), STEP_START, np.int64)
         written = self._written.get(tensor)
-        if written is None:
-            return STEP_START
+        if written is None or not len(lo):
+            return out
         layout, writers = written
         grid = self._grids.get(tensor)
         if grid is None:
             grid = self._position[writers].reshape(boxes.grid_shape(layout.cut_arrays))
             self._grids[tensor] = grid
-        where = []
-        for cuts, lo, hi in zip(layout.cuts, rect.lo, rect.hi):
-            first = max(bisect_right(cuts, lo) - 1, 0)
-            last = min(bisect_left(cuts, hi), len(cuts) - 1)
-            if first >= last or lo >= hi:
-                return STEP_START
-            where.append(slice(first, last))
-        return int(grid[tuple(where)].max())
+        first = np.empty(lo.shape, np.int64)
+        last = np.empty(lo.shape, np.int64)
+        for d, cuts in enumerate(layout.cut_arrays):
+            first[:, d] = np.maximum(np.searchsorted(cuts, lo[:, d], side="right") - 1, 0)
+            last[:, d] = np.minimum(np.searchsorted(cuts, hi[:, d], side="left"), len(cuts) - 1)
+        empty = ((first >= last) | (lo >= hi)).any(axis=1)
+        single = ~empty & ((last - first) == 1).all(axis=1)
+        out[single] = grid[tuple(first[single].T)]
+        for i in np.flatnonzero(~empty & ~single).tolist():
+            out[i] = grid[tuple(slice(a, b) for a, b in zip(first[i], last[i]))].max()
+        return out
