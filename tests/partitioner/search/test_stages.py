@@ -223,7 +223,9 @@ def test_one_rank_has_no_stages_to_choose():
     assert search.chosen.stages == 1 and schedule_of(step) == (2, "1f1b")
 
 
-def test_partition_reports_the_chosen_pipelines_prediction(tmp_path):
+def _stages_auto_report(tmp_path) -> tuple[dict, list[dict]]:
+    """`partition deep-mlp --stages auto` on 2 ranks of the slow machine: the report and its
+    candidates that were predicted."""
     machine = tmp_path / "slow.json"
     machine.write_text(json.dumps(SLOW.to_json()))
     out = tmp_path / "p.json"
@@ -231,7 +233,11 @@ def test_partition_reports_the_chosen_pipelines_prediction(tmp_path):
             "--strategy", "data", "--machine", str(machine), "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    rows = [r for r in report["pipeline_search"] if r["predicted_seconds"] is not None]
+    return report, [r for r in report["pipeline_search"] if r["predicted_seconds"] is not None]
+
+
+def test_partition_reports_the_chosen_pipelines_prediction(tmp_path):
+    report, rows = _stages_auto_report(tmp_path)
     best = min(rows, key=lambda r: r["predicted_seconds"])
     assert report["predicted_step_seconds"] == best["predicted_seconds"]
     assert len(report["stages"]) == best["stages"] == 2
@@ -247,14 +253,7 @@ def test_candidates_compared_by_their_sums_say_so(tmp_path, capsys, monkeypatch)
     made 1), each candidate tried is reported as summed, in the JSON and the table, while the
     step reported of the one chosen is simulated."""
     monkeypatch.setattr(prediction, "OBJECTIVE_SIMULATE_MAX_RANKS", 1)
-    machine = tmp_path / "slow.json"
-    machine.write_text(json.dumps(SLOW.to_json()))
-    out = tmp_path / "p.json"
-    argv = ["partition", "deep-mlp", "--ranks", "2", "--batch", "16", "--stages", "auto",
-            "--strategy", "data", "--machine", str(machine), "--json", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    report = json.loads(out.read_text())
-    rows = [r for r in report["pipeline_search"] if r["predicted_seconds"] is not None]
+    report, rows = _stages_auto_report(tmp_path)
     assert rows and {r["step_model"] for r in rows} == {"bulk-synchronous"}
     assert report["step_model"] == "simulated"
     assert "s predicted, summed" in capsys.readouterr().out
