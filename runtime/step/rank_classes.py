@@ -51,6 +51,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
@@ -277,7 +279,11 @@ def _message_rows(
     source and the destination, the rect relative to the rank's frame, the bytes, when it is
     posted and whether it is a partial sum); each message also kept in `messages` for each end
     it has among the ranks told, in the order told."""
-    ends = np.array([(m.src, m.dst) for m in told], np.int64).reshape(-1)
+    count = len(told)
+    # src, dst, nbytes, post_after, reduce of every message, read in one pass
+    facts = np.fromiter(chain.from_iterable(map(_FACTS, told)), np.int64, 5 * count)
+    facts = facts.reshape(count, 5)
+    ends = facts[:, :2].reshape(-1)
     end_slots = told_slots(ends, slot_of)
     kept = np.flatnonzero(end_slots >= 0)
     for at in kept.tolist():
@@ -291,24 +297,33 @@ def _message_rows(
     place = np.empty(len(kept), np.int64)
     place[order] = boxes.places_in_runs(starts, len(kept))
     index = kept // 2
+    rank = ends[kept]
+    names = [m.tensor for m in told]
+    ids = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    tensor_of = np.fromiter((ids[name] for name in names), np.int64, count)[index]
     out = []
-    by_tensor: dict[str, list[int]] = defaultdict(list)
-    for k, i in enumerate(index.tolist()):
-        by_tensor[told[i].tensor].append(k)
-    for tensor, picked in by_tensor.items():
-        picked = np.asarray(picked, np.int64)
-        mine = [told[i] for i in index[picked].tolist()]
-        lo = np.array([m.rect.lo for m in mine], np.int64)
-        hi = np.array([m.rect.hi for m in mine], np.int64)
+    for tensor, i in ids.items():
+        picked = np.flatnonzero(tensor_of == i)
+        if not len(picked):
+            continue
+        mine = index[picked]
+        rects = [told[j].rect for j in mine.tolist()]
+        ndim = len(rects[0].lo)
+        lo = np.fromiter(chain.from_iterable(r.lo for r in rects), np.int64, ndim * len(rects))
+        hi = np.fromiter(chain.from_iterable(r.hi for r in rects), np.int64, ndim * len(rects))
         slots = end_slots[picked]
-        relative = frames.relative_rows(tensor, slots, lo, hi)
-        src = np.array([m.src for m in mine], np.int64)
-        dst = np.array([m.dst for m in mine], np.int64)
-        rank = ends[kept[picked]]
-        facts = np.array([(m.nbytes, m.post_after, m.reduce) for m in mine], np.int64)
-        rows = np.column_stack((place[picked], src == rank, dst == rank, relative, facts))
+        relative = frames.relative_rows(tensor, slots, lo.reshape(-1, ndim), hi.reshape(-1, ndim))
+        src, dst = facts[mine, 0], facts[mine, 1]
+        rows = np.column_stack(
+            (place[picked], src == rank[picked], dst == rank[picked], relative, facts[mine, 2:])
+        )
         out.append((slots, rows.astype(np.int64)))
     return out
+
+
+#: a message's ends, bytes, post point and whether it is a partial sum, as `_message_rows`
+#: reads them
+_FACTS = itemgetter(3, 4, 5, 7, 8)
 
 
 def _collective_rows(
