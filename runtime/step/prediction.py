@@ -32,7 +32,7 @@ from runtime.step.simulated_step import SimulatedStep
 from runtime.step.simulator import simulate_step
 
 if TYPE_CHECKING:
-    from runtime.step.compiled import FlatStep
+    from runtime.step.flat_step import FlatStep
 
 
 def predict_step(
@@ -161,7 +161,7 @@ def load_the_loop(machine: Machine) -> None:
     """Load the compiled loop (`loop.run_step`) from Numba's cache, as `run_flat` will call it
     (about 0.3 s), by running it over no ranks: a process that waits for others can load it
     meanwhile."""
-    from runtime.step.compiled import merged
+    from runtime.step.flat_step import merged
 
     links = Links.of(machine, 1)
     run_flat(merged([], links), machine, links, {})

@@ -9,7 +9,7 @@ tasks each, about 13 s on one core of the 2-core VM, and prices and flattens the
 more. Every rank's program, its tasks' seconds, its passes and its instructions depend on the plan
 alone, so each share of the ranks is built, priced and flattened (`compiled.flat_part`) by a
 process of its own, forked (`foresight.Foresight`: nothing pickled or imported again), and the
-command merges the parts (`compiled.merged`) and runs the compiled loop over them: the same
+command merges the parts (`flat_step.merged`) and runs the compiled loop over them: the same
 instructions, so the same step, float for float, as flattening every rank in one process
 (`tests/runtime/step/test_simulated_in_shares.py`).
 
@@ -44,7 +44,7 @@ from runtime.step.rank_memory import PlacedRanks, placed_ranks
 from runtime.step.simulated_step import SimulatedStep
 
 if TYPE_CHECKING:
-    from runtime.step.compiled import FlatPart
+    from runtime.step.flat_step import FlatPart
 
 
 def simulate_in_shares(
@@ -70,7 +70,7 @@ def simulated_and_placed_in_shares(
 def _in_shares(
     graph: TaskGraph, plan: Plan, machine: Machine, workers: int, place: bool
 ) -> tuple[SimulatedStep, list[PlacedRanks] | None]:
-    from runtime.step.compiled import merged  # loads Numba: before the processes fork
+    from runtime.step.flat_step import merged  # loads Numba: before the processes fork
 
     nranks = plan.nranks
     table = np.asarray(compute_per_rank(graph, plan, machine), np.float64).reshape(

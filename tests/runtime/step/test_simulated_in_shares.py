@@ -14,7 +14,8 @@ from legion_nn.sources import load_source_graph
 from partitioner.cost import compute_per_rank
 from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
-from runtime.step.compiled import flat_part, flatten, merged
+from runtime.step.compiled import flat_part, flatten
+from runtime.step.flat_step import merged
 from runtime.step.links import Links
 from runtime.step.loop import ADD, COMPUTE, POST, START, WAIT
 from runtime.step.model import StepModel
