@@ -186,12 +186,23 @@ SIMULATE_EVERY_RANK_MAX_WORK = 400_000
 MESSAGE_WORK = 1 / 6
 
 
+def every_rank_work(graph: TaskGraph, plan: Plan) -> np.ndarray:
+    """Per rank, the work of building, pricing and flattening its own program, in (rank, task)
+    pairs: its tasks, and half a message's `MESSAGE_WORK` for each end of a message it is."""
+    n = plan.nranks
+    work = np.full(n, float(len(graph.tasks)))
+    for task_plan in plan.tasks:
+        for block in task_plan.transfer_set.blocks:
+            ends = np.bincount(block.src, weights=np.diff(block.dst_ptr), minlength=n)
+            ends += np.bincount(block.dsts, minlength=n)
+            work += MESSAGE_WORK / 2 * ends
+    return work
+
+
 def simulates_every_rank(graph: TaskGraph, plan: Plan) -> bool:
     """Whether the step of `plan` is simulated however many classes its ranks fall into: its
     every rank's program built, within `SIMULATE_EVERY_RANK_MAX_WORK`."""
-    messages = sum(len(b.dsts) for task in plan.tasks for b in task.transfer_set.blocks)
-    work = plan.nranks * len(graph.tasks) + MESSAGE_WORK * messages
-    return work <= SIMULATE_EVERY_RANK_MAX_WORK
+    return float(every_rank_work(graph, plan).sum()) <= SIMULATE_EVERY_RANK_MAX_WORK
 
 
 def step_report(

@@ -37,7 +37,7 @@ from partitioner.machine import Machine
 from partitioner.plan import Plan
 from runtime.step.foresight import shared_out
 from runtime.step.links import Links
-from runtime.step.prediction import MESSAGE_WORK, load_the_loop, priced, run_flat
+from runtime.step.prediction import every_rank_work, load_the_loop, priced, run_flat
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.rank_memory import PlacedRanks, placed_ranks
@@ -90,16 +90,11 @@ def _in_shares(
 
 
 def balanced_shares(graph: TaskGraph, plan: Plan, count: int) -> list[np.ndarray]:
-    """`count` contiguous ranges of the plan's ranks, in order, of about equal work: each rank's
-    tasks and its ends of the step's messages, each end half a message's `MESSAGE_WORK` (vgg19's
-    auto plan on 1024 ranks: ranks 512-1023, which hold the 14×14 grids' ends, built for 7.4 s
-    against 6.6 s for ranks 0-511 when the two halves were equal in ranks)."""
-    work = np.full(plan.nranks, float(len(graph.tasks)))
-    for task_plan in plan.tasks:
-        for block in task_plan.transfer_set.blocks:
-            np.add.at(work, block.src, MESSAGE_WORK / 2 * np.diff(block.dst_ptr))
-            np.add.at(work, block.dsts, MESSAGE_WORK / 2)
-    done = np.cumsum(work)
+    """`count` contiguous ranges of the plan's ranks, in order, of about equal work
+    (`prediction.every_rank_work`: vgg19's auto plan on 1024 ranks: ranks 512-1023, which hold
+    the 14×14 grids' ends, built for 7.4 s against 6.6 s for ranks 0-511 when the two halves
+    were equal in ranks)."""
+    done = np.cumsum(every_rank_work(graph, plan))
     cuts = np.searchsorted(done, done[-1] * np.arange(1, count) / count, side="right")
     return [share for share in np.split(np.arange(plan.nranks), cuts) if len(share)]
 
