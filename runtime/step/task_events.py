@@ -91,7 +91,8 @@ def each_task_event(
         messages = []
         written = _written_positions(task_plan.transfer_set, last_writes, graph)
         for k, transfer in enumerate(task_plan.transfers):
-            if transfer.src not in built and not any(d in built for d in transfer.dsts):
+            sending = transfer.src in built
+            if not sending and not any(d in built for d in transfer.dsts):
                 seq += len(transfer.dsts)  # numbered alike on every rank, built here or not
                 continue
             if transfer.reduce:
@@ -101,21 +102,24 @@ def each_task_event(
                 post_after = max(position - 1, STEP_START)
             else:
                 post_after = int(written[k])
-            for dst in transfer.dsts:
-                messages.append(
-                    Message(
-                        seq,
-                        transfer.tensor,
-                        transfer.rect,
-                        transfer.src,
-                        dst,
-                        transfer.nbytes,
-                        position,
-                        post_after,
-                        transfer.reduce,
+            # only the messages with an end here: a fan-out from another rank reaches most
+            # ranks elsewhere (a channel's slice sent to every rank of a model-parallel layer)
+            for offset, dst in enumerate(transfer.dsts):
+                if sending or dst in built:
+                    messages.append(
+                        Message(
+                            seq + offset,
+                            transfer.tensor,
+                            transfer.rect,
+                            transfer.src,
+                            dst,
+                            transfer.nbytes,
+                            position,
+                            post_after,
+                            transfer.reduce,
+                        )
                     )
-                )
-                seq += 1
+            seq += len(transfer.dsts)
         collectives = []
         for reduction in task_plan.reductions:
             order = target_order(reduction, machine)

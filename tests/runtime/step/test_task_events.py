@@ -1,0 +1,45 @@
+"""What the builders of some ranks are told (`runtime.step.task_events`): only the messages with
+an end among them, numbered as for every rank, and programs built from those equal to the same
+ranks' programs built among all."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from legion_nn.networks import load_network
+from partitioner.machine import Machine
+from partitioner.plan import build_plan
+from partitioner.strategy import builtin
+from runtime.step.task_events import build_each, task_events
+
+MACHINE = Machine(link_gbytes_per_s=0.5, latency_us=20.0)
+
+
+def test_ranks_built_apart_are_told_only_the_messages_with_an_end_among_them():
+    """A model-parallel step sends each rank's slice of a layer's output to every other rank:
+    ranks 2 and 5, built apart, are told each message with an end at either of them (and no
+    other), with the same sequence numbers as when every rank is built, and build the programs
+    they are built among all."""
+    graph = load_network("seed-lcn-small").lower(batch=8, optimizer="sgd")
+    plan = build_plan(graph, builtin(graph, "model", 8), 8)
+    everyone = list(range(8))
+    every_event, count = task_events(graph, plan, MACHINE, everyone)
+    some = [2, 5]
+    some_events, some_count = task_events(graph, plan, MACHINE, some)
+    assert some_count == count
+    fan_outs = 0
+    for full, apart in zip(every_event, some_events, strict=True):
+        ends = [m for m in full.messages if m.src in some or m.dst in some]
+        assert apart.messages == ends, full.task.name
+        fan_outs += sum(m.src not in some and m.dst not in some for m in full.messages)
+    assert fan_outs  # there were messages elsewhere to leave out
+    alone = build_each(graph, plan, some_events, some_count, some)
+    among_all = build_each(graph, plan, every_event, count, everyone)
+    for rank in some:  # each told its own collective objects: compared by sequence number
+        assert _by_seq(alone[rank].tasks) == _by_seq(among_all[rank].tasks)
+        assert alone[rank].post_at_start == among_all[rank].post_at_start
+        assert alone[rank].boxes == among_all[rank].boxes
+
+
+def _by_seq(tasks):
+    return [replace(rt, collectives=[c.seq for c in rt.collectives]) for rt in tasks]
