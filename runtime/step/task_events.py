@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -85,41 +86,14 @@ def each_task_event(
         for name, tensor in graph.tensors.items()
         if tensor.kind == "grad" and name.removesuffix(".grad") in plan.sharded
     }
+    in_built = np.zeros(plan.nranks, bool)
+    in_built[list(built)] = True
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         mine = PiecesByRank(task_plan.piece_sets, built)
-        messages = []
-        written = _written_positions(task_plan.transfer_set, last_writes, graph)
-        for k, transfer in enumerate(task_plan.transfers):
-            sending = transfer.src in built
-            if not sending and not any(d in built for d in transfer.dsts):
-                seq += len(transfer.dsts)  # numbered alike on every rank, built here or not
-                continue
-            if transfer.reduce:
-                post_after = position
-            elif graph.tensors[transfer.tensor].resident:
-                # a sharded home's part, fetched just before its reader and dropped after it
-                post_after = max(position - 1, STEP_START)
-            else:
-                post_after = int(written[k])
-            # only the messages with an end here: a fan-out from another rank reaches most
-            # ranks elsewhere (a channel's slice sent to every rank of a model-parallel layer)
-            for offset, dst in enumerate(transfer.dsts):
-                if sending or dst in built:
-                    messages.append(
-                        Message(
-                            seq + offset,
-                            transfer.tensor,
-                            transfer.rect,
-                            transfer.src,
-                            dst,
-                            transfer.nbytes,
-                            position,
-                            post_after,
-                            transfer.reduce,
-                        )
-                    )
-            seq += len(transfer.dsts)
+        messages, seq = _told_messages(
+            task_plan.transfer_set, in_built, position, last_writes, graph, seq
+        )
         collectives = []
         for reduction in task_plan.reductions:
             order = target_order(reduction, machine)
@@ -145,6 +119,63 @@ def each_task_event(
             collectives,
             seq,
         )
+
+
+def _told_messages(
+    transfer_set: TransferSet,
+    in_built: np.ndarray,
+    position: int,
+    last_writes: _LastWrites,
+    graph: TaskGraph,
+    seq: int,
+) -> tuple[list[Message], int]:
+    """The messages of the task at `position` with an end among the ranks built (`in_built`,
+    per rank), in sequence order, and the sequence number after all its messages: one per
+    destination of each transfer, numbered in the task's order of transfers (`TransferSet.
+    transfers`) alike on every rank, built or not. Read off the blocks' arrays: a fan-out from
+    another rank reaches most ranks elsewhere (a channel's slice sent to every rank of a
+    model-parallel layer), and no message or transfer object is made for those."""
+    blocks = [b for b in transfer_set.blocks if len(b)]
+    if not blocks:
+        return [], seq
+    offsets = np.cumsum([0] + [len(b) for b in blocks])
+    # each transfer (blocks concatenated) at its place in the task's order
+    order = transfer_set.in_order([np.arange(int(offsets[-1]))])
+    fanout = np.concatenate([np.diff(b.dst_ptr) for b in blocks])
+    first_in_order = seq + np.cumsum(fanout[order]) - fanout[order]
+    first = np.empty_like(first_in_order)
+    first[order] = first_in_order
+    written = np.empty(len(order), np.int64)
+    written[order] = _written_positions(transfer_set, last_writes, graph)
+    told: list[tuple[int, Message]] = []
+    for block, offset in zip(blocks, offsets[:-1].tolist()):
+        count = np.diff(block.dst_ptr)
+        transfer = np.repeat(np.arange(len(block)), count)
+        keep = in_built[block.src[transfer]] | in_built[block.dsts]
+        if not keep.any():
+            continue
+        pair = np.flatnonzero(keep)
+        transfer = transfer[pair]
+        seqs = first[offset + transfer] + pair - block.dst_ptr[transfer]
+        kept = np.unique(transfer)
+        rects = dict(zip(kept.tolist(), boxes.to_rects(block.lo[kept], block.hi[kept])))
+        if block.reduce:
+            posts = np.full(len(block), position, np.int64)
+        elif graph.tensors[block.tensor].resident:
+            # a sharded home's part, fetched just before its reader and dropped after it
+            posts = np.full(len(block), max(position - 1, STEP_START), np.int64)
+        else:
+            posts = written[offset : offset + len(block)]
+        src, nbytes = block.src.tolist(), block.nbytes.tolist()
+        posts = posts.tolist()
+        for number, t, dst in zip(seqs.tolist(), transfer.tolist(), block.dsts[pair].tolist()):
+            message = Message(
+                number, block.tensor, rects[t], src[t], dst, nbytes[t], position, posts[t],
+                block.reduce,
+            )  # fmt: skip
+            told.append((number, message))
+    told.sort(key=itemgetter(0))
+    return [message for _, message in told], seq + int(fanout.sum())
 
 
 def _written_positions(
