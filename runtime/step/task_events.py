@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from functools import partial
+from itertools import repeat
 
 import numpy as np
 
@@ -147,7 +148,8 @@ def _told_messages(
     first[order] = first_in_order
     written = np.empty(len(order), np.int64)
     written[order] = _written_positions(transfer_set, last_writes, graph)
-    told: list[tuple[int, Message]] = []
+    numbers: list[np.ndarray] = []
+    told: list[Message] = []
     for block, offset in zip(blocks, offsets[:-1].tolist()):
         count = np.diff(block.dst_ptr)
         transfer = np.repeat(np.arange(len(block)), count)
@@ -157,25 +159,38 @@ def _told_messages(
         pair = np.flatnonzero(keep)
         transfer = transfer[pair]
         seqs = first[offset + transfer] + pair - block.dst_ptr[transfer]
-        kept = np.unique(transfer)
-        rects = dict(zip(kept.tolist(), boxes.to_rects(block.lo[kept], block.hi[kept])))
+        kept, which = np.unique(transfer, return_inverse=True)
+        rects = np.empty(len(kept), object)
+        rects[:] = boxes.to_rects(block.lo[kept], block.hi[kept])
         if block.reduce:
-            posts = np.full(len(block), position, np.int64)
+            posts = np.full(len(pair), position, np.int64)
         elif graph.tensors[block.tensor].resident:
             # a sharded home's part, fetched just before its reader and dropped after it
-            posts = np.full(len(block), max(position - 1, STEP_START), np.int64)
+            posts = np.full(len(pair), max(position - 1, STEP_START), np.int64)
         else:
-            posts = written[offset : offset + len(block)]
-        src, nbytes = block.src.tolist(), block.nbytes.tolist()
-        posts = posts.tolist()
-        for number, t, dst in zip(seqs.tolist(), transfer.tolist(), block.dsts[pair].tolist()):
-            message = Message(
-                number, block.tensor, rects[t], src[t], dst, nbytes[t], position, posts[t],
-                block.reduce,
-            )  # fmt: skip
-            told.append((number, message))
-    told.sort(key=itemgetter(0))
-    return [message for _, message in told], seq + int(fanout.sum())
+            posts = written[offset + transfer]
+        columns = (
+            seqs.tolist(),
+            repeat(block.tensor),
+            rects[which.reshape(-1)].tolist(),
+            block.src[transfer].tolist(),
+            block.dsts[pair].tolist(),
+            block.nbytes[transfer].tolist(),
+            repeat(position),
+            posts.tolist(),
+            repeat(block.reduce),
+        )
+        told += map(_message, zip(*columns))  # no Python frame a message: some 10⁷ a plan
+        numbers.append(seqs)
+    if numbers:
+        seqs = np.concatenate(numbers)
+        if (seqs[1:] < seqs[:-1]).any():  # blocks' transfers interleave in the task's order
+            told = [told[i] for i in np.argsort(seqs).tolist()]
+    return told, seq + int(fanout.sum())
+
+
+#: a `Message` of its fields in order, made without its named tuple's `__new__`
+_message = partial(tuple.__new__, Message)
 
 
 def _written_positions(

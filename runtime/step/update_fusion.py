@@ -42,6 +42,9 @@ def fuse_into_gradients(graph: TaskGraph, program: RankProgram) -> None:
     for rt in program.tasks:
         for name in rt.tensors:
             touching.setdefault(name, []).append(rt.index)
+    #: per tensor, the consumers' positions of its messages posted, sorted (found when first
+    #: asked: a model-parallel rank of many posts 10⁴ messages, which each update scanned)
+    posted: dict[str, list[int]] | None = None
     for update in program.tasks:
         if update.task.op != "update" or len(update.pieces) != 1 or update.windows:
             continue
@@ -56,9 +59,13 @@ def fuse_into_gradients(graph: TaskGraph, program: RankProgram) -> None:
         written = next(r for r in producer.pieces[0].requirements if r.role == role)
         if written.write_rect != gradient.read_rect:
             continue
-        if _untouched_between(program, producer, update) and _read_only_by(
+        if not _untouched_between(program, producer, update) or not _read_only_by(
             graph, gradient.tensor, {producer.task.name, update.task.name}
         ):
+            continue
+        if posted is None:
+            posted = _posted_by_tensor(program)
+        if not _posted_within(posted, update, producer.index, update.index):
             producer.steps[role] = update.index
             update.fused_into = producer.index
             program.boxes.pop(gradient.tensor, None)
@@ -89,21 +96,41 @@ def _writer(
 
 def _untouched_between(program: RankProgram, producer: RankTask, update: RankTask) -> bool:
     """Whether nothing touches the update's tensors from the producer to the update: no task
-    between them, no collective of theirs, and no message of theirs posted then or consumed
-    then (a copy of the weights posted earlier, for a reader on another rank at the producer's
-    position, would send them stepped)."""
+    between them, no collective of theirs, and no message of theirs received, summed or
+    posted then (`_posted_within` asks of those posted earlier)."""
     names = {req.tensor for req in update.pieces[0].requirements}
     between = program.tasks[producer.index + 1 : update.index]
     if any(names & rt.tensors for rt in between) or update.collectives:
         return False
-    window = range(producer.index, update.index + 1)
     for rt in (producer, *between, update):
         moved = (*rt.copies_in, *rt.partial_in, *rt.partial_out, *rt.post)
         summed = {c.reduction.tensor for c in rt.collectives}
         if names & ({m.tensor for m in moved} | summed):
             return False
-    posted = (*program.post_at_start, *(m for rt in program.tasks for m in rt.post))
-    return not any(m.tensor in names and m.task in window for m in posted)
+    return True
+
+
+def _posted_by_tensor(program: RankProgram) -> dict[str, list[int]]:
+    """Per tensor, the positions of the tasks that consume the messages of it that `program`
+    posts, sorted."""
+    found: dict[str, list[int]] = {}
+    for m in (*program.post_at_start, *(m for rt in program.tasks for m in rt.post)):
+        found.setdefault(m.tensor, []).append(m.task)
+    for tasks in found.values():
+        tasks.sort()
+    return found
+
+
+def _posted_within(posted: dict[str, list[int]], update: RankTask, first: int, last: int) -> bool:
+    """Whether a message of the update's tensors that this rank posts is consumed from
+    position `first` to `last` (a copy of the weights posted earlier, for a reader on another
+    rank in between, would send them stepped)."""
+    for req in update.pieces[0].requirements:
+        tasks = posted.get(req.tensor, ())
+        at = bisect_left(tasks, first)
+        if at < len(tasks) and tasks[at] <= last:
+            return True
+    return False
 
 
 def _read_only_by(graph: TaskGraph, gradient: str, tasks: set[str]) -> bool:
