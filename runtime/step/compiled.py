@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -107,9 +108,7 @@ class _Part:
         return chunk
 
     def _messages(self, messages: Sequence[Message]) -> None:
-        kept = self.messages
-        for m in messages:
-            kept[m.seq] = m
+        self.messages.update(zip(map(_seq, messages), messages))
 
     def add(self, amount: float) -> None:
         if amount:  # adding zero leaves a clock as it is
@@ -125,7 +124,7 @@ class _Part:
     def post(self, messages: Sequence[Message]) -> None:
         if messages:
             self._messages(messages)
-            lo, hi = self._add_keys([m.seq for m in messages])
+            lo, hi = self._add_keys(list(map(_seq, messages)))
             self.ops.append((POST, lo, hi))
             self.posts += len(messages)
 
@@ -160,7 +159,7 @@ class _Part:
                 patches.append((len(self.ops) - 1, POST, messages))
 
         def wait(messages: Sequence[Message]) -> None:
-            self.wait([m.seq for m in messages])
+            self.wait(list(map(_seq, messages)))
             if messages:
                 patches.append((len(self.ops) - 1, WAIT, messages))
 
@@ -226,11 +225,11 @@ class _Part:
         )
         self.started += [joined[c.seq] for c in template.started]
         for at, code, what in template.patches:
-            mine = [own[m.seq] for m in what]
+            mine = list(map(own.__getitem__, map(_seq, what)))
             if code == POST:
                 self._messages(mine)
                 self.posts += len(mine)
-            ops[at] = (code, *self._add_keys([m.seq for m in mine]))
+            ops[at] = (code, *self._add_keys(list(map(_seq, mine))))
         self._flush_ops(ops)
         self.sends.append(np.asarray([own[m.seq].seq for m in template.sends], np.int64))
         self.waits += template.waits
@@ -294,7 +293,11 @@ def _own(
     own: Mapping[int, Message], lists: Sequence[Sequence[Message]]
 ) -> tuple[list[Message], ...]:
     """Each of `lists` of messages, each message the rank's own (`shared_programs.own_messages`)."""
-    return tuple([own[m.seq] for m in messages] for messages in lists)
+    return tuple(list(map(own.__getitem__, map(_seq, messages))) for messages in lists)
+
+
+#: a message's sequence number, read in C over many messages
+_seq = attrgetter("seq")
 
 
 def flatten(
