@@ -448,7 +448,11 @@ class Builder:
                 if c.sharded:
                     prompt.append(started)
                 started += 1
-            sending = {m.tensor for m in rt.post if m.src == self.rank} & pending.keys()
+            sending = (  # a model-parallel rank posts 10⁴ messages, most with nothing pending
+                {m.tensor for m in rt.post if m.src == self.rank} & pending.keys()
+                if pending
+                else ()
+            )
             rt.complete_after = _complete(pending, sending, ())
             prompt = [o for o in prompt if o not in rt.complete_after]
 
