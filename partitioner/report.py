@@ -148,6 +148,12 @@ def table(report: dict) -> str:
             f"the machine's links); {report['bulk_synchronous_seconds']:.5f} s as the rows' "
             "bulk-synchronous sum"
         )
+    elif report.get("step_model") == "bulk-synchronous":
+        lines.append(
+            f"step {report['predicted_step_seconds']:.5f} s, the rows' bulk-synchronous sum: "
+            "its ranks' programs are past the work a simulation builds (--simulate to "
+            "simulate it anyway)"
+        )
     for number, stage in enumerate(report.get("stages", [])):
         ranks = stage["ranks"]
         lines.append(

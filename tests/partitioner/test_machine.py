@@ -251,6 +251,30 @@ def test_partition_json_gives_the_simulated_step(tmp_path, capsys):
     assert not {"planning_seconds", "prediction_seconds"} & set(report)
 
 
+def test_partition_simulates_a_step_past_the_budget_when_asked(tmp_path, monkeypatch, capsys):
+    """Past the work a simulation builds (here made one pair, on more ranks than are always
+    placed, here made 4), a model-parallel step on 8 ranks is summed, and the table says so;
+    with `--simulate` it is simulated all the same: the step reported on 8 ranks by default."""
+    argv = ["partition", "seed-lcn-small", "--ranks", "8", "--strategy", "model", "--json"]
+    assert main([*argv, str(tmp_path / "default.json")]) == 0
+    default = json.loads((tmp_path / "default.json").read_text())
+    assert default["step_model"] == "simulated"
+    monkeypatch.setattr(step_model, "PLACED_MAX_RANKS", 4)
+    monkeypatch.setattr(step_model, "SIMULATE_MAX_WORK", 1)
+    monkeypatch.setattr(prediction, "SIMULATE_EVERY_RANK_MAX_WORK", 1)
+    capsys.readouterr()
+    assert main([*argv, str(tmp_path / "summed.json")]) == 0
+    summed = json.loads((tmp_path / "summed.json").read_text())
+    assert summed["step_model"] == "bulk-synchronous"
+    assert summed["predicted_step_seconds"] == summed["bulk_synchronous_seconds"]
+    assert "bulk-synchronous sum: its ranks' programs are past" in capsys.readouterr().out
+    assert main([*argv, str(tmp_path / "asked.json"), "--simulate"]) == 0
+    asked = json.loads((tmp_path / "asked.json").read_text())
+    assert asked["step_model"] == "simulated"
+    assert asked["predicted_step_seconds"] == default["predicted_step_seconds"]
+    assert asked["predicted_step_seconds"] != summed["predicted_step_seconds"]
+
+
 #: an unshaped veth's ping-pong between hosts, measured (`bench machine` on `cluster --link
 #: unlimited`): messages that stay in the cores' caches cross at twice the large ones' rate
 VETH = [(8, 7.1e-6), (1024, 1.28e-5), (65536, 3.62e-5), (1 << 20, 8.58e-4),
