@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+import pytest
+
 from legion_nn.networks import load_network
+from legion_nn.sources import load_source_graph
 from partitioner.machine import Machine
+from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from runtime.step.task_events import build_each, task_events
+from tests.paths import FIXTURES
 
 MACHINE = Machine(link_gbytes_per_s=0.5, latency_us=20.0)
 
@@ -43,3 +49,45 @@ def test_ranks_built_apart_are_told_only_the_messages_with_an_end_among_them():
 
 def _by_seq(tasks):
     return [replace(rt, collectives=[c.seq for c in rt.collectives]) for rt in tasks]
+
+
+#: (network, batch, strategy, ranks, stages): plans with halos, fan-outs, partial sums, sharded
+#: homes' parts and micro-batches in stages
+TOLD_CASES = [
+    ("seed-lcn-small", 8, "spatial", 8, 1),
+    ("seed-lcn-small", 8, "model", 6, 1),
+    (str(FIXTURES / "residual_small.json"), 8, "spatial", 6, 1),
+    ("deep-mlp", 16, "model", 8, 2),
+]
+
+
+@pytest.mark.parametrize("network, batch, strategy, ranks, stages", TOLD_CASES)
+def test_the_messages_told_are_every_ranks_with_an_end_among_those_built(
+    network, batch, strategy, ranks, stages
+):
+    """Whatever ranks are built, they are told the messages of the step with an end among
+    them, in order, numbered as when every rank is built, and the step's message count."""
+    graph = load_source_graph(network, batch, batch)
+    if stages > 1:
+        graph, _ = pipelined(graph, stages, 2 * stages)
+    plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
+    every_event, count = task_events(graph, plan, MACHINE, range(ranks))
+    seq = 0
+    for event in every_event:  # every rank built: one message per transfer and destination
+        transfers = plan.tasks[graph.tasks.index(event.task)].transfers
+        expected = [
+            (t.tensor, t.rect, t.src, dst, t.nbytes, event.position, t.reduce)
+            for t in transfers
+            for dst in t.dsts
+        ]
+        assert [(*m[1:7], m.reduce) for m in event.messages] == expected, event.task.name
+        assert [m.seq for m in event.messages] == list(range(seq, seq + len(expected)))
+        seq = event.next_seq
+    rng = np.random.default_rng(ranks)
+    for size in (1, ranks // 2, ranks - 1):
+        some = sorted(rng.choice(ranks, size, replace=False).tolist())
+        events, told_count = task_events(graph, plan, MACHINE, some)
+        assert told_count == count
+        for full, apart in zip(every_event, events, strict=True):
+            ends = [m for m in full.messages if m.src in some or m.dst in some]
+            assert apart.messages == ends, (some, full.task.name)
