@@ -205,6 +205,7 @@ def predict(network: str, batch: int, ranks: int, strategy: str, machine: Machin
         graph, plan_strategy, why, search = resolve_stages(
             graph, name, ranks, machine, SEARCH_SECONDS, schedule, None, None, homes, model.peak,
             model.step, model.step_lower_bound, model.step_is_sum,
+            compared=model.compared_steps,
         )  # fmt: skip
         pipeline = search.chosen.label
     else:

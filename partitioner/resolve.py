@@ -30,6 +30,7 @@ from partitioner.plan import Plan, build_plan
 from partitioner.search.auto import SearchResult, auto
 from partitioner.search.memory_fit import (
     STEP_WITHIN,
+    ComparedFn,
     Fitted,
     LowerFn,
     NoFit,
@@ -256,6 +257,7 @@ def resolve_stages(
     lower: LowerFn | None = None,
     sums: SumsFn | None = None,
     share: ShareFn | None = None,
+    compared: ComparedFn | None = None,
 ) -> tuple[TaskGraph, Strategy, list[dict] | None, PipelineSearch]:
     """`--stages auto`: the step of the unsplit `graph` in the stages, micro-batches
     (`micro_batches` where given), cuts and schedule (`schedule` where given) of least
@@ -264,7 +266,9 @@ def resolve_stages(
     `resolve_strategy` gives them; and the search. `share` works the candidates out on idle
     cores at once (the commands pass `StepModel.share_out`): each is planned and predicted
     alone, in one process, so the second core had stood idle (deep-mlp on 8 ranks: seven
-    candidates of 2-3 s each)."""
+    candidates of 2-3 s each). `compared` gives a candidate's plan's sum and its simulated
+    step where that is cheap on any number of ranks (the commands pass `runtime.step.model.
+    StepModel.compared_steps`); without it, `step`'s, simulated where `sums` says so."""
     if name not in BUILTIN and name != "auto":
         raise LegionNNError(
             f"--strategy {name} with --stages auto: a grids file fixes its grids' ranks, and "
@@ -276,25 +280,29 @@ def resolve_stages(
         families = ["data"] if batch_only(graph) else list(BUILTIN)
     resolved: dict[tuple, tuple[TaskGraph, Strategy, list[dict] | None]] = {}
 
-    def priced(candidate: TaskGraph) -> tuple[float, Strategy, list[dict] | None]:
-        """The candidate's predicted step, strategy and reasons, in whichever process."""
+    def priced(candidate: TaskGraph) -> tuple[tuple[float, float | None], Strategy, list | None]:
+        """The candidate's predicted steps (sum, simulated or None), strategy and reasons, in
+        whichever process."""
         strategy, why = resolve_strategy(
             candidate, name, nranks, machine, time_limit, note, param_homes, peak, step, lower,
             sums,
         )  # fmt: skip
         plan = build_plan(candidate, strategy, nranks)
         if peak is not None and peak(candidate, plan) > machine.memory_bytes:
-            return math.inf, strategy, why
+            return (math.inf, math.inf), strategy, why
+        if compared is not None:
+            return compared(candidate, plan), strategy, why
         if step is None:
-            return bulk_seconds(candidate, plan, machine), strategy, why
-        return step(candidate, plan, None), strategy, why
+            return (bulk_seconds(candidate, plan, machine), None), strategy, why
+        seconds = step(candidate, plan, None)
+        return (seconds, seconds if simulates(candidate) else None), strategy, why
 
-    def predict(shape: PipelineChoice, candidate: TaskGraph) -> float:
+    def predict(shape: PipelineChoice, candidate: TaskGraph) -> tuple[float, float | None]:
         seconds, strategy, why = priced(candidate)
         resolved[shape.key] = (candidate, strategy, why)
         return seconds
 
-    def predict_each(trying) -> list[float]:
+    def predict_each(trying) -> list[tuple[float, float | None]]:
         found = share({k: partial(priced, candidate) for k, (_, candidate) in enumerate(trying)})
         for (shape, candidate), (_, strategy, why) in zip(trying, found.values(), strict=True):
             resolved[shape.key] = (candidate, strategy, why)

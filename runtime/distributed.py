@@ -99,6 +99,7 @@ def _choose_stages(config: TrainConfig, executor: RankExecutor, options: RunOpti
             model.step,
             model.step_lower_bound,
             model.step_is_sum,
+            compared=model.compared_steps,
         )
         chosen = search.chosen
         return chosen.stages, chosen.micro_batches, chosen.cuts, chosen.schedule, strategy

@@ -165,6 +165,7 @@ def resolve_step(
             model.step_lower_bound,
             model.step_is_sum,
             model.share_out,
+            model.compared_steps,
         )
     chosen, why = resolve_strategy(
         graph, name, nranks, machine, time_limit, note, args.param_homes, model.peak, model.step,

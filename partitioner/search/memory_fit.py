@@ -49,6 +49,9 @@ LowerFn = Callable[[TaskGraph, Plan], float | None]
 #: whether `StepFn` gives a graph's plans on so many ranks their bulk-synchronous sums (plus a
 #: constant for the ranks) rather than their simulated steps
 SumsFn = Callable[[TaskGraph, int], bool]
+#: a plan's bulk-synchronous sum and its simulated step where that is found (None where only
+#: the sum is), each as `partition` reports it
+ComparedFn = Callable[[TaskGraph, Plan], tuple[float, float | None]]
 #: the plans whose predicted steps `least_step` compares: those whose bulk-synchronous seconds
 #: are within this factor of the least. The simulator overlaps messages with compute, which the
 #: sum cannot; where they overlap wholly a plan's step is the longer of the two, and the sum is

@@ -356,6 +356,24 @@ class StepModel:
             bulk_seconds = cost.bulk_seconds(graph, plan, self.machine)
         return bulk_seconds + loop
 
+    def compared_steps(self, graph: TaskGraph, plan: Plan) -> tuple[float, float | None]:
+        """A plan's bulk-synchronous sum and its simulated step, each with the machine's time
+        outside the tasks, as `--stages auto` compares its candidates
+        (`partitioner.resolve.resolve_stages`): simulated where `step` simulates it, or on more
+        ranks where its programs, one per class of ranks alike, are within `SIMULATE_MAX_WORK`
+        (a data-parallel step on any number of ranks: vgg19's 4 stages of it on 1024 ranks
+        in 3.5 s); else None (a plan whose ranks all differ, simulated in shares only for the
+        plan a command reports)."""
+        loop = self.machine.step_loop_seconds(plan.nranks)
+        summed = cost.bulk_seconds(graph, plan, self.machine) + loop
+        cheap = objective_simulates(graph, plan.nranks)
+        if cheap or self.programs(graph, plan, SIMULATE_MAX_WORK) is not None:
+            found = self.simulated(graph, plan)
+            if found is not None:
+                return summed, found.seconds + loop
+        self._keep(graph, plan)
+        return summed, None
+
     def step_is_sum(self, graph: TaskGraph, nranks: int) -> bool:
         """Whether `step` gives plans of `graph` on `nranks` ranks their bulk-synchronous sums
         (with the machine's time outside the tasks), which `auto`'s DP adds up exactly."""

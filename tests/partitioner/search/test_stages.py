@@ -37,6 +37,7 @@ from partitioner.resolve import resolve_stages, strategy_chooser
 from partitioner.search.stages import AUTO_SCHEDULES, AUTO_STAGES, _crossing_bytes, stage_counts
 from partitioner.strategy import builtin
 from runtime.distributed import RunOptions, train_rank
+from runtime.step import model as step_model
 from runtime.step import prediction
 from runtime.step.model import StepModel
 from runtime.transport import run_threads
@@ -250,13 +251,38 @@ def test_partition_reports_the_chosen_pipelines_prediction(tmp_path):
 
 def test_candidates_compared_by_their_sums_say_so(tmp_path, capsys, monkeypatch):
     """Where `auto` compares steps by their sums (beyond `OBJECTIVE_SIMULATE_MAX_RANKS`, here
-    made 1), each candidate tried is reported as summed, in the JSON and the table, while the
-    step reported of the one chosen is simulated."""
+    made 1) and a candidate's programs, one per class of ranks alike, are past
+    `SIMULATE_MAX_WORK` (here made 1 pair), each candidate tried is reported as summed, in the
+    JSON and the table, while the step reported of the one chosen is simulated."""
     monkeypatch.setattr(prediction, "OBJECTIVE_SIMULATE_MAX_RANKS", 1)
+    monkeypatch.setattr(step_model, "SIMULATE_MAX_WORK", 1)
     report, rows = _stages_auto_report(tmp_path)
     assert rows and {r["step_model"] for r in rows} == {"bulk-synchronous"}
     assert report["step_model"] == "simulated"
     assert "s predicted, summed" in capsys.readouterr().out
+
+
+def test_candidates_built_by_class_are_compared_simulated_on_any_number_of_ranks(
+    tmp_path, monkeypatch
+):
+    """Beyond `OBJECTIVE_SIMULATE_MAX_RANKS` (here made 1), candidates whose programs are
+    built one per class of ranks alike within `SIMULATE_MAX_WORK` (data parallelism in each
+    stage) are compared by their simulated steps, not by sums that count a pipeline's stages
+    one after another: each the step simulated where every step is, and the least chosen."""
+    _, everywhere = _stages_auto_report(tmp_path)
+    simulated = {_row_key(r): r["predicted_seconds"] for r in everywhere}
+    monkeypatch.setattr(prediction, "OBJECTIVE_SIMULATE_MAX_RANKS", 1)
+    (tmp_path / "beyond").mkdir()
+    report, rows = _stages_auto_report(tmp_path / "beyond")
+    assert {r["step_model"] for r in rows} == {"simulated"}
+    assert any(r["stages"] > 1 for r in rows)
+    for row in rows:  # one schedule each now: the sum-wise rule for trying a second
+        assert row["predicted_seconds"] == simulated[_row_key(row)]
+    assert report["predicted_step_seconds"] == min(r["predicted_seconds"] for r in rows)
+
+
+def _row_key(row: dict) -> tuple:
+    return row["stages"], row["micro_batches"], tuple(row["cuts"]), row["schedule"]
 
 
 def test_train_with_stages_auto_runs_the_chosen_pipeline_equal_to_one_process():
