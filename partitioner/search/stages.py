@@ -150,8 +150,8 @@ def choose_pipeline(
     each stage's layers split by one of `families` (see the module docstring), and every
     candidate. `simulates` says whether `predict` simulates a step graph on every plan
     `auto` could give it, rather than sum it: a sum tries one schedule. The candidates are
-    compared by their simulated steps where `predict` gives every one of them one, else by
-    their sums. `predict_each` predicts the candidates tried all at once, each as `predict`
+    compared by their simulated steps where `predict` gives every one of them one (each
+    pipeline then under every schedule), else by their sums. `predict_each` predicts the candidates tried all at once, each as `predict`
     would (default: one after another by `predict`)."""
     schedules = [schedule] if schedule is not None else list(AUTO_SCHEDULES)
     if schedule is None and not defers_weight_grads(graph):
@@ -177,24 +177,37 @@ def choose_pipeline(
             )
     estimates.sort(key=lambda c: c.estimate)
     unstaged = PipelineChoice(1, micro_batches or 1, (), 0.0, schedule=schedules[0])
+    shapes = (unstaged, *estimates[:TOP])
     trying: list[tuple[PipelineChoice, TaskGraph]] = []
-    for shape in (unstaged, *estimates[:TOP]):
+    for shape in shapes:
         for name in schedules if shape.stages > 1 else schedules[:1]:
-            candidate = replace(shape, schedule=name)
-            step = step_graph(
-                graph, candidate.stages, candidate.micro_batches, name, candidate.cuts
-            )
-            trying.append((candidate, step))
-            if not simulates(step):
+            trying.append(_under(graph, shape, name))
+            if not simulates(trying[-1][1]):
                 break
-    if predict_each is None:
-        predicted = [predict(candidate, step) for candidate, step in trying]
-    else:
-        predicted = predict_each(trying)
+
+    def predicted_of(some: Sequence[tuple[PipelineChoice, TaskGraph]]):
+        if predict_each is None:
+            return [predict(candidate, step) for candidate, step in some]
+        return predict_each(some)
+
+    predicted = predicted_of(trying)
     # compared by their simulated steps where every one has one, else all by their sums: a
     # pipeline's sum counts its stages one after another (vgg19's 4 stages of data parallelism
     # on 1024 ranks: 9.53 s summed, 3.39 s simulated)
     every = all(simulated is not None for _, simulated in predicted)
+    if every and len(schedules) > 1:  # simulated where `simulates` could not tell: each schedule
+        tried_keys = {c.key for c, _ in trying}
+        more = [
+            _under(graph, shape, name)
+            for shape in shapes
+            if shape.stages > 1
+            for name in schedules[1:]
+            if replace(shape, schedule=name).key not in tried_keys
+        ]
+        if more:
+            trying += more
+            predicted += predicted_of(more)
+            every = all(simulated is not None for _, simulated in predicted)
     model = "simulated" if every else "bulk-synchronous"
     tried = [
         replace(c, predicted=simulated if every else summed, step_model=model)
@@ -202,6 +215,15 @@ def choose_pipeline(
     ]
     best = min(tried, key=lambda c: (c.predicted, c.stages))
     return PipelineSearch(best, tried + estimates[TOP:])
+
+
+def _under(
+    graph: TaskGraph, shape: PipelineChoice, schedule: str
+) -> tuple[PipelineChoice, TaskGraph]:
+    """`shape` under `schedule`, and its step graph."""
+    candidate = replace(shape, schedule=schedule)
+    step = step_graph(graph, candidate.stages, candidate.micro_batches, schedule, candidate.cuts)
+    return candidate, step
 
 
 def _layer_seconds(
