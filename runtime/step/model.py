@@ -365,14 +365,15 @@ class StepModel:
         in 3.5 s); else None (a plan whose ranks all differ, simulated in shares only for the
         plan a command reports)."""
         loop = self.machine.step_loop_seconds(plan.nranks)
-        summed = cost.bulk_seconds(graph, plan, self.machine) + loop
-        cheap = objective_simulates(graph, plan.nranks)
-        if cheap or self.programs(graph, plan, SIMULATE_MAX_WORK) is not None:
+        summed = cost.bulk_seconds(graph, plan, self.machine)
+        if objective_simulates(graph, plan.nranks):  # `step`'s, found ahead where it was
+            return summed + loop, self.step(graph, plan, summed)
+        if self.programs(graph, plan, SIMULATE_MAX_WORK) is not None:
             found = self.simulated(graph, plan)
             if found is not None:
-                return summed, found.seconds + loop
+                return summed + loop, found.seconds + loop
         self._keep(graph, plan)
-        return summed, None
+        return summed + loop, None
 
     def step_is_sum(self, graph: TaskGraph, nranks: int) -> bool:
         """Whether `step` gives plans of `graph` on `nranks` ranks their bulk-synchronous sums
