@@ -268,7 +268,7 @@ def resolve_stages(
     alone, in one process, so the second core had stood idle (deep-mlp on 8 ranks: seven
     candidates of 2-3 s each). `compared` gives a candidate's plan's sum and its simulated
     step where that is cheap on any number of ranks (the commands pass `runtime.step.model.
-    StepModel.compared_steps`); without it, `step`'s, simulated where `sums` says so."""
+    StepModel.compared_steps`); without it, the candidates are compared by their sums."""
     if name not in BUILTIN and name != "auto":
         raise LegionNNError(
             f"--strategy {name} with --stages auto: a grids file fixes its grids' ranks, and "
@@ -290,12 +290,9 @@ def resolve_stages(
         plan = build_plan(candidate, strategy, nranks)
         if peak is not None and peak(candidate, plan) > machine.memory_bytes:
             return (math.inf, math.inf), strategy, why
-        if compared is not None:
-            return compared(candidate, plan), strategy, why
-        if step is None:
+        if compared is None:
             return (bulk_seconds(candidate, plan, machine), None), strategy, why
-        seconds = step(candidate, plan, None)
-        return (seconds, seconds if simulates(candidate) else None), strategy, why
+        return compared(candidate, plan), strategy, why
 
     def predict(shape: PipelineChoice, candidate: TaskGraph) -> tuple[float, float | None]:
         seconds, strategy, why = priced(candidate)

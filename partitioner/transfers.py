@@ -85,13 +85,11 @@ class TransferSet:
                 )
         return [made[i] for i in _order(blocks).tolist()]
 
-    def in_order(self, per_block: Sequence[np.ndarray]) -> np.ndarray:
-        """Values given per transfer of each non-empty block (in `blocks`' order), as one array
-        in the order of `transfers`."""
+    def order(self) -> np.ndarray:
+        """The transfers of the non-empty blocks, concatenated in `blocks`' order, as
+        `transfers` lists them: the index of each of its transfers among them."""
         blocks = [b for b in self.blocks if len(b)]
-        if not blocks:
-            return np.zeros(0, np.int64)
-        return np.concatenate(per_block)[_order(blocks)]
+        return _order(blocks) if blocks else np.zeros(0, np.int64)
 
     @classmethod
     def from_transfers(cls, transfers: Iterable[Transfer]) -> TransferSet:

@@ -151,8 +151,9 @@ def choose_pipeline(
     candidate. `simulates` says whether `predict` simulates a step graph on every plan
     `auto` could give it, rather than sum it: a sum tries one schedule. The candidates are
     compared by their simulated steps where `predict` gives every one of them one (each
-    pipeline then under every schedule), else by their sums. `predict_each` predicts the candidates tried all at once, each as `predict`
-    would (default: one after another by `predict`)."""
+    pipeline then under every schedule), else by their sums. `predict_each` predicts the
+    candidates tried all at once, each as `predict` would (default: one after another by
+    `predict`)."""
     schedules = [schedule] if schedule is not None else list(AUTO_SCHEDULES)
     if schedule is None and not defers_weight_grads(graph):
         schedules = schedules[:1]  # the same step under each

@@ -193,7 +193,7 @@ def every_rank_work(graph: TaskGraph, plan: Plan) -> np.ndarray:
     work = np.full(n, float(len(graph.tasks)))
     for task_plan in plan.tasks:
         for block in task_plan.transfer_set.blocks:
-            ends = np.bincount(block.src, weights=np.diff(block.dst_ptr), minlength=n)
+            ends = np.bincount(block.src, weights=block.fanout, minlength=n)
             ends += np.bincount(block.dsts, minlength=n)
             work += MESSAGE_WORK / 2 * ends
     return work

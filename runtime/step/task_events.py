@@ -135,23 +135,23 @@ def _told_messages(
     destination of each transfer, numbered in the task's order of transfers (`TransferSet.
     transfers`) alike on every rank, built or not. Read off the blocks' arrays: a fan-out from
     another rank reaches most ranks elsewhere (a channel's slice sent to every rank of a
-    model-parallel layer), and no message or transfer object is made for those."""
+    model-parallel layer), and no message or transfer object is made for those. A copy is
+    posted after the task that last wrote some part of its rect (`_LastWrites.positions`), a
+    partial sum after its own task, a resident tensor's part (a sharded home's, fetched just
+    before its reader and dropped after it) after the task before."""
     blocks = [b for b in transfer_set.blocks if len(b)]
     if not blocks:
         return [], seq
-    offsets = np.cumsum([0] + [len(b) for b in blocks])
-    # each transfer (blocks concatenated) at its place in the task's order
-    order = transfer_set.in_order([np.arange(int(offsets[-1]))])
-    fanout = np.concatenate([np.diff(b.dst_ptr) for b in blocks])
-    first_in_order = seq + np.cumsum(fanout[order]) - fanout[order]
-    first = np.empty_like(first_in_order)
-    first[order] = first_in_order
-    written = np.empty(len(order), np.int64)
-    written[order] = _written_positions(transfer_set, last_writes, graph)
+    fanouts = [b.fanout for b in blocks]
+    fanout = np.concatenate(fanouts)
+    order = transfer_set.order()
+    # each transfer's first sequence number, numbered in the task's order
+    first = np.empty_like(fanout)
+    first[order] = seq + np.cumsum(fanout[order]) - fanout[order]
+    offsets = np.cumsum([0] + [len(b) for b in blocks[:-1]]).tolist()
     numbers: list[np.ndarray] = []
     told: list[Message] = []
-    for block, offset in zip(blocks, offsets[:-1].tolist()):
-        count = np.diff(block.dst_ptr)
+    for block, count, offset in zip(blocks, fanouts, offsets):
         transfer = np.repeat(np.arange(len(block)), count)
         keep = in_built[block.src[transfer]] | in_built[block.dsts]
         if not keep.any():
@@ -160,19 +160,19 @@ def _told_messages(
         transfer = transfer[pair]
         seqs = first[offset + transfer] + pair - block.dst_ptr[transfer]
         kept, which = np.unique(transfer, return_inverse=True)
+        which = which.reshape(-1)
         rects = np.empty(len(kept), object)
         rects[:] = boxes.to_rects(block.lo[kept], block.hi[kept])
         if block.reduce:
             posts = np.full(len(pair), position, np.int64)
         elif graph.tensors[block.tensor].resident:
-            # a sharded home's part, fetched just before its reader and dropped after it
             posts = np.full(len(pair), max(position - 1, STEP_START), np.int64)
         else:
-            posts = written[offset + transfer]
+            posts = last_writes.positions(block.tensor, block.lo[kept], block.hi[kept])[which]
         columns = (
             seqs.tolist(),
             repeat(block.tensor),
-            rects[which.reshape(-1)].tolist(),
+            rects[which].tolist(),
             block.src[transfer].tolist(),
             block.dsts[pair].tolist(),
             block.nbytes[transfer].tolist(),
@@ -191,23 +191,6 @@ def _told_messages(
 
 #: a `Message` of its fields in order, made without its named tuple's `__new__`
 _message = partial(tuple.__new__, Message)
-
-
-def _written_positions(
-    transfer_set: TransferSet, last_writes: _LastWrites, graph: TaskGraph
-) -> np.ndarray:
-    """Per transfer of a task (in the order of `TransferSet.transfers`), the position of the
-    task that last wrote some part of its rect (`_LastWrites.positions`), found a block of one
-    tensor at once; STEP_START for a partial sum's and a resident tensor's, posted otherwise."""
-    return transfer_set.in_order(
-        [
-            np.full(len(b), STEP_START, np.int64)
-            if b.reduce or graph.tensors[b.tensor].resident
-            else last_writes.positions(b.tensor, b.lo, b.hi)
-            for b in transfer_set.blocks
-            if len(b)
-        ]
-    )
 
 
 class PiecesByRank:

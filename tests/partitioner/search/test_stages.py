@@ -134,11 +134,14 @@ def test_a_cut_is_charged_what_the_planner_sends_across_it():
 
 
 def _search(machine, nranks, strategy="data", micro_batches=None, schedule="1f1b", sums=None):
+    """`--stages auto` as the commands run it, or, with `sums`, comparing the candidates by
+    their sums where it says so (and then by nothing else)."""
     graph = mlp().lower(batch=16)
     model = StepModel(machine)
+    compared = model.compared_steps if sums is None else None
     return resolve_stages(
         graph, strategy, nranks, machine, 10.0, schedule, micro_batches, None, None,
-        model.peak, model.step, None, sums,
+        model.peak, model.step, None, sums, compared=compared,
     )  # fmt: skip
 
 
@@ -168,16 +171,16 @@ def _shared_search(folder) -> tuple:
 
     graph = mlp().lower(batch=16)
     model = StepModel(SLOW)
-    step = model.step
+    compared = model.compared_steps
 
-    def stepping(*args):
+    def comparing(*args):
         (folder / str(os.getpid())).touch()
-        return step(*args)
+        return compared(*args)
 
     with model.looking_ahead(workers=1):
         found = resolve_stages(
-            graph, "data", 2, SLOW, 10.0, None, None, None, None, model.peak, stepping, None,
-            None, model.share_out,
+            graph, "data", 2, SLOW, 10.0, None, None, None, None, model.peak, model.step, None,
+            None, model.share_out, comparing,
         )  # fmt: skip
     ran_in = {int(p.name) for p in folder.iterdir()}
     return found[1], found[3], len(ran_in), os.getpid() in ran_in
