@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import compress
 
 import numpy as np
 
@@ -41,7 +41,15 @@ from runtime.step.flat_step import FlatPart, FlatStep, merged
 from runtime.step.links import Links
 from runtime.step.local_passes import TaskPasses
 from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT
-from runtime.step.rank_program import Collective, Message, RankProgram
+from runtime.step.rank_program import (
+    Collective,
+    Message,
+    RankProgram,
+    dst_of,
+    nbytes_of,
+    seq_of,
+    src_of,
+)
 from runtime.step.shared_programs import built, own_collectives, own_messages, source
 
 
@@ -86,8 +94,8 @@ class _Part:
         self.amounts: list[float] = []
         self.keys: list[int] = []
         self.started: list[Collective] = []
-        #: the messages posted, by sequence number
-        self.messages: dict[int, Message] = {}
+        #: the messages posted (a message both of whose ends are among the ranks, twice)
+        self.posted: list[Message] = []
         self.sends: list[np.ndarray] = []
         self.waits = 0
         self.posts = 0
@@ -108,7 +116,7 @@ class _Part:
         return chunk
 
     def _messages(self, messages: Sequence[Message]) -> None:
-        self.messages.update(zip(map(_seq, messages), messages))
+        self.posted += messages
 
     def add(self, amount: float) -> None:
         if amount:  # adding zero leaves a clock as it is
@@ -124,7 +132,7 @@ class _Part:
     def post(self, messages: Sequence[Message]) -> None:
         if messages:
             self._messages(messages)
-            lo, hi = self._add_keys(list(map(_seq, messages)))
+            lo, hi = self._add_keys(list(map(seq_of, messages)))
             self.ops.append((POST, lo, hi))
             self.posts += len(messages)
 
@@ -159,7 +167,7 @@ class _Part:
                 patches.append((len(self.ops) - 1, POST, messages))
 
         def wait(messages: Sequence[Message]) -> None:
-            self.wait(list(map(_seq, messages)))
+            self.wait(list(map(seq_of, messages)))
             if messages:
                 patches.append((len(self.ops) - 1, WAIT, messages))
 
@@ -169,7 +177,7 @@ class _Part:
         self.add(passes.at_start * slow)
         self.ops.append((SYNC, 0, 0))
         post(at_start)
-        sends = [m for m in at_start if m.src == rank]
+        sends = _sent_by(rank, at_start)
         started = 0
         for position, rt in enumerate(program.tasks):
             moved = copies_in, partial_in, partial_out, posted = (
@@ -198,7 +206,7 @@ class _Part:
             post(posted)
             self.ops.append((PROGRESS, 0, 0))
             if partial_out or posted:
-                sends += [m for m in (*partial_out, *posted) if m.src == rank]
+                sends += _sent_by(rank, partial_out) + _sent_by(rank, posted)
         due = {o for rt in program.tasks for o in (*rt.complete_before, *rt.complete_after)}
         self.ops += [(COMPLETE, o, 0) for o in range(started) if o not in due]  # the rest, in order
         self.ops.append((WAIT, 0, 0))  # made by `merged`, once every collective is bound
@@ -225,11 +233,11 @@ class _Part:
         )
         self.started += [joined[c.seq] for c in template.started]
         for at, code, what in template.patches:
-            mine = list(map(own.__getitem__, map(_seq, what)))
+            mine = list(map(own.__getitem__, map(seq_of, what)))
             if code == POST:
                 self._messages(mine)
                 self.posts += len(mine)
-            ops[at] = (code, *self._add_keys(list(map(_seq, mine))))
+            ops[at] = (code, *self._add_keys(list(map(seq_of, mine))))
         self._flush_ops(ops)
         self.sends.append(np.asarray([own[m.seq].seq for m in template.sends], np.int64))
         self.waits += template.waits
@@ -255,7 +263,7 @@ class _Part:
                 if own is None:
                     templates[rank] = made
             op_ptr.append(self.op_count)
-        posted = list(self.messages.values())
+        posted, count = self.posted, len(self.posted)
         return FlatPart(
             list(ranks),
             np.concatenate(self.op_chunks) if self.op_chunks else np.zeros((0, 3), np.int64),
@@ -263,10 +271,10 @@ class _Part:
             np.asarray(self.amounts, np.float64),
             np.asarray(self.keys, np.int64),
             self.started,
-            np.fromiter((m.seq for m in posted), np.int64, len(posted)),
-            np.fromiter((m.src for m in posted), np.int64, len(posted)),
-            np.fromiter((m.dst for m in posted), np.int64, len(posted)),
-            np.fromiter((m.nbytes for m in posted), np.int64, len(posted)),
+            *(
+                np.fromiter(map(field, posted), np.int64, count)
+                for field in (seq_of, src_of, dst_of, nbytes_of)
+            ),
             self.sends,
             max((p.messages for p in built(self.programs)), default=0),
             self.posts,
@@ -293,11 +301,10 @@ def _own(
     own: Mapping[int, Message], lists: Sequence[Sequence[Message]]
 ) -> tuple[list[Message], ...]:
     """Each of `lists` of messages, each message the rank's own (`shared_programs.own_messages`)."""
-    return tuple(list(map(own.__getitem__, map(_seq, messages))) for messages in lists)
+    return tuple(list(map(own.__getitem__, map(seq_of, messages))) for messages in lists)
 
 
 #: a message's sequence number, read in C over many messages
-_seq = attrgetter("seq")
 
 
 def flatten(
@@ -311,3 +318,8 @@ def flatten(
     rank's own passes around its tasks (`local_passes`), each rank's CPU work taking
     `slowdown[rank]` times as long (`rank_cpu.cpu_slowdown`)."""
     return merged([flat_part(programs, compute, passes, slowdown)], links)
+
+
+def _sent_by(rank: int, messages: Sequence[Message]) -> list[Message]:
+    """Those of `messages` that `rank` sends, in order."""
+    return list(compress(messages, map(rank.__eq__, map(src_of, messages))))

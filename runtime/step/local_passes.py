@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from legion_nn.rect import Rect
 from partitioner.machine import Machine
 from runtime.instances import StorageOrder
 from runtime.step.buffers import Staging, staging
-from runtime.step.rank_program import Message, RankProgram
+from runtime.step.rank_program import Message, RankProgram, dst_of, nbytes_of, src_of
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,14 @@ def posting_seconds(
 ) -> float:
     """Seconds for `rank` to copy its sends among `messages` into send buffers (all but the
     `direct` ones, sent from their home) and to post its ends of them."""
-    packed = ends = 0
-    for m in messages:
-        if m.src == rank:
-            ends += 1
-            if m.seq not in direct:
-                packed += m.nbytes
-        elif m.dst == rank:
-            ends += 1
-    return packed * prices.copy + ends * prices.per_message
+    if not messages:
+        return 0.0
+    sending = list(map(rank.__eq__, map(src_of, messages)))  # in C: 10⁴ messages a task
+    ends = sending.count(True) + list(map(dst_of, messages)).count(rank)
+    sent = compress(messages, sending)
+    if direct:
+        sent = (m for m in sent if m.seq not in direct)
+    return sum(map(nbytes_of, sent)) * prices.copy + ends * prices.per_message
 
 
 def task_passes(
@@ -104,8 +104,8 @@ def task_passes(
     before, after_copies, after_compute, kept, after_partial = [], [], [], [], []
     for rt in program.tasks:
         before.append(post(rt.partial_in))
-        received = [m for m in rt.copies_in if m.seq not in direct]
-        seconds = sum(m.nbytes for m in received) * prices.copy
+        received = [m for m in rt.copies_in if m.seq not in direct] if direct else rt.copies_in
+        seconds = sum(map(nbytes_of, received)) * prices.copy
         zeroed = 0.0
         if staged is not None:
             for tensor, parts in rt.window_home.items():
@@ -121,7 +121,7 @@ def task_passes(
             kept.append(sum(nbytes(tensor, rects) for tensor, rects in parts) * prices.add)
         else:
             kept.append(0.0)
-        after_partial.append(sum(m.nbytes for m in rt.partial_in) * prices.add)
+        after_partial.append(sum(map(nbytes_of, rt.partial_in)) * prices.add)
     return TaskPasses(
         post(program.post_at_start), before, after_copies, after_compute, kept, after_partial
     )

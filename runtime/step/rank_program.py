@@ -44,6 +44,8 @@ from functools import cached_property
 from operator import attrgetter
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Requirement, Task
 from legion_nn.privilege import Privilege
@@ -92,6 +94,30 @@ class Collective:
         if not isinstance(self.rounds, Schedule):
             object.__setattr__(self, "rounds", Schedule.of_rounds(self.rounds))
 
+    def targets_meeting(self, rect: Rect) -> list[Rect]:
+        """The target rects that overlap `rect`, in order: those that `Rect.minus` cuts it by (a
+        sum scattered over 1024 ranks has 1024 targets, of which each rank's part meets few)."""
+        if len(self.targets) <= FEW_TARGETS:
+            return [target for target, _ in self.targets if target.overlap_volume(rect)]
+        lo, hi = self._target_corners
+        meets = ((np.minimum(hi, rect.hi) - np.maximum(lo, rect.lo)) > 0).all(axis=1)
+        return [self.targets[i][0] for i in np.flatnonzero(meets).tolist()]
+
+    @cached_property
+    def holders(self) -> frozenset[int]:
+        """The ranks that hold some target."""
+        return frozenset(rank for _, holders in self.targets for rank in holders)
+
+    @cached_property
+    def _target_corners(self) -> tuple[np.ndarray, np.ndarray]:
+        lo = np.array([target.lo for target, _ in self.targets], np.int64)
+        hi = np.array([target.hi for target, _ in self.targets], np.int64)
+        return lo, hi
+
+
+#: the most targets of a collective that `Collective.targets_meeting` compares one by one
+FEW_TARGETS = 16
+
 
 @dataclass(frozen=True)
 class PieceWork:
@@ -99,8 +125,30 @@ class PieceWork:
     requirements: tuple[Requirement, ...]
 
 
-#: a message's tensor, read in C over many messages
-_tensor_of = attrgetter("tensor")
+class MessagesTold:
+    """One rank's ends of one task's messages, grouped as its builder files them
+    (`Builder.messages`), each group in sequence order: the partial sums it sends and receives,
+    the copies it receives, the copies it sends or receives by the task after which both ends
+    post them, the bytes it sends, and per tensor a bounding box of the rects it receives
+    (what its buffer must hold: a copy into a window aside)."""
+
+    __slots__ = ("copies_in", "partial_in", "partial_out", "posted", "received", "sent_bytes")
+
+    def __init__(self) -> None:
+        self.partial_out: list[Message] = []
+        self.partial_in: list[Message] = []
+        self.copies_in: list[Message] = []
+        #: (the task after which they are posted, STEP_START: the step's start; the messages)
+        self.posted: list[tuple[int, list[Message]]] = []
+        self.sent_bytes = 0
+        #: (tensor, bounding box of rects received, whether they are partial sums)
+        self.received: list[tuple[str, Rect, bool]] = []
+
+
+#: a `Message`'s fields, read in C over many messages (a model-parallel rank is told 10⁴ a task)
+seq_of, tensor_of, src_of, dst_of, nbytes_of = map(
+    attrgetter, ("seq", "tensor", "src", "dst", "nbytes")
+)
 
 
 class _found_once:
@@ -172,7 +220,7 @@ class RankTask:
         """Every tensor the task touches: its pieces', messages', collectives' and parts'."""
         names = {req.tensor for piece in self.pieces for req in piece.requirements}
         for messages in (self.copies_in, self.partial_in, self.partial_out, self.post):
-            names.update(map(_tensor_of, messages))  # in C: a rank may post 10⁴ messages
+            names.update(map(tensor_of, messages))  # in C: a rank may post 10⁴ messages
         names.update(c.reduction.tensor for c in self.collectives)
         names.update(self.local_parts)
         names.update(tensor for tensor, _ in self.zero_first)
@@ -297,24 +345,21 @@ class Builder:
             current.window_home[tensor] = [p for p in parts if not p.is_empty()]
         self.current = current
 
-    def message(self, message: Message) -> None:
+    def messages(self, told: MessagesTold) -> None:
+        """This rank's ends of the task's messages, grouped (`MessagesTold`)."""
         current = self.current
-        into_window = not message.reduce and message.tensor in current.windows
-        if message.dst == self.rank and not into_window:  # a send reads what its source holds
-            self.touched[message.tensor].append(message.rect)
-        if message.src == self.rank:
-            self.bytes_planned += message.nbytes
-        if message.reduce:
-            (current.partial_out if message.src == self.rank else current.partial_in).append(
-                message
+        touched = self.touched
+        for tensor, box, reduce in told.received:
+            if reduce or tensor not in current.windows:  # a window is filled, not touched
+                touched[tensor].append(box)
+        self.bytes_planned += told.sent_bytes
+        current.partial_out += told.partial_out
+        current.partial_in += told.partial_in
+        current.copies_in += told.copies_in
+        for post_after, messages in told.posted:
+            (self.at_start if post_after == STEP_START else self.tasks[post_after].post).extend(
+                messages
             )
-            return
-        if message.dst == self.rank:
-            current.copies_in.append(message)
-        if message.post_after == STEP_START:
-            self.at_start.append(message)
-        else:
-            self.tasks[message.post_after].post.append(message)
 
     def collective(self, collective: Collective, sent: int) -> None:
         """`collective` starts at this task; this rank's hops of it send `sent` bytes."""
@@ -348,15 +393,14 @@ class Builder:
                 self.touched[tensor].extend(self.zeroed[tensor])
                 current.zero_first.extend((tensor, rect) for rect in self.zeroed[tensor])
         for tensor, rects in reduced.items():
-            collective_rects = [
-                rect
-                for c in current.collectives
-                if c.reduction.tensor == tensor
-                for rect, _ in c.targets
-            ]
+            summing = [c for c in current.collectives if c.reduction.tensor == tensor]
             sends = [m for m in current.partial_out if m.tensor == tensor]
             held = self.held(tensor)
-            if not collective_rects and not sends and all(r.covered_by(held) for r in rects):
+            if (
+                not any(c.targets for c in summing)
+                and not sends
+                and all(r.covered_by(held) for r in rects)
+            ):
                 self.touched[tensor].extend(rects)  # the kernel adds into the tensor itself
                 self._first_contribution(tensor, rects)
                 continue
@@ -367,7 +411,7 @@ class Builder:
                 for h in held:
                     part = rect.intersect(h)
                     if not part.is_empty():
-                        parts.extend(part.minus(collective_rects))
+                        parts.extend(part.minus(_meeting(summing, part)))
             current.local_parts[tensor] = parts
             self.touched[tensor].extend(parts)
             if self._reduces_in_place(tensor, rects):
@@ -375,12 +419,8 @@ class Builder:
                 self.touched[tensor].extend(rects)
                 self._first_contribution(tensor, rects)
         # what other ranks add here (partial sums, a collective's result) is a contribution too
-        landed = {m.tensor for m in current.partial_in}
-        landed |= {
-            c.reduction.tensor
-            for c in current.collectives
-            if any(self.rank in holders for _, holders in c.targets)
-        }
+        landed = set(map(tensor_of, current.partial_in))
+        landed.update(c.reduction.tensor for c in current.collectives if self.rank in c.holders)
         for tensor in set(reduced) | set(written) | landed:
             if current.task.op == "set_zero":
                 self.zeroed[tensor].extend(written.get(tensor, []))
@@ -471,6 +511,11 @@ class Builder:
         return RankProgram(
             self.rank, self.nranks, self.tasks, self.at_start, boxes, self.bytes_planned, messages
         )
+
+
+def _meeting(collectives: list[Collective], rect: Rect) -> list[Rect]:
+    """The collectives' target rects that overlap `rect`, in order."""
+    return [target for c in collectives for target in c.targets_meeting(rect)]
 
 
 def _complete(

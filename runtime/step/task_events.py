@@ -15,6 +15,7 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
+from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.collectives import schedule, target_order
 from partitioner.layout import Layout
@@ -23,7 +24,14 @@ from partitioner.pieces import Piece, PieceSet
 from partitioner.plan import Plan
 from partitioner.transfers import TransferSet
 from runtime.step.order import step_order
-from runtime.step.rank_program import STEP_START, Builder, Collective, Message, RankProgram
+from runtime.step.rank_program import (
+    STEP_START,
+    Builder,
+    Collective,
+    Message,
+    MessagesTold,
+    RankProgram,
+)
 
 
 @dataclass
@@ -40,6 +48,8 @@ class TaskEvents:
     mine: PiecesByRank
     #: the task's messages with an end among the ranks built, in sequence order
     messages: list[Message]
+    #: per rank built with an end of one of them, its ends grouped as its builder files them
+    told: ToldEnds
     #: the task's collectives, each with the bytes each participant's hops send
     collectives: list[tuple[Collective, dict[int, int]]]
     #: the sequence number after the task's messages and hops: the step's message count, after
@@ -92,7 +102,7 @@ def each_task_event(
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         mine = PiecesByRank(task_plan.piece_sets, built)
-        messages, seq = _told_messages(
+        messages, told, seq = _told_messages(
             task_plan.transfer_set, in_built, position, last_writes, graph, seq
         )
         collectives = []
@@ -117,6 +127,7 @@ def each_task_event(
             task_plan.deferred,
             mine,
             messages,
+            told,
             collectives,
             seq,
         )
@@ -129,19 +140,20 @@ def _told_messages(
     last_writes: _LastWrites,
     graph: TaskGraph,
     seq: int,
-) -> tuple[list[Message], int]:
+) -> tuple[list[Message], ToldEnds, int]:
     """The messages of the task at `position` with an end among the ranks built (`in_built`,
-    per rank), in sequence order, and the sequence number after all its messages: one per
-    destination of each transfer, numbered in the task's order of transfers (`TransferSet.
-    transfers`) alike on every rank, built or not. Read off the blocks' arrays: a fan-out from
-    another rank reaches most ranks elsewhere (a channel's slice sent to every rank of a
-    model-parallel layer), and no message or transfer object is made for those. A copy is
-    posted after the task that last wrote some part of its rect (`_LastWrites.positions`), a
-    partial sum after its own task, a resident tensor's part (a sharded home's, fetched just
-    before its reader and dropped after it) after the task before."""
+    per rank), in sequence order, their ends grouped per rank built (`ToldEnds`), and the
+    sequence number after all its messages: one per destination of each transfer, numbered in
+    the task's order of transfers (`TransferSet.transfers`) alike on every rank, built or not.
+    Read off the blocks' arrays: a fan-out from another rank reaches most ranks elsewhere (a
+    channel's slice sent to every rank of a model-parallel layer), and no message or transfer
+    object is made for those. A copy is posted after the task that last wrote some part of its
+    rect (`_LastWrites.positions`), a partial sum after its own task, a resident tensor's part
+    (a sharded home's, fetched just before its reader and dropped after it) after the task
+    before."""
     blocks = [b for b in transfer_set.blocks if len(b)]
     if not blocks:
-        return [], seq
+        return [], _NO_ENDS, seq
     fanouts = [b.fanout for b in blocks]
     fanout = np.concatenate(fanouts)
     order = transfer_set.order()
@@ -149,8 +161,9 @@ def _told_messages(
     first = np.empty_like(fanout)
     first[order] = seq + np.cumsum(fanout[order]) - fanout[order]
     offsets = np.cumsum([0] + [len(b) for b in blocks[:-1]]).tolist()
-    numbers: list[np.ndarray] = []
+    columns_of: list[tuple[np.ndarray, ...]] = []  # per block kept: seqs, src, dst, bytes, posts
     told: list[Message] = []
+    received: list[tuple[str, bool, np.ndarray, np.ndarray, np.ndarray]] = []
     for block, count, offset in zip(blocks, fanouts, offsets):
         transfer = np.repeat(np.arange(len(block)), count)
         keep = in_built[block.src[transfer]] | in_built[block.dsts]
@@ -169,24 +182,133 @@ def _told_messages(
             posts = np.full(len(pair), max(position - 1, STEP_START), np.int64)
         else:
             posts = last_writes.positions(block.tensor, block.lo[kept], block.hi[kept])[which]
+        src, dst, nbytes = block.src[transfer], block.dsts[pair], block.nbytes[transfer]
         columns = (
             seqs.tolist(),
             repeat(block.tensor),
             rects[which].tolist(),
-            block.src[transfer].tolist(),
-            block.dsts[pair].tolist(),
-            block.nbytes[transfer].tolist(),
+            src.tolist(),
+            dst.tolist(),
+            nbytes.tolist(),
             repeat(position),
             posts.tolist(),
             repeat(block.reduce),
         )
         told += map(_message, zip(*columns))  # no Python frame a message: some 10⁷ a plan
-        numbers.append(seqs)
-    if numbers:
-        seqs = np.concatenate(numbers)
-        if (seqs[1:] < seqs[:-1]).any():  # blocks' transfers interleave in the task's order
-            told = [told[i] for i in np.argsort(seqs).tolist()]
-    return told, seq + int(fanout.sum())
+        reduce = np.full(len(pair), block.reduce)
+        columns_of.append((seqs, src, dst, nbytes, posts, reduce))
+        into = in_built[dst]
+        if into.any():
+            received.append(
+                (block.tensor, block.reduce, dst[into], block.lo[transfer[into]],
+                 block.hi[transfer[into]])
+            )  # fmt: skip
+    if not columns_of:
+        return [], _NO_ENDS, seq + int(fanout.sum())
+    seqs, src, dst, nbytes, posts, reduce = map(np.concatenate, zip(*columns_of))
+    if (seqs[1:] < seqs[:-1]).any():  # blocks' transfers interleave in the task's order
+        in_order = np.argsort(seqs)
+        told = [told[i] for i in in_order.tolist()]
+        src, dst, nbytes, posts, reduce = (a[in_order] for a in (src, dst, nbytes, posts, reduce))
+    ends = ToldEnds((told, src, dst, nbytes, posts, reduce, in_built, received))
+    return told, ends, seq + int(fanout.sum())
+
+
+class ToldEnds:
+    """Each built rank's ends of a task's messages, grouped as its builder files them
+    (`rank_program.MessagesTold`), found for every rank at once from the messages' arrays when
+    first asked for (`by_rank`): a model-parallel rank is told 10⁴ messages a task."""
+
+    def __init__(self, arrays: tuple = ()) -> None:
+        #: `_grouped`'s arguments; none where no rank built has an end
+        self._arrays = arrays
+        self._by_rank: dict[int, MessagesTold] | None = None
+
+    def by_rank(self) -> dict[int, MessagesTold]:
+        """Per rank built with an end of one of the messages, its ends grouped."""
+        if self._by_rank is None:
+            self._by_rank = _grouped(*self._arrays) if self._arrays else {}
+            self._arrays = ()
+        return self._by_rank
+
+
+_NO_ENDS = ToldEnds()
+
+#: what a rank's builder files each of its ends of a message under (`_grouped`)
+_PARTIAL_OUT, _PARTIAL_IN, _COPY_IN, _POSTED = range(4)
+
+
+def _grouped(
+    told: list[Message],
+    src: np.ndarray,
+    dst: np.ndarray,
+    nbytes: np.ndarray,
+    posts: np.ndarray,
+    reduce: np.ndarray,
+    in_built: np.ndarray,
+    received: list[tuple[str, bool, np.ndarray, np.ndarray, np.ndarray]],
+) -> dict[int, MessagesTold]:
+    """`ToldEnds.by_rank`: each end's (rank, group, post point, message) sorted, and each run of
+    one rank's group (and post point) taken from the messages in that order at once."""
+    index = np.arange(len(told))
+    sends, gets = in_built[src], in_built[dst]
+    copies = ~reduce
+    chosen = (
+        (src, sends & reduce, _PARTIAL_OUT),
+        (dst, gets & reduce, _PARTIAL_IN),
+        (dst, gets & copies, _COPY_IN),
+        (src, sends & copies, _POSTED),  # both ends post a copy
+        (dst, gets & copies, _POSTED),
+    )
+    rank = np.concatenate([ends[picked] for ends, picked, _ in chosen])
+    group = np.concatenate([np.full(int(picked.sum()), g) for _, picked, g in chosen])
+    message = np.concatenate([index[picked] for _, picked, _ in chosen])
+    post = np.where(group == _POSTED, posts[message], 0)
+    order = np.lexsort((message, post, group, rank))
+    rank, group, post, message = rank[order], group[order], post[order], message[order]
+    starts = boxes.run_starts(
+        (rank[1:] != rank[:-1]) | (group[1:] != group[:-1]) | (post[1:] != post[:-1])
+    )
+    stops = boxes.run_ends(starts, len(rank))
+    ordered = list(map(told.__getitem__, message.tolist()))
+    out: dict[int, MessagesTold] = {}
+    runs = zip(rank[starts].tolist(), group[starts].tolist(), post[starts].tolist(),
+               starts.tolist(), stops.tolist())  # fmt: skip
+    for r, g, p, start, stop in runs:
+        found = out.get(r)
+        if found is None:
+            found = out[r] = MessagesTold()
+        run = ordered[start:stop]
+        if g == _POSTED:
+            found.posted.append((p, run))
+        elif g == _COPY_IN:
+            found.copies_in = run
+        elif g == _PARTIAL_IN:
+            found.partial_in = run
+        else:
+            found.partial_out = run
+    sent = np.zeros(len(in_built), np.int64)
+    np.add.at(sent, src[sends], nbytes[sends])
+    for r, found in out.items():
+        found.sent_bytes = int(sent[r])
+    for tensor, reduces, ends, lo, hi in received:
+        for r, box in _bounding_boxes(ends, lo, hi):
+            out[r].received.append((tensor, box, reduces))
+    return out
+
+
+def _bounding_boxes(ranks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, Rect]]:
+    """Per rank among `ranks`, the bounding box of the non-empty rects (`lo[i]`, `hi[i]`) of
+    `ranks[i]` (`Rect.bounding`), for ranks with one."""
+    full = boxes.nonempty(lo, hi)
+    ranks, lo, hi = ranks[full], lo[full], hi[full]
+    if not len(ranks):
+        return []
+    order = np.argsort(ranks, kind="stable")
+    ranks, lo, hi = ranks[order], lo[order], hi[order]
+    starts = boxes.run_starts(ranks[1:] != ranks[:-1])
+    made = boxes.to_rects(np.minimum.reduceat(lo, starts), np.maximum.reduceat(hi, starts))
+    return list(zip(ranks[starts].tolist(), made))
 
 
 #: a `Message` of its fields in order, made without its named tuple's `__new__`
@@ -299,10 +421,11 @@ def build_each(
     for event in events:
         for rank, builder in programs.items():
             builder.begin(event.position, event.task, event.mine.get(rank, ()))
-        for message in event.messages:
-            for builder in (programs.get(message.src), programs.get(message.dst)):
+        if event.messages:
+            for rank, told in event.told.by_rank().items():
+                builder = programs.get(rank)
                 if builder is not None:
-                    builder.message(message)
+                    builder.messages(told)
         for collective, sent in event.collectives:
             for rank in collective.reduction.participants:
                 if rank in programs:

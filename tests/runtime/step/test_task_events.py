@@ -15,6 +15,7 @@ from partitioner.machine import Machine
 from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
+from runtime.step.rank_program import STEP_START
 from runtime.step.task_events import build_each, task_events
 from tests.paths import FIXTURES
 
@@ -91,3 +92,55 @@ def test_the_messages_told_are_every_ranks_with_an_end_among_those_built(
         for full, apart in zip(every_event, events, strict=True):
             ends = [m for m in full.messages if m.src in some or m.dst in some]
             assert apart.messages == ends, (some, full.task.name)
+
+
+@pytest.mark.parametrize("network, batch, strategy, ranks, stages", TOLD_CASES)
+def test_each_rank_files_its_ends_of_each_message_as_the_builder_states(
+    network, batch, strategy, ranks, stages
+):
+    """The ends grouped per rank (`TaskEvents.told`) are each built rank's ends filed message by
+    message, in sequence order: the partial sums it sends and receives, the copies it receives,
+    every copy it is an end of under the task after which it is posted, the bytes it sends,
+    and a box per tensor holding every rect it receives; and each program's lists are those."""
+    graph = load_source_graph(network, batch, batch)
+    if stages > 1:
+        graph, _ = pipelined(graph, stages, 2 * stages)
+    plan = build_plan(graph, builtin(graph, strategy, ranks), ranks)
+    some = list(range(0, ranks, 2))
+    events, count = task_events(graph, plan, MACHINE, some)
+    programs = build_each(graph, plan, events, count, some)
+    posted = {rank: {} for rank in some}
+    for event in events:
+        told = event.told.by_rank()
+        for rank in some:
+            mine = [m for m in event.messages if rank in (m.src, m.dst)]
+            found = told.get(rank)
+            assert (found is None) == (not mine), (rank, event.task.name)
+            if found is None:
+                continue
+            assert found.partial_out == [m for m in mine if m.reduce and m.src == rank]
+            assert found.partial_in == [m for m in mine if m.reduce and m.dst == rank]
+            assert found.copies_in == [m for m in mine if not m.reduce and m.dst == rank]
+            copies = [m for m in mine if not m.reduce]
+            assert [m for _, run in found.posted for m in run] == sorted(
+                copies, key=lambda m: (m.post_after, m.seq)
+            )
+            assert all(m.post_after == at for at, run in found.posted for m in run)
+            assert found.sent_bytes == sum(m.nbytes for m in mine if m.src == rank)
+            for m in mine:
+                if m.dst == rank and not m.rect.is_empty():
+                    boxes = [box for t, box, _ in found.received if t == m.tensor]
+                    assert any(box.contains(m.rect) for box in boxes), (rank, m)
+            rt = programs[rank].tasks[event.position]
+            assert (rt.partial_out, rt.partial_in, rt.copies_in) == (
+                found.partial_out,
+                found.partial_in,
+                found.copies_in,
+            )
+            for m in copies:
+                posted[rank].setdefault(m.post_after, []).append(m)
+    for rank, program in programs.items():
+        by_point = {at: list(rt.post) for at, rt in enumerate(program.tasks) if rt.post}
+        if program.post_at_start:
+            by_point[STEP_START] = program.post_at_start
+        assert by_point == posted[rank], rank
