@@ -193,8 +193,8 @@ def test_no_import_cycle():
 
 def test_planning_a_step_that_is_only_summed_loads_no_numba(tmp_path):
     """`partition` of a plan whose ranks all differ, beyond the programs a simulation builds
-    one by one (vgg19's spatial plan on 2048 ranks: its uneven cuts tell every rank apart, and
-    2048 ranks' programs of 216 tasks are past `SIMULATE_EVERY_RANK_MAX_WORK`), sums the step
+    one by one (vgg19's spatial plan on 8192 ranks: its uneven cuts tell every rank apart, and
+    8192 ranks' programs of 216 tasks are past `SIMULATE_EVERY_RANK_MAX_WORK`), sums the step
     and counts the memory held: no kernel, no compiled loop, so Numba's import (a fifth of a
     second) is not paid."""
     import subprocess
@@ -203,7 +203,7 @@ def test_planning_a_step_that_is_only_summed_loads_no_numba(tmp_path):
     code = (
         "import sys\n"
         "from cli.main import main\n"
-        f"main(['partition', 'vgg19', '--ranks', '2048', '--strategy', 'spatial', '--json', "
+        f"main(['partition', 'vgg19', '--ranks', '8192', '--strategy', 'spatial', '--json', "
         f"{str(tmp_path / 'plan.json')!r}])\n"
         "assert 'numba' not in sys.modules, 'numba was imported'\n"
     )
