@@ -59,6 +59,21 @@ def nonempty(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return out
 
 
+def bounding_by_key(
+    keys: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per key among `keys` (ascending) that has a non-empty box, the bounding box of its
+    non-empty boxes (`keys[i]`'s box is `lo[i]`, `hi[i]`): `Rect.bounding` over arrays."""
+    full = nonempty(lo, hi)
+    keys, lo, hi = keys[full], lo[full], hi[full]
+    order = np.argsort(keys, kind="stable")
+    keys, lo, hi = keys[order], lo[order], hi[order]
+    if not len(keys):
+        return keys, lo, hi
+    starts = run_starts(keys[1:] != keys[:-1])
+    return keys[starts], np.minimum.reduceat(lo, starts), np.maximum.reduceat(hi, starts)
+
+
 def to_rect(lo: Sequence[int], hi: Sequence[int], empty: bool | None = None) -> Rect:
     """A Rect from one row of each array (ints, as `tolist` gives them): `Rect.made`;
     `empty`, where the caller knows whether it is.

@@ -15,7 +15,6 @@ import numpy as np
 
 from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
-from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.collectives import schedule, target_order
 from partitioner.layout import Layout
@@ -161,7 +160,9 @@ def _told_messages(
     first = np.empty_like(fanout)
     first[order] = seq + np.cumsum(fanout[order]) - fanout[order]
     offsets = np.cumsum([0] + [len(b) for b in blocks[:-1]]).tolist()
-    columns_of: list[tuple[np.ndarray, ...]] = []  # per block kept: seqs, src, dst, bytes, posts
+    #: per block with an end among the ranks built, its messages' seqs, ends, bytes, post
+    #: points and whether each is a partial sum
+    columns_of: list[tuple[np.ndarray, ...]] = []
     told: list[Message] = []
     received: list[tuple[str, bool, np.ndarray, np.ndarray, np.ndarray]] = []
     for block, count, offset in zip(blocks, fanouts, offsets):
@@ -292,23 +293,10 @@ def _grouped(
     for r, found in out.items():
         found.sent_bytes = int(sent[r])
     for tensor, reduces, ends, lo, hi in received:
-        for r, box in _bounding_boxes(ends, lo, hi):
+        ranks, lo, hi = boxes.bounding_by_key(ends, lo, hi)
+        for r, box in zip(ranks.tolist(), boxes.to_rects(lo, hi)):
             out[r].received.append((tensor, box, reduces))
     return out
-
-
-def _bounding_boxes(ranks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, Rect]]:
-    """Per rank among `ranks`, the bounding box of the non-empty rects (`lo[i]`, `hi[i]`) of
-    `ranks[i]` (`Rect.bounding`), for ranks with one."""
-    full = boxes.nonempty(lo, hi)
-    ranks, lo, hi = ranks[full], lo[full], hi[full]
-    if not len(ranks):
-        return []
-    order = np.argsort(ranks, kind="stable")
-    ranks, lo, hi = ranks[order], lo[order], hi[order]
-    starts = boxes.run_starts(ranks[1:] != ranks[:-1])
-    made = boxes.to_rects(np.minimum.reduceat(lo, starts), np.maximum.reduceat(hi, starts))
-    return list(zip(ranks[starts].tolist(), made))
 
 
 #: a `Message` of its fields in order, made without its named tuple's `__new__`

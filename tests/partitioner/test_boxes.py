@@ -64,3 +64,31 @@ def test_volumes_and_emptiness_agree_with_the_rows_extents(n):
         extents = np.maximum(hi - lo, 0)
         assert boxes.volumes(lo, hi).tolist() == [int(np.prod(row)) for row in extents]
         assert boxes.nonempty(lo, hi).tolist() == [bool((row > 0).all()) for row in hi - lo]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bounding_by_key_is_each_keys_bounding_rect(seed):
+    """Per key, the box `Rect.bounding` gives its rects (empty ones left out), for keys with a
+    non-empty rect, ascending; none for a key whose rects are all empty."""
+    from legion_nn.rect import Rect
+
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        n, ndim = int(rng.integers(0, 300)), int(rng.integers(1, 5))
+        keys = rng.integers(0, 9, n)
+        lo = rng.integers(-6, 6, (n, ndim))
+        hi = lo + rng.integers(-1, 5, (n, ndim))  # some empty
+        found, box_lo, box_hi = boxes.bounding_by_key(keys, lo, hi)
+        expected = {}
+        for key in sorted(set(keys.tolist())):
+            rects = [Rect(tuple(a), tuple(b)) for a, b, k in zip(lo.tolist(), hi.tolist(), keys)
+                     if k == key]  # fmt: skip
+            box = Rect.bounding(rects)
+            if box is not None:
+                expected[key] = (box.lo, box.hi)
+        got = {
+            k: (tuple(a), tuple(b))
+            for k, a, b in zip(found.tolist(), box_lo.tolist(), box_hi.tolist())
+        }
+        assert got == expected
+        assert found.tolist() == sorted(expected)
