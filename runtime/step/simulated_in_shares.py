@@ -77,11 +77,14 @@ def _in_shares(
         len(graph.tasks), nranks
     )
     slowdown = cpu_slowdown(machine, range(nranks), nranks)
-    shares = balanced_shares(graph, plan, min(workers + 1, nranks))
-    jobs = {
-        k: partial(_flattened, graph, plan, machine, table, slowdown, share.tolist(), place)
-        for k, share in enumerate(shares)
-    }
+    work = every_rank_work(graph, plan)
+    shares = balanced_shares(work, min(workers + 1, nranks))
+    jobs = {}
+    for k, share in enumerate(shares):
+        tell_apart = _tells_apart(graph, work, share)
+        jobs[k] = partial(
+            _flattened, graph, plan, machine, table, slowdown, share.tolist(), place, tell_apart
+        )
     # the loop loaded from Numba's cache while the other processes build their shares
     found = list(shared_out(jobs, workers, partial(load_the_loop, machine)).values())
     links = Links.of(machine, nranks)
@@ -89,14 +92,25 @@ def _in_shares(
     return step, [placed for _, placed in found] if place else None
 
 
-def balanced_shares(graph: TaskGraph, plan: Plan, count: int) -> list[np.ndarray]:
-    """`count` contiguous ranges of the plan's ranks, in order, of about equal work
-    (`prediction.every_rank_work`: vgg19's auto plan on 1024 ranks: ranks 512-1023, which hold
+def balanced_shares(work: np.ndarray, count: int) -> list[np.ndarray]:
+    """`count` contiguous ranges of a plan's ranks, in order, of about equal `work` (per rank,
+    `prediction.every_rank_work`: vgg19's auto plan on 1024 ranks: ranks 512-1023, which hold
     the 14×14 grids' ends, built for 7.4 s against 6.6 s for ranks 0-511 when the two halves
     were equal in ranks)."""
-    done = np.cumsum(every_rank_work(graph, plan))
+    done = np.cumsum(work)
     cuts = np.searchsorted(done, done[-1] * np.arange(1, count) / count, side="right")
-    return [share for share in np.split(np.arange(plan.nranks), cuts) if len(share)]
+    return [share for share in np.split(np.arange(len(work)), cuts) if len(share)]
+
+
+def _tells_apart(graph: TaskGraph, work: np.ndarray, share: np.ndarray) -> bool:
+    """Whether a share's ranks are told apart into classes alike before they are built
+    (`programs.build_programs`' `share`): not where their messages are most of their work
+    (`prediction.every_rank_work`). Telling ranks apart reads every end of every message, so
+    there it costs about what building does, and it pays only where the share's ranks fall into
+    far fewer classes than the whole plan's, which were too many to build (a model-parallel
+    layer's ranks each receive every slice but their own, and all differ: vgg19's model plan
+    on 1024 ranks spent 5.6 s of a share's 15 s build telling 683 ranks apart)."""
+    return float(work[share].sum()) <= 2.0 * len(graph.tasks) * len(share)
 
 
 def _flattened(
@@ -107,12 +121,14 @@ def _flattened(
     slowdown: dict[int, float],
     ranks: Sequence[int],
     place: bool,
+    tell_apart: bool,
 ) -> tuple[FlatPart, PlacedRanks | None]:
-    """The instructions of `ranks` (`compiled.flat_part`): their programs built, priced and
-    flattened; and, where `place`, the ranks placed from those programs."""
+    """The instructions of `ranks` (`compiled.flat_part`): their programs built (those of
+    ranks alike once where `tell_apart`), priced and flattened; and, where `place`, the ranks
+    placed from those programs."""
     from runtime.step.compiled import flat_part
 
-    programs = build_programs(graph, plan, machine, ranks)
+    programs = build_programs(graph, plan, machine, ranks, share=tell_apart)
     placed = placed_ranks(graph, plan, machine, ranks, programs) if place else None
     seconds, passes = priced(graph, plan, machine, programs, table)
     return flat_part(programs, seconds, passes, slowdown), placed

@@ -21,6 +21,7 @@ from runtime.step.loop import ADD, COMPUTE, POST, START, WAIT
 from runtime.step.model import StepModel
 from runtime.step.prediction import (
     MESSAGE_WORK,
+    every_rank_work,
     predict_step,
     priced,
     run_flat,
@@ -160,8 +161,9 @@ def test_shares_cover_the_ranks_in_order_each_about_an_equal_part_of_the_work(ca
         for transfer in task_plan.transfers:
             work[transfer.src] += MESSAGE_WORK / 2 * len(transfer.dsts)
             work[list(transfer.dsts)] += MESSAGE_WORK / 2
+    assert np.allclose(every_rank_work(graph, plan), work)
     for count in (2, 3):
-        shares = balanced_shares(graph, plan, count)
+        shares = balanced_shares(every_rank_work(graph, plan), count)
         assert np.array_equal(np.concatenate(shares), np.arange(plan.nranks))
         assert all(len(share) for share in shares) and len(shares) <= count
         for share in shares:
