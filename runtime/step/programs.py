@@ -13,7 +13,7 @@ from partitioner.plan import Plan
 from runtime.step.class_bound import fewest_classes
 from runtime.step.rank_classes import SHARED_AT_MOST, rank_classes
 from runtime.step.rank_program import RankProgram
-from runtime.step.shared_programs import SharedPrograms
+from runtime.step.shared_programs import BuiltPrograms, SharedPrograms
 from runtime.step.task_events import TaskEvents, build_each, each_task_event, step_messages
 from runtime.step.update_fusion import fuse_into_gradients
 
@@ -68,7 +68,9 @@ def build_programs(
     if fuse_updates:
         for program in built.values():
             fuse_into_gradients(graph, program)
-    return SharedPrograms(built, classes, events, ranks) if classes else built
+    if classes:
+        return SharedPrograms(built, classes, events, ranks)
+    return BuiltPrograms(built, events)
 
 
 def ranks_all_differ(plan: Plan, ranks: Sequence[int]) -> bool:

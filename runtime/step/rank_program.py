@@ -149,6 +149,8 @@ class MessagesTold:
 seq_of, tensor_of, src_of, dst_of, nbytes_of = map(
     attrgetter, ("seq", "tensor", "src", "dst", "nbytes")
 )
+#: a `Message`'s sequence number, ends and bytes, read at once
+facts_of = attrgetter("seq", "src", "dst", "nbytes")
 
 
 class _found_once:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from legion_nn.rect import Rect
 from runtime.step.rank_classes import RankClasses
 from runtime.step.rank_program import Collective, Message, PieceWork, RankProgram, RankTask
@@ -32,6 +34,8 @@ class SharedPrograms(Mapping[int, RankProgram]):
         self._events = events
         self._ranks = list(ranks)
         self._like = {rank: rep for rep, members in classes.members.items() for rank in members}
+        #: the facts of every message the ranks were told (`told_facts`)
+        self.facts = told_facts(events)
 
     def __getitem__(self, rank: int) -> RankProgram:
         found = self._programs.get(rank)
@@ -64,6 +68,32 @@ class SharedPrograms(Mapping[int, RankProgram]):
         same point; None for a class's first rank."""
         source = self._like[rank]
         return None if source == rank else self.classes.own_collectives(source, rank)
+
+
+class BuiltPrograms(dict[int, RankProgram]):
+    """`programs.build_programs`' programs where each rank's is built, with the facts of the
+    messages they were told (`told_facts`)."""
+
+    def __init__(self, built: Mapping[int, RankProgram], events: Sequence[TaskEvents]) -> None:
+        super().__init__(built)
+        self.facts = told_facts(events)
+
+
+def told_facts(events: Sequence[TaskEvents]) -> np.ndarray:
+    """The sequence number, source, destination and bytes of each message told the ranks
+    built (`TaskEvents.facts`), a row each, in order: what the simulators read of a message
+    besides its program's (a model-parallel step on 1024 ranks tells 5 million)."""
+    return (
+        np.concatenate([event.facts for event in events]) if events else np.zeros((0, 4), np.int64)
+    )
+
+
+def facts_of_programs(programs: Mapping[int, RankProgram]) -> np.ndarray | None:
+    """`told_facts` of the messages of `programs` where `programs.build_programs` built them;
+    None for programs made otherwise (by hand)."""
+    if isinstance(programs, (SharedPrograms, BuiltPrograms)):
+        return programs.facts
+    return None
 
 
 def source(programs: Mapping[int, RankProgram], rank: int) -> RankProgram:

@@ -49,6 +49,8 @@ class TaskEvents:
     messages: list[Message]
     #: per rank built with an end of one of them, its ends grouped as its builder files them
     told: ToldEnds
+    #: their sequence numbers, sources, destinations and bytes, a row each, in order
+    facts: np.ndarray
     #: the task's collectives, each with the bytes each participant's hops send
     collectives: list[tuple[Collective, dict[int, int]]]
     #: the sequence number after the task's messages and hops: the step's message count, after
@@ -101,7 +103,7 @@ def each_task_event(
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         mine = PiecesByRank(task_plan.piece_sets, built)
-        messages, told, seq = _told_messages(
+        messages, told, facts, seq = _told_messages(
             task_plan.transfer_set, in_built, position, last_writes, graph, seq
         )
         collectives = []
@@ -127,6 +129,7 @@ def each_task_event(
             mine,
             messages,
             told,
+            facts,
             collectives,
             seq,
         )
@@ -139,10 +142,10 @@ def _told_messages(
     last_writes: _LastWrites,
     graph: TaskGraph,
     seq: int,
-) -> tuple[list[Message], ToldEnds, int]:
+) -> tuple[list[Message], ToldEnds, np.ndarray, int]:
     """The messages of the task at `position` with an end among the ranks built (`in_built`,
-    per rank), in sequence order, their ends grouped per rank built (`ToldEnds`), and the
-    sequence number after all its messages: one per destination of each transfer, numbered in
+    per rank), in sequence order, their ends grouped per rank built (`ToldEnds`), their facts
+    (`TaskEvents.facts`), and the sequence number after all its messages: one per destination of each transfer, numbered in
     the task's order of transfers (`TransferSet.transfers`) alike on every rank, built or not.
     Read off the blocks' arrays: a fan-out from another rank reaches most ranks elsewhere (a
     channel's slice sent to every rank of a model-parallel layer), and no message or transfer
@@ -152,7 +155,7 @@ def _told_messages(
     before."""
     blocks = [b for b in transfer_set.blocks if len(b)]
     if not blocks:
-        return [], _NO_ENDS, seq
+        return [], _NO_ENDS, _NO_FACTS, seq
     fanouts = [b.fanout for b in blocks]
     fanout = np.concatenate(fanouts)
     order = transfer_set.order()
@@ -205,14 +208,17 @@ def _told_messages(
                  block.hi[transfer[into]])
             )  # fmt: skip
     if not columns_of:
-        return [], _NO_ENDS, seq + int(fanout.sum())
+        return [], _NO_ENDS, _NO_FACTS, seq + int(fanout.sum())
     seqs, src, dst, nbytes, posts, reduce = map(np.concatenate, zip(*columns_of))
     if (seqs[1:] < seqs[:-1]).any():  # blocks' transfers interleave in the task's order
         in_order = np.argsort(seqs)
         told = [told[i] for i in in_order.tolist()]
-        src, dst, nbytes, posts, reduce = (a[in_order] for a in (src, dst, nbytes, posts, reduce))
+        seqs, src, dst, nbytes, posts, reduce = (
+            a[in_order] for a in (seqs, src, dst, nbytes, posts, reduce)
+        )
     ends = ToldEnds((told, src, dst, nbytes, posts, reduce, in_built, received))
-    return told, ends, seq + int(fanout.sum())
+    facts = np.column_stack((seqs, src, dst, nbytes)).astype(np.int64, copy=False)
+    return told, ends, facts, seq + int(fanout.sum())
 
 
 class ToldEnds:
@@ -234,6 +240,7 @@ class ToldEnds:
 
 
 _NO_ENDS = ToldEnds()
+_NO_FACTS = np.zeros((0, 4), np.int64)
 
 #: what a rank's builder files each of its ends of a message under (`_grouped`)
 _PARTIAL_OUT, _PARTIAL_IN, _COPY_IN, _POSTED = range(4)

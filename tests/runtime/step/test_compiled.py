@@ -212,3 +212,45 @@ def test_step_prediction_simulates_at_every_rank_count():
     assert step["bulk_synchronous_seconds"] == bulk
     simulated = predict_step(graph, plan, machine, simulate=simulate_compiled)
     assert step["predicted_step_seconds"] == simulated.seconds != bulk
+
+
+@pytest.mark.parametrize(
+    ("network", "strategy", "ranks"),
+    [
+        ("seed-lcn-small", "model", 6),
+        ("seed-lcn-small", "spatial", 8),
+        ("deep-mlp", "model", 4),
+    ],
+)
+def test_the_messages_facts_told_are_those_of_the_messages_posted(network, strategy, ranks):
+    """Flattening programs built with the facts of the messages told them (`BuiltPrograms`,
+    `SharedPrograms`) gives each message some ranks post the sequence number, ends and bytes
+    that flattening the same programs read off their messages gives, each message once."""
+    import numpy as np
+
+    from runtime.step.compiled import flat_part
+    from runtime.step.local_passes import PassPrices, passes_alone
+    from runtime.step.shared_programs import facts_of_programs
+
+    machine = MACHINES["two-per-host"]
+    graph = load_source_graph(network, 8, 8)
+    plan = build_plan(graph, resolve_strategy(graph, strategy, ranks, machine, 5.0)[0], ranks)
+    for some in (list(range(ranks)), list(range(1, ranks, 2))):
+        programs = build_programs(graph, plan, machine, some)
+        assert facts_of_programs(programs) is not None
+        by_hand = {rank: programs[rank] for rank in some}  # a plain mapping: no facts
+        assert facts_of_programs(by_hand) is None
+        compute = {rank: [1e-3] * len(programs[rank].tasks) for rank in some}
+        passes = passes_alone(by_hand, PassPrices.of(machine))
+        slowdown = dict.fromkeys(some, 1.0)
+        told = flat_part(programs, compute, passes, slowdown)
+        read = flat_part(by_hand, compute, passes, slowdown)
+
+        def facts(part):
+            rows = np.column_stack((part.seqs, part.src, part.dst, part.nbytes))
+            return np.unique(rows, axis=0)
+
+        assert len(facts(told)) == len(told.seqs)  # each message once
+        assert np.array_equal(facts(told), facts(read))
+        assert len(read.seqs)  # the plan moves messages
+        assert np.array_equal(told.ops, read.ops) and np.array_equal(told.keys, read.keys)
