@@ -216,27 +216,25 @@ def _told_messages(
         seqs, src, dst, nbytes, posts, reduce = (
             a[in_order] for a in (seqs, src, dst, nbytes, posts, reduce)
         )
-    ends = ToldEnds((told, src, dst, nbytes, posts, reduce, in_built, received))
+    ends = ToldEnds((told, src, dst, nbytes, posts, reduce, received))
     facts = np.column_stack((seqs, src, dst, nbytes)).astype(np.int64, copy=False)
     return told, ends, facts, seq + int(fanout.sum())
 
 
 class ToldEnds:
     """Each built rank's ends of a task's messages, grouped as its builder files them
-    (`rank_program.MessagesTold`), found for every rank at once from the messages' arrays when
-    first asked for (`by_rank`): a model-parallel rank is told 10⁴ messages a task."""
+    (`rank_program.MessagesTold`), found from the messages' arrays for the ranks asked about
+    at once (`of_ranks`): a model-parallel rank is told 10⁴ messages a task, and where ranks
+    alike are built once, the others' ends are never grouped."""
 
     def __init__(self, arrays: tuple = ()) -> None:
-        #: `_grouped`'s arguments; none where no rank built has an end
+        #: `_grouped`'s arguments but the ranks; none where no rank built has an end
         self._arrays = arrays
-        self._by_rank: dict[int, MessagesTold] | None = None
 
-    def by_rank(self) -> dict[int, MessagesTold]:
-        """Per rank built with an end of one of the messages, its ends grouped."""
-        if self._by_rank is None:
-            self._by_rank = _grouped(*self._arrays) if self._arrays else {}
-            self._arrays = ()
-        return self._by_rank
+    def of_ranks(self, wanted: np.ndarray) -> dict[int, MessagesTold]:
+        """Per rank with an end of one of the messages, among those `wanted` (per rank), its
+        ends grouped."""
+        return _grouped(*self._arrays, wanted) if self._arrays else {}
 
 
 _NO_ENDS = ToldEnds()
@@ -253,13 +251,14 @@ def _grouped(
     nbytes: np.ndarray,
     posts: np.ndarray,
     reduce: np.ndarray,
-    in_built: np.ndarray,
     received: list[tuple[str, bool, np.ndarray, np.ndarray, np.ndarray]],
+    wanted: np.ndarray,
 ) -> dict[int, MessagesTold]:
-    """`ToldEnds.by_rank`: each end's (rank, group, post point, message) sorted, and each run of
-    one rank's group (and post point) taken from the messages in that order at once."""
+    """`ToldEnds.of_ranks`: each wanted end's (rank, group, post point, message) sorted, and
+    each run of one rank's group (and post point) taken from the messages in that order at
+    once."""
     index = np.arange(len(told))
-    sends, gets = in_built[src], in_built[dst]
+    sends, gets = wanted[src], wanted[dst]
     copies = ~reduce
     chosen = (
         (src, sends & reduce, _PARTIAL_OUT),
@@ -295,12 +294,13 @@ def _grouped(
             found.partial_in = run
         else:
             found.partial_out = run
-    sent = np.zeros(len(in_built), np.int64)
+    sent = np.zeros(len(wanted), np.int64)
     np.add.at(sent, src[sends], nbytes[sends])
     for r, found in out.items():
         found.sent_bytes = int(sent[r])
     for tensor, reduces, ends, lo, hi in received:
-        ranks, lo, hi = boxes.bounding_by_key(ends, lo, hi)
+        mine = wanted[ends]
+        ranks, lo, hi = boxes.bounding_by_key(ends[mine], lo[mine], hi[mine])
         for r, box in zip(ranks.tolist(), boxes.to_rects(lo, hi)):
             out[r].received.append((tensor, box, reduces))
     return out
@@ -413,14 +413,14 @@ def build_each(
 ) -> dict[int, RankProgram]:
     """The programs of `ranks` (updates not fused), each built by telling it every task."""
     programs = {rank: Builder(graph, plan, rank) for rank in ranks}
+    wanted = np.zeros(plan.nranks, bool)
+    wanted[ranks] = True
     for event in events:
         for rank, builder in programs.items():
             builder.begin(event.position, event.task, event.mine.get(rank, ()))
         if event.messages:
-            for rank, told in event.told.by_rank().items():
-                builder = programs.get(rank)
-                if builder is not None:
-                    builder.messages(told)
+            for rank, told in event.told.of_ranks(wanted).items():
+                programs[rank].messages(told)
         for collective, sent in event.collectives:
             for rank in collective.reduction.participants:
                 if rank in programs:

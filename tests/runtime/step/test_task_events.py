@@ -101,7 +101,8 @@ def test_each_rank_files_its_ends_of_each_message_as_the_builder_states(
     """The ends grouped per rank (`TaskEvents.told`) are each built rank's ends filed message by
     message, in sequence order: the partial sums it sends and receives, the copies it receives,
     every copy it is an end of under the task after which it is posted, the bytes it sends,
-    and a box per tensor holding every rect it receives; and each program's lists are those."""
+    and a box per tensor holding every rect it receives; and each program's lists are those.
+    Asked for some of the ranks told, they are those ranks' alone."""
     graph = load_source_graph(network, batch, batch)
     if stages > 1:
         graph, _ = pipelined(graph, stages, 2 * stages)
@@ -109,9 +110,21 @@ def test_each_rank_files_its_ends_of_each_message_as_the_builder_states(
     some = list(range(0, ranks, 2))
     events, count = task_events(graph, plan, MACHINE, some)
     programs = build_each(graph, plan, events, count, some)
+    every, fewer = np.isin(np.arange(ranks), some), np.isin(np.arange(ranks), some[::2])
     posted = {rank: {} for rank in some}
     for event in events:
-        told = event.told.by_rank()
+        told = event.told.of_ranks(every)
+        told_fewer = event.told.of_ranks(fewer)
+        assert set(told_fewer) == {rank for rank in told if fewer[rank]}
+        for rank, found in told_fewer.items():
+            assert (found.partial_out, found.partial_in, found.copies_in, found.posted) == (
+                told[rank].partial_out, told[rank].partial_in, told[rank].copies_in,
+                told[rank].posted,
+            )  # fmt: skip
+            assert (found.sent_bytes, found.received) == (
+                told[rank].sent_bytes,
+                told[rank].received,
+            )
         for rank in some:
             mine = [m for m in event.messages if rank in (m.src, m.dst)]
             found = told.get(rank)
