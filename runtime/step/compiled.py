@@ -325,9 +325,6 @@ def _own(
     return tuple(list(map(own.__getitem__, map(seq_of, messages))) for messages in lists)
 
 
-#: a message's sequence number, read in C over many messages
-
-
 def flatten(
     programs: Mapping[int, RankProgram],
     compute: Mapping[int, Sequence[float]],
