@@ -30,7 +30,8 @@ from runtime.adapters import StepContext
 from runtime.piece_views import run_on_views
 from runtime.running_collective import RunningCollective
 from runtime.step.piece_modes import fresh_roles, fused_steps
-from runtime.step.rank_program import Collective, Message, RankProgram, RankTask
+from runtime.step.rank_messages import Message
+from runtime.step.rank_program import Collective, RankProgram, RankTask
 from runtime.tracing import COMMUNICATION, COMPUTE
 from runtime.transport import done, wait
 

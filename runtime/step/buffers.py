@@ -42,7 +42,8 @@ from legion_nn.privilege import Privilege
 from legion_nn.rect import Rect
 from runtime.aligned import LINE, PAGE, aligned_empty
 from runtime.instances import StorageOrder, choose_storage_orders
-from runtime.step.rank_program import Collective, Message, RankProgram, RankTask, tensor_of
+from runtime.step.rank_messages import Message, tensor_of
+from runtime.step.rank_program import Collective, RankProgram, RankTask
 
 #: buffers from this size start at a colour of their page (`runtime.aligned`)
 COLOURED = 64 * 1024

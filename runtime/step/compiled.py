@@ -41,14 +41,8 @@ from runtime.step.flat_step import FlatPart, FlatStep, merged
 from runtime.step.links import Links
 from runtime.step.local_passes import TaskPasses
 from runtime.step.loop import ADD, COMPLETE, COMPUTE, POST, PROGRESS, START, SYNC, WAIT
-from runtime.step.rank_program import (
-    Collective,
-    Message,
-    RankProgram,
-    facts_of,
-    seq_of,
-    src_of,
-)
+from runtime.step.rank_messages import Message, facts_of, seq_of, src_of
+from runtime.step.rank_program import Collective, RankProgram
 from runtime.step.shared_programs import (
     built,
     facts_of_programs,

@@ -35,7 +35,8 @@ from legion_nn.rect import Rect
 from partitioner.machine import Machine
 from runtime.instances import StorageOrder
 from runtime.step.buffers import Staging, staging
-from runtime.step.rank_program import Message, RankProgram, dst_of, nbytes_of, src_of
+from runtime.step.rank_messages import Message, dst_of, nbytes_of, src_of
+from runtime.step.rank_program import RankProgram
 
 
 @dataclass(frozen=True)

@@ -179,9 +179,9 @@ SIMULATE_MAX_WORK = 50_000
 #: simulate it (`simulated_in_shares`, a share of the ranks per core); beyond this, the
 #: bulk-synchronous sum. Messages count too (`MESSAGE_WORK`). Every built-in network's plans on
 #: 1024 ranks are within it: on the 2-core VM vgg19's, 221,184 (rank, task) pairs each, simulate
-#: in about 12 s with spatial splits (175,268 messages, 250,000 pairs of work), 17 s with
-#: `auto`'s mixture (993,646) and 36 s with model parallelism (5.3 million messages, 1.1 million
-#: pairs of work, 2.5 GB), deep-mlp's model plan in 30 s (1.3 million)
+#: in about 12 s with spatial splits (175,268 messages, 250,000 pairs of work), 14-15 s with
+#: `auto`'s mixture (993,646) and 23-26 s with model parallelism (5.3 million messages, 1.1
+#: million pairs of work, 2.4 GB), deep-mlp's model plan in 25-31 s (1.3 million)
 SIMULATE_EVERY_RANK_MAX_WORK = 1_500_000
 #: what a message costs to build, price and flatten at both ends, in (rank, task) pairs
 MESSAGE_WORK = 1 / 6

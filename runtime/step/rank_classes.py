@@ -60,7 +60,8 @@ from partitioner import boxes
 from partitioner.layout import Layout
 from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
-from runtime.step.rank_program import Collective, Message
+from runtime.step.rank_messages import Message
+from runtime.step.rank_program import Collective
 from runtime.step.task_events import TaskEvents
 
 

@@ -30,9 +30,9 @@ posted), are read from the plan's record: the homes before the first task, then 
 the hops of every collective this rank sends. The executor counts what its calls actually send
 and the two must agree.
 
-Here are the program's parts and its `Builder`; `runtime.step.task_events` finds what each task
-tells the builders, once for all ranks, and `runtime.step.programs.build_programs` builds every
-rank's.
+Here are the program's parts and its `Builder`; its messages are `runtime.step.rank_messages`'s;
+`runtime.step.task_events` finds what each task tells the builders, once for all ranks, and
+`runtime.step.programs.build_programs` builds every rank's.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -55,27 +54,7 @@ from partitioner.layout import Layout
 from partitioner.pieces import Piece
 from partitioner.plan import Plan
 from partitioner.task_plan import Reduction
-
-#: copies posted at the start of the step, before any task
-STEP_START = -1
-
-
-class Message(NamedTuple):
-    """One copy or partial sum between two ranks, numbered alike on every rank (a named tuple:
-    a step of a model-parallel plan makes some 10⁵ of them, which a frozen dataclass makes three
-    times slower)."""
-
-    seq: int
-    tensor: str
-    rect: Rect
-    src: int
-    dst: int
-    nbytes: int
-    #: index of the task that consumes it
-    task: int
-    #: index of the task after which both sides post it (copies only)
-    post_after: int
-    reduce: bool
+from runtime.step.rank_messages import STEP_START, Message, MessagesTold, tensor_of
 
 
 @dataclass(frozen=True)
@@ -123,34 +102,6 @@ FEW_TARGETS = 16
 class PieceWork:
     rect: Rect
     requirements: tuple[Requirement, ...]
-
-
-class MessagesTold:
-    """One rank's ends of one task's messages, grouped as its builder files them
-    (`Builder.messages`), each group in sequence order: the partial sums it sends and receives,
-    the copies it receives, the copies it sends or receives by the task after which both ends
-    post them, the bytes it sends, and per tensor a bounding box of the rects it receives
-    (what its buffer must hold: a copy into a window aside)."""
-
-    __slots__ = ("copies_in", "partial_in", "partial_out", "posted", "received", "sent_bytes")
-
-    def __init__(self) -> None:
-        self.partial_out: list[Message] = []
-        self.partial_in: list[Message] = []
-        self.copies_in: list[Message] = []
-        #: (the task after which they are posted, STEP_START: the step's start; the messages)
-        self.posted: list[tuple[int, list[Message]]] = []
-        self.sent_bytes = 0
-        #: (tensor, bounding box of rects received, whether they are partial sums)
-        self.received: list[tuple[str, Rect, bool]] = []
-
-
-#: a `Message`'s fields, read in C over many messages (a model-parallel rank is told 10⁴ a task)
-seq_of, tensor_of, src_of, dst_of, nbytes_of = map(
-    attrgetter, ("seq", "tensor", "src", "dst", "nbytes")
-)
-#: a `Message`'s sequence number, ends and bytes, read at once
-facts_of = attrgetter("seq", "src", "dst", "nbytes")
 
 
 class _found_once:

@@ -13,7 +13,8 @@ import numpy as np
 
 from legion_nn.rect import Rect
 from runtime.step.rank_classes import RankClasses
-from runtime.step.rank_program import Collective, Message, PieceWork, RankProgram, RankTask
+from runtime.step.rank_messages import Message
+from runtime.step.rank_program import Collective, PieceWork, RankProgram, RankTask
 from runtime.step.task_events import TaskEvents
 
 

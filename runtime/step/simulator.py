@@ -87,7 +87,8 @@ from runtime.step.rank_cpu import (
     kernel_share,
     sharing_core,
 )
-from runtime.step.rank_program import Collective, Message, RankProgram
+from runtime.step.rank_messages import Message
+from runtime.step.rank_program import Collective, RankProgram
 from runtime.step.simulated_step import SimulatedStep
 
 Key = tuple  # ("m", seq) for a message, ("h", seq) for a collective's hop

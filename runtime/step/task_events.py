@@ -23,14 +23,8 @@ from partitioner.pieces import Piece, PieceSet
 from partitioner.plan import Plan
 from partitioner.transfers import TransferSet
 from runtime.step.order import step_order
-from runtime.step.rank_program import (
-    STEP_START,
-    Builder,
-    Collective,
-    Message,
-    MessagesTold,
-    RankProgram,
-)
+from runtime.step.rank_messages import STEP_START, Message, MessagesTold
+from runtime.step.rank_program import Builder, Collective, RankProgram
 
 
 @dataclass
@@ -145,8 +139,9 @@ def _told_messages(
 ) -> tuple[list[Message], ToldEnds, np.ndarray, int]:
     """The messages of the task at `position` with an end among the ranks built (`in_built`,
     per rank), in sequence order, their ends grouped per rank built (`ToldEnds`), their facts
-    (`TaskEvents.facts`), and the sequence number after all its messages: one per destination of each transfer, numbered in
-    the task's order of transfers (`TransferSet.transfers`) alike on every rank, built or not.
+    (`TaskEvents.facts`), and the sequence number after all its messages: one per destination
+    of each transfer, numbered in the task's order of transfers (`TransferSet.transfers`) alike
+    on every rank, built or not.
     Read off the blocks' arrays: a fan-out from another rank reaches most ranks elsewhere (a
     channel's slice sent to every rank of a model-parallel layer), and no message or transfer
     object is made for those. A copy is posted after the task that last wrote some part of its
@@ -223,7 +218,7 @@ def _told_messages(
 
 class ToldEnds:
     """Each built rank's ends of a task's messages, grouped as its builder files them
-    (`rank_program.MessagesTold`), found from the messages' arrays for the ranks asked about
+    (`rank_messages.MessagesTold`), found from the messages' arrays for the ranks asked about
     at once (`of_ranks`): a model-parallel rank is told 10⁴ messages a task, and where ranks
     alike are built once, the others' ends are never grouped."""
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from itertools import chain
-from operator import attrgetter
 
 from legion_nn.graph import TaskGraph
 from legion_nn.op_records import stepped_role
-from runtime.step.rank_program import RankProgram, RankTask, tensor_of
+from runtime.step.rank_messages import tensor_and_task_of, tensor_of
+from runtime.step.rank_program import RankProgram, RankTask
 
 
 def fuse_into_gradients(graph: TaskGraph, program: RankProgram) -> None:
@@ -114,15 +114,11 @@ def _posted_by_tensor(program: RankProgram) -> dict[str, list[int]]:
     posts, sorted (each once)."""
     posts = chain(program.post_at_start, chain.from_iterable(rt.post for rt in program.tasks))
     found: dict[str, list[int]] = {}
-    for tensor, task in set(map(_tensor_and_task, posts)):  # in C: 10⁴ messages a rank
+    for tensor, task in set(map(tensor_and_task_of, posts)):  # in C: 10⁴ messages a rank
         found.setdefault(tensor, []).append(task)
     for tasks in found.values():
         tasks.sort()
     return found
-
-
-#: a `Message`'s tensor and the position of the task that consumes it
-_tensor_and_task = attrgetter("tensor", "task")
 
 
 def _posted_within(posted: dict[str, list[int]], update: RankTask, first: int, last: int) -> bool:

@@ -15,7 +15,8 @@ from partitioner.plan import build_plan
 from partitioner.strategy import builtin, with_homes
 from runtime.step.order import step_order
 from runtime.step.programs import build_programs
-from runtime.step.rank_program import STEP_START, RankProgram
+from runtime.step.rank_messages import STEP_START
+from runtime.step.rank_program import RankProgram
 from runtime.step.task_events import _LastWrites
 from tests.paths import FIXTURES
 

@@ -22,7 +22,8 @@ from runtime.step.local_passes import TaskPasses
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import sharing_core
-from runtime.step.rank_program import Collective, Message, RankProgram, RankTask
+from runtime.step.rank_messages import Message
+from runtime.step.rank_program import Collective, RankProgram, RankTask
 from runtime.step.simulator import simulate_step
 
 MACHINE = Machine(memory_gbytes_per_s=None)

@@ -15,7 +15,7 @@ from partitioner.machine import Machine
 from partitioner.pipeline import pipelined
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
-from runtime.step.rank_program import STEP_START
+from runtime.step.rank_messages import STEP_START
 from runtime.step.task_events import build_each, task_events
 from tests.paths import FIXTURES
 
