@@ -40,6 +40,7 @@ from runtime.step.prediction import (
     simulate_compiled,
     simulates_every_rank,
     step_report,
+    tells_apart,
 )
 from runtime.step.programs import build_programs, ranks_all_differ
 from runtime.step.rank_memory import (
@@ -305,13 +306,18 @@ class StepModel:
         self, graph: TaskGraph, plan: Plan, most_built: int | None = None
     ) -> Mapping[int, RankProgram] | None:
         """Every rank's program of `plan`; None where `most_built` is given and building them
-        would take more (rank, task) pairs (`programs.build_programs`)."""
+        would take more (rank, task) pairs (`programs.build_programs`), or telling its ranks
+        apart more messages than a prediction makes (`prediction.tells_apart`: unless the model
+        simulates any size of step)."""
         key = self._plan_key(graph, plan)
         found = self._programs.get(key)
         if found is None or (found[1] is None and most_built is None):
-            built = build_programs(
-                graph, plan, self.machine, range(plan.nranks), most_built=most_built
-            )
+            if most_built is None or self.simulate_any_size or tells_apart(plan):
+                built = build_programs(
+                    graph, plan, self.machine, range(plan.nranks), most_built=most_built
+                )
+            else:
+                built = None
             found = self._programs[key] = (plan, built)
             while len(self._programs) > KEPT_PROGRAMS:
                 self._programs.popitem(last=False)
