@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from weakref import WeakKeyDictionary
 
 from legion_nn.errors import LegionNNError
@@ -231,9 +232,11 @@ def aligned_grid(graph: TaskGraph, source: Task, source_grid: Grid, task: Task) 
     return _aligned(grid, source.space.shape[: len(grid)], task.space.shape)
 
 
+@lru_cache(maxsize=4096)
 def balanced(extents: tuple[int, ...], dims: tuple[int, ...], nranks: int) -> Grid:
     """The grid over `dims` with the most cells (at most `nranks`, parts within the extents),
-    as square as possible among those; the first such in `factorizations`' order.
+    as square as possible among those; the first such in `factorizations`' order (found once
+    per extents, dims and ranks: a search asks the families' grids of each unit many times).
 
     A grid with the most cells has, given its other parts, the most parts its last dim allows,
     so only those grids are visited (in `factorizations`' order)."""
