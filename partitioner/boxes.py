@@ -204,13 +204,44 @@ def grid_strides(cuts: Sequence[np.ndarray]) -> np.ndarray:
     return strides
 
 
+#: the most bytes of `grid_overlaps`' answers kept, by the bytes of their arrays (forgotten all
+#: at once past it: a model plan's all-to-all on 1024 ranks overlaps in a million pairs)
+OVERLAPS_KEPT_BYTES = 64 << 20
+_overlaps: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+_overlaps_bytes = [0]
+
+
 def grid_overlaps(
     cuts: Sequence[np.ndarray], lo: np.ndarray, hi: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (box, cell) pair that overlaps, with the overlap: (box, cell, part_lo, part_hi).
 
     Pairs come box by box, and for each box in row-major cell order, as `Layout.cells` yields them.
-    Parts of a box outside the grid belong to no cell (the caller sees a shortfall in volume)."""
+    Parts of a box outside the grid belong to no cell (the caller sees a shortfall in volume).
+
+    Found once per cuts and boxes (read-only arrays, up to `OVERLAPS_KEPT_BYTES` kept): a plan
+    asks again for the tensors of one shape on one grid (DenseNet-121's data plan on 64 ranks:
+    175 distinct of 4,395)."""
+    lo = np.asarray(lo, INDEX)
+    hi = np.asarray(hi, INDEX)
+    key = (lo.shape, lo.tobytes(), hi.tobytes(), *(np.asarray(c, INDEX).tobytes() for c in cuts))
+    found = _overlaps.get(key)
+    if found is None:
+        found = _grid_overlaps(cuts, lo, hi)
+        size = sum(array.nbytes for array in found)
+        if _overlaps_bytes[0] + size > OVERLAPS_KEPT_BYTES:
+            _overlaps.clear()
+            _overlaps_bytes[0] = 0
+        _overlaps[key] = found
+        _overlaps_bytes[0] += size
+        for array in found:
+            array.flags.writeable = False
+    return found
+
+
+def _grid_overlaps(
+    cuts: Sequence[np.ndarray], lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     n, ndim = lo.shape
     if n == 0 or any(len(c) < 2 for c in cuts):
         return np.zeros(0, INDEX), np.zeros(0, INDEX), *empty(ndim)
