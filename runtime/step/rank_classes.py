@@ -148,8 +148,8 @@ class _Told:
 
     def rows(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """A column from rows of ints told to the ranks in `slots`, in the order told: each
-        rank's rows in that order, one id per distinct run of rows."""
-        column = np.zeros(self.n, np.int64)
+        rank's rows in that order, one id per distinct run of rows; none where every rank is
+        told one row, all alike, which tells no two apart (each rank's part of a data split)."""
         if not len(slots):
             return
         if (slots[1:] > slots[:-1]).all():  # told in rank order, a row each: no sort
@@ -158,8 +158,11 @@ class _Told:
             order = np.argsort(slots, kind="stable")
             slots, rows = slots[order], rows[order]
             starts = boxes.run_starts(slots[1:] != slots[:-1])
+        column = np.zeros(self.n, np.int64)
         if len(starts) == len(slots) and (rows == rows[:1]).all():
-            column[slots] = 1  # a row each, all alike (each rank's part of a data split)
+            if len(slots) == self.n:  # distinct slots, so every rank's
+                return
+            column[slots] = 1
         else:
             ends = boxes.run_ends(starts, len(slots))
             ids: dict[bytes, int] = {}
