@@ -5,7 +5,7 @@ any size (the simulation budget lifted), and how long the simulation took.
 
 `partition` reports the simulated step wherever the programs it builds fit
 `prediction.SIMULATE_MAX_WORK`, and the bulk-synchronous sum beyond it; `auto` compares sums
-beyond `prediction.OBJECTIVE_SIMULATE_MAX_RANKS`. Where the two part, the sum ranks plans by
+where `prediction.objective_simulates` says so. Where the two part, the sum ranks plans by
 a step the runtime does not take. This simulates any plan, every rank's program built, by the
 compiled loop, and prints each case's sum, its simulated step, their ratio and the seconds the
 simulation took (building the programs included). STRATEGY is a built-in or `auto`.

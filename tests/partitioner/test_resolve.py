@@ -69,18 +69,26 @@ def test_auto_chooses_by_the_simulated_step_where_the_sum_would_choose_otherwise
     assert step(graph, build_plan(graph, chosen, 8)) <= data * (1 + 1e-12)
 
 
-def test_partition_reports_the_step_auto_chose_by(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 128])
+def test_partition_reports_the_step_auto_chose_by(tmp_path, ranks):
+    """On 2 ranks and on 128, past the 64 whose buffers a report places: every plan compared
+    is simulated, and the report is the step of the plan chosen."""
     machine_file = tmp_path / "machine.json"
     machine_file.write_text(json.dumps(SLOW.to_json()))
     report = tmp_path / "p.json"
-    argv = ["partition", "seed-lcn-small", "--batch", "64", "--ranks", "2", "--strategy", "auto",
-            "--optimizer", "sgd", "--machine", str(machine_file), "--json", str(report)]  # fmt: skip
+    batch = max(64, ranks)
+    argv = ["partition", "seed-lcn-small", "--batch", str(batch), "--ranks", str(ranks),
+            "--strategy", "auto", "--optimizer", "sgd", "--machine", str(machine_file),
+            "--json", str(report)]  # fmt: skip
     assert main(argv) == 0
-    printed = json.loads(report.read_text())["predicted_step_seconds"]
-    graph = load_network("seed-lcn-small").lower(batch=64, optimizer="sgd")
-    chosen, _ = resolve_strategy(graph, "auto", 2, SLOW, 30.0, peak=StepModel(SLOW).peak,
-                                 step=StepModel(SLOW).step)  # fmt: skip
-    assert printed == pytest.approx(StepModel(SLOW).step(graph, build_plan(graph, chosen, 2)))
+    reported = json.loads(report.read_text())
+    graph = load_network("seed-lcn-small").lower(batch=batch, optimizer="sgd")
+    model = StepModel(SLOW)
+    assert not model.step_is_sum(graph, ranks) and reported["step_model"] == "simulated"
+    chosen, _ = resolve_strategy(graph, "auto", ranks, SLOW, 30.0, peak=model.peak,
+                                 step=model.step)  # fmt: skip
+    step = StepModel(SLOW).step(graph, build_plan(graph, chosen, ranks))
+    assert reported["predicted_step_seconds"] == pytest.approx(step)
 
 
 def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(monkeypatch):
@@ -122,14 +130,15 @@ def test_the_step_model_derives_each_plan_once_and_predicts_as_the_functions_do(
 def test_on_more_ranks_than_it_simulates_the_model_keeps_the_plans_it_was_asked_about(
     monkeypatch,
 ):
-    """Beyond `OBJECTIVE_SIMULATE_MAX_RANKS` no programs are built, and the plan the command
-    reports is the one the fit planned: `StepModel.plan` does not plan it again."""
+    """Where plans are compared by their sums (every rank's programs past `SIMULATE_MAX_WORK`)
+    no programs are built, and the plan the command reports is the one the fit planned:
+    `StepModel.plan` does not plan it again."""
     from runtime.step import model as step_model
-    from runtime.step.prediction import OBJECTIVE_SIMULATE_MAX_RANKS
 
-    ranks = 2 * OBJECTIVE_SIMULATE_MAX_RANKS
+    ranks = 2048
     graph = load_network("seed-lcn-small").lower(batch=ranks, optimizer="sgd")
     model = StepModel(SLOW)
+    assert model.step_is_sum(graph, ranks)
     chosen, _ = resolve_strategy(graph, "auto", ranks, SLOW, 10.0, peak=model.peak,
                                  step=model.step)  # fmt: skip
     planned: list[str] = []
@@ -203,19 +212,19 @@ def test_the_fit_leaves_out_plans_that_cannot_be_fastest_and_chooses_the_same(
 def test_beyond_the_ranks_simulated_auto_returns_the_searchs_least_sum_without_planning_others(
     monkeypatch,
 ):
-    """On 128 ranks `step` is the bulk-synchronous sum, which the search's DP adds up exactly
-    and has proved least over every assignment of grids (the built-ins' too): with `sums` the
-    search's grids are returned as they fit, the built-ins never planned (deep-mlp at batch 1024
-    on a fast link: without it, data's and model's plans are made, within twice the search's
-    sum), the same strategy as fitting every candidate gives."""
+    """On 1024 ranks (every rank's programs past `SIMULATE_MAX_WORK`) `step` is the
+    bulk-synchronous sum, which the search's DP adds up exactly and has proved least over every
+    assignment of grids (the built-ins' too): with `sums` the search's grids are returned as
+    they fit, the built-ins never planned (deep-mlp at batch 1024 on a fast link), the same
+    strategy as fitting every candidate gives."""
     from partitioner import resolve
 
     machine = Machine(rank_gflops=20, link_gbytes_per_s=5, latency_us=5)
     graph = load_network("deep-mlp").lower(batch=1024, optimizer="sgd")
     model = StepModel(machine)
-    assert model.step_is_sum(graph, 128) and not model.step_is_sum(graph, 8)
+    assert model.step_is_sum(graph, 1024) and not model.step_is_sum(graph, 128)
     fitted, _ = resolve_strategy(
-        graph, "auto", 128, machine, 10.0, peak=model.peak, step=model.step,
+        graph, "auto", 1024, machine, 10.0, peak=model.peak, step=model.step,
         lower=model.step_lower_bound,
     )  # fmt: skip
     planned = []
@@ -228,7 +237,7 @@ def test_beyond_the_ranks_simulated_auto_returns_the_searchs_least_sum_without_p
     monkeypatch.setattr(resolve, "build_plan", counted)
     monkeypatch.setattr("partitioner.search.memory_fit.build_plan", counted)
     quick, _ = resolve_strategy(
-        graph, "auto", 128, StepModel(machine).machine, 10.0, peak=model.peak, step=model.step,
+        graph, "auto", 1024, StepModel(machine).machine, 10.0, peak=model.peak, step=model.step,
         lower=model.step_lower_bound, sums=model.step_is_sum,
     )  # fmt: skip
     assert quick.unit_grids == fitted.unit_grids and quick.sharded == fitted.sharded

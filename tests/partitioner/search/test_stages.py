@@ -253,11 +253,12 @@ def test_partition_reports_the_chosen_pipelines_prediction(tmp_path):
 
 
 def test_candidates_compared_by_their_sums_say_so(tmp_path, capsys, monkeypatch):
-    """Where `auto` compares steps by their sums (beyond `OBJECTIVE_SIMULATE_MAX_RANKS`, here
-    made 1) and a candidate's programs, one per class of ranks alike, are past
-    `SIMULATE_MAX_WORK` (here made 1 pair), each candidate tried is reported as summed, in the
-    JSON and the table, while the step reported of the one chosen is simulated."""
-    monkeypatch.setattr(prediction, "OBJECTIVE_SIMULATE_MAX_RANKS", 1)
+    """Where `auto` compares steps by their sums (every rank's programs past the work a
+    simulation builds, `prediction.objective_simulates`, here made 1 pair) and a candidate's
+    programs, one per class of ranks alike, are past `SIMULATE_MAX_WORK` (here made 1 pair),
+    each candidate tried is reported as summed, in the JSON and the table, while the step
+    reported of the one chosen is simulated."""
+    monkeypatch.setattr(prediction, "SIMULATE_MAX_WORK", 1)
     monkeypatch.setattr(step_model, "SIMULATE_MAX_WORK", 1)
     report, rows = _stages_auto_report(tmp_path)
     assert rows and {r["step_model"] for r in rows} == {"bulk-synchronous"}
@@ -268,13 +269,14 @@ def test_candidates_compared_by_their_sums_say_so(tmp_path, capsys, monkeypatch)
 def test_candidates_built_by_class_are_compared_simulated_on_any_number_of_ranks(
     tmp_path, monkeypatch
 ):
-    """Beyond `OBJECTIVE_SIMULATE_MAX_RANKS` (here made 1), candidates whose programs are
-    built one per class of ranks alike within `SIMULATE_MAX_WORK` (data parallelism in each
-    stage) are compared by their simulated steps, not by sums that count a pipeline's stages
-    one after another: each the step simulated where every step is, and the least chosen."""
+    """Where `auto` compares steps by their sums (every rank's programs past the work a
+    simulation builds, here made 1 pair), candidates whose programs are built one per class of
+    ranks alike within `SIMULATE_MAX_WORK` (data parallelism in each stage) are compared by
+    their simulated steps, not by sums that count a pipeline's stages one after another: each
+    the step simulated where every step is, and the least chosen."""
     _, everywhere = _stages_auto_report(tmp_path)
     simulated = {_row_key(r): r["predicted_seconds"] for r in everywhere}
-    monkeypatch.setattr(prediction, "OBJECTIVE_SIMULATE_MAX_RANKS", 1)
+    monkeypatch.setattr(prediction, "SIMULATE_MAX_WORK", 1)
     (tmp_path / "beyond").mkdir()
     report, rows = _stages_auto_report(tmp_path / "beyond")
     assert {r["step_model"] for r in rows} == {"simulated"}
