@@ -211,8 +211,15 @@ def rank_classes(
     #: a tensor's across the tasks that leave it as it is
     cells_of: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
+    #: the (tensor, layout) pairs whose held cells were told: told again, their rows (relative
+    #: to frames set by then) are the same, and tell no ranks apart that they did not before
+    told_held: set[tuple[str, int]] = set()
+
     def held(now: _Told, holdings: Mapping[str, Layout]) -> None:
         for name, layout in holdings.items():
+            if (name, id(layout)) in told_held:
+                continue
+            told_held.add((name, id(layout)))
             found = cells_of.get(id(layout))
             if found is None:
                 found = cells_of[id(layout)] = _held_cells(layout, slot_of)
