@@ -413,3 +413,30 @@ def test_grid_overlaps_enumerates_every_cell_a_box_meets_in_order(case):
         for b, c, a, z in zip(box.tolist(), cell.tolist(), part_lo.tolist(), part_hi.tolist())
     ]
     assert got == expected
+
+
+@settings(max_examples=50, deadline=None)
+@given(case=cuts_and_boxes())
+def test_grid_overlaps_answers_equal_arguments_alike_and_read_only(case):
+    """Asked again with equal arrays (copies, other integer types), the same answer, which no
+    caller can change for the next."""
+    cuts, lo, hi = case
+    first = boxes.grid_overlaps(cuts, lo, hi)
+    again = boxes.grid_overlaps([c.astype(np.int32) for c in cuts], lo.copy(), hi.astype(np.int32))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    for array in again:
+        with pytest.raises(ValueError):
+            array[...] = 0
+
+
+def test_grid_overlaps_keeps_at_most_its_bytes(monkeypatch):
+    cuts = [np.arange(0, 65, 8, dtype=np.int64)]
+    monkeypatch.setattr(boxes, "_overlaps", {})
+    monkeypatch.setattr(boxes, "_overlaps_bytes", [0])
+    monkeypatch.setattr(boxes, "OVERLAPS_KEPT_BYTES", 200)
+    for start in range(6):
+        lo, hi = np.array([[start]], np.int64), np.array([[start + 20]], np.int64)
+        boxes.grid_overlaps(cuts, lo, hi)
+        kept = sum(a.nbytes for found in boxes._overlaps.values() for a in found)
+        assert kept == boxes._overlaps_bytes[0] <= 200 or len(boxes._overlaps) == 1
+    assert 1 <= len(boxes._overlaps) < 6
