@@ -34,13 +34,13 @@ from partitioner.strategy import Strategy
 from runtime.step.foresight import Foresight, shared_out
 from runtime.step.prediction import (
     SIMULATE_MAX_WORK,
+    builds_on_budget,
     compute_lower_bound,
     objective_simulates,
     predict_step,
     simulate_compiled,
     simulates_every_rank,
     step_report,
-    tells_apart,
 )
 from runtime.step.programs import build_programs, ranks_all_differ
 from runtime.step.rank_memory import (
@@ -307,12 +307,16 @@ class StepModel:
     ) -> Mapping[int, RankProgram] | None:
         """Every rank's program of `plan`; None where `most_built` is given and building them
         would take more (rank, task) pairs (`programs.build_programs`), or telling its ranks
-        apart more messages than a prediction makes (`prediction.tells_apart`: unless the model
-        simulates any size of step)."""
+        apart more messages than a prediction makes (`prediction.builds_on_budget`: unless the
+        model simulates any size of step)."""
         key = self._plan_key(graph, plan)
         found = self._programs.get(key)
         if found is None or (found[1] is None and most_built is None):
-            if most_built is None or self.simulate_any_size or tells_apart(plan):
+            if (
+                most_built is None
+                or self.simulate_any_size
+                or builds_on_budget(graph, plan, most_built)
+            ):
                 built = build_programs(
                     graph, plan, self.machine, range(plan.nranks), most_built=most_built
                 )

@@ -208,13 +208,16 @@ def message_work(plan: Plan) -> float:
     return MESSAGE_WORK * messages
 
 
-def tells_apart(plan: Plan) -> bool:
-    """Whether a prediction tells the ranks of `plan` apart to simulate its step by classes
-    (`programs.build_programs` with a budget): not where its messages alone are past
-    `SIMULATE_EVERY_RANK_MAX_WORK`, so that its step is summed at once. Deep-mlp's model plan
-    on 2048 ranks made 29 million messages' ends over 17 s and 5.9 GB before its ranks were
-    found to differ at its fifth task, and its step was summed."""
-    return message_work(plan) <= SIMULATE_EVERY_RANK_MAX_WORK
+def builds_on_budget(graph: TaskGraph, plan: Plan, most_built: int) -> bool:
+    """Whether a prediction builds the programs of `plan` within `most_built` (rank, task)
+    pairs (`programs.build_programs`): every rank's where they are within it, else one per
+    class of ranks alike, told apart first, but not where its messages alone are past
+    `SIMULATE_EVERY_RANK_MAX_WORK`: telling ranks apart makes every message of every rank,
+    and such a step is summed at once. Deep-mlp's model plan on 2048 ranks made 29 million
+    messages' ends over 17 s and 5.9 GB before its ranks were found to differ at its fifth
+    task, and its step was summed."""
+    within = plan.nranks * len(graph.tasks) <= most_built
+    return within or message_work(plan) <= SIMULATE_EVERY_RANK_MAX_WORK
 
 
 def simulates_every_rank(graph: TaskGraph, plan: Plan) -> bool:

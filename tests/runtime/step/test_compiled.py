@@ -218,8 +218,10 @@ def test_step_prediction_simulates_at_every_rank_count():
 
 def test_a_step_past_the_budget_by_its_messages_alone_is_summed_untold(monkeypatch):
     """Telling ranks apart makes every rank's messages: where those alone are past the
-    every-rank budget, the step is summed without a program built (deep-mlp's model plan on
-    2048 ranks spent 17 s and 5.9 GB on them before); `--simulate` still tells them apart."""
+    every-rank budget, and the ranks' programs are past the work a simulation builds, the step
+    is summed without a program built (deep-mlp's model plan on 2048 ranks spent 17 s and 5.9
+    GB on them before); where every rank's program is within that work, they are built and
+    simulated all the same; `--simulate` still tells them apart."""
     machine = MACHINES["one-per-host"]
     graph, plan = _plan("deep-mlp", 72, "model", "replicated", 72, machine)
     built = []
@@ -229,12 +231,22 @@ def test_a_step_past_the_budget_by_its_messages_alone_is_summed_untold(monkeypat
         return build_programs(*args, **kwargs)
 
     monkeypatch.setattr(model_module, "build_programs", counted)
-    assert prediction.tells_apart(plan)  # within the budget as it stands
+    budget = model_module.simulation_budget(plan.nranks)
+    assert prediction.builds_on_budget(graph, plan, budget)  # within both budgets as they stand
     monkeypatch.setattr(
         prediction, "SIMULATE_EVERY_RANK_MAX_WORK", prediction.message_work(plan) * 0.99
     )
-    assert not prediction.tells_apart(plan)
     bulk = plan_cost(graph, plan, machine).step_seconds
+    # every rank's program within the work a simulation builds: built, whatever its messages
+    assert plan.nranks * len(graph.tasks) <= budget
+    assert prediction.builds_on_budget(graph, plan, budget)
+    step = StepModel(machine).step_prediction(graph, plan, bulk)
+    assert step["step_model"] == "simulated" and built == [plan]
+    built.clear()
+    # past it too: summed, nothing built
+    budget = plan.nranks * len(graph.tasks) - 1
+    monkeypatch.setattr(model_module, "SIMULATE_MAX_WORK", budget)
+    assert not prediction.builds_on_budget(graph, plan, budget)
     step = StepModel(machine).step_prediction(graph, plan, bulk)
     assert step["step_model"] == "bulk-synchronous" and not built
     StepModel(machine, simulate_any_size=True).programs(
