@@ -174,3 +174,32 @@ def test_the_last_level_cache_is_the_largest_listed_and_a_default_where_none_is(
         machine_facts.last_level_cache_bytes(tmp_path / "missing")
         == machine_facts.FALLBACK_LAST_LEVEL_CACHE_BYTES
     )
+
+
+def test_our_share_of_sgemm_pairs_each_pass_with_the_sgemm_beside_it(monkeypatch):
+    ceilings = iter([100.0, 200.0, 400.0, 100.0, 50.0, 300.0, 100.0, 100.0, 1000.0])
+    monkeypatch.setattr(bench_kernels, "sgemm_gflops", lambda *a, **k: next(ceilings, 100.0))
+    monkeypatch.setattr(bench_kernels, "sgemm_native", lambda *a, **k: None)
+    seconds = TOY.flops(2) / 1e9 / 100.0  # every pass at 100 GFLOP/s
+    monkeypatch.setattr(
+        bench_kernels, "measured", lambda fn, times: (seconds, bench_kernels.CallCosts(1, 0, 0))
+    )
+    report = bench_kernels.run_benchmark(
+        batches=(2,), repeat=1, impls=("legion-nn",), shape=TOY, sgemm_size=64, rounds=2,
+        bandwidth_megabytes=4,
+    )  # fmt: skip
+    # sgemm_gflops is asked at the start, then before each of the two layers and after each
+    # of their three passes: (100), then [200, 400, 100, 50] untied, [300, 100, 100, 1000] tied
+    by_pass = {(r["untied"], r["pass"]): r for r in report["results"]}
+    untied = [by_pass[True, p]["sgemm_shares"][0] for p in bench_kernels.PASSES]
+    assert untied == pytest.approx([100 / 400, 100 / 400, 100 / 100])
+    tied = [by_pass[False, p]["sgemm_shares"][0] for p in bench_kernels.PASSES]
+    assert tied == pytest.approx([100 / 300, 100 / 100, 100 / 1000])
+    for res in report["results"]:  # the second round's ceilings are all 100
+        assert res["sgemm_shares"][1] == pytest.approx(1.0)
+        assert res["sgemm_share"] == pytest.approx(np.median(res["sgemm_shares"]))
+    assert report["sgemm_gflops"] == 1000.0
+    table = bench_kernels.format_table(report)
+    row = next(line for line in table.splitlines() if line.startswith("forward         untied"))
+    assert row.split()[4] == f"{(0.25 + 1.0) / 2:.0%}"  # the paired median, not 100 / 1000
+    assert "%SGEMM: the median over rounds" in table
