@@ -14,7 +14,9 @@ Side by side, in one run on this machine:
   written or read (`_fuse_row`);
 - the measured step: the executor `train` runs, in one process, on seeded random data, Adam
   (`train`'s default), the median of `STEPS` steps after `WARMUP`, and each task's median time
-  from the step's trace;
+  from the step's trace; an SGEMM measured before and after each timed step gives each step its
+  own roofline, and the median of those ratios is printed beside the step's over the roofline
+  at the run's first SGEMM (`paired_ratio`);
 - the peer, when PyTorch is installed: the same network written in PyTorch, untied filters by
   unfold and batched matmul over the output positions (the recipe of `bench kernels`), Adam,
   timed the same way (`bench.torch_peer`).
@@ -22,15 +24,17 @@ Side by side, in one run on this machine:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from bench.calibration import memory_bandwidth
-from bench.kernels import sgemm_ceiling
+from bench.kernels import sgemm_ceiling, sgemm_gflops
 from legion_nn.graph import TaskGraph
 from legion_nn.networks import load_network
 from partitioner.accounting import bytes_per_rank, flops_per_rank
@@ -75,19 +79,35 @@ def _inputs(graph: TaskGraph, network, batch: int) -> tuple[np.ndarray, np.ndarr
     return x, rng.integers(0, network.classes, batch).astype(np.int32)
 
 
-def measure(
-    graph: TaskGraph, network, batch: int
-) -> tuple[float, float, dict[str, float], set[str], dict[str, str]]:
-    """The median step in seconds, the median of its tasks' summed seconds (each step's sum
-    within that step, so the medians keep the order), each task's median seconds, the zeroings
-    the runtime elides (their first contribution writes: `RankTask.elided`), and the updates it
-    fuses into the task that computes their gradient (`RankTask.fused_into`), by name, with
-    that task's."""
+class Measured(NamedTuple):
+    """What `measure` times of the step."""
+
+    #: the median step in seconds
+    step: float
+    #: the median of its tasks' summed seconds (each step's sum within that step, so the
+    #: medians keep the order)
+    tasks: float
+    #: each task's median seconds
+    per_task: dict[str, float]
+    #: the zeroings the runtime elides (their first contribution writes: `RankTask.elided`)
+    elided: set[str]
+    #: the updates it fuses into the task that computes their gradient (`RankTask.fused_into`),
+    #: by name, with that task's
+    fused: dict[str, str]
+    #: every timed step's seconds, in order
+    steps: list[float]
+
+
+def measure(graph: TaskGraph, network, batch: int, beside: Callable[[], None] | None = None):
+    """The step as the executor runs it, timed (`Measured`); `beside` is called before the
+    first timed step and after each (the SGEMM measured beside each step: `paired_ceilings`)."""
     x, y = _inputs(graph, network, batch)
     recorder = Recorder(0)
     executor = one_process(recorder=recorder)
     steps, tasks, per_task = [], [], defaultdict(list)
     for step in range(WARMUP + STEPS):
+        if beside is not None and step == WARMUP:
+            beside()
         recorder.events.clear()
         start = time.perf_counter()
         executor.run(graph, StepContext(step, inputs=x, labels=y))
@@ -97,6 +117,8 @@ def measure(
             tasks.append(sum(event["dur"] for event in computed) * 1e-6)
             for event in computed:
                 per_task[event["name"]].append(event["dur"] * 1e-6)
+            if beside is not None:
+                beside()
     program = executor.prepare(graph).step
     elided = {rt.task.name for rt in program.tasks if rt.elided}
     fused = {
@@ -104,12 +126,39 @@ def measure(
         for rt in program.tasks
         if rt.fused_into is not None
     }
-    return (
+    return Measured(
         statistics.median(steps),
         statistics.median(tasks),
         {k: statistics.median(v) for k, v in per_task.items()},
         elided,
         fused,
+        steps,
+    )
+
+
+def step_rows(graph: TaskGraph, gflops: float, gbytes_per_s: float, measured: Measured) -> list:
+    """The roofline's rows (`roofline`) as the runtime runs the step: the zeroings it elides
+    bound at nothing, the updates it fuses bound with their gradients' tasks (`_fuse_row`),
+    each row with its task's measured median."""
+    rows = roofline(graph, gflops, gbytes_per_s)
+    by_name = {row["task"]: row for row in rows}
+    for row in rows:
+        row["measured_s"] = measured.per_task.get(row["task"], 0.0)
+        if row["task"] in measured.elided:  # no bytes must move: the first contribution writes
+            row["bound_s"], row["bound_by"] = 0.0, "elided"
+    for update, into in measured.fused.items():
+        _fuse_row(graph, by_name[update], by_name[into], gflops, gbytes_per_s)
+    return rows
+
+
+def paired_ratio(steps: list[float], ceilings: list[float], bound: Callable[[float], float]):
+    """The median over timed steps of each step's seconds over its roofline (`bound`, of an
+    SGEMM rate) at the faster of the SGEMMs measured just before and after it: a shared
+    machine's speed moves between seconds, and a step over a roofline priced at another moment
+    does not say how near the step ran to what the machine could do then."""
+    return statistics.median(
+        step / bound(max(before, after))
+        for step, before, after in zip(steps, ceilings, ceilings[1:])
     )
 
 
@@ -122,16 +171,17 @@ def run_step_benchmark(
     say("the machine's ceilings: SGEMM and memory bandwidth")
     gflops = sgemm_ceiling()
     bandwidth = memory_bandwidth()
-    rows = roofline(graph, gflops, bandwidth)
-    say(f"{network_name} at batch {batch}: {WARMUP} + {STEPS} steps")
-    step, tasks, per_task, elided, fused = measure(graph, network, batch)
-    by_name = {row["task"]: row for row in rows}
-    for row in rows:
-        row["measured_s"] = per_task.get(row["task"], 0.0)
-        if row["task"] in elided:  # no bytes must move: the first contribution writes
-            row["bound_s"], row["bound_by"] = 0.0, "elided"
-    for update, into in fused.items():
-        _fuse_row(graph, by_name[update], by_name[into], gflops, bandwidth)
+    say(f"{network_name} at batch {batch}: {WARMUP} + {STEPS} steps, an SGEMM beside each")
+    ceilings: list[float] = []
+    measured = measure(graph, network, batch, lambda: ceilings.append(sgemm_gflops(repeat=3)))
+    rows = step_rows(graph, gflops, bandwidth, measured)
+    # a pinned core type's in-process SGEMM is below the machine's (`sgemm_ceiling`)
+    unpinned = max(1.0, gflops / max(ceilings)) if os.environ.get("OPENBLAS_CORETYPE") else 1.0
+
+    def bound(rate: float) -> float:
+        return sum(r["bound_s"] for r in step_rows(graph, rate * unpinned, bandwidth, measured))
+
+    step, tasks = measured.step, measured.tasks
     out = {
         "network": network_name,
         "batch": batch,
@@ -140,6 +190,8 @@ def run_step_benchmark(
         "memory_gbytes_per_s": bandwidth,
         "roofline_s": sum(r["bound_s"] for r in rows),
         "measured_s": step,
+        "sgemm_beside_gflops": [rate * unpinned for rate in ceilings],
+        "paired_roofline_ratio": paired_ratio(measured.steps, ceilings, bound),
         "tasks_s": tasks,
         "tasks": rows,
     }
@@ -197,6 +249,13 @@ def format_table(report: dict) -> str:
         f"step: measured {step:.4f} s, roofline {bound:.4f} s ({step / bound:.2f}x); its tasks "
         f"{report['tasks_s']:.4f} s, the rest {step - report['tasks_s']:.4f} s"
     )
+    if "paired_roofline_ratio" in report:
+        beside = report["sgemm_beside_gflops"]
+        lines.append(
+            f"paired: each step over its roofline at the SGEMM measured beside it "
+            f"({min(beside):.0f}-{max(beside):.0f} GFLOP/s), median "
+            f"{report['paired_roofline_ratio']:.2f}x"
+        )
     if "torch_s" in report:
         lines.append(
             f"PyTorch peer: {report['torch_s']:.4f} s a step ({report['torch_s'] / step:.1f}x ours)"

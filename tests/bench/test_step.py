@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.step import measure, roofline
+from bench.step import STEPS, measure, paired_ratio, roofline
 from cli.main import main
 from legion_nn.networks import load_network
 from legion_nn.op_records import flops_per_element
@@ -35,7 +35,12 @@ def test_every_task_is_bounded_by_its_flops_or_its_bytes():
 def test_the_measured_step_times_every_task_that_runs():
     network = load_network("seed-lcn-small")
     graph = network.lower(batch=4, optimizer="adam")
-    step, tasks, per_task, elided, fused = measure(graph, network, 4)
+    beside = []
+    step, tasks, per_task, elided, fused, steps = measure(
+        graph, network, 4, lambda: beside.append(len(beside))
+    )
+    assert len(steps) == STEPS and step == pytest.approx(np.median(steps))
+    assert len(beside) == STEPS + 1  # before the first timed step and after each
     assert set(per_task) == {t.name for t in graph.tasks} - elided - set(fused)
     assert "L1.W.grad.set_zero" in elided
     # one process: each weight's update runs inside the kernel of its gradient; a bias's,
@@ -49,6 +54,18 @@ def test_the_measured_step_times_every_task_that_runs():
     assert 0 < tasks <= step
 
 
+def test_each_step_is_set_against_its_roofline_at_the_sgemm_beside_it():
+    def bound(rate):  # a step of 100 GFLOP at the SGEMM's rate
+        return 100.0 / rate
+
+    # steps of 1 s; SGEMMs of 100, 200, 50, 100 GFLOP/s: rooflines at 200, 200, 100 GFLOP/s
+    ratios = [1.0 / 0.5, 1.0 / 0.5, 1.0 / 1.0]
+    assert paired_ratio([1.0, 1.0, 1.0], [100.0, 200.0, 50.0, 100.0], bound) == pytest.approx(
+        np.median(ratios)
+    )
+    assert paired_ratio([2.0], [100.0, 100.0], bound) == pytest.approx(2.0)
+
+
 def test_bench_step_writes_its_report(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert (
@@ -58,6 +75,8 @@ def test_bench_step_writes_its_report(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["roofline_s"] == pytest.approx(sum(r["bound_s"] for r in report["tasks"]))
     assert report["measured_s"] > 0 and report["sgemm_gflops"] > 0
+    assert len(report["sgemm_beside_gflops"]) == STEPS + 1
+    assert report["paired_roofline_ratio"] > 0
     assert "roofline" in capsys.readouterr().out
     assert main(["bench", "kernels", "seed-lcn"]) == 2
     assert "is for bench step" in capsys.readouterr().err
