@@ -35,6 +35,7 @@ import numpy as np
 
 from bench.calibration import memory_bandwidth
 from bench.kernels import sgemm_ceiling, sgemm_gflops
+from bench.timing import ceilings_beside
 from legion_nn.graph import TaskGraph
 from legion_nn.networks import load_network
 from partitioner.accounting import bytes_per_rank, flops_per_rank
@@ -100,7 +101,7 @@ class Measured(NamedTuple):
 
 def measure(graph: TaskGraph, network, batch: int, beside: Callable[[], None] | None = None):
     """The step as the executor runs it, timed (`Measured`); `beside` is called before the
-    first timed step and after each (the SGEMM measured beside each step: `paired_ceilings`)."""
+    first timed step and after each (the SGEMM measured beside each step: `paired_ratio`)."""
     x, y = _inputs(graph, network, batch)
     recorder = Recorder(0)
     executor = one_process(recorder=recorder)
@@ -153,12 +154,10 @@ def step_rows(graph: TaskGraph, gflops: float, gbytes_per_s: float, measured: Me
 
 def paired_ratio(steps: list[float], ceilings: list[float], bound: Callable[[float], float]):
     """The median over timed steps of each step's seconds over its roofline (`bound`, of an
-    SGEMM rate) at the faster of the SGEMMs measured just before and after it: a shared
-    machine's speed moves between seconds, and a step over a roofline priced at another moment
-    does not say how near the step ran to what the machine could do then."""
+    SGEMM rate) at the faster of the SGEMMs measured just before and after it
+    (`timing.ceilings_beside`)."""
     return statistics.median(
-        step / bound(max(before, after))
-        for step, before, after in zip(steps, ceilings, ceilings[1:])
+        step / bound(rate) for step, rate in zip(steps, ceilings_beside(ceilings))
     )
 
 
