@@ -190,14 +190,23 @@ def sgemm_native(size: int = 2048, repeat: int = 5) -> dict | None:
         raise RuntimeError(str(error) or type(error).__name__) from None
 
 
-def sgemm_ceiling(size: int = 2048) -> float:
-    """The machine's SGEMM GFLOP/s: the better of this process's and, where the environment
-    pins OpenBLAS's core type, that of the kernels OpenBLAS would pick (`sgemm_native`)."""
+def sgemm_ceiling(size: int = 2048) -> tuple[float, dict | None]:
+    """The machine's SGEMM GFLOP/s, the better of this process's and, where the environment
+    pins OpenBLAS's core type, that of the kernels OpenBLAS would pick; and that native run
+    (`sgemm_native`; None where nothing is pinned or its child failed)."""
     try:
         native = sgemm_native(size)
     except RuntimeError:
         native = None
-    return max(sgemm_gflops(size), native["gflops"] if native else 0.0)
+    return max(sgemm_gflops(size), native["gflops"] if native else 0.0), native
+
+
+def unpinned_scale(native: dict | None, in_process: list[float]) -> float:
+    """How much faster, at best, the kernels OpenBLAS picks for the CPU ran than this process's
+    pinned ones (`native` from `sgemm_native`, None: nothing pinned, 1): a rate paired with
+    the in-process SGEMM beside it (`timing.ceilings_beside`) is set against that SGEMM times
+    this."""
+    return max(1.0, native["gflops"] / max(in_process)) if native else 1.0
 
 
 def _print_sgemm(size: int, repeat: int) -> None:
@@ -367,9 +376,7 @@ def run_benchmark(
     if native:  # again at the end, the best kept, like the in-process ceiling
         measure_native()
     best_native = max(native, key=lambda run: run["gflops"]) if native else None
-    # a pinned core type's in-process SGEMM is below the machine's: its paired shares are
-    # scaled by how much faster the native kernels ran at best
-    unpinned = max(1.0, best_native["gflops"] / max(sgemm)) if best_native else 1.0
+    unpinned = unpinned_scale(best_native, sgemm)
     for key, paired in shares.items():
         best[key]["sgemm_share"] = float(np.median(paired)) / unpinned
         best[key]["sgemm_shares"] = [share / unpinned for share in paired]

@@ -24,7 +24,6 @@ Side by side, in one run on this machine:
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -34,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from bench.calibration import memory_bandwidth
-from bench.kernels import sgemm_ceiling, sgemm_gflops
+from bench.kernels import sgemm_ceiling, sgemm_gflops, unpinned_scale
 from bench.timing import ceilings_beside
 from legion_nn.graph import TaskGraph
 from legion_nn.networks import load_network
@@ -168,14 +167,13 @@ def run_step_benchmark(
     network = load_network(network_name)
     graph = network.lower(batch=batch, optimizer=OPTIMIZER)
     say("the machine's ceilings: SGEMM and memory bandwidth")
-    gflops = sgemm_ceiling()
+    gflops, native = sgemm_ceiling()
     bandwidth = memory_bandwidth()
     say(f"{network_name} at batch {batch}: {WARMUP} + {STEPS} steps, an SGEMM beside each")
     ceilings: list[float] = []
     measured = measure(graph, network, batch, lambda: ceilings.append(sgemm_gflops(repeat=3)))
     rows = step_rows(graph, gflops, bandwidth, measured)
-    # a pinned core type's in-process SGEMM is below the machine's (`sgemm_ceiling`)
-    unpinned = max(1.0, gflops / max(ceilings)) if os.environ.get("OPENBLAS_CORETYPE") else 1.0
+    unpinned = unpinned_scale(native, ceilings)
 
     def bound(rate: float) -> float:
         return sum(r["bound_s"] for r in step_rows(graph, rate * unpinned, bandwidth, measured))

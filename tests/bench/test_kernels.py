@@ -203,3 +203,9 @@ def test_our_share_of_sgemm_pairs_each_pass_with_the_sgemm_beside_it(monkeypatch
     row = next(line for line in table.splitlines() if line.startswith("forward         untied"))
     assert row.split()[4] == f"{(0.25 + 1.0) / 2:.0%}"  # the paired median, not 100 / 1000
     assert "%SGEMM: the median over rounds" in table
+
+
+def test_paired_rates_are_scaled_by_how_much_faster_the_unpinned_kernels_ran():
+    assert bench_kernels.unpinned_scale(None, [100.0, 150.0]) == 1.0  # nothing pinned
+    assert bench_kernels.unpinned_scale({"gflops": 300.0}, [100.0, 150.0]) == 2.0
+    assert bench_kernels.unpinned_scale({"gflops": 100.0}, [150.0]) == 1.0  # never below
