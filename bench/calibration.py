@@ -144,7 +144,7 @@ def calibrate(
     per-task overhead. The overhead is read off the small tasks, by a least-squares fit over
     the tasks in relative terms (`_fit_task_times`); the factor is then the one that makes the
     step's kernels sum to what the traced step spent in them (`_step_factor`). The factor is
-    the difference between a kernel profiled on evicted caches (`task_profile.evict_caches`)
+    the difference between a kernel profiled on evicted caches (`cache_eviction.evict`)
     and the same kernel in a step, where some of its operands are still cached from the tasks
     before it (below 1: 0.76-0.96 for seed-lcn-small at batch 64 on one core); an overhead
     alone cannot carry it: it grows with the task. It also absorbs a profile that ran in a

@@ -70,6 +70,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from bench import cache_eviction
 from bench.calibration import buffer_pass_rates, calibrate, memory_bandwidth
 from bench.jobs import MIN_TIMED_S, OPTIMIZER
 from bench.message_costs import (
@@ -281,8 +282,10 @@ def measure(
     strategies: Sequence[str] = STRATEGIES,
     quick: bool = False,
     progress: Callable[[str], None] | None = None,
+    eviction: str = "write",
 ) -> dict | None:
-    """The machine file's object on rank 0 (None on the others)."""
+    """The machine file's object on rank 0 (None on the others); each timed run of a piece
+    after `eviction` (`bench.cache_eviction`)."""
     from runtime.launch import ranks_on_this_host, share_cores
 
     say = progress or (lambda line: None)
@@ -326,7 +329,8 @@ def measure(
                 out["duplex_gbytes_per_s"] = 1 / duplex_per_byte / 1e9
     if rank == 0:
         say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
-        pieces, fitted = measure_compute(network, batch, size, strategies, threads, quick)
+        with cache_eviction.evicting(eviction):
+            pieces, fitted = measure_compute(network, batch, size, strategies, threads, quick)
         say(f"{network} batch {batch}: a process's baseline memory")
         baseline = process_baseline_mib(network, batch)
     main = links.get("inter_host") or links.get("intra_host")
@@ -395,6 +399,7 @@ def measure(
             "ranks": size,
             "hosts": list(dict.fromkeys(hosts)),
             "threads_per_rank": threads,
+            "eviction": eviction,
             "links_measured": [name for name, _, _ in pairs] or "none (one process)",
             **({"message_overhead_rounds_us": per_message["rounds"]} if per_message else {}),
             **({"message_job_steps_s": per_message["steps"]} if per_message else {}),

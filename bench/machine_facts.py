@@ -22,6 +22,11 @@ def cpu_model() -> str:
     return _cpuinfo().get("model name") or platform.processor() or "unknown"
 
 
+def cpu_flags() -> frozenset[str]:
+    """The first processor's feature flags (/proc/cpuinfo's `flags`; empty where there is none)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     try:
@@ -101,7 +106,7 @@ def machine_facts() -> dict:
     import numpy
 
     info = _cpuinfo()
-    flags = set(info.get("flags", "").split())
+    flags = cpu_flags()
     max_khz = _read("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
     return {
         "cpu": cpu_model(),

@@ -11,7 +11,7 @@ each requirement's rect copied into its own buffer, placed and laid out as the r
 and lays out a rank's buffers (`runtime.aligned`, `runtime.instances`), and sums a rank's
 pieces per task.
 
-Each run of a piece starts with its operands out of the caches (`evict_caches`), as a step's
+Each run of a piece starts with its operands out of the caches (`cache_eviction.evict`), as a step's
 other tasks leave them. Timed on warm caches (five runs over the same buffers), a piece read
 faster the smaller it was, and by more than a step gives back (`bench/step_factor.py`, on
 seed-lcn-small at batch 64, one core a rank, in five runs): a one-rank step's traced tasks over
@@ -29,7 +29,6 @@ the result as its `measured` compute.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from collections import defaultdict
@@ -39,9 +38,8 @@ from dataclasses import replace
 
 import numba
 import numpy as np
-from numba import njit, prange
 
-from bench.machine_facts import last_level_cache_bytes
+from bench import cache_eviction
 from legion_nn.graph import TaskGraph
 from partitioner.machine import Machine
 from partitioner.piece_times import piece_key
@@ -58,26 +56,6 @@ from runtime.step.shared_programs import source
 
 #: a piece's time is the median of this many runs, after one that compiles and warms up
 REPEAT = 5
-#: what `evict_caches` writes, in last-level caches: enough that little of what was there stays
-EVICTED_CACHES = 2
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def _write_all(buffer: np.ndarray) -> None:
-    for i in prange(buffer.shape[0]):
-        buffer[i] += 1.0
-
-
-@functools.cache
-def _eviction_buffer(caches: int) -> np.ndarray:
-    return np.zeros(caches * last_level_cache_bytes() // 8)
-
-
-def evict_caches() -> None:
-    """Write `EVICTED_CACHES` times the last-level cache, on the Numba threads the kernels run
-    on (each core's own caches, and the shared one): what a piece reads next comes from memory.
-    With `EVICTED_CACHES` 0 nothing is written (`bench/step_factor.py --warm`)."""
-    _write_all(_eviction_buffer(EVICTED_CACHES))
 
 
 PieceKey = tuple
@@ -222,9 +200,12 @@ def _time_piece(
     """The median seconds of `piece`'s kernel, each run on evicted caches: adding into its
     reductions, or as `rt` of `program` runs it (`runtime.step.piece_modes`)."""
 
+    operands = []  # what each run reads and writes, taken out of the caches before it
+
     def copied(tensor, rect):
         # a copy even where the view is whole: a piece that writes must not change the sample
-        return aligned_copy(executor.view(tensor, rect))
+        operands.append(aligned_copy(executor.view(tensor, rect)))
+        return operands[-1]
 
     stepped = rt.steps if rt is not None else {}
     views = {}
@@ -240,7 +221,7 @@ def _time_piece(
         ctx = replace(ctx, fresh=fresh_roles(rt, piece), steps=steps)
     seconds = []
     for _ in range(REPEAT + 1):
-        evict_caches()
+        cache_eviction.evict(operands)
         start = time.perf_counter()
         run_on_views(task, piece.rect, piece.requirements, views, graph.tensors, ctx)
         seconds.append(time.perf_counter() - start)

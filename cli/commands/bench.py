@@ -75,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(for tests)",
     )
     parser.add_argument(
+        "--eviction",
+        metavar="E",
+        help="machine: how each timed run of a piece finds the caches: write (twice the "
+        "last-level cache overwritten, the default, which the cost model's factor was checked "
+        "with), flush (the piece's operands' lines flushed: far quicker where the last-level "
+        "cache is large, small pieces read faster) or none (warm)",
+    )
+    parser.add_argument(
         "--hosts",
         metavar="H",
         type=_positive,
@@ -172,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         return _step(args, say)
     if args.suite == "machine":
         return _machine(args, say)
+    if args.eviction is not None:
+        raise LegionNNError(f"--eviction is for bench machine, not bench {args.suite}")
     if args.suite == "scaling" and args.hosts is not None:
         return _cluster_scaling(args, say)
     for flag, value in (("--hosts", args.hosts), ("--link", args.link), ("--ranks", args.ranks),
@@ -243,13 +253,16 @@ def _step(args: argparse.Namespace, say) -> int:
 
 def _machine(args: argparse.Namespace, say) -> int:
     from bench import machine as machine_bench
+    from bench.cache_eviction import check_eviction
     from legion_nn.atomic import write_text
     from legion_nn.networks import load_network
 
     network = args.network or "seed-lcn-small"
     load_network(network)  # a bad name fails before the ping-pongs
+    eviction = args.eviction or "write"
+    check_eviction(eviction)
     machine = machine_bench.measure(
-        network, _single_batch(args, 64), quick=args.quick, progress=say
+        network, _single_batch(args, 64), quick=args.quick, progress=say, eviction=eviction
     )
     if machine is None:  # not rank 0
         return 0

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numba
 import numpy as np
 import pytest
 
-from bench import machine_facts, task_profile
+from bench import cache_eviction, machine_facts, task_profile
+from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin
@@ -48,7 +50,8 @@ def test_profiling_runs_every_piece_and_leaves_the_sample_as_it_was(small):
     graph, (executor, ctx) = small
     before = {name: array.copy() for name, array in executor.arrays.items()}
     plan = build_plan(graph, builtin(graph, "model", 2), 2)
-    profiled = task_profile.profile_plan(graph, plan, 1, (executor, ctx))
+    with cache_eviction.evicting(cache_eviction.cheapest_cold()):  # what is timed is not checked
+        profiled = task_profile.profile_plan(graph, plan, 1, (executor, ctx))
     assert list(profiled) == [task.name for task in graph.tasks]
     assert all(seconds > 0 for seconds in profiled.values())
     for name, array in executor.arrays.items():
@@ -68,30 +71,85 @@ def test_placed_arrays_start_on_distinct_cache_lines():
     assert aligned_empty((0, 3), np.float64).shape == (0, 3)
 
 
-def test_each_timed_run_of_a_piece_starts_on_evicted_caches(small, monkeypatch):
+def test_each_timed_run_of_a_piece_starts_with_its_operands_evicted(small, monkeypatch):
     graph, sample = small
     plan = build_plan(graph, builtin(graph, "data", 1), 1)
     events = []
-    monkeypatch.setattr(task_profile, "evict_caches", lambda: events.append("evict"))
+    monkeypatch.setattr(
+        cache_eviction, "evict", lambda operands: events.append(("evict", list(operands)))
+    )
     real_run = task_profile.run_on_views
 
-    def run(*args, **kwargs):
-        events.append("run")
-        return real_run(*args, **kwargs)
+    def run(task, rect, requirements, views, tensors, ctx):
+        events.append(("run", [*views.values(), *(ctx.steps or {}).values()]))
+        return real_run(task, rect, requirements, views, tensors, ctx)
 
     monkeypatch.setattr(task_profile, "run_on_views", run)
     cache: dict = {}
-    task_profile.profile_plan(graph, plan, 1, sample, cache)
+    task_profile.profile_as_run(graph, plan, 1, sample, cache)
     assert len(cache) > 0
-    assert events == ["evict", "run"] * (task_profile.REPEAT + 1) * len(cache)
+    assert [kind for kind, _ in events] == ["evict", "run"] * (task_profile.REPEAT + 1) * len(cache)
+    stepped = 0
+    for (_, evicted), (_, used) in zip(events[::2], events[1::2]):
+        evicted_ids = {id(a) for a in evicted}
+        for operand in used:
+            if isinstance(operand, np.ndarray):  # every array the kernel reads or writes
+                assert operand.size == 0 or id(operand) in evicted_ids
+            else:  # a fused optimizer's step: the parameter and its state it steps
+                stepped += 1
+                arrays = [operand.params, *operand.state]
+                assert all(id(a) in evicted_ids for a in arrays if a.size)
+    assert stepped > 0  # the one-rank step fuses updates into its weight gradients
 
 
-def test_the_eviction_writes_every_byte_of_twice_the_last_level_cache():
-    buffer = task_profile._eviction_buffer(task_profile.EVICTED_CACHES)
-    assert buffer.nbytes >= task_profile.EVICTED_CACHES * machine_facts.last_level_cache_bytes()
+def test_the_write_eviction_writes_every_byte_of_twice_the_last_level_cache(monkeypatch):
+    monkeypatch.setattr(cache_eviction, "EVICTION", "write")
+    buffer = cache_eviction.eviction_buffer(cache_eviction.EVICTED_CACHES)
+    assert buffer.nbytes >= cache_eviction.EVICTED_CACHES * machine_facts.last_level_cache_bytes()
     before = buffer.copy()
-    task_profile.evict_caches()
+    cache_eviction.evict([np.ones(3)])
     np.testing.assert_array_equal(buffer, before + 1.0)
+
+
+def test_the_flush_covers_each_operands_bytes_and_leaves_their_values():
+    whole = np.arange(24.0).reshape(4, 6)
+    low = whole.ctypes.data
+    spans = cache_eviction.byte_spans([whole, whole[1:3, ::2], np.zeros((0, 5)), whole[::-1]])
+    # an empty array has nothing to flush; a reversed view covers what its base does
+    assert spans.tolist() == [[low, low + 192], [low + 48, low + 136], [low, low + 192]]
+    before = whole.copy()
+    cache_eviction.flush_lines(spans)  # a dirty line is written back, not lost
+    np.testing.assert_array_equal(whole, before)
+
+
+@pytest.mark.skipif(
+    "clflushopt" not in machine_facts.cpu_flags(), reason="the CPU has no clflushopt"
+)
+def test_the_flush_is_a_clflushopt_per_line_then_a_fence():
+    # compiled here: a dispatcher loaded from Numba's cache keeps no assembly
+    fresh = numba.njit(nogil=True)(cache_eviction.flush_lines.py_func)
+    fresh(cache_eviction.byte_spans([np.ones(100)]))
+    (assembly,) = fresh.inspect_asm().values()
+    assert "clflushopt" in assembly and "mfence" in assembly
+    assert cache_eviction.cheapest_cold() == "flush"
+    with cache_eviction.evicting("flush"):
+        assert cache_eviction.EVICTION == "flush"
+    assert cache_eviction.EVICTION == "write"  # the default, back
+
+
+def test_a_cpu_without_clflushopt_cannot_flush(monkeypatch):
+    monkeypatch.setattr(cache_eviction, "cpu_flags", lambda: frozenset({"avx2", "clflush"}))
+    assert cache_eviction.cheapest_cold() == "write"
+    with pytest.raises(LegionNNError, match="--eviction flush: this CPU has no clflushopt"):
+        cache_eviction.check_eviction("flush")
+    assert cache_eviction.EVICTION == "write"
+
+
+def test_no_eviction_touches_neither_the_operands_nor_the_buffer(monkeypatch):
+    monkeypatch.setattr(cache_eviction, "EVICTION", "none")
+    for name in ("flush_lines", "_write_all"):
+        monkeypatch.setattr(cache_eviction, name, lambda *args: pytest.fail("evicted"))
+    cache_eviction.evict([np.ones(3)])
 
 
 def test_each_ranks_profile_sums_its_own_pieces_and_the_busiest_is_the_plans(small, monkeypatch):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.cache_eviction import cheapest_cold
 from cli.main import main
 from legion_nn.errors import LegionNNError
 from runtime import cluster, cluster_links
@@ -406,7 +407,7 @@ def test_bench_machine_measures_the_link_between_hosts(clean, tmp_path):
     result = run(
         "cluster", "run", "--name", clean, "--hosts", "2", "--link", "400mbit", "-n", "2", "--",
         *legion_nn("bench", "machine", "--network", "seed-lcn-small", "--batch", "4", "--quick",
-                   "--quiet", "--json", str(path)),
+                   "--quiet", "--eviction", cheapest_cold(), "--json", str(path)),
         timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
