@@ -47,6 +47,7 @@ from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
 from runtime.kernels.blas import kernel_threading
+from runtime.kernels.denormals import flushing_denormals
 from runtime.piece_views import run_on_views
 from runtime.rank_executor import RankExecutor, one_process
 from runtime.step.piece_modes import fresh_roles, fused_steps, piece_mode
@@ -90,7 +91,7 @@ def _on_threads(threads: int) -> Iterator[None]:
     previous = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
-        with kernel_threading():
+        with kernel_threading(), flushing_denormals():  # as a step runs them
             yield
     finally:
         numba.set_num_threads(previous)

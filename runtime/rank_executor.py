@@ -47,6 +47,7 @@ from runtime.grad_clipping import clip_factor, counted_gradients, first_update
 from runtime.initial_values import initial_part
 from runtime.instances import StorageOrder, choose_storage_orders
 from runtime.kernels.blas import kernel_threading
+from runtime.kernels.denormals import flushing_denormals
 from runtime.kernels.update import squared_norm
 from runtime.process_memory import peak_rss_bytes
 from runtime.rank_step import StepRun, fault_from_env
@@ -318,7 +319,7 @@ class RankExecutor:
         sent_before = self.transport.bytes_sent
         run.post(program.post_at_start)
         clipping = self.clip_grad_norm is not None and program is prepared.step
-        with kernel_threading():  # once per step, not once per kernel
+        with kernel_threading(), flushing_denormals():  # once per step, not once per kernel
             for rank_task in program.tasks:
                 if clipping and rank_task.index == prepared.norm_at:
                     self._clip(run, prepared)
