@@ -49,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
     from runtime.launch import rank_from_env, world_size_from_env
 
     if world_size_from_env() is None:
+        from runtime.kernels.denormals import flushed_job
         from runtime.transport import ThreadTransport
 
-        job = _job(args)
-        (transport,) = ThreadTransport.group(1)
-        _predict(args, job, transport)
+        with flushed_job():  # before Numba's pool starts
+            job = _job(args)
+            (transport,) = ThreadTransport.group(1)
+            _predict(args, job, transport)
         return 0
     from cli.commands.ranks import report_setup_error, run_rank
     from legion_nn.errors import LegionNNError

@@ -22,6 +22,13 @@ PEER_LOST_GRACE_S = 1.0
 def run_rank(command: str, status, body: Callable) -> int:
     """Run `body(transport)` as this rank of the job (`status`: `runtime.supervisor.Status`
     from `start_watcher`); returns the process's exit status."""
+    from runtime.kernels.denormals import flushed_job
+
+    with flushed_job():  # from before the rank's threads are set
+        return _run_rank(command, status, body)
+
+
+def _run_rank(command: str, status, body: Callable) -> int:
     from legion_nn.errors import LegionNNError
     from runtime.launch import ranks_on_this_host, share_cores
     from runtime.mpi_transport import MPITransport, idle_barrier

@@ -328,30 +328,32 @@ def _run_single(args: argparse.Namespace) -> int:
     import numba
 
     from runtime.distributed import train_rank
+    from runtime.kernels.denormals import flushed_job
     from runtime.transport import ThreadTransport
 
     config, options = _config(args)
     log = _open_log(args) if args.log_json else None
-    threads = numba.get_num_threads()  # the run may choose fewer (`kernel_threads`)
-    try:
-        console = _Console(args.no_progress)
-        console.start(config, config.total_steps, 1, options.label)
-        (transport,) = ThreadTransport.group(1)
-        result = train_rank(
-            config,
-            transport,
-            options,
-            None,
-            log,
-            console.on_step,
-            console.on_epoch,
-            _compile_ahead(config.dtype, 0, 1, None, alone=config, machine=options.machine),
-        )
-        console.done(result)
-    finally:
-        numba.set_num_threads(threads)
-        if log is not None:
-            log.close()
+    with flushed_job():  # before Numba's pool starts, which the next line may do
+        threads = numba.get_num_threads()  # the run may choose fewer (`kernel_threads`)
+        try:
+            console = _Console(args.no_progress)
+            console.start(config, config.total_steps, 1, options.label)
+            (transport,) = ThreadTransport.group(1)
+            result = train_rank(
+                config,
+                transport,
+                options,
+                None,
+                log,
+                console.on_step,
+                console.on_epoch,
+                _compile_ahead(config.dtype, 0, 1, None, alone=config, machine=options.machine),
+            )
+            console.done(result)
+        finally:
+            numba.set_num_threads(threads)
+            if log is not None:
+                log.close()
     return 0
 
 

@@ -5,15 +5,16 @@ or makes one takes a microcode assist of about a hundred cycles. Training makes 
 at batch 64 under Adam, its logits grown by the first two steps, has softmax probabilities
 that round to nothing, and its third step's gradients below the classifier were 94-98%
 denormal (104 of L1's 146 million weight gradients). On an Intel Xeon VM that step took 27.5 s
-where its neighbours took 1.4-2.8 s, 23.6 s of it in L1's weight gradient; AMD's cores take
-denormals at full speed, which is why the VMs before never showed it. Flushed, such a value is
+where its neighbours took 1.4-2.8 s, 23.6 s of it in L1's weight gradient (the AMD EPYC VMs of
+the stops before never showed it: Zen cores take most denormals without an assist). Flushed, such a value is
 zero, an error below 1.2e-38 per operation, which no tolerance of a float32 computation sees;
 it is what TensorFlow's and oneDNN's CPU kernels do.
 
 `flushing_denormals()` sets both bits of MXCSR on the thread that enters it (the executor's,
-for a step; restored as it leaves) and, once per process, on every thread of Numba's pool, which
-runs only kernels (the pool's threads keep it). A thread the pool starts later starts from its
-creator's setting, the entering thread's.
+for a step, and the profiler's; restored as it leaves) and, where the kernels run on more than
+one thread, on every thread of Numba's pool, which runs only kernels and keeps the setting. A
+job's process (`flushed_job()`) starts the pool flushed: its threads take the setting of the
+thread that starts them.
 """
 
 from __future__ import annotations
@@ -73,26 +74,26 @@ def _write_mxcsr(typingctx, value):
 
 
 @njit(nogil=True, cache=True)
+def _swap_mxcsr(value: int, flush: bool) -> int:
+    """This thread's MXCSR, then set to `value`, or with `flush` to itself with FTZ and DAZ
+    (one function: each compiled one costs a cold start about 0.1 s)."""
+    before = _read_mxcsr()
+    _write_mxcsr((before | (FTZ | DAZ)) if flush else value)
+    return before
+
+
 def mxcsr() -> int:
     """The calling thread's MXCSR."""
-    return _read_mxcsr()
-
-
-@njit(nogil=True, cache=True)
-def set_mxcsr(value: int) -> None:
-    _write_mxcsr(value)
-
-
-@njit(nogil=True, cache=True)
-def _flush_on_this_thread() -> np.uint32:
-    _write_mxcsr(_read_mxcsr() | (FTZ | DAZ))
-    return _read_mxcsr()
+    before = _swap_mxcsr(0, True)
+    _swap_mxcsr(before, False)
+    return before
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def _flush_on_every_thread(seen: np.ndarray) -> None:
     for i in prange(seen.size):
-        seen[i] = _flush_on_this_thread()
+        _swap_mxcsr(0, True)
+        seen[i] = _read_mxcsr()
 
 
 _pool = threading.Lock()
@@ -111,17 +112,49 @@ def flush_in_pool() -> np.ndarray:
         numba.set_num_threads(previous)
 
 
+def _pool_started() -> bool:
+    """Whether Numba has started its pool of threads (it does at the first parallel loop)."""
+    from numba.np.ufunc import parallel
+
+    return parallel._is_initialized
+
+
 @contextmanager
-def flushing_denormals() -> Iterator[None]:
-    """Denormals flushed on this thread meanwhile, and from now on in Numba's pool."""
+def flushed_job() -> Iterator[None]:
+    """Denormals flushed on this thread while a job runs in this process (`train`, `predict`, a
+    rank; restored after), and on Numba's pool where it starts meanwhile: its threads start
+    flushed (a new thread takes the setting of the thread that starts it), and no loop over them
+    is compiled (0.5 s of a cold start on two threads)."""
     global _pool_flushed
-    before = mxcsr()  # the pool's loop runs on this thread too
+    before = _swap_mxcsr(0, True)
     with _pool:
-        if not _pool_flushed:
-            flush_in_pool()
+        unstarted = not _pool_flushed and not _pool_started()
+        if unstarted:
             _pool_flushed = True
-    _flush_on_this_thread()
     try:
         yield
     finally:
-        set_mxcsr(before)
+        with _pool:
+            if unstarted and not _pool_started():  # to start later, from a thread not flushed
+                _pool_flushed = False
+        _swap_mxcsr(before, False)
+
+
+@contextmanager
+def flushing_denormals() -> Iterator[None]:
+    """Denormals flushed on this thread meanwhile, and from now on in Numba's pool where this
+    thread runs kernels on more than one thread.
+
+    A pool started inside `flushed_job` started flushed; any other is flushed by a loop over its
+    threads, once."""
+    global _pool_flushed
+    before = _swap_mxcsr(0, True)
+    if numba.get_num_threads() > 1:
+        with _pool:
+            if not _pool_flushed:
+                flush_in_pool()
+                _pool_flushed = True
+    try:
+        yield
+    finally:
+        _swap_mxcsr(before, False)

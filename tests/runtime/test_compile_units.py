@@ -28,6 +28,7 @@ def test_a_graph_needs_the_units_of_its_ops_and_optimizer():
         "softmax",
         "update",
         "update.parallel",
+        "denormals",
     ]
     assert units_of(graph_of("three-layer-convnet", "sgd")) == [
         "filter.tied",
@@ -39,6 +40,7 @@ def test_a_graph_needs_the_units_of_its_ops_and_optimizer():
         "maxpool",
         "update",
         "update.parallel",
+        "denormals",
     ]
 
 
