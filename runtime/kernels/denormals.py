@@ -113,10 +113,11 @@ def flush_in_pool() -> np.ndarray:
 
 
 def _pool_started() -> bool:
-    """Whether Numba has started its pool of threads (it does at the first parallel loop)."""
+    """Whether Numba has started its pool of threads (it does when first asked how many it
+    runs, or at the first parallel loop); a Numba that does not say is taken to have."""
     from numba.np.ufunc import parallel
 
-    return parallel._is_initialized
+    return getattr(parallel, "_is_initialized", True)
 
 
 @contextmanager
