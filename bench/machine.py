@@ -284,8 +284,13 @@ def measure(
     progress: Callable[[str], None] | None = None,
     eviction: str = "write",
 ) -> dict | None:
-    """The machine file's object on rank 0 (None on the others); each timed run of a piece
-    after `eviction` (`bench.cache_eviction`)."""
+    """The machine file's object on rank 0 (None on the others); each timed run of a piece,
+    the calibration's and the message costs' alike, after `eviction` (`bench.cache_eviction`)."""
+    with cache_eviction.evicting(eviction):
+        return _measure(network, batch, strategies, quick, progress, eviction)
+
+
+def _measure(network, batch, strategies, quick, progress, eviction) -> dict | None:
     from runtime.launch import ranks_on_this_host, share_cores
 
     say = progress or (lambda line: None)
@@ -329,8 +334,7 @@ def measure(
                 out["duplex_gbytes_per_s"] = 1 / duplex_per_byte / 1e9
     if rank == 0:
         say(f"{network} batch {batch}: timing the pieces of its plans on {threads} thread(s)")
-        with cache_eviction.evicting(eviction):
-            pieces, fitted = measure_compute(network, batch, size, strategies, threads, quick)
+        pieces, fitted = measure_compute(network, batch, size, strategies, threads, quick)
         say(f"{network} batch {batch}: a process's baseline memory")
         baseline = process_baseline_mib(network, batch)
     main = links.get("inter_host") or links.get("intra_host")
