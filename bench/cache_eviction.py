@@ -50,6 +50,11 @@ def can_flush() -> bool:
     return "clflushopt" in cpu_flags()
 
 
+def available_evictions() -> list[str]:
+    """The `EVICTIONS` this CPU can do."""
+    return [e for e in EVICTIONS if e != "flush" or can_flush()]
+
+
 def cheapest_cold() -> str:
     """The eviction that leaves a piece's operands cold at the least cost on this CPU."""
     return "flush" if can_flush() else "write"

@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print(describe(machine_facts()))
-    evictions = [e for e in cache_eviction.EVICTIONS if e != "flush" or cache_eviction.can_flush()]
+    evictions = cache_eviction.available_evictions()
     graph = load_network(args.network).lower(batch=args.batch, optimizer=OPTIMIZER)
     plans = [build_plan(graph, builtin(graph, "data", 1), 1)] + [
         build_plan(graph, builtin(graph, s, args.ranks), args.ranks)

@@ -282,15 +282,10 @@ def measure(
     strategies: Sequence[str] = STRATEGIES,
     quick: bool = False,
     progress: Callable[[str], None] | None = None,
-    eviction: str = "write",
 ) -> dict | None:
     """The machine file's object on rank 0 (None on the others); each timed run of a piece,
-    the calibration's and the message costs' alike, after `eviction` (`bench.cache_eviction`)."""
-    with cache_eviction.evicting(eviction):
-        return _measure(network, batch, strategies, quick, progress, eviction)
-
-
-def _measure(network, batch, strategies, quick, progress, eviction) -> dict | None:
+    the calibration's and the message costs' alike, after the eviction in force
+    (`cache_eviction.evicting`), which the file records."""
     from runtime.launch import ranks_on_this_host, share_cores
 
     say = progress or (lambda line: None)
@@ -403,7 +398,7 @@ def _measure(network, batch, strategies, quick, progress, eviction) -> dict | No
             "ranks": size,
             "hosts": list(dict.fromkeys(hosts)),
             "threads_per_rank": threads,
-            "eviction": eviction,
+            "eviction": cache_eviction.EVICTION,
             "links_measured": [name for name, _, _ in pairs] or "none (one process)",
             **({"message_overhead_rounds_us": per_message["rounds"]} if per_message else {}),
             **({"message_job_steps_s": per_message["steps"]} if per_message else {}),

@@ -34,6 +34,7 @@ from bench.calibration import task_medians
 from bench.cluster_scaling import split_homes
 from bench.jobs import OPTIMIZER, run_job
 from bench.machine_facts import describe, machine_facts
+from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin, with_homes
@@ -56,15 +57,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument(
         "--evictions",
-        default=",".join(e for e in cache_eviction.EVICTIONS if e != "flush" or cache_eviction.can_flush()),
+        default=",".join(cache_eviction.available_evictions()),
         help="how each profiled run's operands leave the caches, each in turn "
         "(flush, write, none; default: %(default)s)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     evictions = args.evictions.split(",")
-    unknown = [e for e in evictions if e not in cache_eviction.EVICTIONS]
-    if unknown:
-        parser.error(f"--evictions: unknown {', '.join(unknown)}")
+    try:
+        for eviction in evictions:
+            cache_eviction.check_eviction(eviction)
+    except LegionNNError as exc:
+        parser.error(str(exc))
     print(describe(machine_facts()))
     graph = load_network(args.network).lower(batch=args.batch, optimizer=OPTIMIZER)
     sample = task_profile.sample_step(graph)

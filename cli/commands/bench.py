@@ -253,17 +253,15 @@ def _step(args: argparse.Namespace, say) -> int:
 
 def _machine(args: argparse.Namespace, say) -> int:
     from bench import machine as machine_bench
-    from bench.cache_eviction import check_eviction
+    from bench.cache_eviction import evicting
     from legion_nn.atomic import write_text
     from legion_nn.networks import load_network
 
     network = args.network or "seed-lcn-small"
     load_network(network)  # a bad name fails before the ping-pongs
-    eviction = args.eviction or "write"
-    check_eviction(eviction)
-    machine = machine_bench.measure(
-        network, _single_batch(args, 64), quick=args.quick, progress=say, eviction=eviction
-    )
+    batch = _single_batch(args, 64)
+    with evicting(args.eviction or "write"):  # a bad one fails before the ping-pongs
+        machine = machine_bench.measure(network, batch, quick=args.quick, progress=say)
     if machine is None:  # not rank 0
         return 0
     from bench.machine_facts import describe, machine_facts
