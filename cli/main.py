@@ -22,6 +22,14 @@ from contextlib import nullcontext
 #: busy process. libgomp reads the setting when Numba first loads it, at the first parallel loop,
 #: so the command sets it for its process before any kernel runs; a user's own setting wins.
 OPENMP_SPIN_POLLS = "3000"
+#: OpenBLAS's idle threads spin for 2**28 cycles (about 0.1 s) after each threaded call before
+#: they sleep, on the cores the next Numba kernel wants: on a 2-core Intel Xeon VM the seed's L1
+#: untied forward took 128-159 ms right after a 2048² SGEMM and 80-101 ms after a pause (or with
+#: this setting), and `bench step`, which measures an SGEMM beside each step, found its first
+#: tasks at 2.4-8.5× their bounds. 2**4 cycles, OpenBLAS's least: its threads sleep at once, and
+#: a threaded call wakes them in microseconds. OpenBLAS reads it as NumPy loads it, so the
+#: command sets it before anything imports NumPy; a user's own setting wins.
+OPENBLAS_SPIN_EXPONENT = "4"
 
 #: the commands that plan, predict or start a job: what each allocates it keeps to its end (the
 #: graph, plans, rank programs, a job's kernels), so the cycle collector is paused while it runs
@@ -62,11 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_idle_threads() -> None:
+    """Bound how long the thread pools of Numba's OpenMP layer and of OpenBLAS spin when idle
+    (`OPENMP_SPIN_POLLS`, `OPENBLAS_SPIN_EXPONENT`), where the user has not: before NumPy or a
+    kernel is loaded, which is when each library reads its setting."""
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_POLLS)
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_SPIN_EXPONENT)
+
+
 def main(argv: list[str] | None = None) -> int:
     from legion_nn.cycles import no_cycle_collection
     from legion_nn.errors import LegionNNError
 
-    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_POLLS)
+    quiet_idle_threads()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

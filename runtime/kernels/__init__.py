@@ -4,8 +4,8 @@
 functions of `conv` run on the packed layouts of `layout`, which an executor keeps
 across training steps. `reference` holds the plain NumPy oracles.
 
-Importing them changes no environment: the `legion-nn` command sets OpenMP's spin count for its
-process (`cli.main.OPENMP_SPIN_POLLS` says why).
+Importing them changes no environment: the `legion-nn` command bounds how long idle OpenMP and
+OpenBLAS threads spin in its process (`cli.main.quiet_idle_threads` says why).
 """
 
 import hashlib
