@@ -9,10 +9,12 @@ from runtime.aligned import aligned_empty
 from runtime.kernels.gemm_tile import MAX_ROWS, MAX_VECTORS, lanes
 from runtime.kernels.microkernel import (
     COLUMN_BLOCKS_BEYOND,
+    COLUMNS_OUTERMOST_MOST_BYTES,
     PANEL_BYTES,
     PANEL_LEAST_DEPTH,
     STREAM,
     _block_columns,
+    _columns_outermost,
     _panels,
     _rows_read,
     kernels,
@@ -87,6 +89,25 @@ def test_every_tile_shape_and_width(dtype, a_transposed):
             for accumulate in (False, True):
                 c, before, expected = run(m, n, 5, dtype, a_transposed, accumulate, seed=m * n)
                 check(c, before, expected, m, n, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_either_order_of_the_tiles_gives_the_product(dtype, accumulate):
+    """C's tiles down each block of columns (a small result) and across each row tile (a
+    large one, past `COLUMNS_OUTERMOST_MOST_BYTES`), masked tails and short last row tiles
+    included: each tile is written once, with the product."""
+    size = np.dtype(dtype).itemsize
+    block = MAX_VECTORS * lanes(size)
+    small = (2 * MAX_ROWS + 3, 3 * block + 5)
+    large_rows = COLUMNS_OUTERMOST_MOST_BYTES // (small[1] * size) + MAX_ROWS + 1
+    for (m, n), down in ((small, True), ((large_rows, small[1]), False)):
+        assert _columns_outermost(m, n, block, False, size) is down
+        c, before, expected = run(m, n, 7, dtype, False, accumulate, seed=m)
+        check(c, before, expected, m, n, dtype)
+    # a streamed result goes down the columns whatever its size: it is stored past the caches
+    assert _columns_outermost(large_rows, small[1], block, True, size)
+    assert not _columns_outermost(large_rows, block, block, True, size)  # one block of columns
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
