@@ -3,7 +3,9 @@
     C[i, 0:w] (+)= Σ_l A[i·a_rs + l·a_cs] · B[l·ldb + 0:w]        for i < mr, l < depth
 
 with mr rows of C held as `nv` vectors each in registers for the whole reduction, one vector
-load of B's row per vector and one broadcast of A's element per row at each step. B and C
+load of B's row per vector and one broadcast of A's element per row at each step; a tile given
+lines to hint into the caches (the next product's A) sends one every 2**s steps, s the most
+that still sends them all. B and C
 rows are read in place through their leading dimensions, and A through any two strides, so
 the forward (A = the weights), backward-data (A = the weights transposed) and backward-filter
 (A = the output gradient) passes all run on the packed tensors without a copy of A.
@@ -75,7 +77,7 @@ _I32 = ir.IntType(32)
 
 
 def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth, accumulate,
-               stream, blocks, a_block, b_block, tail):  # fmt: skip
+               stream, blocks, a_block, b_block, hint, hint_lines, tail):  # fmt: skip
     """One tile: C (rows × vectors, the last vector's first `tail` lanes when `tail` is an IR
     value) (+)= A · B over `depth` steps, accumulators in SSA registers (allocas that LLVM's
     mem2reg promotes); where `stream` (an IR boolean) holds, C's whole vectors are stored
@@ -146,12 +148,41 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
     broadcast = ir.Constant(ir.VectorType(_I32, width), [0] * width)
     # the products of `blocks` pairs (A, B), each `a_block` and `b_block` after the last, summed
     # in the same accumulators
+    # the hints (`hint_lines` cache lines from `hint` on) go out one every 2**shift steps of
+    # the reduction, not all before the tile: a burst of them held every fill buffer of the
+    # core, and the tile's own loads waited (see `microkernel.tiled_gemm_prefetching`)
+    steps = builder.mul(blocks, depth)
+    shift = ir.Constant(index, 0)
+    for bit in range(1, 7):  # the most whose slots, steps >> shift, still cover the lines
+        covers = builder.icmp_unsigned(
+            ">=", builder.lshr(steps, ir.Constant(index, bit)), hint_lines
+        )
+        shift = builder.select(covers, ir.Constant(index, bit), shift)
+    slot = builder.sub(builder.shl(ir.Constant(index, 1), shift), ir.Constant(index, 1))
+    line_elements = ir.Constant(index, 64 // size)
+    prefetch = cgutils.get_or_insert_function(
+        module,
+        ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
+        "llvm.prefetch.p0",
+    )
     with cgutils.for_range(builder, blocks) as outer:
         b_first = builder.gep(b, [builder.mul(outer.index, b_block)])
         a_first = builder.mul(outer.index, a_block)
+        done = builder.mul(outer.index, depth)
         with cgutils.for_range(builder, depth) as loop:
             _tile_step(builder, vty, fma, load, accs, rows, vectors, broadcast, a_rows, a_cs,
                        b_first, ldb, a_first, loop.index)  # fmt: skip
+            step = builder.add(done, loop.index)
+            line = builder.lshr(step, shift)
+            due = builder.and_(
+                builder.icmp_unsigned("==", builder.and_(step, slot), ir.Constant(index, 0)),
+                builder.icmp_unsigned("<", line, hint_lines),
+            )
+            with builder.if_then(due):
+                target = builder.gep(hint, [builder.mul(line, line_elements)])
+                builder.call(prefetch, [builder.bitcast(target, ir.IntType(8).as_pointer()),
+                                        ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                        ir.Constant(_I32, 1)])  # fmt: skip
     nontemporal = module.add_metadata([ir.Constant(_I32, 1)])
     with builder.if_else(stream) as (streamed, cached):
         with streamed:
@@ -208,6 +239,8 @@ def tile_product(
     blocks,
     a_block,
     b_block,
+    hint_off,
+    hint_lines,
 ):
     """C[c_off:] (rows × vectors·lanes, row stride ldc) (+)= Σ A · B over `blocks` pairs of
     blocks (see `tiled_gemm_sum`), dispatched on (rows,
@@ -235,6 +268,8 @@ def tile_product(
         types.intp,
         types.intp,
         types.intp,
+        types.intp,
+        types.intp,
     )
 
     def codegen(context, builder, signature, args):
@@ -258,11 +293,14 @@ def tile_product(
             blocks_,
             a_block_,
             b_block_,
+            hint_off_,
+            hint_lines_,
         ) = args
         operand_types = signature.args
         c_ptr = element_pointer(context, builder, operand_types[3], c_, c_off_)
         a_ptr = element_pointer(context, builder, operand_types[6], a_, a_off_)
         b_ptr = element_pointer(context, builder, operand_types[10], b_, b_off_)
+        hint_ptr = element_pointer(context, builder, operand_types[6], a_, hint_off_)
         dtype = operand_types[3].dtype
         vty = ir.VectorType(context.get_value_type(dtype), lanes(dtype.bitwidth // 8))
         function = builder.function
@@ -273,7 +311,7 @@ def tile_product(
         key = builder.select(masked, builder.add(key, ir.Constant(key.type, 8)), key)
         switch = builder.switch(key, done)
         operands = (c_ptr, ldc_, a_ptr, a_rs_, a_cs_, b_ptr, ldb_, depth_, acc_, stream_, blocks_,
-                    a_block_, b_block_)  # fmt: skip
+                    a_block_, b_block_, hint_ptr, hint_lines_)  # fmt: skip
         for r in TILE_ROWS:
             # whole vectors (1..MAX_VECTORS of them), then one masked vector (key + 8)
             variants = [(v, None, f"{r}x{v}", r * 16 + v) for v in range(1, MAX_VECTORS + 1)]
