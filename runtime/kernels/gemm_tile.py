@@ -5,10 +5,10 @@
 with mr rows of C held as `nv` vectors each in registers for the whole reduction, one vector
 load of B's row per vector and one broadcast of A's element per row at each step; a tile given
 lines to hint into the caches (the next product's A) sends one every 2**s steps, s the most
-that still sends them all. B and C
-rows are read in place through their leading dimensions, and A through any two strides, so
-the forward (A = the weights), backward-data (A = the weights transposed) and backward-filter
-(A = the output gradient) passes all run on the packed tensors without a copy of A.
+that still sends them all. B and C rows are read in place through their leading dimensions,
+and A through any two strides, so the forward (A = the weights), backward-data (A = the
+weights transposed) and backward-filter (A = the output gradient) passes all run on the
+packed tensors without a copy of A.
 
 The body is written as LLVM IR with vectors as wide as the host's registers (`VECTOR_BYTES`:
 AVX-512, AVX2 or 128-bit) and `llvm.fmuladd` (one FMA where the host has them), inside a Numba
@@ -146,8 +146,6 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
                 for v in range(vectors):
                     builder.store(zero, accs[i][v])
     broadcast = ir.Constant(ir.VectorType(_I32, width), [0] * width)
-    # the products of `blocks` pairs (A, B), each `a_block` and `b_block` after the last, summed
-    # in the same accumulators
     # the hints (`hint_lines` cache lines from `hint` on) go out one every 2**shift steps of
     # the reduction, not all before the tile: a burst of them held every fill buffer of the
     # core, and the tile's own loads waited (see `microkernel.tiled_gemm_prefetching`)
@@ -165,6 +163,8 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
         ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
         "llvm.prefetch.p0",
     )
+    # the products of `blocks` pairs (A, B), each `a_block` and `b_block` after the last, summed
+    # in the same accumulators
     with cgutils.for_range(builder, blocks) as outer:
         b_first = builder.gep(b, [builder.mul(outer.index, b_block)])
         a_first = builder.mul(outer.index, a_block)

@@ -178,15 +178,20 @@ def test_rejects_mixed_dtypes():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefetching_the_next_operand_changes_nothing(dtype):
+@pytest.mark.parametrize("next_ld", [11, 15])
+def test_prefetching_the_next_operand_changes_nothing(dtype, next_ld):
+    """Hinting the next product's A, 13 rows of 11 elements `next_ld` apart (one run, sent over
+    the tiles' steps; or rows apart, sent before each tile), leaves this product as it is."""
     rng = np.random.default_rng(7)
-    a = rng.standard_normal((2, 13, 11)).astype(dtype)  # this product's A, then the next one
+    a = rng.standard_normal(13 * 11 + 13 * next_ld).astype(dtype)  # this product's A, the next
     b = rng.standard_normal((11, 70)).astype(dtype)
     c = np.full((13, 70), np.nan, dtype)
     tiled_gemm_prefetching(
-        kernels(dtype), 13, 70, 11, a, 0, 11, 1, b, 0, 70, False, c, 0, 70, 13 * 11, 13, 11, 11
-    )
-    np.testing.assert_allclose(c, a[0] @ b, rtol=0, atol=TOL[dtype] * 10)
+        kernels(dtype), 13, 70, 11, a, 0, 11, 1, b, 0, 70, False, c, 0, 70, 13 * 11, 13, next_ld,
+        11,
+    )  # fmt: skip
+    expected = a[: 13 * 11].reshape(13, 11) @ b
+    np.testing.assert_allclose(c, expected, rtol=0, atol=TOL[dtype] * 10)
 
 
 def test_a_dtype_without_its_compiled_gemm_is_refused():
