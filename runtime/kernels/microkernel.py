@@ -59,8 +59,8 @@ def _gemm(itself, m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, 
     SGEMM faster with them. (A loop over panels around the tiles had LLVM copy their 20 bodies,
     1.6-2.9 s of compiling against 1.1, and run the one-panel weight gradients 3-5% slower;
     called through the address, the loop adds some 0.45 s to the GEMM's compile.)"""
+    itemsize = 4 if is_single(a) else 8
     if itself != 0:
-        itemsize = 4 if is_single(a) else 8
         per_block, steps, panels = _panels(n * itemsize, k, blocks, accumulate == STREAM)
         columns = _block_columns(m, n, _rows_read(per_block, steps, k, blocks), itemsize)
         calls = panels * -(-n // columns)
@@ -84,7 +84,6 @@ def _gemm(itself, m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, 
                       hint_at - a_at, hint_rows, hint_ld, hint_columns, count, a_block,
                       b_block)  # fmt: skip
             return
-    itemsize = 4 if is_single(a) else 8
     width = VECTOR_BYTES // itemsize
     block = MAX_VECTORS * width
     tiles = -(-m // MAX_ROWS) * -(-n // block)
