@@ -46,10 +46,8 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
-from runtime.kernels.blas import kernel_threading
-from runtime.kernels.denormals import flushing_denormals
 from runtime.piece_views import run_on_views
-from runtime.rank_executor import RankExecutor, one_process
+from runtime.rank_executor import RankExecutor, one_process, step_kernel_settings
 from runtime.step.piece_modes import fresh_roles, fused_steps, piece_mode
 from runtime.step.programs import build_programs
 from runtime.step.rank_program import RankProgram, RankTask
@@ -91,7 +89,7 @@ def _on_threads(threads: int) -> Iterator[None]:
     previous = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
-        with kernel_threading(), flushing_denormals():  # as a step runs them
+        with step_kernel_settings():  # as a step runs them
             yield
     finally:
         numba.set_num_threads(previous)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -88,6 +89,15 @@ class _Prepared:
     #: the step's program where it is taken (`runtime.grad_clipping`)
     counted: list[tuple[str, Rect]] = field(default_factory=list)
     norm_at: int = 0
+
+
+@contextmanager
+def step_kernel_settings() -> Iterator[None]:
+    """The settings a step's kernels run under, entered once a step: every BLAS library on one
+    thread (`kernel_threading`) and denormals flushed (`flushing_denormals`). The profiler
+    (`bench.task_profile`) times its pieces under the same."""
+    with kernel_threading(), flushing_denormals():
+        yield
 
 
 class RankExecutor:
@@ -319,7 +329,7 @@ class RankExecutor:
         sent_before = self.transport.bytes_sent
         run.post(program.post_at_start)
         clipping = self.clip_grad_norm is not None and program is prepared.step
-        with kernel_threading(), flushing_denormals():  # once per step, not once per kernel
+        with step_kernel_settings():  # once per step, not once per kernel
             for rank_task in program.tasks:
                 if clipping and rank_task.index == prepared.norm_at:
                     self._clip(run, prepared)
