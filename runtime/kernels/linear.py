@@ -36,6 +36,7 @@ product ran it in 0.3–0.8× that loop's time at every one of these shapes.)
 from __future__ import annotations
 
 import math
+import time
 
 import numba
 import numpy as np
@@ -188,14 +189,20 @@ TILED_BLOCK_BYTES = 256 << 10
 #: deep (1.0 for 512×512), and the weight gradients 0.64–0.95; a b of 64 columns or fewer (the
 #: forward's xᵀ) is read as before
 TILED_COLUMNS = 256
-#: the input's gradient dy·w is computed as dxᵀ = wᵀ·dyᵀ (`transposes_input_grad`) at or below
-#: this many rows, where the tiled product of dy·w reads all of w for each few rows of dy (one
-#: block of rows a thread). Measured on 2 cores (`bench/linear_blocks.py --setting transposed`,
-#: 1 and 2 threads): at 32 and 64 rows 0.71–0.92 of the time with w 2048×2048, 0.61–0.89 with
-#: the seed classifier's, 0.83–1.10 with w 1024 × 4096 inputs; at 128 rows 0.94–1.01
+#: the input's gradient dy·w may be computed as dxᵀ = wᵀ·dyᵀ (`transposes_input_grad`) at or
+#: below this many rows, where the tiled product of dy·w reads all of w for each few rows of dy
+#: (one block of rows a thread), and is where this machine runs it faster (`_raced_input_grad`).
+#: Measured on 2 cores (`bench/linear_blocks.py --setting transposed`, 1 and 2 threads): on an
+#: AMD EPYC VM, at 32 and 64 rows 0.71–0.92 of the time with w 2048×2048, 0.61–0.89 with the
+#: seed classifier's, 0.83–1.10 with w 1024 × 4096 inputs; at 128 rows 0.94–1.01. On an Intel
+#: Xeon VM (2 MiB L2), with the operands placed as the runtime places them, 1.15–1.59× the time
+#: at seven of eight of those shapes (wᵀ read down its columns, a row of w, 8 KiB, apart a step)
 INPUT_GRAD_TRANSPOSED_ROWS = 64
 #: ... with weights of at least these bytes: a 512×512 layer's, in cache, took 1.0–1.4× the time
 TRANSPOSED_WEIGHT_BYTES = 4 << 20
+#: per shape of an input gradient that may run transposed (its dtype, rows, outputs, inputs
+#: and the threads it runs on), whether it does: raced by its first call in this process
+_INPUT_GRAD_ORDERS: dict[tuple, bool] = {}
 #: the stepped product's slice of the reduction (`STEP_BLOCK_BYTES`)
 TILED_DEPTH = 1024
 #: at least this many blocks of c per thread where it has the rows for them, for threads to
@@ -280,9 +287,10 @@ def _check_dy(dy: np.ndarray, x: np.ndarray, m: int) -> None:
 
 
 def transposes_input_grad(n: int, w: np.ndarray) -> bool:
-    """Whether the input's gradient of n rows with the weights w is computed transposed: few
-    rows, large weights, and rows enough for two of the microkernel's vectors (16 float32 rows
-    on AVX-512, with a tile one vector wide, took 1.2–1.7× the time)."""
+    """Whether the input's gradient of n rows with the weights w may be computed transposed:
+    few rows, large weights, and rows enough for two of the microkernel's vectors (16 float32
+    rows on AVX-512, with a tile one vector wide, took 1.2–1.7× the time). Whether it is, is
+    this machine's answer (`_raced_input_grad`)."""
     vector_rows = 2 * VECTOR_BYTES // w.itemsize
     return vector_rows <= n <= INPUT_GRAD_TRANSPOSED_ROWS and w.nbytes >= TRANSPOSED_WEIGHT_BYTES
 
@@ -292,11 +300,33 @@ def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...
     n, m = dy.shape[0], w.shape[0]
     dx = np.empty(input_shape, w.dtype)
     flat = dx.reshape(n, math.prod(input_shape[1:]))
-    product(
-        _matrix(dy, n), NO_TRANS, _matrix(w, m), NO_TRANS, flat,
-        transposed=transposes_input_grad(n, w),
-    )  # fmt: skip
+    a, b = _matrix(dy, n), _matrix(w, m)
+    transposed = False
+    if transposes_input_grad(n, w):
+        key = (flat.dtype.str, n, m, flat.shape[1], numba.get_num_threads())
+        transposed = _INPUT_GRAD_ORDERS.get(key)
+        if transposed is None:
+            _INPUT_GRAD_ORDERS[key] = _raced_input_grad(a, b, flat)
+            return dx
+    product(a, NO_TRANS, b, NO_TRANS, flat, transposed=transposed)
     return dx
+
+
+def _raced_input_grad(dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> bool:
+    """dx = dy·w, and whether it runs faster transposed on this machine. The two orders sum
+    each element over the same products in the same order, so they give the same bits (tested)
+    and the choice is one of speed alone; which is faster is the machine's (see
+    `INPUT_GRAD_TRANSPOSED_ROWS`). dx is computed three times: as is, which brings the operands
+    into the caches, then in each order once, timed alike with the operands where the first
+    run left them."""
+
+    def seconds(transposed: bool) -> float:
+        start = time.perf_counter()
+        product(dy, NO_TRANS, w, NO_TRANS, dx, transposed=transposed)
+        return time.perf_counter() - start
+
+    seconds(False)
+    return seconds(True) < seconds(False)
 
 
 def linear_backward(

@@ -1,8 +1,13 @@
+import time
+
 import numba
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.kernels import linear
+from runtime.kernels.blas import NO_TRANS
 from runtime.kernels.linear import STREAMING_BATCH, linear_backward, linear_forward
 from tests.error_bounds import assert_close_to, assert_product_close
 from tests.numeric_grad import assert_grad, numeric_grad
@@ -185,19 +190,69 @@ def test_the_tiled_products_agree_across_blocks_and_slices(dtype, monkeypatch):
 @pytest.mark.parametrize("transposed", [True, False])
 def test_the_input_gradient_agrees_in_both_forms(dtype, transposed, monkeypatch):
     """dy·w computed as is and as (wᵀ·dyᵀ)ᵀ, with ragged blocks and slices in both, against
-    the product's error bound; the rule takes the transposed form only for few rows and large
-    weights."""
+    the product's error bound."""
     monkeypatch.setattr(linear, "TILED_COLUMNS", 64)
     monkeypatch.setattr(linear, "TILED_BLOCK_BYTES", 7 * 64 * np.dtype(dtype).itemsize)
-    monkeypatch.setattr(linear, "transposes_input_grad", lambda n, w: transposed)
-    x, w, _ = _inputs(37, 130, (3, 5, 6), dtype, seed=6)
-    dy = np.random.default_rng(9).standard_normal((37, 130, 1, 1)).astype(dtype)
-    dx = linear.linear_input_grad(dy, w, x.shape)
-    assert dx.shape == x.shape and dx.dtype == dtype and dx.flags.c_contiguous
-    assert_product_close(dx.reshape(37, 90), dy.reshape(37, 130), w.reshape(130, 90), dtype=dtype)
+    _, w, _ = _inputs(37, 130, (3, 5, 6), dtype, seed=6)
+    dy = np.random.default_rng(9).standard_normal((37, 130)).astype(dtype)
+    dx = np.empty((37, 90), dtype)
+    linear.product(dy, NO_TRANS, w.reshape(130, 90), NO_TRANS, dx, transposed=transposed)
+    assert_product_close(dx, dy, w.reshape(130, 90), dtype=dtype)
 
 
-def test_the_input_gradient_is_transposed_for_few_rows_of_large_weights():
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    m=st.integers(1, 300),
+    c=st.integers(1, 300),
+    double=st.booleans(),
+    columns=st.sampled_from([64, 256]),
+)
+def test_both_orders_of_the_input_gradient_give_the_same_bits(n, m, c, double, columns):
+    """The two orders sum each element over the same products in the same order, whatever the
+    blocks: which one runs is a matter of speed alone (`linear._raced_input_grad`)."""
+    dtype = np.float64 if double else np.float32
+    rng = np.random.default_rng(n * 90001 + m * 301 + c)
+    dy = rng.standard_normal((n, m)).astype(dtype)
+    w = rng.standard_normal((m, c)).astype(dtype)
+    as_is, transposed = np.empty((n, c), dtype), np.empty((n, c), dtype)
+    saved = linear.TILED_COLUMNS
+    linear.TILED_COLUMNS = columns
+    try:
+        linear.product(dy, NO_TRANS, w, NO_TRANS, as_is)
+        linear.product(dy, NO_TRANS, w, NO_TRANS, transposed, transposed=True)
+    finally:
+        linear.TILED_COLUMNS = saved
+    assert np.array_equal(as_is, transposed)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_the_input_gradient_keeps_the_order_that_ran_faster(slow, monkeypatch):
+    """Its first call at a shape that may run transposed races both orders and answers; later
+    calls run the faster one, once."""
+    monkeypatch.setattr(linear, "_INPUT_GRAD_ORDERS", {})
+    product, calls = linear.product, []
+
+    def timed_product(*args, transposed=False, **kwargs):
+        calls.append(transposed)
+        if transposed == slow:
+            time.sleep(0.05)
+        product(*args, transposed=transposed, **kwargs)
+
+    monkeypatch.setattr(linear, "product", timed_product)
+    rows, outputs, inputs = 2 * linear.VECTOR_BYTES // 4, 1024, 1024
+    w = np.random.default_rng(0).standard_normal((outputs, inputs, 1, 1)).astype(np.float32)
+    assert linear.transposes_input_grad(rows, w)
+    dy = np.random.default_rng(1).standard_normal((rows, outputs, 1, 1)).astype(np.float32)
+    for call in range(2):
+        dx = linear.linear_input_grad(dy, w, (rows, inputs, 1, 1))
+        assert_product_close(dx.reshape(rows, inputs), dy.reshape(rows, outputs),
+                             w.reshape(outputs, inputs), dtype=np.float32)  # fmt: skip
+        assert calls == ([False, True, False] if call == 0 else [not slow])
+        calls.clear()
+
+
+def test_the_input_gradient_may_be_transposed_for_few_rows_of_large_weights():
     large = np.empty((linear.TRANSPOSED_WEIGHT_BYTES // 4096, 1024), np.float32)
     small = np.empty((512, 512), np.float32)
     vector_rows = 2 * linear.VECTOR_BYTES // 4
