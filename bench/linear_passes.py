@@ -8,7 +8,9 @@ The default shape is the seed classifier's at batch 64 (3034 × 46656 float32 we
 The passes are the forward x·wᵀ, the input's gradient dy·w, the weight gradient dyᵀ·x, and the
 weight gradient that steps Adam as it goes (`linear.linear_weight_grad_step`, the gradient never
 stored) beside the same two unfused (the gradient into memory, then `OptimizerStep.apply`).
-Each figure is the median of `--repeat` calls after one that compiles and warms. `--tree DIR`
+Each figure is the median of `--repeat` calls after one that compiles and warms, on operands
+placed as the runtime places its buffers (`runtime.aligned`) and under a step's kernel
+settings (`rank_executor.step_kernel_settings`). `--tree DIR`
 imports the kernels from another checkout of the project: run it on two trees in turn
 (`git worktree add /tmp/base REV`) to compare revisions, alternating the runs, since this
 machine is shared. The machine's facts print first.
@@ -29,15 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def passes(rows: int, inputs: int, outputs: int) -> dict[str, tuple[Callable, Callable | None]]:
     """Per pass, (legion-nn's call, NumPy's BLAS call of the same product or None)."""
+    from runtime.aligned import aligned_copy, aligned_zeros
     from runtime.kernels import linear
     from runtime.kernels.update import adam_step
 
     rng = np.random.default_rng(0)
-    x = rng.random((rows, inputs, 1, 1), np.float32)
-    w = rng.random((outputs, inputs, 1, 1), np.float32)
-    dy = rng.random((rows, outputs, 1, 1), np.float32)
-    dw = np.zeros_like(w)
-    m, v = np.zeros_like(w), np.zeros_like(w)
+    x = aligned_copy(rng.random((rows, inputs, 1, 1), np.float32))
+    w = aligned_copy(rng.random((outputs, inputs, 1, 1), np.float32))
+    dy = aligned_copy(rng.random((rows, outputs, 1, 1), np.float32))
+    dw, m, v = (aligned_zeros(w.shape, np.float32) for _ in range(3))
     # a learning rate that leaves the weights as good as unchanged over the repeats
     step = adam_step(w, m, v, 1e-12, 0.9, 0.999, 1e-8, 1)
     x2, w2, dy2, dw2 = (a.reshape(a.shape[0], -1) for a in (x, w, dy, dw))
@@ -84,8 +86,11 @@ def main() -> int:
     print(f"tree {args.tree.resolve()}; SGEMM {sgemm:.1f} GFLOP/s; rows {args.rows}, "
           f"inputs {args.inputs}, outputs {args.outputs}")  # fmt: skip
     print(f"{'pass':24s} {'legion-nn ms':>12s} {'%SGEMM':>7s} {'BLAS ms':>8s} {'%SGEMM':>7s}")
+    from runtime.rank_executor import step_kernel_settings
+
     for name, (ours, blas) in passes(args.rows, args.inputs, args.outputs).items():
-        seconds = statistics.median(call_seconds(ours, args.repeat))
+        with step_kernel_settings():  # the threads and floating-point settings of a step
+            seconds = statistics.median(call_seconds(ours, args.repeat))
         line = f"{name:24s} {seconds * 1e3:12.2f} {flop / seconds / 1e9 / sgemm:7.0%}"
         if blas is not None:
             theirs = statistics.median(call_seconds(blas, args.repeat))
