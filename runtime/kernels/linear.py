@@ -189,14 +189,15 @@ TILED_BLOCK_BYTES = 256 << 10
 #: deep (1.0 for 512×512), and the weight gradients 0.64–0.95; a b of 64 columns or fewer (the
 #: forward's xᵀ) is read as before
 TILED_COLUMNS = 256
-#: the input's gradient dy·w may be computed as dxᵀ = wᵀ·dyᵀ (`transposes_input_grad`) at or
+#: the input's gradient dy·w may be computed as dxᵀ = wᵀ·dyᵀ (`may_transpose_input_grad`) at or
 #: below this many rows, where the tiled product of dy·w reads all of w for each few rows of dy
 #: (one block of rows a thread), and is where this machine runs it faster (`_raced_input_grad`).
 #: Measured on 2 cores (`bench/linear_blocks.py --setting transposed`, 1 and 2 threads): on an
 #: AMD EPYC VM, at 32 and 64 rows 0.71–0.92 of the time with w 2048×2048, 0.61–0.89 with the
 #: seed classifier's, 0.83–1.10 with w 1024 × 4096 inputs; at 128 rows 0.94–1.01. On an Intel
-#: Xeon VM (2 MiB L2), with the operands placed as the runtime places them, 1.15–1.59× the time
-#: at seven of eight of those shapes (wᵀ read down its columns, a row of w, 8 KiB, apart a step)
+#: Xeon VM (2 MiB L2), with the operands placed as the runtime places them, 1.01–1.65× the time
+#: on one thread and 0.98–1.33× on two at those shapes (wᵀ read down its columns: a row of w,
+#: 8 KiB, apart a step)
 INPUT_GRAD_TRANSPOSED_ROWS = 64
 #: ... with weights of at least these bytes: a 512×512 layer's, in cache, took 1.0–1.4× the time
 TRANSPOSED_WEIGHT_BYTES = 4 << 20
@@ -286,7 +287,7 @@ def _check_dy(dy: np.ndarray, x: np.ndarray, m: int) -> None:
     _checks.same_dtype("dy", dy, "x", x)
 
 
-def transposes_input_grad(n: int, w: np.ndarray) -> bool:
+def may_transpose_input_grad(n: int, w: np.ndarray) -> bool:
     """Whether the input's gradient of n rows with the weights w may be computed transposed:
     few rows, large weights, and rows enough for two of the microkernel's vectors (16 float32
     rows on AVX-512, with a tile one vector wide, took 1.2–1.7× the time). Whether it is, is
@@ -302,7 +303,7 @@ def linear_input_grad(dy: np.ndarray, w: np.ndarray, input_shape: tuple[int, ...
     flat = dx.reshape(n, math.prod(input_shape[1:]))
     a, b = _matrix(dy, n), _matrix(w, m)
     transposed = False
-    if transposes_input_grad(n, w):
+    if may_transpose_input_grad(n, w):
         key = (flat.dtype.str, n, m, flat.shape[1], numba.get_num_threads())
         transposed = _INPUT_GRAD_ORDERS.get(key)
         if transposed is None:

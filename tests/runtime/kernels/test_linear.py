@@ -242,7 +242,7 @@ def test_the_input_gradient_keeps_the_order_that_ran_faster(slow, monkeypatch):
     monkeypatch.setattr(linear, "product", timed_product)
     rows, outputs, inputs = 2 * linear.VECTOR_BYTES // 4, 1024, 1024
     w = np.random.default_rng(0).standard_normal((outputs, inputs, 1, 1)).astype(np.float32)
-    assert linear.transposes_input_grad(rows, w)
+    assert linear.may_transpose_input_grad(rows, w)
     dy = np.random.default_rng(1).standard_normal((rows, outputs, 1, 1)).astype(np.float32)
     for call in range(2):
         dx = linear.linear_input_grad(dy, w, (rows, inputs, 1, 1))
@@ -256,8 +256,8 @@ def test_the_input_gradient_may_be_transposed_for_few_rows_of_large_weights():
     large = np.empty((linear.TRANSPOSED_WEIGHT_BYTES // 4096, 1024), np.float32)
     small = np.empty((512, 512), np.float32)
     vector_rows = 2 * linear.VECTOR_BYTES // 4
-    assert linear.transposes_input_grad(vector_rows, large)
-    assert linear.transposes_input_grad(linear.INPUT_GRAD_TRANSPOSED_ROWS, large)
-    assert not linear.transposes_input_grad(vector_rows - 1, large)
-    assert not linear.transposes_input_grad(linear.INPUT_GRAD_TRANSPOSED_ROWS + 1, large)
-    assert not linear.transposes_input_grad(vector_rows, small)
+    assert linear.may_transpose_input_grad(vector_rows, large)
+    assert linear.may_transpose_input_grad(linear.INPUT_GRAD_TRANSPOSED_ROWS, large)
+    assert not linear.may_transpose_input_grad(vector_rows - 1, large)
+    assert not linear.may_transpose_input_grad(linear.INPUT_GRAD_TRANSPOSED_ROWS + 1, large)
+    assert not linear.may_transpose_input_grad(vector_rows, small)
