@@ -1,6 +1,7 @@
 """What a run of `bench scaling --hosts` says (`bench.cluster_scaling` runs it): each row's
-error and kernel seconds over predicted, per case whether the measured order of the strategies
-was predicted and how far auto is from the best measured, and the table that prints them.
+error, how far its job's runs lie apart (the machine's noise for that job) and its kernel
+seconds over predicted, per case whether the measured order of the strategies was predicted and
+how far auto is from the best measured, and the table that prints them.
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ def summarize(rows: Sequence[dict]) -> dict:
             entry["auto_against_best"] = chosen[0]["measured_s"] / best["measured_s"] - 1.0
             entry["best"] = best["strategy"]
         cases.append(entry)
-    return error_verdicts(errors) | {"cases": cases}
+    spreads = sorted(s for r in done if (s := run_spread(r)) is not None)
+    return error_verdicts(errors) | {
+        "cases": cases,
+        "median_run_spread": spreads[len(spreads) // 2] if spreads else None,
+        "largest_run_spread": spreads[-1] if spreads else None,
+    }
 
 
 def error_verdicts(errors: Sequence[float]) -> dict:
@@ -64,6 +70,12 @@ def error_verdicts(errors: Sequence[float]) -> dict:
         "max_abs_error": max(errors, default=None),
         "within_15_percent": sum(e <= 0.15 for e in errors),
     }
+
+
+def _runs(row: dict) -> str:
+    """A row's `run_spread` as the table prints it: "+12%", or "-" for one run."""
+    spread = run_spread(row)
+    return "-" if spread is None else f"+{spread:.0%}"
 
 
 def _computing(row: dict) -> str:
@@ -108,6 +120,26 @@ def _kernel_spread(rows: list[dict]) -> str | None:
     return f"kernels measured over predicted: {', '.join(parts)}" if parts else None
 
 
+def run_spread(row: dict) -> float | None:
+    """How far a row's runs lie apart: the slowest run's median step over the fastest's, less
+    one (None where it kept fewer than two runs). The row's measured step is its fastest run;
+    a prediction's error is read beside this, the machine's own noise for that job."""
+    runs = row.get("measured_runs_s") or []
+    if len(runs) < 2 or min(runs) <= 0:
+        return None
+    return max(runs) / min(runs) - 1.0
+
+
+def _spread_line(summary: dict) -> str | None:
+    """The summary's spread of the rows' runs (`run_spread`), where some row kept several."""
+    if summary.get("largest_run_spread") is None:
+        return None
+    return (
+        f"runs of one job apart by up to {summary['largest_run_spread']:.1%} (median "
+        f"{summary['median_run_spread']:.1%}): the machine's noise beside each error"
+    )
+
+
 def format_table(report: dict) -> str:
     # a strategy file's stem, or a network's spec file, may be longer than the built-ins' names
     rows = report["results"]
@@ -120,7 +152,7 @@ def format_table(report: dict) -> str:
         (
             f"{'variant':{vary}s} {'link':>9s} {'network':{wide}s} {'batch':>5s} "
             f"{'strategy':{width}s} {'measured':>10s} {'predicted':>10s} {'error':>7s} "
-            f"{'computing':>9s} {'kernels':>7s} {'bytes/step':>14s}  auto chose"
+            f"{'runs':>6s} {'computing':>9s} {'kernels':>7s} {'bytes/step':>14s}  auto chose"
         ),
     ]
     for row in rows:
@@ -133,7 +165,8 @@ def format_table(report: dict) -> str:
             continue
         lines.append(
             f"{head} {row['measured_s']:9.4f}s {row['predicted_s']:9.4f}s {row['error']:+7.1%} "
-            f"{_computing(row):>9s} {_kernels(row):>7s} {row['bytes_per_step']:14,d}"
+            f"{_runs(row):>6s} {_computing(row):>9s} {_kernels(row):>7s} "
+            f"{row['bytes_per_step']:14,d}"
             f"  {row['auto_chose']}"
         )
     summary = report.get("summary") or summarize(rows)
@@ -161,4 +194,7 @@ def format_table(report: dict) -> str:
             f"{summary['mean_abs_error']:.1%}, largest {summary['max_abs_error']:.1%}, "
             f"{summary['within_15_percent']} within 15%"
         )
+    spread = _spread_line(summary)
+    if spread:
+        lines.append(spread)
     return "\n".join(lines) + "\n"

@@ -341,6 +341,7 @@ def _run_cases(
                 | predicted
                 | {
                     "measured_s": job.step_seconds,
+                    "measured_runs_s": list(job.runs_s),
                     "error": predicted["predicted_s"] / job.step_seconds - 1.0,
                     "bytes_per_step": job.bytes_per_step,
                     "compute_fraction_measured": job.compute_fraction,

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from legion_nn.errors import LegionNNError
@@ -50,6 +50,8 @@ class Job:
     trace: dict
     #: the median over steps of the mean share of a step a rank spent in its kernels
     compute_fraction: float | None = None
+    #: `best_jobs`: the median step of every run of the job it kept, this one among them
+    runs_s: tuple[float, ...] = ()
 
 
 def run_job(
@@ -164,9 +166,12 @@ def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], N
     step, and a job that timed less than that has its steps raised (the spec is updated) and
     that run discarded. The repeats go round-robin over the specs, so a job's runs are far
     apart in time and one slow stretch cannot take them all. The best of a few runs is the
-    machine as the model sees it, for calibration jobs and measured jobs alike."""
+    machine as the model sees it, for calibration jobs and measured jobs alike. The job kept
+    carries every kept run's step (`Job.runs_s`): how far one job's runs lie apart is the
+    machine's noise, beside which a prediction's error is read."""
     best: list = [None] * len(specs)
     runs_left = [repeat] * len(specs)
+    steps: list[list[float]] = [[] for _ in specs]
 
     def run(index: int, label: str) -> Job | None:
         spec = specs[index]
@@ -193,6 +198,7 @@ def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], N
         if spec["steps"] - WARMUP >= needed:
             best[index] = probe
             runs_left[index] -= 1
+            steps[index].append(probe.step_seconds)
         else:
             spec["steps"] = WARMUP + needed
     for attempt in range(repeat):
@@ -201,8 +207,12 @@ def best_jobs(specs: list[dict], repeat: int, work: Path, say: Callable[[str], N
                 continue
             runs_left[index] -= 1
             job = run(index, f"run {attempt + 1}")
-            if job is not None and (
-                best[index] is None or job.step_seconds < best[index].step_seconds
-            ):
+            if job is None:
+                continue
+            steps[index].append(job.step_seconds)
+            if best[index] is None or job.step_seconds < best[index].step_seconds:
                 best[index] = job
-    return best
+    return [
+        replace(job, runs_s=tuple(found)) if isinstance(job, Job) else job
+        for job, found in zip(best, steps)
+    ]

@@ -201,6 +201,7 @@ def run_scaling(
                         "strategy": strategy,
                         "steps": job_steps,
                         "measured_s": job.step_seconds,
+                        "measured_runs_s": list(job.runs_s),
                         "predicted_s": predicted.seconds,
                         "error": predicted.seconds / job.step_seconds - 1.0,
                         "flop_model_s": predicted.flop_model_seconds,

@@ -197,6 +197,10 @@ def test_best_jobs_lengthen_short_jobs_go_round_robin_and_keep_the_fastest(monke
     assert best[1].step_seconds == pytest.approx(0.5)
     assert best[2].step_seconds == pytest.approx(0.5)  # not the discarded probe's 0.4
     assert isinstance(best[3], LegionNNError)
+    # the job kept carries every kept run's step, the discarded probes' not among them
+    assert best[0].runs_s == pytest.approx((0.013, 0.009, 0.011))
+    assert best[1].runs_s == pytest.approx((0.6, 0.5, 0.7))
+    assert best[2].runs_s == pytest.approx((0.55, 0.5, 0.6))
 
 
 def test_the_computing_share_is_the_median_steps_mean_over_ranks_of_kernel_time():

@@ -327,7 +327,9 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
 
     def fake_jobs(specs, repeat, work, say):
         ran.extend(specs)
-        return [Job(s["network"], s["batch"], s["ranks"], s["strategy"], 0.5, 1000, {}, 0.4)
+        # the file's job kept two runs, 20% apart; the others one
+        return [Job(s["network"], s["batch"], s["ranks"], s["strategy"], 0.5, 1000, {}, 0.4,
+                    (0.5, 0.6) if s["strategy"] == str(COLUMN_ROW) else (0.5,))
                 for s in specs]  # fmt: skip
 
     monkeypatch.setattr(cluster_scaling.cluster, "up", fake_up)
@@ -358,6 +360,11 @@ def test_the_cluster_benchmark_runs_a_file_under_its_path_and_labels_it_by_its_s
     assert "one host x" in spread and "the rest x" in spread
     # the columns line up under the longer label and network
     assert table[1].index("measured") + len("measured") == table[3].index("0.5000s") + 7
+    # how far each job's runs lie apart: the machine's noise, beside the error
+    assert rows[1]["measured_runs_s"] == [0.5, 0.6] and rows[0]["measured_runs_s"] == [0.5]
+    assert table[3].split()[8] == "+20%" and table[2].split()[8] == "-"
+    assert report["summary"]["largest_run_spread"] == pytest.approx(0.2)
+    assert "runs of one job apart by up to 20.0% (median 20.0%)" in table[-1]
 
 
 def test_a_matrix_runs_every_case_on_every_variant_and_sums_up_the_errors(monkeypatch, tmp_path):
