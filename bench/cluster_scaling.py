@@ -26,7 +26,8 @@ and its rows are labelled by the file's stem (`rows` for `rows.json`). A `+shard
 `+autostages` in the stages, micro-batches and cuts `--stages auto` chooses; `-deferred` after
 either (`model+2stages-deferred`) under `--schedule 1f1b-deferred`.
 
-The rows give both, their error, the share of a step a rank computes (measured from the log's
+The rows give both, their error, how far the job's runs lay apart (`cluster_report.run_spread`:
+the machine's noise for that job), the share of a step a rank computes (measured from the log's
 `compute_seconds`, the kernels' time, against the simulation's: where a prediction misses, this
 says whether the kernels or the waits did), the bytes a step sends and which plan auto chose;
 the summary the mean and largest absolute error, and per case whether the measured order of
