@@ -35,7 +35,7 @@ from bench.machine_facts import describe, machine_facts
 from runtime.aligned import aligned_copy, aligned_empty, aligned_zeros
 from runtime.kernels import linear
 from runtime.kernels.blas import NO_TRANS
-from runtime.rank_executor import step_kernel_settings
+from runtime.kernels.step_settings import step_kernel_settings
 
 #: (inputs, outputs): an MLP's square layers, a narrowing and a widening one, a small one, and
 #: the seed classifier's

@@ -10,7 +10,7 @@ weight gradient that steps Adam as it goes (`linear.linear_weight_grad_step`, th
 stored) beside the same two unfused (the gradient into memory, then `OptimizerStep.apply`).
 Each figure is the median of `--repeat` calls after one that compiles and warms, on operands
 placed as the runtime places its buffers (`runtime.aligned`) and under a step's kernel
-settings (`rank_executor.step_kernel_settings`). `--tree DIR`
+settings (`runtime.kernels.step_settings`). `--tree DIR`
 imports the kernels from another checkout of the project: run it on two trees in turn
 (`git worktree add /tmp/base REV`) to compare revisions, alternating the runs, since this
 machine is shared. The machine's facts print first.
@@ -86,7 +86,7 @@ def main() -> int:
     print(f"tree {args.tree.resolve()}; SGEMM {sgemm:.1f} GFLOP/s; rows {args.rows}, "
           f"inputs {args.inputs}, outputs {args.outputs}")  # fmt: skip
     print(f"{'pass':24s} {'legion-nn ms':>12s} {'%SGEMM':>7s} {'BLAS ms':>8s} {'%SGEMM':>7s}")
-    from runtime.rank_executor import step_kernel_settings
+    from runtime.kernels.step_settings import step_kernel_settings
 
     for name, (ours, blas) in passes(args.rows, args.inputs, args.outputs).items():
         with step_kernel_settings():  # the threads and floating-point settings of a step

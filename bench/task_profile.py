@@ -46,8 +46,9 @@ from partitioner.piece_times import piece_key
 from partitioner.plan import Plan
 from runtime.adapters import StepContext
 from runtime.aligned import aligned_copy
+from runtime.kernels.step_settings import step_kernel_settings
 from runtime.piece_views import run_on_views
-from runtime.rank_executor import RankExecutor, one_process, step_kernel_settings
+from runtime.rank_executor import RankExecutor, one_process
 from runtime.step.piece_modes import fresh_roles, fused_steps, piece_mode
 from runtime.step.programs import build_programs
 from runtime.step.rank_program import RankProgram, RankTask

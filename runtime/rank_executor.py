@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,8 +46,7 @@ from runtime.aligned import aligned_copy, aligned_zeros
 from runtime.grad_clipping import clip_factor, counted_gradients, first_update
 from runtime.initial_values import initial_part
 from runtime.instances import StorageOrder, choose_storage_orders
-from runtime.kernels.blas import kernel_threading
-from runtime.kernels.denormals import flushing_denormals
+from runtime.kernels.step_settings import step_kernel_settings
 from runtime.kernels.update import squared_norm
 from runtime.process_memory import peak_rss_bytes
 from runtime.rank_step import StepRun, fault_from_env
@@ -89,15 +87,6 @@ class _Prepared:
     #: the step's program where it is taken (`runtime.grad_clipping`)
     counted: list[tuple[str, Rect]] = field(default_factory=list)
     norm_at: int = 0
-
-
-@contextmanager
-def step_kernel_settings() -> Iterator[None]:
-    """The settings a step's kernels run under, entered once a step: every BLAS library on one
-    thread (`kernel_threading`) and denormals flushed (`flushing_denormals`). The profiler
-    (`bench.task_profile`) times its pieces under the same."""
-    with kernel_threading(), flushing_denormals():
-        yield
 
 
 class RankExecutor:

@@ -28,6 +28,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from runtime.aligned import LINE
 from runtime.kernels.llvm_memory import element_pointer
 
 
@@ -157,7 +158,7 @@ def _tile_body(builder, vty, rows, vectors, c, ldc, a, a_rs, a_cs, b, ldb, depth
         )
         shift = builder.select(covers, ir.Constant(index, bit), shift)
     slot = builder.sub(builder.shl(ir.Constant(index, 1), shift), ir.Constant(index, 1))
-    line_elements = ir.Constant(index, 64 // size)
+    line_elements = ir.Constant(index, LINE // size)
     prefetch = cgutils.get_or_insert_function(
         module,
         ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),

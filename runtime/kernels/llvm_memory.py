@@ -11,6 +11,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from runtime.aligned import LINE
+
 _I32 = ir.IntType(32)
 
 
@@ -78,7 +80,7 @@ def prefetch(typingctx, a, offset):
 def prefetch_rows(a, a_off, rows, ld, columns):
     """Prefetch `rows` rows of `columns` elements, `ld` apart, from a[a_off:]: one hint per
     cache line."""
-    step = 64 // (4 if is_single(a) else 8)
+    step = LINE // (4 if is_single(a) else 8)
     for i in range(rows):
         at = a_off + i * ld
         for j in range(0, columns, step):

@@ -31,6 +31,7 @@ from numba import cfunc, njit, types
 from numba.core.caching import FunctionCache
 from numba.extending import intrinsic
 
+from runtime.aligned import LINE
 from runtime.kernels.gemm_tile import MAX_ROWS, MAX_VECTORS, VECTOR_BYTES, tile_product, tile_rows
 from runtime.kernels.llvm_memory import element_pointer, is_single, prefetch_rows, store_fence
 from runtime.kernels.threaded import inner
@@ -102,7 +103,7 @@ def _gemm(itself, m, n, k, a, a_rs, a_cs, b, ldb, accumulate, c, ldc, next_off, 
             lo, hi = next_rows * tile // tiles, next_rows * (tile + 1) // tiles
             if next_ld == next_columns or hi - lo == 1:  # one run: hinted over the tile's steps
                 hint_at = next_off + lo * next_ld
-                hint_lines = -(-(hi - lo) * next_columns * itemsize // 64) + 1
+                hint_lines = -(-(hi - lo) * next_columns * itemsize // LINE) + 1
             else:
                 prefetch_rows(a, next_off + lo * next_ld, hi - lo, next_ld, next_columns)
             tile += 1
