@@ -3,9 +3,10 @@ one process: b read in blocks of `TILED_COLUMNS` columns, 256 (the default) agai
 block before), or c cut into `TILED_TASKS_PER_THREAD` blocks a thread, 8 (the default) against
 16 (one thread's before the count was per thread: each row block reads all of b again), or the
 input's gradient computed as is (0) against transposed (1), the two orders it races on a
-machine (`linear._raced_input_grad`).
+machine (`linear._raced_input_grad`), or b's blocks read in place (off) against packed (on,
+where `linear._packing` packs them).
 
-    python bench/linear_blocks.py [--setting columns|tasks|transposed] [--rows 16,32,64,128,256]
+    python bench/linear_blocks.py [--setting columns|tasks|transposed|packed] [--rows 16,32,64,128,256]
         [--repeat 9]
 
 Each line is one shape (rows, inputs, outputs) and pass (the forward x·wᵀ, the input's gradient
@@ -40,12 +41,15 @@ from runtime.kernels.step_settings import step_kernel_settings
 #: (inputs, outputs): an MLP's square layers, a narrowing and a widening one, a small one, and
 #: the seed classifier's
 SHAPES = ((2048, 2048), (4096, 1024), (1024, 4096), (512, 512), (46656, 3034))
+#: more bytes than any b has: b's blocks never packed
+NEVER = 1 << 40
 #: --setting: (the module's name for it, (the value before, the default)); `transposed` is the
 #: input's gradient's order, not a setting of the module
 SETTINGS = {
     "columns": ("TILED_COLUMNS", (64, linear.TILED_COLUMNS)),
     "tasks": ("TILED_TASKS_PER_THREAD", (16, linear.TILED_TASKS_PER_THREAD)),
     "transposed": (None, (0, 1)),
+    "packed": ("PACKED_LEAST_BYTES", (NEVER, linear.PACKED_LEAST_BYTES)),
 }
 
 
@@ -65,9 +69,13 @@ def passes(n: int, inputs: int, outputs: int, setting: str):
             )
         }
     dw = aligned_zeros(w.shape, np.float32)
+    dy2, w2 = dy.reshape(n, outputs), w.reshape(outputs, inputs)
+    dx = aligned_empty((n, inputs), np.float32)
     return {
         "forward": lambda _: linear.linear_forward(x, w),
-        "input grad": lambda _: linear.linear_input_grad(dy, w, x.shape),
+        # in the order as is (which `_raced_input_grad` would otherwise choose once, under the
+        # first value)
+        "input grad": lambda _: linear.product(dy2, NO_TRANS, w2, NO_TRANS, dx),
         "weight grad": lambda _: linear.linear_weight_grad_accumulate(dy, x, dw),
     }
 
@@ -105,9 +113,13 @@ def main() -> None:
     print(describe(machine_facts()))
     print(f"SGEMM {sgemm_gflops():.0f} GFLOP/s")
     narrow, wide = SETTINGS[args.setting][1]
+    named = {
+        narrow: "off" if narrow == NEVER else str(narrow),
+        wide: "on" if narrow == NEVER else str(wide),
+    }
     print(
-        f"{'rows':>5s} {'inputs':>6s} {'outputs':>7s} {'pass':12s} {narrow:>4d} {args.setting}"
-        f"  {wide}/{narrow}"
+        f"{'rows':>5s} {'inputs':>6s} {'outputs':>7s} {'pass':12s} {named[narrow]:>4s} {args.setting}"
+        f"  {named[wide]}/{named[narrow]}"
     )
     with step_kernel_settings():  # the threads and floating-point settings of a step
         for inputs, outputs in SHAPES:

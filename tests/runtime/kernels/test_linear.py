@@ -226,6 +226,56 @@ def test_both_orders_of_the_input_gradient_give_the_same_bits(n, m, c, double, c
     assert np.array_equal(as_is, transposed)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    m=st.integers(1, 300),
+    c=st.integers(1, 300),
+    double=st.booleans(),
+    columns=st.sampled_from([64, 256]),
+)
+def test_packed_blocks_of_b_give_the_same_bits_as_b_read_in_place(n, m, c, double, columns):
+    """Each slice of b's block copied into a thread's own rows (`linear._packing`) feeds the
+    microkernel the same products in the same order: the forward, both gradients and an
+    accumulation give the bits b read in place gives."""
+    dtype = np.float64 if double else np.float32
+    rng = np.random.default_rng(n * 7919 + m * 31 + c)
+    x = rng.standard_normal((n, c, 1, 1)).astype(dtype)
+    w = rng.standard_normal((m, c, 1, 1)).astype(dtype)
+    dy = rng.standard_normal((n, m, 1, 1)).astype(dtype)
+    start = rng.standard_normal(w.shape).astype(dtype)
+
+    def passes() -> list[np.ndarray]:
+        dx = np.empty((n, c), dtype)
+        linear.product(dy.reshape(n, m), NO_TRANS, w.reshape(m, c), NO_TRANS, dx)
+        dw = start.copy()
+        linear.linear_weight_grad_accumulate(dy, x, dw)
+        return [linear_forward(x, w), dx, dw]
+
+    saved = (linear.TILED_COLUMNS, linear.PACKED_STRIDE_BYTES, linear.PACKED_LEAST_BYTES)
+    linear.TILED_COLUMNS = columns
+    try:
+        linear.PACKED_LEAST_BYTES = 1 << 62
+        in_place = passes()
+        linear.PACKED_STRIDE_BYTES, linear.PACKED_LEAST_BYTES = 1, 0  # every b packed
+        packed = passes()
+    finally:
+        linear.TILED_COLUMNS, linear.PACKED_STRIDE_BYTES, linear.PACKED_LEAST_BYTES = saved
+    for got, expected in zip(packed, in_place):
+        assert np.array_equal(got, expected)
+
+
+def test_b_is_packed_where_its_rows_fall_into_few_cache_sets():
+    """Packed: a weight beyond the caches whose rows lie a multiple of 1 KiB apart. Read in
+    place: the same rows in the caches whole, or a stride that spreads them over the sets."""
+    threads = numba.config.NUMBA_NUM_THREADS
+    wide = np.empty((2048, 2048), np.float32)
+    packed = linear._packing(wide, np.float32, 128, 256)
+    assert packed.shape == (threads, 128 * (256 + linear.PACKED_PAD))
+    assert linear._packing(np.empty((512, 512), np.float32), np.float32, 128, 256).size == 0
+    assert linear._packing(np.empty((3034, 4666), np.float32), np.float32, 128, 256).size == 0
+
+
 @pytest.mark.parametrize("slow", [True, False])
 def test_the_input_gradient_keeps_the_order_that_ran_faster(slow, monkeypatch):
     """Its first call at a shape that may run transposed races both orders and answers; later
