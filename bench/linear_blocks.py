@@ -4,7 +4,7 @@ block before), or c cut into `TILED_TASKS_PER_THREAD` blocks a thread, 8 (the de
 16 (one thread's before the count was per thread: each row block reads all of b again), or the
 input's gradient computed as is (0) against transposed (1), the two orders it races on a
 machine (`linear._raced_input_grad`), or b's blocks read in place (off) against packed (on,
-where `linear._packing` packs them).
+where `linear._packs` says to).
 
     python bench/linear_blocks.py [--setting columns|tasks|transposed|packed] [--rows 16,32,64,128,256]
         [--repeat 9]

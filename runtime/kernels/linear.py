@@ -7,8 +7,9 @@ filter kernels' GEMM (`microkernel.tiled_gemm`) in blocks of the result on Numba
 (`_tiled_product`), like every other kernel, rather than on a second, competing BLAS thread
 pool. The weight and input gradients' right operands (x and w) have unit-stride rows as they
 are; the forward computes yᵀ = w·xᵀ, with xᵀ copied (activation-sized, against the weights it
-streams). Each element of a result is summed by one thread in one order, whatever the thread
-count. At the seed classifier's shape (batch 64, 3034 × 46656 weights, 2 cores) the forward,
+streams). A right operand whose rows lie a large power of two apart (a 2048-wide weight) is
+read through a copy of each block (`_packs`), whose rows do not share the caches' sets. Each
+element of a result is summed by one thread in one order, whatever the thread count. At the seed classifier's shape (batch 64, 3034 × 46656 weights, 2 cores) the forward,
 weight and input gradients ran at 216, 181 and 190 GFLOP/s, where `parallel_gemm` blocks of
 SciPy's OpenBLAS 0.3.30 had run at 161, 151 and 117; b read in blocks of 256 columns rather
 than 64 (`TILED_COLUMNS`) later took the input gradient to 0.88 of its time at that shape and
@@ -169,9 +170,14 @@ def _tiled(
     row_blocks = max(1, min(-(-m // 6), -(-tasks // column_blocks)))
     rows = -(-m // row_blocks)
     if step is None:
-        packed = _packing(b, c.dtype, depth, columns)
-        _tiled_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth,
-                       columns, rows, packed, columns + PACKED_PAD)  # fmt: skip
+        if _packs(b):
+            packed = aligned_empty((numba.config.NUMBA_NUM_THREADS, depth * (columns + PACKED_PAD)),
+                                   c.dtype)  # fmt: skip
+            _packed_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth,
+                            columns, rows, packed)  # fmt: skip
+        else:
+            _tiled_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth,
+                           columns, rows)  # fmt: skip
         return
     operands = tuple(o.reshape(m, n) for o in step.operands)
     threads = numba.config.NUMBA_NUM_THREADS
@@ -216,31 +222,41 @@ TILED_TASKS_PER_THREAD = 8
 
 
 @threaded
-def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns, rows,
-                   packed, ld):  # fmt: skip
+def _tiled_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns, rows):
     """c (m×n) (+)= A·b on `microkernel.tiled_gemm`, for C-contiguous b (k×n) and c, A (m×k)
     read through the strides (a_rs, a_cs): a block of `rows` × `columns` of c per task (each
     element summed by one thread, in one order whatever the thread count), its reduction in
-    slices of `depth`. Where `packed` has a row per thread (`_packing`), each slice of b's
-    block is copied into the thread's row, `ld` elements a row, and read from there: the same
-    products in the same order, so the same bits."""
+    slices of `depth`."""
     column_blocks = (n + columns - 1) // columns
     for block in prange(((m + rows - 1) // rows) * column_blocks):
         i0, j0 = (block // column_blocks) * rows, (block % column_blocks) * columns
         height, width = min(rows, m - i0), min(columns, n - j0)
-        mine = packed[numba.get_thread_id() % packed.shape[0]]
+        for k0 in range(0, k, depth):
+            tiled_gemm(kernels, height, width, min(depth, k - k0), a, i0 * a_rs + k0 * a_cs,
+                       a_rs, a_cs, b, k0 * n + j0, n, accumulate or k0 > 0, c,
+                       i0 * n + j0, n)  # fmt: skip
+
+
+@threaded
+def _packed_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, columns, rows,
+                    packed):  # fmt: skip
+    """`_tiled_product`, each slice of b's block copied into the thread's row of `packed`
+    (`_packs`), `columns + PACKED_PAD` elements a row, and read from there: the same
+    products in the same order, so the same bits. A kernel of its own, so that a run whose
+    b never needs it does not compile it."""
+    column_blocks = (n + columns - 1) // columns
+    ld = columns + PACKED_PAD
+    for block in prange(((m + rows - 1) // rows) * column_blocks):
+        i0, j0 = (block // column_blocks) * rows, (block % column_blocks) * columns
+        height, width = min(rows, m - i0), min(columns, n - j0)
+        mine = packed[numba.get_thread_id()]
         for k0 in range(0, k, depth):
             slice_depth = min(depth, k - k0)
-            if len(mine):
-                for row in range(slice_depth):
-                    copy_run(b, (k0 + row) * n + j0, mine, row * ld, width)
-                tiled_gemm(kernels, height, width, slice_depth, a, i0 * a_rs + k0 * a_cs,
-                           a_rs, a_cs, mine, 0, ld, accumulate or k0 > 0, c, i0 * n + j0,
-                           n)  # fmt: skip
-            else:
-                tiled_gemm(kernels, height, width, slice_depth, a, i0 * a_rs + k0 * a_cs,
-                           a_rs, a_cs, b, k0 * n + j0, n, accumulate or k0 > 0, c,
-                           i0 * n + j0, n)  # fmt: skip
+            for row in range(slice_depth):
+                copy_run(b, (k0 + row) * n + j0, mine, row * ld, width)
+            tiled_gemm(kernels, height, width, slice_depth, a, i0 * a_rs + k0 * a_cs, a_rs,
+                       a_cs, mine, 0, ld, accumulate or k0 > 0, c, i0 * n + j0,
+                       n)  # fmt: skip
 
 
 #: b's rows are copied into a block of their own (`_tiled_product`) where they lie a multiple
@@ -262,14 +278,12 @@ PACKED_LEAST_BYTES = 4 << 20
 PACKED_PAD = 16
 
 
-def _packing(b: np.ndarray, dtype, depth: int, columns: int) -> np.ndarray:
-    """A row per thread for `_tiled_product` to pack b's blocks into, where it should
-    (`PACKED_STRIDE_BYTES`, `PACKED_LEAST_BYTES`); else an empty one (b read in place)."""
-    threads = numba.config.NUMBA_NUM_THREADS
+def _packs(b: np.ndarray) -> bool:
+    """Whether the tiled product reads b through packed copies of its blocks
+    (`_packed_product`): its rows a multiple of `PACKED_STRIDE_BYTES` apart, and it at least
+    `PACKED_LEAST_BYTES`."""
     stride = b.shape[1] * b.itemsize
-    if stride % PACKED_STRIDE_BYTES or b.nbytes < PACKED_LEAST_BYTES:
-        return np.empty((1, 0), dtype)
-    return aligned_empty((threads, depth * (columns + PACKED_PAD)), dtype)
+    return stride % PACKED_STRIDE_BYTES == 0 and b.nbytes >= PACKED_LEAST_BYTES
 
 
 @threaded

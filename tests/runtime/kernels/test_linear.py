@@ -235,7 +235,7 @@ def test_both_orders_of_the_input_gradient_give_the_same_bits(n, m, c, double, c
     columns=st.sampled_from([64, 256]),
 )
 def test_packed_blocks_of_b_give_the_same_bits_as_b_read_in_place(n, m, c, double, columns):
-    """Each slice of b's block copied into a thread's own rows (`linear._packing`) feeds the
+    """Each slice of b's block copied into a thread's own rows (`linear._packed_product`) feeds the
     microkernel the same products in the same order: the forward, both gradients and an
     accumulation give the bits b read in place gives."""
     dtype = np.float64 if double else np.float32
@@ -266,14 +266,14 @@ def test_packed_blocks_of_b_give_the_same_bits_as_b_read_in_place(n, m, c, doubl
 
 
 def test_b_is_packed_where_its_rows_fall_into_few_cache_sets():
-    """Packed: a weight beyond the caches whose rows lie a multiple of 1 KiB apart. Read in
+    """Packed: a weight beyond the caches whose rows lie a multiple of 8 KiB apart. Read in
     place: the same rows in the caches whole, or a stride that spreads them over the sets."""
-    threads = numba.config.NUMBA_NUM_THREADS
-    wide = np.empty((2048, 2048), np.float32)
-    packed = linear._packing(wide, np.float32, 128, 256)
-    assert packed.shape == (threads, 128 * (256 + linear.PACKED_PAD))
-    assert linear._packing(np.empty((512, 512), np.float32), np.float32, 128, 256).size == 0
-    assert linear._packing(np.empty((3034, 4666), np.float32), np.float32, 128, 256).size == 0
+    assert linear._packs(np.empty((2048, 2048), np.float32))
+    assert linear._packs(np.empty((1024, 4096), np.float32))
+    assert linear._packs(np.empty((1024, 1024), np.float64))
+    assert not linear._packs(np.empty((512, 512), np.float32))  # in the caches
+    assert not linear._packs(np.empty((4096, 1024), np.float32))  # 4 KiB apart
+    assert not linear._packs(np.empty((3034, 4666), np.float32))
 
 
 @pytest.mark.parametrize("slow", [True, False])
