@@ -200,14 +200,19 @@ def test_the_input_gradient_agrees_in_both_forms(dtype, transposed, monkeypatch)
     assert_product_close(dx, dy, w.reshape(130, 90), dtype=dtype)
 
 
+#: the hypothesis tests' products: n rows by m outputs by c inputs, float64 or float32, b read
+#: in blocks of `columns`
+PRODUCT_CASES = {
+    "n": st.integers(1, 70),
+    "m": st.integers(1, 300),
+    "c": st.integers(1, 300),
+    "double": st.booleans(),
+    "columns": st.sampled_from([64, 256]),
+}
+
+
 @settings(max_examples=25, deadline=None)
-@given(
-    n=st.integers(1, 70),
-    m=st.integers(1, 300),
-    c=st.integers(1, 300),
-    double=st.booleans(),
-    columns=st.sampled_from([64, 256]),
-)
+@given(**PRODUCT_CASES)
 def test_both_orders_of_the_input_gradient_give_the_same_bits(n, m, c, double, columns):
     """The two orders sum each element over the same products in the same order, whatever the
     blocks: which one runs is a matter of speed alone (`linear._raced_input_grad`)."""
@@ -227,13 +232,7 @@ def test_both_orders_of_the_input_gradient_give_the_same_bits(n, m, c, double, c
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    n=st.integers(1, 70),
-    m=st.integers(1, 300),
-    c=st.integers(1, 300),
-    double=st.booleans(),
-    columns=st.sampled_from([64, 256]),
-)
+@given(**PRODUCT_CASES)
 def test_packed_blocks_of_b_give_the_same_bits_as_b_read_in_place(n, m, c, double, columns):
     """Each slice of b's block copied into a thread's own rows (`linear._packed_product`) feeds the
     microkernel the same products in the same order: the forward, both gradients and an
