@@ -6,8 +6,8 @@ input's gradient computed as is (0) against transposed (1), the two orders it ra
 machine (`linear._raced_input_grad`), or b's blocks read in place (off) against packed (on,
 where `linear._packs` says to).
 
-    python bench/linear_blocks.py [--setting columns|tasks|transposed|packed] [--rows 16,32,64,128,256]
-        [--repeat 9]
+    python bench/linear_blocks.py [--setting columns|tasks|transposed|packed]
+        [--rows 16,32,64,128,256] [--repeat 9]
 
 Each line is one shape (rows, inputs, outputs) and pass (the forward x·wᵀ, the input's gradient
 dy·w, the weight gradient's accumulation dyᵀ·x), the median of `--repeat` calls alternated

@@ -9,8 +9,9 @@ pool. The weight and input gradients' right operands (x and w) have unit-stride 
 are; the forward computes yᵀ = w·xᵀ, with xᵀ copied (activation-sized, against the weights it
 streams). A right operand whose rows lie a large power of two apart (a 2048-wide weight) is
 read through a copy of each block (`_packs`), whose rows do not share the caches' sets. Each
-element of a result is summed by one thread in one order, whatever the thread count. At the seed classifier's shape (batch 64, 3034 × 46656 weights, 2 cores) the forward,
-weight and input gradients ran at 216, 181 and 190 GFLOP/s, where `parallel_gemm` blocks of
+element of a result is summed by one thread in one order, whatever the thread count. At the
+seed classifier's shape (batch 64, 3034 × 46656 weights, 2 cores) the forward, weight and input
+gradients ran at 216, 181 and 190 GFLOP/s, where `parallel_gemm` blocks of
 SciPy's OpenBLAS 0.3.30 had run at 161, 151 and 117; b read in blocks of 256 columns rather
 than 64 (`TILED_COLUMNS`) later took the input gradient to 0.88 of its time at that shape and
 the weight gradient to 0.69–0.74. Flattening only copies when a piece is a
@@ -259,7 +260,7 @@ def _packed_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, co
                        n)  # fmt: skip
 
 
-#: b's rows are copied into a block of their own (`_tiled_product`) where they lie a multiple
+#: b's rows are copied into a block of their own (`_packed_product`) where they lie a multiple
 #: of this many bytes apart and b is at least `PACKED_LEAST_BYTES`. Rows of b 8 KiB apart (a
 #: 2048-wide weight read by the input's gradient) fall into the same few sets of the core's
 #: caches: the block of b that should stay in L2 while the tiles pass it (256 rows of 1 KiB)
