@@ -10,7 +10,8 @@ where `linear._packs` says to).
         [--rows 16,32,64,128,256] [--repeat 9]
 
 Each line is one shape (rows, inputs, outputs) and pass (the forward x·wᵀ, the input's gradient
-dy·w, the weight gradient's accumulation dyᵀ·x), the median of `--repeat` calls alternated
+dy·w, the weight gradient's accumulation dyᵀ·x, and the weight gradient stepping Adam as it
+goes), the median of `--repeat` calls alternated
 between the two values: the time with the first and the ratio second / first (below 1: the
 default wins; for `transposed`, below 1: the transposed order wins). The operands are placed as
 the runtime places its buffers (`runtime.aligned`: each at a cache line): NumPy's own arrays
@@ -37,6 +38,7 @@ from runtime.aligned import aligned_copy, aligned_empty, aligned_zeros
 from runtime.kernels import linear
 from runtime.kernels.blas import NO_TRANS
 from runtime.kernels.step_settings import step_kernel_settings
+from runtime.kernels.update import adam_step
 
 #: (inputs, outputs): an MLP's square layers, a narrowing and a widening one, a small one, and
 #: the seed classifier's
@@ -69,6 +71,9 @@ def passes(n: int, inputs: int, outputs: int, setting: str):
             )
         }
     dw = aligned_zeros(w.shape, np.float32)
+    # a learning rate that leaves the weights as good as unchanged over the calls
+    step = adam_step(w, *(aligned_zeros(w.shape, np.float32) for _ in range(2)), 1e-12, 0.9,
+                     0.999, 1e-8, 1)  # fmt: skip
     dy2, w2 = dy.reshape(n, outputs), w.reshape(outputs, inputs)
     dx = aligned_empty((n, inputs), np.float32)
     return {
@@ -77,6 +82,7 @@ def passes(n: int, inputs: int, outputs: int, setting: str):
         # first value)
         "input grad": lambda _: linear.product(dy2, NO_TRANS, w2, NO_TRANS, dx),
         "weight grad": lambda _: linear.linear_weight_grad_accumulate(dy, x, dw),
+        "wgrad + adam": lambda _: linear.linear_weight_grad_step(dy, x, step),
     }
 
 

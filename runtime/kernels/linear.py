@@ -183,7 +183,13 @@ def _tiled(
     operands = tuple(o.reshape(m, n) for o in step.operands)
     threads = numba.config.NUMBA_NUM_THREADS
     scratch = aligned_empty((threads, STEP_ROWS * min(columns, n)), c.dtype)
-    _stepped_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, depth, columns, rows,
+    ldb = n
+    if _packs(b):  # read from a copy whose rows are a cache line longer (`_packs`)
+        ldb = n + PACKED_PAD
+        padded = aligned_empty((k, ldb), b.dtype)
+        padded[:, :n] = b
+        b = padded
+    _stepped_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, ldb, depth, columns, rows,
                      step.rule, step.coefficients, *operands, scratch)  # fmt: skip
 
 
@@ -271,7 +277,9 @@ def _packed_product(kernels, m, n, k, a, a_rs, a_cs, b, accumulate, c, depth, co
 #: time on one thread, 0.70 and 0.94 at 128 and 32 rows on two; w 1024 × 4096 (16 KiB) 0.46–0.83
 #: and 0.46–0.71; w 4096 × 1024 (4 KiB, its block in L2's sets) 0.91–1.14 and 1.17–1.36 (each
 #: block is copied for as few as 32 rows of c there), so not packed; w 512 × 512, in L2 whole,
-#: 1.13–2.2
+#: 1.13–2.2. The weight gradient that steps Adam (`_stepped_product`) reads all of b from a
+#: copy whose rows are `PACKED_PAD` longer: x of 256 and 512 rows by 4096 inputs 0.66–0.69 of
+#: the time on one thread and 0.72 on two; 2048 inputs 0.65–1.04
 PACKED_STRIDE_BYTES = 8192
 PACKED_LEAST_BYTES = 4 << 20
 #: the packed block's rows are this many elements longer than the block: one cache line (for
@@ -288,12 +296,13 @@ def _packs(b: np.ndarray) -> bool:
 
 
 @threaded
-def _stepped_product(kernels, m, n, k, a, a_rs, a_cs, b, depth, columns, rows, rule, co, p,
-                     s1, s2, scratch):  # fmt: skip
+def _stepped_product(kernels, m, n, k, a, a_rs, a_cs, b, ldb, depth, columns, rows, rule, co,
+                     p, s1, s2, scratch):  # fmt: skip
     """`_tiled_product`'s A·b as the gradient of the parameter p (m×n, with its state s1,
     s2), which the optimizer's `rule` steps: each block is computed as many rows at a time as
     fill the thread's row of `scratch`, and stepped from there; the product is not stored. A
-    kernel of its own, so that a run compiles only the one it calls."""
+    kernel of its own, so that a run compiles only the one it calls. b's rows are `ldb`
+    elements apart."""
     column_blocks = (n + columns - 1) // columns
     ld = p.strides[0] // p.itemsize
     for block in prange(((m + rows - 1) // rows) * column_blocks):
@@ -305,7 +314,7 @@ def _stepped_product(kernels, m, n, k, a, a_rs, a_cs, b, depth, columns, rows, r
             strip = min(strip_rows, i0 + height - top)
             for k0 in range(0, k, depth):
                 tiled_gemm(kernels, strip, width, min(depth, k - k0), a, top * a_rs + k0 * a_cs,
-                           a_rs, a_cs, b, k0 * n + j0, n, k0 > 0, scratch, at,
+                           a_rs, a_cs, b, k0 * ldb + j0, ldb, k0 > 0, scratch, at,
                            width)  # fmt: skip
             for row in range(strip):
                 g_at, p_at = at + row * width, (top + row) * ld + j0

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from runtime.kernels import linear
 from runtime.kernels.blas import NO_TRANS
 from runtime.kernels.linear import STREAMING_BATCH, linear_backward, linear_forward
+from runtime.kernels.update import adam_step
 from tests.error_bounds import assert_close_to, assert_product_close
 from tests.numeric_grad import assert_grad, numeric_grad
 
@@ -234,9 +235,10 @@ def test_both_orders_of_the_input_gradient_give_the_same_bits(n, m, c, double, c
 @settings(max_examples=25, deadline=None)
 @given(**PRODUCT_CASES)
 def test_packed_blocks_of_b_give_the_same_bits_as_b_read_in_place(n, m, c, double, columns):
-    """Each slice of b's block copied into a thread's own rows (`linear._packed_product`) feeds the
-    microkernel the same products in the same order: the forward, both gradients and an
-    accumulation give the bits b read in place gives."""
+    """Each slice of b's block copied into a thread's own rows (`linear._packed_product`), or
+    all of b into rows a cache line longer (the weight gradient that steps Adam), feeds the
+    microkernel the same products in the same order: the forward, both gradients, an
+    accumulation and Adam's step give the bits b read in place gives."""
     dtype = np.float64 if double else np.float32
     rng = np.random.default_rng(n * 7919 + m * 31 + c)
     x = rng.standard_normal((n, c, 1, 1)).astype(dtype)
@@ -249,7 +251,11 @@ def test_packed_blocks_of_b_give_the_same_bits_as_b_read_in_place(n, m, c, doubl
         linear.product(dy.reshape(n, m), NO_TRANS, w.reshape(m, c), NO_TRANS, dx)
         dw = start.copy()
         linear.linear_weight_grad_accumulate(dy, x, dw)
-        return [linear_forward(x, w), dx, dw]
+        stepped, first, second = start.copy(), np.zeros_like(start), np.zeros_like(start)
+        linear.linear_weight_grad_step(
+            dy, x, adam_step(stepped, first, second, 0.1, 0.9, 0.999, 1e-8, 1)
+        )
+        return [linear_forward(x, w), dx, dw, stepped, first, second]
 
     saved = (linear.TILED_COLUMNS, linear.PACKED_STRIDE_BYTES, linear.PACKED_LEAST_BYTES)
     linear.TILED_COLUMNS = columns
