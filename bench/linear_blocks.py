@@ -124,7 +124,8 @@ def main() -> None:
         wide: "on" if narrow == NEVER else str(wide),
     }
     print(
-        f"{'rows':>5s} {'inputs':>6s} {'outputs':>7s} {'pass':12s} {named[narrow]:>4s} {args.setting}"
+        f"{'rows':>5s} {'inputs':>6s} {'outputs':>7s} {'pass':12s} "
+        f"{named[narrow]:>4s} {args.setting}"
         f"  {named[wide]}/{named[narrow]}"
     )
     with step_kernel_settings():  # the threads and floating-point settings of a step

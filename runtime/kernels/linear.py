@@ -170,10 +170,10 @@ def _tiled(
     tasks = TILED_TASKS_PER_THREAD * numba.get_num_threads()
     row_blocks = max(1, min(-(-m // 6), -(-tasks // column_blocks)))
     rows = -(-m // row_blocks)
+    threads = numba.config.NUMBA_NUM_THREADS
     if step is None:
         if _packs(b):
-            packed = aligned_empty((numba.config.NUMBA_NUM_THREADS, depth * (columns + PACKED_PAD)),
-                                   c.dtype)  # fmt: skip
+            packed = aligned_empty((threads, depth * (columns + PACKED_PAD)), c.dtype)
             _packed_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, accumulate, c, depth,
                             columns, rows, packed)  # fmt: skip
         else:
@@ -181,7 +181,6 @@ def _tiled(
                            columns, rows)  # fmt: skip
         return
     operands = tuple(o.reshape(m, n) for o in step.operands)
-    threads = numba.config.NUMBA_NUM_THREADS
     scratch = aligned_empty((threads, STEP_ROWS * min(columns, n)), c.dtype)
     ldb = n
     if _packs(b):  # read from a copy whose rows are a cache line longer (`_packs`)
