@@ -13,8 +13,9 @@ R GEMMs per position and pass, each one `microkernel.tiled_gemm`, no im2col matr
 That GEMM vectorises along the rows of its right operand and of its result, which are
 unit-stride in the first two passes (along the batch) but not in the third, whose result runs
 along (S, C) while X_r runs along the batch: backward-filter reads the input through one
-(H, N, W, C) copy made per call (activation-sized, against the weight-sized gradient it writes),
-whose rows per example run along (S, C). Zero padding clips the window
+(H, N, W, C) copy made per call (activation-sized, against the weight-sized gradient it writes;
+in the thread's kept temporary, `runtime.aligned.scratch_empty`), whose rows per example run
+along (S, C). Zero padding clips the window
 instead of padding the tensor: rows and columns that fall outside the input are left out of
 the GEMM (and their weight-gradient block is zeroed). A channel subset lo:hi of the weight
 gradient (a sparse update) copies only those channels, so its GEMMs are
@@ -46,7 +47,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from runtime.aligned import aligned_empty
+from runtime.aligned import aligned_empty, scratch_empty
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
 from runtime.kernels.microkernel import (
     ACCUMULATE,
@@ -417,7 +418,7 @@ def backward_filter_packed(
         if not accumulate:
             dw[...] = 0
         return dw
-    xt = aligned_empty((geo.h, geo.n, geo.w, hi - lo), dtype)
+    xt = scratch_empty("batch-major input", (geo.h, geo.n, geo.w, hi - lo), dtype)
     _batch_major(xp, xt, lo)
     if step is not None:
         threads = numba.config.NUMBA_NUM_THREADS

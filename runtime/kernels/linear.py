@@ -44,7 +44,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from runtime.aligned import aligned_empty
+from runtime.aligned import aligned_empty, scratch_empty
 from runtime.kernels import _checks
 from runtime.kernels.blas import NO_TRANS, TRANS
 from runtime.kernels.gemm_tile import VECTOR_BYTES
@@ -190,7 +190,7 @@ def _tiled(
     # w alone, block by block, took 2.4 ms against 3.1–3.4 ms for its 32-row product)
     if _packs(b):
         ldb = n + PACKED_PAD
-        padded = aligned_empty((k, ldb), b.dtype)
+        padded = scratch_empty("b, rows padded", (k, ldb), b.dtype)
         padded[:, :n] = b
         b = padded
     _stepped_product(kernels(c.dtype), m, n, k, a, a_rs, a_cs, b, ldb, depth, columns, rows,

@@ -416,3 +416,20 @@ def test_layout_conversions_return_arrays_placed_on_cache_lines(monkeypatch, lar
     ):
         assert converted.ctypes.data % 64 == 0 and converted.flags.c_contiguous
         np.testing.assert_array_equal(converted, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weight_gradients_of_calls_sharing_the_kept_input_copy_are_exact(dtype):
+    """Backward-filter reads its input through a copy the thread keeps from call to call
+    (`runtime.aligned.scratch_empty`): a call after a larger one, and after it a call at the
+    first shape again, each equal the reference, whatever the earlier call left in the copy."""
+    cases = [CASES["untied-nopad-rect-window"], CASES["tied-stride2-asym"]]
+    cases.append(CASES["untied-nopad-rect-window"])
+    for seed, case in enumerate(cases):
+        x, w, dy, stride, pad = make(case, dtype, seed)
+        _, dw_ref = reference.filter_backward(dy, x, w, stride, pad)
+        untied = case[-1]
+        dw = backward_filter_packed(
+            pack_activations(dy), pack_activations(x), w.shape[4:6], stride, pad, untied
+        )
+        close(unpack_weights(dw), dw_ref, dtype)
