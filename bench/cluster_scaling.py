@@ -50,7 +50,7 @@ from pathlib import Path
 
 from bench.cluster_matrix import Case, Variant
 from bench.cluster_report import ONE_HOST, summarize
-from bench.jobs import MIN_TIMED_STEPS, OPTIMIZER, WARMUP, best_jobs
+from bench.jobs import MIN_TIMED_STEPS, OPTIMIZER, WARMUP, best_jobs, failure_line
 from legion_nn.errors import LegionNNError
 from legion_nn.networks import load_network
 from partitioner.cost import plan_cost
@@ -187,8 +187,9 @@ def measure_machine(name: str, ranks: int, network: str, batch: int, path: Path)
     )  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
     if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise LegionNNError(f"bench scaling: bench machine on cluster {name} failed: {last}")
+        raise LegionNNError(
+            f"bench scaling: bench machine on cluster {name} failed: {failure_line(result.stderr)}"
+        )
     return load_machine(str(path))
 
 

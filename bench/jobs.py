@@ -35,6 +35,15 @@ def command_environment(bytecode: bool = True) -> dict[str, str]:
 
 #: plain SGD keeps no optimizer state, so that four data-parallel replicas of seed-lcn's 1.2 GB of
 #: weights (with their gradients and reduction buffers) fit in a 24 GB machine
+def failure_line(stderr: str) -> str:
+    """What a failed command's stderr says went wrong, in one line: its own error (the first line
+    `legion-nn` prints, naming the command), not the launcher's last word after it (MPICH's
+    `MPI_Abort` line, which every rank that ended the job prints), else its last line."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    own = [line for line in lines if line.startswith("legion-nn ")]
+    return (own or lines or ["no output"])[0 if own else -1]
+
+
 OPTIMIZER = "sgd"
 WARMUP = 2
 
@@ -87,9 +96,9 @@ def run_job(
         command, capture_output=True, text=True, check=False, timeout=1800, env=env
     )
     if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise LegionNNError(
-            f"bench scaling: {network} on {ranks} ranks ({strategy}) failed: {last}"
+            f"bench scaling: {network} on {ranks} ranks ({strategy}) failed: "
+            f"{failure_line(result.stderr)}"
         )
     records = [json.loads(line) for line in log.read_text().splitlines()]
     steps_seen = [r for r in records if "step" in r]

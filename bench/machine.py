@@ -72,7 +72,7 @@ from pathlib import Path
 
 from bench import cache_eviction
 from bench.calibration import buffer_pass_rates, calibrate, memory_bandwidth
-from bench.jobs import MIN_TIMED_S, OPTIMIZER
+from bench.jobs import MIN_TIMED_S, OPTIMIZER, failure_line
 from bench.message_costs import (
     MESSAGE_JOB,
     MESSAGE_ROUNDS,
@@ -179,8 +179,9 @@ def process_baseline_mib(network: str, batch: int) -> float:
             command, capture_output=True, text=True, check=False, timeout=1800, env=env
         )
         if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise LegionNNError(f"bench machine: the baseline's training failed: {last}")
+            raise LegionNNError(
+                f"bench machine: the baseline's training failed: {failure_line(result.stderr)}"
+            )
         steps = [json.loads(line) for line in log.read_text().splitlines()]
     excess = [r["rss_peak_bytes"] - r["buffer_peak_bytes"] for r in steps if "step" in r]
     return max(excess) / 2**20

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.jobs import failure_line
 from legion_nn.atomic import write_text
 from legion_nn.networks import load_network
 from partitioner.accounting import memory_per_rank
@@ -47,8 +48,7 @@ def measure(network: str, batch: int, ranks: int, strategy: str, homes: str, tmp
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
     if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"failed": last}
+        return {"failed": failure_line(result.stderr)}
     out: dict[int, dict] = {}
     for line in log.read_text().splitlines():
         record = json.loads(line)

@@ -38,6 +38,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.jobs import failure_line
+
 #: steps a job's step time skips: compilation and first touch
 WARMUP = 2
 
@@ -55,8 +59,10 @@ def _run(tree: Path, command: Sequence[str], timeout: float = 1800) -> None:
         command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        sys.exit(f"bench revisions: {' '.join(command[:6])} ... in {tree} failed: {last}")
+        sys.exit(
+            f"bench revisions: {' '.join(command[:6])} ... in {tree} failed: "
+            f"{failure_line(result.stderr)}"
+        )
 
 
 def command_line(tree: Path) -> list[str]:
