@@ -89,7 +89,7 @@ def run_job(
         *(launch if launch is not None else ["mpiexec", "-n", str(ranks)]),
         sys.executable, "-m", "cli", "train", network,
         "--data", "synthetic", "--batch", str(batch), "--steps", str(steps),
-        "--strategy", strategy, "--optimizer", OPTIMIZER, "--no-progress",
+        "--strategy", strategy, "--optimizer", OPTIMIZER, "--no-progress", "--no-evaluation",
         "--log-json", str(log), *(["--trace", str(trace)] if traced else []), *extra,
     ]  # fmt: skip
     result = subprocess.run(

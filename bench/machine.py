@@ -173,7 +173,7 @@ def process_baseline_mib(network: str, batch: int) -> float:
         command = [
             sys.executable, "-m", "cli", "train", network, "--data", "synthetic",
             "--batch", str(batch), "--steps", str(BASELINE_STEPS), "--optimizer", OPTIMIZER,
-            "--no-progress", "--log-json", str(log),
+            "--no-progress", "--no-evaluation", "--log-json", str(log),
         ]  # fmt: skip
         result = subprocess.run(
             command, capture_output=True, text=True, check=False, timeout=1800, env=env

@@ -44,7 +44,8 @@ def measure(network: str, batch: int, ranks: int, strategy: str, homes: str, tmp
     command = [
         "mpiexec", "-n", str(ranks), sys.executable, "-m", "cli", "train", network,
         "--data", "synthetic", "--batch", str(batch), "--steps", str(STEPS),
-        "--strategy", strategy, "--param-homes", homes, "--no-progress", "--log-json", str(log),
+        "--strategy", strategy, "--param-homes", homes, "--no-progress", "--no-evaluation",
+        "--log-json", str(log),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
     if result.returncode != 0:

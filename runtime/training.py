@@ -112,6 +112,9 @@ class TrainConfig:
     #: the first layer of each stage after the first (`partitioner.pipeline.stages_at`); None:
     #: the stages balance the layers' FLOPs
     cuts: tuple[str, ...] | None = None
+    #: False: the run makes no evaluation (no validation at the epochs' ends, no final test and
+    #: training accuracy), for runs that time their steps: those fields of the log are null
+    evaluation: bool = True
 
     def __post_init__(self) -> None:
         """Refuse checkpointing that cannot work before anything runs or is written (the
@@ -139,7 +142,9 @@ class TrainConfig:
     def evaluation_batches(self) -> int:
         """The forward passes the run's evaluations make (`Trainer`): the validation split at
         the end of every epoch the steps reach and of the last step, then the validation, test
-        and training splits once more, each in batches of `batch`."""
+        and training splits once more, each in batches of `batch` (none without `evaluation`)."""
+        if not self.evaluation:
+            return 0
 
         def batches(split: Split) -> int:
             return math.ceil(len(split) / self.batch)
@@ -294,8 +299,11 @@ class Trainer:
         return batch
 
     def evaluate(self, split: Split) -> tuple[float, float]:
-        """(mean loss, top-1 accuracy) of the forward pass over a split, in evaluation mode."""
+        """(mean loss, top-1 accuracy) of the forward pass over a split, in evaluation mode;
+        not a number without the config's `evaluation`, as for an empty split."""
         totals = np.zeros(4)
+        if not self.config.evaluation:
+            return float("nan"), float("nan")
         for start in range(0, len(split), self.config.batch):
             stop = min(len(split), start + self.config.batch)
             if isinstance(split.x, NpyFile):
@@ -463,7 +471,7 @@ class Trainer:
             }
         )
         if self.on_epoch:
-            self.on_epoch(
-                f"epoch {epoch + 1}: train loss {train_loss:.4f} acc {train_accuracy:.4f} | "
-                f"val loss {val_loss:.4f} acc {val_accuracy:.4f}"
-            )
+            line = f"epoch {epoch + 1}: train loss {train_loss:.4f} acc {train_accuracy:.4f}"
+            if self.config.evaluation:
+                line += f" | val loss {val_loss:.4f} acc {val_accuracy:.4f}"
+            self.on_epoch(line)

@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-json", metavar="F", help="write one JSON record per step to F")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--no-evaluation",
+        action="store_true",
+        help="no validation at each epoch's end and no final test and train accuracy (a run "
+        "that times its steps; the log's accuracy and loss fields are then null)",
+    )
+    parser.add_argument(
         "--save-onnx",
         metavar="F",
         help="an ONNX model's network: write it with the trained parameters to F (atomically)",
@@ -234,6 +240,7 @@ def _config(args: argparse.Namespace):
         schedule=order,
         stages=stages,
         cuts=cuts,
+        evaluation=not args.no_evaluation,
     )
     if args.save_onnx and not network.source.lower().endswith(".onnx"):
         raise LegionNNError(f"--save-onnx needs an ONNX model to train, not {args.network!r}")
@@ -255,10 +262,11 @@ def _hyperparameters(args: argparse.Namespace) -> dict[str, float]:
 class _Console:
     """Progress (`cli.commands.progress`) and the per-epoch lines (rank 0 only)."""
 
-    def __init__(self, disable: bool) -> None:
+    def __init__(self, disable: bool, evaluation: bool) -> None:
         from cli.commands.progress import Progress
 
         self.progress = Progress(disable)
+        self.evaluation = evaluation
 
     def on_step(self, step: int, loss: float) -> None:
         self.progress.step(loss)
@@ -285,6 +293,9 @@ class _Console:
 
     def done(self, result) -> None:
         self.progress.close()
+        if not self.evaluation:
+            print(f"done in {result.seconds:.2f} s (no evaluation)")
+            return
         print(
             f"done in {result.seconds:.2f} s: test accuracy {result.test_accuracy:.4f}, "
             f"val accuracy {result.val_accuracy:.4f}, train accuracy {result.train_accuracy:.4f}"
@@ -336,7 +347,7 @@ def _run_single(args: argparse.Namespace) -> int:
     with flushed_job():  # before Numba's pool starts, which the next line may do
         threads = numba.get_num_threads()  # the run may choose fewer (`kernel_threads`)
         try:
-            console = _Console(args.no_progress)
+            console = _Console(args.no_progress, not args.no_evaluation)
             console.start(config, config.total_steps, 1, options.label)
             (transport,) = ThreadTransport.group(1)
             result = train_rank(
@@ -375,7 +386,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         root = transport.rank == 0
         log = _open_log(args) if root and args.log_json else None
         try:
-            console = _Console(args.no_progress or not root)
+            console = _Console(args.no_progress or not root, not args.no_evaluation)
             if root:
                 console.start(config, config.total_steps, transport.size, options.label)
             local_rank = local_rank_from_env()

@@ -224,6 +224,37 @@ def test_a_configs_evaluation_batches_are_the_forward_passes_its_run_makes(steps
     assert cfg.evaluation_batches == len(passes) == (epochs + 1) * 2 + 1 + 3
 
 
+def test_a_run_without_evaluation_makes_no_forward_pass_beyond_its_steps(tmp_path, capsys):
+    """`--no-evaluation` (a run timing its steps): the same steps, no inference pass, and the
+    log's accuracy and loss fields null."""
+    cfg = config(batch=4, steps=4)
+    cfg.dataset.train = Split(cfg.dataset.train.x[:8], cfg.dataset.train.y[:8])
+    cfg.evaluation = False
+    trainer = Trainer(cfg)
+
+    def refused(graph, ctx):
+        raise AssertionError("an evaluation ran")
+
+    trainer.executor.run_inference = refused
+    result = trainer.run()
+    assert cfg.evaluation_batches == 0
+    assert np.isnan([result.val_accuracy, result.test_accuracy, result.train_accuracy]).all()
+    again = config(batch=4, steps=4)
+    again.dataset.train = cfg.dataset.train
+    assert result.losses == Trainer(again).run().losses  # the same steps, evaluated or not
+    log = tmp_path / "log.jsonl"
+    argv = ["train", "seed-lcn-small", "--data", "synthetic", "--steps", "2", "--batch", "16"]
+    assert main([*argv, "--log-json", str(log), "--no-progress", "--no-evaluation"]) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    epoch, done = records[-2], records[-1]
+    assert epoch["event"] == "epoch" and epoch["val_loss"] is None
+    assert epoch["train_loss"] is not None
+    assert done["event"] == "done" and done["steps"] == 2
+    assert all(done[k] is None for k in ("test_accuracy", "val_accuracy", "train_accuracy"))
+    out = capsys.readouterr().out
+    assert "(no evaluation)" in out and "val loss" not in out
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="Numba has one thread here")
 @pytest.mark.parametrize(
     ("steps", "environment", "threads"),
