@@ -13,9 +13,10 @@ link):
    predicts it (`auto` is the plan the search picks on that machine), and so is one rank's on one
    host (the "one host" row, measured on each variant beside the file whose calibration it
    checks), the step data parallelism must beat to pay;
-3. each strategy's step is measured: `legion-nn train --strategy S` (auto with `--machine F`) on
-   the same cluster, timed as `bench scaling` times its jobs (`best_jobs`: at least a second of
-   steps, the best of `repeat` runs taken round-robin, a step being its slowest rank's).
+3. each strategy's step is measured: `legion-nn train --strategy S --no-evaluation` (auto with
+   `--machine F`) on the same cluster, timed as `bench scaling` times its jobs (`best_jobs`: at
+   least a second of steps, the best of `repeat` runs taken round-robin, a step being its
+   slowest rank's).
 
 A strategy is a built-in's name (`data`, `model`, `spatial`, `auto`) or a strategy file of grids,
 `{"grids": {unit: [parts, ...]}}` (`--strategies data,rows.json`): the file is read and resolved
