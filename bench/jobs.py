@@ -35,6 +35,10 @@ def command_environment(bytecode: bool = True) -> dict[str, str]:
 
 #: plain SGD keeps no optimizer state, so that four data-parallel replicas of seed-lcn's 1.2 GB of
 #: weights (with their gradients and reduction buffers) fit in a 24 GB machine
+OPTIMIZER = "sgd"
+WARMUP = 2
+
+
 def failure_line(stderr: str) -> str:
     """What a failed command's stderr says went wrong, in one line: its own error (the first line
     `legion-nn` prints, naming the command), not the launcher's last word after it (MPICH's
@@ -42,10 +46,6 @@ def failure_line(stderr: str) -> str:
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
     own = [line for line in lines if line.startswith("legion-nn ")]
     return (own or lines or ["no output"])[0 if own else -1]
-
-
-OPTIMIZER = "sgd"
-WARMUP = 2
 
 
 @dataclass

@@ -301,9 +301,9 @@ class Trainer:
     def evaluate(self, split: Split) -> tuple[float, float]:
         """(mean loss, top-1 accuracy) of the forward pass over a split, in evaluation mode;
         not a number without the config's `evaluation`, as for an empty split."""
-        totals = np.zeros(4)
         if not self.config.evaluation:
             return float("nan"), float("nan")
+        totals = np.zeros(4)
         for start in range(0, len(split), self.config.batch):
             stop = min(len(split), start + self.config.batch)
             if isinstance(split.x, NpyFile):

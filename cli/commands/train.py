@@ -262,11 +262,11 @@ def _hyperparameters(args: argparse.Namespace) -> dict[str, float]:
 class _Console:
     """Progress (`cli.commands.progress`) and the per-epoch lines (rank 0 only)."""
 
-    def __init__(self, disable: bool, evaluation: bool) -> None:
+    def __init__(self, disable: bool) -> None:
         from cli.commands.progress import Progress
 
         self.progress = Progress(disable)
-        self.evaluation = evaluation
+        self.evaluation = True  # the config's, told at `start`
 
     def on_step(self, step: int, loss: float) -> None:
         self.progress.step(loss)
@@ -275,6 +275,7 @@ class _Console:
         self.progress.write(line)
 
     def start(self, config, total_steps: int, ranks: int, strategy: str) -> None:
+        self.evaluation = config.evaluation
         self.progress.start(total_steps)
         where = f", {ranks} ranks, strategy {strategy}" if ranks > 1 else ""
         if config.stages == AUTO_STAGES:
@@ -347,7 +348,7 @@ def _run_single(args: argparse.Namespace) -> int:
     with flushed_job():  # before Numba's pool starts, which the next line may do
         threads = numba.get_num_threads()  # the run may choose fewer (`kernel_threads`)
         try:
-            console = _Console(args.no_progress, not args.no_evaluation)
+            console = _Console(args.no_progress)
             console.start(config, config.total_steps, 1, options.label)
             (transport,) = ThreadTransport.group(1)
             result = train_rank(
@@ -386,7 +387,7 @@ def _run_rank(args: argparse.Namespace, status) -> int:
         root = transport.rank == 0
         log = _open_log(args) if root and args.log_json else None
         try:
-            console = _Console(args.no_progress or not root, not args.no_evaluation)
+            console = _Console(args.no_progress or not root)
             if root:
                 console.start(config, config.total_steps, transport.size, options.label)
             local_rank = local_rank_from_env()
