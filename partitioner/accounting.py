@@ -48,6 +48,7 @@ from legion_nn.graph import TaskGraph
 from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
+from partitioner.gathers import gather_memory
 from partitioner.pieces import PieceSet
 from partitioner.plan import Plan
 from partitioner.task_plan import Reduction
@@ -172,6 +173,9 @@ def _memory_by_unit(graph: TaskGraph, plan: Plan, once: bool) -> dict[str, np.nd
                 rows[task_plan.unit] += _per_rank(block.src, block.nbytes, n)
             else:
                 received[block.tensor].append((task_plan.unit, block))
+        for block, gather in task_plan.gathered:  # the parts its copies would have brought
+            received[block.tensor].append((task_plan.unit, block))
+            rows[task_plan.unit] += gather_memory(gather, n)
         if task_plan.reductions:
             rows[task_plan.unit] += reductions_memory(task_plan.reductions, n)
     for found in received.values():

@@ -7,7 +7,10 @@ p participants and n bytes:
 - `reduce_scatter`, the better of a ring (p−1)α + (p−1)·bβ with b the largest owner's share and
   halving log2 p'·α + (p'−1)·bβ (2b for blocks two folded ranks share, plus 2α + nβ to fold);
 - `reduce` to one owner, the better of a binomial tree ⌈log2 p⌉(α + nβ) and reduce-scatter then
-  gather 2(p−1)α + 2(p−1)/p·nβ.
+  gather 2(p−1)α + 2(p−1)/p·nβ;
+- `allgather`, a reduce-scatter's hops run backwards (`collectives`), so the better of the
+  same ring and halving, its local passes a copy of the rank's own share into the flat vector
+  and of the vector out (2 bytes a byte) rather than adds.
 
 The bytes sent are those each algorithm puts on the wire, summed. Where the machine prices
 memory traffic, a collective also pays its local passes: every add reads two operands and
@@ -23,11 +26,13 @@ import math
 import numpy as np
 
 from partitioner.machine import Machine
-from partitioner.task_plan import Reduction
+from partitioner.task_plan import ALLGATHER, Reduction
 
 
 def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     """(seconds, bytes on the wire) of one collective."""
+    if reduction.gathers:
+        return _gather_cost(reduction, machine)
     p = len(reduction.participants)
     n = reduction.nbytes
     largest = 0
@@ -37,12 +42,58 @@ def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
 
 
 def owned_elements(reduction: Reduction) -> np.ndarray:
-    """Per participant's position, the elements of a reduce-scatter's targets it owns."""
-    position = {rank: i for i, rank in enumerate(reduction.participants)}
+    """Per participant's position, the elements of a reduce-scatter's targets it owns after
+    (each target's one holder); for an all-gather, per position among the ranks that receive
+    it (`gather_places`), the elements each gathers from (its own and its extras')."""
+    if reduction.gathers:
+        receivers, effective = gather_places(reduction)
+        ranks = receivers
+    else:
+        ranks = reduction.participants
+        effective = [holders[0] for _, holders in reduction.targets]
+    position = {rank: i for i, rank in enumerate(ranks)}
     owned = np.zeros(len(position), np.int64)
-    for rect, holders in reduction.targets:
-        owned[position[holders[0]]] += rect.volume
+    for (rect, _), owner in zip(reduction.targets, effective):
+        owned[position[owner]] += rect.volume
     return owned
+
+
+def gather_places(reduction: Reduction) -> tuple[tuple[int, ...], list[int]]:
+    """(the ranks an all-gather leaves holding every target, and per target the one of them
+    it leaves from): a target's owner where the owner is one of them; else the owner is an
+    extra participant, which holds parts but does not read them, and first hands its parts to
+    a partner among them, the k-th extra to the (k mod r)-th of the r."""
+    receivers = reduction.targets[0][1]
+    inside = set(receivers)
+    extras = [rank for rank in reduction.participants if rank not in inside]
+    partner = {rank: receivers[k % len(receivers)] for k, rank in enumerate(extras)}
+    return receivers, [partner.get(owner, owner) for owner in reduction.owners]
+
+
+def _gather_cost(gather: Reduction, machine: Machine) -> tuple[float, int]:
+    """An all-gather's (`allgather_algorithm` over the ranks that receive it, after a round in
+    which the extra participants hand their parts to partners among them: `gather_places`)."""
+    receivers, _ = gather_places(gather)
+    n = gather.nbytes
+    owned = owned_elements(gather)
+    largest = int(owned.max()) * gather.itemsize if len(owned) else 0
+    seconds, wire = collective_cost(ALLGATHER, len(receivers), n, largest, machine)
+    handed = _handed_elements(gather)
+    if handed.any():
+        seconds += machine.alpha + int(handed.max()) * gather.itemsize * machine.beta
+        wire += int(handed.sum()) * gather.itemsize
+    return seconds, wire
+
+
+def _handed_elements(gather: Reduction) -> np.ndarray:
+    """Per extra participant of an all-gather (`gather_places`), the elements it hands on."""
+    inside = set(gather.targets[0][1])
+    extras = {rank: k for k, rank in enumerate(r for r in gather.participants if r not in inside)}
+    out = np.zeros(len(extras), np.int64)
+    for (rect, _), owner in zip(gather.targets, gather.owners):
+        if owner in extras:
+            out[extras[owner]] += rect.volume
+    return out
 
 
 def collective_cost(
@@ -56,6 +107,8 @@ def collective_cost(
         return allreduce_algorithm(p, n, machine)[1], 2 * (p - 1) * n
     if algorithm == "reduce_scatter":
         return reduce_scatter_algorithm(p, n, largest, machine)[1], (p - 1) * n
+    if algorithm == ALLGATHER:
+        return allgather_algorithm(p, n, largest, machine)[1], (p - 1) * n
     tree, ring = _reduce_seconds(p, n, machine)
     return (tree, (p - 1) * n) if tree <= ring else (ring, 2 * (p - 1) * n)
 
@@ -119,7 +172,7 @@ def allreduce_algorithm(p: int, n: int, machine: Machine) -> tuple[str, float]:
     return name, seconds[name]
 
 
-def _reduce_scatter_seconds(p, n, largest, machine: Machine):
+def _reduce_scatter_seconds(p, n, largest, machine: Machine, gathers: bool = False):
     """(ring, halving) seconds of a reduce-scatter of `n` bytes over `p` ranks whose largest
     owner's share is `largest` bytes; numbers, or arrays of many (`collective_costs`). The
     ring's p − 1 steps each send and receive a share at once (`Machine.ring_beta`); halving
@@ -127,16 +180,19 @@ def _reduce_scatter_seconds(p, n, largest, machine: Machine):
     (each sends what it does not own, and gets its share's sum back) and halves the vector
     log2 p' times among the others: a half of round k holds p'/2^(k+1) of their blocks, each
     at most `largest` bytes, or twice that where two ranks share a block. Both zero and fill a
-    flat vector (3n) and add each share into its tensor (3 bytes a byte)."""
+    flat vector (3n) and add each share into its tensor (3 bytes a byte). An all-gather
+    (`gathers`) runs the same hops backwards, copying rather than adding: its own share into
+    the vector, then the vector out (2 bytes a byte each)."""
     a, b, m = machine.alpha, machine.beta, machine.seconds_per_memory_byte
     both = machine.ring_beta
-    local = 3 * n + 3 * p * largest
+    local = 2 * n + 2 * largest if gathers else 3 * n + 3 * p * largest
+    fold = (2 if gathers else 3) * n * m
     ring = (p - 1) * (a + largest * both) + local * m
     powers = np.exp2(np.floor(np.log2(np.maximum(p, 1))))
     folded = powers < p
     block = np.where(folded, 2 * largest, largest)
     halving = np.log2(powers) * a + (powers - 1) * block * both + local * m
-    halving = halving + np.where(folded, 2 * a + n * b + 3 * n * m, 0.0)
+    halving = halving + np.where(folded, 2 * a + n * b + fold, 0.0)
     return ring, halving
 
 
@@ -145,6 +201,14 @@ def reduce_scatter_algorithm(p: int, n: int, largest: int, machine: Machine) -> 
     `p` ranks, the largest owner's share `largest`, runs: the one `_reduce_scatter_seconds`
     prices less, the ring where they tie (on two ranks they are the same hops)."""
     ring, halving = (float(x) for x in _reduce_scatter_seconds(p, n, largest, machine))
+    return ("halving", halving) if _halving_wins(p, ring, halving) else ("ring", ring)
+
+
+def allgather_algorithm(p: int, n: int, largest: int, machine: Machine) -> tuple[str, float]:
+    """(the algorithm, "ring" or "halving", and its seconds) an all-gather of `n` bytes over
+    `p` ranks, the largest owner's share `largest`, runs: as `reduce_scatter_algorithm` decides,
+    priced with copies for adds."""
+    ring, halving = (float(x) for x in _reduce_scatter_seconds(p, n, largest, machine, True))
     return ("halving", halving) if _halving_wins(p, ring, halving) else ("ring", ring)
 
 

@@ -25,7 +25,12 @@ received its hops of the round before, so the rounds of a ring are its steps.
 - `reduce` to one owner: a binomial tree, ⌈log2 p⌉ rounds of whole vectors, (p − 1)·n elements,
   unless the ring variant (reduce-scatter, then every participant sends its chunk to the owner)
   is predicted faster on the machine (`collective_prices.reduce_by_tree`, which the cost model
-  prices by): large vectors over many ranks.
+  prices by): large vectors over many ranks;
+- `allgather` (`partitioner.gathers`): chunk i the targets participant i owns before, laid out
+  as a reduce-scatter of those owners lays them; a ring's p − 1 steps, or, where the machine
+  prices it less (`collective_prices.allgather_algorithm`), the halving reduce-scatter's
+  rounds run backwards: each hop reversed, copying what its receiver would have summed, so
+  that ⌈log2 p⌉ + 2 rounds carry what p(p − 1) copies would.
 
 Chunks are the uneven `split_sizes(n, p)`. Hops that would carry no element are left out: they
 send nothing, and counting them would make the planned bytes disagree with the bytes sent.
@@ -42,7 +47,9 @@ import numpy as np
 from legion_nn.rect import split_sizes
 from partitioner import boxes
 from partitioner.collective_prices import (
+    allgather_algorithm,
     allreduce_algorithm,
+    gather_places,
     owned_elements,
     reduce_by_tree,
     reduce_scatter_algorithm,
@@ -296,6 +303,51 @@ def _halving_scatter(ranks: tuple[int, ...], owned: np.ndarray) -> Schedule:
     return _of_rounds(rounds)
 
 
+def _allgather(gather: Reduction, machine: Machine) -> Schedule:
+    """An all-gather's rounds (`target_order` lays out its vector): its extra participants
+    hand their parts to their partners (`gather_places`), then the ranks that receive it
+    gather by the halving reduce-scatter's rounds run backwards, or by a ring."""
+    receivers, _ = gather_places(gather)
+    owned = owned_elements(gather)
+    if _scatter_halves(gather, machine):
+        body = _backwards(_halving_scatter(receivers, owned))
+    else:
+        body = _ring_allgather(receivers, _chunks(owned.tolist()))
+    inside = set(receivers)
+    if len(inside) == len(gather.participants):
+        return body
+    _, effective = gather_places(gather)
+    spans: dict[int, list[int]] = {}
+    offset = 0
+    for t in target_order(gather, machine):
+        size, owner = gather.targets[t][0].volume, gather.owners[t]
+        if owner not in inside and size:
+            span = spans.setdefault(owner, [offset, offset, effective[t]])
+            span[1] = offset + size
+        offset += size
+    hand = [Hop(owner, partner, lo, hi, False) for owner, (lo, hi, partner) in spans.items()]
+    return Schedule.concat(Schedule.of_rounds([hand]), body)
+
+
+def _backwards(summing: Schedule) -> Schedule:
+    """A sum's rounds run last to first, each hop from its receiver to its sender, copying: what
+    the sum left where it ends goes back to every participant. A hop that summed into its
+    receiver a range the receiver went on to hold, or to pass on, now brings that range,
+    complete, from there: a tree reduce's broadcast back down the tree, or a reduce-scatter's
+    all-gather of the chunks it leaves its participants holding."""
+    starts, ends = summing.round_ptr[:-1][::-1], summing.round_ptr[1:][::-1]
+    order = (
+        np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
+        if len(starts)
+        else np.zeros(0, np.int64)
+    )
+    ptr = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+    return Schedule(
+        summing.dst[order], summing.src[order], summing.lo[order], summing.hi[order],
+        np.zeros(len(order), bool), ptr,
+    )  # fmt: skip
+
+
 def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
     """A binomial tree to `owner`: at level k, the rank 2^k·(2j + 1) places past the owner (in
     `ranks`' order, round the ring) sends its whole vector to the rank 2^k places before it."""
@@ -315,44 +367,44 @@ def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
     return Schedule(src, dst, np.zeros(hops), np.full(hops, n), np.ones(hops, bool), ptr)
 
 
-def _tree_broadcast(reduce: Schedule) -> Schedule:
-    """A tree reduce's (`_tree_reduce`) rounds walked back down: each rank that sent its sum up
-    a level receives the total from the rank it sent to, copied over its own."""
-    starts, ends = reduce.round_ptr[:-1][::-1], reduce.round_ptr[1:][::-1]
-    order = (
-        np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
-        if len(starts)
-        else np.zeros(0, np.int64)
-    )
-    ptr = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
-    return Schedule(
-        reduce.dst[order], reduce.src[order], reduce.lo[order], reduce.hi[order],
-        np.zeros(len(order), bool), ptr,
-    )  # fmt: skip
-
-
 def target_order(reduction: Reduction, machine: Machine) -> list[int]:
     """Indices of `reduction.targets` in the order they are laid out in the flat vector: a
     reduce-scatter's by their owners' places in the ring, or where it halves, by the chunk
     each owner's place ends with (`_halving_scatter`)."""
     order = list(range(len(reduction.targets)))
-    if reduction.algorithm == "reduce_scatter":
+    if reduction.gathers:
+        receivers, effective = gather_places(reduction)
+        position = {rank: i for i, rank in enumerate(receivers)}
+        key = _chunk_keys(reduction, len(receivers), machine)
+        # an extra participant's parts next to its partner's own (`gather_places`)
+        handing = {rank: i + 1 for i, rank in enumerate(reduction.participants)}
+        handing.update((rank, 0) for rank in receivers)
+        order.sort(key=lambda t: (key[position[effective[t]]], handing[reduction.owners[t]]))
+    elif reduction.algorithm == "reduce_scatter":
         position = {rank: i for i, rank in enumerate(reduction.participants)}
-        p = len(position)
-        key = np.arange(p)
-        if _scatter_halves(owned_elements(reduction), reduction.itemsize, machine):
-            key = _position_chunks(p) * p + key
+        key = _chunk_keys(reduction, len(position), machine)
         order.sort(key=lambda t: key[position[reduction.targets[t][1][0]]])
     return order
 
 
-def _scatter_halves(owned: np.ndarray, itemsize: int, machine: Machine) -> bool:
-    """Whether a reduce-scatter whose participants own `owned` elements (`owned_elements`) runs
-    by recursive halving rather than the ring."""
+def _chunk_keys(reduction: Reduction, p: int, machine: Machine) -> np.ndarray:
+    """Per place among p ranks, where its chunk lies in the vector: in place order, or where
+    the collective halves, by the chunk each place ends with."""
+    key = np.arange(p)
+    if _scatter_halves(reduction, machine):
+        key = _position_chunks(p) * p + key
+    return key
+
+
+def _scatter_halves(reduction: Reduction, machine: Machine) -> bool:
+    """Whether a reduce-scatter, or an all-gather among the ranks that receive it, runs by
+    recursive halving rather than the ring."""
+    owned = owned_elements(reduction)
     if len(owned) < 2 or not owned.sum():
         return False
-    nbytes, largest = int(owned.sum()) * itemsize, int(owned.max()) * itemsize
-    return reduce_scatter_algorithm(len(owned), nbytes, largest, machine)[0] == "halving"
+    nbytes, largest = int(owned.sum()) * reduction.itemsize, int(owned.max()) * reduction.itemsize
+    choose = allgather_algorithm if reduction.gathers else reduce_scatter_algorithm
+    return choose(len(owned), nbytes, largest, machine)[0] == "halving"
 
 
 def schedule(reduction: Reduction, machine: Machine) -> Schedule:
@@ -366,16 +418,18 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
         algorithm, _ = allreduce_algorithm(p, n * reduction.itemsize, machine)
         if algorithm == "tree":
             up = _tree_reduce(ranks, ranks[0], n)
-            return Schedule.concat(up, _tree_broadcast(up))
+            return Schedule.concat(up, _backwards(up))
         if algorithm == "halving":
             return _halving_doubling(ranks, n)
         chunks = _chunks(split_sizes(n, p))
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
     if reduction.algorithm == "reduce_scatter":
         owned = owned_elements(reduction)
-        if _scatter_halves(owned, reduction.itemsize, machine):
+        if _scatter_halves(reduction, machine):
             return _halving_scatter(ranks, owned)
         return _ring_reduce_scatter(ranks, _chunks(owned.tolist()))
+    if reduction.gathers:
+        return _allgather(reduction, machine)
     if reduction.algorithm == "reduce":
         owner = reduction.targets[0][1][0]
         if reduce_by_tree(p, n * reduction.itemsize, machine):

@@ -9,11 +9,13 @@
   every byte still reaches each destination once (the bytes sent are k times the rect);
 - collectives, over p participants and n bytes, by the algorithm the machine prices least
   (`collective_prices`: ring, halving-doubling or binomial-tree all-reduce, ring or halving
-  reduce-scatter, binomial-tree or ring reduce); the bytes sent are those each algorithm puts
-  on the wire, summed;
+  reduce-scatter, binomial-tree or ring reduce, ring or halving all-gather for a fetch that
+  `partitioner.gathers` makes one); the bytes sent are those each algorithm puts on the wire,
+  summed;
 - where memory traffic is priced, messages and collectives also pay their local passes: two per
   byte sent or received (packing, unpacking), three per byte added (two reads, one write);
-- a task's time is compute, then its incoming transfers, then its reductions, one after another;
+- a task's time is compute, then its incoming transfers and gathers, then its reductions, one
+  after another;
   collectives over disjoint ranks run at once, those sharing a rank one after another; the step is
   the sum over tasks (bulk synchronous);
 - a plan is infeasible when some rank's memory (`accounting.memory_per_rank`) exceeds the machine's.
@@ -203,8 +205,9 @@ def _task_costs(
         incoming = link_loads([b for b in blocks if not b.reduce], n)
         partial = link_loads([b for b in blocks if b.reduce], n)
         sent = sum(int(np.dot(b.nbytes, b.fanout)) for b in blocks)
-        priced = [reduction_cost(r, machine) for r in task_plan.reductions]
-        groups = [np.asarray(r.participants, np.int64) for r in task_plan.reductions]
+        collectives = [gather for _, gather in task_plan.gathered] + list(task_plan.reductions)
+        priced = [reduction_cost(r, machine) for r in collectives]
+        groups = [np.asarray(r.participants, np.int64) for r in collectives]
         busy = busy_seconds(
             groups, range(len(groups)), [-1] * len(groups), [s for s, _ in priced], n
         )

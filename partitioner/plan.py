@@ -68,6 +68,7 @@ from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.accesses import Columns, TaskAccesses, task_accesses
 from partitioner.deferred_sums import defer_sums
+from partitioner.gathers import Adders, gather_of
 from partitioner.layout import Layout
 from partitioner.messages import Copies
 from partitioner.pieces import Piece, PieceCache, PieceSet, graph_pieces, homed_pieces
@@ -195,6 +196,7 @@ def build_plan(
     copies = Copies()
     memo = cache.memo
     plans = []
+    writes = LastWrites(graph)
     for task in graph.tasks:
         if task.name in homed:
             plan = TaskPlan(
@@ -205,6 +207,7 @@ def build_plan(
                 TransferSet(),
                 holdings=homed_holdings(task, homes),
             )
+            writes.forget(task)
         else:
             plan = _plan_partitioned(
                 graph,
@@ -215,6 +218,7 @@ def build_plan(
                 layouts,
                 copies,
                 memo,
+                writes,
             )
         layouts.update(plan.holdings)
         plans.append(plan)
@@ -435,10 +439,14 @@ def _plan_partitioned(
     layouts: Mapping[str, Layout],
     copies: Copies,
     memo: PlanMemo,
+    writes: LastWrites,
 ) -> TaskPlan:
+    """A partitioned task's plan, given the `layouts` before it; the `copies` held and the
+    last `writes` are brought up to date."""
     fail = _failure(task)
     touched = task_accesses(task, pieces)
     blocks = []
+    gathered = []
     for tensor, found in touched.reads:
         layout = layouts.get(tensor)
         if layout is None:
@@ -446,8 +454,16 @@ def _plan_partitioned(
         accesses = memo.accesses(found)
         fresh = copies.fresh(tensor, layout, accesses, keep=not graph.tensors[tensor].resident)
         itemsize = graph.tensors[tensor].itemsize
-        blocks.append(memo.fetch(tensor, itemsize, layout, accesses, fresh, fail))
+        block = memo.fetch(tensor, itemsize, layout, accesses, fresh, fail)
+        gather = None
+        if len(block) and writes.outright(tensor, layout, task.name):
+            gather = gather_of(tensor, itemsize, layout, accesses, fresh)
+        if gather is None:
+            blocks.append(block)
+        else:
+            gathered.append((block, gather))
     after = holdings_after(graph, task, touched, layouts, memo)
+    writes.record(task.name, touched, pieces, after)
     reductions = []
     nreads = len(pieces) * len(task.requirements)
     for position, (tensor, found) in enumerate(touched.reduces):
@@ -459,7 +475,46 @@ def _plan_partitioned(
         )
         blocks.append(block)
         reductions += reductions_of(tensor, itemsize, collectives)
-    return TaskPlan(task.name, unit, grid, [pieces], TransferSet(tuple(blocks)), reductions, after)
+    return TaskPlan(
+        task.name,
+        unit,
+        grid,
+        [pieces],
+        TransferSet(tuple(blocks)),
+        reductions,
+        after,
+        gathered=gathered,
+    )
+
+
+class LastWrites:
+    """Per tensor, the partitioned task that wrote its layout now (its name, accesses, pieces
+    and the layout), for `gathers.Adders.outright`."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        self.adders = Adders(graph)
+        self._last: dict[str, tuple[str, TaskAccesses, PieceSet, Layout]] = {}
+
+    def record(
+        self, name: str, touched: TaskAccesses, pieces: PieceSet, after: Mapping[str, Layout]
+    ) -> None:
+        for tensor in touched.writes:
+            self._last[tensor] = (name, touched, pieces, after[tensor])
+
+    def forget(self, task: Task) -> None:
+        """A homed task's writes: what it writes stays in its home."""
+        for req in task.requirements:
+            if req.privilege.writes:
+                self._last.pop(req.tensor, None)
+
+    def outright(self, tensor: str, layout: Layout, reader: str) -> bool:
+        """Whether `layout` of `tensor` is what its last writer wrote outright, nothing adding
+        into it before `reader`."""
+        found = self._last.get(tensor)
+        if found is None or found[3] is not layout:
+            return False
+        writer, touched, pieces, _ = found
+        return self.adders.outright(tensor, writer, touched, pieces, reader)
 
 
 def _algorithm(participants: tuple[int, ...], targets: list[tuple[Rect, tuple[int, ...]]]) -> str:

@@ -16,18 +16,30 @@ from legion_nn.rect import Rect
 from partitioner.layout import Layout
 from partitioner.pieces import Piece, PieceSet
 from partitioner.strategy import Grid
-from partitioner.transfers import Transfer, TransferSet
+from partitioner.transfers import Transfer, TransferBlock, TransferSet
+
+#: the collective that copies each participant's part of a tensor to every other
+ALLGATHER = "allgather"
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """A collective combining partial sums of `targets` (rect, holders after) over `participants`."""
+    """A collective over `participants` of `targets` (rect, holders after): a sum of their
+    partial sums (`allreduce`, `reduce_scatter`, `reduce`), or an `allgather`, each target
+    copied from the one participant that holds it (`owners`) to every other
+    (`partitioner.gathers`)."""
 
     tensor: str
     algorithm: str
     participants: tuple[int, ...]
     targets: tuple[tuple[Rect, tuple[int, ...]], ...]
     itemsize: int
+    #: an all-gather's: per target, the participant that holds it before
+    owners: tuple[int, ...] = ()
+
+    @property
+    def gathers(self) -> bool:
+        return self.algorithm == ALLGATHER
 
     @cached_property
     def nbytes(self) -> int:
@@ -35,10 +47,11 @@ class Reduction:
 
 
 class TaskPlan:
-    """One task's pieces, incoming transfers and reductions, and who holds what after it.
+    """One task's pieces, incoming transfers, gathers and reductions, and who holds what after.
 
-    The arrays are the plan: `piece_sets`, `transfer_set`, and `holdings`, the layout after the
-    task of every tensor it writes or reduces into. `pieces` and `transfers` are read-only views
+    The arrays are the plan: `piece_sets`, `transfer_set`, `gathered` (fetches that arrive by
+    an all-gather rather than as copies: `partitioner.gathers`), and `holdings`, the layout
+    after the task of every tensor it writes or reduces into. `pieces` and `transfers` are read-only views
     of the arrays, made when first read; an edited plan is a new `TaskPlan`
     (`with_transfers`), so whatever reads it, arrays or objects, reads the same."""
 
@@ -52,6 +65,7 @@ class TaskPlan:
         reductions: Sequence[Reduction] = (),
         holdings: Mapping[str, Layout] | None = None,
         deferred: Mapping[str, int] | None = None,
+        gathered: Sequence[tuple[TransferBlock, Reduction]] = (),
     ) -> None:
         self.task = task
         self.unit = unit
@@ -63,6 +77,9 @@ class TaskPlan:
         #: per tensor whose sum here waits for a later task's collective, that task's index
         #: (`partitioner.deferred_sums`): each rank adds its part into its own copy meanwhile
         self.deferred: Mapping[str, int] = MappingProxyType(dict(deferred or {}))
+        #: per fetch that an all-gather brings: the copies it stands for (what each rank
+        #: receives, for the memory count and `verify_plan`) and the collective
+        self.gathered = tuple(gathered)
 
     @cached_property
     def pieces(self) -> tuple[Piece, ...]:
@@ -83,6 +100,7 @@ class TaskPlan:
             self.reductions,
             self.holdings,
             self.deferred,
+            self.gathered,
         )
 
     def with_deferred(self, deferred: Mapping[str, int]) -> TaskPlan:
@@ -97,6 +115,7 @@ class TaskPlan:
             [r for r in self.reductions if r.tensor not in deferred],
             self.holdings,
             {**self.deferred, **deferred},
+            self.gathered,
         )
 
     def __repr__(self) -> str:

@@ -9,7 +9,8 @@ than restate it:
    task that writes the tensor (a homed task's piece, such as the zeroing of a parameter's
    gradient, is run by every holder of its cell, and each holds it), or, for a resident tensor,
    lies in exactly one cell of its home;
-3. messages: what reaches a rank for one task and tensor is disjoint from what it holds and from
+3. messages: what reaches a rank for one task and tensor (a copy, or a part an all-gather brings
+   from a participant holding it) is disjoint from what it holds and from
    every other part sent to it, lies in a rect the rank reads afresh (one it has not read since
    the tensor was last written: the planner keeps copies by read rect, so a second read of the
    same rect is free, and a read of another rect fetches each cell's part whole, even where it
@@ -49,7 +50,7 @@ from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.cell_grid import CellGrid, arrays, join
 from partitioner.plan import Piece, Plan
-from partitioner.task_plan import TaskPlan
+from partitioner.task_plan import Reduction, TaskPlan
 
 #: boxes beyond which sets are counted on a grid rather than compared pair by pair
 PAIRWISE = 24
@@ -103,6 +104,12 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
                 continue
             for dst in transfer.dsts:
                 received[(transfer.tensor, dst)].append(transfer.rect)
+        for _, gather in task_plan.gathered:
+            _check_gather(task.name, gather, writers)
+            for (rect, holders), owner in zip(gather.targets, gather.owners):
+                for rank in holders:
+                    if rank != owner:
+                        received[(gather.tensor, rank)].append(rect)
         many: dict[str, list[_RankBoxes]] = defaultdict(list)
         for key in set(needed) | set(received):
             held = writers[key[0]][1].get(key[1], []) if key[0] in writers else []
@@ -138,6 +145,20 @@ def verify_plan(graph: TaskGraph, plan: Plan) -> None:
             writers[tensor] = written
             for key in [k for k in copies if k[0] == tensor]:
                 del copies[key]
+
+
+def _check_gather(
+    task: str, gather: Reduction, writers: dict[str, tuple[list[Rect], dict[int, list[Rect]]]]
+) -> None:
+    """An all-gather that brings `task` its reads (`TaskPlan.gathered`): each part comes from a
+    participant that holds it."""
+    held = writers.get(gather.tensor, ([], {}))[1]
+    for (rect, _), owner in zip(gather.targets, gather.owners):
+        if owner not in gather.participants or not rect.covered_by(held.get(owner, [])):
+            raise VerifyError(
+                f"{task}: the all-gather of {gather.tensor} sends {rect!r} from rank {owner}, "
+                "which does not hold it"
+            )
 
 
 def _home_holdings(home, nranks: int) -> tuple[list[Rect], dict[int, list[Rect]]]:

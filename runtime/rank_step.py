@@ -322,12 +322,20 @@ class StepRun:
         run_on_views(task, piece.rect, piece.requirements, views, self.graph.tensors, ctx)
 
     def _collective(self, rt: RankTask, collective: Collective, scratch) -> None:
-        """Start `collective` on the contribution in `scratch`; it runs in the background."""
+        """Start `collective` on the contribution in `scratch` (an all-gather's: the parts of
+        the tensor this rank owns); it runs in the background."""
         tensor = collective.reduction.tensor
         sizes = [rect.volume for rect, _ in collective.targets]
         mine = scratch.get(tensor)
         staging = self.buffers.staging
-        if collective.seq in staging.vector_in_scratch or tensor in staging.in_place.get(
+        if collective.owners:
+            vector = self.buffer(("vector", collective.seq), (sum(sizes),), self._dtype(tensor))
+            offset = 0
+            for (rect, _), size, owner in zip(collective.targets, sizes, collective.owners):
+                if owner == self.rank:
+                    vector[offset : offset + size] = self.ex.view(tensor, rect).ravel()
+                offset += size
+        elif collective.seq in staging.vector_in_scratch or tensor in staging.in_place.get(
             rt.index, {}
         ):
             # The contribution is the vector (a replicated gradient, or a sharded one cut along

@@ -48,7 +48,8 @@ class RunningCollective:
     since a later round (or an add in this one) may overwrite what was sent. A hop that only
     copies receives straight into the vector. Between the step's tasks, `advance` moves it on
     without blocking; `complete` blocks until the last round is in, then adds the result into
-    the tensor (unless it was reduced in place). Until then no task touches the tensor: the
+    the tensor (unless it was reduced in place), or, for an all-gather, copies in the parts
+    other ranks own. Until then no task touches the tensor: the
     step completes a collective before any task that does."""
 
     def __init__(
@@ -130,12 +131,17 @@ class RunningCollective:
             )
             self._end_round()
         offset = 0
-        for rect, holders in self.collective.targets:
+        owners = self.collective.owners
+        for t, (rect, holders) in enumerate(self.collective.targets):
             size = rect.volume
             if run.rank in holders:
                 target = run.view(self.tensor, rect)
-                if not np.may_share_memory(target, self.vector):  # else it was reduced in place
-                    target += self.vector[offset : offset + size].reshape(target.shape)
+                part = self.vector[offset : offset + size].reshape(target.shape)
+                if owners:
+                    if owners[t] != run.rank:  # a gathered part, copied over what was there
+                        target[...] = part
+                elif not np.may_share_memory(target, self.vector):  # else reduced in place
+                    target += part
             offset += size
         if run.recorder is None:
             return

@@ -1,9 +1,11 @@
 """What a task costs on a grid given its fetches and combines, each priced once per contents.
 
 The search's replay (`transitions.py`) names a task's messages by keys. ("fetch", task, grid,
-tensor, layout key, earlier reads) is the task's read of `tensor` from the layout the key names
-(`layout_cache.py`), after the earlier reads of it since it was written, (task, grid) pairs: a
-rect a rank received once is not sent again (`messages.Copies`). ("combine", task, grid, tensor,
+tensor, layout key, earlier reads, plain) is the task's read of `tensor` from the layout the key
+names (`layout_cache.py`), after the earlier reads of it since it was written, (task, grid)
+pairs: a rect a rank received once is not sent again (`messages.Copies`); `plain` says whether
+the tensor was written outright and not added into since, where a read of all of it may arrive
+by an all-gather (`partitioner.gathers`). ("combine", task, grid, tensor,
 layout key) is the task's reduction into that layout. What a fetch or a combine moves is what
 `transfers.link_loads`, `accounting.received_once` and the memory accounting make of the block
 and the collectives `messages.fetch` and `combine` list: computed dim by dim where
@@ -30,6 +32,7 @@ from partitioner.accounting import (
 )
 from partitioner.collective_prices import collective_costs, reduction_cost
 from partitioner.cost import busy_seconds, compute_time, task_cost
+from partitioner.gathers import gather_memory, gather_of
 from partitioner.grid_combine import Collectives, combine_loads
 from partitioner.grid_loads import Moved, RectSet, fetch_loads
 from partitioner.machine import Machine
@@ -39,6 +42,7 @@ from partitioner.plan import PlanError, reductions_of, task_rows
 from partitioner.plan_memo import digest
 from partitioner.search.layout_cache import Key, LayoutCache, Memo
 from partitioner.strategy import Grid
+from partitioner.task_plan import Reduction
 from partitioner.transfers import TransferBlock, link_loads
 
 Loads = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -105,7 +109,7 @@ class TaskPrices:
         """A fetch's reads, and which of them are fresh (`messages.Copies`; None: all)."""
 
         def make():
-            _, name, grid, tensor, _, before = key
+            _, name, grid, tensor, _, before, _ = key
             reads, mine = self._reads(name, grid, tensor)
             if not before:
                 return reads, None
@@ -123,7 +127,7 @@ class TaskPrices:
         """The transfers of a fetch, as `messages.fetch` lists them."""
 
         def make() -> TransferBlock:
-            _, name, _, tensor, layout_key, _ = key
+            _, name, _, tensor, layout_key, _, _ = key
             reads, fresh = self._fresh(key)
             fresh = np.ones(len(reads.ranks), bool) if fresh is None else fresh
             itemsize = self.graph.tensors[tensor].itemsize
@@ -135,7 +139,7 @@ class TaskPrices:
     def _fetch(self, key: Key) -> _Moved:
         """What a fetch moves, kept by its contents: the same layout read the same way by
         another task (a repeated layer) is priced once."""
-        _, name, grid, tensor, layout_key, _ = key
+        _, name, grid, tensor, layout_key, _, plain = key
         reads, fresh = self._fresh(key)
         if fresh is not None and not fresh.any():
             return _NOTHING
@@ -146,9 +150,16 @@ class TaskPrices:
             self._reads(name, grid, tensor)[1],
             None if fresh is None else digest(fresh),
             itemsize,
+            plain,
         )
 
         def make() -> _Moved:
+            gather = None
+            if plain:
+                layout = self.layouts.layout(layout_key)
+                gather = gather_of(tensor, itemsize, layout, reads, fresh)
+            if gather is not None:
+                return self._gathered(key, gather)
             fast = None
             if self.fast:
                 geometry = self.layouts.geometry(layout_key)
@@ -168,6 +179,20 @@ class TaskPrices:
             return _Moved(loads, wire, None, staged_bytes(block, n), received)
 
         return self._memo.remember(content, make)
+
+    def _gathered(self, key: Key, gather: Reduction) -> _Moved:
+        """What a fetch that an all-gather brings moves (`partitioner.gathers`): the gather,
+        and the parts its copies would have brought."""
+        block = self._block(key)
+        if not len(block):
+            return _NOTHING
+        n = self.nranks
+        seconds, wire = reduction_cost(gather, self.machine)
+        members = np.asarray(gather.participants, boxes.INDEX)
+        collectives = ([members], np.zeros(1, np.int64), np.full(1, -1), np.array([seconds]))
+        return _Moved(
+            None, wire, collectives, gather_memory(gather, n), received_once([block], n)[0]
+        )
 
     def _combine(self, key: Key) -> _Moved:
         """What a combine moves, kept by its contents (see `_fetch`)."""

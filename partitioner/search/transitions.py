@@ -67,6 +67,7 @@ from legion_nn.privilege import Privilege
 from partitioner import boxes
 from partitioner.accounting import flops_per_element, moves_bytes
 from partitioner.cost import compute_time
+from partitioner.gathers import Adders
 from partitioner.machine import Machine
 from partitioner.pieces import PieceCache
 from partitioner.plan import PlanError
@@ -154,6 +155,7 @@ class UnitPricer(UnitWindows):
         self.nranks, self.machine = nranks, machine
         self.layouts = LayoutCache(graph, nranks, cache)
         self.prices = TaskPrices(self.layouts, machine)
+        self.adders = Adders(graph)
         self.cache = self.layouts.cache
         self._bounds = Memo()
         #: per unit, the grids `auto` offers it (`families.grid_options`): a bound is below
@@ -294,7 +296,10 @@ class UnitPricer(UnitWindows):
                     continue
                 if self.layouts.local(name, grid, tensor, layout_key, reduce=False):
                     continue  # each rank reads what it wrote: nothing moves
-                key = ("fetch", name, grid, tensor, layout_key, before)
+                outright = layout_key[0] == "write" and self._outright(
+                    tensor, layout_key[1], layout_key[2], name
+                )
+                key = ("fetch", name, grid, tensor, layout_key, before, outright)
                 if not bounding:
                     fetched[tensor].append((mine, key))
                 if mine:
@@ -324,6 +329,12 @@ class UnitPricer(UnitWindows):
         found = tuple(tuple(f) for f in fetched.values() if any(mine for mine, _ in f))
         return _Replayed(seconds, memory, found)
 
+    def _outright(self, tensor: str, writer: str, grid: Grid, reader: str) -> bool:
+        """Whether `writer` on `grid` wrote `tensor` outright and nothing adds into it before
+        `reader` (`gathers.Adders.outright`): a read of all of it may be gathered."""
+        accesses, pieces = self.layouts.accesses(writer, grid), self.layouts.pieces(writer, grid)
+        return self.adders.outright(tensor, writer, accesses, pieces, reader)
+
     def _least_fetch(
         self, name: str, grid: Grid, tensor: str, writer: str, before: tuple
     ) -> Key | None:
@@ -343,7 +354,8 @@ class UnitPricer(UnitWindows):
             layout_key = ("write", writer, writer_grid, tensor)
             if self.layouts.local(name, grid, tensor, layout_key, reduce=False):
                 return None
-            keys.append(("fetch", name, grid, tensor, layout_key, before))
+            outright = self._outright(tensor, writer, writer_grid, name)
+            keys.append(("fetch", name, grid, tensor, layout_key, before, outright))
         return ("least", *dict.fromkeys(keys))
 
     def _first_layout(

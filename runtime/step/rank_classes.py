@@ -243,11 +243,11 @@ def rank_classes(
                 now.rows(slots, rows)
         if event.collectives:
             joined = []
-            for collective, sent in event.collectives:
+            for collective, sent, start in event.collectives:
                 for rank, nbytes in sent.items():
                     if rank in hop_bytes:
                         hop_bytes[rank] += nbytes
-                slots, rows = _collective_rows(collective, slot_of, frames)
+                slots, rows = _collective_rows(collective, start, slot_of, frames)
                 for slot in slots.tolist():
                     collectives[ranks[slot]].append(collective)
                 joined.append((slots, _row_ids(rows, collective_row_ids)))
@@ -338,14 +338,21 @@ _FACTS = itemgetter(3, 4, 5, 7, 8)
 
 
 def _collective_rows(
-    collective: Collective, slot_of: np.ndarray, frames: _Frames
+    collective: Collective, start: int, slot_of: np.ndarray, frames: _Frames
 ) -> tuple[np.ndarray, np.ndarray]:
     """(the slot of each participant told, and its row: per target, in order, the target's
-    rect relative to the participant's frame of the tensor and whether it holds the target)."""
+    rect relative to the participant's frame of the tensor and whether it holds the target;
+    for an all-gather, which every participant holds whole and whose targets its builder never
+    compares, the position it starts after and its size)."""
     participants = np.asarray(collective.reduction.participants, np.int64)
     slots = told_slots(participants, slot_of)
     told = slots >= 0
     participants, slots = participants[told], slots[told]
+    if collective.owners:
+        size = sum(rect.volume for rect, _ in collective.targets)
+        # four columns, which no sum's row has (2·ndim + 1 a target)
+        row = np.array([[-1, start, len(collective.targets), size]], np.int64)
+        return slots, np.tile(row, (len(slots), 1))
     tensor = collective.reduction.tensor
     columns = []
     for rect, holders in collective.targets:

@@ -11,7 +11,8 @@ the task order after which both sides post it.
   whatever lies between its producer and its consumer.
 - *Partial sums* (a `reduce` transfer): part of a piece's reduction that another rank holds. Sent
   after the piece runs; the holder adds it in at the end of the task.
-- *Collectives*: the plan's `Reduction`s, run with the schedules of `partitioner.collectives`.
+- *Collectives*: the plan's `Reduction`s, run with the schedules of `partitioner.collectives`:
+  sums, and all-gathers of a tensor the task wrote in parts (`partitioner.gathers`).
 - *Local reduction*: the rest of a piece's reduction, the part this rank holds, added straight in.
   Where a reduction is entirely local the kernel accumulates into the tensor itself; otherwise it
   accumulates into a zeroed scratch, whose parts then go their separate ways.
@@ -68,6 +69,8 @@ class Collective:
     seq: int
     #: whether it sums a parameter's gradient whose home is sharded
     sharded: bool = False
+    #: an all-gather's: per target, in flat-vector order, the rank that holds it before
+    owners: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounds, Schedule):
@@ -314,9 +317,12 @@ class Builder:
                 messages
             )
 
-    def collective(self, collective: Collective, sent: int) -> None:
-        """`collective` starts at this task; this rank's hops of it send `sent` bytes."""
-        self.current.collectives.append(collective)
+    def collective(self, collective: Collective, sent: int, start: int) -> None:
+        """`collective` starts after the task at position `start` (this one, or for an
+        all-gather bringing this task's reads, an earlier one); this rank's hops of it send
+        `sent` bytes."""
+        at = self.current if start == self.current.index else self.tasks[start]
+        at.collectives.append(collective)
         self.bytes_planned += sent
 
     def end(self, holdings: Mapping[str, Layout], deferred: Mapping[str, int]) -> None:

@@ -21,6 +21,7 @@ from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.pieces import Piece, PieceSet
 from partitioner.plan import Plan
+from partitioner.task_plan import Reduction
 from partitioner.transfers import TransferSet
 from runtime.step.order import step_order
 from runtime.step.rank_messages import STEP_START, Message, MessagesTold
@@ -45,8 +46,10 @@ class TaskEvents:
     told: ToldEnds
     #: their sequence numbers, sources, destinations and bytes, a row each, in order
     facts: np.ndarray
-    #: the task's collectives, each with the bytes each participant's hops send
-    collectives: list[tuple[Collective, dict[int, int]]]
+    #: the task's collectives, each with the bytes each participant's hops send and the
+    #: position of the task it starts after: this one's, or, for an all-gather bringing its
+    #: reads, the last writer's (`partitioner.gathers`)
+    collectives: list[tuple[Collective, dict[int, int], int]]
     #: the sequence number after the task's messages and hops: the step's message count, after
     #: its last task
     next_seq: int
@@ -97,22 +100,30 @@ def each_task_event(
     seq = 0
     for position, (index, task, task_plan) in enumerate(indexed):
         mine = PiecesByRank(task_plan.piece_sets, built)
+        # a gather starts where its copies would be posted, after the tensor's writer; where
+        # the writer is out of view (a program of some tasks), its copies come at the start
+        gathers, copied = [], []
+        for block, gather in task_plan.gathered:
+            start = int(last_writes.positions(gather.tensor, block.lo, block.hi).max())
+            if start == STEP_START:
+                copied.append(block)
+            else:
+                gathers.append((gather, start))
+        transfer_set = task_plan.transfer_set
+        if copied:
+            transfer_set = TransferSet((*transfer_set.blocks, *copied))
         messages, told, facts, seq = _told_messages(
-            task_plan.transfer_set, in_built, position, last_writes, graph, seq
+            transfer_set, in_built, position, last_writes, graph, seq
         )
         collectives = []
+        for gather, start in gathers:
+            collective, seq = _collective(gather, machine, seq, False, start)
+            collectives.append(collective)
         for reduction in task_plan.reductions:
-            order = target_order(reduction, machine)
-            rounds = schedule(reduction, machine)
-            collective = Collective(
-                reduction,
-                tuple(reduction.targets[t] for t in order),
-                rounds,
-                seq,
-                reduction.tensor in sharded_grads,
+            collective, seq = _collective(
+                reduction, machine, seq, reduction.tensor in sharded_grads, position
             )
-            seq += rounds.hops
-            collectives.append((collective, rounds.sent(reduction.itemsize)))
+            collectives.append(collective)
         for tensor, layout in task_plan.holdings.items():
             last_writes.record(tensor, layout, plan.written_by[index][tensor])
         yield TaskEvents(
@@ -127,6 +138,25 @@ def each_task_event(
             collectives,
             seq,
         )
+
+
+def _collective(
+    reduction: Reduction, machine: Machine, seq: int, sharded: bool, start: int
+) -> tuple[tuple[Collective, dict[int, int], int], int]:
+    """(the collective of `reduction` whose hops are numbered from `seq`, the bytes each
+    participant's hops send, and the position of the task it starts after), and the sequence
+    number after its hops."""
+    order = target_order(reduction, machine)
+    rounds = schedule(reduction, machine)
+    collective = Collective(
+        reduction,
+        tuple(reduction.targets[t] for t in order),
+        rounds,
+        seq,
+        sharded,
+        tuple(reduction.owners[t] for t in order) if reduction.owners else (),
+    )
+    return (collective, rounds.sent(reduction.itemsize), start), seq + rounds.hops
 
 
 def _told_messages(
@@ -416,10 +446,10 @@ def build_each(
         if event.messages:
             for rank, told in event.told.of_ranks(wanted).items():
                 programs[rank].messages(told)
-        for collective, sent in event.collectives:
+        for collective, sent, start in event.collectives:
             for rank in collective.reduction.participants:
                 if rank in programs:
-                    programs[rank].collective(collective, sent.get(rank, 0))
+                    programs[rank].collective(collective, sent.get(rank, 0), start)
         for builder in programs.values():
             builder.end(event.holdings, event.deferred)
     return {rank: builder.program(messages) for rank, builder in programs.items()}

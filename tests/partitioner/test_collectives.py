@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from legion_nn.rect import Rect, split_sizes
-from partitioner.collective_prices import allreduce_algorithm, collective_cost, reduce_by_tree
+from partitioner.collective_prices import (
+    allreduce_algorithm,
+    collective_cost,
+    reduce_by_tree,
+    reduction_cost,
+)
 from partitioner.collectives import Hop, Schedule, schedule, target_order
 from partitioner.machine import Machine
 from partitioner.task_plan import Reduction
@@ -275,3 +280,67 @@ def test_a_reduce_scatter_halves_where_latency_outweighs_its_bytes(p):
             held[owner][offset : offset + rect.volume], total[offset : offset + rect.volume]
         )
         offset += rect.volume
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(2, 19),
+    st.integers(0, 5),
+    st.data(),
+    st.sampled_from([Machine(), Machine(latency_us=0.0), Machine(latency_us=50.0)]),
+)
+def test_an_allgather_leaves_every_owners_part_with_every_receiver(p, extras, data, machine):
+    """An all-gather's schedule, by whichever algorithm the machine prices least, run on vectors
+    in which each participant holds only its own parts (NaN elsewhere), leaves every receiver
+    every part, from its owner; an extra participant (a holder that does not read) hands its
+    parts on. On the ring among receivers alone, the bytes on the wire are the cost model's."""
+    ranks = data.draw(st.permutations(range(30)))
+    receivers = tuple(sorted(ranks[:p]))
+    participants = tuple(sorted(ranks[: p + extras]))
+    sizes = data.draw(st.lists(st.integers(0, 5), min_size=p + extras, max_size=p + extras))
+    if not any(sizes):
+        sizes[0] = 1
+    targets, owners, lo = [], [], 0
+    for rank, size in zip(participants, sizes):  # some owners with two parts, some with none
+        for part in (size // 2, size - size // 2) if size > 2 else (size,):
+            if part:
+                targets.append((Rect((lo,), (lo + part,)), receivers))
+                owners.append(rank)
+                lo += part
+    reduction = Reduction("x", "allgather", participants, tuple(targets), 4, tuple(owners))
+    order = target_order(reduction, machine)
+    assert sorted(order) == list(range(len(targets)))
+    n = lo
+    whole = np.arange(n, dtype=float)
+    vectors = {rank: np.full(n, np.nan) for rank in participants}
+    offset = 0
+    for t in order:
+        rect, _ = targets[t]
+        vectors[owners[t]][offset : offset + rect.volume] = whole[offset : offset + rect.volume]
+        offset += rect.volume
+    built = schedule(reduction, machine)
+    assert not built.add.any()
+    held = _run(built, vectors)
+    for rank in receivers:
+        np.testing.assert_array_equal(held[rank], whole)
+    seconds, wire = reduction_cost(reduction, machine)
+    assert seconds > 0
+    if len(built) == p - 1 and participants == receivers:  # the ring: each part passes p − 1
+        assert sum(built.sent(4).values()) == wire == (p - 1) * n * 4
+
+
+@pytest.mark.parametrize("p", [4, 6, 8, 13, 64])
+def test_an_allgather_over_many_ranks_takes_logarithmic_rounds(p):
+    """Over many ranks and small parts an all-gather runs the halving reduce-scatter's rounds
+    backwards: ⌈log2 p⌉ rounds where p is a power of two, two more to fold the others in and
+    out, and p·log2 p hops rather than the p(p − 1) of copies from every owner."""
+    machine = Machine(latency_us=50.0)
+    ranks = tuple(range(p))
+    targets = tuple((Rect((k,), (k + 1,)), ranks) for k in range(p))
+    reduction = Reduction("x", "allgather", ranks, targets, 4, ranks)
+    built = schedule(reduction, machine)
+    powers = 2 ** int(math.log2(p))
+    assert len(built) == int(math.log2(powers)) + 2 * (powers < p)
+    assert built.hops <= p * math.ceil(math.log2(p)) + 2 * (p - powers)
+    if p == 64:
+        assert built.hops == 64 * 6

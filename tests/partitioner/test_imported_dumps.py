@@ -229,8 +229,15 @@ def test_opaque_functions_batch_rows_and_a_scalar_on_one_rank():
         (2, 3),
         (3, 4),
     ]
-    (scalar,) = by_task["BiasAdd-2"].transfers
-    assert (scalar.tensor, scalar.src, scalar.dsts) == ("v3", 0, (1, 2))
+    assert not by_task["BiasAdd-2"].transfers  # the scalar every rank reads is gathered
+    ((copies, scalar),) = by_task["BiasAdd-2"].gathered
+    assert (scalar.tensor, scalar.algorithm, scalar.participants, scalar.owners) == (
+        "v3",
+        "allgather",
+        (0, 1, 2),
+        (0,),
+    )
+    assert (copies.src.tolist(), copies.dsts.tolist()) == ([0], [1, 2])
     (partial,) = by_task["BiasAdd-2.grad"].reductions
     assert (partial.tensor, partial.algorithm, partial.targets[0][1]) == ("v3.grad", "reduce", (0,))
     assert plan.homes["/s/w"].volumes_by_rank() == {0: 4}  # only Sum reads it

@@ -44,6 +44,7 @@ from partitioner.pieces import Piece, grid_pieces
 from partitioner.plan import build_plan
 from partitioner.reduction_split import output_grid
 from partitioner.strategy import builtin, is_homed, param_of
+from partitioner.transfers import TransferSet
 from tests.plan_cases import networks, strategies
 
 MACHINE = Machine(100, 12.5, 2, 16)
@@ -141,6 +142,15 @@ def check_reads(graph, task, pieces, task_plan, held, copies) -> set:
         expected.setdefault(t, np.zeros(held[t].shape, int))
         for dst in transfer.dsts:
             expected[t][dst] -= box(held[t].shape[1:], transfer.rect)
+    for _, gather in task_plan.gathered:  # each part, from its owner, to every other participant
+        t = gather.tensor
+        expected.setdefault(t, np.zeros(held[t].shape, int))
+        for (rect, holders), owner in zip(gather.targets, gather.owners):
+            assert set(holders) | {owner} <= set(gather.participants)
+            assert held[t][owner][rect.to_slices()].all(), "gathered from a non-holder"
+            for dst in holders:
+                if dst != owner:
+                    expected[t][dst] -= box(held[t].shape[1:], rect)
     for t, balance in expected.items():
         assert not balance.any(), f"{task.name}: {t} arrives wrongly"
     return fresh
@@ -231,6 +241,17 @@ def check_costs(graph, plan) -> None:
         comm += link_time([t for t in transfers if t.reduce], MACHINE)
         sent = sum(t.nbytes * len(t.dsts) for t in transfers)
         busy: Counter = Counter()
+        for block, gather in task_plan.gathered:
+            seconds, wire = reduction_cost(gather, MACHINE)
+            sent += wire
+            for rank in gather.participants:
+                busy[rank] += seconds
+                memory[rank] += gather.nbytes  # its flat vector
+            for t in TransferSet((block,)).transfers():  # the parts it brings, once each
+                for dst in t.dsts:
+                    if (t.tensor, t.rect, dst) not in seen:
+                        seen.add((t.tensor, t.rect, dst))
+                        memory[dst] += t.nbytes
         for reduction in task_plan.reductions:
             seconds, wire = reduction_cost(reduction, MACHINE)
             sent += wire

@@ -213,6 +213,9 @@ def single(tmp_path_factory):
         # reduce-scatters by the ring and by halving, two ranks folded in (`collectives`)
         (6, "data", "sharded"),
         (2, "spatial", "sharded"),
+        # the classifier's input all-gathered by halving, one rank folded in and out
+        # (`partitioner.gathers`)
+        (5, "model", "replicated"),
     ],
 )
 def test_mpiexec_equals_one_process(single, tmp_path, launcher, nranks, strategy, homes):

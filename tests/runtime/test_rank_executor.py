@@ -30,6 +30,7 @@ from runtime.step.order import step_order
 from runtime.step.programs import build_programs
 from runtime.training import TrainConfig, Trainer
 from runtime.transport import ThreadTransport, run_threads
+from tests.partitioner.test_gathers import narrowing_network
 
 STEPS = 3
 
@@ -112,6 +113,19 @@ def assert_same(local, ranks) -> None:
 def test_ranks_equal_the_local_run(strategy, nranks):
     cfg = config(small_network())  # batch 7: uneven over 2, 3 and 4 ranks
     assert_same(local_run(cfg), ranks_run(cfg, nranks, strategy))
+
+
+@pytest.mark.parametrize("nranks", [5, 8])
+def test_gathered_reads_equal_the_local_run(nranks):
+    """The classifier's input all-gathered (`partitioner.gathers`): on 5 ranks by halving, a
+    rank folded in and out; on 8, three holders that do not read handing their parts on."""
+    network = narrowing_network()
+    graph = network.lower(batch=7, dtype="float64")
+    plan = build_plan(graph, builtin(graph, "model", nranks), nranks)
+    ((_, gather),) = [found for tp in plan.tasks for found in tp.gathered]
+    assert len(gather.participants) == nranks and len(gather.targets[0][1]) == 5
+    cfg = config(network)
+    assert_same(local_run(cfg), ranks_run(cfg, nranks, "model"))
 
 
 def test_adding_hops_in_many_segments_equal_the_local_run(monkeypatch):
