@@ -3,8 +3,8 @@
 A *piece node* is one task on one rank: every piece of the task that rank computes (a partitioned
 task has at most one per rank; a homed task, such as an update of a replicated parameter, has one
 node on every holder of its cells, so a replicated piece appears once per holder). A *collective
-node* is one `Reduction` of the plan (an all-reduce, reduce or reduce-scatter); it belongs to no
-rank.
+node* is one `Reduction` of the plan (an all-reduce, reduce or reduce-scatter, or an all-gather
+that brings a task its reads); it belongs to no rank.
 
 Links run in program order. They are read from the plan's record (`Plan.written_by` after each
 task, the layouts in `TaskPlan.holdings`), its pieces' rects, transfers and reductions, with no
@@ -22,7 +22,8 @@ sum adds to what r held; a collective's result or a write on r replaces it):
   does, to the same task's piece there, or to a node for the tensor);
 - `collective`: from each contributing piece into the collective (the bytes of its partial sums
   of the targets), and from the collective to the first piece on each holder that then reads its
-  target (the bytes of that holder's targets). These are the bytes the data carries, not the
+  target (the bytes of that holder's targets); for an all-gather, from the piece that produced
+  each part on its owner, and to the reading piece on every other rank that receives it. These are the bytes the data carries, not the
   bytes an algorithm puts on the wire (a ring all-reduce sends 2(p−1)/p of them per rank).
 
 A partial sum or a collective's result is linked to its first reader on the holder only: later
@@ -203,6 +204,8 @@ class _Builder:
         for transfer in task_plan.transfers:
             if not transfer.reduce:
                 self._fetch(task, task_plan, transfer)
+        for number, (_, gather) in enumerate(task_plan.gathered):
+            self._gather(task, task_plan, number, gather)
         self.wrote[index] = wrote
         for transfer in task_plan.transfers:
             if transfer.reduce:
@@ -276,6 +279,47 @@ class _Builder:
             for dst in transfer.dsts:
                 receiver = piece_id(task.name, dst)
                 self.link(_message(sender, receiver, "transfer", transfer, task.phase))
+
+    def _gather(self, task: Task, task_plan: TaskPlan, number: int, gather: Reduction) -> None:
+        """An all-gather bringing the task its reads (`TaskPlan.gathered`): from the piece that
+        produced each part on its owner into the collective, and from the collective to the
+        reading piece on every other rank that receives the part."""
+        node = CollectiveNode(
+            f"{gather.algorithm}/{task.name}#{number}",
+            f"{gather.algorithm} {gather.tensor}",
+            task_plan.unit,
+            gather.algorithm,
+            [gather.tensor],
+            gather.participants,
+            gather.nbytes,
+        )
+        self.collectives[node.id] = node
+        for (rect, holders), owner in zip(gather.targets, gather.owners):
+            nbytes = rect.volume * gather.itemsize
+            senders = [
+                source.node if isinstance(source, _Delivery) else source
+                for source in self._sources(owner, gather.tensor, rect)
+            ] or [self.tensor_node(gather.tensor, owner, task_plan.unit)]
+            for sender in senders:
+                self.link(
+                    Link(
+                        sender, node.id, "collective", gather.tensor, rect, nbytes, phase=task.phase
+                    )
+                )
+            for rank in holders:
+                if rank != owner:
+                    receiver = piece_id(task.name, rank)
+                    self.link(
+                        Link(
+                            node.id,
+                            receiver,
+                            "collective",
+                            gather.tensor,
+                            rect,
+                            nbytes,
+                            phase=task.phase,
+                        )
+                    )
 
     def _partial_sum(self, index: int, task: Task, task_plan: TaskPlan, transfer: Transfer) -> None:
         source = piece_id(task.name, transfer.src)

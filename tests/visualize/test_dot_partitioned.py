@@ -155,6 +155,19 @@ def test_a_replicated_update_sits_on_every_holder_behind_its_allreduce(small):
     assert not [link for link in view.links if link.kind in ("transfer", "reduce")]
 
 
+def test_an_allgather_runs_from_each_owners_writer_to_every_other_reader(small):
+    """A model-parallel classifier reads all of L1's output, all-gathered (`partitioner.gathers`):
+    each rank's filterNL piece feeds the gather, which feeds the classifier on every other rank
+    with the parts it lacks."""
+    view = piece_view(small, plan_for(small, "model"))
+    (gather,) = [c for c in view.collectives.values() if c.tensors == ["L1.filterNL.output"]]
+    assert gather.algorithm == "allgather" and gather.participants == (0, 1, 2, 3)
+    into = {link.src for link in view.links if link.dst == gather.id}
+    out = Counter(link.dst for link in view.links if link.src == gather.id)
+    assert into == {piece_id("L1.filterNL", r) for r in range(4)}
+    assert out == {piece_id("classifier.linear1", r): 3 for r in range(4)}
+
+
 def test_forward_only_keeps_the_forward_messages(tmp_path, small):
     plan = plan_for(small, "spatial")
     names = {t.name for t in forward_only(small).tasks}

@@ -5,6 +5,7 @@ build, on plans whose ranks all differ and on plans whose ranks share a class's 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -154,13 +155,18 @@ def test_a_report_whose_ranks_all_differ_is_built_placed_and_simulated_in_shares
 @pytest.mark.parametrize("case", CASES, ids=_ids())
 def test_shares_cover_the_ranks_in_order_each_about_an_equal_part_of_the_work(case):
     """Contiguous shares of the ranks, in order, none past an equal part of the work (a rank's
-    tasks and its ends of the messages) by more than one rank's."""
+    tasks, its ends of the messages and its rounds of the collectives it joins) by more than one
+    rank's."""
     graph, plan = _plan(*case)
     work = np.full(plan.nranks, float(len(graph.tasks)))
     for task_plan in plan.tasks:
         for transfer in task_plan.transfers:
             work[transfer.src] += MESSAGE_WORK / 2 * len(transfer.dsts)
             work[list(transfer.dsts)] += MESSAGE_WORK / 2
+        collectives = [gather for _, gather in task_plan.gathered] + list(task_plan.reductions)
+        for collective in collectives:
+            rounds = math.ceil(math.log2(max(len(collective.participants), 2)))
+            work[list(collective.participants)] += MESSAGE_WORK * rounds
     assert np.allclose(every_rank_work(graph, plan), work)
     for count in (2, 3):
         shares = balanced_shares(every_rank_work(graph, plan), count)
