@@ -30,10 +30,12 @@ hand its parts to a reader first (`collective_prices.gather_places`).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 import numpy as np
 
 from legion_nn.graph import TaskGraph
+from legion_nn.ir import Task
 from legion_nn.privilege import Privilege
 from partitioner import boxes
 from partitioner.accesses import TaskAccesses
@@ -81,6 +83,37 @@ class Adders:
             return True
         first, last = self.place[writer], self.place[reader]
         return not ((places > first) & (places < last)).any()
+
+
+class OutrightWrites:
+    """While a plan is made task by task (`plan.build_plan`): per tensor, the partitioned task
+    that wrote its layout now (its name, accesses, pieces and the layout), so that `outright`
+    asks `Adders.outright` as the search's replay does."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        self.adders = Adders(graph)
+        self._last: dict[str, tuple[str, TaskAccesses, PieceSet, Layout]] = {}
+
+    def record(
+        self, name: str, touched: TaskAccesses, pieces: PieceSet, after: Mapping[str, Layout]
+    ) -> None:
+        for tensor in touched.writes:
+            self._last[tensor] = (name, touched, pieces, after[tensor])
+
+    def forget(self, task: Task) -> None:
+        """A homed task's writes: what it writes stays in its home."""
+        for req in task.requirements:
+            if req.privilege.writes:
+                self._last.pop(req.tensor, None)
+
+    def outright(self, tensor: str, layout: Layout, reader: str) -> bool:
+        """Whether `layout` of `tensor` is what its last writer wrote outright, nothing adding
+        into it before `reader`."""
+        found = self._last.get(tensor)
+        if found is None or found[3] is not layout:
+            return False
+        writer, touched, pieces, _ = found
+        return self.adders.outright(tensor, writer, touched, pieces, reader)
 
 
 def gather_of(

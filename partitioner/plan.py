@@ -68,7 +68,7 @@ from legion_nn.rect import Rect
 from partitioner import boxes
 from partitioner.accesses import Columns, TaskAccesses, task_accesses
 from partitioner.deferred_sums import defer_sums
-from partitioner.gathers import Adders, gather_of
+from partitioner.gathers import OutrightWrites, gather_of
 from partitioner.layout import Layout
 from partitioner.messages import Copies
 from partitioner.pieces import Piece, PieceCache, PieceSet, graph_pieces, homed_pieces
@@ -196,7 +196,7 @@ def build_plan(
     copies = Copies()
     memo = cache.memo
     plans = []
-    writes = LastWrites(graph)
+    writes = OutrightWrites(graph)
     for task in graph.tasks:
         if task.name in homed:
             plan = TaskPlan(
@@ -439,7 +439,7 @@ def _plan_partitioned(
     layouts: Mapping[str, Layout],
     copies: Copies,
     memo: PlanMemo,
-    writes: LastWrites,
+    writes: OutrightWrites,
 ) -> TaskPlan:
     """A partitioned task's plan, given the `layouts` before it; the `copies` held and the
     last `writes` are brought up to date."""
@@ -485,36 +485,6 @@ def _plan_partitioned(
         after,
         gathered=gathered,
     )
-
-
-class LastWrites:
-    """Per tensor, the partitioned task that wrote its layout now (its name, accesses, pieces
-    and the layout), for `gathers.Adders.outright`."""
-
-    def __init__(self, graph: TaskGraph) -> None:
-        self.adders = Adders(graph)
-        self._last: dict[str, tuple[str, TaskAccesses, PieceSet, Layout]] = {}
-
-    def record(
-        self, name: str, touched: TaskAccesses, pieces: PieceSet, after: Mapping[str, Layout]
-    ) -> None:
-        for tensor in touched.writes:
-            self._last[tensor] = (name, touched, pieces, after[tensor])
-
-    def forget(self, task: Task) -> None:
-        """A homed task's writes: what it writes stays in its home."""
-        for req in task.requirements:
-            if req.privilege.writes:
-                self._last.pop(req.tensor, None)
-
-    def outright(self, tensor: str, layout: Layout, reader: str) -> bool:
-        """Whether `layout` of `tensor` is what its last writer wrote outright, nothing adding
-        into it before `reader`."""
-        found = self._last.get(tensor)
-        if found is None or found[3] is not layout:
-            return False
-        writer, touched, pieces, _ = found
-        return self.adders.outright(tensor, writer, touched, pieces, reader)
 
 
 def _algorithm(participants: tuple[int, ...], targets: list[tuple[Rect, tuple[int, ...]]]) -> str:
