@@ -12,7 +12,9 @@ planning (the search, the fit and the built-ins compared, as the command prints 
 a goal of 2 s, its report simulated since every rank's program is built in shares
 (`runtime.step.simulated_in_shares`), and in 4 pipeline stages of 8 micro-batches (planning
 goal 3 s; its report, whose ranks all differ, simulated in shares too);
-and vgg19's data plan on 1024 ranks, simulated since its ranks are built once per class. Each
+and vgg19's data plan on 1024 ranks, simulated since its ranks are built once per class;
+and deep-mlp's model plan on 2048 ranks, simulated since its layers' inputs are all-gathered
+(`partitioner.gathers`; as copies, 4.2 million messages a layer, it was summed). Each
 figure is the best of `--repeat` runs, wall and CPU (user and system of the child), with the
 command's planning and prediction seconds as it prints them; the machine's facts and the same run's SGEMM print
 beside them, since the machine is shared and its speed varies from minute to minute. The
@@ -53,6 +55,9 @@ CASES = {
     "vgg19-data": ("vgg19", ["--ranks", "1024", "--strategy", "data"], None, "wall"),
     "vgg19-auto-4stages": (
         "vgg19", ["--ranks", "1024", "--stages", "4", "--strategy", "auto"], 3.0, "planning"
+    ),
+    "deep-mlp-model-2048": (
+        "deep-mlp", ["--batch", "128", "--ranks", "2048", "--strategy", "model"], None, "wall"
     ),
 }  # fmt: skip
 
