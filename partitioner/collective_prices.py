@@ -78,22 +78,15 @@ def _gather_cost(gather: Reduction, machine: Machine) -> tuple[float, int]:
     owned = owned_elements(gather)
     largest = int(owned.max()) * gather.itemsize if len(owned) else 0
     seconds, wire = collective_cost(ALLGATHER, len(receivers), n, largest, machine)
-    handed = _handed_elements(gather)
-    if handed.any():
-        seconds += machine.alpha + int(handed.max()) * gather.itemsize * machine.beta
-        wire += int(handed.sum()) * gather.itemsize
-    return seconds, wire
-
-
-def _handed_elements(gather: Reduction) -> np.ndarray:
-    """Per extra participant of an all-gather (`gather_places`), the elements it hands on."""
-    inside = set(gather.targets[0][1])
-    extras = {rank: k for k, rank in enumerate(r for r in gather.participants if r not in inside)}
-    out = np.zeros(len(extras), np.int64)
+    inside = set(receivers)
+    handed: dict[int, int] = {}  # per extra participant, the elements it hands on
     for (rect, _), owner in zip(gather.targets, gather.owners):
-        if owner in extras:
-            out[extras[owner]] += rect.volume
-    return out
+        if owner not in inside:
+            handed[owner] = handed.get(owner, 0) + rect.volume
+    if handed:
+        seconds += machine.alpha + max(handed.values()) * gather.itemsize * machine.beta
+        wire += sum(handed.values()) * gather.itemsize
+    return seconds, wire
 
 
 def collective_cost(

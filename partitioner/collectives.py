@@ -307,7 +307,7 @@ def _allgather(gather: Reduction, machine: Machine) -> Schedule:
     """An all-gather's rounds (`target_order` lays out its vector): its extra participants
     hand their parts to their partners (`gather_places`), then the ranks that receive it
     gather by the halving reduce-scatter's rounds run backwards, or by a ring."""
-    receivers, _ = gather_places(gather)
+    receivers, effective = gather_places(gather)
     owned = owned_elements(gather)
     if _scatter_halves(gather, machine):
         body = _backwards(_halving_scatter(receivers, owned))
@@ -316,7 +316,6 @@ def _allgather(gather: Reduction, machine: Machine) -> Schedule:
     inside = set(receivers)
     if len(inside) == len(gather.participants):
         return body
-    _, effective = gather_places(gather)
     spans: dict[int, list[int]] = {}
     offset = 0
     for t in target_order(gather, machine):

@@ -205,9 +205,8 @@ def _task_costs(
         incoming = link_loads([b for b in blocks if not b.reduce], n)
         partial = link_loads([b for b in blocks if b.reduce], n)
         sent = sum(int(np.dot(b.nbytes, b.fanout)) for b in blocks)
-        collectives = [gather for _, gather in task_plan.gathered] + list(task_plan.reductions)
-        priced = [reduction_cost(r, machine) for r in collectives]
-        groups = [np.asarray(r.participants, np.int64) for r in collectives]
+        priced = [reduction_cost(r, machine) for r in task_plan.collectives]
+        groups = [np.asarray(r.participants, np.int64) for r in task_plan.collectives]
         busy = busy_seconds(
             groups, range(len(groups)), [-1] * len(groups), [s for s, _ in priced], n
         )

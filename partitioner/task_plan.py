@@ -51,8 +51,8 @@ class TaskPlan:
 
     The arrays are the plan: `piece_sets`, `transfer_set`, `gathered` (fetches that arrive by
     an all-gather rather than as copies: `partitioner.gathers`), and `holdings`, the layout
-    after the task of every tensor it writes or reduces into. `pieces` and `transfers` are read-only views
-    of the arrays, made when first read; an edited plan is a new `TaskPlan`
+    after the task of every tensor it writes or reduces into. `pieces` and `transfers` are
+    read-only views of the arrays, made when first read; an edited plan is a new `TaskPlan`
     (`with_transfers`), so whatever reads it, arrays or objects, reads the same."""
 
     def __init__(
@@ -84,6 +84,12 @@ class TaskPlan:
     @cached_property
     def pieces(self) -> tuple[Piece, ...]:
         return tuple(p for s in self.piece_sets for p in s.pieces())
+
+    @property
+    def collectives(self) -> list[Reduction]:
+        """Its collectives in the order it runs them: the all-gathers that bring its reads,
+        then its sums."""
+        return [gather for _, gather in self.gathered] + list(self.reductions)
 
     @cached_property
     def transfers(self) -> tuple[Transfer, ...]:

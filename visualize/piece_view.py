@@ -23,8 +23,9 @@ sum adds to what r held; a collective's result or a write on r replaces it):
 - `collective`: from each contributing piece into the collective (the bytes of its partial sums
   of the targets), and from the collective to the first piece on each holder that then reads its
   target (the bytes of that holder's targets); for an all-gather, from the piece that produced
-  each part on its owner, and to the reading piece on every other rank that receives it. These are the bytes the data carries, not the
-  bytes an algorithm puts on the wire (a ring all-reduce sends 2(p−1)/p of them per rank).
+  each part on its owner, and to the reading piece on every other rank that receives it. These
+  are the bytes the data carries, not the bytes an algorithm puts on the wire (a ring
+  all-reduce sends 2(p−1)/p of them per rank).
 
 A partial sum or a collective's result is linked to its first reader on the holder only: later
 readers there depend on it through that rank, and link to the holder's own contribution.
@@ -267,14 +268,33 @@ class _Builder:
                         else:
                             self.link(Link(source, here, "local", req.tensor, phase=task.phase))
 
-    def _fetch(self, task: Task, task_plan: TaskPlan, transfer: Transfer) -> None:
+    def _senders(self, rank: int, tensor: str, rect: Rect, unit: str) -> list[str]:
+        """The nodes whose data `rank` sends of `rect`: what it got it from (`_sources`), or
+        where nothing in view wrote it there (a resident tensor, or a writer left out), a node
+        for the tensor."""
         senders = [
             source.node if isinstance(source, _Delivery) else source
-            for source in self._sources(transfer.src, transfer.tensor, transfer.rect)
+            for source in self._sources(rank, tensor, rect)
         ]
-        if not senders:
-            # Nothing in view wrote it there (a resident tensor, or a writer left out).
-            senders = [self.tensor_node(transfer.tensor, transfer.src, task_plan.unit)]
+        return senders or [self.tensor_node(tensor, rank, unit)]
+
+    def _collective_node(
+        self, task: Task, task_plan: TaskPlan, number: int, reduction: Reduction
+    ) -> CollectiveNode:
+        node = CollectiveNode(
+            f"{reduction.algorithm}/{task.name}#{number}",
+            f"{reduction.algorithm} {reduction.tensor}",
+            task_plan.unit,
+            reduction.algorithm,
+            [reduction.tensor],
+            reduction.participants,
+            reduction.nbytes,
+        )
+        self.collectives[node.id] = node
+        return node
+
+    def _fetch(self, task: Task, task_plan: TaskPlan, transfer: Transfer) -> None:
+        senders = self._senders(transfer.src, transfer.tensor, transfer.rect, task_plan.unit)
         for sender in senders:
             for dst in transfer.dsts:
                 receiver = piece_id(task.name, dst)
@@ -284,23 +304,10 @@ class _Builder:
         """An all-gather bringing the task its reads (`TaskPlan.gathered`): from the piece that
         produced each part on its owner into the collective, and from the collective to the
         reading piece on every other rank that receives the part."""
-        node = CollectiveNode(
-            f"{gather.algorithm}/{task.name}#{number}",
-            f"{gather.algorithm} {gather.tensor}",
-            task_plan.unit,
-            gather.algorithm,
-            [gather.tensor],
-            gather.participants,
-            gather.nbytes,
-        )
-        self.collectives[node.id] = node
+        node = self._collective_node(task, task_plan, number, gather)
         for (rect, holders), owner in zip(gather.targets, gather.owners):
             nbytes = rect.volume * gather.itemsize
-            senders = [
-                source.node if isinstance(source, _Delivery) else source
-                for source in self._sources(owner, gather.tensor, rect)
-            ] or [self.tensor_node(gather.tensor, owner, task_plan.unit)]
-            for sender in senders:
+            for sender in self._senders(owner, gather.tensor, rect, task_plan.unit):
                 self.link(
                     Link(
                         sender, node.id, "collective", gather.tensor, rect, nbytes, phase=task.phase
@@ -335,16 +342,7 @@ class _Builder:
     def _collective(
         self, index: int, task: Task, task_plan: TaskPlan, number: int, reduction: Reduction
     ) -> None:
-        node = CollectiveNode(
-            f"{reduction.algorithm}/{task.name}#{number}",
-            f"{reduction.algorithm} {reduction.tensor}",
-            task_plan.unit,
-            reduction.algorithm,
-            [reduction.tensor],
-            reduction.participants,
-            reduction.nbytes,
-        )
-        self.collectives[node.id] = node
+        node = self._collective_node(task, task_plan, number, reduction)
         bounds = reduction.targets[0][0]
         for rect, _ in reduction.targets[1:]:
             bounds = bounds.union_bounds(rect)

@@ -21,7 +21,7 @@ from legion_nn.micro_batches import schedule_of, stages_of
 from partitioner.cost import compute_per_rank
 from partitioner.machine import Machine
 from partitioner.plan import Plan
-from partitioner.task_plan import Reduction, TaskPlan
+from partitioner.task_plan import Reduction
 from runtime.instances import choose_storage_orders
 from runtime.step.links import Links
 from runtime.step.local_passes import PassPrices, TaskPasses, passes_alone, task_passes
@@ -200,7 +200,7 @@ def every_rank_work(graph: TaskGraph, plan: Plan) -> np.ndarray:
             ends = np.bincount(block.src, weights=block.fanout, minlength=n)
             ends += np.bincount(block.dsts, minlength=n)
             work += MESSAGE_WORK / 2 * ends
-        for collective in _collectives(task_plan):
+        for collective in task_plan.collectives:
             work[list(collective.participants)] += MESSAGE_WORK * collective_rounds(collective)
     return work
 
@@ -213,7 +213,7 @@ def message_work(plan: Plan) -> float:
     participant's instance of a collective round by round, hops or none)."""
     messages = sum(len(block.dsts) for tp in plan.tasks for block in tp.transfer_set.blocks)
     rounds = sum(
-        len(c.participants) * collective_rounds(c) for tp in plan.tasks for c in _collectives(tp)
+        len(c.participants) * collective_rounds(c) for tp in plan.tasks for c in tp.collectives
     )
     return MESSAGE_WORK * (messages + rounds)
 
@@ -226,10 +226,6 @@ def collective_rounds(collective: Reduction) -> int:
     10.7 million participant-rounds by this count where its schedules send 1.24 million hops:
     simulated, its step took 231 s on the 2-core VM, where deep-mlp's (0.43 million) took 12 s."""
     return max(1, math.ceil(math.log2(max(len(collective.participants), 2))))
-
-
-def _collectives(task_plan: TaskPlan) -> list[Reduction]:
-    return [gather for _, gather in task_plan.gathered] + list(task_plan.reductions)
 
 
 def builds_on_budget(graph: TaskGraph, plan: Plan, most_built: int) -> bool:

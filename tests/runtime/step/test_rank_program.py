@@ -13,11 +13,11 @@ from partitioner.layout import Layout
 from partitioner.machine import Machine
 from partitioner.plan import build_plan
 from partitioner.strategy import builtin, with_homes
+from runtime.step.last_writes import LastWrites
 from runtime.step.order import step_order
 from runtime.step.programs import build_programs
 from runtime.step.rank_messages import STEP_START
 from runtime.step.rank_program import RankProgram
-from runtime.step.task_events import _LastWrites
 from tests.paths import FIXTURES
 
 
@@ -75,7 +75,7 @@ def test_each_collective_completes_at_the_first_point_that_needs_its_sum(
 
 
 def _last_writer(grid, cuts, lo, hi) -> int:
-    """The position `_LastWrites.positions` gives one rect, cell by cell: the latest over the
+    """The position `LastWrites.positions` gives one rect, cell by cell: the latest over the
     cells whose intervals meet the rect's in every dim."""
     if any(a >= b for a, b in zip(lo, hi)):
         return STEP_START
@@ -91,7 +91,7 @@ def _last_writer(grid, cuts, lo, hi) -> int:
     [("seed-lcn-small", "spatial"), ("seed-lcn-small", "model"), ("residual", "spatial")],
 )
 def test_a_copy_is_posted_after_the_last_writer_of_the_cells_it_meets(network, strategy):
-    """`_LastWrites.positions` (each copy's post point) equals the latest writer over the cells
+    """`LastWrites.positions` (each copy's post point) equals the latest writer over the cells
     its rect meets, found cell by cell: for every rect of the plan's transfers, rects wider than
     a cell, a rect shifted to span cut points, and empty rects."""
     if network == "residual":
@@ -100,7 +100,7 @@ def test_a_copy_is_posted_after_the_last_writer_of_the_cells_it_meets(network, s
         graph = load_network(network).lower(batch=6)
     plan = build_plan(graph, builtin(graph, strategy, 3), 3)
     order = step_order(graph)
-    last = _LastWrites(len(graph.tasks), order)
+    last = LastWrites(len(graph.tasks), order)
     seen = 0
     for position, index in enumerate(order):
         for block in plan.tasks[index].transfer_set.blocks:
@@ -128,7 +128,7 @@ def test_a_copy_is_posted_after_the_last_writer_of_the_cells_it_meets(network, s
 
 
 def test_the_last_writer_of_rects_over_cells_of_many_writers():
-    """`_LastWrites.positions` over layouts whose cells were last written by different tasks
+    """`LastWrites.positions` over layouts whose cells were last written by different tasks
     (some out of view), for rects within a cell, across cells, past the tensor and empty: the
     latest writer in view over the cells each meets, cell by cell."""
     rng = np.random.default_rng(7)
@@ -138,7 +138,7 @@ def test_the_last_writer_of_rects_over_cells_of_many_writers():
         cells = int(np.prod([len(c) - 1 for c in cuts]))
         layout = Layout([c.tolist() for c in cuts], {i: (0,) for i in range(cells)})
         ntasks = 6
-        last = _LastWrites(ntasks, [4, 0, 2, 5])  # tasks 1 and 3 out of view
+        last = LastWrites(ntasks, [4, 0, 2, 5])  # tasks 1 and 3 out of view
         last.record("t", layout, rng.integers(-1, ntasks, cells))
         lo = rng.integers(-2, 13, (40, ndim))
         hi = lo + rng.integers(-1, 8, (40, ndim))
