@@ -103,7 +103,9 @@ from runtime.launch import host_cores, world_size_from_env
 #: GB/s each way up to 64 MiB and 0.35 at 256 MiB), so the fitted slope and the exchanges'
 #: times must see messages that large
 LINK_SIZES = (8, 1024, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20)
-QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20)
+#: `--quick`'s: the slopes (the link's and both ways at once) fitted over 1-4 MiB, since over 1-2
+#: MiB a 2 ms wobble in one median moved a 400 Mbit/s link's duplex rate 15% past the link's
+QUICK_LINK_SIZES = (8, 1024, 65536, 1 << 20, 2 << 20, 4 << 20)
 STRATEGIES = BUILTIN
 #: passes over the plans' pieces, each timing every piece (`measure_compute`)
 PROFILE_PASSES = 3

@@ -12,6 +12,12 @@ p participants and n bytes:
   same ring and halving, its local passes a copy of the rank's own share into the flat vector
   and of the vector out (2 bytes a byte) rather than adds.
 
+A reduce-scatter whose owners include ranks that add nothing (a classifier's 1,000 outputs
+summed into the 2,048 parts of the layer below), and an all-gather whose holders include ranks
+that read nothing, run among the ranks that do, p of them (`core_places`), plus a round of
+α + bβ in which partners hand the extras their sums or take their parts, b the most one
+partner hands or takes.
+
 The bytes sent are those each algorithm puts on the wire, summed. Where the machine prices
 memory traffic, a collective also pays its local passes: every add reads two operands and
 writes one (3 bytes a byte); an all-reduce sums the gradient in place; the others first zero
@@ -31,61 +37,68 @@ from partitioner.task_plan import ALLGATHER, Reduction
 
 def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     """(seconds, bytes on the wire) of one collective."""
-    if reduction.gathers:
-        return _gather_cost(reduction, machine)
-    p = len(reduction.participants)
-    n = reduction.nbytes
-    largest = 0
-    if reduction.algorithm == "reduce_scatter" and p >= 2 and n:
-        largest = int(owned_elements(reduction).max()) * reduction.itemsize
-    return collective_cost(reduction.algorithm, p, n, largest, machine)
+    if reduction.gathers or reduction.algorithm == "reduce_scatter":
+        return _core_cost(reduction, machine)
+    return collective_cost(
+        reduction.algorithm, len(reduction.participants), reduction.nbytes, 0, machine
+    )
 
 
 def owned_elements(reduction: Reduction) -> np.ndarray:
-    """Per participant's position, the elements of a reduce-scatter's targets it owns after
-    (each target's one holder); for an all-gather, per position among the ranks that receive
-    it (`gather_places`), the elements each gathers from (its own and its extras')."""
-    if reduction.gathers:
-        receivers, effective = gather_places(reduction)
-        ranks = receivers
-    else:
-        ranks = reduction.participants
-        effective = [holders[0] for _, holders in reduction.targets]
-    position = {rank: i for i, rank in enumerate(ranks)}
+    """Per position among the ranks a reduce-scatter or an all-gather runs among
+    (`core_places`), the elements of its targets it ends (or starts) with: its own and its
+    extras'."""
+    core, effective = core_places(reduction)
+    position = {rank: i for i, rank in enumerate(core)}
     owned = np.zeros(len(position), np.int64)
     for (rect, _), owner in zip(reduction.targets, effective):
         owned[position[owner]] += rect.volume
     return owned
 
 
-def gather_places(reduction: Reduction) -> tuple[tuple[int, ...], list[int]]:
-    """(the ranks an all-gather leaves holding every target, and per target the one of them
-    it leaves from): a target's owner where the owner is one of them; else the owner is an
-    extra participant, which holds parts but does not read them, and first hands its parts to
-    a partner among them, the k-th extra to the (k mod r)-th of the r."""
-    receivers = reduction.targets[0][1]
-    inside = set(receivers)
+def core_places(reduction: Reduction) -> tuple[tuple[int, ...], list[int]]:
+    """(the ranks a reduce-scatter or an all-gather runs among, and per target the one of them
+    it ends, or starts, at): a reduce-scatter's contributors, an all-gather's receivers (the
+    ranks it leaves holding every target). A target's owner where the owner is one of them;
+    else the owner is an extra participant, which holds parts but neither adds to them nor
+    reads them: a partner among them, the k-th extra's the (k mod r)-th of the r, hands it its
+    sums at the end, or takes its parts first."""
+    core = reduction.targets[0][1] if reduction.gathers else reduction.summed_from
+    owners = list(reduction.target_owners)
+    if len(core) == len(reduction.participants):
+        return core, owners
+    inside = set(core)
     extras = [rank for rank in reduction.participants if rank not in inside]
-    partner = {rank: receivers[k % len(receivers)] for k, rank in enumerate(extras)}
-    return receivers, [partner.get(owner, owner) for owner in reduction.owners]
+    partner = {rank: core[k % len(core)] for k, rank in enumerate(extras)}
+    return core, [partner.get(owner, owner) for owner in owners]
 
 
-def _gather_cost(gather: Reduction, machine: Machine) -> tuple[float, int]:
-    """An all-gather's (`allgather_algorithm` over the ranks that receive it, after a round in
-    which the extra participants hand their parts to partners among them: `gather_places`)."""
-    receivers, _ = gather_places(gather)
-    n = gather.nbytes
-    owned = owned_elements(gather)
-    largest = int(owned.max()) * gather.itemsize if len(owned) else 0
-    seconds, wire = collective_cost(ALLGATHER, len(receivers), n, largest, machine)
-    inside = set(receivers)
-    handed: dict[int, int] = {}  # per extra participant, the elements it hands on
-    for (rect, _), owner in zip(gather.targets, gather.owners):
+def handed_elements(reduction: Reduction) -> dict[int, int]:
+    """Per partner of extra participants (`core_places`), the elements of the extras' targets
+    it hands them or takes from them."""
+    core, effective = core_places(reduction)
+    inside = set(core)
+    handed: dict[int, int] = {}
+    for (rect, _), owner, partner in zip(reduction.targets, reduction.target_owners, effective):
         if owner not in inside:
-            handed[owner] = handed.get(owner, 0) + rect.volume
+            handed[partner] = handed.get(partner, 0) + rect.volume
+    return handed
+
+
+def _core_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
+    """A reduce-scatter's or an all-gather's: the algorithm's over the ranks it runs among
+    (`core_places`), with a round more where extra participants receive their sums from
+    partners among them, or hand their parts to them first, as long as the busiest partner's
+    link takes."""
+    core, _ = core_places(reduction)
+    n = reduction.nbytes
+    owned = owned_elements(reduction)
+    largest = int(owned.max()) * reduction.itemsize if len(owned) else 0
+    seconds, wire = collective_cost(reduction.algorithm, len(core), n, largest, machine)
+    handed = handed_elements(reduction)
     if handed:
-        seconds += machine.alpha + max(handed.values()) * gather.itemsize * machine.beta
-        wire += sum(handed.values()) * gather.itemsize
+        seconds += machine.alpha + max(handed.values()) * reduction.itemsize * machine.beta
+        wire += sum(handed.values()) * reduction.itemsize
     return seconds, wire
 
 
@@ -219,10 +232,18 @@ def reduce_by_tree(p: int, n: int, machine: Machine) -> bool:
 
 
 def collective_costs(
-    reduce: np.ndarray, p: np.ndarray, n: np.ndarray, largest: np.ndarray, machine: Machine
+    reduce: np.ndarray,
+    p: np.ndarray,
+    n: np.ndarray,
+    largest: np.ndarray,
+    machine: Machine,
+    handed_most: np.ndarray | None = None,
+    handed_total: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`collective_cost` of many collectives at once, float for float: collective k is a
-    `reduce` where `reduce[k]`, else a `reduce_scatter`."""
+    """`reduction_cost` of many collectives at once, float for float: collective k is a
+    `reduce` where `reduce[k]`, else a `reduce_scatter` among `p[k]` contributors, whose
+    partners hand its extra participants (`core_places`) `handed_total[k]` bytes, the most any
+    one partner `handed_most[k]`."""
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
     ring_scatter, halving = _reduce_scatter_seconds(p, n, largest, machine)
@@ -232,4 +253,9 @@ def collective_costs(
     seconds = np.where(reduce, np.where(by_tree, tree, ring), scatter)
     wire = np.where(reduce & ~by_tree, 2 * less * n, less * n)
     none = (p < 2) | (n == 0)
-    return np.where(none, 0.0, seconds), np.where(none, 0, wire)
+    seconds, wire = np.where(none, 0.0, seconds), np.where(none, 0, wire)
+    if handed_most is not None:
+        handed = handed_most > 0
+        seconds = np.where(handed, seconds + (machine.alpha + handed_most * machine.beta), seconds)
+        wire = wire + handed_total
+    return seconds, wire

@@ -21,7 +21,9 @@ received its hops of the round before, so the rounds of a ring are its steps.
 - `reduce_scatter`: a ring's first half, with chunk i the targets owned by participant i (empty
   for participants that own nothing), or, where the machine prices it less
   (`collective_prices.reduce_scatter_algorithm`), halving-doubling's halving, the targets laid
-  out by the chunk each owner's place ends with; (p − 1)·n elements either way;
+  out by the chunk each owner's place ends with; (p − 1)·n elements either way; where some
+  owners add nothing (`Reduction.contributors`), it runs among the contributors, each such
+  owner's targets laid out after a partner's own, who copies it the sums in a last round;
 - `reduce` to one owner: a binomial tree, ⌈log2 p⌉ rounds of whole vectors, (p − 1)·n elements,
   unless the ring variant (reduce-scatter, then every participant sends its chunk to the owner)
   is predicted faster on the machine (`collective_prices.reduce_by_tree`, which the cost model
@@ -49,7 +51,7 @@ from partitioner import boxes
 from partitioner.collective_prices import (
     allgather_algorithm,
     allreduce_algorithm,
-    gather_places,
+    core_places,
     owned_elements,
     reduce_by_tree,
     reduce_scatter_algorithm,
@@ -303,29 +305,48 @@ def _halving_scatter(ranks: tuple[int, ...], owned: np.ndarray) -> Schedule:
     return _of_rounds(rounds)
 
 
-def _allgather(gather: Reduction, machine: Machine) -> Schedule:
-    """An all-gather's rounds (`target_order` lays out its vector): its extra participants
-    hand their parts to their partners (`gather_places`), then the ranks that receive it
-    gather by the halving reduce-scatter's rounds run backwards, or by a ring."""
-    receivers, effective = gather_places(gather)
-    owned = owned_elements(gather)
-    if _scatter_halves(gather, machine):
-        body = _backwards(_halving_scatter(receivers, owned))
+def _scatter_or_gather(reduction: Reduction, machine: Machine) -> Schedule:
+    """A reduce-scatter's or an all-gather's rounds (`target_order` lays out its vector) among
+    the ranks it runs among (`core_places`): by recursive halving, run backwards for a gather,
+    or by a ring. Extra participants hand their parts to their partners first, or get their
+    sums from them last."""
+    core, _ = core_places(reduction)
+    owned = owned_elements(reduction)
+    halves = _scatter_halves(reduction, machine)
+    if halves:
+        body = _halving_scatter(core, owned)
+        body = _backwards(body) if reduction.gathers else body
+    elif reduction.gathers:
+        body = _ring_allgather(core, _chunks(owned.tolist()))
     else:
-        body = _ring_allgather(receivers, _chunks(owned.tolist()))
-    inside = set(receivers)
-    if len(inside) == len(gather.participants):
+        body = _ring_reduce_scatter(core, _chunks(owned.tolist()))
+    extras = _extras(reduction, machine)
+    if not extras:
         return body
+    if reduction.gathers:
+        hand = [Hop(extra, partner, lo, hi, False) for extra, lo, hi, partner in extras]
+        return Schedule.concat(Schedule.of_rounds([hand]), body)
+    hand = [Hop(partner, extra, lo, hi, False) for extra, lo, hi, partner in extras]
+    return Schedule.concat(body, Schedule.of_rounds([hand]))
+
+
+def _extras(reduction: Reduction, machine: Machine) -> list[tuple[int, int, int, int]]:
+    """(extra participant, lo, hi, partner) of each extra's elements of the vector, which
+    `target_order` lays out next to its partner's own (`core_places`)."""
+    core, effective = core_places(reduction)
+    if len(core) == len(reduction.participants):
+        return []
+    inside = set(core)
+    owners = reduction.target_owners
     spans: dict[int, list[int]] = {}
     offset = 0
-    for t in target_order(gather, machine):
-        size, owner = gather.targets[t][0].volume, gather.owners[t]
+    for t in target_order(reduction, machine):
+        size, owner = reduction.targets[t][0].volume, owners[t]
         if owner not in inside and size:
             span = spans.setdefault(owner, [offset, offset, effective[t]])
             span[1] = offset + size
         offset += size
-    hand = [Hop(owner, partner, lo, hi, False) for owner, (lo, hi, partner) in spans.items()]
-    return Schedule.concat(Schedule.of_rounds([hand]), body)
+    return [(extra, lo, hi, partner) for extra, (lo, hi, partner) in spans.items()]
 
 
 def _backwards(summing: Schedule) -> Schedule:
@@ -368,21 +389,18 @@ def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
 
 def target_order(reduction: Reduction, machine: Machine) -> list[int]:
     """Indices of `reduction.targets` in the order they are laid out in the flat vector: a
-    reduce-scatter's by their owners' places in the ring, or where it halves, by the chunk
-    each owner's place ends with (`_halving_scatter`)."""
+    reduce-scatter's and an all-gather's by the places of the ranks they end (or start) at
+    (`core_places`) in the ring, or where they halve, by the chunk each place ends with
+    (`_halving_scatter`); an extra participant's targets after its partner's own."""
     order = list(range(len(reduction.targets)))
-    if reduction.gathers:
-        receivers, effective = gather_places(reduction)
-        position = {rank: i for i, rank in enumerate(receivers)}
-        key = _chunk_keys(reduction, len(receivers), machine)
-        # an extra participant's parts next to its partner's own (`gather_places`)
+    if reduction.gathers or reduction.algorithm == "reduce_scatter":
+        core, effective = core_places(reduction)
+        position = {rank: i for i, rank in enumerate(core)}
+        key = _chunk_keys(reduction, len(core), machine)
         handing = {rank: i + 1 for i, rank in enumerate(reduction.participants)}
-        handing.update((rank, 0) for rank in receivers)
-        order.sort(key=lambda t: (key[position[effective[t]]], handing[reduction.owners[t]]))
-    elif reduction.algorithm == "reduce_scatter":
-        position = {rank: i for i, rank in enumerate(reduction.participants)}
-        key = _chunk_keys(reduction, len(position), machine)
-        order.sort(key=lambda t: key[position[reduction.targets[t][1][0]]])
+        handing.update((rank, 0) for rank in core)
+        owners = reduction.target_owners
+        order.sort(key=lambda t: (key[position[effective[t]]], handing[owners[t]]))
     return order
 
 
@@ -422,13 +440,8 @@ def schedule(reduction: Reduction, machine: Machine) -> Schedule:
             return _halving_doubling(ranks, n)
         chunks = _chunks(split_sizes(n, p))
         return Schedule.concat(_ring_reduce_scatter(ranks, chunks), _ring_allgather(ranks, chunks))
-    if reduction.algorithm == "reduce_scatter":
-        owned = owned_elements(reduction)
-        if _scatter_halves(reduction, machine):
-            return _halving_scatter(ranks, owned)
-        return _ring_reduce_scatter(ranks, _chunks(owned.tolist()))
-    if reduction.gathers:
-        return _allgather(reduction, machine)
+    if reduction.algorithm == "reduce_scatter" or reduction.gathers:
+        return _scatter_or_gather(reduction, machine)
     if reduction.algorithm == "reduce":
         owner = reduction.targets[0][1][0]
         if reduce_by_tree(p, n * reduction.itemsize, machine):

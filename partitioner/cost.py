@@ -207,9 +207,7 @@ def _task_costs(
         sent = sum(int(np.dot(b.nbytes, b.fanout)) for b in blocks)
         priced = [reduction_cost(r, machine) for r in task_plan.collectives]
         groups = [np.asarray(r.participants, np.int64) for r in task_plan.collectives]
-        busy = busy_seconds(
-            groups, range(len(groups)), [-1] * len(groups), [s for s, _ in priced], n
-        )
+        busy = busy_seconds(groups, range(len(groups)), [s for s, _ in priced], n)
         sent += sum(wire for _, wire in priced)
         costs.append(
             task_cost(
@@ -234,28 +232,24 @@ Loads = tuple[np.ndarray, np.ndarray, np.ndarray]
 def busy_seconds(
     groups: Sequence[np.ndarray],
     group: Sequence[int] | np.ndarray,
-    extra: Sequence[int] | np.ndarray,
     seconds: Sequence[float] | np.ndarray,
     nranks: int,
 ) -> np.ndarray:
     """Per rank, the seconds of the collectives it takes part in, one after another: collective
-    k (in order) runs over the ranks `groups[group[k]]` and rank `extra[k]` (-1: none) and takes
-    `seconds[k]`. Float for float what adding each collective's seconds to its participants in
-    turn gives; when the groups are disjoint and an extra rank takes part in one collective
-    only, a group's ranks share one running sum."""
+    k (in order) runs over the ranks `groups[group[k]]` and takes `seconds[k]`. Float for float
+    what adding each collective's seconds to its participants in turn gives; when the groups
+    are disjoint, a group's ranks share one running sum."""
     busy = np.zeros(nranks)
     group = np.asarray(group, np.int64)
-    extra = np.asarray(extra, np.int64)
     seconds = np.asarray(seconds, float)
     if not len(seconds):
         return busy
     used = np.unique(group)
-    alone = extra >= 0
-    ranks = np.concatenate([groups[g] for g in used.tolist()] + [extra[alone]])
+    members = [groups[g] for g in used.tolist()]
+    ranks = np.concatenate(members)
     if int(np.bincount(ranks, minlength=nranks).max(initial=0)) <= 1:
-        busy[extra[alone]] = 0.0 + seconds[alone]
         if len(used) == 1:
-            busy[groups[int(used[0])]] = reduce(add, seconds.tolist(), 0.0)
+            busy[ranks] = reduce(add, seconds.tolist(), 0.0)
             return busy
         order = np.argsort(group, kind="stable")
         bounds = np.searchsorted(group[order], used, side="right")
@@ -265,23 +259,14 @@ def busy_seconds(
             sums.append(reduce(add, ordered[start:stop], 0.0))
             start = stop
         # one assignment for all groups (they are disjoint): hundreds of groups at 1024 ranks
-        members = [groups[g] for g in used.tolist()]
-        busy[np.concatenate(members)] = np.repeat(sums, [len(m) for m in members])
+        busy[ranks] = np.repeat(sums, [len(m) for m in members])
         return busy
-    # Overlapping groups: every (collective, rank) pair in collective order, each collective's
-    # extra rank right after its group, added one by one by np.add.at (unbuffered, in index
-    # order), so each rank's seconds are summed in the same order as a loop would.
-    sizes = np.array([len(members) for members in groups], np.int64)[group]
-    total = sizes + alone
-    ptr = np.zeros(len(total) + 1, np.int64)
-    np.cumsum(total, out=ptr[1:])
-    starts = np.zeros(len(sizes), np.int64)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    flat = np.empty(int(ptr[-1]), np.int64)
-    within = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(starts, sizes)
-    flat[np.repeat(ptr[:-1], sizes) + within] = np.concatenate([groups[g] for g in group.tolist()])
-    flat[ptr[1:][alone] - 1] = extra[alone]
-    np.add.at(busy, flat, np.repeat(seconds, total))
+    # Overlapping groups: every (collective, rank) pair in collective order, added one by one
+    # by np.add.at (unbuffered, in index order), so each rank's seconds are summed in the same
+    # order as a loop would.
+    sizes = np.array([len(m) for m in groups], np.int64)[group]
+    flat = np.concatenate([groups[g] for g in group.tolist()])
+    np.add.at(busy, flat, np.repeat(seconds, sizes))
     return busy
 
 

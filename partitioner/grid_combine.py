@@ -34,17 +34,21 @@ from partitioner.messages import Accesses
 @dataclass
 class Collectives:
     """The collectives of `messages.combine`, in its order, as arrays: collective k runs over
-    the ranks `groups[group[k]]` and rank `extra[k]` (-1: none), is a `reduce` (one holder) or a
-    `reduce_scatter`, moves `total[k]` bytes of which one holder owns at most `largest[k]`;
-    target t (in order) belongs to collective `which[t]`, spans (`lo[t]`, `hi[t]`), is held by
+    the ranks `groups[group[k]]`, is a `reduce` (one holder) or a `reduce_scatter` among its
+    `contributors[k]` first (`collective_prices.core_places`: the others are extras), moves
+    `total[k]` bytes of which one of those ends with at most `largest[k]`, and whose partners
+    hand its extras `handed_total[k]` bytes, the most one partner `handed_most[k]`; target t
+    (in order) belongs to collective `which[t]`, spans (`lo[t]`, `hi[t]`), is held by
     `holders[t]` and has `nbytes[t]` bytes."""
 
     groups: list[np.ndarray]
     group: np.ndarray
-    extra: np.ndarray
+    contributors: np.ndarray
     reduce: np.ndarray
     total: np.ndarray
     largest: np.ndarray
+    handed_most: np.ndarray
+    handed_total: np.ndarray
     which: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
@@ -56,34 +60,20 @@ class Collectives:
 
     def sizes(self) -> np.ndarray:
         """Participants of each collective."""
-        counts = np.array([len(g) for g in self.groups], boxes.INDEX)
-        return counts[self.group] + (self.extra >= 0)
+        return np.array([len(g) for g in self.groups], boxes.INDEX)[self.group]
 
     def participants(self, k: int) -> np.ndarray:
         """The ranks taking part in collective k, sorted."""
-        members = self.groups[int(self.group[k])]
-        extra = int(self.extra[k])
-        return members if extra < 0 else np.sort(np.append(members, extra))
+        return self.groups[int(self.group[k])]
 
     @staticmethod
     def none(ndim: int) -> Collectives:
         empty = np.zeros(0, boxes.INDEX)
         lo, hi = boxes.empty(ndim)
         return Collectives(
-            [], empty, empty, np.zeros(0, bool), empty, empty, empty, lo, hi, empty, empty
-        )
-
-
-_WORDS: dict[int, np.ndarray] = {}
-
-
-def _words(n: int) -> np.ndarray:
-    """A fixed random 64-bit word per rank (set hashes: a set's is the sum of its ranks')."""
-    found = _WORDS.get(n)
-    if found is None:
-        rng = np.random.default_rng(0x5EED)
-        found = _WORDS[n] = rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + 1
-    return found
+            [], empty, empty, np.zeros(0, bool), empty, empty, empty, empty, empty, lo, hi,
+            empty, empty,
+        )  # fmt: skip
 
 
 def combine_loads(
@@ -265,68 +255,54 @@ class _Gathered:
             self.received += np.bincount(at, weights=nbytes[pair], minlength=n)
             self.rounds += np.bincount(other, minlength=n) + np.bincount(at, minlength=n)
         big = size > 2
-        extra = np.where(inside[big], -1, holders[big])
-        self.columns = (
-            first[big],
-            cells[big],
-            mid[big] * (n + 1) + extra + 1,
-            holders[big],
-            lo[big],
-            hi[big],
-        )
-
-    def _same_sets(self, keys: np.ndarray) -> np.ndarray:
-        """An id per key (contributor set, extra holder) naming its set of participants: keys
-        whose sets hash alike (a sum of random words per rank) are compared exactly."""
-        n = self.n
-        mid, extra = np.divmod(keys, n + 1)
-        words = _words(n)
-        member_hash = np.array([words[m].sum() for m in self.members], np.uint64)
-        sizes = np.array([len(m) for m in self.members], boxes.INDEX)
-        hashed = member_hash[mid] + np.where(
-            extra > 0, words[np.maximum(extra - 1, 0)], np.uint64(0)
-        )
-        size = sizes[mid] + (extra > 0)
-        _, alike = np.unique(
-            np.stack([hashed.view(np.int64), size], axis=1), axis=0, return_inverse=True
-        )
-        alike = alike.reshape(-1)
-        out = np.zeros(len(keys), boxes.INDEX)
-        canonical: dict[bytes, int] = {}
-        for k in np.flatnonzero(np.bincount(alike)[alike] > 1).tolist() or []:
-            members = self.members[mid[k]]
-            if extra[k]:
-                members = np.sort(np.append(members, extra[k] - 1))
-            out[k] = canonical.setdefault(members.tobytes(), len(canonical))
-        lone = np.bincount(alike)[alike] == 1
-        out[lone] = len(canonical) + np.arange(int(lone.sum()))
-        return out
+        self.columns = (first[big], cells[big], mid[big], holders[big], lo[big], hi[big])
 
     def collectives(self) -> Collectives:
-        """Merged by participants, in order of their first cell as `combine` meets them."""
+        """One per contributor set, in order of its first cell as `combine` meets them, its
+        participants the contributors and the holders among them or not."""
         if not len(self.columns[0]):
             return Collectives.none(self.ndim)
-        n = self.n
-        first, cells, key, holders, lo, hi = self.columns
+        first, cells, mid, holders, lo, hi = self.columns
         at = np.lexsort((cells, first))
-        key, holders, lo, hi = key[at], holders[at], lo[at], hi[at]
-        # a collective per distinct set of participants (a contributor set plus a holder
-        # outside it may equal another contributor set)
-        keys, inverse = np.unique(key, return_inverse=True)
-        group = self._same_sets(keys)[inverse.reshape(-1)]
-        which, leads = boxes.first_seen_ids(group[:, None])
-        mid, extra = np.divmod(key[leads], n + 1)
+        mid, holders, lo, hi = mid[at], holders[at], lo[at], hi[at]
+        which, leads = boxes.first_seen_ids(mid[:, None])
         at = np.argsort(which, kind="stable")
         which, holders, lo, hi = which[at], holders[at], lo[at], hi[at]
         nbytes = boxes.volumes(lo, hi) * self.itemsize
         count = len(leads)
         total = np.bincount(which, weights=nbytes, minlength=count).astype(boxes.INDEX)
-        # per collective and holder, the bytes it owns
-        owned, inverse = np.unique(which * n + holders, return_inverse=True)
-        share = np.bincount(inverse.reshape(-1), weights=nbytes).astype(boxes.INDEX)
-        largest = np.zeros(count, boxes.INDEX)
-        np.maximum.at(largest, owned // n, share)
-        reduce_ = np.bincount(owned // n, minlength=count) == 1
+        bounds = np.searchsorted(which, np.arange(count + 1))
+        groups, group = [], np.zeros(count, boxes.INDEX)
+        named: dict[bytes, int] = {}
+        contributors = np.zeros(count, boxes.INDEX)
+        reduce_ = np.zeros(count, bool)
+        largest, handed_most, handed_total = (np.zeros(count, boxes.INDEX) for _ in range(3))
+        for k, m in enumerate(mid[leads].tolist()):
+            members = self.members[m]
+            mine = slice(bounds[k], bounds[k + 1])
+            owners, share = np.unique(holders[mine], return_inverse=True)
+            share = np.bincount(share.reshape(-1), weights=nbytes[mine]).astype(boxes.INDEX)
+            outside = ~np.isin(owners, members)
+            participants = np.union1d(members, owners[outside]) if outside.any() else members
+            group[k] = named.setdefault(participants.tobytes(), len(groups))
+            if group[k] == len(groups):
+                groups.append(participants)
+            reduce_[k] = len(owners) == 1
+            if reduce_[k]:
+                contributors[k] = len(participants)
+                continue
+            contributors[k] = len(members)
+            # each extra's sums handed it by the partner `core_places` gives it
+            ends = np.zeros(len(members), boxes.INDEX)
+            np.add.at(ends, np.searchsorted(members, owners[~outside]), share[~outside])
+            partner = np.arange(int(outside.sum())) % len(members)
+            np.add.at(ends, partner, share[outside])
+            largest[k] = ends.max()
+            if outside.any():
+                handed = np.bincount(partner, weights=share[outside]).astype(boxes.INDEX)
+                handed_most[k] = handed.max()
+                handed_total[k] = share[outside].sum()
         return Collectives(
-            self.members, mid, extra - 1, reduce_, total, largest, which, lo, hi, holders, nbytes
-        )
+            groups, group, contributors, reduce_, total, largest, handed_most, handed_total,
+            which, lo, hi, holders, nbytes,
+        )  # fmt: skip

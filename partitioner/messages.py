@@ -4,7 +4,8 @@
 cells of the tensor's layout, and each part goes from one holder of its cell to the readers that
 hold neither the cell nor an earlier copy of the rect (`Copies`). `combine` adds up what the pieces
 reduce: per cell of the target's layout, either one collective among every contributor and holder
-(merged across cells with the same participants) or partial sums sent to the holders.
+(merged across cells with the same participants, or of one holder and the same contributors) or
+partial sums sent to the holders.
 
 Both work on all the pieces of a task at once; Python loops run only over what is rare at scale
 (cells held by several ranks that receive partial sums, and cells whose contributors form a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,6 +26,15 @@ from partitioner.layout import Layout
 from partitioner.transfers import TransferBlock
 
 Fail = Callable[[str], Exception]
+
+
+class CollectiveSum(NamedTuple):
+    """A collective `combine` found: its participants, its targets (rect, holders) and, where
+    some participants only own targets, the `contributors`, whose partial sums it adds."""
+
+    participants: tuple[int, ...]
+    targets: list[tuple[Rect, tuple[int, ...]]]
+    contributors: tuple[int, ...]
 
 
 class Accesses:
@@ -151,8 +162,8 @@ def combine(
     contributions: Accesses,
     major: int,
     fail: Fail,
-) -> tuple[TransferBlock, list[tuple[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]]]]:
-    """Partial-sum transfers and collectives (participants, [(target rect, holders)]) adding
+) -> tuple[TransferBlock, list[CollectiveSum]]:
+    """Partial-sum transfers and collectives (`CollectiveSum`s) adding
     `contributions` into `layout`; transfers are placed at `major` in the task's list.
 
     The contributions' parts are grouped by the layout's cell they fall in (`_CellParts`), and
@@ -166,7 +177,7 @@ def combine(
     rows, handled = _single_holder_rows(parts, layout, contributions)
     records, collectives = _shared_cells(parts, layout, contributions, np.flatnonzero(~handled))
     block = _partial_sums(tensor, itemsize, parts.part_lo, parts.part_hi, rows, records, major)
-    return block, list(collectives.items())
+    return block, collectives
 
 
 @dataclass(frozen=True)
@@ -244,13 +255,18 @@ def _shared_cells(
     parts: _CellParts, layout: Layout, contributions: Accesses, rest: np.ndarray
 ) -> tuple[
     list[tuple[int, int, int, int, tuple[int, ...]]],
-    dict[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]],
+    list[CollectiveSum],
 ]:
     """The groups `rest` summed otherwise: records (group, position, part, src, dsts) of the
-    partial sums into replicated cells, and the collectives by participants. Each group's
-    contributors and holders take part; two of them with one holder is one partial sum."""
+    partial sums into replicated cells, and the collectives. Each group's contributors and
+    holders take part; two of them with one holder is one partial sum. Groups with the same
+    participants share a collective, and so do groups of one holder with the same
+    contributors: a holder among them or not (an extra, `CollectiveSum.contributors`), so
+    that a classifier's sums into the 2,048 parts of the layer below are one reduce-scatter,
+    not one reduce per part its 1,000 contributors do not hold."""
     records: list[tuple[int, int, int, int, tuple[int, ...]]] = []
     collectives: dict[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]] = {}
+    extras: dict[tuple[int, ...], set[int]] = {}
     union: dict[tuple[int, ...], tuple[tuple[int, ...], frozenset[int]]] = {}
     # the loop reads Python lists: indexing NumPy arrays element by element costs more than
     # the rest of an iteration, and vgg19's weight gradients at 1024 ranks take some 10⁴
@@ -277,7 +293,8 @@ def _shared_cells(
             found = {r for u in key for r in flat[ptr[u] : ptr[u + 1]]}
             union[key] = (tuple(sorted(found)), frozenset(found))
         sorted_ranks, members_set = union[key]
-        if members_set.issuperset(holders):
+        inside = members_set.issuperset(holders)
+        if inside:
             participants = sorted_ranks
         else:
             participants = tuple(sorted(members_set | set(holders)))
@@ -288,8 +305,18 @@ def _shared_cells(
             records.append((gi, 0, first, src, holders))
             continue
         part = boxes.to_rect(lead_lo, lead_hi)
+        if not inside and len(holders) == 1:
+            extras.setdefault(sorted_ranks, set()).add(holders[0])
+            participants = sorted_ranks
         collectives.setdefault(participants, []).append((part, holders))
-    return records, collectives
+    summed = []
+    for key, targets in collectives.items():
+        outside = extras.get(key)
+        if outside:
+            summed.append(CollectiveSum(tuple(sorted(outside.union(key))), targets, key))
+        else:
+            summed.append(CollectiveSum(key, targets, ()))
+    return records, summed
 
 
 def _each_part_to_its_holders(

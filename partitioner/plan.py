@@ -70,7 +70,7 @@ from partitioner.accesses import Columns, TaskAccesses, task_accesses
 from partitioner.deferred_sums import defer_sums
 from partitioner.gathers import OutrightWrites, gather_of
 from partitioner.layout import Layout
-from partitioner.messages import Copies
+from partitioner.messages import CollectiveSum, Copies
 from partitioner.pieces import Piece, PieceCache, PieceSet, graph_pieces, homed_pieces
 from partitioner.plan_memo import PlanMemo
 from partitioner.strategy import (
@@ -346,16 +346,18 @@ def written_layout(
     return layout
 
 
-def reductions_of(
-    tensor: str,
-    itemsize: int,
-    collectives: list[tuple[tuple[int, ...], list[tuple[Rect, tuple[int, ...]]]]],
-) -> list[Reduction]:
-    """The `Reduction`s of the collectives `messages.combine` found for `tensor`."""
-    return [
-        Reduction(tensor, _algorithm(participants, targets), participants, tuple(targets), itemsize)
-        for participants, targets in collectives
-    ]
+def reductions_of(tensor: str, itemsize: int, collectives: list[CollectiveSum]) -> list[Reduction]:
+    """The `Reduction`s of the collectives `messages.combine` found for `tensor`: a
+    reduce-scatter runs among its contributors, a reduce or an all-reduce among all."""
+    out = []
+    for participants, targets, contributors in collectives:
+        algorithm = _algorithm(participants, targets)
+        if algorithm != "reduce_scatter":
+            contributors = ()
+        out.append(
+            Reduction(tensor, algorithm, participants, tuple(targets), itemsize, (), contributors)
+        )
+    return out
 
 
 def _failure(task: Task) -> Callable[[str], PlanError]:

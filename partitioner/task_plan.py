@@ -27,7 +27,9 @@ class Reduction:
     """A collective over `participants` of `targets` (rect, holders after): a sum of their
     partial sums (`allreduce`, `reduce_scatter`, `reduce`), or an `allgather`, each target
     copied from the one participant that holds it (`owners`) to every other
-    (`partitioner.gathers`)."""
+    (`partitioner.gathers`). A reduce-scatter may name its `contributors`: the participants
+    whose partial sums it adds, the others (extras) taking part only to receive the targets
+    they own (`partitioner.collective_prices.core_places`)."""
 
     tensor: str
     algorithm: str
@@ -36,10 +38,23 @@ class Reduction:
     itemsize: int
     #: an all-gather's: per target, the participant that holds it before
     owners: tuple[int, ...] = ()
+    #: a reduce-scatter's participants that add partial sums, where not all do
+    contributors: tuple[int, ...] = ()
 
     @property
     def gathers(self) -> bool:
         return self.algorithm == ALLGATHER
+
+    @property
+    def target_owners(self) -> tuple[int, ...]:
+        """Per target, the participant holding it before an all-gather, or its first holder
+        after a sum."""
+        return self.owners or tuple(holders[0] for _, holders in self.targets)
+
+    @property
+    def summed_from(self) -> tuple[int, ...]:
+        """The participants whose partial sums it adds (a sum's)."""
+        return self.contributors or self.participants
 
     @cached_property
     def nbytes(self) -> int:

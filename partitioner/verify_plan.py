@@ -283,10 +283,11 @@ def _check_sums(
     t_reduction = np.array([k for k, _, _ in targets], boxes.INDEX)
     t_holder = np.array([h for _, h, _ in targets], boxes.INDEX)
     t_lo, t_hi = boxes.from_rects([rect for _, _, rect in targets], ndim)
+    # a sum adds what its contributors hold, not its extra participants' (`summed_from`)
     m_reduction = np.array(
-        [k for k, r in enumerate(reductions) for _ in r.participants], boxes.INDEX
+        [k for k, r in enumerate(reductions) for _ in r.summed_from], boxes.INDEX
     )
-    m_rank = np.array([s for r in reductions for s in r.participants], boxes.INDEX)
+    m_rank = np.array([s for r in reductions for s in r.summed_from], boxes.INDEX)
 
     every = (c_lo, c_hi, h_lo, h_hi, s_lo, s_hi, t_lo, t_hi)
     cuts = [np.unique(np.concatenate([a[:, d] for a in every])) for d in range(ndim)]

@@ -55,7 +55,7 @@ class _Moved:
     loads: Loads | None  # (bytes sent, bytes received, message rounds) per rank; None: nothing
     wire: int  # bytes of its point-to-point transfers, counted per destination
     #: its collectives, in order, as `cost.busy_seconds` takes them: (groups of ranks, each
-    #: one's group, each one's extra rank or -1, each one's seconds); None: none
+    #: one's group, each one's seconds); None: none
     collectives: tuple | None
     #: bytes held per rank for it: partial sums sent, staging, collective buffers
     memory: np.ndarray | None
@@ -189,7 +189,7 @@ class TaskPrices:
         n = self.nranks
         seconds, wire = reduction_cost(gather, self.machine)
         members = np.asarray(gather.participants, boxes.INDEX)
-        collectives = ([members], np.zeros(1, np.int64), np.full(1, -1), np.array([seconds]))
+        collectives = ([members], np.zeros(1, np.int64), np.array([seconds]))
         return _Moved(
             None, wire, collectives, gather_memory(gather, n), received_once([block], n)[0]
         )
@@ -218,9 +218,15 @@ class TaskPrices:
                 memory, wire = moved.held + moved.staged, moved.wire
                 if len(found):
                     seconds, on_wire = collective_costs(
-                        found.reduce, found.sizes(), found.total, found.largest, machine
+                        found.reduce,
+                        found.contributors,
+                        found.total,
+                        found.largest,
+                        machine,
+                        found.handed_most,
+                        found.handed_total,
                     )
-                    collectives = (found.groups, found.group, found.extra, seconds)
+                    collectives = (found.groups, found.group, seconds)
                     wire += int(on_wire.sum())
                     memory += _group_bytes(found, n)
                     memory -= np.bincount(found.holders, weights=found.nbytes, minlength=n).astype(
@@ -244,12 +250,7 @@ class TaskPrices:
                         wire += on_wire
                     memory += reductions_memory(reductions, n)
                     count = len(groups)
-                    collectives = (
-                        groups,
-                        np.arange(count),
-                        np.full(count, -1),
-                        np.array(seconds),
-                    )
+                    collectives = (groups, np.arange(count), np.array(seconds))
             if loads is None and collectives is None and not wire and not memory.any():
                 return _NOTHING
             return _Moved(loads, wire, collectives, memory, None)
@@ -271,7 +272,7 @@ class TaskPrices:
             partial = [np.zeros(n), np.zeros(n), np.zeros(n)]
             groups: list[np.ndarray] = []
             named: dict[bytes, int] = {}
-            group, extra, seconds = [], [], []
+            group, seconds = [], []
             sent = 0
             memory = None
             for key, moved in found:
@@ -280,23 +281,20 @@ class TaskPrices:
                     for total, part in zip(into, moved.loads):
                         total += part
                 if moved.collectives is not None:
-                    mine, which, alone, took = moved.collectives
+                    mine, which, took = moved.collectives
                     ids = []
                     for members in mine:
                         ids.append(named.setdefault(members.tobytes(), len(groups)))
                         if ids[-1] == len(groups):
                             groups.append(members)
                     group.append(np.asarray(ids, np.int64)[which])
-                    extra.append(alone)
                     seconds.append(took)
                 sent += moved.wire
                 if moved.memory is not None:
                     memory = moved.memory if memory is None else memory + moved.memory
             busy = np.zeros(n)
             if group:
-                busy = busy_seconds(
-                    groups, np.concatenate(group), np.concatenate(extra), np.concatenate(seconds), n
-                )
+                busy = busy_seconds(groups, np.concatenate(group), np.concatenate(seconds), n)
             cost = task_cost(
                 task, self.rows[name], flops, incoming, partial, busy, sent, self.machine, traffic
             )
@@ -400,11 +398,9 @@ def _group_bytes(found: Collectives, n: int) -> np.ndarray:
     `COLLECTIVE_BUFFERS` times."""
     sizes = np.array([len(g) for g in found.groups], boxes.INDEX)
     per_group = np.bincount(found.group, weights=found.total, minlength=len(found.groups))
-    ranks = np.concatenate(found.groups + [np.maximum(found.extra, 0)])
-    weights = np.concatenate(
-        (np.repeat(per_group, sizes), np.where(found.extra >= 0, found.total, 0))
-    )
-    held = np.bincount(ranks, weights=weights, minlength=n).astype(boxes.INDEX)
+    ranks = np.concatenate(found.groups)
+    held = np.bincount(ranks, weights=np.repeat(per_group, sizes), minlength=n)
+    held = held.astype(boxes.INDEX)
     return COLLECTIVE_BUFFERS * held
 
 

@@ -222,9 +222,10 @@ def collective_rounds(collective: Reduction) -> int:
     """⌈log2 p⌉ over its p participants: the fewest rounds its schedule takes
     (`partitioner.collectives`), which the budgets count whatever the machine's choice: the
     compiled loop steps each participant's instance round by round, hops or none. VGG19's
-    model plan on 2048 ranks (1,048 reduces over 1,001 ranks into fc7's 2-column parts) has
-    10.7 million participant-rounds by this count where its schedules send 1.24 million hops:
-    simulated, its step took 231 s on the 2-core VM, where deep-mlp's (0.43 million) took 12 s."""
+    model plan on 2048 ranks had 10.7 million participant-rounds by this count (1,048 reduces
+    over 1,001 ranks into fc7's 2-column parts), where its schedules sent 1.24 million hops,
+    and its step took 231 s to simulate on the 2-core VM; with those sums one reduce-scatter
+    (`Reduction.contributors`) it has 0.23 million, as deep-mlp's has 0.43 million."""
     return max(1, math.ceil(math.log2(max(len(collective.participants), 2))))
 
 

@@ -39,18 +39,28 @@ def _run(rounds, vectors: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
 
 @st.composite
 def reductions(draw):
+    """A collective over up to 9 ranks; a reduce-scatter's owners may include up to 4 extra
+    participants, which own targets but add nothing (`Reduction.contributors`)."""
     algorithm = draw(st.sampled_from(["allreduce", "reduce_scatter", "reduce"]))
     p = draw(st.integers(2, 9))
-    participants = tuple(draw(st.permutations(range(12)))[:p])
+    ranks = draw(st.permutations(range(16)))
+    participants = tuple(ranks[:p])
     if algorithm == "reduce_scatter":
-        sizes = draw(st.lists(st.integers(0, 4), min_size=p, max_size=p))
+        extras = ranks[p : p + draw(st.integers(0, 4))]
+        owners = participants + tuple(extras)
+        sizes = draw(st.lists(st.integers(0, 4), min_size=len(owners), max_size=len(owners)))
         targets, lo = [], 0
-        for rank, size in zip(participants, sizes):
+        for rank, size in zip(owners, sizes):
             if size:
                 targets.append((Rect((lo,), (lo + size,)), (rank,)))
                 lo += size
         if not targets:
             targets = [(Rect((0,), (1,)), (participants[0],))]
+        owning = {holders[0] for _, holders in targets} - set(participants)
+        if owning:  # the extras that own a target
+            everyone = tuple(sorted(owning.union(participants)))
+            contributors = tuple(sorted(participants))
+            return Reduction("g", algorithm, everyone, tuple(targets), 8, (), contributors)
     else:
         n = draw(st.integers(1, 30))
         holders = (
@@ -65,12 +75,21 @@ def reductions(draw):
     reductions(), st.sampled_from([Machine(), Machine(latency_us=0.0), Machine(latency_us=50.0)])
 )
 def test_a_schedule_leaves_every_sum_where_its_targets_say(reduction, machine):
+    """Run on vectors, the contributors' random and the extra participants' NaN (nothing of
+    theirs may be added or sent on): every holder ends with the contributors' sum of its
+    targets. Where extras take part, the bytes sent are the cost model's."""
     rng = np.random.default_rng(0)
     order = target_order(reduction, machine)
+    assert sorted(order) == list(range(len(reduction.targets)))
     n = sum(reduction.targets[t][0].volume for t in order)
-    vectors = {rank: rng.integers(-9, 9, n).astype(float) for rank in reduction.participants}
+    vectors = {rank: rng.integers(-9, 9, n).astype(float) for rank in reduction.summed_from}
     total = sum(vectors.values())
-    held = _run(schedule(reduction, machine), vectors)
+    vectors |= {r: np.full(n, np.nan) for r in reduction.participants if r not in vectors}
+    built = schedule(reduction, machine)
+    held = _run(built, vectors)
+    if reduction.contributors:
+        sent = sum(built.sent(reduction.itemsize).values())
+        assert sent == reduction_cost(reduction, machine)[1]
     offset = 0
     for t in order:
         rect, holders = reduction.targets[t]

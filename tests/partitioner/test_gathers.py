@@ -12,6 +12,7 @@ from legion_nn.errors import VerifyError
 from legion_nn.networks import load_network
 from legion_nn.spec import network_from_dict
 from partitioner import gathers
+from partitioner.collective_prices import reduction_cost
 from partitioner.collectives import schedule
 from partitioner.cost import plan_cost
 from partitioner.machine import Machine
@@ -104,6 +105,42 @@ def test_holders_that_do_not_read_hand_their_parts_on():
         for rank in readers:
             held[rank] += rect.volume
     assert set(held.values()) == {graph.tensors[gather.tensor].volume}
+
+
+def test_sums_into_parts_their_contributors_do_not_hold_are_one_reduce_scatter():
+    """The classifier's input gradient on 8 ranks: its 5 ranks' sums into the 12 outputs' 8
+    holders are one reduce-scatter among the 5 whose partners hand the 3 others their sums
+    (not one reduce a part outside the 5); it verifies, moves what the cost model says, and
+    a plan that leaves a contributor out of its contributors is refused."""
+    graph = narrowing_network().lower(batch=4)
+    plan = build_plan(graph, builtin(graph, "model", 8), 8)
+    verify_plan(graph, plan)
+    index = next(i for i, tp in enumerate(plan.tasks) if tp.task == "classifier.linear2.grad")
+    task_plan = plan.tasks[index]
+    (scatter,) = task_plan.reductions
+    assert scatter.algorithm == "reduce_scatter" and scatter.participants == tuple(range(8))
+    assert scatter.contributors == tuple(range(5))
+    assert sorted(h for _, (h,) in scatter.targets) == list(range(8))
+    built = schedule(scatter, MACHINE)
+    last = built[len(built) - 1]
+    assert {(hop.src, hop.dst) for hop in last} == {(0, 5), (1, 6), (2, 7)}  # partners hand
+    assert max(built.src.tolist()) < 5  # the extras send nothing
+    assert sum(built.sent(scatter.itemsize).values()) == reduction_cost(scatter, MACHINE)[1]
+    broken = TaskPlan(
+        task_plan.task,
+        task_plan.unit,
+        task_plan.grid,
+        task_plan.piece_sets,
+        task_plan.transfer_set,
+        [replace(scatter, contributors=scatter.contributors[1:])],
+        task_plan.holdings,
+        task_plan.deferred,
+        task_plan.gathered,
+    )
+    tasks = list(plan.tasks)
+    tasks[index] = broken
+    with pytest.raises(VerifyError, match="rank 0's partial sum .* never reaches"):
+        verify_plan(graph, replace(plan, tasks=tasks))
 
 
 def test_verify_plan_refuses_a_gather_from_a_rank_without_the_part():

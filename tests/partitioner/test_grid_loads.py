@@ -12,12 +12,18 @@ from hypothesis import strategies as st
 
 from partitioner import boxes
 from partitioner.accounting import received_once, staged_bytes
+from partitioner.collective_prices import collective_costs, reduction_cost
 from partitioner.grid_combine import combine_loads
 from partitioner.grid_loads import fetch_loads
 from partitioner.layout import Layout
+from partitioner.machine import Machine
 from partitioner.messages import Accesses, combine, fetch
 from partitioner.plan import reductions_of
 from partitioner.transfers import link_loads
+
+#: a latency-bound machine (trees and halving win) and a bandwidth-bound one (rings win)
+MACHINE = Machine(link_gbytes_per_s=1.0, latency_us=50.0)
+SLOW_LINK = Machine(link_gbytes_per_s=0.01, latency_us=0.1)
 
 
 class Refused(Exception):
@@ -160,3 +166,19 @@ def test_combine_loads_are_those_of_the_partial_sums_and_collectives(case):
         ]
         assert targets == [(r.lo, r.hi, h) for r, h in reduction.targets]
         assert collectives.total[k] == reduction.nbytes
+        extras = len(reduction.participants) - len(reduction.summed_from)
+        event(f"combine: a {reduction.algorithm} with{'' if extras else 'out'} extras")
+    # priced float for float as the plan's collectives are (`reduction_cost`)
+    for machine in (MACHINE, SLOW_LINK):
+        seconds, wire = collective_costs(
+            collectives.reduce,
+            collectives.contributors,
+            collectives.total,
+            collectives.largest,
+            machine,
+            collectives.handed_most,
+            collectives.handed_total,
+        )
+        priced = [reduction_cost(r, machine) for r in reductions]
+        assert seconds.tolist() == [s for s, _ in priced]
+        assert wire.tolist() == [w for _, w in priced]

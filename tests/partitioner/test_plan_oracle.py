@@ -185,7 +185,7 @@ def check_reductions(graph, task, pieces, task_plan, held) -> None:
                 for rect, ranks in by_rect.items():
                     region = box(dims, target) & box(dims, rect)
                     for c in ranks:
-                        if c in reduction.participants:
+                        if c in reduction.summed_from:
                             for dst in holders:
                                 if dst != c:
                                     balance[c, dst] -= region

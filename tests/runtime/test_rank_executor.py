@@ -118,12 +118,17 @@ def test_ranks_equal_the_local_run(strategy, nranks):
 @pytest.mark.parametrize("nranks", [5, 8])
 def test_gathered_reads_equal_the_local_run(nranks):
     """The classifier's input all-gathered (`partitioner.gathers`): on 5 ranks by halving, a
-    rank folded in and out; on 8, three holders that do not read handing their parts on."""
+    rank folded in and out; on 8, three holders that do not read handing their parts on, and
+    the input's gradient one reduce-scatter among the classifier's 5 ranks whose partners
+    hand those three their sums (`Reduction.contributors`)."""
     network = narrowing_network()
     graph = network.lower(batch=7, dtype="float64")
     plan = build_plan(graph, builtin(graph, "model", nranks), nranks)
     ((_, gather),) = [found for tp in plan.tasks for found in tp.gathered]
     assert len(gather.participants) == nranks and len(gather.targets[0][1]) == 5
+    (scatter,) = [r for tp in plan.tasks for r in tp.reductions if r.tensor.endswith(".grad")]
+    assert scatter.algorithm == "reduce_scatter" and len(scatter.participants) == nranks
+    assert scatter.summed_from == tuple(range(5))
     cfg = config(network)
     assert_same(local_run(cfg), ranks_run(cfg, nranks, "model"))
 

@@ -270,28 +270,29 @@ def test_the_plan_of_autos_grids_takes_the_pieces_its_search_found(monkeypatch):
     verify_plan(other, build_plan(other, strategy, 4))
 
 
-def test_busy_seconds_of_disjoint_groups_equal_one_collective_at_a_time():
+def test_busy_seconds_equal_one_collective_at_a_time():
+    """Disjoint groups (one running sum each) and overlapping ones (summed pair by pair)."""
     from partitioner.cost import busy_seconds
 
     rng = np.random.default_rng(3)
+    overlapping = 0
     for _ in range(200):
         n = int(rng.integers(1, 40))
         ranks = rng.permutation(n)
         cut = np.sort(rng.integers(0, n + 1, size=3))
         groups = [g for g in np.split(ranks, cut) if len(g)]
-        spare = [int(r) for r in rng.permutation(n)[: int(rng.integers(0, 4))]]
+        if rng.random() < 0.5:  # groups sharing ranks: a collective's extra participants
+            groups.append(np.sort(rng.permutation(n)[: int(rng.integers(1, n + 1))]))
         count = int(rng.integers(0, 30))
-        group = rng.integers(0, max(len(groups), 1), count) if groups else np.zeros(0, int)
-        extra = [spare[k] if k < len(spare) and rng.random() < 0.5 else -1 for k in range(count)]
+        group = rng.integers(0, len(groups), count)
         seconds = rng.random(count) * 10.0 ** rng.integers(-6, 1, count)
-        if not groups:
-            continue
         expected = np.zeros(n)
-        for g, e, s in zip(group, extra, seconds):
+        for g, s in zip(group, seconds):
             expected[groups[g]] += s
-            if e >= 0:
-                expected[e] += s
-        assert busy_seconds(groups, group, extra, seconds, n).tolist() == expected.tolist()
+        used = np.concatenate([groups[g] for g in set(group.tolist())] or [np.zeros(0, int)])
+        overlapping += len(np.unique(used)) < len(used)
+        assert busy_seconds(groups, group, seconds, n).tolist() == expected.tolist()
+    assert overlapping > 20
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
