@@ -107,6 +107,24 @@ def test_holders_that_do_not_read_hand_their_parts_on():
     assert set(held.values()) == {graph.tensors[gather.tensor].volume}
 
 
+def with_collectives(plan, index: int, reductions, gathered):
+    """`plan` with the task at `index` summing by `reductions` and gathering by `gathered`."""
+    task_plan = plan.tasks[index]
+    tasks = list(plan.tasks)
+    tasks[index] = TaskPlan(
+        task_plan.task,
+        task_plan.unit,
+        task_plan.grid,
+        task_plan.piece_sets,
+        task_plan.transfer_set,
+        reductions,
+        task_plan.holdings,
+        task_plan.deferred,
+        gathered,
+    )
+    return replace(plan, tasks=tasks)
+
+
 def test_sums_into_parts_their_contributors_do_not_hold_are_one_reduce_scatter():
     """The classifier's input gradient on 8 ranks: its 5 ranks' sums into the 12 outputs' 8
     holders are one reduce-scatter among the 5 whose partners hand the 3 others their sums
@@ -126,21 +144,11 @@ def test_sums_into_parts_their_contributors_do_not_hold_are_one_reduce_scatter()
     assert {(hop.src, hop.dst) for hop in last} == {(0, 5), (1, 6), (2, 7)}  # partners hand
     assert max(built.src.tolist()) < 5  # the extras send nothing
     assert sum(built.sent(scatter.itemsize).values()) == reduction_cost(scatter, MACHINE)[1]
-    broken = TaskPlan(
-        task_plan.task,
-        task_plan.unit,
-        task_plan.grid,
-        task_plan.piece_sets,
-        task_plan.transfer_set,
-        [replace(scatter, contributors=scatter.contributors[1:])],
-        task_plan.holdings,
-        task_plan.deferred,
-        task_plan.gathered,
+    broken = with_collectives(
+        plan, index, [replace(scatter, contributors=scatter.contributors[1:])], task_plan.gathered
     )
-    tasks = list(plan.tasks)
-    tasks[index] = broken
     with pytest.raises(VerifyError, match="rank 0's partial sum .* never reaches"):
-        verify_plan(graph, replace(plan, tasks=tasks))
+        verify_plan(graph, broken)
 
 
 def test_verify_plan_refuses_a_gather_from_a_rank_without_the_part():
@@ -149,21 +157,11 @@ def test_verify_plan_refuses_a_gather_from_a_rank_without_the_part():
     task_plan = plan.tasks[index]
     ((block, gather),) = task_plan.gathered
     owners = gather.owners[1:] + gather.owners[:1]
-    broken = TaskPlan(
-        task_plan.task,
-        task_plan.unit,
-        task_plan.grid,
-        task_plan.piece_sets,
-        task_plan.transfer_set,
-        task_plan.reductions,
-        task_plan.holdings,
-        task_plan.deferred,
-        [(block, replace(gather, owners=owners))],
+    broken = with_collectives(
+        plan, index, task_plan.reductions, [(block, replace(gather, owners=owners))]
     )
-    tasks = list(plan.tasks)
-    tasks[index] = broken
     with pytest.raises(VerifyError, match="all-gather .* does not hold it"):
-        verify_plan(graph, replace(plan, tasks=tasks))
+        verify_plan(graph, broken)
 
 
 def test_gathers_are_priced_in_the_readers_row_and_cut_its_messages():
