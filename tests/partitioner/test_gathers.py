@@ -10,7 +10,6 @@ import pytest
 
 from legion_nn.errors import VerifyError
 from legion_nn.networks import load_network
-from legion_nn.spec import network_from_dict
 from partitioner import gathers
 from partitioner.collective_prices import reduction_cost
 from partitioner.collectives import schedule
@@ -20,27 +19,14 @@ from partitioner.plan import build_plan
 from partitioner.strategy import builtin
 from partitioner.task_plan import TaskPlan
 from partitioner.verify_plan import verify_plan
+from tests.paths import FIXTURES
 
 MACHINE = Machine(latency_us=20.0)
 
 
 def narrowing_network():
     """12 outputs, then 5: on 8 ranks the second layer's 5 readers gather parts that 8 hold."""
-    return network_from_dict(
-        {
-            "name": "narrowing",
-            "input": [1, 4, 4],
-            "classes": 5,
-            "layers": [
-                {"kind": "linear", "name": "wide", "out": 12},
-                {"kind": "filterNL", "fn": "relu"},
-                {"kind": "linear", "name": "classifier", "out": 5},
-                {"kind": "softmax"},
-                {"kind": "evaluate"},
-            ],
-        },
-        "narrowing",
-    )
+    return load_network(str(FIXTURES / "narrowing.json"))
 
 
 def by_task(plan):

@@ -428,6 +428,30 @@ def test_a_row_parallel_plan_equals_one_process(mlp_single, tmp_path, launcher, 
     assert_equals_one_process(result, log, mlp_single, nranks, 4)
 
 
+NARROWING = str(FIXTURES / "narrowing.json")
+
+
+@pytest.fixture(scope="module")
+def narrowing_single(tmp_path_factory):
+    return one_process_losses(tmp_path_factory.mktemp("narrowing"), NARROWING, 4)
+
+
+def test_collectives_with_extra_participants_equal_one_process(
+    narrowing_single, tmp_path, launcher
+):
+    """12 outputs read by a classifier of 5 on 8 ranks: its input all-gathered among its 5
+    ranks, the 3 other holders handing their parts on first, and its input gradient one
+    reduce-scatter among the 5 whose partners hand those 3 their sums
+    (`collective_prices.core_places`)."""
+    skip_unless_spread(launcher, 8)
+    log = tmp_path / "log.jsonl"
+    result = mpiexec(
+        8, "train", NARROWING, *TRAIN, "--steps", "4", "--strategy", "model",
+        "--log-json", str(log), launcher=launcher,
+    )  # fmt: skip
+    assert_equals_one_process(result, log, narrowing_single, 8, 4)
+
+
 def assert_equals_one_process(result, log: Path, expected: list[float], nranks: int, steps: int):
     """The job's losses are one process's, and every rank of every step sent what it planned."""
     assert result.returncode == 0, result.stderr
