@@ -14,9 +14,9 @@ p participants and n bytes:
 
 A reduce-scatter whose owners include ranks that add nothing (a classifier's 1,000 outputs
 summed into the 2,048 parts of the layer below), and an all-gather whose holders include ranks
-that read nothing, run among the ranks that do, p of them (`core_places`), plus a round of
-α + bβ in which partners hand the extras their sums or take their parts, b the most one
-partner hands or takes.
+that read nothing, run among the ranks that do, p of them (`Reduction.core_places`), plus a
+round of α + bβ in which partners hand the extras their sums or take their parts, b the most
+one partner hands or takes.
 
 The bytes sent are those each algorithm puts on the wire, summed. Where the machine prices
 memory traffic, a collective also pays its local passes: every add reads two operands and
@@ -46,9 +46,9 @@ def reduction_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
 
 def owned_elements(reduction: Reduction) -> np.ndarray:
     """Per position among the ranks a reduce-scatter or an all-gather runs among
-    (`core_places`), the elements of its targets it ends (or starts) with: its own and its
-    extras'."""
-    core, effective = core_places(reduction)
+    (`Reduction.core_places`), the elements of its targets it ends (or starts) with: its own
+    and its extras'."""
+    core, effective = reduction.core_places
     position = {rank: i for i, rank in enumerate(core)}
     owned = np.zeros(len(position), np.int64)
     for (rect, _), owner in zip(reduction.targets, effective):
@@ -56,27 +56,10 @@ def owned_elements(reduction: Reduction) -> np.ndarray:
     return owned
 
 
-def core_places(reduction: Reduction) -> tuple[tuple[int, ...], list[int]]:
-    """(the ranks a reduce-scatter or an all-gather runs among, and per target the one of them
-    it ends, or starts, at): a reduce-scatter's contributors, an all-gather's receivers (the
-    ranks it leaves holding every target). A target's owner where the owner is one of them;
-    else the owner is an extra participant, which holds parts but neither adds to them nor
-    reads them: a partner among them, the k-th extra's the (k mod r)-th of the r, hands it its
-    sums at the end, or takes its parts first."""
-    core = reduction.targets[0][1] if reduction.gathers else reduction.summed_from
-    owners = list(reduction.target_owners)
-    if len(core) == len(reduction.participants):
-        return core, owners
-    inside = set(core)
-    extras = [rank for rank in reduction.participants if rank not in inside]
-    partner = {rank: core[k % len(core)] for k, rank in enumerate(extras)}
-    return core, [partner.get(owner, owner) for owner in owners]
-
-
-def handed_elements(reduction: Reduction) -> dict[int, int]:
-    """Per partner of extra participants (`core_places`), the elements of the extras' targets
-    it hands them or takes from them."""
-    core, effective = core_places(reduction)
+def _handed_elements(reduction: Reduction) -> dict[int, int]:
+    """Per partner of extra participants (`Reduction.core_places`), the elements of the
+    extras' targets it hands them or takes from them."""
+    core, effective = reduction.core_places
     inside = set(core)
     handed: dict[int, int] = {}
     for (rect, _), owner, partner in zip(reduction.targets, reduction.target_owners, effective):
@@ -87,15 +70,15 @@ def handed_elements(reduction: Reduction) -> dict[int, int]:
 
 def _core_cost(reduction: Reduction, machine: Machine) -> tuple[float, int]:
     """A reduce-scatter's or an all-gather's: the algorithm's over the ranks it runs among
-    (`core_places`), with a round more where extra participants receive their sums from
-    partners among them, or hand their parts to them first, as long as the busiest partner's
-    link takes."""
-    core, _ = core_places(reduction)
+    (`Reduction.core_places`), with a round more where extra participants receive their sums
+    from partners among them, or hand their parts to them first, as long as the busiest
+    partner's link takes."""
+    core, _ = reduction.core_places
     n = reduction.nbytes
     owned = owned_elements(reduction)
     largest = int(owned.max()) * reduction.itemsize if len(owned) else 0
     seconds, wire = collective_cost(reduction.algorithm, len(core), n, largest, machine)
-    handed = handed_elements(reduction)
+    handed = _handed_elements(reduction)
     if handed:
         seconds += machine.alpha + max(handed.values()) * reduction.itemsize * machine.beta
         wire += sum(handed.values()) * reduction.itemsize
@@ -242,8 +225,8 @@ def collective_costs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`reduction_cost` of many collectives at once, float for float: collective k is a
     `reduce` where `reduce[k]`, else a `reduce_scatter` among `p[k]` contributors, whose
-    partners hand its extra participants (`core_places`) `handed_total[k]` bytes, the most any
-    one partner `handed_most[k]`."""
+    partners hand its extra participants (`Reduction.core_places`) `handed_total[k]` bytes,
+    the most any one partner `handed_most[k]`."""
     p, n, largest = (np.asarray(x, np.int64) for x in (p, n, largest))
     less = p - 1
     ring_scatter, halving = _reduce_scatter_seconds(p, n, largest, machine)

@@ -51,7 +51,6 @@ from partitioner import boxes
 from partitioner.collective_prices import (
     allgather_algorithm,
     allreduce_algorithm,
-    core_places,
     owned_elements,
     reduce_by_tree,
     reduce_scatter_algorithm,
@@ -307,10 +306,10 @@ def _halving_scatter(ranks: tuple[int, ...], owned: np.ndarray) -> Schedule:
 
 def _scatter_or_gather(reduction: Reduction, machine: Machine) -> Schedule:
     """A reduce-scatter's or an all-gather's rounds (`target_order` lays out its vector) among
-    the ranks it runs among (`core_places`): by recursive halving, run backwards for a gather,
-    or by a ring. Extra participants hand their parts to their partners first, or get their
-    sums from them last."""
-    core, _ = core_places(reduction)
+    the ranks it runs among (`Reduction.core_places`): by recursive halving, run backwards for
+    a gather, or by a ring. Extra participants hand their parts to their partners first, or
+    get their sums from them last."""
+    core, _ = reduction.core_places
     owned = owned_elements(reduction)
     halves = _scatter_halves(reduction, machine)
     if halves:
@@ -332,8 +331,8 @@ def _scatter_or_gather(reduction: Reduction, machine: Machine) -> Schedule:
 
 def _extras(reduction: Reduction, machine: Machine) -> list[tuple[int, int, int, int]]:
     """(extra participant, lo, hi, partner) of each extra's elements of the vector, which
-    `target_order` lays out next to its partner's own (`core_places`)."""
-    core, effective = core_places(reduction)
+    `target_order` lays out next to its partner's own (`Reduction.core_places`)."""
+    core, effective = reduction.core_places
     if len(core) == len(reduction.participants):
         return []
     inside = set(core)
@@ -390,11 +389,11 @@ def _tree_reduce(ranks: tuple[int, ...], owner: int, n: int) -> Schedule:
 def target_order(reduction: Reduction, machine: Machine) -> list[int]:
     """Indices of `reduction.targets` in the order they are laid out in the flat vector: a
     reduce-scatter's and an all-gather's by the places of the ranks they end (or start) at
-    (`core_places`) in the ring, or where they halve, by the chunk each place ends with
+    (`Reduction.core_places`) in the ring, or where they halve, by the chunk each place ends with
     (`_halving_scatter`); an extra participant's targets after its partner's own."""
     order = list(range(len(reduction.targets)))
     if reduction.gathers or reduction.algorithm == "reduce_scatter":
-        core, effective = core_places(reduction)
+        core, effective = reduction.core_places
         position = {rank: i for i, rank in enumerate(core)}
         key = _chunk_keys(reduction, len(core), machine)
         handing = {rank: i + 1 for i, rank in enumerate(reduction.participants)}

@@ -24,7 +24,7 @@ copies'), each reading all of the layout's extent, none holding a copy yet, ever
 one rank, and the tensor written outright by its last writer (not through partial sums, and
 not added into since), so that its parts are final when the gather starts. A holder that does
 not read (a classifier of 1000 outputs after a layer of 4096 on 2048 ranks) takes part only to
-hand its parts to a reader first (`collective_prices.core_places`).
+hand its parts to a reader first (`Reduction.core_places`).
 """
 
 from __future__ import annotations

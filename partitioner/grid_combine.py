@@ -35,7 +35,7 @@ from partitioner.messages import Accesses
 class Collectives:
     """The collectives of `messages.combine`, in its order, as arrays: collective k runs over
     the ranks `groups[group[k]]`, is a `reduce` (one holder) or a `reduce_scatter` among its
-    `contributors[k]` first (`collective_prices.core_places`: the others are extras), moves
+    `contributors[k]` first (`Reduction.core_places`: the others are extras), moves
     `total[k]` bytes of which one of those ends with at most `largest[k]`, and whose partners
     hand its extras `handed_total[k]` bytes, the most one partner `handed_most[k]`; target t
     (in order) belongs to collective `which[t]`, spans (`lo[t]`, `hi[t]`), is held by
@@ -57,10 +57,6 @@ class Collectives:
 
     def __len__(self) -> int:
         return len(self.group)
-
-    def sizes(self) -> np.ndarray:
-        """Participants of each collective."""
-        return np.array([len(g) for g in self.groups], boxes.INDEX)[self.group]
 
     def participants(self, k: int) -> np.ndarray:
         """The ranks taking part in collective k, sorted."""
@@ -292,7 +288,7 @@ class _Gathered:
                 contributors[k] = len(participants)
                 continue
             contributors[k] = len(members)
-            # each extra's sums handed it by the partner `core_places` gives it
+            # each extra's sums handed it by the partner `Reduction.core_places` gives it
             ends = np.zeros(len(members), boxes.INDEX)
             np.add.at(ends, np.searchsorted(members, owners[~outside]), share[~outside])
             partner = np.arange(int(outside.sum())) % len(members)

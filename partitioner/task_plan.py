@@ -29,7 +29,7 @@ class Reduction:
     copied from the one participant that holds it (`owners`) to every other
     (`partitioner.gathers`). A reduce-scatter may name its `contributors`: the participants
     whose partial sums it adds, the others (extras) taking part only to receive the targets
-    they own (`partitioner.collective_prices.core_places`)."""
+    they own (`core_places`)."""
 
     tensor: str
     algorithm: str
@@ -55,6 +55,24 @@ class Reduction:
     def summed_from(self) -> tuple[int, ...]:
         """The participants whose partial sums it adds (a sum's)."""
         return self.contributors or self.participants
+
+    @cached_property
+    def core_places(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(the ranks a reduce-scatter or an all-gather runs among, and per target the one of
+        them it ends, or starts, at): a reduce-scatter's contributors, an all-gather's receivers
+        (the ranks it leaves holding every target). A target's owner where the owner is one of
+        them; else the owner is an extra participant, which holds parts but neither adds to
+        them nor reads them: a partner among them, the k-th extra's the (k mod r)-th of the r,
+        hands it its sums at the end, or takes its parts first. Found once: its price and its
+        schedule (`partitioner.collectives`) read it several times each."""
+        core = self.targets[0][1] if self.gathers else self.summed_from
+        owners = self.target_owners
+        if len(core) == len(self.participants):
+            return core, owners
+        inside = set(core)
+        extras = [rank for rank in self.participants if rank not in inside]
+        partner = {rank: core[k % len(core)] for k, rank in enumerate(extras)}
+        return core, tuple(partner.get(owner, owner) for owner in owners)
 
     @cached_property
     def nbytes(self) -> int:

@@ -442,7 +442,7 @@ def test_collectives_with_extra_participants_equal_one_process(
     """12 outputs read by a classifier of 5 on 8 ranks: its input all-gathered among its 5
     ranks, the 3 other holders handing their parts on first, and its input gradient one
     reduce-scatter among the 5 whose partners hand those 3 their sums
-    (`collective_prices.core_places`)."""
+    (`Reduction.core_places`)."""
     skip_unless_spread(launcher, 8)
     log = tmp_path / "log.jsonl"
     result = mpiexec(
