@@ -346,7 +346,7 @@ class _Builder:
         bounds = reduction.targets[0][0]
         for rect, _ in reduction.targets[1:]:
             bounds = bounds.union_bounds(rect)
-        for rank in reduction.participants:
+        for rank in reduction.summed_from:  # its extra participants add nothing
             source = piece_id(task.name, rank)
             if source in self.pieces:
                 self.link(
