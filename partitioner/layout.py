@@ -166,7 +166,8 @@ class Layout:
                 self._held_sorted = (holders[order], lo[order], hi[order])
             holders, lo, hi = self._held_sorted
             first, end = np.searchsorted(holders, (rank, rank + 1)).tolist()
-            found = self._by_rank[rank] = boxes.to_rects(lo[first:end], hi[first:end])
+            rects = boxes.to_rects(lo[first:end], hi[first:end]) if end > first else []
+            found = self._by_rank[rank] = rects
         return found
 
     def held_box(self, rank: int) -> Rect | None:

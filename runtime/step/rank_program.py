@@ -174,6 +174,17 @@ class RankTask:
     @_found_once
     def tensors(self) -> frozenset[str]:
         """Every tensor the task touches: its pieces', messages', collectives' and parts'."""
+        if not (
+            self.pieces
+            or self.post
+            or self.copies_in
+            or self.partial_in
+            or self.partial_out
+            or self.collectives
+            or self.local_parts
+            or self.zero_first
+        ):  # an idle task (`Builder.idle`): most of a model-parallel rank's on many ranks
+            return _NO_TENSORS
         names = {req.tensor for piece in self.pieces for req in piece.requirements}
         for messages in (self.copies_in, self.partial_in, self.partial_out, self.post):
             names.update(map(tensor_of, messages))  # in C: a rank may post 10⁴ messages
@@ -181,6 +192,9 @@ class RankTask:
         names.update(self.local_parts)
         names.update(tensor for tensor, _ in self.zero_first)
         return frozenset(names)
+
+
+_NO_TENSORS: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -325,6 +339,18 @@ class Builder:
         at.collectives.append(collective)
         self.bytes_planned += sent
 
+    def idle(self, position: int, task: Task, holdings: Mapping[str, Layout]) -> None:
+        """`begin` and `end` of the task at `position` for a rank with no part in it: no piece,
+        no end of a message, no place in a collective, and no cell of what it writes or adds
+        into after it (`Plan.active`). Of a model-parallel vgg19 on 8192 ranks,
+        90% of the (rank, task) pairs: what `end` would find for them, found without looking."""
+        self.current = current = RankTask(position, task)
+        self.tasks.append(current)
+        self.layouts.update(holdings)
+        for req in task.requirements:  # opened, and this rank holds none of it: nothing zeroed
+            if req.privilege is Privilege.WRITE and req.tensor in holdings:
+                self.zeroed[req.tensor] = []
+
     def end(self, holdings: Mapping[str, Layout], deferred: Mapping[str, int]) -> None:
         """Finish the task begun: `holdings`, the layouts after it of what it writes or adds
         into; `deferred`, the tensors whose sums a later task's collective makes (this rank's
@@ -444,19 +470,19 @@ class Builder:
         pending: dict[str, list[int]] = defaultdict(list)
         prompt: list[int] = []  # sharded sums started by the task before
         for rt in self.tasks:
-            touched = rt.tensors & pending.keys() if pending else ()  # (found lazily)
-            rt.complete_before = _complete(pending, touched, prompt)
+            if pending or prompt:  # (most of a model-parallel rank's tasks on many ranks: none)
+                touched = rt.tensors & pending.keys() if pending else ()  # (found lazily)
+                rt.complete_before = _complete(pending, touched, prompt)
             prompt = []
             for c in rt.collectives:
                 pending[c.reduction.tensor].append(started)
                 if c.sharded:
                     prompt.append(started)
                 started += 1
-            sending = (  # a model-parallel rank posts 10⁴ messages, most with nothing pending
-                {m.tensor for m in rt.post if m.src == self.rank} & pending.keys()
-                if pending
-                else ()
-            )
+            if not pending:
+                continue
+            # a model-parallel rank posts 10⁴ messages, most with nothing pending
+            sending = {m.tensor for m in rt.post if m.src == self.rank} & pending.keys()
             rt.complete_after = _complete(pending, sending, ())
             prompt = [o for o in prompt if o not in rt.complete_after]
 

@@ -78,7 +78,13 @@ def _in_shares(
     )
     slowdown = cpu_slowdown(machine, range(nranks), nranks)
     work = every_rank_work(graph, plan)
-    shares = balanced_shares(work, min(workers + 1, nranks))
+    # a rank with a part in no task does nothing all step: built, it would be simulated to end
+    # at 0 (`tests/runtime/step/test_simulated_in_shares.py`); a placed one holds the baseline
+    skipped = np.zeros(nranks, bool)
+    if not place:
+        skipped[plan.idle_ranks] = True
+    simulated = np.flatnonzero(~skipped)
+    shares = [simulated[s] for s in balanced_shares(work[simulated], min(workers + 1, nranks))]
     jobs = {}
     for k, share in enumerate(shares):
         tell_apart = _tells_apart(graph, work, share)
@@ -89,7 +95,26 @@ def _in_shares(
     found = list(shared_out(jobs, workers, partial(load_the_loop, machine)).values())
     links = Links.of(machine, nranks)
     step = run_flat(merged([part for part, _ in found], links), machine, links, slowdown)
+    if skipped.any():
+        step = with_idle_ranks(step, nranks)
     return step, [placed for _, placed in found] if place else None
+
+
+def with_idle_ranks(step: SimulatedStep, nranks: int) -> SimulatedStep:
+    """`step` with each of `nranks` ranks it does not hold (`Plan.idle_ranks`) ending at 0
+    having waited and computed for 0, every rank in order as the compiled loop gives them: the
+    means over ranks (`SimulatedStep.compute_fraction`) sum their terms in the same order."""
+
+    def each_rank(of_some: dict[int, float]) -> dict[int, float]:
+        return {rank: of_some.get(rank, 0.0) for rank in range(nranks)}
+
+    return SimulatedStep(
+        step.seconds,
+        each_rank(step.finish),
+        each_rank(step.waiting),
+        step.timeline,
+        each_rank(step.compute),
+    )
 
 
 def balanced_shares(work: np.ndarray, count: int) -> list[np.ndarray]:

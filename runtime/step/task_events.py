@@ -441,16 +441,22 @@ def build_each(
     programs = {rank: Builder(graph, plan, rank) for rank in ranks}
     wanted = np.zeros(plan.nranks, bool)
     wanted[ranks] = True
+    built = np.array(ranks, np.int64)
+    index = {task.name: i for i, task in enumerate(graph.tasks)}
     for event in events:
-        for rank, builder in programs.items():
-            builder.begin(event.position, event.task, event.mine.get(rank, ()))
-        if event.messages:
-            for rank, told in event.told.of_ranks(wanted).items():
-                programs[rank].messages(told)
+        told = event.told.of_ranks(wanted) if event.messages else {}
+        active = plan.active[index[event.task.name], built]
+        busy = [programs[rank] for rank in built[active].tolist()]
+        for builder in busy:
+            builder.begin(event.position, event.task, event.mine.get(builder.rank, ()))
+        for rank, ends in told.items():
+            programs[rank].messages(ends)
         for collective, sent, start in event.collectives:
             for rank in collective.reduction.participants:
                 if rank in programs:
                     programs[rank].collective(collective, sent.get(rank, 0), start)
-        for builder in programs.values():
+        for builder in busy:
             builder.end(event.holdings, event.deferred)
+        for rank in built[~active].tolist():
+            programs[rank].idle(event.position, event.task, event.holdings)
     return {rank: builder.program(messages) for rank, builder in programs.items()}

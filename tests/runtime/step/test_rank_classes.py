@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from legion_nn.networks import load_network
@@ -24,6 +25,7 @@ from runtime.step.programs import build_programs
 from runtime.step.rank_classes import rank_classes
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.rank_memory import predict
+from runtime.step.rank_program import Builder
 from runtime.step.shared_programs import SharedPrograms
 from runtime.step.simulator import simulate_step
 from runtime.step.task_events import build_each, each_task_event, task_events
@@ -274,3 +276,85 @@ def test_each_ranks_pieces_are_the_plans_in_its_order_made_lazily_or_at_once(str
         assert one.mine.get(7) == () == other.mine.get(7, ())  # not built
     if home == "replicated":
         assert replicated  # the updates of parameters every rank holds: run by every rank
+
+
+@pytest.mark.parametrize(
+    "network, batch, strategy, home, ranks",
+    [
+        (str(FIXTURES / "narrowing.json"), 8, "model", "replicated", 16),
+        (str(FIXTURES / "narrowing.json"), 8, "model", "sharded", 16),
+        ("seed-lcn-small", 16, "model", "sharded", 16),
+        (str(FIXTURES / "residual_small.json"), 8, "auto", "replicated", 6),
+        (str(ROOT / "examples" / "megatron-mlp.json"), 8, "auto", "sharded", 8),
+    ],
+)
+def test_tasks_a_rank_has_no_part_in_told_at_once_build_the_programs_told_task_by_task(
+    network, batch, strategy, home, ranks, monkeypatch
+):
+    """A rank's tasks it has no part in (`Plan.active`), told at once (`Builder.idle`), leave
+    its program, fused or not, as telling it every task's pieces, messages and collectives
+    does; on plans where some ranks have a part in no task at all (`Plan.idle_ranks`), and
+    others' tasks are partly idle."""
+    graph = load_source_graph(network, batch, batch)
+    chosen, _ = resolve_strategy(graph, strategy, ranks, MACHINE, 5.0, None, home)
+    plan = build_plan(graph, chosen, ranks)
+    assert not plan.active.all()
+    everyone = list(range(ranks))
+    events, messages = task_events(graph, plan, MACHINE, everyone)
+    at_once = build_each(graph, plan, events, messages, everyone)
+    monkeypatch.setattr(
+        type(plan), "active", property(lambda p: np.ones((len(p.tasks), ranks), bool))
+    )
+    task_by_task = build_each(graph, plan, events, messages, everyone)
+    for program in (*at_once.values(), *task_by_task.values()):
+        fuse_into_gradients(graph, program)
+    _equal(task_by_task, at_once)
+
+
+def test_a_task_told_at_once_leaves_the_builder_as_telling_it_does():
+    """At every task a rank has no part in (`Plan.active`), on plans with ranks idle all step
+    and ranks idle in some tasks, `Builder.idle` leaves the builder as `begin` and `end`
+    would: the same task, layouts and zeroings (a rank holding nothing of a tensor opened for
+    writing has zeroed none of it)."""
+    import copy
+
+    for network, batch, strategy, home, ranks in [
+        (str(FIXTURES / "narrowing.json"), 8, "model", "sharded", 16),
+        ("seed-lcn-small", 16, "model", "replicated", 16),
+        ("seed-lcn-small", 16, "spatial", "sharded", 16),
+    ]:
+        graph = load_source_graph(network, batch, batch)
+        chosen, _ = resolve_strategy(graph, strategy, ranks, MACHINE, 5.0, None, home)
+        plan = build_plan(graph, chosen, ranks)
+        index = {task.name: i for i, task in enumerate(graph.tasks)}
+        events, _ = task_events(graph, plan, MACHINE, range(ranks))
+        idle_told = 0
+        for rank in range(ranks):
+            builder = Builder(graph, plan, rank)
+            for event in events:
+                if plan.active[index[event.task.name], rank]:
+                    builder.begin(event.position, event.task, event.mine.get(rank, ()))
+                    told = event.told.of_ranks(np.arange(ranks) == rank) if event.messages else {}
+                    if rank in told:
+                        builder.messages(told[rank])
+                    for collective, sent, start in event.collectives:
+                        if rank in collective.reduction.participants:
+                            builder.collective(collective, sent.get(rank, 0), start)
+                    builder.end(event.holdings, event.deferred)
+                    continue
+                told_at_once = copy.copy(builder)
+                told_at_once.tasks, told_at_once.layouts = (
+                    list(builder.tasks),
+                    dict(builder.layouts),
+                )
+                told_at_once.zeroed = copy.deepcopy(builder.zeroed)
+                told_at_once.idle(event.position, event.task, event.holdings)
+                builder.begin(event.position, event.task, ())
+                builder.end(event.holdings, event.deferred)
+                assert told_at_once.tasks == builder.tasks
+                assert told_at_once.layouts == builder.layouts
+                zeroed = {t: rects for t, rects in builder.zeroed.items() if rects}
+                assert {t: r for t, r in told_at_once.zeroed.items() if r} == zeroed
+                assert told_at_once.zeroed_at == builder.zeroed_at
+                idle_told += 1
+        assert idle_told

@@ -21,6 +21,7 @@ from runtime.step.links import Links
 from runtime.step.loop import ADD, COMPUTE, POST, START, WAIT
 from runtime.step.model import StepModel
 from runtime.step.prediction import (
+    IDLE_TASK_WORK,
     MESSAGE_WORK,
     every_rank_work,
     predict_step,
@@ -52,6 +53,8 @@ CASES = [
     (str(FIXTURES / "residual_small.json"), 8, "auto", "replicated", 6),
     (str(FIXTURES / "digits_cnn.onnx"), 8, "spatial", "replicated", 8),
     (str(FIXTURES / "mlp_small.json"), 8, "model", "sharded", 5),
+    # 12 outputs cut over 16 ranks: 4 ranks with a part in no task, skipped
+    (str(FIXTURES / "narrowing.json"), 8, "model", "replicated", 16),
 ]
 
 
@@ -158,7 +161,23 @@ def test_shares_cover_the_ranks_in_order_each_about_an_equal_part_of_the_work(ca
     tasks, its ends of the messages and its rounds of the collectives it joins) by more than one
     rank's."""
     graph, plan = _plan(*case)
-    work = np.full(plan.nranks, float(len(graph.tasks)))
+    work = np.zeros(plan.nranks)
+    for row, task_plan in enumerate(plan.tasks):
+        has_part = set()
+        for piece in task_plan.pieces:
+            has_part.update(piece.ranks)
+        for transfer in task_plan.transfers:
+            has_part.update((transfer.src, *transfer.dsts))
+        for block, gather in task_plan.gathered:
+            has_part.update(gather.participants)
+        for collective in task_plan.collectives:
+            has_part.update(collective.participants)
+        for layout in task_plan.holdings.values():
+            has_part.update(r for holders in layout.holders.values() for r in holders)
+        assert plan.active[row].tolist() == [r in has_part for r in range(plan.nranks)]
+        for rank in range(plan.nranks):
+            work[rank] += 1.0 if rank in has_part else IDLE_TASK_WORK
+    work[plan.idle_ranks] = 0.0
     for task_plan in plan.tasks:
         for transfer in task_plan.transfers:
             work[transfer.src] += MESSAGE_WORK / 2 * len(transfer.dsts)
@@ -174,3 +193,16 @@ def test_shares_cover_the_ranks_in_order_each_about_an_equal_part_of_the_work(ca
         assert all(len(share) for share in shares) and len(shares) <= count
         for share in shares:
             assert work[share].sum() <= work.sum() / count + work.max() + 1e-9
+
+
+def test_ranks_with_a_part_in_no_task_are_not_built_and_end_at_zero():
+    """The narrowing network's 12 outputs cut over 16 ranks: ranks 12-15 have a part in no
+    task and hold no home (`Plan.idle_ranks`); simulated in shares they are never built, carry
+    no work, and end at 0 having waited and computed for 0, as every rank built gives them."""
+    graph, plan = _plan(*CASES[-1])
+    assert plan.idle_ranks.tolist() == [12, 13, 14, 15]
+    assert not every_rank_work(graph, plan)[plan.idle_ranks].any()
+    step = simulate_in_shares(graph, plan, MACHINE, 0)
+    for rank in plan.idle_ranks.tolist():
+        assert step.finish[rank] == step.waiting[rank] == step.compute[rank] == 0.0
+    assert step.seconds > 0
