@@ -193,17 +193,17 @@ def test_no_import_cycle():
 
 def test_planning_a_step_that_is_only_summed_loads_no_numba(tmp_path):
     """`partition` of a plan whose ranks all differ, beyond the programs a simulation builds
-    one by one (vgg19's spatial plan on 8192 ranks: its uneven cuts tell every rank apart, and
-    8192 ranks' programs of 216 tasks are past `SIMULATE_EVERY_RANK_MAX_WORK`), sums the step
-    and counts the memory held: no kernel, no compiled loop, so Numba's import (a fifth of a
-    second) is not paid."""
+    one by one (vgg19's spatial plan on 16384 ranks: its uneven cuts tell every rank apart, and
+    every one of its 16384 ranks has a part in some of its 216 tasks, 2.4 million pairs of work,
+    past `SIMULATE_EVERY_RANK_MAX_WORK`), sums the step and counts the memory held: no kernel,
+    no compiled loop, so Numba's import (a fifth of a second) is not paid."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
         "from cli.main import main\n"
-        f"main(['partition', 'vgg19', '--ranks', '8192', '--strategy', 'spatial', '--json', "
+        f"main(['partition', 'vgg19', '--ranks', '16384', '--strategy', 'spatial', '--json', "
         f"{str(tmp_path / 'plan.json')!r}])\n"
         "assert 'numba' not in sys.modules, 'numba was imported'\n"
     )
