@@ -16,8 +16,8 @@ and vgg19's data plan on 1024 ranks, simulated since its ranks are built once pe
 and deep-mlp's model plan on 2048 ranks, simulated since its layers' inputs are all-gathered
 (`partitioner.gathers`; as copies, 4.2 million messages a layer, it was summed), and vgg19's,
 simulated since its classifier's input gradient is one reduce-scatter, not 1,048 reduces, and
-vgg19's model and spatial plans on 8192 ranks, simulated since the tasks a rank has no part in
-are told it at once and the ranks with a part in none are not built (`Plan.active`). Each
+vgg19's model plan on 8192 ranks, simulated since the tasks a rank has no part in are told it
+at once and the ranks with a part in none are not built (`Plan.active`). Each
 figure is the best of `--repeat` runs, wall and CPU (user and system of the child), with the
 command's planning and prediction seconds as it prints them; the machine's facts and the same run's SGEMM print
 beside them, since the machine is shared and its speed varies from minute to minute. The
@@ -64,7 +64,6 @@ CASES = {
     ),
     "vgg19-model-2048": ("vgg19", ["--ranks", "2048", "--strategy", "model"], None, "wall"),
     "vgg19-model-8192": ("vgg19", ["--ranks", "8192", "--strategy", "model"], None, "wall"),
-    "vgg19-spatial-8192": ("vgg19", ["--ranks", "8192", "--strategy", "spatial"], None, "wall"),
 }  # fmt: skip
 
 

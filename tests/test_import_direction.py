@@ -194,7 +194,7 @@ def test_no_import_cycle():
 def test_planning_a_step_that_is_only_summed_loads_no_numba(tmp_path):
     """`partition` of a plan whose ranks all differ, beyond the programs a simulation builds
     one by one (vgg19's spatial plan on 16384 ranks: its uneven cuts tell every rank apart, and
-    every one of its 16384 ranks has a part in some of its 216 tasks, 2.4 million pairs of work,
+    every one of its 16384 ranks has a part in some of its 216 tasks, 2.9 million pairs of work,
     past `SIMULATE_EVERY_RANK_MAX_WORK`), sums the step and counts the memory held: no kernel,
     no compiled loop, so Numba's import (a fifth of a second) is not paid."""
     import subprocess
