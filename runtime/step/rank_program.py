@@ -347,9 +347,8 @@ class Builder:
         self.current = current = RankTask(position, task)
         self.tasks.append(current)
         self.layouts.update(holdings)
-        for req in task.requirements:  # opened, and this rank holds none of it: nothing zeroed
-            if req.privilege is Privilege.WRITE and req.tensor in holdings:
-                self.zeroed[req.tensor] = []
+        for tensor in _opened(task, holdings):  # this rank holds none of it: nothing zeroed
+            self.zeroed[tensor] = []
 
     def end(self, holdings: Mapping[str, Layout], deferred: Mapping[str, int]) -> None:
         """Finish the task begun: `holdings`, the layouts after it of what it writes or adds
@@ -359,9 +358,6 @@ class Builder:
         current = self.current
         self.tasks.append(current)
         self.layouts.update(holdings)  # a sum's target is where it is held after the task
-        opened = {
-            req.tensor for req in current.task.requirements if req.privilege is Privilege.WRITE
-        }
         reduced: dict[str, list[Rect]] = defaultdict(list)
         written: dict[str, list[Rect]] = defaultdict(list)
         for piece in current.pieces:
@@ -372,7 +368,7 @@ class Builder:
                     reduced[req.tensor].append(req.write_rect)
                 elif req.privilege.writes:
                     written[req.tensor].append(req.write_rect)
-        for tensor in opened & set(holdings):  # partial sums, whether or not this rank adds one
+        for tensor in _opened(current.task, holdings):  # partial sums, added here or not
             if tensor not in written:
                 self.zeroed[tensor] = list(self.held(tensor))
                 self.touched[tensor].extend(self.zeroed[tensor])
@@ -496,6 +492,13 @@ class Builder:
         return RankProgram(
             self.rank, self.nranks, self.tasks, self.at_start, boxes, self.bytes_planned, messages
         )
+
+
+def _opened(task: Task, holdings: Mapping[str, Layout]) -> list[str]:
+    """The tensors `task` opens for writing (its WRITE requirements'), in order, that
+    `holdings` lays out after it: each holder's cells of them are written or zeroed by it."""
+    opened = (req.tensor for req in task.requirements if req.privilege is Privilege.WRITE)
+    return [tensor for tensor in dict.fromkeys(opened) if tensor in holdings]
 
 
 def _meeting(collectives: list[Collective], rect: Rect) -> list[Rect]:
