@@ -17,7 +17,7 @@ and deep-mlp's model plan on 2048 ranks, simulated since its layers' inputs are 
 (`partitioner.gathers`; as copies, 4.2 million messages a layer, it was summed), and vgg19's,
 simulated since its classifier's input gradient is one reduce-scatter, not 1,048 reduces, and
 vgg19's model plan on 8192 ranks, simulated since the tasks a rank has no part in are told it
-at once and the ranks with a part in none are not built (`Plan.active`). Each
+at once and the ranks with a part in none are not built (`runtime.step.rank_parts`). Each
 figure is the best of `--repeat` runs, wall and CPU (user and system of the child), with the
 command's planning and prediction seconds as it prints them; the machine's facts and the same run's SGEMM print
 beside them, since the machine is shared and its speed varies from minute to minute. The

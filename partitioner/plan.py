@@ -156,40 +156,6 @@ class Plan:
             out.append(MappingProxyType(after))
         return tuple(out)
 
-    @cached_property
-    def active(self) -> np.ndarray:
-        """Per task, per rank, whether the rank has a part in the task: a piece, an end of a
-        transfer (its gathers' copies too), a place in a collective, or a cell after it of
-        what the task writes or adds into. Read-only. A rank with none runs nothing of the
-        task, sends and receives nothing, and holds none of its results: the rank programs
-        tell it the task at once (`runtime.step.rank_program.Builder.idle`). Of vgg19's model
-        plan on 8192 ranks, 10% of the (task, rank) pairs are active."""
-        active = np.zeros((len(self.tasks), self.nranks), bool)
-        for row, task_plan in zip(active, self.tasks):
-            for piece_set in task_plan.piece_sets:
-                row[piece_set.ranks] = True
-            blocks = (*task_plan.transfer_set.blocks, *(b for b, _ in task_plan.gathered))
-            for block in blocks:
-                row[block.src] = True
-                row[block.dsts] = True
-            for collective in task_plan.collectives:
-                row[list(collective.participants)] = True
-            for layout in task_plan.holdings.values():
-                row[layout.holder_ranks] = True
-        active.flags.writeable = False
-        return active
-
-    @cached_property
-    def idle_ranks(self) -> np.ndarray:
-        """The ranks with a part in no task (`active`) that hold no cell of any home: a rank
-        beyond the widest layer of a model-parallel plan. Its program is every task told by
-        `Builder.idle`, and its step is nothing: it finishes at 0, having waited and computed
-        for 0."""
-        held = np.zeros(self.nranks, bool)
-        for layout in self.homes.values():
-            held[layout.holder_ranks] = True
-        return np.flatnonzero(~(self.active.any(axis=0) | held))
-
 
 def build_plan(
     graph: TaskGraph,

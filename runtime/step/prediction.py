@@ -28,6 +28,7 @@ from runtime.step.local_passes import PassPrices, TaskPasses, passes_alone, task
 from runtime.step.piece_modes import moded_times, program_seconds
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown
+from runtime.step.rank_parts import has_part, idle_ranks
 from runtime.step.rank_program import RankProgram
 from runtime.step.shared_programs import source
 from runtime.step.simulated_step import SimulatedStep
@@ -187,7 +188,7 @@ SIMULATE_MAX_WORK = 50_000
 SIMULATE_EVERY_RANK_MAX_WORK = 1_500_000
 #: what a message costs to build, price and flatten at both ends, in (rank, task) pairs
 MESSAGE_WORK = 1 / 6
-#: what a task in which a rank has no part (`Plan.active`) costs to build, price and flatten
+#: what a task in which a rank has no part (`rank_parts`) costs to build, price and flatten
 #: for it, in (rank, task) pairs: told at once (`Builder.idle`), it is still a task of the
 #: rank's program, priced and flattened. Of vgg19's model plan on 8192 ranks, ranks 2048-2447
 #: (a part in 13% of their tasks) built, priced and flattened at 105 µs a unit of work with
@@ -200,11 +201,11 @@ def every_rank_work(graph: TaskGraph, plan: Plan) -> np.ndarray:
     pairs: its tasks (`IDLE_TASK_WORK` each of those it has no part in), half a message's
     `MESSAGE_WORK` for each end of a message it is, and a message's for each round of each
     collective it joins (`collective_rounds`); none for a rank with a part in no task and no
-    home (`Plan.idle_ranks`), whose step is nothing."""
+    home (`rank_parts.idle_ranks`), whose step is nothing."""
     n = plan.nranks
-    parts = plan.active.sum(axis=0)
+    parts = has_part(plan).sum(axis=0)
     work = parts + IDLE_TASK_WORK * (len(plan.tasks) - parts)
-    work[plan.idle_ranks] = 0.0
+    work[idle_ranks(plan)] = 0.0
     for task_plan in plan.tasks:
         for block in task_plan.transfer_set.blocks:
             ends = np.bincount(block.src, weights=block.fanout, minlength=n)

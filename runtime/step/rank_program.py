@@ -342,7 +342,7 @@ class Builder:
     def idle(self, position: int, task: Task, holdings: Mapping[str, Layout]) -> None:
         """`begin` and `end` of the task at `position` for a rank with no part in it: no piece,
         no end of a message, no place in a collective, and no cell of what it writes or adds
-        into after it (`Plan.active`). Of a model-parallel vgg19 on 8192 ranks,
+        into after it (`rank_parts`). Of a model-parallel vgg19 on 8192 ranks,
         90% of the (rank, task) pairs: what `end` would find for them, found without looking."""
         self.current = current = RankTask(position, task)
         self.tasks.append(current)

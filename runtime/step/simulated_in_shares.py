@@ -13,9 +13,9 @@ command merges the parts (`flat_step.merged`) and runs the compiled loop over th
 instructions, so the same step, float for float, as flattening every rank in one process
 (`tests/runtime/step/test_simulated_in_shares.py`).
 
-A rank with a part in no task and no home (`Plan.idle_ranks`: vgg19's model plan on 8192 ranks
-has 4096, beyond its widest layer) is not built: it ends at 0. The others' tasks they have no
-part in are told at once (`Builder.idle`, `Plan.active`).
+A rank with a part in no task and no home (`rank_parts.idle_ranks`: vgg19's model plan on 8192
+ranks has 4096, beyond its widest layer) is not built: it ends at 0. The others' tasks they have
+no part in are told at once (`Builder.idle`).
 
 Only the parts cross between processes: arrays of instructions, seconds, keys and the messages'
 ends, and the collectives each part starts (the programs themselves, objects per task and
@@ -45,6 +45,7 @@ from runtime.step.prediction import every_rank_work, load_the_loop, priced, run_
 from runtime.step.programs import build_programs
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.rank_memory import PlacedRanks, placed_ranks
+from runtime.step.rank_parts import idle_ranks
 from runtime.step.simulated_step import SimulatedStep
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def _in_shares(
     # at 0 (`tests/runtime/step/test_simulated_in_shares.py`); a placed one holds the baseline
     skipped = np.zeros(nranks, bool)
     if not place:
-        skipped[plan.idle_ranks] = True
+        skipped[idle_ranks(plan)] = True
     simulated = np.flatnonzero(~skipped)
     shares = [simulated[s] for s in balanced_shares(work[simulated], min(workers + 1, nranks))]
     jobs = {}
@@ -105,7 +106,7 @@ def _in_shares(
 
 
 def with_idle_ranks(step: SimulatedStep, nranks: int) -> SimulatedStep:
-    """`step` with each of `nranks` ranks it does not hold (`Plan.idle_ranks`) ending at 0
+    """`step` with each of `nranks` ranks it does not hold (`rank_parts.idle_ranks`) ending at 0
     having waited and computed for 0, every rank in order as the compiled loop gives them: the
     means over ranks (`SimulatedStep.compute_fraction`) sum their terms in the same order."""
 

@@ -26,6 +26,7 @@ from partitioner.transfers import TransferSet
 from runtime.step.last_writes import LastWrites
 from runtime.step.order import step_order
 from runtime.step.rank_messages import STEP_START, Message, MessagesTold
+from runtime.step.rank_parts import has_part
 from runtime.step.rank_program import Builder, Collective, RankProgram
 
 
@@ -443,9 +444,10 @@ def build_each(
     wanted[ranks] = True
     built = np.array(ranks, np.int64)
     index = {task.name: i for i, task in enumerate(graph.tasks)}
+    parts = has_part(plan)
     for event in events:
         told = event.told.of_ranks(wanted) if event.messages else {}
-        active = plan.active[index[event.task.name], built]
+        active = parts[index[event.task.name], built]
         busy = [programs[rank] for rank in built[active].tolist()]
         for builder in busy:
             builder.begin(event.position, event.task, event.mine.get(builder.rank, ()))

@@ -17,6 +17,7 @@ from partitioner.plan import build_plan
 from partitioner.resolve import resolve_strategy
 from partitioner.strategy import builtin, from_grids
 from runtime.step import programs as programs_module
+from runtime.step import task_events as task_events_module
 from runtime.step.class_bound import fewest_classes
 from runtime.step.compiled import flatten
 from runtime.step.links import Links
@@ -25,6 +26,7 @@ from runtime.step.programs import build_programs
 from runtime.step.rank_classes import rank_classes
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.rank_memory import predict
+from runtime.step.rank_parts import has_part
 from runtime.step.rank_program import Builder
 from runtime.step.shared_programs import SharedPrograms
 from runtime.step.simulator import simulate_step
@@ -291,19 +293,19 @@ def test_each_ranks_pieces_are_the_plans_in_its_order_made_lazily_or_at_once(str
 def test_tasks_a_rank_has_no_part_in_told_at_once_build_the_programs_told_task_by_task(
     network, batch, strategy, home, ranks, monkeypatch
 ):
-    """A rank's tasks it has no part in (`Plan.active`), told at once (`Builder.idle`), leave
+    """A rank's tasks it has no part in (`rank_parts.has_part`), told at once (`Builder.idle`), leave
     its program, fused or not, as telling it every task's pieces, messages and collectives
-    does; on plans where some ranks have a part in no task at all (`Plan.idle_ranks`), and
+    does; on plans where some ranks have a part in no task at all (`rank_parts.idle_ranks`), and
     others' tasks are partly idle."""
     graph = load_source_graph(network, batch, batch)
     chosen, _ = resolve_strategy(graph, strategy, ranks, MACHINE, 5.0, None, home)
     plan = build_plan(graph, chosen, ranks)
-    assert not plan.active.all()
+    assert not has_part(plan).all()
     everyone = list(range(ranks))
     events, messages = task_events(graph, plan, MACHINE, everyone)
     at_once = build_each(graph, plan, events, messages, everyone)
     monkeypatch.setattr(
-        type(plan), "active", property(lambda p: np.ones((len(p.tasks), ranks), bool))
+        task_events_module, "has_part", lambda p: np.ones((len(p.tasks), ranks), bool)
     )
     task_by_task = build_each(graph, plan, events, messages, everyone)
     for program in (*at_once.values(), *task_by_task.values()):
@@ -312,7 +314,7 @@ def test_tasks_a_rank_has_no_part_in_told_at_once_build_the_programs_told_task_b
 
 
 def test_a_task_told_at_once_leaves_the_builder_as_telling_it_does():
-    """At every task a rank has no part in (`Plan.active`), on plans with ranks idle all step
+    """At every task a rank has no part in (`rank_parts.has_part`), on plans with ranks idle all step
     and ranks idle in some tasks, `Builder.idle` leaves the builder as `begin` and `end`
     would: the same task, layouts and zeroings (a rank holding nothing of a tensor opened for
     writing has zeroed none of it)."""
@@ -332,7 +334,7 @@ def test_a_task_told_at_once_leaves_the_builder_as_telling_it_does():
         for rank in range(ranks):
             builder = Builder(graph, plan, rank)
             for event in events:
-                if plan.active[index[event.task.name], rank]:
+                if has_part(plan)[index[event.task.name], rank]:
                     builder.begin(event.position, event.task, event.mine.get(rank, ()))
                     told = event.told.of_ranks(np.arange(ranks) == rank) if event.messages else {}
                     if rank in told:

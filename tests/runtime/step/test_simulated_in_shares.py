@@ -31,6 +31,7 @@ from runtime.step.prediction import (
 )
 from runtime.step.programs import build_programs, ranks_all_differ
 from runtime.step.rank_cpu import cpu_slowdown
+from runtime.step.rank_parts import has_part, idle_ranks
 from runtime.step.shared_programs import SharedPrograms
 from runtime.step.simulated_in_shares import (
     balanced_shares,
@@ -162,22 +163,23 @@ def test_shares_cover_the_ranks_in_order_each_about_an_equal_part_of_the_work(ca
     rank's."""
     graph, plan = _plan(*case)
     work = np.zeros(plan.nranks)
+    parts = has_part(plan)
     for row, task_plan in enumerate(plan.tasks):
-        has_part = set()
+        with_part = set()
         for piece in task_plan.pieces:
-            has_part.update(piece.ranks)
+            with_part.update(piece.ranks)
         for transfer in task_plan.transfers:
-            has_part.update((transfer.src, *transfer.dsts))
+            with_part.update((transfer.src, *transfer.dsts))
         for block, gather in task_plan.gathered:
-            has_part.update(gather.participants)
+            with_part.update(gather.participants)
         for collective in task_plan.collectives:
-            has_part.update(collective.participants)
+            with_part.update(collective.participants)
         for layout in task_plan.holdings.values():
-            has_part.update(r for holders in layout.holders.values() for r in holders)
-        assert plan.active[row].tolist() == [r in has_part for r in range(plan.nranks)]
+            with_part.update(r for holders in layout.holders.values() for r in holders)
+        assert parts[row].tolist() == [r in with_part for r in range(plan.nranks)]
         for rank in range(plan.nranks):
-            work[rank] += 1.0 if rank in has_part else IDLE_TASK_WORK
-    work[plan.idle_ranks] = 0.0
+            work[rank] += 1.0 if rank in with_part else IDLE_TASK_WORK
+    work[idle_ranks(plan)] = 0.0
     for task_plan in plan.tasks:
         for transfer in task_plan.transfers:
             work[transfer.src] += MESSAGE_WORK / 2 * len(transfer.dsts)
@@ -197,12 +199,12 @@ def test_shares_cover_the_ranks_in_order_each_about_an_equal_part_of_the_work(ca
 
 def test_ranks_with_a_part_in_no_task_are_not_built_and_end_at_zero():
     """The narrowing network's 12 outputs cut over 16 ranks: ranks 12-15 have a part in no
-    task and hold no home (`Plan.idle_ranks`); simulated in shares they are never built, carry
+    task and hold no home (`rank_parts.idle_ranks`); simulated in shares they are never built, carry
     no work, and end at 0 having waited and computed for 0, as every rank built gives them."""
     graph, plan = _plan(*CASES[-1])
-    assert plan.idle_ranks.tolist() == [12, 13, 14, 15]
-    assert not every_rank_work(graph, plan)[plan.idle_ranks].any()
+    assert idle_ranks(plan).tolist() == [12, 13, 14, 15]
+    assert not every_rank_work(graph, plan)[idle_ranks(plan)].any()
     step = simulate_in_shares(graph, plan, MACHINE, 0)
-    for rank in plan.idle_ranks.tolist():
+    for rank in idle_ranks(plan).tolist():
         assert step.finish[rank] == step.waiting[rank] == step.compute[rank] == 0.0
     assert step.seconds > 0
