@@ -3,7 +3,7 @@ one rank of each class and moving its program to the others.
 
 In a data-parallel step every rank but the one holding the loss runs the same tasks on rects
 that differ only in where they lie along the batch; a spatial step's inner ranks differ only
-along the rows. A rank's builder (`rank_program.Builder`) decides everything it does by
+along the rows. A rank's builder (`rank_builder.Builder`) decides everything it does by
 comparing rects of one tensor with each other (overlaps, coverage, differences, bounding boxes)
 and by which ranks are the ends of its messages and the holders of its collectives' targets.
 Those decisions do not change when every rect of a tensor moves by the same offset. So:

@@ -35,7 +35,7 @@ class Message(NamedTuple):
 
 class MessagesTold:
     """One rank's ends of one task's messages, grouped as its builder files them
-    (`rank_program.Builder.messages`), each group in sequence order: the partial sums it sends and receives,
+    (`rank_builder.Builder.messages`), each group in sequence order: the partial sums it sends and receives,
     the copies it receives, the copies it sends or receives by the task after which both ends
     post them, the bytes it sends, and per tensor a bounding box of the rects it receives
     (what its buffer must hold: a copy into a window aside)."""

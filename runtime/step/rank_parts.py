@@ -4,7 +4,7 @@ A rank has a part in a task where it computes a piece of it, is an end of one of
 (its gathers' copies too), takes part in one of its collectives, or holds a cell after it of
 what it writes or adds into. A rank with no part in a task runs nothing of it, sends and
 receives nothing, and holds none of its results, so its builder is told the task at once
-(`rank_program.Builder.idle`); of vgg19's model plan on 8192 ranks, 10% of the (task, rank)
+(`rank_builder.Builder.idle`); of vgg19's model plan on 8192 ranks, 10% of the (task, rank)
 pairs have a part. A rank with a part in no task and no home cell (beyond the widest layer of a
 model-parallel plan: 4096 of those 8192) does nothing all step: a step simulated in shares
 does not build it (`simulated_in_shares`), and it ends at 0.

@@ -1,4 +1,4 @@
-"""What every rank's builder (`rank_program.Builder`) is told of each task of a step, found once
+"""What every rank's builder (`rank_builder.Builder`) is told of each task of a step, found once
 for all ranks (`task_events`), and the builders told it (`build_each`): the messages of a step
 numbered alike on every rank, each posted after the task that last wrote its rect (the plan's
 record, `Plan.written_by`), and the collectives with their schedules.
@@ -25,9 +25,10 @@ from partitioner.task_plan import Reduction
 from partitioner.transfers import TransferSet
 from runtime.step.last_writes import LastWrites
 from runtime.step.order import step_order
+from runtime.step.rank_builder import Builder
 from runtime.step.rank_messages import STEP_START, Message, MessagesTold
 from runtime.step.rank_parts import has_part
-from runtime.step.rank_program import Builder, Collective, RankProgram
+from runtime.step.rank_program import Collective, RankProgram
 
 
 @dataclass

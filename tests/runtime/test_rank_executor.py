@@ -473,7 +473,7 @@ def test_the_first_contribution_writes_and_its_zeroing_is_elided(strategy, nrank
     `set_zero` task zeroed, it writes and the zeroing is not run: no pass over a weight-sized
     gradient. Adding to zeros and writing give the same bits, so the run equals one in which
     every zeroing runs, exactly."""
-    from runtime.step import rank_program
+    from runtime.step import rank_builder
 
     graph = small_network().lower(batch=7, dtype="float64", optimizer="adam")
     plan = build_plan(graph, builtin(graph, strategy, nranks), nranks)
@@ -486,7 +486,7 @@ def test_the_first_contribution_writes_and_its_zeroing_is_elided(strategy, nrank
             assert f"{tensor}.set_zero" in elided
     cfg = config(small_network())
     written = ranks_run(cfg, nranks, strategy)
-    monkeypatch.setattr(rank_program.Builder, "_first_contribution", lambda *args: None)
+    monkeypatch.setattr(rank_builder.Builder, "_first_contribution", lambda *args: None)
     added = ranks_run(cfg, nranks, strategy)
     assert written[0][0] == added[0][0]
     for name, value in added[0][1].items():

@@ -23,11 +23,11 @@ from runtime.step.compiled import flatten
 from runtime.step.links import Links
 from runtime.step.prediction import predict_step, simulate_compiled
 from runtime.step.programs import build_programs
+from runtime.step.rank_builder import Builder
 from runtime.step.rank_classes import rank_classes
 from runtime.step.rank_cpu import cpu_slowdown
 from runtime.step.rank_memory import predict
 from runtime.step.rank_parts import has_part
-from runtime.step.rank_program import Builder
 from runtime.step.shared_programs import SharedPrograms
 from runtime.step.simulator import simulate_step
 from runtime.step.task_events import build_each, each_task_event, task_events

@@ -1,5 +1,5 @@
-"""Where a rank program completes its collectives (`Builder._completion_points`): each at the
-first point that needs its sum, whatever started before it."""
+"""Where a rank program completes its collectives (`rank_builder.Builder._completion_points`):
+each at the first point that needs its sum, whatever started before it."""
 
 from __future__ import annotations
 
