@@ -15,6 +15,7 @@ view) gets its own specialisation, compiled when first called, as without compil
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -313,10 +314,22 @@ def warm(units: list[str], dtype) -> None:
 
 def in_cache(dispatcher, dtype) -> bool:
     """Whether Numba's cache holds `dispatcher` compiled for `dtype` (for the current source;
-    one whose arguments hold no array is every dtype's)."""
+    one whose arguments name no floating type, neither arrays nor pointers of one, is every
+    dtype's)."""
     name = np.dtype(dtype).name
     try:
         index = dispatcher._cache._cache_file._load_index()
     except (AttributeError, OSError):  # no cache, or a Numba without this layout
         return False
-    return any(name in str(key[0]) or "array" not in str(key[0]) for key in index)
+    return any(_of_dtype(str(key[0]), name) for key in index)
+
+
+def _of_dtype(signature: str, name: str) -> bool:
+    """Whether a compiled signature (Numba's types, as `str` writes them: `Array(float32, 2,
+    'C', ...)`, `float64*`) serves `name`: the first floating type it names, that of the data
+    (a float32 kernel's statistics are float64 arrays after it), is `name`, or it names none."""
+    found = _FLOAT_NAME.search(signature)
+    return found is None or found.group() == name
+
+
+_FLOAT_NAME = re.compile(r"\bfloat(?:16|32|64)\b")

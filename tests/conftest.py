@@ -4,7 +4,8 @@ run side by side. A test that starts MPI jobs, builds the emulated cluster or me
 machine needs the machine to itself: its ranks want every core, and its measurements (a link's
 rate, the network stack's CPU) and its time limits hold only on an idle machine. Such a test is
 *serial*: it holds a lock exclusively, which every other test holds shared, so it waits for the
-test running in the other worker and that worker waits for it.
+test running in the other worker and that worker waits for it, until the serial tests that
+follow it in its worker are done.
 
 A test is serial if its module is in `SERIAL_MODULES` or it is marked `serial`. With `-n 0`
 every test runs in turn and the lock is never taken.
@@ -131,12 +132,25 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         _lock = None
 
 
+#: this worker holds the lock exclusively from one serial test to the next
+_held_for_next = False
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Each test holds the lock, shared or exclusively (`_is_serial`); a serial test followed by
+    another keeps it for that one, so that a serial module runs through at once rather than
+    one test at a time, each after one of the other worker's tests had run alone (one core
+    idle)."""
+    global _held_for_next
     if _lock is None:
         return (yield)
-    _lock.acquire(exclusive=_is_serial(item))
+    serial = _is_serial(item)
+    if not (_held_for_next and serial):
+        _lock.acquire(exclusive=serial)
     try:
         return (yield)
     finally:
-        _lock.release()
+        _held_for_next = serial and nextitem is not None and _is_serial(nextitem)
+        if not _held_for_next:
+            _lock.release()

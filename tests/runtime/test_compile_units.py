@@ -71,3 +71,40 @@ def test_a_rank_compiles_the_weight_gradient_kernels_its_program_calls(strategy,
 def test_every_unit_runs_its_kernels(dtype):
     warm(list(UNITS), dtype)
     assert cached(list(UNITS), dtype)
+
+
+KERNELS = """
+import numba
+
+@numba.njit(cache=True)
+def scaled(x, stats):
+    return x[0] * stats[0]
+
+@numba.njit(cache=True)
+def counted(n):
+    return n + 1
+"""
+
+
+def test_the_cache_is_asked_for_the_dtype_of_the_data(tmp_path, monkeypatch):
+    """A kernel cached for float32 data (with float64 statistics beside it, as batch
+    normalisation's) is not cached for float64 data, and a kernel of no floating type is every
+    dtype's: a run in float64 after one in float32 compiles its kernels ahead again
+    (`compile_ahead`), where it had found them all cached and compiled each at its first
+    call."""
+    import importlib
+
+    from runtime.compile_units import in_cache
+
+    (tmp_path / "cached_kernels.py").write_text(KERNELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kernels = importlib.import_module("cached_kernels")
+    stats = np.ones(2)
+    assert not in_cache(kernels.scaled, "float32")
+    kernels.scaled(np.ones(2, np.float32), stats)
+    assert in_cache(kernels.scaled, "float32")
+    assert not in_cache(kernels.scaled, "float64")
+    kernels.scaled(np.ones(2), stats)
+    assert in_cache(kernels.scaled, "float64")
+    kernels.counted(3)
+    assert in_cache(kernels.counted, "float32") and in_cache(kernels.counted, "float64")
