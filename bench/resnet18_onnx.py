@@ -150,8 +150,7 @@ def check(path: Path) -> float | None:
 
     graph = network.lower(batch=len(x), dtype="float64")
     executor = one_process(0)
-    executor.prepare(graph)
-    executor.load_resident(network.initial)
+    executor.prepare(graph, network.initial)
     context = StepContext(
         0, training=False, inputs=x.astype(np.float64), labels=np.zeros(2, np.int32)
     )

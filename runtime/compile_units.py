@@ -60,6 +60,8 @@ def _filter_operands(dtype: np.dtype, untied: bool):
 def _filter(dtype: np.dtype, untied: bool) -> None:
     xp, wp, _, _, pads = _filter_operands(dtype, untied)
     yp = filter_packed.forward_packed(xp, wp, 1, pads)
+    if not untied:  # one example's forward: its positions are the product's rows
+        filter_packed.forward_packed(np.ascontiguousarray(xp[..., :1]), wp, 1, pads)
     layout.unpack_activations(yp)
     filter_packed.backward_data_packed(yp, wp, xp.shape[:2], 1, pads)
 

@@ -71,9 +71,8 @@ class Predictor:
         self.executor = RankExecutor(
             transport, strategy, machine, stall_timeout=stall_timeout, read_after=(self.output,)
         )
-        self.executor.prepare(self.graph)
         try:  # a shape the model does not have: one line naming the tensor
-            self.executor.load_resident(_resident(self.graph, parameters, network))
+            self.executor.prepare(self.graph, _resident(self.graph, parameters, network))
         except ValueError as exc:
             raise LegionNNError(f"checkpoint: {exc}") from None
         self.labels = np.zeros(network.label_dims(batch), np.int32)

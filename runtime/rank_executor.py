@@ -190,7 +190,14 @@ class RankExecutor:
     def plan(self, graph: TaskGraph) -> Plan:
         return self.prepare(graph).plan
 
-    def prepare(self, graph: TaskGraph) -> _Prepared:
+    def prepare(
+        self, graph: TaskGraph, initial: Mapping[str, np.ndarray] | None = None
+    ) -> _Prepared:
+        """Plan `graph` and allocate what it needs; `initial`: whole logical arrays of
+        parameters and state to start from (a checkpoint's, an imported model's), as
+        `load_resident` sets them, which the tensors this allocates take in place of their
+        initial draws (VGG-19's 140 million weights: 2.5 s drawn and 0.6 s copied, for
+        nothing, on the 2-core VM)."""
         key = id(graph)
         prepared = self._prepared.get(key)
         if prepared is None:
@@ -222,16 +229,25 @@ class RankExecutor:
                 prepared.counted = counted_gradients(graph, plan, self.rank)
                 prepared.norm_at = first_update(step)
             self.arena.reserve(max(b.size for b in placed.values()))
-        self._allocate(graph, prepared.step)
+        if initial is not None:
+            self._check_fits(initial, graph.tensors)
+        taken = self._allocate(graph, prepared.step, initial or {})
+        if initial is not None:
+            self._copy_in({n: a for n, a in initial.items() if n not in taken})
         self._bind(graph, prepared.step, prepared.buffers[id(prepared.step)])
         self._bound_graph = key
         return prepared
 
-    def _allocate(self, graph: TaskGraph, program: RankProgram) -> None:
+    def _allocate(
+        self, graph: TaskGraph, program: RankProgram, initial: Mapping[str, np.ndarray]
+    ) -> set[str]:
         """The resident tensors' buffers: kept across steps (every other tensor lives in the
-        arena, bound to a program's buffers when it runs)."""
+        arena, bound to a program's buffers when it runs). A parameter or state allocated here
+        starts from its array in `initial`, else from its initial draw; returns the names that
+        took theirs from `initial`."""
+        taken: set[str] = set()
         if self._allocated is graph:
-            return
+            return taken
         self._allocated = graph
         self._bound = None  # data tensors may have been dropped or replaced
         self._known.update(graph.tensors)
@@ -250,14 +266,19 @@ class RankExecutor:
             if tensor.kind in ("param", "state"):
                 if name in self.arrays:
                     raise AssertionError(f"the home of {name} moved from {self.boxes[name]!r}")
-                stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-                part = initial_part(tensor, stream, box)
-                self.arrays[name] = aligned_copy(layout.from_logical(part))
+                if name in initial:
+                    part = initial[name][box.to_slices()].astype(tensor.dtype, copy=False)
+                    taken.add(name)
+                else:
+                    stream = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+                    part = initial_part(tensor, stream, box)
+                self.arrays[name] = aligned_copy(layout.from_logical(np.ascontiguousarray(part)))
             else:
                 shape = layout.shape(box.shape)
                 self.arrays[name] = aligned_zeros(shape, np.dtype(tensor.dtype))
             self.boxes[name] = box
             self._tensors[name] = tensor
+        return taken
 
     def _drop(self, name: str) -> None:
         self.arrays.pop(name, None)
@@ -469,13 +490,22 @@ class RankExecutor:
             out[name][part.to_slices()] = block
         return out
 
-    def load_resident(self, arrays: dict[str, np.ndarray]) -> None:
+    def load_resident(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Set this rank's parts of parameters and state from whole logical arrays."""
+        self._check_fits(arrays, self._known)
+        self._copy_in(arrays)
+
+    def _check_fits(self, arrays: Mapping[str, np.ndarray], tensors: Mapping[str, Any]) -> None:
+        """A ValueError naming the first of `arrays` that is not a parameter or state of the
+        graphs planned, or not of its shape (in `tensors`)."""
         homes = self._resident_homes or {}
         for name, array in arrays.items():
-            tensor = self._tensors.get(name)
+            tensor = tensors.get(name)
             if name not in homes or (tensor is not None and tuple(array.shape) != tensor.dims):
                 raise ValueError(f"tensor {name} {list(array.shape)} does not fit this network")
+
+    def _copy_in(self, arrays: Mapping[str, np.ndarray]) -> None:
+        for name, array in arrays.items():
             if name not in self.arrays:
                 continue  # held by other ranks only
             box = self.boxes[name]

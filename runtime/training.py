@@ -47,8 +47,9 @@ class Executor(Protocol):
     @property
     def is_root(self) -> bool: ...
 
-    def prepare(self, graph: TaskGraph) -> object:
-        """Plan `graph` and allocate what it needs (resident tensors once, for the whole run)."""
+    def prepare(self, graph: TaskGraph, initial: dict[str, np.ndarray] | None = None) -> object:
+        """Plan `graph` and allocate what it needs (resident tensors once, for the whole run),
+        parameters and state from `initial` (whole logical arrays) where given."""
 
     def run(self, graph: TaskGraph, ctx: StepContext) -> StepContext:
         """One training step of `graph`: forward, zeroing, backward and updates."""
@@ -356,9 +357,8 @@ class Trainer:
     def _resume(self) -> tuple[int, np.ndarray]:
         """Load the newest checkpoint: (steps done, the epoch's statistics so far)."""
         arrays, header = checkpoint.load(self.config.checkpoint_dir, self.identity())
-        self.executor.prepare(self.graph(self.config.batch))
         try:
-            self.executor.load_resident(arrays)
+            self.executor.prepare(self.graph(self.config.batch), arrays)
         except ValueError as exc:
             raise LegionNNError(f"checkpoint: {exc}") from None
         self._saved = int(header["step"])
@@ -382,11 +382,11 @@ class Trainer:
             start_step, epoch_stats = self._resume()
             self._write({"event": "resume", "step": start_step})
         graph = self.graph(min(c.batch, len(c.dataset.train)))
-        prepared = self.executor.prepare(graph)
+        # an imported model's parameters, unless a checkpoint's were loaded
+        imported = c.network.initial if start_step == 0 and c.network.initial else None
+        prepared = self.executor.prepare(graph, imported)
         if self.before_first_step:
             self.before_first_step(graph, prepared)
-        if start_step == 0 and c.network.initial:  # an imported model's parameters
-            self.executor.load_resident(c.network.initial)
         losses: list[float] = []
         started = time.perf_counter()
         # What exists now (modules, Numba's compiled kernels, the graph and its program) lives

@@ -491,3 +491,52 @@ def test_the_first_contribution_writes_and_its_zeroing_is_elided(strategy, nrank
     assert written[0][0] == added[0][0]
     for name, value in added[0][1].items():
         assert np.array_equal(written[0][1][name], value), name
+
+
+@pytest.mark.parametrize(("nranks", "strategy"), [(1, "data"), (2, "model"), (3, "spatial")])
+def test_values_to_start_from_are_taken_without_drawing_the_initial_ones(
+    monkeypatch, nranks, strategy
+):
+    """Parameters and state given to `prepare` (a checkpoint's, an imported model's) are each
+    rank's part of them, as `load_resident` after the initial draws would set them, and the
+    tensors given are not drawn; an array of another shape is one ValueError naming it."""
+    from runtime import rank_executor
+
+    graph = small_network().lower(batch=4, dtype="float64", optimizer="adam")
+    rng = np.random.default_rng(3)
+    given = {
+        name: rng.standard_normal(tensor.dims)
+        for name, tensor in graph.tensors.items()
+        if tensor.kind == "param"
+    }
+    drawn = []
+    real_draw = rank_executor.initial_part
+    monkeypatch.setattr(
+        rank_executor, "initial_part", lambda t, *a: drawn.append(t.name) or real_draw(t, *a)
+    )
+
+    def resident(load_after: bool):
+        def run(transport):
+            executor = RankExecutor(transport, strategy)
+            if load_after:
+                executor.prepare(graph)
+                executor.load_resident(given)
+            else:
+                executor.prepare(graph, given)
+            return executor.resident()
+
+        return run_threads(nranks, run)[0]
+
+    taken = resident(False)
+    drawn_when_given, drawn[:] = set(drawn), []
+    loaded = resident(True)
+    assert taken.keys() == loaded.keys() > given.keys()
+    for name in taken:
+        np.testing.assert_array_equal(taken[name], loaded[name])
+    for name, value in given.items():
+        np.testing.assert_array_equal(taken[name], value)
+    assert given.keys() <= set(drawn)  # drawn, then loaded over
+    assert drawn_when_given == set(drawn) - given.keys()  # the optimizer's state alone
+    wrong = dict(given, **{"L1.W": np.zeros((2, 2))})
+    with pytest.raises(ValueError, match=r"tensor L1\.W \[2, 2\] does not fit this network"):
+        RankExecutor(ThreadTransport.group(1)[0], "data").prepare(graph, wrong)

@@ -29,6 +29,11 @@ CASES = {
     # unit axes: NumPy leaves their strides arbitrary, and BLAS takes leading dims from them
     "untied-batch1-one-channel": (1, 1, 9, 8, 3, 3, 3, 1, 0, True),
     "tied-batch1-one-channel-one-filter": (1, 1, 7, 6, 1, 3, 2, 1, 1, False),
+    # one example: the positions of an output row are the forward's product rows
+    # (`filter_packed._forward_one_example`), the clipped ones each a product of its own
+    "tied-batch1-stride2-asym": (1, 3, 9, 7, 4, 3, 2, 2, (1, 0, 2, 1), False),
+    "tied-batch1-windows-in-padding": (1, 2, 4, 5, 2, 2, 2, 3, 3, False),
+    "tied-batch1-window-wider-than-input": (1, 3, 5, 2, 4, 3, 4, 1, (1, 1, 2, 2), False),
 }
 TOL = {np.float32: 2e-5, np.float64: 1e-12}
 
@@ -175,6 +180,22 @@ def test_packed_batch_pieces_and_reduction(untied):
     close(dx_out, dx, np.float32)
     close(dw_sum, dw, np.float32)
     close(unpack_weights(dw), reference.filter_backward(dy, x, w, stride, pad)[1], np.float32)
+
+
+@pytest.mark.parametrize("untied", [True, False])
+def test_batch_pieces_of_one_example_write_into_the_whole_output(untied):
+    """An example's forward written into its batch column of the whole output, whose channels
+    are then as far apart as the batch is wide: the products along the batch take it (the
+    products along an output row's positions need its channels unit-stride)."""
+    case = CASES["untied-stride2-asym" if untied else "tied-stride2-asym"]
+    x, w, _, stride, pad = make((3, *case[1:]), np.float64)
+    xp, wp = pack_activations(x), pack_weights(w)
+    whole = forward_packed(xp, wp, stride, pad)
+    out = np.full_like(whole, np.nan)
+    for n in range(3):
+        forward_packed(xp[..., n : n + 1], wp, stride, pad, out=out[..., n : n + 1])
+    close(out, whole, np.float64)
+    close(unpack_activations(out), reference.filter_forward(x, w, stride, pad), np.float64)
 
 
 def test_packed_spatial_piece_with_one_sided_padding():
