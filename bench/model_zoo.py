@@ -11,8 +11,9 @@ For each model of `onnx/backend/test/data/light/` (shipped with the `onnx` packa
   auto is predicted no slower than the best fixed one), and the wall time of
   `partition --json` on `--ranks` ranks (data and auto);
 - `train --steps 2` on synthetic data;
-- ResNet-50's `predict` at batch 8 against onnxruntime's session on the same input, on this
-  machine, as a ratio, with NumPy's SGEMM beside it (the machine is shared and its speed moves).
+- the forward pass of ResNet-50 at batch 8 and 1 and of VGG-19 at batch 1 (`SPEED_CASES`), as
+  `predict` runs it, against onnxruntime's session on the same input, on this machine, as a
+  ratio, with NumPy's SGEMM beside it (the machine is shared and its speed moves).
 
 Each command runs as a user runs it, in a child process; the table prints as the rows finish.
 """
@@ -174,44 +175,51 @@ def batched(path: Path, batch: int, tmp: Path) -> Path:
     return out
 
 
-def speed(tmp: Path, batch: int = 8, repeat: int = 5) -> None:
-    """ResNet-50 at `batch`: legion-nn's forward pass (as `predict` runs each batch, planned and
-    compiled before) against onnxruntime's session, in one process."""
+#: (model, batch, its forward's multiply-adds a sample) of `speed`: ResNet-50 at batch 8, and
+#: at batch 1, as a user predicts one image (one example's products run along its positions)
+SPEED_CASES = (("resnet50", 8, 4.1e9), ("resnet50", 1, 4.1e9), ("vgg19", 1, 19.6e9))
+
+
+def speed(tmp: Path, repeat: int = 5) -> None:
+    """Each of `SPEED_CASES`: legion-nn's forward pass (as `predict` runs each batch, planned
+    and compiled before) against onnxruntime's session, in one process."""
     import onnxruntime as ort
 
     from legion_nn.importers.onnx_model import load_onnx
     from runtime.prediction import Predictor
     from runtime.transport import ThreadTransport
 
-    path = batched(light() / "light_resnet50.onnx", batch, tmp)
-    x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
-    (transport,) = ThreadTransport.group(1)
-    predictor = Predictor(load_onnx(path), batch, transport, "data")
+    for name, batch, macs in SPEED_CASES:
+        path = batched(light() / f"light_{name}.onnx", batch, tmp)
+        x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
+        (transport,) = ThreadTransport.group(1)
+        predictor = Predictor(load_onnx(path), batch, transport, "data")
 
-    def ours() -> None:
-        predictor.run(x)
+        def ours() -> None:
+            predictor.run(x)
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feed = {session.get_inputs()[0].name: x}
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        feed = {session.get_inputs()[0].name: x}
 
-    def theirs() -> None:
-        session.run(None, feed)
+        def theirs() -> None:
+            session.run(None, feed)
 
-    times = {ours: [], theirs: []}
-    for run in (ours, theirs):
-        run()  # compiled, warmed
-    for _ in range(repeat):  # alternated, so that both see the same minutes of a shared machine
+        times = {ours: [], theirs: []}
         for run in (ours, theirs):
-            tic = time.perf_counter()
-            run()
-            times[run].append(time.perf_counter() - tic)
-    a, b = float(np.median(times[ours])), float(np.median(times[theirs]))
-    flops = 2 * 4.1e9 * batch  # ResNet-50's forward: about 4.1 G multiply-adds a sample
-    print(
-        f"resnet50 forward, batch {batch}, median of {repeat}: legion-nn {a:.3f} s "
-        f"({flops / a / 1e9:.0f} GFLOP/s), onnxruntime {b:.3f} s ({flops / b / 1e9:.0f} "
-        f"GFLOP/s); ratio {a / b:.2f}"
-    )
+            run()  # compiled, warmed
+        for _ in range(repeat):  # alternated: both see the same minutes of a shared machine
+            for run in (ours, theirs):
+                tic = time.perf_counter()
+                run()
+                times[run].append(time.perf_counter() - tic)
+        a, b = float(np.median(times[ours])), float(np.median(times[theirs]))
+        flops = 2 * macs * batch
+        print(
+            f"{name} forward, batch {batch}, median of {repeat}: legion-nn {a:.3f} s "
+            f"({flops / a / 1e9:.0f} GFLOP/s), onnxruntime {b:.3f} s ({flops / b / 1e9:.0f} "
+            f"GFLOP/s); ratio {a / b:.2f}",
+            flush=True,
+        )
 
 
 def main() -> int:
