@@ -183,36 +183,8 @@ SPEED_CASES = (("resnet50", 8, 4.1e9), ("resnet50", 1, 4.1e9), ("vgg19", 1, 19.6
 def speed(tmp: Path, repeat: int = 5) -> None:
     """Each of `SPEED_CASES`: legion-nn's forward pass (as `predict` runs each batch, planned
     and compiled before) against onnxruntime's session, in one process."""
-    import onnxruntime as ort
-
-    from legion_nn.importers.onnx_model import load_onnx
-    from runtime.prediction import Predictor
-    from runtime.transport import ThreadTransport
-
     for name, batch, macs in SPEED_CASES:
-        path = batched(light() / f"light_{name}.onnx", batch, tmp)
-        x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
-        (transport,) = ThreadTransport.group(1)
-        predictor = Predictor(load_onnx(path), batch, transport, "data")
-
-        def ours() -> None:
-            predictor.run(x)
-
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        feed = {session.get_inputs()[0].name: x}
-
-        def theirs() -> None:
-            session.run(None, feed)
-
-        times = {ours: [], theirs: []}
-        for run in (ours, theirs):
-            run()  # compiled, warmed
-        for _ in range(repeat):  # alternated: both see the same minutes of a shared machine
-            for run in (ours, theirs):
-                tic = time.perf_counter()
-                run()
-                times[run].append(time.perf_counter() - tic)
-        a, b = float(np.median(times[ours])), float(np.median(times[theirs]))
+        a, b = _forward_seconds(light() / f"light_{name}.onnx", batch, tmp, repeat)
         flops = 2 * macs * batch
         print(
             f"{name} forward, batch {batch}, median of {repeat}: legion-nn {a:.3f} s "
@@ -220,6 +192,39 @@ def speed(tmp: Path, repeat: int = 5) -> None:
             f"GFLOP/s); ratio {a / b:.2f}",
             flush=True,
         )
+
+
+def _forward_seconds(model: Path, batch: int, tmp: Path, repeat: int) -> tuple[float, float]:
+    """The median seconds of `model`'s forward at `batch`: legion-nn's, onnxruntime's."""
+    import onnxruntime as ort
+
+    from legion_nn.importers.onnx_model import load_onnx
+    from runtime.prediction import Predictor
+    from runtime.transport import ThreadTransport
+
+    path = batched(model, batch, tmp)
+    x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
+    (transport,) = ThreadTransport.group(1)
+    predictor = Predictor(load_onnx(path), batch, transport, "data")
+
+    def ours() -> None:
+        predictor.run(x)
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x}
+
+    def theirs() -> None:
+        session.run(None, feed)
+
+    times = {ours: [], theirs: []}
+    for run in (ours, theirs):
+        run()  # compiled, warmed
+    for _ in range(repeat):  # alternated, so that both see the same minutes of a shared machine
+        for run in (ours, theirs):
+            tic = time.perf_counter()
+            run()
+            times[run].append(time.perf_counter() - tic)
+    return float(np.median(times[ours])), float(np.median(times[theirs]))
 
 
 def main() -> int:
