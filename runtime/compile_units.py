@@ -60,10 +60,14 @@ def _filter_operands(dtype: np.dtype, untied: bool):
 def _filter(dtype: np.dtype, untied: bool) -> None:
     xp, wp, _, _, pads = _filter_operands(dtype, untied)
     yp = filter_packed.forward_packed(xp, wp, 1, pads)
-    if not untied:  # one example's forward: its positions are the product's rows
-        filter_packed.forward_packed(np.ascontiguousarray(xp[..., :1]), wp, 1, pads)
     layout.unpack_activations(yp)
     filter_packed.backward_data_packed(yp, wp, xp.shape[:2], 1, pads)
+    if not untied:  # one example's passes: an output row's positions are the products' rows
+        one = np.ascontiguousarray(xp[..., :1])
+        filter_packed.forward_packed(one, wp, 1, pads)
+        filter_packed.backward_data_packed(
+            np.ascontiguousarray(yp[..., :1]), wp, xp.shape[:2], 1, pads
+        )
 
 
 def _filter_gradient(dtype: np.dtype, untied: bool) -> None:
@@ -71,6 +75,9 @@ def _filter_gradient(dtype: np.dtype, untied: bool) -> None:
     xp, wp, dyp, window, pads = _filter_operands(dtype, untied)
     grad = np.zeros_like(wp)
     filter_packed.backward_filter_packed(dyp, xp, window, 1, pads, untied, None, grad, True)
+    if not untied:  # one example's
+        one, dy_one = (np.ascontiguousarray(a[..., :1]) for a in (xp, dyp))
+        filter_packed.backward_filter_packed(dy_one, one, window, 1, pads, False, None, grad, True)
 
 
 def _filter_step(dtype: np.dtype) -> None:

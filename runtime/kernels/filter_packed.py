@@ -133,6 +133,69 @@ def _forward_one_example(x, wt, y, stride, pad_top, pad_left, kernels):
                            False, y, p * ys0 + q * ys1, ys1)  # fmt: skip
 
 
+@njit(cache=True, inline="always")
+def _inside(offset, size, extent, stride, positions):
+    """The positions [lo, hi) whose window element `offset` (padding `size` before the input)
+    falls inside the input: 0 <= i·stride + offset − size < extent."""
+    lo = max(0, -((offset - size) // stride))
+    hi = min(positions, (extent - 1 + size - offset) // stride + 1)
+    return lo, max(lo, hi)
+
+
+@threaded
+def _backward_data_one_example(dy, w, dx, stride, pad_top, pad_left, kernels):
+    """`_backward_data` of tied weights for one example: each input row is the sum, over the
+    window rows r and columns s that reach it, of dY[p] (Q×K) · W[r, s] (K×C) over the
+    positions whose window column s lies inside the input, written `stride` columns apart."""
+    h, wd, c, _ = dx.shape
+    p_out, q_out, k, _ = dy.shape
+    r_size, s_size = w.shape[2], w.shape[4]
+    size = dx.itemsize
+    gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
+    xs0, xs1 = dx.strides[0] // size, dx.strides[1] // size
+    ws2, ws3, ws4 = w.strides[2] // size, w.strides[3] // size, w.strides[4] // size
+    for row in prange(h):
+        dx[row] = 0
+        for r in range(r_size):
+            t = row + pad_top - r
+            if t < 0 or t % stride != 0 or t // stride >= p_out:
+                continue
+            p = t // stride
+            for s in range(s_size):
+                q_lo, q_hi = _inside(s, pad_left, wd, stride, q_out)
+                tiled_gemm(kernels, q_hi - q_lo, c, k,
+                           dy, p * gs0 + q_lo * gs1, gs1, gs2,
+                           w, r * ws2 + s * ws4, ws3,
+                           True, dx, row * xs0 + (q_lo * stride + s - pad_left) * xs1,
+                           stride * xs1)  # fmt: skip
+
+
+@threaded
+def _backward_filter_one_example(dy, x, dw, c_lo, stride, pad_top, pad_left, accumulate, kernels):
+    """`_backward_filter_tied` for one example: each window element (r, s) of the gradient is
+    Σ_p dY[p]ᵀ (K×Q) · X[row p·stride + r − pad] (Q×C) over the output rows and columns whose
+    window element lies inside the input, one product whose tile stays in registers over the
+    rows; the (r, s) blocks are disjoint, so the threads share no partial sums."""
+    h, wd, _, _ = x.shape
+    p_out, q_out, k, _ = dy.shape
+    r_size, s_size, cs = dw.shape[1], dw.shape[4], dw.shape[5]
+    size = x.itemsize
+    gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
+    xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
+    ds1, ds3, ds4 = dw.strides[1] // size, dw.strides[3] // size, dw.strides[4] // size
+    for rs in prange(r_size * s_size):
+        r, s = rs // s_size, rs % s_size
+        p_lo, p_hi = _inside(r, pad_top, h, stride, p_out)
+        q_lo, q_hi = _inside(s, pad_left, wd, stride, q_out)
+        rows = p_hi - p_lo if q_hi > q_lo else 0
+        tiled_gemm_sum(kernels, k, cs, q_hi - q_lo, rows,
+                       dy, p_lo * gs0 + q_lo * gs1, gs2, gs1, gs0,
+                       x, (p_lo * stride + r - pad_top) * xs0
+                       + (q_lo * stride + s - pad_left) * xs1 + c_lo * xs2,
+                       stride * xs1, stride * xs0,
+                       accumulate, dw, r * ds1 + s * ds4, ds3)  # fmt: skip
+
+
 @threaded
 def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied, kernels):
     h, wd, c, n = dx.shape
@@ -415,6 +478,11 @@ def backward_data_packed(
         dx[...] = 0
         return dx
     w = _by_position(_weights(wp))
+    dx = _canonical_unit_strides(dx)
+    if geo.n == 1 and not geo.untied and dx.strides[2] == dx.itemsize:
+        args = (geo.stride, geo.pad[0], geo.pad[2], kernels(dtype))
+        _backward_data_one_example(_operand(dyp), w, dx, *args)
+        return dx
     args = (geo.stride, geo.pad[0], geo.pad[2], geo.untied, kernels(dtype))
     _backward_data(_operand(dyp), w, dx, *args)
     return dx
@@ -467,6 +535,14 @@ def backward_filter_packed(
         if not accumulate:
             dw[...] = 0
         return dw
+    if geo.n == 1 and not geo.untied and step is None:
+        x = _operand(xp)
+        if x.strides[2] == x.itemsize:  # one example: its channels unit-stride
+            dw = _canonical_unit_strides(dw)
+            _backward_filter_one_example(_operand(dyp), x, dw, lo, geo.stride, geo.pad[0],
+                                         geo.pad[2], ACCUMULATE if accumulate else WRITE,
+                                         kernels(dtype))  # fmt: skip
+            return dw
     xt = scratch_empty("batch-major input", (geo.h, geo.n, geo.w, hi - lo), dtype)
     _batch_major(xp, xt, lo)
     if step is not None:

@@ -95,6 +95,40 @@ def test_packed_channel_subset_accumulates_over_batch_pieces(name):
     close(unpack_weights(dw), dw_ref + 0.5, np.float64)
 
 
+ONE_EXAMPLE = [name for name, case in CASES.items() if case[0] == 1 and not case[-1]]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ONE_EXAMPLE)
+def test_one_examples_passes_run_along_positions(monkeypatch, name, dtype):
+    """Tied filters on one example run their three passes as products along an output row's
+    positions (`filter_packed._*_one_example`), each pass once, equal to the reference: a
+    channel subset of the weight gradient added over NaN-free garbage, the input gradient
+    written over NaN."""
+    called = []
+    for kernel in ("_forward", "_backward_data", "_backward_filter"):
+        one = getattr(filter_packed, f"{kernel}_one_example")
+        monkeypatch.setattr(
+            filter_packed,
+            f"{kernel}_one_example",
+            lambda *a, _one=one, _name=kernel: called.append(_name) or _one(*a),
+        )
+    x, w, dy, stride, pad = make(CASES[name], dtype)
+    y_ref = reference.filter_forward(x, w, stride, pad)
+    dx_ref, dw_ref = reference.filter_backward(dy, x, w, stride, pad)
+    xp, wp, dyp = pack_activations(x), pack_weights(w), pack_activations(dy)
+    close(unpack_activations(forward_packed(xp, wp, stride, pad)), y_ref, dtype)
+    dx = np.full_like(xp, np.nan)
+    backward_data_packed(dyp, wp, x.shape[2:], stride, pad, out=dx)
+    close(unpack_activations(dx), dx_ref, dtype)
+    window, c = w.shape[4:6], x.shape[1]
+    lo, hi = (1, c) if c > 1 else (0, 1)
+    dw = np.full_like(pack_weights(dw_ref[:, :, :, lo:hi]), 0.25)
+    backward_filter_packed(dyp, xp, window, stride, pad, False, (lo, hi), dw, accumulate=True)
+    close(unpack_weights(dw), dw_ref[:, :, :, lo:hi] + 0.25, dtype)
+    assert called == ["_forward", "_backward_data", "_backward_filter"]
+
+
 @pytest.mark.parametrize("channels", [None, (1, 2)])
 @pytest.mark.parametrize("name", CASES)
 def test_weight_gradient_overwrites_garbage(name, channels):
