@@ -1,13 +1,14 @@
-"""Benchmark: tied filters' three passes on one example, against the same passes on a batch of 8
-(the products along the batch, per example), PyTorch's where it is installed, and the machine's
-SGEMM.
+"""Benchmark: tied filters' three passes on one example and on 4 (each example along its
+positions), against the same passes on a batch of 8 (the products along the batch), PyTorch's
+at one example where it is installed, and the machine's SGEMM.
 
     python bench/one_example_filters.py [--seconds 0.5]
 
 One example (a `predict` of one image, a rank's piece of one example) runs each pass as
 products along an output row's positions (`filter_packed._forward_one_example` and its
-backward twins); a batch runs them along the batch, which at one example were matrix-vector
-products (VGG-19's forward at batch 1: 3 GFLOP/s). Each figure is GFLOP/s of the best
+backward twins), and so does each of a batch narrower than a vector (`_by_example`), whose
+products along the batch were matrix-vector products at one example (VGG-19's forward at
+batch 1: 3 GFLOP/s) and filled a quarter of each vector at 2. Each figure is GFLOP/s of the best
 sustained rate over `--seconds`, float32, on every Numba thread; the shapes are VGG-19's and
 ResNet's 3×3 layers and ResNet's 7×7 stem. The machine's facts and SGEMM print beside them.
 """
@@ -88,15 +89,17 @@ def main() -> int:
     args = parser.parse_args()
     print(describe(machine_facts()))
     print(f"SGEMM {sgemm_gflops():.0f} GFLOP/s")
-    print("shape (C, H, K, R, stride)   batch 1: fwd / dx / dw    batch 8: fwd / dx / dw"
-          "    PyTorch batch 1: fwd / all three")  # fmt: skip
+    print("shape (C, H, K, R, stride)   batch 1: fwd / dx / dw    batch 4: fwd / dx / dw"
+          "    batch 8: fwd / dx / dw    PyTorch batch 1: fwd / all three")  # fmt: skip
     for c, h, k, r, stride in SHAPES:
-        one = ours(1, c, h, k, r, stride, args.seconds)
-        eight = ours(8, c, h, k, r, stride, args.seconds)
+        shown = [
+            " / ".join(f"{v:5.1f}" for v in ours(n, c, h, k, r, stride, args.seconds))
+            for n in (1, 4, 8)
+        ]
         peer = torch_rates(c, h, k, r, stride, args.seconds)
-        shown = " / ".join(f"{v:5.1f}" for v in one), " / ".join(f"{v:5.1f}" for v in eight)
         theirs = " / ".join(f"{v:5.1f}" for v in peer) if peer else "not installed"
-        print(f"{(c, h, k, r, stride)!s:28} {shown[0]:22} {shown[1]:22} {theirs}", flush=True)
+        print(f"{(c, h, k, r, stride)!s:28} {'  '.join(f'{v:22}' for v in shown)} {theirs}",
+              flush=True)  # fmt: skip
     print(f"SGEMM after: {sgemm_gflops():.0f} GFLOP/s")
     return 0
 

@@ -349,12 +349,15 @@ def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, thr
         dw[0] = total
 
 
-def _by_example(geo: Geometry, dtype) -> bool:
-    """Whether tied filters run one example at a time (`_forward_one_example` and its backward
-    twins): fewer examples than a vector holds, whose products along the batch fill part of
-    each vector (VGG-19's 3×3 layers on the 2-core AVX2 VM, float32: 3 GFLOP/s at batch 1, 6
-    at batch 2, 12 at 4, 54 at 8; along positions 53–65 at any batch)."""
-    return not geo.untied and geo.n * np.dtype(dtype).itemsize < VECTOR_BYTES
+def _by_example(geo: Geometry, dtype, width: int) -> bool:
+    """Whether a pass of tied filters runs one example at a time (`_forward_one_example` and
+    its backward twins), whose products run along `width` (the output channels forward, the
+    input channels backward) rather than the batch: the batch is narrower than a vector and
+    than `width` (VGG-19's 3×3 layers on the 2-core AVX2 VM, float32: along the batch 3 GFLOP/s
+    at batch 1, 6 at 2, 12 at 4, 54 at 8; along positions 46–67 at any batch; ResNet's stem,
+    3 input channels, takes its gradients along a batch of 4 at 8.5–11 GFLOP/s, along its
+    channels at 7.3–7.4)."""
+    return not geo.untied and geo.n * np.dtype(dtype).itemsize < VECTOR_BYTES and width > geo.n
 
 
 def _one(a: np.ndarray, b: int) -> np.ndarray:
@@ -478,7 +481,7 @@ def forward_packed(
     if min(geo.n, geo.k, geo.c) == 0:
         y[...] = 0
         return y
-    if _by_example(geo, dtype):
+    if _by_example(geo, dtype, geo.k):
         # (R, S·C, K): a copy of the weights, against the output's P·Q·K·S·C·R products
         wt = np.ascontiguousarray(wp[0, :, 0].transpose(0, 2, 3, 1)).reshape(
             geo.r, geo.s * geo.c, geo.k
@@ -513,7 +516,7 @@ def backward_data_packed(
         dx[...] = 0
         return dx
     w = _by_position(_weights(wp))
-    if _by_example(geo, dtype):
+    if _by_example(geo, dtype, geo.c):
         args = (geo.stride, geo.pad[0], geo.pad[2], kernels(dtype))
         for b in range(geo.n):
             with _example(dx, b) as dx_b:
@@ -571,7 +574,7 @@ def backward_filter_packed(
         if not accumulate:
             dw[...] = 0
         return dw
-    if _by_example(geo, dtype) and step is None:
+    if _by_example(geo, dtype, hi - lo) and step is None:
         dw = _canonical_unit_strides(dw)
         for b in range(geo.n):  # the examples' gradients summed, the first written unless added
             adding = ACCUMULATE if accumulate or b > 0 else WRITE

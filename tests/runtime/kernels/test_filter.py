@@ -95,7 +95,10 @@ def test_packed_channel_subset_accumulates_over_batch_pieces(name):
     close(unpack_weights(dw), dw_ref + 0.5, np.float64)
 
 
-ONE_EXAMPLE = [name for name, case in CASES.items() if case[0] == 1 and not case[-1]]
+#: one example through tied filters of several input and output channels: along positions
+ONE_EXAMPLE = [
+    n for n, case in CASES.items() if case[0] == 1 and not case[-1] and min(case[1], case[4]) > 1
+]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -122,7 +125,7 @@ def test_one_examples_passes_run_along_positions(monkeypatch, name, dtype):
     backward_data_packed(dyp, wp, x.shape[2:], stride, pad, out=dx)
     close(unpack_activations(dx), dx_ref, dtype)
     window, c = w.shape[4:6], x.shape[1]
-    lo, hi = (1, c) if c > 1 else (0, 1)
+    lo, hi = (1, c) if c > 2 else (0, c)  # a subset, where it leaves products along 2 or more
     dw = np.full_like(pack_weights(dw_ref[:, :, :, lo:hi]), 0.25)
     backward_filter_packed(dyp, xp, window, stride, pad, False, (lo, hi), dw, accumulate=True)
     close(unpack_weights(dw), dw_ref[:, :, :, lo:hi] + 0.25, dtype)
