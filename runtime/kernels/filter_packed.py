@@ -138,6 +138,15 @@ def _forward_one_example(x, wt, y, stride, pad_top, pad_left, kernels):
 
 
 @njit(cache=True, inline="always")
+def _reading_row(row, r, pad_top, stride, p_out):
+    """The output row whose window row `r` reads input row `row`, or -1 where none does."""
+    t = row + pad_top - r
+    if t < 0 or t % stride != 0 or t // stride >= p_out:
+        return -1
+    return t // stride
+
+
+@njit(cache=True, inline="always")
 def _inside(offset, size, extent, stride, positions):
     """The positions [lo, hi) whose window element `offset` (padding `size` before the input)
     falls inside the input: 0 <= i·stride + offset − size < extent."""
@@ -161,10 +170,9 @@ def _backward_data_one_example(dy, w, dx, stride, pad_top, pad_left, kernels):
     for row in prange(h):
         dx[row] = 0
         for r in range(r_size):
-            t = row + pad_top - r
-            if t < 0 or t % stride != 0 or t // stride >= p_out:
+            p = _reading_row(row, r, pad_top, stride, p_out)
+            if p < 0:
                 continue
-            p = t // stride
             for s in range(s_size):
                 q_lo, q_hi = _inside(s, pad_left, wd, stride, q_out)
                 tiled_gemm(kernels, q_hi - q_lo, c, k,
@@ -213,10 +221,9 @@ def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied, kernels):
     for row in prange(h):
         dx[row] = 0
         for r in range(r_size):
-            t = row + pad_top - r
-            if t < 0 or t % stride != 0 or t // stride >= p_out:
+            p = _reading_row(row, r, pad_top, stride, p_out)
+            if p < 0:
                 continue
-            p = t // stride
             for q in range(q_out):
                 w0 = q * stride - pad_left
                 s_lo, s_hi = _clip(w0, s_size, wd)
