@@ -23,7 +23,7 @@ from legion_nn.errors import LegionNNError
 from legion_nn.graph import TaskGraph
 from legion_nn.network import Network
 from runtime.adapters import StepContext
-from runtime.rank_executor import RankExecutor
+from runtime.rank_executor import NotOfThisNetwork, RankExecutor
 from runtime.transport import Transport
 
 
@@ -73,7 +73,7 @@ class Predictor:
         )
         try:  # a shape the model does not have: one line naming the tensor
             self.executor.prepare(self.graph, _resident(self.graph, parameters, network))
-        except ValueError as exc:
+        except NotOfThisNetwork as exc:
             raise LegionNNError(f"checkpoint: {exc}") from None
         self.labels = np.zeros(network.label_dims(batch), np.int32)
         self.steps = 0

@@ -66,6 +66,11 @@ from runtime.transport import (
 TAG_BROADCAST, TAG_GATHER, TAG_RESIDENT, TAG_VALUE, TAG_SUM = 1, 2, 3, 4, 5
 
 
+class NotOfThisNetwork(ValueError):
+    """Parameters or state given to start from (`prepare`, `load_resident`) that the network
+    does not hold, or holds in another shape."""
+
+
 class TaskFailure(LegionNNError):
     def __init__(self, rank: int, step: int, task: str, error: BaseException) -> None:
         self.rank, self.step, self.task, self.error = rank, step, task, error
@@ -496,13 +501,15 @@ class RankExecutor:
         self._copy_in(arrays)
 
     def _check_fits(self, arrays: Mapping[str, np.ndarray], tensors: Mapping[str, Any]) -> None:
-        """A ValueError naming the first of `arrays` that is not a parameter or state of the
-        graphs planned, or not of its shape (in `tensors`)."""
+        """`NotOfThisNetwork` naming the first of `arrays` that is not a parameter or state of
+        the graphs planned, or not of its shape (in `tensors`)."""
         homes = self._resident_homes or {}
         for name, array in arrays.items():
             tensor = tensors.get(name)
             if name not in homes or (tensor is not None and tuple(array.shape) != tensor.dims):
-                raise ValueError(f"tensor {name} {list(array.shape)} does not fit this network")
+                raise NotOfThisNetwork(
+                    f"tensor {name} {list(array.shape)} does not fit this network"
+                )
 
     def _copy_in(self, arrays: Mapping[str, np.ndarray]) -> None:
         for name, array in arrays.items():

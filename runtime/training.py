@@ -33,7 +33,7 @@ from runtime.adapters import StepContext
 from runtime.data_dir import Batch, NpyFile, Prefetcher
 from runtime.dataset import Dataset, Split
 from runtime.lr_schedule import LRSchedule
-from runtime.rank_executor import one_process
+from runtime.rank_executor import NotOfThisNetwork, one_process
 
 
 class Executor(Protocol):
@@ -359,7 +359,7 @@ class Trainer:
         arrays, header = checkpoint.load(self.config.checkpoint_dir, self.identity())
         try:
             self.executor.prepare(self.graph(self.config.batch), arrays)
-        except ValueError as exc:
+        except NotOfThisNetwork as exc:
             raise LegionNNError(f"checkpoint: {exc}") from None
         self._saved = int(header["step"])
         stats = np.array(header.get("epoch_stats", np.zeros(4)), dtype=np.float64)

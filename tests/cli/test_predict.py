@@ -105,6 +105,22 @@ def test_a_checkpoint_stands_in_for_the_models_parameters(tmp_path):
         assert np.abs(got["y"] - untrained["y"]).max() > 1e-3  # training moved the outputs
 
 
+def test_parameters_of_another_shape_are_named():
+    """Parameters to start from whose shape the model does not have: one line naming the
+    tensor, before anything is drawn or run."""
+    from legion_nn.errors import LegionNNError
+    from legion_nn.importers.onnx_model import load_onnx
+    from runtime.prediction import Predictor
+    from runtime.transport import ThreadTransport
+
+    network = load_onnx(DIGITS)
+    name, value = next(iter(network.initial.items()))
+    wrong = dict(network.initial, **{name: np.zeros((*value.shape, 2), value.dtype)})
+    (transport,) = ThreadTransport.group(1)
+    with pytest.raises(LegionNNError, match=rf"^checkpoint: tensor {name} \[.*\] does not fit"):
+        Predictor(network, 3, transport, "data", "float32", wrong)
+
+
 GPT = FIXTURES / "tiny_gpt.onnx"
 
 

@@ -112,9 +112,9 @@ def test_a_training_job_collects_only_during_its_steps(collector_on, monkeypatch
     seen = {}
     prepare, step = RankExecutor.prepare, Trainer.step
 
-    def preparing(self, graph):
+    def preparing(self, graph, *initial):
         seen.setdefault("setup", gc.isenabled())
-        return prepare(self, graph)
+        return prepare(self, graph, *initial)
 
     def stepping(self, i):
         seen.setdefault("step", (gc.isenabled(), gc.get_freeze_count() > 0))

@@ -24,7 +24,7 @@ from partitioner.search.auto import auto
 from partitioner.strategy import Strategy, builtin, find_units
 from runtime import data
 from runtime.distributed import RunOptions, train_rank
-from runtime.rank_executor import RankExecutor, TaskFailure
+from runtime.rank_executor import NotOfThisNetwork, RankExecutor, TaskFailure
 from runtime.rank_step import StepRun
 from runtime.step.order import step_order
 from runtime.step.programs import build_programs
@@ -499,7 +499,7 @@ def test_values_to_start_from_are_taken_without_drawing_the_initial_ones(
 ):
     """Parameters and state given to `prepare` (a checkpoint's, an imported model's) are each
     rank's part of them, as `load_resident` after the initial draws would set them, and the
-    tensors given are not drawn; an array of another shape is one ValueError naming it."""
+    tensors given are not drawn; an array of another shape is one error naming it."""
     from runtime import rank_executor
 
     graph = small_network().lower(batch=4, dtype="float64", optimizer="adam")
@@ -538,5 +538,5 @@ def test_values_to_start_from_are_taken_without_drawing_the_initial_ones(
     assert given.keys() <= set(drawn)  # drawn, then loaded over
     assert drawn_when_given == set(drawn) - given.keys()  # the optimizer's state alone
     wrong = dict(given, **{"L1.W": np.zeros((2, 2))})
-    with pytest.raises(ValueError, match=r"tensor L1\.W \[2, 2\] does not fit this network"):
+    with pytest.raises(NotOfThisNetwork, match=r"tensor L1\.W \[2, 2\] does not fit this network"):
         RankExecutor(ThreadTransport.group(1)[0], "data").prepare(graph, wrong)
