@@ -5,8 +5,8 @@ at one example where it is installed, and the machine's SGEMM.
     python bench/one_example_filters.py [--seconds 0.5]
 
 One example (a `predict` of one image, a rank's piece of one example) runs each pass as
-products along an output row's positions (`filter_packed._forward_one_example` and its
-backward twins), and so does each of a batch narrower than a vector (`_by_example`), whose
+products along an output row's positions (`runtime/kernels/filter_one_example.py`), and so
+does each of a batch narrower than a vector (`filter_one_example.by_example`), whose
 products along the batch were matrix-vector products at one example (VGG-19's forward at
 batch 1: 3 GFLOP/s) and filled a quarter of each vector at 2. Each figure is GFLOP/s of the best
 sustained rate over `--seconds`, float32, on every Numba thread; the shapes are VGG-19's and

@@ -43,16 +43,14 @@ one at a time measured up to 40% slower (tied backward-filter, batch 64, with BL
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from runtime.aligned import aligned_empty, scratch_empty
-from runtime.kernels.gemm_tile import VECTOR_BYTES
+from runtime.kernels import filter_one_example as one_example
 from runtime.kernels.geometry import Geometry, check_dtypes, check_ndim, make_geometry
+from runtime.kernels.layout import canonical_unit_strides
 from runtime.kernels.microkernel import (
     ACCUMULATE,
     STREAM,
@@ -64,12 +62,7 @@ from runtime.kernels.microkernel import (
 )
 from runtime.kernels.threaded import inner, threaded
 from runtime.kernels.update import OptimizerStep, run_view, step_elements
-
-
-@njit(cache=True, inline="always")
-def _clip(start, size, extent):
-    """The part [lo, hi) of window offsets whose input index start + i is inside [0, extent)."""
-    return max(0, -start), min(size, extent - start)
+from runtime.kernels.windows import clip, reading_row
 
 
 @threaded
@@ -85,8 +78,8 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied, kernels):
     for pq in prange(p_out * q_out):
         p, q = pq // q_out, pq % q_out
         h0, w0 = p * stride - pad_top, q * stride - pad_left
-        r_lo, r_hi = _clip(h0, r_size, h)
-        s_lo, s_hi = _clip(w0, s_size, wd)
+        r_lo, r_hi = clip(h0, r_size, h)
+        s_lo, s_hi = clip(w0, s_size, wd)
         if s_hi <= s_lo:
             r_hi = r_lo
         w_at = p * ws0 + q * ws1 if untied else 0
@@ -95,117 +88,6 @@ def _forward(x, w, y, stride, pad_top, pad_left, untied, kernels):
                        w, w_at + r_lo * ws2 + s_lo * ws4, ws3, 1, ws2,
                        x, (h0 + r_lo) * xs0 + (w0 + s_lo) * xs1, xs2, xs0,
                        False, y, p * ys0 + q * ys1, ys2)  # fmt: skip
-
-
-@threaded
-def _forward_one_example(x, wt, y, stride, pad_top, pad_left, kernels):
-    """`_forward` of tied weights for one example (N = 1), whose products along the batch
-    would be matrix-vector products, the weights read again at every position (VGG-19's
-    forward at batch 1 ran at 1.5 GFLOP/s): here the positions of an output row are the
-    product's rows instead, Y[p] (Q×K) = Σ_r X_r (Q×S·C) · Wt[r] (S·C×K), with X_r the input
-    row's windows, one every `stride` columns (the (W, C) axes read as one), and Wt the
-    weights (R, S·C, K) with K unit-stride; the positions whose window the padding clips
-    are each a product of their own."""
-    h, wd, c, _ = x.shape
-    p_out, q_out, k, _ = y.shape
-    r_size = wt.shape[0]
-    s_size = wt.shape[1] // c
-    size = x.itemsize
-    xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
-    ys0, ys1 = y.strides[0] // size, y.strides[1] // size
-    wr, ws = wt.strides[0] // size, wt.strides[1] // size
-    # the positions whose window lies inside the input's columns
-    q_lo = min(q_out, (pad_left + stride - 1) // stride)
-    q_hi = max(q_lo, min(q_out, (wd + pad_left - s_size) // stride + 1))
-    for p in prange(p_out):
-        h0 = p * stride - pad_top
-        r_lo, r_hi = _clip(h0, r_size, h)
-        tiled_gemm_sum(kernels, q_hi - q_lo, k, s_size * c, r_hi - r_lo,
-                       x, (h0 + r_lo) * xs0 + (q_lo * stride - pad_left) * xs1, stride * xs1,
-                       xs2, xs0,
-                       wt, r_lo * wr, ws, wr,
-                       False, y, p * ys0 + q_lo * ys1, ys1)  # fmt: skip
-        for q in range(q_out):
-            if q_lo <= q < q_hi:
-                continue
-            w0 = q * stride - pad_left
-            s_lo, s_hi = _clip(w0, s_size, wd)
-            rows = r_hi - r_lo if s_hi > s_lo else 0
-            tiled_gemm_sum(kernels, 1, k, (s_hi - s_lo) * c, rows,
-                           x, (h0 + r_lo) * xs0 + (w0 + s_lo) * xs1, xs1, xs2, xs0,
-                           wt, r_lo * wr + s_lo * c * ws, ws, wr,
-                           False, y, p * ys0 + q * ys1, ys1)  # fmt: skip
-
-
-@njit(cache=True, inline="always")
-def _reading_row(row, r, pad_top, stride, p_out):
-    """The output row whose window row `r` reads input row `row`, or -1 where none does."""
-    t = row + pad_top - r
-    if t < 0 or t % stride != 0 or t // stride >= p_out:
-        return -1
-    return t // stride
-
-
-@njit(cache=True, inline="always")
-def _inside(offset, size, extent, stride, positions):
-    """The positions [lo, hi) whose window element `offset` (padding `size` before the input)
-    falls inside the input: 0 <= i·stride + offset − size < extent."""
-    lo = max(0, -((offset - size) // stride))
-    hi = min(positions, (extent - 1 + size - offset) // stride + 1)
-    return lo, max(lo, hi)
-
-
-@threaded
-def _backward_data_one_example(dy, w, dx, stride, pad_top, pad_left, kernels):
-    """`_backward_data` of tied weights for one example: each input row is the sum, over the
-    window rows r and columns s that reach it, of dY[p] (Q×K) · W[r, s] (K×C) over the
-    positions whose window column s lies inside the input, written `stride` columns apart."""
-    h, wd, c, _ = dx.shape
-    p_out, q_out, k, _ = dy.shape
-    r_size, s_size = w.shape[2], w.shape[4]
-    size = dx.itemsize
-    gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
-    xs0, xs1 = dx.strides[0] // size, dx.strides[1] // size
-    ws2, ws3, ws4 = w.strides[2] // size, w.strides[3] // size, w.strides[4] // size
-    for row in prange(h):
-        dx[row] = 0
-        for r in range(r_size):
-            p = _reading_row(row, r, pad_top, stride, p_out)
-            if p < 0:
-                continue
-            for s in range(s_size):
-                q_lo, q_hi = _inside(s, pad_left, wd, stride, q_out)
-                tiled_gemm(kernels, q_hi - q_lo, c, k,
-                           dy, p * gs0 + q_lo * gs1, gs1, gs2,
-                           w, r * ws2 + s * ws4, ws3,
-                           True, dx, row * xs0 + (q_lo * stride + s - pad_left) * xs1,
-                           stride * xs1)  # fmt: skip
-
-
-@threaded
-def _backward_filter_one_example(dy, x, dw, c_lo, stride, pad_top, pad_left, accumulate, kernels):
-    """`_backward_filter_tied` for one example: each window element (r, s) of the gradient is
-    Σ_p dY[p]ᵀ (K×Q) · X[row p·stride + r − pad] (Q×C) over the output rows and columns whose
-    window element lies inside the input, one product whose tile stays in registers over the
-    rows; the (r, s) blocks are disjoint, so the threads share no partial sums."""
-    h, wd, _, _ = x.shape
-    p_out, q_out, k, _ = dy.shape
-    r_size, s_size, cs = dw.shape[1], dw.shape[4], dw.shape[5]
-    size = x.itemsize
-    gs0, gs1, gs2 = dy.strides[0] // size, dy.strides[1] // size, dy.strides[2] // size
-    xs0, xs1, xs2 = x.strides[0] // size, x.strides[1] // size, x.strides[2] // size
-    ds1, ds3, ds4 = dw.strides[1] // size, dw.strides[3] // size, dw.strides[4] // size
-    for rs in prange(r_size * s_size):
-        r, s = rs // s_size, rs % s_size
-        p_lo, p_hi = _inside(r, pad_top, h, stride, p_out)
-        q_lo, q_hi = _inside(s, pad_left, wd, stride, q_out)
-        rows = p_hi - p_lo if q_hi > q_lo else 0
-        tiled_gemm_sum(kernels, k, cs, q_hi - q_lo, rows,
-                       dy, p_lo * gs0 + q_lo * gs1, gs2, gs1, gs0,
-                       x, (p_lo * stride + r - pad_top) * xs0
-                       + (q_lo * stride + s - pad_left) * xs1 + c_lo * xs2,
-                       stride * xs1, stride * xs0,
-                       accumulate, dw, r * ds1 + s * ds4, ds3)  # fmt: skip
 
 
 @threaded
@@ -221,12 +103,12 @@ def _backward_data(dy, w, dx, stride, pad_top, pad_left, untied, kernels):
     for row in prange(h):
         dx[row] = 0
         for r in range(r_size):
-            p = _reading_row(row, r, pad_top, stride, p_out)
+            p = reading_row(row, r, pad_top, stride, p_out)
             if p < 0:
                 continue
             for q in range(q_out):
                 w0 = q * stride - pad_left
-                s_lo, s_hi = _clip(w0, s_size, wd)
+                s_lo, s_hi = clip(w0, s_size, wd)
                 if s_hi <= s_lo:
                     continue
                 w_at = p * ws0 + q * ws1 if untied else 0
@@ -278,7 +160,7 @@ def _gradient_block(dy, xt, dw, i, j, rr, p, q, r, stride, pad_top, pad_left, ac
     ds3, ds4 = dw.strides[3] // size, dw.strides[4] // size
     at = i * (dw.strides[0] // size) + j * (dw.strides[1] // size) + rr * (dw.strides[2] // size)
     row, w0 = p * stride - pad_top + r, q * stride - pad_left
-    s_lo, s_hi = _clip(w0, s_size, wd)
+    s_lo, s_hi = clip(w0, s_size, wd)
     inside = 0 <= row < h and s_lo < s_hi
     add = accumulate
     if not accumulate and (not inside or s_lo > 0 or s_hi < s_size):
@@ -356,39 +238,6 @@ def _backward_filter_tied(dy, xt, dw, stride, pad_top, pad_left, accumulate, thr
         dw[0] = total
 
 
-def _by_example(geo: Geometry, dtype, width: int) -> bool:
-    """Whether a pass of tied filters runs one example at a time (`_forward_one_example` and
-    its backward twins), whose products run along `width` (the output channels forward, the
-    input channels backward) rather than the batch: the batch is narrower than a vector and
-    than `width` (VGG-19's 3×3 layers on the 2-core AVX2 VM, float32: along the batch 3 GFLOP/s
-    at batch 1, 6 at 2, 12 at 4, 54 at 8; along positions 46–67 at any batch; ResNet's stem,
-    3 input channels, takes its gradients along a batch of 4 at 8.5–11 GFLOP/s, along its
-    channels at 7.3–7.4)."""
-    return not geo.untied and geo.n * np.dtype(dtype).itemsize < VECTOR_BYTES and width > geo.n
-
-
-def _one(a: np.ndarray, b: int) -> np.ndarray:
-    """Example `b` of (H, W, C, N) activations as an operand of one example: its channels
-    unit-stride (a copy where the batch is wider)."""
-    one = _canonical_unit_strides(a[..., b : b + 1])
-    if one.strides[2] == one.itemsize and one.strides[1] == one.shape[2] * one.itemsize:
-        return one
-    return _canonical_unit_strides(np.ascontiguousarray(one))
-
-
-@contextmanager
-def _example(out: np.ndarray, b: int) -> Iterator[np.ndarray]:
-    """Example `b` of an output (P, Q, K, N) to write one example's result into: the view
-    itself where its channels are unit-stride, else a buffer copied into it after."""
-    view = _canonical_unit_strides(out[..., b : b + 1])
-    if view.strides[2] == view.itemsize and view.strides[1] == view.shape[2] * view.itemsize:
-        yield view
-        return
-    buffer = aligned_empty(view.shape, view.dtype)
-    yield buffer
-    view[...] = buffer
-
-
 def packed_geometry(xp_shape: tuple, wp_shape: tuple, stride: int, pad) -> Geometry:
     """The geometry of (H, W, C, N) activations under (P, R, Q, K, S, C) weights."""
     h, w, c, n = xp_shape
@@ -402,11 +251,11 @@ def _operand(a: np.ndarray) -> np.ndarray:
     The kernels take leading dimensions from the strides, so a length-1 axis (batch 1, one
     channel) must carry the stride a contiguous array would give it: NumPy leaves such strides
     arbitrary (a transposed view keeps its old ones) and calls the array contiguous anyway."""
-    a = _canonical_unit_strides(a)
+    a = canonical_unit_strides(a)
     size = a.itemsize
     if a.strides[3] == size and a.strides[1] == a.shape[2] * a.strides[2] and min(a.strides) > 0:
         return a
-    return _canonical_unit_strides(np.array(a, order="C", copy=True))
+    return canonical_unit_strides(np.array(a, order="C", copy=True))
 
 
 def _by_position(wp: np.ndarray) -> np.ndarray:
@@ -434,26 +283,15 @@ def accumulates_in_place(dw: np.ndarray) -> bool:
     """Whether `backward_filter_packed` can write into the packed weight gradient view `dw` as
     its `out`: a whole gradient or a piece of its positions or output channels, not a piece of
     its input channels."""
-    return dw.ndim == 6 and dw.flags.writeable and _blocks_addressable(_canonical_unit_strides(dw))
+    return dw.ndim == 6 and dw.flags.writeable and _blocks_addressable(canonical_unit_strides(dw))
 
 
 def _weights(wp: np.ndarray) -> np.ndarray:
     """`wp` itself when its blocks are addressable, else a C-contiguous copy."""
-    wp = _canonical_unit_strides(wp)
+    wp = canonical_unit_strides(wp)
     if _blocks_addressable(wp):
         return wp
-    return _canonical_unit_strides(np.array(wp, order="C", copy=True))
-
-
-def _canonical_unit_strides(a: np.ndarray) -> np.ndarray:
-    strides = list(a.strides)
-    for axis in range(a.ndim - 1, -1, -1):
-        if a.shape[axis] == 1:
-            inner = axis + 1
-            strides[axis] = a.itemsize if inner == a.ndim else strides[inner] * a.shape[inner]
-    if tuple(strides) == a.strides:
-        return a
-    return np.lib.stride_tricks.as_strided(a, a.shape, tuple(strides), writeable=a.flags.writeable)
+    return canonical_unit_strides(np.array(wp, order="C", copy=True))
 
 
 def _output(name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype) -> np.ndarray:
@@ -463,7 +301,7 @@ def _output(name: str, out: np.ndarray | None, shape: tuple, dtype: np.dtype) ->
         return aligned_empty(shape, dtype)
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"{name}: expected shape {shape} {dtype}, got {out.shape} {out.dtype}")
-    out = _canonical_unit_strides(out)
+    out = canonical_unit_strides(out)
     addressable = _operand(out) is out if out.ndim == 4 else _blocks_addressable(out)
     if not addressable:
         raise ValueError(f"{name}: layout with strides {out.strides} is not addressable")
@@ -488,15 +326,15 @@ def forward_packed(
     if min(geo.n, geo.k, geo.c) == 0:
         y[...] = 0
         return y
-    if _by_example(geo, dtype, geo.k):
+    if one_example.by_example(geo, dtype, geo.k):
         # (R, S·C, K): a copy of the weights, against the output's P·Q·K·S·C·R products
         wt = np.ascontiguousarray(wp[0, :, 0].transpose(0, 2, 3, 1)).reshape(
             geo.r, geo.s * geo.c, geo.k
         )
         args = (geo.stride, geo.pad[0], geo.pad[2], kernels(dtype))
         for b in range(geo.n):
-            with _example(y, b) as y_b:
-                _forward_one_example(_one(xp, b), wt, y_b, *args)
+            with one_example.written(y, b) as y_b:
+                one_example.forward(one_example.operand(xp, b), wt, y_b, *args)
         return y
     w = _by_position(_weights(wp))
     _forward(_operand(xp), w, y, geo.stride, geo.pad[0], geo.pad[2], geo.untied, kernels(dtype))
@@ -523,11 +361,11 @@ def backward_data_packed(
         dx[...] = 0
         return dx
     w = _by_position(_weights(wp))
-    if _by_example(geo, dtype, geo.c):
+    if one_example.by_example(geo, dtype, geo.c):
         args = (geo.stride, geo.pad[0], geo.pad[2], kernels(dtype))
         for b in range(geo.n):
-            with _example(dx, b) as dx_b:
-                _backward_data_one_example(_one(dyp, b), w, dx_b, *args)
+            with one_example.written(dx, b) as dx_b:
+                one_example.backward_data(one_example.operand(dyp, b), w, dx_b, *args)
         return dx
     args = (geo.stride, geo.pad[0], geo.pad[2], geo.untied, kernels(dtype))
     _backward_data(_operand(dyp), w, dx, *args)
@@ -581,12 +419,13 @@ def backward_filter_packed(
         if not accumulate:
             dw[...] = 0
         return dw
-    if _by_example(geo, dtype, hi - lo) and step is None:
-        dw = _canonical_unit_strides(dw)
+    if one_example.by_example(geo, dtype, hi - lo) and step is None:
+        dw = canonical_unit_strides(dw)
         for b in range(geo.n):  # the examples' gradients summed, the first written unless added
             adding = ACCUMULATE if accumulate or b > 0 else WRITE
-            _backward_filter_one_example(_one(dyp, b), _one(xp, b), dw, lo, geo.stride,
-                                         geo.pad[0], geo.pad[2], adding, kernels(dtype))  # fmt: skip
+            dy_b, x_b = one_example.operand(dyp, b), one_example.operand(xp, b)
+            one_example.backward_filter(dy_b, x_b, dw, lo, geo.stride, geo.pad[0], geo.pad[2],
+                                        adding, kernels(dtype))  # fmt: skip
         return dw
     xt = scratch_empty("batch-major input", (geo.h, geo.n, geo.w, hi - lo), dtype)
     _batch_major(xp, xt, lo)
@@ -614,8 +453,8 @@ def _steps_in_kernel(step: OptimizerStep, shape: tuple, untied: bool, dtype) -> 
         and step.params.dtype == dtype
         and step.shares_strides(shape)
         and all(a.ndim == 6 and a.flags.writeable for a in step.operands)
-        and _blocks_addressable(_canonical_unit_strides(step.params))
-        and _canonical_unit_strides(step.params) is step.params
+        and _blocks_addressable(canonical_unit_strides(step.params))
+        and canonical_unit_strides(step.params) is step.params
     )
 
 

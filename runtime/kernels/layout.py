@@ -182,3 +182,16 @@ def _unpack(wp, w):
                     for q in range(q_n):
                         for c in range(c_n):
                             w[k, c, r, s, p, q] = wp[p, r, q, k, s, c]
+
+
+def canonical_unit_strides(a: np.ndarray) -> np.ndarray:
+    """`a` with each length-1 axis given the stride a C-contiguous array would give it (NumPy
+    leaves such strides arbitrary), so that a kernel may read leading dimensions off them."""
+    strides = list(a.strides)
+    for axis in range(a.ndim - 1, -1, -1):
+        if a.shape[axis] == 1:
+            inner = axis + 1
+            strides[axis] = a.itemsize if inner == a.ndim else strides[inner] * a.shape[inner]
+    if tuple(strides) == a.strides:
+        return a
+    return np.lib.stride_tricks.as_strided(a, a.shape, tuple(strides), writeable=a.flags.writeable)

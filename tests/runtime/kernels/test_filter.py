@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from runtime.kernels import filter as filter_module
-from runtime.kernels import filter_packed, reference
+from runtime.kernels import filter_one_example, filter_packed, reference
 from runtime.kernels.filter import filter_backward, filter_forward
 from runtime.kernels.filter_packed import (
     backward_data_packed,
@@ -30,7 +30,7 @@ CASES = {
     "untied-batch1-one-channel": (1, 1, 9, 8, 3, 3, 3, 1, 0, True),
     "tied-batch1-one-channel-one-filter": (1, 1, 7, 6, 1, 3, 2, 1, 1, False),
     # one example: the positions of an output row are the forward's product rows
-    # (`filter_packed._forward_one_example`), the clipped ones each a product of its own
+    # (`filter_one_example.forward`), the clipped ones each a product of its own
     "tied-batch1-stride2-asym": (1, 3, 9, 7, 4, 3, 2, 2, (1, 0, 2, 1), False),
     "tied-batch1-windows-in-padding": (1, 2, 4, 5, 2, 2, 2, 3, 3, False),
     "tied-batch1-window-wider-than-input": (1, 3, 5, 2, 4, 3, 4, 1, (1, 1, 2, 2), False),
@@ -105,15 +105,15 @@ ONE_EXAMPLE = [
 @pytest.mark.parametrize("name", ONE_EXAMPLE)
 def test_one_examples_passes_run_along_positions(monkeypatch, name, dtype):
     """Tied filters on one example run their three passes as products along an output row's
-    positions (`filter_packed._*_one_example`), each pass once, equal to the reference: a
+    positions (`filter_one_example`), each pass once, equal to the reference: a
     channel subset of the weight gradient added over NaN-free garbage, the input gradient
     written over NaN."""
     called = []
-    for kernel in ("_forward", "_backward_data", "_backward_filter"):
-        one = getattr(filter_packed, f"{kernel}_one_example")
+    for kernel in ("forward", "backward_data", "backward_filter"):
+        one = getattr(filter_one_example, kernel)
         monkeypatch.setattr(
-            filter_packed,
-            f"{kernel}_one_example",
+            filter_one_example,
+            kernel,
             lambda *a, _one=one, _name=kernel: called.append(_name) or _one(*a),
         )
     x, w, dy, stride, pad = make(CASES[name], dtype)
@@ -129,7 +129,7 @@ def test_one_examples_passes_run_along_positions(monkeypatch, name, dtype):
     dw = np.full_like(pack_weights(dw_ref[:, :, :, lo:hi]), 0.25)
     backward_filter_packed(dyp, xp, window, stride, pad, False, (lo, hi), dw, accumulate=True)
     close(unpack_weights(dw), dw_ref[:, :, :, lo:hi] + 0.25, dtype)
-    assert called == ["_forward", "_backward_data", "_backward_filter"]
+    assert called == ["forward", "backward_data", "backward_filter"]
 
 
 @pytest.mark.parametrize("channels", [None, (1, 2)])
