@@ -70,9 +70,6 @@ class Executor(Protocol):
     def resident(self) -> dict[str, np.ndarray] | None:
         """Parameters and state, whole and logical, on rank 0: what a checkpoint holds."""
 
-    def load_resident(self, arrays: dict[str, np.ndarray]) -> None:
-        """Set parameters and state from whole logical arrays (a checkpoint)."""
-
 
 @dataclass
 class TrainConfig:
